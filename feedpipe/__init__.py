@@ -1,0 +1,52 @@
+"""feedpipe: a drop-in, faster ``torch.utils.data.DataLoader`` with sharded datasets,
+exact/elastic resume, a pinned GPU feed, DALI decoding, remote staging and stall counters.
+
+Public names are imported lazily (PEP 562) so ``import feedpipe`` is cheap and has no
+side effects; optional dependencies are only imported by the features that need them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> submodule that defines it
+_EXPORTS: dict[str, str] = {
+    "DataLoader": "feedpipe.loader",
+    "get_worker_info": "feedpipe.loader",
+    "DistributedSampler": "feedpipe.sampler",
+    "MemmapDataset": "feedpipe.memmap",
+    "MemmapWriter": "feedpipe.memmap",
+    "ZarrDataset": "feedpipe.zarr_dataset",
+    "convert": "feedpipe.convert",
+    "stage": "feedpipe.stage",
+    "StallMeter": "feedpipe.stall",
+    "DatasetError": "feedpipe.errors",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers only
+    from feedpipe.convert import convert
+    from feedpipe.errors import DatasetError
+    from feedpipe.loader import DataLoader, get_worker_info
+    from feedpipe.memmap import MemmapDataset, MemmapWriter
+    from feedpipe.sampler import DistributedSampler
+    from feedpipe.stage import stage
+    from feedpipe.stall import StallMeter
+    from feedpipe.zarr_dataset import ZarrDataset
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'feedpipe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

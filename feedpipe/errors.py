@@ -1,0 +1,29 @@
+"""Exceptions shared across feedpipe. Every message names the file, record, worker or URL at fault."""
+
+from __future__ import annotations
+
+__all__ = ["DatasetError", "MissingExtraError", "WorkerError"]
+
+
+class DatasetError(Exception):
+    """A dataset is malformed, truncated, corrupt, or was indexed out of range."""
+
+
+class WorkerError(RuntimeError):
+    """A loader worker died, timed out or raised; the message names the worker and sample index."""
+
+
+class MissingExtraError(ImportError):
+    """An optional dependency is missing; the message names the extra to install."""
+
+
+def require(module: str, extra: str) -> object:
+    """Import an optional dependency or raise :class:`MissingExtraError` naming the extra."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise MissingExtraError(
+            f"{module!r} is required for this feature: pip install 'feedpipe[{extra}]'"
+        ) from exc
