@@ -29,7 +29,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _child(
+def _child(  # noqa: PLR0917 - a Process target takes positional args
     rank: int,
     world_size: int,
     port: int,

@@ -219,7 +219,7 @@ def test_resume_same_world_is_exact(opts: dict[str, Any]) -> None:
 
 
 def _check_elastic(
-    n: int, old: int, new: int, batch: int, steps: int, saver: int, opts: dict[str, Any]
+    n: int, old: int, new: int, *, batch: int, steps: int, saver: int, opts: dict[str, Any]
 ) -> None:
     full = _epoch(n, old, epoch=1, batch_size=batch, **opts)
     used = [min(steps * batch, len(r)) for r in full]
@@ -276,7 +276,7 @@ _OPTS = st.sampled_from(
     opts=_OPTS,
 )
 @settings(max_examples=300, deadline=None)
-def test_elastic_resume_property(
+def test_elastic_resume_property(  # noqa: PLR0917 - hypothesis arguments
     n: int, old: int, new: int, batch: int, data: st.DataObject, opts: dict[str, Any]
 ) -> None:
     lens = [len(r) for r in _epoch(n, old, epoch=1, batch_size=batch, **opts)]
@@ -285,7 +285,7 @@ def test_elastic_resume_property(
     # in lockstep any rank's state will do; past a short rank's end, rank 0's (the longest)
     savers = [r for r in range(old) if batches[r] >= steps]
     saver = data.draw(st.sampled_from(savers), label="saver")
-    _check_elastic(n, old, new, batch, steps, saver, opts)
+    _check_elastic(n, old, new, batch=batch, steps=steps, saver=saver, opts=opts)
 
 
 @pytest.mark.parametrize("pad", [True, False])
