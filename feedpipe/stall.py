@@ -1,61 +1,481 @@
 """Stall counters: how long the training loop waited for input, and which stage is to blame.
 
-This file starts with the minimal interface the loader calls; the stall-counters work extends it.
+A :class:`StallMeter` is on by default in every ``feedpipe.DataLoader``. It keeps a handful of
+counters that cost a few hundred nanoseconds per batch:
+
+- the *stall*: time the loop blocked inside ``next()`` (``wait_begin``/``wait_end``);
+- the *step*: time between one ``wait_end`` and the next ``wait_begin`` (the user's compute);
+- per-stage seconds and bytes ("fetch", "decode", "collate", "pin", "h2d"), queue depths;
+- a fixed log-bucket histogram of waits for p50/p99 (bounded memory, ~700 integers);
+- optional user regions: ``with meter.region("forward"): ...``.
+
+``meter.stats()`` is a JSON-able :class:`StallStats` snapshot; ``meter.summary()`` is one line
+and ``meter.report()`` a few lines ending with a plain-language hint. Sinks (logging, JSON lines,
+TensorBoard, a distributed summary over torch.distributed) attach with :meth:`StallMeter.add_sink`.
+``StallMeter(enabled=False)`` returns a meter whose methods do nothing: pass it as
+``DataLoader(..., meter=StallMeter(enabled=False))`` to turn the counters off.
+
+One meter may be shared by several loaders; ``wait_begin``/``wait_end`` must then come from one
+thread (the training loop), which is how loaders are iterated. ``add_stage`` and ``set_depth``
+may be called from any thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
 
-__all__ = ["StallMeter"]
+from feedpipe._stall_dist import DistributedSink, DistributedSummary, gather_stats
+from feedpipe._stall_report import format_report, format_summary
+from feedpipe._stall_sinks import JsonlSink, LoggingSink, Sink, TensorBoardSink
+
+__all__ = [
+    "WORKER_STAGES",
+    "DistributedSink",
+    "DistributedSummary",
+    "JsonlSink",
+    "LoggingSink",
+    "Sink",
+    "StageStats",
+    "StallMeter",
+    "StallStats",
+    "TensorBoardSink",
+    "gather_stats",
+]
+
+#: Stages that run inside loader workers and therefore in parallel, ``workers`` at a time.
+WORKER_STAGES = frozenset({"fetch", "decode", "collate"})
+
+_perf = time.perf_counter
+_frexp = math.frexp
+
+# Wait histogram: 16 linear sub-buckets per power of two, from 2**-30 s (~1 ns) to 2**12 s.
+# Bucket of w = m * 2**e (0.5 <= m < 1) is (e - _EMIN) * 16 + int(m * 32) - 16, so a bucket
+# spans at most 1/16 of its octave and its midpoint is within ~3% of every value in it.
+_SUB = 16
+_EMIN = -30
+_EMAX = 12
+_NBUCKETS = (_EMAX - _EMIN + 1) * _SUB
+_OFFSET = -_EMIN * _SUB - _SUB
+
+
+def _bucket_value(i: int) -> float:
+    """Midpoint (seconds) of histogram bucket ``i``."""
+    e, sub = divmod(i - _OFFSET, _SUB)  # w = m * 2**(e - 1), m = 0.5 + sub/32 + ...
+    return (0.5 + (sub + 0.5) / (2 * _SUB)) * 2.0 ** (e - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageStats:
+    """Totals for one pipeline stage.
+
+    ``seconds`` is summed over every thread/worker that ran the stage; ``per_batch_s`` is the
+    latency of one call (``seconds / calls``); ``effective_s`` divides that latency by the
+    stage's parallelism (``workers`` for :data:`WORKER_STAGES`, else 1): the time the stage
+    adds to each batch once its parallel copies overlap. Compare it with the step time.
+    """
+
+    seconds: float
+    bytes: int
+    calls: int
+    per_batch_s: float
+    effective_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StallStats:
+    """A snapshot of a :class:`StallMeter`; every field is a plain number, string or dict.
+
+    ``wall_s = stall_s + step_s`` runs from the first ``wait_begin`` to the last ``wait_end``;
+    ``stall_fraction = stall_s / wall_s``. Rates are per second of ``wall_s``.
+    ``input_busy`` is the share of worker time spent in worker stages (``None`` without stage
+    data): low means the input pipeline is mostly idle. ``slowest_stage`` is the stage with the
+    largest ``effective_s`` (see :class:`StageStats`), or ``None`` when no stage was reported.
+    """
+
+    wall_s: float
+    stall_s: float
+    step_s: float
+    stall_fraction: float
+    batches: int
+    samples: int
+    bytes: int
+    batches_per_s: float
+    samples_per_s: float
+    bytes_per_s: float
+    wait_mean_s: float
+    wait_p50_s: float
+    wait_p99_s: float
+    wait_max_s: float
+    step_mean_s: float
+    workers: int
+    input_busy: float | None
+    slowest_stage: str | None
+    stages: dict[str, StageStats]
+    regions: dict[str, float]
+    depths: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict, ready for ``json.dumps``."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StallStats:
+        """Inverse of :meth:`to_dict` (used by the distributed summary)."""
+        d = dict(d)
+        d["stages"] = {k: StageStats(**v) for k, v in d["stages"].items()}
+        return cls(**d)
+
+    def summary(self) -> str:
+        """One line: stall %, p50/p99 wait, throughput, slowest stage."""
+        return format_summary(self)
+
+    def report(self) -> str:
+        """Several lines: totals, per-stage table and a plain-language hint."""
+        return format_report(self)
 
 
 class StallMeter:
-    """Thread-safe, always-on counters shared by one or more loaders.
+    """Always-on counters shared by one or more loaders (see the module docstring).
 
-    Interface used by the loader (keep it stable):
+    Interface used by the loader (stable):
       - ``wait_begin()`` / ``wait_end(samples=0, nbytes=0)`` around the blocking part of ``next()``
       - ``add_stage(name, seconds, nbytes=0)`` from any thread, for per-stage times
         ("fetch", "decode", "collate", "pin", "h2d"); process workers ship their stage times
         back with each batch and the main process adds them.
-      - ``set_depth(name, n)`` for queue depths.
+      - ``set_depth(name, n)`` for queue depths; ``set_workers(n)`` for the worker count.
+
+    Args:
+        enabled: ``False`` returns a meter whose methods do nothing (counters off).
+        trace: emit ``torch.profiler.record_function`` ranges ("feedpipe.wait",
+            "feedpipe.region.NAME") so waits show up in profiler traces. ``"auto"`` (default)
+            emits them only while a torch profiler is recording; ``True`` always; ``False`` never.
     """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._wait_start: float | None = None
-        self._last_end: float | None = None
-        self.stall_s = 0.0
-        self.step_s = 0.0
-        self.batches = 0
-        self.samples = 0
-        self.bytes = 0
-        self.stage_s: dict[str, float] = defaultdict(float)
-        self.stage_bytes: dict[str, int] = defaultdict(int)
-        self.depth: dict[str, int] = {}
+    enabled = True
+    _wait_start: float | None
+    _last_end: float | None
+    _hist: list[int]
+    stall_s: float
+    step_s: float
+    wait_max_s: float
+    batches: int
+    samples: int
+    bytes: int
+    stage_s: dict[str, float]
+    stage_bytes: dict[str, int]
+    stage_calls: dict[str, int]
+    region_s: dict[str, float]
+    depth: dict[str, int]
 
+    def __new__(cls, enabled: bool = True, trace: bool | Literal["auto"] = "auto") -> StallMeter:
+        if not enabled and cls is StallMeter:
+            return super().__new__(NullMeter)
+        return super().__new__(cls)
+
+    def __init__(self, enabled: bool = True, trace: bool | Literal["auto"] = "auto") -> None:
+        self._lock = threading.Lock()
+        self._sinks: list[Sink] = []
+        # ``_profiler._is_profiler_enabled`` says whether to open record_function ranges:
+        # torch.autograd.profiler (its flag follows torch.profiler) in "auto" mode, or a stand-in
+        # whose flag is always on for trace=True; None for trace=False.
+        self._profiler: Any = None
+        if trace is True:
+            self._profiler = _AlwaysOn
+        elif trace == "auto":
+            self._profiler = _profiler_module()
+        self._range: Any = None  # the open record_function range of the current wait
+        self.workers = 0
+        self.reset()
+
+    # ------------------------------------------------------------------ hot path
     def wait_begin(self) -> None:
-        now = time.perf_counter()
-        if self._last_end is not None:
-            self.step_s += now - self._last_end
+        """The loop starts waiting for a batch; the time since the last ``wait_end`` is step."""
+        now = _perf()
+        last = self._last_end
+        if last is not None:
+            self.step_s += now - last
         self._wait_start = now
+        prof = self._profiler
+        if prof is not None and prof._is_profiler_enabled:
+            self._open_range("feedpipe.wait")
 
     def wait_end(self, samples: int = 0, nbytes: int = 0) -> None:
-        now = time.perf_counter()
-        if self._wait_start is not None:
-            self.stall_s += now - self._wait_start
-        self._wait_start = None
+        """The batch arrived: add the wait, count the batch, its samples and bytes."""
+        now = _perf()
+        start = self._wait_start
+        if start is not None:
+            w = now - start
+            self.stall_s += w
+            if w > 0.0:
+                m, e = _frexp(w)
+                i = (e << 4) + int(m * 32.0) + _OFFSET
+                if 0 <= i < _NBUCKETS:
+                    self._hist[i] += 1
+                else:
+                    self._hist[0 if i < 0 else _NBUCKETS - 1] += 1
+                if w > self.wait_max_s:  # noqa: PLR1730 - faster than max()
+                    self.wait_max_s = w
+            else:
+                self._hist[0] += 1
+            self._wait_start = None
         self._last_end = now
         self.batches += 1
         self.samples += samples
         self.bytes += nbytes
+        if self._range is not None:
+            self._close_range()
+        if self._sinks:
+            self._poll_sinks(now)
 
     def add_stage(self, name: str, seconds: float, nbytes: int = 0) -> None:
+        """Add ``seconds`` (and ``nbytes``) to stage ``name``; callable from any thread."""
         with self._lock:
             self.stage_s[name] += seconds
             self.stage_bytes[name] += nbytes
+            self.stage_calls[name] += 1
 
     def set_depth(self, name: str, n: int) -> None:
+        """Record the current depth of queue ``name`` (e.g. "ready", "prefetch")."""
         self.depth[name] = n
+
+    def set_workers(self, n: int) -> None:
+        """Number of loader workers running :data:`WORKER_STAGES` in parallel (0 = in-process)."""
+        self.workers = int(n)
+
+    @contextmanager
+    def region(self, name: str) -> Iterator[None]:
+        """Time a user region: ``with meter.region("forward"): ...`` (also a profiler range)."""
+        prof = self._profiler
+        on = prof is not None and prof._is_profiler_enabled
+        rf = self._record_function(f"feedpipe.region.{name}") if on else None
+        if rf is not None:
+            rf.__enter__()
+        t0 = _perf()
+        try:
+            yield
+        finally:
+            dt = _perf() - t0
+            if rf is not None:
+                rf.__exit__(None, None, None)
+            with self._lock:
+                self.region_s[name] += dt
+
+    # ------------------------------------------------------------------ snapshots
+    def reset(self) -> None:
+        """Zero every counter (sinks, workers and trace settings are kept)."""
+        with self._lock:
+            self._wait_start = None
+            self._last_end = None
+            self.stall_s = 0.0
+            self.step_s = 0.0
+            self.wait_max_s = 0.0
+            self.batches = 0
+            self.samples = 0
+            self.bytes = 0
+            self._hist = [0] * _NBUCKETS
+            self.stage_s = defaultdict(float)
+            self.stage_bytes = defaultdict(int)
+            self.stage_calls = defaultdict(int)
+            self.region_s = defaultdict(float)
+            self.depth = {}
+            for sink in self._sinks:
+                sink.restart(_perf())
+
+    def quantile(self, q: float) -> float:
+        """Wait time (seconds) at quantile ``q`` in [0, 1], from the log-bucket histogram."""
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"quantile must be in [0, 1], got {q}")
+        hist = list(self._hist)
+        total = sum(hist)
+        if total == 0:
+            return 0.0
+        rank = max(1, math.ceil(q * total))
+        seen = 0
+        for i, n in enumerate(hist):
+            seen += n
+            if seen >= rank:
+                return min(_bucket_value(i), self.wait_max_s) if i else 0.0
+        return self.wait_max_s  # pragma: no cover - unreachable
+
+    def stats(self) -> StallStats:
+        """A consistent, JSON-able snapshot of the counters and the rates derived from them."""
+        with self._lock:
+            stage_s = dict(self.stage_s)
+            stage_bytes = dict(self.stage_bytes)
+            stage_calls = dict(self.stage_calls)
+            regions = dict(self.region_s)
+        stall, step, batches = self.stall_s, self.step_s, self.batches
+        wall = stall + step
+        par = max(1, self.workers)
+        stages = {}
+        for name in sorted(stage_s):
+            calls = stage_calls.get(name, 0)
+            per = stage_s[name] / calls if calls else 0.0
+            eff = per / par if name in WORKER_STAGES else per
+            stages[name] = StageStats(stage_s[name], stage_bytes.get(name, 0), calls, per, eff)
+        worker_s = sum(s.seconds for n, s in stages.items() if n in WORKER_STAGES)
+        busy = min(1.0, worker_s / (par * wall)) if worker_s and wall > 0 else None
+        slowest = max(stages, key=lambda n: stages[n].effective_s) if stages else None
+
+        def rate(x: float) -> float:
+            return x / wall if wall > 0 else 0.0
+
+        return StallStats(
+            wall_s=wall,
+            stall_s=stall,
+            step_s=step,
+            stall_fraction=stall / wall if wall > 0 else 0.0,
+            batches=batches,
+            samples=self.samples,
+            bytes=self.bytes,
+            batches_per_s=rate(batches),
+            samples_per_s=rate(self.samples),
+            bytes_per_s=rate(self.bytes),
+            wait_mean_s=stall / batches if batches else 0.0,
+            wait_p50_s=self.quantile(0.5),
+            wait_p99_s=self.quantile(0.99),
+            wait_max_s=self.wait_max_s,
+            step_mean_s=step / (batches - 1) if batches > 1 else 0.0,
+            workers=self.workers,
+            input_busy=busy,
+            slowest_stage=slowest,
+            stages=stages,
+            regions=regions,
+            depths=dict(self.depth),
+        )
+
+    def summary(self) -> str:
+        """One line: stall %, p50/p99 wait, throughput, slowest stage."""
+        return format_summary(self.stats())
+
+    def report(self) -> str:
+        """Several lines: totals, per-stage table, regions and a plain-language hint."""
+        return format_report(self.stats())
+
+    def gather(self, group: Any = None) -> DistributedSummary:
+        """Collective: gather every rank's stats over ``group`` (default: the world)."""
+        return gather_stats(self.stats(), group)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Counters as a small JSON-able dict, so totals survive a resume."""
+        with self._lock:
+            return {
+                "stall_s": self.stall_s,
+                "step_s": self.step_s,
+                "wait_max_s": self.wait_max_s,
+                "batches": self.batches,
+                "samples": self.samples,
+                "bytes": self.bytes,
+                "hist": {str(i): n for i, n in enumerate(self._hist) if n},
+                "stage_s": dict(self.stage_s),
+                "stage_bytes": dict(self.stage_bytes),
+                "stage_calls": dict(self.stage_calls),
+                "region_s": dict(self.region_s),
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore counters saved by :meth:`state_dict` (the wait/step clocks restart)."""
+        self.reset()
+        with self._lock:
+            for key in ("stall_s", "step_s", "wait_max_s"):
+                setattr(self, key, float(state[key]))
+            for key in ("batches", "samples", "bytes"):
+                setattr(self, key, int(state[key]))
+            for i, n in state["hist"].items():
+                self._hist[int(i)] = int(n)
+            self.stage_s.update(state["stage_s"])
+            self.stage_bytes.update(state["stage_bytes"])
+            self.stage_calls.update(state["stage_calls"])
+            self.region_s.update(state["region_s"])
+
+    # ------------------------------------------------------------------ sinks
+    def add_sink(self, sink: Sink) -> Sink:
+        """Attach a sink (:class:`LoggingSink`, :class:`JsonlSink`, ...); polled in ``wait_end``."""
+        sink.restart(_perf())
+        self._sinks.append(sink)
+        return sink
+
+    def remove_sink(self, sink: Sink) -> None:
+        self._sinks.remove(sink)
+
+    def close(self) -> None:
+        """Flush and close every sink (a final emit for sinks that want one)."""
+        stats = self.stats() if self._sinks else None
+        for sink in self._sinks:
+            if stats is not None:
+                sink.close(stats)
+        self._sinks.clear()
+
+    def _poll_sinks(self, now: float) -> None:
+        due = [s for s in self._sinks if s.due(now, self.batches)]
+        if due:
+            stats = self.stats()
+            for sink in due:
+                sink.emit(stats, now, self)
+
+    # ------------------------------------------------------------------ profiler ranges
+    def _open_range(self, name: str) -> None:
+        rf = self._record_function(name)
+        rf.__enter__()
+        self._range = rf
+
+    def _close_range(self) -> None:
+        rf, self._range = self._range, None
+        rf.__exit__(None, None, None)
+
+    @staticmethod
+    def _record_function(name: str) -> Any:
+        import torch.profiler
+
+        return torch.profiler.record_function(name)
+
+
+class NullMeter(StallMeter):
+    """A meter that records nothing: what ``StallMeter(enabled=False)`` returns."""
+
+    enabled = False
+
+    def __init__(self, enabled: bool = False, trace: bool | Literal["auto"] = False) -> None:
+        super().__init__(True, False)
+
+    def wait_begin(self) -> None:
+        pass
+
+    def wait_end(self, samples: int = 0, nbytes: int = 0) -> None:
+        pass
+
+    def add_stage(self, name: str, seconds: float, nbytes: int = 0) -> None:
+        pass
+
+    def set_depth(self, name: str, n: int) -> None:
+        pass
+
+    @contextmanager
+    def region(self, name: str) -> Iterator[None]:
+        yield
+
+    def add_sink(self, sink: Sink) -> Sink:
+        return sink
+
+
+class _AlwaysOn:
+    """Stand-in for ``torch.autograd.profiler`` when ``trace=True``."""
+
+    _is_profiler_enabled = True
+
+
+def _profiler_module() -> Any:
+    """``torch.autograd.profiler`` if it exposes the cheap ``_is_profiler_enabled`` flag."""
+    try:
+        import torch.autograd.profiler as prof
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return None
+    return prof if hasattr(prof, "_is_profiler_enabled") else None
