@@ -93,6 +93,44 @@ class TorchPermutation:
         return self._perm[np.asarray(positions, dtype=np.int64)].astype(np.int64, copy=False)
 
 
+def _network(x: np.ndarray, keys: list[np.ndarray], half: int, decrypt: bool) -> np.ndarray:
+    """A balanced Feistel network on ``2 * half`` bits; keys are scalars or per-element arrays."""
+    h, mask = np.uint64(half), np.uint64((1 << half) - 1)
+    left, right = x >> h, x & mask
+    if decrypt:
+        for key in reversed(keys):
+            left, right = right ^ (_fmix(left ^ key) & mask), left
+    else:
+        for key in keys:
+            left, right = right, left ^ (_fmix(right ^ key) & mask)
+    return (left << h) | right
+
+
+def _cycle_walk(
+    x: np.ndarray, n: int, keys: list[np.ndarray], half: int, decrypt: bool = False
+) -> np.ndarray:
+    """Apply the network until every value lands in ``[0, n)``: a bijection on ``[0, n)``."""
+    y = _network(x, keys, half, decrypt)
+    out = np.flatnonzero(y >= np.uint64(n))
+    while out.size:
+        sub = [k[out] if k.ndim else k for k in keys]
+        y[out] = _network(y[out], sub, half, decrypt)
+        out = out[y[out] >= np.uint64(n)]
+    return y
+
+
+def _half_bits(n: int) -> int:
+    """Half the (even) number of bits of the smallest Feistel domain covering ``[0, n)``."""
+    return (max(2, (n - 1).bit_length()) + 1) // 2
+
+
+def _check(positions: np.ndarray, n: int) -> np.ndarray:
+    x = np.asarray(positions, dtype=np.int64)
+    if x.size and (x.min() < 0 or x.max() >= n):
+        raise IndexError(f"positions out of range [0, {n})")
+    return x
+
+
 class FeistelPermutation:
     """A keyed pseudo-random bijection on ``[0, n)`` (Feistel network with cycle-walking).
 
@@ -105,46 +143,17 @@ class FeistelPermutation:
         if n < 0:
             raise ValueError(f"permutation size must be >= 0, got {n}")
         self.n = n
-        bits = max(2, (n - 1).bit_length()) if n > 1 else 2
-        self._half = (bits + 1) // 2
-        self._mask = np.uint64((1 << self._half) - 1)
-        self._keys = [np.uint64(derive_key(key, r)) for r in range(rounds)]
-
-    def _f(self, r: int, x: np.ndarray) -> np.ndarray:
-        return _fmix(x ^ self._keys[r]) & self._mask
-
-    def _encrypt(self, x: np.ndarray) -> np.ndarray:
-        h = np.uint64(self._half)
-        left, right = x >> h, x & self._mask
-        for r in range(len(self._keys)):
-            left, right = right, left ^ self._f(r, right)
-        return (left << h) | right
-
-    def _decrypt(self, x: np.ndarray) -> np.ndarray:
-        h = np.uint64(self._half)
-        left, right = x >> h, x & self._mask
-        for r in reversed(range(len(self._keys))):
-            left, right = right ^ self._f(r, left), left
-        return (left << h) | right
-
-    def _walk(self, positions: np.ndarray, step: object) -> np.ndarray:
-        x = np.asarray(positions, dtype=np.int64)
-        if x.size and (x.min() < 0 or x.max() >= self.n):
-            raise IndexError(f"positions out of range [0, {self.n})")
-        y = step(x.astype(np.uint64))  # type: ignore[operator]
-        n = np.uint64(self.n)
-        out = y >= n
-        while out.any():
-            y[out] = step(y[out])  # type: ignore[operator]
-            out = y >= n
-        return y.astype(np.int64)
+        self._half = _half_bits(n)
+        self._keys = [np.array(derive_key(key, r), dtype=np.uint64) for r in range(rounds)]
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
-        return self._walk(positions, self._encrypt)
+        x = _check(positions, self.n).astype(np.uint64)
+        return _cycle_walk(x, self.n, self._keys, self._half).astype(np.int64)
 
     def inverse(self, values: np.ndarray) -> np.ndarray:
         """The position at which each value appears."""
-        return self._walk(values, self._decrypt)
+        x = _check(values, self.n).astype(np.uint64)
+        return _cycle_walk(x, self.n, self._keys, self._half, decrypt=True).astype(np.int64)
 
 
 class BlockPermutation:
@@ -173,6 +182,7 @@ class BlockPermutation:
             self._short_slot = int(self._order.inverse(last)[0])
         else:
             self._short_slot = 0
+        self._window_keys = [np.uint64(derive_key(key, 2, r)) for r in range(_ROUNDS)]
 
     def _slot_start(self, slot: np.ndarray) -> np.ndarray:
         """First position of each slot (slots after the short block start earlier)."""
@@ -185,25 +195,24 @@ class BlockPermutation:
         boundary = s_star * bs + self._tail  # first position after the short slot
         return np.where(pos < boundary, pos // bs, s_star + 1 + (pos - boundary) // bs)
 
+    def _window_bounds(self, win: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        first = win * self._window
+        end_slot = np.minimum(first + self._window, self._nblocks)
+        end = np.where(end_slot == self._nblocks, self.n, self._slot_start(end_slot))
+        return self._slot_start(first), end
+
     def __call__(self, positions: np.ndarray) -> np.ndarray:
-        pos = np.asarray(positions, dtype=np.int64)
-        if pos.size and (pos.min() < 0 or pos.max() >= self.n):
-            raise IndexError(f"positions out of range [0, {self.n})")
+        pos = _check(positions, self.n)
         win = self._slot_of(pos) // self._window
-        out = np.empty_like(pos)
-        for w in np.unique(win).tolist():
-            sel = win == w
-            first = w * self._window
-            end_slot = min(first + self._window, self._nblocks)
-            w_start = int(self._slot_start(np.array([first]))[0])
-            w_end = (
-                self.n
-                if end_slot == self._nblocks
-                else int(self._slot_start(np.array([end_slot]))[0])
-            )
-            inner = FeistelPermutation(w_end - w_start, derive_key(self._key, 2, w))
-            q = inner(pos[sel] - w_start) + w_start  # shuffled position inside the window
-            slot = self._slot_of(q)
-            offset = q - self._slot_start(slot)
-            out[sel] = self._order(slot) * self._bs + offset
-        return out
+        w_start, w_end = self._window_bounds(win)
+        size = w_end - w_start
+        # per-window round keys, vectorised: one Feistel network per window, all at once
+        wkey = win.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        q = np.empty_like(pos)
+        for m in np.unique(size).tolist():  # at most three window sizes exist
+            sel = np.flatnonzero(size == m)
+            keys = [_fmix(wkey[sel] ^ base) for base in self._window_keys]
+            local = (pos[sel] - w_start[sel]).astype(np.uint64)
+            q[sel] = _cycle_walk(local, m, keys, _half_bits(m)).astype(np.int64) + w_start[sel]
+        slot = self._slot_of(q)  # shuffled position inside the window -> (slot, offset)
+        return self._order(slot) * self._bs + (q - self._slot_start(slot))
