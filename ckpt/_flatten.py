@@ -1,0 +1,222 @@
+"""State tree <-> (JSON tree, array leaves).
+
+A state is a nested dict/list/tuple of tensors (any device, any dtype incl. bf16/float8), numpy
+arrays, Python scalars/strings/bytes and objects with ``state_dict()``. ``flatten`` turns it into a
+JSON-able tree whose array leaves are replaced by indices into a list of ``Leaf`` records;
+``unflatten`` builds the nested state back from the tree and the loaded arrays. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckpt.errors import CheckpointError
+
+__all__ = [
+    "Leaf",
+    "apply_into",
+    "flatten",
+    "rng_state",
+    "set_rng_state",
+    "torch_dtype",
+    "unflatten",
+]
+
+RNG_KEY = "__rng__"
+
+
+@dataclass
+class Leaf:
+    """One array leaf: its value (a tensor or ndarray) and what the manifest records about it."""
+
+    value: torch.Tensor | np.ndarray
+    kind: str  # "tensor" | "ndarray"
+    dtype: str  # torch dtype name ("bfloat16") or numpy dtype str ("<f4")
+    shape: list[int]
+    nbytes: int
+    path: str
+    device: str = "cpu"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Map a manifest dtype name to a ``torch.dtype`` (never evaluates anything)."""
+    value = getattr(torch, name, None) if name.isidentifier() else None
+    if not isinstance(value, torch.dtype):
+        raise CheckpointError(f"unknown torch dtype {name!r} in manifest")
+    return value
+
+
+def _tensor_leaf(t: torch.Tensor, path: str) -> Leaf:
+    if t.layout != torch.strided or t.is_quantized:
+        raise CheckpointError(f"{path}: only dense strided tensors are supported, got {t.layout}")
+    if t.device.type == "meta":
+        raise CheckpointError(f"{path}: cannot save a meta tensor (it has no data)")
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    nbytes = t.numel() * t.element_size()
+    name = str(t.dtype).removeprefix("torch.")
+    return Leaf(t, "tensor", name, list(t.shape), nbytes, path, str(t.device))
+
+
+def _array_leaf(a: np.ndarray, path: str) -> Leaf:
+    if a.dtype.hasobject or a.dtype.fields is not None:
+        raise CheckpointError(f"{path}: numpy dtype {a.dtype} (object/structured) is not supported")
+    return Leaf(a, "ndarray", a.dtype.str, list(a.shape), int(a.nbytes), path)
+
+
+def flatten(state: Any, leaves: list[Leaf] | None = None, path: str = "state") -> dict[str, Any]:
+    """Return the JSON tree of ``state``, appending its array leaves to ``leaves``."""
+    if leaves is None:
+        leaves = []
+    return _flatten(state, leaves, path)
+
+
+def _flatten(obj: Any, leaves: list[Leaf], path: str) -> dict[str, Any]:
+    if obj is None or isinstance(obj, (bool, str)):
+        return {"t": "v", "v": obj}
+    if isinstance(obj, int) and not isinstance(obj, np.generic):
+        return {"t": "v", "v": int(obj)}
+    if isinstance(obj, float):
+        return {"t": "v", "v": obj} if math.isfinite(obj) else {"t": "float", "v": repr(obj)}
+    if isinstance(obj, torch.Tensor):
+        leaves.append(_tensor_leaf(obj, path))
+        return {"t": "tensor", "i": len(leaves) - 1}
+    if isinstance(obj, np.ndarray):
+        leaves.append(_array_leaf(obj, path))
+        return {"t": "ndarray", "i": len(leaves) - 1}
+    if isinstance(obj, np.generic):
+        leaves.append(_array_leaf(np.asarray(obj), path))
+        return {"t": "npscalar", "i": len(leaves) - 1}
+    if isinstance(obj, (bytes, bytearray)):
+        return {"t": "bytes", "v": base64.b64encode(bytes(obj)).decode("ascii")}
+    if isinstance(obj, torch.dtype):
+        return {"t": "dtype", "v": str(obj).removeprefix("torch.")}
+    if isinstance(obj, torch.device):
+        return {"t": "device", "v": str(obj)}
+    if isinstance(obj, Mapping):
+        items = []
+        for key, value in obj.items():
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
+                raise CheckpointError(f"{path}: dict key {key!r} must be str or int")
+            items.append([key, _flatten(value, leaves, f"{path}[{key!r}]")])
+        return {"t": "dict", "items": items}
+    if isinstance(obj, (list, tuple)):
+        kind = "list" if isinstance(obj, list) else "tuple"
+        return {"t": kind, "items": [_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)]}
+    if callable(getattr(obj, "state_dict", None)):
+        cls = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        return {"t": "state", "cls": cls, "v": _flatten(obj.state_dict(), leaves, path)}
+    raise CheckpointError(
+        f"{path}: cannot save a {type(obj).__name__} (use tensors, arrays, scalars, strings, "
+        "dicts/lists or objects with state_dict())"
+    )
+
+
+def unflatten(tree: Any, arrays: list[Any], path: str = "state") -> Any:
+    """Rebuild the nested state from a manifest tree and its loaded arrays."""
+    if not isinstance(tree, dict) or "t" not in tree:
+        raise CheckpointError(f"manifest tree node at {path} is malformed")
+    kind = tree["t"]
+    if kind == "v":
+        return tree["v"]
+    if kind == "float":
+        return float(tree["v"])
+    if kind in ("tensor", "ndarray"):
+        return arrays[tree["i"]]
+    if kind == "npscalar":
+        return arrays[tree["i"]][()]
+    if kind == "bytes":
+        return base64.b64decode(tree["v"])
+    if kind == "dtype":
+        return torch_dtype(tree["v"])
+    if kind == "device":
+        return torch.device(tree["v"])
+    if kind == "dict":
+        return {k: unflatten(v, arrays, f"{path}[{k!r}]") for k, v in tree["items"]}
+    if kind in ("list", "tuple"):
+        items = [unflatten(v, arrays, f"{path}[{i}]") for i, v in enumerate(tree["items"])]
+        return items if kind == "list" else tuple(items)
+    if kind == "state":
+        return unflatten(tree["v"], arrays, path)
+    raise CheckpointError(f"manifest tree node at {path} has unknown type {kind!r}")
+
+
+def apply_into(into: Any, state: Any, path: str = "state") -> None:
+    """Load ``state`` into live objects: ``load_state_dict`` for stateful objects, in-place copy for
+    tensors/arrays, recursion into dicts and lists; other dict entries are replaced."""
+    if callable(getattr(into, "load_state_dict", None)):
+        into.load_state_dict(state)
+        return
+    if isinstance(into, dict) and isinstance(state, Mapping):
+        for key, value in state.items():
+            if key == RNG_KEY:
+                set_rng_state(value)
+                continue
+            if key not in into:
+                into[key] = value
+                continue
+            target = into[key]
+            if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
+                with torch.no_grad():
+                    target.copy_(value)
+            elif isinstance(target, np.ndarray) and isinstance(value, np.ndarray):
+                target[...] = value
+            elif isinstance(target, (dict, list)) or callable(
+                getattr(target, "load_state_dict", None)
+            ):
+                apply_into(target, value, f"{path}[{key!r}]")
+            else:
+                into[key] = value
+        return
+    if isinstance(into, list) and isinstance(state, (list, tuple)):
+        if len(into) != len(state):
+            raise CheckpointError(f"{path}: list of {len(into)} vs {len(state)} saved items")
+        for i, value in enumerate(state):
+            if isinstance(into[i], (dict, list, torch.Tensor)) or callable(
+                getattr(into[i], "load_state_dict", None)
+            ):
+                apply_into(into[i], value, f"{path}[{i}]")
+            else:
+                into[i] = value
+        return
+    if isinstance(into, torch.Tensor) and isinstance(state, torch.Tensor):
+        with torch.no_grad():
+            into.copy_(state)
+        return
+    raise CheckpointError(f"{path}: cannot load a {type(state).__name__} into {type(into).__name__}")
+
+
+def rng_state() -> dict[str, Any]:
+    """The Python, numpy, torch CPU and (when available) CUDA generator states."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore generator states saved by ``rng_state``."""
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "numpy" in state:
+        np.random.set_state(tuple(state["numpy"]))
+    if "torch" in state:
+        torch.set_rng_state(torch.as_tensor(state["torch"]).cpu().clone())  # a view segfaults
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.as_tensor(s).cpu().clone() for s in state["cuda"]])

@@ -1,0 +1,399 @@
+"""``CheckpointManager``: two-phase asynchronous saves into a local directory, verified restores.
+
+``save`` flattens the state, stages its arrays into a reused staging buffer (the only blocking
+work) and returns a ``SaveHandle``; a background thread writes the data file with per-chunk
+CRC32C, writes the manifest, commits ``step-N`` atomically, updates ``latest``, calls the
+``on_commit`` listeners and applies retention. Background errors are re-raised by the next
+``save``/``wait``.
+
+Extension points: ``on_commit`` listeners ``(step, path)`` run in the background after each local
+commit; ``evict_guards`` ``(step) -> bool`` may veto the eviction of a step (e.g. until uploaded).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpt import _commit
+from ckpt import format as fmt
+from ckpt._flatten import RNG_KEY, Leaf, apply_into, flatten, rng_state
+from ckpt._pool import Buffer, PinnedPool, PoolOptions
+from ckpt._reader import MapLocation, RestoreStats, read_checkpoint
+from ckpt.errors import CheckpointError, CorruptCheckpointError
+
+__all__ = [
+    "CheckpointManager",
+    "ManagerStats",
+    "PoolOptions",
+    "RestoreStats",
+    "SaveHandle",
+    "SaveStats",
+    "WriteOptions",
+]
+
+log = logging.getLogger("ckpt")
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """How the background phase writes: writer threads, checksum chunk size, lock wait."""
+
+    threads: int = 2
+    chunk_bytes: int = fmt.CHUNK_BYTES
+    lock_timeout_s: float = 10.0
+
+
+@dataclass
+class SaveStats:
+    """Timings of one save. ``blocked_s`` is what the training loop paid; ``durable_s`` runs from
+    the ``save`` call to the committed, fsynced ``step-N``."""
+
+    step: int
+    nbytes: int = 0
+    blocked_s: float = 0.0
+    backpressure_s: float = 0.0
+    stage_s: float = 0.0
+    write_s: float = 0.0
+    commit_s: float = 0.0
+    durable_s: float = 0.0
+
+
+@dataclass
+class ManagerStats:
+    """Counters over the manager's life plus the last save and restore."""
+
+    saves: int = 0
+    failed: int = 0
+    backpressure_waits: int = 0
+    backpressure_s: float = 0.0
+    evicted: list[int] = field(default_factory=list)
+    last_save: SaveStats | None = None
+    last_restore: RestoreStats | None = None
+
+
+class SaveHandle:
+    """A save in flight: ``done()``, ``result(timeout)`` (the committed path, or the error)."""
+
+    def __init__(self, step: int, stats: SaveStats) -> None:
+        self.step = step
+        self.stats = stats
+        self.path: Path | None = None
+        self.error: BaseException | None = None
+        self._event = threading.Event()
+
+    def done(self) -> bool:
+        """Whether the save has committed or failed."""
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = None) -> Path:
+        """Wait until committed; return the step directory or raise the background error."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"save of step {self.step} still running after {timeout} s")
+        if self.error is not None:
+            raise CheckpointError(f"save of step {self.step} failed: {self.error}") from self.error
+        assert self.path is not None
+        return self.path
+
+
+@dataclass
+class _Job:
+    handle: SaveHandle
+    buf: Buffer
+    body: dict
+    t0: float
+
+
+class CheckpointManager:
+    """Asynchronous checkpoints of step ``N`` into ``directory/step-N`` (see module docstring).
+
+    ``keep_last``: how many newest steps retention keeps (``None``: all). ``pool``: staging pool
+    sizing (call ``reserve`` or give ``pool.budget_bytes`` to keep allocation out of the first
+    save). ``write``: background writer settings.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        keep_last: int | None = 3,
+        *,
+        pool: PoolOptions | None = None,
+        write: WriteOptions | None = None,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be >= 1 or None")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.keep_last = keep_last
+        self.write_options = write or WriteOptions()
+        self.pool = PinnedPool(pool)
+        self.stats = ManagerStats()
+        self.on_commit: list[Callable[[int, Path], None]] = []
+        self.evict_guards: list[Callable[[int], bool]] = []
+        self._lock = _commit.WriterLock(self.directory)
+        self._mutex = threading.Lock()
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._inflight: list[SaveHandle] = []
+        self._thread: threading.Thread | None = None
+        self._error: tuple[int, BaseException] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._newest_verified: int | None = None
+        if pool is not None and pool.budget_bytes is not None:
+            self.pool.reserve(self.pool.buffer_bytes)
+
+    # ---- saving -------------------------------------------------------------------------
+    def reserve(self, state_or_nbytes: Any) -> int:
+        """Allocate the staging buffers now for a state like this one (or that many bytes)."""
+        if isinstance(state_or_nbytes, int):
+            nbytes = state_or_nbytes
+        else:
+            leaves: list[Leaf] = []
+            flatten(state_or_nbytes, leaves)
+            nbytes = fmt.plan(leaves)[1]
+        self.pool.reserve(nbytes)
+        return nbytes
+
+    def _ensure_writer(self) -> None:
+        if not self._lock.held:
+            self._lock.acquire(self.write_options.lock_timeout_s)
+            removed = _commit.remove_leftovers(self.directory)
+            if removed:
+                log.info("ckpt: removed %d leftovers of interrupted saves in %s", len(removed),
+                         self.directory)
+
+    def _raise_pending(self) -> None:
+        with self._mutex:
+            pending, self._error = self._error, None
+        if pending is not None:
+            step, exc = pending
+            raise CheckpointError(
+                f"{self.directory}: background save of step {step} failed: {exc}"
+            ) from exc
+
+    def save(
+        self, step: int, state: Any, *, rng: bool = False, metadata: dict | None = None
+    ) -> SaveHandle:
+        """Snapshot ``state`` (blocking only for the copy into the staging pool) and persist it
+        in the background as ``step-N``. ``rng=True`` also saves the RNG states; ``metadata`` is
+        a JSON-able dict stored in the manifest."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self._raise_pending()
+        self._ensure_writer()
+        t0 = time.perf_counter()
+        stats = SaveStats(step)
+        leaves: list[Leaf] = []
+        if rng:
+            if not isinstance(state, dict):
+                raise ValueError("rng=True needs a dict state (RNG states go under '__rng__')")
+            state = {**state, RNG_KEY: rng_state()}
+        tree = flatten(state, leaves)
+        entries, nbytes = fmt.plan(leaves)
+        buf, stats.backpressure_s = self.pool.acquire(nbytes)
+        try:
+            s0 = time.perf_counter()
+            fmt.stage(leaves, entries, buf)
+            stats.stage_s = time.perf_counter() - s0
+        except BaseException:
+            self.pool.release(buf)
+            raise
+        stats.nbytes = nbytes
+        stats.blocked_s = time.perf_counter() - t0
+        body = {
+            "format": "ckpt",
+            "version": fmt.FORMAT_VERSION,
+            "step": step,
+            "created": time.time(),
+            "nbytes": nbytes,
+            "tree": tree,
+            "entries": entries,
+            "files": [],
+            "metadata": metadata or {},
+        }
+        handle = SaveHandle(step, stats)
+        with self._mutex:
+            self.stats.saves += 1
+            if stats.backpressure_s:
+                self.stats.backpressure_waits += 1
+                self.stats.backpressure_s += stats.backpressure_s
+            self.stats.last_save = stats
+            self._jobs.append(_Job(handle, buf, body, t0))
+            self._inflight.append(handle)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._persist_loop, name="ckpt-persist", daemon=False
+                )
+                self._thread.start()
+        return handle
+
+    def _persist_loop(self) -> None:
+        while True:
+            with self._mutex:
+                if not self._jobs:
+                    self._thread = None
+                    return
+                job = self._jobs.popleft()
+            self._persist(job)
+
+    def _persist(self, job: _Job) -> None:
+        handle, stats, step = job.handle, job.handle.stats, job.handle.step
+        released = False
+        tmp: Path | None = None
+        try:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    self.write_options.threads, thread_name_prefix="ckpt-write"
+                )
+            w0 = time.perf_counter()
+            tmp = _commit.make_tmp(self.directory, step)
+            data = job.buf.view()[: job.body["nbytes"]]
+            rec = fmt.write_file(
+                tmp / "data.bin", data, self._executor, self.write_options.chunk_bytes
+            )
+            self.pool.release(job.buf)
+            released = True
+            stats.write_s = time.perf_counter() - w0
+            c0 = time.perf_counter()
+            job.body["files"] = [rec]
+            fmt.write_manifest(tmp, job.body)
+            handle.path = _commit.publish(tmp, self.directory, step)
+            tmp = None
+            _commit.write_latest(self.directory, step)
+            stats.commit_s = time.perf_counter() - c0
+            stats.durable_s = time.perf_counter() - job.t0
+            self._newest_verified = max(step, self._newest_verified or step)
+            for listener in list(self.on_commit):
+                listener(step, handle.path)
+            self._retain()
+        except BaseException as exc:
+            handle.error = exc
+            with self._mutex:
+                self.stats.failed += 1
+                if self._error is None:
+                    self._error = (step, exc)
+            log.error("ckpt: save of step %d in %s failed: %s", step, self.directory, exc)
+        finally:
+            if not released:
+                self.pool.release(job.buf)
+            if tmp is not None:
+                _commit._remove(tmp)
+            with self._mutex:
+                if handle in self._inflight:
+                    self._inflight.remove(handle)
+            handle._event.set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for every save in flight; re-raise the first background error."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._mutex:
+                pending = list(self._inflight)
+            if not pending:
+                break
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not pending[0]._event.wait(left):
+                raise TimeoutError(f"{self.directory}: saves still running after {timeout} s")
+        self._raise_pending()
+
+    # ---- retention ----------------------------------------------------------------------
+    def _retain(self) -> None:
+        if self.keep_last is None:
+            return
+        committed = _commit.steps(self.directory)
+        for step in committed[: -self.keep_last]:
+            if step == self._newest_verified:
+                continue
+            if not all(guard(step) for guard in self.evict_guards):
+                continue
+            if _commit.evict(self.directory, step):
+                self.stats.evicted.append(step)
+
+    def gc(self) -> list[int]:
+        """Apply retention now (and remove leftovers); returns the steps evicted."""
+        self._ensure_writer()
+        before = len(self.stats.evicted)
+        self._retain()
+        return self.stats.evicted[before:]
+
+    # ---- reading ------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (verification happens on restore)."""
+        return _commit.steps(self.directory)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None``."""
+        found = self.steps()
+        return found[-1] if found else None
+
+    def restore(
+        self,
+        step: int | None = None,
+        into: Any = None,
+        map_location: MapLocation = None,
+        mmap: bool = False,
+        verify: bool = True,
+    ) -> Any:
+        """Load step ``step`` (default: the newest that verifies, falling back past corrupt ones
+        with a warning) and return its nested state; with ``into``, also load it into those
+        objects (``load_state_dict``, in-place tensor copies, RNG states). ``verify=False`` skips
+        checksums (sizes are still checked); ``mmap=True`` maps data files lazily."""
+        with self._mutex:
+            busy = bool(self._inflight)
+        if busy:
+            self.wait()
+        candidates = [step] if step is not None else list(reversed(self.steps()))
+        skipped: list[tuple[int, str]] = []
+        for s in candidates:
+            path = _commit.step_dir(self.directory, s)
+            try:
+                with _commit.reading(path):
+                    state, _, stats = read_checkpoint(
+                        path, map_location=map_location, mmap=mmap, verify=verify
+                    )
+            except CorruptCheckpointError as exc:
+                if step is not None:
+                    raise
+                log.warning("ckpt: skipping step %d: %s", s, exc)
+                skipped.append((s, str(exc)))
+                continue
+            except CheckpointError as exc:
+                if step is not None:
+                    raise
+                skipped.append((s, str(exc)))
+                continue
+            stats.skipped = skipped
+            self.stats.last_restore = stats
+            if verify:
+                self._newest_verified = max(s, self._newest_verified or s)
+            log.info("ckpt: restored step %d (%d bytes, read %.3f s, checksums %.3f s)",
+                     s, stats.nbytes, stats.read_s, stats.verify_s)
+            if into is not None:
+                apply_into(into, state)
+            return state
+        detail = "; ".join(f"step {s}: {why}" for s, why in skipped) or "no committed steps"
+        raise CheckpointError(f"{self.directory}: no valid checkpoint to restore ({detail})")
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for saves in flight, release the writer lock and the writer threads."""
+        try:
+            self.wait()
+        finally:
+            self._lock.release()
+            if self._executor is not None:
+                self._executor.shutdown()
+                self._executor = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
