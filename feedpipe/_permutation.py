@@ -170,7 +170,6 @@ class BlockPermutation:
         if block_size < 1 or window < 1:
             raise ValueError(f"block_size and window must be >= 1, got {block_size}, {window}")
         self.n = n
-        self._key = key
         self._bs = block_size
         self._window = window
         self._nblocks = -(-n // block_size)
