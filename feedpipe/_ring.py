@@ -1,0 +1,284 @@
+"""The page-locked ring behind the GPU feed, and the walker over nested batch structures.
+
+A :class:`_Ring` holds ``n`` slots allocated once. Batch number ``seq`` of an epoch always uses
+slot ``seq % n``, so slot reuse follows the batch order and can never deadlock: a filler of batch
+``seq`` only waits for batch ``seq - n`` (earlier work) to be submitted and for the copy out of the
+slot to complete. A slot is one flat byte buffer per tensor leaf of the batch; a batch leaf is a
+typed view of the first ``nbytes`` of its buffer. See :mod:`feedpipe.gpu` for the safety argument.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+__all__: list[str] = []  # private module; feedpipe.gpu is the public face
+
+log = logging.getLogger("feedpipe.gpu")
+
+_Rebuild = Callable[[list[Any]], Any]
+
+
+# --------------------------------------------------------------------------- structure walker
+def flatten(obj: Any) -> tuple[list[torch.Tensor], _Rebuild]:
+    """Split ``obj`` into its tensor leaves (depth first, dict order) and a function that rebuilds
+    the same structure from replacement leaves. Dicts (any ``Mapping``), lists, tuples and
+    namedtuples are walked; every other object is kept as is (by reference)."""
+    leaves: list[torch.Tensor] = []
+
+    def build(o: Any) -> _Rebuild:
+        if isinstance(o, torch.Tensor):
+            i = len(leaves)
+            leaves.append(o)
+            return lambda ls: ls[i]
+        if isinstance(o, Mapping):
+            items = [(k, build(v)) for k, v in o.items()]
+            kind = type(o)
+
+            def rebuild_map(ls: list[Any]) -> Any:
+                d = {k: f(ls) for k, f in items}
+                if kind is dict:
+                    return d
+                try:
+                    return kind(d)  # type: ignore[call-arg]
+                except TypeError:  # a Mapping type that cannot be built from a dict
+                    return d
+
+            return rebuild_map
+        if isinstance(o, tuple) and hasattr(o, "_fields"):  # namedtuple
+            parts = [build(v) for v in o]
+            ntype = type(o)
+            return lambda ls: ntype(*(f(ls) for f in parts))
+        if isinstance(o, (list, tuple)):
+            parts = [build(v) for v in o]
+            seq_type = type(o) if type(o) in (list, tuple) else list
+            return lambda ls: seq_type(f(ls) for f in parts)
+        return lambda ls: o
+
+    rebuild = build(obj)
+    return leaves, rebuild
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """Apply ``fn`` to every tensor in a nested dict/list/tuple structure; leave the rest alone."""
+    leaves, rebuild = flatten(obj)
+    return rebuild([fn(t) for t in leaves])
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --------------------------------------------------------------------------- ring of slots
+class _Event(Protocol):
+    def query(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Leaf dtypes/shapes of the first batch; ``rows`` is the common first dimension of every
+    leaf (the batch length) or ``None`` when the batch is not batch-major."""
+
+    dtypes: tuple[torch.dtype, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    rows: int | None
+    rebuild: _Rebuild | None  # None when some leaves bypass the ring (already on a device)
+
+
+class _Slot:
+    __slots__ = ("buffers", "event", "index", "seq")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.buffers: list[torch.Tensor] = []
+        self.seq = -1  # last batch submitted out of this slot
+        self.event: _Event | None = None  # completes when the copy out of the slot is done
+
+
+class RingClosedError(RuntimeError):
+    """The ring was closed (iteration ended or abandoned) while a filler waited for a slot."""
+
+
+class _Ring:
+    """``n`` reusable host slots (page-locked when ``pin``), indexed by ``seq % n``."""
+
+    def __init__(self, n: int, *, pin: bool, batch_size: int | None, timeout: float) -> None:
+        if n < 2:
+            raise ValueError(f"a ring needs at least 2 slots, got {n}")
+        self.n = n
+        self.pin = pin
+        self.batch_size = batch_size
+        self.timeout = timeout
+        self.slots = [_Slot(i) for i in range(n)]
+        self.layout: _Layout | None = None
+        self.next_seq = 0  # the next batch to be submitted
+        self.grown = 0  # slot buffers reallocated because a batch was bigger than its slot
+        self._cond = threading.Condition()
+        self._closed = False
+
+    # -- sizes
+    @property
+    def slot_bytes(self) -> int:
+        return max((sum(_nbytes(b) for b in s.buffers) for s in self.slots), default=0)
+
+    @property
+    def ring_bytes(self) -> int:
+        return sum(_nbytes(b) for s in self.slots for b in s.buffers)
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    def allocate(self, leaves: list[torch.Tensor], rebuild: _Rebuild | None) -> None:
+        """Allocate every slot from the first batch (scaled to ``batch_size`` rows if it is
+        batch-major and shorter, e.g. a resumed epoch's tail)."""
+        shapes = tuple(tuple(t.shape) for t in leaves)
+        firsts = {s[0] for s in shapes if len(s) > 0}
+        rows = firsts.pop() if len(firsts) == 1 and all(len(s) > 0 for s in shapes) else None
+        scale = 1.0
+        if rows and self.batch_size and self.batch_size > rows:
+            scale = self.batch_size / rows
+        sizes = [int(_nbytes(t) * scale) for t in leaves]
+        t0 = time.perf_counter()
+        for slot in self.slots:
+            slot.buffers = [self._alloc(n) for n in sizes]
+        # published last: fillers (thread workers) read the layout without the lock
+        self.layout = _Layout(tuple(t.dtype for t in leaves), shapes, rows, rebuild)
+        log.info(
+            "feedpipe GPU feed: ring of %d %s slots x %.2f MiB = %.1f MiB (%d leaves), %.3f s",
+            self.n,
+            "pinned" if self.pin else "host",
+            sum(sizes) / 2**20,
+            self.n * sum(sizes) / 2**20,
+            len(sizes),
+            time.perf_counter() - t0,
+        )
+
+    # -- waiting
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        """Start a new epoch: wait for every copy out of the slots, then number batches from 0."""
+        for slot in self.slots:
+            self.wait_copied(slot)
+            slot.seq, slot.event = -1, None
+        with self._cond:
+            self.next_seq = 0
+            self._closed = False
+
+    def wait_copied(self, slot: _Slot) -> None:
+        """Poll until the copy out of ``slot`` has completed (interruptible; times out)."""
+        event = slot.event
+        if event is None or event.query():
+            return
+        deadline = time.monotonic() + self.timeout
+        pause = 20e-6
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"feedpipe GPU feed: the copy of batch {slot.seq} out of ring slot "
+                    f"{slot.index} did not complete within {self.timeout:.0f} s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def _wait_turn(self, seq: int) -> _Slot:
+        """Block until batch ``seq - n`` (the slot's previous user) is submitted; interruptible."""
+        slot = self.slots[seq % self.n]
+        with self._cond:
+            while self.next_seq <= seq - self.n:
+                if self._closed:
+                    raise RingClosedError(f"ring closed while batch {seq} waited for a slot")
+                self._cond.wait(0.1)
+        return slot
+
+    # -- filling
+    def fits(self, slot: _Slot, leaves: list[torch.Tensor]) -> bool:
+        return len(leaves) == len(slot.buffers) and all(
+            _nbytes(t) <= _nbytes(b) for t, b in zip(leaves, slot.buffers, strict=True)
+        )
+
+    def out_for(self, seq: int, rows: int) -> Any | None:
+        """A structure of slot views shaped for a ``rows``-long batch, for a filler (thread worker)
+        to gather into; ``None`` when the layout is unknown yet, not batch-major, or too small."""
+        layout = self.layout
+        if layout is None or layout.rows is None or layout.rebuild is None:
+            return None
+        shapes = [(rows, *s[1:]) for s in layout.shapes]
+        slot = self._wait_turn(seq)
+        sizes = [
+            torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
+            for s, d in zip(shapes, layout.dtypes, strict=True)
+        ]
+        if any(n > _nbytes(b) for n, b in zip(sizes, slot.buffers, strict=True)):
+            return None
+        self.wait_copied(slot)
+        views = [
+            b[:n].view(d).view(s)
+            for b, n, d, s in zip(slot.buffers, sizes, layout.dtypes, shapes, strict=True)
+        ]
+        return layout.rebuild(views)
+
+    def fill(self, seq: int, leaves: list[torch.Tensor]) -> tuple[_Slot, list[torch.Tensor], int]:
+        """Return slot ``seq % n`` holding ``leaves`` (as views) and the bytes copied into it.
+        Leaves that already are views of the slot (gathered in place) are not copied."""
+        if seq != self.next_seq:
+            raise RuntimeError(
+                f"batches must be submitted in order: got {seq}, expected {self.next_seq}"
+            )
+        slot = self.slots[seq % self.n]
+        self.wait_copied(slot)
+        if not self.fits(slot, leaves):
+            self._grow(slot, leaves)
+        views: list[torch.Tensor] = []
+        copied = 0
+        for t, b in zip(leaves, slot.buffers, strict=True):
+            if t.device.type == "cpu" and t.numel() and t.data_ptr() == b.data_ptr():
+                views.append(t)  # gathered straight into the slot
+                continue
+            v = b[: _nbytes(t)].view(t.dtype).view(t.shape)
+            v.copy_(t)
+            copied += _nbytes(t)
+            views.append(v)
+        return slot, views, copied
+
+    def _grow(self, slot: _Slot, leaves: list[torch.Tensor]) -> None:
+        if self.layout is not None and len(leaves) != len(slot.buffers):
+            raise ValueError(
+                f"feedpipe GPU feed: batch has {len(leaves)} tensors, but the ring was laid out "
+                f"for {len(slot.buffers)} from the first batch; every batch must have the same "
+                "structure"
+            )
+        old, before = sum(_nbytes(b) for b in slot.buffers), self.slot_bytes
+        slot.buffers = [
+            b if _nbytes(t) <= _nbytes(b) else self._alloc(_nbytes(t))
+            for t, b in zip(leaves, slot.buffers, strict=True)
+        ]
+        self.grown += 1
+        new = sum(_nbytes(b) for b in slot.buffers)
+        # one warning per new maximum; the other slots catch up as they are refilled
+        log.log(
+            logging.WARNING if new > before else logging.DEBUG,
+            "feedpipe GPU feed: batch of %.2f MiB is bigger than ring slot %d; slot reallocated "
+            "from %.2f to %.2f MiB (ring now %.1f MiB)",
+            sum(_nbytes(t) for t in leaves) / 2**20,
+            slot.index,
+            old / 2**20,
+            new / 2**20,
+            self.ring_bytes / 2**20,
+        )
+
+    def submitted(self, slot: _Slot, seq: int, event: _Event | None) -> None:
+        """Record that batch ``seq``'s copy out of ``slot`` was issued; ``event`` marks its end."""
+        slot.seq, slot.event = seq, event
+        with self._cond:
+            self.next_seq = seq + 1
+            self._cond.notify_all()

@@ -1,0 +1,292 @@
+"""GPU feed: batches land on the device before the training step asks for them.
+
+``GPUFeed`` sits at the end of the loader. Batch ``s`` of an epoch goes through ring slot
+``s % n`` (``n`` page-locked host slots, allocated once from the first batch and reused), is
+copied to the device with ``non_blocking=True`` on a dedicated copy stream, and is handed to the
+consumer ``prefetch`` batches later. Thread workers gather straight into their slot
+(:meth:`GPUFeed.out_for`); anything else (process workers' shared-memory batches) is copied into
+the slot first, timed as the ``"pin"`` stage. The copy is timed with CUDA events as ``"h2d"``
+(harvested when they have completed, never by syncing the hot path).
+
+Why this is safe (``C`` is the copy stream, ``E_s`` the event recorded on ``C`` after batch
+``s``'s copies, ``U`` the consumer's current stream when ``next()`` returns batch ``s``):
+
+1. Host writes before the copy: slot ``s % n`` is filled on the host (by the worker's gather, which
+   returned, or by the synchronous pin copy) before the copies of batch ``s`` are enqueued on ``C``.
+2. Slot reuse after the copy: the slot is written again only for batch ``s + n``, and only once
+   ``E_s.query()`` reports that the copy out of it has completed (:meth:`_Ring.wait_copied`, used by
+   both the worker path and the pin path). So no DMA read of a slot overlaps a host write to it.
+3. Consumer after the copy: before batch ``s`` is returned, ``U.wait_event(E_s)``; every kernel the
+   consumer enqueues on ``U`` afterwards runs after the copy has finished.
+4. Device memory lifetime: the device tensors are allocated on ``C`` and ``record_stream(U)`` is
+   called on each, so the caching allocator does not give their memory to a later copy on ``C``
+   until the consumer's work enqueued on ``U`` before they were freed has completed.
+
+If the consumer moves a batch to another stream, it orders that stream itself (as with torch).
+
+Memory is bounded: ``n = prefetch + 2 + fillers`` slots (``fillers`` = how many batches thread
+workers may gather at once), each the size of the first batch (scaled to ``batch_size`` rows when
+it is batch-major and shorter). The slot count never grows; a batch bigger than its slot
+reallocates that slot once, with a logged warning per new maximum. ``info`` reports the budget.
+
+Without CUDA (or with ``device="cpu"``) the same code runs with unpinned slots and a host copy out
+of the slot (so consumers never see a reused buffer), after exactly one :class:`GPUFeedWarning`.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from feedpipe._ring import RingClosedError, _Event, _Ring, _Slot, flatten, map_tensors
+
+__all__ = ["GPUFeed", "GPUFeedWarning", "map_tensors", "resolve_device"]
+
+
+class GPUFeedWarning(UserWarning):
+    """The GPU feed fell back to host memory (``device="cpu"`` or no usable CUDA device)."""
+
+
+def resolve_device(device: str | int | torch.device) -> torch.device:
+    """Return the device a feed targets: ``cuda:N`` when usable, else ``cpu`` with one warning.
+
+    A CUDA index that does not exist on a machine with CUDA is an error, not a fallback.
+    """
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            warnings.warn(
+                f"feedpipe: device={str(device)!r} requested but CUDA is not available; "
+                "batches stay in host memory",
+                GPUFeedWarning,
+                stacklevel=3,
+            )
+            return torch.device("cpu")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if not 0 <= index < torch.cuda.device_count():
+            raise ValueError(
+                f"feedpipe: device={str(device)!r} does not exist; this machine has "
+                f"{torch.cuda.device_count()} CUDA device(s)"
+            )
+        return torch.device("cuda", index)
+    if dev.type == "cpu":
+        warnings.warn(
+            "feedpipe: device='cpu' given; the GPU feed is off and batches stay in host memory",
+            GPUFeedWarning,
+            stacklevel=3,
+        )
+        return dev
+    raise ValueError(f"feedpipe: device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
+
+
+@dataclass
+class _InFlight:
+    """A submitted batch: its device (or host-copy) leaves, how to rebuild it, its done event."""
+
+    seq: int
+    leaves: list[Any]
+    rebuild: Any
+    event: Any | None
+    nbytes: int
+
+
+class _CudaCopier:
+    """Issues slot -> device copies on a dedicated stream and hands them to the consumer."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def copy(self, views: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any, Any]:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):  # device tensors are allocated on the copy stream
+            start.record(self.stream)
+            outs = [v.to(self.device, non_blocking=True) for v in views]
+            end.record(self.stream)
+        return outs, start, end
+
+    def hand_over(self, outs: list[torch.Tensor], event: Any) -> None:
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_event(event)
+        for t in outs:
+            t.record_stream(consumer)
+
+
+class _HostCopier:
+    """CPU fallback: a synchronous copy out of the slot, so the consumer never sees a slot."""
+
+    stream = None
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def copy(self, views: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any, Any]:
+        t0 = time.perf_counter()
+        outs = [v.clone() for v in views]
+        self.seconds = time.perf_counter() - t0
+        return outs, None, None
+
+    def hand_over(self, outs: list[torch.Tensor], event: Any) -> None:
+        return None
+
+
+class GPUFeed:
+    """Moves CPU batches to ``device`` through a ring of page-locked slots, ``prefetch`` ahead.
+
+    Typical use by a loader: thread workers gather batch ``seq`` into ``feed.out_for(seq, rows)``
+    (when not ``None``), and the loader iterates ``feed.iterate(cpu_batches)`` in batch order.
+    ``meter`` (a :class:`feedpipe.StallMeter`) receives the ``"pin"`` and ``"h2d"`` stages.
+    """
+
+    def __init__(
+        self,
+        device: str | int | torch.device,
+        *,
+        prefetch: int = 2,
+        fillers: int = 0,
+        batch_size: int | None = None,
+        meter: Any | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        if prefetch < 0 or fillers < 0:
+            raise ValueError(f"prefetch and fillers must be >= 0, got {prefetch} and {fillers}")
+        self.device = resolve_device(device)
+        self.on_gpu = self.device.type == "cuda"
+        self.prefetch = prefetch
+        self.meter = meter
+        self._ring = _Ring(
+            prefetch + 2 + fillers, pin=self.on_gpu, batch_size=batch_size, timeout=timeout
+        )
+        self._copier: _CudaCopier | _HostCopier = (
+            _CudaCopier(self.device) if self.on_gpu else _HostCopier()
+        )
+        self._timings: deque[tuple[Any, Any, int]] = deque()  # (start, end, nbytes) to harvest
+        self.batches = 0
+
+    # ------------------------------------------------------------------ reporting
+    @property
+    def copy_stream(self) -> Any:
+        """The dedicated CUDA copy stream (``None`` on the CPU fallback)."""
+        return self._copier.stream
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The memory budget: slot count and bytes (0 until the first batch lays the ring out)."""
+        ring = self._ring
+        return {
+            "device": str(self.device),
+            "pinned": ring.pin,
+            "prefetch": self.prefetch,
+            "slots": ring.n,
+            "slot_bytes": ring.slot_bytes,
+            "ring_bytes": ring.ring_bytes,
+            "reallocations": ring.grown,
+            "batches": self.batches,
+        }
+
+    # ------------------------------------------------------------------ the three steps
+    def out_for(self, seq: int, rows: int) -> Any | None:
+        """Slot views for batch ``seq`` of ``rows`` samples, for a worker to gather into.
+
+        Blocks until batch ``seq - slots`` has been submitted and its copy completed. Returns
+        ``None`` (gather into fresh memory instead) before the first batch has laid out the ring,
+        for batches that are not batch-major or do not fit, and once the iteration has ended.
+        """
+        try:
+            return self._ring.out_for(seq, rows)
+        except RingClosedError:
+            return None
+
+    def submit(self, seq: int, batch: Any) -> _InFlight:
+        """Put batch ``seq`` (submitted in order) into its slot and start its copy to the device."""
+        leaves, rebuild = flatten(batch)
+        host = [i for i, t in enumerate(leaves) if t.device.type == "cpu"]
+        host_leaves = [leaves[i] for i in host]
+        ring = self._ring
+        if ring.layout is None:
+            ring.allocate(host_leaves, rebuild if len(host) == len(leaves) else None)
+        t0 = time.perf_counter()
+        slot, views, copied = ring.fill(seq, host_leaves)
+        if copied and self.meter is not None:
+            self.meter.add_stage("pin", time.perf_counter() - t0, copied)
+        outs, start, end = self._copier.copy(views)
+        nbytes = sum(v.numel() * v.element_size() for v in views)
+        self._note_copy(slot, seq, start, end, nbytes)
+        result: list[Any] = list(leaves)
+        for i, out in zip(host, outs, strict=True):
+            result[i] = out
+        for i, t in enumerate(leaves):  # leaves already on a device: moved only if elsewhere
+            if t.device.type != "cpu" and t.device != self.device:
+                result[i] = t.to(self.device)
+        return _InFlight(seq, result, rebuild, end, nbytes)
+
+    def _note_copy(self, slot: _Slot, seq: int, start: Any, end: Any, nbytes: int) -> None:
+        if self.on_gpu:
+            self._timings.append((start, end, nbytes))
+        elif self.meter is not None:
+            assert isinstance(self._copier, _HostCopier)
+            self.meter.add_stage("h2d", self._copier.seconds, nbytes)
+        event: _Event | None = end
+        self._ring.submitted(slot, seq, event)
+
+    def hand_over(self, flight: _InFlight) -> Any:
+        """Order the consumer's current stream after the copy and return the device batch."""
+        if flight.event is not None:
+            outs = [t for t in flight.leaves if isinstance(t, torch.Tensor) and t.is_cuda]
+            self._copier.hand_over(outs, flight.event)
+        self._harvest(block=False)
+        self.batches += 1
+        return flight.rebuild(flight.leaves)
+
+    def _harvest(self, block: bool) -> None:
+        """Report completed copy times (CUDA events) to the meter, oldest first."""
+        while self._timings:
+            start, end, nbytes = self._timings[0]
+            if not block and not end.query():
+                return
+            end.synchronize()
+            self._timings.popleft()
+            if self.meter is not None:
+                self.meter.add_stage("h2d", start.elapsed_time(end) / 1000.0, nbytes)
+
+    # ------------------------------------------------------------------ iteration
+    def iterate(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Yield ``batches`` on the device, keeping ``prefetch`` copies in flight ahead.
+
+        Batch numbers (for :meth:`out_for`) restart at 0 on each call. When the iteration ends or
+        is abandoned, fillers waiting for a slot get ``None`` and completed timings are reported.
+        """
+        ring = self._ring
+        ring.reset()
+        source = iter(batches)
+        pending: deque[_InFlight] = deque()
+        seq, exhausted = 0, False
+        try:
+            while True:
+                while not exhausted and len(pending) <= self.prefetch:
+                    try:
+                        batch = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    pending.append(self.submit(seq, batch))
+                    seq += 1
+                if not pending:
+                    return
+                if self.meter is not None:
+                    self.meter.set_depth("gpu_prefetch", len(pending) - 1)
+                yield self.hand_over(pending.popleft())
+        finally:
+            ring.close()
+            self._harvest(block=True)
+
+    def close(self) -> None:
+        """Wake any filler waiting for a slot (it gets ``None``); the ring memory stays reusable."""
+        self._ring.close()
