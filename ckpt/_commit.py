@@ -182,7 +182,7 @@ def evict(root: Path, step: int) -> bool:
 
 
 class WriterLock:
-    """Exclusive writer lock on a checkpoint directory (``DIR/.lock``, released on process death)."""
+    """Exclusive writer lock on a directory (``DIR/.lock``; released when the process dies)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root

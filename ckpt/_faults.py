@@ -1,5 +1,5 @@
-"""Test-only pause points: ``CKPT_TEST_PAUSE="write:0.05,fsync:0.02"`` sleeps a random time up to the
-given seconds at each named point, so crash tests can land a SIGKILL inside every phase.
+"""Test-only pause points: ``CKPT_TEST_PAUSE="write:0.05,fsync:0.02"`` sleeps a random time up to
+the given seconds at each named point, so crash tests can land a SIGKILL inside every phase.
 
 The environment is read on the first call, never at import. Unset, a call costs one dict lookup.
 """

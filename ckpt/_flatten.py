@@ -113,7 +113,8 @@ def _flatten(obj: Any, leaves: list[Leaf], path: str) -> dict[str, Any]:
         return {"t": "dict", "items": items}
     if isinstance(obj, (list, tuple)):
         kind = "list" if isinstance(obj, list) else "tuple"
-        return {"t": kind, "items": [_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        elems = [_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return {"t": kind, "items": elems}
     if callable(getattr(obj, "state_dict", None)):
         cls = f"{type(obj).__module__}.{type(obj).__qualname__}"
         return {"t": "state", "cls": cls, "v": _flatten(obj.state_dict(), leaves, path)}
@@ -194,7 +195,8 @@ def apply_into(into: Any, state: Any, path: str = "state") -> None:
         with torch.no_grad():
             into.copy_(state)
         return
-    raise CheckpointError(f"{path}: cannot load a {type(state).__name__} into {type(into).__name__}")
+    what, where = type(state).__name__, type(into).__name__
+    raise CheckpointError(f"{path}: cannot load a {what} into {where}")
 
 
 def rng_state() -> dict[str, Any]:

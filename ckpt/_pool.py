@@ -47,7 +47,7 @@ class Buffer:
 
     def view(self) -> memoryview:
         """A writable memoryview of the whole buffer (for os.pwrite / readinto)."""
-        return memoryview(self.array)
+        return self.array.data.cast("B")
 
 
 class PinnedPool:
@@ -100,14 +100,14 @@ class PinnedPool:
         return buf
 
     def reserve(self, nbytes: int) -> None:
-        """Allocate every buffer now, large enough for ``nbytes`` (keeps allocation out of saves)."""
+        """Allocate every buffer now, for ``nbytes`` each (keeps allocation out of saves)."""
         with self._cond:
             self._fit(nbytes)
             while self._count < self.options.buffers:
                 self._free.append(self._allocate(prefault=True))
 
     def acquire(self, nbytes: int) -> tuple[Buffer, float]:
-        """Lease a buffer of at least ``nbytes``; returns it and the seconds spent waiting for one."""
+        """Lease a buffer of at least ``nbytes``; returns it and the seconds spent waiting."""
         start = time.perf_counter()
         deadline = start + self.options.wait_timeout_s
         waited = False

@@ -17,7 +17,7 @@ from ckpt.errors import CheckpointError
 
 __all__ = ["MapLocation", "RestoreStats", "read_checkpoint"]
 
-MapLocation = Union[str, torch.device, None]
+MapLocation = Union[str, torch.device, None]  # noqa: UP007 (a runtime alias on 3.10)
 
 
 @dataclass

@@ -10,7 +10,7 @@ class CheckpointError(RuntimeError):
 
 
 class CorruptCheckpointError(CheckpointError):
-    """A checkpoint failed verification: bad manifest, missing/truncated file or checksum mismatch."""
+    """A checkpoint failed verification: bad manifest, missing/short file or bad checksum."""
 
 
 class LockedError(CheckpointError):

@@ -53,7 +53,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 
 
 def safe_relpath(name: Any) -> str:
-    """Return ``name`` if it is a relative path of plain components; reject ``..``, absolute, odd."""
+    """Return ``name`` if it is a relative path of plain components (no ``..``, not absolute)."""
     if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name:
         raise CorruptCheckpointError(f"unsafe file name {name!r} in manifest")
     if not all(_NAME.match(part) for part in name.split("/")):
@@ -84,7 +84,7 @@ def plan(leaves: Sequence[Leaf], file: str = "data.bin", start: int = 0) -> tupl
 def stage(leaves: Sequence[Leaf], entries: Sequence[dict], buf: Buffer) -> None:
     """Copy every leaf into ``buf`` at its planned offset; CUDA copies are synchronized."""
     devices = set()
-    for leaf, entry in zip(leaves, entries):
+    for leaf, entry in zip(leaves, entries, strict=True):
         off, n = entry["offset"], entry["nbytes"]
         if n == 0:
             continue
@@ -261,7 +261,7 @@ def read_file(
     try:
         _check_size(path, rec, fd)
         out = torch.empty(rec["size"], dtype=torch.uint8)
-        view = memoryview(out.numpy())
+        view = out.numpy().data.cast("B")
         chunk = rec["chunk_bytes"]
 
         def one(i: int) -> float:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt import _commit
+from ckpt import _commit, _faults
 from ckpt import format as fmt
 from ckpt._flatten import RNG_KEY, Leaf, apply_into, flatten, rng_state
 from ckpt._pool import Buffer, PinnedPool, PoolOptions
@@ -166,8 +166,11 @@ class CheckpointManager:
             self._lock.acquire(self.write_options.lock_timeout_s)
             removed = _commit.remove_leftovers(self.directory)
             if removed:
-                log.info("ckpt: removed %d leftovers of interrupted saves in %s", len(removed),
-                         self.directory)
+                log.info(
+                    "ckpt: removed %d leftovers of interrupted saves in %s",
+                    len(removed),
+                    self.directory,
+                )
 
     def _raise_pending(self) -> None:
         with self._mutex:
@@ -200,6 +203,7 @@ class CheckpointManager:
         buf, stats.backpressure_s = self.pool.acquire(nbytes)
         try:
             s0 = time.perf_counter()
+            _faults.pause("stage")
             fmt.stage(leaves, entries, buf)
             stats.stage_s = time.perf_counter() - s0
         except BaseException:
@@ -373,8 +377,13 @@ class CheckpointManager:
             self.stats.last_restore = stats
             if verify:
                 self._newest_verified = max(s, self._newest_verified or s)
-            log.info("ckpt: restored step %d (%d bytes, read %.3f s, checksums %.3f s)",
-                     s, stats.nbytes, stats.read_s, stats.verify_s)
+            log.info(
+                "ckpt: restored step %d (%d bytes, read %.3f s, checksums %.3f s)",
+                s,
+                stats.nbytes,
+                stats.read_s,
+                stats.verify_s,
+            )
             if into is not None:
                 apply_into(into, state)
             return state

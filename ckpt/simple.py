@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-
 from ckpt import _commit
 from ckpt import format as fmt
 from ckpt._flatten import Leaf, flatten
@@ -74,5 +73,3 @@ def load(
         raise CheckpointError(f"{path}: not a checkpoint directory")
     state, _, _ = read_checkpoint(path, map_location=map_location, mmap=mmap, verify=verify)
     return state
-
-
