@@ -1,0 +1,424 @@
+"""Remote access via fsspec: resolve URLs, retry transient errors, redact secrets, verify copies.
+
+Every remote call in feedpipe goes through :func:`call`, which retries transient failures
+(timeouts, connection resets, 5xx / SlowDown) with exponential backoff and full jitter until a
+deadline, and fails at once on permanent ones (404 / NoSuchKey / NoSuchBucket, 403 /
+AccessDenied). Errors are :class:`RemoteError` naming the URL; their text and every log line
+are passed through :func:`redact`, so credentials from ``storage_options`` never leak.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from feedpipe._crc import crc32c_file, to_hex
+from feedpipe.errors import DatasetError
+
+__all__ = [
+    "FileEntry",
+    "RemoteError",
+    "RetryPolicy",
+    "call",
+    "classify",
+    "fetch_verified",
+    "is_complete",
+    "is_remote",
+    "join",
+    "read_remote_index",
+    "redact",
+    "resolve",
+    "temp_name",
+]
+
+log = logging.getLogger("feedpipe.remote")
+
+T = TypeVar("T")
+
+_LOCAL_PROTOCOLS = {"file", "local"}
+_SECRET_KEYS = re.compile(r"secret|token|passw|key|credential|session|auth|sig", re.I)
+_URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.I)
+_QUERY_SECRETS = re.compile(
+    r"(?P<name>X-Amz-(?:Signature|Credential|Security-Token)|Signature|AWSAccessKeyId|sig|token)"
+    r"=[^&\s'\"]+",
+    re.I,
+)
+_PERMANENT_CODES = {
+    "NoSuchKey",
+    "NoSuchBucket",
+    "NotFound",
+    "404",
+    "AccessDenied",
+    "403",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AllAccessDisabled",
+    "InvalidBucketName",
+}
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "Throttling",
+    "ThrottlingException",
+    "503",
+    "500",
+    "502",
+    "504",
+}
+
+
+class RemoteError(DatasetError):
+    """A remote read failed; the message names the URL and says whether retries were exhausted."""
+
+    def __init__(self, message: str, url: str, *, permanent: bool) -> None:
+        super().__init__(message)
+        self.url = url
+        self.permanent = permanent
+
+
+def is_remote(url: str | os.PathLike[str]) -> bool:
+    """True for a URL with a non-local protocol (``s3://``, ``gs://``, ``http://``...)."""
+    text = os.fspath(url)
+    if "://" not in text:
+        return False
+    return text.split("://", 1)[0].lower() not in _LOCAL_PROTOCOLS
+
+
+def resolve(
+    url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> tuple[Any, str]:
+    """Return ``(filesystem, root path)`` for a URL or local path (``file://`` included)."""
+    import fsspec.core
+
+    text = os.fspath(url)
+    if is_remote(text) and text.startswith("s3://"):
+        from feedpipe.errors import require
+
+        require("s3fs", "s3")
+    fs, path = fsspec.core.url_to_fs(text, **dict(storage_options or {}))
+    return fs, path.rstrip("/") or path
+
+
+def join(root: str, relpath: str) -> str:
+    """Join a root (URL or path) and a dataset-relative posix path."""
+    return f"{root.rstrip('/')}/{relpath.lstrip('/')}"
+
+
+def _secret_values(options: Mapping[str, Any] | None) -> Iterator[str]:
+    if not options:
+        return
+    for key, value in options.items():
+        if isinstance(value, Mapping):
+            yield from _secret_values(value)
+        elif isinstance(value, str) and len(value) >= 4 and _SECRET_KEYS.search(str(key)):
+            yield value
+    # the standard environment credentials are secrets too
+    for name in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID"):
+        value = os.environ.get(name, "")
+        if len(value) >= 8:
+            yield value
+
+
+def redact(text: str, storage_options: Mapping[str, Any] | None = None) -> str:
+    """Remove credentials: secret ``storage_options`` values, URL userinfo, signed query strings."""
+    for secret in sorted(set(_secret_values(storage_options)), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    text = _URL_USERINFO.sub(lambda m: m.group("scheme") + "***@", text)
+    return _QUERY_SECRETS.sub(lambda m: m.group("name") + "=***", text)
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        stack.extend([e.__cause__, e.__context__])
+
+
+def _code(exc: BaseException) -> tuple[str, int]:
+    response = getattr(exc, "response", None)
+    if not isinstance(response, Mapping):
+        return "", 0
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    return code, int(status or 0)
+
+
+def classify(exc: BaseException) -> str:
+    """``"permanent"``, ``"transient"`` or ``"unknown"`` for an fsspec/s3fs/botocore exception."""
+    names: set[str] = set()
+    for e in _chain(exc):
+        code, status = _code(e)
+        if code in _PERMANENT_CODES or status in (403, 404):
+            return "permanent"
+        if code in _TRANSIENT_CODES or status >= 500:
+            return "transient"
+        if isinstance(
+            e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+        ):
+            return "permanent"
+        if isinstance(e, (TimeoutError, socket.timeout, ConnectionError)):
+            return "transient"
+        names.update(c.__name__ for c in type(e).__mro__)
+    transient_types = {
+        "HTTPClientError",  # botocore: connection reset / closed / read timeout
+        "ConnectionClosedError",
+        "EndpointConnectionError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "IncompleteRead",
+        "ResponseStreamingError",
+        "FSTimeoutError",
+        "ClientPayloadError",  # aiohttp
+        "ClientConnectionError",
+        "ServerDisconnectedError",
+        "ServerTimeoutError",
+        "ResponseParserError",
+    }
+    if names & transient_types:
+        return "transient"
+    for e in _chain(exc):
+        text = str(e)
+        if any(
+            w in text
+            for w in ("SlowDown", "503", "Service Unavailable", "reduce your request rate")
+        ):
+            return "transient"
+    return "unknown"
+
+
+class RetryPolicy:
+    """Exponential backoff with full jitter under an overall deadline (per call)."""
+
+    def __init__(
+        self, deadline_s: float = 120.0, base_s: float = 0.1, max_sleep_s: float = 5.0
+    ) -> None:
+        if deadline_s <= 0 or base_s <= 0 or max_sleep_s <= 0:
+            raise ValueError("deadline_s, base_s and max_sleep_s must be positive")
+        self.deadline_s = deadline_s
+        self.base_s = base_s
+        self.max_sleep_s = max_sleep_s
+
+    def sleep_for(self, attempt: int) -> float:
+        """Seconds to wait before retry number ``attempt`` (1-based): uniform in [0, cap]."""
+        cap = min(self.max_sleep_s, self.base_s * 2 ** (attempt - 1))
+        return random.uniform(cap / 2, cap)
+
+
+DEFAULT_POLICY = RetryPolicy()
+
+
+def call(
+    fn: Callable[[], T],
+    url: str,
+    *,
+    what: str = "read",
+    policy: RetryPolicy | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    on_retry: Callable[[], None] | None = None,
+) -> T:
+    """Run ``fn()``; retry transient errors until ``policy.deadline_s``; raise :class:`RemoteError`.
+
+    ``on_retry`` runs before each retry (e.g. to roll back a progress bar or remove a partial file).
+    """
+    policy = policy or DEFAULT_POLICY
+    start = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except Exception as exc:
+            kind = classify(exc)
+            detail = redact(f"{type(exc).__name__}: {exc}", storage_options)
+            safe_url = redact(url, storage_options)
+            if kind != "transient":
+                reason = "permanent error" if kind == "permanent" else "error"
+                raise RemoteError(
+                    f"cannot {what} {safe_url}: {reason}: {detail}",
+                    safe_url,
+                    permanent=kind == "permanent",
+                ) from None
+            elapsed = time.monotonic() - start
+            pause = policy.sleep_for(attempt)
+            if elapsed + pause > policy.deadline_s:
+                raise RemoteError(
+                    f"cannot {what} {safe_url}: still failing after {attempt} attempts in "
+                    f"{elapsed:.1f} s (deadline {policy.deadline_s:g} s): {detail}",
+                    safe_url,
+                    permanent=False,
+                ) from None
+            log.warning(
+                "transient error on %s (attempt %d), retrying in %.2f s: %s",
+                safe_url,
+                attempt,
+                pause,
+                detail,
+            )
+            if on_retry is not None:
+                on_retry()
+            time.sleep(pause)
+
+
+# ---------------------------------------------------------------- verified transfers
+
+INDEX_NAME = "index.json"
+PART_MARK = ".part."
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a dataset as its index lists it."""
+
+    shard: int
+    relpath: str
+    nbytes: int
+    crc32c: str
+
+
+def _entries_from_index(doc: Mapping[str, Any], url: str) -> list[FileEntry]:
+    if doc.get("format") != "feedpipe.memmap" or not isinstance(doc.get("shards"), list):
+        raise DatasetError(f"{url}: not a feedpipe dataset index (format={doc.get('format')!r})")
+    out: list[FileEntry] = []
+    for shard_id, shard in enumerate(doc["shards"]):
+        for name, f in (shard.get("files") or {}).items():
+            try:
+                rel = str(f["path"])
+                entry = FileEntry(shard_id, rel, int(f["bytes"]), str(f["crc32c"]).lower())
+            except (KeyError, TypeError, ValueError) as exc:
+                raise DatasetError(
+                    f"{url}: shard {shard_id} file {name!r} entry is malformed: {exc}"
+                ) from None
+            if rel.startswith("/") or ".." in rel.split("/"):
+                raise DatasetError(f"{url}: shard {shard_id} file path {rel!r} escapes the dataset")
+            out.append(entry)
+    return out
+
+
+def read_remote_index(
+    fs: Any, root: str, url: str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[bytes, list[FileEntry]]:
+    """Fetch ``index.json`` below ``root`` (with retries); return its bytes and the file list."""
+    index_url = join(url, INDEX_NAME)
+    raw: bytes = call(
+        lambda: fs.cat_file(join(root, INDEX_NAME)),
+        index_url,
+        what="read dataset index",
+        storage_options=storage_options,
+    )
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise DatasetError(f"{index_url}: index is not valid JSON: {exc}") from None
+    return raw, _entries_from_index(doc, index_url)
+
+
+def temp_name(final: str, nbytes: int) -> str:
+    """A temp path beside ``final`` that never looks complete; it records the expected size."""
+    head, tail = os.path.split(final)
+    return os.path.join(head, f".{tail}{PART_MARK}{nbytes}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+
+
+def is_complete(path: str, entry: FileEntry, *, check_crc: bool = True) -> bool:
+    """True if ``path`` exists with the indexed size (and CRC32C when ``check_crc``)."""
+    try:
+        if os.stat(path).st_size != entry.nbytes:
+            return False
+    except FileNotFoundError:
+        return False
+    if not check_crc:
+        return True
+    crc, _ = crc32c_file(path)
+    return to_hex(crc) == entry.crc32c
+
+
+def fetch_verified(
+    fs: Any,
+    rpath: str,
+    url: str,
+    final: str,
+    entry: FileEntry,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: Callable[[int], None] | None = None,
+    policy: RetryPolicy | None = None,
+) -> None:
+    """Copy ``rpath`` to ``final`` via a temp file, verify size and CRC32C, rename into place.
+
+    Transient errors are retried (a partial download is discarded and its progress rolled back);
+    a checksum mismatch is retried once, then raises :class:`DatasetError` naming the URL.
+    """
+    from fsspec.callbacks import Callback
+
+    os.makedirs(os.path.dirname(final) or ".", exist_ok=True)
+    tmp = temp_name(final, entry.nbytes)
+    done = [0]
+
+    class _Progress(Callback):  # type: ignore[misc]
+        def relative_update(self, inc: int = 1) -> None:
+            done[0] += inc
+            if progress is not None:
+                progress(inc)
+
+        def call(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    def _rollback() -> None:
+        if progress is not None and done[0]:
+            progress(-done[0])
+        done[0] = 0
+        _unlink(tmp)
+
+    def _get() -> None:
+        fs.get_file(rpath, tmp, callback=_Progress())
+        if done[0] == 0 and progress is not None:  # filesystems that do not report progress
+            size = os.path.getsize(tmp)
+            done[0] = size
+            progress(size)
+
+    try:
+        for attempt in (1, 2):
+            call(
+                _get,
+                url,
+                what="download",
+                storage_options=storage_options,
+                policy=policy,
+                on_retry=_rollback,
+            )
+            crc, size = crc32c_file(tmp)
+            if size == entry.nbytes and to_hex(crc) == entry.crc32c:
+                os.replace(tmp, final)
+                return
+            _rollback()
+            if attempt == 2:
+                raise DatasetError(
+                    f"{redact(url, storage_options)}: downloaded file does not match the index "
+                    f"(got {size} bytes, crc32c {to_hex(crc)}; index says {entry.nbytes} bytes, "
+                    f"crc32c {entry.crc32c})"
+                )
+    finally:
+        _unlink(tmp)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

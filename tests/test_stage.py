@@ -1,0 +1,280 @@
+"""feedpipe.stage against the real local S3 server (moto through s3fs), file:// and local paths."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from _faultproxy import FaultProxy
+
+from feedpipe import _remote
+from feedpipe._crc import crc32c, to_hex
+from feedpipe.errors import DatasetError
+from feedpipe.stage import stage
+
+SECRET_KEY = "AKIAFEEDPIPETESTKEY1"
+SECRET = "s3cr3t/FeedpipeTestSecretValue+xyz"
+
+
+def make_dataset(
+    root: Path, shards: int = 4, nbytes: int = 50_000, seed: int = 0
+) -> dict[str, bytes]:
+    """Write a small dataset in the feedpipe.memmap index format; return {relpath: content}."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    contents: dict[str, bytes] = {}
+    index: dict[str, Any] = {
+        "format": "feedpipe.memmap",
+        "version": 1,
+        "layout": {},
+        "fields": {},
+        "num_records": shards * 10,
+        "shards": [],
+    }
+    for s in range(shards):
+        files = {}
+        for kind, size in (("data", nbytes + 97 * s), ("offsets", 88)):
+            rel = f"shard-{s:05d}.{kind}"
+            data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+            (root / rel).write_bytes(data)
+            contents[rel] = data
+            files[kind] = {"path": rel, "bytes": size, "crc32c": to_hex(crc32c(data))}
+        index["shards"].append({"records": 10, "files": files})
+    (root / "index.json").write_text(json.dumps(index))
+    return contents
+
+
+def upload(local: Path, bucket: str, opts: dict[str, Any], prefix: str = "ds") -> str:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**opts)
+    for p in sorted(local.iterdir()):
+        fs.put_file(str(p), f"{bucket}/{prefix}/{p.name}")
+    return f"s3://{bucket}/{prefix}"
+
+
+def assert_same(dst: Path, contents: dict[str, bytes]) -> None:
+    for rel, data in contents.items():
+        assert (dst / rel).read_bytes() == data, rel
+    assert (dst / "index.json").exists()
+    assert not [p for p in dst.rglob("*") if ".part." in p.name]
+
+
+def feedpipe_logs(caplog: pytest.LogCaptureFixture) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("feedpipe"))
+
+
+def secret_opts(opts: dict[str, Any], endpoint: str | None = None) -> dict[str, Any]:
+    out = dict(opts, key=SECRET_KEY, secret=SECRET)
+    ck = dict(out["client_kwargs"])
+    if endpoint:
+        ck["endpoint_url"] = endpoint
+    out["client_kwargs"] = ck
+    # no retries inside botocore, so that feedpipe's own retry is what is tested (s3fs still
+    # retries dropped connections and SlowDown itself, but not a 500 InternalError)
+    out["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"}}
+    return out
+
+
+def test_stage_from_s3(tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    bucket, opts = s3_bucket
+    contents = make_dataset(tmp_path / "src")
+    url = upload(tmp_path / "src", bucket, opts)
+    result = stage(url, tmp_path / "dst", storage_options=opts, workers=4, progress=False)
+    assert result.copied == len(contents) and result.skipped == 0
+    assert result.bytes_copied == sum(len(v) for v in contents.values())
+    assert_same(tmp_path / "dst", contents)
+
+
+@pytest.mark.parametrize("scheme", ["path", "file"])
+def test_stage_from_local_path_and_file_url(tmp_path: Path, scheme: str) -> None:
+    contents = make_dataset(tmp_path / "lustre" / "ds")
+    src = str(tmp_path / "lustre" / "ds")
+    if scheme == "file":
+        src = "file://" + src
+    result = stage(src, tmp_path / "dst", workers=3, progress=False)
+    assert result.copied == len(contents)
+    assert_same(tmp_path / "dst", contents)
+
+
+def test_rerun_copies_only_missing_or_wrong(tmp_path: Path) -> None:
+    contents = make_dataset(tmp_path / "src", shards=3)
+    dst = tmp_path / "dst"
+    stage(tmp_path / "src", dst, progress=False)
+    (dst / "shard-00000.data").unlink()  # missing
+    bad = bytearray((dst / "shard-00001.data").read_bytes())
+    bad[100] ^= 0xFF  # same size, wrong content
+    (dst / "shard-00001.data").write_bytes(bytes(bad))
+    (dst / "shard-00002.offsets").write_bytes(b"short")  # wrong size
+    (dst / ".shard-00002.data.part.123.999999999.deadbeef").write_bytes(b"junk")  # crashed run
+    result = stage(tmp_path / "src", dst, progress=False)
+    assert result.copied == 3
+    assert result.skipped == len(contents) - 3
+    assert_same(dst, contents)
+
+
+def test_interrupted_stage_has_no_index_and_resumes(tmp_path: Path) -> None:
+    """A failed run leaves no index.json (not a complete dataset); the rerun fills the gap only."""
+    contents = make_dataset(tmp_path / "src", shards=4)
+    gone = tmp_path / "src" / "shard-00002.data"
+    saved = gone.read_bytes()
+    gone.unlink()
+    with pytest.raises(DatasetError, match=r"shard-00002\.data"):
+        stage(tmp_path / "src", tmp_path / "dst", workers=1, progress=False)
+    assert not (tmp_path / "dst" / "index.json").exists()
+    gone.write_bytes(saved)
+    result = stage(tmp_path / "src", tmp_path / "dst", workers=2, progress=False)
+    assert result.copied >= 1 and result.skipped >= 1
+    assert_same(tmp_path / "dst", contents)
+
+
+def test_corrupt_source_is_rejected_naming_url(tmp_path: Path) -> None:
+    make_dataset(tmp_path / "src", shards=2)
+    p = tmp_path / "src" / "shard-00001.data"
+    data = bytearray(p.read_bytes())
+    data[0] ^= 1
+    p.write_bytes(bytes(data))
+    with pytest.raises(DatasetError, match=r"shard-00001\.data.*does not match the index"):
+        stage(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst" / "shard-00001.data").exists()
+    assert not (tmp_path / "dst" / "index.json").exists()
+
+
+def test_not_a_dataset(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "index.json").write_text('{"format": "other"}')
+    with pytest.raises(DatasetError, match="not a feedpipe dataset index"):
+        stage(tmp_path / "src", tmp_path / "dst", progress=False)
+    (tmp_path / "src" / "index.json").write_text("{nope")
+    with pytest.raises(DatasetError, match="not valid JSON"):
+        stage(tmp_path / "src", tmp_path / "dst", progress=False)
+
+
+def test_missing_key_and_bucket_fail_fast_naming_url(
+    tmp_path: Path,
+    s3_bucket: tuple[str, dict[str, Any]],
+    s3_server: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    bucket, opts = s3_bucket
+    sopts = secret_opts(opts)
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(_remote.RemoteError) as info:
+        stage(f"s3://{bucket}/nothing-here", tmp_path / "a", storage_options=sopts, progress=False)
+    assert info.value.permanent and f"s3://{bucket}/nothing-here/index.json" in str(info.value)
+    with pytest.raises(_remote.RemoteError) as info2:
+        stage(
+            "s3://no-such-bucket-feedpipe/ds", tmp_path / "b", storage_options=sopts, progress=False
+        )
+    assert info2.value.permanent and "s3://no-such-bucket-feedpipe/ds/index.json" in str(
+        info2.value
+    )
+    for text in (str(info.value), repr(info.value), str(info2.value), feedpipe_logs(caplog)):
+        assert SECRET not in text and SECRET_KEY not in text
+    assert SECRET not in caplog.text  # botocore's DEBUG logs show the key id, never the secret
+
+
+def test_transient_faults_are_retried(
+    tmp_path: Path,
+    s3_bucket: tuple[str, dict[str, Any]],
+    s3_server: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    bucket, opts = s3_bucket
+    contents = make_dataset(tmp_path / "src", shards=3)
+    url = upload(tmp_path / "src", bucket, opts)
+    caplog.set_level(logging.DEBUG)
+    with FaultProxy(s3_server) as proxy:
+        proxy.inject("drop", times=2, match="/index.json")
+        proxy.inject("503", times=2, match="shard-00001.data")
+        proxy.inject("truncate", times=1, match="shard-00002.data", method="GET")
+        proxy.inject("500", times=1, match="shard-00000.offsets")
+        result = stage(
+            url,
+            tmp_path / "dst",
+            storage_options=secret_opts(opts, proxy.url),
+            workers=4,
+            progress=False,
+        )
+        assert proxy.pending() == 0 and proxy.faults_served == 6
+    assert result.copied == len(contents)
+    assert_same(tmp_path / "dst", contents)
+    assert "retrying" in feedpipe_logs(caplog)
+    assert SECRET not in caplog.text and SECRET_KEY not in feedpipe_logs(caplog)
+
+
+def test_access_denied_fails_at_once_without_leaking(
+    tmp_path: Path,
+    s3_bucket: tuple[str, dict[str, Any]],
+    s3_server: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    bucket, opts = s3_bucket
+    make_dataset(tmp_path / "src", shards=2)
+    url = upload(tmp_path / "src", bucket, opts)
+    caplog.set_level(logging.DEBUG)
+    with FaultProxy(s3_server) as proxy:
+        proxy.inject("403", times=100, match="shard-00001.data")
+        with pytest.raises(_remote.RemoteError) as info:
+            stage(
+                url,
+                tmp_path / "dst",
+                storage_options=secret_opts(opts, proxy.url),
+                workers=2,
+                progress=False,
+            )
+        hits = [r for r in proxy.requests if "shard-00001.data" in r[1]]
+    assert info.value.permanent
+    assert f"{url}/shard-00001.data" in str(info.value)
+    assert len(hits) == 1  # failed at once: no retries
+    for text in (str(info.value), repr(info.value), feedpipe_logs(caplog)):
+        assert SECRET not in text and SECRET_KEY not in text
+    assert SECRET not in caplog.text
+    assert not (tmp_path / "dst" / "index.json").exists()
+
+
+def test_retry_gives_up_at_deadline(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]], s3_server: str
+) -> None:
+    bucket, opts = s3_bucket
+    make_dataset(tmp_path / "src", shards=1)
+    url = upload(tmp_path / "src", bucket, opts)
+    with FaultProxy(s3_server) as proxy:
+        proxy.inject("500", times=10_000, match="shard-00000.data")
+        with pytest.raises(_remote.RemoteError, match=r"still failing after \d+ attempts") as info:
+            stage(
+                url,
+                tmp_path / "dst",
+                storage_options=secret_opts(opts, proxy.url),
+                progress=False,
+                deadline_s=1.0,
+            )
+    assert not info.value.permanent and "shard-00000.data" in str(info.value)
+
+
+def test_redact() -> None:
+    opts = {
+        "key": "AKIAXXXXYYYY",
+        "secret": "abc/def+ghi",
+        "client_kwargs": {"aws_session_token": "tok123456"},
+    }
+    text = "s3://user:pw@host/x?X-Amz-Signature=deadbeef&a=1 AKIAXXXXYYYY abc/def+ghi tok123456"
+    out = _remote.redact(text, opts)
+    for secret in ("pw@", "deadbeef", "AKIAXXXXYYYY", "abc/def+ghi", "tok123456"):
+        assert secret not in out
+    assert "a=1" in out
+
+
+def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from feedpipe.cli import main
+
+    contents = make_dataset(tmp_path / "src", shards=2)
+    assert main(["stage", str(tmp_path / "src"), str(tmp_path / "dst"), "--no-progress"]) == 0
+    assert "4 files copied" in capsys.readouterr().out
+    assert_same(tmp_path / "dst", contents)
+    assert main(["stage", str(tmp_path / "missing"), str(tmp_path / "dst2"), "--no-progress"]) == 1
+    assert "missing/index.json" in capsys.readouterr().err
