@@ -301,6 +301,8 @@ class StallMeter:
         for i, n in enumerate(hist):
             seen += n
             if seen >= rank:
+                if i == _NBUCKETS - 1:  # the top bucket also holds clamped, longer waits
+                    return self.wait_max_s
                 return min(_bucket_value(i), self.wait_max_s) if i else 0.0
         return self.wait_max_s  # pragma: no cover - unreachable
 
