@@ -1,0 +1,168 @@
+"""DALI pipeline graphs for :mod:`feedpipe.dali`: decode + train/eval transforms, and a CPU probe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from feedpipe.errors import require
+
+__all__: list[str] = []
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class Transform:
+    """The image transforms: ``train`` = random resized crop + flip; eval = resize + center crop."""
+
+    train: bool = True
+    crop: int = 224
+    resize: int = 256  # eval: shorter side before the center crop
+    mean: tuple[float, ...] = IMAGENET_MEAN  # in [0, 1] units
+    std: tuple[float, ...] = IMAGENET_STD
+    output_layout: str = "NCHW"
+    dtype: str = "float32"  # "float32" | "float16" | "uint8"
+    random_area: tuple[float, float] = (0.08, 1.0)
+    random_aspect_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+
+
+def _dali_dtype(types: Any, name: str) -> Any:
+    table = {"float32": types.FLOAT, "float16": types.FLOAT16, "uint8": types.UINT8}
+    if name not in table:
+        raise ValueError(f"dtype must be one of {sorted(table)}, got {name!r}")
+    return table[name]
+
+
+def augment(encoded: Any, t: Transform, decode_device: str, hw_decoder_load: float) -> Any:
+    """Decode ``encoded`` (a DataNode of encoded images) and apply the transforms of ``t``."""
+    fn = require("nvidia.dali.fn", "dali")
+    types = require("nvidia.dali.types", "dali")
+    extra: dict[str, Any] = {}
+    if decode_device == "mixed":  # nvJPEG + the hardware JPEG decoder
+        extra = {
+            "hw_decoder_load": hw_decoder_load,
+            "device_memory_padding": 211025920,
+            "host_memory_padding": 140544512,
+        }
+    if t.train:
+        images = fn.decoders.image_random_crop(
+            encoded,
+            device=decode_device,
+            output_type=types.RGB,
+            random_area=list(t.random_area),
+            random_aspect_ratio=list(t.random_aspect_ratio),
+            num_attempts=100,
+            **extra,
+        )
+        images = fn.resize(images, resize_x=t.crop, resize_y=t.crop, antialias=False)
+        mirror = fn.random.coin_flip(probability=0.5)
+    else:
+        images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB, **extra)
+        images = fn.resize(images, resize_shorter=t.resize)
+        mirror = 0
+    layout = t.output_layout.removeprefix("N")
+    if layout not in ("CHW", "HWC"):
+        raise ValueError(f"output_layout must be 'NCHW' or 'NHWC', got {t.output_layout!r}")
+    dtype = _dali_dtype(types, t.dtype)
+    return fn.crop_mirror_normalize(
+        images,
+        dtype=dtype,
+        output_layout=layout,
+        crop=(t.crop, t.crop),
+        mean=[m * 255 for m in t.mean] if t.dtype != "uint8" else [0.0] * 3,
+        std=[s * 255 for s in t.std] if t.dtype != "uint8" else [1.0] * 3,
+        mirror=mirror,
+    )
+
+
+def build_main(
+    source: Any,
+    t: Transform,
+    *,
+    batch_size: int,
+    num_threads: int,
+    device_id: int | None,
+    seed: int,
+    py_num_workers: int,
+    py_start_method: str,
+    prefetch: int,
+    hw_decoder_load: float,
+) -> Any:
+    """The loader's pipeline: parallel external source -> decode -> transforms (+ labels, meta)."""
+    dali = require("nvidia.dali", "dali")
+    fn = require("nvidia.dali.fn", "dali")
+    types = require("nvidia.dali.types", "dali")
+    pipe = dali.Pipeline(
+        batch_size=batch_size,
+        num_threads=num_threads,
+        device_id=device_id,
+        seed=seed,
+        py_num_workers=py_num_workers,
+        py_start_method=py_start_method,
+        prefetch_queue_depth=2,
+        exec_dynamic=True,
+    )
+    with pipe:
+        encoded, labels, meta = fn.external_source(
+            source,
+            num_outputs=3,
+            batch=True,
+            batch_info=True,
+            parallel=True,
+            prefetch_queue_depth=prefetch,
+            dtype=[types.UINT8, types.INT64, types.INT64],
+        )
+        decode_device = "cpu" if device_id is None else "mixed"
+        pipe.set_outputs(augment(encoded, t, decode_device, hw_decoder_load), labels, meta)
+    pipe.build()
+    return pipe
+
+
+def build_fed(
+    t: Transform,
+    *,
+    batch_size: int,
+    num_threads: int,
+    device_id: int | None,
+    seed: int,
+    hw_decoder_load: float,
+) -> Any:
+    """Same graph, fed from the main process (``feed_input("encoded", ...)``): repairs a batch."""
+    dali = require("nvidia.dali", "dali")
+    fn = require("nvidia.dali.fn", "dali")
+    types = require("nvidia.dali.types", "dali")
+    pipe = dali.Pipeline(
+        batch_size=batch_size,
+        num_threads=num_threads,
+        device_id=device_id,
+        seed=seed,
+        prefetch_queue_depth=1,
+        exec_dynamic=True,
+    )
+    with pipe:
+        encoded = fn.external_source(name="encoded", dtype=types.UINT8)
+        decode_device = "cpu" if device_id is None else "mixed"
+        pipe.set_outputs(augment(encoded, t, decode_device, hw_decoder_load))
+    pipe.build()
+    return pipe
+
+
+def build_probe(num_threads: int = 1) -> Any:
+    """A batch-of-one CPU decoder: tells which record of a failed batch DALI cannot decode."""
+    dali = require("nvidia.dali", "dali")
+    fn = require("nvidia.dali.fn", "dali")
+    types = require("nvidia.dali.types", "dali")
+    pipe = dali.Pipeline(
+        batch_size=1,
+        num_threads=num_threads,
+        device_id=None,
+        prefetch_queue_depth=1,
+        exec_dynamic=True,
+    )
+    with pipe:
+        encoded = fn.external_source(name="encoded", dtype=types.UINT8)
+        pipe.set_outputs(fn.decoders.image(encoded, device="cpu", output_type=types.RGB))
+    pipe.build()
+    return pipe

@@ -1,0 +1,442 @@
+"""DALI image loading: encoded images + labels from a feedpipe dataset, decoded and augmented by DALI.
+
+``ImageLoader`` iterates like a ``DataLoader`` (``len``, epochs, ``drop_last``, ``state_dict``)
+and yields ``(images, labels)`` torch tensors, on the GPU with ``device="cuda"`` (nvJPEG and the
+hardware JPEG decoder, ``hw_decoder_load``) or on the CPU with ``device="cpu"`` (DALI's CPU
+backend). The order of indices comes from a feedpipe or torch sampler, so sharding, shuffling and
+(elastic) resume are the sampler's; DALI's parallel external source reads the records through
+the dataset in ``py_num_workers`` processes.
+
+Bad records. ``on_error="raise"`` (default) raises :class:`~feedpipe.errors.DatasetError` naming
+the dataset, shard and record. ``on_error="skip"`` replaces a bad record by the next valid record
+in dataset order (``i + 1, i + 2, ...`` modulo the length), counts it in ``loader.skipped`` and
+keeps its index in ``loader.skipped_indices`` and in the state, so a resumed run replaces the same
+records. Records are checked cheaply before decode (magic bytes, end marker); if DALI still fails
+on a batch, each record of that batch is decoded alone on the CPU to find the bad one(s), and the
+batch is decoded again without them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from feedpipe import _dali_source as _src
+from feedpipe._dali_pipe import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    Transform,
+    build_fed,
+    build_main,
+    build_probe,
+)
+from feedpipe.errors import DatasetError, WorkerError, require
+from feedpipe.stall import StallMeter
+
+__all__ = ["ImageLoader"]
+
+_STATE_VERSION = 1
+
+
+class ImageLoader:
+    """Decode and augment images of a feedpipe dataset with DALI; yields ``(images, labels)``.
+
+    Args:
+        dataset: indexable; ``dataset[i]`` gives ``(encoded uint8 array/tensor, int label)`` or a
+            dict with ``"data"`` and ``"label"`` (e.g. :class:`feedpipe.MemmapDataset`, bytes
+            layout). It is pickled into DALI's worker processes.
+        batch_size: images per batch.
+        sampler: a feedpipe/torch sampler (``set_epoch`` and ``state_dict`` are used when present);
+            default: ``feedpipe.DistributedSampler`` over one rank with ``shuffle`` and ``seed``.
+        drop_last: drop the last incomplete batch.
+        train: random resized crop + horizontal flip; else resize the shorter side to ``resize``
+            and center-crop ``crop``. Then normalize with ``mean``/``std`` (0..1 units) into
+            ``dtype`` ("float32", "float16" or "uint8" = no normalization) and ``output_layout``.
+        device: "cuda" (decode with ``device="mixed"`` on GPU ``device_id``) or "cpu".
+        num_threads: DALI operator threads; py_num_workers: reader processes.
+        py_start_method: "spawn" (safe once CUDA is initialised) or "fork".
+        hw_decoder_load: share of JPEGs sent to the hardware decoder (GPU only).
+        on_error: "raise" or "skip" (see the module docstring).
+        meter: a :class:`~feedpipe.StallMeter` to report into (one is created otherwise).
+        timeout: seconds to wait for one batch before raising :class:`~feedpipe.errors.WorkerError`.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        *,
+        sampler: Any = None,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        seed: int = 0,
+        train: bool = True,
+        crop: int = 224,
+        resize: int = 256,
+        mean: tuple[float, ...] = IMAGENET_MEAN,
+        std: tuple[float, ...] = IMAGENET_STD,
+        output_layout: str = "NCHW",
+        dtype: str = "float32",
+        device: str = "cuda",
+        device_id: int | None = None,
+        num_threads: int = 4,
+        py_num_workers: int = 4,
+        py_start_method: str = "spawn",
+        prefetch: int | None = None,
+        hw_decoder_load: float = 0.9,
+        on_error: str = "raise",
+        meter: StallMeter | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        require("nvidia.dali", "dali")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        if output_layout not in ("NCHW", "NHWC"):
+            raise ValueError(f"output_layout must be 'NCHW' or 'NHWC', got {output_layout!r}")
+        if device == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("device='cuda' needs a CUDA GPU; use device='cpu' without one")
+            device_id = torch.cuda.current_device() if device_id is None else device_id
+        else:
+            device_id = None
+        if sampler is None:
+            from feedpipe.sampler import DistributedSampler
+
+            sampler = DistributedSampler(
+                dataset,
+                num_replicas=1,
+                rank=0,
+                shuffle=shuffle,
+                seed=seed,
+                pad=False,
+                batch_size=batch_size,
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.sampler = sampler
+        self.drop_last = drop_last
+        self.on_error = on_error
+        self.device = torch.device("cpu") if device_id is None else torch.device("cuda", device_id)
+        self.transform = Transform(
+            train=train,
+            crop=crop,
+            resize=resize,
+            mean=tuple(mean),
+            std=tuple(std),
+            output_layout=output_layout,
+            dtype=dtype,
+        )
+        self.meter = meter if meter is not None else StallMeter()
+        self.timeout = timeout
+        self.skipped = 0  # bad records replaced so far (one per replaced sample)
+        self._skip: set[int] = set()
+        self._device_id = device_id
+        self._num_threads = num_threads
+        self._py_num_workers = py_num_workers
+        self._py_start_method = py_start_method
+        self._prefetch = prefetch if prefetch is not None else max(2, py_num_workers)
+        self._hw_decoder_load = hw_decoder_load
+        self._seed = seed + 7919 * int(getattr(sampler, "rank", 0) or 0)
+        self._plan_dir: str | None = None
+        self._pipe: Any = None
+        self._fed: Any = None
+        self._probe: Any = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._dali_epoch = -1
+        self._running = False  # a pipeline epoch is in flight (not run to its end)
+        self._iter_state: dict[str, Any] | None = None  # sampler state at the current __iter__
+        self._delivered = 0
+        self._resume_skip = 0  # for samplers without state_dict: indices to drop on next iter
+
+    # ------------------------------------------------------------------ DataLoader-like API
+    @property
+    def skipped_indices(self) -> list[int]:
+        """Dataset indices found bad so far (and those loaded from a state)."""
+        return sorted(self._skip)
+
+    def __len__(self) -> int:
+        n = len(self.sampler) - self._resume_skip
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forwarded to the sampler (reshuffles); call it before iterating each epoch."""
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+        self._iter_state = None
+        self._resume_skip = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        indices = self._begin_epoch()
+        return self._batches(indices)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sampler state (``consumed`` = samples delivered this epoch) + the bad-record list."""
+        if self._iter_state is not None:
+            base = self._iter_state
+            sampler_state = {**base, "consumed": int(base["consumed"]) + self._delivered}
+        elif hasattr(self.sampler, "state_dict"):
+            sampler_state = self.sampler.state_dict()
+        else:
+            sampler_state = {"consumed": self._resume_skip}
+        return {
+            "version": _STATE_VERSION,
+            "sampler": sampler_state,
+            "skipped": self.skipped_indices,
+            "skipped_count": self.skipped,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next ``__iter__`` continues the saved epoch after its consumed samples."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"unsupported ImageLoader state version {state.get('version')!r}")
+        if hasattr(self.sampler, "load_state_dict"):
+            self.sampler.load_state_dict(state["sampler"])
+            self._resume_skip = 0
+        else:
+            self._resume_skip = int(state["sampler"]["consumed"])
+        self._skip = {int(i) for i in state["skipped"]}
+        self.skipped = int(state.get("skipped_count", 0))
+        self._iter_state = None
+
+    def close(self) -> None:
+        """Stop DALI's workers and remove the plan directory (also done at garbage collection)."""
+        self._pipe = self._fed = self._probe = None
+        self._running = False
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        if self._plan_dir is not None:
+            shutil.rmtree(self._plan_dir, ignore_errors=True)
+            self._plan_dir = None
+
+    def __enter__(self) -> ImageLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------------- internals
+    def _begin_epoch(self) -> np.ndarray:
+        if self._running:  # the previous iteration was abandoned mid-epoch: start over
+            self._pipe = None
+            self._running = False
+        self._iter_state = (
+            dict(self.sampler.state_dict())
+            if hasattr(self.sampler, "state_dict")
+            else {"consumed": self._resume_skip}
+        )
+        self._delivered = 0
+        indices = np.fromiter((int(i) for i in self.sampler), dtype=np.int64)
+        if self._resume_skip:
+            indices, self._resume_skip = indices[self._resume_skip :], 0
+        return indices
+
+    def _start_pipeline(self, indices: np.ndarray) -> None:
+        if self._plan_dir is None:
+            shm = Path("/dev/shm")
+            self._plan_dir = tempfile.mkdtemp(
+                prefix="feedpipe-dali-", dir=shm if shm.is_dir() else None
+            )
+        root = Path(self._plan_dir)
+        if self._pipe is None:
+            self._dali_epoch = 0
+            _src.write_plan(root, 0, indices, sorted(self._skip))
+            source = _src._BatchSource(self.dataset, str(root), self.batch_size, self.drop_last)
+            self._pipe = build_main(
+                source,
+                self.transform,
+                batch_size=self.batch_size,
+                num_threads=self._num_threads,
+                device_id=self._device_id,
+                seed=self._seed,
+                py_num_workers=self._py_num_workers,
+                py_start_method=self._py_start_method,
+                prefetch=self._prefetch,
+                hw_decoder_load=self._hw_decoder_load,
+            )
+        else:
+            self._dali_epoch += 1
+            _src.write_plan(root, self._dali_epoch, indices, sorted(self._skip))
+            self._pipe.reset()
+        self._running = True
+
+    def _run(self, pipe: Any, what: str) -> Any:
+        """``pipe.run()`` with a timeout; a hung or dead worker raises WorkerError."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "feedpipe-dali")
+        future = self._pool.submit(pipe.run)
+        try:
+            return future.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool, self._pipe, self._running = None, None, False
+            raise WorkerError(
+                f"DALI pipeline produced no {what} within {self.timeout} s "
+                f"(dataset {_describe(self.dataset)})"
+            ) from None
+
+    def _batches(self, indices: np.ndarray) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        bs = self.batch_size
+        n_batches = len(indices) // bs if self.drop_last else math.ceil(len(indices) / bs)
+        if n_batches == 0:
+            return
+        self._start_pipeline(indices)
+        for b in range(n_batches):
+            self.meter.wait_begin()
+            try:
+                out = self._run(self._pipe, f"batch {b}")
+            except StopIteration:
+                self._running = False
+                raise WorkerError(f"DALI pipeline ended after {b} of {n_batches} batches") from None
+            except (WorkerError, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # DALI could not decode this batch
+                batch = indices[b * bs : (b + 1) * bs]
+                images, labels, meta = self._repair(batch, exc)
+            else:
+                images, labels, meta = self._to_torch(out)
+            expected = indices[b * bs : (b + 1) * bs]
+            if not np.array_equal(meta[:, 0], expected):
+                raise WorkerError(
+                    f"DALI returned batch {b} out of order: indices {meta[:, 0].tolist()[:8]}, "
+                    f"expected {expected.tolist()[:8]}"
+                )
+            self._account(meta)
+            nbytes = int(meta[:, 4].sum())
+            self.meter.add_stage("fetch", float(meta[:, 3].sum()) / 1e9, nbytes)
+            self.meter.wait_end(samples=len(labels), nbytes=nbytes)
+            self._delivered += len(labels)
+            yield images, labels
+        try:  # let DALI see the end of its epoch, so the next one starts with reset()
+            self._run(self._pipe, "end of epoch")
+            raise WorkerError("DALI pipeline produced more batches than the plan holds")
+        except StopIteration:
+            self._running = False
+
+    def _to_torch(self, out: Any) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        images = _tensor(out[0], self.device)
+        labels = torch.from_numpy(np.asarray(out[1].as_tensor()).reshape(-1).copy())
+        meta = np.asarray(out[2].as_tensor()).reshape(-1, _src._META_COLS)
+        return images, labels.to(self.device, non_blocking=True), meta
+
+    def _account(self, meta: np.ndarray) -> None:
+        """Raise for bad records (``on_error="raise"``) or count them (``"skip"``)."""
+        for requested, used, reason in meta[:, :3].tolist():
+            if requested == used:
+                continue
+            if self.on_error == "raise" and reason != _src.KNOWN_BAD:
+                raise self._error(requested, reason)
+            self.skipped += 1
+            self._skip.add(requested)
+
+    def _error(self, index: int, reason: int, cause: BaseException | None = None) -> DatasetError:
+        if reason == _src.READ_ERROR and cause is None:
+            try:
+                self.dataset[index]
+            except Exception as exc:
+                cause = exc
+        err = DatasetError(
+            f"bad image in dataset {_describe(self.dataset)}, {_locate(self.dataset, index)} "
+            f"(index {index}): {_src.REASONS[reason]}"
+            + (f": {type(cause).__name__}: {cause}" if reason == _src.READ_ERROR and cause else "")
+        )
+        err.__cause__ = cause
+        return err
+
+    def _repair(
+        self, batch: np.ndarray, exc: Exception
+    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """DALI failed on ``batch``: find the undecodable records on the CPU, decode without them."""
+        start = time.perf_counter()
+        bufs, labels, rows = [], [], []
+        for index in batch.tolist():
+            while True:
+                buf, label, row = _src.read_valid(self.dataset, index, self._skip)
+                if self._decodes(buf):
+                    break
+                used = int(row[1])
+                if self.on_error == "raise":
+                    raise self._error(used, _src.DECODE_ERROR, exc)
+                self._skip.add(used)  # the next read_valid moves past it
+            if int(row[1]) != index and int(row[2]) == _src.OK:
+                row[2] = _src.DECODE_ERROR
+            bufs.append(buf)
+            labels.append(label)
+            rows.append(row)
+        if self._fed is None:
+            self._fed = build_fed(
+                self.transform,
+                batch_size=self.batch_size,
+                num_threads=self._num_threads,
+                device_id=self._device_id,
+                seed=self._seed + 1,
+                hw_decoder_load=self._hw_decoder_load,
+            )
+        self._fed.feed_input("encoded", bufs)
+        (images,) = self._run(self._fed, "repaired batch")
+        self.meter.add_stage("repair", time.perf_counter() - start)
+        label_t = torch.tensor(labels, dtype=torch.int64)
+        return _tensor(images, self.device), label_t.to(self.device), np.stack(rows)
+
+    def _decodes(self, buf: np.ndarray) -> bool:
+        if self._probe is None:
+            self._probe = build_probe()
+        self._probe.feed_input("encoded", [buf])
+        try:
+            self._probe.run()
+        except Exception:
+            self._probe = build_probe()  # a failed pipeline is not reused
+            return False
+        return True
+
+
+def _tensor(batch: Any, device: torch.device) -> torch.Tensor:
+    """Copy a DALI TensorList (CPU or GPU) into a new torch tensor on ``device``."""
+    dense = batch.as_tensor()
+    if device.type == "cpu":
+        return torch.from_numpy(np.array(dense))
+    plugin = require("nvidia.dali.plugin.pytorch", "dali")
+    types = require("nvidia.dali.types", "dali")
+    dtypes = {types.FLOAT: torch.float32, types.FLOAT16: torch.float16, types.UINT8: torch.uint8}
+    out = torch.empty(dense.shape(), dtype=dtypes[dense.dtype], device=device)
+    plugin.feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream(device))
+    return out
+
+
+def _describe(dataset: Any) -> str:
+    for attr in ("path", "root", "url"):
+        value = getattr(dataset, attr, None)
+        if value is not None:
+            return str(value)
+    return type(dataset).__name__
+
+
+def _locate(dataset: Any, index: int) -> str:
+    """``"shard S, record R"`` when the dataset can tell, else ``"record I"``."""
+    locate = getattr(dataset, "locate", None)
+    if callable(locate):
+        try:
+            shard, record = locate(index)
+            return f"shard {shard}, record {record}"
+        except Exception:
+            pass
+    return f"record {index}"

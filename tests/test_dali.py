@@ -1,0 +1,292 @@
+"""feedpipe.dali.ImageLoader on DALI's CPU backend (the GPU path is marked ``gpu``).
+
+Real JPEGs (PIL), real corrupt records (truncated, garbage, zero-length, corrupt entropy data),
+real DALI pipelines with their parallel worker processes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nvidia.dali")
+Image = pytest.importorskip("PIL.Image")
+
+from feedpipe.dali import ImageLoader  # noqa: E402
+from feedpipe.errors import DatasetError  # noqa: E402
+from feedpipe.sampler import DistributedSampler  # noqa: E402
+from feedpipe.stall import StallMeter  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+CROP, RESIZE = 32, 40
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class BytesDataset:
+    """A picklable in-memory dataset of encoded images: ``ds[i] -> (uint8 array, label)``."""
+
+    def __init__(self, records: list[bytes], path: str = "mem://images") -> None:
+        self.records = records
+        self.path = path
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        return np.frombuffer(self.records[i], dtype=np.uint8), i
+
+    def locate(self, i: int) -> tuple[int, int]:
+        return i // 8, i % 8  # pretend shards of 8 records
+
+
+def _jpeg(seed: int, w: int = 60, h: int = 48) -> bytes:
+    """A smooth colour gradient (so resampling filters agree) with a per-image offset."""
+    y, x = np.mgrid[0:h, 0:w]
+    rgb = np.stack([x * 255 // w, y * 255 // h, (x + y + 17 * seed) % 256], axis=-1)
+    buf = io.BytesIO()
+    Image.fromarray(rgb.astype(np.uint8)).save(buf, format="JPEG", quality=95)
+    return buf.getvalue()
+
+
+def _corrupt(kind: str, good: bytes) -> bytes:
+    if kind == "truncated":
+        return good[: len(good) // 2]
+    if kind == "garbage":
+        return bytes(np.random.default_rng(1).integers(0, 256, 2000, dtype=np.uint8))
+    if kind == "empty":
+        return b""
+    if kind == "corrupt_data":  # valid header and end marker, broken entropy-coded data
+        bad = bytearray(good)
+        bad[400 : len(bad) - 200] = b"\xff\x07" * ((len(bad) - 600) // 2)
+        return bytes(bad)
+    raise ValueError(kind)
+
+
+@pytest.fixture(scope="module")
+def images() -> list[bytes]:
+    return [_jpeg(i) for i in range(22)]
+
+
+def _loader(ds: BytesDataset, **kw: object) -> ImageLoader:
+    opts: dict[str, object] = dict(
+        device="cpu", crop=CROP, resize=RESIZE, num_threads=2, py_num_workers=1, timeout=60
+    )
+    opts.update(kw)
+    return ImageLoader(ds, **opts)  # type: ignore[arg-type]
+
+
+def _reference_eval(record: bytes) -> torch.Tensor:
+    """PIL: resize the shorter side to RESIZE, center-crop CROP, normalize, CHW."""
+    img = Image.open(io.BytesIO(record)).convert("RGB")
+    w, h = img.size
+    s = RESIZE / min(w, h)
+    img = img.resize((round(w * s), round(h * s)), Image.BILINEAR)
+    w, h = img.size
+    left, top = round((w - CROP) / 2), round((h - CROP) / 2)
+    a = np.asarray(img.crop((left, top, left + CROP, top + CROP)), dtype=np.float32)
+    a = (a - np.array(MEAN) * 255) / (np.array(STD) * 255)
+    return torch.from_numpy(a.transpose(2, 0, 1).astype(np.float32))
+
+
+def test_eval_values_shapes_and_determinism(images: list[bytes]) -> None:
+    ds = BytesDataset(images)
+    meter = StallMeter()
+    with _loader(ds, batch_size=5, train=False, shuffle=False, meter=meter) as loader:
+        assert len(loader) == 5  # 22 images, last batch of 2
+        epochs = []
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            batches = list(loader)
+            assert [len(y) for _, y in batches] == [5, 5, 5, 5, 2]
+            epochs.append(batches)
+        assert meter.samples == 44 and meter.batches == 10
+        assert meter.stage_bytes["fetch"] == 2 * sum(len(r) for r in images)
+    x = torch.cat([b[0] for b in epochs[0]])
+    y = torch.cat([b[1] for b in epochs[0]])
+    assert x.shape == (22, 3, CROP, CROP) and x.dtype == torch.float32
+    assert y.dtype == torch.int64 and y.tolist() == list(range(22))
+    for (x0, y0), (x1, y1) in zip(epochs[0], epochs[1]):
+        assert torch.equal(x0, x1) and torch.equal(y0, y1)  # eval is deterministic
+    ref = torch.stack([_reference_eval(r) for r in images])
+    err = (x - ref).abs()
+    assert err.mean() < 0.05, err.mean()  # normalized units; interpolation differs slightly
+    assert err.max() < 1.0
+    # not a constant image: the per-image blue offset shows up
+    assert (x[0, 2] - x[1, 2]).abs().mean() > 0.1
+
+
+def test_train_layout_dtype_and_drop_last(images: list[bytes]) -> None:
+    ds = BytesDataset(images)
+    with _loader(
+        ds,
+        batch_size=4,
+        train=True,
+        shuffle=True,
+        seed=3,
+        drop_last=True,
+        output_layout="NHWC",
+        dtype="float16",
+    ) as loader:
+        assert len(loader) == 5
+        loader.set_epoch(0)
+        first = list(loader)
+        loader.set_epoch(1)
+        second = list(loader)
+    sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=3, pad=False)
+    for epoch, batches in enumerate((first, second)):
+        sampler.set_epoch(epoch)
+        assert len(batches) == 5
+        for x, _ in batches:
+            assert x.shape == (4, CROP, CROP, 3) and x.dtype == torch.float16
+            assert torch.isfinite(x).all()
+        labels = torch.cat([y for _, y in batches]).tolist()
+        assert labels == list(sampler)[:20]  # the sampler's order; the last 2 dropped
+    assert labels != torch.cat([y for _, y in first]).tolist()  # reshuffled per epoch
+
+
+def test_uint8_is_unnormalized(images: list[bytes]) -> None:
+    with _loader(BytesDataset(images[:4]), batch_size=4, train=False, dtype="uint8") as loader:
+        ((x, _y),) = list(loader)
+    assert x.dtype == torch.uint8 and x.shape == (4, 3, CROP, CROP)
+    ref = torch.stack([_reference_eval(r) for r in images[:4]])
+    ref_u8 = ref * torch.tensor(STD).view(3, 1, 1) * 255 + torch.tensor(MEAN).view(3, 1, 1) * 255
+    assert (x.float() - ref_u8[torch.argsort(_y)]).abs().mean() < 12
+
+
+def test_two_ranks_disjoint_and_complete(images: list[bytes]) -> None:
+    ds = BytesDataset(images)
+    seen = []
+    for rank in range(2):
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, seed=5, pad=False)
+        sampler.set_epoch(1)
+        with _loader(ds, batch_size=4, sampler=sampler, train=False) as loader:
+            seen.append(torch.cat([y for _, y in loader]).tolist())
+    assert len(seen[0]) == len(seen[1]) == 11
+    assert not set(seen[0]) & set(seen[1])
+    assert sorted(seen[0] + seen[1]) == list(range(22))
+
+
+def test_resume_mid_epoch(images: list[bytes]) -> None:
+    ds = BytesDataset(images)
+    kw = dict(batch_size=4, train=True, shuffle=True, seed=11)
+    with _loader(ds, **kw) as loader:
+        loader.set_epoch(2)
+        it = iter(loader)
+        head = [next(it)[1] for _ in range(2)]
+        state = json.loads(json.dumps(loader.state_dict()))  # plain and JSON-able
+        # abandon mid-epoch, then iterate again: a fresh epoch 2 from the start
+        assert torch.cat([y for _, y in loader]).tolist()[:8] == torch.cat(head).tolist()
+    assert state["sampler"]["consumed"] == 8
+    with _loader(ds, **kw) as resumed:
+        resumed.load_state_dict(state)
+        assert len(resumed) == 4  # 14 samples left
+        tail = torch.cat([y for _, y in resumed]).tolist()
+    sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=11, pad=False)
+    sampler.set_epoch(2)
+    order = list(sampler)
+    assert torch.cat(head).tolist() == order[:8]
+    assert tail == order[8:]
+
+
+def _with_corrupt(images: list[bytes], bad: dict[int, str]) -> BytesDataset:
+    records = list(images)
+    for i, kind in bad.items():
+        records[i] = _corrupt(kind, images[i])
+    return BytesDataset(records)
+
+
+BAD = {3: "truncated", 4: "garbage", 9: "empty", 14: "corrupt_data", 15: "corrupt_data"}
+
+
+def test_skip_replaces_with_next_valid_record_and_resumes(images: list[bytes]) -> None:
+    ds = _with_corrupt(images, BAD)
+    # 3 and 4 -> 5; 9 -> 10; 14 and 15 -> 16 (the next valid record in dataset order)
+    expected = [0, 1, 2, 5, 5, 5, 6, 7, 8, 10, 10, 11, 12, 13, 16, 16, 16, *range(17, 22)]
+    with _loader(ds, batch_size=4, train=False, shuffle=False, on_error="skip") as loader:
+        it = iter(loader)
+        head = [next(it) for _ in range(2)]
+        state = json.loads(json.dumps(loader.state_dict()))
+        rest = list(it)
+        labels = torch.cat([y for _, y in head + rest]).tolist()
+        assert labels == expected
+        assert loader.skipped == 5 and loader.skipped_indices == sorted(BAD)
+        x = torch.cat([b[0] for b in head + rest])
+        assert x.shape == (22, 3, CROP, CROP) and torch.isfinite(x).all()
+        # a replaced sample is the replacement record, decoded: identical to the real one
+        assert torch.equal(x[3], x[5]) and torch.equal(x[14], x[16])
+    assert state["skipped"] == [3, 4]  # found so far
+    # a resumed run replaces the same records (it knows 3 and 4, finds 9, 14, 15 again)
+    with _loader(ds, batch_size=4, train=False, shuffle=False, on_error="skip") as resumed:
+        resumed.load_state_dict(state)
+        tail = torch.cat([y for _, y in resumed]).tolist()
+        assert resumed.skipped_indices == sorted(BAD)
+    assert tail == expected[8:]
+
+
+def test_skip_state_prevents_decode_failures(images: list[bytes]) -> None:
+    """Records only DALI finds bad, once in the state, are replaced before decode next time."""
+    ds = _with_corrupt(images, {14: "corrupt_data"})
+    with _loader(ds, batch_size=8, train=False, shuffle=False, on_error="skip") as loader:
+        first = torch.cat([y for _, y in loader]).tolist()
+        state = loader.state_dict()
+        assert loader.meter.stage_s["repair"] > 0
+        loader.load_state_dict({**state, "sampler": {**state["sampler"], "consumed": 0}})
+        loader.meter.stage_s["repair"] = 0.0
+        second = torch.cat([y for _, y in loader]).tolist()
+        assert loader.meter.stage_s["repair"] == 0.0  # no DALI failure this time
+    assert first == second and first[14] == 15
+    assert state["skipped"] == [14]
+
+
+@pytest.mark.parametrize("kind", ["truncated", "garbage", "empty", "corrupt_data"])
+def test_raise_names_dataset_shard_and_record(images: list[bytes], kind: str) -> None:
+    ds = _with_corrupt(images[:16], {11: kind})
+    with _loader(ds, batch_size=4, train=False, shuffle=False) as loader:
+        it = iter(loader)
+        assert torch.cat([next(it)[1] for _ in range(2)]).tolist() == list(range(8))
+        with pytest.raises(DatasetError) as info:
+            next(it)
+    msg = str(info.value)
+    assert "mem://images" in msg and "shard 1, record 3" in msg and "index 11" in msg, msg
+    assert {
+        "truncated": "truncated",
+        "garbage": "magic",
+        "empty": "zero-length",
+        "corrupt_data": "decode",
+    }[kind] in msg
+
+
+class _ExplodingDataset(BytesDataset):
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        if i == 2:
+            raise OSError(f"checksum mismatch in shard 0 at record {i}")
+        return super().__getitem__(i)
+
+
+def test_read_error_is_reported_or_skipped(images: list[bytes]) -> None:
+    ds = _ExplodingDataset(images[:6])
+    with (
+        _loader(ds, batch_size=3, train=False, shuffle=False) as loader,
+        pytest.raises(DatasetError, match="checksum mismatch"),
+    ):
+        list(loader)
+    with _loader(ds, batch_size=3, train=False, shuffle=False, on_error="skip") as loader:
+        assert torch.cat([y for _, y in loader]).tolist() == [0, 1, 3, 3, 4, 5]
+
+
+@pytest.mark.gpu
+def test_gpu_matches_cpu(images: list[bytes]) -> None:
+    ds = BytesDataset(images)
+    out = {}
+    for device in ("cpu", "cuda"):
+        with _loader(ds, batch_size=8, train=False, shuffle=False, device=device) as loader:
+            out[device] = [(x, y) for x, y in loader]
+    for (xc, yc), (xg, yg) in zip(out["cpu"], out["cuda"]):
+        assert xg.is_cuda and yg.is_cuda
+        assert torch.equal(yc, yg.cpu())
+        assert (xc - xg.cpu()).abs().mean() < 0.05  # nvJPEG vs libjpeg-turbo IDCT
