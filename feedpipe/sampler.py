@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch.utils.data
 
 from feedpipe._permutation import (
     BlockPermutation,
@@ -79,11 +80,12 @@ class _Plan:
         return min(steps * self.world, self.length(n))
 
 
-class DistributedSampler:
+class DistributedSampler(torch.utils.data.DistributedSampler[int]):
     """Deals a dataset's indices to the ranks of a job; torch-compatible, resumable and elastic.
 
     With torch's arguments (and the defaults ``pad=True``, ``shuffle_mode="global"``) it yields
-    exactly the indices of :class:`torch.utils.data.DistributedSampler`.
+    exactly the indices of :class:`torch.utils.data.DistributedSampler`, and it is an instance of
+    it (frameworks that check for a distributed sampler leave it alone).
 
     Args:
         dataset: anything with ``len()``.
@@ -153,7 +155,7 @@ class DistributedSampler:
             )
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.dataset = dataset
+        self.dataset = dataset  # type: ignore[assignment]  # torch annotates Dataset
         self.num_replicas = num_replicas
         self.rank = rank
         self.shuffle = shuffle
@@ -175,21 +177,14 @@ class DistributedSampler:
         else:
             self.permutation = permutation
         self._plan = self._fresh_plan()
+        # torch's attributes: samples per rank, and stream length, in a full epoch
+        self.num_samples = self._plan.count(self._n, rank)
+        self.total_size = self._plan.length(self._n)
         self._local = 0  # samples this rank has taken from self._plan
         self._pending: tuple[_Plan, int] | None = None  # (plan, local start) after a load
         self._perm_cache: tuple[int, Permutation] | None = None
 
     # ----------------------------------------------------------------- torch-compatible API
-    @property
-    def num_samples(self) -> int:
-        """Samples per rank in a full epoch (torch's attribute)."""
-        return self._fresh_plan().count(self._n, self.rank)
-
-    @property
-    def total_size(self) -> int:
-        """Length of a full epoch's stream over all ranks (torch's attribute)."""
-        return self._fresh_plan().length(self._n)
-
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch; a state loaded for another epoch is discarded."""
         if epoch != self.epoch:
@@ -244,7 +239,7 @@ class DistributedSampler:
         dealt afresh, each exactly once (``pad=True`` may repeat a few of them, never a consumed
         one). The epoch after the resumed one starts fresh.
         """
-        missing = [k for k in ("version", "epoch", "consumed", "num_replicas") if k not in state]
+        missing = [k for k in self.state_dict() if k not in state]
         if missing:
             raise ValueError(f"sampler state is missing keys {missing}")
         if state["version"] != _STATE_VERSION:
@@ -308,7 +303,7 @@ class DistributedSampler:
     # ---------------------------------------------------------------------------- internals
     @property
     def _n(self) -> int:
-        return len(self.dataset)
+        return len(self.dataset)  # type: ignore[arg-type]
 
     def _fresh_plan(self) -> _Plan:
         return _Plan(

@@ -383,3 +383,12 @@ def test_feistel_looks_uniform() -> None:
     counts = np.bincount(firsts * 10 // n, minlength=10)
     chi2 = float(((counts - keys / 10) ** 2 / (keys / 10)).sum())
     assert chi2 < 30.0  # 9 degrees of freedom: p < 0.001 above ~27.9
+
+
+def test_is_a_torch_distributed_sampler() -> None:
+    s = DistributedSampler(range(10), 2, 1)
+    assert isinstance(s, torch.utils.data.DistributedSampler)
+    assert isinstance(s, torch.utils.data.Sampler)
+    loader = torch.utils.data.DataLoader(range(10), batch_size=2, sampler=s)
+    ref = torch.utils.data.DistributedSampler(range(10), 2, 1)
+    assert [b.tolist() for b in loader] == [list(ref)[i : i + 2] for i in range(0, 5, 2)]
