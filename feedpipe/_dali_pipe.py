@@ -1,4 +1,4 @@
-"""DALI pipeline graphs for :mod:`feedpipe.dali`: decode + train/eval transforms, and a CPU probe."""
+"""DALI graphs for :mod:`feedpipe.dali`: decode + train/eval transforms, and a CPU probe."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def _dali_dtype(types: Any, name: str) -> Any:
 
 def augment(encoded: Any, t: Transform, decode_device: str, hw_decoder_load: float) -> Any:
     """Decode ``encoded`` (a DataNode of encoded images) and apply the transforms of ``t``."""
-    fn = require("nvidia.dali.fn", "dali")
-    types = require("nvidia.dali.types", "dali")
+    fn: Any = require("nvidia.dali.fn", "dali")
+    types: Any = require("nvidia.dali.types", "dali")
     extra: dict[str, Any] = {}
     if decode_device == "mixed":  # nvJPEG + the hardware JPEG decoder
         extra = {
@@ -91,9 +91,9 @@ def build_main(
     hw_decoder_load: float,
 ) -> Any:
     """The loader's pipeline: parallel external source -> decode -> transforms (+ labels, meta)."""
-    dali = require("nvidia.dali", "dali")
-    fn = require("nvidia.dali.fn", "dali")
-    types = require("nvidia.dali.types", "dali")
+    dali: Any = require("nvidia.dali", "dali")
+    fn: Any = require("nvidia.dali.fn", "dali")
+    types: Any = require("nvidia.dali.types", "dali")
     pipe = dali.Pipeline(
         batch_size=batch_size,
         num_threads=num_threads,
@@ -130,9 +130,9 @@ def build_fed(
     hw_decoder_load: float,
 ) -> Any:
     """Same graph, fed from the main process (``feed_input("encoded", ...)``): repairs a batch."""
-    dali = require("nvidia.dali", "dali")
-    fn = require("nvidia.dali.fn", "dali")
-    types = require("nvidia.dali.types", "dali")
+    dali: Any = require("nvidia.dali", "dali")
+    fn: Any = require("nvidia.dali.fn", "dali")
+    types: Any = require("nvidia.dali.types", "dali")
     pipe = dali.Pipeline(
         batch_size=batch_size,
         num_threads=num_threads,
@@ -151,9 +151,9 @@ def build_fed(
 
 def build_probe(num_threads: int = 1) -> Any:
     """A batch-of-one CPU decoder: tells which record of a failed batch DALI cannot decode."""
-    dali = require("nvidia.dali", "dali")
-    fn = require("nvidia.dali.fn", "dali")
-    types = require("nvidia.dali.types", "dali")
+    dali: Any = require("nvidia.dali", "dali")
+    fn: Any = require("nvidia.dali.fn", "dali")
+    types: Any = require("nvidia.dali.types", "dali")
     pipe = dali.Pipeline(
         batch_size=1,
         num_threads=num_threads,

@@ -62,11 +62,13 @@ def check_image(buf: np.ndarray) -> int:
 
 
 def split_sample(sample: Any) -> tuple[np.ndarray, int]:
-    """``(encoded uint8 array, int label)`` from ``dataset[i]`` (a tuple/list or a dict)."""
+    """``(encoded uint8 array, int label)`` from ``dataset[i]`` (tuple, dict or bare record)."""
     if isinstance(sample, dict):
-        data, label = sample["data"], sample["label"]
-    else:
+        data, label = sample["data"], sample.get("label", -1)
+    elif isinstance(sample, (tuple, list)):
         data, label = sample[0], sample[1]
+    else:  # a dataset without labels: the record alone
+        data, label = sample, -1
     return as_u8(data), int(label)
 
 

@@ -1,4 +1,4 @@
-"""DALI image loading: encoded images + labels from a feedpipe dataset, decoded and augmented by DALI.
+"""DALI image loading: encoded images + labels of a feedpipe dataset, decoded and augmented by DALI.
 
 ``ImageLoader`` iterates like a ``DataLoader`` (``len``, epochs, ``drop_last``, ``state_dict``)
 and yields ``(images, labels)`` torch tensors, on the GPU with ``device="cuda"`` (nvJPEG and the
@@ -365,7 +365,7 @@ class ImageLoader:
     def _repair(
         self, batch: np.ndarray, exc: Exception
     ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        """DALI failed on ``batch``: find the undecodable records on the CPU, decode without them."""
+        """DALI failed on ``batch``: find undecodable records on the CPU, decode without them."""
         start = time.perf_counter()
         bufs, labels, rows = [], [], []
         for index in batch.tolist():
@@ -414,8 +414,8 @@ def _tensor(batch: Any, device: torch.device) -> torch.Tensor:
     dense = batch.as_tensor()
     if device.type == "cpu":
         return torch.from_numpy(np.array(dense))
-    plugin = require("nvidia.dali.plugin.pytorch", "dali")
-    types = require("nvidia.dali.types", "dali")
+    plugin: Any = require("nvidia.dali.plugin.pytorch", "dali")
+    types: Any = require("nvidia.dali.types", "dali")
     dtypes = {types.FLOAT: torch.float32, types.FLOAT16: torch.float16, types.UINT8: torch.uint8}
     out = torch.empty(dense.shape(), dtype=dtypes[dense.dtype], device=device)
     plugin.feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream(device))
@@ -431,7 +431,7 @@ def _describe(dataset: Any) -> str:
 
 
 def _locate(dataset: Any, index: int) -> str:
-    """``"shard S, record R"`` when the dataset can tell, else ``"record I"``."""
+    """``"shard S (file), record R"`` when the dataset can tell, else ``"record I"``."""
     locate = getattr(dataset, "locate", None)
     if callable(locate):
         try:
@@ -439,4 +439,14 @@ def _locate(dataset: Any, index: int) -> str:
             return f"shard {shard}, record {record}"
         except Exception:
             pass
+    shards = getattr(getattr(dataset, "index", None), "shards", None)
+    if isinstance(shards, list):  # a feedpipe MemmapDataset index: shards with record counts
+        start = 0
+        for sid, shard in enumerate(shards):
+            records = int(getattr(shard, "records", 0))
+            if start <= index < start + records:
+                data = getattr(shard, "files", {}).get("data")
+                name = f" ({data.path})" if data is not None else ""
+                return f"shard {sid}{name}, record {index - start}"
+            start += records
     return f"record {index}"

@@ -110,7 +110,7 @@ def test_eval_values_shapes_and_determinism(images: list[bytes]) -> None:
     y = torch.cat([b[1] for b in epochs[0]])
     assert x.shape == (22, 3, CROP, CROP) and x.dtype == torch.float32
     assert y.dtype == torch.int64 and y.tolist() == list(range(22))
-    for (x0, y0), (x1, y1) in zip(epochs[0], epochs[1]):
+    for (x0, y0), (x1, y1) in zip(epochs[0], epochs[1], strict=True):
         assert torch.equal(x0, x1) and torch.equal(y0, y1)  # eval is deterministic
     ref = torch.stack([_reference_eval(r) for r in images])
     err = (x - ref).abs()
@@ -286,7 +286,30 @@ def test_gpu_matches_cpu(images: list[bytes]) -> None:
     for device in ("cpu", "cuda"):
         with _loader(ds, batch_size=8, train=False, shuffle=False, device=device) as loader:
             out[device] = [(x, y) for x, y in loader]
-    for (xc, yc), (xg, yg) in zip(out["cpu"], out["cuda"]):
+    for (xc, yc), (xg, yg) in zip(out["cpu"], out["cuda"], strict=True):
         assert xg.is_cuda and yg.is_cuda
         assert torch.equal(yc, yg.cpu())
         assert (xc - xg.cpu()).abs().mean() < 0.05  # nvJPEG vs libjpeg-turbo IDCT
+
+
+def test_memmap_dataset_bad_record_names_shard(images: list[bytes], tmp_path: object) -> None:
+    memmap = pytest.importorskip("feedpipe.memmap")
+    path = str(tmp_path) + "/ds"  # type: ignore[operator]
+    records = list(images[:12])
+    records[10] = _corrupt("truncated", images[10])
+    with memmap.MemmapWriter(path, fields={"label": "int64"}, shard_bytes=8 * len(images[0])) as w:
+        for i, rec in enumerate(records):
+            w.append(rec, label=100 + i)
+    ds = memmap.MemmapDataset(path)
+    assert len(ds.index.shards) >= 2
+    with _loader(ds, batch_size=4, train=False, shuffle=False) as loader:
+        it = iter(loader)
+        x, y = next(it)
+        assert y.tolist() == [100, 101, 102, 103] and x.shape == (4, 3, CROP, CROP)
+        next(it)
+        with pytest.raises(DatasetError) as info:
+            next(it)
+    starts = np.cumsum([0] + [s.records for s in ds.index.shards])
+    sid = int(np.searchsorted(starts, 10, side="right") - 1)
+    assert f"{path}" in str(info.value) and f"shard {sid}" in str(info.value)
+    assert f"record {10 - starts[sid]}" in str(info.value) and "truncated" in str(info.value)
