@@ -21,7 +21,7 @@ from feedpipe._index import Index, read_index
 RNG = np.random.default_rng(0)
 
 
-def _fixed(
+def _fixed(  # noqa: PLR0917
     tmp: Path,
     n: int = 300,
     shape: tuple[int, ...] = (16,),
@@ -180,11 +180,11 @@ def test_wrong_dtype_or_shape_names_the_record(tmp_path: Path) -> None:
             w.append(np.zeros(4), label=1)
         with pytest.raises(DatasetError, match=r"records 1\.\.3: expected shape"):
             w.append_batch(np.zeros((3, 5), np.int32), label=[1, 2, 3])
-        with pytest.raises(DatasetError, match="field 'label'.*do not fit"):
+        with pytest.raises(DatasetError, match=r"field 'label'.*do not fit"):
             w.append(np.zeros(4, np.int32), label=1.5)
         with pytest.raises(DatasetError, match="missing"):
             w.append(np.zeros(4, np.int32))
-    with MemmapWriter(tmp_path / "b") as w, pytest.raises(DatasetError, match="record 0.*str"):
+    with MemmapWriter(tmp_path / "b") as w, pytest.raises(DatasetError, match=r"record 0.*str"):
         w.append("text")
     with pytest.raises(DatasetError, match="already exists"):
         MemmapWriter(tmp_path / "w", shape=(4,), dtype="int32")
