@@ -1,0 +1,275 @@
+"""The per-batch fetch shared by every worker type, and the records a worker sends back.
+
+``fetch_batch`` is the one function that turns an index batch into a batch: it reads with
+``read_batch`` (one call, no collation), ``__getitems__`` (one call, then collate) or per-sample
+``__getitem__`` (torch's path), and times the read and the collation. Process workers reach it
+through ``_MapProxy`` / ``_TimedCollate`` (torch's fetcher calls ``__getitems__`` then
+``collate_fn``), thread workers call it directly. A failure becomes a ``_Failed`` record naming
+the worker and the sample indices, re-raised in the main process with the original type.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch._utils import ExceptionWrapper
+from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data._utils import worker as _torch_worker
+
+__all__ = ["Mode", "Shipped", "fetch_batch", "nbytes_of", "pin_batch"]
+
+
+class Mode(enum.Enum):
+    """How a worker reads one index batch."""
+
+    READ_BATCH = "read_batch"  # dataset.read_batch(indices, out=None): already collated
+    GETITEMS = "getitems"  # dataset.__getitems__(indices), then collate_fn
+    PER_SAMPLE = "per_sample"  # [dataset[i] for i in indices], then collate_fn
+    NO_BATCH = "no_batch"  # batch_size=None: dataset[index], then collate_fn (default_convert)
+    ITERABLE = "iterable"  # next(iterator) per sample (iterable datasets)
+
+
+def choose_mode(dataset: Any, auto_collation: bool, default_collation: bool) -> Mode:
+    """The read path torch would take, upgraded to ``read_batch`` when collation is the default."""
+    if isinstance(dataset, IterableDataset):
+        return Mode.ITERABLE
+    if not auto_collation:
+        return Mode.NO_BATCH
+    if default_collation and callable(getattr(dataset, "read_batch", None)):
+        return Mode.READ_BATCH
+    if getattr(dataset, "__getitems__", None):
+        return Mode.GETITEMS
+    return Mode.PER_SAMPLE
+
+
+class Shipped(NamedTuple):
+    """A batch plus its stage times, as a worker hands it to the main process.
+
+    A NamedTuple so torch's pin-memory thread pins ``batch`` and passes the numbers through.
+    """
+
+    batch: Any
+    samples: int
+    nbytes: int
+    fetch_s: float
+    collate_s: float
+
+
+class _Failed:
+    """A worker's exception with the worker id and sample indices it was reading."""
+
+    def __init__(self, exc: BaseException, worker: int | None, indices: Any, batch: int | None):
+        where = f"in feedpipe worker {worker}" if worker is not None else "in the main process"
+        what = f"sample indices {_short(indices)}" if indices is not None else "the next samples"
+        num = f"batch {batch} " if batch is not None else ""
+        self.worker, self.indices = worker, indices
+        self.wrapper = ExceptionWrapper(
+            (type(exc), exc, exc.__traceback__), f"{where} reading {num}({what})"
+        )
+
+    def reraise(self) -> None:
+        self.wrapper.reraise()
+
+
+def _short(indices: Any, limit: int = 16) -> str:
+    if isinstance(indices, (list, tuple)) and len(indices) > limit:
+        return f"[{', '.join(map(str, indices[:limit]))}, ... ({len(indices)} in all)]"
+    return str(list(indices) if isinstance(indices, tuple) else indices)
+
+
+def nbytes_of(batch: Any) -> int:
+    """Bytes held by the tensors / arrays of a (nested) batch."""
+    if isinstance(batch, torch.Tensor):
+        return batch.element_size() * batch.nelement()
+    if isinstance(batch, np.ndarray):
+        return int(batch.nbytes)
+    if isinstance(batch, Mapping):
+        return sum(nbytes_of(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(nbytes_of(v) for v in batch)
+    return 0
+
+
+def pin_batch(batch: Any) -> Any:
+    """Page-lock a batch (torch's recursive pin), the hook a device feed extends."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    return pin_memory(batch)
+
+
+def read_indices(dataset: Any, indices: Any, mode: Mode, out: Any = None) -> Any:
+    """Read one index batch the way ``mode`` says (no collation)."""
+    if mode is Mode.READ_BATCH:
+        return dataset.read_batch(indices) if out is None else dataset.read_batch(indices, out=out)
+    if mode is Mode.GETITEMS:
+        return dataset.__getitems__(indices)
+    if mode is Mode.PER_SAMPLE:
+        return [dataset[i] for i in indices]
+    return dataset[indices]
+
+
+def fetch_batch(
+    dataset: Any,
+    indices: Any,
+    collate_fn: Callable[[Any], Any],
+    mode: Mode,
+    out: Any = None,
+) -> Shipped:
+    """Read and collate one index batch, timing both stages.
+
+    ``out`` is an optional preallocated destination passed to ``read_batch`` (a device feed
+    gathers straight into its pinned ring slots this way); other modes ignore it.
+    """
+    t0 = time.perf_counter()
+    data = read_indices(dataset, indices, mode, out)
+    t1 = time.perf_counter()
+    batch = data if mode is Mode.READ_BATCH else collate_fn(data)
+    t2 = time.perf_counter()
+    samples = len(indices) if mode is not Mode.NO_BATCH else 1
+    return Shipped(batch, samples, nbytes_of(batch), t1 - t0, t2 - t1)
+
+
+def worker_id() -> int | None:
+    """The current torch or feedpipe worker id, or None in the main process."""
+    from feedpipe.loader import get_worker_info
+
+    info = get_worker_info()
+    return None if info is None else info.id
+
+
+# ----------------------------------------------------------------------- process-worker plumbing
+class _Fetched:
+    """What ``_MapProxy`` hands torch's fetcher: the read samples plus their read time."""
+
+    __slots__ = ("data", "failed", "fetch_s", "indices", "samples")
+
+    def __init__(self, data: Any, fetch_s: float, samples: int, indices: Any, failed: Any = None):
+        self.data, self.fetch_s, self.samples = data, fetch_s, samples
+        self.indices, self.failed = indices, failed
+
+
+class _MapProxy(Dataset):  # type: ignore[type-arg]
+    """Stands in for a map-style dataset inside torch's worker loop.
+
+    Torch's fetcher calls ``__getitems__`` (auto-collation) or ``__getitem__`` (batch_size=None)
+    and passes the result to ``collate_fn``; here that result is a ``_Fetched`` carrying the
+    read time, and ``_TimedCollate`` finishes the job. ``get_worker_info().dataset`` still
+    returns the user's dataset (see ``_WorkerInit``).
+    """
+
+    def __init__(self, dataset: Any, mode: Mode) -> None:
+        self.dataset, self.mode = dataset, mode
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __repr__(self) -> str:
+        return repr(self.dataset)
+
+    def _read(self, indices: Any, samples: int) -> _Fetched:
+        t0 = time.perf_counter()
+        try:
+            data = read_indices(self.dataset, indices, self.mode)
+        except Exception as exc:
+            return _Fetched(None, 0.0, samples, indices, _Failed(exc, worker_id(), indices, None))
+        return _Fetched(data, time.perf_counter() - t0, samples, indices)
+
+    def __getitems__(self, indices: Sequence[int]) -> _Fetched:
+        return self._read(indices, len(indices))
+
+    def __getitem__(self, index: Any) -> _Fetched:
+        return self._read(index, 1)
+
+
+class _IterProxy(IterableDataset):  # type: ignore[type-arg]
+    """Stands in for an iterable dataset: times each ``next`` and turns errors into records."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __repr__(self) -> str:
+        return repr(self.dataset)
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.dataset)
+        position = 0
+        clock = _clock()
+        while True:
+            t0 = time.perf_counter()
+            try:
+                sample = next(it)
+            except StopIteration:
+                return
+            except Exception as exc:
+                yield _Failed(exc, worker_id(), f"stream position {position}", None)
+                return
+            clock.fetch_s += time.perf_counter() - t0
+            position += 1
+            yield sample
+
+
+class _Clock(threading.local):
+    fetch_s = 0.0
+
+
+_CLOCK = _Clock()
+
+
+def _clock() -> _Clock:
+    return _CLOCK
+
+
+class _TimedCollate:
+    """Wraps the user's ``collate_fn`` in torch's fetch path; returns ``Shipped`` or ``_Failed``."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any], mode: Mode) -> None:
+        self.collate_fn, self.mode = collate_fn, mode
+
+    def __call__(self, data: Any) -> Shipped | _Failed:
+        if isinstance(data, _Fetched):
+            if data.failed is not None:
+                return data.failed
+            fetch_s, samples, indices, data = data.fetch_s, data.samples, data.indices, data.data
+        else:  # iterable dataset: a list of samples (or one sample when batch_size=None)
+            clock = _clock()
+            fetch_s, clock.fetch_s = clock.fetch_s, 0.0
+            items = data if isinstance(data, list) else [data]
+            failed = next((x for x in items if isinstance(x, _Failed)), None)
+            if failed is not None:
+                return failed
+            samples, indices = (len(data) if isinstance(data, list) else 1), None
+        t0 = time.perf_counter()
+        try:
+            batch = data if self.mode is Mode.READ_BATCH else self.collate_fn(data)
+        except Exception as exc:
+            return _Failed(exc, worker_id(), indices, None)
+        collate_s = time.perf_counter() - t0
+        return Shipped(batch, samples, nbytes_of(batch), fetch_s, collate_s)
+
+
+class _WorkerInit:
+    """Runs first in each torch worker: shows the user's dataset in ``get_worker_info()``."""
+
+    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker: int) -> None:
+        info = _torch_worker._worker_info
+        if info is not None and isinstance(info.dataset, (_MapProxy, _IterProxy)):
+            _torch_worker._worker_info = _torch_worker.WorkerInfo(
+                id=info.id,
+                num_workers=info.num_workers,
+                seed=info.seed,
+                dataset=info.dataset.dataset,
+            )
+        if self.user_fn is not None:
+            self.user_fn(worker)

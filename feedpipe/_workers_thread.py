@@ -1,0 +1,268 @@
+"""Thread workers: a pool that calls the dataset directly, with torch's batch order.
+
+Batches are dealt to workers round-robin exactly like torch's process workers (batch ``n`` goes
+to the next active worker in the cycle), at most ``prefetch_factor * num_workers`` are in
+flight, and they are delivered in sampler order (or as they finish with ``in_order=False``).
+Nothing is pickled or copied through shared memory, so this pays off for reads that release
+the GIL (numpy/memmap gathers, ``read_batch``). ``feedpipe.get_worker_info()`` works inside the
+threads (thread-local); torch's own ``get_worker_info()`` cannot see threads and returns None.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import queue
+import random
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data._utils import worker as _torch_worker
+
+from feedpipe._loader_fetch import Mode, Shipped, _Failed, fetch_batch, nbytes_of, pin_batch
+
+__all__ = ["ThreadWorkers", "thread_worker_info"]
+
+_LOCAL = threading.local()
+_POLL_S = 1.0  # how often a wait without timeout checks that the workers are alive
+
+
+def thread_worker_info() -> Any:
+    """The ``WorkerInfo`` of the current feedpipe worker thread, or None."""
+    return getattr(_LOCAL, "info", None)
+
+
+class _Exhausted:
+    """A worker's iterable dataset ran out (torch's ``_IterableDatasetStopIteration``)."""
+
+    def __init__(self, worker: int) -> None:
+        self.worker = worker
+
+
+class ThreadWorkers:
+    """An iterator over ``Shipped`` batches produced by ``num_workers`` threads.
+
+    ``sampler_iter`` yields index batches (``None`` placeholders for iterable datasets).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        sampler_iter: Iterator[Any],
+        collate_fn: Callable[[Any], Any],
+        mode: Mode,
+        *,
+        num_workers: int,
+        prefetch_factor: int,
+        base_seed: int,
+        timeout: float,
+        worker_init_fn: Callable[[int], None] | None,
+        pin: bool,
+        in_order: bool,
+        drop_last: bool,
+    ) -> None:
+        self._sampler_iter = sampler_iter
+        self._num_workers = num_workers
+        self._max_tasks = max(1, prefetch_factor * num_workers)
+        self._timeout = timeout
+        self._in_order = in_order
+        self._results: queue.Queue[tuple[int, int, Any]] = queue.Queue()
+        self._inboxes: list[queue.Queue[Any]] = [queue.Queue() for _ in range(num_workers)]
+        self._active = [True] * num_workers
+        self._task_info: dict[int, tuple[Any, ...]] = {}  # send idx -> (worker,) or (worker, data)
+        self._cycle = itertools.cycle(range(num_workers))
+        self._send_idx = self._rcvd_idx = self._outstanding = 0
+        self._shutdown = False
+        self._threads = []
+        for wid in range(num_workers):
+            ds = copy.copy(dataset) if mode is Mode.ITERABLE else dataset
+            t = threading.Thread(
+                target=_worker_loop,
+                args=(wid, num_workers, base_seed, ds, collate_fn, mode, self._inboxes[wid]),
+                kwargs={
+                    "results": self._results,
+                    "init_fn": worker_init_fn,
+                    "pin": pin,
+                    "drop_last": drop_last,
+                },
+                name=f"feedpipe-worker-{wid}",
+                daemon=True,
+            )
+            t.start()
+            self._threads.append(t)
+        for _ in range(self._max_tasks):
+            self._put_task()
+
+    # --------------------------------------------------------------------------- iteration
+    def __iter__(self) -> ThreadWorkers:
+        return self
+
+    def waiting_on(self) -> tuple[int, int | None]:
+        """(batch number, worker) the next ``__next__`` waits for."""
+        info = self._task_info.get(self._rcvd_idx)
+        return self._rcvd_idx, (info[0] if info else None)
+
+    def __next__(self) -> Shipped | _Failed:
+        while True:
+            while self._rcvd_idx < self._send_idx:
+                info = self._task_info.get(self._rcvd_idx)
+                if info and (len(info) == 2 or self._active[info[0]]):
+                    break
+                self._task_info.pop(self._rcvd_idx, None)
+                self._rcvd_idx += 1
+            else:
+                self.close()
+                raise StopIteration
+            info = self._task_info[self._rcvd_idx]
+            if len(info) == 2:
+                self._task_info.pop(self._rcvd_idx)
+                self._rcvd_idx += 1
+                return self._deliver(info[0], info[1])
+            idx, wid, data = self._get()
+            self._outstanding -= 1
+            if isinstance(data, _Exhausted):
+                self._active[data.worker] = False
+                self._task_info.pop(idx, None)
+                self._put_task()
+                continue
+            if idx == self._rcvd_idx:
+                self._task_info.pop(idx)
+                self._rcvd_idx += 1
+                return self._deliver(wid, data)
+            if not self._in_order:
+                self._task_info.pop(idx)
+                return self._deliver(wid, data)
+            self._task_info[idx] = (wid, data)
+
+    def _get(self) -> tuple[int, int, Any]:
+        if self._timeout > 0:
+            try:
+                return self._results.get(timeout=self._timeout)
+            except queue.Empty:
+                raise TimeoutError(f"DataLoader timed out after {self._timeout} seconds") from None
+        while True:
+            try:
+                return self._results.get(timeout=_POLL_S)
+            except queue.Empty:
+                dead = [
+                    w for w, t in enumerate(self._threads) if self._active[w] and not t.is_alive()
+                ]
+                if dead:
+                    raise RuntimeError(
+                        f"feedpipe worker thread(s) {dead} exited unexpectedly"
+                    ) from None
+
+    def _deliver(self, wid: int, data: Any) -> Any:
+        self._put_task()
+        return data
+
+    def _put_task(self) -> None:
+        if self._shutdown or self._outstanding >= self._max_tasks:
+            return
+        try:
+            index = next(self._sampler_iter)
+        except StopIteration:
+            return
+        for _ in range(self._num_workers):
+            wid = next(self._cycle)
+            if self._active[wid]:
+                break
+        else:
+            return
+        self._inboxes[wid].put((self._send_idx, index))
+        self._task_info[self._send_idx] = (wid,)
+        self._outstanding += 1
+        self._send_idx += 1
+
+    def close(self) -> None:
+        """Tell the threads to exit once their current batch is done (never blocks)."""
+        if not self._shutdown:
+            self._shutdown = True
+            for box in self._inboxes:
+                box.put(None)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _worker_loop(  # noqa: PLR0917
+    wid: int,
+    num_workers: int,
+    base_seed: int,
+    dataset: Any,
+    collate_fn: Callable[[Any], Any],
+    mode: Mode,
+    inbox: queue.Queue[Any],
+    *,
+    results: queue.Queue[tuple[int, int, Any]],
+    init_fn: Callable[[int], None] | None,
+    pin: bool,
+    drop_last: bool,
+) -> None:
+    seed = base_seed + wid
+    rng = _torch_worker._RNG(
+        random_generator=random.Random(seed),
+        torch_generator=torch.Generator().manual_seed(seed),
+    )
+    _LOCAL.info = _torch_worker.WorkerInfo(
+        id=wid, num_workers=num_workers, seed=seed, dataset=dataset, rng=rng, worker_method="thread"
+    )
+    init_error: _Failed | None = None
+    if init_fn is not None:
+        try:
+            init_fn(wid)
+        except Exception as exc:
+            init_error = _Failed(exc, wid, None, None)
+    iterator: Iterator[Any] | None = None
+    position = 0
+    while True:
+        task = inbox.get()
+        if task is None:
+            return
+        idx, indices = task
+        if init_error is not None:
+            results.put((idx, wid, init_error))
+            continue
+        try:
+            if mode is Mode.ITERABLE:
+                if iterator is None:
+                    iterator = iter(dataset)
+                out = _next_iterable(iterator, indices, collate_fn, drop_last)
+                if out is None:
+                    results.put((idx, wid, _Exhausted(wid)))
+                    continue
+                position += out.samples
+            else:
+                out = fetch_batch(dataset, indices, collate_fn, mode)
+            if pin:
+                out = out._replace(batch=pin_batch(out.batch))
+        except Exception as exc:
+            where = indices if mode is not Mode.ITERABLE else f"stream position {position}"
+            results.put((idx, wid, _Failed(exc, wid, where, idx)))
+            continue
+        results.put((idx, wid, out))
+
+
+def _next_iterable(
+    iterator: Iterator[Any], indices: Any, collate_fn: Callable[[Any], Any], drop_last: bool
+) -> Shipped | None:
+    """One batch from an iterable dataset, with torch's end-of-stream rules (None: exhausted)."""
+    import time
+
+    t0 = time.perf_counter()
+    if indices is None:  # batch_size=None
+        try:
+            data = next(iterator)
+        except StopIteration:
+            return None
+        samples = 1
+    else:
+        data = list(itertools.islice(iterator, len(indices)))
+        if not data or (drop_last and len(data) < len(indices)):
+            return None
+        samples = len(data)
+    t1 = time.perf_counter()
+    batch = collate_fn(data)
+    return Shipped(batch, samples, nbytes_of(batch), t1 - t0, time.perf_counter() - t1)

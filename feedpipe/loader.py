@@ -1,0 +1,444 @@
+"""``feedpipe.DataLoader``: torch's DataLoader, plus thread workers, stall counters and resume.
+
+Design. ``DataLoader`` subclasses ``torch.utils.data.DataLoader`` and calls its constructor, so
+argument checks, errors, attributes, ``len()`` and ``isinstance`` are torch's own. Iteration:
+
+- ``worker_type="process"`` (default) runs torch's own iterator (single- or multi-process) on an
+  inner torch ``DataLoader`` that shares the sampler, generator and every option; only the
+  dataset and ``collate_fn`` are wrapped (``_loader_fetch``) so that workers time their read and
+  collation and ship those times with each batch. Batches, order, worker seeds and RNG draws
+  are therefore exactly torch's, by construction rather than by imitation.
+- ``worker_type="thread"`` runs ``ThreadWorkers``: same index batches, same worker assignment,
+  same RNG draws, but the dataset is called directly in threads (no pickling, no shared-memory
+  copy). It pays off for reads that release the GIL.
+- Either way, index batches come from ``_IndexStream``, which records the indices in flight
+  (for error messages) and can skip the first ``k`` index batches of an epoch without loading
+  any data: resume is arithmetic on the sampler, never a replay.
+
+Datasets with ``read_batch(indices, out=None)`` are read with one call per batch and no
+collation (when ``collate_fn`` is the default); datasets with ``__getitems__`` get one call per
+batch, then ``collate_fn``, as in torch.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.utils.data as tud
+from torch.utils.data._utils.collate import default_collate, default_convert
+
+from feedpipe._loader_fetch import (
+    Shipped,
+    _Failed,
+    _IterProxy,
+    _MapProxy,
+    _short,
+    _TimedCollate,
+    _WorkerInit,
+    choose_mode,
+)
+from feedpipe._workers_thread import ThreadWorkers, thread_worker_info
+from feedpipe.errors import WorkerError
+from feedpipe.stall import StallMeter
+
+__all__ = ["DataLoader", "get_worker_info"]
+
+_STATE_VERSION = 1
+_WORKER_TYPES = ("process", "thread")
+
+
+def get_worker_info() -> Any:
+    """torch's ``get_worker_info()``, which also works inside feedpipe's thread workers."""
+    info = thread_worker_info()
+    return info if info is not None else tud.get_worker_info()
+
+
+class _IndexStream:
+    """The loader's index sampler as seen by the workers: skippable and recorded.
+
+    ``skip`` (one-shot) drops the first index batches of the next ``__iter__`` without reading
+    data. ``sent[n]`` is the ``n``-th index batch of the current pass (torch's ``send_idx``).
+    """
+
+    def __init__(self, sampler: Iterable[Any]) -> None:
+        self.sampler = sampler
+        self.skip = 0
+        self.sent: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self.skip = self.skip, 0
+        self.sent = {}
+        return self._gen(iter(self.sampler), skip)
+
+    def _gen(self, it: Iterator[Any], skip: int) -> Iterator[Any]:
+        if skip:
+            for _ in itertools.islice(it, skip):
+                pass
+        sent = self.sent
+        for n, index in enumerate(it):
+            sent[n] = index
+            yield index
+
+
+def _gen_state(gen: torch.Generator | None) -> str:
+    state = torch.get_rng_state() if gen is None else gen.get_state()
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def _set_gen_state(gen: torch.Generator | None, text: str) -> None:
+    state = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+    if gen is None:
+        torch.set_rng_state(state)
+    else:
+        gen.set_state(state)
+
+
+class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
+    """A drop-in ``torch.utils.data.DataLoader`` (same arguments, batches and errors).
+
+    Extra keyword-only arguments:
+      worker_type: ``"process"`` (torch's workers) or ``"thread"`` (a thread pool that calls the
+        dataset directly; for GIL-releasing reads).
+      meter: a ``feedpipe.StallMeter`` to count into (one is created if None).
+
+    ``state_dict()`` / ``load_state_dict()`` resume mid-epoch exactly (like torchdata's
+    StatefulDataLoader).
+    """
+
+    def __init__(  # noqa: PLR0917 - torch's positional signature
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        worker_type: str = "process",
+        meter: StallMeter | None = None,
+    ) -> None:
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        if worker_type not in _WORKER_TYPES:
+            raise ValueError(f"worker_type must be one of {_WORKER_TYPES}, got {worker_type!r}")
+        self.worker_type = worker_type
+        self.meter = meter if meter is not None else StallMeter()
+        self._iterable = isinstance(self.dataset, tud.IterableDataset)
+        self._stream = None if self._iterable else _IndexStream(self._index_sampler)
+        default = self.collate_fn in (default_collate, default_convert)
+        self._mode = choose_mode(self.dataset, self._auto_collation, default)
+        self._inner: tud.DataLoader | None = None  # type: ignore[type-arg]
+        self._thread_seeded = False
+        # resume bookkeeping for the current epoch
+        self._epoch_rng: dict[str, str] | None = None
+        self._batches = 0  # batches delivered this epoch (including before a resume)
+        self._samples = 0  # samples delivered this epoch (including before a resume)
+        self._in_epoch = False
+        self._pending: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------------------ public
+    def stats(self) -> Any:
+        """The meter's summary (``meter.stats()`` when available, else the meter itself)."""
+        fn = getattr(self.meter, "stats", None)
+        return fn() if callable(fn) else self.meter
+
+    def __iter__(self) -> _LoaderIter:  # type: ignore[override]
+        skip = self._begin_epoch()
+        if self.worker_type == "thread" and self.num_workers > 0:
+            source: Any = self._thread_source(skip)
+        else:
+            source = self._process_source(skip)
+        return _LoaderIter(self, source)
+
+    # ------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """A small JSON-able state: where the current epoch stands and how to regenerate it."""
+        if self._pending is not None:
+            return dict(self._pending)
+        if not self.in_order and self.num_workers > 0:
+            raise ValueError(
+                "state_dict() needs in_order=True: out-of-order delivery is not resumable"
+            )
+        state: dict[str, Any] = {
+            "version": _STATE_VERSION,
+            "in_epoch": self._in_epoch,
+            "batches": self._batches if self._in_epoch else 0,
+            "samples": self._samples if self._in_epoch else 0,
+            "rng": self._epoch_rng if self._in_epoch else self._rng_now(),
+        }
+        sampler = self._stateful_sampler()
+        if sampler is not None:
+            sub = dict(sampler.state_dict())
+            sub["consumed"] = self._samples if self._in_epoch else sub.get("consumed", 0)
+            state["sampler"] = sub
+        if self._iterable:
+            if not callable(getattr(self.dataset, "state_dict", None)):
+                raise ValueError(
+                    f"cannot save the position of {type(self.dataset).__name__}: an "
+                    "IterableDataset is resumable only if it has state_dict()/load_state_dict()"
+                )
+            if self.num_workers > 0:
+                raise ValueError(
+                    "resuming an IterableDataset needs num_workers=0: each worker holds its own "
+                    "copy of the dataset's position"
+                )
+            state["dataset"] = self.dataset.state_dict()  # type: ignore[attr-defined]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` at the next ``iter(loader)``."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"unsupported DataLoader state version {state.get('version')!r}")
+        missing = [k for k in ("in_epoch", "batches", "samples", "rng") if k not in state]
+        if missing:
+            raise ValueError(f"DataLoader state is missing keys {missing}")
+        if "sampler" in state and self._stateful_sampler() is None:
+            raise ValueError("the state holds a sampler state but this loader's sampler has none")
+        if self._iterable and "dataset" not in state:
+            raise ValueError("the state holds no dataset position for this IterableDataset")
+        self._pending = dict(state)
+
+    # --------------------------------------------------------------------------- internals
+    def _stateful_sampler(self) -> Any:
+        for s in (self.sampler, getattr(self.batch_sampler, "sampler", None), self.batch_sampler):
+            if callable(getattr(s, "state_dict", None)) and callable(
+                getattr(s, "load_state_dict", None)
+            ):
+                return s
+        return None
+
+    def _generators(self) -> dict[str, torch.Generator | None]:
+        """Every RNG an epoch's index order draws from: the loader's (or global), the sampler's."""
+        gens: dict[str, torch.Generator | None] = {"loader": self.generator}
+        for name, s in (("sampler", self.sampler), ("batch_sampler", self.batch_sampler)):
+            g = getattr(s, "generator", None)
+            if isinstance(g, torch.Generator) and g is not self.generator:
+                gens[name] = g
+        return gens
+
+    def _rng_now(self) -> dict[str, str]:
+        return {name: _gen_state(g) for name, g in self._generators().items()}
+
+    def _begin_epoch(self) -> int:
+        """Apply a pending state, capture the RNG at epoch start; returns index batches to skip."""
+        skip = 0
+        pending, self._pending = self._pending, None
+        self._batches = self._samples = 0
+        if pending is not None:
+            gens = self._generators()
+            for name, text in pending["rng"].items():
+                if name in gens:
+                    _set_gen_state(gens[name], text)
+            if pending["in_epoch"]:
+                self._batches, self._samples = int(pending["batches"]), int(pending["samples"])
+            sampler = self._stateful_sampler()
+            if "sampler" in pending and sampler is not None:
+                sampler.load_state_dict(pending["sampler"])
+            elif pending["in_epoch"] and not self._iterable:
+                skip = self._batches
+            if self._iterable:
+                self.dataset.load_state_dict(pending["dataset"])  # type: ignore[attr-defined]
+        self._epoch_rng = self._rng_now()
+        self._in_epoch = True
+        if self._stream is not None:
+            self._stream.skip = skip
+        return skip
+
+    def _process_source(self, skip: int) -> Any:
+        if self._inner is None:
+            self._inner = self._make_inner()
+        self._inner._IterableDataset_len_called = self._IterableDataset_len_called
+        return iter(self._inner)
+
+    def _make_inner(self) -> tud.DataLoader:  # type: ignore[type-arg]
+        """The torch DataLoader that runs torch's iterator over the timed dataset/collate."""
+        proxy: Any = (
+            _IterProxy(self.dataset) if self._iterable else _MapProxy(self.dataset, self._mode)
+        )
+        common: dict[str, Any] = {
+            "num_workers": self.num_workers,
+            "collate_fn": _TimedCollate(self.collate_fn, self._mode),
+            "pin_memory": self.pin_memory,
+            "timeout": self.timeout,
+            "worker_init_fn": _WorkerInit(self.worker_init_fn)
+            if self.num_workers
+            else self.worker_init_fn,
+            "multiprocessing_context": self.multiprocessing_context,
+            "generator": self.generator,
+            "prefetch_factor": self.prefetch_factor,
+            "persistent_workers": self.persistent_workers,
+            "pin_memory_device": self.pin_memory_device,
+            "in_order": self.in_order,
+        }
+        if self._iterable:
+            return tud.DataLoader(
+                proxy, batch_size=self.batch_size, drop_last=self.drop_last, **common
+            )
+        if self._auto_collation:
+            return tud.DataLoader(proxy, batch_sampler=self._stream, **common)
+        return tud.DataLoader(proxy, batch_size=None, sampler=self._stream, **common)
+
+    def _thread_source(self, skip: int) -> ThreadWorkers:
+        index_sampler = self._stream if self._stream is not None else self._index_sampler
+        sampler_iter = iter(index_sampler)
+        if not (self.persistent_workers and self._thread_seeded):  # torch's RNG draws, exactly
+            base_seed = int(
+                torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+            )
+            self._thread_base_seed = base_seed
+            self._thread_seeded = True
+        pin = bool(self.pin_memory and torch.accelerator.is_available())
+        return ThreadWorkers(
+            self.dataset,
+            sampler_iter,
+            self.collate_fn,
+            self._mode,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor or 2,
+            base_seed=self._thread_base_seed,
+            timeout=self.timeout,
+            worker_init_fn=self.worker_init_fn,
+            pin=pin,
+            in_order=self.in_order,
+            drop_last=self.drop_last,
+        )
+
+
+class _LoaderIter:
+    """What ``iter(loader)`` returns: unwraps shipped batches, counts, explains failures."""
+
+    def __init__(self, loader: DataLoader, source: Any) -> None:
+        self._loader = loader
+        self._source = source
+        self._meter = loader.meter
+        self._first = loader._batches  # batch number (in the epoch) of this pass's first batch
+        self._delivered = 0
+
+    def __iter__(self) -> _LoaderIter:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __next__(self) -> Any:
+        meter = self._meter
+        meter.wait_begin()
+        try:
+            shipped = next(self._source)
+        except StopIteration:
+            self._loader._in_epoch = False
+            raise
+        except Exception as exc:
+            raise self._explain(exc) from exc
+        if isinstance(shipped, _Failed):
+            indices = shipped.indices
+            self._count(1, len(indices) if isinstance(indices, (list, tuple)) else 0)
+            shipped.reraise()
+        assert isinstance(shipped, Shipped)
+        meter.add_stage("fetch", shipped.fetch_s, shipped.nbytes)
+        if shipped.collate_s:
+            meter.add_stage("collate", shipped.collate_s, shipped.nbytes)
+        meter.wait_end(samples=shipped.samples, nbytes=shipped.nbytes)
+        self._count(1, shipped.samples)
+        return self._finalize(shipped.batch)
+
+    def _finalize(self, batch: Any) -> Any:
+        """The one place a delivered batch is finished (a device feed moves it to the GPU here)."""
+        return batch
+
+    def _count(self, batches: int, samples: int) -> None:
+        loader = self._loader
+        loader._batches += batches
+        loader._samples += samples
+        self._delivered += 1
+        stream = loader._stream
+        if stream is not None and loader.in_order:
+            stream.sent.pop(self._delivered - 1, None)
+
+    # ------------------------------------------------------------------- failure messages
+    def _explain(self, exc: Exception) -> Exception:
+        """Turn a worker death or timeout into a ``WorkerError`` naming worker and samples."""
+        loader, source = self._loader, self._source
+        batch, worker = _waiting_on(source)
+        indices = None
+        if loader._stream is not None and batch is not None:
+            indices = loader._stream.sent.get(batch)
+        where = f"batch {self._first + batch}" if batch is not None else "the next batch"
+        what = f" (sample indices {_short(indices)})" if indices is not None else ""
+        dead = _dead_workers(source)
+        if dead:
+            wid, pid, code = dead[0]
+            tasks = _tasks_of(source, wid)
+            if tasks:
+                batch = tasks[0]
+                indices = loader._stream.sent.get(batch) if loader._stream is not None else None
+                where = f"batch {self._first + batch}"
+                what = f" (sample indices {_short(indices)})" if indices is not None else ""
+            return WorkerError(
+                f"DataLoader worker {wid} (pid {pid}) died with exit code {code} while loading "
+                f"{where}{what}; a negative code is the signal that killed it (e.g. -9: SIGKILL, "
+                f"often the out-of-memory killer). Original error: {exc}"
+            )
+        if isinstance(exc, TimeoutError) or str(exc).startswith("DataLoader timed out"):
+            return WorkerError(
+                f"DataLoader worker {worker} timed out after {loader.timeout} s loading "
+                f"{where}{what}"
+            )
+        return exc
+
+
+def _waiting_on(source: Any) -> tuple[int | None, int | None]:
+    if isinstance(source, ThreadWorkers):
+        return source.waiting_on()
+    rcvd = getattr(source, "_rcvd_idx", None)
+    info = getattr(source, "_task_info", {}).get(rcvd) if rcvd is not None else None
+    return rcvd, (info[0] if info else None)
+
+
+def _dead_workers(source: Any) -> list[tuple[int, int | None, int | None]]:
+    workers = getattr(source, "_workers", None) or []
+    out = []
+    for wid, w in enumerate(workers):
+        if not w.is_alive():
+            out.append((wid, w.pid, w.exitcode))
+    return out
+
+
+def _tasks_of(source: Any, wid: int) -> list[int]:
+    info = getattr(source, "_task_info", {})
+    return sorted(idx for idx, t in info.items() if t and t[0] == wid and len(t) == 1)
