@@ -276,6 +276,12 @@ class _Ring:
             self.ring_bytes / 2**20,
         )
 
+    def skip(self) -> None:
+        """Batch ``next_seq`` will never be submitted (it failed): let later batches go on."""
+        with self._cond:
+            self.next_seq += 1
+            self._cond.notify_all()
+
     def submitted(self, slot: _Slot, seq: int, event: _Event | None) -> None:
         """Record that batch ``seq``'s copy out of ``slot`` was issued; ``event`` marks its end."""
         slot.seq, slot.event = seq, event

@@ -140,9 +140,12 @@ class _HostCopier:
 class GPUFeed:
     """Moves CPU batches to ``device`` through a ring of page-locked slots, ``prefetch`` ahead.
 
-    Typical use by a loader: thread workers gather batch ``seq`` into ``feed.out_for(seq, rows)``
-    (when not ``None``), and the loader iterates ``feed.iterate(cpu_batches)`` in batch order.
-    ``meter`` (a :class:`feedpipe.StallMeter`) receives the ``"pin"`` and ``"h2d"`` stages.
+    Either iterate ``feed.iterate(cpu_batches)``, or drive it step by step (what the loader does,
+    so that it counts a batch only when it is handed over): ``start()``, then ``submit(batch)``
+    (or ``skip()`` for a batch that failed) up to ``prefetch`` batches ahead, ``hand_over(flight)``
+    in order, ``finish()``. Thread workers gather batch ``seq`` (its delivery-order number) into
+    ``out_for(seq, rows)`` when that is not ``None``. ``meter`` (a :class:`feedpipe.StallMeter`)
+    receives the ``"pin"`` and ``"h2d"`` stages (on the CPU fallback, "h2d" is the host copy).
     """
 
     def __init__(
@@ -168,6 +171,7 @@ class GPUFeed:
             _CudaCopier(self.device) if self.on_gpu else _HostCopier()
         )
         self._timings: deque[tuple[Any, Any, int]] = deque()  # (start, end, nbytes) to harvest
+        self._seq = 0
         self.batches = 0
 
     # ------------------------------------------------------------------ reporting
@@ -204,8 +208,18 @@ class GPUFeed:
         except RingClosedError:
             return None
 
-    def submit(self, seq: int, batch: Any) -> _InFlight:
-        """Put batch ``seq`` (submitted in order) into its slot and start its copy to the device."""
+    def start(self) -> None:
+        """Begin an epoch: wait for the copies out of every slot; batches are numbered from 0."""
+        self._ring.reset()
+        self._seq = 0
+
+    def submit(self, batch: Any) -> _InFlight:
+        """Put the next batch (in delivery order) into its slot and start its copy to the device.
+
+        In-place gathers (:meth:`out_for`) must use the same numbering: batch ``seq`` is the
+        ``seq``-th call to :meth:`submit` or :meth:`skip` since :meth:`start`.
+        """
+        seq = self._seq
         leaves, rebuild = flatten(batch)
         host = [i for i, t in enumerate(leaves) if t.device.type == "cpu"]
         host_leaves = [leaves[i] for i in host]
@@ -225,7 +239,13 @@ class GPUFeed:
         for i, t in enumerate(leaves):  # leaves already on a device: moved only if elsewhere
             if t.device.type != "cpu" and t.device != self.device:
                 result[i] = t.to(self.device)
+        self._seq += 1
         return _InFlight(seq, result, rebuild, end, nbytes)
+
+    def skip(self) -> None:
+        """The next batch will never arrive (its worker failed): keep the numbering aligned."""
+        self._ring.skip()
+        self._seq += 1
 
     def _note_copy(self, slot: _Slot, seq: int, start: Any, end: Any, nbytes: int) -> None:
         if self.on_gpu:
@@ -263,11 +283,10 @@ class GPUFeed:
         Batch numbers (for :meth:`out_for`) restart at 0 on each call. When the iteration ends or
         is abandoned, fillers waiting for a slot get ``None`` and completed timings are reported.
         """
-        ring = self._ring
-        ring.reset()
+        self.start()
         source = iter(batches)
         pending: deque[_InFlight] = deque()
-        seq, exhausted = 0, False
+        exhausted = False
         try:
             while True:
                 while not exhausted and len(pending) <= self.prefetch:
@@ -276,16 +295,19 @@ class GPUFeed:
                     except StopIteration:
                         exhausted = True
                         break
-                    pending.append(self.submit(seq, batch))
-                    seq += 1
+                    pending.append(self.submit(batch))
                 if not pending:
                     return
                 if self.meter is not None:
                     self.meter.set_depth("gpu_prefetch", len(pending) - 1)
                 yield self.hand_over(pending.popleft())
         finally:
-            ring.close()
-            self._harvest(block=True)
+            self.finish()
+
+    def finish(self) -> None:
+        """End an epoch: wake fillers waiting for a slot (they get ``None``), report timings."""
+        self._ring.close()
+        self._harvest(block=True)
 
     def close(self) -> None:
         """Wake any filler waiting for a slot (it gets ``None``); the ring memory stays reusable."""

@@ -431,3 +431,20 @@ def test_gpu_batches_land_on_the_device_with_h2d_timed_by_events() -> None:
 def test_gpu_unknown_device_index_is_an_error() -> None:
     with pytest.raises(ValueError, match="does not exist"):
         GPUFeed(f"cuda:{torch.cuda.device_count()}")
+
+
+def test_skipped_failed_batch_keeps_in_place_gathers_aligned() -> None:
+    """Driven step by step like the loader: batch 3 fails in its worker and is skipped."""
+    feed = _feed(prefetch=1, fillers=3)
+    feed.start()
+    source = _thread_loader(feed, _batch, 12)
+    got = {}
+    for seq, batch in enumerate(source):
+        if seq == 3:
+            feed.skip()  # whatever the worker wrote into slot 3 is never read
+            continue
+        got[seq] = feed.hand_over(feed.submit(batch))
+    feed.finish()
+    assert sorted(got) == [s for s in range(12) if s != 3]
+    for seq, b in got.items():
+        _assert_batch(b, seq)

@@ -1,0 +1,320 @@
+"""GPU feed: GB/s delivered to the device, torch DataLoader + ``.cuda(non_blocking=True)`` versus
+``feedpipe.DataLoader(device=...)``, on MemmapDataset with 256 KiB and 8 KiB records.
+
+Both loaders read the same shuffled dataset (written to /dev/shm or a temp dir, read once to
+warm the page cache) in the same run; each configuration runs whole epochs for ``--seconds``
+after a warm-up batch. Then a synthetic GPU step (``torch.cuda._sleep``, or ``time.sleep`` on the
+CPU) that needs half the measured feed bandwidth shows how long the device waited for input.
+
+    python benchmarks/gpu_feed.py                            # H200 machine, writes docs
+    python benchmarks/gpu_feed.py --device cpu --gb 0.2      # smoke check anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _report import machine, write_section
+
+import feedpipe
+from feedpipe.gpu import GPUFeedWarning
+
+_GB = 1e9
+
+
+@dataclass
+class Result:
+    name: str
+    workers: int
+    gbps: float
+    batches: int
+
+
+def make_dataset(root: str, record_bytes: int, total_bytes: int) -> str:
+    """Write ``total_bytes`` of ``record_bytes`` uint8 records and read them once (page cache)."""
+    path = os.path.join(root, f"rec{record_bytes}")
+    n = max(1, total_bytes // record_bytes)
+    block = np.random.default_rng(0).integers(
+        0, 256, (max(1, (32 << 20) // record_bytes), record_bytes), dtype=np.uint8
+    )
+    with feedpipe.MemmapWriter(path, shape=(record_bytes,), dtype="uint8", overwrite=True) as w:
+        done = 0
+        while done < n:
+            k = min(len(block), n - done)
+            w.append_batch(block[:k])
+            done += k
+    buf = bytearray(64 << 20)
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb", buffering=0) as fh:
+                while fh.readinto(buf):
+                    pass
+    return path
+
+
+def run_epochs(
+    loader: Any, to_device: Callable[[Any], Any], seconds: float, sync: Callable[[], None]
+) -> tuple[float, int]:
+    """GB/s over whole epochs for about ``seconds``, timed from after the first batch."""
+    nbytes = batches = 0
+    start: float | None = None
+    while True:
+        for batch in loader:
+            b = to_device(batch)
+            if start is None:
+                sync()
+                start = time.perf_counter()
+                continue
+            nbytes += b.numel() * b.element_size()
+            batches += 1
+        sync()
+        if start is not None and time.perf_counter() - start >= seconds:
+            break
+    return nbytes / (time.perf_counter() - start) / _GB, batches
+
+
+def bench_torch(ds: Any, bs: int, workers: int, device: torch.device, seconds: float) -> Result:
+    cuda = device.type == "cuda"
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_size=bs,
+        shuffle=True,
+        num_workers=workers,
+        pin_memory=cuda,
+        persistent_workers=workers > 0,
+        prefetch_factor=2 if workers else None,
+    )
+    gbps, n = run_epochs(
+        loader,
+        (lambda b: b.to(device, non_blocking=True)) if cuda else (lambda b: b),
+        seconds,
+        torch.cuda.synchronize if cuda else (lambda: None),
+    )
+    return Result("torch DataLoader", workers, gbps, n)
+
+
+def feed_loader(ds: Any, bs: int, workers: int, device: torch.device, **kw: Any) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GPUFeedWarning)
+        return feedpipe.DataLoader(
+            ds,
+            batch_size=bs,
+            shuffle=True,
+            num_workers=workers,
+            worker_type="thread",
+            device=str(device),
+            prefetch=2,
+            **kw,
+        )
+
+
+def bench_feed(ds: Any, bs: int, workers: int, device: torch.device, seconds: float) -> Result:
+    cuda = device.type == "cuda"
+    loader = feed_loader(ds, bs, workers, device)
+    gbps, n = run_epochs(
+        loader, lambda b: b, seconds, torch.cuda.synchronize if cuda else (lambda: None)
+    )
+    return Result("feedpipe DataLoader(device)", workers, gbps, n)
+
+
+def synthetic_step(
+    ds: Any, bs: int, workers: int, device: torch.device, *, gbps: float, seconds: float
+) -> dict[str, float]:
+    """A fake training step needing ``gbps / 2``; returns the share of time the device idled."""
+    cuda = device.type == "cuda"
+    batch_bytes = bs * ds[0].numel()
+    step_s = batch_bytes / (gbps * _GB / 2)
+    if cuda:
+        # calibrate torch.cuda._sleep cycles -> seconds with events
+        cycles = 1_000_000
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(20):
+            torch.cuda._sleep(cycles)
+        e1.record()
+        e1.synchronize()
+        per_cycle = e0.elapsed_time(e1) / 1000 / (20 * cycles)
+        cycles = max(1, int(step_s / per_cycle))
+        e0.record()
+        torch.cuda._sleep(cycles)
+        e1.record()
+        e1.synchronize()
+        step_s = e0.elapsed_time(e1) / 1000  # the step as the GPU really runs it
+
+        def step(b: Any) -> None:
+            torch.cuda._sleep(cycles)
+            b.view(-1)[:1].sum()  # the step reads its input
+    else:
+
+        def step(b: Any) -> None:
+            time.sleep(step_s)
+            b.view(-1)[:1].sum()
+
+    loader = feed_loader(ds, bs, workers, device)
+    steps, host_wait = 0, 0.0
+    first = torch.cuda.Event(enable_timing=True) if cuda else None
+    last = torch.cuda.Event(enable_timing=True) if cuda else None
+    t_start = None
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        it = iter(loader)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                b = next(it)
+            except StopIteration:
+                break
+            if t_start is None:  # warm-up batch: start the clocks after it
+                t_start = time.perf_counter()
+                if first is not None:
+                    torch.cuda.synchronize()
+                    first.record()
+                continue
+            host_wait += time.perf_counter() - t0
+            step(b)
+            steps += 1
+            if time.perf_counter() >= deadline:
+                break
+    if cuda:
+        assert first is not None and last is not None
+        last.record()
+        last.synchronize()
+        total = first.elapsed_time(last) / 1000
+    else:
+        total = time.perf_counter() - (t_start or 0.0)
+    idle = max(0.0, total - steps * step_s)
+    return {
+        "step_ms": step_s * 1e3,
+        "need_gbps": batch_bytes / step_s / _GB,
+        "steps": steps,
+        "total_s": total,
+        "idle_pct": 100 * idle / total,
+        "host_wait_pct": 100 * host_wait / total,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--gb", type=float, default=4.0, help="dataset size per record size, GB")
+    p.add_argument("--batch-mb", type=float, default=16.0, help="batch size in MiB")
+    p.add_argument("--seconds", type=float, default=3.0, help="timed run per configuration")
+    p.add_argument("--torch-workers", default="0,4,8")
+    p.add_argument("--feed-workers", default="4,8,16")
+    p.add_argument("--records", default="262144,8192", help="record sizes in bytes")
+    p.add_argument("--dir", default=None, help="where to write (default /dev/shm if roomy)")
+    p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: use --device cpu")
+        return 2
+    total = int(args.gb * _GB)
+    root = args.dir
+    if root is None:
+        shm = "/dev/shm"
+        roomy = os.path.isdir(shm) and shutil.disk_usage(shm).free > 2.5 * total * 2
+        root = tempfile.mkdtemp(prefix="gpu_feed_", dir=shm if roomy else None)
+    tw = [int(x) for x in args.torch_workers.split(",")]
+    fw = [int(x) for x in args.feed_workers.split(",")]
+    print(f"# {machine()}\n# data in {root}, {args.gb} GB per record size, device {device}")
+    rows: list[str] = []
+    detail: list[str] = []
+    synth: dict[str, float] = {}
+    try:
+        for rec in (int(x) for x in args.records.split(",")):
+            t0 = time.perf_counter()
+            path = make_dataset(root, rec, total)
+            ds = feedpipe.MemmapDataset(path)
+            bs = max(1, int(args.batch_mb * 2**20) // rec)
+            print(
+                f"records {rec} B: {len(ds)} written+warmed in {time.perf_counter() - t0:.1f}s,"
+                f" batch {bs}"
+            )
+            results = []
+            for w in tw:
+                results.append(bench_torch(ds, bs, w, device, args.seconds))
+                print(f"  {results[-1]}", flush=True)
+            for w in fw:
+                results.append(bench_feed(ds, bs, w, device, args.seconds))
+                print(f"  {results[-1]}", flush=True)
+            best_t = max((r for r in results if r.name.startswith("torch")), key=lambda r: r.gbps)
+            best_f = max(
+                (r for r in results if r.name.startswith("feedpipe")), key=lambda r: r.gbps
+            )
+            ratio = best_f.gbps / best_t.gbps
+            print(
+                f"  => feedpipe {best_f.gbps:.2f} GB/s vs torch {best_t.gbps:.2f} GB/s:"
+                f" {ratio:.1f}x"
+            )
+            size = f"{rec // 1024} KiB" if rec >= 1024 else f"{rec} B"
+            rows.append(
+                f"| {size} | {bs} | {best_t.gbps:.2f} ({best_t.workers} workers) | "
+                f"{best_f.gbps:.2f} ({best_f.workers} threads) | {ratio:.1f}x |"
+            )
+            detail.append(
+                f"{size}: "
+                + ", ".join(
+                    f"{'torch' if r.name.startswith('torch') else 'feedpipe'} w={r.workers} "
+                    f"{r.gbps:.2f}"
+                    for r in results
+                )
+            )
+            if rec == max(int(x) for x in args.records.split(",")):
+                synth = synthetic_step(
+                    ds, bs, best_f.workers, device, gbps=best_f.gbps, seconds=args.seconds
+                )
+                synth["record"] = rec
+                print(f"  synthetic step: {synth}")
+            ds.close()
+            shutil.rmtree(path, ignore_errors=True)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    cmd = "python benchmarks/gpu_feed.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    md = [
+        f"Machine: {machine()}  ",
+        f"Command: `{cmd.strip()}` (device {device}; {args.gb} GB per record size in the page "
+        f"cache, shuffled, batches of {args.batch_mb:g} MiB, {args.seconds:g} s per configuration"
+        ", timed after a warm-up batch). GB/s = bytes delivered to the device per second.",
+        "",
+        "| record | batch | torch DataLoader(pin_memory) + .to(device, non_blocking), best "
+        "| feedpipe DataLoader(device, thread workers), best | ratio |",
+        "|---|---|---|---|---|",
+        *rows,
+        "",
+        "All configurations (GB/s): " + "; ".join(detail) + ".",
+    ]
+    if synth:
+        md += [
+            "",
+            f"Synthetic step on {int(synth['record']) // 1024} KiB records: "
+            f"{synth['step_ms']:.2f} ms per batch (needs {synth['need_gbps']:.1f} GB/s), "
+            f"{int(synth['steps'])} steps in {synth['total_s']:.2f} s: the device was idle for "
+            f"input {synth['idle_pct']:.1f}% of the time (host time inside next(): "
+            f"{synth['host_wait_pct']:.1f}%).",
+        ]
+    text = "\n".join(md)
+    print(text)
+    if not args.no_write and device.type == "cuda":
+        write_section("gpu_feed", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
