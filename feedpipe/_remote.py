@@ -358,8 +358,11 @@ def fetch_verified(
     storage_options: Mapping[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
     policy: RetryPolicy | None = None,
+    tmp: str | None = None,
 ) -> None:
     """Copy ``rpath`` to ``final`` via a temp file, verify size and CRC32C, rename into place.
+
+    ``tmp`` is the temp path to use (default: :func:`temp_name`); it is removed on failure.
 
     Transient errors are retried (a partial download is discarded and its progress rolled back);
     a checksum mismatch is retried once, then raises :class:`DatasetError` naming the URL.
@@ -367,7 +370,7 @@ def fetch_verified(
     from fsspec.callbacks import Callback
 
     os.makedirs(os.path.dirname(final) or ".", exist_ok=True)
-    tmp = temp_name(final, entry.nbytes)
+    tmp = tmp or temp_name(final, entry.nbytes)
     done = [0]
 
     class _Progress(Callback):  # type: ignore[misc]

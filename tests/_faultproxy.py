@@ -8,6 +8,7 @@ queued fault matches it::
         proxy.inject("503", times=1, match="/shard-00001")  # a 503 SlowDown for that key
         proxy.inject("truncate")                 # reply headers + half the body, then close
         proxy.inject("403")                      # an S3 AccessDenied reply
+        proxy.inject("stall")                    # half the body, then nothing until stop()
         ...
         assert proxy.faults_served == 5
 
@@ -28,7 +29,7 @@ from typing import Any
 
 __all__ = ["FAULTS", "FaultProxy"]
 
-FAULTS = ("drop", "truncate", "503", "500", "403", "404")
+FAULTS = ("drop", "truncate", "stall", "503", "500", "403", "404")
 
 _ERROR_XML = {
     "503": (503, "SlowDown", "Please reduce your request rate."),
@@ -67,6 +68,7 @@ class FaultProxy:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     @property
     def url(self) -> str:
@@ -100,6 +102,7 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
+        self._stopping.set()
         self._server.shutdown()
         self._server.server_close()
         if self._thread is not None:
@@ -171,13 +174,15 @@ class FaultProxy:
                     self.wfile.write(xml)
                     return
                 status, reason, headers, payload = self._forward(method, path, body)
-                if fault == "truncate" and len(payload) > 1:
+                if fault in ("truncate", "stall") and len(payload) > 1:
                     self.send_response(status, reason)
                     for k, v in headers:
                         self.send_header(k, v)
                     self.end_headers()
                     self.wfile.write(payload[: len(payload) // 2])
                     self.wfile.flush()
+                    if fault == "stall":
+                        proxy._stopping.wait()
                     self._abort()
                     return
                 self.send_response(status, reason)

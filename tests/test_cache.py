@@ -1,0 +1,214 @@
+"""ShardCache: lazy fetch, prefetch, LRU eviction under a limit, pins, processes, crashes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _faultproxy import FaultProxy
+from test_stage import make_dataset, upload
+
+from feedpipe.cache import ShardCache
+from feedpipe.errors import DatasetError
+
+HERE = Path(__file__).resolve().parent
+DATA = [f"shard-{i:05d}.data" for i in range(4)]
+
+
+@pytest.fixture
+def remote(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
+) -> tuple[str, dict[str, Any], dict[str, bytes]]:
+    bucket, opts = s3_bucket
+    contents = make_dataset(tmp_path / "src", shards=4, nbytes=40_000)
+    return upload(tmp_path / "src", bucket, opts), opts, contents
+
+
+def data_files(cache: ShardCache) -> list[str]:
+    return sorted(p.name for p in Path(cache.dir).glob("shard-*.data"))
+
+
+def test_local_dataset_is_read_in_place(tmp_path: Path) -> None:
+    contents = make_dataset(tmp_path / "ds", shards=2)
+    for url in (str(tmp_path / "ds"), f"file://{tmp_path / 'ds'}"):
+        with ShardCache(url, tmp_path / "cache", limit_bytes=1) as cache:
+            assert cache.is_local
+            path = cache.acquire("shard-00000.data")
+            assert path == str(tmp_path / "ds" / "shard-00000.data")
+            assert Path(path).read_bytes() == contents["shard-00000.data"]
+            assert cache.prefetch(["shard-00001.data"]) == []
+            cache.release("shard-00000.data")
+    assert not (tmp_path / "cache").exists()  # nothing copied, nothing to evict
+    assert all((tmp_path / "ds" / rel).exists() for rel in contents)
+
+
+def test_lazy_fetch_once_then_hit(
+    tmp_path: Path, remote: tuple[str, dict[str, Any], dict[str, bytes]]
+) -> None:
+    url, opts, contents = remote
+    with ShardCache(url, tmp_path / "cache", None, opts) as cache:
+        assert data_files(cache) == []
+        with cache.pinned("shard-00001.data") as path:
+            assert Path(path).read_bytes() == contents["shard-00001.data"]
+        with cache.pinned("shard-00001.data") as path2:
+            assert path2 == path
+        assert (cache.stats.downloads, cache.stats.hits) == (1, 1)
+        with pytest.raises(DatasetError, match=r"shard-00009\.data: not listed in the index"):
+            cache.acquire("shard-00009.data")
+        with pytest.raises(ValueError, match="not acquired"):
+            cache.release("shard-00001.data")
+    # a second cache object on the same directory finds the file
+    with ShardCache(url, tmp_path / "cache", None, opts) as again:
+        again.acquire("shard-00001.data")
+        assert again.stats.downloads == 0 and again.stats.hits == 1
+
+
+def test_prefetch(tmp_path: Path, remote: tuple[str, dict[str, Any], dict[str, bytes]]) -> None:
+    url, opts, contents = remote
+    with ShardCache(url, tmp_path / "cache", None, opts, prefetch_workers=2) as cache:
+        futures = cache.prefetch(DATA[1:])
+        for f in futures:
+            f.result(timeout=60)
+        assert data_files(cache) == DATA[1:]
+        assert cache.stats.downloads == 3 and cache.pinned_files() == []
+        for rel in DATA[1:]:
+            with cache.pinned(rel) as p:
+                assert Path(p).read_bytes() == contents[rel]
+        assert cache.stats.downloads == 3
+        with pytest.raises(DatasetError, match="not listed"):
+            cache.prefetch(["nope"])
+
+
+def test_lru_eviction_respects_limit_and_pins(
+    tmp_path: Path, remote: tuple[str, dict[str, Any], dict[str, bytes]]
+) -> None:
+    url, opts, contents = remote
+    sizes = {rel: len(contents[rel]) for rel in DATA}
+    limit = sizes[DATA[0]] + sizes[DATA[1]] + sizes[DATA[2]] // 2  # room for two .data files
+    with ShardCache(url, tmp_path / "cache", limit, opts, timeout_s=0.5) as cache:
+        for rel in DATA[:2]:
+            with cache.pinned(rel):
+                pass
+        time.sleep(0.02)
+        with cache.pinned(DATA[0]):  # DATA[0] is now the most recently used
+            pass
+        with cache.pinned(DATA[2]):
+            pass
+        assert data_files(cache) == [DATA[0], DATA[2]]  # DATA[1] was least recently used
+        assert cache.stats.evictions == 1
+        # pin both: a third file cannot fit, and the pinned ones are not evicted
+        p0, p2 = cache.acquire(DATA[0]), cache.acquire(DATA[2])
+        with pytest.raises(DatasetError, match="pinned by readers"):
+            cache.acquire(DATA[3])
+        assert data_files(cache) == [DATA[0], DATA[2]]
+        assert not [p for p in Path(cache.dir).iterdir() if ".part." in p.name]
+        cache.release(DATA[0])
+        with cache.pinned(DATA[3]) as p3:
+            assert Path(p3).read_bytes() == contents[DATA[3]]
+        assert data_files(cache) == [DATA[2], DATA[3]]
+        assert Path(p2).read_bytes() == contents[DATA[2]] and not Path(p0).exists()
+        total = sum(p.stat().st_size for p in Path(cache.dir).glob("shard-*"))
+        assert total <= limit
+        with pytest.raises(DatasetError, match="does not fit the cache limit"):
+            ShardCache(url, tmp_path / "c2", 1000, opts).acquire(DATA[0])
+
+
+_WORKER = """
+import json, random, sys
+from feedpipe.cache import ShardCache
+url, cache_dir, seed = sys.argv[1], sys.argv[2], int(sys.argv[5])
+opts, files = json.loads(sys.argv[3]), json.loads(sys.argv[4])
+random.Random(seed).shuffle(files)
+with ShardCache(url, cache_dir, None, opts, timeout_s=60) as cache:
+    for rel in files:
+        with cache.pinned(rel) as p:
+            open(p, "rb").read()
+    print(json.dumps({"downloads": cache.stats.downloads, "hits": cache.stats.hits}))
+"""
+
+
+def test_processes_share_one_cache_and_download_once(
+    tmp_path: Path, remote: tuple[str, dict[str, Any], dict[str, bytes]]
+) -> None:
+    url, opts, contents = remote
+    files = sorted(contents)
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _WORKER,
+                url,
+                str(tmp_path / "cache"),
+                json.dumps(opts),
+                json.dumps(files),
+                str(i),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(3)
+    ]
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0
+        results.append(json.loads(out))
+    assert sum(r["downloads"] for r in results) == len(files)  # each file downloaded exactly once
+    assert sum(r["hits"] for r in results) == 2 * len(files)
+    with ShardCache(url, tmp_path / "cache", None, opts) as cache:
+        for rel, data in contents.items():
+            assert Path(cache.path(rel)).read_bytes() == data
+
+
+_KILLED = """
+import sys, json
+from feedpipe.cache import ShardCache
+cache = ShardCache(sys.argv[1], sys.argv[2], None, json.loads(sys.argv[3]), timeout_s=60)
+print("ready", flush=True)
+cache.acquire("shard-00002.data")
+"""
+
+
+def test_sigkilled_downloader_leaves_nothing_complete(
+    tmp_path: Path, remote: tuple[str, dict[str, Any], dict[str, bytes]], s3_server: str
+) -> None:
+    url, opts, contents = remote
+    cache_dir = tmp_path / "cache"
+    with FaultProxy(s3_server) as proxy:
+        proxy.inject("stall", match="shard-00002.data", method="GET")
+        popts = dict(opts, client_kwargs=dict(opts["client_kwargs"], endpoint_url=proxy.url))
+        child = subprocess.Popen(
+            [sys.executable, "-c", _KILLED, url, str(cache_dir), json.dumps(popts)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+            deadline = time.monotonic() + 60
+            parts: list[Path] = []
+            while time.monotonic() < deadline and not any(p.stat().st_size > 0 for p in parts):
+                parts = list(cache_dir.glob("*/.shard-00002.data.part.*"))
+                time.sleep(0.02)
+            assert parts and parts[0].stat().st_size > 0, "download never started"
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(timeout=30)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(timeout=30)
+    (ds_dir,) = [p for p in cache_dir.iterdir() if p.is_dir()]
+    assert not (ds_dir / "shard-00002.data").exists()  # nothing that looks complete
+    assert 0 < parts[0].stat().st_size < len(contents["shard-00002.data"])
+    with ShardCache(url, cache_dir, None, opts) as cache:  # the next user cleans up and refetches
+        assert cache.stats.stale_temps_removed == 1
+        assert not parts[0].exists()
+        with cache.pinned("shard-00002.data") as p:
+            assert Path(p).read_bytes() == contents["shard-00002.data"]
