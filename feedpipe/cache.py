@@ -2,7 +2,8 @@
 
 ``ShardCache(url, cache_dir, limit_bytes)`` fetches a file on first use
 (:meth:`~ShardCache.acquire`), fetches ahead in the background (:meth:`~ShardCache.prefetch`)
-and evicts least-recently-used files to stay under ``limit_bytes``. Safety across processes comes from ``flock`` locks, one per file:
+and evicts least-recently-used files to stay under ``limit_bytes``. Safety across processes
+comes from ``flock`` locks, one per file:
 
 * a reader holds a *shared* lock while it uses a file (a pin); eviction needs an *exclusive*
   lock taken without waiting, so a pinned file is never evicted;
