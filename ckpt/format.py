@@ -146,6 +146,9 @@ def write_file(
     return {"name": Path(path).name, "size": size, "chunk_bytes": chunk_bytes, "crc32c": crcs}
 
 
+_HEAD, _MID, _TAIL = b'{"crc32c":"', b'","body":', b"}\n"
+
+
 def _canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
@@ -153,7 +156,7 @@ def _canonical(body: dict) -> bytes:
 def write_manifest(directory: str | os.PathLike[str], body: dict, name: str = MANIFEST) -> Path:
     """Write ``body`` as the manifest (with its own CRC32C) into ``directory`` and fsync it."""
     canon = _canonical(body)
-    text = b'{"crc32c":"' + to_hex(crc32c(canon)).encode() + b'","body":' + canon + b"}\n"
+    text = _HEAD + to_hex(crc32c(canon)).encode() + _MID + canon + _TAIL
     path = Path(directory) / name
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -165,20 +168,29 @@ def write_manifest(directory: str | os.PathLike[str], body: dict, name: str = MA
 
 
 def read_manifest(directory: str | os.PathLike[str], name: str = MANIFEST) -> dict:
-    """Read, checksum and validate a manifest; raises ``CorruptCheckpointError`` naming the file."""
+    """Read, checksum and validate a manifest; raises ``CorruptCheckpointError`` naming the file.
+
+    The CRC32C covers the body's exact bytes, so any changed byte is detected.
+    """
     path = Path(directory) / name
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: manifest missing") from None
-    try:
-        doc = json.loads(raw)
-        body, stored = doc["body"], doc["crc32c"]
-        actual = to_hex(crc32c(_canonical(body)))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptCheckpointError(f"{path}: manifest is not valid: {exc}") from None
+    start = len(_HEAD) + 8 + len(_MID)
+    if not (raw.startswith(_HEAD) and raw[len(_HEAD) + 8 : start] == _MID and raw.endswith(_TAIL)):
+        raise CorruptCheckpointError(f"{path}: manifest is not valid: bad framing")
+    stored, body_raw = raw[len(_HEAD) : len(_HEAD) + 8], raw[start : -len(_TAIL)]
+    actual = to_hex(crc32c(body_raw)).encode()
     if actual != stored:
-        raise CorruptCheckpointError(f"{path}: manifest checksum mismatch ({actual} != {stored})")
+        want = stored.decode(errors="replace")
+        raise CorruptCheckpointError(
+            f"{path}: manifest checksum mismatch ({actual.decode()} != {want})"
+        )
+    try:
+        body = json.loads(body_raw)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{path}: manifest is not valid: {exc}") from None
     try:
         validate(body)
     except CorruptCheckpointError as exc:
