@@ -1,0 +1,131 @@
+"""ZarrDataset over arrays written by zarr-python (v3 sharding codec + zstd), both backends."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from feedpipe import DatasetError, ZarrDataset
+
+zarr = pytest.importorskip("zarr")
+pytest.importorskip("tensorstore")
+
+BACKENDS = ["tensorstore", "zarr"]
+
+
+def _group(tmp: Path, n: int = 200) -> tuple[Path, np.ndarray]:
+    from zarr.codecs import ZstdCodec
+
+    x = np.random.default_rng(0).integers(0, 1000, (n, 4, 8)).astype(np.int32)
+    g = zarr.open_group(tmp / "g", mode="w")
+    a = g.create_array(
+        "data",
+        shape=x.shape,
+        chunks=(10, 4, 8),
+        shards=(50, 4, 8),
+        dtype="int32",
+        compressors=ZstdCodec(level=3),
+    )
+    a[:] = x
+    lab = g.create_array("label", shape=(n,), chunks=(64,), dtype="int64")
+    lab[:] = np.arange(n)
+    return tmp / "g", x
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_sharded_zstd_matches_default_collate(tmp_path: Path, backend: str) -> None:
+    path, x = _group(tmp_path)
+    ds = ZarrDataset(path, backend=backend)
+    assert len(ds) == 200 and ds.names == ["data", "label"]
+    s = ds[17]
+    assert torch.equal(s["data"], torch.from_numpy(x[17])) and int(s["label"]) == 17
+    idx = [199, 3, 3, 120, 0, -1]
+    got = ds.read_batch(idx)
+    want = default_collate([ds[i] for i in idx])
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k])
+    items = ds.__getitems__(idx)
+    assert torch.equal(items[3]["data"], torch.from_numpy(x[120]))
+    out = {
+        "data": torch.zeros(8, 4, 8, dtype=torch.int32),
+        "label": torch.zeros(8, dtype=torch.int64),
+    }
+    got = ds.read_batch(idx, out=out)
+    assert got["data"].data_ptr() == out["data"].data_ptr()
+    assert torch.equal(out["data"][:6], torch.from_numpy(x[idx]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_single_array_and_arrays_selection(tmp_path: Path, backend: str) -> None:
+    path, x = _group(tmp_path)
+    ds = ZarrDataset(path / "data", backend=backend)
+    assert torch.equal(ds.read_batch(np.array([5, 1])), torch.from_numpy(x[[5, 1]]))
+    only = ZarrDataset(path, arrays=["label"], backend=backend)
+    assert only[4] == {"label": torch.tensor(4)}
+
+
+@pytest.mark.parametrize("context", ["forkserver", "fork"])
+def test_pickles_and_works_in_worker_processes(tmp_path: Path, context: str) -> None:
+    path, x = _group(tmp_path)
+    ds = ZarrDataset(path)
+    ds[0]  # opens TensorStore handles; they must not travel
+    assert len(pickle.dumps(ds)) < 5000
+    loader = DataLoader(
+        ds, batch_size=50, num_workers=2, multiprocessing_context=context, timeout=60
+    )
+    # a child forked after TensorStore ran in its parent falls back to zarr-python (a warning)
+    assert torch.equal(torch.cat([b["data"] for b in loader]), torch.from_numpy(x))
+
+
+def test_out_of_range_and_not_zarr(tmp_path: Path) -> None:
+    path, _ = _group(tmp_path)
+    ds = ZarrDataset(path)
+    with pytest.raises(IndexError, match=r"index 200 is out of range .*length 200"):
+        ds[200]
+    with pytest.raises(IndexError, match="index -201"):
+        ds.read_batch([0, -201])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match=r"empty: not a Zarr v3 array or group"):
+        ZarrDataset(tmp_path / "empty")
+    with pytest.raises(DatasetError, match=r"g/nope: not a Zarr v3"):
+        ZarrDataset(path, arrays=["nope"])
+
+
+def test_misaligned_group(tmp_path: Path) -> None:
+    g = zarr.open_group(tmp_path / "m", mode="w")
+    g.create_array("a", shape=(10, 2), dtype="uint8")
+    g.create_array("b", shape=(9,), dtype="uint8")
+    with pytest.raises(DatasetError, match="not aligned"):
+        ZarrDataset(tmp_path / "m")
+
+
+def test_missing_shard_is_an_error_not_zeros(tmp_path: Path) -> None:
+    path, _ = _group(tmp_path)
+    shard = path / "data" / "c" / "3" / "0" / "0"
+    assert shard.exists()
+    os.remove(shard)
+    ds = ZarrDataset(path)
+    ds[0]
+    with pytest.raises(DatasetError, match=r"g/data: reading records \[160\] failed: .*missing"):
+        ds[160]
+
+
+def test_remote_s3(s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    bucket, options = s3_bucket
+    from zarr.storage import FsspecStore
+
+    url = f"s3://{bucket}/z"
+    store = FsspecStore.from_url(url, storage_options=options, read_only=False)
+    x = np.arange(60, dtype=np.float32).reshape(20, 3)
+    arr = zarr.create_array(store, shape=x.shape, chunks=(5, 3), shards=(10, 3), dtype="float32")
+    arr[:] = x
+    ds = ZarrDataset(url, storage_options=options)
+    assert ds.backend == "zarr" and len(ds) == 20
+    assert torch.equal(ds.read_batch([19, 2]), torch.from_numpy(x[[19, 2]]))
