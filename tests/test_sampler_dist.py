@@ -170,3 +170,16 @@ def test_elastic_resume(job: Any) -> None:
         if opts.get("equal_batches"):
             b = opts["batch_size"]
             assert len({-(-len(r) // b) for r in resumed}) == 1, where
+
+
+def _fail_on_rank_1(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise RuntimeError("boom on purpose")
+    dist.barrier()  # rank 0 would wait forever for rank 1: the helper must not hang
+
+
+def test_helper_reports_a_failing_rank_and_does_not_hang() -> None:
+    with pytest.raises(AssertionError, match=r"rank 1 of 2 failed:[\s\S]*boom on purpose"):
+        run_ranks(_fail_on_rank_1, 2, timeout=60)
