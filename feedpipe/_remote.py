@@ -34,6 +34,7 @@ __all__ = [
     "is_complete",
     "is_remote",
     "join",
+    "parse_index",
     "read_remote_index",
     "redact",
     "resolve",
@@ -292,22 +293,14 @@ class FileEntry:
     crc32c: str
 
 
-def _entries_from_index(doc: Mapping[str, Any], url: str) -> list[FileEntry]:
-    if doc.get("format") != "feedpipe.memmap" or not isinstance(doc.get("shards"), list):
-        raise DatasetError(f"{url}: not a feedpipe dataset index (format={doc.get('format')!r})")
+def _entries_from_index(doc: Any, url: str) -> list[FileEntry]:
+    from feedpipe._index import Index
+
     out: list[FileEntry] = []
-    for shard_id, shard in enumerate(doc["shards"]):
-        for name, f in (shard.get("files") or {}).items():
-            try:
-                rel = str(f["path"])
-                entry = FileEntry(shard_id, rel, int(f["bytes"]), str(f["crc32c"]).lower())
-            except (KeyError, TypeError, ValueError) as exc:
-                raise DatasetError(
-                    f"{url}: shard {shard_id} file {name!r} entry is malformed: {exc}"
-                ) from None
-            if rel.startswith("/") or ".." in rel.split("/"):
-                raise DatasetError(f"{url}: shard {shard_id} file path {rel!r} escapes the dataset")
-            out.append(entry)
+    for shard_id, rel, nbytes, crc in Index.from_json(doc, url).files():
+        if rel.startswith("/") or ".." in rel.split("/"):
+            raise DatasetError(f"{url}: shard {shard_id} file path {rel!r} escapes the dataset")
+        out.append(FileEntry(shard_id, rel, int(nbytes), str(crc).lower()))
     return out
 
 
@@ -322,11 +315,16 @@ def read_remote_index(
         what="read dataset index",
         storage_options=storage_options,
     )
+    return raw, parse_index(raw, index_url)
+
+
+def parse_index(raw: bytes, index_url: str) -> list[FileEntry]:
+    """The files an ``index.json`` lists; raises :class:`DatasetError` naming ``index_url``."""
     try:
         doc = json.loads(raw)
     except ValueError as exc:
         raise DatasetError(f"{index_url}: index is not valid JSON: {exc}") from None
-    return raw, _entries_from_index(doc, index_url)
+    return _entries_from_index(doc, index_url)
 
 
 def temp_name(final: str, nbytes: int) -> str:

@@ -114,18 +114,27 @@ class ShardCache:
         timeout_s: float = 600.0,
         deadline_s: float = 120.0,
     ) -> None:
-        self.url = os.fspath(remote_root)
+        self._args = (
+            os.fspath(remote_root),
+            None if cache_dir is None else os.fspath(cache_dir),
+            limit_bytes,
+            dict(storage_options or {}),
+            prefetch_workers,
+            timeout_s,
+            deadline_s,
+        )
+        self._setup(None)
+
+    def _setup(self, raw_index: bytes | None) -> None:
+        url, cache_dir, limit_bytes, options, prefetch_workers, timeout_s, deadline_s = self._args
+        self.url = url
         self.stats = CacheStats()
         self.limit_bytes = limit_bytes
         self.timeout_s = timeout_s
-        self._options = dict(storage_options or {})
+        self._options = options
         self._policy = _remote.RetryPolicy(deadline_s=deadline_s)
-        self._pins: dict[str, list[int]] = {}
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
         self._prefetch_workers = prefetch_workers
-        self._pending: dict[str, Future[None]] = {}
-        self._closed = False
+        self._reset_process_state()
         self.is_local = not _remote.is_remote(self.url)
         self._fs, self._root = _remote.resolve(self.url, self._options)
         if self.is_local:
@@ -138,8 +147,14 @@ class ShardCache:
             )
         if limit_bytes is not None and limit_bytes <= 0:
             raise ValueError(f"limit_bytes must be positive, got {limit_bytes}")
-        self.cache_dir = os.path.abspath(os.fspath(cache_dir))
-        raw, entries = _remote.read_remote_index(self._fs, self._root, self.url, self._options)
+        self.cache_dir = os.path.abspath(cache_dir)
+        if raw_index is None:
+            raw_index, entries = _remote.read_remote_index(
+                self._fs, self._root, self.url, self._options
+            )
+        else:
+            entries = _remote.parse_index(raw_index, _remote.join(self.url, INDEX_NAME))
+        raw = raw_index
         self.index_bytes = raw
         self._entries = {e.relpath: e for e in entries}
         key = hashlib.sha1(f"{self.url}\0{to_hex(crc32c(raw))}".encode()).hexdigest()[:16]
@@ -153,6 +168,24 @@ class ShardCache:
             os.replace(tmp, index_path)
         self._scan(need=0)  # removes temps left by crashed downloaders
 
+    def _reset_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._pins: dict[str, list[int]] = {}
+        self._held: set[str] = set()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[str, Future[None]] = {}
+        self._closed = False
+
+    def _check_process(self) -> None:
+        """After a fork: drop the parent's pins (its own fds keep its locks) and thread pool."""
+        if self._pid != os.getpid():
+            for fds in self._pins.values():
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            self._reset_process_state()
+
     # ---------------------------------------------------------------- public API
     def path(self, relpath: str) -> str:
         """The local path of ``relpath`` (present or not)."""
@@ -165,6 +198,7 @@ class ShardCache:
         """
         if self.is_local:
             return self.path(relpath)
+        self._check_process()
         fd = self._ensure(relpath, pin=True)
         assert fd is not None
         with self._lock:
@@ -175,6 +209,7 @@ class ShardCache:
         """Unpin one :meth:`acquire` of ``relpath``."""
         if self.is_local:
             return
+        self._check_process()
         with self._lock:
             fds = self._pins.get(relpath)
             if not fds:
@@ -183,6 +218,36 @@ class ShardCache:
             if not fds:
                 del self._pins[relpath]
         os.close(fd)  # closing the only fd of this open file drops its shared lock
+
+    def hold(self, relpath: str) -> str:
+        """Like :meth:`acquire` but idempotent: pins ``relpath`` at most once per object, until
+        :meth:`release_all` or :meth:`close` (for readers that keep files open)."""
+        if self.is_local:
+            return self.path(relpath)
+        self._check_process()
+        with self._lock:
+            if relpath in self._held:
+                return self.path(relpath)
+        path = self.acquire(relpath)
+        with self._lock:
+            if relpath in self._held:  # another thread got there first
+                duplicate = True
+            else:
+                self._held.add(relpath)
+                duplicate = False
+        if duplicate:
+            self.release(relpath)
+        return path
+
+    def release_all(self) -> None:
+        """Release every pin of this object (from :meth:`acquire` and :meth:`hold`)."""
+        self._check_process()
+        with self._lock:
+            pins, self._pins = self._pins, {}
+            self._held.clear()
+        for fds in pins.values():
+            for fd in fds:
+                os.close(fd)
 
     @contextlib.contextmanager
     def pinned(self, relpath: str) -> Iterator[str]:
@@ -198,6 +263,7 @@ class ShardCache:
         a later :meth:`acquire` of the same file retries and raises)."""
         if self.is_local:
             return []
+        self._check_process()
         out: list[Future[None]] = []
         with self._lock:
             if self._closed:
@@ -224,10 +290,12 @@ class ShardCache:
 
     def close(self) -> None:
         """Stop prefetching and release every pin of this object."""
+        self._check_process()
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, None
             pins, self._pins = self._pins, {}
+            self._held.clear()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         for fds in pins.values():
@@ -241,7 +309,12 @@ class ShardCache:
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("ShardCache holds locks and threads; create one per process")
+        """Pickles as its arguments and index: pins and threads stay with this process."""
+        return {"args": self._args, "index": None if self.is_local else self.index_bytes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._args = state["args"]
+        self._setup(state["index"])
 
     # ---------------------------------------------------------------- internals
     def _entry(self, relpath: str) -> FileEntry:

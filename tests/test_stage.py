@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,6 @@ import pytest
 from _faultproxy import FaultProxy
 
 from feedpipe import _remote
-from feedpipe._crc import crc32c, to_hex
 from feedpipe.errors import DatasetError
 from feedpipe.stage import stage
 
@@ -23,29 +21,22 @@ SECRET = "s3cr3t/FeedpipeTestSecretValue+xyz"
 def make_dataset(
     root: Path, shards: int = 4, nbytes: int = 50_000, seed: int = 0
 ) -> dict[str, bytes]:
-    """Write a small dataset in the feedpipe.memmap index format; return {relpath: content}."""
+    """Write a dataset with :class:`feedpipe.MemmapWriter` (fixed layout + a label field) of
+    ``shards`` shards of about ``nbytes`` each; return ``{relpath: content}`` of every file."""
+    from feedpipe import MemmapWriter
+
     rng = np.random.default_rng(seed)
-    root.mkdir(parents=True, exist_ok=True)
-    contents: dict[str, bytes] = {}
-    index: dict[str, Any] = {
-        "format": "feedpipe.memmap",
-        "version": 1,
-        "layout": {},
-        "fields": {},
-        "num_records": shards * 10,
-        "shards": [],
-    }
-    for s in range(shards):
-        files = {}
-        for kind, size in (("data", nbytes + 97 * s), ("offsets", 88)):
-            rel = f"shard-{s:05d}.{kind}"
-            data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
-            (root / rel).write_bytes(data)
-            contents[rel] = data
-            files[kind] = {"path": rel, "bytes": size, "crc32c": to_hex(crc32c(data))}
-        index["shards"].append({"records": 10, "files": files})
-    (root / "index.json").write_text(json.dumps(index))
-    return contents
+    record, per_shard = 1000, max(1, nbytes // 1000)
+    with MemmapWriter(
+        root,
+        shape=(record,),
+        dtype="uint8",
+        fields={"label": "int64"},
+        shard_bytes=record * per_shard,
+    ) as w:
+        n = shards * per_shard
+        w.append_batch(rng.integers(0, 256, (n, record), dtype=np.uint8), label=np.arange(n))
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.name != "index.json"}
 
 
 def upload(local: Path, bucket: str, opts: dict[str, Any], prefix: str = "ds") -> str:
@@ -109,7 +100,7 @@ def test_rerun_copies_only_missing_or_wrong(tmp_path: Path) -> None:
     bad = bytearray((dst / "shard-00001.data").read_bytes())
     bad[100] ^= 0xFF  # same size, wrong content
     (dst / "shard-00001.data").write_bytes(bytes(bad))
-    (dst / "shard-00002.offsets").write_bytes(b"short")  # wrong size
+    (dst / "shard-00002.label").write_bytes(b"short")  # wrong size
     (dst / ".shard-00002.data.part.123.999999999.deadbeef").write_bytes(b"junk")  # crashed run
     result = stage(tmp_path / "src", dst, progress=False)
     assert result.copied == 3
@@ -192,7 +183,7 @@ def test_transient_faults_are_retried(
         proxy.inject("drop", times=2, match="/index.json")
         proxy.inject("503", times=2, match="shard-00001.data")
         proxy.inject("truncate", times=1, match="shard-00002.data", method="GET")
-        proxy.inject("500", times=1, match="shard-00000.offsets")
+        proxy.inject("500", times=1, match="shard-00000.label")
         result = stage(
             url,
             tmp_path / "dst",
