@@ -353,40 +353,43 @@ class CheckpointManager:
             busy = bool(self._inflight)
         if busy:
             self.wait()
-        candidates = [step] if step is not None else list(reversed(self.steps()))
         skipped: list[tuple[int, str]] = []
-        for s in candidates:
-            path = _commit.step_dir(self.directory, s)
-            try:
-                with _commit.reading(path):
-                    state, _, stats = read_checkpoint(
-                        path, map_location=map_location, mmap=mmap, verify=verify
-                    )
-            except CorruptCheckpointError as exc:
-                if step is not None:
-                    raise
-                log.warning("ckpt: skipping step %d: %s", s, exc)
-                skipped.append((s, str(exc)))
-                continue
-            except CheckpointError as exc:
-                if step is not None:
-                    raise
-                skipped.append((s, str(exc)))
-                continue
-            stats.skipped = skipped
-            self.stats.last_restore = stats
-            if verify:
-                self._newest_verified = max(s, self._newest_verified or s)
-            log.info(
-                "ckpt: restored step %d (%d bytes, read %.3f s, checksums %.3f s)",
-                s,
-                stats.nbytes,
-                stats.read_s,
-                stats.verify_s,
-            )
-            if into is not None:
-                apply_into(into, state)
-            return state
+        for _attempt in range(3):  # re-list if a step vanished under us (concurrent retention)
+            vanished = False
+            candidates = [step] if step is not None else list(reversed(self.steps()))
+            for s in candidates:
+                if any(s == done for done, _ in skipped):
+                    continue
+                path = _commit.step_dir(self.directory, s)
+                try:
+                    with _commit.reading(path):
+                        state, _, stats = read_checkpoint(
+                            path, map_location=map_location, mmap=mmap, verify=verify
+                        )
+                except CorruptCheckpointError as exc:
+                    if step is not None:
+                        raise
+                    log.warning("ckpt: skipping step %d: %s", s, exc)
+                    skipped.append((s, str(exc)))
+                    continue
+                except CheckpointError:
+                    if step is not None:
+                        raise
+                    vanished = True
+                    continue
+                stats.skipped = skipped
+                self.stats.last_restore = stats
+                if verify:
+                    self._newest_verified = max(s, self._newest_verified or s)
+                log.info(
+                    "ckpt: restored step %d (%d bytes, read %.3f s, checksums %.3f s)",
+                    s, stats.nbytes, stats.read_s, stats.verify_s,
+                )  # fmt: skip
+                if into is not None:
+                    apply_into(into, state)
+                return state
+            if not vanished:
+                break
         detail = "; ".join(f"step {s}: {why}" for s, why in skipped) or "no committed steps"
         raise CheckpointError(f"{self.directory}: no valid checkpoint to restore ({detail})")
 

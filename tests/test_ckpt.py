@@ -51,7 +51,10 @@ def _state() -> dict:
 def _assert_equal(a: object, b: object) -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(torch.uint8) if b.dtype.itemsize == 1 else b)  # noqa: E501
+        assert torch.equal(
+            a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+            b.view(torch.uint8) if b.dtype.itemsize == 1 else b,
+        )  # noqa: E501
     elif isinstance(a, np.ndarray):
         assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
     elif isinstance(a, dict):
@@ -198,7 +201,7 @@ def test_background_error_is_raised_by_next_call(
     m.save(0, {"w": torch.ones(3)}).result()
     monkeypatch.setattr(fmt, "write_file", boom)
     handle = m.save(1, {"w": torch.ones(3)})
-    with pytest.raises(CheckpointError, match="step 1 failed: .*Input/output error"):
+    with pytest.raises(CheckpointError, match=r"step 1 failed: .*Input/output error"):
         handle.result(60)
     with pytest.raises(CheckpointError, match="background save of step 1 failed"):
         m.save(2, {"w": torch.ones(3)})
@@ -241,7 +244,7 @@ def test_retention_never_deletes_the_newest_verified(tmp_path: Path) -> None:
 
 def test_restore_errors_are_clear(tmp_path: Path) -> None:
     m = CheckpointManager(tmp_path)
-    with pytest.raises(CheckpointError, match="no valid checkpoint.*no committed steps"):
+    with pytest.raises(CheckpointError, match=r"no valid checkpoint.*no committed steps"):
         m.restore()
     with pytest.raises(CheckpointError, match="step-7: checkpoint does not exist"):
         m.restore(7)

@@ -10,11 +10,11 @@ import random
 import time
 from pathlib import Path
 
+import _ckpt_crash_worker as worker
 import numpy as np
 import pytest
 import torch
 
-import _ckpt_crash_worker as worker
 from ckpt import _commit
 from ckpt.manager import CheckpointManager
 
@@ -49,7 +49,7 @@ def _crash_loop(root: Path, kills: int, seed: int) -> collections.Counter[str]:
         assert proc.exitcode == -9, f"kill {i}: worker exit code {proc.exitcode}"
         phases[phase.value.decode()] += 1
         committed = reader.steps()
-        assert len(committed) <= worker.KEEP_LAST + 1, f"kill {i}: retention fell behind: {committed}"
+        assert len(committed) <= worker.KEEP_LAST + 1, f"kill {i}: retention behind: {committed}"
         assert len(_commit.leftovers(root)) <= 3, f"kill {i}: {_commit.leftovers(root)}"
         if not committed:
             continue
