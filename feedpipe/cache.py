@@ -100,7 +100,11 @@ class ShardCache:
         limit_bytes: the cache directory's size limit (``None``: unbounded).
         storage_options: fsspec options (credentials, endpoint); never logged.
         prefetch_workers: background download threads for :meth:`prefetch`.
-        timeout_s: how long to wait for another process's download or for pinned space to free.
+        readahead: when a file of shard ``k`` is fetched by :meth:`acquire`/:meth:`hold`, prefetch
+            the files of shards ``k+1 .. k+readahead`` (index order) in the background.
+        timeout_s: how long to wait for a lock (e.g. another process's download of the same file).
+        room_timeout_s: how long to wait for readers to unpin files when the cache is full.
+        deadline_s: retry deadline for transient remote errors, per file.
     """
 
     def __init__(
@@ -111,29 +115,36 @@ class ShardCache:
         storage_options: Mapping[str, Any] | None = None,
         *,
         prefetch_workers: int = 2,
+        readahead: int = 0,
         timeout_s: float = 600.0,
+        room_timeout_s: float = 30.0,
         deadline_s: float = 120.0,
     ) -> None:
-        self._args = (
-            os.fspath(remote_root),
-            None if cache_dir is None else os.fspath(cache_dir),
-            limit_bytes,
-            dict(storage_options or {}),
-            prefetch_workers,
-            timeout_s,
-            deadline_s,
-        )
+        self._args: dict[str, Any] = {
+            "url": os.fspath(remote_root),
+            "cache_dir": None if cache_dir is None else os.fspath(cache_dir),
+            "limit_bytes": limit_bytes,
+            "options": dict(storage_options or {}),
+            "prefetch_workers": prefetch_workers,
+            "readahead": readahead,
+            "timeout_s": timeout_s,
+            "room_timeout_s": room_timeout_s,
+            "deadline_s": deadline_s,
+        }
         self._setup(None)
 
     def _setup(self, raw_index: bytes | None) -> None:
-        url, cache_dir, limit_bytes, options, prefetch_workers, timeout_s, deadline_s = self._args
-        self.url = url
+        a = self._args
+        self.url: str = a["url"]
+        cache_dir, limit_bytes = a["cache_dir"], a["limit_bytes"]
         self.stats = CacheStats()
         self.limit_bytes = limit_bytes
-        self.timeout_s = timeout_s
-        self._options = options
-        self._policy = _remote.RetryPolicy(deadline_s=deadline_s)
-        self._prefetch_workers = prefetch_workers
+        self.timeout_s: float = a["timeout_s"]
+        self.room_timeout_s: float = a["room_timeout_s"]
+        self.readahead: int = a["readahead"]
+        self._options: dict[str, Any] = a["options"]
+        self._policy = _remote.RetryPolicy(deadline_s=a["deadline_s"])
+        self._prefetch_workers: int = a["prefetch_workers"]
         self._reset_process_state()
         self.is_local = not _remote.is_remote(self.url)
         self._fs, self._root = _remote.resolve(self.url, self._options)
@@ -157,6 +168,9 @@ class ShardCache:
         raw = raw_index
         self.index_bytes = raw
         self._entries = {e.relpath: e for e in entries}
+        self._by_shard: dict[int, list[str]] = {}
+        for e in entries:
+            self._by_shard.setdefault(e.shard, []).append(e.relpath)
         key = hashlib.sha1(f"{self.url}\0{to_hex(crc32c(raw))}".encode()).hexdigest()[:16]
         self.dir = os.path.join(self.cache_dir, key)
         os.makedirs(os.path.join(self.dir, _LOCKS), exist_ok=True)
@@ -203,6 +217,10 @@ class ShardCache:
         assert fd is not None
         with self._lock:
             self._pins.setdefault(relpath, []).append(fd)
+        if self.readahead > 0:
+            shard = self._entries[relpath].shard
+            ahead = range(shard + 1, shard + 1 + self.readahead)
+            self.prefetch(rel for k in ahead for rel in self._by_shard.get(k, ()))
         return self.path(relpath)
 
     def release(self, relpath: str) -> None:
@@ -397,7 +415,7 @@ class ShardCache:
                 f"{_remote.join(_remote.redact(self.url, self._options), entry.relpath)}: file of "
                 f"{entry.nbytes} bytes does not fit the cache limit of {self.limit_bytes} bytes"
             )
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.room_timeout_s
         while True:
             fd = os.open(os.path.join(self.cache_dir, _CACHE_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -413,8 +431,9 @@ class ShardCache:
                 raise DatasetError(
                     f"cache {self.cache_dir}: cannot make room for "
                     f"{_remote.join(_remote.redact(self.url, self._options), entry.relpath)} "
-                    f"({entry.nbytes} bytes) under the limit of {self.limit_bytes} bytes: the rest "
-                    f"is pinned by readers (still {short} bytes short after {self.timeout_s:g} s)"
+                    f"({entry.nbytes} bytes) under the limit of {self.limit_bytes} bytes: the "
+                    f"rest is pinned by readers (still {short} bytes short after "
+                    f"{self.room_timeout_s:g} s)"
                 )
             time.sleep(0.05)
 

@@ -102,6 +102,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         self.cache_limit_bytes = cache_limit_bytes
         self.storage_options = dict(storage_options or {})
         self._remote = _is_remote(self.path)
+        self._cache: Any = None  # feedpipe.cache.ShardCache of a remote dataset, made on first use
         if self._remote:
             import fsspec.core
 
@@ -154,11 +155,23 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
     def _local_path(self, shard_id: int, role: str) -> str:
         """The local path of one shard file. Every shard-file open goes through here."""
         info = self.index.shards[shard_id].files[role]
-        if self._remote:
-            raise NotImplementedError(
-                f"{self.path}: reading a remote MemmapDataset needs the staging cache "
-                "(feedpipe.stage); stage the dataset to a local directory first"
-            )
+        if self._remote:  # fetched into the shared cache and pinned until close()
+            if self.cache_dir is None:
+                raise NotImplementedError(
+                    f"{self.path}: reading a remote MemmapDataset needs cache_dir=... (lazy "
+                    "mode) or the staging cache (feedpipe.stage) to a local directory first"
+                )
+            if self._cache is None:
+                from feedpipe.cache import ShardCache
+
+                self._cache = ShardCache(
+                    self.path,
+                    self.cache_dir,
+                    self.cache_limit_bytes,
+                    self.storage_options,
+                    readahead=2,
+                )
+            return str(self._cache.hold(info.path))
         return os.path.join(self.path, info.path)
 
     def _state(self) -> _Handles:
@@ -485,6 +498,8 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         if self._handles is not None:
             self._handles.close()
             self._handles = None
+        if self._cache is not None:
+            self._cache.release_all()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None

@@ -92,7 +92,7 @@ def test_lru_eviction_respects_limit_and_pins(
     url, opts, contents = remote
     sizes = {rel: len(contents[rel]) for rel in DATA}
     limit = sizes[DATA[0]] + sizes[DATA[1]] + sizes[DATA[2]] // 2  # room for two .data files
-    with ShardCache(url, tmp_path / "cache", limit, opts, timeout_s=0.5) as cache:
+    with ShardCache(url, tmp_path / "cache", limit, opts, room_timeout_s=0.5) as cache:
         for rel in DATA[:2]:
             with cache.pinned(rel):
                 pass
