@@ -72,6 +72,7 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
             )
         metas = {n: self._read_meta(n) for n in self.names}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, np.dtype] = {}
         for name, meta in metas.items():
             where = self._where(name)
             if meta.get("node_type") != "array":
@@ -80,6 +81,10 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
             if not shape:
                 raise DatasetError(f"{where}: a 0-d array has no sample axis")
             self.shapes[name] = shape
+            try:
+                self._dtypes[name] = np.dtype(meta["data_type"])
+            except (TypeError, KeyError):
+                pass  # unusual data types: ask the backend
         lengths = {n: s[0] for n, s in self.shapes.items()}
         self._len = next(iter(lengths.values()))
         if len(set(lengths.values())) != 1:
@@ -256,7 +261,7 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
             if target is None:
                 t = torch.from_numpy(arr) if arr is not None else None
                 if t is None:
-                    t = torch.from_numpy(np.empty(shape, self._dtype(name)))
+                    t = torch.from_numpy(np.empty(shape, self.dtype_of(name)))
             else:
                 if (
                     not isinstance(target, torch.Tensor)
@@ -270,7 +275,10 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
             result[name] = t
         return result if self.is_group else result[""]
 
-    def _dtype(self, name: str) -> np.dtype:
+    def dtype_of(self, name: str = "") -> np.dtype:
+        """The numpy dtype of array ``name`` (``""`` for a single array)."""
+        if name in self._dtypes:
+            return self._dtypes[name]
         h = self._open()[name]
         return np.dtype(h.dtype.numpy_dtype if self._proc_backend == "tensorstore" else h.dtype)
 
