@@ -1,0 +1,290 @@
+"""Checkpoint save benchmark: torch.save vs DCP async_save vs ckpt, in one run.
+
+For each method: the time the training loop is blocked per save (first and steady state), the time
+until the checkpoint is durable (fsynced), and, in the same run, the disk write bandwidth (large
+writes + fsync of the same number of bytes) and the ceiling for blocking: a plain copy of the state
+into preallocated (pinned, on CUDA) memory.
+
+    .venv/bin/python benchmarks/ckpt_save.py --size-gb 0.5            # CPU, float32 state
+    python benchmarks/ckpt_save.py --device cuda --size-gb 8          # GPU, bf16 state
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._report import machine, write_section
+from ckpt.manager import CheckpointManager
+
+_TENSOR_BYTES = 64 << 20
+
+
+def make_state(nbytes: int, device: str) -> dict[str, torch.Tensor]:
+    """A model-like state: 64 MiB tensors plus a few small ones, ``nbytes`` in total."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    item = torch.empty((), dtype=dtype).element_size()
+    state: dict[str, torch.Tensor] = {}
+    left, i = nbytes, 0
+    while left > 0:
+        n = min(_TENSOR_BYTES, left) // item
+        state[f"layer{i}.weight"] = torch.randn(n, device=device).to(dtype)
+        state[f"layer{i}.bias"] = torch.zeros(1024, device=device, dtype=dtype)
+        left -= n * item
+        i += 1
+    return state
+
+
+def nbytes_of(state: dict[str, torch.Tensor]) -> int:
+    """Total tensor bytes."""
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _mutate(state: dict[str, torch.Tensor]) -> None:
+    for t in state.values():  # a "training step" between saves
+        t.add_(1)
+
+
+def disk_bandwidth(directory: Path, nbytes: int) -> float:
+    """Write ``nbytes`` from a preallocated buffer in 64 MiB writes, fsync; returns bytes/s."""
+    buf = memoryview(bytearray(64 << 20))
+    path = directory / "dd.bin"
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    left = nbytes
+    while left > 0:
+        left -= os.write(fd, buf[: min(len(buf), left)])
+    os.fsync(fd)
+    os.close(fd)
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return nbytes / dt
+
+
+def copy_ceiling(state: dict[str, torch.Tensor], device: str, repeats: int) -> float:
+    """Best time to copy the state into preallocated (prefaulted; pinned on CUDA) host memory."""
+    pin = device == "cuda"
+    dst = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for k, t in state.items()}
+    for t in dst.values():
+        t.zero_()
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        for k, t in state.items():
+            dst[k].copy_(t, non_blocking=pin)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del dst
+    return best
+
+
+class _TorchSave:
+    """torch.save + fsync: blocked == durable."""
+
+    name = "torch.save (sync)"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def save(self, i: int, state: dict) -> tuple[float, float]:
+        path = self.root / f"torch-{i}.pt"
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        dt = time.perf_counter() - t0
+        path.unlink()
+        return dt, dt
+
+    def close(self) -> None:
+        pass
+
+
+class _DCP:
+    """torch.distributed.checkpoint.async_save in one process (no process group)."""
+
+    def __init__(self, root: Path, pinned: bool) -> None:
+        self.root = root
+        self.name = f"DCP async_save ({'pinned' if pinned else 'default'} stager)"
+        self.stager = None
+        if pinned:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self.stager = DefaultStager(StagingOptions(True, False, False, True))
+
+    def save(self, i: int, state: dict) -> tuple[float, float]:
+        import torch.distributed.checkpoint as dcp
+
+        path = self.root / f"dcp-{i}"
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            kwargs = {"async_stager": self.stager} if self.stager is not None else {}
+            future = dcp.async_save(state, checkpoint_id=str(path), **kwargs)
+        blocked = time.perf_counter() - t0
+        getattr(future, "upload_completion", future).result()
+        durable = time.perf_counter() - t0
+        shutil.rmtree(path)
+        return blocked, durable
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+
+
+class _Ckpt:
+    """ckpt.CheckpointManager with the pool reserved before the first save."""
+
+    name = "ckpt"
+
+    def __init__(self, root: Path, state: dict) -> None:
+        self.manager = CheckpointManager(root / "ckpt", keep_last=1)
+        t0 = time.perf_counter()
+        self.manager.reserve(state)
+        self.reserve_s = time.perf_counter() - t0
+
+    def save(self, i: int, state: dict) -> tuple[float, float]:
+        handle = self.manager.save(i, state)
+        handle.result()
+        return handle.stats.blocked_s, handle.stats.durable_s
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def gpu_slowdown(state: dict, root: Path) -> float:
+    """Relative slowdown of a GPU-bound matmul loop while a ckpt save persists in the background."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def loop(iters: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            a @ a
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    loop(5)
+    iters = max(10, int(2.0 / (loop(20) / 20)))
+    base = loop(iters)
+    manager = CheckpointManager(root / "ckpt-gpu", keep_last=1)
+    manager.reserve(state)
+    handle = manager.save(0, state)
+    busy = loop(iters)
+    handle.result()
+    manager.close()
+    shutil.rmtree(root / "ckpt-gpu")
+    return busy / base - 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark, print the table and write docs/benchmarks.md (section ckpt_save)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size-gb", type=float, default=0.5)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--saves", type=int, default=3)
+    p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    p.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    args = p.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
+    dev = args.device
+    try:
+        state = make_state(int(args.size_gb * 1e9), dev)
+        size = nbytes_of(state)
+        methods: list = [_TorchSave(root), _DCP(root, pinned=False)]
+        if dev == "cuda":
+            methods.append(_DCP(root, pinned=True))
+        ck = _Ckpt(root, state)
+        methods.append(ck)
+        # Rounds interleave every method with its baselines, so that the noise of a shared
+        # machine hits baseline and method alike: per round, the disk bandwidth (write+fsync of
+        # the same bytes) and the ceiling (copy into preallocated memory, right before the ckpt
+        # save) are measured afresh.
+        disk: list[float] = []
+        ceiling: list[float] = []
+        runs: dict[str, list[tuple[float, float]]] = {m.name: [] for m in methods}
+        for i in range(args.saves):
+            disk.append(disk_bandwidth(root, size))
+            for m in methods:
+                if m is ck:  # the ceiling right before the ckpt save: same conditions
+                    ceiling.append(copy_ceiling(state, dev, 1))
+                _sync(dev)
+                runs[m.name].append(m.save(i, state))
+                _mutate(state)
+        for m in methods:
+            m.close()
+        slowdown = gpu_slowdown(state, root) if dev == "cuda" else None
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    med = statistics.median
+    lines = [
+        f"Machine: {machine()}",
+        "",
+        f"Command: `python benchmarks/ckpt_save.py --device {dev} --size-gb "
+        f"{args.size_gb} --saves {args.saves}`",
+        "",
+        f"State: {size / 1e9:.2f} GB of {'bf16 CUDA' if dev == 'cuda' else 'float32 CPU'} "
+        f"tensors; {args.saves} rounds. Per round, measured in the same run: disk write+fsync "
+        f"bandwidth {', '.join(f'{d / 1e9:.2f}' for d in disk)} GB/s; ceiling (copy into "
+        f"preallocated {'pinned ' if dev == 'cuda' else ''}memory) "
+        f"{', '.join(f'{c:.3f}' for c in ceiling)} s. ckpt pool reserve before the first save "
+        f"(outside any save): {ck.reserve_s:.3f} s.",
+        "",
+        "| method | blocked per save (s) | blocked / ceiling, worst (median) "
+        "| durable per save (s) | durable throughput / disk bw, median |",
+        "|---|---|---|---|---|",
+    ]
+    ratios: dict[str, list[float]] = {}
+    for name, res in runs.items():
+        blocked = [b for b, _ in res]
+        durable = [d for _, d in res]
+        ratios[name] = [b / c for b, c in zip(blocked, ceiling, strict=True)]
+        tput = [size / d / bw for d, bw in zip(durable, disk, strict=True)]
+        lines.append(
+            f"| {name} | {', '.join(f'{b:.3f}' for b in blocked)} "
+            f"| {max(ratios[name]):.2f}x ({med(ratios[name]):.2f}x) "
+            f"| {', '.join(f'{d:.3f}' for d in durable)} | {med(tput):.0%} |"
+        )
+    ref = "DCP async_save (pinned stager)" if dev == "cuda" else "DCP async_save (default stager)"
+    ck_b = [b for b, _ in runs["ckpt"]]
+    ref_steady = med([b for b, _ in runs[ref]][1:] or [runs[ref][0][0]])
+    ck_tput = med([size / d / bw for (_, d), bw in zip(runs["ckpt"], disk, strict=True)])
+    lines += [
+        "",
+        f"- ckpt blocked / ceiling, worst save incl. the first: {max(ratios['ckpt']):.2f}x "
+        "(target <= 1.3x)",
+        f"- ckpt steady blocked / {ref} steady blocked: {med(ck_b[1:] or ck_b) / ref_steady:.2f}x "
+        "(target <= 0.5x)",
+        f"- ckpt durable throughput / disk bandwidth (median): {ck_tput:.0%} "
+        f"(target >= {'87' if dev == 'cuda' else '80'}%)",
+    ]
+    if slowdown is not None:
+        lines.append(f"- GPU matmul loop slowdown while persisting: {slowdown:.1%} (target <= 3%)")
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_doc:
+        write_section(f"ckpt_save{'_gpu' if args.device == 'cuda' else ''}", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
