@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -25,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._report import machine, write_section
+from benchmarks._report import DOC, machine, write_section
 from ckpt.manager import CheckpointManager
 
 _TENSOR_BYTES = 64 << 20
@@ -195,6 +196,21 @@ def gpu_slowdown(state: dict, root: Path) -> float:
     return busy / base - 1
 
 
+def _write_doc(device: str, text: str) -> None:
+    """Rewrite this device's subsection of the ``ckpt_save`` section, keeping the other one."""
+    doc = DOC.read_text()
+    begin, end = "<!-- BEGIN ckpt_save -->", "<!-- END ckpt_save -->"
+    current = doc[doc.find(begin) + len(begin) : doc.find(end)] if begin in doc else ""
+    parts = {"cpu": "", "cuda": ""}
+    for block in re.split(r"^(?=### )", current.strip(), flags=re.M):
+        if block.startswith("### CPU"):
+            parts["cpu"] = block.strip()
+        elif block.startswith("### GPU"):
+            parts["cuda"] = block.strip()
+    parts[device] = f"### {'GPU' if device == 'cuda' else 'CPU'}\n\n{text}"
+    write_section("ckpt_save", "\n\n".join(p for p in parts.values() if p))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print the table and write docs/benchmarks.md (section ckpt_save)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -282,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if not args.no_doc:
-        write_section(f"ckpt_save{'_gpu' if args.device == 'cuda' else ''}", text)
+        _write_doc(dev, text)
     return 0
 
 
