@@ -92,13 +92,14 @@ class _Layout:
 
 
 class _Slot:
-    __slots__ = ("buffers", "event", "index", "seq")
+    __slots__ = ("buffers", "event", "index", "lent", "seq")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.buffers: list[torch.Tensor] = []
         self.seq = -1  # last batch submitted out of this slot
         self.event: _Event | None = None  # completes when the copy out of the slot is done
+        self.lent = False  # views handed to a filler whose batch is not submitted yet
 
 
 class RingClosedError(RuntimeError):
@@ -119,7 +120,10 @@ class _Ring:
         self.layout: _Layout | None = None
         self.next_seq = 0  # the next batch to be submitted
         self.grown = 0  # slot buffers reallocated because a batch was bigger than its slot
-        self._cond = threading.Condition()
+        self.gen = 0  # epoch generation: fillers of an earlier epoch are turned away
+        # one condition per slot over one lock: a submit wakes only the filler of its slot
+        self._lock = threading.Lock()
+        self._conds = [threading.Condition(self._lock) for _ in range(n)]
         self._closed = False
 
     # -- sizes
@@ -161,18 +165,35 @@ class _Ring:
 
     # -- waiting
     def close(self) -> None:
-        with self._cond:
+        """Turn away fillers (waiting ones wake up) until the next :meth:`reset`."""
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()
+            for cond in self._conds:
+                cond.notify_all()
 
-    def reset(self) -> None:
-        """Start a new epoch: wait for every copy out of the slots, then number batches from 0."""
+    def retire(self) -> int:
+        """End the epoch for good: fillers bound to it are turned away from now on, atomically
+        with lending. Returns how many slots are still lent (then the ring must not be reused)."""
+        self.close()
+        with self._lock:
+            self.gen += 1
+            return self.lent
+
+    @property
+    def lent(self) -> int:
+        """Slots handed to fillers whose batches never arrived (an abandoned epoch)."""
+        return sum(s.lent for s in self.slots)
+
+    def reset(self) -> int:
+        """Start a new epoch: wait for every copy out of the slots, then number batches from 0.
+        Returns the generation fillers of this epoch pass to :meth:`out_for`."""
         for slot in self.slots:
             self.wait_copied(slot)
             slot.seq, slot.event = -1, None
-        with self._cond:
+        with self._lock:
             self.next_seq = 0
             self._closed = False
+            return self.gen
 
     def wait_copied(self, slot: _Slot) -> None:
         """Poll until the copy out of ``slot`` has completed (interruptible; times out)."""
@@ -180,7 +201,7 @@ class _Ring:
         if event is None or event.query():
             return
         deadline = time.monotonic() + self.timeout
-        pause = 20e-6
+        pause = 50e-6
         while not event.query():
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -188,16 +209,17 @@ class _Ring:
                     f"{slot.index} did not complete within {self.timeout:.0f} s"
                 )
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = min(pause * 2, 500e-6)
 
-    def _wait_turn(self, seq: int) -> _Slot:
+    def _wait_turn(self, seq: int, gen: int) -> _Slot:
         """Block until batch ``seq - n`` (the slot's previous user) is submitted; interruptible."""
         slot = self.slots[seq % self.n]
-        with self._cond:
-            while self.next_seq <= seq - self.n:
-                if self._closed:
+        cond = self._conds[seq % self.n]
+        with cond:
+            while self.next_seq <= seq - self.n or self._closed or gen != self.gen:
+                if self._closed or gen != self.gen:
                     raise RingClosedError(f"ring closed while batch {seq} waited for a slot")
-                self._cond.wait(0.1)
+                cond.wait(0.1)
         return slot
 
     # -- filling
@@ -206,14 +228,15 @@ class _Ring:
             _nbytes(t) <= _nbytes(b) for t, b in zip(leaves, slot.buffers, strict=True)
         )
 
-    def out_for(self, seq: int, rows: int) -> Any | None:
+    def out_for(self, seq: int, rows: int, gen: int) -> Any | None:
         """A structure of slot views shaped for a ``rows``-long batch, for a filler (thread worker)
-        to gather into; ``None`` when the layout is unknown yet, not batch-major, or too small."""
+        to gather into; ``None`` when the layout is unknown yet, not batch-major, or too small.
+        Raises :class:`RingClosedError` once generation ``gen`` (the filler's epoch) is over."""
         layout = self.layout
         if layout is None or layout.rows is None or layout.rebuild is None:
             return None
         shapes = [(rows, *s[1:]) for s in layout.shapes]
-        slot = self._wait_turn(seq)
+        slot = self._wait_turn(seq, gen)
         sizes = [
             torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
             for s, d in zip(shapes, layout.dtypes, strict=True)
@@ -221,6 +244,10 @@ class _Ring:
         if any(n > _nbytes(b) for n, b in zip(sizes, slot.buffers, strict=True)):
             return None
         self.wait_copied(slot)
+        with self._lock:  # atomic with retire(): either lent and counted, or turned away
+            if self._closed or gen != self.gen:
+                raise RingClosedError(f"ring closed while batch {seq} waited for a slot")
+            slot.lent = True
         views = [
             b[:n].view(d).view(s)
             for b, n, d, s in zip(slot.buffers, sizes, layout.dtypes, shapes, strict=True)
@@ -235,6 +262,7 @@ class _Ring:
                 f"batches must be submitted in order: got {seq}, expected {self.next_seq}"
             )
         slot = self.slots[seq % self.n]
+        slot.lent = False  # batch ``seq`` arrived: its filler is done with the slot
         self.wait_copied(slot)
         if not self.fits(slot, leaves):
             self._grow(slot, leaves)
@@ -278,13 +306,14 @@ class _Ring:
 
     def skip(self) -> None:
         """Batch ``next_seq`` will never be submitted (it failed): let later batches go on."""
-        with self._cond:
+        with self._lock:
+            self.slots[self.next_seq % self.n].lent = False
+            self._conds[self.next_seq % self.n].notify_all()
             self.next_seq += 1
-            self._cond.notify_all()
 
     def submitted(self, slot: _Slot, seq: int, event: _Event | None) -> None:
         """Record that batch ``seq``'s copy out of ``slot`` was issued; ``event`` marks its end."""
         slot.seq, slot.event = seq, event
-        with self._cond:
+        with self._lock:
             self.next_seq = seq + 1
-            self._cond.notify_all()
+            self._conds[seq % self.n].notify_all()

@@ -38,13 +38,13 @@ from __future__ import annotations
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from feedpipe._ring import RingClosedError, _Event, _Ring, _Slot, flatten, map_tensors
+from feedpipe._ring import RingClosedError, _Event, _Ring, _Slot, flatten, log, map_tensors
 
 __all__ = ["GPUFeed", "GPUFeedWarning", "map_tensors", "resolve_device"]
 
@@ -137,6 +137,16 @@ class _HostCopier:
         return None
 
 
+def _bound_out_for(ring: _Ring, gen: int) -> Callable[[int, int], Any | None]:
+    def out_for(seq: int, rows: int) -> Any | None:
+        try:
+            return ring.out_for(seq, rows, gen)
+        except RingClosedError:
+            return None
+
+    return out_for
+
+
 class GPUFeed:
     """Moves CPU batches to ``device`` through a ring of page-locked slots, ``prefetch`` ahead.
 
@@ -203,15 +213,28 @@ class GPUFeed:
         ``None`` (gather into fresh memory instead) before the first batch has laid out the ring,
         for batches that are not batch-major or do not fit, and once the iteration has ended.
         """
-        try:
-            return self._ring.out_for(seq, rows)
-        except RingClosedError:
-            return None
+        return _bound_out_for(self._ring, self._ring.gen)(seq, rows)
 
-    def start(self) -> None:
-        """Begin an epoch: wait for the copies out of every slot; batches are numbered from 0."""
-        self._ring.reset()
+    def start(self) -> Callable[[int, int], Any | None]:
+        """Begin an epoch (batches numbered from 0); returns this epoch's :meth:`out_for`.
+
+        Waits for the copies out of every slot. If the previous epoch was abandoned while
+        fillers held slots (their gathers may still be running), the ring is not reused: a new
+        one replaces it (the old one is freed into torch's pinned-memory cache once released).
+        Fillers must use the returned function, bound to this epoch's ring.
+        """
+        old = self._ring
+        lent = old.retire()
+        if lent:
+            log.info(
+                "feedpipe GPU feed: the previous epoch was abandoned with %d slots lent to "
+                "workers; using a fresh ring",
+                lent,
+            )
+            self._ring = _Ring(old.n, pin=old.pin, batch_size=old.batch_size, timeout=old.timeout)
+        gen = self._ring.reset()
         self._seq = 0
+        return _bound_out_for(self._ring, gen)
 
     def submit(self, batch: Any) -> _InFlight:
         """Put the next batch (in delivery order) into its slot and start its copy to the device.

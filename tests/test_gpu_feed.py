@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from collections import OrderedDict, namedtuple
+from collections import OrderedDict, deque, namedtuple
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -58,9 +58,13 @@ def _thread_loader(
         return out
 
     with ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(task, s) for s in range(n)]
-        for f in futures:
+        # like a real loader: a bounded number of tasks ahead, dispatched as batches are taken
+        futures = deque(pool.submit(task, s) for s in range(min(n, workers)))
+        for s in range(workers, n + workers):
+            f = futures.popleft()
             yield f.result(timeout=30)
+            if s < n:
+                futures.append(pool.submit(task, s))
 
 
 def _assert_batch(got: Any, i: int, rows: int = 4) -> None:
@@ -234,7 +238,7 @@ def test_filler_waits_for_the_slot_previous_batch_then_for_its_copy() -> None:
             return self.done.is_set()
 
     got: list[Any] = []
-    t = threading.Thread(target=lambda: got.append(ring.out_for(2, 4)))
+    t = threading.Thread(target=lambda: got.append(ring.out_for(2, 4, 0)))
     t.start()  # batch 2 reuses slot 0: it must wait for batch 0 to be submitted...
     slot, _, _ = ring.fill(0, leaves)
     event = Pending()
@@ -448,3 +452,30 @@ def test_skipped_failed_batch_keeps_in_place_gathers_aligned() -> None:
     assert sorted(got) == [s for s in range(12) if s != 3]
     for seq, b in got.items():
         _assert_batch(b, seq)
+
+
+def test_abandoned_epoch_with_lent_slots_gets_a_fresh_ring() -> None:
+    """A filler of an abandoned epoch may still write into its slot: that ring is not reused."""
+    feed = _feed(prefetch=1, fillers=2)
+    out_for = feed.start()
+    first = feed.submit(_batch(0))
+    feed.hand_over(first)
+    lent = out_for(1, 4)  # a worker of this epoch got slot 1 ... and the epoch is abandoned
+    assert lent is not None
+    old = feed._ring
+    waiting: list[Any] = ["unset"]
+    t = threading.Thread(target=lambda: waiting.__setitem__(0, out_for(40, 4)))
+    t.start()
+    out_for2 = feed.start()
+    t.join(10)
+    assert not t.is_alive() and waiting[0] is None  # the old epoch's fillers are turned away
+    assert feed._ring is not old
+    lent["x"].fill_(-1.0)  # the stale worker finishes its gather: nobody sees it
+    got = list(feed.iterate(_thread_loader(feed, _batch, 8)))
+    for i, b in enumerate(got):
+        _assert_batch(b, i)
+    assert out_for2(0, 4) is None  # iterate's own start() ended out_for2's epoch
+    # a finished epoch leaves nothing lent: the next one reuses the same ring
+    ring = feed._ring
+    list(feed.iterate(_batch(i) for i in range(3)))
+    assert feed._ring is ring
