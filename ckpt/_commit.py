@@ -33,6 +33,7 @@ __all__ = [
     "read_latest",
     "reading",
     "remove_leftovers",
+    "remove_path",
     "step_dir",
     "steps",
     "write_latest",
@@ -79,7 +80,8 @@ def leftovers(root: Path) -> list[Path]:
         return []
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
+    """Remove a file or directory tree if it exists."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -91,7 +93,7 @@ def remove_leftovers(root: Path) -> list[Path]:
     """Remove leftovers (call only under the writer lock); returns what was removed."""
     found = leftovers(root)
     for path in found:
-        _remove(path)
+        remove_path(path)
     if found:
         fsync_dir(root)
     return found

@@ -288,7 +288,7 @@ class CheckpointManager:
             if not released:
                 self.pool.release(job.buf)
             if tmp is not None:
-                _commit._remove(tmp)
+                _commit.remove_path(tmp)
             with self._mutex:
                 if handle in self._inflight:
                     self._inflight.remove(handle)
