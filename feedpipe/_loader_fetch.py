@@ -22,6 +22,8 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data import Dataset, IterableDataset
 from torch.utils.data._utils import worker as _torch_worker
 
+from feedpipe.errors import WorkerError
+
 __all__ = ["Mode", "Shipped", "fetch_batch", "nbytes_of", "pin_batch"]
 
 
@@ -62,19 +64,44 @@ class Shipped(NamedTuple):
 
 
 class _Failed:
-    """A worker's exception with the worker id and sample indices it was reading."""
+    """A worker's exception with the worker id and the sample indices it was reading.
 
-    def __init__(self, exc: BaseException, worker: int | None, indices: Any, batch: int | None):
-        where = f"in feedpipe worker {worker}" if worker is not None else "in the main process"
-        what = f"sample indices {_short(indices)}" if indices is not None else "the next samples"
-        num = f"batch {batch} " if batch is not None else ""
+    In the main process or a thread the original exception object is re-raised (with a note
+    naming worker and samples); from a process, torch's ``ExceptionWrapper`` re-creates its
+    type with the worker's traceback in the message, as torch does.
+    """
+
+    def __init__(self, exc: BaseException, worker: int | None, indices: Any) -> None:
         self.worker, self.indices = worker, indices
-        self.wrapper = ExceptionWrapper(
-            (type(exc), exc, exc.__traceback__), f"{where} reading {num}({what})"
-        )
+        self.exc: BaseException | None = exc
+        self.wrapper = ExceptionWrapper((type(exc), exc, exc.__traceback__), "")
 
-    def reraise(self) -> None:
-        self.wrapper.reraise()
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["exc"] = None  # arbitrary exceptions may not pickle; the wrapper carries the text
+        return state
+
+    def exception(self, batch: int | None) -> BaseException:
+        """The exception to raise in the main process, naming worker, batch and samples."""
+        worker = self.worker
+        where = "in the main process" if worker is None else f"in DataLoader worker {worker}"
+        num = "a batch" if batch is None else f"batch {batch}"
+        what = "" if self.indices is None else f" (sample indices {_short(self.indices)})"
+        context = f"{where} while loading {num}{what}"
+        exc = self.exc
+        if exc is None:  # from a process: re-create the type, like torch
+            self.wrapper.where = context
+            try:
+                self.wrapper.reraise()
+            except BaseException as made:
+                return made.with_traceback(None)  # no frames: no reference cycle
+            raise AssertionError("unreachable")  # pragma: no cover
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"feedpipe: raised {context}")
+            return exc
+        error = WorkerError(f"{type(exc).__name__} raised {context}: {exc}")
+        error.__cause__ = exc
+        return error
 
 
 def _short(indices: Any, limit: int = 16) -> str:
@@ -177,7 +204,7 @@ class _MapProxy(Dataset):  # type: ignore[type-arg]
         try:
             data = read_indices(self.dataset, indices, self.mode)
         except Exception as exc:
-            return _Fetched(None, 0.0, samples, indices, _Failed(exc, worker_id(), indices, None))
+            return _Fetched(None, 0.0, samples, indices, _Failed(exc, worker_id(), indices))
         return _Fetched(data, time.perf_counter() - t0, samples, indices)
 
     def __getitems__(self, indices: Sequence[int]) -> _Fetched:
@@ -210,7 +237,7 @@ class _IterProxy(IterableDataset):  # type: ignore[type-arg]
             except StopIteration:
                 return
             except Exception as exc:
-                yield _Failed(exc, worker_id(), f"stream position {position}", None)
+                yield _Failed(exc, worker_id(), f"stream position {position}")
                 return
             clock.fetch_s += time.perf_counter() - t0
             position += 1
@@ -251,7 +278,7 @@ class _TimedCollate:
         try:
             batch = data if self.mode is Mode.READ_BATCH else self.collate_fn(data)
         except Exception as exc:
-            return _Failed(exc, worker_id(), indices, None)
+            return _Failed(exc, worker_id(), indices)
         collate_s = time.perf_counter() - t0
         return Shipped(batch, samples, nbytes_of(batch), fetch_s, collate_s)
 

@@ -214,7 +214,7 @@ def _worker_loop(  # noqa: PLR0917
         try:
             init_fn(wid)
         except Exception as exc:
-            init_error = _Failed(exc, wid, None, None)
+            init_error = _Failed(exc, wid, None)
     iterator: Iterator[Any] | None = None
     position = 0
     while True:
@@ -240,7 +240,7 @@ def _worker_loop(  # noqa: PLR0917
                 out = out._replace(batch=pin_batch(out.batch))
         except Exception as exc:
             where = indices if mode is not Mode.ITERABLE else f"stream position {position}"
-            results.put((idx, wid, _Failed(exc, wid, where, idx)))
+            results.put((idx, wid, _Failed(exc, wid, where)))
             continue
         results.put((idx, wid, out))
 

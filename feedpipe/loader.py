@@ -73,15 +73,17 @@ class _IndexStream:
         return len(self.sampler)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
-        skip, self.skip = self.skip, 0
-        self.sent = {}
-        return self._gen(iter(self.sampler), skip)
+        return self._gen()
 
-    def _gen(self, it: Iterator[Any], skip: int) -> Iterator[Any]:
+    def _gen(self) -> Iterator[Any]:
+        # Lazy on purpose: torch's multi-process iterator calls iter() twice and advances only
+        # the second one, so the one-shot skip is taken when the first index is drawn.
+        it = iter(self.sampler)
+        skip, self.skip = self.skip, 0
+        self.sent = sent = {}
         if skip:
             for _ in itertools.islice(it, skip):
                 pass
-        sent = self.sent
         for n, index in enumerate(it):
             sent[n] = index
             yield index
@@ -231,6 +233,13 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             raise ValueError("the state holds a sampler state but this loader's sampler has none")
         if self._iterable and "dataset" not in state:
             raise ValueError("the state holds no dataset position for this IterableDataset")
+        # Stateful parts load now (a user's set_epoch() after this sees the loaded epoch); the
+        # RNG state and the skip apply at the next iter(), where torch draws from the RNG.
+        sampler = self._stateful_sampler()
+        if sampler is not None and "sampler" in state:
+            sampler.load_state_dict(state["sampler"])
+        if self._iterable:
+            self.dataset.load_state_dict(state["dataset"])  # type: ignore[attr-defined]
         self._pending = dict(state)
 
     # --------------------------------------------------------------------------- internals
@@ -266,13 +275,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                     _set_gen_state(gens[name], text)
             if pending["in_epoch"]:
                 self._batches, self._samples = int(pending["batches"]), int(pending["samples"])
-            sampler = self._stateful_sampler()
-            if "sampler" in pending and sampler is not None:
-                sampler.load_state_dict(pending["sampler"])
-            elif pending["in_epoch"] and not self._iterable:
-                skip = self._batches
-            if self._iterable:
-                self.dataset.load_state_dict(pending["dataset"])  # type: ignore[attr-defined]
+            if pending["in_epoch"] and "sampler" not in pending and not self._iterable:
+                skip = self._batches  # the sampler restarts from scratch: skip, don't read
         self._epoch_rng = self._rng_now()
         self._in_epoch = True
         if self._stream is not None:
@@ -368,7 +372,12 @@ class _LoaderIter:
         if isinstance(shipped, _Failed):
             indices = shipped.indices
             self._count(1, len(indices) if isinstance(indices, (list, tuple)) else 0)
-            shipped.reraise()
+            error = shipped.exception(self._first + self._delivered - 1)
+            shipped = None
+            try:
+                raise error
+            finally:  # break the frame <-> traceback cycle so the workers shut down promptly
+                error = None
         assert isinstance(shipped, Shipped)
         meter.add_stage("fetch", shipped.fetch_s, shipped.nbytes)
         if shipped.collate_s:
@@ -403,16 +412,18 @@ class _LoaderIter:
         dead = _dead_workers(source)
         if dead:
             wid, pid, code = dead[0]
-            tasks = _tasks_of(source, wid)
-            if tasks:
-                batch = tasks[0]
-                indices = loader._stream.sent.get(batch) if loader._stream is not None else None
-                where = f"batch {self._first + batch}"
-                what = f" (sample indices {_short(indices)})" if indices is not None else ""
+            held = [
+                f"batch {self._first + b}"
+                + (f" (sample indices {_short(ix)})" if (ix := sent.get(b)) is not None else "")
+                for b in _tasks_of(source, wid)[:4]
+                for sent in [loader._stream.sent if loader._stream is not None else {}]
+            ]
+            holding = f"while loading {' or '.join(held)}" if held else "between batches"
+            _stop_workers(source)
             return WorkerError(
-                f"DataLoader worker {wid} (pid {pid}) died with exit code {code} while loading "
-                f"{where}{what}; a negative code is the signal that killed it (e.g. -9: SIGKILL, "
-                f"often the out-of-memory killer). Original error: {exc}"
+                f"DataLoader worker {wid} (pid {pid}) died with exit code {code} {holding}; a "
+                "negative code is the signal that killed it (-9: SIGKILL, often the out-of-memory "
+                f"killer). Original error: {exc}"
             )
         if isinstance(exc, TimeoutError) or str(exc).startswith("DataLoader timed out"):
             return WorkerError(
@@ -442,3 +453,17 @@ def _dead_workers(source: Any) -> list[tuple[int, int | None, int | None]]:
 def _tasks_of(source: Any, wid: int) -> list[int]:
     info = getattr(source, "_task_info", {})
     return sorted(idx for idx, t in info.items() if t and t[0] == wid and len(t) == 1)
+
+
+def _stop_workers(source: Any) -> None:
+    """After a worker died the pass is over: stop the others now instead of joining them.
+
+    A SIGKILLed worker can leave the shared result queue locked, so torch's graceful join would
+    wait its full timeout per worker; terminating first makes the shutdown immediate.
+    """
+    for w in getattr(source, "_workers", None) or []:
+        if w.is_alive():
+            w.terminate()
+    shutdown = getattr(source, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()

@@ -1,0 +1,133 @@
+"""Workers that die, time out or raise: a clear error naming worker and samples, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from feedpipe import DataLoader
+from feedpipe.errors import WorkerError
+
+pytestmark = pytest.mark.timeout(60)
+
+BAD = 13  # sample index that misbehaves; with batch_size=4 it is in batch 3 -> worker 1 of 2
+BATCH_OF_BAD = [12, 13, 14, 15]
+
+
+class Faulty(Dataset):
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> Any:
+        if i == BAD:
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif self.how == "hang":
+                time.sleep(2)
+            elif self.how == "raise":
+                raise KeyError(f"record {i} is corrupt")
+        return torch.tensor(i)
+
+
+class FaultyStream(IterableDataset):
+    def __iter__(self) -> Any:
+        for i in range(10):
+            if i == 6:
+                raise OSError("stream broke")
+            yield i
+
+
+def test_killed_process_worker_is_named() -> None:
+    loader = DataLoader(Faulty("kill"), batch_size=4, num_workers=2)
+    got = []
+    with pytest.raises(WorkerError) as err:
+        for batch in loader:
+            got.append(batch)
+    msg = str(err.value)
+    assert "worker 1" in msg and "died" in msg and "-9" in msg, msg
+    # the batch it was reading is named (results it had sent but not flushed may be lost too)
+    assert f"batch 3 (sample indices {BATCH_OF_BAD})" in msg, msg
+    assert len(got) <= 3
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_timeout_is_named(worker_type: str) -> None:
+    loader = DataLoader(
+        Faulty("hang"), batch_size=4, num_workers=2, timeout=0.5, worker_type=worker_type
+    )
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    with pytest.raises(WorkerError) as err:
+        next(it)
+    msg = str(err.value)
+    del it, err  # torch joins the sleeping worker (up to 2 s) before terminating it
+    assert "worker 1 timed out after 0.5 s" in msg, msg
+    assert f"batch 3 (sample indices {BATCH_OF_BAD})" in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("worker_type", "num_workers"), [("process", 0), ("process", 2), ("thread", 2)]
+)
+def test_raising_worker_keeps_type_and_names_samples(worker_type: str, num_workers: int) -> None:
+    loader = DataLoader(
+        Faulty("raise"), batch_size=4, num_workers=num_workers, worker_type=worker_type
+    )
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    with pytest.raises(KeyError) as err:
+        next(it)
+    text = str(err.value) + " ".join(getattr(err.value, "__notes__", []))
+    assert "record 13 is corrupt" in text
+    assert f"sample indices {BATCH_OF_BAD}" in text and "batch 3" in text, text
+    where = "in the main process" if num_workers == 0 else "in DataLoader worker 1"
+    assert where in text, text
+    # like torch, the loader goes on after a failed batch
+    rest = [b.tolist() for b in it]
+    assert rest == [[16, 17, 18, 19], [20, 21, 22, 23]]
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_raising_iterable_names_stream_position(worker_type: str) -> None:
+    loader = DataLoader(FaultyStream(), batch_size=4, num_workers=1, worker_type=worker_type)
+    it = iter(loader)
+    assert next(it).tolist() == [0, 1, 2, 3]
+    with pytest.raises(OSError) as err:
+        next(it)
+    text = str(err.value) + " ".join(getattr(err.value, "__notes__", []))
+    assert "stream broke" in text and "worker 0" in text and "stream position" in text, text
+
+
+def test_raising_collate_is_named() -> None:
+    def bad_collate(samples: list[Any]) -> Any:
+        raise TypeError("cannot collate")
+
+    for wt in ("process", "thread"):
+        loader = DataLoader(
+            Faulty("ok"), batch_size=4, num_workers=2, collate_fn=bad_collate, worker_type=wt
+        )
+        with pytest.raises(TypeError) as err:
+            next(iter(loader))
+        text = str(err.value) + " ".join(getattr(err.value, "__notes__", []))
+        assert "cannot collate" in text and "sample indices [0, 1, 2, 3]" in text, text
+
+
+def test_thread_worker_init_failure_is_reported() -> None:
+    def init(wid: int) -> None:
+        raise RuntimeError(f"init failed in {wid}")
+
+    loader = DataLoader(
+        Faulty("ok"), batch_size=4, num_workers=2, worker_type="thread", worker_init_fn=init
+    )
+    with pytest.raises(RuntimeError, match="init failed in 0"):
+        next(iter(loader))
