@@ -46,7 +46,14 @@ import torch
 
 from feedpipe._ring import RingClosedError, _Event, _Ring, _Slot, flatten, log, map_tensors
 
-__all__ = ["GPUFeed", "GPUFeedWarning", "map_tensors", "resolve_device"]
+__all__ = [
+    "GPUFeed",
+    "GPUFeedWarning",
+    "Prefetcher",
+    "gather_into_slots",
+    "map_tensors",
+    "resolve_device",
+]
 
 
 class GPUFeedWarning(UserWarning):
@@ -335,3 +342,112 @@ class GPUFeed:
     def close(self) -> None:
         """Wake any filler waiting for a slot (it gets ``None``); the ring memory stays reusable."""
         self._ring.close()
+
+    def prefetcher(self, pull: Callable[[], tuple[Any, Any, bool]]) -> Prefetcher:
+        """Start an epoch driven by ``pull`` (see :class:`Prefetcher`)."""
+        return Prefetcher(self, pull)
+
+
+class Prefetcher:
+    """One epoch of a :class:`GPUFeed` for a loader: ``next()`` returns ``(batch, info)`` in order.
+
+    ``pull()`` returns the loader's next ``(cpu_batch, info, ok)`` or raises ``StopIteration``;
+    ``ok=False`` marks a batch whose worker failed (its ``info`` comes back with ``batch=None``
+    at its turn, so the loader raises it in order). ``prefetch`` batches stay submitted ahead.
+    ``out_for`` is this epoch's in-place gather function for thread workers.
+    """
+
+    def __init__(self, feed: GPUFeed, pull: Callable[[], tuple[Any, Any, bool]]) -> None:
+        self._feed = feed
+        self._pull = pull
+        self._ahead: deque[tuple[_InFlight | None, Any]] = deque()
+        self._exhausted = False
+        self.out_for = feed.start()
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> tuple[Any, Any]:
+        feed, ahead = self._feed, self._ahead
+        while not self._exhausted and len(ahead) <= feed.prefetch:
+            try:
+                batch, info, ok = self._pull()
+            except StopIteration:
+                self._exhausted = True
+                break
+            except BaseException:
+                self.close()
+                raise
+            if ok:
+                ahead.append((feed.submit(batch), info))
+            else:
+                feed.skip()
+                ahead.append((None, info))
+        if not ahead:
+            self.close()
+            raise StopIteration
+        if feed.meter is not None:
+            feed.meter.set_depth("gpu_prefetch", len(ahead) - 1)
+        flight, info = ahead.popleft()
+        return (None if flight is None else feed.hand_over(flight)), info
+
+    def close(self) -> None:
+        """End the epoch early or late: fillers waiting for a slot are turned away."""
+        self._exhausted = True
+        self._ahead.clear()
+        self._feed.finish()
+
+
+class _IndexTagger:
+    """Numbers the index batches drawn from a sampler iterator (the thread workers' dispatch
+    order, which is the delivery order when ``in_order=True``)."""
+
+    def __init__(self, it: Iterator[Any]) -> None:
+        self._it = it
+        self._seq: dict[int, int] = {}
+        self._n = 0
+
+    def __iter__(self) -> _IndexTagger:
+        return self
+
+    def __next__(self) -> Any:
+        indices = next(self._it)
+        self._seq[id(indices)] = self._n
+        self._n += 1
+        return indices
+
+    def pop(self, indices: Any) -> int | None:
+        return self._seq.pop(id(indices), None)
+
+
+class _GatherIntoSlots:
+    """The dataset as thread workers see it: ``read_batch`` gathers into the batch's ring slot."""
+
+    def __init__(self, dataset: Any, tagger: _IndexTagger, out_for: Callable[..., Any]) -> None:
+        self._dataset = dataset
+        self._tagger = tagger
+        self._out_for = out_for
+
+    def read_batch(self, indices: Any, out: Any = None) -> Any:
+        seq = self._tagger.pop(indices)
+        if out is None and seq is not None:
+            out = self._out_for(seq, len(indices))
+        if out is None:
+            return self._dataset.read_batch(indices)
+        return self._dataset.read_batch(indices, out=out)
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dataset, name)
+
+
+def gather_into_slots(
+    dataset: Any, sampler_iter: Iterator[Any], out_for: Callable[[int, int], Any | None]
+) -> tuple[Any, Iterator[Any]]:
+    """Wrap a dataset with ``read_batch`` and the sampler iterator given to thread workers so
+    that batch ``seq`` is read straight into its pinned slot (``out_for(seq, len(indices))``).
+    Only valid with in-order delivery; returns ``(dataset_view, sampler_iter)``."""
+    tagger = _IndexTagger(sampler_iter)
+    return _GatherIntoSlots(dataset, tagger, out_for), tagger

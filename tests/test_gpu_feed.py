@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from feedpipe._ring import _Ring, flatten, map_tensors
-from feedpipe.gpu import GPUFeed, GPUFeedWarning, resolve_device
+from feedpipe.gpu import GPUFeed, GPUFeedWarning, gather_into_slots, resolve_device
 from feedpipe.stall import StallMeter
 
 Pair = namedtuple("Pair", ["a", "b"])
@@ -479,3 +479,72 @@ def test_abandoned_epoch_with_lent_slots_gets_a_fresh_ring() -> None:
     ring = feed._ring
     list(feed.iterate(_batch(i) for i in range(3)))
     assert feed._ring is ring
+
+
+class _Rows:
+    """A dataset with ``read_batch(indices, out=None)`` (like MemmapDataset's): row i = i."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.in_place = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def read_batch(self, indices: Any, out: Any = None) -> Any:
+        idx = torch.as_tensor(list(indices), dtype=torch.float32)
+        rows = idx[:, None].expand(-1, 6)
+        if out is None:
+            return {"x": rows.clone(), "i": idx.long()}
+        self.in_place += 1
+        out["x"].copy_(rows)
+        out["i"].copy_(idx.long())
+        return out
+
+
+def test_prefetcher_with_in_place_gathers_and_a_failed_batch() -> None:
+    """The loader's path: tagged index batches, workers read into slots, a failure in order."""
+    meter = StallMeter()
+    feed = _feed(prefetch=2, fillers=4, meter=meter)
+    ds = _Rows(100)
+    batches = [list(range(i, min(i + 8, 100))) for i in range(0, 100, 8)]
+    state: dict[str, Any] = {}
+
+    def run_epoch() -> list[tuple[Any, Any]]:
+        it = iter(batches)
+        pool = ThreadPoolExecutor(2)
+        futures: deque[Any] = deque()
+
+        def pull() -> tuple[Any, Any, bool]:
+            while len(futures) < 4:  # dispatch in order, a bounded number ahead
+                try:
+                    indices = next(tagged)
+                except StopIteration:
+                    break
+                futures.append(pool.submit(view.read_batch, indices))
+            if not futures:
+                raise StopIteration
+            batch = futures.popleft().result(timeout=30)
+            ok = int(batch["i"][0]) != 40  # pretend the worker of batch 5 failed
+            return batch, int(batch["i"][0]), ok
+
+        pre = feed.prefetcher(pull)
+        view, tagged = gather_into_slots(ds, it, pre.out_for)
+        state["pre"] = pre
+        try:
+            return list(pre)
+        finally:
+            pool.shutdown()
+
+    for _ in range(2):  # two epochs on the same ring
+        got = run_epoch()
+        assert [info for _, info in got] == list(range(0, 100, 8))
+        for batch, first in got:
+            if first == 40:
+                assert batch is None  # delivered in its turn, for the loader to raise
+                continue
+            want = torch.arange(first, min(first + 8, 100))
+            assert torch.equal(batch["i"], want)
+            assert torch.equal(batch["x"], want[:, None].float().expand(-1, 6))
+    assert ds.in_place > 10  # most batches were read straight into their slots
+    assert feed.info["reallocations"] == 0 and feed.info["slots"] == 8
