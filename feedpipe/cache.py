@@ -100,8 +100,10 @@ class ShardCache:
         limit_bytes: the cache directory's size limit (``None``: unbounded).
         storage_options: fsspec options (credentials, endpoint); never logged.
         prefetch_workers: background download threads for :meth:`prefetch`.
-        readahead: when a file of shard ``k`` is fetched by :meth:`acquire`/:meth:`hold`, prefetch
-            the files of shards ``k+1 .. k+readahead`` (index order) in the background.
+        readahead: when the main (largest) file of shard ``k`` is acquired, prefetch the files
+            of shards ``k+1 .. k+readahead`` (index order) in the background.
+        eager_bytes: prefetch every file up to this size at construction (side columns and
+            offsets, which a dataset reads for all shards at once); 0 disables.
         timeout_s: how long to wait for a lock (e.g. another process's download of the same file).
         room_timeout_s: how long to wait for readers to unpin files when the cache is full.
         deadline_s: retry deadline for transient remote errors, per file.
@@ -114,8 +116,9 @@ class ShardCache:
         limit_bytes: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         *,
-        prefetch_workers: int = 2,
+        prefetch_workers: int = 8,
         readahead: int = 0,
+        eager_bytes: int = 0,
         timeout_s: float = 600.0,
         room_timeout_s: float = 30.0,
         deadline_s: float = 120.0,
@@ -127,6 +130,7 @@ class ShardCache:
             "options": dict(storage_options or {}),
             "prefetch_workers": prefetch_workers,
             "readahead": readahead,
+            "eager_bytes": eager_bytes,
             "timeout_s": timeout_s,
             "room_timeout_s": room_timeout_s,
             "deadline_s": deadline_s,
@@ -171,6 +175,9 @@ class ShardCache:
         self._by_shard: dict[int, list[str]] = {}
         for e in entries:
             self._by_shard.setdefault(e.shard, []).append(e.relpath)
+        self._main = {
+            max(rels, key=lambda rel: self._entries[rel].nbytes) for rels in self._by_shard.values()
+        }
         key = hashlib.sha1(f"{self.url}\0{to_hex(crc32c(raw))}".encode()).hexdigest()[:16]
         self.dir = os.path.join(self.cache_dir, key)
         os.makedirs(os.path.join(self.dir, _LOCKS), exist_ok=True)
@@ -181,6 +188,8 @@ class ShardCache:
                 f.write(raw)
             os.replace(tmp, index_path)
         self._scan(need=0)  # removes temps left by crashed downloaders
+        if a["eager_bytes"] > 0:
+            self.prefetch(e.relpath for e in entries if e.nbytes <= a["eager_bytes"])
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
@@ -217,7 +226,7 @@ class ShardCache:
         assert fd is not None
         with self._lock:
             self._pins.setdefault(relpath, []).append(fd)
-        if self.readahead > 0:
+        if self.readahead > 0 and relpath in self._main:
             shard = self._entries[relpath].shard
             ahead = range(shard + 1, shard + 1 + self.readahead)
             self.prefetch(rel for k in ahead for rel in self._by_shard.get(k, ()))

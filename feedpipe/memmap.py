@@ -170,6 +170,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                     self.cache_limit_bytes,
                     self.storage_options,
                     readahead=2,
+                    eager_bytes=1 << 20,
                 )
             return str(self._cache.hold(info.path))
         return os.path.join(self.path, info.path)

@@ -212,3 +212,24 @@ def test_sigkilled_downloader_leaves_nothing_complete(
         assert not parts[0].exists()
         with cache.pinned("shard-00002.data") as p:
             assert Path(p).read_bytes() == contents["shard-00002.data"]
+
+
+def test_readahead_and_eager_small_files(
+    tmp_path: Path, remote: tuple[str, dict[str, Any], dict[str, bytes]]
+) -> None:
+    url, opts, contents = remote
+    labels = sorted(rel for rel in contents if rel.endswith(".label"))
+    with ShardCache(url, tmp_path / "cache", None, opts, readahead=1, eager_bytes=1000) as cache:
+        deadline = time.monotonic() + 60
+        while cache.stats.downloads < len(labels) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(p.name for p in Path(cache.dir).glob("*.label")) == labels
+        assert data_files(cache) == []  # small side files only
+        with cache.pinned("shard-00003.label"):  # a side file does not trigger readahead
+            pass
+        with cache.pinned(DATA[1]):  # the main file of shard 1 -> shard 2 is fetched ahead
+            pass
+        for f in cache.prefetch([DATA[2]]):
+            f.result(timeout=60)
+        assert data_files(cache) == [DATA[1], DATA[2]]
+        assert cache.stats.downloads == len(labels) + 2
