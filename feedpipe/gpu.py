@@ -314,6 +314,7 @@ class GPUFeed:
         is abandoned, fillers waiting for a slot get ``None`` and completed timings are reported.
         """
         self.start()
+        epoch = self.epoch
         source = iter(batches)
         pending: deque[_InFlight] = deque()
         exhausted = False
@@ -332,18 +333,26 @@ class GPUFeed:
                     self.meter.set_depth("gpu_prefetch", len(pending) - 1)
                 yield self.hand_over(pending.popleft())
         finally:
-            self.finish()
+            self.finish(epoch)
 
-    def finish(self) -> None:
-        """End an epoch: wake fillers waiting for a slot (they get ``None``), report timings."""
+    def finish(self, epoch: tuple[_Ring, int] | None = None) -> None:
+        """End an epoch: wake fillers waiting for a slot (they get ``None``), report timings.
+        With ``epoch`` (``self.epoch`` taken after :meth:`start`), only if it is still current."""
+        if epoch is not None and epoch != self.epoch:
+            return
         self._ring.close()
         self._harvest(block=True)
+
+    @property
+    def epoch(self) -> tuple[_Ring, int]:
+        """Identifies the current epoch (its ring and generation)."""
+        return self._ring, self._ring.gen
 
     def close(self) -> None:
         """Wake any filler waiting for a slot (it gets ``None``); the ring memory stays reusable."""
         self._ring.close()
 
-    def prefetcher(self, pull: Callable[[], tuple[Any, Any, bool]]) -> Prefetcher:
+    def prefetcher(self, pull: Callable[[], tuple[Any, Any, bool]] | None = None) -> Prefetcher:
         """Start an epoch driven by ``pull`` (see :class:`Prefetcher`)."""
         return Prefetcher(self, pull)
 
@@ -351,18 +360,23 @@ class GPUFeed:
 class Prefetcher:
     """One epoch of a :class:`GPUFeed` for a loader: ``next()`` returns ``(batch, info)`` in order.
 
-    ``pull()`` returns the loader's next ``(cpu_batch, info, ok)`` or raises ``StopIteration``;
+    ``pull()`` (settable later, as ``.pull``: the loader's workers need :attr:`out_for` before
+    the loader's iterator exists) returns the next ``(cpu_batch, info, ok)`` or raises
+    ``StopIteration``;
     ``ok=False`` marks a batch whose worker failed (its ``info`` comes back with ``batch=None``
     at its turn, so the loader raises it in order). ``prefetch`` batches stay submitted ahead.
     ``out_for`` is this epoch's in-place gather function for thread workers.
     """
 
-    def __init__(self, feed: GPUFeed, pull: Callable[[], tuple[Any, Any, bool]]) -> None:
+    def __init__(
+        self, feed: GPUFeed, pull: Callable[[], tuple[Any, Any, bool]] | None = None
+    ) -> None:
         self._feed = feed
-        self._pull = pull
+        self.pull = pull
         self._ahead: deque[tuple[_InFlight | None, Any]] = deque()
         self._exhausted = False
         self.out_for = feed.start()
+        self._epoch = feed.epoch
 
     def __iter__(self) -> Prefetcher:
         return self
@@ -370,8 +384,10 @@ class Prefetcher:
     def __next__(self) -> tuple[Any, Any]:
         feed, ahead = self._feed, self._ahead
         while not self._exhausted and len(ahead) <= feed.prefetch:
+            if self.pull is None:
+                raise RuntimeError("Prefetcher.pull was never set")
             try:
-                batch, info, ok = self._pull()
+                batch, info, ok = self.pull()
             except StopIteration:
                 self._exhausted = True
                 break
@@ -395,7 +411,7 @@ class Prefetcher:
         """End the epoch early or late: fillers waiting for a slot are turned away."""
         self._exhausted = True
         self._ahead.clear()
-        self._feed.finish()
+        self._feed.finish(self._epoch)  # a no-op once a later epoch has started
 
 
 class _IndexTagger:

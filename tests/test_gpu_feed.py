@@ -548,3 +548,13 @@ def test_prefetcher_with_in_place_gathers_and_a_failed_batch() -> None:
             assert torch.equal(batch["x"], want[:, None].float().expand(-1, 6))
     assert ds.in_place > 10  # most batches were read straight into their slots
     assert feed.info["reallocations"] == 0 and feed.info["slots"] == 8
+
+
+def test_closing_a_stale_epoch_does_not_touch_the_current_one() -> None:
+    feed = _feed(prefetch=1)
+    old = feed.prefetcher(iter([(torch.ones(2), 0, True)] * 3).__next__)
+    next(old)
+    new = feed.prefetcher(iter([(torch.full((2,), float(i)), i, True) for i in range(4)]).__next__)
+    old.close()  # e.g. the abandoned iterator is garbage-collected late
+    assert [info for _, info in new] == [0, 1, 2, 3]
+    assert new.out_for(9, 2) is None  # the finished epoch turns fillers away
