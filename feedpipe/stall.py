@@ -92,7 +92,8 @@ class StageStats:
 class StallStats:
     """A snapshot of a :class:`StallMeter`; every field is a plain number, string or dict.
 
-    ``wall_s = stall_s + step_s`` runs from the first ``wait_begin`` to the last ``wait_end``;
+    ``wall_s = stall_s + step_s`` runs from the first ``wait_begin`` to the last ``wait_end`` (or
+    to the last ``wait_begin``, when a wait is pending or ended the epoch with StopIteration);
     ``stall_fraction = stall_s / wall_s``. Rates are per second of ``wall_s``.
     ``input_busy`` is the share of worker time spent in worker stages (``None`` without stage
     data): low means the input pipeline is mostly idle. ``slowest_stage`` is the stage with the
@@ -159,18 +160,23 @@ class StallMeter:
     """
 
     enabled = True
+    _FOLD = 4096  # pending waits / stage records folded into the totals at a time
     _wait_start: float | None
     _last_end: float | None
-    _hist: list[int]
-    stall_s: float
-    step_s: float
+    _first_begin: float | None
+    _waits: list[float]
+    _stall_folded: float
+    _batches_folded: int
+    _stall_offset: float
+    _step_offset: float
+    _hist: Any  # numpy int64 array of _NBUCKETS counts
+    _stage_log: list[tuple[str, float, int]]
+    _stage_s: dict[str, float]
+    _stage_bytes: dict[str, int]
+    _stage_calls: dict[str, int]
     wait_max_s: float
-    batches: int
     samples: int
     bytes: int
-    stage_s: dict[str, float]
-    stage_bytes: dict[str, int]
-    stage_calls: dict[str, int]
     region_s: dict[str, float]
     depth: dict[str, int]
 
@@ -191,55 +197,42 @@ class StallMeter:
         elif trace == "auto":
             self._profiler = _profiler_module()
         self._range: Any = None  # the open record_function range of the current wait
+        self._slow = False  # wait_end has work beyond counting: sinks or an open range
         self.workers = 0
         self.reset()
 
     # ------------------------------------------------------------------ hot path
+    # The hot path only reads the clock and appends: each wait goes to ``_waits`` (folded into
+    # the total, maximum and histogram 4096 at a time, vectorised), each stage record to
+    # ``_stage_log`` (list.append is atomic, so ``add_stage`` takes no lock). The step total is
+    # derived: waits and steps alternate, so step = (last end - first begin) - stall.
     def wait_begin(self) -> None:
         """The loop starts waiting for a batch; the time since the last ``wait_end`` is step."""
-        now = _perf()
-        last = self._last_end
-        if last is not None:
-            self.step_s += now - last
-        self._wait_start = now
+        now = self._wait_start = _perf()
+        if self._first_begin is None:
+            self._first_begin = now
         prof = self._profiler
         if prof is not None and prof._is_profiler_enabled:
             self._open_range("feedpipe.wait")
 
     def wait_end(self, samples: int = 0, nbytes: int = 0) -> None:
         """The batch arrived: add the wait, count the batch, its samples and bytes."""
-        now = _perf()
-        start = self._wait_start
-        if start is not None:
-            w = now - start
-            self.stall_s += w
-            if w > 0.0:
-                m, e = _frexp(w)
-                i = (e << 4) + int(m * 32.0) + _OFFSET
-                if 0 <= i < _NBUCKETS:
-                    self._hist[i] += 1
-                else:
-                    self._hist[0 if i < 0 else _NBUCKETS - 1] += 1
-                if w > self.wait_max_s:  # noqa: PLR1730 - faster than max()
-                    self.wait_max_s = w
-            else:
-                self._hist[0] += 1
-            self._wait_start = None
-        self._last_end = now
-        self.batches += 1
+        now = self._last_end = _perf()
+        waits = self._waits
+        waits.append(now - self._wait_start)  # type: ignore[operator]  # after wait_begin
         self.samples += samples
         self.bytes += nbytes
-        if self._range is not None:
-            self._close_range()
-        if self._sinks:
-            self._poll_sinks(now)
+        if len(waits) >= self._FOLD:
+            self._fold()
+        if self._slow:
+            self._after_wait(now)
 
     def add_stage(self, name: str, seconds: float, nbytes: int = 0) -> None:
         """Add ``seconds`` (and ``nbytes``) to stage ``name``; callable from any thread."""
-        with self._lock:
-            self.stage_s[name] += seconds
-            self.stage_bytes[name] += nbytes
-            self.stage_calls[name] += 1
+        log = self._stage_log
+        log.append((name, seconds, nbytes))
+        if len(log) >= self._FOLD:
+            self._fold_stages()
 
     def set_depth(self, name: str, n: int) -> None:
         """Record the current depth of queue ``name`` (e.g. "ready", "prefetch")."""
@@ -267,53 +260,138 @@ class StallMeter:
             with self._lock:
                 self.region_s[name] += dt
 
+    # ------------------------------------------------------------------ folding
+    def _fold(self) -> None:
+        """Fold pending waits into the total, the maximum and the histogram (main thread)."""
+        waits = self._waits
+        n = len(waits)
+        if not n:
+            return
+        import numpy as np
+
+        w = np.asarray(waits[:n], dtype=np.float64)
+        del waits[:n]
+        m, e = np.frexp(w)
+        idx = (e.astype(np.int64) << 4) + (m * 32.0).astype(np.int64) + _OFFSET
+        idx = np.where(w > 0.0, np.clip(idx, 0, _NBUCKETS - 1), 0)
+        self._hist += np.bincount(idx, minlength=_NBUCKETS)
+        self._stall_folded += float(w.sum())
+        self._batches_folded += n
+        self.wait_max_s = max(self.wait_max_s, float(w.max()))
+
+    def _fold_stages(self) -> None:
+        """Fold pending ``add_stage`` records into the per-stage totals (any thread)."""
+        with self._lock:
+            log = self._stage_log
+            n = len(log)
+            items = log[:n]
+            del log[:n]  # records appended meanwhile stay for the next fold
+            for name, seconds, nbytes in items:
+                self._stage_s[name] += seconds
+                self._stage_bytes[name] += nbytes
+                self._stage_calls[name] += 1
+
+    @property
+    def stall_s(self) -> float:
+        """Seconds the loop spent waiting in ``next()``."""
+        return self._stall_folded + sum(self._waits)
+
+    @property
+    def batches(self) -> int:
+        """Batches delivered (completed waits)."""
+        return self._batches_folded + len(self._waits)
+
+    @property
+    def step_s(self) -> float:
+        """Seconds between each ``wait_end`` and the next ``wait_begin``."""
+        first, end, begin = self._first_begin, self._last_end, self._wait_start
+        if first is None or end is None:
+            return self._step_offset
+        if begin is not None and begin > end:  # a wait began (or ended in StopIteration)
+            end = begin
+        return self._step_offset + max(0.0, end - first - (self.stall_s - self._stall_offset))
+
+    @property
+    def steps(self) -> int:
+        """Completed steps: one before each wait after the first (including a pending wait)."""
+        end, begin, batches = self._last_end, self._wait_start, self.batches
+        pending = end is not None and begin is not None and begin > end
+        return max(0, batches - 1) + pending
+
+    @property
+    def last_wait(self) -> tuple[float, float]:
+        """``(begin, end)`` perf_counter times of the latest completed wait (0, 0 if none)."""
+        if self._last_end is None or self._wait_start is None:
+            return (0.0, 0.0)
+        return (self._wait_start, self._last_end)
+
+    @property
+    def stage_s(self) -> dict[str, float]:
+        self._fold_stages()
+        return dict(self._stage_s)
+
+    @property
+    def stage_bytes(self) -> dict[str, int]:
+        self._fold_stages()
+        return dict(self._stage_bytes)
+
+    @property
+    def stage_calls(self) -> dict[str, int]:
+        self._fold_stages()
+        return dict(self._stage_calls)
+
     # ------------------------------------------------------------------ snapshots
     def reset(self) -> None:
         """Zero every counter (sinks, workers and trace settings are kept)."""
+        import numpy as np
+
         with self._lock:
             self._wait_start = None
             self._last_end = None
-            self.stall_s = 0.0
-            self.step_s = 0.0
+            self._first_begin = None
+            self._waits = []
+            self._stall_folded = 0.0
+            self._batches_folded = 0
+            # restored totals (load_state_dict): stall and step from before the clocks restarted
+            self._stall_offset = 0.0
+            self._step_offset = 0.0
             self.wait_max_s = 0.0
-            self.batches = 0
             self.samples = 0
             self.bytes = 0
-            self._hist = [0] * _NBUCKETS
-            self.stage_s = defaultdict(float)
-            self.stage_bytes = defaultdict(int)
-            self.stage_calls = defaultdict(int)
+            self._hist = np.zeros(_NBUCKETS, dtype=np.int64)
+            self._stage_log = []
+            self._stage_s = defaultdict(float)
+            self._stage_bytes = defaultdict(int)
+            self._stage_calls = defaultdict(int)
             self.region_s = defaultdict(float)
             self.depth = {}
             for sink in self._sinks:
-                sink.restart(_perf())
+                sink.restart(_perf(), 0)
 
     def quantile(self, q: float) -> float:
         """Wait time (seconds) at quantile ``q`` in [0, 1], from the log-bucket histogram."""
         if not 0.0 <= q <= 1.0:
             raise ValueError(f"quantile must be in [0, 1], got {q}")
-        hist = list(self._hist)
-        total = sum(hist)
+        import numpy as np
+
+        self._fold()
+        cum = np.cumsum(self._hist)
+        total = int(cum[-1])
         if total == 0:
             return 0.0
         rank = max(1, math.ceil(q * total))
-        seen = 0
-        for i, n in enumerate(hist):
-            seen += n
-            if seen >= rank:
-                if i == _NBUCKETS - 1:  # the top bucket also holds clamped, longer waits
-                    return self.wait_max_s
-                return min(_bucket_value(i), self.wait_max_s) if i else 0.0
-        return self.wait_max_s  # pragma: no cover - unreachable
+        i = int(np.searchsorted(cum, rank))
+        if i == _NBUCKETS - 1:  # the top bucket also holds clamped, longer waits
+            return self.wait_max_s
+        return min(_bucket_value(i), self.wait_max_s) if i else 0.0
 
     def stats(self) -> StallStats:
         """A consistent, JSON-able snapshot of the counters and the rates derived from them."""
+        self._fold()
+        stage_s, stage_bytes, stage_calls = self.stage_s, self.stage_bytes, self.stage_calls
         with self._lock:
-            stage_s = dict(self.stage_s)
-            stage_bytes = dict(self.stage_bytes)
-            stage_calls = dict(self.stage_calls)
             regions = dict(self.region_s)
-        stall, step, batches = self.stall_s, self.step_s, self.batches
+        stall, step, batches, steps = self.stall_s, self.step_s, self.batches, self.steps
         wall = stall + step
         par = max(1, self.workers)
         stages = {}
@@ -344,7 +422,7 @@ class StallMeter:
             wait_p50_s=self.quantile(0.5),
             wait_p99_s=self.quantile(0.99),
             wait_max_s=self.wait_max_s,
-            step_mean_s=step / (batches - 1) if batches > 1 else 0.0,
+            step_mean_s=step / steps if steps else 0.0,
             workers=self.workers,
             input_busy=busy,
             slowest_stage=slowest,
@@ -368,45 +446,52 @@ class StallMeter:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Counters as a small JSON-able dict, so totals survive a resume."""
+        self._fold()
+        stage_s, stage_bytes, stage_calls = self.stage_s, self.stage_bytes, self.stage_calls
         with self._lock:
-            return {
-                "stall_s": self.stall_s,
-                "step_s": self.step_s,
-                "wait_max_s": self.wait_max_s,
-                "batches": self.batches,
-                "samples": self.samples,
-                "bytes": self.bytes,
-                "hist": {str(i): n for i, n in enumerate(self._hist) if n},
-                "stage_s": dict(self.stage_s),
-                "stage_bytes": dict(self.stage_bytes),
-                "stage_calls": dict(self.stage_calls),
-                "region_s": dict(self.region_s),
-            }
+            regions = dict(self.region_s)
+        return {
+            "stall_s": self.stall_s,
+            "step_s": self.step_s,
+            "wait_max_s": self.wait_max_s,
+            "batches": self.batches,
+            "samples": self.samples,
+            "bytes": self.bytes,
+            "hist": {str(i): int(n) for i, n in enumerate(self._hist) if n},
+            "stage_s": stage_s,
+            "stage_bytes": stage_bytes,
+            "stage_calls": stage_calls,
+            "region_s": regions,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counters saved by :meth:`state_dict` (the wait/step clocks restart)."""
         self.reset()
         with self._lock:
-            for key in ("stall_s", "step_s", "wait_max_s"):
-                setattr(self, key, float(state[key]))
-            for key in ("batches", "samples", "bytes"):
-                setattr(self, key, int(state[key]))
+            self._stall_folded = self._stall_offset = float(state["stall_s"])
+            self._step_offset = float(state["step_s"])
+            self._batches_folded = int(state["batches"])
+            self.wait_max_s = float(state["wait_max_s"])
+            self.samples = int(state["samples"])
+            self.bytes = int(state["bytes"])
             for i, n in state["hist"].items():
                 self._hist[int(i)] = int(n)
-            self.stage_s.update(state["stage_s"])
-            self.stage_bytes.update(state["stage_bytes"])
-            self.stage_calls.update(state["stage_calls"])
+            self._stage_s.update(state["stage_s"])
+            self._stage_bytes.update(state["stage_bytes"])
+            self._stage_calls.update(state["stage_calls"])
             self.region_s.update(state["region_s"])
 
     # ------------------------------------------------------------------ sinks
     def add_sink(self, sink: Sink) -> Sink:
         """Attach a sink (:class:`LoggingSink`, :class:`JsonlSink`, ...); polled in ``wait_end``."""
-        sink.restart(_perf())
+        sink.restart(_perf(), self.batches)
         self._sinks.append(sink)
+        self._slow = True
         return sink
 
     def remove_sink(self, sink: Sink) -> None:
         self._sinks.remove(sink)
+        self._slow = bool(self._sinks) or self._range is not None
 
     def close(self) -> None:
         """Flush and close every sink (a final emit for sinks that want one)."""
@@ -415,19 +500,27 @@ class StallMeter:
             if stats is not None:
                 sink.close(stats)
         self._sinks.clear()
+        self._slow = self._range is not None
 
-    def _poll_sinks(self, now: float) -> None:
-        due = [s for s in self._sinks if s.due(now, self.batches)]
-        if due:
-            stats = self.stats()
-            for sink in due:
-                sink.emit(stats, now, self)
+    def _after_wait(self, now: float) -> None:
+        """The rare part of ``wait_end``: close the profiler range, poll the sinks."""
+        if self._range is not None:
+            self._close_range()
+        self._slow = bool(self._sinks)
+        if self._sinks:
+            batches = self.batches
+            due = [s for s in self._sinks if s.due(now, batches)]
+            if due:
+                stats = self.stats()
+                for sink in due:
+                    sink.emit(stats, now, self)
 
     # ------------------------------------------------------------------ profiler ranges
     def _open_range(self, name: str) -> None:
         rf = self._record_function(name)
         rf.__enter__()
         self._range = rf
+        self._slow = True
 
     def _close_range(self) -> None:
         rf, self._range = self._range, None
