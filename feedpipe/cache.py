@@ -285,6 +285,10 @@ class ShardCache:
         finally:
             self.release(relpath)
 
+    def shard_files(self, shard: int) -> list[str]:
+        """The files the index lists for ``shard`` (remote datasets only)."""
+        return list(self._by_shard.get(shard, ()))
+
     def prefetch(self, relpaths: Iterable[str]) -> list[Future[None]]:
         """Fetch ``relpaths`` in the background (not pinned); returns futures (errors stay there:
         a later :meth:`acquire` of the same file retries and raises)."""
@@ -309,6 +313,12 @@ class ShardCache:
                     self._pending[rel] = fut
                 out.append(fut)
         return out
+
+    def fetch(self, relpaths: Iterable[str]) -> None:
+        """Make ``relpaths`` local now, in parallel on the prefetch threads (not pinned); raises
+        the first download error. For a reader about to touch many files at once."""
+        for fut in self.prefetch(relpaths):
+            fut.result(timeout=self.timeout_s + self._policy.deadline_s)
 
     def pinned_files(self) -> list[str]:
         """Relative paths this object currently pins."""

@@ -156,24 +156,28 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         """The local path of one shard file. Every shard-file open goes through here."""
         info = self.index.shards[shard_id].files[role]
         if self._remote:  # fetched into the shared cache and pinned until close()
-            if self.cache_dir is None:
-                raise NotImplementedError(
-                    f"{self.path}: reading a remote MemmapDataset needs cache_dir=... (lazy "
-                    "mode) or the staging cache (feedpipe.stage) to a local directory first"
-                )
-            if self._cache is None:
-                from feedpipe.cache import ShardCache
-
-                self._cache = ShardCache(
-                    self.path,
-                    self.cache_dir,
-                    self.cache_limit_bytes,
-                    self.storage_options,
-                    readahead=2,
-                    eager_bytes=1 << 20,
-                )
-            return str(self._cache.hold(info.path))
+            return str(self._shard_cache().hold(info.path))
         return os.path.join(self.path, info.path)
+
+    def _shard_cache(self) -> Any:
+        """The :class:`feedpipe.cache.ShardCache` of a remote dataset (made on first use)."""
+        if self.cache_dir is None:
+            raise NotImplementedError(
+                f"{self.path}: reading a remote MemmapDataset needs cache_dir=... (lazy "
+                "mode) or the staging cache (feedpipe.stage) to a local directory first"
+            )
+        if self._cache is None:
+            from feedpipe.cache import ShardCache
+
+            self._cache = ShardCache(
+                self.path,
+                self.cache_dir,
+                self.cache_limit_bytes,
+                self.storage_options,
+                readahead=2,
+                eager_bytes=1 << 20,
+            )
+        return self._cache
 
     def _state(self) -> _Handles:
         h = self._handles
@@ -280,6 +284,9 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
 
     def _locate(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         sid = np.searchsorted(self._starts, idx, side="right") - 1
+        if self._remote and len(idx) > 1:  # fetch the batch's shards in parallel, not one by one
+            cache = self._shard_cache()
+            cache.fetch(rel for s in np.unique(sid).tolist() for rel in cache.shard_files(s))
         return sid, idx - self._starts[sid]
 
     def __getitem__(self, index: int) -> Any:
