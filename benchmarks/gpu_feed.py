@@ -197,25 +197,22 @@ def synthetic_step(
     last = torch.cuda.Event(enable_timing=True) if cuda else None
     t_start = None
     deadline = time.perf_counter() + seconds
+    it = iter(loader)  # one epoch (steady state), at most ``seconds``
     while time.perf_counter() < deadline:
-        it = iter(loader)
-        while True:
-            t0 = time.perf_counter()
-            try:
-                b = next(it)
-            except StopIteration:
-                break
-            if t_start is None:  # warm-up batch: start the clocks after it
-                t_start = time.perf_counter()
-                if first is not None:
-                    torch.cuda.synchronize()
-                    first.record()
-                continue
-            host_wait += time.perf_counter() - t0
-            step(b)
-            steps += 1
-            if time.perf_counter() >= deadline:
-                break
+        t0 = time.perf_counter()
+        try:
+            b = next(it)
+        except StopIteration:
+            break
+        if t_start is None:  # warm-up batch: start the clocks after it
+            t_start = time.perf_counter()
+            if first is not None:
+                torch.cuda.synchronize()
+                first.record()
+            continue
+        host_wait += time.perf_counter() - t0
+        step(b)
+        steps += 1
     if cuda:
         assert first is not None and last is not None
         last.record()
