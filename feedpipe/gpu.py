@@ -22,6 +22,11 @@ Why this is safe (``C`` is the copy stream, ``E_s`` the event recorded on ``C`` 
    called on each, so the caching allocator does not give their memory to a later copy on ``C``
    until the consumer's work enqueued on ``U`` before they were freed has completed.
 
+5. Epochs: a filler is bound to its epoch's generation and is turned away (gets ``None``) once
+   that epoch ends, atomically with lending; a ring whose slots are still lent to an abandoned
+   epoch's workers is never reused (a fresh one replaces it), so a late gather cannot land in a
+   slot that a new epoch is using.
+
 If the consumer moves a batch to another stream, it orders that stream itself (as with torch).
 
 Memory is bounded: ``n = prefetch + 2 + fillers`` slots (``fillers`` = how many batches thread
