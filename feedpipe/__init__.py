@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "stage": "feedpipe.stage",
     "StallMeter": "feedpipe.stall",
     "DatasetError": "feedpipe.errors",
+    "GPUFeed": "feedpipe.gpu",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
@@ -31,6 +32,7 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from feedpipe.convert import convert
     from feedpipe.errors import DatasetError
+    from feedpipe.gpu import GPUFeed
     from feedpipe.loader import DataLoader, get_worker_info
     from feedpipe.memmap import MemmapDataset, MemmapWriter
     from feedpipe.sampler import DistributedSampler
