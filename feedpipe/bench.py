@@ -8,7 +8,8 @@ For every ``num_workers`` x ``prefetch_factor`` in the sweep it runs the loader 
 
 Each run gets its own :class:`~feedpipe.stall.StallMeter`; the first ``--warmup`` batches (worker
 start-up) are dropped with ``meter.reset()``. The per-step wait and step times come from the
-meter's own counters. It prints a table, optionally writes a PNG (matplotlib) and a JSON file.
+meter's own clock readings (``meter.last_wait``). It prints a table, optionally writes a PNG
+(matplotlib) and a JSON file.
 
 Example::
 
@@ -175,11 +176,12 @@ def run_one(
                 progress.update(1)
         meter.reset()
         for k in range(batches):
-            stall0, step0 = meter.stall_s, meter.step_s
+            prev_end = meter.last_wait[1]
             next(it)
-            waits.append(meter.stall_s - stall0)
+            begin, end = meter.last_wait
+            waits.append(end - begin)
             if k:  # the step that ended when this batch was asked for
-                steps.append(meter.step_s - step0)
+                steps.append(begin - prev_end)
             if step_s:
                 time.sleep(step_s)
             if progress is not None:

@@ -189,15 +189,17 @@ class StallMeter:
         self._lock = threading.Lock()
         self._sinks: list[Sink] = []
         # ``_profiler._is_profiler_enabled`` says whether to open record_function ranges:
-        # torch.autograd.profiler (its flag follows torch.profiler) in "auto" mode, or a stand-in
-        # whose flag is always on for trace=True; None for trace=False.
-        self._profiler: Any = None
+        # torch.autograd.profiler (its flag follows torch.profiler) in "auto" mode, or stand-ins
+        # whose flag is always on (trace=True) or always off (trace=False).
+        self._profiler: Any = _NeverOn
         if trace is True:
             self._profiler = _AlwaysOn
         elif trace == "auto":
-            self._profiler = _profiler_module()
+            self._profiler = _profiler_module() or _NeverOn
         self._range: Any = None  # the open record_function range of the current wait
-        self._slow = False  # wait_end has work beyond counting: sinks or an open range
+        # wait_end calls _after_wait once len(_waits) reaches _fold_at: _FOLD normally, 0 while
+        # sinks are attached or a profiler range is open (one comparison on the hot path)
+        self._fold_at = self._FOLD
         self.workers = 0
         self.reset()
 
@@ -211,8 +213,7 @@ class StallMeter:
         now = self._wait_start = _perf()
         if self._first_begin is None:
             self._first_begin = now
-        prof = self._profiler
-        if prof is not None and prof._is_profiler_enabled:
+        if self._profiler._is_profiler_enabled:
             self._open_range("feedpipe.wait")
 
     def wait_end(self, samples: int = 0, nbytes: int = 0) -> None:
@@ -222,9 +223,7 @@ class StallMeter:
         waits.append(now - self._wait_start)  # type: ignore[operator]  # after wait_begin
         self.samples += samples
         self.bytes += nbytes
-        if len(waits) >= self._FOLD:
-            self._fold()
-        if self._slow:
+        if len(waits) >= self._fold_at:
             self._after_wait(now)
 
     def add_stage(self, name: str, seconds: float, nbytes: int = 0) -> None:
@@ -245,8 +244,7 @@ class StallMeter:
     @contextmanager
     def region(self, name: str) -> Iterator[None]:
         """Time a user region: ``with meter.region("forward"): ...`` (also a profiler range)."""
-        prof = self._profiler
-        on = prof is not None and prof._is_profiler_enabled
+        on = self._profiler._is_profiler_enabled
         rf = self._record_function(f"feedpipe.region.{name}") if on else None
         if rf is not None:
             rf.__enter__()
@@ -486,12 +484,12 @@ class StallMeter:
         """Attach a sink (:class:`LoggingSink`, :class:`JsonlSink`, ...); polled in ``wait_end``."""
         sink.restart(_perf(), self.batches)
         self._sinks.append(sink)
-        self._slow = True
+        self._fold_at = 0
         return sink
 
     def remove_sink(self, sink: Sink) -> None:
         self._sinks.remove(sink)
-        self._slow = bool(self._sinks) or self._range is not None
+        self._set_fold_at()
 
     def close(self) -> None:
         """Flush and close every sink (a final emit for sinks that want one)."""
@@ -500,13 +498,18 @@ class StallMeter:
             if stats is not None:
                 sink.close(stats)
         self._sinks.clear()
-        self._slow = self._range is not None
+        self._set_fold_at()
+
+    def _set_fold_at(self) -> None:
+        self._fold_at = 0 if self._sinks or self._range is not None else self._FOLD
 
     def _after_wait(self, now: float) -> None:
-        """The rare part of ``wait_end``: close the profiler range, poll the sinks."""
+        """The rare part of ``wait_end``: fold, close the profiler range, poll the sinks."""
+        if len(self._waits) >= self._FOLD:
+            self._fold()
         if self._range is not None:
             self._close_range()
-        self._slow = bool(self._sinks)
+        self._set_fold_at()
         if self._sinks:
             batches = self.batches
             due = [s for s in self._sinks if s.due(now, batches)]
@@ -520,7 +523,7 @@ class StallMeter:
         rf = self._record_function(name)
         rf.__enter__()
         self._range = rf
-        self._slow = True
+        self._fold_at = 0
 
     def _close_range(self) -> None:
         rf, self._range = self._range, None
@@ -559,6 +562,12 @@ class NullMeter(StallMeter):
 
     def add_sink(self, sink: Sink) -> Sink:
         return sink
+
+
+class _NeverOn:
+    """Stand-in for ``torch.autograd.profiler`` when ``trace=False``."""
+
+    _is_profiler_enabled = False
 
 
 class _AlwaysOn:
