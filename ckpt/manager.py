@@ -171,6 +171,8 @@ class CheckpointManager:
                     len(removed),
                     self.directory,
                 )
+            if self._newest_verified is not None:
+                self._retain()  # catch up on retention interrupted by a crash, before adding
 
     def _raise_pending(self) -> None:
         with self._mutex:
