@@ -266,3 +266,56 @@ def _next_iterable(
     t1 = time.perf_counter()
     batch = collate_fn(data)
     return Shipped(batch, samples, nbytes_of(batch), t1 - t0, time.perf_counter() - t1)
+
+
+class InlineSource:
+    """``num_workers=0``: torch's single-process iterator, minus its per-batch overhead.
+
+    Same RNG draws (index sampler, then torch's base seed, then ``iter(dataset)`` for iterable
+    datasets), same fetch rules, same exceptions (the original object, with a note naming the
+    sample indices); batches are read by ``fetch_batch`` in the calling thread.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        sampler_iter: Iterator[Any],
+        collate_fn: Callable[[Any], Any],
+        mode: Mode,
+        *,
+        generator: torch.Generator | None,
+        pin: bool,
+        drop_last: bool,
+    ) -> None:
+        self._sampler_iter = sampler_iter
+        torch.empty((), dtype=torch.int64).random_(generator=generator)  # torch's base seed draw
+        self._dataset, self._collate_fn, self._mode = dataset, collate_fn, mode
+        self._pin, self._drop_last = pin, drop_last
+        self._iterator = iter(dataset) if mode is Mode.ITERABLE else None
+        self._ended = False
+        self._position = 0
+
+    def __iter__(self) -> InlineSource:
+        return self
+
+    def __next__(self) -> Shipped | _Failed:
+        indices = next(self._sampler_iter)
+        try:
+            if self._iterator is not None:
+                if self._ended:
+                    raise StopIteration
+                out = _next_iterable(self._iterator, indices, self._collate_fn, self._drop_last)
+                if out is None:
+                    self._ended = True
+                    raise StopIteration
+                self._position += out.samples
+            else:
+                out = fetch_batch(self._dataset, indices, self._collate_fn, self._mode)
+            if self._pin:
+                out = out._replace(batch=pin_batch(out.batch))
+            return out
+        except StopIteration:
+            raise
+        except Exception as exc:
+            where = indices if self._iterator is None else f"stream position {self._position}"
+            return _Failed(exc, None, where)

@@ -41,7 +41,7 @@ from feedpipe._loader_fetch import (
     _WorkerInit,
     choose_mode,
 )
-from feedpipe._workers_thread import ThreadWorkers, thread_worker_info
+from feedpipe._workers_thread import InlineSource, ThreadWorkers, thread_worker_info
 from feedpipe.errors import WorkerError
 from feedpipe.stall import StallMeter
 
@@ -67,7 +67,7 @@ class _IndexStream:
     def __init__(self, sampler: Iterable[Any]) -> None:
         self.sampler = sampler
         self.skip = 0
-        self.sent: dict[int, Any] = {}
+        self.sent: dict[int, Any] = {}  # one dict, cleared per pass (iterators hold it)
 
     def __len__(self) -> int:
         return len(self.sampler)  # type: ignore[arg-type]
@@ -80,7 +80,8 @@ class _IndexStream:
         # the second one, so the one-shot skip is taken when the first index is drawn.
         it = iter(self.sampler)
         skip, self.skip = self.skip, 0
-        self.sent = sent = {}
+        sent = self.sent
+        sent.clear()
         if skip:
             for _ in itertools.islice(it, skip):
                 pass
@@ -100,6 +101,18 @@ def _set_gen_state(gen: torch.Generator | None, text: str) -> None:
         torch.set_rng_state(state)
     else:
         gen.set_state(state)
+
+
+class _Epoch:
+    """Where the current epoch stands: updated per batch (a plain object, cheap to write)."""
+
+    __slots__ = ("active", "batches", "rng", "samples")
+
+    def __init__(self) -> None:
+        self.active = False
+        self.batches = 0  # batches delivered this epoch (including before a resume)
+        self.samples = 0  # samples delivered this epoch (including before a resume)
+        self.rng: dict[str, str] | None = None  # RNG states at the start of the epoch
 
 
 class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
@@ -167,10 +180,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         self._inner: tud.DataLoader | None = None  # type: ignore[type-arg]
         self._thread_seeded = False
         # resume bookkeeping for the current epoch
-        self._epoch_rng: dict[str, str] | None = None
-        self._batches = 0  # batches delivered this epoch (including before a resume)
-        self._samples = 0  # samples delivered this epoch (including before a resume)
-        self._in_epoch = False
+        self._epoch = _Epoch()
         self._pending: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------ public
@@ -181,8 +191,10 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     def __iter__(self) -> _LoaderIter:  # type: ignore[override]
         skip = self._begin_epoch()
-        if self.worker_type == "thread" and self.num_workers > 0:
-            source: Any = self._thread_source(skip)
+        if self.num_workers == 0:
+            source: Any = self._inline_source()
+        elif self.worker_type == "thread":
+            source = self._thread_source(skip)
         else:
             source = self._process_source(skip)
         return _LoaderIter(self, source)
@@ -196,17 +208,18 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             raise ValueError(
                 "state_dict() needs in_order=True: out-of-order delivery is not resumable"
             )
+        epoch = self._epoch
         state: dict[str, Any] = {
             "version": _STATE_VERSION,
-            "in_epoch": self._in_epoch,
-            "batches": self._batches if self._in_epoch else 0,
-            "samples": self._samples if self._in_epoch else 0,
-            "rng": self._epoch_rng if self._in_epoch else self._rng_now(),
+            "in_epoch": epoch.active,
+            "batches": epoch.batches if epoch.active else 0,
+            "samples": epoch.samples if epoch.active else 0,
+            "rng": epoch.rng if epoch.active else self._rng_now(),
         }
         sampler = self._stateful_sampler()
         if sampler is not None:
             sub = dict(sampler.state_dict())
-            sub["consumed"] = self._samples if self._in_epoch else sub.get("consumed", 0)
+            sub["consumed"] = epoch.samples if epoch.active else sub.get("consumed", 0)
             state["sampler"] = sub
         if self._iterable:
             if not callable(getattr(self.dataset, "state_dict", None)):
@@ -267,18 +280,18 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         """Apply a pending state, capture the RNG at epoch start; returns index batches to skip."""
         skip = 0
         pending, self._pending = self._pending, None
-        self._batches = self._samples = 0
+        epoch = self._epoch = _Epoch()  # a fresh object: an abandoned iterator cannot count here
         if pending is not None:
             gens = self._generators()
             for name, text in pending["rng"].items():
                 if name in gens:
                     _set_gen_state(gens[name], text)
             if pending["in_epoch"]:
-                self._batches, self._samples = int(pending["batches"]), int(pending["samples"])
+                epoch.batches, epoch.samples = int(pending["batches"]), int(pending["samples"])
             if pending["in_epoch"] and "sampler" not in pending and not self._iterable:
-                skip = self._batches  # the sampler restarts from scratch: skip, don't read
-        self._epoch_rng = self._rng_now()
-        self._in_epoch = True
+                skip = epoch.batches  # the sampler restarts from scratch: skip, don't read
+        epoch.rng = self._rng_now()
+        epoch.active = True
         if self._stream is not None:
             self._stream.skip = skip
         return skip
@@ -317,6 +330,18 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             return tud.DataLoader(proxy, batch_sampler=self._stream, **common)
         return tud.DataLoader(proxy, batch_size=None, sampler=self._stream, **common)
 
+    def _inline_source(self) -> InlineSource:
+        index_sampler = self._stream if self._stream is not None else self._index_sampler
+        return InlineSource(
+            self.dataset,
+            iter(index_sampler),
+            self.collate_fn,
+            self._mode,
+            generator=self.generator,
+            pin=bool(self.pin_memory and torch.accelerator.is_available()),
+            drop_last=self.drop_last,
+        )
+
     def _thread_source(self, skip: int) -> ThreadWorkers:
         index_sampler = self._stream if self._stream is not None else self._index_sampler
         sampler_iter = iter(index_sampler)
@@ -350,8 +375,14 @@ class _LoaderIter:
         self._loader = loader
         self._source = source
         self._meter = loader.meter
-        self._first = loader._batches  # batch number (in the epoch) of this pass's first batch
+        self._epoch = loader._epoch
+        self._first = self._epoch.batches  # batch number (in the epoch) of this pass's first batch
         self._delivered = 0
+        stream = loader._stream
+        self._sent = stream.sent if stream is not None else None
+        # out of order, batch n is delivered within the prefetch window of the n-th delivery
+        window = (loader.prefetch_factor or 1) * max(1, loader.num_workers)
+        self._lag = 0 if loader.in_order else 4 * window + 4
 
     def __iter__(self) -> _LoaderIter:
         return self
@@ -365,7 +396,7 @@ class _LoaderIter:
         try:
             shipped = next(self._source)
         except StopIteration:
-            self._loader._in_epoch = False
+            self._epoch.active = False
             raise
         except Exception as exc:
             raise self._explain(exc) from exc
@@ -378,26 +409,25 @@ class _LoaderIter:
                 raise error
             finally:  # break the frame <-> traceback cycle so the workers shut down promptly
                 error = None
-        assert isinstance(shipped, Shipped)
-        meter.add_stage("fetch", shipped.fetch_s, shipped.nbytes)
-        if shipped.collate_s:
-            meter.add_stage("collate", shipped.collate_s, shipped.nbytes)
-        meter.wait_end(samples=shipped.samples, nbytes=shipped.nbytes)
-        self._count(1, shipped.samples)
-        return self._finalize(shipped.batch)
+        batch, samples, nbytes, fetch_s, collate_s = shipped
+        meter.add_stage("fetch", fetch_s, nbytes)
+        if collate_s:
+            meter.add_stage("collate", collate_s, nbytes)
+        meter.wait_end(samples=samples, nbytes=nbytes)
+        self._count(1, samples)
+        return self._finalize(batch)
 
     def _finalize(self, batch: Any) -> Any:
         """The one place a delivered batch is finished (a device feed moves it to the GPU here)."""
         return batch
 
     def _count(self, batches: int, samples: int) -> None:
-        loader = self._loader
-        loader._batches += batches
-        loader._samples += samples
+        epoch = self._epoch
+        epoch.batches += batches
+        epoch.samples += samples
+        if self._sent is not None:
+            self._sent.pop(self._delivered - self._lag, None)
         self._delivered += 1
-        stream = loader._stream
-        if stream is not None and loader.in_order:
-            stream.sent.pop(self._delivered - 1, None)
 
     # ------------------------------------------------------------------- failure messages
     def _explain(self, exc: Exception) -> Exception:

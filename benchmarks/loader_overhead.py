@@ -1,0 +1,145 @@
+"""feedpipe.DataLoader vs torch's DataLoader on the same user-style dataset, in one run.
+
+The dataset is what users write today: per-sample ``__getitem__`` over a numpy memmap (8 KiB and
+256 KiB records). For each record size and ``num_workers`` in {0, 2}, torch's DataLoader and
+``feedpipe.DataLoader`` (process and thread workers) read the same epochs with the same
+arguments; repeats alternate between the loaders and the best epoch of each is kept. Prints
+samples/s, GB/s and the ratio to torch at the same ``num_workers``, and records the table in
+docs/benchmarks.md (section ``loader_overhead``).
+
+    .venv/bin/python benchmarks/loader_overhead.py [--repeats 3] [--mib 96] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader as TorchLoader
+from torch.utils.data import Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._report import machine, write_section  # noqa: E402
+from feedpipe import DataLoader  # noqa: E402
+
+
+class MemmapRecords(Dataset):
+    """A typical user dataset: one fixed-size uint8 record per sample from a numpy memmap."""
+
+    def __init__(self, path: str, record_bytes: int) -> None:
+        self.path, self.record_bytes = path, record_bytes
+        self.data = np.memmap(path, dtype=np.uint8, mode="r").reshape(-1, record_bytes)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.from_numpy(np.array(self.data[i])), i
+
+    def __getstate__(self) -> dict[str, Any]:  # workers re-open the memmap
+        return {"path": self.path, "record_bytes": self.record_bytes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], state["record_bytes"])  # type: ignore[misc]
+
+
+def epoch_seconds(make: Any) -> tuple[float, int]:
+    """Time one full epoch (worker start-up included, as a user pays it)."""
+    t0 = time.perf_counter()
+    samples = 0
+    for x, _ in make():
+        samples += x.shape[0]
+    return time.perf_counter() - t0, samples
+
+
+def run(repeats: int, mib: int) -> list[dict[str, Any]]:
+    """Each record size gets a ``mib``-MiB file (at least 256 records)."""
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for record_kib, batch in ((8, 64), (256, 8)):
+            record = record_kib * 1024
+            n = max(256, mib * 2**20 // record)
+            path = str(Path(tmp) / f"r{record_kib}.u8")
+            np.random.default_rng(0).integers(0, 255, n * record, dtype=np.uint8).tofile(path)
+            ds = MemmapRecords(path, record)
+            for workers in (0, 2):
+                kw: dict[str, Any] = {"batch_size": batch, "shuffle": True, "num_workers": workers}
+                loaders: dict[str, Any] = {
+                    "torch": lambda kw=kw: TorchLoader(ds, **kw),
+                    "feedpipe process": lambda kw=kw: DataLoader(ds, **kw),
+                }
+                if workers:
+                    loaders["feedpipe thread"] = lambda kw=kw: DataLoader(
+                        ds, worker_type="thread", **kw
+                    )
+                epoch_seconds(loaders["torch"])  # warm the page cache
+                best: dict[str, float] = {}
+                samples = 0
+                for _ in range(repeats):
+                    for name, make in loaders.items():
+                        secs, samples = epoch_seconds(make)
+                        best[name] = min(best.get(name, float("inf")), secs)
+                for name, secs in best.items():
+                    rows.append(
+                        {
+                            "record": f"{record_kib} KiB",
+                            "workers": workers,
+                            "loader": name,
+                            "samples_s": samples / secs,
+                            "gb_s": samples * record / secs / 1e9,
+                            "ratio": best["torch"] / secs,
+                        }
+                    )
+                    r = rows[-1]
+                    print(
+                        f"{r['record']:>8} workers={workers} {name:<17} {r['samples_s']:>10.0f} "
+                        f"samples/s {r['gb_s']:6.2f} GB/s  x{r['ratio']:.2f} vs torch",
+                        flush=True,
+                    )
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| record | num_workers | loader | samples/s | GB/s | vs torch |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['record']} | {r['workers']} | {r['loader']} | {r['samples_s']:.0f} "
+            f"| {r['gb_s']:.2f} | {r['ratio']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="epochs per loader (best kept)")
+    parser.add_argument("--mib", type=int, default=96, help="dataset size per record size, MiB")
+    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    args = parser.parse_args()
+    rows = run(args.repeats, args.mib)
+    command = f"python benchmarks/loader_overhead.py --repeats {args.repeats} --mib {args.mib}"
+    md = (
+        "### DataLoader overhead: feedpipe vs torch, same user-style memmap dataset\n\n"
+        f"Machine: {machine()}  \nCommand: `{command}`\n\n"
+        "Per-sample `__getitem__` over a numpy memmap (page cache warm), `shuffle=True`, "
+        "batch 64 (8 KiB) / 8 (256 KiB); best of the repeats, worker start-up included; "
+        "ratio = torch epoch time / feedpipe epoch time at the same `num_workers`.\n\n"
+        + table(rows)
+    )
+    print("\n" + md)
+    if not args.no_write:
+        write_section("loader_overhead", md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
