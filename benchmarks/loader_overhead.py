@@ -16,6 +16,7 @@ import argparse
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,8 @@ from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._report import machine, write_section  # noqa: E402
-from feedpipe import DataLoader  # noqa: E402
+from benchmarks._report import machine, write_section
+from feedpipe import DataLoader
 
 
 class MemmapRecords(Dataset):
@@ -72,13 +73,11 @@ def run(repeats: int, mib: int) -> list[dict[str, Any]]:
             for workers in (0, 2):
                 kw: dict[str, Any] = {"batch_size": batch, "shuffle": True, "num_workers": workers}
                 loaders: dict[str, Any] = {
-                    "torch": lambda kw=kw: TorchLoader(ds, **kw),
-                    "feedpipe process": lambda kw=kw: DataLoader(ds, **kw),
+                    "torch": partial(TorchLoader, ds, **kw),
+                    "feedpipe process": partial(DataLoader, ds, **kw),
                 }
                 if workers:
-                    loaders["feedpipe thread"] = lambda kw=kw: DataLoader(
-                        ds, worker_type="thread", **kw
-                    )
+                    loaders["feedpipe thread"] = partial(DataLoader, ds, worker_type="thread", **kw)
                 epoch_seconds(loaders["torch"])  # warm the page cache
                 best: dict[str, float] = {}
                 samples = 0

@@ -32,7 +32,6 @@ import torch.utils.data as tud
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from feedpipe._loader_fetch import (
-    Shipped,
     _Failed,
     _IterProxy,
     _MapProxy,
