@@ -402,8 +402,9 @@ class _LoaderIter:
         if isinstance(shipped, _Failed):
             indices = shipped.indices
             self._count(1, len(indices) if isinstance(indices, (list, tuple)) else 0)
-            error = shipped.exception(self._first + self._delivered - 1)
+            error: BaseException | None = shipped.exception(self._first + self._delivered - 1)
             shipped = None
+            assert error is not None
             try:
                 raise error
             finally:  # break the frame <-> traceback cycle so the workers shut down promptly
