@@ -13,6 +13,7 @@ ones are read with ``os.preadv`` straight into the destination rows (13.8 vs 9.2
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 from collections.abc import Iterator, Sequence
@@ -30,6 +31,7 @@ from feedpipe.errors import DatasetError
 __all__ = ["MemmapDataset", "MemmapWriter", "verify_files"]
 
 _PREAD_MIN_RECORD = 64 << 10  # records at least this large are read with preadv
+_SORT_MAX_RECORD = 4096  # smaller records are gathered in sorted order, then scattered
 _IOV_MAX = 1024
 _THREAD_MIN_BYTES = 16 << 20  # split a preadv batch over threads above this many bytes
 _MAX_THREADS = 4
@@ -379,15 +381,20 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         if rb >= _PREAD_MIN_RECORD:
             self._pread_rows(flat, idx, sid, local)
             return dest
-        shards = np.unique(sid)
-        for s in shards.tolist():  # a file truncated after mapping would SIGBUS: check first
+        shards = np.unique(sid).tolist()
+        for s in shards:  # a file truncated after mapping would SIGBUS: check first
             self._check_mapped(s)
-        if len(shards) == 1:
-            np.take(self._rows(int(shards[0])), local, axis=0, out=flat)
-        else:
-            for s in shards.tolist():
-                pos = np.flatnonzero(sid == s)
-                flat[pos] = np.take(self._rows(s), local[pos], axis=0)
+        if len(shards) == 1 and rb > _SORT_MAX_RECORD:
+            np.take(self._rows(shards[0]), local, axis=0, out=flat)  # one copy, no scatter
+            return dest
+        # gather in file order (sorted: kinder to the TLB and prefetcher), then scatter
+        order = np.argsort(idx, kind="stable")
+        s_sorted, l_sorted = sid[order], local[order]
+        bounds = [0, *(np.flatnonzero(np.diff(s_sorted)) + 1).tolist(), n]
+        tmp = np.empty_like(flat)
+        for a, b in itertools.pairwise(bounds):
+            np.take(self._rows(int(s_sorted[a])), l_sorted[a:b], axis=0, out=tmp[a:b])
+        flat[order] = tmp
         return dest
 
     def _pread_rows(
