@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "convert": "feedpipe.convert",
     "stage": "feedpipe.stage",
     "StallMeter": "feedpipe.stall",
+    "StallStats": "feedpipe.stall",
     "DatasetError": "feedpipe.errors",
     "GPUFeed": "feedpipe.gpu",
 }
@@ -37,7 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from feedpipe.memmap import MemmapDataset, MemmapWriter
     from feedpipe.sampler import DistributedSampler
     from feedpipe.stage import stage
-    from feedpipe.stall import StallMeter
+    from feedpipe.stall import StallMeter, StallStats
     from feedpipe.zarr_dataset import ZarrDataset
 
 
