@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-gb", type=float, default=0.5)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--saves", type=int, default=3)
+    p.add_argument("--saves", type=int, default=4)
     p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     p.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = p.parse_args(argv)
@@ -232,18 +232,20 @@ def main(argv: list[str] | None = None) -> int:
         methods.append(ck)
         # Rounds interleave every method with its baselines, so that the noise of a shared
         # machine hits baseline and method alike: per round, the disk bandwidth (write+fsync of
-        # the same bytes) and the ceiling (copy into preallocated memory, right before the ckpt
-        # save) are measured afresh.
+        # the same bytes, mean of right before and right after the ckpt save) and the ceiling
+        # (copy into preallocated memory, right before the ckpt save) are measured afresh.
         disk: list[float] = []
         ceiling: list[float] = []
         runs: dict[str, list[tuple[float, float]]] = {m.name: [] for m in methods}
         for i in range(args.saves):
-            disk.append(disk_bandwidth(root, size))
             for m in methods:
-                if m is ck:  # the ceiling right before the ckpt save: same conditions
+                if m is ck:  # baselines right around the ckpt save: the same conditions
+                    before = disk_bandwidth(root, size)
                     ceiling.append(copy_ceiling(state, dev, 1))
                 _sync(dev)
                 runs[m.name].append(m.save(i, state))
+                if m is ck:
+                    disk.append((before + disk_bandwidth(root, size)) / 2)
                 _mutate(state)
         for m in methods:
             m.close()
@@ -259,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.size_gb} --saves {args.saves}`",
         "",
         f"State: {size / 1e9:.2f} GB of {'bf16 CUDA' if dev == 'cuda' else 'float32 CPU'} "
-        f"tensors; {args.saves} rounds. Per round, measured in the same run: disk write+fsync "
-        f"bandwidth {', '.join(f'{d / 1e9:.2f}' for d in disk)} GB/s; ceiling (copy into "
+        f"tensors; {args.saves} rounds. Per round, measured in the same run around the ckpt "
+        f"save: disk write+fsync bandwidth {', '.join(f'{d / 1e9:.2f}' for d in disk)} GB/s; "
+        "ceiling (copy into "
         f"preallocated {'pinned ' if dev == 'cuda' else ''}memory) "
         f"{', '.join(f'{c:.3f}' for c in ceiling)} s. ckpt pool reserve before the first save "
         f"(outside any save): {ck.reserve_s:.3f} s.",
