@@ -129,3 +129,47 @@ def test_remote_s3(s3_bucket: tuple[str, dict[str, Any]]) -> None:
     ds = ZarrDataset(url, storage_options=options)
     assert ds.backend == "zarr" and len(ds) == 20
     assert torch.equal(ds.read_batch([19, 2]), torch.from_numpy(x[[19, 2]]))
+
+
+@pytest.mark.parametrize("index_location", ["end", "start"])
+def test_direct_reads_of_uncompressed_sharded_arrays(tmp_path: Path, index_location: str) -> None:
+    from zarr.codecs import BytesCodec, ShardingCodec
+
+    x = np.random.default_rng(2).integers(-99, 99, (130, 3, 5)).astype(np.int16)
+    arr = zarr.create_array(
+        tmp_path / "u",
+        shape=x.shape,
+        chunks=(40, 3, 5),
+        dtype="int16",
+        compressors=None,
+        serializer=ShardingCodec(
+            chunk_shape=(1, 3, 5), codecs=[BytesCodec()], index_location=index_location
+        ),
+    )
+    arr[:] = x
+    direct = ZarrDataset(tmp_path / "u")
+    engine = ZarrDataset(tmp_path / "u", direct=False)
+    assert "" in direct._direct and not engine._direct
+    idx = [129, 0, 41, 40, 39, 7, 7, -2]
+    assert torch.equal(direct.read_batch(idx), engine.read_batch(idx))
+    assert torch.equal(direct.read_batch(idx), torch.from_numpy(x[idx]))
+    # a corrupt shard index is caught by its CRC32C
+    shard = tmp_path / "u" / "c" / "1" / "0" / "0"
+    raw = bytearray(shard.read_bytes())
+    pos = len(raw) - 20 if index_location == "end" else 3
+    raw[pos] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(DatasetError, match=r"c/1/0/0: shard index fails its CRC32C"):
+        ZarrDataset(tmp_path / "u").read_batch([45])
+    os.remove(tmp_path / "u" / "c" / "2" / "0" / "0")
+    with pytest.raises(DatasetError, match=r"c/2/0/0: chunk/shard file is missing"):
+        ZarrDataset(tmp_path / "u").read_batch([85])
+
+
+def test_direct_reads_of_unsharded_arrays(tmp_path: Path) -> None:
+    x = np.arange(50 * 4, dtype=np.float64).reshape(50, 4)
+    zarr.create_array(
+        tmp_path / "p", shape=x.shape, chunks=(16, 4), dtype="float64", compressors=None
+    )[:] = x
+    ds = ZarrDataset(tmp_path / "p")
+    assert ds._direct and torch.equal(ds.read_batch([49, 0, 17]), torch.from_numpy(x[[49, 0, 17]]))
