@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "ZarrDataset": "feedpipe.zarr_dataset",
     "convert": "feedpipe.convert",
     "stage": "feedpipe.stage",
+    "ShardCache": "feedpipe.cache",
     "StallMeter": "feedpipe.stall",
     "StallStats": "feedpipe.stall",
     "DatasetError": "feedpipe.errors",
@@ -31,6 +32,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted([*_EXPORTS, "__version__"])
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
+    from feedpipe.cache import ShardCache
     from feedpipe.convert import convert
     from feedpipe.errors import DatasetError
     from feedpipe.gpu import GPUFeed
