@@ -10,11 +10,14 @@ threads (thread-local); torch's own ``get_worker_info()`` cannot see threads and
 
 from __future__ import annotations
 
+import atexit
 import copy
 import itertools
 import queue
 import random
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -92,6 +95,7 @@ class ThreadWorkers:
             )
             t.start()
             self._threads.append(t)
+        _track(self)
         for _ in range(self._max_tasks):
             self._put_task()
 
@@ -113,7 +117,7 @@ class ThreadWorkers:
                 self._task_info.pop(self._rcvd_idx, None)
                 self._rcvd_idx += 1
             else:
-                self.close()
+                self.close(join_s=_EXIT_JOIN_S)  # all idle by now: returns at once
                 raise StopIteration
             info = self._task_info[self._rcvd_idx]
             if len(info) == 2:
@@ -176,15 +180,46 @@ class ThreadWorkers:
         self._outstanding += 1
         self._send_idx += 1
 
-    def close(self) -> None:
-        """Tell the threads to exit once their current batch is done (never blocks)."""
+    def close(self, join_s: float = 0.0) -> None:
+        """Tell the threads to exit after their current batch; wait up to ``join_s`` for them."""
         if not self._shutdown:
             self._shutdown = True
             for box in self._inboxes:
                 box.put(None)
+        if join_s > 0:
+            deadline = time.monotonic() + join_s
+            for t in self._threads:
+                t.join(max(0.0, deadline - time.monotonic()))
 
     def __del__(self) -> None:
         self.close()
+
+
+_LIVE: weakref.WeakSet[ThreadWorkers] = weakref.WeakSet()
+_EXIT_JOIN_S = 10.0
+
+
+def _join_at_exit() -> None:
+    """Let worker threads finish their batch before the interpreter tears torch down.
+
+    Daemon threads killed inside a torch call abort the process ("terminate called without an
+    active exception"); a thread stuck in the dataset is abandoned after ``_EXIT_JOIN_S``.
+    """
+    deadline = time.monotonic() + _EXIT_JOIN_S
+    for workers in list(_LIVE):
+        workers.close(max(0.0, deadline - time.monotonic()))
+
+
+def _track(workers: ThreadWorkers) -> None:
+    """Remember live pools; the exit hook is registered with the first one (not at import)."""
+    global _HOOKED
+    if not _HOOKED:
+        atexit.register(_join_at_exit)
+        _HOOKED = True
+    _LIVE.add(workers)
+
+
+_HOOKED = False
 
 
 def _worker_loop(  # noqa: PLR0917
@@ -249,8 +284,6 @@ def _next_iterable(
     iterator: Iterator[Any], indices: Any, collate_fn: Callable[[Any], Any], drop_last: bool
 ) -> Shipped | None:
     """One batch from an iterable dataset, with torch's end-of-stream rules (None: exhausted)."""
-    import time
-
     t0 = time.perf_counter()
     if indices is None:  # batch_size=None
         try:
