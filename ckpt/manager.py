@@ -279,7 +279,14 @@ class CheckpointManager:
             for listener in list(self.on_commit):
                 listener(step, handle.path)
             self._retain()
-        except BaseException as exc:
+        except BaseException as failure:
+            exc: BaseException = failure
+            if handle.path is not None:  # committed; an on_commit listener or retention failed
+                exc = CheckpointError(
+                    f"step {step} was committed to {handle.path}, but a post-commit action "
+                    f"failed: {failure!r}"
+                )
+                exc.__cause__ = failure
             handle.error = exc
             with self._mutex:
                 self.stats.failed += 1
@@ -323,7 +330,7 @@ class CheckpointManager:
                 self.stats.evicted.append(step)
 
     def gc(self) -> list[int]:
-        """Apply retention now (and remove leftovers); returns the steps evicted."""
+        """Apply retention now (taking the writer lock); returns the steps evicted."""
         self._ensure_writer()
         before = len(self.stats.evicted)
         self._retain()

@@ -54,7 +54,7 @@ def _assert_equal(a: object, b: object) -> None:
         assert torch.equal(
             a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
             b.view(torch.uint8) if b.dtype.itemsize == 1 else b,
-        )  # noqa: E501
+        )
     elif isinstance(a, np.ndarray):
         assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
     elif isinstance(a, dict):
@@ -280,3 +280,19 @@ def test_restore_logs_skipped_steps(tmp_path: Path, caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.WARNING, logger="ckpt"):
         CheckpointManager(tmp_path).restore()
     assert "skipping step 1" in caplog.text and "data.bin: data file missing" in caplog.text
+
+
+def test_failing_listener_is_reported_as_post_commit(tmp_path: Path) -> None:
+    def upload(step: int, path: Path) -> None:
+        raise ConnectionError("remote unreachable")
+
+    m = CheckpointManager(tmp_path)
+    m.on_commit.append(upload)
+    handle = m.save(0, {"x": torch.ones(2)})
+    with pytest.raises(CheckpointError, match=r"committed to .*step-0, but a post-commit action"):
+        handle.result(60)
+    with pytest.raises(CheckpointError, match="remote unreachable"):
+        m.wait()
+    m.on_commit.clear()
+    m.close()
+    assert m.steps() == [0] and torch.equal(m.restore(0)["x"], torch.ones(2))

@@ -47,7 +47,7 @@ def test_flipped_data_byte(tmp_path: Path, where: str, capsys: pytest.CaptureFix
     chunk = offset // CHUNK
     with pytest.raises(
         CorruptCheckpointError, match=rf"step-2/data.bin: checksum mismatch in chunk {chunk} "
-    ):  # noqa: E501
+    ):
         m.restore(2)
     _fallback_ok(tmp_path, m, "data.bin")
     assert cli.main(["verify", str(tmp_path)]) == 1
