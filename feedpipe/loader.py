@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -190,6 +191,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     def __iter__(self) -> _LoaderIter:  # type: ignore[override]
         skip = self._begin_epoch()
+        set_workers = getattr(self.meter, "set_workers", None)
+        if set_workers is not None:
+            set_workers(self.num_workers)  # worker stages run this many at a time (0: inline)
         if self.num_workers == 0:
             source: Any = self._inline_source()
         elif self.worker_type == "thread":
@@ -329,7 +333,22 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             return tud.DataLoader(proxy, batch_sampler=self._stream, **common)
         return tud.DataLoader(proxy, batch_size=None, sampler=self._stream, **common)
 
+    def _pin(self) -> bool:
+        """Whether batches get pinned, with torch's warning when there is nothing to pin for."""
+        if not self.pin_memory:
+            return False
+        if not torch.accelerator.is_available():
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used.",
+                stacklevel=3,
+            )
+            return False
+        return True
+
     def _inline_source(self) -> InlineSource:
+        if self.timeout != 0:  # torch's single-process iterator refuses a timeout the same way
+            raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
         index_sampler = self._stream if self._stream is not None else self._index_sampler
         return InlineSource(
             self.dataset,
@@ -337,7 +356,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             self.collate_fn,
             self._mode,
             generator=self.generator,
-            pin=bool(self.pin_memory and torch.accelerator.is_available()),
+            pin=self._pin(),
             drop_last=self.drop_last,
         )
 
@@ -350,7 +369,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             )
             self._thread_base_seed = base_seed
             self._thread_seeded = True
-        pin = bool(self.pin_memory and torch.accelerator.is_available())
+        pin = self._pin()
         return ThreadWorkers(
             self.dataset,
             sampler_iter,
@@ -382,6 +401,9 @@ class _LoaderIter:
         # out of order, batch n is delivered within the prefetch window of the n-th delivery
         window = (loader.prefetch_factor or 1) * max(1, loader.num_workers)
         self._lag = 0 if loader.in_order else 4 * window + 4
+        # torch's iterator warns when an IterableDataset yields more than its len(); ours too
+        own = isinstance(source, (InlineSource, ThreadWorkers))
+        self._len_called = loader._IterableDataset_len_called if own and loader._iterable else None
 
     def __iter__(self) -> _LoaderIter:
         return self
@@ -415,6 +437,13 @@ class _LoaderIter:
             meter.add_stage("collate", collate_s, nbytes)
         meter.wait_end(samples=samples, nbytes=nbytes)
         self._count(1, samples)
+        if self._len_called is not None and self._delivered > self._len_called:
+            warnings.warn(
+                f"Length of IterableDataset {self._loader.dataset} was reported to be "
+                f"{self._len_called} (when accessing len(dataloader)), but {self._delivered} "
+                "samples have been fetched. ",
+                stacklevel=2,
+            )
         return self._finalize(batch)
 
     def _finalize(self, batch: Any) -> Any:

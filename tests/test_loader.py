@@ -306,19 +306,24 @@ def test_signature_matches_torch() -> None:
     assert isinstance(DataLoader(Records()), TorchLoader)
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
-def test_meter_counts_batches_and_stages(worker_type: str) -> None:
+@pytest.mark.parametrize(
+    ("worker_type", "num_workers"), [("process", 0), *[(w, 2) for w in WORKER_TYPES]]
+)
+def test_meter_counts_batches_and_stages(worker_type: str, num_workers: int) -> None:
     meter = StallMeter()
     loader = DataLoader(
-        Records(), batch_size=4, num_workers=2, worker_type=worker_type, meter=meter
+        Records(), batch_size=4, num_workers=num_workers, worker_type=worker_type, meter=meter
     )
     assert loader.meter is meter
     n = sum(1 for _ in loader)
-    assert meter.batches == n == 10 and meter.samples == 37
-    assert meter.bytes == 37 * (16 + 8 + 2)  # float32 x4, int64, uint8 x2 per sample
-    assert meter.stage_s["fetch"] > 0 and meter.stage_s["collate"] > 0
-    assert meter.stage_bytes["fetch"] == meter.bytes
-    assert loader.stats() is not None
+    stats = loader.stats()
+    assert stats.batches == n == 10 and stats.samples == 37
+    assert stats.bytes == 37 * (16 + 8 + 2)  # float32 x4, int64, uint8 x2 per sample
+    assert stats.workers == num_workers
+    for stage in ("fetch", "collate"):
+        assert stats.stages[stage].calls == 10 and stats.stages[stage].seconds > 0
+        assert stats.stages[stage].bytes == stats.bytes
+    assert DataLoader(Records()).meter is not DataLoader(Records()).meter  # one per loader
 
 
 def test_persistent_workers_same_as_torch() -> None:
@@ -350,3 +355,31 @@ def test_batch_sampler_object_and_len() -> None:
         list(TorchLoader(Records(), batch_sampler=bs)),
         list(DataLoader(Records(), batch_sampler=bs)),
     )
+
+
+@pytest.mark.parametrize("worker_type", WORKER_TYPES)
+def test_iterable_len_warning_like_torch(worker_type: str) -> None:
+    class Liar(Stream):
+        def __len__(self) -> int:
+            return 2  # batch_size=None: torch warns from the third batch on
+
+    for cls, kw in ((TorchLoader, {}), (DataLoader, {"worker_type": worker_type})):
+        loader = cls(Liar(), batch_size=None, **kw)
+        assert len(loader) == 2
+        with pytest.warns(UserWarning, match="Length of IterableDataset"):
+            list(loader)
+
+
+def test_pin_memory_without_accelerator_warns_like_torch() -> None:
+    if torch.accelerator.is_available():
+        pytest.skip("an accelerator is present: pinning happens")
+    for cls, kw in ((TorchLoader, {}), (DataLoader, {}), (DataLoader, {"worker_type": "thread"})):
+        with pytest.warns(UserWarning, match="no accelerator is found"):
+            got = list(cls(Records(), batch_size=8, pin_memory=True, num_workers=2, **kw))
+        assert len(got) == 5
+
+
+def test_timeout_without_workers_fails_like_torch() -> None:
+    for cls in (TorchLoader, DataLoader):
+        with pytest.raises(AssertionError, match="timeout == 0"):
+            iter(cls(Records(), timeout=1))
