@@ -9,6 +9,7 @@ codec with zstd. Remote fsspec URLs (``s3://``...) are read with zarr-python's f
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import warnings
 from collections.abc import Sequence
@@ -353,6 +354,7 @@ class _Direct:
         self.pid = -1
         self.fds: dict[int, int] = {}
         self.indexes: dict[int, np.ndarray] = {}
+        self.maps: dict[int, np.ndarray] = {}
 
     @staticmethod
     def plan(root: str, meta: dict[str, Any], shape: tuple[int, ...]) -> _Direct | None:
@@ -393,7 +395,7 @@ class _Direct:
 
     def _fd(self, k: int) -> int:
         if self.pid != os.getpid():
-            self.pid, self.fds, self.indexes = os.getpid(), {}, {}
+            self.pid, self.fds, self.indexes, self.maps = os.getpid(), {}, {}, {}
         fd = self.fds.get(k)
         if fd is None:
             path = os.path.join(self.root, self._key(k))
@@ -445,6 +447,11 @@ class _Direct:
                 addr[pos] = entries[:, 0].astype(np.int64) + row * self.row
             else:
                 addr[pos] = local[pos] * self.row
+        if not np.any(addr % self.row):  # rows start on record boundaries: gather from maps
+            for k in np.unique(shard).tolist():
+                pos = np.flatnonzero(shard == k)
+                out[pos] = np.take(self._rows(k, where), addr[pos] // self.row, axis=0)
+            return
         order = np.argsort(shard * (1 << 40) + addr, kind="stable").tolist()
         shard_l, addr_l = shard.tolist(), addr.tolist()
         for p in order:
@@ -456,8 +463,26 @@ class _Direct:
                     f"(got {got} of {self.row} bytes); the file is truncated"
                 )
 
+    def _rows(self, k: int, where: str) -> np.ndarray:
+        """Shard/chunk file ``k`` mapped as ``(rows, row)`` uint8; its size re-checked per call."""
+        fd = self._fd(k)
+        size = os.fstat(fd).st_size
+        rows = self.maps.get(k)
+        if rows is None or len(rows) * self.row != size - size % self.row:
+            if size < self.row:
+                raise DatasetError(f"{where}/{self._key(k)}: file is truncated ({size} bytes)")
+            m = mmap.mmap(fd, size - size % self.row, prot=mmap.PROT_READ)
+            rows = np.frombuffer(m, np.uint8).reshape(-1, self.row)
+            self.maps[k] = rows
+        if not self.sharded and size != self.outer * self.row:
+            raise DatasetError(
+                f"{where}/{self._key(k)}: chunk file is {size} bytes, expected "
+                f"{self.outer * self.row} (truncated or compressed)"
+            )
+        return rows
+
     def close(self) -> None:
         if self.pid == os.getpid():
             for fd in self.fds.values():
                 os.close(fd)
-        self.fds, self.indexes = {}, {}
+        self.fds, self.indexes, self.maps = {}, {}, {}
