@@ -383,3 +383,11 @@ def test_timeout_without_workers_fails_like_torch() -> None:
     for cls in (TorchLoader, DataLoader):
         with pytest.raises(AssertionError, match="timeout == 0"):
             iter(cls(Records(), timeout=1))
+
+
+@pytest.mark.slow
+def test_spawn_context_same_as_torch() -> None:
+    kw = {"batch_size": 4, "shuffle": True, "num_workers": 2, "multiprocessing_context": "spawn"}
+    assert_same(collect(TorchLoader, Records(), **kw), collect(DataLoader, Records(), **kw))
+    kw = {"batch_size": 3, "num_workers": 2, "multiprocessing_context": "spawn"}
+    assert_same(list(TorchLoader(Stream(), **kw)), list(DataLoader(Stream(), **kw)))
