@@ -286,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = "DCP async_save (pinned stager)" if dev == "cuda" else "DCP async_save (default stager)"
     ck_b = [b for b, _ in runs["ckpt"]]
     ref_steady = med([b for b, _ in runs[ref]][1:] or [runs[ref][0][0]])
+    ck_bg = med([size / (d - b) / bw for (b, d), bw in zip(runs["ckpt"], disk, strict=True)])
     ck_tput = med([size / d / bw for (_, d), bw in zip(runs["ckpt"], disk, strict=True)])
     lines += [
         "",
@@ -294,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         f"- ckpt steady blocked / {ref} steady blocked: {med(ck_b[1:] or ck_b) / ref_steady:.2f}x "
         "(target <= 0.5x)",
         f"- ckpt durable throughput / disk bandwidth (median): {ck_tput:.0%} "
-        f"(target >= {'87' if dev == 'cuda' else '80'}%)",
+        f"(target >= {'87' if dev == 'cuda' else '80'}%); counting only the background phase "
+        f"(after the blocking copy): {ck_bg:.0%}",
     ]
     if slowdown is not None:
         lines.append(f"- GPU matmul loop slowdown while persisting: {slowdown:.1%} (target <= 3%)")
