@@ -241,8 +241,9 @@ class StallMeter:
 
     def add_stage(self, name: str, seconds: float, nbytes: int = 0) -> None:
         """Add ``seconds`` (and ``nbytes``) to stage ``name``; callable from any thread."""
-        log = self._stage_logs.get(name)
-        if log is None:
+        try:
+            log = self._stage_logs[name]
+        except KeyError:
             with self._lock:
                 log = self._stage_logs.setdefault(name, [])
         log.append((seconds, nbytes))
@@ -276,22 +277,24 @@ class StallMeter:
 
     # ------------------------------------------------------------------ folding
     def _fold(self) -> None:
-        """Fold pending waits into the total, the maximum and the histogram (main thread)."""
-        waits = self._waits
-        n = len(waits)
-        if not n:
+        """Fold pending waits into the total, the maximum and the histogram (any thread)."""
+        if not self._waits:
             return
         import numpy as np
 
-        w = np.asarray(waits[:n], dtype=np.float64)
-        del waits[:n]
-        m, e = np.frexp(w)
-        idx = (e.astype(np.int64) << 4) + (m * 32.0).astype(np.int64) + _OFFSET
-        idx = np.where(w > 0.0, np.clip(idx, 0, _NBUCKETS - 1), 0)
-        self._hist += np.bincount(idx, minlength=_NBUCKETS)
-        self._stall_folded += float(w.sum())
-        self._batches_folded += n
-        self.wait_max_s = max(self.wait_max_s, float(w.max()))
+        with self._lock:
+            waits = self._waits
+            n = len(waits)
+            w = np.asarray(waits[:n], dtype=np.float64)
+            del waits[:n]  # waits appended meanwhile stay for the next fold
+            m, e = np.frexp(w)
+            idx = (e.astype(np.int64) << 4) + (m * 32.0).astype(np.int64) + _OFFSET
+            idx = np.where(w > 0.0, np.clip(idx, 0, _NBUCKETS - 1), 0)
+            self._hist += np.bincount(idx, minlength=_NBUCKETS)
+            self._stall_folded += float(w.sum())
+            self._batches_folded += n
+            if n:
+                self.wait_max_s = max(self.wait_max_s, float(w.max()))
 
     def _fold_stages(self) -> None:
         """Fold pending ``add_stage`` records into the per-stage totals (any thread)."""

@@ -13,7 +13,7 @@ SLOW_RANK = 1
 
 
 def _rank_loop(rank: int, world: int) -> dict[str, Any]:
-    """Each rank runs 12 batches; rank 1 waits 12 ms per batch, the others 1 ms."""
+    """Each rank runs 12 batches; rank 1 waits 30 ms per batch, the others 1 ms."""
     import torch.distributed as dist
 
     from feedpipe.stall import DistributedSink, StallMeter
@@ -30,10 +30,13 @@ def _rank_loop(rank: int, world: int) -> dict[str, Any]:
     logger.addHandler(_Keep())
     meter = StallMeter(trace=False)
     sink = meter.add_sink(DistributedSink(every_steps=6, logger=logger, callback=seen.append))
-    wait = 0.012 if rank == SLOW_RANK else 0.001
+    wait = 0.030 if rank == SLOW_RANK else 0.001
+    injected = 0.0  # what each wait really slept (sleeps overshoot on a busy machine)
     for _ in range(12):
         meter.wait_begin()
+        t0 = time.monotonic()
         time.sleep(wait)
+        injected += time.monotonic() - t0
         meter.wait_end(samples=4)
         time.sleep(0.003)
     # an explicit gather on a sub-group of ranks 0 and 2 (every rank must create it)
@@ -48,6 +51,8 @@ def _rank_loop(rank: int, world: int) -> dict[str, Any]:
         "gap": last.gap,
         "median": last.median_stall_fraction,
         "fractions": [s.stall_fraction for s in last.stats],
+        "stall_s": [s.stall_s for s in last.stats],
+        "injected": injected,
         "batches": [s.batches for s in last.stats],
         "line": last.line(),
         "logs": logs,
@@ -63,7 +68,10 @@ def test_distributed_summary_names_slowest_rank() -> None:
         assert r["slowest"] == [SLOW_RANK, SLOW_RANK]
         assert r["ranks"] == [0, 1, 2] and r["batches"] == [12, 12, 12]
         fr = r["fractions"]
-        assert fr[SLOW_RANK] > 2 * max(fr[0], fr[2])
+        assert fr[SLOW_RANK] == max(fr)
+        # every rank's gathered stall matches what that rank injected (5% or 1 ms per batch)
+        for i, other in enumerate(results):
+            assert abs(r["stall_s"][i] - other["injected"]) <= max(0.05 * other["injected"], 0.012)
         assert r["median"] == sorted(fr)[1]
         assert r["gap"] == fr[SLOW_RANK] - r["median"] and r["gap"] > 0.2
         assert f"slowest is rank {SLOW_RANK}" in r["line"] and "3 ranks" in r["line"]
