@@ -109,6 +109,7 @@ def main() -> None:
         ("loader thread w=2", _loader(n, 2)),
     ]
     rows = []
+    loader_ratios = []
     for name, fn in configs:
         t_on, t_off, ratio = _measure(fn, args.reps)
         per_on, per_off = t_on / n * 1e6, t_off / n * 1e6
@@ -118,6 +119,8 @@ def main() -> None:
         )
         print(row, flush=True)
         rows.append(row)
+        if name.startswith("loader"):
+            loader_ratios.append(ratio)
     cmd = "python benchmarks/stall_overhead.py" + (
         f" --batches {n} --reps {args.reps}" if (n, args.reps) != (100_000, 7) else ""
     )
@@ -137,6 +140,10 @@ def main() -> None:
             "",
             "`meter only` is the bare hot path (no loader): its cost per batch is the absolute",
             "price of the counters; the loader rows show it relative to a real (tiny) batch.",
+            "",
+            f"Target (< 1% slowdown on the loader rows): "
+            f"{'met' if max(loader_ratios) < 1.01 else 'NOT met'} "
+            f"(worst {100 * (max(loader_ratios) - 1):+.2f}%).",
         ]
     )
     print(text)
