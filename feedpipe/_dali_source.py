@@ -5,7 +5,7 @@
 dataset and the directory where the loader publishes one *plan* per DALI epoch: the indices this
 rank reads in that epoch (``plan-<epoch>.npy``) and the indices known to be bad
 (``skip-<epoch>.npy``). Every batch returns, next to the encoded images and labels, one ``meta``
-row per sample: ``[requested index, index actually read, reason, read ns, bytes]``.
+row per sample: ``[requested index, index read, reason, read ns, bytes, DALI epoch]``.
 
 A bad record (reason != 0) is replaced by the next valid record in dataset order
 (``i + 1, i + 2, ...`` modulo ``len(dataset)``): deterministic, whatever the batch, rank or epoch.
@@ -32,7 +32,7 @@ REASONS = {
     KNOWN_BAD: "listed as bad in the loader state",
     DECODE_ERROR: "DALI could not decode the image",
 }
-_META_COLS = 5
+_META_COLS = 6
 _PNG_SIG = b"\x89PNG\r\n\x1a\n"
 _PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"
 _OTHER_MAGIC = (b"BM", b"II*\x00", b"MM\x00*", b"\x00\x00\x00\x0cjP  ", b"\xff\x4f\xff\x51")
@@ -126,6 +126,7 @@ class _BatchSource:
         images, labels, meta = [], [], []
         for index in self._plan[lo:hi].tolist():
             buf, label, row = read_valid(self.dataset, index, self._skip)
+            row[5] = self._epoch
             images.append(buf)
             labels.append(np.array(label, dtype=np.int64))
             meta.append(row)
@@ -156,5 +157,5 @@ def read_valid(dataset: Any, index: int, skip: set[int]) -> tuple[np.ndarray, in
             reason = why
         if why == OK and buf is not None:
             ns = time.perf_counter_ns() - start
-            return buf, label, np.array([index, used, reason, ns, buf.size], dtype=np.int64)
+            return buf, label, np.array([index, used, reason, ns, buf.size, -1], dtype=np.int64)
     raise RuntimeError(f"no valid record left in dataset {dataset!r} (all {n} records are bad)")

@@ -157,6 +157,7 @@ class ImageLoader:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._dali_epoch = -1
         self._running = False  # a pipeline epoch is in flight (not run to its end)
+        self._tainted = False  # DALI failed on a batch of the current pipeline
         self._iter_state: dict[str, Any] | None = None  # sampler state at the current __iter__
         self._delivered = 0
         self._resume_skip = 0  # for samplers without state_dict: indices to drop on next iter
@@ -237,8 +238,7 @@ class ImageLoader:
     # ------------------------------------------------------------------------- internals
     def _begin_epoch(self) -> np.ndarray:
         if self._running:  # the previous iteration was abandoned mid-epoch: start over
-            self._pipe = None
-            self._running = False
+            self._new_generation()
         self._iter_state = (
             dict(self.sampler.state_dict())
             if hasattr(self.sampler, "state_dict")
@@ -250,12 +250,18 @@ class ImageLoader:
             indices, self._resume_skip = indices[self._resume_skip :], 0
         return indices
 
+    def _new_generation(self) -> None:
+        """Drop the pipeline (its workers exit) and its plans; the next epoch builds anew."""
+        self._pipe, self._running, self._tainted = None, False, False
+        if self._plan_dir is not None:
+            shutil.rmtree(self._plan_dir, ignore_errors=True)
+            self._plan_dir = None
+
     def _start_pipeline(self, indices: np.ndarray) -> None:
+        if self._tainted:  # a batch failed in the last epoch: start a new pipeline
+            self._new_generation()
         if self._plan_dir is None:
-            shm = Path("/dev/shm")
-            self._plan_dir = tempfile.mkdtemp(
-                prefix="feedpipe-dali-", dir=shm if shm.is_dir() else None
-            )
+            self._plan_dir = tempfile.mkdtemp(prefix="feedpipe-dali-", dir=_shm_dir())
         root = Path(self._plan_dir)
         if self._pipe is None:
             self._dali_epoch = 0
@@ -310,15 +316,17 @@ class ImageLoader:
             except (WorkerError, KeyboardInterrupt):
                 raise
             except Exception as exc:  # DALI could not decode this batch
+                self._tainted = True  # DALI says the pipeline is no longer valid: rebuild later
                 batch = indices[b * bs : (b + 1) * bs]
                 images, labels, meta = self._repair(batch, exc)
             else:
                 images, labels, meta = self._to_torch(out)
             expected = indices[b * bs : (b + 1) * bs]
-            if not np.array_equal(meta[:, 0], expected):
+            if not np.array_equal(meta[:, 0], expected) or (meta[:, 5] != self._dali_epoch).any():
                 raise WorkerError(
-                    f"DALI returned batch {b} out of order: indices {meta[:, 0].tolist()[:8]}, "
-                    f"expected {expected.tolist()[:8]}"
+                    f"DALI returned batch {b} out of order: indices {meta[:, 0].tolist()[:8]} of "
+                    f"plan {meta[0, 5]}, expected {expected.tolist()[:8]} "
+                    f"of plan {self._dali_epoch}"
                 )
             self._account(meta)
             nbytes = int(meta[:, 4].sum())
@@ -379,6 +387,7 @@ class ImageLoader:
                 self._skip.add(used)  # the next read_valid moves past it
             if int(row[1]) != index and int(row[2]) == _src.OK:
                 row[2] = _src.DECODE_ERROR
+            row[5] = self._dali_epoch
             bufs.append(buf)
             labels.append(label)
             rows.append(row)
@@ -420,6 +429,10 @@ def _tensor(batch: Any, device: torch.device) -> torch.Tensor:
     out = torch.empty(dense.shape(), dtype=dtypes[dense.dtype], device=device)
     plugin.feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream(device))
     return out
+
+
+def _shm_dir() -> str | None:
+    return "/dev/shm" if Path("/dev/shm").is_dir() else None
 
 
 def _describe(dataset: Any) -> str:

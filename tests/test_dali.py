@@ -16,6 +16,8 @@ import torch
 pytest.importorskip("nvidia.dali")
 Image = pytest.importorskip("PIL.Image")
 
+from test_dali_datasets import BytesDataset, ExplodingDataset  # noqa: E402
+
 from feedpipe.dali import ImageLoader  # noqa: E402
 from feedpipe.errors import DatasetError  # noqa: E402
 from feedpipe.sampler import DistributedSampler  # noqa: E402
@@ -25,23 +27,6 @@ pytestmark = pytest.mark.timeout(120)
 
 CROP, RESIZE = 32, 40
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-
-
-class BytesDataset:
-    """A picklable in-memory dataset of encoded images: ``ds[i] -> (uint8 array, label)``."""
-
-    def __init__(self, records: list[bytes], path: str = "mem://images") -> None:
-        self.records = records
-        self.path = path
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-        return np.frombuffer(self.records[i], dtype=np.uint8), i
-
-    def locate(self, i: int) -> tuple[int, int]:
-        return i // 8, i % 8  # pretend shards of 8 records
 
 
 def _jpeg(seed: int, w: int = 60, h: int = 48) -> bytes:
@@ -234,11 +219,11 @@ def test_skip_state_prevents_decode_failures(images: list[bytes]) -> None:
     with _loader(ds, batch_size=8, train=False, shuffle=False, on_error="skip") as loader:
         first = torch.cat([y for _, y in loader]).tolist()
         state = loader.state_dict()
-        assert loader.meter.stage_s["repair"] > 0
+        repair_s = loader.meter.stage_s["repair"]
+        assert repair_s > 0
         loader.load_state_dict({**state, "sampler": {**state["sampler"], "consumed": 0}})
-        loader.meter.stage_s["repair"] = 0.0
         second = torch.cat([y for _, y in loader]).tolist()
-        assert loader.meter.stage_s["repair"] == 0.0  # no DALI failure this time
+        assert loader.meter.stage_s["repair"] == repair_s  # no DALI failure this time
     assert first == second and first[14] == 15
     assert state["skipped"] == [14]
 
@@ -261,15 +246,8 @@ def test_raise_names_dataset_shard_and_record(images: list[bytes], kind: str) ->
     }[kind] in msg
 
 
-class _ExplodingDataset(BytesDataset):
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-        if i == 2:
-            raise OSError(f"checksum mismatch in shard 0 at record {i}")
-        return super().__getitem__(i)
-
-
 def test_read_error_is_reported_or_skipped(images: list[bytes]) -> None:
-    ds = _ExplodingDataset(images[:6])
+    ds = ExplodingDataset(images[:6])
     with (
         _loader(ds, batch_size=3, train=False, shuffle=False) as loader,
         pytest.raises(DatasetError, match="checksum mismatch"),

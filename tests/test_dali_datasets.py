@@ -1,0 +1,37 @@
+"""Picklable in-memory datasets for tests/test_dali.py (no tests here).
+
+They live in their own light module (numpy only) so DALI's spawned worker processes, which
+unpickle them, start without importing torch or the test module.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["BytesDataset", "ExplodingDataset"]
+
+
+class BytesDataset:
+    """An in-memory dataset of encoded images: ``ds[i] -> (uint8 array, label i)``."""
+
+    def __init__(self, records: list[bytes], path: str = "mem://images") -> None:
+        self.records = records
+        self.path = path
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        return np.frombuffer(self.records[i], dtype=np.uint8), i
+
+    def locate(self, i: int) -> tuple[int, int]:
+        return i // 8, i % 8  # pretend shards of 8 records
+
+
+class ExplodingDataset(BytesDataset):
+    """Record 2 cannot be read (as a dataset with a checksum mismatch would report)."""
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        if i == 2:
+            raise OSError(f"checksum mismatch in shard 0 at record {i}")
+        return super().__getitem__(i)
