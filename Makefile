@@ -32,5 +32,8 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
