@@ -19,7 +19,13 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "ckpt.errors",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "__version__",
+    "load",
+    "save",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from ckpt.errors import CheckpointError

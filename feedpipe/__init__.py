@@ -29,7 +29,22 @@ _EXPORTS: dict[str, str] = {
     "GPUFeed": "feedpipe.gpu",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = [
+    "DataLoader",
+    "DatasetError",
+    "DistributedSampler",
+    "GPUFeed",
+    "MemmapDataset",
+    "MemmapWriter",
+    "ShardCache",
+    "StallMeter",
+    "StallStats",
+    "ZarrDataset",
+    "__version__",
+    "convert",
+    "get_worker_info",
+    "stage",
+]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from feedpipe.cache import ShardCache
