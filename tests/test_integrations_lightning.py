@@ -13,11 +13,11 @@ import pytest
 import torch
 
 if importlib.util.find_spec("lightning") is not None:
-    import lightning as L  # noqa: N812
+    import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 elif importlib.util.find_spec("pytorch_lightning") is not None:  # pragma: no cover
-    import pytorch_lightning as L  # noqa: N812
+    import pytorch_lightning as L
     from pytorch_lightning.callbacks import ModelCheckpoint
     from pytorch_lightning.loggers import CSVLogger
 else:  # pragma: no cover
@@ -28,14 +28,14 @@ else:  # pragma: no cover
 
 import feedpipe
 from ckpt import CheckpointError
+from ckpt.integrations.lightning import CkptCheckpointIO
+from feedpipe.integrations.lightning import StallMonitor
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated"),
     pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`"),
     pytest.mark.filterwarnings("ignore:The number of training batches"),
 ]
-from ckpt.integrations.lightning import CkptCheckpointIO
-from feedpipe.integrations.lightning import StallMonitor
 
 
 class _Data(torch.utils.data.Dataset):
@@ -167,7 +167,8 @@ def test_stall_monitor_logs_counters(tmp_path: Path, caplog: pytest.LogCaptureFi
     assert 0.0 < m["feedpipe/stall_fraction"] <= 1.0
     assert m["feedpipe/samples_per_s"] > 0
     assert "feedpipe/fetch_ms" in m
-    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
     logged = [r for r in rows if r.get("feedpipe/stall_fraction")]
     assert len(logged) == 4  # 8 batches, every 2 steps
     assert "feedpipe stall report" in caplog.text
