@@ -7,7 +7,7 @@ arguments; repeats alternate between the loaders and the best epoch of each is k
 samples/s, GB/s and the ratio to torch at the same ``num_workers``, and records the table in
 docs/benchmarks.md (section ``loader_overhead``).
 
-    .venv/bin/python benchmarks/loader_overhead.py [--repeats 3] [--mib 96] [--no-write]
+    .venv/bin/python benchmarks/loader_overhead.py [--repeats 5] [--mib 128] [--no-write]
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="epochs per loader (best kept)")
-    parser.add_argument("--mib", type=int, default=96, help="dataset size per record size, MiB")
+    parser.add_argument("--repeats", type=int, default=5, help="epochs per loader (best kept)")
+    parser.add_argument("--mib", type=int, default=128, help="dataset size per record size, MiB")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args()
     rows = run(args.repeats, args.mib)

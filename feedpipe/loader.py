@@ -3,11 +3,14 @@
 Design. ``DataLoader`` subclasses ``torch.utils.data.DataLoader`` and calls its constructor, so
 argument checks, errors, attributes, ``len()`` and ``isinstance`` are torch's own. Iteration:
 
-- ``worker_type="process"`` (default) runs torch's own iterator (single- or multi-process) on an
-  inner torch ``DataLoader`` that shares the sampler, generator and every option; only the
-  dataset and ``collate_fn`` are wrapped (``_loader_fetch``) so that workers time their read and
-  collation and ship those times with each batch. Batches, order, worker seeds and RNG draws
-  are therefore exactly torch's, by construction rather than by imitation.
+- ``worker_type="process"`` (default, ``num_workers > 0``) runs torch's own multi-process
+  iterator on an inner torch ``DataLoader`` that shares the sampler, generator and every option;
+  only the dataset and ``collate_fn`` are wrapped (``_loader_fetch``) so that workers time their
+  read and collation and ship those times with each batch. Batches, order, worker seeds, RNG
+  draws, pinning and worker-death detection are therefore torch's, by construction.
+- ``num_workers=0`` (either worker type) reads in the calling thread with ``InlineSource``: the
+  same RNG draws and fetch rules as torch's single-process iterator, without its per-batch
+  profiler range, so it is never slower.
 - ``worker_type="thread"`` runs ``ThreadWorkers``: same index batches, same worker assignment,
   same RNG draws, but the dataset is called directly in threads (no pickling, no shared-memory
   copy). It pays off for reads that release the GIL.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import base64
 import itertools
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -67,6 +71,8 @@ class _IndexStream:
     def __init__(self, sampler: Iterable[Any]) -> None:
         self.sampler = sampler
         self.skip = 0
+        # called before the sampler's first draw; weak, so the loader is freed by refcount
+        self.on_start: weakref.WeakMethod[Callable[[], None]] | None = None
         self.sent: dict[int, Any] = {}  # one dict, cleared per pass (iterators hold it)
 
     def __len__(self) -> int:
@@ -78,6 +84,9 @@ class _IndexStream:
     def _gen(self) -> Iterator[Any]:
         # Lazy on purpose: torch's multi-process iterator calls iter() twice and advances only
         # the second one, so the one-shot skip is taken when the first index is drawn.
+        hook = self.on_start() if self.on_start is not None else None
+        if hook is not None:
+            hook()
         it = iter(self.sampler)
         skip, self.skip = self.skip, 0
         sent = self.sent
@@ -120,11 +129,16 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     Extra keyword-only arguments:
       worker_type: ``"process"`` (torch's workers) or ``"thread"`` (a thread pool that calls the
-        dataset directly; for GIL-releasing reads).
-      meter: a ``feedpipe.StallMeter`` to count into (one is created if None).
+        dataset directly; for GIL-releasing reads). Inside thread workers use
+        ``feedpipe.get_worker_info()``: torch's own cannot see threads.
+      meter: a ``feedpipe.StallMeter`` to count into (one is created per loader if None);
+        ``loader.meter`` and ``loader.stats()`` expose it.
 
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch exactly (like torchdata's
-    StatefulDataLoader).
+    StatefulDataLoader): the state is small and JSON-able. Resume re-creates the epoch's index
+    order from the saved RNG state (or the stateful sampler's own state) and skips the delivered
+    index batches without reading them. Per-worker randomness inside ``__getitem__`` (from the
+    worker seed) is not replayed: derive augmentations from the index/epoch for exact resume.
     """
 
     def __init__(  # noqa: PLR0917 - torch's positional signature
@@ -175,6 +189,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         self.meter = meter if meter is not None else StallMeter()
         self._iterable = isinstance(self.dataset, tud.IterableDataset)
         self._stream = None if self._iterable else _IndexStream(self._index_sampler)
+        if self._stream is not None:
+            self._stream.on_start = weakref.WeakMethod(self._at_sampler_start)
+        self._restore_rng: dict[str, str] | None = None
         default = self.collate_fn in (default_collate, default_convert)
         self._mode = choose_mode(self.dataset, self._auto_collation, default)
         self._inner: tud.DataLoader | None = None  # type: ignore[type-arg]
@@ -190,16 +207,16 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         return fn() if callable(fn) else self.meter
 
     def __iter__(self) -> _LoaderIter:  # type: ignore[override]
-        skip = self._begin_epoch()
+        self._begin_epoch()
         set_workers = getattr(self.meter, "set_workers", None)
         if set_workers is not None:
             set_workers(self.num_workers)  # worker stages run this many at a time (0: inline)
         if self.num_workers == 0:
             source: Any = self._inline_source()
         elif self.worker_type == "thread":
-            source = self._thread_source(skip)
+            source = self._thread_source()
         else:
-            source = self._process_source(skip)
+            source = self._process_source()
         return _LoaderIter(self, source)
 
     # ------------------------------------------------------------------------------- state
@@ -218,6 +235,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             "batches": epoch.batches if epoch.active else 0,
             "samples": epoch.samples if epoch.active else 0,
             "rng": epoch.rng if epoch.active else self._rng_now(),
+            # where the RNG state applies: just before the sampler's first draw, or at iter()
+            # (which may first draw the workers' base seed, as torch does)
+            "rng_at": "sampler" if epoch.active or self._reuses_workers() else "iter",
         }
         sampler = self._stateful_sampler()
         if sampler is not None:
@@ -279,27 +299,53 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     def _rng_now(self) -> dict[str, str]:
         return {name: _gen_state(g) for name, g in self._generators().items()}
 
-    def _begin_epoch(self) -> int:
-        """Apply a pending state, capture the RNG at epoch start; returns index batches to skip."""
+    def _set_rng(self, states: dict[str, str]) -> None:
+        gens = self._generators()
+        for name, text in states.items():
+            if name in gens:
+                _set_gen_state(gens[name], text)
+
+    def _begin_epoch(self) -> None:
+        """Apply a pending state (RNG, skip) at ``iter()``.
+
+        A saved RNG state applies at one of two points (``rng_at``): just before the sampler's
+        first draw (mid-epoch, or between epochs when persistent workers draw no new base seed),
+        or at ``iter()``, before torch draws the workers' base seed. Either way the resumed
+        epoch's index order, and the RNG state after it, are those of the uninterrupted run.
+        """
         skip = 0
         pending, self._pending = self._pending, None
         epoch = self._epoch = _Epoch()  # a fresh object: an abandoned iterator cannot count here
+        self._restore_rng = None
         if pending is not None:
-            gens = self._generators()
-            for name, text in pending["rng"].items():
-                if name in gens:
-                    _set_gen_state(gens[name], text)
+            if pending.get("rng_at") != "sampler" or self._stream is None:
+                self._set_rng(pending["rng"])
+            else:
+                self._restore_rng = pending["rng"]
             if pending["in_epoch"]:
                 epoch.batches, epoch.samples = int(pending["batches"]), int(pending["samples"])
-            if pending["in_epoch"] and "sampler" not in pending and not self._iterable:
-                skip = epoch.batches  # the sampler restarts from scratch: skip, don't read
-        epoch.rng = self._rng_now()
+                if "sampler" not in pending:
+                    skip = epoch.batches  # the sampler restarts from scratch: skip, don't read
+        if self._stream is None:
+            epoch.rng = self._rng_now()
         epoch.active = True
         if self._stream is not None:
             self._stream.skip = skip
-        return skip
 
-    def _process_source(self, skip: int) -> Any:
+    def _reuses_workers(self) -> bool:
+        """Whether the next ``iter()`` reuses persistent workers (and so draws no base seed)."""
+        if not (self.persistent_workers and self.num_workers > 0):
+            return False
+        return self._thread_seeded if self.worker_type == "thread" else self._inner is not None
+
+    def _at_sampler_start(self) -> None:
+        """Runs before the sampler's first draw of a pass: restore, then record, the RNG."""
+        if self._restore_rng is not None:
+            self._set_rng(self._restore_rng)
+            self._restore_rng = None
+        self._epoch.rng = self._rng_now()
+
+    def _process_source(self) -> Any:
         if self._inner is None:
             self._inner = self._make_inner()
         self._inner._IterableDataset_len_called = self._IterableDataset_len_called
@@ -360,7 +406,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             drop_last=self.drop_last,
         )
 
-    def _thread_source(self, skip: int) -> ThreadWorkers:
+    def _thread_source(self) -> ThreadWorkers:
         index_sampler = self._stream if self._stream is not None else self._index_sampler
         sampler_iter = iter(index_sampler)
         if not (self.persistent_workers and self._thread_seeded):  # torch's RNG draws, exactly

@@ -68,6 +68,19 @@ CASES: dict[str, dict[str, Any]] = {
         "num_workers": 2,
         "worker_type": "thread",
     },
+    "persistent_process_workers": {
+        "batch_size": 4,
+        "shuffle": True,
+        "num_workers": 2,
+        "persistent_workers": True,
+    },
+    "persistent_thread_workers": {
+        "batch_size": 4,
+        "shuffle": True,
+        "num_workers": 2,
+        "persistent_workers": True,
+        "worker_type": "thread",
+    },
     "global_rng": {"batch_size": 3, "shuffle": True, "generator": None},
     "sampler_generator": {"batch_size": 3, "num_workers": 2, "sampler": "random-own-generator"},
     "distributed_sampler": {"batch_size": 4, "num_workers": 2, "sampler": "distributed"},
@@ -169,7 +182,10 @@ def test_resume_in_fresh_process(case: str, resumed: dict[str, Any]) -> None:
     assert_batches_equal(rest, want[K:])
 
 
-@pytest.mark.parametrize("case", ["shuffle", "shuffle_thread_workers", "distributed_sampler"])
+@pytest.mark.parametrize(
+    "case",
+    ["shuffle", "shuffle_thread_workers", "persistent_process_workers", "distributed_sampler"],
+)
 def test_resume_at_epoch_boundary_and_twice(case: str) -> None:
     full = make(case)
     want = [epoch(full, e) for e in range(3)]
