@@ -48,6 +48,9 @@ class ThreadWorkers:
     """An iterator over ``Shipped`` batches produced by ``num_workers`` threads.
 
     ``sampler_iter`` yields index batches (``None`` placeholders for iterable datasets).
+    ``out_for(batch_number, rows)``, for ``read_batch`` datasets, may return a preallocated
+    destination (e.g. a pinned ring slot of a device feed) that the worker gathers into; such
+    a batch is not pinned again. Batch numbers count from 0 in each pass.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class ThreadWorkers:
         pin: bool,
         in_order: bool,
         drop_last: bool,
+        out_for: Callable[[int, int], Any] | None = None,
     ) -> None:
         self._sampler_iter = sampler_iter
         self._num_workers = num_workers
@@ -89,6 +93,7 @@ class ThreadWorkers:
                     "init_fn": worker_init_fn,
                     "pin": pin,
                     "drop_last": drop_last,
+                    "out_for": out_for if mode is Mode.READ_BATCH else None,
                 },
                 name=f"feedpipe-worker-{wid}",
                 daemon=True,
@@ -235,6 +240,7 @@ def _worker_loop(  # noqa: PLR0917
     init_fn: Callable[[int], None] | None,
     pin: bool,
     drop_last: bool,
+    out_for: Callable[[int, int], Any] | None,
 ) -> None:
     seed = base_seed + wid
     rng = _torch_worker._RNG(
@@ -251,6 +257,7 @@ def _worker_loop(  # noqa: PLR0917
         except Exception as exc:
             init_error = _Failed(exc, wid, None)
     iterator: Iterator[Any] | None = None
+    dest: Any = None
     position = 0
     while True:
         task = inbox.get()
@@ -270,8 +277,9 @@ def _worker_loop(  # noqa: PLR0917
                     continue
                 position += out.samples
             else:
-                out = fetch_batch(dataset, indices, collate_fn, mode)
-            if pin:
+                dest = out_for(idx, len(indices)) if out_for is not None else None
+                out = fetch_batch(dataset, indices, collate_fn, mode, dest)
+            if pin and (out_for is None or dest is None):
                 out = out._replace(batch=pin_batch(out.batch))
         except Exception as exc:
             where = indices if mode is not Mode.ITERABLE else f"stream position {position}"

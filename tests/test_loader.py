@@ -391,3 +391,42 @@ def test_spawn_context_same_as_torch() -> None:
     assert_same(collect(TorchLoader, Records(), **kw), collect(DataLoader, Records(), **kw))
     kw = {"batch_size": 3, "num_workers": 2, "multiprocessing_context": "spawn"}
     assert_same(list(TorchLoader(Stream(), **kw)), list(DataLoader(Stream(), **kw)))
+
+
+class IntoOut(WithReadBatch):
+    def read_batch(self, indices: list[int], out: Any = None) -> Any:
+        batch = super().read_batch(indices)
+        if out is None:
+            return batch
+        out[0][: len(indices)].copy_(batch[0])
+        out[1][: len(indices)].copy_(batch[1])
+        return [out[0][: len(indices)], out[1][: len(indices)]]
+
+
+def test_thread_workers_gather_into_caller_buffers() -> None:
+    """The plug point for a device feed: ``out_for(batch, rows)`` gives the destination."""
+    from feedpipe._loader_fetch import Mode
+    from feedpipe._workers_thread import ThreadWorkers
+
+    ds = IntoOut()
+    slots = {n: [torch.empty(6, 6), torch.empty(6, dtype=torch.int64)] for n in range(7)}
+    workers = ThreadWorkers(
+        ds,
+        iter(BatchSampler(SequentialSampler(ds), 6, drop_last=False)),
+        default_collate,
+        Mode.READ_BATCH,
+        num_workers=2,
+        prefetch_factor=2,
+        base_seed=0,
+        timeout=10,
+        worker_init_fn=None,
+        pin=False,
+        in_order=True,
+        drop_last=False,
+        out_for=lambda n, rows: slots[n],
+    )
+    got = list(workers)
+    want = list(TorchLoader(WithReadBatch(), batch_size=6))
+    assert_same([s.batch for s in got], want)
+    for n, shipped in enumerate(got):
+        assert shipped.batch[0].data_ptr() == slots[n][0].data_ptr()
