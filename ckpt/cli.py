@@ -1,7 +1,8 @@
 """The ``ckpt`` command: ``ckpt ls|verify|gc DIR``.
 
-``ls`` lists committed steps (size, files, creation time, ``latest``) and leftovers without
-reading data; ``verify`` checks every data file's CRC32C (exit status 1 if any step is bad);
+``ls`` lists committed steps (size, files, creation time, ``latest``, upload status when a remote
+tier is configured) and leftovers without reading data; ``verify`` checks every data file's
+CRC32C (exit status 1 if any step is bad);
 ``gc`` removes leftovers of interrupted saves and all but the newest ``--keep-last`` steps (never
 the newest step that verifies, never a step being read), under the directory's writer lock.
 """
@@ -46,14 +47,17 @@ def _verify(path: Path) -> tuple[bool, str, int]:
 
 
 def _ls(root: Path) -> int:
+    from ckpt.remote import read_status
+
     latest = _commit.read_latest(root)
-    print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'created':<19}  status")
+    uploads = read_status(root)
+    print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'created':<19}  {'upload':<9}  status")
     for step in _commit.steps(root):
         path = _commit.step_dir(root, step)
         try:
             body = fmt.read_manifest(path)
         except CorruptCheckpointError as exc:
-            print(f"{step:>10}  {'?':>10}  {'?':>5}  {'?':<19}  BAD: {exc}")
+            print(f"{step:>10}  {'?':>10}  {'?':>5}  {'?':<19}  {'-':<9}  BAD: {exc}")
             continue
         size = sum(rec["size"] for rec in body["files"])
         created = body.get("created")
@@ -63,9 +67,14 @@ def _ls(root: Path) -> int:
             else "-"
         )
         mark = "committed" + (", latest" if step == latest else "")
-        print(f"{step:>10}  {_size(size):>10}  {len(body['files']):>5}  {when:<19}  {mark}")
+        up = uploads.get(step, {})
+        if up.get("reason"):
+            mark += f" (upload: {up['reason']})"
+        up_state = str(up.get("state", "-"))
+        files = len(body["files"])
+        print(f"{step:>10}  {_size(size):>10}  {files:>5}  {when:<19}  {up_state:<9}  {mark}")
     for path in _commit.leftovers(root):
-        print(f"{'-':>10}  {'':>10}  {'':>5}  {'':<19}  leftover: {path.name}")
+        print(f"{'-':>10}  {'':>10}  {'':>5}  {'':<19}  {'':<9}  leftover: {path.name}")
     return 0
 
 

@@ -8,6 +8,8 @@ CRC32C, writes the manifest, commits ``step-N`` atomically, updates ``latest``, 
 
 Extension points: ``on_commit`` listeners ``(step, path)`` run in the background after each local
 commit; ``evict_guards`` ``(step) -> bool`` may veto the eviction of a step (e.g. until uploaded).
+With ``remote=`` (``ckpt.remote``), committed steps are uploaded in the background, local steps
+are kept until uploaded, and ``restore`` falls back to the remote copy.
 """
 
 from __future__ import annotations
@@ -21,14 +23,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt import _commit, _faults
 from ckpt import format as fmt
 from ckpt._flatten import RNG_KEY, Leaf, apply_into, flatten, rng_state
 from ckpt._pool import Buffer, PinnedPool, PoolOptions
 from ckpt._reader import MapLocation, RestoreStats, read_checkpoint
-from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.errors import CheckpointError, CorruptCheckpointError, LockedError
+
+if TYPE_CHECKING:
+    from ckpt.remote import RemoteOptions, RemoteStats, RemoteTier
 
 __all__ = [
     "CheckpointManager",
@@ -78,6 +83,7 @@ class ManagerStats:
     evicted: list[int] = field(default_factory=list)
     last_save: SaveStats | None = None
     last_restore: RestoreStats | None = None
+    remote: RemoteStats | None = None
 
 
 class SaveHandle:
@@ -117,7 +123,8 @@ class CheckpointManager:
 
     ``keep_last``: how many newest steps retention keeps (``None``: all). ``pool``: staging pool
     sizing (call ``reserve`` or give ``pool.budget_bytes`` to keep allocation out of the first
-    save). ``write``: background writer settings.
+    save). ``write``: background writer settings. ``remote``: a URL or ``RemoteOptions`` to
+    upload every committed step to; ``keep_last_remote``: how many steps remote retention keeps.
     """
 
     def __init__(
@@ -127,6 +134,8 @@ class CheckpointManager:
         *,
         pool: PoolOptions | None = None,
         write: WriteOptions | None = None,
+        remote: str | RemoteOptions | None = None,
+        keep_last_remote: int | None = 10,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 or None")
@@ -146,6 +155,18 @@ class CheckpointManager:
         self._error: tuple[int, BaseException] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._newest_verified: int | None = None
+        self._retain_lock = threading.Lock()
+        self.remote: RemoteTier | None = None
+        if remote is not None:
+            from ckpt.remote import RemoteOptions, RemoteTier
+
+            options = RemoteOptions(remote) if isinstance(remote, str) else remote
+            self.remote = RemoteTier(
+                self.directory, options, keep_last_remote, retain_local=self._retain_if_writer
+            )
+            self.stats.remote = self.remote.stats
+            self.on_commit.append(self.remote.enqueue)
+            self.evict_guards.append(self.remote.may_evict)
         if pool is not None and pool.budget_bytes is not None:
             self.pool.reserve(self.pool.buffer_bytes)
 
@@ -182,6 +203,8 @@ class CheckpointManager:
             raise CheckpointError(
                 f"{self.directory}: background save of step {step} failed: {exc}"
             ) from exc
+        if self.remote is not None:
+            self.remote.raise_pending()
 
     def save(
         self, step: int, state: Any, *, rng: bool = False, metadata: dict | None = None
@@ -303,8 +326,9 @@ class CheckpointManager:
                     self._inflight.remove(handle)
             handle._event.set()
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait for every save in flight; re-raise the first background error."""
+    def wait(self, timeout: float | None = None, *, uploads: bool = False) -> None:
+        """Wait for every save in flight (and, with ``uploads=True``, every upload); re-raise the
+        first background error."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._mutex:
@@ -314,20 +338,40 @@ class CheckpointManager:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not pending[0]._event.wait(left):
                 raise TimeoutError(f"{self.directory}: saves still running after {timeout} s")
+        if uploads and self.remote is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self.remote.wait(left)
         self._raise_pending()
 
     # ---- retention ----------------------------------------------------------------------
     def _retain(self) -> None:
         if self.keep_last is None:
             return
-        committed = _commit.steps(self.directory)
-        for step in committed[: -self.keep_last]:
-            if step == self._newest_verified:
-                continue
-            if not all(guard(step) for guard in self.evict_guards):
-                continue
-            if _commit.evict(self.directory, step):
-                self.stats.evicted.append(step)
+        with self._retain_lock:  # the persist and upload threads may both apply retention
+            committed = _commit.steps(self.directory)
+            for step in committed[: -self.keep_last]:
+                if step == self._newest_verified:
+                    continue
+                if not all(guard(step) for guard in self.evict_guards):
+                    continue
+                if _commit.evict(self.directory, step):
+                    self.stats.evicted.append(step)
+
+    def _retain_if_writer(self) -> None:
+        if self._lock.held:
+            self._retain()
+
+    def adopt(self, step: int) -> None:
+        """Run the post-commit actions (``on_commit`` listeners such as the upload, retention)
+        for ``step``, committed into this directory by another writer such as ``ckpt.dcp``."""
+        self._ensure_writer()
+        path = _commit.step_dir(self.directory, step)
+        if not (path / fmt.MANIFEST).is_file():
+            raise CheckpointError(f"{path}: not a committed checkpoint")
+        self._newest_verified = max(step, self._newest_verified or step)
+        for listener in list(self.on_commit):
+            listener(step, path)
+        self._retain()
 
     def gc(self) -> list[int]:
         """Apply retention now (taking the writer lock); returns the steps evicted."""
@@ -363,18 +407,29 @@ class CheckpointManager:
         if busy:
             self.wait()
         skipped: list[tuple[int, str]] = []
+        remote = self._remote_steps()
         for _attempt in range(3):  # re-list if a step vanished under us (concurrent retention)
             vanished = False
-            candidates = [step] if step is not None else list(reversed(self.steps()))
+            local = set(self.steps())
+            candidates = [step] if step is not None else sorted(local | remote, reverse=True)
             for s in candidates:
                 if any(s == done for done, _ in skipped):
                     continue
                 path = _commit.step_dir(self.directory, s)
                 try:
-                    with _commit.reading(path):
-                        state, _, stats = read_checkpoint(
-                            path, map_location=map_location, mmap=mmap, verify=verify
-                        )
+                    if s not in local and s in remote:
+                        state, stats = self._restore_remote(s, map_location, mmap)
+                    else:
+                        try:
+                            with _commit.reading(path):
+                                state, _, stats = read_checkpoint(
+                                    path, map_location=map_location, mmap=mmap, verify=verify
+                                )
+                        except CorruptCheckpointError as exc:
+                            if s not in remote:
+                                raise
+                            log.warning("ckpt: step %d: %s; fetching the remote copy", s, exc)
+                            state, stats = self._restore_remote(s, map_location, mmap)
                 except CorruptCheckpointError as exc:
                     if step is not None:
                         raise
@@ -402,11 +457,54 @@ class CheckpointManager:
         detail = "; ".join(f"step {s}: {why}" for s, why in skipped) or "no committed steps"
         raise CheckpointError(f"{self.directory}: no valid checkpoint to restore ({detail})")
 
+    def _remote_steps(self) -> set[int]:
+        if self.remote is None:
+            return set()
+        try:
+            return set(self.remote.committed_steps())
+        except CheckpointError as exc:  # the remote is a fallback: a failed listing is not fatal
+            log.warning("ckpt: cannot list %s: %s", self.remote.url, exc)
+        except Exception as exc:
+            log.warning("ckpt: cannot list %s: %s", self.remote.url, exc)
+        return set()
+
+    def _restore_remote(
+        self, step: int, map_location: MapLocation, mmap: bool
+    ) -> tuple[Any, RestoreStats]:
+        """Download ``step`` to a temp dir, verify every checksum, load, keep it as ``step-N``."""
+        assert self.remote is not None
+        try:
+            self._ensure_writer()  # to publish the downloaded copy; not required to restore
+        except LockedError:
+            pass
+        try:
+            tmp = self.remote.download(step)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CorruptCheckpointError(f"step {step}: remote copy unavailable: {exc}") from exc
+        try:
+            state, _, stats = read_checkpoint(tmp, map_location=map_location, mmap=mmap)
+            stats.path = f"{self.remote.url}/step-{step}"
+            if self._lock.held:
+                _commit.publish(tmp, self.directory, step)
+                if step >= max(self.steps(), default=step):
+                    _commit.write_latest(self.directory, step)
+                with self._mutex:
+                    self.remote.stats.uploads.setdefault(step, _done_status(step))
+        finally:
+            _commit.remove_path(tmp)
+        return state, stats
+
     # ---- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for saves in flight, release the writer lock and the writer threads."""
+        """Wait for saves in flight (and uploads, up to ``RemoteOptions.close_timeout_s``),
+        release the writer lock and the writer threads."""
         try:
             self.wait()
+            if self.remote is not None:
+                self.remote.close()
+                self.remote.raise_pending()
         finally:
             self._lock.release()
             if self._executor is not None:
@@ -418,3 +516,9 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _done_status(step: int) -> Any:
+    from ckpt.remote import UploadStatus
+
+    return UploadStatus(step, "done")

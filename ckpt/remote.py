@@ -1,0 +1,542 @@
+"""The remote tier: background upload of committed checkpoints to an fsspec URL (S3, GCS, ...).
+
+After each local commit the step is queued; a background thread uploads its data files in
+parallel (large files as multipart, ``RemoteOptions.block_bytes`` per part), verifies each one
+against the manifest, and only then writes the manifest. The remote commit is rename-free: a
+``URL/step-N/`` prefix without ``manifest.json`` is not a checkpoint, and deleting a step removes
+its manifest first. Verification (``RemoteOptions.verify``):
+
+- ``"readback"`` (default): every chunk is read back from the store and its CRC32C compared with
+  the manifest's (end to end; costs one download of the data).
+- ``"size"``: only the stored object sizes are compared. S3's ETags are MD5s (or MD5s of parts)
+  and cannot be compared with the manifest's CRC32Cs, so this is weaker; botocore still checks
+  each request body in flight.
+
+Transient errors are retried with backoff under ``deadline_s``, permanent ones fail at once
+(``feedpipe._remote.call``); failures are kept in the stats and raised by the manager's next
+``save``/``wait``; the local copy is never evicted before its upload is done (unless
+``evict_before_upload``). Messages never contain credentials (``feedpipe._remote.redact``).
+Upload status is mirrored to ``DIR/upload-status.json`` for ``ckpt ls``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpt import _commit, _faults
+from ckpt import format as fmt
+from ckpt.errors import CheckpointError, CorruptCheckpointError
+from feedpipe._crc import crc32c, to_hex
+from feedpipe._remote import RetryPolicy, call, redact, resolve
+
+__all__ = [
+    "STATUS_FILE",
+    "RemoteListing",
+    "RemoteOptions",
+    "RemoteStats",
+    "RemoteTier",
+    "UploadStatus",
+    "list_remote",
+    "read_status",
+]
+
+log = logging.getLogger("ckpt")
+
+STATUS_FILE = "upload-status.json"
+_STATES = ("pending", "uploading", "done", "failed")
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    """Where and how checkpoints are uploaded.
+
+    ``url``: the remote root (``s3://bucket/run``, any fsspec URL). ``storage_options``: passed to
+    fsspec (credentials are redacted from every message). ``threads``: files and multipart parts
+    in flight. ``block_bytes``: multipart part size. ``verify``: ``"readback"`` or ``"size"``
+    (module docstring). ``deadline_s``: how long one transfer keeps retrying transient errors.
+    ``grace_s``: remote prefixes without a manifest older than this are garbage-collected.
+    ``evict_before_upload``: let local retention delete steps not yet uploaded (opt-out of
+    tier-aware retention). ``close_timeout_s``: how long ``close()`` waits for uploads.
+    """
+
+    url: str
+    storage_options: Mapping[str, Any] | None = None
+    threads: int = 8
+    block_bytes: int = 16 << 20
+    verify: str = "readback"
+    deadline_s: float = 300.0
+    grace_s: float = 3600.0
+    evict_before_upload: bool = False
+    close_timeout_s: float | None = 600.0
+
+    def __post_init__(self) -> None:
+        if self.verify not in ("readback", "size"):
+            raise ValueError(
+                f"RemoteOptions.verify must be 'readback' or 'size', not {self.verify!r}"
+            )
+        if self.threads < 1 or self.block_bytes < (5 << 20):
+            raise ValueError(
+                "RemoteOptions needs threads >= 1 and block_bytes >= 5 MiB (S3 minimum)"
+            )
+
+
+@dataclass
+class UploadStatus:
+    """One step's upload: ``state`` is pending, uploading, done or failed (with ``reason``)."""
+
+    step: int
+    state: str = "pending"
+    reason: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class RemoteStats:
+    """Upload counters and per-step status (``manager.stats.remote``)."""
+
+    uploads: dict[int, UploadStatus] = field(default_factory=dict)
+    uploaded_bytes: int = 0
+    upload_s: float = 0.0
+    failed: int = 0
+    remote_evicted: list[int] = field(default_factory=list)
+    partial_removed: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RemoteListing:
+    """One ``step-N`` prefix on the remote: committed (has a manifest), its newest object time."""
+
+    step: int
+    committed: bool
+    newest_mtime: float
+
+
+def _mtime(info: Mapping[str, Any]) -> float:
+    value = info.get("LastModified") or info.get("mtime") or info.get("created") or 0.0
+    if isinstance(value, datetime.datetime):
+        return value.timestamp()
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def list_remote(fs: Any, root: str) -> dict[int, RemoteListing]:
+    """Every ``step-N`` prefix below ``root`` (one recursive listing)."""
+    fs.invalidate_cache(root)
+    try:
+        found = fs.find(root, detail=True)
+    except FileNotFoundError:
+        return {}
+    out: dict[int, RemoteListing] = {}
+    base = root.rstrip("/") + "/"
+    for path, info in found.items():
+        rel = path[len(base) :] if path.startswith(base) else path
+        head, _, tail = rel.partition("/")
+        if not head.startswith("step-") or not head[5:].isdigit():
+            continue
+        step = int(head[5:])
+        entry = out.setdefault(step, RemoteListing(step, False, 0.0))
+        entry.committed |= tail == fmt.MANIFEST
+        entry.newest_mtime = max(entry.newest_mtime, _mtime(info))
+    return out
+
+
+def read_status(directory: str | os.PathLike[str]) -> dict[int, dict]:
+    """The upload status mirrored in ``DIR/upload-status.json`` (empty if none)."""
+    try:
+        doc = json.loads((Path(directory) / STATUS_FILE).read_text())
+        return {int(k): v for k, v in doc.get("steps", {}).items()}
+    except (FileNotFoundError, ValueError, AttributeError):
+        return {}
+
+
+class RemoteTier:
+    """Uploads committed steps of ``directory`` to ``options.url`` in the background.
+
+    The manager wires it in: ``enqueue`` is an ``on_commit`` listener, ``may_evict`` an evict
+    guard. ``retain_local`` is called after each finished upload (local retention may proceed).
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        options: RemoteOptions,
+        keep_last: int | None = 10,
+        retain_local: Callable[[], None] | None = None,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last_remote must be >= 1 or None")
+        self.directory = directory
+        self.options = options
+        self.keep_last = keep_last
+        self.fs, self.root = resolve(options.url, options.storage_options)
+        self.url = redact(options.url, options.storage_options)
+        self.stats = RemoteStats()
+        self._retain_local = retain_local
+        self._policy = RetryPolicy(deadline_s=options.deadline_s, base_s=0.1, max_sleep_s=2.0)
+        self._cond = threading.Condition()
+        self._queue: collections.deque[int] = collections.deque()
+        self._busy = False
+        self._scanned = False
+        self._thread: threading.Thread | None = None
+        self._error: tuple[int, BaseException] | None = None
+        self._newest_verified: int | None = None
+        self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-upload")
+        self._kick()  # reconcile with the remote (uploads committed steps never uploaded)
+
+    # ---- queue --------------------------------------------------------------------------
+    def enqueue(self, step: int, path: Path | None = None) -> None:
+        """Queue ``step`` for upload (an ``on_commit`` listener; returns at once)."""
+        with self._cond:
+            self.stats.uploads[step] = UploadStatus(step)
+            if step not in self._queue:
+                self._queue.append(step)
+        self._write_status()
+        self._kick()
+
+    def _kick(self) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="ckpt-upload", daemon=True)
+                self._thread.start()
+
+    def may_evict(self, step: int) -> bool:
+        """Evict guard: a local step may go once it is committed remotely (or if opted out)."""
+        if self.options.evict_before_upload:
+            return True
+        status = self.stats.uploads.get(step)
+        return status is not None and status.state == "done"
+
+    def raise_pending(self) -> None:
+        """Re-raise the first upload failure since the last call (then forget it)."""
+        with self._cond:
+            pending, self._error = self._error, None
+        if pending is not None:
+            step, exc = pending
+            raise CheckpointError(
+                f"upload of step {step} to {self.url} failed (the local copy is kept): {exc}"
+            ) from exc
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every queued upload has finished (done or failed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._busy or not self._scanned:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"uploads to {self.url} still running after {timeout} s")
+                self._cond.wait(0.1 if left is None else min(left, 0.1))
+
+    def close(self) -> None:
+        """Wait (up to ``close_timeout_s``) for uploads, then stop the upload threads."""
+        try:
+            self.wait(self.options.close_timeout_s)
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- background ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if self._scanned and not self._queue:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                self._busy = True
+            try:
+                if not self._scanned:
+                    self._reconcile()
+                else:
+                    with self._cond:
+                        step = self._queue.popleft()
+                    self._upload_one(step)
+            finally:
+                with self._cond:
+                    self._scanned = True
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _fail(self, step: int, exc: BaseException) -> None:
+        reason = redact(str(exc), self.options.storage_options)
+        with self._cond:
+            self.stats.uploads[step] = UploadStatus(step, "failed", reason)
+            self.stats.failed += 1
+            if self._error is None:
+                self._error = (step, exc)
+        log.error("ckpt: upload of step %d to %s failed: %s", step, self.url, reason)
+        self._write_status()
+
+    def _reconcile(self) -> None:
+        """On start: mark steps already committed remotely as done, queue the others."""
+        local = _commit.steps(self.directory)
+        try:
+            remote = call(
+                lambda: list_remote(self.fs, self.root),
+                self.url,
+                what="list",
+                policy=self._policy,
+                storage_options=self.options.storage_options,
+            )
+        except Exception as exc:
+            for step in local:
+                self._fail(step, exc)
+            return
+        todo = []
+        for step in local:
+            listing = remote.get(step)
+            if listing is not None and listing.committed and self._same_manifest(step):
+                self.stats.uploads[step] = UploadStatus(step, "done")
+                self._newest_verified = max(step, self._newest_verified or step)
+            else:
+                todo.append(step)
+        with self._cond:
+            for step in todo:
+                if step not in self._queue:
+                    self.stats.uploads.setdefault(step, UploadStatus(step))
+                    self._queue.append(step)
+        if todo:
+            log.info(
+                "ckpt: %d committed steps not yet on %s: uploading %s", len(todo), self.url, todo
+            )
+        self._write_status()
+        if self._retain_local is not None:
+            self._retain_local()
+
+    def _rpath(self, step: int, name: str = "") -> str:
+        return f"{self.root}/step-{step}" + (f"/{name}" if name else "")
+
+    def _call(self, fn: Callable[[], Any], step: int, name: str, what: str) -> Any:
+        return call(
+            fn,
+            f"{self.options.url.rstrip('/')}/step-{step}/{name}",
+            what=what,
+            policy=self._policy,
+            storage_options=self.options.storage_options,
+        )
+
+    def _remote_manifest(self, step: int) -> bytes | None:
+        def get() -> bytes | None:
+            try:
+                return bytes(self.fs.cat_file(self._rpath(step, fmt.MANIFEST)))
+            except FileNotFoundError:
+                return None
+
+        result: bytes | None = self._call(get, step, fmt.MANIFEST, "read")
+        return result
+
+    def _same_manifest(self, step: int) -> bool:
+        local = (_commit.step_dir(self.directory, step) / fmt.MANIFEST).read_bytes()
+        return self._remote_manifest(step) == local
+
+    def _upload_one(self, step: int) -> None:
+        path = _commit.step_dir(self.directory, step)
+        t0 = time.perf_counter()
+        with self._cond:
+            self.stats.uploads[step] = UploadStatus(step, "uploading")
+        self._write_status()
+        try:
+            with _commit.reading(path):  # a shared lock: local retention cannot take it meanwhile
+                raw = (path / fmt.MANIFEST).read_bytes()
+                body = fmt.read_manifest(path)
+                existing = self._remote_manifest(step)
+                if existing != raw:
+                    if existing is not None:  # a different save of this step: un-commit it first
+                        self._call(
+                            lambda: self.fs.rm_file(self._rpath(step, fmt.MANIFEST)),
+                            step, fmt.MANIFEST, "delete",
+                        )  # fmt: skip
+                    futures = [
+                        self._pool.submit(self._put_verified, path, step, rec)
+                        for rec in body["files"]
+                    ]
+                    errors = [f.exception() for f in futures]
+                    first = next((e for e in errors if e is not None), None)
+                    if first is not None:
+                        raise first
+                    _faults.pause("upload_manifest")
+                    rpath = self._rpath(step, fmt.MANIFEST)
+                    self._call(lambda: self.fs.pipe_file(rpath, raw), step, fmt.MANIFEST, "upload")
+                    if self._remote_manifest(step) != raw:
+                        raise CorruptCheckpointError(
+                            f"{self.url}/step-{step}/{fmt.MANIFEST}: read back differs from the "
+                            "local manifest"
+                        )
+        except Exception as exc:
+            self._fail(step, exc)
+            return
+        nbytes = sum(rec["size"] for rec in body["files"]) + len(raw)
+        dt = time.perf_counter() - t0
+        with self._cond:
+            self.stats.uploads[step] = UploadStatus(step, "done", "", nbytes, dt)
+            self.stats.uploaded_bytes += nbytes
+            self.stats.upload_s += dt
+            self._newest_verified = max(step, self._newest_verified or step)
+        log.info("ckpt: uploaded step %d to %s (%d bytes, %.2f s)", step, self.url, nbytes, dt)
+        self._write_status()
+        try:
+            self._retain_remote()
+        except Exception as exc:  # retention failures are reported, the upload stands
+            self._fail_retention(step, exc)
+        if self._retain_local is not None:
+            self._retain_local()
+
+    def _put_verified(self, path: Path, step: int, rec: dict) -> None:
+        local, rpath, name = path / rec["name"], self._rpath(step, rec["name"]), rec["name"]
+        for attempt in (1, 2):
+            self._call(
+                lambda: self.fs.put_file(
+                    str(local),
+                    rpath,
+                    chunksize=self.options.block_bytes,
+                    max_concurrency=self.options.threads,
+                ),
+                step, name, "upload",
+            )  # fmt: skip
+            _faults.pause("upload")
+            try:
+                self._verify_remote(step, rec)
+                return
+            except CorruptCheckpointError:
+                if attempt == 2:
+                    raise
+                log.warning(
+                    "ckpt: %s/step-%d/%s did not verify; uploading again", self.url, step, name
+                )
+
+    def _verify_remote(self, step: int, rec: dict) -> None:
+        rpath, name = self._rpath(step, rec["name"]), rec["name"]
+        where = f"{self.url}/step-{step}/{name}"
+        info = self._call(lambda: self.fs.info(rpath), step, name, "stat")
+        if int(info.get("size", -1)) != rec["size"]:
+            raise CorruptCheckpointError(
+                f"{where}: stored size {info.get('size')} != {rec['size']} bytes"
+            )
+        if self.options.verify != "readback" or rec["size"] == 0:
+            return
+        chunk = rec["chunk_bytes"]
+        starts = list(range(0, rec["size"], chunk))
+        ends = [min(s + chunk, rec["size"]) for s in starts]
+        for lo in range(0, len(starts), 8):  # 8 ranges in flight: bounded memory
+            s_, e_ = starts[lo : lo + 8], ends[lo : lo + 8]
+
+            def get(s_: list[int] = s_, e_: list[int] = e_) -> list[bytes]:
+                return list(self.fs.cat_ranges([rpath] * len(s_), s_, e_, on_error="raise"))
+
+            pieces = self._call(get, step, name, "read back")
+            for i, piece in enumerate(pieces, start=lo):
+                actual = to_hex(crc32c(piece))
+                if actual != rec["crc32c"][i]:
+                    raise CorruptCheckpointError(
+                        f"{where}: read back chunk {i} has CRC32C {actual} != {rec['crc32c'][i]}"
+                    )
+
+    # ---- remote retention -----------------------------------------------------------------
+    def _fail_retention(self, step: int, exc: Exception) -> None:
+        reason = redact(str(exc), self.options.storage_options)
+        log.error("ckpt: remote retention after step %d on %s failed: %s", step, self.url, reason)
+        with self._cond:
+            if self._error is None:
+                self._error = (step, exc)
+
+    def _delete_remote(self, step: int) -> None:
+        manifest = self._rpath(step, fmt.MANIFEST)
+
+        def rm_manifest() -> None:  # the manifest goes first: the step stops being a checkpoint
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(manifest)
+
+        def rm_rest() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self._rpath(step), recursive=True)
+
+        self._call(rm_manifest, step, fmt.MANIFEST, "delete")
+        self._call(rm_rest, step, "", "delete")
+
+    def _retain_remote(self) -> None:
+        listing = self._call(lambda: list_remote(self.fs, self.root), 0, "", "list")
+        with self._cond:
+            active = set(self._queue) | {
+                s for s, st in self.stats.uploads.items() if st.state == "uploading"
+            }
+        committed = sorted(s for s, e in listing.items() if e.committed)
+        if self.keep_last is not None:
+            for step in committed[: -self.keep_last]:
+                if step == self._newest_verified or step in active:
+                    continue
+                self._delete_remote(step)
+                self.stats.remote_evicted.append(step)
+        now = time.time()
+        for step, entry in listing.items():
+            if entry.committed or step in active:
+                continue
+            if now - entry.newest_mtime > self.options.grace_s:
+                self._delete_remote(step)
+                self.stats.partial_removed.append(step)
+                log.info("ckpt: removed partial upload step-%d from %s", step, self.url)
+
+    def gc(self) -> None:
+        """Apply remote retention and partial-upload garbage collection now."""
+        self._retain_remote()
+
+    # ---- restore from the remote ----------------------------------------------------------
+    def committed_steps(self) -> list[int]:
+        """Steps committed on the remote (listing only; restore verifies)."""
+        listing = self._call(lambda: list_remote(self.fs, self.root), 0, "", "list")
+        return sorted(s for s, e in listing.items() if e.committed)
+
+    def download(self, step: int) -> Path:
+        """Download ``step`` into ``DIR/step-N.tmp-remote-*`` (manifest checked, files fetched);
+        the caller verifies the data and publishes or removes the directory."""
+        tmp = self.directory / f"step-{step}.tmp-remote-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            raw = self._remote_manifest(step)
+            if raw is None:
+                raise CheckpointError(f"{self.url}/step-{step}: no manifest (not a checkpoint)")
+            (tmp / fmt.MANIFEST).write_bytes(raw)
+            body = fmt.read_manifest(tmp)
+            for rec in body["files"]:
+                fmt.safe_relpath(rec["name"])
+                dest = tmp / rec["name"]
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                rpath = self._rpath(step, rec["name"])
+
+                def fetch(r: str = rpath, d: Path = dest) -> None:
+                    self.fs.get_file(r, str(d))
+
+                self._call(fetch, step, rec["name"], "download")
+        except BaseException:
+            _commit.remove_path(tmp)
+            raise
+        return tmp
+
+    # ---- status file ------------------------------------------------------------------------
+    def _write_status(self) -> None:
+        with self._cond:
+            doc = {
+                "url": self.url,
+                "updated": time.time(),
+                "steps": {str(s): asdict(st) for s, st in sorted(self.stats.uploads.items())},
+            }
+        tmp = self.directory / f".{STATUS_FILE}.tmp-{os.getpid()}-{threading.get_ident()}"
+        try:
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, self.directory / STATUS_FILE)
+        except OSError as exc:  # the status mirror is informational; never fail an upload for it
+            log.warning("ckpt: cannot write %s: %s", self.directory / STATUS_FILE, exc)
+            _commit.remove_path(tmp)
