@@ -64,3 +64,21 @@ def test_headline_numbers_come_from_benchmarks(page: str) -> None:
     text = (ROOT / page).read_text()
     unknown = sorted(n for n in _numbers(text) if n not in bench)
     assert not unknown, f"{page} quotes numbers that are not in docs/benchmarks.md: {unknown}"
+
+
+def test_headline_blocks_match_the_benchmark_tables() -> None:
+    """README.md and docs/index.md list exactly what run_all.headline() derives from the tables
+    (``python benchmarks/run_all.py --headline`` regenerates them)."""
+    spec = importlib.util.spec_from_file_location("_run_all", ROOT / "benchmarks" / "run_all.py")
+    assert spec is not None and spec.loader is not None
+    run_all = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = run_all  # dataclasses look their module up there
+    spec.loader.exec_module(run_all)
+    lines = run_all.headline((ROOT / "docs" / "benchmarks.md").read_text())
+    assert lines, "no headline ratios found in docs/benchmarks.md"
+    for page in ("README.md", "docs/index.md"):
+        text = (ROOT / page).read_text()
+        m = re.search(r"<!-- BEGIN headline -->(.*?)<!-- END headline -->", text, re.S)
+        assert m, f"{page}: no headline block"
+        got = [x[2:] for x in m.group(1).strip().splitlines() if x.startswith("- ")]
+        assert got == lines, f"{page}: stale headline block; run benchmarks/run_all.py --headline"
