@@ -1,9 +1,10 @@
 """Stall counters: how long the training loop waited for input, and which stage is to blame.
 
 A :class:`StallMeter` is on by default in every ``feedpipe.DataLoader``. It keeps a handful of
-counters that cost a few hundred nanoseconds per batch:
+counters that cost one append per batch on the hot path (folded 4096 at a time, vectorised):
 
-- the *stall*: time the loop blocked inside ``next()`` (``wait_begin``/``wait_end``);
+- the *stall*: time the loop blocked inside ``next()`` (``record_batch``, or
+  ``wait_begin``/``wait_end``);
 - the *step*: time between one ``wait_end`` and the next ``wait_begin`` (the user's compute);
 - per-stage seconds and bytes ("fetch", "decode", "collate", "pin", "h2d"), queue depths;
 - a fixed log-bucket histogram of waits for p50/p99 (bounded memory, ~700 integers);
@@ -157,11 +158,16 @@ class StallStats:
 class StallMeter:
     """Always-on counters shared by one or more loaders (see the module docstring).
 
-    Interface used by the loader (stable):
-      - ``wait_begin()`` / ``wait_end(samples=0, nbytes=0)`` around the blocking part of ``next()``
-      - ``add_stage(name, seconds, nbytes=0)`` from any thread, for per-stage times
-        ("fetch", "decode", "collate", "pin", "h2d"); process workers ship their stage times
-        back with each batch and the main process adds them.
+    Interface used by loaders (stable):
+      - ``record_batch(begin, end, samples, nbytes, fetch_s, collate_s)``: one call per batch,
+        with ``perf_counter`` readings taken around the blocking part of ``next()``
+        (``feedpipe.DataLoader``); while :attr:`tracing` is true, use the two calls below
+        instead so the wait is also a profiler range.
+      - ``wait_begin()`` / ``wait_end(samples=0, nbytes=0)`` around the blocking part of
+        ``next()`` (the same record in two calls); ``wait_pending(begin)`` for a wait that
+        ended without a batch (StopIteration).
+      - ``add_stage(name, seconds, nbytes=0)`` from any thread, for other per-stage times
+        ("decode", "pin", "h2d", ...).
       - ``set_depth(name, n)`` for queue depths; ``set_workers(n)`` for the worker count.
 
     Args:
@@ -173,12 +179,14 @@ class StallMeter:
 
     enabled = True
     _FOLD = 4096  # pending waits / stage records folded into the totals at a time
-    _wait_start: float | None
-    _last_end: float | None
+    _wait_start: float | None  # begin of a wait in progress (None: the loop is stepping)
+    _last: tuple[float, float] | None  # (begin, end) of the latest folded wait
     _first_begin: float | None
-    _waits: list[float]
+    _waits: list[tuple[float, float, int, int, float, float]]  # pending batch records
     _stall_folded: float
     _batches_folded: int
+    _samples_folded: int
+    _bytes_folded: int
     _stall_offset: float
     _step_offset: float
     _hist: Any  # numpy int64 array of _NBUCKETS counts
@@ -187,8 +195,6 @@ class StallMeter:
     _stage_bytes: dict[str, int]
     _stage_calls: dict[str, int]
     wait_max_s: float
-    samples: int
-    bytes: int
     region_s: dict[str, float]
     depth: dict[str, int]
 
@@ -213,31 +219,65 @@ class StallMeter:
         # sinks are attached or a profiler range is open (one comparison on the hot path)
         self._fold_at = self._FOLD
         self.workers = 0
+        self._waits = []
         self.reset()
 
     # ------------------------------------------------------------------ hot path
-    # The hot path only reads the clock and appends: each wait goes to ``_waits`` (folded into
-    # the total, maximum and histogram 4096 at a time, vectorised), each stage record to
-    # ``_stage_logs[name]`` (list.append is atomic, so ``add_stage`` takes no lock; folded at C
-    # speed with map/itemgetter). The step total is derived: waits and steps alternate, so
+    # The hot path only appends: each batch is one tuple in ``_waits``, ``(begin, end, samples,
+    # nbytes, fetch_s, collate_s)`` (a negative stage time means "no such stage"), folded into
+    # the totals, maximum and histogram 4096 at a time, vectorised. A loader reads the clock
+    # itself around the blocking part of ``next()`` and makes one ``record_batch`` call per
+    # batch; ``wait_begin``/``wait_end`` are the same record split in two, for other callers.
+    # Other stages go to ``_stage_logs[name]`` (list.append is atomic, so ``add_stage`` takes no
+    # lock). The step total is derived: waits and steps alternate, so
     # step = (last end - first begin) - stall.
+    def record_batch(  # noqa: PLR0917 - positional on the hot path
+        self,
+        begin: float,
+        end: float,
+        samples: int = 0,
+        nbytes: int = 0,
+        fetch_s: float = -1.0,
+        collate_s: float = -1.0,
+    ) -> None:
+        """One batch in one call: the loop waited from ``begin`` to ``end`` (``perf_counter``).
+
+        ``fetch_s`` / ``collate_s`` are the batch's "fetch" and "collate" stage times (negative:
+        the stage did not run). Equivalent to ``wait_begin(); wait_end(samples, nbytes)`` at
+        those instants plus ``add_stage`` for each stage, at a fraction of the cost.
+        """
+        waits = self._waits
+        waits.append((begin, end, samples, nbytes, fetch_s, collate_s))
+        if len(waits) >= self._fold_at:
+            self._after_wait(end)
+
     def wait_begin(self) -> None:
         """The loop starts waiting for a batch; the time since the last ``wait_end`` is step."""
         now = self._wait_start = _perf()
-        if self._first_begin is None:
+        if self._first_begin is None and not self._waits:
             self._first_begin = now
         if self._profiler._is_profiler_enabled:
             self._open_range("feedpipe.wait")
 
     def wait_end(self, samples: int = 0, nbytes: int = 0) -> None:
         """The batch arrived: add the wait, count the batch, its samples and bytes."""
-        now = self._last_end = _perf()
+        now = _perf()
+        begin, self._wait_start = self._wait_start, None
+        if begin is None:
+            raise RuntimeError("StallMeter.wait_end() without a matching wait_begin()")
         waits = self._waits
-        waits.append(now - self._wait_start)  # type: ignore[operator]  # after wait_begin
-        self.samples += samples
-        self.bytes += nbytes
+        waits.append((begin, now, samples, nbytes, -1.0, -1.0))
         if len(waits) >= self._fold_at:
             self._after_wait(now)
+
+    def wait_pending(self, begin: float) -> None:
+        """A wait began at ``begin`` and has not delivered a batch (e.g. the epoch ended).
+
+        The step before it counts; what ``wait_begin`` does, for callers that read the clock.
+        """
+        self._wait_start = begin
+        if self._first_begin is None and not self._waits:
+            self._first_begin = begin
 
     def add_stage(self, name: str, seconds: float, nbytes: int = 0) -> None:
         """Add ``seconds`` (and ``nbytes``) to stage ``name``; callable from any thread."""
@@ -249,6 +289,11 @@ class StallMeter:
         log.append((seconds, nbytes))
         if len(log) >= self._FOLD:
             self._fold_stages()
+
+    @property
+    def tracing(self) -> bool:
+        """Whether waits are profiler ranges right now (then use ``wait_begin``/``wait_end``)."""
+        return bool(self._profiler._is_profiler_enabled)
 
     def set_depth(self, name: str, n: int) -> None:
         """Record the current depth of queue ``name`` (e.g. "ready", "prefetch")."""
@@ -277,7 +322,7 @@ class StallMeter:
 
     # ------------------------------------------------------------------ folding
     def _fold(self) -> None:
-        """Fold pending waits into the total, the maximum and the histogram (any thread)."""
+        """Fold pending batch records into the totals, maximum and histogram (any thread)."""
         if not self._waits:
             return
         import numpy as np
@@ -285,16 +330,33 @@ class StallMeter:
         with self._lock:
             waits = self._waits
             n = len(waits)
-            w = np.asarray(waits[:n], dtype=np.float64)
-            del waits[:n]  # waits appended meanwhile stay for the next fold
+            if not n:
+                return
+            items = waits[:n]
+            del waits[:n]  # records appended meanwhile stay for the next fold
+            begin, end, samples, nbytes, fetch, collate = zip(*items, strict=True)
+            if self._first_begin is None:
+                self._first_begin = begin[0]
+            self._last = (begin[-1], end[-1])
+            w = np.subtract(end, begin)
             m, e = np.frexp(w)
             idx = (e.astype(np.int64) << 4) + (m * 32.0).astype(np.int64) + _OFFSET
             idx = np.where(w > 0.0, np.clip(idx, 0, _NBUCKETS - 1), 0)
             self._hist += np.bincount(idx, minlength=_NBUCKETS)
             self._stall_folded += float(w.sum())
             self._batches_folded += n
-            if n:
-                self.wait_max_s = max(self.wait_max_s, float(w.max()))
+            self.wait_max_s = max(self.wait_max_s, float(w.max()))
+            self._samples_folded += sum(samples)
+            self._bytes_folded += sum(nbytes)
+            for name, col in (("fetch", fetch), ("collate", collate)):
+                t = np.asarray(col, dtype=np.float64)
+                ran = t >= 0.0
+                calls = int(np.count_nonzero(ran))
+                if calls:
+                    self._stage_s[name] += float(t[ran].sum())
+                    self._stage_calls[name] += calls
+                    b = np.asarray(nbytes, dtype=np.int64)
+                    self._stage_bytes[name] += int(b[ran].sum()) if calls < n else sum(nbytes)
 
     def _fold_stages(self) -> None:
         """Fold pending ``add_stage`` records into the per-stage totals (any thread)."""
@@ -312,7 +374,8 @@ class StallMeter:
     @property
     def stall_s(self) -> float:
         """Seconds the loop spent waiting in ``next()``."""
-        return self._stall_folded + sum(self._waits)
+        self._fold()
+        return self._stall_folded
 
     @property
     def batches(self) -> int:
@@ -320,28 +383,48 @@ class StallMeter:
         return self._batches_folded + len(self._waits)
 
     @property
+    def samples(self) -> int:
+        """Samples delivered."""
+        self._fold()
+        return self._samples_folded
+
+    @property
+    def bytes(self) -> int:
+        """Bytes delivered."""
+        self._fold()
+        return self._bytes_folded
+
+    @property
     def step_s(self) -> float:
         """Seconds between each ``wait_end`` and the next ``wait_begin``."""
-        first, end, begin = self._first_begin, self._last_end, self._wait_start
-        if first is None or end is None:
+        self._fold()
+        first, last, begin = self._first_begin, self._last, self._wait_start
+        if first is None or last is None:
             return self._step_offset
+        end = last[1]
         if begin is not None and begin > end:  # a wait began (or ended in StopIteration)
             end = begin
-        return self._step_offset + max(0.0, end - first - (self.stall_s - self._stall_offset))
+        return self._step_offset + max(0.0, end - first - (self._stall_folded - self._stall_offset))
 
     @property
     def steps(self) -> int:
         """Completed steps: one before each wait after the first (including a pending wait)."""
-        end, begin, batches = self._last_end, self._wait_start, self.batches
-        pending = end is not None and begin is not None and begin > end
+        self._fold()
+        last, begin, batches = self._last, self._wait_start, self.batches
+        pending = last is not None and begin is not None and begin > last[1]
         return max(0, batches - 1) + pending
 
     @property
     def last_wait(self) -> tuple[float, float]:
         """``(begin, end)`` perf_counter times of the latest completed wait (0, 0 if none)."""
-        if self._last_end is None or self._wait_start is None:
-            return (0.0, 0.0)
-        return (self._wait_start, self._last_end)
+        waits = self._waits
+        if waits:
+            try:
+                rec = waits[-1]
+                return (rec[0], rec[1])
+            except IndexError:  # folded meanwhile by another thread
+                pass
+        return self._last if self._last is not None else (0.0, 0.0)
 
     @property
     def stage_s(self) -> dict[str, float]:
@@ -365,17 +448,17 @@ class StallMeter:
 
         with self._lock:
             self._wait_start = None
-            self._last_end = None
+            self._last = None
             self._first_begin = None
-            self._waits = []
+            self._waits.clear()  # the same list: loaders hold on to its append
             self._stall_folded = 0.0
             self._batches_folded = 0
+            self._samples_folded = 0
+            self._bytes_folded = 0
             # restored totals (load_state_dict): stall and step from before the clocks restarted
             self._stall_offset = 0.0
             self._step_offset = 0.0
             self.wait_max_s = 0.0
-            self.samples = 0
-            self.bytes = 0
             self._hist = np.zeros(_NBUCKETS, dtype=np.int64)
             self._stage_logs = {}
             self._stage_s = defaultdict(float)
@@ -490,8 +573,8 @@ class StallMeter:
             self._step_offset = float(state["step_s"])
             self._batches_folded = int(state["batches"])
             self.wait_max_s = float(state["wait_max_s"])
-            self.samples = int(state["samples"])
-            self.bytes = int(state["bytes"])
+            self._samples_folded = int(state["samples"])
+            self._bytes_folded = int(state["bytes"])
             for i, n in state["hist"].items():
                 self._hist[int(i)] = int(n)
             self._stage_s.update(state["stage_s"])
@@ -568,6 +651,20 @@ class NullMeter(StallMeter):
         pass
 
     def wait_end(self, samples: int = 0, nbytes: int = 0) -> None:
+        pass
+
+    def record_batch(  # noqa: PLR0917 - positional on the hot path
+        self,
+        begin: float,
+        end: float,
+        samples: int = 0,
+        nbytes: int = 0,
+        fetch_s: float = -1.0,
+        collate_s: float = -1.0,
+    ) -> None:
+        pass
+
+    def wait_pending(self, begin: float) -> None:
         pass
 
     def add_stage(self, name: str, seconds: float, nbytes: int = 0) -> None:

@@ -402,3 +402,44 @@ def test_profiler_ranges_forced_on() -> None:
     assert m._range is not None
     m.wait_end()
     assert m._range is None and math.isfinite(m.stall_s)
+
+
+def test_record_batch_equals_the_split_calls(clock: FakeClock) -> None:
+    """One ``record_batch`` per batch gives the same snapshot as wait_begin/wait_end/add_stage."""
+    split, one = StallMeter(trace=False), StallMeter(trace=False)
+    waits = [1e-4 * (1 + i % 13) for i in range(StallMeter._FOLD + 500)]  # crosses a fold
+    for i, w in enumerate(waits):
+        fetch, collate = w / 2, (w / 4 if i % 3 else -1.0)  # collate absent every third batch
+        begin = clock()
+        split.wait_begin()
+        clock.advance(w)
+        split.add_stage("fetch", fetch, 64)
+        if collate >= 0:
+            split.add_stage("collate", collate, 64)
+        split.wait_end(samples=2, nbytes=64)
+        one.record_batch(begin, clock(), 2, 64, fetch, collate)
+        assert one.last_wait == split.last_wait == (begin, clock())
+        clock.advance(3e-4)
+    for m in (split, one):
+        m.wait_pending(clock())  # the epoch ended: the last step counts
+    a, b = split.stats(), one.stats()
+    assert a.batches == b.batches == len(waits) and a.samples == b.samples == 2 * len(waits)
+    assert b.stages["collate"].calls == sum(1 for i in range(len(waits)) if i % 3)
+    assert b.stages["fetch"].bytes == 64 * len(waits)
+    for field in ("stall_s", "step_s", "wait_p50_s", "wait_p99_s", "wait_max_s", "step_mean_s"):
+        assert math.isclose(getattr(a, field), getattr(b, field), rel_tol=1e-9), field
+    for name in ("fetch", "collate"):
+        assert math.isclose(a.stages[name].seconds, b.stages[name].seconds, rel_tol=1e-9)
+        assert a.stages[name].calls == b.stages[name].calls
+    assert math.isclose(b.step_s, 3e-4 * len(waits), rel_tol=1e-9)
+    assert one.steps == split.steps == len(waits)
+
+
+def test_wait_end_without_begin_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match="without a matching wait_begin"):
+        StallMeter(trace=False).wait_end()
+
+
+def test_tracing_flag() -> None:
+    assert StallMeter(trace=True).tracing and not StallMeter(trace=False).tracing
+    assert not StallMeter().tracing  # auto: no profiler is recording
