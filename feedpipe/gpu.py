@@ -55,7 +55,6 @@ __all__ = [
     "GPUFeed",
     "GPUFeedWarning",
     "Prefetcher",
-    "gather_into_slots",
     "map_tensors",
     "resolve_device",
 ]
@@ -417,58 +416,3 @@ class Prefetcher:
         self._exhausted = True
         self._ahead.clear()
         self._feed.finish(self._epoch)  # a no-op once a later epoch has started
-
-
-class _IndexTagger:
-    """Numbers the index batches drawn from a sampler iterator (the thread workers' dispatch
-    order, which is the delivery order when ``in_order=True``)."""
-
-    def __init__(self, it: Iterator[Any]) -> None:
-        self._it = it
-        self._seq: dict[int, int] = {}
-        self._n = 0
-
-    def __iter__(self) -> _IndexTagger:
-        return self
-
-    def __next__(self) -> Any:
-        indices = next(self._it)
-        self._seq[id(indices)] = self._n
-        self._n += 1
-        return indices
-
-    def pop(self, indices: Any) -> int | None:
-        return self._seq.pop(id(indices), None)
-
-
-class _GatherIntoSlots:
-    """The dataset as thread workers see it: ``read_batch`` gathers into the batch's ring slot."""
-
-    def __init__(self, dataset: Any, tagger: _IndexTagger, out_for: Callable[..., Any]) -> None:
-        self._dataset = dataset
-        self._tagger = tagger
-        self._out_for = out_for
-
-    def read_batch(self, indices: Any, out: Any = None) -> Any:
-        seq = self._tagger.pop(indices)
-        if out is None and seq is not None:
-            out = self._out_for(seq, len(indices))
-        if out is None:
-            return self._dataset.read_batch(indices)
-        return self._dataset.read_batch(indices, out=out)
-
-    def __len__(self) -> int:
-        return len(self._dataset)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._dataset, name)
-
-
-def gather_into_slots(
-    dataset: Any, sampler_iter: Iterator[Any], out_for: Callable[[int, int], Any | None]
-) -> tuple[Any, Iterator[Any]]:
-    """Wrap a dataset with ``read_batch`` and the sampler iterator given to thread workers so
-    that batch ``seq`` is read straight into its pinned slot (``out_for(seq, len(indices))``).
-    Only valid with in-order delivery; returns ``(dataset_view, sampler_iter)``."""
-    tagger = _IndexTagger(sampler_iter)
-    return _GatherIntoSlots(dataset, tagger, out_for), tagger

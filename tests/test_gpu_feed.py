@@ -6,6 +6,7 @@ host copy out of the slot); the ``gpu`` tests check correctness under reuse on a
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import warnings
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from feedpipe._ring import _Ring, flatten, map_tensors
-from feedpipe.gpu import GPUFeed, GPUFeedWarning, gather_into_slots, resolve_device
+from feedpipe.gpu import GPUFeed, GPUFeedWarning, resolve_device
 from feedpipe.stall import StallMeter
 
 Pair = namedtuple("Pair", ["a", "b"])
@@ -503,25 +504,24 @@ class _Rows:
 
 
 def test_prefetcher_with_in_place_gathers_and_a_failed_batch() -> None:
-    """The loader's path: tagged index batches, workers read into slots, a failure in order."""
+    """The loader's path: workers read batch ``seq`` into its slot; a failure comes in order."""
     meter = StallMeter()
     feed = _feed(prefetch=2, fillers=4, meter=meter)
     ds = _Rows(100)
     batches = [list(range(i, min(i + 8, 100))) for i in range(0, 100, 8)]
-    state: dict[str, Any] = {}
 
     def run_epoch() -> list[tuple[Any, Any]]:
-        it = iter(batches)
+        pending = iter(enumerate(batches))
         pool = ThreadPoolExecutor(2)
         futures: deque[Any] = deque()
 
+        def read(seq: int, indices: list[int]) -> Any:  # a thread worker's task
+            out = pre.out_for(seq, len(indices))
+            return ds.read_batch(indices) if out is None else ds.read_batch(indices, out=out)
+
         def pull() -> tuple[Any, Any, bool]:
-            while len(futures) < 4:  # dispatch in order, a bounded number ahead
-                try:
-                    indices = next(tagged)
-                except StopIteration:
-                    break
-                futures.append(pool.submit(view.read_batch, indices))
+            for seq, indices in itertools.islice(pending, 4 - len(futures)):
+                futures.append(pool.submit(read, seq, indices))  # in order, bounded ahead
             if not futures:
                 raise StopIteration
             batch = futures.popleft().result(timeout=30)
@@ -529,8 +529,6 @@ def test_prefetcher_with_in_place_gathers_and_a_failed_batch() -> None:
             return batch, int(batch["i"][0]), ok
 
         pre = feed.prefetcher(pull)
-        view, tagged = gather_into_slots(ds, it, pre.out_for)
-        state["pre"] = pre
         try:
             return list(pre)
         finally:
