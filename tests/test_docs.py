@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,15 +67,19 @@ def test_headline_numbers_come_from_benchmarks(page: str) -> None:
     assert not unknown, f"{page} quotes numbers that are not in docs/benchmarks.md: {unknown}"
 
 
+def _run_all() -> Any:
+    spec = importlib.util.spec_from_file_location("_run_all", ROOT / "benchmarks" / "run_all.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_headline_blocks_match_the_benchmark_tables() -> None:
     """README.md and docs/index.md list exactly what run_all.headline() derives from the tables
     (``python benchmarks/run_all.py --headline`` regenerates them)."""
-    spec = importlib.util.spec_from_file_location("_run_all", ROOT / "benchmarks" / "run_all.py")
-    assert spec is not None and spec.loader is not None
-    run_all = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = run_all  # dataclasses look their module up there
-    spec.loader.exec_module(run_all)
-    lines = run_all.headline((ROOT / "docs" / "benchmarks.md").read_text())
+    lines = _run_all().headline((ROOT / "docs" / "benchmarks.md").read_text())
     assert lines, "no headline ratios found in docs/benchmarks.md"
     for page in ("README.md", "docs/index.md"):
         text = (ROOT / page).read_text()
@@ -82,3 +87,25 @@ def test_headline_blocks_match_the_benchmark_tables() -> None:
         assert m, f"{page}: no headline block"
         got = [x[2:] for x in m.group(1).strip().splitlines() if x.startswith("- ")]
         assert got == lines, f"{page}: stale headline block; run benchmarks/run_all.py --headline"
+
+
+def test_update_headlines_rewrites_only_the_block(tmp_path: Path) -> None:
+    run_all = _run_all()
+    doc = tmp_path / "docs" / "benchmarks.md"
+    doc.parent.mkdir()
+    doc.write_text(
+        "<!-- BEGIN staging -->\n| method | s | MB/s | ratio |\n|---|---|---|---|\n"
+        "| `feedpipe.stage`, 16 workers | 1 | 2 | 9.99x |\n<!-- END staging -->\n"
+        "<!-- BEGIN ckpt_save -->\n- ckpt steady blocked / DCP async_save (default stager) "
+        "steady blocked: 0.11x (target <= 0.5x)\n<!-- END ckpt_save -->\n"
+    )
+    page = tmp_path / "README.md"
+    page.write_text("intro\n<!-- BEGIN headline -->\nold\n<!-- END headline -->\noutro\n")
+    lines = run_all.update_headlines((page,), doc)
+    assert len(lines) == 2 and "**9.99x**" in lines[0] and "**0.11x**" in lines[1]
+    text = page.read_text()
+    assert text.startswith("intro\n<!-- BEGIN headline -->\n- ") and text.endswith("outro\n")
+    assert "old" not in text and "(docs/benchmarks.md)" in text
+    # a table without the rows it reads gives no line rather than a guess
+    doc.write_text("<!-- BEGIN staging -->\nnothing\n<!-- END staging -->\n")
+    assert run_all.headline(doc.read_text()) == []
