@@ -1,0 +1,573 @@
+"""``torch.distributed.checkpoint`` (DCP) storage backed by ckpt: its format, checksums, commit.
+
+``dcp.save/async_save(state, storage_writer=CkptStorageWriter(DIR, step))`` and
+``dcp.load(state, storage_reader=CkptStorageReader(DIR, step))``: DCP's planners decide what each
+rank writes and reads (so resharding to another world size comes for free); ckpt decides where
+and how:
+
+- every rank writes only its own items into one data file ``rank-<r>.bin`` inside a shared
+  ``DIR/step-N.tmp-dcp-*`` directory (CRC32C per chunk, fsynced), with ``write_data`` returning
+  each item's location;
+- after every rank has written (DCP gathers the results to the coordinator), the coordinator
+  writes one ``manifest.json`` listing every rank's file and DCP's metadata as JSON (no pickle),
+  renames the directory to ``DIR/step-N`` and updates ``latest``: one global commit;
+- with ``manager=`` (the coordinator's ``CheckpointManager`` on ``DIR``), the committed step goes
+  through the manager's post-commit path: remote upload, tier-aware retention;
+- the writer is DCP's ``AsyncStager``: ``dcp.async_save`` stages the state into ckpt's reusable
+  (pinned when CUDA is present) pool instead of fresh allocations.
+
+Run DCP's collectives on a group of their own (``checkpoint_group()``: gloo), so that a background
+``async_save`` cannot deadlock with training collectives. Byte items (non-tensor leaves) are
+serialized by DCP itself (``torch.save``); ckpt stores them as opaque checksummed bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import re
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckpt import _commit
+from ckpt import format as fmt
+from ckpt._flatten import torch_dtype
+from ckpt._pool import Buffer, PinnedPool, PoolOptions
+from ckpt.errors import CheckpointError, CorruptCheckpointError
+from feedpipe._crc import crc32c, to_hex
+
+if TYPE_CHECKING:
+    from ckpt.manager import CheckpointManager
+
+__all__ = [
+    "CkptStorageReader",
+    "CkptStorageWriter",
+    "checkpoint_group",
+    "decode_metadata",
+    "encode_metadata",
+]
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_group: Any = None
+_group_lock = threading.Lock()
+
+
+def checkpoint_group() -> Any:
+    """A gloo process group for checkpoint collectives only (created once, on every rank)."""
+    global _group
+    with _group_lock:
+        if _group is None:
+            _group = dist.new_group(backend="gloo")
+        return _group
+
+
+def _split_id(checkpoint_id: str | os.PathLike[str] | None) -> tuple[Path, int] | None:
+    if checkpoint_id is None:
+        return None
+    path = Path(checkpoint_id)
+    m = _STEP_DIR.match(path.name)
+    if not m:
+        raise CheckpointError(f"checkpoint_id {checkpoint_id!r} must name a DIR/step-N directory")
+    return path.parent, int(m.group(1))
+
+
+# ---- metadata as JSON (DCP pickles its .metadata; ckpt never unpickles) ----------------------
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _keys(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, (tuple, list)) or not all(isinstance(k, (str, int)) for k in value):
+        raise CheckpointError(f"DCP planner data {what} is not a tuple of str/int keys")
+    return list(value)
+
+
+def encode_metadata(md: Metadata) -> dict:
+    """DCP ``Metadata`` as a JSON-able dict (tensor/bytes entries, planner mappings, locations)."""
+    entries: dict[str, Any] = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata):
+            entries[fqn] = {"type": "bytes"}
+        else:
+            entries[fqn] = {
+                "type": "tensor",
+                "dtype": _dtype_name(item.properties.dtype),
+                "requires_grad": bool(item.properties.requires_grad),
+                "size": list(item.size),
+                "chunks": [[list(c.offsets), list(c.sizes)] for c in item.chunks],
+            }
+    planner = md.planner_data
+    if planner is not None and not isinstance(planner, dict):
+        raise CheckpointError("DCP planner data must be a dict of fqn -> key path to store it")
+    storage = [
+        [i.fqn, None if i.offset is None else list(i.offset), i.index, loc]
+        for i, loc in (md.storage_data or {}).items()
+    ]
+    return {
+        "entries": entries,
+        "planner_data": {k: _keys(v, k) for k, v in (planner or {}).items()},
+        "storage_data": storage,
+        "version": getattr(md, "version", None),
+    }
+
+
+def decode_metadata(doc: dict, where: str = "") -> Metadata:
+    """The inverse of :func:`encode_metadata`; a ``CorruptCheckpointError`` names ``where``."""
+    try:
+        sd: dict[str, Any] = {}
+        for fqn, e in doc["entries"].items():
+            if e["type"] == "bytes":
+                sd[fqn] = BytesStorageMetadata()
+                continue
+            sd[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(
+                    dtype=torch_dtype(e["dtype"]), requires_grad=bool(e["requires_grad"])
+                ),
+                size=torch.Size(int(d) for d in e["size"]),
+                chunks=[ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in e["chunks"]],
+            )
+        storage = {
+            MetadataIndex(fqn, None if off is None else torch.Size(off), idx): dict(loc)
+            for fqn, off, idx, loc in doc["storage_data"]
+        }
+        planner = {k: tuple(v) for k, v in doc["planner_data"].items()}
+        md = Metadata(state_dict_metadata=sd, planner_data=planner, storage_data=storage)
+        if doc.get("version") is not None:
+            md.version = doc["version"]
+        return md
+    except (KeyError, TypeError, ValueError, CheckpointError) as exc:
+        raise CorruptCheckpointError(f"{where}: DCP metadata is malformed: {exc!r}") from None
+
+
+# ---- writing -------------------------------------------------------------------------------
+class _ChunkedFile:
+    """Appends pieces to a file with ``pwrite``, keeping one running CRC32C per chunk."""
+
+    def __init__(self, path: Path, chunk_bytes: int) -> None:
+        self.path, self.chunk = path, chunk_bytes
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.size, self.crc, self.crcs = 0, 0, []  # type: ignore[var-annotated]
+
+    def write(self, view: memoryview) -> None:
+        while view:
+            room = self.chunk - self.size % self.chunk
+            piece, view = view[:room], view[room:]
+            done = 0
+            while done < len(piece):
+                done += os.pwrite(self.fd, piece[done:], self.size + done)
+            self.crc = crc32c(piece, self.crc)
+            self.size += len(piece)
+            if self.size % self.chunk == 0:
+                self.crcs.append(to_hex(self.crc))
+                self.crc = 0
+
+    def pad(self, align: int) -> None:
+        extra = -self.size % align
+        if extra:
+            self.write(memoryview(bytes(extra)))
+
+    def close(self) -> dict:
+        try:
+            if self.size % self.chunk:
+                self.crcs.append(to_hex(self.crc))
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+        return {
+            "name": self.path.name,
+            "size": self.size,
+            "chunk_bytes": self.chunk,
+            "crc32c": self.crcs,
+        }
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.contiguous().cpu()
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+class CkptStorageWriter(StorageWriter):
+    """A DCP ``StorageWriter`` (and ``AsyncStager``) writing ckpt step directories (module doc).
+
+    ``directory``/``step``: where (``checkpoint_id="DIR/step-N"`` works too). ``manager``: the
+    coordinator's ``CheckpointManager`` on ``directory`` (upload, retention); ``pool``: sizing of
+    the staging pool used by ``async_save``; ``chunk_bytes``: checksum chunk size.
+    """
+
+    _synchronize_after_execute = True  # AsyncStager: stage() returns a finished copy
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        step: int | None = None,
+        *,
+        manager: CheckpointManager | None = None,
+        pool: PoolOptions | None = None,
+        chunk_bytes: int = fmt.CHUNK_BYTES,
+    ) -> None:
+        super().__init__()
+        self.directory = Path(directory) if directory is not None else None
+        self.step = step
+        self.manager = manager
+        self.chunk_bytes = chunk_bytes
+        self.pool = PinnedPool(pool)
+        self.is_coordinator = False
+        self.rank = 0
+        self.committed: Path | None = None
+        self._staged: deque[Buffer] = deque()
+        self._tmp = ""
+
+    # StorageWriter ---------------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new checkpoint; ``checkpoint_id`` may name ``DIR/step-N``."""
+        split = _split_id(checkpoint_id)
+        if split is not None:
+            self.directory, self.step = split
+        self.committed = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` names a ``DIR/step-N`` directory."""
+        return bool(_STEP_DIR.match(Path(checkpoint_id).name))
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Record the role; the coordinator takes the directory's writer lock (via ``manager``)."""
+        if self.directory is None or self.step is None:
+            raise CheckpointError("CkptStorageWriter needs a directory and a step")
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", dist.get_rank() if dist.is_initialized() else 0))
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if is_coordinator and self.manager is not None:
+            self.manager._ensure_writer()  # leftovers are cleaned before any rank writes
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Unchanged: DCP's planner decides what this rank writes."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Give every rank the shared temporary directory and its file name."""
+        tmp = f"step-{self.step}.tmp-dcp-{os.getpid()}-{secrets.token_hex(4)}"
+        self._tmp = tmp
+        return [
+            dataclasses.replace(p, storage_data={"tmp": tmp, "file": f"rank-{i:05d}.bin"})
+            for i, p in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items into one checksummed, fsynced data file."""
+        assert self.directory is not None
+        try:
+            results = self._write(plan, planner)
+        finally:
+            if self._staged:
+                self.pool.release(self._staged.popleft())
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        assert self.directory is not None
+        info = plan.storage_data
+        tmp = self.directory / info["tmp"]
+        tmp.mkdir(exist_ok=True)
+        results: list[WriteResult] = []
+        if not plan.items:
+            return results
+        out = _ChunkedFile(tmp / info["file"], self.chunk_bytes)
+        try:
+            for item in plan.items:
+                out.pad(fmt.ALIGN)
+                offset = out.size
+                data = planner.resolve_data(item)
+                loc: dict[str, Any] = {"file": info["file"], "offset": offset}
+                if item.type == WriteItemType.BYTE_IO:
+                    assert isinstance(data, io.BytesIO)
+                    out.write(memoryview(data.getbuffer()))
+                    loc["kind"] = "bytes"
+                else:
+                    assert isinstance(data, torch.Tensor)
+                    out.write(_raw(data))
+                    loc.update(kind="tensor", dtype=_dtype_name(data.dtype), shape=list(data.shape))
+                loc["nbytes"] = out.size - offset
+                results.append(WriteResult(item.index, loc["nbytes"], loc))
+        finally:
+            rec = out.close()
+        results[0].storage_data["file_record"] = rec  # the coordinator builds the manifest
+        return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """The global commit: manifest (every rank's file), rename to ``step-N``, ``latest``."""
+        assert self.directory is not None and self.step is not None
+        files = []
+        for rank_results in results:
+            for wr in rank_results:
+                rec = wr.storage_data.pop("file_record", None)
+                if rec is not None:
+                    files.append(rec)
+        metadata.storage_data = {wr.index: wr.storage_data for rr in results for wr in rr}
+        tmp = self.directory / self._tmp
+        tmp.mkdir(exist_ok=True)
+        body = {
+            "format": "ckpt",
+            "version": fmt.FORMAT_VERSION,
+            "step": self.step,
+            "created": time.time(),
+            "nbytes": sum(r["size"] for r in files),
+            "tree": {"t": "dict", "items": []},
+            "entries": [],
+            "files": sorted(files, key=lambda r: r["name"]),
+            "metadata": {"dcp": encode_metadata(metadata)},
+        }
+        fmt.write_manifest(tmp, body)
+        self.committed = _commit.publish(tmp, self.directory, self.step)
+        _commit.write_latest(self.directory, self.step)
+        if self.manager is not None:
+            self.manager.adopt(self.step)
+
+    # AsyncStager ------------------------------------------------------------------------------
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        """``stage`` finishes its copy before returning: nothing to synchronize."""
+        return self._synchronize_after_execute
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy every tensor (DTensor local shards included) into one reused pool buffer and
+        return the same structure over that copy (training may mutate the original at once)."""
+        tensors: list[torch.Tensor] = []
+        _collect(state_dict, tensors)
+        offsets, total = [], 0
+        for t in tensors:
+            total = -(-total // fmt.ALIGN) * fmt.ALIGN
+            offsets.append(total)
+            total += t.numel() * t.element_size()
+        buf, _ = self.pool.acquire(total)
+        self._staged.append(buf)
+        staged = []
+        for t, off in zip(tensors, offsets, strict=True):
+            n = t.numel() * t.element_size()
+            dst = buf.tensor[off : off + n].view(t.dtype).view(t.shape)
+            dst.copy_(t.detach(), non_blocking=t.is_cuda)
+            staged.append(dst)
+        if any(t.is_cuda for t in tensors):
+            torch.cuda.synchronize()
+        return _rebuild(state_dict, iter(staged))  # type: ignore[no-any-return]
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for (``stage`` is synchronous)."""
+
+    def close(self) -> None:
+        """Nothing to release beyond the pool (freed with the writer)."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _collect(obj: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(_local(obj))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _collect(v, out)
+
+
+def _rebuild(obj: Any, staged: Iterator[torch.Tensor]) -> Any:
+    """``obj`` with its tensors replaced by ``staged`` (in ``_collect``'s traversal order)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return DTensor.from_local(
+            next(staged), obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+            stride=obj.stride(),
+        )  # fmt: skip
+    if isinstance(obj, torch.Tensor):
+        return next(staged)
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, staged) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rebuild(v, staged) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_rebuild(v, staged) for v in obj)
+    return obj
+
+
+# ---- reading ---------------------------------------------------------------------------------
+class CkptStorageReader(StorageReader):
+    """A DCP ``StorageReader`` over a ckpt step directory written by :class:`CkptStorageWriter`.
+
+    Every chunk a rank reads is checked against the manifest's CRC32C (``verify=False`` skips
+    that; sizes are still checked).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        step: int | None = None,
+        *,
+        verify: bool = True,
+    ) -> None:
+        super().__init__()
+        self.directory = Path(directory) if directory is not None else None
+        self.step = step
+        self.verify = verify
+        self.storage_data: dict[MetadataIndex, dict] = {}
+        self._files: dict[str, dict] = {}
+
+    @property
+    def path(self) -> Path:
+        """The step directory being read."""
+        if self.directory is None:
+            raise CheckpointError("CkptStorageReader needs a directory (and a step)")
+        if self.step is None:
+            latest = _commit.steps(self.directory)
+            if not latest:
+                raise CheckpointError(f"{self.directory}: no committed checkpoints")
+            self.step = latest[-1]
+        return _commit.step_dir(self.directory, self.step)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new load; ``checkpoint_id`` may name ``DIR/step-N``."""
+        split = _split_id(checkpoint_id)
+        if split is not None:
+            self.directory, self.step = split
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a committed ckpt step directory."""
+        return (Path(checkpoint_id) / fmt.MANIFEST).is_file()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Read and verify the manifest; return DCP's metadata stored in it."""
+        path = self.path
+        body = fmt.read_manifest(path)
+        doc = body.get("metadata", {}).get("dcp")
+        if not isinstance(doc, dict):
+            raise CorruptCheckpointError(f"{path}: not a DCP checkpoint (no DCP metadata)")
+        self._files = {rec["name"]: rec for rec in body["files"]}
+        return decode_metadata(doc, str(path))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, **kw: Any) -> None:
+        """Keep the item locations."""
+        self.storage_data = dict(metadata.storage_data or {})
+        if not self._files:
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Unchanged."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Unchanged."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read the chunks this rank needs once, verify them, hand each item to the planner."""
+        per_file: dict[str, list[Any]] = {}
+        for req in plan.items:
+            loc = self.storage_data[req.storage_index]
+            per_file.setdefault(fmt.safe_relpath(loc["file"]), []).append(req)
+        for name, reqs in per_file.items():
+            rec = self._files.get(name)
+            if rec is None:
+                raise CorruptCheckpointError(f"{self.path}: {name} is not in the manifest")
+            locs = [self.storage_data[r.storage_index] for r in reqs]
+            lo = min(loc["offset"] for loc in locs)
+            hi = max(loc["offset"] + loc["nbytes"] for loc in locs)
+            base, data = self._read_chunks(rec, lo, hi)
+            for req, loc in zip(reqs, locs, strict=True):
+                raw = data[loc["offset"] - base : loc["offset"] - base + loc["nbytes"]]
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(bytes(raw)))
+                    continue
+                shape = [int(d) for d in loc["shape"]]
+                src = raw.view(torch_dtype(loc["dtype"])).view(shape) if raw.numel() else (
+                    torch.empty(shape, dtype=torch_dtype(loc["dtype"]))
+                )  # fmt: skip
+                src = _narrow(src, req.storage_offsets, req.lengths)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != src.size():
+                    raise CorruptCheckpointError(
+                        f"{self.path}/{name}: item {req.storage_index.fqn} has size "
+                        f"{tuple(src.size())}, the plan expects {tuple(target.size())}"
+                    )
+                target.copy_(src)
+                planner.commit_tensor(req, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_chunks(self, rec: dict, lo: int, hi: int) -> tuple[int, torch.Tensor]:
+        """Bytes ``[lo, hi)`` of a data file, widened to whole chunks, each verified."""
+        path = self.path / rec["name"]
+        chunk = rec["chunk_bytes"]
+        first, last = lo // chunk, max(lo, hi - 1) // chunk
+        start, end = first * chunk, min((last + 1) * chunk, rec["size"])
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path}: data file missing") from None
+        try:
+            if os.fstat(fd).st_size != rec["size"]:
+                raise CorruptCheckpointError(
+                    f"{path}: size {os.fstat(fd).st_size} != {rec['size']} bytes (truncated?)"
+                )
+            out = torch.empty(end - start, dtype=torch.uint8)
+            view = out.numpy().data.cast("B")
+            got = 0
+            while got < len(view):
+                n = os.preadv(fd, [view[got:]], start + got)
+                if n == 0:
+                    raise CorruptCheckpointError(f"{path}: unexpected end of file")
+                got += n
+        finally:
+            os.close(fd)
+        if self.verify:
+            for i in range(first, last + 1):
+                piece = view[i * chunk - start : min((i + 1) * chunk, rec["size"]) - start]
+                actual = to_hex(crc32c(piece))
+                if actual != rec["crc32c"][i]:
+                    raise CorruptCheckpointError(
+                        f"{path}: checksum mismatch in chunk {i}: {actual} != {rec['crc32c'][i]}"
+                    )
+        return start, out
+
+
+def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    for dim, (off, n) in enumerate(zip(offsets, lengths, strict=True)):
+        if off != 0 or n != t.size(dim):
+            t = t.narrow(dim, off, n)
+    return t
