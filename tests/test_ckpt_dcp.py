@@ -58,7 +58,9 @@ def _remote_opts(endpoint: str, bucket: str) -> Any:
     )
 
 
-def _save(rank: int, world: int, root: str, fsdir: str, endpoint: str, bucket: str) -> Any:
+def _save(  # noqa: PLR0917 - run_ranks passes positional args
+    rank: int, world: int, root: str, fsdir: str, endpoint: str, bucket: str
+) -> Any:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
