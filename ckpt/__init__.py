@@ -17,11 +17,13 @@ _EXPORTS: dict[str, str] = {
     "save": "ckpt.simple",
     "load": "ckpt.simple",
     "CheckpointError": "ckpt.errors",
+    "RemoteOptions": "ckpt.remote",
 }
 
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
+    "RemoteOptions",
     "__version__",
     "load",
     "save",
@@ -30,6 +32,7 @@ __all__ = [
 if TYPE_CHECKING:  # pragma: no cover
     from ckpt.errors import CheckpointError
     from ckpt.manager import CheckpointManager
+    from ckpt.remote import RemoteOptions
     from ckpt.simple import load, save
 
 
