@@ -1,0 +1,115 @@
+"""Vectorised index batches: torch's batches, without handing out one Python int at a time.
+
+``iter(BatchSampler(RandomSampler(ds), 256, False))`` yields each index through two Python
+generators and an ``islice``: on small records that is a third of an epoch. For the samplers
+the loader builds itself (and the feedpipe ``DistributedSampler``), :func:`index_batches`
+produces the same lists from one permutation (``torch.randperm``, an ``arange`` or the
+sampler's own permutation chunk), sliced per batch.
+
+"The same" is exact: the same lists of ints, and the same random draws at the same moments.
+torch's ``RandomSampler`` draws a seed from the global RNG (when it has no generator) at the
+first ``next()``, calls ``randperm(n)`` for the epoch and then, when its iterator runs dry, a
+second ``randperm(n)`` whose result is discarded (``num_samples % n == 0`` samples of it); the
+``BatchSampler`` runs it dry while building a partial last batch, or at the ``next()`` after
+the last full batch. The vectorised iterator makes those calls at those points, so the RNG
+state seen by the next epoch, by a ``state_dict()`` or by worker seeding is torch's.
+Anything else (subclasses, ``replacement=True``, ``num_samples``) takes the generic path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+__all__ = ["index_batches"]
+
+_CHUNK = 8192  # DistributedSampler: positions evaluated per permutation call (as the sampler)
+
+
+def index_batches(batch_sampler: Any) -> Iterator[Any]:
+    """``iter(batch_sampler)``, vectorised where the batches can be reproduced exactly."""
+    if type(batch_sampler) is BatchSampler:
+        sampler, size, drop = (
+            batch_sampler.sampler,
+            batch_sampler.batch_size,
+            batch_sampler.drop_last,
+        )
+        if type(sampler) is SequentialSampler:
+            return _sequential(sampler, size, drop)
+        if (
+            type(sampler) is RandomSampler
+            and sampler.replacement is False
+            and sampler._num_samples is None
+        ):
+            return _random(sampler, size, drop)
+        from feedpipe.sampler import DistributedSampler
+
+        if type(sampler) is DistributedSampler:
+            return _distributed(sampler, size, drop)
+    return iter(batch_sampler)
+
+
+def _sequential(sampler: SequentialSampler, size: int, drop: bool) -> Iterator[list[int]]:
+    n = len(sampler.data_source)  # type: ignore[arg-type]  # read at the first next(), as torch
+    end = n - n % size if drop else n
+    for lo in range(0, end, size):
+        yield list(range(lo, min(lo + size, n)))
+
+
+def _random(sampler: RandomSampler, size: int, drop: bool) -> Iterator[list[int]]:
+    n = len(sampler.data_source)
+    generator = sampler.generator
+    if generator is None:  # torch's draw: a seed from the global RNG, at the first next()
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+    # torch: ``for _ in range(num_samples // n)`` randperms, then a final one of which it keeps
+    # ``num_samples % n`` items; with num_samples == n (the default, required above) that is one
+    # epoch permutation plus one discarded randperm when the iterator runs dry
+    if n == 0:  # torch computes num_samples // n
+        raise ZeroDivisionError("integer division or modulo by zero")
+    perm = torch.randperm(n, generator=generator).numpy()
+    full, rest = divmod(n, size)
+    for lo in range(0, full * size, size):
+        yield perm[lo : lo + size].tolist()
+    # torch's iterator runs dry here: while building the partial last batch (drop_last=False),
+    # or on the next() after the last full batch
+    torch.randperm(n, generator=generator)
+    if rest and not drop:
+        yield perm[full * size :].tolist()
+
+
+def _distributed(sampler: Any, size: int, drop: bool) -> Iterator[list[int]]:
+    """feedpipe's ``DistributedSampler``: its ``_generate`` in chunks, ``_local`` per batch.
+
+    Mirrors ``DistributedSampler.__iter__``/``_generate`` (feedpipe/sampler.py): the plan is
+    taken at ``iter()``, then the rank's stream positions go through the epoch permutation
+    ``_CHUNK`` at a time; ``_local`` (the resume counter) advances by the samples handed out,
+    including the dropped tail that ``BatchSampler(drop_last=True)`` pulls before it stops.
+    """
+    iter(sampler)  # sets the plan and the starting count, as torch's BatchSampler does here
+    plan, local = sampler._plan, sampler._local
+    n = sampler._n
+    count = plan.count(n, sampler.rank)
+    if local >= count:
+        return
+    perm = sampler._permutation()
+    remaining = plan.remaining(n)
+    pending: list[int] = []
+    for lo in range(local, count, _CHUNK):
+        k = np.arange(lo, min(lo + _CHUNK, count), dtype=np.int64)
+        chunk = perm(plan.start + (sampler.rank + k * plan.world) % remaining).tolist()
+        if pending:
+            chunk = pending + chunk
+        stop = len(chunk) - len(chunk) % size
+        for i in range(0, stop, size):
+            sampler._local += size
+            yield chunk[i : i + size]
+        pending = chunk[stop:]
+    sampler._local += len(pending)
+    if pending and not drop:
+        yield pending
