@@ -18,10 +18,11 @@ batch is decoded again without them.
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
+import queue
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,7 +155,7 @@ class ImageLoader:
         self._pipe: Any = None
         self._fed: Any = None
         self._probe: Any = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._caller: _Caller | None = None
         self._dali_epoch = -1
         self._running = False  # a pipeline epoch is in flight (not run to its end)
         self._tainted = False  # DALI failed on a batch of the current pipeline
@@ -216,9 +217,9 @@ class ImageLoader:
         """Stop DALI's workers and remove the plan directory (also done at garbage collection)."""
         self._pipe = self._fed = self._probe = None
         self._running = False
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        if self._caller is not None:
+            self._caller.stop()
+            self._caller = None
         if self._plan_dir is not None:
             shutil.rmtree(self._plan_dir, ignore_errors=True)
             self._plan_dir = None
@@ -287,14 +288,13 @@ class ImageLoader:
 
     def _run(self, pipe: Any, what: str) -> Any:
         """``pipe.run()`` with a timeout; a hung or dead worker raises WorkerError."""
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, "feedpipe-dali")
-        future = self._pool.submit(pipe.run)
+        if self._caller is None:
+            self._caller = _Caller()
         try:
-            return future.result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool, self._pipe, self._running = None, None, False
+            return self._caller.call(pipe.run, self.timeout)
+        except TimeoutError:
+            self._caller = None  # its thread is stuck in DALI; a daemon, it cannot block exit
+            self._pipe, self._running = None, False
             raise WorkerError(
                 f"DALI pipeline produced no {what} within {self.timeout} s "
                 f"(dataset {_describe(self.dataset)})"
@@ -429,6 +429,39 @@ def _tensor(batch: Any, device: torch.device) -> torch.Tensor:
     out = torch.empty(dense.shape(), dtype=dtypes[dense.dtype], device=device)
     plugin.feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream(device))
     return out
+
+
+class _Caller:
+    """Runs calls on one daemon thread so the caller can wait with a timeout.
+
+    A daemon thread (unlike ``concurrent.futures`` workers, which are joined at interpreter exit)
+    never keeps the process alive when DALI hangs.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="feedpipe-dali", daemon=True).start()
+
+    def _loop(self) -> None:
+        while (fn := self._tasks.get()) is not None:
+            try:
+                self._results.put((True, fn()))
+            except BaseException as exc:
+                self._results.put((False, exc))
+
+    def call(self, fn: Any, timeout: float) -> Any:
+        self._tasks.put(fn)
+        try:
+            ok, value = self._results.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError from None
+        if ok:
+            return value
+        raise value
+
+    def stop(self) -> None:
+        self._tasks.put(None)
 
 
 def _shm_dir() -> str | None:

@@ -16,10 +16,10 @@ import torch
 pytest.importorskip("nvidia.dali")
 Image = pytest.importorskip("PIL.Image")
 
-from test_dali_datasets import BytesDataset, ExplodingDataset  # noqa: E402
+from test_dali_datasets import BytesDataset, ExplodingDataset, HangingDataset  # noqa: E402
 
 from feedpipe.dali import ImageLoader  # noqa: E402
-from feedpipe.errors import DatasetError  # noqa: E402
+from feedpipe.errors import DatasetError, WorkerError  # noqa: E402
 from feedpipe.sampler import DistributedSampler  # noqa: E402
 from feedpipe.stall import StallMeter  # noqa: E402
 
@@ -255,6 +255,15 @@ def test_read_error_is_reported_or_skipped(images: list[bytes]) -> None:
         list(loader)
     with _loader(ds, batch_size=3, train=False, shuffle=False, on_error="skip") as loader:
         assert torch.cat([y for _, y in loader]).tolist() == [0, 1, 3, 3, 4, 5]
+
+
+def test_hung_worker_times_out(images: list[bytes]) -> None:
+    ds = HangingDataset(images[:8])
+    loader = _loader(ds, batch_size=4, train=False, shuffle=False, timeout=3)
+    # DALI prefetches batch 1 while producing batch 0, so either may be the one that times out
+    with pytest.raises(WorkerError, match=r"produced no batch [01] within 3 s \(dataset mem://"):
+        list(loader)
+    loader.close()  # returns although a worker is still stuck
 
 
 @pytest.mark.gpu

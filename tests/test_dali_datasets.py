@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["BytesDataset", "ExplodingDataset"]
+__all__ = ["BytesDataset", "ExplodingDataset", "HangingDataset"]
 
 
 class BytesDataset:
@@ -34,4 +34,15 @@ class ExplodingDataset(BytesDataset):
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
         if i == 2:
             raise OSError(f"checksum mismatch in shard 0 at record {i}")
+        return super().__getitem__(i)
+
+
+class HangingDataset(BytesDataset):
+    """Record 5 never comes back (a stuck network filesystem, say)."""
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        if i == 5:
+            import time
+
+            time.sleep(3600)
         return super().__getitem__(i)
