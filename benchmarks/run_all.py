@@ -53,7 +53,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("--device", "cpu", "--size-gb", "0.5", "--saves", "3"),
         ("--device", "cpu", "--size-gb", "2.0", "--saves", "3"),
     ),
-    Benchmark("ckpt_remote", ("--quick",), ()),
+    Benchmark("ckpt_remote", ("--size-mb", "64", "--repeats", "1")),
     Benchmark("gpu_feed", ("--gb", "1", "--seconds", "2"), (), gpu=True),
     Benchmark(
         "dali_images",
