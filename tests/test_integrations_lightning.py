@@ -64,6 +64,22 @@ class _Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class _Seen(L.Callback):
+    """Where a (resumed) fit started and how many batches it ran."""
+
+    def __init__(self) -> None:
+        self.start_step = -1
+        self.batches = 0
+        self.start_weight = torch.empty(0)
+
+    def on_train_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        self.start_step = trainer.global_step
+        self.start_weight = pl_module.net.weight.detach().clone()
+
+    def on_train_batch_end(self, *args):  # type: ignore[no-untyped-def]
+        self.batches += 1
+
+
 def _trainer(tmp_path: Path, **kw) -> L.Trainer:  # type: ignore[no-untyped-def]
     return L.Trainer(
         accelerator="cpu",
@@ -98,10 +114,11 @@ def test_checkpoint_io_saves_ckpt_directories_and_resumes(tmp_path: Path) -> Non
     assert state["optimizer_states"][0]["state"]  # momentum buffers were saved
 
     # resume from it: the loop and the model pick up at step 8 and go on to 12
-    resumed = _Model()
-    trainer = _trainer(tmp_path, max_steps=12, plugins=[CkptCheckpointIO()])
-    trainer.fit(resumed, _loader(), ckpt_path=str(last))
-    assert trainer.global_step == 12
+    seen = _Seen()
+    trainer = _trainer(tmp_path, max_steps=12, plugins=[CkptCheckpointIO()], callbacks=[seen])
+    trainer.fit(_Model(), _loader(), ckpt_path=str(last))
+    assert seen.start_step == 8 and seen.batches == 4 and trainer.global_step == 12
+    assert torch.equal(seen.start_weight, state["state_dict"]["net.weight"])
 
 
 def test_checkpoint_io_remove_and_top_k(tmp_path: Path) -> None:
