@@ -258,6 +258,7 @@ class RemoteTier:
                     self._cond.notify_all()
                     return
                 self._busy = True
+            step = -1
             try:
                 if not self._scanned:
                     self._reconcile()
@@ -265,6 +266,13 @@ class RemoteTier:
                     with self._cond:
                         step = self._queue.popleft()
                     self._upload_one(step)
+            except Exception as exc:  # never let the thread die silently: report and go on
+                for failed in [step] if step >= 0 else _commit.steps(self.directory):
+                    self._fail(failed, exc)
+            except BaseException:
+                with self._cond:
+                    self._thread = None
+                raise
             finally:
                 with self._cond:
                     self._scanned = True
@@ -494,9 +502,17 @@ class RemoteTier:
         self._retain_remote()
 
     # ---- restore from the remote ----------------------------------------------------------
-    def committed_steps(self) -> list[int]:
-        """Steps committed on the remote (listing only; restore verifies)."""
-        listing = self._call(lambda: list_remote(self.fs, self.root), 0, "", "list")
+    def committed_steps(self, deadline_s: float | None = None) -> list[int]:
+        """Steps committed on the remote (listing only; restore verifies). ``deadline_s`` bounds
+        the retries (default: ``min(30, RemoteOptions.deadline_s)``)."""
+        limit = min(30.0, self.options.deadline_s) if deadline_s is None else deadline_s
+        listing = call(
+            lambda: list_remote(self.fs, self.root),
+            self.url,
+            what="list",
+            policy=RetryPolicy(deadline_s=limit, base_s=0.1, max_sleep_s=2.0),
+            storage_options=self.options.storage_options,
+        )
         return sorted(s for s, e in listing.items() if e.committed)
 
     def download(self, step: int) -> Path:
