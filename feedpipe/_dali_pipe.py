@@ -88,6 +88,7 @@ def build_main(
     py_num_workers: int,
     py_start_method: str,
     prefetch: int,
+    prefetch_queue_depth: int,
     hw_decoder_load: float,
 ) -> Any:
     """The loader's pipeline: parallel external source -> decode -> transforms (+ labels, meta)."""
@@ -101,7 +102,7 @@ def build_main(
         seed=seed,
         py_num_workers=py_num_workers,
         py_start_method=py_start_method,
-        prefetch_queue_depth=2,
+        prefetch_queue_depth=prefetch_queue_depth,
         exec_dynamic=True,
     )
     with pipe:

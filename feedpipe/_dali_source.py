@@ -2,10 +2,18 @@
 
 :class:`_BatchSource` runs inside DALI's Python worker processes (``external_source`` with
 ``parallel=True, batch=True, batch_info=True``). It must be picklable, so it carries only the
-dataset and the directory where the loader publishes one *plan* per DALI epoch: the indices this
-rank reads in that epoch (``plan-<epoch>.npy``) and the indices known to be bad
-(``skip-<epoch>.npy``). Every batch returns, next to the encoded images and labels, one ``meta``
-row per sample: ``[requested index, index read, reason, read ns, bytes, DALI epoch]``.
+dataset and the directory where the loader publishes *segments*. The pipeline runs as one endless
+DALI epoch (it is never reset); DALI's iteration counter ``g`` numbers every batch it ever asks
+for. Segment ``s`` (``seg-<s>.npy``: ``[start, *indices]``, and ``skip-<s>.npy``: the indices known
+to be bad) maps the iterations ``start, start + 1, ...`` to its batches of indices; a later segment
+overrides earlier ones from its start on. An iteration that no segment covers yet is answered
+with a one-image *filler* batch while it lies within ``gap`` iterations after the last segment
+(DALI feeds one or two batches ahead of what the loader consumes), and otherwise waits until the
+loader publishes the next segment (or removes the directory, at close). The loader discards the
+outputs of fillers and of overridden iterations.
+
+Every batch returns, next to the encoded images and labels, one ``meta`` row per sample:
+``[requested index, index read, reason, read ns, bytes, segment]`` (segment -1: a filler).
 
 A bad record (reason != 0) is replaced by the next valid record in dataset order
 (``i + 1, i + 2, ...`` modulo ``len(dataset)``): deterministic, whatever the batch, rank or epoch.
@@ -81,11 +89,25 @@ def as_u8(data: Any) -> np.ndarray:
     return np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
 
 
-def write_plan(root: Path, epoch: int, indices: np.ndarray, skip: list[int]) -> None:
-    """Publish the plan of one DALI epoch atomically (write, then rename)."""
+# An 8x8 grey baseline JPEG (283 bytes): the image of a filler batch.
+_FILLER = bytes.fromhex(
+    "ffd8ffe000104a46494600010100000100010000ffdb004300100b0c0e0c0a100e0d0e1211101318281a1816"
+    "16183123251d283a333d3c3933383740485c4e404457453738506d51575f626768673e4d71797064785c6567"
+    "63ffdb0043011112121815182f1a1a2f634238426363636363636363636363636363636363636363636363"
+    "636363636363636363636363636363636363636363636363ffc00011080008000803012200021101031101"
+    "ffc40014000100000000000000000000000000000000ffc40014100100000000000000000000000000000000"
+    "ffc40014010100000000000000000000000000000000ffc40014110100000000000000000000000000000000"
+    "ffda000c03010002110311003f00000fffd9"
+)
+_POLL_S = (0.0005, 0.005)  # first and longest sleep while a worker waits for the next segment
+
+
+def write_segment(root: Path, seg: int, start: int, indices: np.ndarray, skip: list[int]) -> None:
+    """Publish segment ``seg`` atomically (write, then rename; the skip list first)."""
+    body = np.concatenate([[start], np.asarray(indices, dtype=np.int64)]).astype(np.int64)
     for name, arr in (
-        (f"skip-{epoch}.npy", np.asarray(sorted(skip), dtype=np.int64)),
-        (f"plan-{epoch}.npy", np.asarray(indices, dtype=np.int64)),
+        (f"skip-{seg}.npy", np.asarray(sorted(skip), dtype=np.int64)),
+        (f"seg-{seg}.npy", body),
     ):
         tmp = root / f".{name}.tmp"
         with open(tmp, "wb") as f:
@@ -93,40 +115,76 @@ def write_plan(root: Path, epoch: int, indices: np.ndarray, skip: list[int]) -> 
         os.replace(tmp, root / name)
 
 
+class _Segment:
+    def __init__(self, root: Path, seg: int, batch_size: int, drop_last: bool) -> None:
+        body = np.load(root / f"seg-{seg}.npy")
+        self.id = seg
+        self.start = int(body[0])
+        self.indices = body[1:]
+        self.skip = {int(i) for i in np.load(root / f"skip-{seg}.npy")}
+        n = len(self.indices)
+        self.batches = n // batch_size if drop_last else -(-n // batch_size)
+
+
 class _BatchSource:
     """Batch-mode source callable for DALI's parallel external source (runs in its workers)."""
 
-    def __init__(self, dataset: Any, plan_dir: str, batch_size: int, drop_last: bool) -> None:
+    def __init__(
+        self, dataset: Any, plan_dir: str, batch_size: int, drop_last: bool, gap: int
+    ) -> None:
         self.dataset = dataset
         self.plan_dir = plan_dir
         self.batch_size = batch_size
         self.drop_last = drop_last
-        self._epoch = -1
-        self._plan = np.empty(0, dtype=np.int64)
-        self._skip: set[int] = set()
+        self.gap = gap
+        self._segments: list[_Segment] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state.update(_epoch=-1, _plan=np.empty(0, dtype=np.int64), _skip=set())
-        return state
+        return {**self.__dict__, "_segments": []}
 
-    def _load(self, epoch: int) -> None:
+    def _refresh(self) -> bool:
+        """Load segments published since the last look; False once the loader has closed."""
         root = Path(self.plan_dir)
-        self._plan = np.load(root / f"plan-{epoch}.npy")
-        self._skip = {int(i) for i in np.load(root / f"skip-{epoch}.npy")}
-        self._epoch = epoch
+        while True:
+            seg = len(self._segments)
+            try:
+                self._segments.append(_Segment(root, seg, self.batch_size, self.drop_last))
+            except FileNotFoundError:
+                return root.is_dir()
+
+    def _find(self, g: int) -> tuple[_Segment | None, bool]:
+        """``(segment, wait)`` for iteration ``g``: its segment, a filler (None, False) or wait."""
+        for seg in reversed(self._segments):
+            if seg.start <= g:
+                if g < seg.start + seg.batches:
+                    return seg, False
+                if seg is self._segments[-1]:  # past the last segment
+                    return None, g >= seg.start + seg.batches + self.gap
+                return None, False  # overridden by a later segment that starts after g
+        return None, not self._segments
 
     def __call__(self, info: Any) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
-        if info.epoch_idx != self._epoch:
-            self._load(int(info.epoch_idx))
-        lo = int(info.iteration) * self.batch_size
-        hi = min(lo + self.batch_size, len(self._plan))
-        if lo >= hi or (self.drop_last and hi - lo < self.batch_size):
-            raise StopIteration
-        images, labels, meta = [], [], []
-        for index in self._plan[lo:hi].tolist():
-            buf, label, row = read_valid(self.dataset, index, self._skip)
-            row[5] = self._epoch
+        g = int(info.iteration)
+        alive = self._refresh()  # always: a segment published since may override iteration g
+        seg, wait = self._find(g)
+        sleep = _POLL_S[0]
+        while seg is None and wait and alive:
+            time.sleep(sleep)
+            sleep = min(2 * sleep, _POLL_S[1])
+            alive = self._refresh()  # False once the loader closed: a filler ends the wait
+            seg, wait = self._find(g)
+        if seg is None:
+            filler = np.frombuffer(_FILLER, dtype=np.uint8)
+            row = np.array([-1, -1, OK, 0, 0, -1], dtype=np.int64)
+            return [filler], [np.array(-1, dtype=np.int64)], [row]
+        lo = (g - seg.start) * self.batch_size
+        hi = min(lo + self.batch_size, len(seg.indices))
+        images: list[np.ndarray] = []
+        labels: list[np.ndarray] = []
+        meta: list[np.ndarray] = []
+        for index in seg.indices[lo:hi].tolist():
+            buf, label, row = read_valid(self.dataset, index, seg.skip)
+            row[5] = seg.id
             images.append(buf)
             labels.append(np.array(label, dtype=np.int64))
             meta.append(row)

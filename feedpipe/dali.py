@@ -18,6 +18,7 @@ batch is decoded again without them.
 
 from __future__ import annotations
 
+import copy
 import math
 import queue
 import shutil
@@ -46,6 +47,7 @@ from feedpipe.stall import StallMeter
 __all__ = ["ImageLoader"]
 
 _STATE_VERSION = 1
+_PIPE_DEPTH = 2  # DALI's prefetch_queue_depth: run() feeds one batch ahead of what it returns
 
 
 class ImageLoader:
@@ -156,8 +158,16 @@ class ImageLoader:
         self._fed: Any = None
         self._probe: Any = None
         self._caller: _Caller | None = None
-        self._dali_epoch = -1
-        self._running = False  # a pipeline epoch is in flight (not run to its end)
+        # The pipeline persists across epochs as one endless stream (see _dali_source): each
+        # epoch is a segment of DALI iterations; the next epoch's order is predicted and
+        # published ahead, so DALI reads and decodes across the epoch boundary without a pause.
+        self._pos = 0  # DALI iteration of the next pipe.run() output
+        self._segs = 0  # segments published (the next one's id)
+        self._seg_id = -1  # the segment of the epoch being iterated
+        self._last_end = 0  # the iteration after the last published segment
+        self._spec: tuple[int, int, np.ndarray, list[int]] | None = None  # id, start, plan, skip
+        self._speculate = True  # off once a prediction was wrong
+        self._running = False  # an epoch is in flight (not run to its end)
         self._tainted = False  # DALI failed on a batch of the current pipeline
         self._iter_state: dict[str, Any] | None = None  # sampler state at the current __iter__
         self._delivered = 0
@@ -183,6 +193,9 @@ class ImageLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         indices = self._begin_epoch()
         return self._batches(indices)
+
+    def _n_batches(self, n: int) -> int:
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def state_dict(self) -> dict[str, Any]:
         """Sampler state (``consumed`` = samples delivered this epoch) + the bad-record list."""
@@ -215,14 +228,11 @@ class ImageLoader:
 
     def close(self) -> None:
         """Stop DALI's workers and remove the plan directory (also done at garbage collection)."""
-        self._pipe = self._fed = self._probe = None
-        self._running = False
+        self._new_generation()  # the plan directory first: workers waiting on it return
+        self._fed = self._probe = None
         if self._caller is not None:
             self._caller.stop()
             self._caller = None
-        if self._plan_dir is not None:
-            shutil.rmtree(self._plan_dir, ignore_errors=True)
-            self._plan_dir = None
 
     def __enter__(self) -> ImageLoader:
         return self
@@ -238,8 +248,6 @@ class ImageLoader:
 
     # ------------------------------------------------------------------------- internals
     def _begin_epoch(self) -> np.ndarray:
-        if self._running:  # the previous iteration was abandoned mid-epoch: start over
-            self._new_generation()
         self._iter_state = (
             dict(self.sampler.state_dict())
             if hasattr(self.sampler, "state_dict")
@@ -253,21 +261,33 @@ class ImageLoader:
 
     def _new_generation(self) -> None:
         """Drop the pipeline (its workers exit) and its plans; the next epoch builds anew."""
-        self._pipe, self._running, self._tainted = None, False, False
         if self._plan_dir is not None:
             shutil.rmtree(self._plan_dir, ignore_errors=True)
             self._plan_dir = None
+        self._pipe, self._running, self._tainted, self._spec = None, False, False, None
+        self._pos = self._segs = self._last_end = 0
 
-    def _start_pipeline(self, indices: np.ndarray) -> None:
+    def _publish(self, indices: np.ndarray, start: int) -> int:
+        """Write the next segment (``indices`` from DALI iteration ``start`` on); its id."""
+        assert self._plan_dir is not None
+        seg = self._segs
+        _src.write_segment(Path(self._plan_dir), seg, start, indices, sorted(self._skip))
+        self._segs += 1
+        self._last_end = start + self._n_batches(len(indices))
+        return seg
+
+    def _start_epoch(self, indices: np.ndarray) -> int:
+        """Make DALI produce ``indices`` next; returns the iteration of their first batch."""
         if self._tainted:  # a batch failed in the last epoch: start a new pipeline
             self._new_generation()
-        if self._plan_dir is None:
-            self._plan_dir = tempfile.mkdtemp(prefix="feedpipe-dali-", dir=_shm_dir())
-        root = Path(self._plan_dir)
+        spec, self._spec = self._spec, None
         if self._pipe is None:
-            self._dali_epoch = 0
-            _src.write_plan(root, 0, indices, sorted(self._skip))
-            source = _src._BatchSource(self.dataset, str(root), self.batch_size, self.drop_last)
+            self._plan_dir = tempfile.mkdtemp(prefix="feedpipe-dali-", dir=_shm_dir())
+            source = _src._BatchSource(
+                self.dataset, self._plan_dir, self.batch_size, self.drop_last, gap=_PIPE_DEPTH
+            )
+            self._pos = self._segs = 0
+            self._seg_id = self._publish(indices, 0)
             self._pipe = build_main(
                 source,
                 self.transform,
@@ -278,13 +298,51 @@ class ImageLoader:
                 py_num_workers=self._py_num_workers,
                 py_start_method=self._py_start_method,
                 prefetch=self._prefetch,
+                prefetch_queue_depth=_PIPE_DEPTH,
                 hw_decoder_load=self._hw_decoder_load,
             )
+            start = 0
+        elif (
+            spec is not None
+            and spec[1] == self._pos
+            and np.array_equal(spec[2], indices)
+            and spec[3] == sorted(self._skip)
+        ):  # predicted right: DALI is already on it
+            self._seg_id, start = spec[0], spec[1]
         else:
-            self._dali_epoch += 1
-            _src.write_plan(root, self._dali_epoch, indices, sorted(self._skip))
-            self._pipe.reset()
+            if spec is not None and spec[1] == self._pos:
+                self._speculate = False  # this sampler's next order is not predictable
+            if spec is None and self._pos == self._last_end:
+                start = self._pos + _PIPE_DEPTH  # workers answer fillers up to here, then wait
+            else:  # override iterations DALI may have asked for already (pipeline + prefetch)
+                start = self._pos + _PIPE_DEPTH + self._prefetch + 2
+            self._seg_id = self._publish(indices, start)
+        if self._speculate:
+            self._predict_next()
         self._running = True
+        return start
+
+    def _predict_next(self) -> None:
+        """Publish the order the sampler will give after ``set_epoch(epoch + 1)``, if knowable."""
+        sampler = self.sampler
+        epoch = getattr(sampler, "epoch", None)
+        if (
+            not hasattr(sampler, "set_epoch")
+            or not isinstance(epoch, int)
+            or getattr(sampler, "generator", None) is not None  # a shared RNG: never touch it
+        ):
+            self._speculate = False
+            return
+        try:
+            twin = copy.copy(sampler)
+            twin.set_epoch(epoch + 1)
+            indices = np.fromiter((int(i) for i in twin), dtype=np.int64)
+        except Exception:
+            self._speculate = False
+            return
+        if self._n_batches(len(indices)) > 0:
+            start = self._last_end
+            self._spec = (self._publish(indices, start), start, indices, sorted(self._skip))
 
     def _run(self, pipe: Any, what: str) -> Any:
         """``pipe.run()`` with a timeout; a hung or dead worker raises WorkerError."""
@@ -294,25 +352,39 @@ class ImageLoader:
             return self._caller.call(pipe.run, self.timeout)
         except TimeoutError:
             self._caller = None  # its thread is stuck in DALI; a daemon, it cannot block exit
-            self._pipe, self._running = None, False
+            self._new_generation()
             raise WorkerError(
                 f"DALI pipeline produced no {what} within {self.timeout} s "
                 f"(dataset {_describe(self.dataset)})"
             ) from None
 
+    def _next(self, what: str) -> Any:
+        """The next DALI output (advances the stream position, also when DALI raises)."""
+        try:
+            return self._run(self._pipe, what)
+        except StopIteration:
+            self._running = False
+            raise WorkerError(f"DALI pipeline ended before {what}") from None
+        finally:
+            self._pos += 1
+
     def _batches(self, indices: np.ndarray) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         bs = self.batch_size
-        n_batches = len(indices) // bs if self.drop_last else math.ceil(len(indices) / bs)
+        n_batches = self._n_batches(len(indices))
         if n_batches == 0:
             return
-        self._start_pipeline(indices)
+        start = self._start_epoch(indices)
+        while self._pos < start:  # outputs of fillers or of overridden batches
+            try:
+                self._next("a discarded batch")
+            except (WorkerError, KeyboardInterrupt):
+                raise
+            except Exception:
+                self._tainted = True
         for b in range(n_batches):
             self.meter.wait_begin()
             try:
-                out = self._run(self._pipe, f"batch {b}")
-            except StopIteration:
-                self._running = False
-                raise WorkerError(f"DALI pipeline ended after {b} of {n_batches} batches") from None
+                out = self._next(f"batch {b}")
             except (WorkerError, KeyboardInterrupt):
                 raise
             except Exception as exc:  # DALI could not decode this batch
@@ -322,11 +394,11 @@ class ImageLoader:
             else:
                 images, labels, meta = self._to_torch(out)
             expected = indices[b * bs : (b + 1) * bs]
-            if not np.array_equal(meta[:, 0], expected) or (meta[:, 5] != self._dali_epoch).any():
+            if not np.array_equal(meta[:, 0], expected) or (meta[:, 5] != self._seg_id).any():
                 raise WorkerError(
                     f"DALI returned batch {b} out of order: indices {meta[:, 0].tolist()[:8]} of "
-                    f"plan {meta[0, 5]}, expected {expected.tolist()[:8]} "
-                    f"of plan {self._dali_epoch}"
+                    f"segment {meta[0, 5]}, expected {expected.tolist()[:8]} "
+                    f"of segment {self._seg_id}"
                 )
             self._account(meta)
             nbytes = int(meta[:, 4].sum())
@@ -334,11 +406,7 @@ class ImageLoader:
             self.meter.wait_end(samples=len(labels), nbytes=nbytes)
             self._delivered += len(labels)
             yield images, labels
-        try:  # let DALI see the end of its epoch, so the next one starts with reset()
-            self._run(self._pipe, "end of epoch")
-            raise WorkerError("DALI pipeline produced more batches than the plan holds")
-        except StopIteration:
-            self._running = False
+        self._running = False
 
     def _to_torch(self, out: Any) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         images = _tensor(out[0], self.device)
@@ -387,7 +455,7 @@ class ImageLoader:
                 self._skip.add(used)  # the next read_valid moves past it
             if int(row[1]) != index and int(row[2]) == _src.OK:
                 row[2] = _src.DECODE_ERROR
-            row[5] = self._dali_epoch
+            row[5] = self._seg_id
             bufs.append(buf)
             labels.append(label)
             rows.append(row)
