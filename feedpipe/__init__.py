@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "StallStats": "feedpipe.stall",
     "DatasetError": "feedpipe.errors",
     "GPUFeed": "feedpipe.gpu",
+    "ImageLoader": "feedpipe.dali",
 }
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "DatasetError",
     "DistributedSampler",
     "GPUFeed",
+    "ImageLoader",
     "MemmapDataset",
     "MemmapWriter",
     "ShardCache",
@@ -49,6 +51,7 @@ __all__ = [
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from feedpipe.cache import ShardCache
     from feedpipe.convert import convert
+    from feedpipe.dali import ImageLoader
     from feedpipe.errors import DatasetError
     from feedpipe.gpu import GPUFeed
     from feedpipe.loader import DataLoader, get_worker_info
