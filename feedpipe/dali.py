@@ -248,13 +248,14 @@ class ImageLoader:
 
     # ------------------------------------------------------------------------- internals
     def _begin_epoch(self) -> np.ndarray:
+        it = iter(self.sampler)  # first: a sampler may start its epoch (or a resume) here
         self._iter_state = (
             dict(self.sampler.state_dict())
             if hasattr(self.sampler, "state_dict")
             else {"consumed": self._resume_skip}
         )
         self._delivered = 0
-        indices = np.fromiter((int(i) for i in self.sampler), dtype=np.int64)
+        indices = np.fromiter((int(i) for i in it), dtype=np.int64)
         if self._resume_skip:
             indices, self._resume_skip = indices[self._resume_skip :], 0
         return indices

@@ -178,6 +178,53 @@ def test_resume_mid_epoch(images: list[bytes]) -> None:
     assert tail == order[8:]
 
 
+class _ListSampler:
+    """A sampler without ``set_epoch``: its next order cannot be predicted."""
+
+    def __init__(self, order: list[int]) -> None:
+        self.order = order
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+def test_one_pipeline_across_epochs_in_sampler_order(images: list[bytes]) -> None:
+    """Epochs stream through one DALI pipeline: predicted, mispredicted, abandoned, resumed."""
+    ds = BytesDataset(images)
+    sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=9, pad=False)
+    twin = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=9, pad=False)
+    with _loader(ds, batch_size=4, sampler=sampler, train=False) as loader:
+        pipe = None
+        for epoch in (0, 1, 2, 7, 8):  # 2 -> 7: the predicted order (epoch 3) is overridden
+            loader.set_epoch(epoch)
+            twin.set_epoch(epoch)
+            if epoch == 8:  # abandon epoch 8 after one batch, then iterate it whole
+                assert next(iter(loader))[1].tolist() == list(twin)[:4]
+            got = torch.cat([y for _, y in loader]).tolist()
+            assert got == list(twin), epoch
+            pipe = pipe or loader._pipe
+            assert loader._pipe is pipe  # never rebuilt
+        assert not loader._speculate  # switched off by the wrong guess
+        state = loader.state_dict()
+    assert state["sampler"]["epoch"] == 8 and state["sampler"]["consumed"] == 22
+
+
+def test_unpredictable_sampler_order_is_kept(images: list[bytes]) -> None:
+    ds = BytesDataset(images)
+    sampler = _ListSampler(list(range(22)))
+    with _loader(ds, batch_size=5, sampler=sampler, train=False, drop_last=True) as loader:
+        pipe = None
+        for epoch in range(3):
+            sampler.order = np.random.default_rng(epoch).permutation(22).tolist()
+            got = torch.cat([y for _, y in loader]).tolist()
+            assert got == sampler.order[:20]
+            pipe = pipe or loader._pipe
+            assert loader._pipe is pipe
+
+
 def _with_corrupt(images: list[bytes], bad: dict[int, str]) -> BytesDataset:
     records = list(images)
     for i, kind in bad.items():
