@@ -13,7 +13,11 @@ comes from ``flock`` locks, one per file:
   renamed after its size and CRC32C match the index; a temp whose lock is free belongs to a dead
   downloader and is removed by the next eviction scan;
 * space is reserved under a cache-wide lock before a download starts (the temp name records the
-  size), so concurrent downloaders together stay under the limit.
+  size), so concurrent downloaders together stay under the limit;
+* a download that has to wait for room touches ``.pressure`` in the cache directory and calls
+  its caller's ``on_wait``: readers that keep idle files pinned (a dataset's open shards) drop
+  those pins at their next read (:meth:`ShardCache.pressure_changed`). Background prefetches
+  never wait for room: they give up (the file is fetched again on use).
 
 A local path or ``file://`` URL is not cached: files are read in place and never evicted.
 Each dataset version gets its own subdirectory (keyed by URL and index checksum), so a rewritten
@@ -30,7 +34,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +50,7 @@ log = logging.getLogger("feedpipe.cache")
 
 _LOCKS = ".locks"
 _CACHE_LOCK = ".cache.lock"
+_PRESSURE = ".pressure"
 _POLL_S = 0.01
 
 
@@ -107,6 +112,8 @@ class ShardCache:
         timeout_s: how long to wait for a lock (e.g. another process's download of the same file).
         room_timeout_s: how long to wait for readers to unpin files when the cache is full.
         deadline_s: retry deadline for transient remote errors, per file.
+        index_bytes: the dataset's ``index.json`` as the caller already read it (so that caller
+            and cache see the same version); read from the remote when ``None``.
     """
 
     def __init__(
@@ -122,6 +129,7 @@ class ShardCache:
         timeout_s: float = 600.0,
         room_timeout_s: float = 30.0,
         deadline_s: float = 120.0,
+        index_bytes: bytes | None = None,
     ) -> None:
         self._args: dict[str, Any] = {
             "url": os.fspath(remote_root),
@@ -135,7 +143,7 @@ class ShardCache:
             "room_timeout_s": room_timeout_s,
             "deadline_s": deadline_s,
         }
-        self._setup(None)
+        self._setup(index_bytes)
 
     def _setup(self, raw_index: bytes | None) -> None:
         a = self._args
@@ -199,6 +207,7 @@ class ShardCache:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future[None]] = {}
         self._closed = False
+        self._pressure_ns = 0
 
     def _check_process(self) -> None:
         """After a fork: drop the parent's pins (its own fds keep its locks) and thread pool."""
@@ -208,21 +217,25 @@ class ShardCache:
                     with contextlib.suppress(OSError):
                         os.close(fd)
             self._reset_process_state()
+            if not self.is_local:  # s3fs and other async filesystems are not fork-safe
+                self._fs, self._root = _remote.resolve(self.url, self._options)
 
     # ---------------------------------------------------------------- public API
     def path(self, relpath: str) -> str:
         """The local path of ``relpath`` (present or not)."""
         return os.path.join(self.dir, relpath)
 
-    def acquire(self, relpath: str) -> str:
+    def acquire(self, relpath: str, on_wait: Callable[[], None] | None = None) -> str:
         """Make ``relpath`` local (downloading it once if needed), pin it and return its path.
 
         The file cannot be evicted until :meth:`release` is called for each :meth:`acquire`.
+        ``on_wait`` is called while the download waits for room under the limit (e.g. to
+        release the caller's own idle pins).
         """
         if self.is_local:
             return self.path(relpath)
         self._check_process()
-        fd = self._ensure(relpath, pin=True)
+        fd = self._ensure(relpath, pin=True, on_wait=on_wait)
         assert fd is not None
         with self._lock:
             self._pins.setdefault(relpath, []).append(fd)
@@ -317,8 +330,31 @@ class ShardCache:
     def fetch(self, relpaths: Iterable[str]) -> None:
         """Make ``relpaths`` local now, in parallel on the prefetch threads (not pinned); raises
         the first download error. For a reader about to touch many files at once."""
-        for fut in self.prefetch(relpaths):
-            fut.result(timeout=self.timeout_s + self._policy.deadline_s)
+        wanted = list(relpaths)
+        futures = self.prefetch(wanted)
+        for fut in futures:
+            try:
+                fut.result(timeout=self.timeout_s + self._policy.deadline_s)
+            except Exception:  # a prefetch gives up when there is no room: retry here, waiting
+                break
+        else:
+            return
+        for rel in wanted:
+            self._ensure(rel, pin=False)
+
+    def pressure_changed(self) -> bool:
+        """True if a download (any process) has waited for room since this object last asked.
+
+        One ``stat``; a reader that keeps idle files pinned calls it per read and unpins them.
+        """
+        if self.is_local or self.limit_bytes is None:
+            return False
+        try:
+            ns = os.stat(os.path.join(self.cache_dir, _PRESSURE)).st_mtime_ns
+        except FileNotFoundError:
+            return False
+        changed, self._pressure_ns = ns != self._pressure_ns, ns
+        return changed
 
     def pinned_files(self) -> list[str]:
         """Relative paths this object currently pins."""
@@ -366,12 +402,19 @@ class ShardCache:
 
     def _prefetch_one(self, relpath: str) -> None:
         try:
-            self._ensure(relpath, pin=False)
+            self._ensure(relpath, pin=False, wait_room=False)
         except Exception as exc:
             log.debug("prefetch of %s failed (will retry on use): %s", relpath, exc)
             raise
 
-    def _ensure(self, relpath: str, *, pin: bool) -> int | None:
+    def _ensure(
+        self,
+        relpath: str,
+        *,
+        pin: bool,
+        on_wait: Callable[[], None] | None = None,
+        wait_room: bool = True,
+    ) -> int | None:
         """Make ``relpath`` present; return an fd holding its shared lock when ``pin``."""
         entry = self._entry(relpath)
         final = self.path(relpath)
@@ -401,16 +444,22 @@ class ShardCache:
                 fcntl.flock(fd, fcntl.LOCK_UN)
                 _flock(fd, fcntl.LOCK_EX, self.timeout_s, what)
                 if not os.path.exists(final):
-                    self._download(entry, final)
+                    self._download(entry, final, on_wait, wait_room)
                     downloaded = True
                 _flock(fd, fcntl.LOCK_SH, self.timeout_s, what)  # then re-check: evicted meanwhile?
         except BaseException:
             os.close(fd)
             raise
 
-    def _download(self, entry: FileEntry, final: str) -> None:
+    def _download(
+        self,
+        entry: FileEntry,
+        final: str,
+        on_wait: Callable[[], None] | None,
+        wait_room: bool,
+    ) -> None:
         os.makedirs(os.path.dirname(final), exist_ok=True)
-        tmp = self._reserve(entry, final)
+        tmp = self._reserve(entry, final, on_wait, wait_room)
         url = _remote.join(self.url, entry.relpath)
         _remote.fetch_verified(
             self._fs,
@@ -427,15 +476,23 @@ class ShardCache:
             self.stats.bytes_downloaded += entry.nbytes
         log.debug("cached %s (%d bytes)", _remote.redact(url, self._options), entry.nbytes)
 
-    def _reserve(self, entry: FileEntry, final: str) -> str:
+    def _reserve(
+        self,
+        entry: FileEntry,
+        final: str,
+        on_wait: Callable[[], None] | None = None,
+        wait_room: bool = True,
+    ) -> str:
         """Make room for ``entry`` under the cache-wide lock; create its (reserving) temp file."""
         if self.limit_bytes is not None and entry.nbytes > self.limit_bytes:
             raise DatasetError(
                 f"{_remote.join(_remote.redact(self.url, self._options), entry.relpath)}: file of "
                 f"{entry.nbytes} bytes does not fit the cache limit of {self.limit_bytes} bytes"
             )
-        deadline = time.monotonic() + self.room_timeout_s
+        start = time.monotonic()
+        rounds = 0
         while True:
+            rounds += 1
             fd = os.open(os.path.join(self.cache_dir, _CACHE_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 _flock(fd, fcntl.LOCK_EX, self.timeout_s, self.cache_dir)
@@ -446,15 +503,29 @@ class ShardCache:
                     return tmp
             finally:
                 os.close(fd)
-            if time.monotonic() >= deadline:
+            waited = time.monotonic() - start
+            if not wait_room or waited >= self.room_timeout_s:
                 raise DatasetError(
                     f"cache {self.cache_dir}: cannot make room for "
                     f"{_remote.join(_remote.redact(self.url, self._options), entry.relpath)} "
                     f"({entry.nbytes} bytes) under the limit of {self.limit_bytes} bytes: the "
                     f"rest is pinned by readers (still {short} bytes short after "
-                    f"{self.room_timeout_s:g} s)"
+                    f"{waited:.1f} s)"
                 )
-            time.sleep(0.05)
+            self._signal_pressure()
+            if on_wait is not None:
+                on_wait()
+            if rounds > 1 or on_wait is None:  # right after on_wait, look again at once
+                time.sleep(0.05)
+
+    def _signal_pressure(self) -> None:
+        """Tell readers in every process that a download waits for room (see the docstring)."""
+        path = os.path.join(self.cache_dir, _PRESSURE)
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            with contextlib.suppress(OSError):
+                open(path, "ab").close()
 
     def _scan(self, need: int) -> int:
         """Remove dead temps; evict LRU unpinned files until ``need`` more bytes fit the limit.

@@ -13,8 +13,9 @@ ones are read with ``os.preadv`` straight into the destination rows (13.8 vs 9.2
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-import mmap
+import json
 import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,8 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from feedpipe import _remote
 from feedpipe._crc import crc32c_file, to_hex
-from feedpipe._index import FileInfo, Index, read_index
+from feedpipe._index import INDEX_NAME, FileInfo, Index, read_index
+from feedpipe._memmap_open import OpenShard, OpenShards
 from feedpipe._memmap_writer import MemmapWriter
 from feedpipe.errors import DatasetError
 
@@ -35,10 +38,6 @@ _SORT_MAX_RECORD = 4096  # smaller records are gathered in sorted order, then sc
 _IOV_MAX = 1024
 _THREAD_MIN_BYTES = 16 << 20  # split a preadv batch over threads above this many bytes
 _MAX_THREADS = 4
-
-
-def _is_remote(path: str) -> bool:
-    return "://" in path and path.split("://", 1)[0].lower() not in {"file", "local"}
 
 
 def verify_files(root: str, index: Index) -> Iterator[tuple[str, str]]:
@@ -58,36 +57,18 @@ def verify_files(root: str, index: Index) -> Iterator[tuple[str, str]]:
             yield rel, f"crc32c {to_hex(got)}, index says {crc}"
 
 
-class _Handles:
-    """Per-process open state: file descriptors, maps, offsets. Rebuilt after fork/unpickle."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.fds: dict[tuple[int, str], int] = {}
-        self.maps: dict[int, np.ndarray] = {}
-        self.mmaps: list[mmap.mmap] = []
-        self.offsets: dict[int, np.ndarray] = {}
-
-    def close(self) -> None:
-        if self.pid != os.getpid():  # inherited across fork: the parent owns these
-            return
-        for fd in self.fds.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.fds.clear()
-        self.maps.clear()
-        self.offsets.clear()
-        self.mmaps.clear()  # maps close when the last numpy view is gone
-
-
 class MemmapDataset(torch.utils.data.Dataset[Any]):
     """Map-style dataset over a directory written by :class:`MemmapWriter`.
 
     ``ds[i]`` is a tensor (fixed layout), a 1-D uint8 tensor (bytes layout), or a dict
     ``{"data": ..., "<field>": ...}`` when the dataset has side fields. ``verify=True`` checks
     every file's CRC32C on open. Pickles cheaply: files are reopened lazily in each process.
+
+    A remote URL (``s3://...``) is read through a :class:`feedpipe.cache.ShardCache` in
+    ``cache_dir`` (lazy mode). With ``cache_limit_bytes``, a shard is pinned only while it is
+    read, plus idle shards kept open up to a third of the limit; when a download waits for
+    room, readers drop their idle pins, so an epoch over more shards than the limit holds
+    evicts least-recently-used shards instead of waiting.
     """
 
     def __init__(
@@ -103,13 +84,15 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
         self.cache_limit_bytes = cache_limit_bytes
         self.storage_options = dict(storage_options or {})
-        self._remote = _is_remote(self.path)
+        self._remote = _remote.is_remote(self.path)
         self._cache: Any = None  # feedpipe.cache.ShardCache of a remote dataset, made on first use
+        self._index_raw: bytes | None = None
         if self._remote:
-            import fsspec.core
-
-            fs, root = fsspec.core.url_to_fs(self.path, **self.storage_options)
-            self.index = read_index(root, fs=fs)
+            # through the retrying path; the cache is then built from these same bytes
+            fs, root = _remote.resolve(self.path, self.storage_options)
+            raw, _ = _remote.read_remote_index(fs, root, self.path, self.storage_options)
+            self._index_raw = raw
+            self.index = Index.from_json(json.loads(raw), _remote.join(self.path, INDEX_NAME))
         else:
             if self.path.startswith("file://"):
                 self.path = self.path[len("file://") :]
@@ -128,7 +111,8 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             [[0], np.cumsum([s.records for s in self.index.shards], dtype=np.int64)]
         ).astype(np.int64)
         self._len = int(self._starts[-1])
-        self._handles: _Handles | None = None
+        self._files: OpenShards | None = None
+        self._offsets_of: dict[int, np.ndarray] = {}
         self._columns: dict[str, np.ndarray] = {}
         self._pool: ThreadPoolExecutor | None = None
 
@@ -155,10 +139,10 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             )
 
     def _local_path(self, shard_id: int, role: str) -> str:
-        """The local path of one shard file. Every shard-file open goes through here."""
+        """Where one shard file is (or will be, once fetched into the cache) on this machine."""
         info = self.index.shards[shard_id].files[role]
-        if self._remote:  # fetched into the shared cache and pinned until close()
-            return str(self._shard_cache().hold(info.path))
+        if self._remote:
+            return str(self._shard_cache().path(info.path))
         return os.path.join(self.path, info.path)
 
     def _shard_cache(self) -> Any:
@@ -171,61 +155,99 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         if self._cache is None:
             from feedpipe.cache import ShardCache
 
+            limit = self.cache_limit_bytes
+            biggest = max((info.bytes for _s, _r, info in self._shard_files()), default=0)
+            # index-order readahead helps sequential reads; under a tight limit it only evicts
+            roomy = limit is None or limit >= 8 * biggest
             self._cache = ShardCache(
                 self.path,
                 self.cache_dir,
-                self.cache_limit_bytes,
+                limit,
                 self.storage_options,
-                readahead=2,
-                eager_bytes=1 << 20,
+                readahead=2 if roomy else 0,
+                eager_bytes=(1 << 20) if roomy else 0,
+                index_bytes=self._index_raw,
             )
         return self._cache
 
-    def _state(self) -> _Handles:
-        h = self._handles
-        if h is None or h.pid != os.getpid():
-            h = self._handles = _Handles()
+    def _shard_files(self) -> Iterator[tuple[int, str, FileInfo]]:
+        for sid, shard in enumerate(self.index.shards):
+            for role, info in shard.files.items():
+                yield sid, role, info
+
+    def _open_files(self) -> OpenShards:
+        """This process's open shard data files (rebuilt after a fork or unpickling)."""
+        files = self._files
+        if files is None or files.pid != os.getpid():
+            sizes = [s.files["data"].bytes for s in self.index.shards]
+            limit = self.cache_limit_bytes if self._remote else None
+            files = self._files = OpenShards(
+                self._open_data, sizes, None if limit is None else limit // 3
+            )
             self._pool = None
-        return h
+        return files
 
-    def _fd(self, sid: int, role: str) -> int:
-        h = self._state()
-        fd = h.fds.get((sid, role))
-        if fd is None:
-            path = self._local_path(sid, role)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise DatasetError(f"{path}: shard {sid} file is missing") from None
-            try:
-                info = self.index.shards[sid].files[role]
-                self._check_size(path, info, sid, os.fstat(fd).st_size)
-            except BaseException:
-                os.close(fd)
-                raise
-            h.fds[(sid, role)] = fd
-        return fd
-
-    def _rows(self, sid: int) -> np.ndarray:
-        """The shard's data file mapped read-only: ``(records, record_bytes)`` uint8 (fixed)."""
-        h = self._state()
-        rows = h.maps.get(sid)
-        if rows is None:
-            fd = self._fd(sid, "data")
-            size = self.index.shards[sid].files["data"].bytes
-            if size == 0:
-                flat = np.empty(0, np.uint8)
-            else:
-                m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-                h.mmaps.append(m)
-                flat = np.frombuffer(m, dtype=np.uint8)
-            rows = flat.reshape(-1, self._record_bytes) if self.kind == "fixed" else flat
-            h.maps[sid] = rows
-        return rows
-
-    def _check_mapped(self, sid: int) -> None:
+    def _open_data(self, sid: int) -> tuple[int, Any]:
+        """Open (and, remote, fetch and pin) shard ``sid``'s data file: ``(fd, release)``."""
         info = self.index.shards[sid].files["data"]
-        size = os.fstat(self._fd(sid, "data")).st_size
+        release: Any = _noop
+        if self._remote:
+            cache = self._shard_cache()
+            path = cache.acquire(info.path, on_wait=self._release_idle)
+
+            def release() -> None:
+                cache.release(info.path)
+        else:
+            path = os.path.join(self.path, info.path)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            release()
+            raise DatasetError(f"{path}: shard {sid} file is missing") from None
+        try:
+            self._check_size(path, info, sid, os.fstat(fd).st_size)
+        except BaseException:
+            os.close(fd)
+            release()
+            raise
+        return fd, release
+
+    def _release_idle(self) -> None:
+        files = self._files
+        if files is not None and files.pid == os.getpid():
+            files.release_idle()
+
+    def _read_whole(self, sid: int, role: str) -> bytes:
+        """A small shard file (offsets, a side column) read whole; remote: pinned meanwhile."""
+        info = self.index.shards[sid].files[role]
+        if self._remote:
+            cache = self._shard_cache()
+            with contextlib.ExitStack() as stack:
+                path = cache.acquire(info.path, on_wait=self._release_idle)
+                stack.callback(cache.release, info.path)
+                return self._read_file(path, info, sid)
+        return self._read_file(os.path.join(self.path, info.path), info, sid)
+
+    def _read_file(self, path: str, info: FileInfo, sid: int) -> bytes:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise DatasetError(f"{path}: shard {sid} file is missing") from None
+        try:
+            self._check_size(path, info, sid, os.fstat(fd).st_size)
+            return _pread_exact(fd, info.bytes, 0, path)
+        finally:
+            os.close(fd)
+
+    def _rows(self, shard: OpenShard) -> np.ndarray:
+        """The shard's data mapped read-only: ``(records, record_bytes)`` uint8 (fixed)."""
+        rb = self._record_bytes if self.kind == "fixed" else 0
+        return self._open_files().rows(shard, rb)
+
+    def _check_mapped(self, shard: OpenShard) -> None:
+        sid = shard.sid
+        info = self.index.shards[sid].files["data"]
+        size = os.fstat(shard.fd).st_size
         if size != info.bytes:
             raise DatasetError(
                 f"{self._local_path(sid, 'data')}: shard {sid} file is now {size} bytes but the "
@@ -233,20 +255,23 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             )
 
     def _offsets(self, sid: int) -> np.ndarray:
-        h = self._state()
-        off = h.offsets.get(sid)
+        off = self._offsets_of.get(sid)
         if off is None:
-            fd = self._fd(sid, "offsets")
             shard = self.index.shards[sid]
-            raw = _pread_exact(fd, (shard.records + 1) * 8, 0, self._local_path(sid, "offsets"))
+            raw = self._read_whole(sid, "offsets")
             off = np.frombuffer(raw, dtype="<u8").astype(np.int64)
             data_bytes = shard.files["data"].bytes
-            if off[0] != 0 or off[-1] != data_bytes or np.any(np.diff(off) < 0):
+            if (
+                len(off) != shard.records + 1
+                or off[0] != 0
+                or off[-1] != data_bytes
+                or np.any(np.diff(off) < 0)
+            ):
                 raise DatasetError(
                     f"{self._local_path(sid, 'offsets')}: shard {sid} offsets are corrupt "
                     f"(first {off[0]}, last {off[-1]}, data file {data_bytes} bytes)"
                 )
-            h.offsets[sid] = off
+            self._offsets_of[sid] = off
         return off
 
     def _column(self, name: str) -> np.ndarray:
@@ -255,10 +280,8 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         if col is None:
             spec = self.fields[name]
             parts = []
-            for sid, shard in enumerate(self.index.shards):
-                role = f"field.{name}"
-                nbytes = shard.files[role].bytes
-                raw = _pread_exact(self._fd(sid, role), nbytes, 0, self._local_path(sid, role))
+            for sid in range(len(self.index.shards)):
+                raw = self._read_whole(sid, f"field.{name}")
                 parts.append(np.frombuffer(raw, dtype=spec.dtype).reshape(-1, *spec.shape))
             col = np.concatenate(parts) if parts else np.empty((0, *spec.shape), spec.dtype)
             self._columns[name] = col
@@ -286,10 +309,32 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
 
     def _locate(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         sid = np.searchsorted(self._starts, idx, side="right") - 1
-        if self._remote and len(idx) > 1:  # fetch the batch's shards in parallel, not one by one
-            cache = self._shard_cache()
-            cache.fetch(rel for s in np.unique(sid).tolist() for rel in cache.shard_files(s))
         return sid, idx - self._starts[sid]
+
+    def _plan(self, shards: list[int]) -> list[int]:
+        """The order to read a batch's ``shards`` in; fetches remote ones ahead when they fit."""
+        if not self._remote:
+            return shards
+        cache = self._shard_cache()
+        if cache.pressure_changed():  # a download somewhere waits for room: unpin idle shards
+            self._release_idle()
+        if len(shards) < 2:
+            return shards
+        limit = self.cache_limit_bytes
+        rels = [rel for s in shards for rel in cache.shard_files(s)]
+        need = sum(info.bytes for s in shards for info in self.index.shards[s].files.values())
+        if limit is None or need <= limit // 2:
+            cache.fetch(rels)  # in parallel, not one by one
+            return shards
+        # more than fits: read the open shards first, then the cached ones, fetch the rest last
+        files = self._open_files()
+
+        def rank(s: int) -> int:
+            if files.is_open(s):
+                return 0
+            return 1 if os.path.exists(self._local_path(s, "data")) else 2
+
+        return sorted(shards, key=rank)
 
     def __getitem__(self, index: int) -> Any:
         if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
@@ -302,19 +347,22 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             raise IndexError(f"index {i} is out of range for {self.path} (length {self._len})")
         i %= self._len if self._len else 1
         sid, local = (int(v[0]) for v in self._locate(np.array([i])))
+        self._plan([sid])
         if self.kind == "fixed":
             rb = self._record_bytes
             buf = np.empty(rb, np.uint8)
-            if rb >= _PREAD_MIN_RECORD:
-                self._pread_into(buf, sid, local * rb, i)
-            else:
-                self._check_mapped(sid)
-                buf[:] = self._rows(sid)[local]
+            with self._open_files().use(sid) as shard:
+                if rb >= _PREAD_MIN_RECORD:
+                    self._preadv_exact(shard, [buf], local * rb, i, rb)
+                else:
+                    self._check_mapped(shard)
+                    buf[:] = self._rows(shard)[local]
             data = torch.from_numpy(buf.view(self.dtype).reshape(self.shape))
         else:
             off = self._offsets(sid)
             buf = np.empty(int(off[local + 1] - off[local]), np.uint8)
-            self._pread_into(buf, sid, int(off[local]), i)
+            with self._open_files().use(sid) as shard:
+                self._preadv_exact(shard, [buf], int(off[local]), i, buf.nbytes)
             data = torch.from_numpy(buf)
         if not self.fields:
             return data
@@ -381,43 +429,59 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         if rb >= _PREAD_MIN_RECORD:
             self._pread_rows(flat, idx, sid, local)
             return dest
-        shards = np.unique(sid).tolist()
-        for s in shards:  # a file truncated after mapping would SIGBUS: check first
-            self._check_mapped(s)
+        files = self._open_files()
+        shards = self._plan(np.unique(sid).tolist())
         if len(shards) == 1 and rb > _SORT_MAX_RECORD:
-            np.take(self._rows(shards[0]), local, axis=0, out=flat)  # one copy, no scatter
+            with files.use(shards[0]) as shard:  # one copy, no scatter
+                self._check_mapped(shard)  # a file truncated after mapping would SIGBUS
+                np.take(self._rows(shard), local, axis=0, out=flat)
             return dest
         # gather in file order (sorted: kinder to the TLB and prefetcher), then scatter
         order = np.argsort(idx, kind="stable")
         s_sorted, l_sorted = sid[order], local[order]
         bounds = [0, *(np.flatnonzero(np.diff(s_sorted)) + 1).tolist(), n]
+        group = {int(s_sorted[a]): (a, b) for a, b in itertools.pairwise(bounds)}
         tmp = np.empty_like(flat)
-        for a, b in itertools.pairwise(bounds):
-            np.take(self._rows(int(s_sorted[a])), l_sorted[a:b], axis=0, out=tmp[a:b])
+        for s in shards:
+            a, b = group[s]
+            with files.use(s) as shard:
+                self._check_mapped(shard)
+                np.take(self._rows(shard), l_sorted[a:b], axis=0, out=tmp[a:b])
         flat[order] = tmp
         return dest
+
+    def _shard_key(self, sid: np.ndarray) -> np.ndarray:
+        """Per-record sort key placing shards in :meth:`_plan` order (index order locally)."""
+        if not self._remote:
+            return sid
+        rank = np.zeros(len(self.index.shards), np.int64)
+        rank[self._plan(np.unique(sid).tolist())] = np.arange(len(np.unique(sid)))
+        return rank[sid]
 
     def _pread_rows(
         self, flat: np.ndarray, idx: np.ndarray, sid: np.ndarray, local: np.ndarray
     ) -> None:
         """Read fixed records with preadv into ``flat`` rows; adjacent records share one call."""
         rb = self._record_bytes
-        order = np.argsort(sid * (self._len + 1) + local, kind="stable")
+        order = np.argsort(self._shard_key(sid) * (self._len + 1) + local, kind="stable")
         s_sorted, l_sorted = sid[order], local[order]
         # a new run starts where the shard changes or the record is not the next one
         breaks = np.flatnonzero((np.diff(s_sorted) != 0) | (np.diff(l_sorted) != 1)) + 1
         bounds = np.concatenate([[0], breaks, [len(order)]]).tolist()
         runs = [(bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1)]
         order_l, s_l, l_l = order.tolist(), s_sorted.tolist(), l_sorted.tolist()
+        files = self._open_files()
 
         def work(part: list[tuple[int, int]]) -> None:
-            for a, b in part:
-                while a < b:
-                    c = min(b, a + _IOV_MAX)
-                    bufs = [flat[order_l[p]] for p in range(a, c)]
-                    s = s_l[a]
-                    self._preadv_exact(s, bufs, l_l[a] * rb, idx[order_l[a]], (c - a) * rb)
-                    a = c
+            for s, shard_runs in itertools.groupby(part, key=lambda r: s_l[r[0]]):
+                with files.use(s) as shard:
+                    for a, b in shard_runs:
+                        while a < b:
+                            c = min(b, a + _IOV_MAX)
+                            bufs = [flat[order_l[p]] for p in range(a, c)]
+                            rec = idx[order_l[a]]
+                            self._preadv_exact(shard, bufs, l_l[a] * rb, rec, (c - a) * rb)
+                            a = c
 
         self._run_split(work, runs, len(idx) * rb)
 
@@ -442,7 +506,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             buf = out[:total]
         flat = buf.numpy()
         dest = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-        order = np.argsort(sid * (1 << 40) + starts, kind="stable").tolist()
+        order = np.argsort(self._shard_key(sid) * (1 << 40) + starts, kind="stable").tolist()
         sid_l, starts_l, idx_l = sid.tolist(), starts.tolist(), idx.tolist()
         # runs of records that are adjacent in the same shard file become one preadv
         runs: list[tuple[int, int]] = []
@@ -460,13 +524,16 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                 b += 1
             runs.append((a, b))
             a = b
+        files = self._open_files()
 
         def work(part: list[tuple[int, int]]) -> None:
-            for a, b in part:
-                bufs = [flat[dest[order[p]] : dest[order[p] + 1]] for p in range(a, b)]
-                nbytes = sum(dest[order[p] + 1] - dest[order[p]] for p in range(a, b))
-                first = order[a]
-                self._preadv_exact(sid_l[first], bufs, starts_l[first], idx_l[first], nbytes)
+            for s, shard_runs in itertools.groupby(part, key=lambda r: sid_l[order[r[0]]]):
+                with files.use(s) as shard:
+                    for a, b in shard_runs:
+                        bufs = [flat[dest[order[p]] : dest[order[p] + 1]] for p in range(a, b)]
+                        nbytes = sum(dest[order[p] + 1] - dest[order[p]] for p in range(a, b))
+                        first = order[a]
+                        self._preadv_exact(shard, bufs, starts_l[first], idx_l[first], nbytes)
 
         self._run_split(work, runs, total)
         return list(torch.split(buf, lengths.tolist()))
@@ -483,36 +550,33 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         for f in futures:
             f.result()
 
-    def _pread_into(self, buf: np.ndarray, sid: int, offset: int, record: int) -> None:
-        self._preadv_exact(sid, [buf], offset, record, buf.nbytes)
-
     def _preadv_exact(
-        self, sid: int, bufs: list[Any], offset: int, record: Any, nbytes: int
+        self, shard: OpenShard, bufs: list[Any], offset: int, record: Any, nbytes: int
     ) -> None:
-        fd = self._fd(sid, "data")
-        got = os.preadv(fd, bufs, offset) if nbytes else 0
+        got = os.preadv(shard.fd, bufs, offset) if nbytes else 0
         if got != nbytes:  # a short read means the file changed under us: never return it
             raise DatasetError(
-                f"{self._local_path(sid, 'data')}: short read at record {record} "
+                f"{self._local_path(shard.sid, 'data')}: short read at record {record} "
                 f"(got {got} of {nbytes} bytes at offset {offset}); the shard was truncated"
             )
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_handles"] = None
+        state["_files"] = None
         state["_pool"] = None
         state["_columns"] = {}
+        state["_offsets_of"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
     def close(self) -> None:
-        """Close open files and maps (they reopen lazily on the next read)."""
-        if self._handles is not None:
-            self._handles.close()
-            self._handles = None
+        """Close open files and maps and unpin cached shards (they reopen on the next read)."""
+        if self._files is not None:
+            self._files.close()
+            self._files = None
         if self._cache is not None:
             self._cache.release_all()
         if self._pool is not None:
@@ -555,3 +619,7 @@ def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:
     if len(data) != nbytes:
         raise DatasetError(f"{path}: short read (got {len(data)} of {nbytes} bytes)")
     return data
+
+
+def _noop() -> None:
+    return None

@@ -46,3 +46,91 @@ def test_remote_memmap_dataset_needs_cache_dir(
     ds = MemmapDataset(upload(tmp_path / "src", bucket, opts), storage_options=opts)
     with pytest.raises(NotImplementedError, match="cache_dir"):
         ds[0]
+
+
+def _cache_bytes(cache_dir: Path) -> int:
+    """Bytes the cache counts against its limit: shard files and download temps."""
+    total = 0
+    for p in cache_dir.rglob("*"):
+        skip = ".locks" in p.parts or p.name in ("index.json", ".cache.lock", ".pressure")
+        if p.is_file() and not skip:
+            total += p.stat().st_size
+    return total
+
+
+@pytest.mark.parametrize(("workers", "kind"), [(0, "thread"), (2, "thread"), (2, "process")])
+def test_remote_epoch_under_a_cache_limit_smaller_than_the_epoch(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]], workers: int, kind: str
+) -> None:
+    """8 shards, room for ~3: a shuffled epoch evicts LRU shards instead of waiting for room.
+
+    Process workers each keep an idle shard open: they must drop it when another waits."""
+    from feedpipe import DataLoader
+
+    bucket, opts = s3_bucket
+    make_dataset(tmp_path / "src", shards=8, nbytes=16_000)  # 16 records of 1000 B per shard
+    url = upload(tmp_path / "src", bucket, opts)
+    local = MemmapDataset(tmp_path / "src")
+    shard = 16 * 1000 + 16 * 8  # data + label column
+    limit = 3 * shard + 100
+    remote = MemmapDataset(
+        url, cache_dir=tmp_path / "cache", cache_limit_bytes=limit, storage_options=opts
+    )
+    remote._shard_cache().room_timeout_s = 5.0  # a regression fails fast instead of after 30 s
+    torch.manual_seed(0)
+    loader = DataLoader(
+        remote,
+        batch_size=10,
+        shuffle=True,
+        num_workers=workers,
+        worker_type=kind,
+        timeout=60 if workers else 0,
+    )
+    seen: list[int] = []
+    for batch in loader:
+        labels = batch["label"].tolist()
+        expect = local.read_batch(labels)
+        assert torch.equal(batch["data"], expect["data"])
+        seen += labels
+        assert _cache_bytes(tmp_path / "cache") <= limit
+    assert sorted(seen) == list(range(len(local)))
+    cache = remote._shard_cache()
+    assert len(list(Path(cache.dir).glob("shard-*.data"))) <= 3  # the rest was evicted
+    if kind == "thread":  # the counters are per process
+        assert cache.stats.evictions > 0
+    # consecutive reads of one shard neither reopen nor fetch it again
+    remote.read_batch([0, 1, 2])
+    before, shard0 = cache.stats.downloads, remote._open_files()._open[0]
+    remote.read_batch([3, 4, 5])
+    assert remote._open_files()._open[0] is shard0 and cache.stats.downloads == before
+    remote.close()
+    assert cache.pinned_files() == []
+
+
+def test_idle_shards_are_unpinned_when_a_download_waits_for_room(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    """A download that waits for room (any process) makes readers drop idle pins next read."""
+    from feedpipe.cache import ShardCache
+    from feedpipe.errors import DatasetError
+
+    bucket, opts = s3_bucket
+    make_dataset(tmp_path / "src", shards=4, nbytes=16_000)
+    url = upload(tmp_path / "src", bucket, opts)
+    shard = 16 * 1000 + 16 * 8
+    ds = MemmapDataset(
+        url, cache_dir=tmp_path / "cache", cache_limit_bytes=7 * shard, storage_options=opts
+    )
+    ds.read_batch([0, 16])  # shards 0 and 1: both stay open (idle) and pinned
+    files = ds._open_files()
+    assert files.is_open(0) and files.is_open(1)
+    # another reader (own lock fds, as another process) finds no room and times out waiting
+    other = ShardCache(url, tmp_path / "cache", 16_000, opts, room_timeout_s=0.3)
+    with pytest.raises(DatasetError, match="pinned by readers"):
+        other.acquire("shard-00003.data")
+    assert other.pressure_changed() and not other.pressure_changed()
+    ds.read_batch([32])  # sees the pressure: drops its idle shards before reading shard 2
+    assert not files.is_open(0) and not files.is_open(1) and files.is_open(2)
+    assert sorted(ds._shard_cache().pinned_files()) == ["shard-00002.data"]
+    other.close()
+    ds.close()
