@@ -178,11 +178,13 @@ class StallMeter:
     """
 
     enabled = True
-    _FOLD = 4096  # pending waits / stage records folded into the totals at a time
+    _FIELDS = 6  # numbers per batch record in _waits
+    _FOLD = _FIELDS * 4096  # pending record numbers (4096 batches) folded at a time
+    _STAGE_FOLD = 4096  # pending add_stage records folded at a time
     _wait_start: float | None  # begin of a wait in progress (None: the loop is stepping)
     _last: tuple[float, float] | None  # (begin, end) of the latest folded wait
     _first_begin: float | None
-    _waits: list[tuple[float, float, int, int, float, float]]  # pending batch records
+    _waits: list[float]  # pending batch records, flat: begin, end, samples, nbytes, fetch, collate
     _stall_folded: float
     _batches_folded: int
     _samples_folded: int
@@ -223,14 +225,15 @@ class StallMeter:
         self.reset()
 
     # ------------------------------------------------------------------ hot path
-    # The hot path only appends: each batch is one tuple in ``_waits``, ``(begin, end, samples,
-    # nbytes, fetch_s, collate_s)`` (a negative stage time means "no such stage"), folded into
-    # the totals, maximum and histogram 4096 at a time, vectorised. A loader reads the clock
-    # itself around the blocking part of ``next()`` and makes one ``record_batch`` call per
-    # batch; ``wait_begin``/``wait_end`` are the same record split in two, for other callers.
-    # Other stages go to ``_stage_logs[name]`` (list.append is atomic, so ``add_stage`` takes no
-    # lock). The step total is derived: waits and steps alternate, so
-    # step = (last end - first begin) - stall.
+    # The hot path only appends: each batch adds six numbers to the flat list ``_waits``
+    # (begin, end, samples, nbytes, fetch_s, collate_s; a negative stage time means "no such
+    # stage"), folded into the totals, maximum and histogram 4096 batches at a time,
+    # vectorised. Numbers, not a tuple per batch: nothing for the cyclic GC to track. A loader
+    # reads the clock itself around the blocking part of ``next()`` and makes one
+    # ``record_batch`` call per batch; ``wait_begin``/``wait_end`` are the same record split
+    # in two, for other callers. Other stages go to ``_stage_logs[name]`` (list.append is
+    # atomic, so ``add_stage`` takes no lock). The step total is derived: waits and steps
+    # alternate, so step = (last end - first begin) - stall.
     def record_batch(  # noqa: PLR0917 - positional on the hot path
         self,
         begin: float,
@@ -247,7 +250,7 @@ class StallMeter:
         those instants plus ``add_stage`` for each stage, at a fraction of the cost.
         """
         waits = self._waits
-        waits.append((begin, end, samples, nbytes, fetch_s, collate_s))
+        waits += (begin, end, samples, nbytes, fetch_s, collate_s)
         if len(waits) >= self._fold_at:
             self._after_wait(end)
 
@@ -266,7 +269,7 @@ class StallMeter:
         if begin is None:
             raise RuntimeError("StallMeter.wait_end() without a matching wait_begin()")
         waits = self._waits
-        waits.append((begin, now, samples, nbytes, -1.0, -1.0))
+        waits += (begin, now, samples, nbytes, -1.0, -1.0)
         if len(waits) >= self._fold_at:
             self._after_wait(now)
 
@@ -287,7 +290,7 @@ class StallMeter:
             with self._lock:
                 log = self._stage_logs.setdefault(name, [])
         log.append((seconds, nbytes))
-        if len(log) >= self._FOLD:
+        if len(log) >= self._STAGE_FOLD:
             self._fold_stages()
 
     @property
@@ -329,16 +332,16 @@ class StallMeter:
 
         with self._lock:
             waits = self._waits
-            n = len(waits)
-            if not n:
+            k = len(waits) - len(waits) % self._FIELDS  # whole records (another may be half in)
+            if not k:
                 return
-            items = waits[:n]
-            del waits[:n]  # records appended meanwhile stay for the next fold
-            begin, end, samples, nbytes, fetch, collate = zip(*items, strict=True)
+            rec = np.array(waits[:k], dtype=np.float64).reshape(-1, self._FIELDS)
+            del waits[:k]  # records appended meanwhile stay for the next fold
+            n = len(rec)
             if self._first_begin is None:
-                self._first_begin = begin[0]
-            self._last = (begin[-1], end[-1])
-            w = np.subtract(end, begin)
+                self._first_begin = float(rec[0, 0])
+            self._last = (float(rec[-1, 0]), float(rec[-1, 1]))
+            w = rec[:, 1] - rec[:, 0]
             m, e = np.frexp(w)
             idx = (e.astype(np.int64) << 4) + (m * 32.0).astype(np.int64) + _OFFSET
             idx = np.where(w > 0.0, np.clip(idx, 0, _NBUCKETS - 1), 0)
@@ -346,17 +349,17 @@ class StallMeter:
             self._stall_folded += float(w.sum())
             self._batches_folded += n
             self.wait_max_s = max(self.wait_max_s, float(w.max()))
-            self._samples_folded += sum(samples)
-            self._bytes_folded += sum(nbytes)
-            for name, col in (("fetch", fetch), ("collate", collate)):
-                t = np.asarray(col, dtype=np.float64)
+            nbytes = rec[:, 3]
+            self._samples_folded += int(rec[:, 2].sum())
+            self._bytes_folded += int(nbytes.sum())
+            for name, col in (("fetch", 4), ("collate", 5)):
+                t = rec[:, col]
                 ran = t >= 0.0
                 calls = int(np.count_nonzero(ran))
                 if calls:
                     self._stage_s[name] += float(t[ran].sum())
                     self._stage_calls[name] += calls
-                    b = np.asarray(nbytes, dtype=np.int64)
-                    self._stage_bytes[name] += int(b[ran].sum()) if calls < n else sum(nbytes)
+                    self._stage_bytes[name] += int(nbytes[ran].sum())
 
     def _fold_stages(self) -> None:
         """Fold pending ``add_stage`` records into the per-stage totals (any thread)."""
@@ -380,7 +383,7 @@ class StallMeter:
     @property
     def batches(self) -> int:
         """Batches delivered (completed waits)."""
-        return self._batches_folded + len(self._waits)
+        return self._batches_folded + len(self._waits) // self._FIELDS
 
     @property
     def samples(self) -> int:
@@ -417,11 +420,11 @@ class StallMeter:
     @property
     def last_wait(self) -> tuple[float, float]:
         """``(begin, end)`` perf_counter times of the latest completed wait (0, 0 if none)."""
-        waits = self._waits
-        if waits:
+        waits, f = self._waits, self._FIELDS
+        k = len(waits) - len(waits) % f
+        if k:
             try:
-                rec = waits[-1]
-                return (rec[0], rec[1])
+                return (waits[k - f], waits[k - f + 1])
             except IndexError:  # folded meanwhile by another thread
                 pass
         return self._last if self._last is not None else (0.0, 0.0)
@@ -450,7 +453,7 @@ class StallMeter:
             self._wait_start = None
             self._last = None
             self._first_begin = None
-            self._waits.clear()  # the same list: loaders hold on to its append
+            self._waits.clear()
             self._stall_folded = 0.0
             self._batches_folded = 0
             self._samples_folded = 0
