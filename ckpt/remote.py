@@ -196,6 +196,7 @@ class RemoteTier:
         self._thread: threading.Thread | None = None
         self._error: tuple[int, BaseException] | None = None
         self._newest_verified: int | None = None
+        self._closed = False
         self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-upload")
         self._kick()  # reconcile with the remote (uploads committed steps never uploaded)
 
@@ -243,17 +244,31 @@ class RemoteTier:
                 self._cond.wait(0.1 if left is None else min(left, 0.1))
 
     def close(self) -> None:
-        """Wait (up to ``close_timeout_s``) for uploads, then stop the upload threads."""
+        """Wait (up to ``close_timeout_s``) for uploads, then stop the upload threads. Uploads
+        still running then are abandoned with a warning: the local copies stay, and the next
+        manager on this directory uploads them."""
         try:
             self.wait(self.options.close_timeout_s)
+        except TimeoutError:
+            with self._cond:
+                left = sorted(set(self._queue) | {
+                    s for s, st in self.stats.uploads.items() if st.state == "uploading"
+                })  # fmt: skip
+            log.warning(
+                "ckpt: closing with uploads to %s unfinished after %s s (steps %s); the local "
+                "copies are kept and the next manager on %s uploads them",
+                self.url, self.options.close_timeout_s, left, self.directory,
+            )  # fmt: skip
         finally:
+            with self._cond:
+                self._closed = True  # an abandoned upload may finish, but nothing new starts
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- background ---------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cond:
-                if self._scanned and not self._queue:
+                if self._closed or (self._scanned and not self._queue):
                     self._thread = None
                     self._cond.notify_all()
                     return
@@ -544,6 +559,8 @@ class RemoteTier:
     # ---- status file ------------------------------------------------------------------------
     def _write_status(self) -> None:
         with self._cond:
+            if self._closed:  # a later manager owns the status file now
+                return
             doc = {
                 "url": self.url,
                 "updated": time.time(),

@@ -6,6 +6,7 @@ import copy
 import json
 import logging
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -272,3 +273,34 @@ def test_missing_bucket_fails_fast_and_names_url(tmp_path: Path, proxy: FaultPro
         assert m.steps() == [1]
     puts = [r for r in proxy.requests if r[0] == "PUT"]
     assert len(puts) <= 1  # not retried until the deadline
+
+
+def test_training_never_blocks_on_a_stalled_remote(
+    tmp_path: Path, s3_bucket: tuple[str, dict], proxy: FaultProxy, s3_server: str, caplog: Any
+) -> None:
+    bucket, _ = s3_bucket
+    # the upload's first request (is the step there already?) gets half a reply, then nothing
+    proxy.inject("stall", times=1000, match="manifest.json", method="GET")
+    remote = _remote(bucket, proxy.url, close_timeout_s=0.5)
+    m = CheckpointManager(tmp_path, keep_last=1, remote=remote)
+    for step in (1, 2):
+        m.save(step, _state(step)).result(timeout=30)  # committed locally meanwhile
+    m.wait()  # saves are done; the uploads are not
+    ups = m.stats.remote.uploads  # type: ignore[union-attr]
+    deadline = time.monotonic() + 20
+    while ups[1].state != "uploading" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert (ups[1].state, ups[2].state) == ("uploading", "pending")
+    m.close()  # gives up on the uploads after close_timeout_s, with a warning
+    assert "unfinished" in caplog.text
+    assert m.steps() == [1, 2]  # nothing evicted: neither step reached the remote
+    proxy.clear()
+    with CheckpointManager(tmp_path, keep_last=1, remote=_remote(bucket, s3_server)) as m2:
+        m2.wait(uploads=True)
+        assert m2.stats.remote.uploads[2].state == "done"  # type: ignore[union-attr]
+        m2.save(3, _state(3))
+        m2.wait(uploads=True)
+        assert m2.stats.remote.uploads[1].state == "done"  # type: ignore[union-attr]
+        # uploaded, so local retention proceeds; step 1 stays only while the first manager's
+        # abandoned (still stalled) upload holds its reader lock
+        assert 2 not in m2.steps() and 3 in m2.steps()
