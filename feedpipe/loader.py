@@ -47,6 +47,7 @@ from feedpipe._loader_fetch import (
 )
 from feedpipe._workers_thread import InlineSource, ThreadWorkers, thread_worker_info
 from feedpipe.errors import WorkerError
+from feedpipe.gpu import GPUFeed, Prefetcher
 from feedpipe.stall import StallMeter
 
 __all__ = ["DataLoader", "get_worker_info"]
@@ -133,6 +134,12 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         ``feedpipe.get_worker_info()``: torch's own cannot see threads.
       meter: a ``feedpipe.StallMeter`` to count into (one is created per loader if None);
         ``loader.meter`` and ``loader.stats()`` expose it.
+      device: ``"cuda"``/``"cuda:N"``: batches arrive already on that device, through a fixed
+        ring of pinned slots (thread workers read straight into them) and a side CUDA stream
+        (``feedpipe.gpu``); ``loader.feed_info`` reports the ring. ``"cpu"`` or no CUDA falls
+        back to host batches with one warning. Without it, ``pin_memory`` keeps torch's meaning.
+      prefetch: with ``device``, batches copied to the device ahead of the one returned
+        (default 2); they count as delivered (``state_dict``) only when returned.
 
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch exactly (like torchdata's
     StatefulDataLoader): the state is small and JSON-able. Resume re-creates the epoch's index
@@ -163,6 +170,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         in_order: bool = True,
         worker_type: str = "process",
         meter: StallMeter | None = None,
+        device: str | torch.device | None = None,
+        prefetch: int = 2,
     ) -> None:
         super().__init__(
             dataset,
@@ -187,6 +196,16 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             raise ValueError(f"worker_type must be one of {_WORKER_TYPES}, got {worker_type!r}")
         self.worker_type = worker_type
         self.meter = meter if meter is not None else StallMeter()
+        self._feed: GPUFeed | None = None
+        if device is not None:
+            threads = worker_type == "thread" and num_workers > 0
+            self._feed = GPUFeed(
+                device,
+                prefetch=prefetch,
+                fillers=(prefetch_factor or 2) * num_workers if threads else 0,
+                batch_size=batch_size,
+                meter=self.meter,
+            )
         self._iterable = isinstance(self.dataset, tud.IterableDataset)
         self._stream = None if self._iterable else _IndexStream(self._index_sampler)
         if self._stream is not None:
@@ -206,18 +225,24 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         fn = getattr(self.meter, "stats", None)
         return fn() if callable(fn) else self.meter
 
+    @property
+    def feed_info(self) -> dict[str, Any] | None:
+        """The GPU feed's device, slot count and pinned bytes (None without ``device``)."""
+        return None if self._feed is None else self._feed.info
+
     def __iter__(self) -> _LoaderIter:  # type: ignore[override]
         self._begin_epoch()
         set_workers = getattr(self.meter, "set_workers", None)
         if set_workers is not None:
             set_workers(self.num_workers)  # worker stages run this many at a time (0: inline)
+        feed = None if self._feed is None else self._feed.prefetcher()
         if self.num_workers == 0:
             source: Any = self._inline_source()
         elif self.worker_type == "thread":
-            source = self._thread_source()
+            source = self._thread_source(feed)
         else:
             source = self._process_source()
-        return _LoaderIter(self, source)
+        return _LoaderIter(self, source, feed)
 
     # ------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -359,7 +384,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         common: dict[str, Any] = {
             "num_workers": self.num_workers,
             "collate_fn": _TimedCollate(self.collate_fn, self._mode),
-            "pin_memory": self.pin_memory,
+            "pin_memory": self.pin_memory and self._feed is None,
             "timeout": self.timeout,
             "worker_init_fn": _WorkerInit(self.worker_init_fn)
             if self.num_workers
@@ -381,7 +406,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     def _pin(self) -> bool:
         """Whether batches get pinned, with torch's warning when there is nothing to pin for."""
-        if not self.pin_memory:
+        if not self.pin_memory or self._feed is not None:  # the device feed pins its own ring
             return False
         if not torch.accelerator.is_available():
             warnings.warn(
@@ -406,7 +431,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             drop_last=self.drop_last,
         )
 
-    def _thread_source(self) -> ThreadWorkers:
+    def _thread_source(self, feed: Prefetcher | None = None) -> ThreadWorkers:
         index_sampler = self._stream if self._stream is not None else self._index_sampler
         sampler_iter = iter(index_sampler)
         if not (self.persistent_workers and self._thread_seeded):  # torch's RNG draws, exactly
@@ -429,15 +454,21 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             pin=pin,
             in_order=self.in_order,
             drop_last=self.drop_last,
+            # in order, batch n is the feed's n-th: workers read it straight into its slot
+            out_for=feed.out_for if feed is not None and self.in_order else None,
         )
 
 
 class _LoaderIter:
     """What ``iter(loader)`` returns: unwraps shipped batches, counts, explains failures."""
 
-    def __init__(self, loader: DataLoader, source: Any) -> None:
+    def __init__(self, loader: DataLoader, source: Any, feed: Prefetcher | None = None) -> None:
         self._loader = loader
         self._source = source
+        self._feed = feed
+        if feed is not None:
+            pull = weakref.WeakMethod(self._pull)  # no cycle: the pass dies with its iterator
+            feed.pull = lambda: pull()()  # type: ignore[misc]  # noqa: PLW0108
         self._meter = loader.meter
         self._epoch = loader._epoch
         self._first = self._epoch.batches  # batch number (in the epoch) of this pass's first batch
@@ -460,12 +491,18 @@ class _LoaderIter:
     def __next__(self) -> Any:
         meter = self._meter
         meter.wait_begin()
+        on_device = None
         try:
-            shipped = next(self._source)
+            if self._feed is None:
+                shipped = next(self._source)
+            else:  # `prefetch` later batches keep copying to the device meanwhile
+                on_device, shipped = next(self._feed)
         except StopIteration:
             self._epoch.active = False
             raise
         except Exception as exc:
+            if self._feed is not None:  # _pull explained it already
+                raise
             raise self._explain(exc) from exc
         if isinstance(shipped, _Failed):
             indices = shipped.indices
@@ -490,11 +527,28 @@ class _LoaderIter:
                 "samples have been fetched. ",
                 stacklevel=2,
             )
-        return self._finalize(batch)
+        return self._finalize(batch) if self._feed is None else on_device
 
     def _finalize(self, batch: Any) -> Any:
-        """The one place a delivered batch is finished (a device feed moves it to the GPU here)."""
+        """The one place a delivered host batch is finished (device batches come from the feed)."""
         return batch
+
+    def _pull(self) -> tuple[Any, Any, bool]:
+        """The device feed's source: the next shipped batch, in order. The feed hands ``shipped``
+        back (without its host batch) beside the device batch when that batch's turn comes."""
+        try:
+            shipped = next(self._source)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            raise self._explain(exc) from exc
+        if isinstance(shipped, _Failed):
+            return None, shipped, False
+        return shipped.batch, shipped._replace(batch=None), True
+
+    def __del__(self) -> None:
+        if getattr(self, "_feed", None) is not None:  # abandoned: turn its workers away
+            self._feed.close()  # type: ignore[union-attr]
 
     def _count(self, batches: int, samples: int) -> None:
         epoch = self._epoch
