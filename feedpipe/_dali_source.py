@@ -171,7 +171,12 @@ class _BatchSource:
                 return None, False  # overridden by a later segment that starts after g
         return None, not self._segments
 
-    def __call__(self, info: Any) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    def __call__(self, info: Any) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        """One batch: a list of encoded images, and labels and meta rows as dense arrays.
+
+        Dense arrays (not lists of per-sample arrays) keep DALI's per-sample work in the main
+        process, which feeds every batch into the pipeline, to the images alone.
+        """
         g = int(info.iteration)
         alive = self._refresh()  # always: a segment published since may override iteration g
         seg, wait = self._find(g)
@@ -183,19 +188,17 @@ class _BatchSource:
             seg, wait = self._find(g)
         if seg is None:
             filler = np.frombuffer(_FILLER, dtype=np.uint8)
-            row = np.array([-1, -1, OK, 0, 0, -1], dtype=np.int64)
-            return [filler], [np.array(-1, dtype=np.int64)], [row]
+            rows = np.array([[-1, -1, OK, 0, 0, -1]], dtype=np.int64)
+            return [filler], np.full(1, -1, dtype=np.int64), rows
         lo = (g - seg.start) * self.batch_size
         hi = min(lo + self.batch_size, len(seg.indices))
         images: list[np.ndarray] = []
-        labels: list[np.ndarray] = []
-        meta: list[np.ndarray] = []
-        for index in seg.indices[lo:hi].tolist():
-            buf, label, row = read_valid(self.dataset, index, seg.skip)
-            row[5] = seg.id
+        labels = np.empty(hi - lo, dtype=np.int64)
+        meta = np.empty((hi - lo, _META_COLS), dtype=np.int64)
+        for k, index in enumerate(seg.indices[lo:hi].tolist()):
+            buf, labels[k], meta[k] = read_valid(self.dataset, index, seg.skip)
             images.append(buf)
-            labels.append(np.array(label, dtype=np.int64))
-            meta.append(row)
+        meta[:, 5] = seg.id
         return images, labels, meta
 
 

@@ -65,7 +65,8 @@ class ImageLoader:
             and center-crop ``crop``. Then normalize with ``mean``/``std`` (0..1 units) into
             ``dtype`` ("float32", "float16" or "uint8" = no normalization) and ``output_layout``.
         device: "cuda" (decode with ``device="mixed"`` on GPU ``device_id``) or "cpu".
-        num_threads: DALI operator threads; py_num_workers: reader processes.
+        num_threads: DALI operator threads; py_num_workers: reader processes; prefetch: batches
+            the readers prepare ahead (default ``max(4, 2 * py_num_workers)``).
         py_start_method: "spawn" (safe once CUDA is initialised) or "fork".
         hw_decoder_load: share of JPEGs sent to the hardware decoder (GPU only).
         on_error: "raise" or "skip" (see the module docstring).
@@ -150,7 +151,7 @@ class ImageLoader:
         self._num_threads = num_threads
         self._py_num_workers = py_num_workers
         self._py_start_method = py_start_method
-        self._prefetch = prefetch if prefetch is not None else max(2, py_num_workers)
+        self._prefetch = prefetch if prefetch is not None else max(4, 2 * py_num_workers)
         self._hw_decoder_load = hw_decoder_load
         self._seed = seed + 7919 * int(getattr(sampler, "rank", 0) or 0)
         self._plan_dir: str | None = None
@@ -413,7 +414,9 @@ class ImageLoader:
         images = _tensor(out[0], self.device)
         labels = torch.from_numpy(np.asarray(out[1].as_tensor()).reshape(-1).copy())
         meta = np.asarray(out[2].as_tensor()).reshape(-1, _src._META_COLS)
-        return images, labels.to(self.device, non_blocking=True), meta
+        if self.device.type == "cuda":  # pinned: a pageable copy would wait for the stream
+            labels = labels.pin_memory().to(self.device, non_blocking=True)
+        return images, labels, meta
 
     def _account(self, meta: np.ndarray) -> None:
         """Raise for bad records (``on_error="raise"``) or count them (``"skip"``)."""
