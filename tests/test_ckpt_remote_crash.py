@@ -45,17 +45,19 @@ def _check_remote(bucket: str, endpoint: str, scratch: Path) -> list[int]:
     return committed
 
 
+@pytest.mark.parametrize("rounds", [2, pytest.param(10, marks=pytest.mark.slow)])
 def test_sigkill_mid_upload_then_restart_completes(
-    tmp_path: Path, s3_bucket: tuple[str, dict], s3_server: str
+    tmp_path: Path, s3_bucket: tuple[str, dict], s3_server: str, rounds: int
 ) -> None:
     bucket, _ = s3_bucket
     directory = tmp_path / "run"
     rng = random.Random(10)
     kills_mid_upload = 0
-    for rnd, (first, last) in enumerate([(1, 3), (4, 6), (7, 9)]):
+    for rnd in range(rounds):
+        first, last = 3 * rnd + 1, 3 * rnd + 3
         proc = _spawn(
             [str(directory), bucket, s3_server, "save", str(first), str(last)],
-            "upload:0.4,upload_manifest:0.4",
+            "upload:0.6,upload_manifest:0.6",
         )
         try:
             assert proc.stdout is not None
@@ -66,7 +68,7 @@ def test_sigkill_mid_upload_then_restart_completes(
                 if any(s["state"] == "uploading" for s in read_status(directory).values()):
                     break
                 time.sleep(0.01)
-            time.sleep(rng.uniform(0.0, 0.5))
+            time.sleep(rng.uniform(0.0, 0.4))
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
         finally:
@@ -85,7 +87,7 @@ def test_sigkill_mid_upload_then_restart_completes(
         committed = _check_remote(bucket, s3_server, tmp_path / f"scratch-r{rnd}")
         assert set(local) <= set(committed), (local, committed)
         assert all(read_status(directory)[s]["state"] == "done" for s in local)
-    assert kills_mid_upload >= 2, "the kills did not land during uploads"
+    assert kills_mid_upload >= rounds // 2, "the kills did not land during uploads"
     # a prefix without a manifest never restores
     import s3fs
 
