@@ -331,17 +331,20 @@ class StallMeter:
         import numpy as np
 
         with self._lock:
-            waits = self._waits
-            k = len(waits) - len(waits) % self._FIELDS  # whole records (another may be half in)
+            waits, f = self._waits, self._FIELDS
+            k = len(waits) - len(waits) % f  # whole records (another may be half in)
             if not k:
                 return
-            rec = np.array(waits[:k], dtype=np.float64).reshape(-1, self._FIELDS)
+            rec = waits[:k]
             del waits[:k]  # records appended meanwhile stay for the next fold
-            n = len(rec)
+            n = k // f
+            # column by column: only the waits need an array (histogram); the rest are sums
+            begin = np.fromiter(rec[0::f], np.float64, n)
+            end = np.fromiter(rec[1::f], np.float64, n)
             if self._first_begin is None:
-                self._first_begin = float(rec[0, 0])
-            self._last = (float(rec[-1, 0]), float(rec[-1, 1]))
-            w = rec[:, 1] - rec[:, 0]
+                self._first_begin = rec[0]
+            self._last = (rec[k - f], rec[k - f + 1])
+            w = end - begin
             m, e = np.frexp(w)
             idx = (e.astype(np.int64) << 4) + (m * 32.0).astype(np.int64) + _OFFSET
             idx = np.where(w > 0.0, np.clip(idx, 0, _NBUCKETS - 1), 0)
@@ -349,17 +352,23 @@ class StallMeter:
             self._stall_folded += float(w.sum())
             self._batches_folded += n
             self.wait_max_s = max(self.wait_max_s, float(w.max()))
-            nbytes = rec[:, 3]
-            self._samples_folded += int(rec[:, 2].sum())
-            self._bytes_folded += int(nbytes.sum())
+            nbytes = rec[3::f]
+            self._samples_folded += int(sum(rec[2::f]))
+            self._bytes_folded += int(sum(nbytes))
             for name, col in (("fetch", 4), ("collate", 5)):
-                t = rec[:, col]
-                ran = t >= 0.0
-                calls = int(np.count_nonzero(ran))
-                if calls:
-                    self._stage_s[name] += float(t[ran].sum())
-                    self._stage_calls[name] += calls
-                    self._stage_bytes[name] += int(nbytes[ran].sum())
+                t = rec[col::f]
+                if min(t) >= 0.0:  # the stage ran for every batch (the usual case)
+                    seconds, calls, sbytes = sum(t), n, sum(nbytes)
+                elif max(t) < 0.0:  # never ran
+                    continue
+                else:
+                    ran = np.asarray(t) >= 0.0
+                    seconds = float(np.asarray(t)[ran].sum())
+                    calls = int(np.count_nonzero(ran))
+                    sbytes = np.asarray(nbytes)[ran].sum()
+                self._stage_s[name] += float(seconds)
+                self._stage_calls[name] += calls
+                self._stage_bytes[name] += int(sbytes)
 
     def _fold_stages(self) -> None:
         """Fold pending ``add_stage`` records into the per-stage totals (any thread)."""
