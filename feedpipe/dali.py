@@ -7,6 +7,13 @@ backend). The order of indices comes from a feedpipe or torch sampler, so shardi
 (elastic) resume are the sampler's; DALI's parallel external source reads the records through
 the dataset in ``py_num_workers`` processes.
 
+One DALI pipeline serves all epochs: it is never reset or rebuilt between epochs (only after a
+failed batch or a timeout). Each epoch's order is published as a segment of one endless DALI
+epoch, and the next epoch's order (the sampler after ``set_epoch(epoch + 1)``) is published ahead,
+so reading and decoding run on across the epoch boundary; a wrong guess or an abandoned epoch
+costs a few discarded batches, and samplers whose next order cannot be predicted cost a pause of
+two tiny filler batches per epoch.
+
 Bad records. ``on_error="raise"`` (default) raises :class:`~feedpipe.errors.DatasetError` naming
 the dataset, shard and record. ``on_error="skip"`` replaces a bad record by the next valid record
 in dataset order (``i + 1, i + 2, ...`` modulo the length), counts it in ``loader.skipped`` and
