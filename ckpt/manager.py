@@ -468,6 +468,39 @@ class CheckpointManager:
             log.warning("ckpt: cannot list %s: %s", self.remote.url, exc)
         return set()
 
+    def fetch(self, step: int) -> Path:
+        """Make sure ``DIR/step-N`` holds a verified copy of ``step``, downloading it from the
+        remote when the local copy is missing or fails verification; return its path. Meant for
+        checkpoints read by other means, such as ``ckpt.dcp.CkptStorageReader``."""
+        path = _commit.step_dir(self.directory, step)
+        try:
+            with _commit.reading(path):
+                for rec in fmt.read_manifest(path)["files"]:
+                    fmt.verify_file(path, rec)
+            return path
+        except CheckpointError as exc:
+            if self.remote is None:
+                raise
+            log.warning("ckpt: step %d: %s; fetching the remote copy", step, exc)
+        self._ensure_writer()  # publishing the download needs the writer lock
+        try:
+            tmp = self.remote.download(step)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"step {step}: remote copy unavailable: {exc}") from exc
+        try:
+            for rec in fmt.read_manifest(tmp)["files"]:
+                fmt.verify_file(tmp, rec)
+            _commit.publish(tmp, self.directory, step)
+            if step >= max(self.steps(), default=step):
+                _commit.write_latest(self.directory, step)
+            with self._mutex:
+                self.remote.stats.uploads.setdefault(step, _done_status(step))
+        finally:
+            _commit.remove_path(tmp)
+        return path
+
     def _restore_remote(
         self, step: int, map_location: MapLocation, mmap: bool
     ) -> tuple[Any, RestoreStats]:

@@ -145,6 +145,16 @@ def test_sharded_save_reshard_load_and_parity(
     import torch.distributed.checkpoint as dcp
 
     from ckpt.dcp import CkptStorageReader
+    from ckpt.manager import CheckpointManager
+
+    # a machine without the local copy fetches it (verified) from the remote, then loads it
+    fresh = tmp_path / "fresh"
+    with CheckpointManager(fresh, remote=_remote_opts(s3_server, bucket)) as m:
+        assert m.fetch(2) == fresh / "step-2"
+    state = {"model": {k: torch.zeros_like(v) for k, v in _full(2.0).items()}}
+    dcp.load(state, storage_reader=CkptStorageReader(fresh, 2), no_dist=True)
+    for key, want in _full(2.0).items():
+        assert torch.equal(state["model"][key], want)
 
     for reader in (CkptStorageReader(root, 1), dcp.FileSystemReader(fsdir)):
         state = {"model": {k: torch.zeros_like(v) for k, v in _full(1.0).items()}}
