@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: machine description and rewriting a section of docs/benchmarks.md."""
+"""Benchmark helpers: a machine description, and rewriting a section of docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -25,16 +25,19 @@ def machine() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (
         f"{platform.node() or 'host'}: {os.cpu_count()} cores, {mem:.0f} GiB, {gpu}; "
-        f"Python {platform.python_version()}, torch {torch.__version__}, numpy {numpy.__version__}; "
+        f"Python {platform.python_version()}, torch {torch.__version__}, "
+        f"numpy {numpy.__version__}; "
         f"{datetime.date.today().isoformat()}"
     )
 
 
 def write_section(name: str, markdown: str, doc: Path = DOC) -> None:
-    """Replace the text between ``<!-- BEGIN name -->`` and ``<!-- END name -->`` in docs/benchmarks.md."""
+    """Replace the text between ``<!-- BEGIN name -->`` and ``<!-- END name -->`` in the doc."""
     text = doc.read_text()
     begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
     block = f"{begin}\n{markdown.strip()}\n{end}"
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text + "\n" + block + "\n"
+    text = (
+        pattern.sub(lambda _: block, text) if pattern.search(text) else text + "\n" + block + "\n"
+    )
     doc.write_text(text)

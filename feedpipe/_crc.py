@@ -17,7 +17,7 @@ _FILE_CHUNK = 8 << 20
 
 
 def crc32c(data: Any, value: int = 0) -> int:
-    """CRC32C of any C-contiguous buffer (bytes, memoryview, numpy array), continuing from ``value``."""
+    """CRC32C of a C-contiguous buffer (bytes, memoryview, ndarray), continuing from ``value``."""
     return int(_crc32c.crc32c(data, value))
 
 

@@ -13,10 +13,13 @@ import sys
 __all__ = ["main"]
 
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "convert": ("feedpipe.convert", "build a feedpipe dataset from images, .npy/.npz, Zarr or a torch dataset"),
+    "convert": (
+        "feedpipe.convert",
+        "build a dataset from images, .npy/.npz, Zarr or a torch dataset",
+    ),
     "inspect": ("feedpipe.inspect_cmd", "print a dataset's index; --verify checks every checksum"),
-    "stage": ("feedpipe.stage", "copy a dataset from any fsspec URL to a local directory, verified"),
-    "bench": ("feedpipe.bench", "measure a loader configuration alone and against a simulated step"),
+    "stage": ("feedpipe.stage", "copy a dataset from any fsspec URL to a local dir, verified"),
+    "bench": ("feedpipe.bench", "measure a loader alone and against a simulated step"),
 }
 
 

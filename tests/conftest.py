@@ -37,7 +37,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
-    """A real S3 API server (moto, server mode) on a free localhost port; yields its endpoint URL."""
+    """A real S3 API server (moto in server mode) on a free localhost port; yields its URL."""
     from moto.server import ThreadedMotoServer
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
