@@ -1,4 +1,4 @@
-"""Exceptions shared across feedpipe; each message names the file, record, worker or URL at fault."""
+"""Exceptions shared across feedpipe; each message names the file, record, worker or URL."""
 
 from __future__ import annotations
 
