@@ -29,40 +29,40 @@ _Rebuild = Callable[[list[Any]], Any]
 def flatten(obj: Any) -> tuple[list[torch.Tensor], _Rebuild]:
     """Split ``obj`` into its tensor leaves (depth first, dict order) and a function that rebuilds
     the same structure from replacement leaves. Dicts (any ``Mapping``), lists, tuples and
-    namedtuples are walked; every other object is kept as is (by reference)."""
+    namedtuples are walked; every other object is kept as is (by reference). The rebuild function
+    holds no reference to the leaves (and no reference cycle), so batches are freed promptly."""
     leaves: list[torch.Tensor] = []
+    return leaves, _build(obj, leaves)
 
-    def build(o: Any) -> _Rebuild:
-        if isinstance(o, torch.Tensor):
-            i = len(leaves)
-            leaves.append(o)
-            return lambda ls: ls[i]
-        if isinstance(o, Mapping):
-            items = [(k, build(v)) for k, v in o.items()]
-            kind = type(o)
 
-            def rebuild_map(ls: list[Any]) -> Any:
-                d = {k: f(ls) for k, f in items}
-                if kind is dict:
-                    return d
-                try:
-                    return kind(d)  # type: ignore[call-arg]
-                except TypeError:  # a Mapping type that cannot be built from a dict
-                    return d
+def _build(o: Any, leaves: list[torch.Tensor]) -> _Rebuild:
+    if isinstance(o, torch.Tensor):
+        i = len(leaves)
+        leaves.append(o)
+        return lambda ls: ls[i]
+    if isinstance(o, Mapping):
+        items = [(k, _build(v, leaves)) for k, v in o.items()]
+        kind = type(o)
 
-            return rebuild_map
-        if isinstance(o, tuple) and hasattr(o, "_fields"):  # namedtuple
-            parts = [build(v) for v in o]
-            ntype = type(o)
-            return lambda ls: ntype(*(f(ls) for f in parts))
-        if isinstance(o, (list, tuple)):
-            parts = [build(v) for v in o]
-            seq_type = type(o) if type(o) in (list, tuple) else list
-            return lambda ls: seq_type(f(ls) for f in parts)
-        return lambda ls: o
+        def rebuild_map(ls: list[Any]) -> Any:
+            d = {k: f(ls) for k, f in items}
+            if kind is dict:
+                return d
+            try:
+                return kind(d)  # type: ignore[call-arg]
+            except TypeError:  # a Mapping type that cannot be built from a dict
+                return d
 
-    rebuild = build(obj)
-    return leaves, rebuild
+        return rebuild_map
+    if isinstance(o, tuple) and hasattr(o, "_fields"):  # namedtuple
+        parts = [_build(v, leaves) for v in o]
+        ntype = type(o)
+        return lambda ls: ntype(*(f(ls) for f in parts))
+    if isinstance(o, (list, tuple)):
+        parts = [_build(v, leaves) for v in o]
+        seq_type = type(o) if type(o) in (list, tuple) else list
+        return lambda ls: seq_type(f(ls) for f in parts)
+    return lambda ls: o
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:

@@ -97,6 +97,23 @@ def test_nested_structures_round_trip_and_leave_non_tensors_alone() -> None:
     assert rebuild(leaves)["list"][0] is batch["list"][0]
 
 
+def test_flatten_leaves_no_reference_cycle() -> None:
+    """Cyclic garbage holding batch tensors would be freed late (and, holding CUDA memory,
+    inside forked workers): flatten must not create any."""
+    import gc
+    import weakref
+
+    t = torch.ones(3)
+    ref = weakref.ref(t)
+    gc.disable()
+    try:
+        leaves, rebuild = flatten({"a": [t, (t, "x")], "b": Pair(t, 1)})
+        del leaves, rebuild, t
+        assert ref() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
+
+
 def test_feed_moves_nested_batches_and_keeps_structure() -> None:
     feed = _feed(prefetch=2)
     batches = [
@@ -346,13 +363,17 @@ def _checksums_on_device(
 
         feed._copier.copy = slow_copy  # type: ignore[method-assign]
     sums = []
-    for b in feed.iterate(batches):
-        assert b["x"].device == feed.device
-        torch.cuda._sleep(consumer_cycles)
-        w = torch.arange(1, b["x"].numel() + 1, device=feed.device, dtype=torch.float64)
-        sums.append(torch.stack([(b["x"].double().flatten() * w).sum(), b["y"].double().sum()]))
-        del b  # freed here: only record_stream keeps its memory from the next copy
-    torch.cuda.synchronize()
+    try:
+        for b in feed.iterate(batches):
+            assert b["x"].device == feed.device
+            torch.cuda._sleep(consumer_cycles)
+            w = torch.arange(1, b["x"].numel() + 1, device=feed.device, dtype=torch.float64)
+            x = (b["x"].double().flatten() * w).sum()
+            sums.append(torch.stack([x, b["y"].double().sum()]))
+            del b  # freed here: only record_stream keeps its memory from the next copy
+        torch.cuda.synchronize()
+    finally:
+        vars(feed._copier).pop("copy", None)  # no feed <-> closure cycle left behind
     return sums
 
 
