@@ -208,6 +208,7 @@ def run_size(root: Path, rb: int, total: int, seconds: float, reps: int) -> dict
         "(b) sorted np.take, 2 workers": torch_loader(SortedTake(raw_path, n, width), 2),
         "MemmapDataset, 0 workers": fp_loader(mds, 0),
         "MemmapDataset, 2 threads": fp_loader(mds, 2),
+        "ZarrDataset, 0 workers": fp_loader(zds, 0),
         "ZarrDataset, 2 threads": fp_loader(zds, 2),
         "ZarrDataset zstd, 2 threads": fp_loader(zzs, 2),
         "(d) contiguous copy": ceiling(d["raw"], batch, seconds),

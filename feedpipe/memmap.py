@@ -300,7 +300,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                 f"indices must be a 1-D sequence of integers, got {idx.dtype} {idx.shape}"
             )
         idx = idx.astype(np.int64, copy=False)  # read-only from here on: may be the caller's
-        if idx.size and (idx.min() < 0 or idx.max() >= self._len):
+        if idx.size and (idx.view(np.uint64) >= self._len).any():  # negatives wrap: look closer
             bad = (idx < -self._len) | (idx >= self._len)
             if bad.any():
                 first = int(idx[np.argmax(bad)])

@@ -8,6 +8,7 @@ codec with zstd. Remote fsspec URLs (``s3://``...) are read with zarr-python's f
 
 from __future__ import annotations
 
+import itertools
 import json
 import mmap
 import os
@@ -448,9 +449,19 @@ class _Direct:
             else:
                 addr[pos] = local[pos] * self.row
         if not np.any(addr % self.row):  # rows start on record boundaries: gather from maps
-            for k in np.unique(shard).tolist():
-                pos = np.flatnonzero(shard == k)
-                out[pos] = np.take(self._rows(k, where), addr[pos] // self.row, axis=0)
+            shards = np.unique(shard).tolist()
+            if len(shards) == 1:  # one copy, straight into out (clip: indices are checked)
+                np.take(self._rows(shards[0], where), addr // self.row, 0, out, "clip")
+                return
+            # in file order into a temp, then one scatter
+            order = np.argsort(shard * (1 << 40) + addr, kind="stable")
+            s_sorted, r_sorted = shard[order], addr[order] // self.row
+            bounds = [0, *(np.flatnonzero(np.diff(s_sorted)) + 1).tolist(), len(idx)]
+            tmp = np.empty_like(out)
+            for a, b in itertools.pairwise(bounds):
+                rows = self._rows(int(s_sorted[a]), where)
+                np.take(rows, r_sorted[a:b], 0, tmp[a:b], "clip")
+            out[order] = tmp
             return
         order = np.argsort(shard * (1 << 40) + addr, kind="stable").tolist()
         shard_l, addr_l = shard.tolist(), addr.tolist()
