@@ -14,18 +14,23 @@ second ``randperm(n)`` whose result is discarded (``num_samples % n == 0`` sampl
 the last full batch. The vectorised iterator makes those calls at those points, so the RNG
 state seen by the next epoch, by a ``state_dict()`` or by worker seeding is torch's.
 Anything else (subclasses, ``replacement=True``, ``num_samples``) takes the generic path.
+
+:class:`IndexStream` is how the loader's workers see those batches: recorded (for error
+messages) and skippable without reading data (resume is arithmetic on the sampler).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
-__all__ = ["index_batches"]
+__all__ = ["IndexStream", "index_batches"]
 
 _CHUNK = 8192  # DistributedSampler: positions evaluated per permutation call (as the sampler)
 
@@ -113,3 +118,41 @@ def _distributed(sampler: Any, size: int, drop: bool) -> Iterator[list[int]]:
     sampler._local += len(pending)
     if pending and not drop:
         yield pending
+
+
+class IndexStream:
+    """The loader's index sampler as seen by the workers: skippable and recorded.
+
+    ``skip`` (one-shot) drops the first index batches of the next ``__iter__`` without reading
+    data. ``sent[n]`` is the ``n``-th index batch of the current pass (torch's ``send_idx``).
+    """
+
+    def __init__(self, sampler: Iterable[Any]) -> None:
+        self.sampler = sampler
+        self.skip = 0
+        # called before the sampler's first draw; weak, so the loader is freed by refcount
+        self.on_start: weakref.WeakMethod[Callable[[], None]] | None = None
+        self.sent: dict[int, Any] = {}  # one dict, cleared per pass (iterators hold it)
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._gen()
+
+    def _gen(self) -> Iterator[Any]:
+        # Lazy on purpose: torch's multi-process iterator calls iter() twice and advances only
+        # the second one, so the one-shot skip is taken when the first index is drawn.
+        hook = self.on_start() if self.on_start is not None else None
+        if hook is not None:
+            hook()
+        it = index_batches(self.sampler)  # torch's batches and RNG draws, vectorised
+        skip, self.skip = self.skip, 0
+        sent = self.sent
+        sent.clear()
+        if skip:
+            for _ in itertools.islice(it, skip):
+                pass
+        for n, index in enumerate(it):
+            sent[n] = index
+            yield index

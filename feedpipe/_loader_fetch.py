@@ -24,7 +24,9 @@ from torch.utils.data._utils import worker as _torch_worker
 
 from feedpipe.errors import WorkerError
 
-__all__ = ["Mode", "Shipped", "fetch_batch", "nbytes_of", "pin_batch"]
+_perf = time.perf_counter
+
+__all__ = ["Mode", "Shipped", "fetch_batch", "fetch_untimed", "nbytes_of", "pin_batch"]
 
 
 class Mode(enum.Enum):
@@ -35,6 +37,16 @@ class Mode(enum.Enum):
     PER_SAMPLE = "per_sample"  # [dataset[i] for i in indices], then collate_fn
     NO_BATCH = "no_batch"  # batch_size=None: dataset[index], then collate_fn (default_convert)
     ITERABLE = "iterable"  # next(iterator) per sample (iterable datasets)
+
+
+# Enum attribute lookups cost ~100 ns each in CPython 3.11: the per-batch paths compare
+# against these module constants instead.
+_READ_BATCH, _GETITEMS, _PER_SAMPLE, _NO_BATCH = (
+    Mode.READ_BATCH,
+    Mode.GETITEMS,
+    Mode.PER_SAMPLE,
+    Mode.NO_BATCH,
+)
 
 
 def choose_mode(dataset: Any, auto_collation: bool, default_collation: bool) -> Mode:
@@ -54,6 +66,8 @@ class Shipped(NamedTuple):
     """A batch plus its stage times, as a worker hands it to the main process.
 
     A NamedTuple so torch's pin-memory thread pins ``batch`` and passes the numbers through.
+    Thread workers and the in-process path ship the same five fields as a plain tuple
+    (``ShippedTuple``, cheaper to build); a stage time below zero means "did not run".
     """
 
     batch: Any
@@ -110,11 +124,23 @@ def _short(indices: Any, limit: int = 16) -> str:
     return str(list(indices) if isinstance(indices, tuple) else indices)
 
 
+#: ``(batch, samples, nbytes, fetch_s, collate_s)``, the fields of :class:`Shipped`.
+ShippedTuple = tuple[Any, int, int, float, float]
+
+_Tensor = torch.Tensor
+
+
 def nbytes_of(batch: Any) -> int:
     """Bytes held by the tensors / arrays of a (nested) batch."""
-    if isinstance(batch, torch.Tensor):
-        return batch.element_size() * batch.nelement()
-    if isinstance(batch, np.ndarray):
+    kind = type(batch)
+    if kind is _Tensor:  # the common cases first, without isinstance chains
+        return batch.nbytes  # type: ignore[no-any-return]
+    if kind is list or kind is tuple:
+        total = 0
+        for item in batch:
+            total += item.nbytes if type(item) is _Tensor else nbytes_of(item)
+        return total
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
         return int(batch.nbytes)
     if isinstance(batch, Mapping):
         return sum(nbytes_of(v) for v in batch.values())
@@ -132,11 +158,11 @@ def pin_batch(batch: Any) -> Any:
 
 def read_indices(dataset: Any, indices: Any, mode: Mode, out: Any = None) -> Any:
     """Read one index batch the way ``mode`` says (no collation)."""
-    if mode is Mode.READ_BATCH:
+    if mode is _READ_BATCH:
         return dataset.read_batch(indices) if out is None else dataset.read_batch(indices, out=out)
-    if mode is Mode.GETITEMS:
+    if mode is _GETITEMS:
         return dataset.__getitems__(indices)
-    if mode is Mode.PER_SAMPLE:
+    if mode is _PER_SAMPLE:
         return [dataset[i] for i in indices]
     return dataset[indices]
 
@@ -147,19 +173,38 @@ def fetch_batch(
     collate_fn: Callable[[Any], Any],
     mode: Mode,
     out: Any = None,
-) -> Shipped:
-    """Read and collate one index batch, timing both stages.
+) -> ShippedTuple:
+    """Read and collate one index batch, timing both stages (collate -1.0: ``read_batch``).
 
     ``out`` is an optional preallocated destination passed to ``read_batch`` (a device feed
     gathers straight into its pinned ring slots this way); other modes ignore it.
     """
-    t0 = time.perf_counter()
+    perf = _perf
+    t0 = perf()
+    if mode is _READ_BATCH:
+        batch = dataset.read_batch(indices) if out is None else dataset.read_batch(indices, out=out)
+        return (batch, len(indices), nbytes_of(batch), perf() - t0, -1.0)
     data = read_indices(dataset, indices, mode, out)
-    t1 = time.perf_counter()
-    batch = data if mode is Mode.READ_BATCH else collate_fn(data)
-    t2 = time.perf_counter()
-    samples = len(indices) if mode is not Mode.NO_BATCH else 1
-    return Shipped(batch, samples, nbytes_of(batch), t1 - t0, t2 - t1)
+    t1 = perf()
+    batch = collate_fn(data)
+    t2 = perf()
+    samples = len(indices) if mode is not _NO_BATCH else 1
+    return (batch, samples, nbytes_of(batch), t1 - t0, t2 - t1)
+
+
+def fetch_untimed(
+    dataset: Any,
+    indices: Any,
+    collate_fn: Callable[[Any], Any],
+    mode: Mode,
+    out: Any = None,
+) -> ShippedTuple:
+    """:func:`fetch_batch` with the counters off: no clocks, no byte count."""
+    if mode is _READ_BATCH:
+        batch = dataset.read_batch(indices) if out is None else dataset.read_batch(indices, out=out)
+        return (batch, len(indices), 0, -1.0, -1.0)
+    batch = collate_fn(read_indices(dataset, indices, mode, out))
+    return (batch, len(indices) if mode is not _NO_BATCH else 1, 0, -1.0, -1.0)
 
 
 def worker_id() -> int | None:
@@ -274,9 +319,11 @@ class _TimedCollate:
             if failed is not None:
                 return failed
             samples, indices = (len(data) if isinstance(data, list) else 1), None
+        if self.mode is _READ_BATCH:  # read_batch returns the batch: no collate stage
+            return Shipped(data, samples, nbytes_of(data), fetch_s, -1.0)
         t0 = time.perf_counter()
         try:
-            batch = data if self.mode is Mode.READ_BATCH else self.collate_fn(data)
+            batch = self.collate_fn(data)
         except Exception as exc:
             return _Failed(exc, worker_id(), indices)
         collate_s = time.perf_counter() - t0

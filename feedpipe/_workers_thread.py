@@ -24,7 +24,15 @@ from typing import Any
 import torch
 from torch.utils.data._utils import worker as _torch_worker
 
-from feedpipe._loader_fetch import Mode, Shipped, _Failed, fetch_batch, nbytes_of, pin_batch
+from feedpipe._loader_fetch import (
+    Mode,
+    ShippedTuple,
+    _Failed,
+    fetch_batch,
+    fetch_untimed,
+    nbytes_of,
+    pin_batch,
+)
 
 __all__ = ["ThreadWorkers", "thread_worker_info"]
 
@@ -45,7 +53,7 @@ class _Exhausted:
 
 
 class ThreadWorkers:
-    """An iterator over ``Shipped`` batches produced by ``num_workers`` threads.
+    """An iterator over ``ShippedTuple`` batches produced by ``num_workers`` threads.
 
     ``sampler_iter`` yields index batches (``None`` placeholders for iterable datasets).
     ``out_for(batch_number, rows)``, for ``read_batch`` datasets, may return a preallocated
@@ -69,6 +77,7 @@ class ThreadWorkers:
         in_order: bool,
         drop_last: bool,
         out_for: Callable[[int, int], Any] | None = None,
+        timed: bool = True,
     ) -> None:
         self._sampler_iter = sampler_iter
         self._num_workers = num_workers
@@ -94,6 +103,7 @@ class ThreadWorkers:
                     "pin": pin,
                     "drop_last": drop_last,
                     "out_for": out_for if mode is Mode.READ_BATCH else None,
+                    "timed": timed,
                 },
                 name=f"feedpipe-worker-{wid}",
                 daemon=True,
@@ -113,7 +123,7 @@ class ThreadWorkers:
         info = self._task_info.get(self._rcvd_idx)
         return self._rcvd_idx, (info[0] if info else None)
 
-    def __next__(self) -> Shipped | _Failed:
+    def __next__(self) -> ShippedTuple | _Failed:
         while True:
             while self._rcvd_idx < self._send_idx:
                 info = self._task_info.get(self._rcvd_idx)
@@ -241,7 +251,10 @@ def _worker_loop(  # noqa: PLR0917
     pin: bool,
     drop_last: bool,
     out_for: Callable[[int, int], Any] | None,
+    timed: bool,
 ) -> None:
+    fetch = fetch_batch if timed else fetch_untimed
+    iterable = mode is Mode.ITERABLE
     seed = base_seed + wid
     rng = _torch_worker._RNG(
         random_generator=random.Random(seed),
@@ -268,21 +281,21 @@ def _worker_loop(  # noqa: PLR0917
             results.put((idx, wid, init_error))
             continue
         try:
-            if mode is Mode.ITERABLE:
+            if iterable:
                 if iterator is None:
                     iterator = iter(dataset)
                 out = _next_iterable(iterator, indices, collate_fn, drop_last)
                 if out is None:
                     results.put((idx, wid, _Exhausted(wid)))
                     continue
-                position += out.samples
+                position += out[1]
             else:
                 dest = out_for(idx, len(indices)) if out_for is not None else None
-                out = fetch_batch(dataset, indices, collate_fn, mode, dest)
+                out = fetch(dataset, indices, collate_fn, mode, dest)
             if pin and (out_for is None or dest is None):
-                out = out._replace(batch=pin_batch(out.batch))
+                out = (pin_batch(out[0]), *out[1:])
         except Exception as exc:
-            where = indices if mode is not Mode.ITERABLE else f"stream position {position}"
+            where = indices if not iterable else f"stream position {position}"
             results.put((idx, wid, _Failed(exc, wid, where)))
             continue
         results.put((idx, wid, out))
@@ -290,7 +303,7 @@ def _worker_loop(  # noqa: PLR0917
 
 def _next_iterable(
     iterator: Iterator[Any], indices: Any, collate_fn: Callable[[Any], Any], drop_last: bool
-) -> Shipped | None:
+) -> ShippedTuple | None:
     """One batch from an iterable dataset, with torch's end-of-stream rules (None: exhausted)."""
     t0 = time.perf_counter()
     if indices is None:  # batch_size=None
@@ -306,7 +319,7 @@ def _next_iterable(
         samples = len(data)
     t1 = time.perf_counter()
     batch = collate_fn(data)
-    return Shipped(batch, samples, nbytes_of(batch), t1 - t0, time.perf_counter() - t1)
+    return (batch, samples, nbytes_of(batch), t1 - t0, time.perf_counter() - t1)
 
 
 class InlineSource:
@@ -327,8 +340,10 @@ class InlineSource:
         generator: torch.Generator | None,
         pin: bool,
         drop_last: bool,
+        timed: bool = True,
     ) -> None:
         self._sampler_iter = sampler_iter
+        self._fetch = fetch_batch if timed else fetch_untimed
         torch.empty((), dtype=torch.int64).random_(generator=generator)  # torch's base seed draw
         self._dataset, self._collate_fn, self._mode = dataset, collate_fn, mode
         self._pin, self._drop_last = pin, drop_last
@@ -339,7 +354,7 @@ class InlineSource:
     def __iter__(self) -> InlineSource:
         return self
 
-    def __next__(self) -> Shipped | _Failed:
+    def __next__(self) -> ShippedTuple | _Failed:
         indices = next(self._sampler_iter)
         try:
             if self._iterator is not None:
@@ -349,11 +364,11 @@ class InlineSource:
                 if out is None:
                     self._ended = True
                     raise StopIteration
-                self._position += out.samples
+                self._position += out[1]
             else:
-                out = fetch_batch(self._dataset, indices, self._collate_fn, self._mode)
+                out = self._fetch(self._dataset, indices, self._collate_fn, self._mode)
             if self._pin:
-                out = out._replace(batch=pin_batch(out.batch))
+                out = (pin_batch(out[0]), *out[1:])
             return out
         except StopIteration:
             raise

@@ -14,9 +14,12 @@ argument checks, errors, attributes, ``len()`` and ``isinstance`` are torch's ow
 - ``worker_type="thread"`` runs ``ThreadWorkers``: same index batches, same worker assignment,
   same RNG draws, but the dataset is called directly in threads (no pickling, no shared-memory
   copy). It pays off for reads that release the GIL.
-- Either way, index batches come from ``_IndexStream``, which records the indices in flight
-  (for error messages) and can skip the first ``k`` index batches of an epoch without loading
-  any data: resume is arithmetic on the sampler, never a replay.
+- Either way, index batches come from ``IndexStream`` (``_index_batches``): torch's batches
+  and RNG draws, generated vectorised for torch's own samplers; it records the indices in
+  flight (for error messages) and can skip the first ``k`` index batches of an epoch without
+  loading any data: resume is arithmetic on the sampler, never a replay.
+- Stall counters: two clock reads and one ``meter.record_batch`` per batch; with
+  ``StallMeter(enabled=False)`` no clock is read at all.
 
 Datasets with ``read_batch(indices, out=None)`` are read with one call per batch and no
 collation (when ``collate_fn`` is the default); datasets with ``__getitems__`` get one call per
@@ -26,16 +29,17 @@ batch, then ``collate_fn``, as in torch.
 from __future__ import annotations
 
 import base64
-import itertools
+import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.utils.data as tud
 from torch.utils.data._utils.collate import default_collate, default_convert
 
+from feedpipe._index_batches import IndexStream
 from feedpipe._loader_fetch import (
     _Failed,
     _IterProxy,
@@ -48,11 +52,12 @@ from feedpipe._loader_fetch import (
 from feedpipe._workers_thread import InlineSource, ThreadWorkers, thread_worker_info
 from feedpipe.errors import WorkerError
 from feedpipe.gpu import GPUFeed, Prefetcher
-from feedpipe.stall import StallMeter
+from feedpipe.stall import StallMeter, StallStats
 
 __all__ = ["DataLoader", "get_worker_info"]
 
 _STATE_VERSION = 1
+_perf = time.perf_counter
 _WORKER_TYPES = ("process", "thread")
 
 
@@ -60,44 +65,6 @@ def get_worker_info() -> Any:
     """torch's ``get_worker_info()``, which also works inside feedpipe's thread workers."""
     info = thread_worker_info()
     return info if info is not None else tud.get_worker_info()
-
-
-class _IndexStream:
-    """The loader's index sampler as seen by the workers: skippable and recorded.
-
-    ``skip`` (one-shot) drops the first index batches of the next ``__iter__`` without reading
-    data. ``sent[n]`` is the ``n``-th index batch of the current pass (torch's ``send_idx``).
-    """
-
-    def __init__(self, sampler: Iterable[Any]) -> None:
-        self.sampler = sampler
-        self.skip = 0
-        # called before the sampler's first draw; weak, so the loader is freed by refcount
-        self.on_start: weakref.WeakMethod[Callable[[], None]] | None = None
-        self.sent: dict[int, Any] = {}  # one dict, cleared per pass (iterators hold it)
-
-    def __len__(self) -> int:
-        return len(self.sampler)  # type: ignore[arg-type]
-
-    def __iter__(self) -> Iterator[Any]:
-        return self._gen()
-
-    def _gen(self) -> Iterator[Any]:
-        # Lazy on purpose: torch's multi-process iterator calls iter() twice and advances only
-        # the second one, so the one-shot skip is taken when the first index is drawn.
-        hook = self.on_start() if self.on_start is not None else None
-        if hook is not None:
-            hook()
-        it = iter(self.sampler)
-        skip, self.skip = self.skip, 0
-        sent = self.sent
-        sent.clear()
-        if skip:
-            for _ in itertools.islice(it, skip):
-                pass
-        for n, index in enumerate(it):
-            sent[n] = index
-            yield index
 
 
 def _gen_state(gen: torch.Generator | None) -> str:
@@ -133,7 +100,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         dataset directly; for GIL-releasing reads). Inside thread workers use
         ``feedpipe.get_worker_info()``: torch's own cannot see threads.
       meter: a ``feedpipe.StallMeter`` to count into (one is created per loader if None);
-        ``loader.meter`` and ``loader.stats()`` expose it.
+        ``loader.meter`` and ``loader.stats`` expose it; ``StallMeter(enabled=False)`` turns
+        the counters off (the loader then reads no clock at all).
       device: ``"cuda"``/``"cuda:N"``: batches arrive already on that device, through a fixed
         ring of pinned slots (thread workers read straight into them) and a side CUDA stream
         (``feedpipe.gpu``); ``loader.feed_info`` reports the ring. ``"cpu"`` or no CUDA falls
@@ -207,7 +175,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                 meter=self.meter,
             )
         self._iterable = isinstance(self.dataset, tud.IterableDataset)
-        self._stream = None if self._iterable else _IndexStream(self._index_sampler)
+        self._stream = None if self._iterable else IndexStream(self._index_sampler)
         if self._stream is not None:
             self._stream.on_start = weakref.WeakMethod(self._at_sampler_start)
         self._restore_rng: dict[str, str] | None = None
@@ -220,10 +188,13 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         self._pending: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------ public
-    def stats(self) -> Any:
-        """The meter's summary (``meter.stats()`` when available, else the meter itself)."""
-        fn = getattr(self.meter, "stats", None)
-        return fn() if callable(fn) else self.meter
+    @property
+    def stats(self) -> StallStats:
+        """A snapshot of the stall counters (``loader.meter.stats()``): totals and rates.
+
+        An attribute, like ``ckpt.CheckpointManager.stats``; the meter's is a method.
+        """
+        return self.meter.stats()
 
     @property
     def feed_info(self) -> dict[str, Any] | None:
@@ -232,9 +203,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     def __iter__(self) -> _LoaderIter:  # type: ignore[override]
         self._begin_epoch()
-        set_workers = getattr(self.meter, "set_workers", None)
-        if set_workers is not None:
-            set_workers(self.num_workers)  # worker stages run this many at a time (0: inline)
+        self.meter.set_workers(self.num_workers)  # worker stages run this many at a time
         feed = None if self._feed is None else self._feed.prefetcher()
         if self.num_workers == 0:
             source: Any = self._inline_source()
@@ -429,6 +398,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             generator=self.generator,
             pin=self._pin(),
             drop_last=self.drop_last,
+            timed=self.meter.enabled,
         )
 
     def _thread_source(self, feed: Prefetcher | None = None) -> ThreadWorkers:
@@ -454,6 +424,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             pin=pin,
             in_order=self.in_order,
             drop_last=self.drop_last,
+            timed=self.meter.enabled,
             # in order, batch n is the feed's n-th: workers read it straight into its slot
             out_for=feed.out_for if feed is not None and self.in_order else None,
         )
@@ -469,7 +440,10 @@ class _LoaderIter:
         if feed is not None:
             pull = weakref.WeakMethod(self._pull)  # no cycle: the pass dies with its iterator
             feed.pull = lambda: pull()()  # type: ignore[misc]  # noqa: PLW0108
-        self._meter = loader.meter
+        meter = self._meter = loader.meter
+        self._timed = meter.enabled  # off: the sources read no clock either
+        self._record = meter.record_batch
+        self._profiler = meter._profiler  # its _is_profiler_enabled flag: one read per batch
         self._epoch = loader._epoch
         self._first = self._epoch.batches  # batch number (in the epoch) of this pass's first batch
         self._delivered = 0
@@ -489,8 +463,14 @@ class _LoaderIter:
         return len(self._loader)
 
     def __next__(self) -> Any:
-        meter = self._meter
-        meter.wait_begin()
+        # Counters on: two clock reads around the blocking part and one record_batch call
+        # (while a profiler records: wait_begin/wait_end, so the wait is a profiler range).
+        # Counters off: no clock at all.
+        timed = self._timed
+        traced = timed and self._profiler._is_profiler_enabled
+        if traced:
+            self._meter.wait_begin()
+        t0 = _perf() if timed else 0.0
         on_device = None
         try:
             if self._feed is None:
@@ -499,14 +479,21 @@ class _LoaderIter:
                 on_device, shipped = next(self._feed)
         except StopIteration:
             self._epoch.active = False
+            if timed and not traced:
+                self._meter.wait_pending(t0)  # the step before this wait still counts
             raise
         except Exception as exc:
+            if timed and not traced:
+                self._meter.wait_pending(t0)
             if self._feed is not None:  # _pull explained it already
                 raise
             raise self._explain(exc) from exc
-        if isinstance(shipped, _Failed):
+        t1 = _perf() if timed else 0.0
+        if type(shipped) is _Failed:
+            if timed and not traced:
+                self._meter.wait_pending(t0)
             indices = shipped.indices
-            self._count(1, len(indices) if isinstance(indices, (list, tuple)) else 0)
+            self._count(len(indices) if isinstance(indices, (list, tuple)) else 0)
             error: BaseException | None = shipped.exception(self._first + self._delivered - 1)
             shipped = None
             assert error is not None
@@ -515,11 +502,15 @@ class _LoaderIter:
             finally:  # break the frame <-> traceback cycle so the workers shut down promptly
                 error = None
         batch, samples, nbytes, fetch_s, collate_s = shipped
-        meter.add_stage("fetch", fetch_s, nbytes)
-        if collate_s:
-            meter.add_stage("collate", collate_s, nbytes)
-        meter.wait_end(samples=samples, nbytes=nbytes)
-        self._count(1, samples)
+        if traced:
+            meter = self._meter
+            meter.add_stage("fetch", fetch_s, nbytes)
+            if collate_s >= 0.0:
+                meter.add_stage("collate", collate_s, nbytes)
+            meter.wait_end(samples=samples, nbytes=nbytes)
+        elif timed:
+            self._record(t0, t1, samples, nbytes, fetch_s, collate_s)
+        self._count(samples)
         if self._len_called is not None and self._delivered > self._len_called:
             warnings.warn(
                 f"Length of IterableDataset {self._loader.dataset} was reported to be "
@@ -542,17 +533,18 @@ class _LoaderIter:
             raise
         except Exception as exc:
             raise self._explain(exc) from exc
-        if isinstance(shipped, _Failed):
+        if type(shipped) is _Failed:
             return None, shipped, False
-        return shipped.batch, shipped._replace(batch=None), True
+        return shipped[0], (None, *shipped[1:]), True
 
     def __del__(self) -> None:
         if getattr(self, "_feed", None) is not None:  # abandoned: turn its workers away
             self._feed.close()  # type: ignore[union-attr]
 
-    def _count(self, batches: int, samples: int) -> None:
+    def _count(self, samples: int) -> None:
+        """One more batch of ``samples`` delivered (or failed) this epoch."""
         epoch = self._epoch
-        epoch.batches += batches
+        epoch.batches += 1
         epoch.samples += samples
         if self._sent is not None:
             self._sent.pop(self._delivered - self._lag, None)

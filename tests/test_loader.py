@@ -316,7 +316,7 @@ def test_meter_counts_batches_and_stages(worker_type: str, num_workers: int) -> 
     )
     assert loader.meter is meter
     n = sum(1 for _ in loader)
-    stats = loader.stats()
+    stats = loader.stats
     assert stats.batches == n == 10 and stats.samples == 37
     assert stats.bytes == 37 * (16 + 8 + 2)  # float32 x4, int64, uint8 x2 per sample
     assert stats.workers == num_workers
@@ -427,6 +427,6 @@ def test_thread_workers_gather_into_caller_buffers() -> None:
     )
     got = list(workers)
     want = list(TorchLoader(WithReadBatch(), batch_size=6))
-    assert_same([s.batch for s in got], want)
+    assert_same([s[0] for s in got], want)
     for n, shipped in enumerate(got):
-        assert shipped.batch[0].data_ptr() == slots[n][0].data_ptr()
+        assert shipped[0][0].data_ptr() == slots[n][0].data_ptr()

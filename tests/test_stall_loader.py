@@ -89,7 +89,7 @@ def test_in_process_matches_injected_delays(tmp_path: Path) -> None:
     loader = DataLoader(ds, batch_size=BATCH, num_workers=0, meter=meter)
     assert loader.meter is meter
     ref_wait, ref_step = _run(loader, STEP)
-    s = loader.stats()
+    s = loader.stats
     assert isinstance(s, StallStats)
     assert s.batches == N_BATCHES and s.samples == N_BATCHES * BATCH
     assert s.bytes == N_BATCHES * BATCH * 4 * 8
@@ -136,13 +136,13 @@ def test_disabled_meter_counts_nothing() -> None:
     ds = SleepyDataset(6, 0.0)
     loader = DataLoader(ds, batch_size=BATCH, meter=StallMeter(enabled=False))
     assert sum(1 for _ in loader) == 3
-    assert loader.stats().batches == 0
+    assert loader.stats.batches == 0
 
 
 def test_default_meter_is_on_and_shared_meter_adds_up() -> None:
     a = DataLoader(SleepyDataset(6, 0.0), batch_size=BATCH)
     assert isinstance(a.meter, StallMeter) and a.meter.enabled
-    assert sum(1 for _ in a) == 3 and a.stats().batches == 3
+    assert sum(1 for _ in a) == 3 and a.stats.batches == 3
     shared = StallMeter(trace=False)
     b = DataLoader(SleepyDataset(6, 0.0), batch_size=BATCH, meter=shared)
     c = DataLoader(SleepyDataset(8, 0.0), batch_size=BATCH, meter=shared)
@@ -152,3 +152,37 @@ def test_default_meter_is_on_and_shared_meter_adds_up() -> None:
     s = shared.stats()
     assert s.batches >= 6 and s.samples >= 12
     assert s.regions["forward"] > 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_counters_off_read_no_clock(workers: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``StallMeter(enabled=False)``: the loader and its fetch path read no clock at all."""
+    import feedpipe._loader_fetch as fetch_mod
+
+    def no_clock() -> float:
+        raise AssertionError("a clock was read with the counters off")
+
+    monkeypatch.setattr(loader_mod, "_perf", no_clock)
+    monkeypatch.setattr(fetch_mod, "_perf", no_clock)
+    kw: dict[str, Any] = {"num_workers": workers, "worker_type": "thread"} if workers else {}
+    loader = DataLoader(
+        SleepyDataset(6, 0.0), batch_size=BATCH, meter=StallMeter(enabled=False), **kw
+    )
+    assert [b[:, 0].tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]]
+    assert loader.stats.batches == 0
+    on = DataLoader(SleepyDataset(6, 0.0), batch_size=BATCH, **kw)
+    with pytest.raises(AssertionError, match="a clock was read"):
+        next(iter(on))
+
+
+def test_one_record_per_batch_and_pending_wait_at_the_end() -> None:
+    """The loader records each batch once; StopIteration leaves the last step counted."""
+    meter = StallMeter(trace=False)
+    loader = DataLoader(SleepyDataset(8, 0.0), batch_size=BATCH, meter=meter)
+    n = 0
+    for _ in loader:
+        n += 1
+        time.sleep(0.005)
+    s = loader.stats
+    assert s.batches == n == 4 and meter.steps == 4  # the step after the last batch counts
+    assert s.step_s >= 4 * 0.005 and s.stages["fetch"].calls == 4
