@@ -8,7 +8,8 @@ The corpus is written with ``feedpipe.MemmapWriter`` (fixed layout: ``seq_len + 
 per record) and read with ``feedpipe.MemmapDataset`` through ``feedpipe.DataLoader`` (thread
 workers, one vectorised gather per batch). Every ``--save-every`` steps the model, the
 optimizer, the loader's position and the RNG states go to a ``ckpt.CheckpointManager``: the loop
-pays only for the copy into the staging pool, the write and commit run in the background. On
+pays only for the copy into the staging pool, the write and commit run in the background. With
+a GPU, batches reach it through the loader's GPU feed (``device="cuda"``). On
 start, the newest checkpoint that verifies is restored, and training continues exactly where it
 was: the same batches and (on CPU) bit-identical losses as a run that was never interrupted.
 """
@@ -77,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2, help="thread workers of the loader")
     p.add_argument("--crash-at", type=int, help="die (os._exit) right after this step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="'auto' (cuda when available), 'cuda' or 'cpu'")
     return p.parse_args(argv)
 
 
@@ -95,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     dataset = feedpipe.MemmapDataset(data)
     print(f"dataset: {len(dataset)} sequences of {dataset.shape[0]} tokens in {data}")
 
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
-    model = TinyLM(args.vocab, args.dim, args.seq_len)
+    model = TinyLM(args.vocab, args.dim, args.seq_len).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = feedpipe.DataLoader(
         dataset,
@@ -106,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         num_workers=args.workers,
         worker_type="thread",
         generator=torch.Generator().manual_seed(args.seed),
+        # on a GPU, batches arrive on the device through feedpipe's pinned ring (GPU feed)
+        device=device if device != "cpu" else None,
     )
     # Everything that defines "where training is": saved together, restored together.
     state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0}
