@@ -100,21 +100,31 @@ def _loader(n: int, workers: int) -> Callable[[StallMeter], float]:
     return run
 
 
-def _measure(fn: Callable[[StallMeter], float], reps: int) -> tuple[float, float, float]:
-    """Median seconds (on, off) over interleaved repetitions, and the median of paired ratios."""
+def _measure(fn: Callable[[StallMeter], float], reps: int) -> tuple[float, float, float, float]:
+    """Median seconds (on, off) over interleaved repetitions, and the medians of the paired
+    on/off ratios of wall time and of process CPU time (less sensitive to a shared machine)."""
     on: list[float] = []
     off: list[float] = []
     ratios: list[float] = []
+    cpu_ratios: list[float] = []
     fn(StallMeter(enabled=False))  # warm-up
     for r in range(reps):
         order = (True, False) if r % 2 == 0 else (False, True)
-        pair = {}
+        pair, cpu = {}, {}
         for enabled in order:
+            c0 = time.process_time()
             pair[enabled] = fn(StallMeter(enabled=enabled))
+            cpu[enabled] = time.process_time() - c0
         on.append(pair[True])
         off.append(pair[False])
         ratios.append(pair[True] / pair[False])
-    return statistics.median(on), statistics.median(off), statistics.median(ratios)
+        cpu_ratios.append(cpu[True] / cpu[False])
+    return (
+        statistics.median(on),
+        statistics.median(off),
+        statistics.median(ratios),
+        statistics.median(cpu_ratios),
+    )
 
 
 def main() -> None:
@@ -133,11 +143,11 @@ def main() -> None:
     rows = []
     loader_ratios = []
     for name, fn in configs:
-        t_on, t_off, ratio = _measure(fn, args.reps)
+        t_on, t_off, ratio, cpu_ratio = _measure(fn, args.reps)
         per_on, per_off = t_on / n * 1e6, t_off / n * 1e6
         row = (
             f"| {name} | {per_off:.2f} | {per_on:.2f} | {(per_on - per_off) * 1e3:+.0f} "
-            f"| {ratio:.4f} | {100 * (ratio - 1):+.2f}% |"
+            f"| {ratio:.4f} | {100 * (ratio - 1):+.2f}% | {100 * (cpu_ratio - 1):+.2f}% |"
         )
         print(row, flush=True)
         rows.append(row)
@@ -155,10 +165,13 @@ def main() -> None:
             f"{n:,} one-sample batches per run; on = `StallMeter()` (default, profiler ranges",
             "in auto mode), off = `StallMeter(enabled=False)` (the loader then reads no clock and",
             "counts no bytes); "
-            f"{args.reps} interleaved repetitions, medians; ratio = median of paired on/off.",
+            f"{args.reps} interleaved repetitions, medians; ratio = median of paired on/off",
+            "(wall time; CPU slowdown: the same from process CPU time, which other tenants of a",
+            "shared machine disturb less).",
             "",
-            "| loop | off µs/batch | on µs/batch | cost ns/batch | on/off | slowdown |",
-            "|---|---|---|---|---|---|",
+            "| loop | off µs/batch | on µs/batch | cost ns/batch | on/off | slowdown "
+            "| CPU slowdown |",
+            "|---|---|---|---|---|---|---|",
             *rows,
             "",
             "The `meter:` rows are the bare hot paths (no loader): their cost per batch is the",
