@@ -162,6 +162,10 @@ def test_checkpoint_io_sync_and_bad_paths(tmp_path: Path) -> None:
         io.load_checkpoint(tmp_path / "x.ckpt")
     with pytest.raises(TypeError, match="storage_options"):
         io.save_checkpoint({}, tmp_path / "y.ckpt", storage_options={"a": 1})
+    with pytest.raises(ValueError, match=r"s3://bucket/run/z\.ckpt"):
+        io.save_checkpoint({}, "s3://bucket/run/z.ckpt")
+    io.save_checkpoint({"w": torch.ones(2)}, f"file://{tmp_path}/f.ckpt")
+    assert (tmp_path / "f.ckpt" / "manifest.json").is_file()
 
 
 class _SlowData(_Data):

@@ -67,6 +67,19 @@ def _snapshot(obj: Any) -> Any:
     return obj
 
 
+def _local(path: Any) -> str:
+    """A local path (``file://`` stripped); a remote URL is an error, not a local directory."""
+    key = os.fspath(path)
+    if key.startswith("file://"):
+        return key[len("file://") :]
+    if "://" in key:
+        raise ValueError(
+            f"CkptCheckpointIO writes local directories, got the URL {key!r}: checkpoint to a "
+            "local path and upload with ckpt.CheckpointManager(remote=...)"
+        )
+    return key
+
+
 class CkptCheckpointIO(_CheckpointIO):  # type: ignore[misc, valid-type]
     """Lightning ``CheckpointIO`` backed by :func:`ckpt.save` / :func:`ckpt.load`.
 
@@ -95,7 +108,7 @@ class CkptCheckpointIO(_CheckpointIO):  # type: ignore[misc, valid-type]
                 f"{type(self).__name__} does not take storage_options, got {storage_options!r}"
             )
         self._raise_error()
-        key = os.fspath(path)
+        key = _local(path)
         self._wait_for(key)
         if not self.async_save:
             save(key, checkpoint, metadata={"writer": "ckpt.integrations.lightning"})
@@ -119,7 +132,7 @@ class CkptCheckpointIO(_CheckpointIO):  # type: ignore[misc, valid-type]
         callable or a dict) loads to the CPU. ``weights_only`` is accepted and always true in
         effect: a ckpt checkpoint holds no pickled objects.
         """
-        key = os.fspath(path)
+        key = _local(path)
         self._wait_for(key)
         self._raise_error()
         if not (map_location is None or isinstance(map_location, (str, torch.device))):
@@ -131,7 +144,7 @@ class CkptCheckpointIO(_CheckpointIO):  # type: ignore[misc, valid-type]
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint directory at ``path`` (after its save in flight, if any)."""
-        key = os.fspath(path)
+        key = _local(path)
         self._wait_for(key)
         if os.path.isdir(key):
             shutil.rmtree(key)
