@@ -314,3 +314,17 @@ def test_remote_without_staging_is_explicit(s3_bucket: tuple[str, dict]) -> None
     assert len(ds) == 1
     with pytest.raises(NotImplementedError, match="staging"):
         ds[0]
+
+
+@pytest.mark.parametrize("record", [100, 64 << 10])
+def test_batches_spanning_shards_small_and_big_records(tmp_path: Path, record: int) -> None:
+    """Batches over many shards: gathered per shard, then put back in batch order."""
+    n = 40
+    x = RNG.integers(0, 256, (n, record), dtype=np.uint8)
+    with MemmapWriter(tmp_path / "ds", shape=(record,), shard_bytes=record * 3) as w:
+        w.append_batch(x)
+    ds = MemmapDataset(tmp_path / "ds")
+    assert len(ds.index.shards) == 14
+    for idx in (RNG.permutation(n), RNG.integers(0, n, 25), np.array([39, 0, 0, 39, 7])):
+        assert torch.equal(ds.read_batch(idx), torch.from_numpy(x[idx]))
+        assert torch.equal(ds.read_batch(idx[:3].tolist()), torch.from_numpy(x[idx[:3]]))

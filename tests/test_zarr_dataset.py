@@ -173,3 +173,25 @@ def test_direct_reads_of_unsharded_arrays(tmp_path: Path) -> None:
     )[:] = x
     ds = ZarrDataset(tmp_path / "p")
     assert ds._direct and torch.equal(ds.read_batch([49, 0, 17]), torch.from_numpy(x[[49, 0, 17]]))
+
+
+@pytest.mark.parametrize("index_location", ["end", "start"])
+def test_direct_reads_of_big_records_across_shards(tmp_path: Path, index_location: str) -> None:
+    """Records of 64 KiB and more are copied one by one into place (mapped or preadv)."""
+    from zarr.codecs import BytesCodec, ShardingCodec
+
+    x = np.random.default_rng(3).integers(0, 255, (9, 1 << 16)).astype(np.uint8)
+    zarr.create_array(
+        tmp_path / "big",
+        shape=x.shape,
+        chunks=(3, 1 << 16),
+        dtype="uint8",
+        compressors=None,
+        serializer=ShardingCodec(
+            chunk_shape=(1, 1 << 16), codecs=[BytesCodec()], index_location=index_location
+        ),
+    )[:] = x
+    ds = ZarrDataset(tmp_path / "big")
+    assert ds._direct
+    for idx in ([8, 0, 4, 3, 8, 1], [5, 4], [2]):
+        assert torch.equal(ds.read_batch(idx), torch.from_numpy(x[idx]))
