@@ -33,7 +33,6 @@ may be called from any thread.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 import threading
@@ -46,6 +45,7 @@ from typing import Any, Literal
 from feedpipe._stall_dist import DistributedSink, DistributedSummary, gather_stats
 from feedpipe._stall_report import format_report, format_summary
 from feedpipe._stall_sinks import JsonlSink, LoggingSink, Sink, TensorBoardSink
+from feedpipe._stall_stats import StageStats, StallStats
 
 __all__ = [
     "WORKER_STAGES",
@@ -82,77 +82,6 @@ def _bucket_value(i: int) -> float:
     """Midpoint (seconds) of histogram bucket ``i``."""
     e, sub = divmod(i - _OFFSET, _SUB)  # w = m * 2**(e - 1), m = 0.5 + sub/32 + ...
     return (0.5 + (sub + 0.5) / (2 * _SUB)) * 2.0 ** (e - 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class StageStats:
-    """Totals for one pipeline stage.
-
-    ``seconds`` is summed over every thread/worker that ran the stage; ``per_batch_s`` is the
-    latency of one call (``seconds / calls``); ``effective_s`` divides that latency by the
-    stage's parallelism (``workers`` for :data:`WORKER_STAGES`, else 1): the time the stage
-    adds to each batch once its parallel copies overlap. Compare it with the step time.
-    """
-
-    seconds: float
-    bytes: int
-    calls: int
-    per_batch_s: float
-    effective_s: float
-
-
-@dataclasses.dataclass(frozen=True)
-class StallStats:
-    """A snapshot of a :class:`StallMeter`; every field is a plain number, string or dict.
-
-    ``wall_s = stall_s + step_s`` runs from the first ``wait_begin`` to the last ``wait_end`` (or
-    to the last ``wait_begin``, when a wait is pending or ended the epoch with StopIteration);
-    ``stall_fraction = stall_s / wall_s``. Rates are per second of ``wall_s``.
-    ``input_busy`` is the share of worker time spent in worker stages (``None`` without stage
-    data): low means the input pipeline is mostly idle. ``slowest_stage`` is the stage with the
-    largest ``effective_s`` (see :class:`StageStats`), or ``None`` when no stage was reported.
-    """
-
-    wall_s: float
-    stall_s: float
-    step_s: float
-    stall_fraction: float
-    batches: int
-    samples: int
-    bytes: int
-    batches_per_s: float
-    samples_per_s: float
-    bytes_per_s: float
-    wait_mean_s: float
-    wait_p50_s: float
-    wait_p99_s: float
-    wait_max_s: float
-    step_mean_s: float
-    workers: int
-    input_busy: float | None
-    slowest_stage: str | None
-    stages: dict[str, StageStats]
-    regions: dict[str, float]
-    depths: dict[str, int]
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain nested dict, ready for ``json.dumps``."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> StallStats:
-        """Inverse of :meth:`to_dict` (used by the distributed summary)."""
-        d = dict(d)
-        d["stages"] = {k: StageStats(**v) for k, v in d["stages"].items()}
-        return cls(**d)
-
-    def summary(self) -> str:
-        """One line: stall %, p50/p99 wait, throughput, slowest stage."""
-        return format_summary(self)
-
-    def report(self) -> str:
-        """Several lines: totals, per-stage table and a plain-language hint."""
-        return format_report(self)
 
 
 class StallMeter:
