@@ -186,3 +186,18 @@ def test_one_record_per_batch_and_pending_wait_at_the_end() -> None:
     s = loader.stats
     assert s.batches == n == 4 and meter.steps == 4  # the step after the last batch counts
     assert s.step_s >= 4 * 0.005 and s.stages["fetch"].calls == 4
+
+
+def test_sinks_are_polled_from_the_loader(caplog: pytest.LogCaptureFixture) -> None:
+    """The loader's per-batch record polls attached sinks, as wait_end does."""
+    import logging
+
+    from feedpipe.stall import LoggingSink
+
+    meter = StallMeter(trace=False)
+    meter.add_sink(LoggingSink(every_steps=2))
+    loader = DataLoader(SleepyDataset(8, 0.0), batch_size=BATCH, meter=meter)
+    with caplog.at_level(logging.INFO, logger="feedpipe"):
+        assert sum(1 for _ in loader) == 4
+    assert len([r for r in caplog.records if "stall" in r.getMessage()]) == 2
+    assert meter.stats().batches == 4
