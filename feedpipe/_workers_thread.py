@@ -237,6 +237,18 @@ def _track(workers: ThreadWorkers) -> None:
 _HOOKED = False
 
 
+def _worker_rng(seed: int) -> dict[str, Any]:
+    """Per-worker RNG fields of ``WorkerInfo``, on torch versions that have them (not 2.11)."""
+    rng_cls = getattr(_torch_worker, "_RNG", None)
+    if rng_cls is None:
+        return {}
+    rng = rng_cls(
+        random_generator=random.Random(seed),
+        torch_generator=torch.Generator().manual_seed(seed),
+    )
+    return {"rng": rng, "worker_method": "thread"}
+
+
 def _worker_loop(  # noqa: PLR0917
     wid: int,
     num_workers: int,
@@ -256,12 +268,8 @@ def _worker_loop(  # noqa: PLR0917
     fetch = fetch_batch if timed else fetch_untimed
     iterable = mode is Mode.ITERABLE
     seed = base_seed + wid
-    rng = _torch_worker._RNG(
-        random_generator=random.Random(seed),
-        torch_generator=torch.Generator().manual_seed(seed),
-    )
     _LOCAL.info = _torch_worker.WorkerInfo(
-        id=wid, num_workers=num_workers, seed=seed, dataset=dataset, rng=rng, worker_method="thread"
+        id=wid, num_workers=num_workers, seed=seed, dataset=dataset, **_worker_rng(seed)
     )
     init_error: _Failed | None = None
     if init_fn is not None:
