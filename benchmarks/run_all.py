@@ -104,7 +104,7 @@ def headline(doc_text: str) -> list[str]:
         out.append(
             f"`feedpipe.DataLoader` with thread workers on a per-sample memmap dataset, same "
             f"`num_workers=2`: **{small[-1]}** (8 KiB records) and **{large[-1]}** (256 KiB) "
-            "torch's samples/s."
+            "torch's throughput" + (" (median of paired epochs)." if "paired" in lo else ".")
         )
     ds = _section(doc_text, "datasets")
     per_sample = _row(ds, "MemmapDataset / (a)")
