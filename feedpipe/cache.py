@@ -327,9 +327,10 @@ class ShardCache:
                 out.append(fut)
         return out
 
-    def fetch(self, relpaths: Iterable[str]) -> None:
+    def fetch(self, relpaths: Iterable[str], on_wait: Callable[[], None] | None = None) -> None:
         """Make ``relpaths`` local now, in parallel on the prefetch threads (not pinned); raises
-        the first download error. For a reader about to touch many files at once."""
+        the first download error. For a reader about to touch many files at once.
+        ``on_wait`` as for :meth:`acquire`."""
         wanted = list(relpaths)
         futures = self.prefetch(wanted)
         for fut in futures:
@@ -340,7 +341,7 @@ class ShardCache:
         else:
             return
         for rel in wanted:
-            self._ensure(rel, pin=False)
+            self._ensure(rel, pin=False, on_wait=on_wait)
 
     def pressure_changed(self) -> bool:
         """True if a download (any process) has waited for room since this object last asked.

@@ -332,7 +332,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         rels = [rel for s in shards for rel in cache.shard_files(s)]
         need = sum(info.bytes for s in shards for info in self.index.shards[s].files.values())
         if limit is None or need <= limit // 2:
-            cache.fetch(rels)  # in parallel, not one by one
+            cache.fetch(rels, on_wait=self._release_idle)  # in parallel, not one by one
             return shards
         # more than fits: read the open shards first, then the cached ones, fetch the rest last
         files = self._open_files()
