@@ -118,6 +118,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         self._columns: dict[str, np.ndarray] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._tls = threading.local()  # per-thread scratch for gathers spanning shards
+        self._open_lock = threading.Lock()  # first reads may come from several threads at once
 
     # ------------------------------------------------------------------ files
     def _check_local_files(self, verify: bool) -> None:
@@ -181,13 +182,17 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
     def _open_files(self) -> OpenShards:
         """This process's open shard data files (rebuilt after a fork or unpickling)."""
         files = self._files
-        if files is None or files.pid != os.getpid():
-            sizes = [s.files["data"].bytes for s in self.index.shards]
-            limit = self.cache_limit_bytes if self._remote else None
-            files = self._files = OpenShards(
-                self._open_data, sizes, None if limit is None else limit // 3
-            )
-            self._pool = None
+        if files is not None and files.pid == os.getpid():
+            return files
+        with self._open_lock:
+            files = self._files
+            if files is None or files.pid != os.getpid():
+                sizes = [s.files["data"].bytes for s in self.index.shards]
+                limit = self.cache_limit_bytes if self._remote else None
+                files = self._files = OpenShards(
+                    self._open_data, sizes, None if limit is None else limit // 3
+                )
+                self._pool = None
         return files
 
     def _open_data(self, sid: int) -> tuple[int, Any]:
@@ -528,10 +533,15 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         if nbytes < _THREAD_MIN_BYTES or threads < 2:
             work(runs)
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="feedpipe-read")
+        pool = self._pool
+        if pool is None:
+            with self._open_lock:
+                pool = self._pool
+                if pool is None:
+                    pool = ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="feedpipe-read")
+                    self._pool = pool
         step = -(-len(runs) // threads)
-        futures = [self._pool.submit(work, runs[k : k + step]) for k in range(0, len(runs), step)]
+        futures = [pool.submit(work, runs[k : k + step]) for k in range(0, len(runs), step)]
         for f in futures:
             f.result()
 
@@ -551,6 +561,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         state["_files"] = None
         state["_pool"] = None
         state["_tls"] = None
+        state["_open_lock"] = None
         state["_columns"] = {}
         state["_offsets_of"] = {}
         return state
@@ -558,6 +569,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._tls = threading.local()
+        self._open_lock = threading.Lock()
 
     def close(self) -> None:
         """Close open files and maps and unpin cached shards (they reopen on the next read)."""

@@ -328,3 +328,26 @@ def test_batches_spanning_shards_small_and_big_records(tmp_path: Path, record: i
     for idx in (RNG.permutation(n), RNG.integers(0, n, 25), np.array([39, 0, 0, 39, 7])):
         assert torch.equal(ds.read_batch(idx), torch.from_numpy(x[idx]))
         assert torch.equal(ds.read_batch(idx[:3].tolist()), torch.from_numpy(x[idx[:3]]))
+
+
+def test_concurrent_first_reads_from_many_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first batches of a fresh dataset may come from several reader threads at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)  # large batches split over a read pool
+
+    rng = np.random.default_rng(0)
+    records = [rng.integers(0, 255, 200_000 + i, dtype=np.uint8).tobytes() for i in range(96)]
+    with MemmapWriter(tmp_path / "ds", shard_bytes=8 << 20) as w:
+        for rec in records:
+            w.append(np.frombuffer(rec, dtype=np.uint8))
+    for _ in range(3):
+        ds = MemmapDataset(tmp_path / "ds")  # fresh: no open files, no read pool yet
+        batches = [list(range(96)), list(range(95, -1, -1))] * 4
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(ds.read_batch, batches))
+        for idx, got in zip(batches, results, strict=True):
+            assert [bytes(t.numpy()) for t in got] == [records[i] for i in idx]
+        ds.close()
