@@ -29,6 +29,7 @@ batch, then ``collate_fn``, as in torch.
 from __future__ import annotations
 
 import base64
+import gc
 import time
 import warnings
 import weakref
@@ -343,7 +344,18 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         if self._inner is None:
             self._inner = self._make_inner()
         self._inner._IterableDataset_len_called = self._IterableDataset_len_called
-        return iter(self._inner)
+        if not torch.cuda.is_initialized():
+            return iter(self._inner)
+        # Forked workers inherit every object of this process, some owning CUDA handles (events,
+        # memory). Were the child's cyclic GC to destroy one, it would call CUDA in a forked
+        # process and abort (cudaErrorInitializationError). Freezing puts the objects that exist
+        # now out of the GC's reach in the children; this process unfreezes once they are started.
+        gc.collect()
+        gc.freeze()
+        try:
+            return iter(self._inner)
+        finally:
+            gc.unfreeze()
 
     def _make_inner(self) -> tud.DataLoader:  # type: ignore[type-arg]
         """The torch DataLoader that runs torch's iterator over the timed dataset/collate."""

@@ -6,7 +6,6 @@ CPU tests run the loader's device path with the fallback (same ring, same orderi
 
 from __future__ import annotations
 
-import gc
 import warnings
 from pathlib import Path
 from typing import Any
@@ -165,9 +164,12 @@ def test_pin_memory_without_device_keeps_torch_semantics(dataset: Any) -> None:
 def test_gpu_loader_every_batch_correct_with_a_slow_consumer(
     dataset: Any, worker_type: str
 ) -> None:
-    # forked workers must not inherit garbage that holds CUDA memory (a collection in the child
-    # would call into CUDA there): collect what earlier tests left behind first
-    gc.collect()
+    # garbage that owns CUDA handles (as earlier tests and real programs leave): the loader must
+    # keep forked workers from collecting it (a CUDA call in a forked child aborts the child)
+    cycle: dict[str, Any] = {"event": torch.cuda.Event(), "tensor": torch.ones(4, device="cuda")}
+    cycle["self"] = cycle
+    cycle["event"].record()
+    del cycle
     meter = StallMeter()
     loader = _loader(
         dataset, num_workers=2, worker_type=worker_type, device="cuda", meter=meter, prefetch=2
