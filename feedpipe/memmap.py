@@ -3,14 +3,28 @@
 The format is described in :mod:`feedpipe._index`; :class:`MemmapWriter` writes it.
 
 Batched reads (:meth:`MemmapDataset.read_batch`, ``__getitems__``) turn a batch of indices into
-one vectorised gather with the GIL released. Fixed-size records are gathered with ``np.take``
-from the mapped shard straight into the destination, with ``mode="clip"`` (indices are checked
-first): with the default ``mode="raise"`` numpy gathers into a temporary and copies it again,
-which measured 0.3 against 4.5 GB/s at 8 KiB. On the 2-core dev machine (page cache warm,
-shuffled 8 KiB / 256 KiB records) ``np.take`` reached 5.3 / 10.6 GB/s against 2.1 / 7.0 GB/s
-with one ``preadv`` per record, and one thread beat two. A batch spanning several shards is
-gathered in file order, then scattered. Variable-length records are read with ``os.preadv``
-(runs of adjacent records become one call).
+one vectorised gather with the GIL released. Fixed-size records are read one of two ways
+(``read=`` on the dataset):
+
+- ``"mmap"``: ``np.take`` from the mapped shard straight into the destination, with
+  ``mode="clip"`` (indices are checked first; with ``mode="raise"`` numpy gathers into a
+  temporary and copies it again: 0.3 against 4.5 GB/s at 8 KiB). A batch spanning several shards
+  is gathered in file order, then scattered.
+- ``"pread"``: ``os.preadv`` straight into the destination rows, in file order, adjacent records
+  coalesced into one call, every byte count checked (a truncated shard raises).
+- ``"auto"`` (default): ``"pread"`` for records of 64 KiB or more, else ``"mmap"``. Why: a gather
+  from a mapping takes a page fault per 4 KiB page on first touch in each process, and faults
+  from several threads on one mapping contend on the mm lock, so mmap gathers scale badly with
+  threads. On the 16-core H200 host (256 KiB records in the page cache, into pinned buffers)
+  ``preadv`` gave 23-27 GB/s with 4-16 threads against 1.5 / 16 GB/s for mmap gathers with
+  1 / 16 threads, and the thread-worker loader got *slower* with more threads on mmap (9.98,
+  9.15, 6.91 GB/s with 4, 8, 16). On the 2-core dev VM mmap won (10.6 against 7.0 GB/s at
+  256 KiB), but a feed runs many threads on a many-core host. Small records stay on mmap: one
+  syscall per record costs more than the copy (5.3 against 2.1 GB/s at 8 KiB on the VM).
+  ``benchmarks/gpu_feed.py`` measures both in one run.
+
+Variable-length records are always read with ``os.preadv`` (runs of adjacent records become one
+call).
 """
 
 from __future__ import annotations
@@ -40,6 +54,8 @@ _IOV_MAX = 1024
 _ROW_COPY_MIN = 64 << 10  # records this large are copied one by one when a batch spans shards
 _THREAD_MIN_BYTES = 16 << 20  # split a preadv batch over threads above this many bytes
 _MAX_THREADS = 4
+_READS = ("auto", "mmap", "pread")
+_PREAD_MIN = 64 << 10  # read="auto": fixed records this large are read with preadv
 
 
 def verify_files(root: str, index: Index) -> Iterator[tuple[str, str]]:
@@ -64,7 +80,8 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
 
     ``ds[i]`` is a tensor (fixed layout), a 1-D uint8 tensor (bytes layout), or a dict
     ``{"data": ..., "<field>": ...}`` when the dataset has side fields. ``verify=True`` checks
-    every file's CRC32C on open. Pickles cheaply: files are reopened lazily in each process.
+    every file's CRC32C on open. ``read`` (``"auto"``, ``"mmap"`` or ``"pread"``) picks how
+    batches of fixed-size records are read (see the module docstring). Pickles cheaply: files are reopened lazily in each process.
 
     A remote URL (``s3://...``) is read through a :class:`feedpipe.cache.ShardCache` in
     ``cache_dir`` (lazy mode). With ``cache_limit_bytes``, a shard is pinned only while it is
@@ -81,7 +98,11 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         cache_limit_bytes: int | None = None,
         storage_options: dict[str, Any] | None = None,
         verify: bool = False,
+        read: str = "auto",
     ) -> None:
+        if read not in _READS:
+            raise ValueError(f"read must be one of {_READS}, got {read!r}")
+        self.read = read
         self.path = os.fspath(path)
         self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
         self.cache_limit_bytes = cache_limit_bytes
@@ -436,6 +457,9 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             return dest
         flat = dest.numpy().reshape(n, -1).view(np.uint8)
         sid, local = self._locate(idx)
+        if self.read == "pread" or (self.read == "auto" and rb >= _PREAD_MIN):
+            self._pread_fixed(idx, sid, local, flat)
+            return dest
         files = self._open_files()
         one = len(self._starts) == 2 and not self._remote
         shards = [0] if one else self._plan(np.unique(sid).tolist())
@@ -466,6 +490,36 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             inverse[order] = np.arange(n)
             np.take(tmp, inverse, axis=0, out=flat, mode="clip")
         return dest
+
+    def _pread_fixed(
+        self, idx: np.ndarray, sid: np.ndarray, local: np.ndarray, flat: np.ndarray
+    ) -> None:
+        """Read fixed records with ``os.preadv`` straight into ``flat`` (rows), in file order:
+        runs of adjacent records in one shard become one call. Runs in the calling thread (the
+        loader's workers are the parallelism; a shared pool here would serialise them)."""
+        n, rb = len(idx), self._record_bytes
+        key = self._shard_key(sid) * (1 << 40) + local
+        order = np.argsort(key, kind="stable")
+        k_sorted = key[order]
+        # a run breaks where the next record is not the adjacent one of the same shard
+        breaks = np.flatnonzero(np.diff(k_sorted) != 1) + 1
+        bounds = [0, *breaks.tolist(), n]
+        order_l, sid_l, local_l = order.tolist(), sid.tolist(), local.tolist()
+        files = self._open_files()
+        shard_of_run = [sid_l[order_l[a]] for a in bounds[:-1]]
+        runs = list(itertools.pairwise(bounds))
+        pos = 0
+        for s, group in itertools.groupby(shard_of_run):
+            count = sum(1 for _ in group)
+            with files.use(s) as shard:
+                for a, b in runs[pos : pos + count]:
+                    for c in range(a, b, _IOV_MAX):
+                        d = min(b, c + _IOV_MAX)
+                        first = order_l[c]
+                        bufs = [flat[p] for p in order_l[c:d]]
+                        offset = local_l[first] * rb
+                        self._preadv_exact(shard, bufs, offset, int(idx[first]), (d - c) * rb)
+            pos += count
 
     def _shard_key(self, sid: np.ndarray) -> np.ndarray:
         """Per-record sort key placing shards in :meth:`_plan` order (index order locally)."""
