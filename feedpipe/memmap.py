@@ -81,7 +81,8 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
     ``ds[i]`` is a tensor (fixed layout), a 1-D uint8 tensor (bytes layout), or a dict
     ``{"data": ..., "<field>": ...}`` when the dataset has side fields. ``verify=True`` checks
     every file's CRC32C on open. ``read`` (``"auto"``, ``"mmap"`` or ``"pread"``) picks how
-    batches of fixed-size records are read (see the module docstring). Pickles cheaply: files are reopened lazily in each process.
+    batches of fixed-size records are read (see the module docstring).
+    Pickles cheaply: files are reopened lazily in each process.
 
     A remote URL (``s3://...``) is read through a :class:`feedpipe.cache.ShardCache` in
     ``cache_dir`` (lazy mode). With ``cache_limit_bytes``, a shard is pinned only while it is
