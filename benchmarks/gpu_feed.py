@@ -36,6 +36,7 @@ import feedpipe
 from feedpipe.gpu import GPUFeedWarning
 
 _GB = 1e9
+_READS = ("mmap", "pread")  # read="auto" is pread for records >= 64 KiB, else mmap
 
 
 @dataclass
@@ -130,7 +131,7 @@ def bench_feed(ds: Any, bs: int, workers: int, device: torch.device, seconds: fl
     gbps, n = run_epochs(
         loader, lambda b: b, seconds, torch.cuda.synchronize if cuda else (lambda: None)
     )
-    return Result("feedpipe DataLoader(device)", workers, gbps, n)
+    return Result(f"feedpipe DataLoader(device) read={ds.read}", workers, gbps, n)
 
 
 def read_ceiling(ds: Any, bs: int, workers: int, pin: bool, seconds: float) -> float:
@@ -263,9 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         for rec in (int(x) for x in args.records.split(",")):
             t0 = time.perf_counter()
             path = make_dataset(root, rec, total)
-            ds = feedpipe.MemmapDataset(path)
+            ds = feedpipe.MemmapDataset(path)  # read="auto", for the torch baseline
+            by_read = {r: feedpipe.MemmapDataset(path, read=r) for r in _READS}
             bs = max(1, int(args.batch_mb * 2**20) // rec)
-            ds.read_batch(list(range(bs)))  # open files/pools once, before threads race to
+            for d in (ds, *by_read.values()):
+                d.read_batch(list(range(bs)))  # open files once, before threads race to
             print(
                 f"records {rec} B: {len(ds)} written+warmed in {time.perf_counter() - t0:.1f}s,"
                 f" batch {bs}"
@@ -274,40 +277,58 @@ def main(argv: list[str] | None = None) -> int:
             for w in tw:
                 results.append(bench_torch(ds, bs, w, device, args.seconds))
                 print(f"  {results[-1]}", flush=True)
-            for w in fw:
-                results.append(bench_feed(ds, bs, w, device, args.seconds))
-                print(f"  {results[-1]}", flush=True)
+            for r in _READS:
+                for w in fw:
+                    results.append(bench_feed(by_read[r], bs, w, device, args.seconds))
+                    print(f"  {results[-1]}", flush=True)
             best_t = max((r for r in results if r.name.startswith("torch")), key=lambda r: r.gbps)
-            best_f = max(
-                (r for r in results if r.name.startswith("feedpipe")), key=lambda r: r.gbps
-            )
-            ratio = best_f.gbps / best_t.gbps
-            ceiling = read_ceiling(ds, bs, best_f.workers, device.type == "cuda", args.seconds)
-            print(f"  read_batch alone, {best_f.workers} threads: {ceiling:.2f} GB/s")
-            print(
-                f"  => feedpipe {best_f.gbps:.2f} GB/s vs torch {best_t.gbps:.2f} GB/s:"
-                f" {ratio:.1f}x"
-            )
+            best = {
+                r: max((x for x in results if x.name.endswith(f"read={r}")), key=lambda x: x.gbps)
+                for r in _READS
+            }
+            best_f = max(best.values(), key=lambda r: r.gbps)
+            ceil = {
+                r: read_ceiling(
+                    by_read[r], bs, best[r].workers, device.type == "cuda", args.seconds
+                )
+                for r in _READS
+            }
+            for r in _READS:
+                print(
+                    f"  read={r}: loader {best[r].gbps:.2f} GB/s ({best[r].workers} threads), "
+                    f"read_batch alone {ceil[r]:.2f} GB/s; vs torch "
+                    f"{best[r].gbps / best_t.gbps:.1f}x"
+                )
             size = f"{rec // 1024} KiB" if rec >= 1024 else f"{rec} B"
+            cells = " | ".join(
+                f"{best[r].gbps:.2f} ({best[r].workers} thr; alone {ceil[r]:.2f}) "
+                f"{best[r].gbps / best_t.gbps:.1f}x"
+                for r in _READS
+            )
             rows.append(
-                f"| {size} | {bs} | {best_t.gbps:.2f} ({best_t.workers} workers) | "
-                f"{best_f.gbps:.2f} ({best_f.workers} threads) | {ratio:.1f}x | {ceiling:.2f} |"
+                f"| {size} | {bs} | {best_t.gbps:.2f} ({best_t.workers} workers) | {cells} |"
             )
             detail.append(
                 f"{size}: "
                 + ", ".join(
-                    f"{'torch' if r.name.startswith('torch') else 'feedpipe'} w={r.workers} "
-                    f"{r.gbps:.2f}"
-                    for r in results
+                    ("torch" if x.name.startswith("torch") else x.name.split()[-1])
+                    + f" w={x.workers} {x.gbps:.2f}"
+                    for x in results
                 )
             )
             if rec == max(int(x) for x in args.records.split(",")):
                 synth = synthetic_step(
-                    ds, bs, best_f.workers, device, gbps=best_f.gbps, seconds=args.seconds
+                    by_read[best_f.name.split("=")[-1]],
+                    bs,
+                    best_f.workers,
+                    device,
+                    gbps=best_f.gbps,
+                    seconds=args.seconds,
                 )
                 synth["record"] = rec
                 print(f"  synthetic step: {synth}")
-            ds.close()
+            for d in (ds, *by_read.values()):
+                d.close()
             shutil.rmtree(path, ignore_errors=True)
     finally:
         if args.dir is None:
@@ -320,9 +341,13 @@ def main(argv: list[str] | None = None) -> int:
         ", timed after a warm-up batch). GB/s = bytes delivered to the device per second.",
         "",
         "| record | batch | torch DataLoader(pin_memory) + .to(device, non_blocking), best "
-        "| feedpipe DataLoader(device, thread workers), best | ratio "
-        "| MemmapDataset.read_batch alone (same threads, no GPU) |",
-        "|---|---|---|---|---|---|",
+        + "".join(
+            f"| feedpipe DataLoader(device, thread workers), MemmapDataset(read={r!r}): best; "
+            "read_batch alone (same threads, pinned, no GPU); ratio to torch "
+            for r in _READS
+        )
+        + "|",
+        "|---|---|---|---|---|",
         *rows,
         "",
         "All configurations (GB/s): " + "; ".join(detail) + ".",
