@@ -36,7 +36,7 @@ import feedpipe
 from feedpipe.gpu import GPUFeedWarning
 
 _GB = 1e9
-_READS = ("mmap", "pread")  # read="auto" is pread for records >= 64 KiB, else mmap
+_READS = ("mmap", "pread")  # read="auto" is mmap (measured)
 
 
 @dataclass

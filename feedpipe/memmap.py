@@ -12,16 +12,15 @@ one vectorised gather with the GIL released. Fixed-size records are read one of 
   is gathered in file order, then scattered.
 - ``"pread"``: ``os.preadv`` straight into the destination rows, in file order, adjacent records
   coalesced into one call, every byte count checked (a truncated shard raises).
-- ``"auto"`` (default): ``"pread"`` for records of 64 KiB or more, else ``"mmap"``. Why: a gather
-  from a mapping takes a page fault per 4 KiB page on first touch in each process, and faults
-  from several threads on one mapping contend on the mm lock, so mmap gathers scale badly with
-  threads. On the 16-core H200 host (256 KiB records in the page cache, into pinned buffers)
-  ``preadv`` gave 23-27 GB/s with 4-16 threads against 1.5 / 16 GB/s for mmap gathers with
-  1 / 16 threads, and the thread-worker loader got *slower* with more threads on mmap (9.98,
-  9.15, 6.91 GB/s with 4, 8, 16). On the 2-core dev VM mmap won (10.6 against 7.0 GB/s at
-  256 KiB), but a feed runs many threads on a many-core host. Small records stay on mmap: one
-  syscall per record costs more than the copy (5.3 against 2.1 GB/s at 8 KiB on the VM).
-  ``benchmarks/gpu_feed.py`` measures both in one run.
+- ``"auto"`` (default): ``"mmap"``, by measurement. The H200 host's ceilings (``preadv`` 23-27
+  GB/s with 4-16 threads, mmap gathers 1.5 / 16 GB/s with 1 / 16 threads, page faults contending
+  on the mm lock) suggested ``preadv`` for big records, but ``benchmarks/gpu_feed.py`` on that
+  host (2 GB of shuffled records in the page cache, 16 MiB batches into pinned buffers, same run)
+  measured ``read_batch`` alone at 14.6 (mmap) against 12.9 GB/s (pread) at 256 KiB and 15.1
+  against 0.9 GB/s at 8 KiB, and the GPU loader at 9.8 against 9.1 GB/s at 256 KiB: one
+  ``os.preadv`` per record from Python re-takes the GIL per call, which convoys across threads.
+  On the 2-core dev VM mmap won too (10.6 against 7.0 GB/s at 256 KiB; 5.3 against 2.1 at 8 KiB).
+  ``"pread"`` stays available (it never maps the file, so it never faults on first touch).
 
 Variable-length records are always read with ``os.preadv`` (runs of adjacent records become one
 call).
@@ -55,7 +54,6 @@ _ROW_COPY_MIN = 64 << 10  # records this large are copied one by one when a batc
 _THREAD_MIN_BYTES = 16 << 20  # split a preadv batch over threads above this many bytes
 _MAX_THREADS = 4
 _READS = ("auto", "mmap", "pread")
-_PREAD_MIN = 64 << 10  # read="auto": fixed records this large are read with preadv
 
 
 def verify_files(root: str, index: Index) -> Iterator[tuple[str, str]]:
@@ -458,7 +456,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             return dest
         flat = dest.numpy().reshape(n, -1).view(np.uint8)
         sid, local = self._locate(idx)
-        if self.read == "pread" or (self.read == "auto" and rb >= _PREAD_MIN):
+        if self.read == "pread":
             self._pread_fixed(idx, sid, local, flat)
             return dest
         files = self._open_files()

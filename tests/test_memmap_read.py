@@ -23,7 +23,7 @@ def _write(tmp: Path, n: int, record: int, shard_bytes: int) -> tuple[Path, np.n
     return path, x
 
 
-@pytest.mark.parametrize("record", [24, 1000, 70_000])  # small, odd, past the auto threshold
+@pytest.mark.parametrize("record", [24, 1000, 70_000])  # small, odd, >= 64 KiB (row copies across shards)
 def test_pread_equals_mmap(tmp_path: Path, record: int) -> None:
     path, x = _write(tmp_path, 60, record, shard_bytes=7 * record)  # 9 shards, one short
     mm = MemmapDataset(path, read="mmap")
