@@ -118,7 +118,11 @@ def headline(doc_text: str) -> list[str]:
     big, small = _row(gf, "256 KiB"), _row(gf, "8 KiB")
     gpu_name = re.search(r"(NVIDIA [^;,]+)", gf)
     if big and small:
-        ratios = [next((c for c in r if re.fullmatch(r"[0-9.]+x", c)), "") for r in (big, small)]
+        # the first feedpipe column's ratio (a cell that is, or ends with, "N.Nx")
+        ratios = [
+            next((m.group(1) for c in r[2:] if (m := re.search(r"([0-9.]+x)$", c))), "")
+            for r in (big, small)
+        ]
         if all(ratios):
             where = f"on an {gpu_name.group(1)}" if gpu_name else "on a GPU"
             out.append(
