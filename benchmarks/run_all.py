@@ -138,11 +138,22 @@ def headline(doc_text: str) -> list[str]:
             "the throughput, every file CRC32C-verified."
         )
     cs = _section(doc_text, "ckpt_save")
-    m = re.search(r"ckpt steady blocked / DCP async_save[^:]*:\s*([0-9.]+x)", cs)
-    if m:
+    parts = []
+    for sub in re.split(r"^### ", cs, flags=re.M):
+        m = re.search(r"ckpt steady blocked / DCP async_save[^:]*:\s*([0-9.]+x)", sub)
+        if not m:
+            continue
+        gpu_name = re.search(r"(NVIDIA [^;,]+)", sub)
+        if sub.startswith("GPU"):
+            where = f"CUDA state on an {gpu_name.group(1)}" if gpu_name else "CUDA state"
+        else:
+            where = "CPU state"
+        parts.append(f"**{m.group(1)}** ({where})")
+    if parts:
         out.append(
-            f"ckpt async save: the training loop is blocked **{m.group(1)}** as long as with "
-            "`torch.distributed.checkpoint.async_save` (CPU state, steady state)."
+            "ckpt async save: the training loop is blocked "
+            + ", ".join(parts)
+            + " as long as with `torch.distributed.checkpoint.async_save` (steady state)."
         )
     dali = _section(doc_text, "dali_images")
     vs_pil = re.search(r"\(c\)/\(a\) = ([0-9.]+)", dali)
