@@ -159,6 +159,102 @@ def read_ceiling(ds: Any, bs: int, workers: int, pin: bool, seconds: float) -> f
     return sum(done) * bs * rec / (time.perf_counter() - t0) / _GB
 
 
+def probe(ds: Any, bs: int, device: torch.device, seconds: float) -> None:
+    """Diagnostics: host copy bandwidth by threads, and DMA straight from the page cache."""
+    rec = ds[0].numel()
+    big = bs * rec
+    pin = device.type == "cuda"
+    for w in (1, 4, 8, 16):  # pinned -> pinned copies: the host's memory bandwidth for a gather
+        src = [torch.empty(big, dtype=torch.uint8, pin_memory=pin) for _ in range(w)]
+        dst = [torch.empty(big, dtype=torch.uint8, pin_memory=pin) for _ in range(w)]
+        for t in src:
+            t.fill_(1)
+        done = [0] * w
+        deadline = time.perf_counter() + seconds / 2
+
+        def copy(
+            k: int, src: Any = src, dst: Any = dst, done: Any = done, dl: float = deadline
+        ) -> None:
+            while time.perf_counter() < dl:
+                dst[k].copy_(src[k])
+                done[k] += 1
+
+        t0 = time.perf_counter()
+        ts = [threading.Thread(target=copy, args=(k,)) for k in range(w)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        print(
+            f"  probe: host memcpy 16 MiB, {w} threads: "
+            f"{sum(done) * big / (time.perf_counter() - t0) / _GB:.2f} GB/s",
+            flush=True,
+        )
+    for r in ("mmap", "pread"):
+        for w in (1, 16):
+            g = read_ceiling(ds if r == ds.read else _with_read(ds, r), bs, w, pin, seconds / 2)
+            print(f"  probe: read_batch read={r} {w} threads: {g:.2f} GB/s", flush=True)
+    if device.type != "cuda":
+        return
+    # register the shard maps as page-locked (read-only) and DMA records straight to the GPU
+    cudart = torch.cuda.cudart()
+    files = ds._open_files()
+    regs, rows_t = [], []
+    for sid in range(len(ds.index.shards)):
+        with files.use(sid) as shard:
+            rows = ds._rows(shard)
+            err = cudart.cudaHostRegister(rows.ctypes.data, rows.nbytes, 8 | 1)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                rows_t.append(torch.from_numpy(rows))
+            regs.append(rows.ctypes.data)
+            if int(err) != 0:
+                print(f"  probe: cudaHostRegister failed: {err}")
+                return
+    print(f"  probe: registered {len(regs)} shard maps; pinned? {rows_t[0].is_pinned()}")
+    starts = ds._starts
+    perm = np.random.default_rng(1).permutation(len(ds))
+    out = [torch.empty(bs, rec, dtype=torch.uint8, device=device) for _ in range(4)]
+    stream = torch.cuda.Stream(device)
+    for w in (1, 2, 4):
+        done = [0] * w
+        deadline = time.perf_counter() + seconds / 2
+
+        def dma(k: int, done: Any = done, dl: float = deadline, w: int = w) -> None:
+            st = torch.cuda.Stream(device)
+            b = k
+            with torch.cuda.stream(st):
+                while time.perf_counter() < dl:
+                    idx = perm[(b * bs) % (len(perm) - bs) :][:bs]
+                    sid = np.searchsorted(starts, idx, side="right") - 1
+                    loc = idx - starts[sid]
+                    o = out[k % 4]
+                    for j, (s_, l_) in enumerate(zip(sid.tolist(), loc.tolist(), strict=True)):
+                        o[j].copy_(rows_t[s_][l_], non_blocking=True)
+                    done[k] += 1
+                    b += w
+                st.synchronize()
+
+        t0 = time.perf_counter()
+        ts = [threading.Thread(target=dma, args=(k,)) for k in range(w)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        print(
+            f"  probe: DMA from registered page cache, per-record copies, {w} threads: "
+            f"{sum(done) * big / (time.perf_counter() - t0) / _GB:.2f} GB/s",
+            flush=True,
+        )
+    del stream
+    for p in regs:
+        cudart.cudaHostUnregister(p)
+
+
+def _with_read(ds: Any, r: str) -> Any:
+    return feedpipe.MemmapDataset(ds.path, read=r)
+
+
 def synthetic_step(
     ds: Any, bs: int, workers: int, device: torch.device, *, gbps: float, seconds: float
 ) -> dict[str, float]:
@@ -243,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--records", default="262144,8192", help="record sizes in bytes")
     p.add_argument("--dir", default=None, help="where to write (default /dev/shm if roomy)")
     p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    p.add_argument("--probe", action="store_true", help="only diagnostics on the first size")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -273,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"records {rec} B: {len(ds)} written+warmed in {time.perf_counter() - t0:.1f}s,"
                 f" batch {bs}"
             )
+            if args.probe:
+                probe(by_read["mmap"], bs, device, args.seconds)
+                return 0
             results = []
             for w in tw:
                 results.append(bench_torch(ds, bs, w, device, args.seconds))
