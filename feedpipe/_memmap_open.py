@@ -15,6 +15,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
@@ -26,15 +27,22 @@ Opener = Callable[[int], tuple[int, Callable[[], None]]]
 class OpenShard:
     """One open shard data file: its fd, its map (made on first use) and how to unpin it."""
 
-    __slots__ = ("fd", "mm", "nbytes", "release", "rows", "sid", "users")
+    __slots__ = ("fd", "locked", "mm", "nbytes", "release", "rows", "sid", "unlock", "users")
 
     def __init__(self, sid: int, fd: int, nbytes: int, release: Callable[[], None]) -> None:
         self.sid, self.fd, self.nbytes, self.release = sid, fd, nbytes, release
         self.mm: mmap.mmap | None = None
         self.rows: np.ndarray | None = None
         self.users = 0
+        self.locked: Any = None  # the map registered with CUDA (feedpipe._memmap_dma)
+        self.unlock: int | None = None
 
     def close(self, unpin: bool = True) -> None:
+        if self.locked is not None and unpin:  # not in a forked child: CUDA is the parent's
+            from feedpipe._memmap_dma import unlock
+
+            unlock(self)
+        self.locked = None
         self.rows = None
         if self.mm is not None:
             try:

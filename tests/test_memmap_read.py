@@ -23,7 +23,9 @@ def _write(tmp: Path, n: int, record: int, shard_bytes: int) -> tuple[Path, np.n
     return path, x
 
 
-@pytest.mark.parametrize("record", [24, 1000, 70_000])  # small, odd, >= 64 KiB (row copies across shards)
+@pytest.mark.parametrize(
+    "record", [24, 1000, 70_000]
+)  # small, odd, >= 64 KiB (row copies across shards)
 def test_pread_equals_mmap(tmp_path: Path, record: int) -> None:
     path, x = _write(tmp_path, 60, record, shard_bytes=7 * record)  # 9 shards, one short
     mm = MemmapDataset(path, read="mmap")
@@ -74,3 +76,19 @@ def test_read_option_is_checked(tmp_path: Path) -> None:
     path, _ = _write(tmp_path, 4, 16, shard_bytes=1 << 20)
     with pytest.raises(ValueError, match=r"read must be one of .*'preadv'"):
         MemmapDataset(path, read="preadv")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("record", [24, 70_000])
+def test_dma_to_cuda_out_equals_mmap(tmp_path: Path, record: int) -> None:
+    path, _ = _write(tmp_path, 60, record, shard_bytes=7 * record)
+    ds = MemmapDataset(path)
+    out = torch.zeros(40, record, dtype=torch.uint8, device="cuda")
+    for idx in (np.random.default_rng(3).permutation(60)[:40], np.arange(10, 40), [5, 5, -1]):
+        got = ds.read_batch(idx, out={"data": out})
+        assert got["data"].is_cuda and got["data"].data_ptr() == out.data_ptr()
+        want = ds.read_batch(idx)["data"]
+        assert torch.equal(got["data"].cpu(), want)
+    ds.close()  # unregisters the maps after the copies in flight
+    with pytest.raises(ValueError, match=r"need torch\.uint8 with at least 61 rows"):
+        MemmapDataset(path).read_batch([*range(60), 0], out=out)
