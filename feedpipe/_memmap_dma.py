@@ -4,7 +4,7 @@ A shard's read-only map is registered with CUDA as page-locked memory (``cudaHos
 with the read-only and portable flags) on first use; each batch is then one
 ``copy_(non_blocking=True)`` per run of records that are adjacent both in the file and in the
 batch, issued on the caller's current CUDA stream. On the H200 host this measured 31 GB/s of
-shuffled 256 KiB records on one thread, against 13.6 GB/s for a 16-thread gather from the map
+shuffled 256 KiB records on one thread, against 13.6-19.7 GB/s for a 16-thread gather from the map
 into pinned memory (``benchmarks/gpu_feed.py --probe``): reading the page cache with the CPU
 costs 5-7 GB/s per core, the GPU's copy engine reads it at PCIe speed. It issues one copy per
 record from Python (about 10 us each), so it suits big records; registration pins the shard's
