@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,39 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._report import machine, write_section
+from benchmarks._s3 import start_moto
 from ckpt.manager import CheckpointManager
 from ckpt.remote import RemoteOptions, RemoteTier
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_moto() -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    exe = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen(
-        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    import urllib.request
-
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(endpoint, timeout=1)
-            return proc, endpoint
-        except Exception:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("moto_server did not start") from None
-            time.sleep(0.2)
 
 
 def _options(endpoint: str) -> dict[str, Any]:
@@ -101,7 +70,7 @@ def main() -> None:
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     import s3fs
 
-    proc, endpoint = _start_moto()
+    proc, endpoint = start_moto()
     try:
         fs = s3fs.S3FileSystem(**_options(endpoint))
         bucket = f"bench-{uuid.uuid4().hex[:8]}"

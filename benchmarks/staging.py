@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine, write_section
+from _s3 import start_moto
 
 NOTES = """\
 Notes: the speed-up of `stage` over the plain loop has two parts, shown separately above: (1)
@@ -41,31 +40,6 @@ plus each shard's small side files up front and the next 2 shards ahead."""
 
 RECORD_BYTES = 256 << 10  # 256 KiB records (e.g. encoded images / token blocks)
 BATCH = 32
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_moto() -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    exe = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen(
-        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("moto_server did not start within 60 s")
 
 
 def _make_dataset(root: Path, shards: int, shard_mb: int) -> None:
@@ -106,7 +80,7 @@ def main() -> int:
     from feedpipe import MemmapDataset, stage
 
     tmp = Path(tempfile.mkdtemp(prefix="feedpipe-staging-"))
-    proc, endpoint = _start_moto()
+    proc, endpoint = start_moto()
     try:
         opts: dict[str, Any] = {
             "key": "bench",

@@ -1,0 +1,33 @@
+"""A local S3 API server (moto in server mode, its own process) for the remote benchmarks."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["start_moto"]
+
+
+def start_moto(timeout_s: float = 60.0) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``moto_server`` on a free localhost port; return the process and its endpoint URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    exe = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen(
+        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"moto_server ({exe}) did not start within {timeout_s:.0f} s")
