@@ -483,23 +483,33 @@ class CheckpointManager:
                 raise
             log.warning("ckpt: step %d: %s; fetching the remote copy", step, exc)
         self._ensure_writer()  # publishing the download needs the writer lock
-        try:
-            tmp = self.remote.download(step)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(f"step {step}: remote copy unavailable: {exc}") from exc
+        tmp = self._download(step, CheckpointError)
         try:
             for rec in fmt.read_manifest(tmp)["files"]:
                 fmt.verify_file(tmp, rec)
-            _commit.publish(tmp, self.directory, step)
-            if step >= max(self.steps(), default=step):
-                _commit.write_latest(self.directory, step)
-            with self._mutex:
-                self.remote.stats.uploads.setdefault(step, _done_status(step))
+            self._publish_download(tmp, step)
         finally:
             _commit.remove_path(tmp)
         return path
+
+    def _download(self, step: int, error: type[CheckpointError]) -> Path:
+        """Download remote ``step`` into a temp dir here; other failures become ``error``."""
+        assert self.remote is not None
+        try:
+            return self.remote.download(step)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise error(f"step {step}: remote copy unavailable: {exc}") from exc
+
+    def _publish_download(self, tmp: Path, step: int) -> None:
+        """Commit a verified download as local ``step-N``, known uploaded (writer lock held)."""
+        assert self.remote is not None
+        _commit.publish(tmp, self.directory, step)
+        if step >= max(self.steps(), default=step):
+            _commit.write_latest(self.directory, step)
+        with self._mutex:
+            self.remote.stats.uploads.setdefault(step, _done_status(step))
 
     def _restore_remote(
         self, step: int, map_location: MapLocation, mmap: bool
@@ -510,21 +520,12 @@ class CheckpointManager:
             self._ensure_writer()  # to publish the downloaded copy; not required to restore
         except LockedError:
             pass
-        try:
-            tmp = self.remote.download(step)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CorruptCheckpointError(f"step {step}: remote copy unavailable: {exc}") from exc
+        tmp = self._download(step, CorruptCheckpointError)
         try:
             state, _, stats = read_checkpoint(tmp, map_location=map_location, mmap=mmap)
             stats.path = f"{self.remote.url}/step-{step}"
             if self._lock.held:
-                _commit.publish(tmp, self.directory, step)
-                if step >= max(self.steps(), default=step):
-                    _commit.write_latest(self.directory, step)
-                with self._mutex:
-                    self.remote.stats.uploads.setdefault(step, _done_status(step))
+                self._publish_download(tmp, step)
         finally:
             _commit.remove_path(tmp)
         return state, stats
