@@ -36,7 +36,6 @@ import feedpipe
 from feedpipe.gpu import GPUFeedWarning
 
 _GB = 1e9
-_READS = ("mmap", "pread")  # read="auto" is mmap (measured)
 
 
 @dataclass
@@ -125,13 +124,33 @@ def feed_loader(ds: Any, bs: int, workers: int, device: torch.device, **kw: Any)
         )
 
 
-def bench_feed(ds: Any, bs: int, workers: int, device: torch.device, seconds: float) -> Result:
+def bench_feed(
+    ds: Any, bs: int, workers: int, device: torch.device, seconds: float, *, direct: bool
+) -> Result:
     cuda = device.type == "cuda"
-    loader = feed_loader(ds, bs, workers, device)
+    loader = feed_loader(ds, bs, workers, device, direct=direct if cuda else None)
+    if cuda and direct:
+        assert loader._direct is not None, "the direct path was not taken"
     gbps, n = run_epochs(
         loader, lambda b: b, seconds, torch.cuda.synchronize if cuda else (lambda: None)
     )
-    return Result(f"feedpipe DataLoader(device) read={ds.read}", workers, gbps, n)
+    return Result("direct" if direct else "ring", workers, gbps, n)
+
+
+def dma_ceiling(ds: Any, bs: int, device: torch.device, seconds: float) -> float:
+    """GB/s of ``ds.read_batch(out=<device tensor>)`` alone on one thread (shuffled batches)."""
+    rec = ds[0].numel()
+    out = [torch.empty(bs, rec, dtype=torch.uint8, device=device) for _ in range(2)]
+    perm = np.random.default_rng(2).permutation(len(ds))
+    nb = len(ds) // bs
+    ds.read_batch(perm[:bs], out=out[0])  # registers the maps (not timed)
+    torch.cuda.synchronize()
+    k, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        ds.read_batch(perm[(k % nb) * bs : (k % nb + 1) * bs], out=out[k % 2])
+        k += 1
+    torch.cuda.synchronize()
+    return k * bs * rec / (time.perf_counter() - t0) / _GB
 
 
 def read_ceiling(ds: Any, bs: int, workers: int, pin: bool, seconds: float) -> float:
@@ -213,59 +232,6 @@ def probe(ds: Any, bs: int, device: torch.device, seconds: float) -> None:
         flush=True,
     )
     ds.close()
-    # register the shard maps as page-locked (read-only) and DMA records straight to the GPU
-    cudart = torch.cuda.cudart()
-    files = ds._open_files()
-    regs, rows_t = [], []
-    for sid in range(len(ds.index.shards)):
-        with files.use(sid) as shard:
-            rows = ds._rows(shard)
-            err = cudart.cudaHostRegister(rows.ctypes.data, rows.nbytes, 8 | 1)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                rows_t.append(torch.from_numpy(rows))
-            regs.append(rows.ctypes.data)
-            if int(err) != 0:
-                print(f"  probe: cudaHostRegister failed: {err}")
-                return
-    print(f"  probe: registered {len(regs)} shard maps; pinned? {rows_t[0].is_pinned()}")
-    starts = ds._starts
-    perm = np.random.default_rng(1).permutation(len(ds))
-    out = [torch.empty(bs, rec, dtype=torch.uint8, device=device) for _ in range(4)]
-    stream = torch.cuda.Stream(device)
-    for w in (1, 2, 4):
-        done = [0] * w
-        deadline = time.perf_counter() + seconds / 2
-
-        def dma(k: int, done: Any = done, dl: float = deadline, w: int = w) -> None:
-            st = torch.cuda.Stream(device)
-            b = k
-            with torch.cuda.stream(st):
-                while time.perf_counter() < dl:
-                    idx = perm[(b * bs) % (len(perm) - bs) :][:bs]
-                    sid = np.searchsorted(starts, idx, side="right") - 1
-                    loc = idx - starts[sid]
-                    o = out[k % 4]
-                    for j, (s_, l_) in enumerate(zip(sid.tolist(), loc.tolist(), strict=True)):
-                        o[j].copy_(rows_t[s_][l_], non_blocking=True)
-                    done[k] += 1
-                    b += w
-                st.synchronize()
-
-        t0 = time.perf_counter()
-        ts = [threading.Thread(target=dma, args=(k,)) for k in range(w)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        print(
-            f"  probe: DMA from registered page cache, per-record copies, {w} threads: "
-            f"{sum(done) * big / (time.perf_counter() - t0) / _GB:.2f} GB/s",
-            flush=True,
-        )
-    del stream
-    for p in regs:
-        cudart.cudaHostUnregister(p)
 
 
 def _with_read(ds: Any, r: str) -> Any:
@@ -273,12 +239,20 @@ def _with_read(ds: Any, r: str) -> Any:
 
 
 def synthetic_step(
-    ds: Any, bs: int, workers: int, device: torch.device, *, gbps: float, seconds: float
+    ds: Any,
+    bs: int,
+    workers: int,
+    device: torch.device,
+    *,
+    need_gbps: float,
+    seconds: float,
+    direct: bool,
 ) -> dict[str, float]:
-    """A fake training step needing ``gbps / 2``; returns the share of time the device idled."""
+    """A fake training step that consumes ``need_gbps``; returns the share of time the device
+    idled for input."""
     cuda = device.type == "cuda"
     batch_bytes = bs * ds[0].numel()
-    step_s = batch_bytes / (gbps * _GB / 2)
+    step_s = batch_bytes / (need_gbps * _GB)
     if cuda:
         # calibrate torch.cuda._sleep cycles -> seconds with events
         cycles = 1_000_000
@@ -305,7 +279,7 @@ def synthetic_step(
             time.sleep(step_s)
             b.view(-1)[:1].sum()
 
-    loader = feed_loader(ds, bs, workers, device)
+    loader = feed_loader(ds, bs, workers, device, direct=direct if cuda else None)
     steps, host_wait = 0, 0.0
     first = torch.cuda.Event(enable_timing=True) if cuda else None
     last = torch.cuda.Event(enable_timing=True) if cuda else None
@@ -352,14 +326,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-mb", type=float, default=16.0, help="batch size in MiB")
     p.add_argument("--seconds", type=float, default=3.0, help="timed run per configuration")
     p.add_argument("--torch-workers", default="0,4,8")
-    p.add_argument("--feed-workers", default="4,8,16")
+    p.add_argument("--direct-workers", default="0,1,2", help="thread workers, direct DMA path")
+    p.add_argument("--ring-workers", default="4,8", help="thread workers, pinned ring path")
+    p.add_argument("--steps", default="10,18", help="synthetic steps: GB/s each one consumes")
     p.add_argument("--records", default="262144,8192", help="record sizes in bytes")
     p.add_argument("--dir", default=None, help="where to write (default /dev/shm if roomy)")
     p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     p.add_argument("--probe", action="store_true", help="only diagnostics on the first size")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
         print("no CUDA device: use --device cpu")
         return 2
     total = int(args.gb * _GB)
@@ -368,84 +345,86 @@ def main(argv: list[str] | None = None) -> int:
         shm = "/dev/shm"
         roomy = os.path.isdir(shm) and shutil.disk_usage(shm).free > 2.5 * total * 2
         root = tempfile.mkdtemp(prefix="gpu_feed_", dir=shm if roomy else None)
-    tw = [int(x) for x in args.torch_workers.split(",")]
-    fw = [int(x) for x in args.feed_workers.split(",")]
+    workers = {
+        "torch": [int(x) for x in args.torch_workers.split(",")],
+        "direct": [int(x) for x in args.direct_workers.split(",")] if cuda else [],
+        "ring": [int(x) for x in args.ring_workers.split(",")],
+    }
+    records = [int(x) for x in args.records.split(",")]
     print(f"# {machine()}\n# data in {root}, {args.gb} GB per record size, device {device}")
     rows: list[str] = []
     detail: list[str] = []
-    synth: dict[str, float] = {}
+    synth: list[dict[str, float]] = []
     try:
-        for rec in (int(x) for x in args.records.split(",")):
+        for rec in records:
             t0 = time.perf_counter()
             path = make_dataset(root, rec, total)
-            ds = feedpipe.MemmapDataset(path)  # read="auto", for the torch baseline
-            by_read = {r: feedpipe.MemmapDataset(path, read=r) for r in _READS}
+            ds = feedpipe.MemmapDataset(path)
             bs = max(1, int(args.batch_mb * 2**20) // rec)
-            for d in (ds, *by_read.values()):
-                d.read_batch(list(range(bs)))  # open files once, before threads race to
+            ds.read_batch(list(range(bs)))  # open files once, before threads race to
             print(
                 f"records {rec} B: {len(ds)} written+warmed in {time.perf_counter() - t0:.1f}s,"
                 f" batch {bs}"
             )
             if args.probe:
-                probe(by_read["mmap"], bs, device, args.seconds)
+                probe(ds, bs, device, args.seconds)
                 return 0
-            results = []
-            for w in tw:
-                results.append(bench_torch(ds, bs, w, device, args.seconds))
-                print(f"  {results[-1]}", flush=True)
-            for r in _READS:
-                for w in fw:
-                    results.append(bench_feed(by_read[r], bs, w, device, args.seconds))
-                    print(f"  {results[-1]}", flush=True)
-            best_t = max((r for r in results if r.name.startswith("torch")), key=lambda r: r.gbps)
-            best = {
-                r: max((x for x in results if x.name.endswith(f"read={r}")), key=lambda x: x.gbps)
-                for r in _READS
-            }
-            best_f = max(best.values(), key=lambda r: r.gbps)
-            ceil = {
-                r: read_ceiling(
-                    by_read[r], bs, best[r].workers, device.type == "cuda", args.seconds
-                )
-                for r in _READS
-            }
-            for r in _READS:
-                print(
-                    f"  read={r}: loader {best[r].gbps:.2f} GB/s ({best[r].workers} threads), "
-                    f"read_batch alone {ceil[r]:.2f} GB/s; vs torch "
-                    f"{best[r].gbps / best_t.gbps:.1f}x"
-                )
+            results: dict[str, list[Result]] = {"torch": [], "direct": [], "ring": []}
+            for kind, ws in workers.items():
+                for w in ws:
+                    if kind == "torch":
+                        r = bench_torch(ds, bs, w, device, args.seconds)
+                    else:
+                        r = bench_feed(ds, bs, w, device, args.seconds, direct=kind == "direct")
+                    results[kind].append(r)
+                    print(f"  {kind} w={w}: {r.gbps:.2f} GB/s ({r.batches} batches)", flush=True)
+            best = {k: max(v, key=lambda r: r.gbps) for k, v in results.items() if v}
+            bt = best["torch"]
+            ring_alone = read_ceiling(ds, bs, best["ring"].workers, cuda, args.seconds)
             size = f"{rec // 1024} KiB" if rec >= 1024 else f"{rec} B"
-            cells = " | ".join(
-                f"{best[r].gbps:.2f} ({best[r].workers} thr; alone {ceil[r]:.2f}) "
-                f"{best[r].gbps / best_t.gbps:.1f}x"
-                for r in _READS
+            cells = []
+            if "direct" in best:
+                alone = dma_ceiling(ds, bs, device, args.seconds)
+                d = best["direct"]
+                cells.append(
+                    f"**{d.gbps:.2f}** ({d.workers} thr; alone {alone:.2f}) "
+                    f"**{d.gbps / bt.gbps:.1f}x**"
+                )
+            else:
+                cells.append("n/a (no CUDA)")
+            g = best["ring"]
+            cells.append(
+                f"{g.gbps:.2f} ({g.workers} thr; alone {ring_alone:.2f}) {g.gbps / bt.gbps:.1f}x"
             )
+            print(f"  best: {size}: torch {bt.gbps:.2f}; " + "; ".join(cells), flush=True)
             rows.append(
-                f"| {size} | {bs} | {best_t.gbps:.2f} ({best_t.workers} workers) | {cells} |"
+                f"| {size} | {bs} | {bt.gbps:.2f} ({bt.workers} workers) | "
+                + " | ".join(cells)
+                + " |"
             )
             detail.append(
                 f"{size}: "
                 + ", ".join(
-                    ("torch" if x.name.startswith("torch") else x.name.split()[-1])
-                    + f" w={x.workers} {x.gbps:.2f}"
-                    for x in results
+                    f"{k} w={x.workers} {x.gbps:.2f}" for k, v in results.items() for x in v
                 )
             )
-            if rec == max(int(x) for x in args.records.split(",")):
-                synth = synthetic_step(
-                    by_read[best_f.name.split("=")[-1]],
-                    bs,
-                    best_f.workers,
-                    device,
-                    gbps=best_f.gbps,
-                    seconds=args.seconds,
-                )
-                synth["record"] = rec
-                print(f"  synthetic step: {synth}")
-            for d in (ds, *by_read.values()):
-                d.close()
+            if rec == max(records):
+                fast = best.get("direct", best["ring"])
+                for need in (float(x) for x in args.steps.split(",")):
+                    out = synthetic_step(
+                        ds,
+                        bs,
+                        fast.workers,
+                        device,
+                        need_gbps=need if cuda else min(need, fast.gbps / 2),
+                        seconds=args.seconds,
+                        direct="direct" in best,
+                    )
+                    out["record"] = rec
+                    out["workers"] = fast.workers
+                    synth.append(out)
+                    print(f"  synthetic step: {out}", flush=True)
+            ds.close()
             shutil.rmtree(path, ignore_errors=True)
     finally:
         if args.dir is None:
@@ -455,32 +434,31 @@ def main(argv: list[str] | None = None) -> int:
         f"Machine: {machine()}  ",
         f"Command: `{cmd.strip()}` (device {device}; {args.gb} GB per record size in the page "
         f"cache, shuffled, batches of {args.batch_mb:g} MiB, {args.seconds:g} s per configuration"
-        ", timed after a warm-up batch). GB/s = bytes delivered to the device per second.",
+        ", timed after a warm-up batch). GB/s = bytes delivered to the device per second; "
+        "each cell is the best worker count, with `read_batch` alone beside it.",
         "",
         "| record | batch | torch DataLoader(pin_memory) + .to(device, non_blocking), best "
-        + "".join(
-            f"| feedpipe DataLoader(device, thread workers), MemmapDataset(read={r!r}): best; "
-            "read_batch alone (same threads, pinned, no GPU); ratio to torch "
-            for r in _READS
-        )
-        + "|",
+        "| feedpipe DataLoader(device): direct DMA path (default); read_batch(out=cuda) alone "
+        "on 1 thread; ratio to torch "
+        "| feedpipe DataLoader(device, direct=False): pinned ring, thread workers; read_batch "
+        "into pinned memory alone; ratio to torch |",
         "|---|---|---|---|---|",
         *rows,
         "",
         "All configurations (GB/s): " + "; ".join(detail) + ".",
     ]
-    if synth:
+    for sy in synth:
         md += [
             "",
-            f"Synthetic step on {int(synth['record']) // 1024} KiB records: "
-            f"{synth['step_ms']:.2f} ms per batch (needs {synth['need_gbps']:.1f} GB/s), "
-            f"{int(synth['steps'])} steps in {synth['total_s']:.2f} s: the device was idle for "
-            f"input {synth['idle_pct']:.1f}% of the time (host time inside next(): "
-            f"{synth['host_wait_pct']:.1f}%).",
+            f"Synthetic step on {int(sy['record']) // 1024} KiB records "
+            f"({int(sy['workers'])} workers): {sy['step_ms']:.2f} ms per batch (consumes "
+            f"{sy['need_gbps']:.1f} GB/s), {int(sy['steps'])} steps in {sy['total_s']:.2f} s: "
+            f"the device was idle for input {sy['idle_pct']:.1f}% of the time (host time inside "
+            f"next(): {sy['host_wait_pct']:.1f}%).",
         ]
     text = "\n".join(md)
     print(text)
-    if not args.no_write and device.type == "cuda":
+    if not args.no_write and cuda:
         write_section("gpu_feed", text)
     return 0
 

@@ -290,6 +290,12 @@ class GPUFeed:
         event: _Event | None = end
         self._ring.submitted(slot, seq, event)
 
+    def note_copy(self, start: Any, end: Any, nbytes: int) -> None:
+        """Report a copy issued elsewhere on :attr:`copy_stream` (the direct DMA path) as
+        ``"h2d"`` once its CUDA events have completed; any thread may call it."""
+        if self.on_gpu:
+            self._timings.append((start, end, nbytes))
+
     def hand_over(self, flight: _InFlight) -> Any:
         """Order the consumer's current stream after the copy and return the device batch."""
         if flight.event is not None:

@@ -40,8 +40,11 @@ import torch
 import torch.utils.data as tud
 from torch.utils.data._utils.collate import default_collate, default_convert
 
+from feedpipe import _direct
+from feedpipe._direct import DirectReader
 from feedpipe._index_batches import IndexStream
 from feedpipe._loader_fetch import (
+    Mode,
     _Failed,
     _IterProxy,
     _MapProxy,
@@ -109,6 +112,12 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         back to host batches with one warning. Without it, ``pin_memory`` keeps torch's meaning.
       prefetch: with ``device``, batches copied to the device ahead of the one returned
         (default 2); they count as delivered (``state_dict``) only when returned.
+      direct: with ``device`` on CUDA, read a ``MemmapDataset`` of fixed-size records by DMA
+        straight from the page cache into device memory (no host gather; ``feedpipe._direct``).
+        ``None`` (default): when it applies (default collation, local shards, ``read`` not
+        ``"pread"``, and the data fits in half the available memory, as its pages stay locked
+        while open); workers are then threads (``worker_init_fn`` of process workers turns it
+        off). ``False``: never. ``True``: a ``ValueError`` says why when it cannot.
 
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch exactly (like torchdata's
     StatefulDataLoader): the state is small and JSON-able. Resume re-creates the epoch's index
@@ -141,6 +150,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         meter: StallMeter | None = None,
         device: str | torch.device | None = None,
         prefetch: int = 2,
+        direct: bool | None = None,
     ) -> None:
         super().__init__(
             dataset,
@@ -184,6 +194,11 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         self._mode = choose_mode(self.dataset, self._auto_collation, default)
         self._inner: tud.DataLoader | None = None  # type: ignore[type-arg]
         self._thread_seeded = False
+        self._direct: DirectReader | None = None
+        if self._feed is not None:
+            self._direct = self._choose_direct(direct)
+        elif direct:
+            raise ValueError("direct=True needs device='cuda' (or 'cuda:N')")
         # resume bookkeeping for the current epoch
         self._epoch = _Epoch()
         self._pending: dict[str, Any] | None = None
@@ -208,7 +223,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         feed = None if self._feed is None else self._feed.prefetcher()
         if self.num_workers == 0:
             source: Any = self._inline_source()
-        elif self.worker_type == "thread":
+        elif self._threads:
             source = self._thread_source(feed)
         else:
             source = self._process_source()
@@ -331,7 +346,35 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         """Whether the next ``iter()`` reuses persistent workers (and so draws no base seed)."""
         if not (self.persistent_workers and self.num_workers > 0):
             return False
-        return self._thread_seeded if self.worker_type == "thread" else self._inner is not None
+        return self._thread_seeded if self._threads else self._inner is not None
+
+    @property
+    def _threads(self) -> bool:
+        """Whether workers are threads (asked for, or the direct path's)."""
+        return self.worker_type == "thread" or self._direct is not None
+
+    def _choose_direct(self, direct: bool | None) -> DirectReader | None:
+        """The direct DMA path's reader when it applies (see ``direct`` in the class doc)."""
+        feed = self._feed
+        assert feed is not None
+        reason: str | None
+        if direct is False:
+            reason = "direct=False"
+        elif self._mode is not Mode.READ_BATCH:
+            reason = "batches are not read by the dataset's read_batch with default collation"
+        elif self.worker_type == "process" and self.num_workers and self.worker_init_fn:
+            reason = "process workers with a worker_init_fn (the direct path uses threads)"
+        else:
+            reason = _direct.blocker(self.dataset, feed.device, auto=direct is None)
+        if not feed.on_gpu:
+            return None  # the CPU fallback warned already
+        if direct and reason is not None:
+            raise ValueError(f"direct=True, but the direct DMA path cannot be used: {reason}")
+        _direct.describe(self.dataset, feed.device, reason)
+        if reason is not None:
+            return None
+        note = feed.note_copy if self.meter.enabled else None
+        return _direct.DirectReader(self.dataset, feed.device, feed.copy_stream, note)
 
     def _at_sampler_start(self) -> None:
         """Runs before the sampler's first draw of a pass: restore, then record, the RNG."""
@@ -403,7 +446,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
         index_sampler = self._stream if self._stream is not None else self._index_sampler
         return InlineSource(
-            self.dataset,
+            self._direct if self._direct is not None else self.dataset,
             iter(index_sampler),
             self.collate_fn,
             self._mode,
@@ -424,7 +467,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             self._thread_seeded = True
         pin = self._pin()
         return ThreadWorkers(
-            self.dataset,
+            self._direct if self._direct is not None else self.dataset,
             sampler_iter,
             self.collate_fn,
             self._mode,
@@ -438,7 +481,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             drop_last=self.drop_last,
             timed=self.meter.enabled,
             # in order, batch n is the feed's n-th: workers read it straight into its slot
-            out_for=feed.out_for if feed is not None and self.in_order else None,
+            out_for=feed.out_for
+            if feed is not None and self.in_order and self._direct is None
+            else None,
         )
 
 

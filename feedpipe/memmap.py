@@ -514,19 +514,39 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             raise ValueError("out['data'] must be contiguous")
         if n == 0 or self._record_bytes == 0:
             return dest
-        flat = dest.view(n, -1).view(torch.uint8)
         sid, local = self._locate(idx)
         files = self._open_files()
-        sid_l, local_l = sid.tolist(), local.tolist()
-        for s in self._plan(np.unique(sid).tolist()):
-            pos = [p for p in range(n) if sid_l[p] == s] if len(self._starts) > 2 else range(n)
-            with files.use(s) as shard:
+        base = np.zeros(len(self._starts) - 1, np.int64)
+        with contextlib.ExitStack() as held:  # every shard of the batch stays mapped meanwhile
+            for s in self._plan(np.unique(sid).tolist()):
+                shard = held.enter_context(files.use(s))
                 self._check_mapped(shard)
                 rows = _memmap_dma.locked_rows(
                     shard, self._rows(shard), self._local_path(s, "data")
                 )
-                _memmap_dma.dma_rows(flat, [(rows, list(pos), [local_l[p] for p in pos])])
+                base[s] = rows.data_ptr()
+            src = base[sid] + local * self._record_bytes
+            _memmap_dma.copy_records(dest, src, sid, self._record_bytes)
         return dest
+
+    def dma_blocker(self) -> str | None:
+        """Why :meth:`read_batch` cannot fill a CUDA ``out`` by DMA (None: it can)."""
+        if self.kind != "fixed":
+            return "the bytes layout (records of varying size)"
+        if self._remote:
+            return "remote shards (read through the local cache)"
+        if self.read == "pread":
+            return "read='pread' (no map to register)"
+        if self._record_bytes == 0:
+            return "empty records"
+        return None
+
+    def device_out(self, rows: int, device: torch.device) -> Any:
+        """An ``out`` for :meth:`read_batch` whose records land on ``device`` by DMA (the device
+        feed's direct path), allocated on the current stream; side fields stay on the host."""
+        want = torch.from_numpy(np.empty(0, self.dtype)).dtype
+        data = torch.empty((rows, *self.shape), dtype=want, device=device)
+        return {"data": data} if self.fields else data
 
     def _pread_fixed(
         self, idx: np.ndarray, sid: np.ndarray, local: np.ndarray, flat: np.ndarray

@@ -161,8 +161,9 @@ def test_pin_memory_without_device_keeps_torch_semantics(dataset: Any) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("worker_type", ["thread", "process"])
+@pytest.mark.parametrize("direct", [False, None])  # the pinned ring; the DMA path when it applies
 def test_gpu_loader_every_batch_correct_with_a_slow_consumer(
-    dataset: Any, worker_type: str
+    dataset: Any, worker_type: str, direct: bool | None
 ) -> None:
     # garbage that owns CUDA handles (as earlier tests and real programs leave): the loader must
     # keep forked workers from collecting it (a CUDA call in a forked child aborts the child)
@@ -172,8 +173,15 @@ def test_gpu_loader_every_batch_correct_with_a_slow_consumer(
     del cycle
     meter = StallMeter()
     loader = _loader(
-        dataset, num_workers=2, worker_type=worker_type, device="cuda", meter=meter, prefetch=2
+        dataset,
+        num_workers=2,
+        worker_type=worker_type,
+        device="cuda",
+        meter=meter,
+        prefetch=2,
+        direct=direct,
     )
+    assert (loader._direct is None) == (direct is False)
     reference = torch.utils.data.DataLoader(
         dataset, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0)
     )
