@@ -17,6 +17,11 @@ Why this is safe, in the terms of :mod:`feedpipe.gpu` (``C`` the copy stream):
 
 Registration locks the shard's pages in memory until it is closed, so the automatic choice
 (``direct=None``) takes this path only when the whole dataset fits in half the memory available.
+It also needs records of at least 64 KiB: on the H200 host (``benchmarks/gpu_feed.py``) the
+direct path moved 256 KiB records at 42.8 GB/s against 10.6 for the pinned ring, but 8 KiB
+records at only 2.3-3.0 GB/s against 8.4 (the driver's batched copy of 2,048 small copies took
+1.2-7.7 ms per 16 MiB batch, varying from run to run; cause not found). Issuing threads compete
+for the GIL, so the direct path runs at most one worker thread (or none: ``num_workers=0``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ __all__: list[str] = []  # private module; DataLoader(direct=...) is the public 
 
 log = logging.getLogger("feedpipe.gpu")
 
+_AUTO_MIN = 64 << 10  # smaller records: the pinned ring measured faster (module doc)
 _PER_RECORD_MIN = 256 << 10  # without the driver's batched copy, one call per record (~8 us)
 
 
@@ -63,6 +69,8 @@ def blocker(dataset: Any, device: torch.device, *, auto: bool) -> str | None:
     if not auto:
         return None
     record = int(getattr(dataset, "_record_bytes", 0))
+    if record < _AUTO_MIN:
+        return f"records of {record} B (the pinned ring is faster below {_AUTO_MIN >> 10} KiB)"
     if not _memmap_dma.batch_copy_available() and record < _PER_RECORD_MIN:
         return (
             f"records of {record} B and no batched copy in this CUDA driver "

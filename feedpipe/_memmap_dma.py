@@ -115,23 +115,31 @@ def read_only_supported(device: int) -> bool:
     return code == 0 and value.value == 1
 
 
+_REGISTER_LOCK = threading.Lock()  # loader threads may open the same shard at once
+
+
 def locked_rows(shard: Any, rows: np.ndarray, where: str) -> torch.Tensor:
     """``rows`` (the shard's map) as a CPU tensor over page-locked memory; registered once."""
     locked = shard.locked
     if locked is not None:
         return locked
-    with warnings.catch_warnings():  # the map is read-only; the tensor is only copied from
-        warnings.simplefilter("ignore", UserWarning)
-        tensor = torch.from_numpy(rows)
-    if rows.nbytes:
-        err = torch.cuda.cudart().cudaHostRegister(
-            rows.ctypes.data, rows.nbytes, _READ_ONLY | _PORTABLE
-        )
-        if int(err) != 0:
-            raise RuntimeError(f"{where}: cudaHostRegister of the shard map failed ({err})")
-        shard.unlock = rows.ctypes.data
-    shard.locked = tensor
-    return tensor
+    with _REGISTER_LOCK:
+        if shard.locked is not None:
+            return shard.locked
+        with warnings.catch_warnings():  # the map is read-only; the tensor is only copied from
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(rows)
+        if rows.nbytes:
+            err = torch.cuda.cudart().cudaHostRegister(
+                rows.ctypes.data, rows.nbytes, _READ_ONLY | _PORTABLE
+            )
+            if int(err) != 0:
+                raise RuntimeError(
+                    f"{where}: cudaHostRegister of the shard map failed (cudaError {int(err)})"
+                )
+            shard.unlock = rows.ctypes.data
+        shard.locked = tensor
+        return tensor
 
 
 def unlock(shard: Any) -> None:
@@ -153,6 +161,15 @@ def runs(src: np.ndarray, shard: np.ndarray, record_bytes: int) -> tuple[np.ndar
     return starts, lengths
 
 
+_DEFAULT_STREAMS = (0, 1, 2)  # NULL, cudaStreamLegacy, cudaStreamPerThread
+
+
+@cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """Where copies go when the caller's current stream is a default stream."""
+    return torch.cuda.Stream(device)
+
+
 def copy_records(dest: torch.Tensor, src: np.ndarray, shard: np.ndarray, record_bytes: int) -> None:
     """Copy record ``p`` from host address ``src[p]`` (registered memory) to row ``p`` of
     ``dest`` (a contiguous CUDA tensor), asynchronously on the current stream. Runs adjacent in
@@ -169,14 +186,22 @@ def copy_records(dest: torch.Tensor, src: np.ndarray, shard: np.ndarray, record_
             )
             flat[a * record_bytes : a * record_bytes + size].copy_(host, non_blocking=True)
         return
+    current = torch.cuda.current_stream(dest.device)
+    if current.cuda_stream in _DEFAULT_STREAMS:  # the batched copy refuses the legacy stream
+        side = _side_stream(dest.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            copy_records(dest, src, shard, record_bytes)
+        current.wait_stream(side)
+        return
     dsts = (dest.data_ptr() + starts * record_bytes).astype(np.uint64)
     srcs = src[starts].astype(np.uint64)
     sizes = lengths.astype(np.uint64)
-    stream = torch.cuda.current_stream(dest.device).cuda_stream
+    stream = current.cuda_stream
     want = driver.context(dest.device.index or 0)
-    current = ctypes.c_void_p()
-    _check(driver.get_ctx(ctypes.byref(current)), "cuCtxGetCurrent")
-    before = int(current.value or 0)
+    ctx = ctypes.c_void_p()
+    _check(driver.get_ctx(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    before = int(ctx.value or 0)
     if before != want:  # a thread that never touched this device, or another device's thread
         _check(driver.set_ctx(want), "cuCtxSetCurrent")
     try:

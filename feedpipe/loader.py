@@ -117,7 +117,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         ``None`` (default): when it applies (default collation, local shards, ``read`` not
         ``"pread"``, and the data fits in half the available memory, as its pages stay locked
         while open); workers are then threads (``worker_init_fn`` of process workers turns it
-        off). ``False``: never. ``True``: a ``ValueError`` says why when it cannot.
+        off), at most one (it only issues copies). ``False``: never. ``True``: a ``ValueError``
+        says why when it cannot. Records under 64 KiB take the ring unless ``direct=True``.
 
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch exactly (like torchdata's
     StatefulDataLoader): the state is small and JSON-able. Resume re-creates the epoch's index
@@ -219,7 +220,10 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     def __iter__(self) -> _LoaderIter:  # type: ignore[override]
         self._begin_epoch()
-        self.meter.set_workers(self.num_workers)  # worker stages run this many at a time
+        # worker stages run this many at a time (the direct path runs at most one)
+        self.meter.set_workers(
+            self.num_workers if self._direct is None else min(self.num_workers, 1)
+        )
         feed = None if self._feed is None else self._feed.prefetcher()
         if self.num_workers == 0:
             source: Any = self._inline_source()
@@ -471,7 +475,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             sampler_iter,
             self.collate_fn,
             self._mode,
-            num_workers=self.num_workers,
+            # the direct path's worker only issues copies: one thread is enough (feedpipe._direct)
+            num_workers=self.num_workers if self._direct is None else 1,
             prefetch_factor=self.prefetch_factor or 2,
             base_seed=self._thread_base_seed,
             timeout=self.timeout,

@@ -66,6 +66,10 @@ def test_blocker_names_why(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "list has no DMA read" in str(_direct.blocker([1, 2], CUDA, auto=False))
     monkeypatch.setattr(_memmap_dma, "read_only_supported", lambda device: True)
     monkeypatch.setattr(_memmap_dma, "batch_copy_available", lambda: True)
+    assert "records of 160 B (the pinned ring is faster below 64 KiB)" in str(
+        _direct.blocker(fixed, CUDA, auto=True)
+    )
+    monkeypatch.setattr(_direct, "_AUTO_MIN", 0)
     assert _direct.blocker(fixed, CUDA, auto=False) is None
     monkeypatch.setattr(_direct, "_available_bytes", lambda: 2 * fixed._record_bytes * N - 2)
     assert "more than half the available memory" in str(_direct.blocker(fixed, CUDA, auto=True))
@@ -127,8 +131,10 @@ def test_direct_loader_matches_torch(
 ) -> None:
     ds = feedpipe.MemmapDataset(root / ("fields" if fields else "plain"))
     meter = StallMeter()
-    loader = _loader(ds, num_workers=workers, worker_type=worker_type, device="cuda", meter=meter)
-    assert loader._direct is not None  # chosen automatically; process workers become threads
+    loader = _loader(
+        ds, num_workers=workers, worker_type=worker_type, device="cuda", meter=meter, direct=True
+    )
+    assert loader._direct is not None  # process workers become (one) thread
     reference = _torch(ds)
     for _ in range(2):  # two epochs, each against torch's (a new order each time)
         want = list(reference)
@@ -144,7 +150,9 @@ def test_direct_loader_matches_torch(
 @pytest.mark.gpu
 def test_direct_every_batch_correct_with_a_slow_consumer(root: Path) -> None:
     ds = feedpipe.MemmapDataset(root / "fields")
-    loader = _loader(ds, num_workers=2, worker_type="thread", device="cuda", prefetch=3)
+    loader = _loader(
+        ds, num_workers=2, worker_type="thread", device="cuda", prefetch=3, direct=True
+    )
     assert loader._direct is not None
     reference = _torch(ds, seed=5)
     loader.generator.manual_seed(5)
@@ -163,13 +171,13 @@ def test_direct_every_batch_correct_with_a_slow_consumer(root: Path) -> None:
 @pytest.mark.gpu
 def test_direct_resume_mid_epoch(root: Path) -> None:
     ds = feedpipe.MemmapDataset(root / "fields")
-    loader = _loader(ds, seed=3, num_workers=2, worker_type="thread", device="cuda")
+    loader = _loader(ds, seed=3, num_workers=2, worker_type="thread", device="cuda", direct=True)
     it = iter(loader)
     for _ in range(4):
         next(it)
     state = loader.state_dict()
     rest = list(it)
-    again = _loader(ds, seed=99, num_workers=1, worker_type="thread", device="cuda")
+    again = _loader(ds, seed=99, num_workers=1, worker_type="thread", device="cuda", direct=True)
     again.load_state_dict(state)
     resumed = list(again)
     assert len(resumed) == len(rest) == 6
@@ -185,3 +193,19 @@ def test_direct_true_refuses_what_it_cannot_read(root: Path) -> None:
         _loader(feedpipe.MemmapDataset(root / "bytes"), device="cuda", direct=True)
     off = _loader(feedpipe.MemmapDataset(root / "fields"), device="cuda", direct=False)
     assert off._direct is None and off.feed_info["pinned"] is True
+    auto = _loader(feedpipe.MemmapDataset(root / "fields"), device="cuda")
+    assert auto._direct is None  # 160 B records: the ring is faster
+
+
+@pytest.mark.gpu
+def test_direct_is_automatic_for_big_records(tmp_path: Path) -> None:
+    rec = 64 << 10
+    x = np.random.default_rng(0).integers(0, 256, (40, rec), dtype=np.uint8)
+    with feedpipe.MemmapWriter(tmp_path / "big", shape=(rec,), dtype="uint8") as w:
+        w.append_batch(x)
+    ds = feedpipe.MemmapDataset(tmp_path / "big")
+    loader = feedpipe.DataLoader(ds, batch_size=8, num_workers=4, device="cuda")
+    assert loader._direct is not None
+    got = torch.cat([b.cpu() for b in loader])
+    assert torch.equal(got, torch.from_numpy(x))
+    ds.close()
