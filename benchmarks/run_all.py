@@ -118,17 +118,23 @@ def headline(doc_text: str) -> list[str]:
     big, small = _row(gf, "256 KiB"), _row(gf, "8 KiB")
     gpu_name = re.search(r"(NVIDIA [^;,]+)", gf)
     if big and small:
-        # the first feedpipe column's ratio (a cell that is, or ends with, "N.Nx")
-        ratios = [
-            next((m.group(1) for c in r[2:] if (m := re.search(r"([0-9.]+x)$", c))), "")
+        # the bold cell: the path DataLoader(device=...) takes by default for that record size
+        picks = [
+            next(
+                (m for c in r[2:] if (m := re.search(r"\*\*([0-9.]+)\*\*.*\*\*([0-9.]+x)\*\*", c))),
+                None,
+            )
             for r in (big, small)
         ]
-        if all(ratios):
+        if all(picks):
+            b, s8 = picks
+            assert b is not None and s8 is not None
             where = f"on an {gpu_name.group(1)}" if gpu_name else "on a GPU"
             out.append(
                 f'`feedpipe.DataLoader(device="cuda")` vs torch\'s `pin_memory=True` + '
-                f"`.to(device, non_blocking=True)` {where}: **{ratios[0]}** the bytes delivered "
-                f"to the GPU per second at 256 KiB records, **{ratios[1]}** at 8 KiB."
+                f"`.to(device, non_blocking=True)` {where}: **{b.group(2)}** the bytes delivered "
+                f"to the GPU per second at 256 KiB records ({b.group(1)} GB/s), "
+                f"**{s8.group(2)}** at 8 KiB ({s8.group(1)} GB/s)."
             )
     st = _section(doc_text, "staging")
     stage = _row(st, "`feedpipe.stage`")
