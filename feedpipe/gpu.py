@@ -3,7 +3,9 @@
 ``GPUFeed`` sits at the end of the loader. Batch ``s`` of an epoch goes through ring slot
 ``s % n`` (``n`` page-locked host slots, allocated once from the first batch and reused), is
 copied to the device with ``non_blocking=True`` on a dedicated copy stream, and is handed to the
-consumer ``prefetch`` batches later. Thread workers gather straight into their slot
+consumer ``prefetch`` batches later. (The loader's direct path for big fixed-size memmap records
+skips the ring and DMAs them from the page cache on the copy stream: :mod:`feedpipe._direct`.)
+Thread workers gather straight into their slot
 (:meth:`GPUFeed.out_for`); anything else (process workers' shared-memory batches) is copied into
 the slot first, timed as the ``"pin"`` stage. The copy is timed with CUDA events as ``"h2d"``
 (harvested when they have completed, never by syncing the hot path).

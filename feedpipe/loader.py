@@ -215,8 +215,11 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     @property
     def feed_info(self) -> dict[str, Any] | None:
-        """The GPU feed's device, slot count and pinned bytes (None without ``device``)."""
-        return None if self._feed is None else self._feed.info
+        """The GPU feed's device, path (``"direct"`` DMA or pinned ``"ring"``), slot count and
+        pinned bytes (None without ``device``)."""
+        if self._feed is None:
+            return None
+        return {**self._feed.info, "path": "ring" if self._direct is None else "direct"}
 
     def __iter__(self) -> _LoaderIter:  # type: ignore[override]
         self._begin_epoch()

@@ -192,7 +192,7 @@ def test_direct_true_refuses_what_it_cannot_read(root: Path) -> None:
     with pytest.raises(ValueError, match=r"direct=True, but .*bytes layout"):
         _loader(feedpipe.MemmapDataset(root / "bytes"), device="cuda", direct=True)
     off = _loader(feedpipe.MemmapDataset(root / "fields"), device="cuda", direct=False)
-    assert off._direct is None and off.feed_info["pinned"] is True
+    assert off.feed_info["path"] == "ring" and off.feed_info["pinned"] is True
     auto = _loader(feedpipe.MemmapDataset(root / "fields"), device="cuda")
     assert auto._direct is None  # 160 B records: the ring is faster
 
@@ -205,7 +205,7 @@ def test_direct_is_automatic_for_big_records(tmp_path: Path) -> None:
         w.append_batch(x)
     ds = feedpipe.MemmapDataset(tmp_path / "big")
     loader = feedpipe.DataLoader(ds, batch_size=8, num_workers=4, device="cuda")
-    assert loader._direct is not None
+    assert loader.feed_info["path"] == "direct"
     got = torch.cat([b.cpu() for b in loader])
     assert torch.equal(got, torch.from_numpy(x))
     ds.close()
