@@ -5,8 +5,10 @@ batches of ``--batch-mb`` to one device buffer on one side stream, for each reco
 
 - torch ``copy_(non_blocking=True)`` per record (what a Python gather would do);
 - the driver's ``cuMemcpyAsync`` per record, through ctypes;
-- the driver's ``cuMemcpyBatchAsync_v2`` (CUDA 13 drivers), one call per batch; what
-  ``feedpipe._memmap_dma`` uses. Its result is checked against the map.
+- the driver's ``cuMemcpyBatchAsync_v2`` (CUDA 13 drivers), one call per batch (what
+  ``feedpipe._memmap_dma`` uses for records of 64 KiB and more);
+- a gather kernel (``index_select``) over the map viewed as a CUDA tensor, zero-copy (what it
+  uses for smaller records). Both results are checked against the map.
 
     python benchmarks/probe_batchcopy.py          # H200 machine; prints, writes nothing
 """
@@ -57,7 +59,7 @@ def probe(rb: int, batch_bytes: int, total: int) -> None:
     try:
         mm = np.memmap(path, dtype=np.uint8, mode="r").reshape(n, rb)
         base = mm.ctypes.data
-        err = torch.cuda.cudart().cudaHostRegister(base, mm.nbytes, 8 | 1)
+        err = torch.cuda.cudart().cudaHostRegister(base, mm.nbytes, 8 | 2 | 1)
         assert int(err) == 0, err
         out = torch.empty((bs, rb), dtype=torch.uint8, device="cuda")
         s = torch.cuda.Stream()
@@ -77,6 +79,12 @@ def probe(rb: int, batch_bytes: int, total: int) -> None:
             for p, q in enumerate(idx.tolist()):
                 assert one(d0 + p * rb, base + q * rb, rb, s.cuda_stream) == 0
 
+        reg = _memmap_dma._Registration(base, n, rb)
+
+        def gather(idx: np.ndarray) -> None:
+            with torch.cuda.stream(s):
+                _memmap_dma.gather_records(out, {0: reg}, np.zeros(len(idx), np.int64), idx)
+
         def driver_batch(idx: np.ndarray) -> None:
             with torch.cuda.stream(s):
                 src = base + idx.astype(np.int64) * rb
@@ -85,15 +93,17 @@ def probe(rb: int, batch_bytes: int, total: int) -> None:
         print(f"--- records of {rb >> 10} KiB, batches of {bs}")
         if rb >= 64 << 10:  # about 8 us per call: hopeless for small records
             _bench("torch copy_ per record", torch_copy, n, bs, rb=rb, s=s)
-        _bench("cuMemcpyAsync per record", driver_one, n, bs, rb=rb, s=s)
-        if _memmap_dma.batch_copy_available():
+        if rb >= 8 << 10:
+            _bench("cuMemcpyAsync per record", driver_one, n, bs, rb=rb, s=s)
+        for name, fn in (("gather kernel", gather), ("batched copy", driver_batch)):
+            if name == "batched copy" and not _memmap_dma.batch_copy_available():
+                print("  this driver has no cuMemcpyBatchAsync_v2")
+                continue
             idx = np.random.default_rng(7).integers(0, n, bs)
-            driver_batch(idx)
+            fn(idx)
             s.synchronize()
-            assert torch.equal(out.cpu(), torch.from_numpy(np.asarray(mm[idx]))), "wrong data"
-            _bench("cuMemcpyBatchAsync_v2 per batch", driver_batch, n, bs, rb=rb, s=s)
-        else:
-            print("  this driver has no cuMemcpyBatchAsync_v2")
+            assert torch.equal(out.cpu(), torch.from_numpy(np.asarray(mm[idx]))), name
+            _bench(name, fn, n, bs, rb=rb, s=s)
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaHostUnregister(base)
     finally:
@@ -102,7 +112,7 @@ def probe(rb: int, batch_bytes: int, total: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--records", default="262144,65536,8192", help="record sizes in bytes")
+    p.add_argument("--records", default="262144,65536,8192,512", help="record sizes in bytes")
     p.add_argument("--batch-mb", type=float, default=16.0)
     p.add_argument("--gb", type=float, default=2.0, help="file size")
     args = p.parse_args(argv)

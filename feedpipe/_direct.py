@@ -38,8 +38,7 @@ __all__: list[str] = []  # private module; DataLoader(direct=...) is the public 
 
 log = logging.getLogger("feedpipe.gpu")
 
-_AUTO_MIN = 64 << 10  # smaller records: the pinned ring measured faster (module doc)
-_PER_RECORD_MIN = 256 << 10  # without the driver's batched copy, one call per record (~8 us)
+_AUTO_MIN = 4096  # smaller records: not measured on this path yet; the ring is the safe choice
 
 
 def _available_bytes() -> int | None:
@@ -70,12 +69,7 @@ def blocker(dataset: Any, device: torch.device, *, auto: bool) -> str | None:
         return None
     record = int(getattr(dataset, "_record_bytes", 0))
     if record < _AUTO_MIN:
-        return f"records of {record} B (the pinned ring is faster below {_AUTO_MIN >> 10} KiB)"
-    if not _memmap_dma.batch_copy_available() and record < _PER_RECORD_MIN:
-        return (
-            f"records of {record} B and no batched copy in this CUDA driver "
-            f"(one copy per record pays only from {_PER_RECORD_MIN >> 10} KiB)"
-        )
+        return f"records of {record} B (the pinned ring is faster below {_AUTO_MIN} B)"
     total = record * len(dataset)
     avail = _available_bytes()
     if avail is not None and total > avail // 2:

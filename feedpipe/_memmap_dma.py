@@ -1,27 +1,36 @@
-"""Fixed-size records copied by DMA straight from the page cache to the GPU (no host gather).
+"""Fixed-size records moved straight from the page cache to the GPU (no host gather).
 
-A shard's read-only map is registered with CUDA as page-locked memory (``cudaHostRegister``
-with the read-only and portable flags) on first use. A batch is then issued on the caller's
-current CUDA stream as one ``cuMemcpyBatchAsync`` call (the driver's batched copy, CUDA 13
-drivers: ``cuMemcpyBatchAsync_v2``) over every run of records adjacent both in the file and in
-the batch; without it, as one ``copy_(non_blocking=True)`` per run.
+A shard's read-only map is registered with CUDA (``cudaHostRegister``: read-only, portable,
+mapped) on first use, so the GPU can read it over PCIe. A batch then goes one of two ways, both
+asynchronous on the caller's current CUDA stream:
 
-Measured on the H200 host (``benchmarks/probe_batchcopy.py``, 2 GB in /dev/shm, shuffled, one
-thread, 16 MiB batches): the batched call moved 54.7 GB/s of 256 KiB and of 64 KiB records (the
-pinned host-to-device ceiling is 55) and 18.2 GB/s of 8 KiB records; per-record ``copy_`` 30.1
-and 9.2 GB/s (8.5 and 7.1 us per call). A CPU gather from the map into pinned memory reached
-13.6-19.7 GB/s on 16 threads: reading the page cache with the CPU costs 5-9 GB/s per core, the
-copy engine reads it at PCIe speed.
+- **copy engines** (records of 64 KiB and more, CUDA 13 drivers): one ``cuMemcpyBatchAsync_v2``
+  call over every run of records adjacent both in the file and in the batch. No SM time.
+- **a gather kernel** (smaller records, or no batched copy in the driver): the map is viewed as
+  a CUDA tensor (zero-copy) and ``index_select`` reads the rows over PCIe into the batch; the
+  indices go up in one small pinned copy.
 
-Registration pins the shard's pages (memory that stays resident) until the shard is closed,
-so the loader uses this path only for data that fits in memory (:mod:`feedpipe._direct`).
+Measured on the H200 host, 2 GB in /dev/shm, shuffled, 16 MiB batches, one thread
+(``benchmarks/probe_batchcopy.py``; the ceiling for pinned host-to-device copies is 55 GB/s):
+
+| records | batched copy | gather kernel | torch ``copy_`` per record |
+|---|---|---|---|
+| 256 KiB | 50.1-54.7 GB/s | 48.2 | 30.1 |
+| 64 KiB | 45.1-54.7 | 47.1-47.4 | 9.2 |
+| 8 KiB | 2.2-18.2 (varies from run to run) | 44.6-47.2 | - |
+
+A CPU gather from the map into pinned memory reached 13.6-19.7 GB/s on 16 threads: reading the
+page cache with the CPU costs 5-9 GB/s per core. Registration pins the shard's pages (memory that
+stays resident) until the shard is closed, so the loader uses this path only for data that fits
+in memory (:mod:`feedpipe._direct`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
-import warnings
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
@@ -31,16 +40,21 @@ import torch
 __all__ = [
     "batch_copy_available",
     "copy_records",
-    "locked_rows",
+    "gather_records",
+    "move_records",
     "read_only_supported",
+    "register",
     "runs",
     "unlock",
 ]
 
 _READ_ONLY = 8  # cudaHostRegisterReadOnly
+_MAPPED = 2  # cudaHostRegisterMapped
 _PORTABLE = 1  # cudaHostRegisterPortable
 _ATTR_READ_ONLY_HOST_REGISTER = 113  # CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED
 _SRC_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: the source is read in stream order
+_COPY_ENGINE_MIN = 64 << 10  # smaller records: the gather kernel (table above)
+_DEFAULT_STREAMS = (0, 1, 2)  # NULL, cudaStreamLegacy, cudaStreamPerThread
 
 
 class _CopyAttributes(ctypes.Structure):
@@ -57,16 +71,19 @@ class _CopyAttributes(ctypes.Structure):
 
 
 class _Driver:
-    """The few CUDA driver entry points used here, through ctypes (the call releases the GIL)."""
+    """The few CUDA driver entry points used here, through ctypes (calls release the GIL)."""
 
     def __init__(self, lib: Any) -> None:
         self.lib = lib
-        self.batch = lib.cuMemcpyBatchAsync_v2
-        self.batch.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t] + [ctypes.c_void_p] * 2
-        self.batch.argtypes += [ctypes.c_size_t, ctypes.c_void_p]
+        self.batch = getattr(lib, "cuMemcpyBatchAsync_v2", None)
+        if self.batch is not None:
+            self.batch.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t, ctypes.c_void_p]
+            self.batch.argtypes += [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         self.get_ctx = lib.cuCtxGetCurrent
         self.set_ctx = lib.cuCtxSetCurrent
         self.set_ctx.argtypes = [ctypes.c_void_p]
+        self.host_ptr = lib.cuMemHostGetDevicePointer_v2
+        self.host_ptr.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         self.attr = _CopyAttributes(_SRC_ORDER_STREAM, 0, 0, 0, 0, 0)
         self.attr_index = (ctypes.c_size_t * 1)(0)
         self.primary: dict[int, int] = {}
@@ -82,14 +99,27 @@ class _Driver:
                 ctx = self.primary[device] = int(handle.value or 0)
         return ctx
 
+    def call_on(self, device: int, fn: Any, *args: Any) -> int:
+        """``fn(*args)`` with ``device``'s context current; the thread's own is restored."""
+        want = self.context(device)
+        ctx = ctypes.c_void_p()
+        _check(self.get_ctx(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        before = int(ctx.value or 0)
+        if before != want:  # a thread that never touched this device, or another device's thread
+            _check(self.set_ctx(want), "cuCtxSetCurrent")
+        try:
+            return int(fn(*args))
+        finally:
+            if before not in (0, want):  # leave the caller's current device as it was
+                self.set_ctx(before)
+
 
 @cache
 def _driver() -> _Driver | None:
-    """libcuda's batched copy (CUDA 13 drivers), or None (older driver, no driver at all)."""
+    """libcuda through ctypes, or None (no driver: the loader never gets here then)."""
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        return _Driver(lib) if hasattr(lib, "cuMemcpyBatchAsync_v2") else None
-    except OSError:
+        return _Driver(ctypes.CDLL("libcuda.so.1"))
+    except (OSError, AttributeError):
         return None
 
 
@@ -99,12 +129,13 @@ def _check(code: int, what: str) -> None:
 
 
 def batch_copy_available() -> bool:
-    """Whether the driver has the batched copy (else one ``copy_`` per run of records)."""
-    return _driver() is not None
+    """Whether the driver has the batched copy (else small and big records use the kernel)."""
+    driver = _driver()
+    return driver is not None and driver.batch is not None
 
 
 def read_only_supported(device: int) -> bool:
-    """Whether ``device`` can DMA from read-only registered memory (a read-only file map)."""
+    """Whether ``device`` can read read-only registered memory (a read-only file map)."""
     driver = _driver()
     if driver is None:  # assume the common case; a failing registration names itself
         return True
@@ -115,39 +146,78 @@ def read_only_supported(device: int) -> bool:
     return code == 0 and value.value == 1
 
 
+@dataclass
+class _Registration:
+    """A shard map registered with CUDA: its host address and, per device, a tensor view."""
+
+    ptr: int
+    records: int
+    record_bytes: int
+    views: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class _DeviceArray:
+    """A CUDA array interface over mapped host memory, for ``torch.as_tensor`` (no copy)."""
+
+    def __init__(self, ptr: int, shape: tuple[int, int]) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": "|u1",
+            "data": (ptr, False),  # torch refuses the read-only flag; the kernel only reads
+            "version": 2,
+        }
+
+
 _REGISTER_LOCK = threading.Lock()  # loader threads may open the same shard at once
 
 
-def locked_rows(shard: Any, rows: np.ndarray, where: str) -> torch.Tensor:
-    """``rows`` (the shard's map) as a CPU tensor over page-locked memory; registered once."""
-    locked = shard.locked
-    if locked is not None:
-        return locked
+def register(shard: Any, rows: np.ndarray, where: str) -> _Registration:
+    """Register ``rows`` (the shard's read-only map, records x bytes) with CUDA, once."""
+    reg: _Registration | None = shard.locked
+    if reg is not None:
+        return reg
     with _REGISTER_LOCK:
         if shard.locked is not None:
-            return shard.locked
-        with warnings.catch_warnings():  # the map is read-only; the tensor is only copied from
-            warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.from_numpy(rows)
+            return shard.locked  # type: ignore[no-any-return]
+        ptr = rows.ctypes.data
         if rows.nbytes:
             err = torch.cuda.cudart().cudaHostRegister(
-                rows.ctypes.data, rows.nbytes, _READ_ONLY | _PORTABLE
+                ptr, rows.nbytes, _READ_ONLY | _MAPPED | _PORTABLE
             )
             if int(err) != 0:
                 raise RuntimeError(
                     f"{where}: cudaHostRegister of the shard map failed (cudaError {int(err)})"
                 )
-            shard.unlock = rows.ctypes.data
-        shard.locked = tensor
-        return tensor
+            shard.unlock = ptr
+        reg = shard.locked = _Registration(ptr, rows.shape[0], rows.shape[1])
+        return reg
+
+
+def _device_rows(reg: _Registration, device: torch.device) -> torch.Tensor:
+    """The registered map as a ``(records, record_bytes)`` uint8 CUDA tensor (zero-copy)."""
+    index = device.index or 0
+    view = reg.views.get(index)
+    if view is None:
+        driver = _driver()
+        dptr = ctypes.c_uint64(reg.ptr)
+        if driver is not None:  # the device address of the mapping (the same under UVA)
+            code = driver.call_on(index, driver.host_ptr, ctypes.byref(dptr), reg.ptr, 0)
+            _check(code, "cuMemHostGetDevicePointer")
+        shape = (reg.records, reg.record_bytes)
+        view = torch.as_tensor(_DeviceArray(int(dptr.value), shape), device=device)
+        reg.views[index] = view
+    return view
 
 
 def unlock(shard: Any) -> None:
-    """Unregister the shard's map (before it is unmapped); waits for copies in flight."""
+    """Unregister the shard's map (before it is unmapped); waits for reads in flight."""
     ptr = shard.unlock
+    reg = shard.locked
     shard.locked = shard.unlock = None
+    if reg is not None:
+        reg.views.clear()
     if ptr is not None:
-        torch.cuda.synchronize()  # a DMA may still read the pages
+        torch.cuda.synchronize()  # a copy or a gather may still read the pages
         torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
@@ -161,31 +231,60 @@ def runs(src: np.ndarray, shard: np.ndarray, record_bytes: int) -> tuple[np.ndar
     return starts, lengths
 
 
-_DEFAULT_STREAMS = (0, 1, 2)  # NULL, cudaStreamLegacy, cudaStreamPerThread
-
-
 @cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """Where copies go when the caller's current stream is a default stream."""
     return torch.cuda.Stream(device)
 
 
+def move_records(
+    dest: torch.Tensor, regs: dict[int, _Registration], shard: np.ndarray, local: np.ndarray
+) -> None:
+    """Fill row ``p`` of ``dest`` (a contiguous CUDA tensor, any dtype) with record
+    ``local[p]`` of shard ``shard[p]`` (registered: ``regs``), asynchronously on the current
+    stream, by the copy engines or by the gather kernel (module doc)."""
+    if len(local) == 0:
+        return
+    record_bytes = next(iter(regs.values())).record_bytes
+    if record_bytes >= _COPY_ENGINE_MIN and batch_copy_available():
+        base = np.zeros(int(shard.max()) + 1, np.int64)
+        for s, reg in regs.items():
+            base[s] = reg.ptr
+        copy_records(dest, base[shard] + local * record_bytes, shard, record_bytes)
+    else:
+        gather_records(dest, regs, shard, local)
+
+
+def gather_records(
+    dest: torch.Tensor, regs: dict[int, _Registration], shard: np.ndarray, local: np.ndarray
+) -> None:
+    """The gather kernel: ``index_select`` from each shard's zero-copy view into ``dest``."""
+    n = len(local)
+    rows = dest.view(n, -1).view(torch.uint8)
+    order = np.argsort(shard, kind="stable")  # the identity for a batch from one shard
+    host = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)  # reuse: torch's host cache
+    index = host.numpy()
+    index[:n] = local[order]
+    index[n:] = order
+    on_device = host.to(dest.device, non_blocking=True)
+    if len(regs) == 1:
+        torch.index_select(
+            _device_rows(regs[int(shard[0])], dest.device), 0, on_device[:n], out=rows
+        )
+        return
+    s_sorted = shard[order]
+    bounds = [0, *(np.flatnonzero(np.diff(s_sorted)) + 1).tolist(), n]
+    for a, b in itertools.pairwise(bounds):
+        view = _device_rows(regs[int(s_sorted[a])], dest.device)
+        rows.index_copy_(0, on_device[n + a : n + b], view.index_select(0, on_device[a:b]))
+
+
 def copy_records(dest: torch.Tensor, src: np.ndarray, shard: np.ndarray, record_bytes: int) -> None:
-    """Copy record ``p`` from host address ``src[p]`` (registered memory) to row ``p`` of
-    ``dest`` (a contiguous CUDA tensor), asynchronously on the current stream. Runs adjacent in
-    both (and in one shard: ``shard[p]``) become one copy."""
-    if len(src) == 0:
-        return
-    starts, lengths = runs(src, shard, record_bytes)
+    """The copy engines: record ``p`` from host address ``src[p]`` (registered memory) to row
+    ``p`` of ``dest``; runs adjacent in both (and in one shard) become one copy."""
     driver = _driver()
-    if driver is None:
-        flat = dest.view(-1).view(torch.uint8)
-        for a, size in zip(starts.tolist(), lengths.tolist(), strict=True):
-            host = torch.from_numpy(
-                np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(int(src[a])))
-            )
-            flat[a * record_bytes : a * record_bytes + size].copy_(host, non_blocking=True)
-        return
+    if driver is None or driver.batch is None:
+        raise RuntimeError("this CUDA driver has no cuMemcpyBatchAsync_v2 (CUDA 13 drivers)")
     current = torch.cuda.current_stream(dest.device)
     if current.cuda_stream in _DEFAULT_STREAMS:  # the batched copy refuses the legacy stream
         side = _side_stream(dest.device)
@@ -194,28 +293,20 @@ def copy_records(dest: torch.Tensor, src: np.ndarray, shard: np.ndarray, record_
             copy_records(dest, src, shard, record_bytes)
         current.wait_stream(side)
         return
+    starts, lengths = runs(src, shard, record_bytes)
     dsts = (dest.data_ptr() + starts * record_bytes).astype(np.uint64)
     srcs = src[starts].astype(np.uint64)
     sizes = lengths.astype(np.uint64)
-    stream = current.cuda_stream
-    want = driver.context(dest.device.index or 0)
-    ctx = ctypes.c_void_p()
-    _check(driver.get_ctx(ctypes.byref(ctx)), "cuCtxGetCurrent")
-    before = int(ctx.value or 0)
-    if before != want:  # a thread that never touched this device, or another device's thread
-        _check(driver.set_ctx(want), "cuCtxSetCurrent")
-    try:
-        code = driver.batch(
-            dsts.ctypes.data,
-            srcs.ctypes.data,
-            sizes.ctypes.data,
-            len(sizes),
-            ctypes.byref(driver.attr),
-            driver.attr_index,
-            1,
-            stream,
-        )
-    finally:
-        if before not in (0, want):  # leave the caller's current device as it was
-            driver.set_ctx(before)
+    code = driver.call_on(
+        dest.device.index or 0,
+        driver.batch,
+        dsts.ctypes.data,
+        srcs.ctypes.data,
+        sizes.ctypes.data,
+        len(sizes),
+        ctypes.byref(driver.attr),
+        driver.attr_index,
+        1,
+        current.cuda_stream,
+    )
     _check(code, f"cuMemcpyBatchAsync_v2 ({len(sizes)} copies)")

@@ -516,17 +516,14 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             return dest
         sid, local = self._locate(idx)
         files = self._open_files()
-        base = np.zeros(len(self._starts) - 1, np.int64)
+        regs = {}
         with contextlib.ExitStack() as held:  # every shard of the batch stays mapped meanwhile
             for s in self._plan(np.unique(sid).tolist()):
                 shard = held.enter_context(files.use(s))
                 self._check_mapped(shard)
-                rows = _memmap_dma.locked_rows(
-                    shard, self._rows(shard), self._local_path(s, "data")
-                )
-                base[s] = rows.data_ptr()
-            src = base[sid] + local * self._record_bytes
-            _memmap_dma.copy_records(dest, src, sid, self._record_bytes)
+                where = self._local_path(s, "data")
+                regs[s] = _memmap_dma.register(shard, self._rows(shard), where)
+            _memmap_dma.move_records(dest, regs, sid, local)
         return dest
 
     def dma_blocker(self) -> str | None:
