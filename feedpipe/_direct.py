@@ -38,7 +38,7 @@ __all__: list[str] = []  # private module; DataLoader(direct=...) is the public 
 
 log = logging.getLogger("feedpipe.gpu")
 
-_AUTO_MIN = 4096  # smaller records: not measured on this path yet; the ring is the safe choice
+_AUTO_MIN = 4096  # smaller records: not measured in the loader yet; the ring is the known choice
 
 
 def _available_bytes() -> int | None:
@@ -69,7 +69,7 @@ def blocker(dataset: Any, device: torch.device, *, auto: bool) -> str | None:
         return None
     record = int(getattr(dataset, "_record_bytes", 0))
     if record < _AUTO_MIN:
-        return f"records of {record} B (the pinned ring is faster below {_AUTO_MIN} B)"
+        return f"records of {record} B (below {_AUTO_MIN} B the pinned ring is the default)"
     total = record * len(dataset)
     avail = _available_bytes()
     if avail is not None and total > avail // 2:

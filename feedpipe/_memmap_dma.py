@@ -274,9 +274,11 @@ def gather_records(
         return
     s_sorted = shard[order]
     bounds = [0, *(np.flatnonzero(np.diff(s_sorted)) + 1).tolist(), n]
+    gathered = torch.empty_like(rows)  # rows in shard order, then one scatter into the batch
     for a, b in itertools.pairwise(bounds):
         view = _device_rows(regs[int(s_sorted[a])], dest.device)
-        rows.index_copy_(0, on_device[n + a : n + b], view.index_select(0, on_device[a:b]))
+        torch.index_select(view, 0, on_device[a:b], out=gathered[a:b])
+    rows.index_copy_(0, on_device[n:], gathered)
 
 
 def copy_records(dest: torch.Tensor, src: np.ndarray, shard: np.ndarray, record_bytes: int) -> None:

@@ -480,7 +480,10 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             self._mode,
             # the direct path's worker only issues copies: one thread is enough (feedpipe._direct)
             num_workers=self.num_workers if self._direct is None else 1,
-            prefetch_factor=self.prefetch_factor or 2,
+            # the direct path's one worker keeps the feed's window queued (it only issues copies)
+            prefetch_factor=(self.prefetch_factor or 2)
+            if self._direct is None
+            else max(self.prefetch_factor or 2, self._feed.prefetch + 2 if self._feed else 2),
             base_seed=self._thread_base_seed,
             timeout=self.timeout,
             worker_init_fn=self.worker_init_fn,
