@@ -16,12 +16,13 @@ Why this is safe, in the terms of :mod:`feedpipe.gpu` (``C`` the copy stream):
    shard is open; closing a shard synchronizes the device before unregistering and unmapping it.
 
 Registration locks the shard's pages in memory until it is closed, so the automatic choice
-(``direct=None``) takes this path only when the whole dataset fits in half the memory available.
-It also needs records of at least 64 KiB: on the H200 host (``benchmarks/gpu_feed.py``) the
-direct path moved 256 KiB records at 42.8 GB/s against 10.6 for the pinned ring, but 8 KiB
-records at only 2.3-3.0 GB/s against 8.4 (the driver's batched copy of 2,048 small copies took
-1.2-7.7 ms per 16 MiB batch, varying from run to run; cause not found). Issuing threads compete
-for the GIL, so the direct path runs at most one worker thread (or none: ``num_workers=0``).
+(``direct=None``) takes this path only when the whole dataset fits in half the memory available,
+and for records of at least 4 KiB (smaller ones are not measured in the loader yet). On the H200
+host (``benchmarks/gpu_feed.py``, shuffled 16 MiB batches) it delivered 256 KiB records at
+28-48 GB/s across runs against 9-11 for the pinned ring, and 8 KiB records at 13.8-16.2 against
+8.4-10.9. ``num_workers=0`` issues from the training thread (fastest there: the copy engines'
+call blocks for about the transfer); with workers, one thread issues (30.5 and 15.4 GB/s in
+the same run), since more only compete for the GIL.
 """
 
 from __future__ import annotations
