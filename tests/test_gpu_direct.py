@@ -206,3 +206,17 @@ def test_direct_is_automatic_for_big_records(tmp_path: Path) -> None:
     got = torch.cat([b.cpu() for b in loader])
     assert torch.equal(got, torch.from_numpy(x))
     ds.close()
+
+
+@pytest.mark.gpu
+def test_direct_names_a_shard_truncated_while_open(tmp_path: Path) -> None:
+    path = _write(tmp_path, fields=False)
+    ds = feedpipe.MemmapDataset(path)
+    loader = _loader(ds, num_workers=1, worker_type="thread", device="cuda", direct=True)
+    assert len(list(loader)) == 10  # every shard is open (and registered) now
+    shard = path / ds.index.shards[2].files["data"].path
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(feedpipe.DatasetError, match=r"shard-00002\.data: shard 2 file is now 100"):
+        list(loader)
+    ds.close()
