@@ -433,20 +433,22 @@ def main(argv: list[str] | None = None) -> int:
             )
             if rec == max(records):
                 fast = best.get("direct", best["ring"])
-                for need in (float(x) for x in args.steps.split(",")):
-                    out = synthetic_step(
-                        ds,
-                        bs,
-                        fast.workers,
-                        device,
-                        need_gbps=need if cuda else min(need, fast.gbps / 2),
-                        seconds=args.seconds,
-                        direct="direct" in best,
-                    )
-                    out["record"] = rec
-                    out["workers"] = fast.workers
-                    synth.append(out)
-                    print(f"  synthetic step: {out}", flush=True)
+                # the best worker count, and one worker thread (what num_workers >= 1 gets)
+                for w in sorted({fast.workers, 1}):
+                    for need in (float(x) for x in args.steps.split(",")):
+                        out = synthetic_step(
+                            ds,
+                            bs,
+                            w,
+                            device,
+                            need_gbps=need if cuda else min(need, fast.gbps / 2),
+                            seconds=args.seconds,
+                            direct="direct" in best,
+                        )
+                        out["record"] = rec
+                        out["workers"] = w
+                        synth.append(out)
+                        print(f"  synthetic step: {out}", flush=True)
             ds.close()
             shutil.rmtree(path, ignore_errors=True)
     finally:
