@@ -19,10 +19,10 @@ Registration locks the shard's pages in memory until it is closed, so the automa
 (``direct=None``) takes this path only when the whole dataset fits in half the memory available,
 and for records of at least 4 KiB (smaller ones are not measured in the loader yet). On the H200
 host (``benchmarks/gpu_feed.py``, shuffled 16 MiB batches) it delivered 256 KiB records at
-28-48 GB/s across runs against 9-11 for the pinned ring, and 8 KiB records at 13.8-16.2 against
+28-48 GB/s across runs against 9-13 for the pinned ring, and 8 KiB records at 13.8-21.0 against
 8.4-10.9. ``num_workers=0`` issues from the training thread (fastest there: the copy engines'
-call blocks for about the transfer); with workers, one thread issues (30.5 and 15.4 GB/s in
-the same run), since more only compete for the GIL.
+call blocks for about the transfer); with workers, one thread issues (30.3 and 16.5 GB/s in
+the last run), since more only compete for the GIL.
 """
 
 from __future__ import annotations
