@@ -119,6 +119,8 @@ class _Failed:
 
 
 def _short(indices: Any, limit: int = 16) -> str:
+    if isinstance(indices, np.ndarray):
+        indices = indices.tolist()
     if isinstance(indices, (list, tuple)) and len(indices) > limit:
         return f"[{', '.join(map(str, indices[:limit]))}, ... ({len(indices)} in all)]"
     return str(list(indices) if isinstance(indices, tuple) else indices)

@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import base64
 import gc
+import sys
 import time
 import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils.data as tud
 from torch.utils.data._utils.collate import default_collate, default_convert
@@ -228,6 +230,11 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             self.num_workers if self._direct is None else min(self.num_workers, 1)
         )
         feed = None if self._feed is None else self._feed.prefetcher()
+        if self._stream is not None:  # our own sources, into a dataset that takes arrays
+            own = self.num_workers == 0 or self._threads
+            self._stream.arrays = (
+                own and self._mode is Mode.READ_BATCH and _takes_arrays(self.dataset)
+            )
         if self.num_workers == 0:
             source: Any = self._inline_source()
         elif self._threads:
@@ -498,6 +505,16 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         )
 
 
+def _takes_arrays(dataset: Any) -> bool:
+    """Whether ``dataset.read_batch`` is one of ours, which takes numpy index arrays."""
+    from feedpipe.memmap import MemmapDataset
+
+    if isinstance(dataset, MemmapDataset):
+        return True
+    zarr = sys.modules.get("feedpipe.zarr_dataset")  # imported only if the user did
+    return zarr is not None and isinstance(dataset, zarr.ZarrDataset)
+
+
 class _LoaderIter:
     """What ``iter(loader)`` returns: unwraps shipped batches, counts, explains failures."""
 
@@ -561,7 +578,7 @@ class _LoaderIter:
             if timed and not traced:
                 self._meter.wait_pending(t0)
             indices = shipped.indices
-            self._count(len(indices) if isinstance(indices, (list, tuple)) else 0)
+            self._count(len(indices) if isinstance(indices, (list, tuple, np.ndarray)) else 0)
             error: BaseException | None = shipped.exception(self._first + self._delivered - 1)
             shipped = None
             assert error is not None

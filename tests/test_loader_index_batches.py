@@ -184,3 +184,48 @@ def test_loader_batches_and_rng_match_torch_over_seeds(num_workers: int) -> None
         for _ in range(2):  # two epochs: the second starts from the RNG state the first left
             assert [t.tolist() for t in a] == [t.tolist() for t in b]
             assert torch.equal(g1.get_state(), g2.get_state())
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_arrays_are_the_same_batches(shuffle: bool) -> None:
+    def make() -> Any:
+        sampler = RandomSampler(range(103), generator=torch.Generator().manual_seed(4))
+        return BatchSampler(sampler if shuffle else SequentialSampler(range(103)), 10, False)
+
+    lists, arrays = list(index_batches(make())), list(index_batches(make(), arrays=True))
+    assert all(type(a).__name__ == "ndarray" and a.dtype.name == "int64" for a in arrays)
+    assert [a.tolist() for a in arrays] == lists
+
+
+def test_own_datasets_get_index_arrays_and_others_lists(tmp_path: Any) -> None:
+    import numpy as np
+
+    from feedpipe import MemmapDataset, MemmapWriter
+
+    with MemmapWriter(tmp_path / "ds", shape=(2,), dtype="int64") as w:
+        w.append_batch(np.arange(40).reshape(20, 2))
+    seen: list[type] = []
+
+    class Spy(MemmapDataset):
+        def read_batch(self, indices: Any, out: Any = None) -> Any:
+            seen.append(type(indices))
+            return super().read_batch(indices, out)
+
+    class UserDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 20
+
+        def read_batch(self, indices: Any) -> Any:
+            seen.append(type(indices))
+            return torch.tensor(indices)
+
+    got = list(DataLoader(Spy(tmp_path / "ds"), batch_size=8, shuffle=True, num_workers=0))
+    assert seen and set(seen) == {np.ndarray} and sum(len(b) for b in got) == 20
+    seen.clear()
+    loader = DataLoader(Spy(tmp_path / "ds"), batch_size=8, num_workers=2, worker_type="thread")
+    batches = list(loader)
+    assert batches[0][:, 0].tolist() == list(range(0, 16, 2)) and len(batches) == 3
+    assert set(seen) == {np.ndarray}
+    seen.clear()
+    assert len(list(DataLoader(UserDataset(), batch_size=8, num_workers=0))) == 3
+    assert set(seen) == {list}
