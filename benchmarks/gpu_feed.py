@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             ring_alone = read_ceiling(ds, bs, best["ring"].workers, cuda, args.seconds)
             size = f"{rec // 1024} KiB" if rec >= 1024 else f"{rec} B"
             cells = []
-            direct_default = "direct" in best and rec >= 4096  # feedpipe._direct._AUTO_MIN
+            direct_default = "direct" in best and rec >= 2048  # feedpipe._direct._AUTO_MIN
 
             def cell(r: Result, alone: float, bold: bool, base: float = bt.gbps) -> str:
                 star = "**" if bold else ""
@@ -464,10 +464,10 @@ def main(argv: list[str] | None = None) -> int:
         "`DataLoader(device=...)` takes by default for that record size.",
         "",
         "| record | batch | torch DataLoader(pin_memory) + .to(device, non_blocking), best "
-        "| feedpipe DataLoader(device): direct path from the page cache (the default from 4 KiB "
+        "| feedpipe DataLoader(device): direct path from the page cache (the default from 2 KiB "
         "records; copy engines from 64 KiB, a gather kernel below); read_batch(out=cuda) alone "
         "on 1 thread; ratio to torch "
-        "| feedpipe DataLoader(device): pinned ring, thread workers (the default below 4 KiB;"
+        "| feedpipe DataLoader(device): pinned ring, thread workers (the default below 2 KiB;"
         " direct=False); read_batch into pinned memory alone; ratio to torch |",
         "|---|---|---|---|---|",
         *rows,

@@ -120,7 +120,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         ``"pread"``, and the data fits in half the available memory, as its pages stay locked
         while open); workers are then threads (``worker_init_fn`` of process workers turns it
         off), at most one (it only issues copies). ``False``: never. ``True``: a ``ValueError``
-        says why when it cannot. Records under 64 KiB take the ring unless ``direct=True``.
+        says why when it cannot. Records under 2 KiB take the ring unless ``direct=True``.
 
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch exactly (like torchdata's
     StatefulDataLoader): the state is small and JSON-able. Resume re-creates the epoch's index

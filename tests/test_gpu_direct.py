@@ -66,7 +66,7 @@ def test_blocker_names_why(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "list has no DMA read" in str(_direct.blocker([1, 2], CUDA, auto=False))
     monkeypatch.setattr(_memmap_dma, "read_only_supported", lambda device: True)
     monkeypatch.setattr(_memmap_dma, "batch_copy_available", lambda: True)
-    assert "records of 160 B (below 4096 B the pinned ring is the default)" in str(
+    assert "records of 160 B (below 2048 B the pinned ring is the default)" in str(
         _direct.blocker(fixed, CUDA, auto=True)
     )
     monkeypatch.setattr(_direct, "_AUTO_MIN", 0)
