@@ -17,9 +17,9 @@ Why this is safe, in the terms of :mod:`feedpipe.gpu` (``C`` the copy stream):
 
 Registration locks the shard's pages in memory until it is closed, so the automatic choice
 (``direct=None``) takes this path only when the whole dataset fits in half the memory available,
-and for records of at least 2 KiB (with 512 B records the ring was faster: 4.16 against 3.74
-GB/s; with 2 KiB the direct path: 10.35 against 8.52, ``gpu_feed.py --records 2048,512 --gb
-0.25``, before index batches went to ``read_batch`` as arrays). On the H200
+and for records of at least 2 KiB: ``gpu_feed.py --records 2048,512 --gb 0.25`` on the H200
+measured 19.1 GB/s direct against 12.3 for the ring at 2 KiB, but 8.5 against 9.5 at 512 B
+(torch: 1.5 and 1.1). On the H200
 host (``benchmarks/gpu_feed.py``, shuffled 16 MiB batches) it delivered 256 KiB records at
 28-48 GB/s across runs against 9-13 for the pinned ring, and 8 KiB records at 13.8-21.0 against
 8.4-10.9. ``num_workers=0`` issues from the training thread (fastest there: the copy engines'
