@@ -7,8 +7,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-__all__ = ["start_moto"]
+__all__ = ["client", "create_bucket", "s3_options", "start_moto"]
 
 
 def start_moto(timeout_s: float = 60.0) -> tuple[subprocess.Popen[bytes], str]:
@@ -31,3 +32,30 @@ def start_moto(timeout_s: float = 60.0) -> tuple[subprocess.Popen[bytes], str]:
             time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"moto_server ({exe}) did not start within {timeout_s:.0f} s")
+
+
+def s3_options(endpoint: str) -> dict[str, Any]:
+    """fsspec ``storage_options`` for s3fs against the local server (moto takes any key)."""
+    return {
+        "key": "bench",
+        "secret": "bench",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
+
+
+def client(endpoint: str) -> Any:
+    """A boto3 S3 client for the local server."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="bench",
+        aws_secret_access_key="bench",
+        region_name="us-east-1",
+    )
+
+
+def create_bucket(endpoint: str, name: str) -> None:
+    """Create bucket ``name`` on the local server."""
+    client(endpoint).create_bucket(Bucket=name)

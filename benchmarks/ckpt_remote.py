@@ -30,18 +30,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._report import machine, write_section
-from benchmarks._s3 import start_moto
+from benchmarks._s3 import create_bucket, s3_options, start_moto
 from ckpt.manager import CheckpointManager
 from ckpt.remote import RemoteOptions, RemoteTier
 
 
 def _options(endpoint: str) -> dict[str, Any]:
-    return {
-        "key": "bench",
-        "secret": "bench",
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-        "skip_instance_cache": True,
-    }
+    return {**s3_options(endpoint), "skip_instance_cache": True}
 
 
 def _cpu_s(pid: int) -> float:
@@ -74,15 +69,7 @@ def main() -> None:
     try:
         fs = s3fs.S3FileSystem(**_options(endpoint))
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
-        import boto3
-
-        boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            aws_access_key_id="bench",
-            aws_secret_access_key="bench",
-            region_name="us-east-1",
-        ).create_bucket(Bucket=bucket)
+        create_bucket(endpoint, bucket)
         with tempfile.TemporaryDirectory(prefix="ckpt-remote-bench-") as tmp:
             root = Path(tmp)
             n = args.size_mb << 20

@@ -110,6 +110,21 @@ def ceiling(raw: np.ndarray, batch: int, seconds: float) -> Callable[[], Iterabl
     return gen
 
 
+def take_alone(raw: np.ndarray, batch: int, mode: str) -> Callable[[], Iterable[Any]]:
+    """``np.take`` of shuffled batches from the raw map into a preallocated buffer (no loader):
+    ``mode="clip"`` (what MemmapDataset uses) or numpy's default ``"raise"``."""
+    flat = raw.reshape(len(raw), -1)
+    buf = np.empty((batch, flat.shape[1]), flat.dtype)
+    perm = np.random.default_rng(1).permutation(len(flat))
+
+    def gen() -> Iterable[Any]:
+        for k in range(len(flat) // batch):
+            np.take(flat, perm[k * batch : (k + 1) * batch], axis=0, out=buf, mode=mode)
+            yield torch.from_numpy(buf)
+
+    return gen
+
+
 def _warm(path: Path) -> None:
     for f in sorted(path.rglob("*")):
         if f.is_file():
@@ -212,6 +227,8 @@ def run_size(root: Path, rb: int, total: int, seconds: float, reps: int) -> dict
         "ZarrDataset, 2 threads": fp_loader(zds, 2),
         "ZarrDataset zstd, 2 threads": fp_loader(zzs, 2),
         "(d) contiguous copy": ceiling(d["raw"], batch, seconds),
+        "np.take alone, mode='clip'": take_alone(d["raw"], batch, "clip"),
+        "np.take alone, mode='raise'": take_alone(d["raw"], batch, "raise"),
     }
     best: dict[str, float] = {}
     for _ in range(reps):
@@ -328,14 +345,21 @@ def report(results: dict[int, dict[str, float]], rss: dict[str, Any], cmd: str) 
     for label, target, num, den in rows:
         cells = [f"{best(results[rb], num) / best(results[rb], den):.2f}x" for rb in results]
         lines.append(f"| {label} | {target} | " + " | ".join(cells) + " |")
+    kib8 = results.get(8192)
+    if kib8:
+        gbps = {k: v * 8192 / 1e9 for k, v in kib8.items()}
+        clip, raise_ = gbps["np.take alone, mode='clip'"], gbps["np.take alone, mode='raise'"]
+        lines += [
+            "",
+            'Notes: the gathers use `np.take(..., mode="clip")` straight into the batch; numpy\'s '
+            'default `mode="raise"` gathers into a temporary and copies again (at 8 KiB, alone: '
+            f"{raise_:.2f} against {clip:.2f} GB/s, rows above). A shuffled 8 KiB gather alone "
+            f"reaches {clip / gbps['(d) contiguous copy']:.2f} of the contiguous copy here: it "
+            "touches two 4 KiB page-cache pages per record at random. Earlier attempts to close "
+            "that gap (`madvise` HUGEPAGE/WILLNEED/RANDOM, `preadv` per record, two threads per "
+            "batch) did not; they are not re-measured here.",
+        ]
     lines += [
-        "",
-        'Notes: the gathers use `np.take(..., mode="clip")` straight into the batch (numpy\'s '
-        'default `mode="raise"` gathers into a temporary and copies again, 0.3 vs 4.5 GB/s at '
-        "8 KiB). At 8 KiB a shuffled gather is bound by TLB misses on 4 KiB page-cache pages: "
-        "alone (no loader) `np.take` reaches about 0.6 of the contiguous copy here, and "
-        "`madvise` (HUGEPAGE, WILLNEED, RANDOM), `preadv` per record (2-3 GB/s) and two threads "
-        "per batch did not close the gap on this shared 2-core VM.",
         "",
         _peers_note(),
         "",

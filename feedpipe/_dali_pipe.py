@@ -77,6 +77,14 @@ def augment(encoded: Any, t: Transform, decode_device: str, hw_decoder_load: flo
     )
 
 
+def _pipeline(**options: Any) -> tuple[Any, Any, Any]:
+    """A new DALI pipeline (dynamic executor) with ``options``, and DALI's ``fn`` and ``types``."""
+    dali: Any = require("nvidia.dali", "dali")
+    fn: Any = require("nvidia.dali.fn", "dali")
+    types: Any = require("nvidia.dali.types", "dali")
+    return dali.Pipeline(exec_dynamic=True, **options), fn, types
+
+
 def build_main(
     source: Any,
     t: Transform,
@@ -92,10 +100,7 @@ def build_main(
     hw_decoder_load: float,
 ) -> Any:
     """The loader's pipeline: parallel external source -> decode -> transforms (+ labels, meta)."""
-    dali: Any = require("nvidia.dali", "dali")
-    fn: Any = require("nvidia.dali.fn", "dali")
-    types: Any = require("nvidia.dali.types", "dali")
-    pipe = dali.Pipeline(
+    pipe, fn, types = _pipeline(
         batch_size=batch_size,
         num_threads=num_threads,
         device_id=device_id,
@@ -103,7 +108,6 @@ def build_main(
         py_num_workers=py_num_workers,
         py_start_method=py_start_method,
         prefetch_queue_depth=prefetch_queue_depth,
-        exec_dynamic=True,
     )
     with pipe:
         encoded, labels, meta = fn.external_source(
@@ -131,16 +135,12 @@ def build_fed(
     hw_decoder_load: float,
 ) -> Any:
     """Same graph, fed from the main process (``feed_input("encoded", ...)``): repairs a batch."""
-    dali: Any = require("nvidia.dali", "dali")
-    fn: Any = require("nvidia.dali.fn", "dali")
-    types: Any = require("nvidia.dali.types", "dali")
-    pipe = dali.Pipeline(
+    pipe, fn, types = _pipeline(
         batch_size=batch_size,
         num_threads=num_threads,
         device_id=device_id,
         seed=seed,
         prefetch_queue_depth=1,
-        exec_dynamic=True,
     )
     with pipe:
         encoded = fn.external_source(name="encoded", dtype=types.UINT8)
@@ -152,15 +152,8 @@ def build_fed(
 
 def build_probe(num_threads: int = 1) -> Any:
     """A batch-of-one CPU decoder: tells which record of a failed batch DALI cannot decode."""
-    dali: Any = require("nvidia.dali", "dali")
-    fn: Any = require("nvidia.dali.fn", "dali")
-    types: Any = require("nvidia.dali.types", "dali")
-    pipe = dali.Pipeline(
-        batch_size=1,
-        num_threads=num_threads,
-        device_id=None,
-        prefetch_queue_depth=1,
-        exec_dynamic=True,
+    pipe, fn, types = _pipeline(
+        batch_size=1, num_threads=num_threads, device_id=None, prefetch_queue_depth=1
     )
     with pipe:
         encoded = fn.external_source(name="encoded", dtype=types.UINT8)

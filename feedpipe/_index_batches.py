@@ -32,8 +32,6 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
 __all__ = ["IndexStream", "index_batches"]
 
-_CHUNK = 8192  # DistributedSampler: positions evaluated per permutation call (as the sampler)
-
 
 def index_batches(batch_sampler: Any, arrays: bool = False) -> Iterator[Any]:
     """``iter(batch_sampler)``, vectorised where the batches can be reproduced exactly.
@@ -96,23 +94,15 @@ def _random(sampler: RandomSampler, size: int, drop: bool, arrays: bool) -> Iter
 def _distributed(sampler: Any, size: int, drop: bool) -> Iterator[list[int]]:
     """feedpipe's ``DistributedSampler``: its ``_generate`` in chunks, ``_local`` per batch.
 
-    Mirrors ``DistributedSampler.__iter__``/``_generate`` (feedpipe/sampler.py): the plan is
-    taken at ``iter()``, then the rank's stream positions go through the epoch permutation
-    ``_CHUNK`` at a time; ``_local`` (the resume counter) advances by the samples handed out,
-    including the dropped tail that ``BatchSampler(drop_last=True)`` pulls before it stops.
+    The plan is taken at ``iter()``, as in ``DistributedSampler.__iter__``; the indices come
+    from the sampler's own ``_chunks`` (what its ``_generate`` flattens); ``_local`` (the resume
+    counter) advances by the samples handed out, including the dropped tail that
+    ``BatchSampler(drop_last=True)`` pulls before it stops.
     """
     iter(sampler)  # sets the plan and the starting count, as torch's BatchSampler does here
-    plan, local = sampler._plan, sampler._local
-    n = sampler._n
-    count = plan.count(n, sampler.rank)
-    if local >= count:
-        return
-    perm = sampler._permutation()
-    remaining = plan.remaining(n)
     pending: list[int] = []
-    for lo in range(local, count, _CHUNK):
-        k = np.arange(lo, min(lo + _CHUNK, count), dtype=np.int64)
-        chunk = perm(plan.start + (sampler.rank + k * plan.world) % remaining).tolist()
+    for array in sampler._chunks(sampler._plan, sampler._local):
+        chunk = array.tolist()
         if pending:
             chunk = pending + chunk
         stop = len(chunk) - len(chunk) % size

@@ -10,19 +10,21 @@ asynchronous on the caller's current CUDA stream:
   a CUDA tensor (zero-copy) and ``index_select`` reads the rows over PCIe into the batch; the
   indices go up in one small pinned copy.
 
-Measured on the H200 host, 2 GB in /dev/shm, shuffled, 16 MiB batches, one thread
-(``benchmarks/probe_batchcopy.py``; the ceiling for pinned host-to-device copies is 55 GB/s):
+Measured on the H200 host with ``benchmarks/probe_batchcopy.py`` (2 GB in /dev/shm, shuffled,
+16 MiB batches, one thread; two runs; the pinned host-to-device ceiling there is 55 GB/s,
+per ``shared/GPU.md``):
 
 | records | batched copy | gather kernel | torch ``copy_`` per record |
 |---|---|---|---|
-| 256 KiB | 50.1-54.7 GB/s | 48.2 | 30.1 |
-| 64 KiB | 45.1-54.7 | 47.1-47.4 | 9.2 |
-| 8 KiB | 2.2-18.2 (varies from run to run) | 44.6-47.2 | - |
+| 256 KiB | 54.1-54.7 GB/s | 50.2 | 17.2-30.1 |
+| 64 KiB | 41.3-54.7 | 48.5 | 5.0-9.2 |
+| 8 KiB | 9.7-18.2 (and 2.4-2.8 in ``gpu_feed.py`` runs) | 48.7 | - |
+| 512 B | 0.36 | 31.5 | - |
 
-A CPU gather from the map into pinned memory reached 13.6-19.7 GB/s on 16 threads: reading the
-page cache with the CPU costs 5-9 GB/s per core. Registration pins the shard's pages (memory that
-stays resident) until the shard is closed, so the loader uses this path only for data that fits
-in memory (:mod:`feedpipe._direct`).
+For comparison, ``read_batch`` into pinned host memory (the CPU gathering from the map) on 4-8
+threads reached 12.7-17.5 GB/s of 256 KiB records in the same day's ``benchmarks/gpu_feed.py``
+runs. Registration pins the shard's pages (memory that stays resident) until the shard is
+closed, so the loader uses this path only for data that fits in memory (:mod:`feedpipe._direct`).
 """
 
 from __future__ import annotations

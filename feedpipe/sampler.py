@@ -334,6 +334,14 @@ class DistributedSampler(torch.utils.data.DistributedSampler[int]):
         return perm
 
     def _generate(self, plan: _Plan, local: int) -> Iterator[int]:
+        for chunk in self._chunks(plan, local):
+            for index in chunk.tolist():
+                self._local += 1
+                yield index
+
+    def _chunks(self, plan: _Plan, local: int) -> Iterator[np.ndarray]:
+        """This rank's indices from position ``local`` on, ``_CHUNK`` positions at a time (the
+        permutation is evaluated per chunk; ``_local`` is the caller's to advance)."""
         n = self._n
         count = plan.count(n, self.rank)
         if local >= count:
@@ -342,10 +350,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler[int]):
         remaining = plan.remaining(n)
         for lo in range(local, count, _CHUNK):
             k = np.arange(lo, min(lo + _CHUNK, count), dtype=np.int64)
-            stream = self.rank + k * plan.world
-            for index in perm(plan.start + stream % remaining).tolist():
-                self._local += 1
-                yield index
+            yield perm(plan.start + (self.rank + k * plan.world) % remaining)
 
     def __repr__(self) -> str:
         return (
