@@ -142,6 +142,7 @@ class IndexStream:
         hook = self.on_start() if self.on_start is not None else None
         if hook is not None:
             hook()
+        del hook  # a suspended generator must not hold the loader (a cycle via torch's iterator)
         it = index_batches(self.sampler, self.arrays)  # torch's batches and draws, vectorised
         skip, self.skip = self.skip, 0
         sent = self.sent

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import Dataset, IterableDataset
-from torch.utils.data._utils import worker as _torch_worker
 
+from feedpipe import _torch_compat
 from feedpipe.errors import WorkerError
 
 _perf = time.perf_counter
@@ -108,8 +108,14 @@ class _Failed:
             try:
                 self.wrapper.reraise()
             except BaseException as made:
-                return made.with_traceback(None)  # no frames: no reference cycle
-            raise AssertionError("unreachable")  # pragma: no cover
+                exc = made.with_traceback(None)  # no frames: no reference cycle
+            assert exc is not None
+            if isinstance(exc, Exception):
+                return exc
+        if not isinstance(exc, Exception):  # SystemExit: a worker's, never the training loop's
+            error = WorkerError(f"{type(exc).__name__}({exc}) raised {context}")
+            error.__cause__ = None if self.exc is None else exc
+            return error
         if hasattr(exc, "add_note"):
             exc.add_note(f"feedpipe: raised {context}")
             return exc
@@ -250,7 +256,7 @@ class _MapProxy(Dataset):  # type: ignore[type-arg]
         t0 = time.perf_counter()
         try:
             data = read_indices(self.dataset, indices, self.mode)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             return _Fetched(None, 0.0, samples, indices, _Failed(exc, worker_id(), indices))
         return _Fetched(data, time.perf_counter() - t0, samples, indices)
 
@@ -283,7 +289,7 @@ class _IterProxy(IterableDataset):  # type: ignore[type-arg]
                 sample = next(it)
             except StopIteration:
                 return
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
                 yield _Failed(exc, worker_id(), f"stream position {position}")
                 return
             clock.fetch_s += time.perf_counter() - t0
@@ -326,7 +332,7 @@ class _TimedCollate:
         t0 = time.perf_counter()
         try:
             batch = self.collate_fn(data)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             return _Failed(exc, worker_id(), indices)
         collate_s = time.perf_counter() - t0
         return Shipped(batch, samples, nbytes_of(batch), fetch_s, collate_s)
@@ -339,13 +345,11 @@ class _WorkerInit:
         self.user_fn = user_fn
 
     def __call__(self, worker: int) -> None:
-        info = _torch_worker._worker_info
-        if info is not None and isinstance(info.dataset, (_MapProxy, _IterProxy)):
-            _torch_worker._worker_info = _torch_worker.WorkerInfo(
-                id=info.id,
-                num_workers=info.num_workers,
-                seed=info.seed,
-                dataset=info.dataset.dataset,
-            )
+        _torch_compat.unwrap_worker_dataset((_MapProxy, _IterProxy))
         if self.user_fn is not None:
-            self.user_fn(worker)
+            try:
+                self.user_fn(worker)
+            except SystemExit as exc:  # torch would let it end the worker without a word
+                raise WorkerError(
+                    f"worker_init_fn raised SystemExit({exc}) in DataLoader worker {worker}"
+                ) from None

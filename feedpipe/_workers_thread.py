@@ -4,8 +4,15 @@ Batches are dealt to workers round-robin exactly like torch's process workers (b
 to the next active worker in the cycle), at most ``prefetch_factor * num_workers`` are in
 flight, and they are delivered in sampler order (or as they finish with ``in_order=False``).
 Nothing is pickled or copied through shared memory, so this pays off for reads that release
-the GIL (numpy/memmap gathers, ``read_batch``). ``feedpipe.get_worker_info()`` works inside the
-threads (thread-local); torch's own ``get_worker_info()`` cannot see threads and returns None.
+the GIL (numpy/memmap gathers, ``read_batch``).
+
+Inside the threads ``feedpipe.get_worker_info()`` and torch's ``get_worker_info()`` both return
+the thread's own ``WorkerInfo`` (``feedpipe._torch_compat``), in ``worker_init_fn`` too, so an
+``IterableDataset`` that shards itself by worker id works as with processes. What threads cannot
+have is their own global RNG: a ``worker_init_fn`` that seeds numpy / ``random`` / torch, or a
+dataset that draws from them, changes the training loop's RNG. ``RNGWatch`` detects both (by
+comparing the global states around ``worker_init_fn`` and around each worker's first batch) and
+warns once per loader.
 """
 
 from __future__ import annotations
@@ -17,13 +24,14 @@ import queue
 import random
 import threading
 import time
-import weakref
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data._utils import worker as _torch_worker
 
+from feedpipe import _torch_compat
 from feedpipe._loader_fetch import (
     Mode,
     ShippedTuple,
@@ -33,16 +41,75 @@ from feedpipe._loader_fetch import (
     nbytes_of,
     pin_batch,
 )
+from feedpipe.errors import WorkerError
 
-__all__ = ["ThreadWorkers", "thread_worker_info"]
+__all__ = ["RNGWatch", "ThreadWorkers", "thread_worker_info"]
 
-_LOCAL = threading.local()
+thread_worker_info = _torch_compat.thread_worker_info
 _POLL_S = 1.0  # how often a wait without timeout checks that the workers are alive
 
 
-def thread_worker_info() -> Any:
-    """The ``WorkerInfo`` of the current feedpipe worker thread, or None."""
-    return getattr(_LOCAL, "info", None)
+def _rng_states() -> tuple[Any, ...]:
+    """The process-global RNG states a thread worker would share with the training loop."""
+    np_state: Any = np.random.get_state(legacy=True)
+    return (
+        random.getstate(),
+        np_state[1].tobytes(),
+        np_state[2],
+        torch.initial_seed(),
+        torch.get_rng_state(),
+    )
+
+
+def _changed(before: tuple[Any, ...], after: tuple[Any, ...], seeded: bool) -> list[str]:
+    """Which global RNGs changed; ``seeded``: only count torch reseeds (the main thread's
+    sampler may draw from torch's global RNG while ``worker_init_fn`` runs)."""
+    names = []
+    if before[0] != after[0]:
+        names.append("random")
+    if before[1:3] != after[1:3]:
+        names.append("numpy.random")
+    if before[3] != after[3] or not (seeded or torch.equal(before[4], after[4])):
+        names.append("torch")
+    return names
+
+
+class RNGWatch:
+    """Warns once per loader when thread workers seed or draw from the process-global RNGs."""
+
+    def __init__(self) -> None:
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def check(self, what: str, before: tuple[Any, ...]) -> None:
+        """``before`` is :func:`_rng_states` taken before ``what`` ran in a worker thread."""
+        names = _changed(before, _rng_states(), seeded=what == "worker_init_fn")
+        with self._lock:
+            if not names or what in self._warned:
+                return
+            self._warned.add(what)
+        detail = {
+            "worker_init_fn": "worker_init_fn seeded the global RNG of "
+            + " and ".join(names)
+            + " from a thread worker: threads share the training process's RNGs, so this "
+            "reseeded the main process (once per worker) instead of seeding a worker",
+            "dataset": "the dataset drew from the global RNG of "
+            + " and ".join(names)
+            + " in a thread worker: threads share it with the training loop and with each "
+            "other, so these draws are neither per-worker nor reproducible",
+        }[what]
+        warnings.warn(
+            f"feedpipe: {detail}. Derive randomness from feedpipe.get_worker_info().seed "
+            "(e.g. numpy.random.default_rng(seed), torch.Generator().manual_seed(seed)), or "
+            'use worker_type="process".',
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+# Worker threads still running, joined at exit (a pool may be gone while its threads finish).
+_RUNNING: set[threading.Thread] = set()
+_RUNNING_LOCK = threading.Lock()
 
 
 class _Exhausted:
@@ -78,7 +145,9 @@ class ThreadWorkers:
         drop_last: bool,
         out_for: Callable[[int, int], Any] | None = None,
         timed: bool = True,
+        rng_watch: RNGWatch | None = None,
     ) -> None:
+        _torch_compat.install_worker_info_shim()
         self._sampler_iter = sampler_iter
         self._num_workers = num_workers
         self._max_tasks = max(1, prefetch_factor * num_workers)
@@ -92,6 +161,9 @@ class ThreadWorkers:
         self._send_idx = self._rcvd_idx = self._outstanding = 0
         self._shutdown = False
         self._threads = []
+        # with a worker_init_fn, no worker reads before all ran it: the RNG checks of the first
+        # batch would otherwise see another worker's worker_init_fn reseeding
+        inited = threading.Barrier(num_workers) if worker_init_fn is not None else None
         for wid in range(num_workers):
             ds = copy.copy(dataset) if mode is Mode.ITERABLE else dataset
             t = threading.Thread(
@@ -104,13 +176,15 @@ class ThreadWorkers:
                     "drop_last": drop_last,
                     "out_for": out_for if mode is Mode.READ_BATCH else None,
                     "timed": timed,
+                    "rng_watch": rng_watch,
+                    "inited": inited,
                 },
                 name=f"feedpipe-worker-{wid}",
                 daemon=True,
             )
+            _track(t)
             t.start()
             self._threads.append(t)
-        _track(self)
         for _ in range(self._max_tasks):
             self._put_task()
 
@@ -169,8 +243,9 @@ class ThreadWorkers:
                     w for w, t in enumerate(self._threads) if self._active[w] and not t.is_alive()
                 ]
                 if dead:
-                    raise RuntimeError(
-                        f"feedpipe worker thread(s) {dead} exited unexpectedly"
+                    raise WorkerError(
+                        f"DataLoader worker thread(s) {dead} exited unexpectedly while loading "
+                        f"batch {self._rcvd_idx}"
                     ) from None
 
     def _deliver(self, wid: int, data: Any) -> Any:
@@ -210,43 +285,37 @@ class ThreadWorkers:
         self.close()
 
 
-_LIVE: weakref.WeakSet[ThreadWorkers] = weakref.WeakSet()
 _EXIT_JOIN_S = 10.0
+_INIT_SYNC_S = 5.0
 
 
 def _join_at_exit() -> None:
     """Let worker threads finish their batch before the interpreter tears torch down.
 
     Daemon threads killed inside a torch call abort the process ("terminate called without an
-    active exception"); a thread stuck in the dataset is abandoned after ``_EXIT_JOIN_S``.
+    active exception"). Every worker thread still running is joined, including those of pools
+    already dropped (after a ``break``, a pool is closed at once but its threads finish their
+    batch); a thread stuck in the dataset is abandoned after ``_EXIT_JOIN_S``.
     """
     deadline = time.monotonic() + _EXIT_JOIN_S
-    for workers in list(_LIVE):
-        workers.close(max(0.0, deadline - time.monotonic()))
+    with _RUNNING_LOCK:
+        threads = list(_RUNNING)
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
-def _track(workers: ThreadWorkers) -> None:
-    """Remember live pools; the exit hook is registered with the first one (not at import)."""
+def _track(thread: threading.Thread) -> None:
+    """Remember a worker thread until it ends; the exit hook is registered with the first one
+    (not at import)."""
     global _HOOKED
-    if not _HOOKED:
-        atexit.register(_join_at_exit)
-        _HOOKED = True
-    _LIVE.add(workers)
+    with _RUNNING_LOCK:
+        if not _HOOKED:
+            atexit.register(_join_at_exit)
+            _HOOKED = True
+        _RUNNING.add(thread)
 
 
 _HOOKED = False
-
-
-def _worker_rng(seed: int) -> dict[str, Any]:
-    """Per-worker RNG fields of ``WorkerInfo``, on torch versions that have them (not 2.11)."""
-    rng_cls = getattr(_torch_worker, "_RNG", None)
-    if rng_cls is None:
-        return {}
-    rng = rng_cls(
-        random_generator=random.Random(seed),
-        torch_generator=torch.Generator().manual_seed(seed),
-    )
-    return {"rng": rng, "worker_method": "thread"}
 
 
 def _worker_loop(  # noqa: PLR0917
@@ -264,19 +333,60 @@ def _worker_loop(  # noqa: PLR0917
     drop_last: bool,
     out_for: Callable[[int, int], Any] | None,
     timed: bool,
+    rng_watch: RNGWatch | None = None,
+    inited: threading.Barrier | None = None,
+) -> None:
+    try:
+        _worker_body(
+            wid, num_workers, base_seed, dataset, collate_fn, mode, inbox,
+            results=results, init_fn=init_fn, pin=pin, drop_last=drop_last, out_for=out_for,
+            timed=timed, rng_watch=rng_watch, inited=inited,
+        )  # fmt: skip
+    finally:
+        _torch_compat.set_thread_worker_info(None)
+        with _RUNNING_LOCK:
+            _RUNNING.discard(threading.current_thread())
+
+
+def _worker_body(  # noqa: PLR0917
+    wid: int,
+    num_workers: int,
+    base_seed: int,
+    dataset: Any,
+    collate_fn: Callable[[Any], Any],
+    mode: Mode,
+    inbox: queue.Queue[Any],
+    *,
+    results: queue.Queue[tuple[int, int, Any]],
+    init_fn: Callable[[int], None] | None,
+    pin: bool,
+    drop_last: bool,
+    out_for: Callable[[int, int], Any] | None,
+    timed: bool,
+    rng_watch: RNGWatch | None,
+    inited: threading.Barrier | None,
 ) -> None:
     fetch = fetch_batch if timed else fetch_untimed
     iterable = mode is Mode.ITERABLE
     seed = base_seed + wid
-    _LOCAL.info = _torch_worker.WorkerInfo(
-        id=wid, num_workers=num_workers, seed=seed, dataset=dataset, **_worker_rng(seed)
+    _torch_compat.set_thread_worker_info(
+        _torch_compat.make_worker_info(wid, num_workers, seed, dataset)
     )
     init_error: _Failed | None = None
     if init_fn is not None:
+        before = _rng_states() if rng_watch is not None else None
         try:
             init_fn(wid)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # SystemExit: this thread is not the process
             init_error = _Failed(exc, wid, None)
+        if rng_watch is not None and before is not None:
+            rng_watch.check("worker_init_fn", before)
+        if inited is not None:
+            try:
+                inited.wait(_INIT_SYNC_S)
+            except threading.BrokenBarrierError:  # a slow worker_init_fn: go on without it
+                pass
+    watch_first = rng_watch is not None
     iterator: Iterator[Any] | None = None
     dest: Any = None
     position = 0
@@ -288,6 +398,7 @@ def _worker_loop(  # noqa: PLR0917
         if init_error is not None:
             results.put((idx, wid, init_error))
             continue
+        before = _rng_states() if watch_first else None
         try:
             if iterable:
                 if iterator is None:
@@ -302,10 +413,14 @@ def _worker_loop(  # noqa: PLR0917
                 out = fetch(dataset, indices, collate_fn, mode, dest)
             if pin and (out_for is None or dest is None):
                 out = (pin_batch(out[0]), *out[1:])
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # SystemExit: this thread is not the process
             where = indices if not iterable else f"stream position {position}"
             results.put((idx, wid, _Failed(exc, wid, where)))
             continue
+        finally:
+            if before is not None and rng_watch is not None:
+                watch_first = False
+                rng_watch.check("dataset", before)
         results.put((idx, wid, out))
 
 

@@ -42,7 +42,7 @@ import torch
 import torch.utils.data as tud
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from feedpipe import _direct
+from feedpipe import _direct, _torch_compat
 from feedpipe._direct import DirectReader
 from feedpipe._index_batches import IndexStream
 from feedpipe._loader_fetch import (
@@ -55,7 +55,7 @@ from feedpipe._loader_fetch import (
     _WorkerInit,
     choose_mode,
 )
-from feedpipe._workers_thread import InlineSource, ThreadWorkers, thread_worker_info
+from feedpipe._workers_thread import InlineSource, RNGWatch, ThreadWorkers, thread_worker_info
 from feedpipe.errors import WorkerError
 from feedpipe.gpu import GPUFeed, Prefetcher
 from feedpipe.stall import StallMeter, StallStats
@@ -155,6 +155,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         prefetch: int = 2,
         direct: bool | None = None,
     ) -> None:
+        self.worker_type = worker_type  # before torch's checks: threads are not processes
         super().__init__(
             dataset,
             batch_size,
@@ -207,6 +208,11 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         self._pending: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------ public
+    def check_worker_number_rationality(self) -> None:
+        """torch's warning about too many worker *processes*; thread workers are not processes."""
+        if getattr(self, "worker_type", "process") != "thread":
+            super().check_worker_number_rationality()
+
     @property
     def stats(self) -> StallStats:
         """A snapshot of the stall counters (``loader.meter.stats()``): totals and rates.
@@ -400,19 +406,26 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     def _process_source(self) -> Any:
         if self._inner is None:
             self._inner = self._make_inner()
+            # Persistent workers go when this loader goes, by refcount or by the cyclic GC (the
+            # finalizer holds the inner loader, so torch's queues are intact when it runs).
+            weakref.finalize(self, _torch_compat.shutdown_iterator, self._inner)
         self._inner._IterableDataset_len_called = self._IterableDataset_len_called
         if not torch.cuda.is_initialized():
-            return iter(self._inner)
-        # Forked workers inherit every object of this process, some owning CUDA handles (events,
-        # memory). Were the child's cyclic GC to destroy one, it would call CUDA in a forked
-        # process and abort (cudaErrorInitializationError). Freezing puts the objects that exist
-        # now out of the GC's reach in the children; this process unfreezes once they are started.
-        gc.collect()
-        gc.freeze()
-        try:
-            return iter(self._inner)
-        finally:
-            gc.unfreeze()
+            source = iter(self._inner)
+        else:
+            # Forked workers inherit every object of this process, some owning CUDA handles
+            # (events, memory). Were the child's cyclic GC to destroy one, it would call CUDA in
+            # a forked process and abort (cudaErrorInitializationError). Freezing puts the objects
+            # that exist now out of the GC's reach in the children; this process unfreezes once
+            # they are started.
+            gc.collect()
+            gc.freeze()
+            try:
+                source = iter(self._inner)
+            finally:
+                gc.unfreeze()
+        _torch_compat.adopt_workers(source)  # deaths surface in next(), never asynchronously
+        return source
 
     def _make_inner(self) -> tud.DataLoader:  # type: ignore[type-arg]
         """The torch DataLoader that runs torch's iterator over the timed dataset/collate."""
@@ -470,6 +483,13 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             timed=self.meter.enabled,
         )
 
+    def _thread_rng_watch(self) -> RNGWatch:
+        """One watch per loader: its warnings about the global RNG come once per loader."""
+        watch: RNGWatch | None = getattr(self, "_rng_watch", None)
+        if watch is None:
+            watch = self._rng_watch = RNGWatch()
+        return watch
+
     def _thread_source(self, feed: Prefetcher | None = None) -> ThreadWorkers:
         index_sampler = self._stream if self._stream is not None else self._index_sampler
         sampler_iter = iter(index_sampler)
@@ -492,6 +512,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             if self._direct is None
             else max(self.prefetch_factor or 2, self._feed.prefetch + 2 if self._feed else 2),
             base_seed=self._thread_base_seed,
+            rng_watch=self._thread_rng_watch(),
             timeout=self.timeout,
             worker_init_fn=self.worker_init_fn,
             pin=pin,
@@ -521,6 +542,9 @@ class _LoaderIter:
     def __init__(self, loader: DataLoader, source: Any, feed: Prefetcher | None = None) -> None:
         self._loader = loader
         self._source = source
+        own = isinstance(source, (InlineSource, ThreadWorkers))
+        # torch's process iterator: a worker death raises in next(), never elsewhere
+        self._guard = None if own else _torch_compat.Guard(source)
         self._feed = feed
         if feed is not None:
             pull = weakref.WeakMethod(self._pull)  # no cycle: the pass dies with its iterator
@@ -538,7 +562,6 @@ class _LoaderIter:
         window = (loader.prefetch_factor or 1) * max(1, loader.num_workers)
         self._lag = 0 if loader.in_order else 4 * window + 4
         # torch's iterator warns when an IterableDataset yields more than its len(); ours too
-        own = isinstance(source, (InlineSource, ThreadWorkers))
         self._len_called = loader._IterableDataset_len_called if own and loader._iterable else None
 
     def __iter__(self) -> _LoaderIter:
@@ -559,7 +582,7 @@ class _LoaderIter:
         on_device = None
         try:
             if self._feed is None:
-                shipped = next(self._source)
+                shipped = next(self._source) if self._guard is None else self._guard.next()
             else:  # `prefetch` later batches keep copying to the device meanwhile
                 on_device, shipped = next(self._feed)
         except StopIteration:
@@ -616,7 +639,7 @@ class _LoaderIter:
         """The device feed's source: the next shipped batch, in order. The feed hands ``shipped``
         back (without its host batch) beside the device batch when that batch's turn comes."""
         try:
-            shipped = next(self._source)
+            shipped = next(self._source) if self._guard is None else self._guard.next()
         except StopIteration:
             raise
         except Exception as exc:
@@ -648,7 +671,7 @@ class _LoaderIter:
             indices = loader._stream.sent.get(batch)
         where = f"batch {self._first + batch}" if batch is not None else "the next batch"
         what = f" (sample indices {_short(indices)})" if indices is not None else ""
-        dead = _dead_workers(source)
+        dead = _dead_workers(source, wait=_dying(exc))
         if dead:
             wid, pid, code = dead[0]
             held = [
@@ -680,13 +703,31 @@ def _waiting_on(source: Any) -> tuple[int | None, int | None]:
     return rcvd, (info[0] if info else None)
 
 
-def _dead_workers(source: Any) -> list[tuple[int, int | None, int | None]]:
-    workers = getattr(source, "_workers", None) or []
-    out = []
-    for wid, w in enumerate(workers):
-        if not w.is_alive():
-            out.append((wid, w.pid, w.exitcode))
-    return out
+# What reading from a worker that is dying raises in the main process: its pipe or socket
+# closed (EOFError, ConnectionError), its shared-memory file gone (FileNotFoundError), or
+# feedpipe's SIGCHLD handler (WorkerDiedError). The worker may not be reaped yet when it is raised.
+_DYING = (EOFError, ConnectionError, FileNotFoundError, _torch_compat.WorkerDiedError)
+_DEATH_WAIT_S = 5.0
+
+
+def _dying(exc: BaseException) -> bool:
+    """Whether ``exc`` may come from a dying process worker (not re-raised from inside one)."""
+    if isinstance(exc, RuntimeError) and "exited unexpectedly" in str(exc):
+        return True
+    return isinstance(exc, _DYING) and "in DataLoader worker process" not in str(exc)
+
+
+def _dead_workers(source: Any, wait: bool = False) -> list[tuple[int, int | None, int | None]]:
+    """Dead process workers of ``source``; ``wait``: give a dying one up to ``_DEATH_WAIT_S``
+    to be reaped (its pipe closes before the kernel reports it dead)."""
+    dead = _torch_compat.dead_workers(source)
+    if dead or not wait or not getattr(source, "_workers", None):
+        return dead
+    deadline = time.monotonic() + _DEATH_WAIT_S
+    while not dead and time.monotonic() < deadline:
+        time.sleep(0.01)
+        dead = _torch_compat.dead_workers(source)
+    return dead
 
 
 def _tasks_of(source: Any, wid: int) -> list[int]:

@@ -1,0 +1,212 @@
+"""Every place feedpipe reaches into torch's private data-loading internals, with the reason.
+
+Checked against torch 2.11 (the GPU machine) and 2.13 (the development machine). Each function
+degrades to doing nothing (or to torch's own behaviour) when the internal it needs is missing.
+
+1. ``get_worker_info()`` in thread workers. torch keeps the worker info in the module global
+   ``torch.utils.data._utils.worker._worker_info``, one per process, so a thread cannot have its
+   own. :func:`install_worker_info_shim` swaps the *code* of torch's ``get_worker_info`` (the
+   function object stays, so ``from torch.utils.data import get_worker_info`` done before still
+   sees the change) for one that returns the calling thread's info first, then the global.
+   Outside feedpipe's threads it returns exactly what torch's does.
+2. Showing the user's dataset (not feedpipe's timing proxy) in ``get_worker_info().dataset`` of
+   process workers: :func:`unwrap_worker_dataset` replaces the same global inside the worker.
+3. Worker deaths. torch registers its workers' pids with a C-level SIGCHLD handler that raises
+   ``RuntimeError`` in the main thread *wherever it happens to be*, including the user's
+   ``except`` block. :func:`adopt_workers` takes feedpipe's process workers out of that table;
+   feedpipe's own handler (:func:`_on_sigchld`) raises only while the main thread is inside the
+   loader's ``next()`` (the pass is over then anyway), and otherwise leaves a note that the next
+   ``next()`` reads.
+4. Shutdown. :func:`shutdown_iterator` calls the iterator's ``_shutdown_workers()``, which
+   torch calls itself from ``__del__``: feedpipe calls it from a ``weakref.finalize`` on the
+   loader, so the workers go when the loader goes, even when a reference cycle the user made
+   holds the loader (the cyclic GC would first close the index queues torch needs to tell the
+   workers to exit, and each join would then wait 5 s).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+import torch
+from torch.utils.data._utils import worker as _worker
+
+__all__ = [
+    "Guard",
+    "WorkerDiedError",
+    "adopt_workers",
+    "dead_workers",
+    "install_worker_info_shim",
+    "make_worker_info",
+    "set_thread_worker_info",
+    "shutdown_iterator",
+    "thread_worker_info",
+    "unwrap_worker_dataset",
+]
+
+_LOCAL = threading.local()
+
+
+# ------------------------------------------------------------------------------ 1. worker info
+def thread_worker_info() -> Any:
+    """The ``WorkerInfo`` of the current feedpipe worker thread, or None."""
+    return getattr(_LOCAL, "info", None)
+
+
+def set_thread_worker_info(info: Any) -> None:
+    """Set (or clear, with None) the calling thread's ``WorkerInfo``."""
+    _LOCAL.info = info
+
+
+_SHIM_SOURCE = """
+def get_worker_info():
+    info = _feedpipe_thread_worker_info()
+    return _worker_info if info is None else info
+"""
+
+
+def install_worker_info_shim() -> bool:
+    """Make ``torch.utils.data.get_worker_info()`` see feedpipe's worker threads (idempotent).
+
+    Returns False (and changes nothing) when torch's function is not the plain global read it
+    is in torch 2.11-2.13.
+    """
+    module = vars(_worker)
+    if "_feedpipe_thread_worker_info" in module:
+        return True
+    fn = getattr(_worker, "get_worker_info", None)
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_freevars or code.co_argcount or "_worker_info" not in module:
+        return False
+    namespace: dict[str, Any] = {}
+    # compiled here, run with torch's module globals: the new code reads `_worker_info` there
+    exec(compile(_SHIM_SOURCE, __file__, "exec"), namespace)
+    module["_feedpipe_thread_worker_info"] = thread_worker_info
+    fn.__code__ = namespace["get_worker_info"].__code__  # type: ignore[union-attr]
+    return True
+
+
+def make_worker_info(wid: int, num_workers: int, seed: int, dataset: Any) -> Any:
+    """torch's ``WorkerInfo`` for thread worker ``wid`` (with the per-worker RNG fields that
+    some torch versions add, when present)."""
+    extra: dict[str, Any] = {}
+    rng_cls = getattr(_worker, "_RNG", None)
+    if rng_cls is not None:
+        import random
+
+        extra = {
+            "rng": rng_cls(
+                random_generator=random.Random(seed),
+                torch_generator=torch.Generator().manual_seed(seed),
+            ),
+            "worker_method": "thread",
+        }
+    return _worker.WorkerInfo(id=wid, num_workers=num_workers, seed=seed, dataset=dataset, **extra)
+
+
+def unwrap_worker_dataset(proxy_types: tuple[type, ...]) -> None:
+    """Inside a torch worker process: show the user's dataset instead of feedpipe's proxy."""
+    info = _worker._worker_info
+    if info is not None and isinstance(info.dataset, proxy_types):
+        dataset: Any = info.dataset
+        _worker._worker_info = _worker.WorkerInfo(
+            id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=dataset.dataset
+        )
+
+
+# ------------------------------------------------------------------------- 3. worker deaths
+class _Sigchld:
+    """The state of feedpipe's SIGCHLD handler (main thread only)."""
+
+    installed = False
+    reading: Any = None  # the torch iterator whose next() the main thread is inside, or None
+    deaths = 0  # SIGCHLDs seen outside a next(): the next one checks its workers
+
+
+def dead_workers(source: Any) -> list[tuple[int, int | None, int | None]]:
+    """``(worker id, pid, exit code)`` of the dead process workers of a torch iterator."""
+    out = []
+    for wid, w in enumerate(getattr(source, "_workers", None) or []):
+        if not w.is_alive():
+            out.append((wid, w.pid, w.exitcode))
+    return out
+
+
+class WorkerDiedError(RuntimeError):
+    """Raised by feedpipe's SIGCHLD handler inside ``next()``: a process worker is gone."""
+
+
+def _on_sigchld(previous: Any) -> Any:
+    def handler(signum: int, frame: Any) -> None:
+        source = _Sigchld.reading
+        if source is None:
+            _Sigchld.deaths += 1
+        elif not getattr(source, "_shutdown", False) and dead_workers(source):
+            _Sigchld.reading = None  # raise once
+            raise WorkerDiedError("a DataLoader worker process exited")
+        if callable(previous):  # torch's handler: only other (plain torch) loaders' workers
+            previous(signum, frame)
+
+    return handler
+
+
+def adopt_workers(source: Any) -> None:
+    """Take a torch multi-process iterator's workers out of torch's asynchronous SIGCHLD check;
+    feedpipe's handler reports their deaths inside ``next()`` only."""
+    if getattr(source, "_worker_pids_set", False):
+        try:
+            from torch.utils.data._utils import signal_handling
+
+            signal_handling._remove_worker_pids(id(source))
+        except (ImportError, RuntimeError):  # pragma: no cover - not registered after all
+            pass
+        source._worker_pids_set = False
+    if not _Sigchld.installed and threading.current_thread() is threading.main_thread():
+        try:
+            previous = signal.getsignal(signal.SIGCHLD)
+            signal.signal(signal.SIGCHLD, _on_sigchld(previous))
+        except (AttributeError, ValueError):  # pragma: no cover - no SIGCHLD (Windows)
+            return
+        _Sigchld.installed = True
+
+
+class Guard:
+    """Calls ``next()`` on a torch multi-process iterator so that a worker death raises
+    :class:`WorkerDiedError` there, and only there (main thread; elsewhere it is a plain ``next``).
+
+    A SIGCHLD that arrived between two ``next()`` calls is looked at when the next one starts.
+    """
+
+    __slots__ = ("seen", "source")
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.seen = _Sigchld.deaths
+
+    def next(self) -> Any:
+        source = self.source
+        if threading.get_ident() != _MAIN:
+            return next(source)
+        if _Sigchld.deaths != self.seen:
+            self.seen = _Sigchld.deaths
+            if not getattr(source, "_shutdown", False) and dead_workers(source):
+                raise WorkerDiedError("a DataLoader worker process exited")
+        _Sigchld.reading = source
+        try:
+            return next(source)
+        finally:
+            _Sigchld.reading = None
+
+
+_MAIN = threading.main_thread().ident
+
+
+# ------------------------------------------------------------------------------ 4. shutdown
+def shutdown_iterator(loader: Any) -> None:
+    """Stop the persistent workers of a torch ``DataLoader`` (``loader._iterator``) now."""
+    it = getattr(loader, "_iterator", None)
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()
