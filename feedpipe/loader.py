@@ -103,8 +103,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     Extra keyword-only arguments:
       worker_type: ``"process"`` (torch's workers) or ``"thread"`` (a thread pool that calls the
-        dataset directly; for GIL-releasing reads). Inside thread workers use
-        ``feedpipe.get_worker_info()``: torch's own cannot see threads.
+        dataset directly; for GIL-releasing reads). Inside thread workers torch's
+        ``get_worker_info()`` and ``feedpipe.get_worker_info()`` return the thread's info;
+        there is no per-thread global RNG (``feedpipe._workers_thread`` warns, docs/migration).
       meter: a ``feedpipe.StallMeter`` to count into (one is created per loader if None);
         ``loader.meter`` and ``loader.stats`` expose it; ``StallMeter(enabled=False)`` turns
         the counters off (the loader then reads no clock at all).

@@ -82,6 +82,31 @@ def test_worker_init_fn_sees_torch_worker_info() -> None:
     assert sorted(seen) == [(0, 0, 2, True), (1, 1, 2, True)]
 
 
+def test_torch_docs_worker_init_fn_split_in_threads() -> None:
+    """torch's IterableDataset example 2: worker_init_fn narrows ``info.dataset`` (this
+    thread's own copy) to its share."""
+
+    def init(wid: int) -> None:
+        info = torch.utils.data.get_worker_info()
+        ds = info.dataset  # type: ignore[union-attr]
+        per = math.ceil((ds.end - ds.start) / info.num_workers)  # type: ignore[union-attr]
+        ds.start = ds.start + info.id * per  # type: ignore[union-attr]
+        ds.end = min(ds.start + per, ds.end)
+
+    loader = DataLoader(
+        _Range(0, 20), batch_size=4, num_workers=2, worker_type="thread", worker_init_fn=init
+    )
+    assert sorted(int(x) for b in loader for x in b) == list(range(20))
+
+
+class _Range(IterableDataset):  # type: ignore[type-arg]
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+
+    def __iter__(self) -> Any:
+        return iter(range(self.start, self.end))
+
+
 def test_thread_worker_info_seeds_match_torch_rule() -> None:
     seeds: dict[int, int] = {}
 
