@@ -17,6 +17,8 @@ degrades to doing nothing (or to torch's own behaviour) when the internal it nee
    feedpipe's own handler (:func:`_on_sigchld`) raises only while the main thread is inside the
    loader's ``next()`` (the pass is over then anyway), and otherwise leaves a note that the next
    ``next()`` reads.
+   :func:`waiting_on`, :func:`tasks_of` and :func:`stop_workers` read and stop torch's
+   iterator for ``WorkerError`` messages.
 4. Shutdown. :func:`shutdown_iterator` calls the iterator's ``_shutdown_workers()``, which
    torch calls itself from ``__del__``: feedpipe calls it from a ``weakref.finalize`` on the
    loader, so the workers go when the loader goes, even when a reference cycle the user made
@@ -42,8 +44,11 @@ __all__ = [
     "make_worker_info",
     "set_thread_worker_info",
     "shutdown_iterator",
+    "stop_workers",
+    "tasks_of",
     "thread_worker_info",
     "unwrap_worker_dataset",
+    "waiting_on",
 ]
 
 _LOCAL = threading.local()
@@ -123,6 +128,34 @@ class _Sigchld:
     installed = False
     reading: Any = None  # the torch iterator whose next() the main thread is inside, or None
     deaths = 0  # SIGCHLDs seen outside a next(): the next one checks its workers
+
+
+def waiting_on(source: Any) -> tuple[int | None, int | None]:
+    """(batch number, worker id) a torch multi-process iterator waits for next."""
+    rcvd = getattr(source, "_rcvd_idx", None)
+    info = getattr(source, "_task_info", {}).get(rcvd) if rcvd is not None else None
+    return rcvd, (info[0] if info else None)
+
+
+def tasks_of(source: Any, wid: int) -> list[int]:
+    """The batch numbers worker ``wid`` of a torch multi-process iterator holds."""
+    info = getattr(source, "_task_info", {})
+    return sorted(idx for idx, t in info.items() if t and t[0] == wid and len(t) == 1)
+
+
+def stop_workers(source: Any) -> None:
+    """After a worker died the pass is over: stop the others now instead of joining them.
+
+    A SIGKILLed worker can leave the shared result queue locked, so torch's graceful join would
+    wait its full timeout per worker; terminating first makes the shutdown immediate. (The pids
+    are out of torch's SIGCHLD table already: :func:`adopt_workers`.)
+    """
+    for w in getattr(source, "_workers", None) or []:
+        if w.is_alive():
+            w.terminate()
+    shutdown = getattr(source, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()
 
 
 def dead_workers(source: Any) -> list[tuple[int, int | None, int | None]]:

@@ -666,7 +666,11 @@ class _LoaderIter:
     def _explain(self, exc: Exception) -> Exception:
         """Turn a worker death or timeout into a ``WorkerError`` naming worker and samples."""
         loader, source = self._loader, self._source
-        batch, worker = _waiting_on(source)
+        batch, worker = (
+            source.waiting_on()
+            if isinstance(source, ThreadWorkers)
+            else _torch_compat.waiting_on(source)
+        )
         indices = None
         if loader._stream is not None and batch is not None:
             indices = loader._stream.sent.get(batch)
@@ -678,11 +682,11 @@ class _LoaderIter:
             held = [
                 f"batch {self._first + b}"
                 + (f" (sample indices {_short(ix)})" if (ix := sent.get(b)) is not None else "")
-                for b in _tasks_of(source, wid)[:4]
+                for b in _torch_compat.tasks_of(source, wid)[:4]
                 for sent in [loader._stream.sent if loader._stream is not None else {}]
             ]
             holding = f"while loading {' or '.join(held)}" if held else "between batches"
-            _stop_workers(source)
+            _torch_compat.stop_workers(source)
             return WorkerError(
                 f"DataLoader worker {wid} (pid {pid}) died with exit code {code} {holding}; a "
                 "negative code is the signal that killed it (-9: SIGKILL, often the out-of-memory "
@@ -694,14 +698,6 @@ class _LoaderIter:
                 f"{where}{what}"
             )
         return exc
-
-
-def _waiting_on(source: Any) -> tuple[int | None, int | None]:
-    if isinstance(source, ThreadWorkers):
-        return source.waiting_on()
-    rcvd = getattr(source, "_rcvd_idx", None)
-    info = getattr(source, "_task_info", {}).get(rcvd) if rcvd is not None else None
-    return rcvd, (info[0] if info else None)
 
 
 # What reading from a worker that is dying raises in the main process: its pipe or socket
@@ -729,22 +725,3 @@ def _dead_workers(source: Any, wait: bool = False) -> list[tuple[int, int | None
         time.sleep(0.01)
         dead = _torch_compat.dead_workers(source)
     return dead
-
-
-def _tasks_of(source: Any, wid: int) -> list[int]:
-    info = getattr(source, "_task_info", {})
-    return sorted(idx for idx, t in info.items() if t and t[0] == wid and len(t) == 1)
-
-
-def _stop_workers(source: Any) -> None:
-    """After a worker died the pass is over: stop the others now instead of joining them.
-
-    A SIGKILLed worker can leave the shared result queue locked, so torch's graceful join would
-    wait its full timeout per worker; terminating first makes the shutdown immediate.
-    """
-    for w in getattr(source, "_workers", None) or []:
-        if w.is_alive():
-            w.terminate()
-    shutdown = getattr(source, "_shutdown_workers", None)
-    if callable(shutdown):
-        shutdown()
