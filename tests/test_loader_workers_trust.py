@@ -329,6 +329,26 @@ def test_systemexit_in_a_thread_worker_is_a_worker_error(how: str) -> None:
     assert "SystemExit" in str(err.value) and "worker 1" in str(err.value)
 
 
+class _Fatal(BaseException):
+    """Not an Exception: it ends the thread that raises it."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_thread_worker_that_dies_is_a_worker_error() -> None:
+    class Fatal(Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int) -> int:
+            if i == 5:
+                raise _Fatal("gone")
+            return i
+
+    loader = DataLoader(Fatal(), batch_size=4, num_workers=2, worker_type="thread")
+    with pytest.raises(WorkerError, match=r"worker thread\(s\) \[1\] exited unexpectedly"):
+        list(loader)
+
+
 def test_systemexit_in_worker_init_fn_is_a_worker_error() -> None:
     def init(wid: int) -> None:
         raise SystemExit(1)
