@@ -227,7 +227,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         self._begin_epoch()
         # worker stages run this many at a time (the direct path runs at most one)
         self.meter.set_workers(
-            self.num_workers if self._direct is None else min(self.num_workers, 1)
+            self.num_workers if self._direct is None else min(self.num_workers, 1),
+            "thread" if self._threads else "process",
         )
         feed = None if self._feed is None else self._feed.prefetcher()
         if self._stream is not None:  # our own sources, into a dataset that takes arrays
@@ -529,6 +530,8 @@ class _LoaderIter:
         self._timed = meter.enabled  # off: the sources read no clock either
         self._log = meter._waits  # the meter's batch log, appended as record_batch does
         self._profiler = meter._profiler  # its _is_profiler_enabled flag: one read per batch
+        self._in_pass = True  # until StopIteration or drop: the meter's clock is not "outside"
+        meter.pass_begin()
         self._epoch = loader._epoch
         self._first = self._epoch.batches  # batch number (in the epoch) of this pass's first batch
         self._delivered = 0
@@ -566,6 +569,7 @@ class _LoaderIter:
             self._epoch.active = False
             if timed and not traced:
                 self._meter.wait_pending(t0)  # the step before this wait still counts
+            self._end_pass()
             raise
         except Exception as exc:
             if timed and not traced:
@@ -625,7 +629,15 @@ class _LoaderIter:
             return None, shipped, False
         return shipped[0], (None, *shipped[1:]), True
 
+    def _end_pass(self) -> None:
+        """Tell the meter this pass is over (once): time until the next pass is outside."""
+        if self._in_pass:
+            self._in_pass = False
+            self._meter.pass_end()
+
     def __del__(self) -> None:
+        if getattr(self, "_in_pass", False):  # dropped mid-pass (break)
+            self._end_pass()
         if getattr(self, "_feed", None) is not None:  # abandoned: turn its workers away
             self._feed.close()  # type: ignore[union-attr]
 
