@@ -91,8 +91,12 @@ def _verdict(s: StallStats) -> str:
 
 
 def _gil_note(s: StallStats) -> str:
-    """Under thread workers with a CPU-bound fetch: the step time includes GIL contention."""
-    if s.worker_type != "thread" or s.input_cpu_s is None:
+    """Under thread workers with a CPU-bound fetch: the step time includes GIL contention.
+
+    Only for per-sample reads (a "collate" stage ran): a batched ``read_batch`` without
+    collation is the GIL-releasing path thread workers are meant for (memmap, Zarr gathers).
+    """
+    if s.worker_type != "thread" or s.input_cpu_s is None or "collate" not in s.stages:
         return ""
     worker_s = sum(st.seconds for n, st in s.stages.items() if n in ("fetch", "decode", "collate"))
     if worker_s <= 0 or s.input_cpu_s < CPU_BOUND * worker_s:

@@ -201,7 +201,7 @@ def test_starved_loop_with_pause_between_epochs(workers: int) -> None:
     assert abs(s.stall_fraction - truth) < 0.05, (s, truth)
     assert s.step_s < ref_step + 0.1  # the pause is not in the step
     # the closed gap: one PAUSE (the StopIteration wait and the next iter() are in it too)
-    assert PAUSE <= s.outside_s < PAUSE + 0.5
+    assert PAUSE <= s.outside_s < PAUSE + 1.0
     assert "input-bound" in loader.meter.report()
 
 
@@ -211,7 +211,7 @@ def test_break_then_pause_is_outside() -> None:
     s = loader.stats
     assert s.batches == N
     assert loader.meter.steps == N  # every step, the one before each break included
-    assert PAUSE <= s.outside_s < PAUSE + 0.5
+    assert PAUSE <= s.outside_s < PAUSE + 1.0
     assert s.step_s < ref_step + 0.1
     truth = ref_wait / (ref_wait + ref_step)
     assert abs(s.stall_fraction - truth) < 0.05, (s, truth)
@@ -306,13 +306,15 @@ def test_hint_in_process_blames_fetch_even_if_faster_than_step(clock: FakeClock)
 
 
 def test_hint_gil_note_only_for_cpu_bound_thread_fetch(clock: FakeClock) -> None:
-    s = _stats(clock, 2, "thread", fetch=0.040)  # 0.4 s of fetch
+    s = _stats(clock, 2, "thread", fetch=0.039, collate=0.001)  # 0.4 s of worker stages
     busy = dataclasses.replace(s, input_cpu_s=0.39)
     idle = dataclasses.replace(s, input_cpu_s=0.01)
     assert "holds the GIL" in hint(busy) and 'worker_type="process"' in hint(busy)
     assert "inflates the step" in hint(busy)
     assert "holds the GIL" not in hint(idle)
     assert "holds the GIL" not in hint(dataclasses.replace(busy, worker_type="process"))
+    batched = _stats(clock, 2, "thread", fetch=0.040)  # read_batch: no collate, GIL-free gather
+    assert "holds the GIL" not in hint(dataclasses.replace(batched, input_cpu_s=0.39))
 
 
 @pytest.mark.parametrize(("dataset", "cpu_bound"), [(BusyDataset, True), (SlowDataset, False)])
@@ -322,7 +324,7 @@ def test_thread_workers_measure_fetch_cpu(dataset: type[SlowDataset], cpu_bound:
         time.sleep(STEP)
     s = loader.stats
     assert s.worker_type == "thread" and s.input_cpu_s is not None
-    fetch_s = s.stages["fetch"].seconds
+    fetch_s = s.stages["fetch"].seconds + s.stages["collate"].seconds
     if cpu_bound:  # each read burned 10 ms of its thread's CPU: that much is measured
         assert s.input_cpu_s >= 0.9 * 2 * N * 0.010
     else:  # sleeping reads cost (almost) no CPU
