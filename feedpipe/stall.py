@@ -53,9 +53,9 @@ import operator
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from feedpipe._stall_dist import DistributedSink, DistributedSummary, gather_stats
 from feedpipe._stall_report import format_report, format_summary
@@ -79,6 +79,7 @@ __all__ = [
 #: Stages that run inside loader workers and therefore in parallel, ``workers`` at a time.
 WORKER_STAGES = frozenset({"fetch", "decode", "collate"})
 
+_T = TypeVar("_T")
 _perf = time.perf_counter
 _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
@@ -307,6 +308,15 @@ class StallMeter:
                 rf.__exit__(None, None, None)
             with self._lock:
                 self.region_s[name] += dt
+
+    def metered_pass(self, batches: Iterable[_T]) -> Iterator[_T]:
+        """Iterate ``batches`` as one pass: ``pass_begin`` first, ``pass_end`` when it is
+        exhausted or dropped (``break``), for loaders written as generators."""
+        self.pass_begin()
+        try:
+            yield from batches
+        finally:
+            self.pass_end()
 
     # ------------------------------------------------------------------ folding
     def _fold(self) -> None:

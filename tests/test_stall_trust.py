@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,27 @@ def test_outside_survives_state_dict(clock: FakeClock) -> None:
     m3 = StallMeter(trace=False)
     m3.load_state_dict(old)
     assert m3.outside_s == 0.0
+
+
+def test_metered_pass_for_generator_loaders(clock: FakeClock) -> None:
+    m = StallMeter(trace=False)
+
+    def batches() -> Iterator[int]:  # a generator loader, as feedpipe.dali.ImageLoader is
+        for i in range(3):
+            m.wait_begin()
+            clock.advance(1.0)
+            m.wait_end(samples=1)
+            yield i
+
+    for _epoch in range(2):
+        for _batch in m.metered_pass(batches()):
+            clock.advance(0.5)
+            if _batch == 1 and _epoch == 0:
+                break  # the generator is closed: the pass ends here
+        clock.advance(5.0)
+    s = m.stats()
+    assert s.outside_s == pytest.approx(5.0)
+    assert s.step_s == pytest.approx(2.5) and s.stall_s == pytest.approx(5.0)
 
 
 def test_null_meter_ignores_passes() -> None:
