@@ -224,6 +224,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         return {**self._feed.info, "path": "ring" if self._direct is None else "direct"}
 
     def __iter__(self) -> _LoaderIter:  # type: ignore[override]
+        # for the meter: starting a later pass's workers is input time (no clock when off)
+        started = _perf() if self.meter.enabled else None
         self._begin_epoch()
         # worker stages run this many at a time (the direct path runs at most one)
         self.meter.set_workers(
@@ -242,7 +244,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             source = self._thread_source(feed)
         else:
             source = self._process_source()
-        return _LoaderIter(self, source, feed)
+        return _LoaderIter(self, source, feed, started)
 
     # ------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -519,7 +521,13 @@ def _takes_arrays(dataset: Any) -> bool:
 class _LoaderIter:
     """What ``iter(loader)`` returns: unwraps shipped batches, counts, explains failures."""
 
-    def __init__(self, loader: DataLoader, source: Any, feed: Prefetcher | None = None) -> None:
+    def __init__(
+        self,
+        loader: DataLoader,
+        source: Any,
+        feed: Prefetcher | None = None,
+        started: float | None = None,
+    ) -> None:
         self._loader = loader
         self._source = source
         self._feed = feed
@@ -531,7 +539,7 @@ class _LoaderIter:
         self._log = meter._waits  # the meter's batch log, appended as record_batch does
         self._profiler = meter._profiler  # its _is_profiler_enabled flag: one read per batch
         self._in_pass = True  # until StopIteration or drop: the meter's clock is not "outside"
-        meter.pass_begin()
+        meter.pass_begin(started)
         self._epoch = loader._epoch
         self._first = self._epoch.batches  # batch number (in the epoch) of this pass's first batch
         self._delivered = 0

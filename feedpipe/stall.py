@@ -30,11 +30,13 @@ stream). That is the interval at which the stage can deliver batches; the slowes
 largest, and the report sets it against the step time. ``input_busy`` is the share of the
 workers' time spent in worker stages: 20% busy means the input is idle 80% of the time.
 
-**Passes.** A loader calls ``pass_begin()`` when ``iter()`` makes a new iterator and
-``pass_end()`` when that iterator ends (``StopIteration``) or is dropped (``break``). Once no pass
-is active, the clock runs as *outside* until the next wait begins. Time after the last pass (a
-final evaluation) is in no total. Callers that only use ``wait_begin``/``wait_end`` never end a
-pass, so all their time between waits is step.
+**Passes.** A loader calls ``pass_begin(at)`` when ``iter()`` is called and ``pass_end()`` when
+the iterator ends (``StopIteration``) or is dropped (``break``). Once no pass is active, the
+clock runs as *outside* until the next ``iter()``. The loader's own time at the turn of an
+epoch counts as stall: the ``next()`` that raised ``StopIteration``, and a later pass's
+``iter()`` up to its first wait (starting workers). The first pass's clock starts at its first
+wait, and time after the last pass (a final evaluation) is in no total. Callers that only use
+``wait_begin``/``wait_end`` never end a pass, so all their time between waits is step.
 
 **GIL contention.** Thread workers share the GIL with the training loop. ``input_cpu_s`` is the
 CPU time the process spent outside the loop's thread while the meter ran (thread workers only);
@@ -115,8 +117,8 @@ class StallMeter:
         ("decode", "pin", "h2d", ...).
       - ``set_depth(name, n)`` for queue depths; ``set_workers(n, worker_type)`` for the
         worker count and kind ("thread" or "process").
-      - ``pass_begin()`` when ``iter()`` starts a pass, ``pass_end()`` when it ends or is
-        dropped; the time from the last pass end to the next wait is *outside* iteration.
+      - ``pass_begin(at)`` when ``iter()`` starts a pass, ``pass_end()`` when it ends or is
+        dropped; the time from the last pass end to the next ``iter()`` is *outside*.
 
     Args:
         enabled: ``False`` returns a meter whose methods do nothing (counters off).
@@ -142,6 +144,8 @@ class StallMeter:
     _outside_folded: float  # closed gaps between passes
     _outside_offset: float
     _gap: float | None  # start of the open gap (no pass active since then), or None
+    _setup: float | None  # iter() of a later pass, until its first wait (stall), or None
+    _stall_extra: float
     _passes: int  # passes in progress (iterators alive)
     _cpu0: tuple[float, float, int] | None  # process CPU, loop-thread CPU, loop thread id
     _hist: Any  # numpy int64 array of _NBUCKETS counts
@@ -265,32 +269,42 @@ class StallMeter:
         self.worker_type = worker_type if n else None
 
     # ------------------------------------------------------------------ passes
-    def pass_begin(self) -> None:
-        """A pass over the data starts (``iter(loader)``); call from the training loop's thread."""
+    def pass_begin(self, at: float | None = None) -> None:
+        """A pass over the data starts: ``iter(loader)`` was called at ``at`` (default: now).
+
+        Call from the training loop's thread. Ends the time *outside* iteration, if no pass was
+        active; from ``at`` to the pass's first wait (workers starting) is the loader's: stall.
+        """
+        now = _perf() if at is None else at
+        self._fold()
         with self._lock:
             self._passes += 1
             if self._cpu0 is None or self._cpu0[2] != threading.get_ident():
                 self._cpu0 = _cpu_now()  # measured from the loop's thread
+            gap = self._gap
+            if gap is not None:
+                self._outside_folded += max(0.0, now - gap)
+                self._gap = None
+                self._setup = max(now, gap)
 
-    def pass_end(self, at: float | None = None) -> None:
-        """A pass ended at ``at`` (default: the pending wait's begin, else now).
+    def pass_end(self) -> None:
+        """A pass ended: its iterator raised ``StopIteration`` or was dropped (``break``).
 
-        When it was the last active pass, the time from then to the next wait is *outside*.
+        A pending wait (the ``next()`` that raised ``StopIteration``) counts as stall up to now.
+        When no other pass is active, the time from now to the next ``pass_begin`` is *outside*.
         """
-        now = _perf() if at is None else at
-        self._fold()  # earlier records close any earlier gap first
+        now = _perf()
+        self._fold()
         with self._lock:
             self._passes = max(0, self._passes - 1)
-            if self._passes or self._gap is not None:
-                return
             last, begin = self._last, self._wait_start
             if last is None and self._first_begin is None:
                 return  # nothing measured yet: the next wait starts the clock anyway
-            if at is None and begin is not None and (last is None or begin > last[1]):
-                now = begin  # the wait that ended the pass (StopIteration) is outside too
-            if last is not None and now < last[1]:
-                now = last[1]
-            self._gap = now
+            if begin is not None and (last is None or begin > last[1]) and self._gap is None:
+                self._stall_extra += max(0.0, now - begin)  # the wait that ended the pass
+                self._wait_start = now  # consumed; the step clock stands at now
+            if not self._passes and self._gap is None:
+                self._gap = max(now, last[1]) if last is not None else now
 
     @contextmanager
     def region(self, name: str) -> Iterator[None]:
@@ -338,11 +352,15 @@ class StallMeter:
             end = np.fromiter(rec[1::f], np.float64, n)
             if self._first_begin is None:
                 self._first_begin = rec[0]
-            gap = self._gap
-            if gap is not None and rec[k - f] >= gap:  # the next pass began: close the gap
+            gap, setup = self._gap, self._setup
+            if gap is not None and rec[k - f] >= gap:  # a wait without pass_begin: close it
                 i = int(np.searchsorted(begin, gap))
                 self._outside_folded += float(begin[i]) - gap
                 self._gap = None
+            if setup is not None and rec[k - f] >= setup:  # iter() until the first wait
+                i = int(np.searchsorted(begin, setup))
+                self._stall_extra += float(begin[i]) - setup
+                self._setup = None
             self._last = (rec[k - f], rec[k - f + 1])
             w = end - begin
             m, e = np.frexp(w)
@@ -385,9 +403,10 @@ class StallMeter:
 
     @property
     def stall_s(self) -> float:
-        """Seconds the loop spent waiting in ``next()``."""
+        """Seconds the loop spent waiting in ``next()`` (including the ``next()`` that raised
+        ``StopIteration``) and, for every pass after the first, in ``iter()``."""
         self._fold()
-        return self._stall_folded
+        return self._stall_folded + self._stall_extra + self._open_setup()
 
     @property
     def batches(self) -> int:
@@ -418,7 +437,8 @@ class StallMeter:
             end = begin
         if gap is not None and gap > end:  # the pass ended (break) after its last step
             end = gap
-        inside = end - first - (self._stall_folded - self._stall_offset) - self._open_outside()
+        stall = self._stall_folded + self._stall_extra + self._open_setup() - self._stall_offset
+        inside = end - first - stall - self._open_outside()
         return self._step_offset + max(0.0, inside - (self._outside_folded - self._outside_offset))
 
     @property
@@ -426,6 +446,11 @@ class StallMeter:
         """Seconds outside iteration: from each pass's end to the next pass's first wait."""
         self._fold()
         return self._outside_folded + self._open_outside()
+
+    def _open_setup(self) -> float:
+        """``iter()`` up to a traced first wait that began after it (0 while none began)."""
+        setup, begin = self._setup, self._wait_start
+        return begin - setup if setup is not None and begin is not None and begin > setup else 0.0
 
     def _open_outside(self) -> float:
         """The open gap up to a traced wait that began after it (0 while no wait began)."""
@@ -489,7 +514,9 @@ class StallMeter:
             self._step_offset = 0.0
             self._outside_folded = 0.0
             self._outside_offset = 0.0
+            self._stall_extra = 0.0  # waits that delivered no batch: StopIteration, iter()
             self._gap = None
+            self._setup = None
             self._cpu0 = _cpu_now()
             self.wait_max_s = 0.0
             self._hist = np.zeros(_NBUCKETS, dtype=np.int64)
@@ -719,10 +746,10 @@ class NullMeter(StallMeter):
     def add_stage(self, name: str, seconds: float, nbytes: int = 0) -> None:
         pass
 
-    def pass_begin(self) -> None:
+    def pass_begin(self, at: float | None = None) -> None:
         pass
 
-    def pass_end(self, at: float | None = None) -> None:
+    def pass_end(self) -> None:
         pass
 
     def set_depth(self, name: str, n: int) -> None:
