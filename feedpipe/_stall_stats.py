@@ -31,11 +31,11 @@ class StageStats:
 class StallStats:
     """A snapshot of a :class:`StallMeter`; every field is a plain number, string or dict.
 
-    ``wall_s = stall_s + step_s`` is the time inside iteration: from the first ``wait_begin`` to
-    the last ``wait_end`` (or to the last ``wait_begin``, when a wait is pending or ended the
-    epoch with StopIteration, or to the ``break`` that ended the last pass), less ``outside_s``,
-    the time between passes (from one pass's end to the next pass's first wait: validation,
-    logging, checkpoints between epochs). ``stall_fraction = stall_s / wall_s``. Rates are per
+    ``wall_s = stall_s + step_s`` is the time inside iteration: from the first wait to the last
+    wait's end (or to the end of a pass), less ``outside_s``, the time between passes (from one
+    pass's end to the next ``iter()``: validation, logging, checkpoints between epochs).
+    ``stall_s`` includes the ``next()`` that raised ``StopIteration`` and a later pass's
+    ``iter()`` up to its first wait. ``stall_fraction = stall_s / wall_s``. Rates are per
     second of ``wall_s``. ``worker_type`` is ``"thread"``, ``"process"`` or ``None``
     (in-process); ``input_cpu_s`` is the CPU time of threads other than the loop's (thread
     workers only, else ``None``), which tells a CPU-bound fetch from an I/O-bound one.
