@@ -645,7 +645,10 @@ class _LoaderIter:
 
     def __del__(self) -> None:
         if getattr(self, "_in_pass", False):  # dropped mid-pass (break)
-            self._end_pass()
+            try:
+                self._end_pass()
+            except Exception:  # interpreter shutdown: the counters no longer matter
+                pass
         if getattr(self, "_feed", None) is not None:  # abandoned: turn its workers away
             self._feed.close()  # type: ignore[union-attr]
 

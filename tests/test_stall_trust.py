@@ -381,3 +381,17 @@ def test_hint_from_min_batches_gives_a_verdict(clock: FakeClock) -> None:
     m = StallMeter(trace=False)
     _loop(m, clock, MIN_BATCHES, wait=0.030, step=0.010)
     assert "input-bound" in hint(m.stats())
+
+
+def test_lightning_monitor_logs_outside(clock: FakeClock) -> None:
+    lightning = pytest.importorskip("feedpipe.integrations.lightning")
+    m = StallMeter(trace=False)
+    m.pass_begin()
+    _loop(m, clock, 2, wait=1.0, step=0.5)
+    m.pass_end()
+    clock.advance(4.0)
+    m.pass_begin()
+    _loop(m, clock, 1, wait=1.0, step=0.5)
+    metrics = lightning.StallMonitor(meter=m, every_n_steps=1).metrics()
+    assert metrics["feedpipe/outside_s"] == pytest.approx(4.0)
+    assert metrics["feedpipe/stall_fraction"] == pytest.approx(3.0 / 4.0)
