@@ -395,3 +395,52 @@ def test_lightning_monitor_logs_outside(clock: FakeClock) -> None:
     metrics = lightning.StallMonitor(meter=m, every_n_steps=1).metrics()
     assert metrics["feedpipe/outside_s"] == pytest.approx(4.0)
     assert metrics["feedpipe/stall_fraction"] == pytest.approx(3.0 / 4.0)
+
+
+def test_zip_of_two_loaders_sharing_a_meter() -> None:
+    meter = StallMeter(trace=False)
+    short = DataLoader(SlowDataset(N // 2, 0.005), batch_size=1, meter=meter)
+    long = DataLoader(SlowDataset(N, 0.005), batch_size=1, meter=meter)
+    for _ in range(2):
+        for _pair in zip(short, long, strict=False):  # short ends first; long stays active
+            time.sleep(STEP)
+        time.sleep(PAUSE)
+    s = meter.stats()
+    assert PAUSE <= s.outside_s < PAUSE + 0.3  # one closed gap: only when both passes ended
+    assert s.step_s < 2 * N * (STEP + 0.02)
+
+
+def test_traced_waits_with_pause_between_epochs() -> None:
+    # trace=True: the loader reports through wait_begin/wait_end (profiler ranges)
+    loader = DataLoader(SlowDataset(N, FETCH), batch_size=1, meter=StallMeter(trace=True))
+    ref_wait, ref_step = _epochs(loader, 2)
+    s = loader.stats
+    assert PAUSE <= s.outside_s < PAUSE + 0.3
+    truth = ref_wait / (ref_wait + ref_step)
+    assert abs(s.stall_fraction - truth) < 0.05, (s, truth)
+
+
+def test_reset_between_passes_never_goes_negative(clock: FakeClock) -> None:
+    m = StallMeter(trace=False)
+    m.pass_begin()
+    _loop(m, clock, 2, wait=1.0, step=0.5)
+    m.pass_end()
+    clock.advance(3.0)
+    m.reset()  # e.g. after a warm-up epoch
+    m.pass_begin()
+    clock.advance(0.2)
+    _loop(m, clock, 2, wait=1.0, step=0.5)
+    s = m.stats()
+    assert s.outside_s == 0.0 and s.stall_s == pytest.approx(2.0) and s.step_s == pytest.approx(0.5)
+
+
+def test_kept_iterator_keeps_its_pass_open(clock: FakeClock) -> None:
+    # an iterator that is neither exhausted nor dropped: its pass never ends, so nothing is
+    # outside (the time counts as step, as before passes were tracked)
+    m = StallMeter(trace=False)
+    m.pass_begin()
+    _loop(m, clock, 2, wait=1.0, step=0.5)
+    clock.advance(3.0)
+    m.pass_begin()
+    _loop(m, clock, 1, wait=1.0, step=0.5)
+    assert m.outside_s == 0.0 and m.step_s == pytest.approx(4.0)
