@@ -38,11 +38,13 @@ class DistributedSummary:
     def line(self) -> str:
         """One line naming the slowest rank and its distance from the median."""
         rates = [s.samples_per_s for s in self.stats]
+        outside = [s.outside_s for s in self.stats]
         return (
             f"{len(self.ranks)} ranks: slowest is rank {self.slowest_rank}, stalled "
             f"{100 * self.slowest_stall_fraction:.1f}% vs median "
             f"{100 * self.median_stall_fraction:.1f}% ({100 * self.gap:+.1f} points, "
-            f"{self.gap_s:+.3g} s); samples/s per rank {min(rates):.4g}..{max(rates):.4g}"
+            f"{self.gap_s:+.3g} s); samples/s per rank {min(rates):.4g}..{max(rates):.4g}; "
+            f"outside iteration {min(outside):.3g}..{max(outside):.3g} s"
         )
 
     def to_dict(self) -> dict[str, Any]:

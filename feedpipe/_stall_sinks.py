@@ -126,7 +126,8 @@ class JsonlSink(Sink):
 class TensorBoardSink(Sink):
     """Write scalars to a ``torch.utils.tensorboard.SummaryWriter`` (or a log directory).
 
-    Scalars (under ``prefix/``): ``stall_fraction``, ``wait_p50_ms``, ``wait_p99_ms``,
+    Scalars (under ``prefix/``): ``stall_fraction``, ``outside_s`` (seconds between passes),
+    ``wait_p50_ms``, ``wait_p99_ms``,
     ``samples_per_s``, ``batches_per_s``, ``stage/NAME_ms`` (effective per-batch time) and
     ``depth/NAME``; the global step is the meter's batch count. TensorBoard is optional: passing
     a directory needs ``pip install tensorboard``.
@@ -158,6 +159,7 @@ class TensorBoardSink(Sink):
         p = self.prefix
         out = {
             f"{p}/stall_fraction": stats.stall_fraction,
+            f"{p}/outside_s": stats.outside_s,
             f"{p}/wait_p50_ms": stats.wait_p50_s * 1e3,
             f"{p}/wait_p99_ms": stats.wait_p99_s * 1e3,
             f"{p}/samples_per_s": stats.samples_per_s,

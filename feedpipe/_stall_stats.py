@@ -31,9 +31,14 @@ class StageStats:
 class StallStats:
     """A snapshot of a :class:`StallMeter`; every field is a plain number, string or dict.
 
-    ``wall_s = stall_s + step_s`` runs from the first ``wait_begin`` to the last ``wait_end`` (or
-    to the last ``wait_begin``, when a wait is pending or ended the epoch with StopIteration);
-    ``stall_fraction = stall_s / wall_s``. Rates are per second of ``wall_s``.
+    ``wall_s = stall_s + step_s`` is the time inside iteration: from the first wait to the last
+    wait's end (or to the end of a pass), less ``outside_s``, the time between passes (from one
+    pass's end to the next ``iter()``: validation, logging, checkpoints between epochs).
+    ``stall_s`` includes the ``next()`` that raised ``StopIteration`` and a later pass's
+    ``iter()`` up to its first wait. ``stall_fraction = stall_s / wall_s``. Rates are per
+    second of ``wall_s``. ``worker_type`` is ``"thread"``, ``"process"`` or ``None``
+    (in-process); ``input_cpu_s`` is the CPU time of threads other than the loop's (thread
+    workers only, else ``None``), which tells a CPU-bound fetch from an I/O-bound one.
     ``input_busy`` is the share of worker time spent in worker stages (``None`` without stage
     data): low means the input pipeline is mostly idle. ``slowest_stage`` is the stage with the
     largest ``effective_s`` (see :class:`StageStats`), or ``None`` when no stage was reported.
@@ -42,6 +47,7 @@ class StallStats:
     wall_s: float
     stall_s: float
     step_s: float
+    outside_s: float
     stall_fraction: float
     batches: int
     samples: int
@@ -55,6 +61,8 @@ class StallStats:
     wait_max_s: float
     step_mean_s: float
     workers: int
+    worker_type: str | None
+    input_cpu_s: float | None
     input_busy: float | None
     slowest_stage: str | None
     stages: dict[str, StageStats]

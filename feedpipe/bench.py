@@ -186,6 +186,7 @@ def run_one(
                 time.sleep(step_s)
             if progress is not None:
                 progress.update(1)
+        stats = meter.stats().to_dict()  # before closing: a dropped pass would end here
     finally:
         close = getattr(it, "close", None)
         if close is not None:
@@ -193,7 +194,6 @@ def run_one(
         shutdown = getattr(loader, "close", None) or getattr(loader, "shutdown", None)
         if callable(shutdown):
             shutdown()
-    stats = meter.stats().to_dict()
     return BenchResult(workers, prefetch if workers else None, step_ms, stats, waits, steps)
 
 

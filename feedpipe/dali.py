@@ -200,7 +200,7 @@ class ImageLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         indices = self._begin_epoch()
-        return self._batches(indices)
+        return self.meter.metered_pass(self._batches(indices))  # time between passes: outside
 
     def _n_batches(self, n: int) -> int:
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)

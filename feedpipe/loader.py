@@ -231,10 +231,13 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         return {**self._feed.info, "path": "ring" if self._direct is None else "direct"}
 
     def __iter__(self) -> _LoaderIter:  # type: ignore[override]
+        # for the meter: starting a later pass's workers is input time (no clock when off)
+        started = _perf() if self.meter.enabled else None
         self._begin_epoch()
         # worker stages run this many at a time (the direct path runs at most one)
         self.meter.set_workers(
-            self.num_workers if self._direct is None else min(self.num_workers, 1)
+            self.num_workers if self._direct is None else min(self.num_workers, 1),
+            "thread" if self._threads else "process",
         )
         feed = None if self._feed is None else self._feed.prefetcher()
         if self._stream is not None:  # our own sources, into a dataset that takes arrays
@@ -248,7 +251,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             source = self._thread_source(feed)
         else:
             source = self._process_source()
-        return _LoaderIter(self, source, feed)
+        return _LoaderIter(self, source, feed, started)
 
     # ------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -540,7 +543,13 @@ def _takes_arrays(dataset: Any) -> bool:
 class _LoaderIter:
     """What ``iter(loader)`` returns: unwraps shipped batches, counts, explains failures."""
 
-    def __init__(self, loader: DataLoader, source: Any, feed: Prefetcher | None = None) -> None:
+    def __init__(
+        self,
+        loader: DataLoader,
+        source: Any,
+        feed: Prefetcher | None = None,
+        started: float | None = None,
+    ) -> None:
         self._loader = loader
         self._source = source
         own = isinstance(source, (InlineSource, ThreadWorkers))
@@ -554,6 +563,8 @@ class _LoaderIter:
         self._timed = meter.enabled  # off: the sources read no clock either
         self._log = meter._waits  # the meter's batch log, appended as record_batch does
         self._profiler = meter._profiler  # its _is_profiler_enabled flag: one read per batch
+        self._in_pass = True  # until StopIteration or drop: the meter's clock is not "outside"
+        meter.pass_begin(started)
         self._epoch = loader._epoch
         self._first = self._epoch.batches  # batch number (in the epoch) of this pass's first batch
         self._delivered = 0
@@ -590,6 +601,7 @@ class _LoaderIter:
             self._epoch.active = False
             if timed and not traced:
                 self._meter.wait_pending(t0)  # the step before this wait still counts
+            self._end_pass()
             raise
         except Exception as exc:
             if timed and not traced:
@@ -649,7 +661,18 @@ class _LoaderIter:
             return None, shipped, False
         return shipped[0], (None, *shipped[1:]), True
 
+    def _end_pass(self) -> None:
+        """Tell the meter this pass is over (once): time until the next pass is outside."""
+        if self._in_pass:
+            self._in_pass = False
+            self._meter.pass_end()
+
     def __del__(self) -> None:
+        if getattr(self, "_in_pass", False):  # dropped mid-pass (break)
+            try:
+                self._end_pass()
+            except Exception:  # interpreter shutdown: the counters no longer matter
+                pass
         if getattr(self, "_feed", None) is not None:  # abandoned: turn its workers away
             self._feed.close()  # type: ignore[union-attr]
 

@@ -5,7 +5,11 @@ counters that cost one append per batch on the hot path (folded 4096 at a time, 
 
 - the *stall*: time the loop blocked inside ``next()`` (``record_batch``, or
   ``wait_begin``/``wait_end``);
-- the *step*: time between one ``wait_end`` and the next ``wait_begin`` (the user's compute);
+- the *step*: time between one ``wait_end`` and the next ``wait_begin`` (the user's compute)
+  while a pass over the data is in progress;
+- the time *outside* iteration: from the end of one pass (``StopIteration``, ``break`` or an
+  abandoned iterator) to the first wait of the next, e.g. validation, logging or a checkpoint
+  between epochs. It is neither stall nor step, and is reported on its own;
 - per-stage seconds and bytes ("fetch", "decode", "collate", "pin", "h2d"), queue depths;
 - a fixed log-bucket histogram of waits for p50/p99 (bounded memory, ~700 integers);
 - optional user regions: ``with meter.region("forward"): ...``.
@@ -26,6 +30,19 @@ stream). That is the interval at which the stage can deliver batches; the slowes
 largest, and the report sets it against the step time. ``input_busy`` is the share of the
 workers' time spent in worker stages: 20% busy means the input is idle 80% of the time.
 
+**Passes.** A loader calls ``pass_begin(at)`` when ``iter()`` is called and ``pass_end()`` when
+the iterator ends (``StopIteration``) or is dropped (``break``). Once no pass is active, the
+clock runs as *outside* until the next ``iter()``. The loader's own time at the turn of an
+epoch counts as stall: the ``next()`` that raised ``StopIteration``, and a later pass's
+``iter()`` up to its first wait (starting workers). The first pass's clock starts at its first
+wait, and time after the last pass (a final evaluation) is in no total. Callers that only use
+``wait_begin``/``wait_end`` never end a pass, so all their time between waits is step.
+
+**GIL contention.** Thread workers share the GIL with the training loop. ``input_cpu_s`` is the
+CPU time the process spent outside the loop's thread while the meter ran (thread workers only);
+set against the worker stages' seconds it tells a CPU-bound fetch (which, if it holds the GIL,
+slows the step too) from one that waits on I/O.
+
 One meter may be shared by several loaders; ``wait_begin``/``wait_end`` must then come from one
 thread (the training loop), which is how loaders are iterated. ``add_stage`` and ``set_depth``
 may be called from any thread.
@@ -38,9 +55,9 @@ import operator
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from feedpipe._stall_dist import DistributedSink, DistributedSummary, gather_stats
 from feedpipe._stall_report import format_report, format_summary
@@ -64,6 +81,7 @@ __all__ = [
 #: Stages that run inside loader workers and therefore in parallel, ``workers`` at a time.
 WORKER_STAGES = frozenset({"fetch", "decode", "collate"})
 
+_T = TypeVar("_T")
 _perf = time.perf_counter
 _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
@@ -97,7 +115,10 @@ class StallMeter:
         ended without a batch (StopIteration).
       - ``add_stage(name, seconds, nbytes=0)`` from any thread, for other per-stage times
         ("decode", "pin", "h2d", ...).
-      - ``set_depth(name, n)`` for queue depths; ``set_workers(n)`` for the worker count.
+      - ``set_depth(name, n)`` for queue depths; ``set_workers(n, worker_type)`` for the
+        worker count and kind ("thread" or "process").
+      - ``pass_begin(at)`` when ``iter()`` starts a pass, ``pass_end()`` when it ends or is
+        dropped; the time from the last pass end to the next ``iter()`` is *outside*.
 
     Args:
         enabled: ``False`` returns a meter whose methods do nothing (counters off).
@@ -120,6 +141,13 @@ class StallMeter:
     _bytes_folded: int
     _stall_offset: float
     _step_offset: float
+    _outside_folded: float  # closed gaps between passes
+    _outside_offset: float
+    _gap: float | None  # start of the open gap (no pass active since then), or None
+    _setup: float | None  # iter() of a later pass, until its first wait (stall), or None
+    _stall_extra: float
+    _passes: int  # passes in progress (iterators alive)
+    _cpu0: tuple[float, float, int] | None  # process CPU, loop-thread CPU, loop thread id
     _hist: Any  # numpy int64 array of _NBUCKETS counts
     _stage_logs: dict[str, list[tuple[float, int]]]
     _stage_s: dict[str, float]
@@ -150,6 +178,8 @@ class StallMeter:
         # sinks are attached or a profiler range is open (one comparison on the hot path)
         self._fold_at = self._FOLD
         self.workers = 0
+        self.worker_type: str | None = None
+        self._passes = 0
         self._waits = []
         self.reset()
 
@@ -232,9 +262,49 @@ class StallMeter:
         """Record the current depth of queue ``name`` (e.g. "ready", "prefetch")."""
         self.depth[name] = n
 
-    def set_workers(self, n: int) -> None:
-        """Number of loader workers running :data:`WORKER_STAGES` in parallel (0 = in-process)."""
+    def set_workers(self, n: int, worker_type: str | None = None) -> None:
+        """Number of loader workers running :data:`WORKER_STAGES` in parallel (0 = in-process)
+        and their kind, ``"thread"`` or ``"process"`` (``None``: unknown or in-process)."""
         self.workers = int(n)
+        self.worker_type = worker_type if n else None
+
+    # ------------------------------------------------------------------ passes
+    def pass_begin(self, at: float | None = None) -> None:
+        """A pass over the data starts: ``iter(loader)`` was called at ``at`` (default: now).
+
+        Call from the training loop's thread. Ends the time *outside* iteration, if no pass was
+        active; from ``at`` to the pass's first wait (workers starting) is the loader's: stall.
+        """
+        now = _perf() if at is None else at
+        self._fold()
+        with self._lock:
+            self._passes += 1
+            if self._cpu0 is None or self._cpu0[2] != threading.get_ident():
+                self._cpu0 = _cpu_now()  # measured from the loop's thread
+            gap = self._gap
+            if gap is not None:
+                self._outside_folded += max(0.0, now - gap)
+                self._gap = None
+                self._setup = max(now, gap)
+
+    def pass_end(self) -> None:
+        """A pass ended: its iterator raised ``StopIteration`` or was dropped (``break``).
+
+        A pending wait (the ``next()`` that raised ``StopIteration``) counts as stall up to now.
+        When no other pass is active, the time from now to the next ``pass_begin`` is *outside*.
+        """
+        now = _perf()
+        self._fold()
+        with self._lock:
+            self._passes = max(0, self._passes - 1)
+            last, begin = self._last, self._wait_start
+            if last is None and self._first_begin is None:
+                return  # nothing measured yet: the next wait starts the clock anyway
+            if begin is not None and (last is None or begin > last[1]) and self._gap is None:
+                self._stall_extra += max(0.0, now - begin)  # the wait that ended the pass
+                self._wait_start = now  # consumed; the step clock stands at now
+            if not self._passes and self._gap is None:
+                self._gap = max(now, last[1]) if last is not None else now
 
     @contextmanager
     def region(self, name: str) -> Iterator[None]:
@@ -252,6 +322,15 @@ class StallMeter:
                 rf.__exit__(None, None, None)
             with self._lock:
                 self.region_s[name] += dt
+
+    def metered_pass(self, batches: Iterable[_T]) -> Iterator[_T]:
+        """Iterate ``batches`` as one pass: ``pass_begin`` first, ``pass_end`` when it is
+        exhausted or dropped (``break``), for loaders written as generators."""
+        self.pass_begin()
+        try:
+            yield from batches
+        finally:
+            self.pass_end()
 
     # ------------------------------------------------------------------ folding
     def _fold(self) -> None:
@@ -273,6 +352,15 @@ class StallMeter:
             end = np.fromiter(rec[1::f], np.float64, n)
             if self._first_begin is None:
                 self._first_begin = rec[0]
+            gap, setup = self._gap, self._setup
+            if gap is not None and rec[k - f] >= gap:  # a wait without pass_begin: close it
+                i = int(np.searchsorted(begin, gap))
+                self._outside_folded += float(begin[i]) - gap
+                self._gap = None
+            if setup is not None and rec[k - f] >= setup:  # iter() until the first wait
+                i = int(np.searchsorted(begin, setup))
+                self._stall_extra += float(begin[i]) - setup
+                self._setup = None
             self._last = (rec[k - f], rec[k - f + 1])
             w = end - begin
             m, e = np.frexp(w)
@@ -315,9 +403,10 @@ class StallMeter:
 
     @property
     def stall_s(self) -> float:
-        """Seconds the loop spent waiting in ``next()``."""
+        """Seconds the loop spent waiting in ``next()`` (including the ``next()`` that raised
+        ``StopIteration``) and, for every pass after the first, in ``iter()``."""
         self._fold()
-        return self._stall_folded
+        return self._stall_folded + self._stall_extra + self._open_setup()
 
     @property
     def batches(self) -> int:
@@ -338,22 +427,45 @@ class StallMeter:
 
     @property
     def step_s(self) -> float:
-        """Seconds between each ``wait_end`` and the next ``wait_begin``."""
+        """Seconds between each ``wait_end`` and the next ``wait_begin`` inside a pass."""
         self._fold()
-        first, last, begin = self._first_begin, self._last, self._wait_start
+        first, last, begin, gap = self._first_begin, self._last, self._wait_start, self._gap
         if first is None or last is None:
             return self._step_offset
         end = last[1]
         if begin is not None and begin > end:  # a wait began (or ended in StopIteration)
             end = begin
-        return self._step_offset + max(0.0, end - first - (self._stall_folded - self._stall_offset))
+        if gap is not None and gap > end:  # the pass ended (break) after its last step
+            end = gap
+        stall = self._stall_folded + self._stall_extra + self._open_setup() - self._stall_offset
+        inside = end - first - stall - self._open_outside()
+        return self._step_offset + max(0.0, inside - (self._outside_folded - self._outside_offset))
+
+    @property
+    def outside_s(self) -> float:
+        """Seconds outside iteration: from each pass's end to the next pass's first wait."""
+        self._fold()
+        return self._outside_folded + self._open_outside()
+
+    def _open_setup(self) -> float:
+        """``iter()`` up to a traced first wait that began after it (0 while none began)."""
+        setup, begin = self._setup, self._wait_start
+        return begin - setup if setup is not None and begin is not None and begin > setup else 0.0
+
+    def _open_outside(self) -> float:
+        """The open gap up to a traced wait that began after it (0 while no wait began)."""
+        gap, begin = self._gap, self._wait_start
+        return begin - gap if gap is not None and begin is not None and begin > gap else 0.0
 
     @property
     def steps(self) -> int:
-        """Completed steps: one before each wait after the first (including a pending wait)."""
+        """Completed steps: one before each wait after the first, plus the one in progress when
+        a wait is pending or a pass ended with ``break``."""
         self._fold()
-        last, begin, batches = self._last, self._wait_start, self.batches
-        pending = last is not None and begin is not None and begin > last[1]
+        last, begin, batches, gap = self._last, self._wait_start, self.batches, self._gap
+        pending = last is not None and (
+            (begin is not None and begin > last[1]) or (gap is not None and gap > last[1])
+        )
         return max(0, batches - 1) + pending
 
     @property
@@ -400,6 +512,12 @@ class StallMeter:
             # restored totals (load_state_dict): stall and step from before the clocks restarted
             self._stall_offset = 0.0
             self._step_offset = 0.0
+            self._outside_folded = 0.0
+            self._outside_offset = 0.0
+            self._stall_extra = 0.0  # waits that delivered no batch: StopIteration, iter()
+            self._gap = None
+            self._setup = None
+            self._cpu0 = _cpu_now()
             self.wait_max_s = 0.0
             self._hist = np.zeros(_NBUCKETS, dtype=np.int64)
             self._stage_logs = {}
@@ -435,6 +553,7 @@ class StallMeter:
         with self._lock:
             regions = dict(self.region_s)
         stall, step, batches, steps = self.stall_s, self.step_s, self.batches, self.steps
+        outside = self.outside_s
         wall = stall + step
         par = max(1, self.workers)
         stages = {}
@@ -454,6 +573,7 @@ class StallMeter:
             wall_s=wall,
             stall_s=stall,
             step_s=step,
+            outside_s=outside,
             stall_fraction=stall / wall if wall > 0 else 0.0,
             batches=batches,
             samples=self.samples,
@@ -467,12 +587,23 @@ class StallMeter:
             wait_max_s=self.wait_max_s,
             step_mean_s=step / steps if steps else 0.0,
             workers=self.workers,
+            worker_type=self.worker_type,
+            input_cpu_s=self._input_cpu(),
             input_busy=busy,
             slowest_stage=slowest,
             stages=stages,
             regions=regions,
             depths=dict(self.depth),
         )
+
+    def _input_cpu(self) -> float | None:
+        """CPU seconds of threads other than the loop's since the clock began (thread workers
+        only; ``None`` for process workers, in-process loading or a call from another thread)."""
+        cpu0 = self._cpu0
+        if self.worker_type != "thread" or cpu0 is None or cpu0[2] != threading.get_ident():
+            return None
+        proc, loop, _ = _cpu_now()
+        return max(0.0, (proc - cpu0[0]) - (loop - cpu0[1]))
 
     def summary(self) -> str:
         """One line: stall %, p50/p99 wait, throughput, slowest stage."""
@@ -496,6 +627,7 @@ class StallMeter:
         return {
             "stall_s": self.stall_s,
             "step_s": self.step_s,
+            "outside_s": self.outside_s,
             "wait_max_s": self.wait_max_s,
             "batches": self.batches,
             "samples": self.samples,
@@ -513,6 +645,8 @@ class StallMeter:
         with self._lock:
             self._stall_folded = self._stall_offset = float(state["stall_s"])
             self._step_offset = float(state["step_s"])
+            self._outside_folded = float(state.get("outside_s", 0.0))  # older states lack it
+            self._outside_offset = self._outside_folded
             self._batches_folded = int(state["batches"])
             self.wait_max_s = float(state["wait_max_s"])
             self._samples_folded = int(state["samples"])
@@ -612,6 +746,12 @@ class NullMeter(StallMeter):
     def add_stage(self, name: str, seconds: float, nbytes: int = 0) -> None:
         pass
 
+    def pass_begin(self, at: float | None = None) -> None:
+        pass
+
+    def pass_end(self) -> None:
+        pass
+
     def set_depth(self, name: str, n: int) -> None:
         pass
 
@@ -633,6 +773,11 @@ class _AlwaysOn:
     """Stand-in for ``torch.autograd.profiler`` when ``trace=True``."""
 
     _is_profiler_enabled = True
+
+
+def _cpu_now() -> tuple[float, float, int]:
+    """(process CPU seconds, this thread's CPU seconds, this thread's id)."""
+    return time.process_time(), time.thread_time(), threading.get_ident()
 
 
 def _profiler_module() -> Any:

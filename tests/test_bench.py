@@ -42,8 +42,14 @@ def test_bench_synthetic_table_png_json(tmp_path: Path, capsys: pytest.CaptureFi
     for r in runs:
         assert r["stats"]["batches"] == 12 and r["stats"]["samples"] == 12 * 16
         assert len(r["waits"]) == 12 and len(r["steps"]) == 11
-        assert sum(r["waits"]) == pytest.approx(r["stats"]["stall_s"])
-        assert sum(r["steps"]) == pytest.approx(r["stats"]["step_s"])
+        # an epoch turn (the next() that raised StopIteration, the next iter()) falls inside one
+        # of the bench's steps; the meter counts it as stall (and the instant between the two
+        # as outside), so the totals agree and each list is bounded by the meter's figure
+        s = r["stats"]
+        total = s["stall_s"] + s["step_s"] + s["outside_s"]
+        assert sum(r["waits"]) + sum(r["steps"]) == pytest.approx(total)
+        assert sum(r["waits"]) <= s["stall_s"] * (1 + 1e-9)
+        assert sum(r["steps"]) >= s["step_s"] * (1 - 1e-9)
         assert "fetch" in r["stats"]["stages"]
     # the simulated step (a 2 ms sleep, which never undershoots) is measured as step time
     assert runs[1]["stats"]["step_mean_s"] >= 0.002

@@ -73,7 +73,8 @@ def _run(loader: Any, step: float) -> tuple[float, float]:
             steps += t0 - last
         try:
             batch = next(it)
-        except StopIteration:
+        except StopIteration:  # the loop was blocked in next() (workers shutting down): a wait
+            waits += time.monotonic() - t0
             break
         t1 = time.monotonic()
         waits += t1 - t0

@@ -9,8 +9,9 @@ start with ``prefix``, default ``"feedpipe/"``):
 - ``stall_fraction``: the share of wall time the loop waited for input since the last log;
 - ``stall_ms_per_batch``: the mean wait per batch since the last log;
 - ``samples_per_s``: input samples delivered per second since the last log;
-- ``wait_p99_ms``, ``input_busy`` and ``<stage>_ms`` (each stage's effective time per batch):
-  over the whole run, as in :meth:`feedpipe.StallMeter.stats`.
+- ``wait_p99_ms``, ``input_busy``, ``outside_s`` (time between passes, outside iteration: in
+  none of the above) and ``<stage>_ms`` (each stage's effective time per batch): over the whole
+  run, as in :meth:`feedpipe.StallMeter.stats`.
 
 At the end of each training epoch it logs ``meter.report()`` through :mod:`logging` (logger
 ``feedpipe``) on global rank 0. The meters are the ``meter`` given, or those of every
@@ -138,6 +139,7 @@ class StallMonitor(_Callback):  # type: ignore[misc, valid-type]
             out[base + "stall_ms_per_batch"] = 1e3 * d_stall / d_batches if d_batches else 0.0
             out[base + "samples_per_s"] = d_samples / d_wall if d_wall > 0 else 0.0
             out[base + "wait_p99_ms"] = 1e3 * s.wait_p99_s
+            out[base + "outside_s"] = s.outside_s
             if s.input_busy is not None:
                 out[base + "input_busy"] = s.input_busy
             for stage, st in s.stages.items():
