@@ -54,7 +54,7 @@ T = TypeVar("T")
 _LOCAL_PROTOCOLS = {"file", "local"}
 _SECRET_KEYS = re.compile(r"secret|token|passw|key|credential|session|auth|sig", re.I)
 # userinfo runs to the last "@" of the authority (a raw "@" in a password is common)
-_URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/?#\s'\"]*@", re.I)
+_URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/?#\s\\]*@", re.I)
 # a query/fragment parameter whose name says it is a credential (X-Amz-Signature, sig, token,
 # access_token, AWSAccessKeyId, api_key, password, ...): its value goes
 _QUERY_SECRETS = re.compile(
@@ -139,7 +139,10 @@ def resolve(
             config.setdefault("read_timeout", max(0.5, min(15.0, deadline_s)))
             config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
         options["config_kwargs"] = config
-    fs, path = fsspec.core.url_to_fs(text, **options)
+    try:
+        fs, path = fsspec.core.url_to_fs(text, **options)
+    except ValueError as exc:  # e.g. an unknown protocol: the message may quote the URL
+        raise ValueError(redact(str(exc), storage_options)) from None
     if deadline_s is not None and hasattr(fs, "retries"):
         # s3fs retries inside each call (up to 5 times, read timeout each); the options above
         # make this instance (cached per options) specific to this deadline
