@@ -388,9 +388,13 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         if self.kind == "fixed":
             rb = self._record_bytes
             buf = np.empty(rb, np.uint8)
-            with self._open_files().use(sid) as shard:
-                self._check_mapped(shard)  # a file truncated after mapping would SIGBUS
-                buf[:] = self._rows(shard)[local]
+            if self.read == "pread":  # never maps: a file changed under us is an error, not SIGBUS
+                pos = np.array([i]), np.array([sid]), np.array([local])
+                self._pread_fixed(*pos, buf.reshape(1, rb))
+            else:
+                with self._open_files().use(sid) as shard:
+                    self._check_mapped(shard)  # a file truncated after mapping would SIGBUS
+                    buf[:] = self._rows(shard)[local]
             data = torch.from_numpy(buf.view(self.dtype).reshape(self.shape))
         else:
             off = self._offsets(sid)

@@ -331,3 +331,97 @@ def test_an_index_listing_a_temp_prefixed_file_is_refused(tmp_path: Path) -> Non
     _relocate(tmp_path / "src", {"shard-00000.data": _remote.TEMP_PREFIX + "1.2.ab.x"})
     with pytest.raises(DatasetError, match="temps"):
         stage(tmp_path / "src", tmp_path / "dst", progress=False)
+
+
+# ------------------------------------------------------------------ 13: never rewrite in place
+
+_READER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from feedpipe import MemmapDataset
+    from feedpipe.errors import DatasetError
+    ds = MemmapDataset(sys.argv[1], read=sys.argv[2])
+    n = len(ds)
+    def everything():
+        rows = [ds[i]["data"].numpy() for i in range(n)]  # __getitem__ ...
+        batch = ds.read_batch(list(range(n)))["data"].numpy()  # ... and the batched gather
+        assert np.array_equal(np.stack(rows), batch)
+        return batch.copy()
+    first = everything()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    try:
+        again = everything()
+    except DatasetError as exc:
+        print("error", exc, flush=True)
+        sys.exit(3)
+    print("same" if np.array_equal(first, again) else "changed", flush=True)
+    """
+)
+
+
+def _reader(dst: Path, read: str) -> subprocess.Popen[str]:
+    child = subprocess.Popen(
+        [sys.executable, "-c", _READER, str(dst), read],
+        env=_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    line = child.stdout.readline().strip()
+    if line != "ready":
+        child.kill()
+        raise AssertionError(f"reader did not start: {line} {child.communicate(timeout=30)}")
+    return child
+
+
+def _finish(child: subprocess.Popen[str]) -> tuple[int, str]:
+    out, err = child.communicate("go\n", timeout=60)
+    return child.returncode, out + err
+
+
+@pytest.mark.parametrize("source", ["local", "s3"])
+def test_restage_under_a_mapped_reader_keeps_its_old_bytes(
+    tmp_path: Path, source: str, request: pytest.FixtureRequest
+) -> None:
+    """A reader process maps v1's shards; v2 (smaller shards, other bytes) is staged over them.
+    Truncating in place would kill the reader with SIGBUS; it must read v1's bytes unharmed."""
+    make_dataset(tmp_path / "v1", shards=2, nbytes=20_000, seed=1)
+    v2 = make_dataset(tmp_path / "v2", shards=2, nbytes=10_000, seed=2)
+    src: str = str(tmp_path / "v2")
+    opts = None
+    if source == "s3":
+        bucket, opts = request.getfixturevalue("s3_bucket")
+        src = upload(tmp_path / "v2", bucket, opts)
+    dst = tmp_path / "dst"
+    stage(tmp_path / "v1", dst, progress=False)
+    child = _reader(dst, "mmap")
+    try:
+        stage(src, dst, storage_options=opts, progress=False)
+    finally:
+        rc, out = _finish(child)
+    assert rc == 0 and out.strip() == "same", (rc, out)  # -7 would be SIGBUS
+    assert (dst / "shard-00000.data").read_bytes() == v2["shard-00000.data"]
+    assert len(MemmapDataset(dst, verify=True)) == 20
+
+
+def _truncate_in_place(path: Path) -> None:
+    """What `cp new old` does to a mapped file: same inode, shorter, other bytes."""
+    with open(path, "r+b") as f:
+        f.truncate(0)
+        f.write(b"\x07" * 4000)
+
+
+def test_a_user_truncating_in_place_is_caught_by_a_pread_reader(tmp_path: Path) -> None:
+    """The documented escape hatch: read="pread" turns a shard rewritten in place under a
+    running reader into a DatasetError, never a SIGBUS."""
+    make_dataset(tmp_path / "ds", shards=2, nbytes=20_000)
+    child = _reader(tmp_path / "ds", "pread")
+    try:
+        _truncate_in_place(tmp_path / "ds" / "shard-00001.data")
+    finally:
+        rc, out = _finish(child)
+    assert rc == 3 and "shard-00001.data" in out, (rc, out)
