@@ -118,9 +118,10 @@ def resolve(
 ) -> tuple[Any, str]:
     """Return ``(filesystem, root path)`` for a URL or local path (``file://`` included).
 
-    With ``deadline_s`` (S3), one attempt of a call can never outlast it: botocore's connect and
-    read timeouts are capped by it, and botocore and s3fs make one attempt each, so retrying is
-    left to :func:`call`, which stops at the deadline. Explicit ``config_kwargs`` win.
+    With ``deadline_s``, one attempt of a call cannot outlast it: for S3, botocore's connect and
+    read timeouts are capped by it and botocore and s3fs make one attempt each (retrying is left
+    to :func:`call`, which stops at the deadline); for HTTP, aiohttp's connect and read timeouts
+    are capped. Explicit ``config_kwargs`` / ``client_kwargs`` entries win.
     """
     import fsspec.core
 
@@ -139,6 +140,18 @@ def resolve(
             config.setdefault("read_timeout", max(0.5, min(15.0, deadline_s)))
             config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
         options["config_kwargs"] = config
+    elif text.startswith(("http://", "https://")) and deadline_s is not None:
+        import aiohttp
+
+        client = dict(options.get("client_kwargs") or {})
+        client.setdefault(
+            "timeout",
+            aiohttp.ClientTimeout(
+                sock_connect=max(0.5, min(5.0, deadline_s / 2)),
+                sock_read=max(0.5, min(15.0, deadline_s)),
+            ),
+        )
+        options["client_kwargs"] = client
     try:
         fs, path = fsspec.core.url_to_fs(text, **options)
     except ValueError as exc:  # e.g. an unknown protocol: the message may quote the URL

@@ -425,7 +425,7 @@ class ShardCache:
         final = self.path(relpath)
         lock_path = self._lock_path(relpath)
         os.makedirs(os.path.dirname(lock_path), exist_ok=True)
-        what = _remote.join(self.url, relpath)
+        what = _remote.join(_remote.redact(self.url, self._options), relpath)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             _flock(fd, fcntl.LOCK_SH, self.timeout_s, what)

@@ -194,6 +194,14 @@ def blackhole() -> Iterator[str]:
         sock.close()
 
 
+def test_deadline_bounds_a_stage_from_a_silent_http_server(tmp_path: Path, blackhole: str) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(_remote.RemoteError, match="index"):
+        stage(f"{blackhole}/ds", tmp_path / "dst", deadline_s=3, progress=False)
+    took = time.monotonic() - t0
+    assert took < 9, f"deadline_s=3 took {took:.1f} s"
+
+
 @pytest.mark.parametrize("kind", ["refused", "blackhole"])
 def test_deadline_bounds_a_stage_against_a_dead_endpoint(
     tmp_path: Path, kind: str, blackhole: str
