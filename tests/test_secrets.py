@@ -223,7 +223,7 @@ def test_stage_over_http_never_shows_the_password(
     leaks.files(tmp_path)
 
 
-def test_feedpipe_stage_cli_never_prints_the_password(
+def test_feedpipe_stage_and_inspect_never_print_the_password(
     http_root: tuple[str, Path], tmp_path: Path
 ) -> None:
     hostport, _root = http_root
@@ -249,6 +249,26 @@ def test_feedpipe_stage_cli_never_prints_the_password(
         assert "***" in proc.stderr
         leaks.text("stdout", proc.stdout)
         leaks.text("stderr", proc.stderr)
+    for where, rc in (("ds", 0), ("missing", 1)):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from feedpipe.cli import main; sys.exit(main(sys.argv[1:]))",
+                "inspect",
+                f"http://me:{password}@{hostport}/{where}",
+                "--verify",
+            ],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+        assert proc.returncode == rc, proc.stderr
+        assert "***" in proc.stdout + proc.stderr
+        leaks.text("inspect stdout", proc.stdout)
+        leaks.text("inspect stderr", proc.stderr)
 
 
 def test_zarr_over_http_never_shows_the_password(
