@@ -115,8 +115,9 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         self._shown = _remote.redact(self.path, self.storage_options)
         if self._remote:
             # through the retrying path; the cache is then built from these same bytes
-            fs, root = _remote.resolve(self.path, self.storage_options)
-            raw, _ = _remote.read_remote_index(fs, root, self.path, self.storage_options)
+            policy = _remote.DEFAULT_POLICY
+            fs, root = _remote.resolve(self.path, self.storage_options, policy.deadline_s)
+            raw, _ = _remote.read_remote_index(fs, root, self.path, self.storage_options, policy)
             self._index_raw = raw
             self.index = Index.from_json(json.loads(raw), _remote.join(self._shown, INDEX_NAME))
         else:
