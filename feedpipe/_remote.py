@@ -97,10 +97,13 @@ class CancelledError(Exception):
 class RemoteError(DatasetError):
     """A remote read failed; the message names the URL and says whether retries were exhausted."""
 
-    def __init__(self, message: str, url: str, *, permanent: bool) -> None:
+    def __init__(self, message: str, url: str, *, permanent: bool = False) -> None:
         super().__init__(message)
-        self.url = url
+        self.url = redact(url)
         self.permanent = permanent
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses process boundaries (loader workers)
+        return (type(self), (str(self), self.url), {"permanent": self.permanent})
 
 
 def is_remote(url: str | os.PathLike[str]) -> bool:

@@ -123,6 +123,19 @@ def test_dataset_error_redacts_its_own_message(case: tuple[str, list[str], str])
     leaks.raises(DatasetError, boom)
 
 
+def test_remote_error_pickles_redacted() -> None:
+    """Loader workers send errors to the parent by pickle: it must survive, still redacted."""
+    import pickle
+
+    exc = _remote.RemoteError(
+        "cannot read http://u:hunter2-secret@h/x", "http://u:hunter2-secret@h/x", permanent=True
+    )
+    back = pickle.loads(pickle.dumps(exc))
+    assert type(back) is _remote.RemoteError and back.permanent and str(back) == str(exc)
+    LeakCheck("hunter2-secret").exception(back)
+    assert "hunter2-secret" not in back.url
+
+
 def test_plain_paths_are_left_alone() -> None:
     for text in ("s3://b/ds/year=2024/key=3/part-0", "/data/monkey=1", "shard-00000.data"):
         assert _remote.redact(text) == text
