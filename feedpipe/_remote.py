@@ -374,10 +374,11 @@ def _entries_from_index(doc: Any, url: str) -> list[FileEntry]:
         parts = rel.split("/")
         if rel.startswith("/") or ".." in parts:
             raise DatasetError(f"{url}: shard {shard_id} file path {rel!r} escapes the dataset")
-        if any(p.startswith(TEMP_PREFIX) or p in ("", ".") for p in parts):
+        if rel == INDEX_NAME or any(p.startswith(TEMP_PREFIX) or p in ("", ".") for p in parts):
             raise DatasetError(
                 f"{url}: shard {shard_id} file path {rel!r} is not a valid dataset file name "
-                f"(empty, '.', or starts with {TEMP_PREFIX!r}, which feedpipe keeps for temps)"
+                f"(empty, '.', {INDEX_NAME!r}, or starts with {TEMP_PREFIX!r}, which feedpipe "
+                "keeps for temps)"
             )
         out.append(FileEntry(shard_id, rel, int(nbytes), str(crc).lower()))
     return out

@@ -181,6 +181,10 @@ class ShardCache:
             entries = _remote.parse_index(raw_index, _remote.join(self.url, INDEX_NAME))
         raw = raw_index
         self.index_bytes = raw
+        for e in entries:  # the cache's own lock directory sits beside the files
+            if e.relpath.split("/", 1)[0] == _LOCKS:
+                url = _remote.join(_remote.redact(self.url, self._options), INDEX_NAME)
+                raise DatasetError(f"{url}: file path {e.relpath!r} is reserved by the cache")
         self._entries = {e.relpath: e for e in entries}
         self._by_shard: dict[int, list[str]] = {}
         for e in entries:

@@ -433,3 +433,28 @@ def test_a_user_truncating_in_place_is_caught_by_a_pread_reader(tmp_path: Path) 
     finally:
         rc, out = _finish(child)
     assert rc == 3 and "shard-00001.data" in out, (rc, out)
+
+
+@pytest.mark.parametrize("name", ["index.json", "a//b", "./x"])
+def test_an_index_listing_a_reserved_name_is_refused(tmp_path: Path, name: str) -> None:
+    """A hostile index (valid CRCs) must not make a shard overwrite the index itself."""
+    make_dataset(tmp_path / "src", shards=1, nbytes=5000)
+    doc = json.loads((tmp_path / "src" / "index.json").read_text())
+    doc["shards"][0]["files"]["data"]["path"] = name
+    (tmp_path / "src" / "index.json").write_text(json.dumps(doc))
+    with pytest.raises(DatasetError, match="not a valid dataset file name"):
+        stage(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst" / "index.json").exists()
+
+
+def test_cache_refuses_an_index_listing_its_lock_directory(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    from feedpipe.cache import ShardCache
+
+    bucket, opts = s3_bucket
+    make_dataset(tmp_path / "src", shards=1, nbytes=5000)
+    _relocate(tmp_path / "src", {"shard-00000.data": ".locks/shard-00000.data.lock"})
+    url = upload(tmp_path / "src", bucket, opts)
+    with pytest.raises(DatasetError, match="reserved"):
+        ShardCache(url, tmp_path / "cache", None, opts)
