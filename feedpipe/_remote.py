@@ -15,6 +15,8 @@ import os
 import random
 import re
 import socket
+import stat
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -25,6 +27,8 @@ from feedpipe._crc import crc32c_file, to_hex
 from feedpipe.errors import DatasetError
 
 __all__ = [
+    "TEMP_PREFIX",
+    "CancelledError",
     "FileEntry",
     "RemoteError",
     "RetryPolicy",
@@ -33,12 +37,14 @@ __all__ = [
     "fetch_verified",
     "is_complete",
     "is_remote",
+    "is_temp",
     "join",
     "parse_index",
     "read_remote_index",
     "redact",
     "resolve",
     "temp_name",
+    "temp_target",
 ]
 
 log = logging.getLogger("feedpipe.remote")
@@ -47,10 +53,14 @@ T = TypeVar("T")
 
 _LOCAL_PROTOCOLS = {"file", "local"}
 _SECRET_KEYS = re.compile(r"secret|token|passw|key|credential|session|auth|sig", re.I)
-_URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.I)
+# userinfo runs to the last "@" of the authority (a raw "@" in a password is common)
+_URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/?#\s\\]*@", re.I)
+# a query/fragment parameter whose name says it is a credential (X-Amz-Signature, sig, token,
+# access_token, AWSAccessKeyId, api_key, password, ...): its value goes
 _QUERY_SECRETS = re.compile(
-    r"(?P<name>X-Amz-(?:Signature|Credential|Security-Token)|Signature|AWSAccessKeyId|sig|token)"
-    r"=[^&\s'\"]+",
+    r"(?<![^?&;#\s'\"(,{])(?P<name>[^=&?#;/\s'\"]*(?:signature|credential|security-token|token|"
+    r"accesskey|access_key|api_key|apikey|secret|passw|sig|auth|key)[^=&?#;/\s'\"]*)"
+    r"=[^&#\s'\"]*",
     re.I,
 )
 _PERMANENT_CODES = {
@@ -80,13 +90,20 @@ _TRANSIENT_CODES = {
 }
 
 
+class CancelledError(Exception):
+    """Raised inside a transfer when its caller cancelled it (e.g. on Ctrl-C)."""
+
+
 class RemoteError(DatasetError):
     """A remote read failed; the message names the URL and says whether retries were exhausted."""
 
-    def __init__(self, message: str, url: str, *, permanent: bool) -> None:
+    def __init__(self, message: str, url: str, *, permanent: bool = False) -> None:
         super().__init__(message)
-        self.url = url
+        self.url = redact(url)
         self.permanent = permanent
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses process boundaries (loader workers)
+        return (type(self), (str(self), self.url), {"permanent": self.permanent})
 
 
 def is_remote(url: str | os.PathLike[str]) -> bool:
@@ -98,9 +115,17 @@ def is_remote(url: str | os.PathLike[str]) -> bool:
 
 
 def resolve(
-    url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+    url: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    deadline_s: float | None = None,
 ) -> tuple[Any, str]:
-    """Return ``(filesystem, root path)`` for a URL or local path (``file://`` included)."""
+    """Return ``(filesystem, root path)`` for a URL or local path (``file://`` included).
+
+    With ``deadline_s``, one attempt of a call cannot outlast it: for S3, botocore's connect and
+    read timeouts are capped by it and botocore and s3fs make one attempt each (retrying is left
+    to :func:`call`, which stops at the deadline); for HTTP, aiohttp's connect and read timeouts
+    are capped. Explicit ``config_kwargs`` / ``client_kwargs`` entries win.
+    """
     import fsspec.core
 
     text = os.fspath(url)
@@ -113,8 +138,31 @@ def resolve(
         # response checksum (pure Python without awscrt) is redundant; it costs ~40% of throughput
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("response_checksum_validation", "when_required")
+        if deadline_s is not None:
+            config.setdefault("connect_timeout", max(0.5, min(5.0, deadline_s / 2)))
+            config.setdefault("read_timeout", max(0.5, min(15.0, deadline_s)))
+            config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
         options["config_kwargs"] = config
-    fs, path = fsspec.core.url_to_fs(text, **options)
+    elif text.startswith(("http://", "https://")) and deadline_s is not None:
+        import aiohttp
+
+        client = dict(options.get("client_kwargs") or {})
+        client.setdefault(
+            "timeout",
+            aiohttp.ClientTimeout(
+                sock_connect=max(0.5, min(5.0, deadline_s / 2)),
+                sock_read=max(0.5, min(15.0, deadline_s)),
+            ),
+        )
+        options["client_kwargs"] = client
+    try:
+        fs, path = fsspec.core.url_to_fs(text, **options)
+    except ValueError as exc:  # e.g. an unknown protocol: the message may quote the URL
+        raise ValueError(redact(str(exc), storage_options)) from None
+    if deadline_s is not None and hasattr(fs, "retries"):
+        # s3fs retries inside each call (up to 5 times, read timeout each); the options above
+        # make this instance (cached per options) specific to this deadline
+        fs.retries = 1
     return fs, path.rstrip("/") or path
 
 
@@ -139,7 +187,12 @@ def _secret_values(options: Mapping[str, Any] | None) -> Iterator[str]:
 
 
 def redact(text: str, storage_options: Mapping[str, Any] | None = None) -> str:
-    """Remove credentials: secret ``storage_options`` values, URL userinfo, signed query strings."""
+    """Remove credentials: secret ``storage_options`` values, URL userinfo, signed query strings.
+
+    Every URL on its way into a message, ``repr``, log record or status file passes through here
+    (``DatasetError`` applies it to its own message).
+    """
+    text = str(text)
     for secret in sorted(set(_secret_values(storage_options)), key=len, reverse=True):
         text = text.replace(secret, "***")
     text = _URL_USERINFO.sub(lambda m: m.group("scheme") + "***@", text)
@@ -239,19 +292,27 @@ def call(
     policy: RetryPolicy | None = None,
     storage_options: Mapping[str, Any] | None = None,
     on_retry: Callable[[], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> T:
     """Run ``fn()``; retry transient errors until ``policy.deadline_s``; raise :class:`RemoteError`.
 
     ``on_retry`` runs before each retry (e.g. to roll back a progress bar or remove a partial file).
+    ``cancel``, once set, stops the retries (and the pause between them): :class:`CancelledError`.
     """
     policy = policy or DEFAULT_POLICY
     start = time.monotonic()
     attempt = 0
     while True:
         attempt += 1
+        if cancel is not None and cancel.is_set():
+            raise CancelledError(redact(url, storage_options))
         try:
             return fn()
+        except CancelledError:
+            raise
         except Exception as exc:
+            if cancel is not None and cancel.is_set():
+                raise CancelledError(redact(url, storage_options)) from None
             kind = classify(exc)
             detail = redact(f"{type(exc).__name__}: {exc}", storage_options)
             safe_url = redact(url, storage_options)
@@ -280,13 +341,19 @@ def call(
             )
             if on_retry is not None:
                 on_retry()
-            time.sleep(pause)
+            if cancel is not None:
+                cancel.wait(pause)
+            else:
+                time.sleep(pause)
 
 
 # ---------------------------------------------------------------- verified transfers
 
 INDEX_NAME = "index.json"
-PART_MARK = ".part."
+# Temp files are named TEMP_PREFIX + "BYTES.PID.RAND." + final name. No dataset file may start
+# with TEMP_PREFIX (an index listing one is refused), so a temp is never a dataset file and a
+# dataset file (``x.part.1.data`` included) is never taken for a temp and deleted.
+TEMP_PREFIX = ".feedpipe-tmp."
 
 
 @dataclass(frozen=True)
@@ -304,24 +371,36 @@ def _entries_from_index(doc: Any, url: str) -> list[FileEntry]:
 
     out: list[FileEntry] = []
     for shard_id, rel, nbytes, crc in Index.from_json(doc, url).files():
-        if rel.startswith("/") or ".." in rel.split("/"):
+        parts = rel.split("/")
+        if rel.startswith("/") or ".." in parts:
             raise DatasetError(f"{url}: shard {shard_id} file path {rel!r} escapes the dataset")
+        if rel == INDEX_NAME or any(p.startswith(TEMP_PREFIX) or p in ("", ".") for p in parts):
+            raise DatasetError(
+                f"{url}: shard {shard_id} file path {rel!r} is not a valid dataset file name "
+                f"(empty, '.', {INDEX_NAME!r}, or starts with {TEMP_PREFIX!r}, which feedpipe "
+                "keeps for temps)"
+            )
         out.append(FileEntry(shard_id, rel, int(nbytes), str(crc).lower()))
     return out
 
 
 def read_remote_index(
-    fs: Any, root: str, url: str, storage_options: Mapping[str, Any] | None = None
+    fs: Any,
+    root: str,
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    policy: RetryPolicy | None = None,
 ) -> tuple[bytes, list[FileEntry]]:
-    """Fetch ``index.json`` below ``root`` (with retries); return its bytes and the file list."""
+    """Fetch ``index.json`` below ``root`` (retries under ``policy``); return bytes and files."""
     index_url = join(url, INDEX_NAME)
     raw: bytes = call(
         lambda: fs.cat_file(join(root, INDEX_NAME)),
         index_url,
         what="read dataset index",
         storage_options=storage_options,
+        policy=policy,
     )
-    return raw, parse_index(raw, index_url)
+    return raw, parse_index(raw, redact(index_url, storage_options))
 
 
 def parse_index(raw: bytes, index_url: str) -> list[FileEntry]:
@@ -334,17 +413,34 @@ def parse_index(raw: bytes, index_url: str) -> list[FileEntry]:
 
 
 def temp_name(final: str, nbytes: int) -> str:
-    """A temp path beside ``final`` that never looks complete; it records the expected size."""
+    """A temp path beside ``final`` that is never a dataset file; it records size and pid."""
     head, tail = os.path.split(final)
-    return os.path.join(head, f".{tail}{PART_MARK}{nbytes}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    rand = uuid.uuid4().hex[:8]
+    return os.path.join(head, f"{TEMP_PREFIX}{nbytes}.{os.getpid()}.{rand}.{tail}")
+
+
+def is_temp(name: str) -> bool:
+    """True if the file name ``name`` is one of :func:`temp_name`'s."""
+    return temp_target(name) is not None
+
+
+def temp_target(name: str) -> tuple[str, int, int] | None:
+    """``(final name, declared bytes, pid)`` of a :func:`temp_name` file name, else None."""
+    if not name.startswith(TEMP_PREFIX):
+        return None
+    fields = name[len(TEMP_PREFIX) :].split(".", 3)
+    if len(fields) != 4 or not (fields[0].isdigit() and fields[1].isdigit()):
+        return None
+    return fields[3], int(fields[0]), int(fields[1])
 
 
 def is_complete(path: str, entry: FileEntry, *, check_crc: bool = True) -> bool:
-    """True if ``path`` exists with the indexed size (and CRC32C when ``check_crc``)."""
+    """True if ``path`` is a regular file (not a link) with the indexed size (and CRC32C)."""
     try:
-        if os.stat(path).st_size != entry.nbytes:
-            return False
+        st = os.lstat(path)
     except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size != entry.nbytes:
         return False
     if not check_crc:
         return True
@@ -363,10 +459,14 @@ def fetch_verified(
     progress: Callable[[int], None] | None = None,
     policy: RetryPolicy | None = None,
     tmp: str | None = None,
+    cancel: threading.Event | None = None,
 ) -> None:
     """Copy ``rpath`` to ``final`` via a temp file, verify size and CRC32C, rename into place.
 
     ``tmp`` is the temp path to use (default: :func:`temp_name`); it is removed on failure.
+    ``final`` is never written in place (a reader may have it mapped): the rename replaces it
+    (or a symlink there, whose target is left alone). ``cancel``, once set, aborts the transfer
+    at its next chunk with :class:`CancelledError`.
 
     Transient errors are retried (a partial download is discarded and its progress rolled back);
     a checksum mismatch is retried once, then raises :class:`DatasetError` naming the URL.
@@ -379,6 +479,8 @@ def fetch_verified(
 
     class _Progress(Callback):  # type: ignore[misc]
         def relative_update(self, inc: int = 1) -> None:
+            if cancel is not None and cancel.is_set():
+                raise CancelledError(url)
             done[0] += inc
             if progress is not None:
                 progress(inc)
@@ -408,8 +510,11 @@ def fetch_verified(
                 storage_options=storage_options,
                 policy=policy,
                 on_retry=_rollback,
+                cancel=cancel,
             )
             crc, size = crc32c_file(tmp)
+            if cancel is not None and cancel.is_set():
+                raise CancelledError(url)
             if size == entry.nbytes and to_hex(crc) == entry.crc32c:
                 os.replace(tmp, final)
                 return

@@ -311,7 +311,9 @@ def run(args: argparse.Namespace) -> int:
                         progress=bar,
                     )
                 )
-    source = "synthetic" if args.synthetic else args.path
+    from feedpipe._remote import redact
+
+    source = "synthetic" if args.synthetic else redact(args.path)
     print(
         f"feedpipe bench: {source}, batch {args.batch_size}, {args.worker_type} workers, "
         f"{args.batches} batches per run after {args.warmup} warm-up"

@@ -9,9 +9,11 @@ comes from ``flock`` locks, one per file:
   lock taken without waiting, so a pinned file is never evicted;
 * a downloader holds the *exclusive* lock, so each file is downloaded once; the others wait and
   then find it complete;
-* a download goes to a temp name (``.NAME.part.BYTES.PID.RAND``) that never looks complete and is
-  renamed after its size and CRC32C match the index; a temp whose lock is free belongs to a dead
-  downloader and is removed by the next eviction scan;
+* a download goes to a temp name (``.feedpipe-tmp.BYTES.PID.RAND.NAME``, a prefix no dataset file
+  may have) and is renamed after its size and CRC32C match the index; a temp whose lock is free
+  belongs to a dead downloader and is removed by the next eviction scan;
+* no file is ever rewritten or truncated in place (a reader may have it mapped): a download is
+  renamed over the old name and eviction unlinks, so a reader keeps its old bytes;
 * space is reserved under a cache-wide lock before a download starts (the temp name records the
   size), so concurrent downloaders together stay under the limit;
 * a download that has to wait for room touches ``.pressure`` in the cache directory and calls
@@ -41,7 +43,7 @@ from typing import Any
 
 from feedpipe import _remote
 from feedpipe._crc import crc32c, to_hex
-from feedpipe._remote import INDEX_NAME, PART_MARK, FileEntry
+from feedpipe._remote import INDEX_NAME, FileEntry
 from feedpipe.errors import DatasetError
 
 __all__ = ["CacheStats", "ShardCache"]
@@ -159,7 +161,7 @@ class ShardCache:
         self._prefetch_workers: int = a["prefetch_workers"]
         self._reset_process_state()
         self.is_local = not _remote.is_remote(self.url)
-        self._fs, self._root = _remote.resolve(self.url, self._options)
+        self._fs, self._root = _remote.resolve(self.url, self._options, a["deadline_s"])
         if self.is_local:
             self.dir = self._root
             self._entries: dict[str, FileEntry] = {}
@@ -173,12 +175,16 @@ class ShardCache:
         self.cache_dir = os.path.abspath(cache_dir)
         if raw_index is None:
             raw_index, entries = _remote.read_remote_index(
-                self._fs, self._root, self.url, self._options
+                self._fs, self._root, self.url, self._options, self._policy
             )
         else:
             entries = _remote.parse_index(raw_index, _remote.join(self.url, INDEX_NAME))
         raw = raw_index
         self.index_bytes = raw
+        for e in entries:  # the cache's own lock directory sits beside the files
+            if e.relpath.split("/", 1)[0] == _LOCKS:
+                url = _remote.join(_remote.redact(self.url, self._options), INDEX_NAME)
+                raise DatasetError(f"{url}: file path {e.relpath!r} is reserved by the cache")
         self._entries = {e.relpath: e for e in entries}
         self._by_shard: dict[int, list[str]] = {}
         for e in entries:
@@ -218,7 +224,9 @@ class ShardCache:
                         os.close(fd)
             self._reset_process_state()
             if not self.is_local:  # s3fs and other async filesystems are not fork-safe
-                self._fs, self._root = _remote.resolve(self.url, self._options)
+                self._fs, self._root = _remote.resolve(
+                    self.url, self._options, self._policy.deadline_s
+                )
 
     # ---------------------------------------------------------------- public API
     def path(self, relpath: str) -> str:
@@ -421,7 +429,7 @@ class ShardCache:
         final = self.path(relpath)
         lock_path = self._lock_path(relpath)
         os.makedirs(os.path.dirname(lock_path), exist_ok=True)
-        what = _remote.join(self.url, relpath)
+        what = _remote.join(_remote.redact(self.url, self._options), relpath)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             _flock(fd, fcntl.LOCK_SH, self.timeout_s, what)
@@ -546,8 +554,9 @@ class ShardCache:
                 for name in files:
                     path = os.path.join(dirpath, name)
                     rel = os.path.relpath(path, top)
-                    if PART_MARK in name:
-                        used += self._stale_or_reserved(top, dirpath, name, path)
+                    target = _remote.temp_target(name)
+                    if target is not None:
+                        used += self._stale_or_reserved(top, dirpath, target, path)
                         continue
                     if rel == INDEX_NAME:
                         continue
@@ -582,16 +591,14 @@ class ShardCache:
                 os.close(fd)
         return short
 
-    def _stale_or_reserved(self, top: str, dirpath: str, name: str, path: str) -> int:
+    def _stale_or_reserved(
+        self, top: str, dirpath: str, target: tuple[str, int, int], path: str
+    ) -> int:
         """Bytes reserved by a live download's temp file; a dead downloader's temp is removed."""
-        final_name = name[1:].split(PART_MARK, 1)[0]
+        final_name, declared, _pid = target
         rel = os.path.relpath(os.path.join(dirpath, final_name), top)
         fd = _try_exclusive(os.path.join(top, _LOCKS, rel + ".lock"))
         if fd is None:  # its downloader is alive and holds the lock
-            try:
-                declared = int(name.split(PART_MARK, 1)[1].split(".", 1)[0])
-            except ValueError:
-                declared = 0
             try:
                 return max(declared, os.path.getsize(path))
             except FileNotFoundError:

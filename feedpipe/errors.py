@@ -6,7 +6,18 @@ __all__ = ["DatasetError", "MissingExtraError", "WorkerError"]
 
 
 class DatasetError(Exception):
-    """A dataset is malformed, truncated, corrupt, or was indexed out of range."""
+    """A dataset is malformed, truncated, corrupt, or was indexed out of range.
+
+    The message passes through :func:`feedpipe._remote.redact` here, once for every raise site:
+    a URL's password or signed query string never reaches the text.
+    """
+
+    def __init__(self, *args: object) -> None:
+        if args and isinstance(args[0], str):
+            from feedpipe._remote import redact  # lazy: _remote imports this module
+
+            args = (redact(args[0]), *args[1:])
+        super().__init__(*args)
 
 
 class WorkerError(RuntimeError):

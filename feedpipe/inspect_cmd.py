@@ -112,12 +112,14 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except DatasetError as exc:
         print(f"feedpipe inspect: error: {exc}", file=sys.stderr)
         return 1
-    print(describe(index, path, args.shards), file=out)
+    from feedpipe._remote import redact
+
+    print(describe(index, redact(path), args.shards), file=out)
     if not args.verify:
         return 0
     problems = list(verify(index, root, fs))
     for bad, problem in problems:
-        print(f"FAILED {bad}: {problem}", file=out)
+        print(f"FAILED {redact(str(bad))}: {redact(str(problem))}", file=out)
     nfiles = sum(1 for _ in index.files())
     if problems:
         print(f"verify: {len(problems)} of {nfiles} files do not match the index", file=out)

@@ -111,15 +111,18 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         self._remote = _remote.is_remote(self.path)
         self._cache: Any = None  # feedpipe.cache.ShardCache of a remote dataset, made on first use
         self._index_raw: bytes | None = None
+        # every message and the repr show this: the URL without its password or signature
+        self._shown = _remote.redact(self.path, self.storage_options)
         if self._remote:
             # through the retrying path; the cache is then built from these same bytes
-            fs, root = _remote.resolve(self.path, self.storage_options)
-            raw, _ = _remote.read_remote_index(fs, root, self.path, self.storage_options)
+            policy = _remote.DEFAULT_POLICY
+            fs, root = _remote.resolve(self.path, self.storage_options, policy.deadline_s)
+            raw, _ = _remote.read_remote_index(fs, root, self.path, self.storage_options, policy)
             self._index_raw = raw
-            self.index = Index.from_json(json.loads(raw), _remote.join(self.path, INDEX_NAME))
+            self.index = Index.from_json(json.loads(raw), _remote.join(self._shown, INDEX_NAME))
         else:
             if self.path.startswith("file://"):
-                self.path = self.path[len("file://") :]
+                self.path = self._shown = self.path[len("file://") :]
             if not os.path.isdir(self.path):
                 raise DatasetError(f"{self.path}: not a feedpipe dataset (not a directory)")
             self.index = read_index(self.path)
@@ -175,7 +178,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         """The :class:`feedpipe.cache.ShardCache` of a remote dataset (made on first use)."""
         if self.cache_dir is None:
             raise NotImplementedError(
-                f"{self.path}: reading a remote MemmapDataset needs cache_dir=... (lazy "
+                f"{self._shown}: reading a remote MemmapDataset needs cache_dir=... (lazy "
                 "mode) or the staging cache (feedpipe.stage) to a local directory first"
             )
         if self._cache is None:
@@ -335,7 +338,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             if bad.any():
                 first = int(idx[np.argmax(bad)])
                 raise IndexError(
-                    f"index {first} is out of range for {self.path} (length {self._len})"
+                    f"index {first} is out of range for {self._shown} (length {self._len})"
                 )
             idx = np.where(idx < 0, idx + self._len, idx)
         return idx
@@ -379,16 +382,20 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                 raise TypeError(f"index must be an int, got {type(index).__name__}")
         i = int(index)
         if not -self._len <= i < self._len:
-            raise IndexError(f"index {i} is out of range for {self.path} (length {self._len})")
+            raise IndexError(f"index {i} is out of range for {self._shown} (length {self._len})")
         i %= self._len if self._len else 1
         sid, local = (int(v[0]) for v in self._locate(np.array([i])))
         self._plan([sid])
         if self.kind == "fixed":
             rb = self._record_bytes
             buf = np.empty(rb, np.uint8)
-            with self._open_files().use(sid) as shard:
-                self._check_mapped(shard)  # a file truncated after mapping would SIGBUS
-                buf[:] = self._rows(shard)[local]
+            if self.read == "pread":  # never maps: a file changed under us is an error, not SIGBUS
+                pos = np.array([i]), np.array([sid]), np.array([local])
+                self._pread_fixed(*pos, buf.reshape(1, rb))
+            else:
+                with self._open_files().use(sid) as shard:
+                    self._check_mapped(shard)  # a file truncated after mapping would SIGBUS
+                    buf[:] = self._rows(shard)[local]
             data = torch.from_numpy(buf.view(self.dtype).reshape(self.shape))
         else:
             off = self._offsets(sid)
@@ -698,7 +705,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
     def __repr__(self) -> str:
         layout = f"fixed {self.shape} {self.dtype}" if self.kind == "fixed" else "bytes"
         return (
-            f"MemmapDataset({self.path!r}, {self._len} records, {layout}, "
+            f"MemmapDataset({self._shown!r}, {self._len} records, {layout}, "
             f"{len(self.index.shards)} shards, fields={list(self.fields)})"
         )
 

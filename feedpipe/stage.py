@@ -1,27 +1,43 @@
 """Stage a dataset from any fsspec URL (``s3://``, ``file://``, a Lustre/NFS path) to local disk.
 
-Files are copied in parallel, each under a temp name, verified against the index (size and
-CRC32C) and renamed into place; ``index.json`` is written last, so a directory with an index is a
-complete dataset. Rerunning after an interruption copies only files that are missing or wrong.
+The rules, in order:
+
+1. The destination's ``index.json`` is removed before any shard is touched (unless it already is
+   the source's index and every file is in place), so an interrupted stage of v2 over v1 leaves
+   no index at all, never v1's index over v2's shards. ``index.json`` is written last, so a
+   directory with an index is a complete dataset of that index.
+2. Files are copied in parallel, each under a temp name (:data:`feedpipe._remote.TEMP_PREFIX`,
+   which no dataset file may have), verified against the index (size and CRC32C) and renamed
+   into place. No file is ever truncated or rewritten in place: a reader that has the old file
+   mapped keeps reading the old bytes.
+3. A symlink in the destination is never written through: a linked file is replaced by the real
+   file (the link's target is untouched); a linked directory on a file's path is refused.
+4. Ctrl-C (or any exception) cancels the transfers in flight at their next chunk; the temps are
+   removed. ``deadline_s`` bounds every remote call, the index read included, and caps
+   botocore's timeouts (see :func:`feedpipe._remote.resolve`).
+
+Rerunning after an interruption copies only files that are missing or wrong.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Mapping
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from feedpipe import _remote
 from feedpipe._remote import INDEX_NAME, FileEntry
+from feedpipe.errors import DatasetError
 
 __all__ = ["StageResult", "add_arguments", "run", "stage"]
 
 DEFAULT_WORKERS = 16
+_CANCEL_GRACE_S = 2.0  # after Ctrl-C, how long transfers get to notice before we return
 
 
 @dataclass(frozen=True)
@@ -72,79 +88,193 @@ def stage(
     """Copy the dataset at ``src`` (any fsspec URL or local path) into the local directory ``dst``.
 
     Files already in ``dst`` with the indexed size (and CRC32C, when ``verify_existing``) are kept;
-    everything else is fetched with up to ``workers`` parallel transfers, each retried on transient
-    errors until ``deadline_s``. ``index.json`` is written last. Raises
-    :class:`~feedpipe._remote.RemoteError` (a :class:`~feedpipe.DatasetError`) naming the URL.
+    everything else is fetched with up to ``workers`` parallel transfers. Each remote call is
+    retried on transient errors until ``deadline_s``. See the module docstring for what holds
+    when the stage is interrupted. Raises :class:`~feedpipe._remote.RemoteError` (a
+    :class:`~feedpipe.DatasetError`) naming the URL, with credentials redacted.
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     url = os.fspath(src)
     dst = os.path.abspath(os.fspath(dst))
-    fs, root = _remote.resolve(url, storage_options)
+    fs, root = _remote.resolve(url, storage_options, deadline_s)
     policy = _remote.RetryPolicy(deadline_s=deadline_s)
     t0 = time.perf_counter()
-    raw_index, entries = _remote.read_remote_index(fs, root, url, storage_options)
+    raw_index, entries = _remote.read_remote_index(fs, root, url, storage_options, policy)
     os.makedirs(dst, exist_ok=True)
+    _refuse_linked_dirs(dst, entries)
     _clean_stale_temps(dst)
 
     todo: list[FileEntry] = []
     for e in entries:
         if not _remote.is_complete(os.path.join(dst, e.relpath), e, check_crc=verify_existing):
             todo.append(e)
+    index_path = os.path.join(dst, INDEX_NAME)
+    if todo or _read_or_none(index_path) != raw_index:
+        _invalidate(index_path)  # before any shard is touched: never v1's index over v2's shards
     total = sum(e.nbytes for e in todo)
     bar = _Bar(total, progress, desc=f"stage {_remote.redact(url, storage_options)}")
+    cancel = threading.Event()
+    temps: set[str] = set()
+    temps_lock = threading.Lock()
 
     def _one(e: FileEntry) -> None:
-        _remote.fetch_verified(
-            fs,
-            _remote.join(root, e.relpath),
-            _remote.join(url, e.relpath),
-            os.path.join(dst, e.relpath),
-            e,
-            storage_options=storage_options,
-            progress=bar,
-            policy=policy,
-        )
+        final = os.path.join(dst, e.relpath)
+        tmp = _remote.temp_name(final, e.nbytes)
+        with temps_lock:
+            temps.add(tmp)
+        try:
+            _remote.fetch_verified(
+                fs,
+                _remote.join(root, e.relpath),
+                _remote.join(url, e.relpath),
+                final,
+                e,
+                storage_options=storage_options,
+                progress=bar,
+                policy=policy,
+                tmp=tmp,
+                cancel=cancel,
+            )
+        finally:
+            with temps_lock:
+                temps.discard(tmp)
 
     try:
         # largest first keeps the pool busy at the end of the run
-        todo_sorted = sorted(todo, key=lambda e: -e.nbytes)
-        with ThreadPoolExecutor(
-            max_workers=min(workers, max(1, len(todo))), thread_name_prefix="stage"
-        ) as pool:
-            futures = [pool.submit(_one, e) for e in todo_sorted]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = [f for f in done if f.exception() is not None]
-            if failed:
-                for f in futures:
-                    f.cancel()
-                raise failed[0].exception()  # type: ignore[misc]
+        _run_all(sorted(todo, key=lambda e: -e.nbytes), _one, workers, cancel)
+    except BaseException:
+        cancel.set()
+        with temps_lock:
+            left = list(temps)
+        for tmp in left:  # transfers still in flight write to an unlinked file, then stop
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise
     finally:
         bar.close()
-    _write_atomic(os.path.join(dst, INDEX_NAME), raw_index)
+    _write_atomic(index_path, raw_index)
     return StageResult(len(todo), len(entries) - len(todo), total, time.perf_counter() - t0)
+
+
+def _run_all(
+    todo: list[FileEntry],
+    one: Callable[[FileEntry], None],
+    workers: int,
+    cancel: threading.Event,
+) -> None:
+    """Run ``one`` over ``todo`` on daemon threads; the first error cancels the rest.
+
+    Daemon threads, joined with a timeout: a Ctrl-C in the calling thread is seen at once, and a
+    transfer stuck in a socket read cannot hold the interpreter's exit.
+    """
+    pending = iter(todo)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def _worker() -> None:
+        while not cancel.is_set():
+            with lock:
+                e = next(pending, None)
+            if e is None:
+                return
+            try:
+                one(e)
+            except BaseException as exc:
+                with lock:
+                    errors.append(exc)
+                cancel.set()
+                return
+
+    threads = [
+        threading.Thread(target=_worker, name=f"feedpipe-stage-{i}", daemon=True)
+        for i in range(min(workers, max(1, len(todo))))
+    ]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)
+    except BaseException:
+        cancel.set()
+        end = time.monotonic() + _CANCEL_GRACE_S
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+        raise
+    real = [e for e in errors if not isinstance(e, _remote.CancelledError)]
+    if real or errors:
+        raise (real or errors)[0]
+
+
+def _read_or_none(path: str) -> bytes | None:
+    try:
+        if os.path.islink(path):
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _invalidate(index_path: str) -> None:
+    """Remove the destination's index (a link: the link only) and make that durable."""
+    try:
+        os.unlink(index_path)
+    except FileNotFoundError:
+        return
+    _fsync_dir(os.path.dirname(index_path))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _refuse_linked_dirs(dst: str, entries: list[FileEntry]) -> None:
+    """A symlinked directory on a file's path would take the write outside ``dst``: refuse."""
+    seen: set[str] = set()
+    for e in entries:
+        parts = e.relpath.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            rel = "/".join(parts[:i])
+            if rel in seen:
+                continue
+            seen.add(rel)
+            path = os.path.join(dst, rel)
+            if os.path.islink(path):
+                raise DatasetError(
+                    f"{path}: is a symlink; feedpipe stage never writes through links in the "
+                    "destination (remove it, or stage into another directory)"
+                )
 
 
 def _write_atomic(path: str, data: bytes) -> None:
     tmp = _remote.temp_name(path, len(data))
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(os.path.dirname(path))
 
 
 def _clean_stale_temps(root: str) -> None:
-    """Remove temp files left by an interrupted run whose process no longer exists."""
+    """Remove temp files (:func:`feedpipe._remote.temp_name`) whose process no longer exists."""
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
-            if _remote.PART_MARK not in name:
+            target = _remote.temp_target(name)
+            if target is None:
                 continue
-            try:
-                pid = int(name.rsplit(".", 2)[-2])
-            except ValueError:
-                continue
-            if not _pid_alive(pid):
+            if not _pid_alive(target[2]):
                 try:
                     os.unlink(os.path.join(dirpath, name))
                 except FileNotFoundError:
@@ -182,8 +312,6 @@ def run(args: argparse.Namespace) -> int:
     """Run ``feedpipe stage``; credentials come from the usual environment/config of the backend."""
     import sys
 
-    from feedpipe.errors import DatasetError
-
     options: dict[str, Any] = {}
     if args.endpoint_url:
         options["client_kwargs"] = {"endpoint_url": args.endpoint_url}
@@ -201,6 +329,12 @@ def run(args: argparse.Namespace) -> int:
     except DatasetError as exc:
         print(f"feedpipe stage: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(
+            "feedpipe stage: interrupted (the destination has no index until a rerun completes)",
+            file=sys.stderr,
+        )
+        return 130
     print(
         f"staged {args.dst}: {result.copied} files copied ({result.bytes_copied / 2**20:.1f} MiB, "
         f"{result.mb_per_s:.1f} MiB/s), {result.skipped} already present"

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from feedpipe._remote import redact
 from feedpipe.errors import DatasetError, require
 
 __all__ = ["ZarrDataset"]
@@ -109,7 +110,8 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
 
     # ------------------------------------------------------------------ metadata
     def _where(self, name: str) -> str:
-        return f"{self.path}/{name}" if name else self.path
+        shown = redact(self.path, self.storage_options)
+        return f"{shown}/{name}" if name else shown
 
     def _fs(self) -> tuple[Any, str]:
         import fsspec.core
@@ -169,8 +171,8 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
         self._proc_backend = self.backend
         if self.backend == "tensorstore" and _TS_STARTED_IN not in (None, os.getpid()):
             warnings.warn(
-                f"{self.path}: this process was forked after TensorStore ran in its parent, which "
-                "TensorStore does not allow; reading with zarr-python here instead (use the "
+                f"{self._where('')}: this process was forked after TensorStore ran in its parent, "
+                "which TensorStore does not allow; reading with zarr-python here instead (use the "
                 "'forkserver' or 'spawn' start method, or thread workers, to keep TensorStore)",
                 RuntimeWarning,
                 stacklevel=3,
@@ -223,7 +225,9 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
         bad = (idx < -self._len) | (idx >= self._len)
         if bad.any():
             first = int(idx[np.argmax(bad)])
-            raise IndexError(f"index {first} is out of range for {self.path} (length {self._len})")
+            raise IndexError(
+                f"index {first} is out of range for {self._where('')} (length {self._len})"
+            )
         return np.where(idx < 0, idx + self._len, idx)
 
     def _read(self, name: str, idx: np.ndarray) -> np.ndarray:
@@ -312,7 +316,8 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
     def __repr__(self) -> str:
         arrays = {n or "<root>": s for n, s in self.shapes.items()}
         return (
-            f"ZarrDataset({self.path!r}, {self._len} samples, {arrays}, backend={self.backend!r})"
+            f"ZarrDataset({self._where('')!r}, {self._len} samples, {arrays}, "
+            f"backend={self.backend!r})"
         )
 
 

@@ -15,6 +15,7 @@ import pytest
 from _faultproxy import FaultProxy
 from test_stage import make_dataset, upload
 
+from feedpipe import _remote
 from feedpipe.cache import ShardCache
 from feedpipe.errors import DatasetError
 
@@ -108,7 +109,7 @@ def test_lru_eviction_respects_limit_and_pins(
         with pytest.raises(DatasetError, match="pinned by readers"):
             cache.acquire(DATA[3])
         assert data_files(cache) == [DATA[0], DATA[2]]
-        assert not [p for p in Path(cache.dir).iterdir() if ".part." in p.name]
+        assert not [p for p in Path(cache.dir).iterdir() if _remote.is_temp(p.name)]
         cache.release(DATA[0])
         with cache.pinned(DATA[3]) as p3:
             assert Path(p3).read_bytes() == contents[DATA[3]]
@@ -202,7 +203,7 @@ def test_sigkilled_downloader_leaves_nothing_complete(
             deadline = time.monotonic() + 60
             parts: list[Path] = []
             while time.monotonic() < deadline and not any(_size(p) > 0 for p in parts):
-                parts = list(cache_dir.glob("*/.shard-00002.data.part.*"))
+                parts = list(cache_dir.glob("*/.feedpipe-tmp.*.shard-00002.data"))
                 time.sleep(0.02)
             parts = [p for p in parts if _size(p) > 0]  # a retried attempt may remove its temp
             assert parts, "download never started"

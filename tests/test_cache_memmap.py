@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_stage import make_dataset, upload
 
-from feedpipe import MemmapDataset
+from feedpipe import MemmapDataset, _remote
 
 
 def test_remote_memmap_dataset_reads_through_cache(
@@ -60,7 +60,8 @@ def _cache_bytes(cache_dir: Path) -> int:
             size = p.stat().st_size
         except FileNotFoundError:  # renamed or evicted while walking
             continue
-        name = p.name[1:].split(".part.", 1)[0] if ".part." in p.name else p.name
+        target = _remote.temp_target(p.name)
+        name = p.name if target is None else target[0]
         sizes[name] = max(sizes.get(name, 0), size)
     return sum(sizes.values())
 

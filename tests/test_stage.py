@@ -52,7 +52,7 @@ def assert_same(dst: Path, contents: dict[str, bytes]) -> None:
     for rel, data in contents.items():
         assert (dst / rel).read_bytes() == data, rel
     assert (dst / "index.json").exists()
-    assert not [p for p in dst.rglob("*") if ".part." in p.name]
+    assert not [p for p in dst.rglob("*") if _remote.is_temp(p.name)]
 
 
 def feedpipe_logs(caplog: pytest.LogCaptureFixture) -> str:
@@ -101,7 +101,7 @@ def test_rerun_copies_only_missing_or_wrong(tmp_path: Path) -> None:
     bad[100] ^= 0xFF  # same size, wrong content
     (dst / "shard-00001.data").write_bytes(bytes(bad))
     (dst / "shard-00002.label").write_bytes(b"short")  # wrong size
-    (dst / ".shard-00002.data.part.123.999999999.deadbeef").write_bytes(b"junk")  # crashed run
+    (dst / ".feedpipe-tmp.123.999999999.deadbeef.shard-00002.data").write_bytes(b"junk")  # dead
     result = stage(tmp_path / "src", dst, progress=False)
     assert result.copied == 3
     assert result.skipped == len(contents) - 3
