@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ckpt import _commit
+from ckpt import _commit, _retention
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 
@@ -92,6 +92,8 @@ def _verify_cmd(root: Path, only: int | None) -> int:
 
 
 def _gc(root: Path, keep_last: int, dry_run: bool) -> int:
+    from ckpt.remote import STATUS_FILE, read_status
+
     lock = _commit.WriterLock(root)
     lock.acquire()
     try:
@@ -101,16 +103,27 @@ def _gc(root: Path, keep_last: int, dry_run: bool) -> int:
         else:
             for path in _commit.remove_leftovers(root):
                 print(f"removed leftover {path.name}")
-        committed = _commit.steps(root)
-        protected = None
-        for step in reversed(committed):  # the newest step that verifies is never deleted
-            if _verify(_commit.step_dir(root, step))[0]:
-                protected = step
-                break
-        for step in committed[:-keep_last]:
-            if step == protected:
-                print(f"kept step {step} (newest valid checkpoint)")
-            elif dry_run:
+        remote = (root / STATUS_FILE).exists()  # a remote tier: keep what is not uploaded
+        uploads = read_status(root)
+        why_bad: dict[int, str] = {}
+
+        def is_restorable(step: int) -> bool:
+            why = _retention.restorable(_commit.step_dir(root, step))
+            if why is not None:
+                why_bad[step] = why
+            return why is None
+
+        def may_evict(step: int) -> bool:
+            return not remote or uploads.get(step, {}).get("state") == "done"
+
+        decision = _retention.plan(
+            _commit.steps(root), keep_last, is_restorable=is_restorable, may_evict=may_evict
+        )
+        for step, reason in sorted(decision.keep.items()):
+            detail = f": {why_bad[step]}" if step in why_bad else ""
+            print(f"kept step {step} ({reason}{detail})")
+        for step in decision.delete:
+            if dry_run:
                 print(f"would delete step {step}")
             elif _commit.evict(root, step):
                 print(f"deleted step {step}")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpt import _commit, _faults
+from ckpt import _commit, _faults, _retention
 from ckpt import format as fmt
 from ckpt._flatten import RNG_KEY, Leaf, apply_into, flatten, rng_state
 from ckpt._pool import Buffer, PinnedPool, PoolOptions
@@ -156,6 +156,7 @@ class CheckpointManager:
         self._executor: ThreadPoolExecutor | None = None
         self._newest_verified: int | None = None
         self._retain_lock = threading.Lock()
+        self._checked: dict[int, tuple[int, bool]] = {}  # step -> (dir inode, restorable)
         self.remote: RemoteTier | None = None
         if remote is not None:
             from ckpt.remote import RemoteOptions, RemoteTier
@@ -299,6 +300,7 @@ class CheckpointManager:
             stats.commit_s = time.perf_counter() - c0
             stats.durable_s = time.perf_counter() - job.t0
             self._newest_verified = max(step, self._newest_verified or step)
+            self._mark_good(step, handle.path)
             for listener in list(self.on_commit):
                 listener(step, handle.path)
             self._retain()
@@ -345,17 +347,46 @@ class CheckpointManager:
 
     # ---- retention ----------------------------------------------------------------------
     def _retain(self) -> None:
+        """Apply ``ckpt._retention.plan`` (the rule ``ckpt gc`` uses) with the evict guards."""
         if self.keep_last is None:
             return
         with self._retain_lock:  # the persist and upload threads may both apply retention
             committed = _commit.steps(self.directory)
-            for step in committed[: -self.keep_last]:
-                if step == self._newest_verified:
-                    continue
-                if not all(guard(step) for guard in self.evict_guards):
-                    continue
+            if len(committed) <= self.keep_last:
+                return
+            decision = _retention.plan(
+                committed,
+                self.keep_last,
+                is_restorable=self._is_restorable,
+                may_evict=lambda s: all(guard(s) for guard in self.evict_guards),
+            )
+            for step in decision.delete:
                 if _commit.evict(self.directory, step):
                     self.stats.evicted.append(step)
+                    self._checked.pop(step, None)
+
+    def _is_restorable(self, step: int) -> bool:
+        """Steps this manager committed or restored verified count as restorable; any other step
+        is checked once (``ckpt._retention.restorable``), keyed by its directory's inode."""
+        path = _commit.step_dir(self.directory, step)
+        try:
+            ino = os.stat(path).st_ino
+        except OSError:
+            return False
+        known = self._checked.get(step)
+        if known is not None and known[0] == ino:
+            return known[1]
+        why = _retention.restorable(path)
+        if why is not None:
+            log.warning("ckpt: retention does not count step %d (not restorable): %s", step, why)
+        self._checked[step] = (ino, why is None)
+        return why is None
+
+    def _mark_good(self, step: int, path: Path) -> None:
+        try:
+            self._checked[step] = (os.stat(path).st_ino, True)
+        except OSError:
+            pass
 
     def _retain_if_writer(self) -> None:
         if self._lock.held:
@@ -369,6 +400,7 @@ class CheckpointManager:
         if not (path / fmt.MANIFEST).is_file():
             raise CheckpointError(f"{path}: not a committed checkpoint")
         self._newest_verified = max(step, self._newest_verified or step)
+        self._mark_good(step, path)
         for listener in list(self.on_commit):
             listener(step, path)
         self._retain()
@@ -445,6 +477,7 @@ class CheckpointManager:
                 self.stats.last_restore = stats
                 if verify:
                     self._newest_verified = max(s, self._newest_verified or s)
+                    self._mark_good(s, path)
                 log.info(
                     "ckpt: restored step %d (%d bytes, read %.3f s, checksums %.3f s)",
                     s, stats.nbytes, stats.read_s, stats.verify_s,
