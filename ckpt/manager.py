@@ -422,6 +422,19 @@ class CheckpointManager:
         found = self.steps()
         return found[-1] if found else None
 
+    def metadata(self, step: int) -> dict:
+        """The ``metadata`` dict given to ``save`` for ``step`` (read from the local manifest,
+        else from the remote's); raises ``CheckpointError`` if the step is not found."""
+        path = _commit.step_dir(self.directory, step)
+        if not (path / fmt.MANIFEST).is_file() and step in self._remote_steps():
+            assert self.remote is not None
+            body = self.remote.read_manifest(step)
+        else:
+            with _commit.reading(path):
+                body = fmt.read_manifest(path)
+        meta = body.get("metadata")
+        return dict(meta) if isinstance(meta, dict) else {}
+
     def restore(
         self,
         step: int | None = None,

@@ -352,6 +352,13 @@ class RemoteTier:
             storage_options=self.options.storage_options,
         )
 
+    def _makedirs(self, rdir: str, step: int, name: str) -> None:
+        """Create ``rdir`` where the filesystem has real directories (``file://``, a local path).
+        Object stores have none, and s3fs's ``makedirs`` would even create a missing bucket."""
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        if "file" in protocols or "local" in protocols:
+            self._call(lambda: self.fs.makedirs(rdir, exist_ok=True), step, name, "mkdir")
+
     def _remote_manifest(self, step: int) -> bytes | None:
         def get() -> bytes | None:
             try:
@@ -393,6 +400,7 @@ class RemoteTier:
                         raise first
                     _faults.pause("upload_manifest")
                     rpath = self._rpath(step, fmt.MANIFEST)
+                    self._makedirs(self._rpath(step), step, fmt.MANIFEST)
                     self._call(lambda: self.fs.pipe_file(rpath, raw), step, fmt.MANIFEST, "upload")
                     if self._remote_manifest(step) != raw:
                         raise CorruptCheckpointError(
@@ -420,6 +428,7 @@ class RemoteTier:
 
     def _put_verified(self, path: Path, step: int, rec: dict) -> None:
         local, rpath, name = path / rec["name"], self._rpath(step, rec["name"]), rec["name"]
+        self._makedirs(rpath.rsplit("/", 1)[0], step, name)
         for attempt in (1, 2):
             self._call(
                 lambda: self.fs.put_file(
@@ -529,6 +538,22 @@ class RemoteTier:
             storage_options=self.options.storage_options,
         )
         return sorted(s for s, e in listing.items() if e.committed)
+
+    def read_manifest(self, step: int) -> dict:
+        """The validated manifest body of remote ``step`` (``CorruptCheckpointError`` if bad)."""
+        import tempfile
+
+        raw = self._remote_manifest(step)
+        if raw is None:
+            raise CheckpointError(f"{self.url}/step-{step}: no manifest (not a checkpoint)")
+        with tempfile.TemporaryDirectory(prefix="ckpt-manifest-") as tmp:
+            Path(tmp, fmt.MANIFEST).write_bytes(raw)
+            try:
+                return fmt.read_manifest(tmp)
+            except CorruptCheckpointError as exc:
+                raise CorruptCheckpointError(
+                    str(exc).replace(tmp, f"{self.url}/step-{step}")
+                ) from None
 
     def download(self, step: int) -> Path:
         """Download ``step`` into ``DIR/step-N.tmp-remote-*`` (manifest checked, files fetched);
