@@ -414,11 +414,13 @@ class CheckpointManager:
 
     # ---- reading ------------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """Committed steps, ascending (verification happens on restore)."""
-        return _commit.steps(self.directory)
+        """Committed steps, ascending: the local ``step-N`` directories and, with a remote tier,
+        the steps committed there (listing only; ``restore`` verifies). Raises
+        ``CheckpointError`` if the remote cannot be listed: a step there may be the newest."""
+        return sorted(set(_commit.steps(self.directory)) | self._remote_steps(strict=True))
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or ``None``."""
+        """The newest committed step, local or remote (see ``steps``), or ``None``."""
         found = self.steps()
         return found[-1] if found else None
 
@@ -455,7 +457,7 @@ class CheckpointManager:
         remote = self._remote_steps()
         for _attempt in range(3):  # re-list if a step vanished under us (concurrent retention)
             vanished = False
-            local = set(self.steps())
+            local = set(_commit.steps(self.directory))
             candidates = [step] if step is not None else sorted(local | remote, reverse=True)
             for s in candidates:
                 if any(s == done for done, _ in skipped):
@@ -503,14 +505,18 @@ class CheckpointManager:
         detail = "; ".join(f"step {s}: {why}" for s, why in skipped) or "no committed steps"
         raise CheckpointError(f"{self.directory}: no valid checkpoint to restore ({detail})")
 
-    def _remote_steps(self) -> set[int]:
+    def _remote_steps(self, strict: bool = False) -> set[int]:
+        """Steps committed on the remote; a failed listing raises if ``strict``, else it is
+        logged (the remote is then only a fallback that is unavailable)."""
         if self.remote is None:
             return set()
         try:
             return set(self.remote.committed_steps())
-        except CheckpointError as exc:  # the remote is a fallback: a failed listing is not fatal
-            log.warning("ckpt: cannot list %s: %s", self.remote.url, exc)
         except Exception as exc:
+            if strict:
+                raise CheckpointError(
+                    f"cannot list the remote tier {self.remote.url} of {self.directory}: {exc}"
+                ) from exc
             log.warning("ckpt: cannot list %s: %s", self.remote.url, exc)
         return set()
 
@@ -552,7 +558,7 @@ class CheckpointManager:
         """Commit a verified download as local ``step-N``, known uploaded (writer lock held)."""
         assert self.remote is not None
         _commit.publish(tmp, self.directory, step)
-        if step >= max(self.steps(), default=step):
+        if step >= max(_commit.steps(self.directory), default=step):
             _commit.write_latest(self.directory, step)
         with self._mutex:
             self.remote.stats.uploads.setdefault(step, _done_status(step))

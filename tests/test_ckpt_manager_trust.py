@@ -5,8 +5,6 @@ Remotes are real: a ``file://`` directory, fsspec's ``memory://`` and S3 through
 
 from __future__ import annotations
 
-import logging
-import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 
-import ckpt
 from ckpt import _commit
 from ckpt.errors import CheckpointError
 from ckpt.manager import CheckpointManager
@@ -37,7 +34,9 @@ def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RemoteOpt
         yield RemoteOptions(url, deadline_s=10)
         import fsspec
 
-        fsspec.filesystem("memory").rm(url[len("memory://") :].split("/")[0], recursive=True)
+        fsspec.filesystem("memory").rm(
+            url[len("memory://") :].split("/", maxsplit=1)[0], recursive=True
+        )
     else:
         pytest.importorskip("s3fs")
         bucket, opts = request.getfixturevalue("s3_bucket")
@@ -64,3 +63,38 @@ def test_remote_end_to_end(tmp_path: Path, remote: RemoteOptions) -> None:
         assert fresh.metadata(2) == {"lr": 0.2}
     finally:
         fresh.close()
+
+
+# ---- 8: latest_step() and steps() see the remote tier --------------------------------------
+def test_readme_resume_idiom_on_a_fresh_node(tmp_path: Path, remote: RemoteOptions) -> None:
+    with CheckpointManager(tmp_path / "old-node", remote=remote) as m:
+        m.save(100, _state(100))
+        m.wait(uploads=True)
+    state = {"w": torch.zeros(1000), "step": 0}
+    manager = CheckpointManager(tmp_path / "new-node", remote=remote)  # empty local directory
+    try:
+        assert manager.steps() == [100]
+        if manager.latest_step() is not None:  # the README idiom
+            manager.restore(into=state)
+        assert torch.equal(state["w"], _state(100)["w"])
+        assert _commit.steps(tmp_path / "new-node") == [100]  # the download is kept locally
+    finally:
+        manager.close()
+
+
+def test_steps_raise_when_the_remote_cannot_be_listed(
+    tmp_path: Path, s3_bucket: tuple[str, dict], s3_server: str
+) -> None:
+    """A failed listing never reads as "no checkpoint": the idiom would restart from scratch."""
+    pytest.importorskip("s3fs")
+    from _faultproxy import FaultProxy
+
+    bucket, opts = s3_bucket
+    with FaultProxy(s3_server) as proxy:
+        proxy.inject("403", times=1000, method="GET")
+        proxied = {**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint_url": proxy.url}}
+        bad = RemoteOptions(f"s3://{bucket}/run", storage_options=proxied, deadline_s=2)
+        with CheckpointManager(tmp_path, remote=bad) as m:
+            with pytest.raises(CheckpointError, match=f"cannot list the remote tier s3://{bucket}"):
+                m.latest_step()
+            proxy.clear()
