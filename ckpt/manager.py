@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt import _commit, _faults, _retention
 from ckpt import format as fmt
 from ckpt._flatten import RNG_KEY, Leaf, apply_into, flatten, rng_state
+from ckpt._paths import local_path
 from ckpt._pool import Buffer, PinnedPool, PoolOptions
 from ckpt._reader import MapLocation, RestoreStats, read_checkpoint
 from ckpt.errors import CheckpointError, CorruptCheckpointError, LockedError
@@ -139,7 +140,12 @@ class CheckpointManager:
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 or None")
-        self.directory = Path(directory)
+        self.directory = local_path(
+            directory,
+            "CheckpointManager",
+            "give a local directory and the URL as remote=, e.g. "
+            "CheckpointManager('/local/ckpt', remote='s3://bucket/run')",
+        )
         self.directory.mkdir(parents=True, exist_ok=True)
         self.keep_last = keep_last
         self.write_options = write or WriteOptions()

@@ -5,6 +5,8 @@ Remotes are real: a ``file://`` directory, fsspec's ``memory://`` and S3 through
 
 from __future__ import annotations
 
+import logging
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+import ckpt
 from ckpt import _commit
 from ckpt.errors import CheckpointError
 from ckpt.manager import CheckpointManager
@@ -98,3 +101,28 @@ def test_steps_raise_when_the_remote_cannot_be_listed(
             with pytest.raises(CheckpointError, match=f"cannot list the remote tier s3://{bucket}"):
                 m.latest_step()
             proxy.clear()
+
+
+# ---- 10: a remote URL given as the local directory is a clear error -----------------------------
+@pytest.mark.parametrize("url", ["s3://b/run", "gs://bucket/x/ckpt", "memory://run", "s3:/b/run"])
+def test_url_as_directory_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"CheckpointManager takes a local directory.*remote="):
+        CheckpointManager(url)
+    with pytest.raises(ValueError, match=r"ckpt\.save takes a local directory.*remote=URL"):
+        ckpt.save(url, {"w": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"ckpt\.load takes a local directory.*remote=URL"):
+        ckpt.load(url)
+    with pytest.raises(ValueError, match=r"CheckpointManager takes a local directory"):
+        CheckpointManager(Path(url))  # Path("s3://b/run") collapses to s3:/b/run
+    assert os.listdir(tmp_path) == []  # no local "s3:" (or any) directory was created
+
+
+def test_file_url_is_a_local_directory(tmp_path: Path) -> None:
+    ckpt.save(f"file://{tmp_path}/one", {"w": torch.ones(2)})
+    assert torch.equal(ckpt.load(f"file://{tmp_path}/one")["w"], torch.ones(2))
+    with CheckpointManager(f"file://{tmp_path}/run") as m:
+        m.save(1, {"w": torch.ones(2)}).result()
+    assert _commit.steps(tmp_path / "run") == [1]
