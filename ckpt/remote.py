@@ -70,6 +70,9 @@ class RemoteOptions:
     ``grace_s``: remote prefixes without a manifest older than this are garbage-collected.
     ``evict_before_upload``: let local retention delete steps not yet uploaded (opt-out of
     tier-aware retention). ``close_timeout_s``: how long ``close()`` waits for uploads.
+    ``on_error``: ``"raise"`` (default) re-raises an upload failure from the manager's next
+    ``save``/``wait``/``close``; ``"warn"`` logs a warning instead and training goes on. Either
+    way the local copy is kept, and a failed step is uploaded again after the next commit.
     """
 
     url: str
@@ -81,8 +84,13 @@ class RemoteOptions:
     grace_s: float = 3600.0
     evict_before_upload: bool = False
     close_timeout_s: float | None = 600.0
+    on_error: str = "raise"
 
     def __post_init__(self) -> None:
+        if self.on_error not in ("raise", "warn"):
+            raise ValueError(
+                f"RemoteOptions.on_error must be 'raise' or 'warn', not {self.on_error!r}"
+            )
         if self.verify not in ("readback", "size"):
             raise ValueError(
                 f"RemoteOptions.verify must be 'readback' or 'size', not {self.verify!r}"
@@ -202,11 +210,21 @@ class RemoteTier:
 
     # ---- queue --------------------------------------------------------------------------
     def enqueue(self, step: int, path: Path | None = None) -> None:
-        """Queue ``step`` for upload (an ``on_commit`` listener; returns at once)."""
+        """Queue ``step`` for upload (an ``on_commit`` listener; returns at once), and again
+        every step whose upload failed and whose local copy is still there."""
+        local = set(_commit.steps(self.directory))
         with self._cond:
-            self.stats.uploads[step] = UploadStatus(step)
-            if step not in self._queue:
-                self._queue.append(step)
+            retry = [
+                s
+                for s, st in sorted(self.stats.uploads.items())
+                if st.state == "failed" and s != step and s in local
+            ]
+            for again in [*retry, step]:
+                self.stats.uploads[again] = UploadStatus(again)
+                if again not in self._queue:
+                    self._queue.append(again)
+        if retry:
+            log.info("ckpt: uploading again to %s: steps %s", self.url, retry)
         self._write_status()
         self._kick()
 
@@ -299,9 +317,16 @@ class RemoteTier:
         with self._cond:
             self.stats.uploads[step] = UploadStatus(step, "failed", reason)
             self.stats.failed += 1
-            if self._error is None:
+            if self._error is None and self.options.on_error == "raise":
                 self._error = (step, exc)
-        log.error("ckpt: upload of step %d to %s failed: %s", step, self.url, reason)
+        if self.options.on_error == "warn":
+            log.warning(
+                "ckpt: upload of step %d to %s failed (the local copy is kept; it is uploaded "
+                "again after the next commit): %s",
+                step, self.url, reason,
+            )  # fmt: skip
+        else:
+            log.error("ckpt: upload of step %d to %s failed: %s", step, self.url, reason)
         self._write_status()
 
     def _reconcile(self) -> None:
@@ -480,9 +505,13 @@ class RemoteTier:
     # ---- remote retention -----------------------------------------------------------------
     def _fail_retention(self, step: int, exc: Exception) -> None:
         reason = redact(str(exc), self.options.storage_options)
-        log.error("ckpt: remote retention after step %d on %s failed: %s", step, self.url, reason)
+        log.log(
+            logging.WARNING if self.options.on_error == "warn" else logging.ERROR,
+            "ckpt: remote retention after step %d on %s failed: %s",
+            step, self.url, reason,
+        )  # fmt: skip
         with self._cond:
-            if self._error is None:
+            if self._error is None and self.options.on_error == "raise":
                 self._error = (step, exc)
 
     def _delete_remote(self, step: int) -> None:

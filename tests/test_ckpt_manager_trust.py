@@ -126,3 +126,53 @@ def test_file_url_is_a_local_directory(tmp_path: Path) -> None:
     with CheckpointManager(f"file://{tmp_path}/run") as m:
         m.save(1, {"w": torch.ones(2)}).result()
     assert _commit.steps(tmp_path / "run") == [1]
+
+
+# ---- 14: RemoteOptions(on_error="warn"): an upload failure does not stop training ----------------
+def test_on_error_warn_keeps_training_and_retries(
+    tmp_path: Path, s3_bucket: tuple[str, dict], s3_server: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("s3fs")
+    from _faultproxy import FaultProxy
+
+    from ckpt.remote import list_remote
+
+    bucket, opts = s3_bucket
+    caplog.set_level(logging.WARNING, logger="ckpt")
+    with FaultProxy(s3_server) as proxy:
+        proxied = {**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint_url": proxy.url}}
+        options = RemoteOptions(
+            f"s3://{bucket}/run", storage_options=proxied, deadline_s=5, on_error="warn"
+        )
+        m = CheckpointManager(tmp_path, keep_last=1, remote=options)
+        ups = m.stats.remote.uploads  # type: ignore[union-attr]
+        m.save(1, _state(1))
+        m.wait(uploads=True)
+        proxy.inject("403", times=10_000, match="/step-2/", method="PUT")  # step 2 cannot upload
+        m.save(2, _state(2))
+        m.wait(uploads=True)  # no error: "warn"
+        assert ups[2].state == "failed" and "upload of step 2" in caplog.text
+        assert _commit.steps(tmp_path) == [2]  # step 1 was uploaded, so keep_last freed it
+        m.save(3, _state(3))  # training goes on; step 2 is tried again and fails again
+        m.wait(uploads=True)
+        assert (ups[2].state, ups[3].state) == ("failed", "done")
+        assert _commit.steps(tmp_path) == [2, 3]  # 2 kept until uploaded, 3 is the newest
+        proxy.clear()
+        m.save(4, _state(4))  # the remote is back: step 2 goes up with step 4
+        m.wait(uploads=True)
+        m.close()
+        assert {s: u.state for s, u in ups.items()} == {s: "done" for s in (1, 2, 3, 4)}
+        assert _commit.steps(tmp_path) == [4]  # every uploaded local step was freed
+        assert m.stats.remote.failed >= 2  # type: ignore[union-attr]
+    import s3fs
+
+    listing = list_remote(s3fs.S3FileSystem(**opts), f"{bucket}/run")
+    assert sorted(s for s, e in listing.items() if e.committed) == [1, 2, 3, 4]
+    direct = RemoteOptions(f"s3://{bucket}/run", storage_options=opts)
+    with CheckpointManager(tmp_path / "fresh", remote=direct) as fresh:
+        assert torch.equal(fresh.restore(2)["w"], _state(2)["w"])
+
+
+def test_on_error_is_validated() -> None:
+    with pytest.raises(ValueError, match="on_error must be 'raise' or 'warn'"):
+        RemoteOptions("s3://b/x", on_error="ignore")
