@@ -71,8 +71,9 @@ class RemoteOptions:
     ``evict_before_upload``: let local retention delete steps not yet uploaded (opt-out of
     tier-aware retention). ``close_timeout_s``: how long ``close()`` waits for uploads.
     ``on_error``: ``"raise"`` (default) re-raises an upload failure from the manager's next
-    ``save``/``wait``/``close``; ``"warn"`` logs a warning instead and training goes on. Either
-    way the local copy is kept, and a failed step is uploaded again after the next commit.
+    ``save``/``wait``/``close``, and the next manager on the directory uploads the step again;
+    ``"warn"`` logs a warning instead, training goes on, and the step is uploaded again after each
+    later commit until it succeeds. Either way the local copy is kept until uploaded.
     """
 
     url: str
@@ -210,9 +211,11 @@ class RemoteTier:
 
     # ---- queue --------------------------------------------------------------------------
     def enqueue(self, step: int, path: Path | None = None) -> None:
-        """Queue ``step`` for upload (an ``on_commit`` listener; returns at once), and again
-        every step whose upload failed and whose local copy is still there."""
-        local = set(_commit.steps(self.directory))
+        """Queue ``step`` for upload (an ``on_commit`` listener; returns at once). With
+        ``on_error="warn"``, also queue again every step whose upload failed and whose local copy
+        is still there."""
+        warn = self.options.on_error == "warn"
+        local = set(_commit.steps(self.directory)) if warn else set()
         with self._cond:
             retry = [
                 s
