@@ -9,7 +9,8 @@ CRC32C, writes the manifest, commits ``step-N`` atomically, updates ``latest``, 
 Extension points: ``on_commit`` listeners ``(step, path)`` run in the background after each local
 commit; ``evict_guards`` ``(step) -> bool`` may veto the eviction of a step (e.g. until uploaded).
 With ``remote=`` (``ckpt.remote``), committed steps are uploaded in the background, local steps
-are kept until uploaded, and ``restore`` falls back to the remote copy.
+are kept until uploaded, ``steps``/``latest_step`` list the remote steps too, and ``restore``
+falls back to the remote copy. Retention is ``ckpt._retention.plan``, the rule ``ckpt gc`` uses.
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ class _Job:
 
 class CheckpointManager:
     """Asynchronous checkpoints of step ``N`` into ``directory/step-N`` (see module docstring).
+
+    ``directory`` is local (a ``file://`` URL is accepted); any other URL raises ``ValueError``:
+    give it as ``remote=`` instead.
 
     ``keep_last``: how many newest steps retention keeps (``None``: all). ``pool``: staging pool
     sizing (call ``reserve`` or give ``pool.budget_bytes`` to keep allocation out of the first
