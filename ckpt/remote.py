@@ -14,8 +14,9 @@ its manifest first. Verification (``RemoteOptions.verify``):
 
 Transient errors are retried with backoff under ``deadline_s``, permanent ones fail at once
 (``feedpipe._remote.call``); failures are kept in the stats and raised by the manager's next
-``save``/``wait`` (``on_error="warn"``: logged, and retried after the next commit); the local copy is never evicted before its upload is done (unless
-``evict_before_upload``). Messages never contain credentials (``feedpipe._remote.redact``).
+``save``/``wait`` (``on_error="warn"``: logged, and retried after the next commit); the local
+copy is never evicted before its upload is done (unless ``evict_before_upload``). Messages
+never contain credentials (``feedpipe._remote.redact``).
 Upload status is mirrored to ``DIR/upload-status.json`` for ``ckpt ls``.
 """
 
