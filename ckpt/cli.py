@@ -1,24 +1,33 @@
-"""The ``ckpt`` command: ``ckpt ls|verify|gc DIR``.
+"""The ``ckpt`` command: ``ckpt ls|verify PATH_OR_URL``, ``ckpt gc DIR``.
 
-``ls`` lists committed steps (size, files, creation time, ``latest``, upload status when a remote
-tier is configured) and leftovers without reading data; ``verify`` checks every data file's
-CRC32C (exit status 1 if any step is bad);
-``gc`` removes leftovers of interrupted saves and all but the newest ``--keep-last`` steps (never
-the newest step that verifies, never a step being read), under the directory's writer lock.
+``PATH_OR_URL`` is a directory of ``step-N`` checkpoints, a single checkpoint directory (the
+output of ``ckpt.save``, a Lightning checkpoint written by ``CkptCheckpointIO``) or a remote URL
+(``s3://bucket/run``; ``--endpoint-url``/``--anon`` for S3-compatible servers).
+``ls`` lists steps (size, files, creation time, ``latest``, upload status, the ``metadata`` given
+to ``save``) and leftovers without reading data; ``verify`` checks that each step restores: every
+data file's CRC32C and the tree, entries and types, as ``restore`` checks them. Both exit with
+status 1 if any step is bad. ``gc`` removes leftovers of interrupted saves and applies the
+manager's retention rule (``ckpt._retention``) under the directory's writer lock: the newest
+``--keep-last`` restorable steps are kept, and a step whose upload has not finished is never
+deleted.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from ckpt import _commit
+from ckpt import _commit, _retention
 from ckpt import format as fmt
-from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.errors import CheckpointError
 
 __all__ = ["main"]
 
@@ -32,66 +41,111 @@ def _size(n: float) -> str:
 
 
 def _verify(path: Path) -> tuple[bool, str, int]:
+    """Whether the checkpoint in ``path`` restores (every checksum, the tree, entries, types)."""
     t0 = time.perf_counter()
+    why = _retention.restorable(path)
+    if why is not None:
+        return False, why, 0
     try:
-        with _commit.reading(path):
-            body = fmt.read_manifest(path)
-            for rec in body["files"]:
-                fmt.verify_file(path, rec)
-    except CheckpointError as exc:
+        nbytes = sum(rec["size"] for rec in fmt.read_manifest(path)["files"])
+    except CheckpointError as exc:  # changed since it was verified
         return False, str(exc), 0
-    nbytes = sum(rec["size"] for rec in body["files"])
     dt = time.perf_counter() - t0
     rate = nbytes / max(dt, 1e-9) / 1e9
     return True, f"ok ({_size(nbytes)} in {dt:.2f} s, {rate:.2f} GB/s)", nbytes
 
 
+def _step_names(root: Path) -> list[tuple[int, Path]]:
+    """Every ``step-N`` entry of ``root`` (committed or not: one without a manifest is bad)."""
+    found = []
+    for name in os.listdir(root):
+        if name.startswith("step-") and name[5:].isdigit():
+            found.append((int(name[5:]), root / name))
+    return sorted(found)
+
+
+def _targets(root: Path) -> tuple[list[tuple[str, Path]], bool]:
+    """``(label, path)`` of each checkpoint under ``root``, and whether ``root`` is one itself
+    (the output of ``ckpt.save``, a Lightning checkpoint directory)."""
+    if os.path.lexists(root / fmt.MANIFEST):
+        return [(str(root), root)], True
+    return [(f"step {n}", path) for n, path in _step_names(root)], False
+
+
+def _row(label: str, body: dict | None, mark: str, upload: str = "-") -> str:
+    if body is None:
+        return f"{label:>10}  {'?':>10}  {'?':>5}  {'?':<19}  {upload:<9}  {mark}"
+    size = sum(rec["size"] for rec in body["files"])
+    created = body.get("created")
+    when = (
+        datetime.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M:%S")
+        if isinstance(created, (int, float))
+        else "-"
+    )
+    meta = body.get("metadata")
+    shown = {k: v for k, v in meta.items() if k != "dcp"} if isinstance(meta, dict) else {}
+    extra = f"  {json.dumps(shown, sort_keys=True)}" if shown else ""
+    files = len(body["files"])
+    return f"{label:>10}  {_size(size):>10}  {files:>5}  {when:<19}  {upload:<9}  {mark}{extra}"
+
+
 def _ls(root: Path) -> int:
     from ckpt.remote import read_status
 
-    latest = _commit.read_latest(root)
-    uploads = read_status(root)
+    targets, single = _targets(root)
+    latest = None if single else _commit.read_latest(root)
+    uploads = {} if single else read_status(root)
     print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'created':<19}  {'upload':<9}  status")
-    for step in _commit.steps(root):
-        path = _commit.step_dir(root, step)
+    bad = 0
+    for label, path in targets:
+        step = None if single else int(path.name[5:])
+        name = "-" if single else str(step)
         try:
             body = fmt.read_manifest(path)
-        except CorruptCheckpointError as exc:
-            print(f"{step:>10}  {'?':>10}  {'?':>5}  {'?':<19}  {'-':<9}  BAD: {exc}")
+        except (CheckpointError, OSError) as exc:
+            bad += 1
+            print(_row(name, None, f"BAD: {_reason(exc, path)}"))
             continue
-        size = sum(rec["size"] for rec in body["files"])
-        created = body.get("created")
-        when = (
-            datetime.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M:%S")
-            if isinstance(created, (int, float))
-            else "-"
-        )
-        mark = "committed" + (", latest" if step == latest else "")
-        up = uploads.get(step, {})
+        mark = "committed" + (", latest" if step is not None and step == latest else "")
+        if single:
+            mark = f"checkpoint {label}"
+        up = uploads.get(step, {}) if step is not None else {}
         if up.get("reason"):
             mark += f" (upload: {up['reason']})"
-        up_state = str(up.get("state", "-"))
-        files = len(body["files"])
-        print(f"{step:>10}  {_size(size):>10}  {files:>5}  {when:<19}  {up_state:<9}  {mark}")
-    for path in _commit.leftovers(root):
-        print(f"{'-':>10}  {'':>10}  {'':>5}  {'':<19}  {'':<9}  leftover: {path.name}")
-    return 0
+        print(_row(name, body, mark, str(up.get("state", "-"))))
+    if not single:
+        for path in _commit.leftovers(root):
+            print(f"{'-':>10}  {'':>10}  {'':>5}  {'':<19}  {'':<9}  leftover: {path.name}")
+    return 1 if bad else 0
+
+
+def _reason(exc: BaseException, path: Path) -> str:
+    if isinstance(exc, CheckpointError):
+        return str(exc)
+    return f"{path / fmt.MANIFEST}: {exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
 
 
 def _verify_cmd(root: Path, only: int | None) -> int:
-    chosen = _commit.steps(root) if only is None else [only]
-    if not chosen:
+    targets, single = _targets(root)
+    if only is not None:
+        if single:
+            print(f"{root}: a single checkpoint, not a directory of steps (drop --step)")
+            return 2
+        targets = [(f"step {only}", _commit.step_dir(root, only))]
+    if not targets:
         print(f"{root}: no committed checkpoints")
         return 1
     bad = 0
-    for step in chosen:
-        ok, msg, _ = _verify(_commit.step_dir(root, step))
+    for label, path in targets:
+        ok, msg, _ = _verify(path)
         bad += not ok
-        print(f"step {step}: {'OK' if ok else 'FAILED'}: {msg}")
+        print(f"{label}: {'OK' if ok else 'FAILED'}: {msg}")
     return 1 if bad else 0
 
 
 def _gc(root: Path, keep_last: int, dry_run: bool) -> int:
+    from ckpt.remote import STATUS_FILE, read_status
+
     lock = _commit.WriterLock(root)
     lock.acquire()
     try:
@@ -101,16 +155,27 @@ def _gc(root: Path, keep_last: int, dry_run: bool) -> int:
         else:
             for path in _commit.remove_leftovers(root):
                 print(f"removed leftover {path.name}")
-        committed = _commit.steps(root)
-        protected = None
-        for step in reversed(committed):  # the newest step that verifies is never deleted
-            if _verify(_commit.step_dir(root, step))[0]:
-                protected = step
-                break
-        for step in committed[:-keep_last]:
-            if step == protected:
-                print(f"kept step {step} (newest valid checkpoint)")
-            elif dry_run:
+        remote = (root / STATUS_FILE).exists()  # a remote tier: keep what is not uploaded
+        uploads = read_status(root)
+        why_bad: dict[int, str] = {}
+
+        def is_restorable(step: int) -> bool:
+            why = _retention.restorable(_commit.step_dir(root, step))
+            if why is not None:
+                why_bad[step] = why
+            return why is None
+
+        def may_evict(step: int) -> bool:
+            return not remote or uploads.get(step, {}).get("state") == "done"
+
+        decision = _retention.plan(
+            _commit.steps(root), keep_last, is_restorable=is_restorable, may_evict=may_evict
+        )
+        for step, reason in sorted(decision.keep.items()):
+            detail = f": {why_bad[step]}" if step in why_bad else ""
+            print(f"kept step {step} ({reason}{detail})")
+        for step in decision.delete:
+            if dry_run:
                 print(f"would delete step {step}")
             elif _commit.evict(root, step):
                 print(f"deleted step {step}")
@@ -121,33 +186,113 @@ def _gc(root: Path, keep_last: int, dry_run: bool) -> int:
     return 0
 
 
+def _fetch(fs: Any, rpath: str, into: Path, *, data: bool) -> None:
+    """Copy the remote checkpoint ``rpath`` into the local directory ``into`` (the manifest, and
+    with ``data`` every file it names)."""
+    (into / fmt.MANIFEST).write_bytes(bytes(fs.cat_file(f"{rpath}/{fmt.MANIFEST}")))
+    if data:
+        for rec in fmt.read_manifest(into)["files"]:
+            dest = into / fmt.safe_relpath(rec["name"])
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(f"{rpath}/{rec['name']}", str(dest))
+
+
+def _remote_cmd(command: str, url: str, options: dict, only: int | None) -> int:
+    """``ckpt ls|verify URL``: a remote root of ``step-N`` prefixes, or one remote checkpoint."""
+    from ckpt.remote import list_remote
+    from feedpipe._remote import redact, resolve
+
+    fs, root = resolve(url, options or None)
+    shown = redact(url, options).rstrip("/")
+    if fs.exists(f"{root}/{fmt.MANIFEST}"):
+        targets = [(shown, root, True)]
+    else:
+        listing = list_remote(fs, root)
+        chosen = sorted(listing) if only is None else [only]
+        targets = [
+            (f"step {n}", f"{root}/step-{n}", n in listing and listing[n].committed) for n in chosen
+        ]
+    if command == "ls":
+        print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'created':<19}  {'upload':<9}  status")
+    elif not targets:
+        print(f"{shown}: no committed checkpoints")
+        return 1
+    bad = 0
+    for label, rpath, committed in targets:
+        where = shown if label == shown else f"{shown}/{label.replace(' ', '-')}"
+        name = "-" if label == shown else label[5:]
+        if not committed:
+            if command == "verify":
+                bad += 1
+                print(f"{label}: FAILED: {where}: no manifest (not a checkpoint)")
+            else:
+                print(_row(name, None, "partial upload (no manifest, not a checkpoint)"))
+            continue
+        with tempfile.TemporaryDirectory(prefix="ckpt-cli-") as tmp:
+            try:
+                _fetch(fs, rpath, Path(tmp), data=command == "verify")
+                if command == "ls":
+                    print(_row(name, fmt.read_manifest(tmp), f"committed ({where})"))
+                    continue
+                ok, msg, _ = _verify(Path(tmp))
+            except (CheckpointError, OSError) as exc:
+                ok, msg = False, str(exc)
+            msg = msg.replace(tmp, where)
+            bad += not ok
+            if command == "ls":
+                print(_row(name, None, f"BAD: {msg}"))
+            else:
+                print(f"{label}: {'OK' if ok else 'FAILED'}: {msg}")
+    return 1 if bad else 0
+
+
+def _storage_options(args: argparse.Namespace) -> dict:
+    options: dict[str, Any] = {}
+    if args.endpoint_url:
+        options["client_kwargs"] = {"endpoint_url": args.endpoint_url}
+    if args.anon:
+        options["anon"] = True
+    return options
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ckpt`` command."""
     parser = argparse.ArgumentParser(prog="ckpt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p_ls = sub.add_parser("ls", help="list steps, sizes and status")
-    p_ls.add_argument("directory", type=Path)
-    p_verify = sub.add_parser("verify", help="check every checksum")
-    p_verify.add_argument("directory", type=Path)
+    where = "a checkpoint directory (DIR of step-N, or one checkpoint) or a URL (s3://...)"
+    p_ls = sub.add_parser("ls", help="list steps, sizes, status and metadata")
+    p_ls.add_argument("directory", help=where)
+    p_verify = sub.add_parser("verify", help="check that every step restores (all checksums)")
+    p_verify.add_argument("directory", help=where)
     p_verify.add_argument("--step", type=int, default=None, help="only this step")
+    for p in (p_ls, p_verify):
+        p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for a URL")
+        p.add_argument("--anon", action="store_true", help="anonymous (unsigned) S3 access")
     p_gc = sub.add_parser("gc", help="remove leftovers and old steps")
-    p_gc.add_argument("directory", type=Path)
+    p_gc.add_argument("directory", help="a local checkpoint directory")
     p_gc.add_argument("--keep-last", type=int, default=3)
     p_gc.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
-    root: Path = args.directory
-    if not root.is_dir():
-        print(f"ckpt: {root}: no such directory", file=sys.stderr)
-        return 2
+    if args.command == "gc" and args.keep_last < 1:
+        parser.error("--keep-last must be >= 1")
+    text: str = args.directory
     try:
+        if "://" in text and not text.startswith("file://"):
+            if args.command == "gc":
+                print(f"ckpt: gc works on a local directory, not {text!r}", file=sys.stderr)
+                return 2
+            return _remote_cmd(args.command, text, _storage_options(args), args.step
+                               if args.command == "verify" else None)  # fmt: skip
+        root = Path(text[len("file://") :] if text.startswith("file://") else text)
+        if not root.is_dir():
+            print(f"ckpt: {text}: no such directory", file=sys.stderr)
+            return 2
         if args.command == "ls":
             return _ls(root)
         if args.command == "verify":
             return _verify_cmd(root, args.step)
-        if args.keep_last < 1:
-            parser.error("--keep-last must be >= 1")
         return _gc(root, args.keep_last, args.dry_run)
-    except CheckpointError as exc:
+    except (CheckpointError, OSError) as exc:
         print(f"ckpt: {exc}", file=sys.stderr)
         return 1
 

@@ -9,7 +9,8 @@ CRC32C, writes the manifest, commits ``step-N`` atomically, updates ``latest``, 
 Extension points: ``on_commit`` listeners ``(step, path)`` run in the background after each local
 commit; ``evict_guards`` ``(step) -> bool`` may veto the eviction of a step (e.g. until uploaded).
 With ``remote=`` (``ckpt.remote``), committed steps are uploaded in the background, local steps
-are kept until uploaded, and ``restore`` falls back to the remote copy.
+are kept until uploaded, ``steps``/``latest_step`` list the remote steps too, and ``restore``
+falls back to the remote copy. Retention is ``ckpt._retention.plan``, the rule ``ckpt gc`` uses.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpt import _commit, _faults
+from ckpt import _commit, _faults, _retention
 from ckpt import format as fmt
 from ckpt._flatten import RNG_KEY, Leaf, apply_into, flatten, rng_state
+from ckpt._paths import local_path
 from ckpt._pool import Buffer, PinnedPool, PoolOptions
 from ckpt._reader import MapLocation, RestoreStats, read_checkpoint
 from ckpt.errors import CheckpointError, CorruptCheckpointError, LockedError
@@ -121,6 +123,9 @@ class _Job:
 class CheckpointManager:
     """Asynchronous checkpoints of step ``N`` into ``directory/step-N`` (see module docstring).
 
+    ``directory`` is local (a ``file://`` URL is accepted); any other URL raises ``ValueError``:
+    give it as ``remote=`` instead.
+
     ``keep_last``: how many newest steps retention keeps (``None``: all). ``pool``: staging pool
     sizing (call ``reserve`` or give ``pool.budget_bytes`` to keep allocation out of the first
     save). ``write``: background writer settings. ``remote``: a URL or ``RemoteOptions`` to
@@ -139,7 +144,12 @@ class CheckpointManager:
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 or None")
-        self.directory = Path(directory)
+        self.directory = local_path(
+            directory,
+            "CheckpointManager",
+            "give a local directory and the URL as remote=, e.g. "
+            "CheckpointManager('/local/ckpt', remote='s3://bucket/run')",
+        )
         self.directory.mkdir(parents=True, exist_ok=True)
         self.keep_last = keep_last
         self.write_options = write or WriteOptions()
@@ -156,6 +166,7 @@ class CheckpointManager:
         self._executor: ThreadPoolExecutor | None = None
         self._newest_verified: int | None = None
         self._retain_lock = threading.Lock()
+        self._checked: dict[int, tuple[int, bool]] = {}  # step -> (dir inode, restorable)
         self.remote: RemoteTier | None = None
         if remote is not None:
             from ckpt.remote import RemoteOptions, RemoteTier
@@ -299,6 +310,7 @@ class CheckpointManager:
             stats.commit_s = time.perf_counter() - c0
             stats.durable_s = time.perf_counter() - job.t0
             self._newest_verified = max(step, self._newest_verified or step)
+            self._mark_good(step, handle.path)
             for listener in list(self.on_commit):
                 listener(step, handle.path)
             self._retain()
@@ -345,17 +357,46 @@ class CheckpointManager:
 
     # ---- retention ----------------------------------------------------------------------
     def _retain(self) -> None:
+        """Apply ``ckpt._retention.plan`` (the rule ``ckpt gc`` uses) with the evict guards."""
         if self.keep_last is None:
             return
         with self._retain_lock:  # the persist and upload threads may both apply retention
             committed = _commit.steps(self.directory)
-            for step in committed[: -self.keep_last]:
-                if step == self._newest_verified:
-                    continue
-                if not all(guard(step) for guard in self.evict_guards):
-                    continue
+            if len(committed) <= self.keep_last:
+                return
+            decision = _retention.plan(
+                committed,
+                self.keep_last,
+                is_restorable=self._is_restorable,
+                may_evict=lambda s: all(guard(s) for guard in self.evict_guards),
+            )
+            for step in decision.delete:
                 if _commit.evict(self.directory, step):
                     self.stats.evicted.append(step)
+                    self._checked.pop(step, None)
+
+    def _is_restorable(self, step: int) -> bool:
+        """Steps this manager committed or restored verified count as restorable; any other step
+        is checked once (``ckpt._retention.restorable``), keyed by its directory's inode."""
+        path = _commit.step_dir(self.directory, step)
+        try:
+            ino = os.stat(path).st_ino
+        except OSError:
+            return False
+        known = self._checked.get(step)
+        if known is not None and known[0] == ino:
+            return known[1]
+        why = _retention.restorable(path)
+        if why is not None:
+            log.warning("ckpt: retention does not count step %d (not restorable): %s", step, why)
+        self._checked[step] = (ino, why is None)
+        return why is None
+
+    def _mark_good(self, step: int, path: Path) -> None:
+        try:
+            self._checked[step] = (os.stat(path).st_ino, True)
+        except OSError:
+            pass
 
     def _retain_if_writer(self) -> None:
         if self._lock.held:
@@ -369,6 +410,7 @@ class CheckpointManager:
         if not (path / fmt.MANIFEST).is_file():
             raise CheckpointError(f"{path}: not a committed checkpoint")
         self._newest_verified = max(step, self._newest_verified or step)
+        self._mark_good(step, path)
         for listener in list(self.on_commit):
             listener(step, path)
         self._retain()
@@ -382,13 +424,28 @@ class CheckpointManager:
 
     # ---- reading ------------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """Committed steps, ascending (verification happens on restore)."""
-        return _commit.steps(self.directory)
+        """Committed steps, ascending: the local ``step-N`` directories and, with a remote tier,
+        the steps committed there (listing only; ``restore`` verifies). Raises
+        ``CheckpointError`` if the remote cannot be listed: a step there may be the newest."""
+        return sorted(set(_commit.steps(self.directory)) | self._remote_steps(strict=True))
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or ``None``."""
+        """The newest committed step, local or remote (see ``steps``), or ``None``."""
         found = self.steps()
         return found[-1] if found else None
+
+    def metadata(self, step: int) -> dict:
+        """The ``metadata`` dict given to ``save`` for ``step`` (read from the local manifest,
+        else from the remote's); raises ``CheckpointError`` if the step is not found."""
+        path = _commit.step_dir(self.directory, step)
+        if not (path / fmt.MANIFEST).is_file() and step in self._remote_steps():
+            assert self.remote is not None
+            body = self.remote.read_manifest(step)
+        else:
+            with _commit.reading(path):
+                body = fmt.read_manifest(path)
+        meta = body.get("metadata")
+        return dict(meta) if isinstance(meta, dict) else {}
 
     def restore(
         self,
@@ -410,7 +467,7 @@ class CheckpointManager:
         remote = self._remote_steps()
         for _attempt in range(3):  # re-list if a step vanished under us (concurrent retention)
             vanished = False
-            local = set(self.steps())
+            local = set(_commit.steps(self.directory))
             candidates = [step] if step is not None else sorted(local | remote, reverse=True)
             for s in candidates:
                 if any(s == done for done, _ in skipped):
@@ -445,6 +502,7 @@ class CheckpointManager:
                 self.stats.last_restore = stats
                 if verify:
                     self._newest_verified = max(s, self._newest_verified or s)
+                    self._mark_good(s, path)
                 log.info(
                     "ckpt: restored step %d (%d bytes, read %.3f s, checksums %.3f s)",
                     s, stats.nbytes, stats.read_s, stats.verify_s,
@@ -457,14 +515,18 @@ class CheckpointManager:
         detail = "; ".join(f"step {s}: {why}" for s, why in skipped) or "no committed steps"
         raise CheckpointError(f"{self.directory}: no valid checkpoint to restore ({detail})")
 
-    def _remote_steps(self) -> set[int]:
+    def _remote_steps(self, strict: bool = False) -> set[int]:
+        """Steps committed on the remote; a failed listing raises if ``strict``, else it is
+        logged (the remote is then only a fallback that is unavailable)."""
         if self.remote is None:
             return set()
         try:
             return set(self.remote.committed_steps())
-        except CheckpointError as exc:  # the remote is a fallback: a failed listing is not fatal
-            log.warning("ckpt: cannot list %s: %s", self.remote.url, exc)
         except Exception as exc:
+            if strict:
+                raise CheckpointError(
+                    f"cannot list the remote tier {self.remote.url} of {self.directory}: {exc}"
+                ) from exc
             log.warning("ckpt: cannot list %s: %s", self.remote.url, exc)
         return set()
 
@@ -506,7 +568,7 @@ class CheckpointManager:
         """Commit a verified download as local ``step-N``, known uploaded (writer lock held)."""
         assert self.remote is not None
         _commit.publish(tmp, self.directory, step)
-        if step >= max(self.steps(), default=step):
+        if step >= max(_commit.steps(self.directory), default=step):
             _commit.write_latest(self.directory, step)
         with self._mutex:
             self.remote.stats.uploads.setdefault(step, _done_status(step))

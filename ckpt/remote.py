@@ -14,8 +14,9 @@ its manifest first. Verification (``RemoteOptions.verify``):
 
 Transient errors are retried with backoff under ``deadline_s``, permanent ones fail at once
 (``feedpipe._remote.call``); failures are kept in the stats and raised by the manager's next
-``save``/``wait``; the local copy is never evicted before its upload is done (unless
-``evict_before_upload``). Messages never contain credentials (``feedpipe._remote.redact``).
+``save``/``wait`` (``on_error="warn"``: logged, and retried after the next commit); the local
+copy is never evicted before its upload is done (unless ``evict_before_upload``). Messages
+never contain credentials (``feedpipe._remote.redact``).
 Upload status is mirrored to ``DIR/upload-status.json`` for ``ckpt ls``.
 """
 
@@ -70,6 +71,10 @@ class RemoteOptions:
     ``grace_s``: remote prefixes without a manifest older than this are garbage-collected.
     ``evict_before_upload``: let local retention delete steps not yet uploaded (opt-out of
     tier-aware retention). ``close_timeout_s``: how long ``close()`` waits for uploads.
+    ``on_error``: ``"raise"`` (default) re-raises an upload failure from the manager's next
+    ``save``/``wait``/``close``, and the next manager on the directory uploads the step again;
+    ``"warn"`` logs a warning instead, training goes on, and the step is uploaded again after each
+    later commit until it succeeds. Either way the local copy is kept until uploaded.
     """
 
     url: str
@@ -81,8 +86,13 @@ class RemoteOptions:
     grace_s: float = 3600.0
     evict_before_upload: bool = False
     close_timeout_s: float | None = 600.0
+    on_error: str = "raise"
 
     def __post_init__(self) -> None:
+        if self.on_error not in ("raise", "warn"):
+            raise ValueError(
+                f"RemoteOptions.on_error must be 'raise' or 'warn', not {self.on_error!r}"
+            )
         if self.verify not in ("readback", "size"):
             raise ValueError(
                 f"RemoteOptions.verify must be 'readback' or 'size', not {self.verify!r}"
@@ -202,11 +212,23 @@ class RemoteTier:
 
     # ---- queue --------------------------------------------------------------------------
     def enqueue(self, step: int, path: Path | None = None) -> None:
-        """Queue ``step`` for upload (an ``on_commit`` listener; returns at once)."""
+        """Queue ``step`` for upload (an ``on_commit`` listener; returns at once). With
+        ``on_error="warn"``, also queue again every step whose upload failed and whose local copy
+        is still there."""
+        warn = self.options.on_error == "warn"
+        local = set(_commit.steps(self.directory)) if warn else set()
         with self._cond:
-            self.stats.uploads[step] = UploadStatus(step)
-            if step not in self._queue:
-                self._queue.append(step)
+            retry = [
+                s
+                for s, st in sorted(self.stats.uploads.items())
+                if st.state == "failed" and s != step and s in local
+            ]
+            for again in [*retry, step]:
+                self.stats.uploads[again] = UploadStatus(again)
+                if again not in self._queue:
+                    self._queue.append(again)
+        if retry:
+            log.info("ckpt: uploading again to %s: steps %s", self.url, retry)
         self._write_status()
         self._kick()
 
@@ -299,9 +321,16 @@ class RemoteTier:
         with self._cond:
             self.stats.uploads[step] = UploadStatus(step, "failed", reason)
             self.stats.failed += 1
-            if self._error is None:
+            if self._error is None and self.options.on_error == "raise":
                 self._error = (step, exc)
-        log.error("ckpt: upload of step %d to %s failed: %s", step, self.url, reason)
+        if self.options.on_error == "warn":
+            log.warning(
+                "ckpt: upload of step %d to %s failed (the local copy is kept; it is uploaded "
+                "again after the next commit): %s",
+                step, self.url, reason,
+            )  # fmt: skip
+        else:
+            log.error("ckpt: upload of step %d to %s failed: %s", step, self.url, reason)
         self._write_status()
 
     def _reconcile(self) -> None:
@@ -352,6 +381,13 @@ class RemoteTier:
             storage_options=self.options.storage_options,
         )
 
+    def _makedirs(self, rdir: str, step: int, name: str) -> None:
+        """Create ``rdir`` where the filesystem has real directories (``file://``, a local path).
+        Object stores have none, and s3fs's ``makedirs`` would even create a missing bucket."""
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        if "file" in protocols or "local" in protocols:
+            self._call(lambda: self.fs.makedirs(rdir, exist_ok=True), step, name, "mkdir")
+
     def _remote_manifest(self, step: int) -> bytes | None:
         def get() -> bytes | None:
             try:
@@ -393,6 +429,7 @@ class RemoteTier:
                         raise first
                     _faults.pause("upload_manifest")
                     rpath = self._rpath(step, fmt.MANIFEST)
+                    self._makedirs(self._rpath(step), step, fmt.MANIFEST)
                     self._call(lambda: self.fs.pipe_file(rpath, raw), step, fmt.MANIFEST, "upload")
                     if self._remote_manifest(step) != raw:
                         raise CorruptCheckpointError(
@@ -420,6 +457,7 @@ class RemoteTier:
 
     def _put_verified(self, path: Path, step: int, rec: dict) -> None:
         local, rpath, name = path / rec["name"], self._rpath(step, rec["name"]), rec["name"]
+        self._makedirs(rpath.rsplit("/", 1)[0], step, name)
         for attempt in (1, 2):
             self._call(
                 lambda: self.fs.put_file(
@@ -471,9 +509,13 @@ class RemoteTier:
     # ---- remote retention -----------------------------------------------------------------
     def _fail_retention(self, step: int, exc: Exception) -> None:
         reason = redact(str(exc), self.options.storage_options)
-        log.error("ckpt: remote retention after step %d on %s failed: %s", step, self.url, reason)
+        log.log(
+            logging.WARNING if self.options.on_error == "warn" else logging.ERROR,
+            "ckpt: remote retention after step %d on %s failed: %s",
+            step, self.url, reason,
+        )  # fmt: skip
         with self._cond:
-            if self._error is None:
+            if self._error is None and self.options.on_error == "raise":
                 self._error = (step, exc)
 
     def _delete_remote(self, step: int) -> None:
@@ -529,6 +571,22 @@ class RemoteTier:
             storage_options=self.options.storage_options,
         )
         return sorted(s for s, e in listing.items() if e.committed)
+
+    def read_manifest(self, step: int) -> dict:
+        """The validated manifest body of remote ``step`` (``CorruptCheckpointError`` if bad)."""
+        import tempfile
+
+        raw = self._remote_manifest(step)
+        if raw is None:
+            raise CheckpointError(f"{self.url}/step-{step}: no manifest (not a checkpoint)")
+        with tempfile.TemporaryDirectory(prefix="ckpt-manifest-") as tmp:
+            Path(tmp, fmt.MANIFEST).write_bytes(raw)
+            try:
+                return fmt.read_manifest(tmp)
+            except CorruptCheckpointError as exc:
+                raise CorruptCheckpointError(
+                    str(exc).replace(tmp, f"{self.url}/step-{step}")
+                ) from None
 
     def download(self, step: int) -> Path:
         """Download ``step`` into ``DIR/step-N.tmp-remote-*`` (manifest checked, files fetched);

@@ -12,11 +12,14 @@ from typing import Any
 from ckpt import _commit
 from ckpt import format as fmt
 from ckpt._flatten import Leaf, flatten
+from ckpt._paths import local_path
 from ckpt._pool import Buffer
 from ckpt._reader import MapLocation, read_checkpoint
 from ckpt.errors import CheckpointError
 
 __all__ = ["load", "save"]
+
+_REMOTE_HINT = "for remote storage use CheckpointManager('/local/dir', remote=URL)"
 
 
 def save(path: str | os.PathLike[str], state: Any, *, metadata: dict | None = None) -> Path:
@@ -24,7 +27,7 @@ def save(path: str | os.PathLike[str], state: Any, *, metadata: dict | None = No
 
     An existing checkpoint at ``path`` is replaced; a crash leaves either the old or the new one.
     """
-    path = Path(path)
+    path = local_path(path, "ckpt.save", _REMOTE_HINT)
     path.parent.mkdir(parents=True, exist_ok=True)
     leaves: list[Leaf] = []
     tree = flatten(state, leaves)
@@ -69,7 +72,8 @@ def load(
     verify: bool = True,
 ) -> Any:
     """Load the checkpoint directory ``path`` (verified unless ``verify=False``)."""
-    if not Path(path).is_dir():
+    path = local_path(path, "ckpt.load", _REMOTE_HINT)
+    if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
     state, _, _ = read_checkpoint(path, map_location=map_location, mmap=mmap, verify=verify)
     return state

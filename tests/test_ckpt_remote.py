@@ -15,7 +15,7 @@ import pytest
 import torch
 from _faultproxy import FaultProxy
 
-from ckpt import cli
+from ckpt import _commit, cli
 from ckpt.errors import CheckpointError
 from ckpt.manager import CheckpointManager
 from ckpt.remote import STATUS_FILE, RemoteOptions, list_remote, read_status
@@ -100,7 +100,8 @@ def test_restore_pulls_remote_when_local_missing_or_corrupt(
         got = m.restore()
         assert got["step"] == 6 and torch.equal(got["w"], _state(6)["w"])
         assert m.stats.last_restore is not None and "s3://" in m.stats.last_restore.path
-        assert m.steps() == [6]
+        assert _commit.steps(tmp_path / "b") == [6]  # kept locally
+        assert m.steps() == [5, 6]  # steps() lists the remote tier too
         assert torch.equal(m.restore(step=5)["w"], _state(5)["w"])
     # local copy corrupt: the same step comes back from the remote
     data = tmp_path / "a" / "step-6" / "data.bin"
@@ -143,7 +144,8 @@ def test_remote_retention_and_tier_aware_local_retention(
         for step in range(1, 5):
             m.save(step, _state(step))
             m.wait(uploads=True)
-        assert m.steps() == [4]
+        assert _commit.steps(tmp_path) == [4]
+        assert m.steps() == [3, 4]  # local and remote
         assert m.stats.remote.remote_evicted == [1, 2]  # type: ignore[union-attr]
     listing = list_remote(_fs(s3_server), f"{bucket}/run")
     assert sorted(s for s, e in listing.items() if e.committed) == [3, 4]
@@ -303,4 +305,5 @@ def test_training_never_blocks_on_a_stalled_remote(
         assert m2.stats.remote.uploads[1].state == "done"  # type: ignore[union-attr]
         # uploaded, so local retention proceeds; step 1 stays only while the first manager's
         # abandoned (still stalled) upload holds its reader lock
-        assert 2 not in m2.steps() and 3 in m2.steps()
+        local = _commit.steps(tmp_path)  # m2.steps() lists the remote copies as well
+        assert 2 not in local and 3 in local

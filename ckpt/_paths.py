@@ -1,0 +1,33 @@
+"""Local checkpoint paths: a remote URL given where a local directory is expected is an error.
+
+``CheckpointManager``, ``ckpt.save`` and ``ckpt.load`` work on local directories; remote storage
+is the manager's ``remote=`` tier. A URL (``s3://b/run``), or a path that a URL collapsed into
+(``Path("s3://b/run")`` is ``s3:/b/run``), must never become a local directory named ``s3:``.
+``file://`` URLs name local paths and are accepted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+__all__ = ["local_path"]
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(//|/|$)")
+
+
+def local_path(path: str | os.PathLike[str], what: str, hint: str) -> Path:
+    """``path`` as a local ``Path``; raises ``ValueError`` naming ``what`` and ``hint`` if it is
+    (or was) a remote URL."""
+    text = os.fspath(path)
+    if text.startswith("file://"):
+        return Path(text[len("file://") :])
+    m = _SCHEME.match(text)
+    if m is not None:
+        from feedpipe._remote import redact
+
+        raise ValueError(
+            f"{what} takes a local directory, got {redact(text)!r} (a {m.group(1)}:// URL); {hint}"
+        )
+    return Path(text)

@@ -1,0 +1,90 @@
+"""The one retention rule, shared by ``CheckpointManager`` and ``ckpt gc``.
+
+Walking the committed steps from newest to oldest, the first ``keep_last`` steps that are
+*restorable* are kept. A step that is not restorable is never counted, so a bad step never
+displaces a good one; it is kept (not deleted) when it is newer than the oldest kept good step,
+and deleted like any other step when it is older. A step older than the kept ones is deleted only
+if every guard allows it (the upload guard: never delete a local step whose upload has not
+finished). With ``keep_last=None`` nothing is deleted.
+
+``restorable(path)`` is the check both callers use: a restore of the step with every checksum
+verified, data files memory-mapped so no tensor is copied (the tree, entries, types and sizes
+are checked as ``restore`` checks them). A step written through DCP is checked by its manifest and
+checksums (DCP's planner, not ckpt, rebuilds its tree).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Plan", "plan", "restorable"]
+
+
+@dataclass
+class Plan:
+    """What retention does: ``keep`` maps each kept step to why, ``delete`` lists the others."""
+
+    keep: dict[int, str] = field(default_factory=dict)
+    delete: list[int] = field(default_factory=list)
+
+
+def plan(
+    steps: Sequence[int],
+    keep_last: int | None,
+    *,
+    is_restorable: Callable[[int], bool],
+    may_evict: Callable[[int], bool],
+) -> Plan:
+    """Decide which of the committed ``steps`` to keep and which to delete (module docstring).
+
+    ``is_restorable`` is asked about the newest steps only, until ``keep_last`` good ones are
+    found; ``may_evict`` is asked about each step that would be deleted.
+    """
+    out = Plan()
+    if keep_last is None:
+        out.keep = {s: "keep_last=None" for s in steps}
+        return out
+    if keep_last < 1:
+        raise ValueError("keep_last must be >= 1 or None")
+    good = 0
+    for step in sorted(steps, reverse=True):
+        if good < keep_last:
+            if is_restorable(step):
+                good += 1
+                newest = "newest valid checkpoint"
+                out.keep[step] = newest if good == 1 else f"one of the newest {keep_last} valid"
+            else:
+                out.keep[step] = "not restorable, not counted"
+        elif not may_evict(step):
+            out.keep[step] = "upload not finished"
+        else:
+            out.delete.append(step)
+    out.delete.sort()
+    return out
+
+
+def restorable(path: Path) -> str | None:
+    """``None`` if the step in ``path`` restores with every checksum verified, else why not.
+
+    Data files are memory-mapped (copy-on-write) and read once for their checksums; no tensor is
+    copied and nothing is moved to a device.
+    """
+    from ckpt import _commit
+    from ckpt import format as fmt
+    from ckpt._reader import read_checkpoint
+    from ckpt.errors import CheckpointError
+
+    try:
+        with _commit.reading(path):
+            body = fmt.read_manifest(path)
+            metadata = body.get("metadata")
+            if isinstance(metadata, dict) and "dcp" in metadata:  # a DCP step: DCP rebuilds it
+                for rec in body["files"]:
+                    fmt.verify_file(path, rec)
+            else:
+                read_checkpoint(path, map_location="cpu", mmap=True, verify=True)
+    except Exception as exc:  # any failure, typed or not, means "cannot be restored"
+        return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+    return None

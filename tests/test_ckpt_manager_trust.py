@@ -1,0 +1,178 @@
+"""The manager and its remote tier keep their promises (issue 15, points 8, 9, 10, 12, 14).
+
+Remotes are real: a ``file://`` directory, fsspec's ``memory://`` and S3 through the moto server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import _commit
+from ckpt.errors import CheckpointError
+from ckpt.manager import CheckpointManager
+from ckpt.remote import RemoteOptions
+
+
+def _state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(1000, generator=g), "step": seed}
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RemoteOptions]:
+    """A fresh, empty remote root of each kind."""
+    if request.param == "file":
+        yield RemoteOptions(f"file://{tmp_path}/remote/run", deadline_s=10)
+    elif request.param == "memory":
+        url = f"memory://ckpt-test-{uuid.uuid4().hex[:8]}/run"
+        yield RemoteOptions(url, deadline_s=10)
+        import fsspec
+
+        fsspec.filesystem("memory").rm(
+            url[len("memory://") :].split("/", maxsplit=1)[0], recursive=True
+        )
+    else:
+        pytest.importorskip("s3fs")
+        bucket, opts = request.getfixturevalue("s3_bucket")
+        yield RemoteOptions(f"s3://{bucket}/run", storage_options=opts, deadline_s=10)
+
+
+# ---- 9: any fsspec URL works as a remote ---------------------------------------------------------
+def test_remote_end_to_end(tmp_path: Path, remote: RemoteOptions) -> None:
+    with CheckpointManager(tmp_path / "a", keep_last=1, remote=remote) as m:
+        for step in (1, 2, 3):
+            m.save(step, _state(step), metadata={"lr": 0.1 * step})
+        m.wait(uploads=True)  # raises if any upload failed
+        assert {s: u.state for s, u in m.stats.remote.uploads.items()} == {  # type: ignore[union-attr]
+            1: "done",
+            2: "done",
+            3: "done",
+        }
+        assert _commit.steps(tmp_path / "a") == [3]  # uploaded local steps were freed
+    fresh = CheckpointManager(tmp_path / "b", remote=remote)
+    try:
+        state = fresh.restore()
+        assert state["step"] == 3 and torch.equal(state["w"], _state(3)["w"])
+        assert torch.equal(fresh.restore(1)["w"], _state(1)["w"])
+        assert fresh.metadata(2) == {"lr": 0.2}
+    finally:
+        fresh.close()
+
+
+# ---- 8: latest_step() and steps() see the remote tier --------------------------------------
+def test_readme_resume_idiom_on_a_fresh_node(tmp_path: Path, remote: RemoteOptions) -> None:
+    with CheckpointManager(tmp_path / "old-node", remote=remote) as m:
+        m.save(100, _state(100))
+        m.wait(uploads=True)
+    state = {"w": torch.zeros(1000), "step": 0}
+    manager = CheckpointManager(tmp_path / "new-node", remote=remote)  # empty local directory
+    try:
+        assert manager.steps() == [100]
+        if manager.latest_step() is not None:  # the README idiom
+            manager.restore(into=state)
+        assert torch.equal(state["w"], _state(100)["w"])
+        assert _commit.steps(tmp_path / "new-node") == [100]  # the download is kept locally
+    finally:
+        manager.close()
+
+
+def test_steps_raise_when_the_remote_cannot_be_listed(
+    tmp_path: Path, s3_bucket: tuple[str, dict], s3_server: str
+) -> None:
+    """A failed listing never reads as "no checkpoint": the idiom would restart from scratch."""
+    pytest.importorskip("s3fs")
+    from _faultproxy import FaultProxy
+
+    bucket, opts = s3_bucket
+    with FaultProxy(s3_server) as proxy:
+        proxy.inject("403", times=1000, method="GET")
+        proxied = {**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint_url": proxy.url}}
+        bad = RemoteOptions(f"s3://{bucket}/run", storage_options=proxied, deadline_s=2)
+        with CheckpointManager(tmp_path, remote=bad) as m:
+            with pytest.raises(CheckpointError, match=f"cannot list the remote tier s3://{bucket}"):
+                m.latest_step()
+            proxy.clear()
+
+
+# ---- 10: a remote URL given as the local directory is a clear error -----------------------------
+@pytest.mark.parametrize("url", ["s3://b/run", "gs://bucket/x/ckpt", "memory://run", "s3:/b/run"])
+def test_url_as_directory_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"CheckpointManager takes a local directory.*remote="):
+        CheckpointManager(url)
+    with pytest.raises(ValueError, match=r"ckpt\.save takes a local directory.*remote=URL"):
+        ckpt.save(url, {"w": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"ckpt\.load takes a local directory.*remote=URL"):
+        ckpt.load(url)
+    with pytest.raises(ValueError, match=r"CheckpointManager takes a local directory"):
+        CheckpointManager(Path(url))  # Path("s3://b/run") collapses to s3:/b/run
+    assert os.listdir(tmp_path) == []  # no local "s3:" (or any) directory was created
+
+
+def test_file_url_is_a_local_directory(tmp_path: Path) -> None:
+    ckpt.save(f"file://{tmp_path}/one", {"w": torch.ones(2)})
+    assert torch.equal(ckpt.load(f"file://{tmp_path}/one")["w"], torch.ones(2))
+    with CheckpointManager(f"file://{tmp_path}/run") as m:
+        m.save(1, {"w": torch.ones(2)}).result()
+    assert _commit.steps(tmp_path / "run") == [1]
+
+
+# ---- 14: RemoteOptions(on_error="warn"): an upload failure does not stop training ----------------
+def test_on_error_warn_keeps_training_and_retries(
+    tmp_path: Path, s3_bucket: tuple[str, dict], s3_server: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("s3fs")
+    from _faultproxy import FaultProxy
+
+    from ckpt.remote import list_remote
+
+    bucket, opts = s3_bucket
+    caplog.set_level(logging.WARNING, logger="ckpt")
+    with FaultProxy(s3_server) as proxy:
+        proxied = {**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint_url": proxy.url}}
+        options = RemoteOptions(
+            f"s3://{bucket}/run", storage_options=proxied, deadline_s=5, on_error="warn"
+        )
+        m = CheckpointManager(tmp_path, keep_last=1, remote=options)
+        ups = m.stats.remote.uploads  # type: ignore[union-attr]
+        m.save(1, _state(1))
+        m.wait(uploads=True)
+        proxy.inject("403", times=10_000, match="/step-2/", method="PUT")  # step 2 cannot upload
+        m.save(2, _state(2))
+        m.wait(uploads=True)  # no error: "warn"
+        assert ups[2].state == "failed" and "upload of step 2" in caplog.text
+        assert _commit.steps(tmp_path) == [2]  # step 1 was uploaded, so keep_last freed it
+        m.save(3, _state(3))  # training goes on; step 2 is tried again and fails again
+        m.wait(uploads=True)
+        assert (ups[2].state, ups[3].state) == ("failed", "done")
+        assert _commit.steps(tmp_path) == [2, 3]  # 2 kept until uploaded, 3 is the newest
+        proxy.clear()
+        m.save(4, _state(4))  # the remote is back: step 2 goes up with step 4
+        m.wait(uploads=True)
+        m.close()
+        assert {s: u.state for s, u in ups.items()} == {s: "done" for s in (1, 2, 3, 4)}
+        assert _commit.steps(tmp_path) == [4]  # every uploaded local step was freed
+        assert m.stats.remote.failed >= 2  # type: ignore[union-attr]
+    import s3fs
+
+    listing = list_remote(s3fs.S3FileSystem(**opts), f"{bucket}/run")
+    assert sorted(s for s, e in listing.items() if e.committed) == [1, 2, 3, 4]
+    direct = RemoteOptions(f"s3://{bucket}/run", storage_options=opts)
+    with CheckpointManager(tmp_path / "fresh", remote=direct) as fresh:
+        assert torch.equal(fresh.restore(2)["w"], _state(2)["w"])
+
+
+def test_on_error_is_validated() -> None:
+    with pytest.raises(ValueError, match="on_error must be 'raise' or 'warn'"):
+        RemoteOptions("s3://b/x", on_error="ignore")
