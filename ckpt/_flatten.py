@@ -21,6 +21,8 @@ import torch
 from ckpt.errors import CheckpointError
 
 __all__ = [
+    "MAX_DEPTH",
+    "TORCH_DTYPES",
     "Leaf",
     "apply_into",
     "flatten",
@@ -31,6 +33,8 @@ __all__ = [
 ]
 
 RNG_KEY = "__rng__"
+MAX_DEPTH = 100
+"""How deeply a state may nest (the root is depth 0); deeper trees are refused on save and load."""
 
 
 @dataclass
@@ -46,9 +50,18 @@ class Leaf:
     device: str = "cpu"
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """Map a manifest dtype name to a ``torch.dtype`` (never evaluates anything)."""
-    value = getattr(torch, name, None) if name.isidentifier() else None
+TORCH_DTYPES = (
+    "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
+    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+)  # fmt: skip
+"""The dtypes a checkpoint may hold: every dense dtype whose raw bytes round-trip."""
+
+
+def torch_dtype(name: Any) -> torch.dtype:
+    """Map a manifest dtype name to a supported ``torch.dtype`` (never evaluates anything)."""
+    value = getattr(torch, name, None) if name in TORCH_DTYPES else None
     if not isinstance(value, torch.dtype):
         raise CheckpointError(f"unknown torch dtype {name!r} in manifest")
     return value
@@ -66,6 +79,8 @@ def _tensor_leaf(t: torch.Tensor, path: str) -> Leaf:
         t = t.resolve_neg()
     nbytes = t.numel() * t.element_size()
     name = str(t.dtype).removeprefix("torch.")
+    if name not in TORCH_DTYPES:
+        raise CheckpointError(f"{path}: dtype {t.dtype} is not supported")
     return Leaf(t, "tensor", name, list(t.shape), nbytes, path, str(t.device))
 
 
@@ -79,10 +94,12 @@ def flatten(state: Any, leaves: list[Leaf] | None = None, path: str = "state") -
     """Return the JSON tree of ``state``, appending its array leaves to ``leaves``."""
     if leaves is None:
         leaves = []
-    return _flatten(state, leaves, path)
+    return _flatten(state, leaves, path, 0)
 
 
-def _flatten(obj: Any, leaves: list[Leaf], path: str) -> dict[str, Any]:
+def _flatten(obj: Any, leaves: list[Leaf], path: str, depth: int) -> dict[str, Any]:
+    if depth > MAX_DEPTH:
+        raise CheckpointError(f"{path}: the state is nested deeper than {MAX_DEPTH} levels")
     if obj is None or isinstance(obj, (bool, str)):
         return {"t": "v", "v": obj}
     if isinstance(obj, int) and not isinstance(obj, np.generic):
@@ -109,15 +126,15 @@ def _flatten(obj: Any, leaves: list[Leaf], path: str) -> dict[str, Any]:
         for key, value in obj.items():
             if isinstance(key, bool) or not isinstance(key, (str, int)):
                 raise CheckpointError(f"{path}: dict key {key!r} must be str or int")
-            items.append([key, _flatten(value, leaves, f"{path}[{key!r}]")])
+            items.append([key, _flatten(value, leaves, f"{path}[{key!r}]", depth + 1)])
         return {"t": "dict", "items": items}
     if isinstance(obj, (list, tuple)):
         kind = "list" if isinstance(obj, list) else "tuple"
-        elems = [_flatten(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)]
+        elems = [_flatten(v, leaves, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj)]
         return {"t": kind, "items": elems}
     if callable(getattr(obj, "state_dict", None)):
         cls = f"{type(obj).__module__}.{type(obj).__qualname__}"
-        return {"t": "state", "cls": cls, "v": _flatten(obj.state_dict(), leaves, path)}
+        return {"t": "state", "cls": cls, "v": _flatten(obj.state_dict(), leaves, path, depth + 1)}
     raise CheckpointError(
         f"{path}: cannot save a {type(obj).__name__} (use tensors, arrays, scalars, strings, "
         "dicts/lists or objects with state_dict())"

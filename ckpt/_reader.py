@@ -15,7 +15,7 @@ from ckpt import format as fmt
 from ckpt._flatten import unflatten
 from ckpt.errors import CheckpointError
 
-__all__ = ["MapLocation", "RestoreStats", "read_checkpoint"]
+__all__ = ["MapLocation", "RestoreStats", "read_checkpoint", "verify_step"]
 
 MapLocation = Union[str, torch.device, None]  # noqa: UP007 (a runtime alias on 3.10)
 
@@ -95,3 +95,16 @@ def _mmap(file: Path, size: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)
     # copy-on-write private mapping: pages are read lazily, writes never reach the file
     return torch.from_file(str(file), shared=False, size=size, dtype=torch.uint8)
+
+
+def verify_step(path: str | os.PathLike[str]) -> dict:
+    """Check that the checkpoint directory ``path`` is restorable, without reading tensors
+    beyond their checksums: the manifest (its CRC32C and the whole body, tree and entries
+    included, by the same ``validate_manifest`` a restore runs), each data file's size and every
+    chunk's CRC32C. Returns the manifest body; raises ``CorruptCheckpointError`` naming the
+    file and field at fault."""
+    path = Path(path)
+    body = fmt.read_manifest(path)
+    for rec in body["files"]:
+        fmt.verify_file(path, rec)
+    return body

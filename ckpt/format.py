@@ -8,6 +8,7 @@ back verified) so that other writers (e.g. a DCP ``StorageWriter``) can reuse th
 
 from __future__ import annotations
 
+import base64
 import errno
 import json
 import math
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from ckpt import _faults
-from ckpt._flatten import Leaf, torch_dtype
+from ckpt._flatten import MAX_DEPTH, Leaf, torch_dtype
 from ckpt._pool import Buffer
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from feedpipe._crc import crc32c, to_hex
@@ -33,13 +34,14 @@ __all__ = [
     "CHUNK_BYTES",
     "FORMAT_VERSION",
     "MANIFEST",
+    "MAX_DEPTH",
     "load_arrays",
     "plan",
     "read_file",
     "read_manifest",
     "safe_relpath",
     "stage",
-    "validate",
+    "validate_manifest",
     "verify_file",
     "write_file",
     "write_manifest",
@@ -167,6 +169,10 @@ def write_manifest(directory: str | os.PathLike[str], body: dict, name: str = MA
     return path
 
 
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
 def read_manifest(directory: str | os.PathLike[str], name: str = MANIFEST) -> dict:
     """Read, checksum and validate a manifest; raises ``CorruptCheckpointError`` naming the file.
 
@@ -188,56 +194,248 @@ def read_manifest(directory: str | os.PathLike[str], name: str = MANIFEST) -> di
             f"{path}: manifest checksum mismatch ({actual.decode()} != {want})"
         )
     try:
-        body = json.loads(body_raw)
-    except ValueError as exc:
+        body = json.loads(body_raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path}: manifest is not valid: {exc}") from None
-    try:
-        validate(body)
-    except CorruptCheckpointError as exc:
-        raise CorruptCheckpointError(f"{path}: {exc}") from None
+    validate_manifest(body, path)
     return body
 
 
-def validate(body: Any) -> None:
-    """Check a manifest body's structure, names, dtypes and byte ranges."""
+MAX_NDIM = 64
+_MAX_BYTES = 1 << 62  # sizes and offsets beyond this are refused (no real file is that large)
+_HEX8 = re.compile(r"^[0-9a-f]{8}$")
+_NP_DTYPE = re.compile(r"^[<>|=][biufcmMSUV][0-9]{1,6}(\[[0-9]{0,3}[A-Za-z]{1,2}\])?$")
+_DEVICE = re.compile(r"^(cpu|cuda|mps|xpu)(:[0-9]{1,4})?$")
+_IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,99}$")
+_QUALNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,31}$")
+
+
+def torch_itemsize(name: Any) -> int:
+    """The element size of a supported torch dtype name; ``CorruptCheckpointError`` otherwise."""
     try:
-        if body.get("format") != "ckpt" or body.get("version") != FORMAT_VERSION:
-            raise CorruptCheckpointError(
-                f"unsupported format {body.get('format')!r} version {body.get('version')!r} "
-                f"(this reader supports ckpt version {FORMAT_VERSION})"
-            )
-        sizes = {}
-        for rec in body["files"]:
-            name = safe_relpath(rec["name"])
-            size, chunk = int(rec["size"]), int(rec["chunk_bytes"])
-            if size < 0 or chunk <= 0 or len(rec["crc32c"]) != math.ceil(size / chunk):
-                raise CorruptCheckpointError(f"file record {name!r} is inconsistent")
-            sizes[name] = size
-        for i, e in enumerate(body["entries"]):
-            file = safe_relpath(e["file"])
-            shape = [int(d) for d in e["shape"]]
-            if file not in sizes or any(d < 0 for d in shape):
-                raise CorruptCheckpointError(f"entry {i} refers to unknown file or bad shape")
-            if e["kind"] == "tensor":
-                itemsize = torch.empty((), dtype=torch_dtype(e["dtype"])).element_size()
-            elif e["kind"] == "ndarray":
-                dt = np.dtype(str(e["dtype"]))
-                if dt.hasobject:
-                    raise CorruptCheckpointError(f"entry {i} has an object dtype")
-                itemsize = dt.itemsize
-            else:
-                raise CorruptCheckpointError(f"entry {i} has unknown kind {e['kind']!r}")
-            off, n = int(e["offset"]), int(e["nbytes"])
-            if n != math.prod(shape) * itemsize or off < 0 or off % ALIGN or off + n > sizes[file]:
-                raise CorruptCheckpointError(f"entry {i} byte range is inconsistent")
-        if not isinstance(body["tree"], dict):
-            raise CorruptCheckpointError("tree is not an object")
-    except CorruptCheckpointError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CorruptCheckpointError(f"manifest is malformed: {exc!r}") from None
+        return torch_dtype(name).itemsize
     except CheckpointError as exc:
         raise CorruptCheckpointError(str(exc)) from None
+
+
+def numpy_dtype(name: Any) -> np.dtype:
+    """A plain (non-object, non-structured) numpy dtype from its ``dtype.str``."""
+    if not isinstance(name, str) or not _NP_DTYPE.match(name):
+        raise CorruptCheckpointError(f"unsupported numpy dtype {name!r}")
+    try:
+        dt = np.dtype(name)
+    except (TypeError, ValueError):
+        raise CorruptCheckpointError(f"unsupported numpy dtype {name!r}") from None
+    if dt.hasobject or dt.fields is not None or dt.subdtype is not None:
+        raise CorruptCheckpointError(f"unsupported numpy dtype {name!r}")
+    return dt
+
+
+def _int(value: Any, field: str, low: int = 0, high: int = _MAX_BYTES) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise CorruptCheckpointError(f"{field}: expected an int in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _typed(value: Any, kind: type, field: str) -> Any:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise CorruptCheckpointError(f"{field}: expected {kind.__name__}, got {value!r:.80}")
+    return value
+
+
+def _shape(value: Any, field: str) -> list[int]:
+    dims = _typed(value, list, field)
+    if len(dims) > MAX_NDIM:
+        raise CorruptCheckpointError(f"{field}: more than {MAX_NDIM} dimensions")
+    return [_int(d, f"{field}[{k}]") for k, d in enumerate(dims)]
+
+
+def _validate_files(files: Any) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for k, rec in enumerate(_typed(files, list, "files")):
+        where = f"files[{k}]"
+        _typed(rec, dict, where)
+        name = safe_relpath(rec.get("name"))
+        if name in sizes:
+            raise CorruptCheckpointError(f"{where}.name: {name!r} listed twice")
+        size = _int(rec.get("size"), f"{where}.size")
+        chunk = _int(rec.get("chunk_bytes"), f"{where}.chunk_bytes", 1)
+        crcs = _typed(rec.get("crc32c"), list, f"{where}.crc32c")
+        if len(crcs) != -(-size // chunk):
+            raise CorruptCheckpointError(
+                f"{where}.crc32c: {len(crcs)} checksums for {size} bytes in {chunk}-byte chunks"
+            )
+        for j, crc in enumerate(crcs):
+            if not isinstance(crc, str) or not _HEX8.match(crc):
+                raise CorruptCheckpointError(f"{where}.crc32c[{j}]: not 8 hex digits: {crc!r:.40}")
+        sizes[name] = size
+    return sizes
+
+
+def _validate_entry(e: Any, where: str, sizes: dict[str, int]) -> None:
+    _typed(e, dict, where)
+    file = safe_relpath(e.get("file"))
+    if file not in sizes:
+        raise CorruptCheckpointError(f"{where}.file: {file!r} is not in files")
+    shape = _shape(e.get("shape"), f"{where}.shape")
+    kind = e.get("kind")
+    if kind == "tensor":
+        itemsize = torch_itemsize(e.get("dtype"))
+        device = e.get("device", "cpu")
+        if not isinstance(device, str) or not _DEVICE.match(device):
+            raise CorruptCheckpointError(f"{where}.device: unsupported device {device!r:.40}")
+    elif kind == "ndarray":
+        itemsize = numpy_dtype(e.get("dtype")).itemsize
+    else:
+        raise CorruptCheckpointError(f"{where}.kind: unknown kind {kind!r:.40}")
+    off, n = _int(e.get("offset"), f"{where}.offset"), _int(e.get("nbytes"), f"{where}.nbytes")
+    if n != math.prod(shape) * itemsize:
+        raise CorruptCheckpointError(f"{where}.nbytes: {n} != prod(shape) * itemsize")
+    if off % ALIGN or off + n > sizes[file]:
+        raise CorruptCheckpointError(
+            f"{where}.offset: bytes {off}-{off + n} are unaligned or beyond {file} "
+            f"({sizes[file]} bytes)"
+        )
+
+
+def _validate_view(view: Any, where: str, entry: dict) -> None:
+    """A tensor node's ``view``: a strided view into a shared-storage (uint8) entry."""
+    _typed(view, dict, where)
+    itemsize = torch_itemsize(view.get("dtype"))
+    shape = _shape(view.get("shape"), f"{where}.shape")
+    stride = _shape(view.get("stride"), f"{where}.stride")
+    off = _int(view.get("offset"), f"{where}.offset")
+    if len(stride) != len(shape) or off % itemsize:
+        raise CorruptCheckpointError(f"{where}: stride/shape lengths differ or unaligned offset")
+    if entry.get("kind") != "tensor" or entry.get("dtype") != "uint8":
+        raise CorruptCheckpointError(f"{where}: a view needs a uint8 tensor entry")
+    if 0 not in shape:
+        end = off + (1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))) * itemsize
+        if end > entry["nbytes"]:
+            raise CorruptCheckpointError(f"{where}: view ends at byte {end}, beyond its entry")
+
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _validate_node(node: Any, where: str, entries: list[dict]) -> list[tuple[Any, str]]:
+    """Check one tree node; return its children (node, field) to check next."""
+    _typed(node, dict, where)
+    kind = node.get("t")
+    value = node.get("v")
+    if kind == "v":
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if not isinstance(value, _SCALARS) or not finite:
+            raise CorruptCheckpointError(f"{where}.v: not a JSON scalar: {value!r:.40}")
+    elif kind == "float":
+        if value not in ("nan", "inf", "-inf"):
+            raise CorruptCheckpointError(f"{where}.v: not nan/inf/-inf: {value!r:.40}")
+    elif kind in ("bytes", "bytearray"):
+        try:
+            base64.b64decode(_typed(value, str, f"{where}.v"), validate=True)
+        except ValueError:
+            raise CorruptCheckpointError(f"{where}.v: not base64") from None
+    elif kind == "dtype":
+        torch_itemsize(value)
+    elif kind == "device":
+        if not isinstance(value, str) or not re.match(r"^[a-z]{2,10}(:[0-9]{1,4})?$", value):
+            raise CorruptCheckpointError(f"{where}.v: not a device name: {value!r:.40}")
+    elif kind in ("tensor", "ndarray", "npscalar"):
+        i = _int(node.get("i"), f"{where}.i", 0, len(entries) - 1)
+        want = "tensor" if kind == "tensor" else "ndarray"
+        if entries[i]["kind"] != want or (kind == "npscalar" and entries[i]["shape"]):
+            raise CorruptCheckpointError(f"{where}.i: entry {i} is not a {kind}")
+        for flag in ("rg", "param"):
+            if flag in node:
+                _typed(node[flag], bool, f"{where}.{flag}")
+        if "view" in node:
+            _validate_view(node["view"], f"{where}.view", entries[i])
+    elif kind in ("dict", "odict"):
+        children, keys = [], set()
+        for k, pair in enumerate(_typed(node.get("items"), list, f"{where}.items")):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise CorruptCheckpointError(f"{where}.items[{k}]: not a [key, node] pair")
+            key = pair[0]
+            if not isinstance(key, (str, int)) or isinstance(key, bool) or key in keys:
+                raise CorruptCheckpointError(f"{where}.items[{k}]: bad or repeated key {key!r:.40}")
+            keys.add(key)
+            children.append((pair[1], f"{where}.items[{k}][1]"))
+        return children
+    elif kind in ("list", "tuple", "size", "namedtuple"):
+        items = _typed(node.get("items"), list, f"{where}.items")
+        if kind == "size":
+            [_int(d, f"{where}.items[{k}]", 0, 1 << 62) for k, d in enumerate(items)]
+            return []
+        if kind == "namedtuple":
+            _qualname(node.get("cls"), f"{where}.cls")
+            fields = _typed(node.get("fields"), list, f"{where}.fields")
+            bad = [f for f in fields if not isinstance(f, str) or not _IDENT.match(f)]
+            if bad or len(set(fields)) != len(fields) or len(fields) != len(items):
+                raise CorruptCheckpointError(f"{where}.fields: bad field names {fields!r:.80}")
+        return [(child, f"{where}.items[{k}]") for k, child in enumerate(items)]
+    elif kind == "enum":
+        _qualname(node.get("cls"), f"{where}.cls")
+        if not isinstance(value, (int, str)) or isinstance(value, bool):
+            raise CorruptCheckpointError(f"{where}.v: enum value is not an int or str")
+    elif kind == "state":
+        _typed(node.get("cls"), str, f"{where}.cls")
+        return [(value, f"{where}.v")]
+    else:
+        raise CorruptCheckpointError(f"{where}.t: unknown node type {kind!r:.40}")
+    return []
+
+
+def _qualname(value: Any, field: str) -> str:
+    if not isinstance(value, str) or not _QUALNAME.match(value):
+        raise CorruptCheckpointError(f"{field}: not a dotted class name: {value!r:.80}")
+    return value
+
+
+def validate_manifest(body: Any, path: str | os.PathLike[str] = MANIFEST) -> None:
+    """Check a whole manifest body as a restore relies on it: JSON types, file records, entries
+    (dtypes, devices, shapes, byte ranges inside their file), and every tree node (types, entry
+    indices, nesting depth). Any defect raises ``CorruptCheckpointError`` naming ``path`` and
+    the field; nothing else escapes, whatever the body holds."""
+    try:
+        _validate_body(body)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{path}: {exc}") from None
+    except (CheckpointError, ArithmeticError, LookupError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{path}: manifest is malformed: {exc!r:.200}") from None
+
+
+def _validate_body(body: Any) -> None:
+    _typed(body, dict, "manifest body")
+    if (
+        body.get("format") != "ckpt"
+        or type(body.get("version")) is not int
+        or (body["version"] != FORMAT_VERSION)
+    ):
+        raise CorruptCheckpointError(
+            f"unsupported format {body.get('format')!r:.40} version {body.get('version')!r:.40} "
+            f"(this reader supports ckpt version {FORMAT_VERSION})"
+        )
+    if body.get("step") is not None:
+        _int(body["step"], "step")
+    if "created" in body and (
+        not isinstance(body["created"], (int, float)) or isinstance(body["created"], bool)
+    ):
+        raise CorruptCheckpointError(f"created: not a number: {body['created']!r:.40}")
+    if "nbytes" in body:
+        _int(body["nbytes"], "nbytes")
+    if "metadata" in body:
+        _typed(body["metadata"], dict, "metadata")
+    sizes = _validate_files(body.get("files"))
+    entries = _typed(body.get("entries"), list, "entries")
+    for i, e in enumerate(entries):
+        _validate_entry(e, f"entries[{i}]", sizes)
+    stack = [(body.get("tree"), "tree", 0)]
+    while stack:
+        node, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise CorruptCheckpointError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+        for child, field in _validate_node(node, where, entries):
+            stack.append((child, field, depth + 1))
 
 
 def _check_size(path: Path, rec: dict, fd: int) -> None:
