@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+import warnings
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +18,8 @@ from ckpt._flatten import unflatten
 from ckpt.errors import CheckpointError
 
 __all__ = ["MapLocation", "RestoreStats", "read_checkpoint", "verify_step"]
+
+log = logging.getLogger("ckpt")
 
 MapLocation = Union[str, torch.device, None]  # noqa: UP007 (a runtime alias on 3.10)
 
@@ -34,17 +38,44 @@ class RestoreStats:
     skipped: list[tuple[int, str]] = field(default_factory=list)
 
 
-def _place(value: torch.Tensor, entry: dict, map_location: MapLocation, path: Path) -> torch.Tensor:
-    target = map_location if map_location is not None else entry.get("device", "cpu")
-    device = torch.device(target)
-    if device.type == "cpu":
-        return value
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CheckpointError(
-            f"{path}: tensor was saved on {target} but CUDA is not available; "
-            "pass map_location='cpu'"
+def _device(entry: dict, map_location: MapLocation, path: Path, moved: set[str]) -> torch.device:
+    """Where an entry goes: ``map_location`` if given; else where it was saved, or (when that
+    device does not exist here) the current CUDA device or the CPU, noted in ``moved``."""
+    if map_location is not None:
+        try:
+            device = torch.device(map_location)
+        except (RuntimeError, TypeError) as exc:
+            raise CheckpointError(f"{path}: map_location={map_location!r}: {exc}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise CheckpointError(f"{path}: map_location={map_location!r}: CUDA is not available")
+        return device
+    saved = torch.device(entry.get("device", "cpu"))
+    if saved.type == "cpu":
+        return saved
+    if saved.type == "cuda" and torch.cuda.is_available():
+        if saved.index is None or saved.index < torch.cuda.device_count():
+            return saved
+        here = torch.device("cuda", torch.cuda.current_device())
+    elif saved.type == "mps" and torch.backends.mps.is_available():
+        return saved
+    else:
+        here = torch.device("cpu")
+    moved.add(f"{saved} -> {here}")
+    return here
+
+
+def _place(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return value if device.type == "cpu" else value.to(device)
+
+
+def _warn_moved(path: Path, moved: set[str]) -> None:
+    if moved:
+        msg = (
+            f"{path}: tensors saved on devices that do not exist here were mapped "
+            f"({', '.join(sorted(moved))}); pass map_location to choose"
         )
-    return value.to(device)
+        warnings.warn(msg, UserWarning, stacklevel=3)
+        log.warning("ckpt: %s", msg)
 
 
 def read_checkpoint(
@@ -82,9 +113,11 @@ def read_checkpoint(
         if own:
             pool.shutdown()
     arrays = fmt.load_arrays(body, files)
+    moved: set[str] = set()
     for i, entry in enumerate(body["entries"]):
         if entry["kind"] == "tensor":
-            arrays[i] = _place(arrays[i], entry, map_location, path)
+            arrays[i] = _place(arrays[i], _device(entry, map_location, path, moved))
+    _warn_moved(path, moved)
     state = unflatten(body["tree"], arrays)
     stats.read_s = time.perf_counter() - t0
     return state, body, stats

@@ -436,9 +436,10 @@ class CheckpointManager:
                     log.warning("ckpt: skipping step %d: %s", s, exc)
                     skipped.append((s, str(exc)))
                     continue
-                except CheckpointError:
-                    if step is not None:
-                        raise
+                except CheckpointError as exc:
+                    if step is not None or path.is_dir():
+                        raise  # only corruption falls back; a step deleted under us is re-listed
+                    log.warning("ckpt: step %d vanished while restoring (%s); re-listing", s, exc)
                     vanished = True
                     continue
                 stats.skipped = skipped
