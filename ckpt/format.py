@@ -9,11 +9,14 @@ back verified) so that other writers (e.g. a DCP ``StorageWriter``) can reuse th
 from __future__ import annotations
 
 import base64
+import bisect
 import errno
+import itertools
 import json
 import math
 import os
 import re
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -33,14 +36,19 @@ __all__ = [
     "ALIGN",
     "CHUNK_BYTES",
     "FORMAT_VERSION",
+    "IO_BYTES",
     "MANIFEST",
     "MAX_DEPTH",
+    "Target",
+    "check_file",
     "load_arrays",
+    "numpy_dtype",
     "plan",
-    "read_file",
     "read_manifest",
     "safe_relpath",
     "stage",
+    "stream_file",
+    "torch_itemsize",
     "validate_manifest",
     "verify_file",
     "write_file",
@@ -51,6 +59,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ALIGN = 64  # every entry starts at a multiple of 64 bytes (any dtype can be viewed in place)
 CHUNK_BYTES = 16 << 20  # one CRC32C per 16 MiB of each data file
+IO_BYTES = 16 << 20  # the largest single read of a restore: its buffer per reader thread
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 
 
@@ -316,6 +325,7 @@ def _validate_view(view: Any, where: str, entry: dict) -> None:
 
 
 _SCALARS = (type(None), bool, int, float, str)
+_VALUED = ("v", "float", "bytes", "bytearray", "dtype", "device", "enum", "state")
 
 
 def _validate_node(node: Any, where: str, entries: list[dict]) -> list[tuple[Any, str]]:
@@ -323,6 +333,8 @@ def _validate_node(node: Any, where: str, entries: list[dict]) -> list[tuple[Any
     _typed(node, dict, where)
     kind = node.get("t")
     value = node.get("v")
+    if kind in _VALUED and "v" not in node:
+        raise CorruptCheckpointError(f"{where}.v: missing")
     if kind == "v":
         finite = not isinstance(value, float) or math.isfinite(value)
         if not isinstance(value, _SCALARS) or not finite:
@@ -427,8 +439,15 @@ def _validate_body(body: Any) -> None:
         _typed(body["metadata"], dict, "metadata")
     sizes = _validate_files(body.get("files"))
     entries = _typed(body.get("entries"), list, "entries")
+    spans = []
     for i, e in enumerate(entries):
         _validate_entry(e, f"entries[{i}]", sizes)
+        if e["nbytes"]:
+            spans.append((e["file"], e["offset"], e["offset"] + e["nbytes"], i))
+    spans.sort()
+    for (f0, _, end0, i0), (f1, start1, _, i1) in itertools.pairwise(spans):
+        if f0 == f1 and start1 < end0:  # overlaps would let a small file claim unbounded memory
+            raise CorruptCheckpointError(f"entries[{i1}].offset: overlaps entries[{i0}]")
     stack = [(body.get("tree"), "tree", 0)]
     while stack:
         node, where, depth = stack.pop()
@@ -451,62 +470,92 @@ def _open(path: Path) -> int:
         raise CorruptCheckpointError(f"{path}: data file missing") from None
 
 
-def _check_chunk(path: Path, rec: dict, i: int, piece: memoryview) -> None:
-    actual = to_hex(crc32c(piece))
-    if actual != rec["crc32c"][i]:
-        start = i * rec["chunk_bytes"]
-        raise CorruptCheckpointError(
-            f"{path}: checksum mismatch in chunk {i} (bytes {start}-{start + len(piece)}): "
-            f"{actual} != {rec['crc32c'][i]}"
-        )
-
-
-def read_file(
-    directory: Path, rec: dict, verify: bool, executor: Executor
-) -> tuple[torch.Tensor, float]:
-    """Read a data file into a new uint8 tensor, checking size and (if ``verify``) every chunk's
-    CRC32C; returns the tensor and the seconds spent checksumming."""
+def check_file(directory: Path, rec: dict) -> None:
+    """Check that a data file exists with exactly the size its record claims (before any
+    allocation sized by that claim)."""
     path = directory / rec["name"]
     fd = _open(path)
     try:
         _check_size(path, rec, fd)
-        out = torch.empty(rec["size"], dtype=torch.uint8)
-        view = out.numpy().data.cast("B")
-        chunk = rec["chunk_bytes"]
-
-        def one(i: int) -> float:
-            piece = view[i * chunk : (i + 1) * chunk]
-            got = 0
-            while got < len(piece):
-                n = os.preadv(fd, [piece[got:]], i * chunk + got)
-                if n == 0:
-                    raise CorruptCheckpointError(f"{path}: unexpected end of file")
-                got += n
-            if not verify:
-                return 0.0
-            t0 = time.perf_counter()
-            _check_chunk(path, rec, i, piece)
-            return time.perf_counter() - t0
-
-        crc_s = sum(executor.map(one, range(len(rec["crc32c"]))))
     finally:
         os.close(fd)
-    return out, crc_s
 
 
-def verify_file(directory: Path, rec: dict) -> None:
+Target = tuple[int, torch.Tensor]
+"""Where one entry's bytes go: (its offset in the data file, a uint8 tensor of its bytes)."""
+
+
+def stream_file(
+    directory: Path, rec: dict, targets: Sequence[Target], verify: bool, executor: Executor | None
+) -> float:
+    """Read a data file chunk by chunk into ``targets`` (non-overlapping byte ranges; CPU or CUDA
+    tensors), checking its size first and, if ``verify``, every chunk's CRC32C. Each read is at
+    most ``IO_BYTES`` into a buffer per worker thread, so the extra host memory is one such buffer
+    per thread, whatever the file or ``chunk_bytes`` claim. Returns the seconds spent
+    checksumming. With ``targets=[]`` this only verifies."""
+    path = directory / rec["name"]
+    order = sorted((t for t in targets if t[1].numel()), key=lambda t: t[0])
+    starts = [off for off, _ in order]
+    chunk, size = rec["chunk_bytes"], rec["size"]
+    local = threading.local()
+    fd = _open(path)
+
+    def one(i: int) -> float:
+        scratch = getattr(local, "buf", None)
+        if scratch is None:
+            scratch = local.buf = memoryview(bytearray(max(1, min(IO_BYTES, chunk, size))))
+        lo, hi = i * chunk, min((i + 1) * chunk, size)
+        value, crc_s = 0, 0.0
+        for pos in range(lo, hi, len(scratch)):
+            piece = scratch[: min(len(scratch), hi - pos)]
+            _read_exact(fd, piece, pos, path)
+            if verify:
+                t0 = time.perf_counter()
+                value = crc32c(piece, value)
+                crc_s += time.perf_counter() - t0
+            _scatter(order, starts, pos, piece)
+        if verify and to_hex(value) != rec["crc32c"][i]:
+            raise CorruptCheckpointError(
+                f"{path}: checksum mismatch in chunk {i} (bytes {lo}-{hi}): "
+                f"{to_hex(value)} != {rec['crc32c'][i]}"
+            )
+        return crc_s
+
+    try:
+        _check_size(path, rec, fd)
+        chunks = range(len(rec["crc32c"]))
+        return sum(executor.map(one, chunks) if executor is not None else map(one, chunks))
+    finally:
+        os.close(fd)
+
+
+def _read_exact(fd: int, piece: memoryview, pos: int, path: Path) -> None:
+    got = 0
+    while got < len(piece):
+        n = os.preadv(fd, [piece[got:]], pos + got)
+        if n == 0:
+            raise CorruptCheckpointError(f"{path}: unexpected end of file at byte {pos + got}")
+        got += n
+
+
+def _scatter(order: list[Target], starts: list[int], pos: int, piece: memoryview) -> None:
+    """Copy the bytes ``[pos, pos + len(piece))`` of a file into the targets they overlap."""
+    end = pos + len(piece)
+    j = max(0, bisect.bisect_right(starts, pos) - 1)
+    src: torch.Tensor | None = None
+    while j < len(order) and order[j][0] < end:
+        off, dst = order[j]
+        a, b = max(pos, off), min(end, off + dst.numel())
+        if a < b:
+            if src is None:
+                src = torch.frombuffer(piece, dtype=torch.uint8)
+            dst[a - off : b - off].copy_(src[a - pos : b - pos])
+        j += 1
+
+
+def verify_file(directory: Path, rec: dict, executor: Executor | None = None) -> None:
     """Check a data file's size and every chunk's CRC32C without keeping its bytes."""
-    path = directory / rec["name"]
-    fd = _open(path)
-    try:
-        _check_size(path, rec, fd)
-        chunk = rec["chunk_bytes"]
-        scratch = memoryview(bytearray(min(chunk, max(rec["size"], 1))))
-        for i in range(len(rec["crc32c"])):
-            n = os.preadv(fd, [scratch], i * chunk)
-            _check_chunk(path, rec, i, scratch[:n])
-    finally:
-        os.close(fd)
+    stream_file(directory, rec, [], True, executor)
 
 
 def load_arrays(body: dict, files: dict[str, torch.Tensor]) -> list[Any]:
@@ -520,7 +569,8 @@ def load_arrays(body: dict, files: dict[str, torch.Tensor]) -> list[Any]:
                 out.append(torch.empty(e["shape"], dtype=dtype))
             else:
                 out.append(raw.view(dtype).view(e["shape"]))
+        elif e["nbytes"] == 0:
+            out.append(np.empty(e["shape"], dtype=np.dtype(e["dtype"])))
         else:
-            dt = np.dtype(e["dtype"])
-            out.append(raw.numpy().view(dt).reshape(e["shape"]))
+            out.append(raw.numpy().view(np.dtype(e["dtype"])).reshape(e["shape"]))
     return out

@@ -423,7 +423,11 @@ class CheckpointManager:
                         try:
                             with _commit.reading(path):
                                 state, _, stats = read_checkpoint(
-                                    path, map_location=map_location, mmap=mmap, verify=verify
+                                    path,
+                                    map_location=map_location,
+                                    mmap=mmap,
+                                    verify=verify,
+                                    into=into,
                                 )
                         except CorruptCheckpointError as exc:
                             if s not in remote:
