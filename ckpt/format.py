@@ -13,6 +13,7 @@ import bisect
 import errno
 import itertools
 import json
+import keyword
 import math
 import os
 import re
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from ckpt import _faults
-from ckpt._flatten import MAX_DEPTH, Leaf, torch_dtype
+from ckpt._flatten import ALIGN, MAX_DEPTH, Leaf, torch_dtype
 from ckpt._pool import Buffer
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from feedpipe._crc import crc32c, to_hex
@@ -57,7 +58,6 @@ __all__ = [
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-ALIGN = 64  # every entry starts at a multiple of 64 bytes (any dtype can be viewed in place)
 CHUNK_BYTES = 16 << 20  # one CRC32C per 16 MiB of each data file
 IO_BYTES = 16 << 20  # the largest single read of a restore: its buffer per reader thread
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
@@ -216,7 +216,7 @@ _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 _NP_DTYPE = re.compile(r"^[<>|=][biufcmMSUV][0-9]{1,6}(\[[0-9]{0,3}[A-Za-z]{1,2}\])?$")
 _DEVICE = re.compile(r"^(cpu|cuda|mps|xpu)(:[0-9]{1,4})?$")
 _IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,99}$")
-_QUALNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,31}$")
+_QUALNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.([A-Za-z_][A-Za-z0-9_]*|<locals>)){0,31}$")
 
 
 def torch_itemsize(name: Any) -> int:
@@ -362,6 +362,10 @@ def _validate_node(node: Any, where: str, entries: list[dict]) -> list[tuple[Any
                 _typed(node[flag], bool, f"{where}.{flag}")
         if "view" in node:
             _validate_view(node["view"], f"{where}.view", entries[i])
+        if node.get("rg"):
+            dtype = torch_dtype((node.get("view") or entries[i])["dtype"])
+            if kind != "tensor" or not (dtype.is_floating_point or dtype.is_complex):
+                raise CorruptCheckpointError(f"{where}.rg: {dtype} cannot require grad")
     elif kind in ("dict", "odict"):
         children, keys = [], set()
         for k, pair in enumerate(_typed(node.get("items"), list, f"{where}.items")):
@@ -376,12 +380,13 @@ def _validate_node(node: Any, where: str, entries: list[dict]) -> list[tuple[Any
     elif kind in ("list", "tuple", "size", "namedtuple"):
         items = _typed(node.get("items"), list, f"{where}.items")
         if kind == "size":
-            [_int(d, f"{where}.items[{k}]", 0, 1 << 62) for k, d in enumerate(items)]
+            [_int(d, f"{where}.items[{k}]", -(1 << 63), 1 << 63) for k, d in enumerate(items)]
             return []
         if kind == "namedtuple":
             _qualname(node.get("cls"), f"{where}.cls")
             fields = _typed(node.get("fields"), list, f"{where}.fields")
-            bad = [f for f in fields if not isinstance(f, str) or not _IDENT.match(f)]
+            bad = [f for f in fields if not (isinstance(f, str) and _IDENT.match(f))]
+            bad += [f for f in fields if isinstance(f, str) and keyword.iskeyword(f)]
             if bad or len(set(fields)) != len(fields) or len(fields) != len(items):
                 raise CorruptCheckpointError(f"{where}.fields: bad field names {fields!r:.80}")
         return [(child, f"{where}.items[{k}]") for k, child in enumerate(items)]

@@ -112,6 +112,34 @@ CASES: dict[str, tuple[Callable[[dict], None], str]] = {
     ),
     "dtype node": (lambda b: b["tree"]["items"].append(["d", {"t": "dtype", "v": "x"}]), "'x'"),
     "float node": (lambda b: b["tree"]["items"].append(["f", {"t": "float", "v": "1e999"}]), ".v"),
+    "view of a typed entry": (
+        lambda b: b["tree"]["items"].append(
+            [
+                "v",
+                {
+                    "t": "tensor",
+                    "i": 0,
+                    "view": {"dtype": "float32", "shape": [9], "stride": [1], "offset": 0},
+                },
+            ]
+        ),
+        "needs a uint8",
+    ),
+    "namedtuple keyword field": (
+        lambda b: b["tree"]["items"].append(
+            [
+                "n",
+                {"t": "namedtuple", "cls": "m.P", "fields": ["def"], "items": [{"t": "v", "v": 1}]},
+            ]
+        ),
+        ".fields",
+    ),
+    "enum bool value": (
+        lambda b: b["tree"]["items"].append(["e", {"t": "enum", "cls": "m.E", "v": True}]),
+        ".v",
+    ),
+    "rg on an int tensor": (lambda b: _tree_index(b, "b").update(rg=True), ".rg"),
+    "overlapping entries": (lambda b: b["entries"][3].update(offset=0), "overlaps"),
     "version is True": (lambda b: b.update(version=True), "version"),
     "body is a list": (lambda b: b.clear(), "format"),
     "crc list": (lambda b: b["files"][0].update(crc32c=[1]), "files[0].crc32c[0]"),
