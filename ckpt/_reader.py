@@ -189,6 +189,7 @@ def _into_targets(body: dict, into: Any) -> dict[int, torch.Tensor]:
     """Entries whose destination can be a tensor of ``into``: where the tree and ``into`` have the
     same structure, and the tensor has the entry's dtype and shape, is contiguous, on CPU/CUDA."""
     found: dict[int, torch.Tensor] = {}
+    viewed: set[int] = set()  # entries that views are built on stay ours
     stack = [(body["tree"], into)]
     while stack:
         node, target = stack.pop()
@@ -197,10 +198,14 @@ def _into_targets(body: dict, into: Any) -> dict[int, torch.Tensor]:
             target = target.state_dict()
         if kind == "state":
             stack.append((node["v"], target))
-        elif kind == "tensor" and "view" not in node and isinstance(target, torch.Tensor):
+        elif kind == "tensor" and "view" in node:
+            viewed.add(node["i"])
+        elif kind == "tensor" and isinstance(target, torch.Tensor):
             i, entry = node["i"], body["entries"][node["i"]]
             if (
                 i not in found
+                and not node.get("param")
+                and node.get("rg", False) == target.requires_grad
                 and str(target.dtype).removeprefix("torch.") == entry["dtype"]
                 and list(target.shape) == entry["shape"]
                 and target.is_contiguous()
@@ -216,7 +221,7 @@ def _into_targets(body: dict, into: Any) -> dict[int, torch.Tensor]:
             and len(target) == len(node["items"])
         ):
             stack.extend(zip(node["items"], target, strict=True))
-    return found
+    return {i: t for i, t in found.items() if i not in viewed}
 
 
 def _mmap(file: Path, size: int) -> torch.Tensor:

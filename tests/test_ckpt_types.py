@@ -118,6 +118,9 @@ def test_shared_storage_is_one_entry_and_views_stay_views(tmp_path: Path) -> Non
     assert out["emb"] is not out["head"]
     assert out["emb"].data_ptr() == out["head"].data_ptr()
     assert isinstance(out["emb"], torch.nn.Parameter) and out["emb"].requires_grad
+    mapped = ckpt.load(path, mmap=True)
+    assert all(torch.equal(mapped[k], state[k]) for k in ("rows", "t", "tail", "bytes", "emb"))
+    assert mapped["rows"].untyped_storage().data_ptr() == mapped["t"].untyped_storage().data_ptr()
 
 
 def test_small_views_of_a_big_storage_stay_copies(tmp_path: Path) -> None:
@@ -131,12 +134,16 @@ def test_small_views_of_a_big_storage_stay_copies(tmp_path: Path) -> None:
 
 def test_manager_restore_into_keeps_ties_and_types(tmp_path: Path) -> None:
     model = torch.nn.Linear(3, 3)
+    grads = torch.ones(2, requires_grad=True)
     with CheckpointManager(tmp_path) as m:
-        m.save(1, {"model": model, "size": torch.Size([3]), "color": Color.RED}).result()
-        into: dict[str, Any] = {"model": torch.nn.Linear(3, 3)}
+        state = {"model": model, "size": torch.Size([3]), "color": Color.RED, "g": grads}
+        m.save(1, state).result()
+        plain = torch.zeros(2)  # the caller's tensor: filled, its requires_grad left alone
+        into: dict[str, Any] = {"model": torch.nn.Linear(3, 3), "g": plain}
         out = m.restore(into=into)
     assert torch.equal(into["model"].weight, model.weight)
     assert out["size"] == torch.Size([3]) and into["color"] is Color.RED
+    assert into["g"] is plain and not plain.requires_grad and torch.equal(plain, torch.ones(2))
 
 
 def test_register_type_refuses_other_classes() -> None:
