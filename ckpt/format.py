@@ -20,7 +20,7 @@ import re
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Executor, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -350,8 +350,12 @@ def _validate_node(node: Any, where: str, entries: list[dict]) -> list[tuple[Any
     elif kind == "dtype":
         torch_itemsize(value)
     elif kind == "device":
-        if not isinstance(value, str) or not re.match(r"^[a-z]{2,10}(:[0-9]{1,4})?$", value):
-            raise CorruptCheckpointError(f"{where}.v: not a device name: {value!r:.40}")
+        try:
+            if not isinstance(value, str) or not re.match(r"^[a-z]{2,12}(:[0-9]{1,4})?$", value):
+                raise ValueError(value)
+            torch.device(value)
+        except (RuntimeError, ValueError):
+            raise CorruptCheckpointError(f"{where}.v: not a device name: {value!r:.40}") from None
     elif kind in ("tensor", "ndarray", "npscalar"):
         i = _int(node.get("i"), f"{where}.i", 0, len(entries) - 1)
         want = "tensor" if kind == "tensor" else "ndarray"
@@ -529,7 +533,18 @@ def stream_file(
     try:
         _check_size(path, rec, fd)
         chunks = range(len(rec["crc32c"]))
-        return sum(executor.map(one, chunks) if executor is not None else map(one, chunks))
+        if executor is None:
+            return sum(map(one, chunks))
+        futures = [executor.submit(one, i) for i in chunks]
+        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in pending:  # after a bad chunk, read no further
+            f.cancel()
+        wait(futures)  # every read is over before fd is closed (and its number reused)
+        for f in futures:
+            error = None if f.cancelled() else f.exception()
+            if error is not None:
+                raise error
+        return sum(f.result() for f in futures)
     finally:
         os.close(fd)
 

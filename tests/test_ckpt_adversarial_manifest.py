@@ -140,6 +140,10 @@ CASES: dict[str, tuple[Callable[[dict], None], str]] = {
     ),
     "rg on an int tensor": (lambda b: _tree_index(b, "b").update(rg=True), ".rg"),
     "overlapping entries": (lambda b: b["entries"][3].update(offset=0), "overlaps"),
+    "device node": (
+        lambda b: b["tree"]["items"].append(["d", {"t": "device", "v": "abc:1"}]),
+        "not a device name",
+    ),
     "version is True": (lambda b: b.update(version=True), "version"),
     "body is a list": (lambda b: b.clear(), "format"),
     "crc list": (lambda b: b["files"][0].update(crc32c=[1]), "files[0].crc32c[0]"),
