@@ -187,20 +187,23 @@ def _new(
 
 def _into_targets(body: dict, into: Any) -> dict[int, torch.Tensor]:
     """Entries whose destination can be a tensor of ``into``: where the tree and ``into`` have the
-    same structure, and the tensor has the entry's dtype and shape, is contiguous, on CPU/CUDA."""
+    same structure (an ``nn.Module`` by parameter and buffer names), and the tensor (a plain tensor
+    or parameter, not a subclass such as ``DTensor``) has the entry's dtype, shape and
+    ``requires_grad``, is contiguous, on CPU or CUDA."""
     found: dict[int, torch.Tensor] = {}
     viewed: set[int] = set()  # entries that views are built on stay ours
     stack = [(body["tree"], into)]
     while stack:
         node, target = stack.pop()
         kind = node["t"]
-        if isinstance(target, (torch.nn.Module, torch.optim.Optimizer)):
-            target = target.state_dict()
+        if isinstance(target, torch.nn.Module):  # its tensors by state_dict name, no hooks run
+            named = target.named_parameters(remove_duplicate=False)
+            target = {**dict(named), **dict(target.named_buffers(remove_duplicate=False))}
         if kind == "state":
             stack.append((node["v"], target))
         elif kind == "tensor" and "view" in node:
             viewed.add(node["i"])
-        elif kind == "tensor" and isinstance(target, torch.Tensor):
+        elif kind == "tensor" and type(target) in (torch.Tensor, torch.nn.Parameter):
             i, entry = node["i"], body["entries"][node["i"]]
             if (
                 i not in found
