@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "load": "ckpt.simple",
     "CheckpointError": "ckpt.errors",
     "RemoteOptions": "ckpt.remote",
+    "register_type": "ckpt.types",
 }
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "RemoteOptions",
     "__version__",
     "load",
+    "register_type",
     "save",
 ]
 
@@ -34,6 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ckpt.manager import CheckpointManager
     from ckpt.remote import RemoteOptions
     from ckpt.simple import load, save
+    from ckpt.types import register_type
 
 
 def __getattr__(name: str) -> Any:

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+import warnings
+from collections.abc import Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+import numpy as np
 import torch
 
 from ckpt import format as fmt
-from ckpt._flatten import unflatten
+from ckpt._flatten import torch_dtype, unflatten
 from ckpt.errors import CheckpointError
 
-__all__ = ["MapLocation", "RestoreStats", "read_checkpoint"]
+__all__ = ["MapLocation", "RestoreStats", "read_checkpoint", "verify_step"]
+
+log = logging.getLogger("ckpt")
 
 MapLocation = Union[str, torch.device, None]  # noqa: UP007 (a runtime alias on 3.10)
 
@@ -34,17 +40,44 @@ class RestoreStats:
     skipped: list[tuple[int, str]] = field(default_factory=list)
 
 
-def _place(value: torch.Tensor, entry: dict, map_location: MapLocation, path: Path) -> torch.Tensor:
-    target = map_location if map_location is not None else entry.get("device", "cpu")
-    device = torch.device(target)
-    if device.type == "cpu":
-        return value
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CheckpointError(
-            f"{path}: tensor was saved on {target} but CUDA is not available; "
-            "pass map_location='cpu'"
+def _device(entry: dict, map_location: MapLocation, path: Path, moved: set[str]) -> torch.device:
+    """Where an entry goes: ``map_location`` if given; else where it was saved, or (when that
+    device does not exist here) the current CUDA device or the CPU, noted in ``moved``."""
+    if map_location is not None:
+        try:
+            device = torch.device(map_location)
+        except (RuntimeError, TypeError) as exc:
+            raise CheckpointError(f"{path}: map_location={map_location!r}: {exc}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise CheckpointError(f"{path}: map_location={map_location!r}: CUDA is not available")
+        return device
+    saved = torch.device(entry.get("device", "cpu"))
+    if saved.type == "cpu":
+        return saved
+    if saved.type == "cuda" and torch.cuda.is_available():
+        if saved.index is None or saved.index < torch.cuda.device_count():
+            return saved
+        here = torch.device("cuda", torch.cuda.current_device())
+    elif saved.type == "mps" and torch.backends.mps.is_available():
+        return saved
+    else:
+        here = torch.device("cpu")
+    moved.add(f"{saved} -> {here}")
+    return here
+
+
+def _place(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return value if device.type == "cpu" else value.to(device)
+
+
+def _warn_moved(path: Path, moved: set[str]) -> None:
+    if moved:
+        msg = (
+            f"{path}: tensors saved on devices that do not exist here were mapped "
+            f"({', '.join(sorted(moved))}); pass map_location to choose"
         )
-    return value.to(device)
+        warnings.warn(msg, UserWarning, stacklevel=3)
+        log.warning("ckpt: %s", msg)
 
 
 def read_checkpoint(
@@ -54,40 +87,144 @@ def read_checkpoint(
     mmap: bool = False,
     verify: bool = True,
     executor: Executor | None = None,
+    into: Any = None,
 ) -> tuple[Any, dict, RestoreStats]:
     """Load the checkpoint in directory ``path``; returns (state, manifest body, stats).
 
+    Memory: each tensor is allocated once, on its final device, and filled chunk by chunk; the
+    extra host memory is one read buffer (``fmt.IO_BYTES``) per reader thread. Tensors of
+    ``into`` (found where the tree and ``into`` agree, same dtype and shape, contiguous) are
+    filled in place instead, after every checksum has passed, and returned in the state.
     Raises ``CorruptCheckpointError`` naming the file if the manifest or a data file is bad.
     """
     path = Path(path)
     t0 = time.perf_counter()
     body = fmt.read_manifest(path)
     stats = RestoreStats(step=body.get("step"), path=str(path), verified=verify, mmap=mmap)
+    stats.nbytes = sum(rec["size"] for rec in body["files"])
     own = executor is None
     pool = executor or ThreadPoolExecutor(2, thread_name_prefix="ckpt-read")
-    files: dict[str, torch.Tensor] = {}
+    moved: set[str] = set()
     try:
         for rec in body["files"]:
-            stats.nbytes += rec["size"]
-            if mmap:
-                if verify:
-                    v0 = time.perf_counter()
-                    fmt.verify_file(path, rec)
-                    stats.verify_s += time.perf_counter() - v0
-                files[rec["name"]] = _mmap(path / rec["name"], rec["size"])
-            else:
-                files[rec["name"]], crc_s = fmt.read_file(path, rec, verify, pool)
-                stats.verify_s += crc_s
+            fmt.check_file(path, rec)  # real sizes first: nothing is allocated for a short file
+        if mmap:
+            arrays = _read_mmap(path, body, verify, stats)
+            for i, entry in enumerate(body["entries"]):
+                if entry["kind"] == "tensor":
+                    arrays[i] = _place(arrays[i], _device(entry, map_location, path, moved))
+        else:
+            found = _into_targets(body, into) if into is not None else {}
+            arrays, dests = _allocate(body, found, map_location, path, moved)
+            if found and verify:  # a corrupt step must not touch the caller's tensors
+                for rec in body["files"]:
+                    stats.verify_s += fmt.stream_file(path, rec, [], True, pool)
+            for rec in body["files"]:
+                targets = dests.get(rec["name"], [])
+                stats.verify_s += fmt.stream_file(path, rec, targets, verify, pool)
     finally:
         if own:
             pool.shutdown()
-    arrays = fmt.load_arrays(body, files)
-    for i, entry in enumerate(body["entries"]):
-        if entry["kind"] == "tensor":
-            arrays[i] = _place(arrays[i], entry, map_location, path)
+    _warn_moved(path, moved)
     state = unflatten(body["tree"], arrays)
     stats.read_s = time.perf_counter() - t0
     return state, body, stats
+
+
+def _read_mmap(path: Path, body: dict, verify: bool, stats: RestoreStats) -> list[Any]:
+    files: dict[str, torch.Tensor] = {}
+    for rec in body["files"]:
+        if verify:
+            v0 = time.perf_counter()
+            fmt.verify_file(path, rec)
+            stats.verify_s += time.perf_counter() - v0
+        files[rec["name"]] = _mmap(path / rec["name"], rec["size"])
+    return fmt.load_arrays(body, files)
+
+
+def _allocate(
+    body: dict,
+    found: dict[int, torch.Tensor],
+    map_location: MapLocation,
+    path: Path,
+    moved: set[str],
+) -> tuple[list[Any], dict[str, list[fmt.Target]]]:
+    """One destination per entry (a tensor of ``into``, or a new one on its final device) and,
+    per data file, the byte ranges to fill."""
+    arrays: list[Any] = []
+    dests: dict[str, list[fmt.Target]] = {}
+    for i, e in enumerate(body["entries"]):
+        if i in found:
+            value: Any = found[i]
+            raw = value.detach().reshape(-1).view(torch.uint8)
+        else:
+            try:
+                value, raw = _new(e, map_location, path, moved)
+            except CheckpointError:
+                raise
+            except (RuntimeError, MemoryError) as exc:  # out of memory: no fallback, say so
+                raise CheckpointError(
+                    f"{path}: cannot allocate entries[{i}] ({e['nbytes']} bytes, "
+                    f"{e['dtype']} {e['shape']}): {exc}"
+                ) from None
+        arrays.append(value)
+        dests.setdefault(e["file"], []).append((e["offset"], raw))
+    return arrays, dests
+
+
+def _new(
+    e: dict, map_location: MapLocation, path: Path, moved: set[str]
+) -> tuple[Any, torch.Tensor]:
+    """A new array for entry ``e`` on its final device, and a uint8 tensor of its bytes."""
+    if e["kind"] == "tensor":
+        device = _device(e, map_location, path, moved)
+        value = torch.empty(e["shape"], dtype=torch_dtype(e["dtype"]), device=device)
+        return value, value.reshape(-1).view(torch.uint8)
+    array = np.empty(e["shape"], dtype=fmt.numpy_dtype(e["dtype"]))
+    flat = array.reshape(-1).view(np.uint8) if array.nbytes else np.empty(0, np.uint8)
+    return array, torch.from_numpy(flat)
+
+
+def _into_targets(body: dict, into: Any) -> dict[int, torch.Tensor]:
+    """Entries whose destination can be a tensor of ``into``: where the tree and ``into`` have the
+    same structure (an ``nn.Module`` by parameter and buffer names), and the tensor (a plain tensor
+    or parameter, not a subclass such as ``DTensor``) has the entry's dtype, shape and
+    ``requires_grad``, is contiguous, on CPU or CUDA."""
+    found: dict[int, torch.Tensor] = {}
+    viewed: set[int] = set()  # entries that views are built on stay ours
+    stack = [(body["tree"], into)]
+    while stack:
+        node, target = stack.pop()
+        kind = node["t"]
+        if isinstance(target, torch.nn.Module):  # its tensors by state_dict name, no hooks run
+            named = target.named_parameters(remove_duplicate=False)
+            target = {**dict(named), **dict(target.named_buffers(remove_duplicate=False))}
+        if kind == "state":
+            stack.append((node["v"], target))
+        elif kind == "tensor" and "view" in node:
+            viewed.add(node["i"])
+        elif kind == "tensor" and type(target) in (torch.Tensor, torch.nn.Parameter):
+            i, entry = node["i"], body["entries"][node["i"]]
+            if (
+                i not in found
+                and not node.get("param")
+                and node.get("rg", False) == target.requires_grad
+                and str(target.dtype).removeprefix("torch.") == entry["dtype"]
+                and list(target.shape) == entry["shape"]
+                and target.is_contiguous()
+                and target.device.type in ("cpu", "cuda")
+                and not any(t is target for t in found.values())
+            ):
+                found[i] = target
+        elif kind in ("dict", "odict") and isinstance(target, Mapping):
+            stack.extend((child, target[k]) for k, child in node["items"] if k in target)
+        elif (
+            kind in ("list", "tuple", "namedtuple")
+            and isinstance(target, (list, tuple))
+            and len(target) == len(node["items"])
+        ):
+            stack.extend(zip(node["items"], target, strict=True))
+    return {i: t for i, t in found.items() if i not in viewed}
 
 
 def _mmap(file: Path, size: int) -> torch.Tensor:
@@ -95,3 +232,16 @@ def _mmap(file: Path, size: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)
     # copy-on-write private mapping: pages are read lazily, writes never reach the file
     return torch.from_file(str(file), shared=False, size=size, dtype=torch.uint8)
+
+
+def verify_step(path: str | os.PathLike[str]) -> dict:
+    """Check that the checkpoint directory ``path`` is restorable, without reading tensors
+    beyond their checksums: the manifest (its CRC32C and the whole body, tree and entries
+    included, by the same ``validate_manifest`` a restore runs), each data file's size and every
+    chunk's CRC32C. Returns the manifest body; raises ``CorruptCheckpointError`` naming the
+    file and field at fault."""
+    path = Path(path)
+    body = fmt.read_manifest(path)
+    for rec in body["files"]:
+        fmt.verify_file(path, rec)
+    return body

@@ -8,14 +8,19 @@ back verified) so that other writers (e.g. a DCP ``StorageWriter``) can reuse th
 
 from __future__ import annotations
 
+import base64
+import bisect
 import errno
+import itertools
 import json
+import keyword
 import math
 import os
 import re
+import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Executor, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +28,7 @@ import numpy as np
 import torch
 
 from ckpt import _faults
-from ckpt._flatten import Leaf, torch_dtype
+from ckpt._flatten import ALIGN, MAX_DEPTH, Leaf, torch_dtype
 from ckpt._pool import Buffer
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from feedpipe._crc import crc32c, to_hex
@@ -32,14 +37,20 @@ __all__ = [
     "ALIGN",
     "CHUNK_BYTES",
     "FORMAT_VERSION",
+    "IO_BYTES",
     "MANIFEST",
+    "MAX_DEPTH",
+    "Target",
+    "check_file",
     "load_arrays",
+    "numpy_dtype",
     "plan",
-    "read_file",
     "read_manifest",
     "safe_relpath",
     "stage",
-    "validate",
+    "stream_file",
+    "torch_itemsize",
+    "validate_manifest",
     "verify_file",
     "write_file",
     "write_manifest",
@@ -47,8 +58,8 @@ __all__ = [
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-ALIGN = 64  # every entry starts at a multiple of 64 bytes (any dtype can be viewed in place)
 CHUNK_BYTES = 16 << 20  # one CRC32C per 16 MiB of each data file
+IO_BYTES = 16 << 20  # the largest single read of a restore: its buffer per reader thread
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 
 
@@ -167,6 +178,10 @@ def write_manifest(directory: str | os.PathLike[str], body: dict, name: str = MA
     return path
 
 
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
 def read_manifest(directory: str | os.PathLike[str], name: str = MANIFEST) -> dict:
     """Read, checksum and validate a manifest; raises ``CorruptCheckpointError`` naming the file.
 
@@ -188,56 +203,267 @@ def read_manifest(directory: str | os.PathLike[str], name: str = MANIFEST) -> di
             f"{path}: manifest checksum mismatch ({actual.decode()} != {want})"
         )
     try:
-        body = json.loads(body_raw)
-    except ValueError as exc:
+        body = json.loads(body_raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path}: manifest is not valid: {exc}") from None
-    try:
-        validate(body)
-    except CorruptCheckpointError as exc:
-        raise CorruptCheckpointError(f"{path}: {exc}") from None
+    validate_manifest(body, path)
     return body
 
 
-def validate(body: Any) -> None:
-    """Check a manifest body's structure, names, dtypes and byte ranges."""
+MAX_NDIM = 64
+_MAX_BYTES = 1 << 62  # sizes and offsets beyond this are refused (no real file is that large)
+_HEX8 = re.compile(r"^[0-9a-f]{8}$")
+_NP_DTYPE = re.compile(r"^[<>|=][biufcmMSUV][0-9]{1,6}(\[[0-9]{0,3}[A-Za-z]{1,2}\])?$")
+_DEVICE = re.compile(r"^(cpu|cuda|mps|xpu)(:[0-9]{1,4})?$")
+_IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,99}$")
+_QUALNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.([A-Za-z_][A-Za-z0-9_]*|<locals>)){0,31}$")
+
+
+def torch_itemsize(name: Any) -> int:
+    """The element size of a supported torch dtype name; ``CorruptCheckpointError`` otherwise."""
     try:
-        if body.get("format") != "ckpt" or body.get("version") != FORMAT_VERSION:
-            raise CorruptCheckpointError(
-                f"unsupported format {body.get('format')!r} version {body.get('version')!r} "
-                f"(this reader supports ckpt version {FORMAT_VERSION})"
-            )
-        sizes = {}
-        for rec in body["files"]:
-            name = safe_relpath(rec["name"])
-            size, chunk = int(rec["size"]), int(rec["chunk_bytes"])
-            if size < 0 or chunk <= 0 or len(rec["crc32c"]) != math.ceil(size / chunk):
-                raise CorruptCheckpointError(f"file record {name!r} is inconsistent")
-            sizes[name] = size
-        for i, e in enumerate(body["entries"]):
-            file = safe_relpath(e["file"])
-            shape = [int(d) for d in e["shape"]]
-            if file not in sizes or any(d < 0 for d in shape):
-                raise CorruptCheckpointError(f"entry {i} refers to unknown file or bad shape")
-            if e["kind"] == "tensor":
-                itemsize = torch.empty((), dtype=torch_dtype(e["dtype"])).element_size()
-            elif e["kind"] == "ndarray":
-                dt = np.dtype(str(e["dtype"]))
-                if dt.hasobject:
-                    raise CorruptCheckpointError(f"entry {i} has an object dtype")
-                itemsize = dt.itemsize
-            else:
-                raise CorruptCheckpointError(f"entry {i} has unknown kind {e['kind']!r}")
-            off, n = int(e["offset"]), int(e["nbytes"])
-            if n != math.prod(shape) * itemsize or off < 0 or off % ALIGN or off + n > sizes[file]:
-                raise CorruptCheckpointError(f"entry {i} byte range is inconsistent")
-        if not isinstance(body["tree"], dict):
-            raise CorruptCheckpointError("tree is not an object")
-    except CorruptCheckpointError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CorruptCheckpointError(f"manifest is malformed: {exc!r}") from None
+        return torch_dtype(name).itemsize
     except CheckpointError as exc:
         raise CorruptCheckpointError(str(exc)) from None
+
+
+def numpy_dtype(name: Any) -> np.dtype:
+    """A plain (non-object, non-structured) numpy dtype from its ``dtype.str``."""
+    if not isinstance(name, str) or not _NP_DTYPE.match(name):
+        raise CorruptCheckpointError(f"unsupported numpy dtype {name!r}")
+    try:
+        dt = np.dtype(name)
+    except (TypeError, ValueError):
+        raise CorruptCheckpointError(f"unsupported numpy dtype {name!r}") from None
+    if dt.hasobject or dt.fields is not None or dt.subdtype is not None:
+        raise CorruptCheckpointError(f"unsupported numpy dtype {name!r}")
+    return dt
+
+
+def _int(value: Any, field: str, low: int = 0, high: int = _MAX_BYTES) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise CorruptCheckpointError(f"{field}: expected an int in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _typed(value: Any, kind: type, field: str) -> Any:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise CorruptCheckpointError(f"{field}: expected {kind.__name__}, got {value!r:.80}")
+    return value
+
+
+def _shape(value: Any, field: str) -> list[int]:
+    dims = _typed(value, list, field)
+    if len(dims) > MAX_NDIM:
+        raise CorruptCheckpointError(f"{field}: more than {MAX_NDIM} dimensions")
+    return [_int(d, f"{field}[{k}]") for k, d in enumerate(dims)]
+
+
+def _validate_files(files: Any) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for k, rec in enumerate(_typed(files, list, "files")):
+        where = f"files[{k}]"
+        _typed(rec, dict, where)
+        name = safe_relpath(rec.get("name"))
+        if name in sizes:
+            raise CorruptCheckpointError(f"{where}.name: {name!r} listed twice")
+        size = _int(rec.get("size"), f"{where}.size")
+        chunk = _int(rec.get("chunk_bytes"), f"{where}.chunk_bytes", 1)
+        crcs = _typed(rec.get("crc32c"), list, f"{where}.crc32c")
+        if len(crcs) != -(-size // chunk):
+            raise CorruptCheckpointError(
+                f"{where}.crc32c: {len(crcs)} checksums for {size} bytes in {chunk}-byte chunks"
+            )
+        for j, crc in enumerate(crcs):
+            if not isinstance(crc, str) or not _HEX8.match(crc):
+                raise CorruptCheckpointError(f"{where}.crc32c[{j}]: not 8 hex digits: {crc!r:.40}")
+        sizes[name] = size
+    return sizes
+
+
+def _validate_entry(e: Any, where: str, sizes: dict[str, int]) -> None:
+    _typed(e, dict, where)
+    file = safe_relpath(e.get("file"))
+    if file not in sizes:
+        raise CorruptCheckpointError(f"{where}.file: {file!r} is not in files")
+    shape = _shape(e.get("shape"), f"{where}.shape")
+    kind = e.get("kind")
+    if kind == "tensor":
+        itemsize = torch_itemsize(e.get("dtype"))
+        device = e.get("device", "cpu")
+        if not isinstance(device, str) or not _DEVICE.match(device):
+            raise CorruptCheckpointError(f"{where}.device: unsupported device {device!r:.40}")
+    elif kind == "ndarray":
+        itemsize = numpy_dtype(e.get("dtype")).itemsize
+    else:
+        raise CorruptCheckpointError(f"{where}.kind: unknown kind {kind!r:.40}")
+    off, n = _int(e.get("offset"), f"{where}.offset"), _int(e.get("nbytes"), f"{where}.nbytes")
+    if n != math.prod(shape) * itemsize:
+        raise CorruptCheckpointError(f"{where}.nbytes: {n} != prod(shape) * itemsize")
+    if off % ALIGN or off + n > sizes[file]:
+        raise CorruptCheckpointError(
+            f"{where}.offset: bytes {off}-{off + n} are unaligned or beyond {file} "
+            f"({sizes[file]} bytes)"
+        )
+
+
+def _validate_view(view: Any, where: str, entry: dict) -> None:
+    """A tensor node's ``view``: a strided view into a shared-storage (uint8) entry."""
+    _typed(view, dict, where)
+    itemsize = torch_itemsize(view.get("dtype"))
+    shape = _shape(view.get("shape"), f"{where}.shape")
+    stride = _shape(view.get("stride"), f"{where}.stride")
+    off = _int(view.get("offset"), f"{where}.offset")
+    if len(stride) != len(shape) or off % itemsize:
+        raise CorruptCheckpointError(f"{where}: stride/shape lengths differ or unaligned offset")
+    if entry.get("kind") != "tensor" or entry.get("dtype") != "uint8":
+        raise CorruptCheckpointError(f"{where}: a view needs a uint8 tensor entry")
+    if 0 not in shape:
+        end = off + (1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))) * itemsize
+        if end > entry["nbytes"]:
+            raise CorruptCheckpointError(f"{where}: view ends at byte {end}, beyond its entry")
+
+
+_SCALARS = (type(None), bool, int, float, str)
+_VALUED = ("v", "float", "bytes", "bytearray", "dtype", "device", "enum", "state")
+
+
+def _validate_node(node: Any, where: str, entries: list[dict]) -> list[tuple[Any, str]]:
+    """Check one tree node; return its children (node, field) to check next."""
+    _typed(node, dict, where)
+    kind = node.get("t")
+    value = node.get("v")
+    if kind in _VALUED and "v" not in node:
+        raise CorruptCheckpointError(f"{where}.v: missing")
+    if kind == "v":
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if not isinstance(value, _SCALARS) or not finite:
+            raise CorruptCheckpointError(f"{where}.v: not a JSON scalar: {value!r:.40}")
+    elif kind == "float":
+        if value not in ("nan", "inf", "-inf"):
+            raise CorruptCheckpointError(f"{where}.v: not nan/inf/-inf: {value!r:.40}")
+    elif kind in ("bytes", "bytearray"):
+        try:
+            base64.b64decode(_typed(value, str, f"{where}.v"), validate=True)
+        except ValueError:
+            raise CorruptCheckpointError(f"{where}.v: not base64") from None
+    elif kind == "dtype":
+        torch_itemsize(value)
+    elif kind == "device":
+        try:
+            if not isinstance(value, str) or not re.match(r"^[a-z]{2,12}(:[0-9]{1,4})?$", value):
+                raise ValueError(value)
+            torch.device(value)
+        except (RuntimeError, ValueError):
+            raise CorruptCheckpointError(f"{where}.v: not a device name: {value!r:.40}") from None
+    elif kind in ("tensor", "ndarray", "npscalar"):
+        i = _int(node.get("i"), f"{where}.i", 0, len(entries) - 1)
+        want = "tensor" if kind == "tensor" else "ndarray"
+        if entries[i]["kind"] != want or (kind == "npscalar" and entries[i]["shape"]):
+            raise CorruptCheckpointError(f"{where}.i: entry {i} is not a {kind}")
+        for flag in ("rg", "param"):
+            if flag in node:
+                _typed(node[flag], bool, f"{where}.{flag}")
+        if "view" in node:
+            _validate_view(node["view"], f"{where}.view", entries[i])
+        if node.get("rg"):
+            dtype = torch_dtype((node.get("view") or entries[i])["dtype"])
+            if kind != "tensor" or not (dtype.is_floating_point or dtype.is_complex):
+                raise CorruptCheckpointError(f"{where}.rg: {dtype} cannot require grad")
+    elif kind in ("dict", "odict"):
+        children, keys = [], set()
+        for k, pair in enumerate(_typed(node.get("items"), list, f"{where}.items")):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise CorruptCheckpointError(f"{where}.items[{k}]: not a [key, node] pair")
+            key = pair[0]
+            if not isinstance(key, (str, int)) or isinstance(key, bool) or key in keys:
+                raise CorruptCheckpointError(f"{where}.items[{k}]: bad or repeated key {key!r:.40}")
+            keys.add(key)
+            children.append((pair[1], f"{where}.items[{k}][1]"))
+        return children
+    elif kind in ("list", "tuple", "size", "namedtuple"):
+        items = _typed(node.get("items"), list, f"{where}.items")
+        if kind == "size":
+            [_int(d, f"{where}.items[{k}]", -(1 << 63), 1 << 63) for k, d in enumerate(items)]
+            return []
+        if kind == "namedtuple":
+            _qualname(node.get("cls"), f"{where}.cls")
+            fields = _typed(node.get("fields"), list, f"{where}.fields")
+            bad = [f for f in fields if not (isinstance(f, str) and _IDENT.match(f))]
+            bad += [f for f in fields if isinstance(f, str) and keyword.iskeyword(f)]
+            if bad or len(set(fields)) != len(fields) or len(fields) != len(items):
+                raise CorruptCheckpointError(f"{where}.fields: bad field names {fields!r:.80}")
+        return [(child, f"{where}.items[{k}]") for k, child in enumerate(items)]
+    elif kind == "enum":
+        _qualname(node.get("cls"), f"{where}.cls")
+        if not isinstance(value, (int, str)) or isinstance(value, bool):
+            raise CorruptCheckpointError(f"{where}.v: enum value is not an int or str")
+    elif kind == "state":
+        _typed(node.get("cls"), str, f"{where}.cls")
+        return [(value, f"{where}.v")]
+    else:
+        raise CorruptCheckpointError(f"{where}.t: unknown node type {kind!r:.40}")
+    return []
+
+
+def _qualname(value: Any, field: str) -> str:
+    if not isinstance(value, str) or not _QUALNAME.match(value):
+        raise CorruptCheckpointError(f"{field}: not a dotted class name: {value!r:.80}")
+    return value
+
+
+def validate_manifest(body: Any, path: str | os.PathLike[str] = MANIFEST) -> None:
+    """Check a whole manifest body as a restore relies on it: JSON types, file records, entries
+    (dtypes, devices, shapes, byte ranges inside their file), and every tree node (types, entry
+    indices, nesting depth). Any defect raises ``CorruptCheckpointError`` naming ``path`` and
+    the field; nothing else escapes, whatever the body holds."""
+    try:
+        _validate_body(body)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{path}: {exc}") from None
+    except (CheckpointError, ArithmeticError, LookupError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{path}: manifest is malformed: {exc!r:.200}") from None
+
+
+def _validate_body(body: Any) -> None:
+    _typed(body, dict, "manifest body")
+    if (
+        body.get("format") != "ckpt"
+        or type(body.get("version")) is not int
+        or (body["version"] != FORMAT_VERSION)
+    ):
+        raise CorruptCheckpointError(
+            f"unsupported format {body.get('format')!r:.40} version {body.get('version')!r:.40} "
+            f"(this reader supports ckpt version {FORMAT_VERSION})"
+        )
+    if body.get("step") is not None:
+        _int(body["step"], "step")
+    if "created" in body and (
+        not isinstance(body["created"], (int, float)) or isinstance(body["created"], bool)
+    ):
+        raise CorruptCheckpointError(f"created: not a number: {body['created']!r:.40}")
+    if "nbytes" in body:
+        _int(body["nbytes"], "nbytes")
+    if "metadata" in body:
+        _typed(body["metadata"], dict, "metadata")
+    sizes = _validate_files(body.get("files"))
+    entries = _typed(body.get("entries"), list, "entries")
+    spans = []
+    for i, e in enumerate(entries):
+        _validate_entry(e, f"entries[{i}]", sizes)
+        if e["nbytes"]:
+            spans.append((e["file"], e["offset"], e["offset"] + e["nbytes"], i))
+    spans.sort()
+    for (f0, _, end0, i0), (f1, start1, _, i1) in itertools.pairwise(spans):
+        if f0 == f1 and start1 < end0:  # overlaps would let a small file claim unbounded memory
+            raise CorruptCheckpointError(f"entries[{i1}].offset: overlaps entries[{i0}]")
+    stack = [(body.get("tree"), "tree", 0)]
+    while stack:
+        node, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise CorruptCheckpointError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+        for child, field in _validate_node(node, where, entries):
+            stack.append((child, field, depth + 1))
 
 
 def _check_size(path: Path, rec: dict, fd: int) -> None:
@@ -253,62 +479,103 @@ def _open(path: Path) -> int:
         raise CorruptCheckpointError(f"{path}: data file missing") from None
 
 
-def _check_chunk(path: Path, rec: dict, i: int, piece: memoryview) -> None:
-    actual = to_hex(crc32c(piece))
-    if actual != rec["crc32c"][i]:
-        start = i * rec["chunk_bytes"]
-        raise CorruptCheckpointError(
-            f"{path}: checksum mismatch in chunk {i} (bytes {start}-{start + len(piece)}): "
-            f"{actual} != {rec['crc32c'][i]}"
-        )
-
-
-def read_file(
-    directory: Path, rec: dict, verify: bool, executor: Executor
-) -> tuple[torch.Tensor, float]:
-    """Read a data file into a new uint8 tensor, checking size and (if ``verify``) every chunk's
-    CRC32C; returns the tensor and the seconds spent checksumming."""
+def check_file(directory: Path, rec: dict) -> None:
+    """Check that a data file exists with exactly the size its record claims (before any
+    allocation sized by that claim)."""
     path = directory / rec["name"]
     fd = _open(path)
     try:
         _check_size(path, rec, fd)
-        out = torch.empty(rec["size"], dtype=torch.uint8)
-        view = out.numpy().data.cast("B")
-        chunk = rec["chunk_bytes"]
-
-        def one(i: int) -> float:
-            piece = view[i * chunk : (i + 1) * chunk]
-            got = 0
-            while got < len(piece):
-                n = os.preadv(fd, [piece[got:]], i * chunk + got)
-                if n == 0:
-                    raise CorruptCheckpointError(f"{path}: unexpected end of file")
-                got += n
-            if not verify:
-                return 0.0
-            t0 = time.perf_counter()
-            _check_chunk(path, rec, i, piece)
-            return time.perf_counter() - t0
-
-        crc_s = sum(executor.map(one, range(len(rec["crc32c"]))))
     finally:
         os.close(fd)
-    return out, crc_s
 
 
-def verify_file(directory: Path, rec: dict) -> None:
+Target = tuple[int, torch.Tensor]
+"""Where one entry's bytes go: (its offset in the data file, a uint8 tensor of its bytes)."""
+
+
+def stream_file(
+    directory: Path, rec: dict, targets: Sequence[Target], verify: bool, executor: Executor | None
+) -> float:
+    """Read a data file chunk by chunk into ``targets`` (non-overlapping byte ranges; CPU or CUDA
+    tensors), checking its size first and, if ``verify``, every chunk's CRC32C. Each read is at
+    most ``IO_BYTES`` into a buffer per worker thread, so the extra host memory is one such buffer
+    per thread, whatever the file or ``chunk_bytes`` claim. Returns the seconds spent
+    checksumming. With ``targets=[]`` this only verifies."""
+    path = directory / rec["name"]
+    order = sorted((t for t in targets if t[1].numel()), key=lambda t: t[0])
+    starts = [off for off, _ in order]
+    chunk, size = rec["chunk_bytes"], rec["size"]
+    local = threading.local()
+    fd = _open(path)
+
+    def one(i: int) -> float:
+        scratch = getattr(local, "buf", None)
+        if scratch is None:
+            scratch = local.buf = memoryview(bytearray(max(1, min(IO_BYTES, chunk, size))))
+        lo, hi = i * chunk, min((i + 1) * chunk, size)
+        value, crc_s = 0, 0.0
+        for pos in range(lo, hi, len(scratch)):
+            piece = scratch[: min(len(scratch), hi - pos)]
+            _read_exact(fd, piece, pos, path)
+            if verify:
+                t0 = time.perf_counter()
+                value = crc32c(piece, value)
+                crc_s += time.perf_counter() - t0
+            _scatter(order, starts, pos, piece)
+        if verify and to_hex(value) != rec["crc32c"][i]:
+            raise CorruptCheckpointError(
+                f"{path}: checksum mismatch in chunk {i} (bytes {lo}-{hi}): "
+                f"{to_hex(value)} != {rec['crc32c'][i]}"
+            )
+        return crc_s
+
+    try:
+        _check_size(path, rec, fd)
+        chunks = range(len(rec["crc32c"]))
+        if executor is None:
+            return sum(map(one, chunks))
+        futures = [executor.submit(one, i) for i in chunks]
+        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in pending:  # after a bad chunk, read no further
+            f.cancel()
+        wait(futures)  # every read is over before fd is closed (and its number reused)
+        for f in futures:
+            error = None if f.cancelled() else f.exception()
+            if error is not None:
+                raise error
+        return sum(f.result() for f in futures)
+    finally:
+        os.close(fd)
+
+
+def _read_exact(fd: int, piece: memoryview, pos: int, path: Path) -> None:
+    got = 0
+    while got < len(piece):
+        n = os.preadv(fd, [piece[got:]], pos + got)
+        if n == 0:
+            raise CorruptCheckpointError(f"{path}: unexpected end of file at byte {pos + got}")
+        got += n
+
+
+def _scatter(order: list[Target], starts: list[int], pos: int, piece: memoryview) -> None:
+    """Copy the bytes ``[pos, pos + len(piece))`` of a file into the targets they overlap."""
+    end = pos + len(piece)
+    j = max(0, bisect.bisect_right(starts, pos) - 1)
+    src: torch.Tensor | None = None
+    while j < len(order) and order[j][0] < end:
+        off, dst = order[j]
+        a, b = max(pos, off), min(end, off + dst.numel())
+        if a < b:
+            if src is None:
+                src = torch.frombuffer(piece, dtype=torch.uint8)
+            dst[a - off : b - off].copy_(src[a - pos : b - pos])
+        j += 1
+
+
+def verify_file(directory: Path, rec: dict, executor: Executor | None = None) -> None:
     """Check a data file's size and every chunk's CRC32C without keeping its bytes."""
-    path = directory / rec["name"]
-    fd = _open(path)
-    try:
-        _check_size(path, rec, fd)
-        chunk = rec["chunk_bytes"]
-        scratch = memoryview(bytearray(min(chunk, max(rec["size"], 1))))
-        for i in range(len(rec["crc32c"])):
-            n = os.preadv(fd, [scratch], i * chunk)
-            _check_chunk(path, rec, i, scratch[:n])
-    finally:
-        os.close(fd)
+    stream_file(directory, rec, [], True, executor)
 
 
 def load_arrays(body: dict, files: dict[str, torch.Tensor]) -> list[Any]:
@@ -322,7 +589,8 @@ def load_arrays(body: dict, files: dict[str, torch.Tensor]) -> list[Any]:
                 out.append(torch.empty(e["shape"], dtype=dtype))
             else:
                 out.append(raw.view(dtype).view(e["shape"]))
+        elif e["nbytes"] == 0:
+            out.append(np.empty(e["shape"], dtype=np.dtype(e["dtype"])))
         else:
-            dt = np.dtype(e["dtype"])
-            out.append(raw.numpy().view(dt).reshape(e["shape"]))
+            out.append(raw.numpy().view(np.dtype(e["dtype"])).reshape(e["shape"]))
     return out

@@ -480,7 +480,11 @@ class CheckpointManager:
                         try:
                             with _commit.reading(path):
                                 state, _, stats = read_checkpoint(
-                                    path, map_location=map_location, mmap=mmap, verify=verify
+                                    path,
+                                    map_location=map_location,
+                                    mmap=mmap,
+                                    verify=verify,
+                                    into=into,
                                 )
                         except CorruptCheckpointError as exc:
                             if s not in remote:
@@ -493,9 +497,10 @@ class CheckpointManager:
                     log.warning("ckpt: skipping step %d: %s", s, exc)
                     skipped.append((s, str(exc)))
                     continue
-                except CheckpointError:
-                    if step is not None:
-                        raise
+                except CheckpointError as exc:
+                    if step is not None or path.is_dir():
+                        raise  # only corruption falls back; a step deleted under us is re-listed
+                    log.warning("ckpt: step %d vanished while restoring (%s); re-listing", s, exc)
                     vanished = True
                     continue
                 stats.skipped = skipped
