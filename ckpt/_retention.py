@@ -7,10 +7,10 @@ and deleted like any other step when it is older. A step older than the kept one
 if every guard allows it (the upload guard: never delete a local step whose upload has not
 finished). With ``keep_last=None`` nothing is deleted.
 
-``restorable(path)`` is the check both callers use: a restore of the step with every checksum
-verified, data files memory-mapped so no tensor is copied (the tree, entries, types and sizes
-are checked as ``restore`` checks them). A step written through DCP is checked by its manifest and
-checksums (DCP's planner, not ckpt, rebuilds its tree).
+``restorable(path)`` is the check both callers use: ``ckpt._reader.verify_step``, which runs the
+validator a restore runs (tree, entries, types, sizes) and checks every file size and chunk
+checksum, without building a tensor. A step written through DCP is checked the same way (DCP's
+planner, not ckpt, rebuilds its tree).
 """
 
 from __future__ import annotations
@@ -68,23 +68,15 @@ def plan(
 def restorable(path: Path) -> str | None:
     """``None`` if the step in ``path`` restores with every checksum verified, else why not.
 
-    Data files are memory-mapped (copy-on-write) and read once for their checksums; no tensor is
-    copied and nothing is moved to a device.
+    Data files are read once for their checksums; no tensor is built and nothing touches a device.
     """
     from ckpt import _commit
-    from ckpt import format as fmt
-    from ckpt._reader import read_checkpoint
+    from ckpt._reader import verify_step
     from ckpt.errors import CheckpointError
 
     try:
         with _commit.reading(path):
-            body = fmt.read_manifest(path)
-            metadata = body.get("metadata")
-            if isinstance(metadata, dict) and "dcp" in metadata:  # a DCP step: DCP rebuilds it
-                for rec in body["files"]:
-                    fmt.verify_file(path, rec)
-            else:
-                read_checkpoint(path, map_location="cpu", mmap=True, verify=True)
+            verify_step(path)
     except Exception as exc:  # any failure, typed or not, means "cannot be restored"
         return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
     return None
