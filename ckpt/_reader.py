@@ -13,7 +13,7 @@ import torch
 
 from ckpt import format as fmt
 from ckpt._flatten import unflatten
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, DcpCheckpointError
 
 __all__ = ["MapLocation", "RestoreStats", "read_checkpoint"]
 
@@ -62,6 +62,11 @@ def read_checkpoint(
     path = Path(path)
     t0 = time.perf_counter()
     body = fmt.read_manifest(path)
+    if isinstance(body.get("metadata"), dict) and "dcp" in body["metadata"]:
+        raise DcpCheckpointError(
+            f"{path}: this step was written by DCP (ckpt.dcp.CkptStorageWriter); load it with "
+            f"dcp.load(state, storage_reader=CkptStorageReader({str(path)!r}))"
+        )
     stats = RestoreStats(step=body.get("step"), path=str(path), verified=verify, mmap=mmap)
     own = executor is None
     pool = executor or ThreadPoolExecutor(2, thread_name_prefix="ckpt-read")

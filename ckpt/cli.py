@@ -38,6 +38,10 @@ def _verify(path: Path) -> tuple[bool, str, int]:
             body = fmt.read_manifest(path)
             for rec in body["files"]:
                 fmt.verify_file(path, rec)
+            if isinstance(body.get("metadata"), dict) and "dcp" in body["metadata"]:
+                from ckpt.dcp import check_bytes_items  # byte items load as dcp.load would
+
+                check_bytes_items(path)
     except CheckpointError as exc:
         return False, str(exc), 0
     nbytes = sum(rec["size"] for rec in body["files"])
