@@ -13,7 +13,7 @@ import torch
 
 from ckpt import format as fmt
 from ckpt._flatten import unflatten
-from ckpt.errors import CheckpointError, DcpCheckpointError
+from ckpt.errors import CheckpointError, CorruptCheckpointError, DcpCheckpointError
 
 __all__ = ["MapLocation", "RestoreStats", "read_checkpoint"]
 
@@ -98,5 +98,7 @@ def read_checkpoint(
 def _mmap(file: Path, size: int) -> torch.Tensor:
     if size == 0:
         return torch.empty(0, dtype=torch.uint8)
+    if file.is_symlink():  # never map through a symlink out of the checkpoint
+        raise CorruptCheckpointError(f"{file}: data file is a symlink")
     # copy-on-write private mapping: pages are read lazily, writes never reach the file
     return torch.from_file(str(file), shared=False, size=size, dtype=torch.uint8)

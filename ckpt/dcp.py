@@ -31,6 +31,7 @@ serialization of that safe object, never the stored bytes (DCP's ``load_bytes`` 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import os
 import re
@@ -585,9 +586,13 @@ class CkptStorageReader(StorageReader):
         first, last = lo // chunk, max(lo, hi - 1) // chunk
         start, end = first * chunk, min((last + 1) * chunk, rec["size"])
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path}: data file missing") from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptCheckpointError(f"{path}: data file is a symlink") from None
+            raise
         try:
             if os.fstat(fd).st_size != rec["size"]:
                 raise CorruptCheckpointError(

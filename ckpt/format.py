@@ -248,9 +248,13 @@ def _check_size(path: Path, rec: dict, fd: int) -> None:
 
 def _open(path: Path) -> int:
     try:
-        return os.open(path, os.O_RDONLY)
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: data file missing") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # never read through a symlink out of the checkpoint
+            raise CorruptCheckpointError(f"{path}: data file is a symlink") from None
+        raise
 
 
 def _check_chunk(path: Path, rec: dict, i: int, piece: memoryview) -> None:
