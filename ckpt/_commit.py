@@ -279,10 +279,14 @@ def remove_leftovers(root: Path) -> list[Path]:
         removed += settle(root / name, paths)
     for name in os.listdir(root):  # an eviction cut short after removing the manifest
         path = root / name
-        if _STEP.match(name) and not os.path.islink(path) and path.is_dir():
-            if not is_complete(path) and not os.path.lexists(path / MANIFEST):
-                remove_path(path)
-                removed.append(path)
+        if (
+            _STEP.match(name)
+            and not os.path.islink(path)
+            and path.is_dir()
+            and not os.path.lexists(path / MANIFEST)
+        ):
+            remove_path(path)
+            removed.append(path)
     if removed:
         fsync_dir(root)
     return removed

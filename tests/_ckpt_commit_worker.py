@@ -21,7 +21,9 @@ def state(step: int, tag: str) -> dict:
     }
 
 
-def run(root: str, mode: str, kill_after: int, no_exchange: bool, trace: str, steps: int) -> None:
+def run(  # noqa: PLR0917 - multiprocessing passes positional args
+    root: str, mode: str, kill_after: int, no_exchange: bool, trace: str, steps: int
+) -> None:
     """The process body (``mode``: ``manager`` or ``simple``)."""
     os.environ["CKPT_TEST_KILL_AFTER"] = str(kill_after)
     os.environ["CKPT_TEST_OP_TRACE"] = trace
