@@ -134,8 +134,9 @@ def steps(root: Path) -> list[int]:
         m = _STEP.match(name)
         if not m:
             continue
-        if os.path.islink(root / name):
-            raise _symlink_error(root / name)
+        for path in (root / name, root / name / MANIFEST):
+            if os.path.islink(path):
+                raise _symlink_error(path)
         if is_complete(root / name):
             out.append(int(m.group(1)))
     return sorted(out)

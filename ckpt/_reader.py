@@ -62,7 +62,7 @@ def read_checkpoint(
     path = Path(path)
     t0 = time.perf_counter()
     body = fmt.read_manifest(path)
-    if isinstance(body.get("metadata"), dict) and "dcp" in body["metadata"]:
+    if isinstance(body.get("metadata"), dict) and "dcp" in body["metadata"] and not body["entries"]:
         raise DcpCheckpointError(
             f"{path}: this step was written by DCP (ckpt.dcp.CkptStorageWriter); load it with "
             f"dcp.load(state, storage_reader=CkptStorageReader({str(path)!r}))"

@@ -38,7 +38,11 @@ def _verify(path: Path) -> tuple[bool, str, int]:
             body = fmt.read_manifest(path)
             for rec in body["files"]:
                 fmt.verify_file(path, rec)
-            if isinstance(body.get("metadata"), dict) and "dcp" in body["metadata"]:
+            if (
+                isinstance(body.get("metadata"), dict)
+                and "dcp" in body["metadata"]
+                and not (body["entries"])
+            ):
                 from ckpt.dcp import check_bytes_items  # byte items load as dcp.load would
 
                 check_bytes_items(path)

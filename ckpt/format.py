@@ -174,9 +174,14 @@ def read_manifest(directory: str | os.PathLike[str], name: str = MANIFEST) -> di
     """
     path = Path(directory) / name
     try:
-        raw = path.read_bytes()
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:  # never a symlink
+            raw = f.read()
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: manifest missing") from None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise CorruptCheckpointError(f"{path}: manifest is a symlink") from None
     start = len(_HEAD) + 8 + len(_MID)
     if not (raw.startswith(_HEAD) and raw[len(_HEAD) + 8 : start] == _MID and raw.endswith(_TAIL)):
         raise CorruptCheckpointError(f"{path}: manifest is not valid: bad framing")

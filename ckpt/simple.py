@@ -58,10 +58,10 @@ def save(path: str | os.PathLike[str], state: Any, *, metadata: dict | None = No
     return path
 
 
-def _settle(path: Path) -> None:
+def _settle(path: Path, tmps: bool = True) -> None:
     """Recover from an earlier save of ``path`` that crashed: put a complete retired copy back
-    when ``path`` is missing, delete retired copies once ``path`` is complete, and delete the
-    temporary directories of saves whose process is gone."""
+    when ``path`` is missing, delete retired copies once ``path`` is complete, and (``tmps``)
+    delete the temporary directories of saves whose process is gone."""
     try:
         names = os.listdir(path.parent)
     except FileNotFoundError:
@@ -69,7 +69,7 @@ def _settle(path: Path) -> None:
     retired = [path.parent / n for n in names if n.startswith(f"{path.name}.del-")]
     if retired:
         _commit.settle(path, retired)
-    for n in names:
+    for n in names if tmps else ():
         m = re.match(rf"^{re.escape(path.name)}\.tmp-(\d+)-[0-9a-f]+$", n)
         if m and not _alive(int(m.group(1))):
             _commit.remove_path(path.parent / n)
@@ -94,7 +94,9 @@ def load(
 ) -> Any:
     """Load the checkpoint directory ``path`` (verified unless ``verify=False``)."""
     if not os.path.lexists(path):
-        _settle(Path(path))  # a save of ``path`` may have crashed between its two renames
+        _settle(
+            Path(path), tmps=False
+        )  # a save of ``path`` may have crashed between its two renames
     if not Path(path).is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
     state, _, _ = read_checkpoint(path, map_location=map_location, mmap=mmap, verify=verify)

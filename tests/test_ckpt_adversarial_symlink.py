@@ -124,3 +124,15 @@ def test_dcp_rank_file_symlink(tmp_path: Path) -> None:
             no_dist=True,
         )
     assert "rank-00000.bin: data file is a symlink" in str(info.value)
+
+
+def test_manifest_symlink(tmp_path: Path) -> None:
+    """A manifest that is a symlink to a valid manifest elsewhere is refused, not read."""
+    root = _run(tmp_path / "run")
+    other = _run(tmp_path / "other")
+    (root / "step-2" / "manifest.json").unlink()
+    (root / "step-2" / "manifest.json").symlink_to(other / "step-2" / "manifest.json")
+    with pytest.raises(CheckpointError, match=r"step-2/manifest\.json: is a symlink"):
+        CheckpointManager(root).restore()
+    with pytest.raises(CorruptCheckpointError, match=r"manifest is a symlink"):
+        ckpt.load(root / "step-2")

@@ -155,3 +155,10 @@ def test_manager_restore_of_dcp_step_is_an_error(tmp_path: Path) -> None:
         ckpt.load(root / "step-5")
     assert reader.restore(3)["w"].tolist() == [1.0, 1.0]
     assert os.path.isdir(root / "step-5")
+
+
+def test_user_metadata_named_dcp_is_not_a_dcp_step(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, {"w": torch.ones(2)}, metadata={"dcp": {"note": "mine"}}).result(30)
+        assert manager.restore()["w"].tolist() == [1.0, 1.0]
+    assert ckpt_main(["verify", str(tmp_path)]) == 0
