@@ -500,8 +500,8 @@ class CkptStorageReader(StorageReader):
         """The step directory being read."""
         if self.directory is None:
             raise CheckpointError("CkptStorageReader needs a directory (and a step)")
+        latest = _commit.steps(self.directory)  # also recovers a re-save a crash cut in two
         if self.step is None:
-            latest = _commit.steps(self.directory)
             if not latest:
                 raise CheckpointError(f"{self.directory}: no committed checkpoints")
             self.step = latest[-1]

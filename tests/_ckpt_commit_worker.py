@@ -24,11 +24,23 @@ def state(step: int, tag: str) -> dict:
 def run(  # noqa: PLR0917 - multiprocessing passes positional args
     root: str, mode: str, kill_after: int, no_exchange: bool, trace: str, steps: int
 ) -> None:
-    """The process body (``mode``: ``manager`` or ``simple``)."""
+    """The process body (``mode``: ``manager``, ``simple`` or ``dcp``)."""
     os.environ["CKPT_TEST_KILL_AFTER"] = str(kill_after)
     os.environ["CKPT_TEST_OP_TRACE"] = trace
     if no_exchange:
         os.environ["CKPT_TEST_NO_EXCHANGE"] = "1"
+    if mode == "dcp":
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+
+        from ckpt.dcp import CkptStorageWriter
+
+        for _ in range(steps):
+            dcp.save(state(5, "new"), storage_writer=CkptStorageWriter(root, 5), no_dist=True)
+        return
     if mode == "simple":
         import ckpt
 
