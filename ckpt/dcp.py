@@ -204,7 +204,7 @@ class _ChunkedFile:
 
     def __init__(self, path: Path, chunk_bytes: int) -> None:
         self.path, self.chunk = path, chunk_bytes
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         self.size, self.crc, self.crcs = 0, 0, []  # type: ignore[var-annotated]
 
     def write(self, view: memoryview) -> None:
