@@ -38,11 +38,8 @@ def _verify(path: Path) -> tuple[bool, str, int]:
             body = fmt.read_manifest(path)
             for rec in body["files"]:
                 fmt.verify_file(path, rec)
-            if (
-                isinstance(body.get("metadata"), dict)
-                and "dcp" in body["metadata"]
-                and not (body["entries"])
-            ):
+            meta = body.get("metadata")
+            if isinstance(meta, dict) and "dcp" in meta and not body["entries"]:  # a DCP step
                 from ckpt.dcp import check_bytes_items  # byte items load as dcp.load would
 
                 check_bytes_items(path)
