@@ -94,8 +94,9 @@ def open_nofollow(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """fsync a directory so that renames/creations inside it are durable."""
-    fd = open_nofollow(path, os.O_RDONLY | os.O_DIRECTORY)
+    """fsync a directory so that renames/creations inside it are durable (it may be reached
+    through a symlink: the checkpoint directory itself may be one; fsync writes nothing)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:

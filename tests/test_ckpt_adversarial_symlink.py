@@ -136,3 +136,21 @@ def test_manifest_symlink(tmp_path: Path) -> None:
         CheckpointManager(root).restore()
     with pytest.raises(CorruptCheckpointError, match=r"manifest is a symlink"):
         ckpt.load(root / "step-2")
+
+
+def test_the_directory_itself_may_be_a_symlink(tmp_path: Path) -> None:
+    """Only entries inside the checkpoint directory are refused; ``DIR`` itself (e.g. a link to
+    a fast disk) and a ``ckpt.save`` path's parent may be symlinks."""
+    real = tmp_path / "nvme" / "run"
+    real.mkdir(parents=True)
+    link = tmp_path / "run"
+    link.symlink_to(real, target_is_directory=True)
+    with CheckpointManager(link, keep_last=1) as m:
+        for s in (1, 2, 2):
+            m.save(s, _state(s)).result(30)
+        assert m.restore()["step"] == 2 and m.steps() == [2]
+    assert ckpt_main(["gc", str(link), "--keep-last", "1"]) == 0
+    assert ckpt_main(["verify", str(link)]) == 0
+    ckpt.save(link / "single", _state(3))
+    ckpt.save(link / "single", _state(4))
+    assert ckpt.load(link / "single")["step"] == 4
