@@ -79,7 +79,7 @@ def read_checkpoint(
                     v0 = time.perf_counter()
                     fmt.verify_file(path, rec)
                     stats.verify_s += time.perf_counter() - v0
-                files[rec["name"]] = _mmap(path / rec["name"], rec["size"])
+                files[rec["name"]] = _mmap(fmt.inside(path, rec["name"]), rec["size"])
             else:
                 files[rec["name"]], crc_s = fmt.read_file(path, rec, verify, pool)
                 stats.verify_s += crc_s

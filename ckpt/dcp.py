@@ -581,7 +581,7 @@ class CkptStorageReader(StorageReader):
 
     def _read_chunks(self, rec: dict, lo: int, hi: int) -> tuple[int, torch.Tensor]:
         """Bytes ``[lo, hi)`` of a data file, widened to whole chunks, each verified."""
-        path = self.path / rec["name"]
+        path = fmt.inside(self.path, rec["name"])
         chunk = rec["chunk_bytes"]
         first, last = lo // chunk, max(lo, hi - 1) // chunk
         start, end = first * chunk, min((last + 1) * chunk, rec["size"])

@@ -33,6 +33,7 @@ __all__ = [
     "CHUNK_BYTES",
     "FORMAT_VERSION",
     "MANIFEST",
+    "inside",
     "load_arrays",
     "plan",
     "read_file",
@@ -251,6 +252,17 @@ def _check_size(path: Path, rec: dict, fd: int) -> None:
         raise CorruptCheckpointError(f"{path}: size {size} != {rec['size']} bytes (truncated?)")
 
 
+def inside(directory: Path, name: str) -> Path:
+    """``directory/name``, refusing a symlink at any component of ``name`` (never followed out of
+    the checkpoint directory); the last component is opened with ``O_NOFOLLOW`` as well."""
+    path = directory
+    for part in safe_relpath(name).split("/"):
+        path = path / part
+        if path.is_symlink():
+            raise CorruptCheckpointError(f"{path}: data file is a symlink")
+    return path
+
+
 def _open(path: Path) -> int:
     try:
         return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -277,7 +289,7 @@ def read_file(
 ) -> tuple[torch.Tensor, float]:
     """Read a data file into a new uint8 tensor, checking size and (if ``verify``) every chunk's
     CRC32C; returns the tensor and the seconds spent checksumming."""
-    path = directory / rec["name"]
+    path = inside(directory, rec["name"])
     fd = _open(path)
     try:
         _check_size(path, rec, fd)
@@ -307,7 +319,7 @@ def read_file(
 
 def verify_file(directory: Path, rec: dict) -> None:
     """Check a data file's size and every chunk's CRC32C without keeping its bytes."""
-    path = directory / rec["name"]
+    path = inside(directory, rec["name"])
     fd = _open(path)
     try:
         _check_size(path, rec, fd)

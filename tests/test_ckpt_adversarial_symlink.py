@@ -154,3 +154,25 @@ def test_the_directory_itself_may_be_a_symlink(tmp_path: Path) -> None:
     ckpt.save(link / "single", _state(3))
     ckpt.save(link / "single", _state(4))
     assert ckpt.load(link / "single")["step"] == 4
+
+
+def test_data_file_under_a_symlinked_subdirectory(tmp_path: Path) -> None:
+    """A manifest (CRC-valid) naming ``sub/data.bin`` where ``sub`` links out of the step."""
+    from ckpt import format as fmt
+
+    root = _run(tmp_path / "run")
+    step = root / "step-2"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (step / "data.bin").rename(outside / "data.bin")
+    (step / "sub").symlink_to(outside, target_is_directory=True)
+    body = fmt.read_manifest(step)
+    body["files"][0]["name"] = "sub/data.bin"
+    for entry in body["entries"]:
+        entry["file"] = "sub/data.bin"
+    fmt.write_manifest(step, body)
+    reader = CheckpointManager(root)
+    for kwargs in ({}, {"mmap": True, "verify": False}):
+        with pytest.raises(CorruptCheckpointError, match=r"step-2/sub: data file is a symlink"):
+            reader.restore(2, **kwargs)
+    assert ckpt_main(["verify", str(root), "--step", "2"]) == 1
