@@ -15,6 +15,8 @@ from ckpt.cli import main as ckpt_main
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.manager import CheckpointManager
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
 VICTIM = b"precious data outside the checkpoint directory\n"
 
 
