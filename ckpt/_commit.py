@@ -1,22 +1,41 @@
 """The POSIX commit protocol and the directory layout.
 
 ``DIR/step-N.tmp-<pid>-<rand>/`` is written and fsynced (files, then the directory), renamed to
-``DIR/step-N``, and the parent fsynced; only then ``DIR/latest`` is replaced by rename. Deleting a
-step renames it to ``step-N.del-*`` first, so a half-deleted step is never visible. Leftovers of
-interrupted saves and deletions are removed under the writer lock (``DIR/.lock``, ``flock``).
-Readers hold a shared ``flock`` on the step directory; eviction only takes steps it can lock
-exclusively.
+``DIR/step-N``, and the parent fsynced; only then ``DIR/latest`` is replaced by rename. Readers
+hold a shared ``flock`` on the step directory; eviction only takes steps it can lock exclusively.
+
+Every committed step stays reachable at every instant of a crash:
+
+1. Re-saving an existing ``step-N`` swaps the new directory in with one atomic
+   ``renameat2(RENAME_EXCHANGE)``; the old copy, now under the temporary name, is then deleted.
+2. Where the kernel or filesystem lacks the exchange (``EINVAL``/``ENOSYS``), ``step-N`` is
+   renamed to ``step-N.del-*`` and the new directory to ``step-N``. Between those renames the
+   ``.del-`` copy is the only complete one, so recovery (``settle``) deletes a ``step-N.del-*``
+   only while a complete ``step-N`` exists, and renames a complete ``.del-`` back to ``step-N``
+   when there is none.
+3. A retired copy loses its manifest first (``discard``), so a half-deleted copy never looks
+   complete. Eviction removes the step's manifest before anything else (under the step's
+   exclusive lock), so an evicted step is never brought back; a ``step-N`` without a manifest is
+   not a checkpoint, and recovery removes it.
+4. Recovery runs under the writer lock (``remove_leftovers``), or from a reader listing the
+   steps when no writer holds the lock (``steps`` calls ``recover``).
+
+Nothing in the directory is followed out of it: ``.lock``, ``latest``, step directories and data
+files that are symlinks are a ``CheckpointError`` naming the path, never opened through.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import functools
 import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator
+import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ckpt import _faults
@@ -25,15 +44,23 @@ from ckpt.format import MANIFEST
 
 __all__ = [
     "WriterLock",
+    "check_no_symlinks",
+    "discard",
     "evict",
+    "exchange",
     "fsync_dir",
+    "is_complete",
     "leftovers",
     "make_tmp",
+    "open_nofollow",
     "publish",
     "read_latest",
     "reading",
+    "recover",
     "remove_leftovers",
     "remove_path",
+    "replace_dir",
+    "settle",
     "step_dir",
     "steps",
     "write_latest",
@@ -41,16 +68,40 @@ __all__ = [
 
 _STEP = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^(step-\d+\.(tmp|del)-.+|latest\.tmp-.+)$")
+_DEL = re.compile(r"^(step-\d+)\.del-.+$")
 LATEST = "latest"
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _symlink_error(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: is a symlink; ckpt never follows symlinks inside a checkpoint directory "
+        "(replace it with a real file or directory)"
+    )
+
+
+def open_nofollow(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
+    """``os.open`` that refuses a symlink as the last component (``CheckpointError``)."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or (
+            exc.errno == errno.ENOTDIR and os.path.islink(path)
+        ):  # O_DIRECTORY on a symlink to a file gives ENOTDIR
+            raise _symlink_error(Path(path)) from None
+        raise
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """fsync a directory so that renames/creations inside it are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    """fsync a directory so that renames/creations inside it are durable (it may be reached
+    through a symlink: the checkpoint directory itself may be one; fsync writes nothing)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+    _faults.fs_op(f"fsync {Path(path).name}")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -58,18 +109,51 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step}"
 
 
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` is a real directory holding a regular manifest (no symlink followed)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode) and stat.S_ISREG(
+            os.lstat(path / MANIFEST).st_mode
+        )
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
 def steps(root: Path) -> list[int]:
-    """Committed steps (``step-N`` directories holding a manifest), ascending."""
+    """Committed steps (``step-N`` directories holding a manifest), ascending. A ``step-N`` that
+    is a symlink is a ``CheckpointError``. A step that a crashed writer left only under its
+    ``.del-`` name is renamed back first, unless a live writer holds the lock (it recovers)."""
     out = []
     try:
         names = os.listdir(root)
     except FileNotFoundError:
         return []
+    if any((m := _DEL.match(n)) and m.group(1) not in names for n in names):
+        recover(root, lock_held=False)  # a re-save cut between its renames (module doc, 2)
+        names = os.listdir(root)
     for name in names:
         m = _STEP.match(name)
-        if m and (root / name / MANIFEST).is_file():
+        if not m:
+            continue
+        for path in (root / name, root / name / MANIFEST):
+            if os.path.islink(path):
+                raise _symlink_error(path)
+        if is_complete(root / name):
             out.append(int(m.group(1)))
     return sorted(out)
+
+
+def check_no_symlinks(root: Path) -> None:
+    """Refuse a directory whose ``.lock``, ``latest`` or step entries are symlinks."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return
+    for name in sorted(names):
+        if (name in (".lock", LATEST) or _STEP.match(name) or _LEFTOVER.match(name)) and (
+            os.path.islink(root / name)
+        ):
+            raise _symlink_error(root / name)
 
 
 def leftovers(root: Path) -> list[Path]:
@@ -81,40 +165,175 @@ def leftovers(root: Path) -> list[Path]:
 
 
 def remove_path(path: Path) -> None:
-    """Remove a file or directory tree if it exists."""
+    """Remove a file or directory tree if it exists (a symlink itself, never its target)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+    _faults.fs_op(f"remove {path.name}")
+
+
+def discard(path: Path) -> None:
+    """Delete a retired copy: its manifest first (fsynced), so it never looks complete again."""
+    if path.is_dir() and not path.is_symlink():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path / MANIFEST)
+            _faults.fs_op(f"unlink {path.name}/{MANIFEST}")
+            fsync_dir(path)
+    remove_path(path)
+
+
+@functools.lru_cache(maxsize=1)
+def _renameat2() -> Callable[..., int] | None:
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except AttributeError:  # libc without renameat2 (glibc < 2.28, musl < 1.2.?)
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap the names ``a`` and ``b`` (``renameat2(RENAME_EXCHANGE)``); ``False``
+    where the kernel or filesystem lacks it (nothing was changed then)."""
+    import ctypes
+
+    fn = _renameat2() if _faults.exchange_allowed() else None
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        _faults.fs_op(f"exchange {a.name} {b.name}")
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def replace_dir(new: Path, final: Path, retired: Path) -> None:
+    """Make the complete, fsynced directory ``new`` take the name ``final`` (which may exist),
+    such that a crash at any instant leaves a complete copy reachable (module doc, 1-3).
+    ``retired`` is the ``.del-`` name the fallback moves the old copy to."""
+    if os.path.islink(final):
+        raise _symlink_error(final)
+    if os.path.lexists(final):
+        if exchange(new, final):  # ``new`` now holds the old copy
+            fsync_dir(final.parent)
+            discard(new)
+            return
+        os.rename(final, retired)
+        _faults.fs_op(f"rename {final.name} {retired.name}")
+        os.rename(new, final)
+        _faults.fs_op(f"rename {new.name} {final.name}")
+        fsync_dir(final.parent)
+        discard(retired)
+        return
+    os.rename(new, final)
+    _faults.fs_op(f"rename {new.name} {final.name}")
+    fsync_dir(final.parent)
+
+
+def settle(final: Path, retired: list[Path]) -> list[Path]:
+    """Apply the recovery rule to ``final`` and its ``.del-`` copies; returns what was deleted.
+
+    A retired copy is deleted only while ``final`` is complete; a complete retired copy is
+    renamed back to ``final`` when there is no ``final``; an incomplete one (a half-deleted
+    copy) is deleted.
+    """
+    removed = []
+    for path in sorted(retired, key=lambda p: not is_complete(p)):  # complete ones first
+        if os.path.islink(path):
+            raise _symlink_error(path)
+        if is_complete(final):
+            discard(path)
+            removed.append(path)
+        elif not os.path.lexists(final) and is_complete(path):
+            os.rename(path, final)
+            _faults.fs_op(f"rename {path.name} {final.name}")
+            fsync_dir(final.parent)
+        elif not is_complete(path):
+            discard(path)
+            removed.append(path)
+    return removed
 
 
 def remove_leftovers(root: Path) -> list[Path]:
-    """Remove leftovers (call only under the writer lock); returns what was removed."""
+    """Recover and remove leftovers (call only under the writer lock); returns what was removed.
+
+    Temporary directories of unfinished saves are deleted; ``.del-`` copies follow ``settle``.
+    """
+    check_no_symlinks(root)
     found = leftovers(root)
+    retired: dict[str, list[Path]] = {}
+    removed = []
     for path in found:
-        remove_path(path)
-    if found:
+        m = _DEL.match(path.name)
+        if m:
+            retired.setdefault(m.group(1), []).append(path)
+        else:
+            remove_path(path)
+            removed.append(path)
+    for name, paths in retired.items():
+        removed += settle(root / name, paths)
+    for name in os.listdir(root):  # an eviction cut short after removing the manifest
+        path = root / name
+        if (
+            _STEP.match(name)
+            and not os.path.islink(path)
+            and path.is_dir()
+            and not os.path.lexists(path / MANIFEST)
+        ):
+            remove_path(path)
+            removed.append(path)
+    if removed:
         fsync_dir(root)
-    return found
+    return removed
+
+
+def recover(root: Path, lock_held: bool) -> None:
+    """Rename back a step that a writer crashed in the middle of replacing (module doc, 2), if
+    any; without ``lock_held``, only when no writer holds the lock (a live one recovers itself)."""
+    orphans: dict[str, list[Path]] = {}
+    for path in leftovers(root):
+        m = _DEL.match(path.name)
+        if m and not os.path.lexists(root / m.group(1)) and is_complete(path):
+            orphans.setdefault(m.group(1), []).append(path)
+    if not orphans:
+        return
+    lock = None
+    if not lock_held:
+        lock = WriterLock(root)
+        try:
+            lock.acquire()
+        except (LockedError, OSError):
+            return
+    try:
+        for name, paths in orphans.items():
+            settle(root / name, paths)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def make_tmp(root: Path, step: int) -> Path:
     """Create ``step-N.tmp-<pid>-<rand>`` for a save in progress."""
     path = root / f"step-{step}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     path.mkdir()
+    _faults.fs_op(f"mkdir {path.name}")
     return path
 
 
 def publish(tmp: Path, root: Path, step: int) -> Path:
-    """Make a fully written, fsynced ``tmp`` directory the committed ``step-N``."""
+    """Make a fully written ``tmp`` directory the committed ``step-N`` (crash-safe even when
+    ``step-N`` exists: module doc)."""
     fsync_dir(tmp)
     final = step_dir(root, step)
-    if final.exists():  # re-saving a step: retire the old one first (never half-visible)
-        os.rename(final, root / f"step-{step}.del-{secrets.token_hex(4)}")
     _faults.pause("rename")
-    os.rename(tmp, final)
-    fsync_dir(root)
+    replace_dir(tmp, final, root / f"step-{step}.del-{secrets.token_hex(4)}")
     return final
 
 
@@ -122,22 +341,31 @@ def write_latest(root: Path, step: int) -> None:
     """Atomically point ``DIR/latest`` at ``step-N``."""
     _faults.pause("latest")
     tmp = root / f"latest.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         os.write(fd, f"step-{step}\n".encode())
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.rename(tmp, root / LATEST)
+    _faults.fs_op(f"write {tmp.name}")
+    os.rename(tmp, root / LATEST)  # replaces a symlink named latest, never writes through it
+    _faults.fs_op(f"rename {tmp.name} {LATEST}")
     fsync_dir(root)
 
 
 def read_latest(root: Path) -> int | None:
-    """The step named by ``DIR/latest``, or ``None`` if absent or unreadable."""
+    """The step named by ``DIR/latest``, or ``None`` if absent or unreadable (a symlink is a
+    ``CheckpointError``)."""
     try:
-        m = _STEP.match((root / LATEST).read_text().strip())
-    except (FileNotFoundError, UnicodeDecodeError):
+        fd = open_nofollow(root / LATEST, os.O_RDONLY)
+    except FileNotFoundError:
         return None
+    try:
+        m = _STEP.match(os.read(fd, 64).decode().strip())
+    except (UnicodeDecodeError, OSError):
+        return None
+    finally:
+        os.close(fd)
     return int(m.group(1)) if m else None
 
 
@@ -145,13 +373,13 @@ def read_latest(root: Path) -> int | None:
 def reading(path: Path) -> Iterator[None]:
     """Hold a shared lock on a step directory while reading it (eviction skips locked steps)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = open_nofollow(path, os.O_RDONLY | os.O_DIRECTORY)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: checkpoint does not exist (deleted?)") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            same = os.lstat(path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             same = False
         if not same:
@@ -165,7 +393,7 @@ def evict(root: Path, step: int) -> bool:
     """Delete a committed step unless a reader holds it; returns whether it was deleted."""
     path = step_dir(root, step)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = open_nofollow(path, os.O_RDONLY | os.O_DIRECTORY)
     except FileNotFoundError:
         return False
     try:
@@ -174,12 +402,16 @@ def evict(root: Path, step: int) -> bool:
         except BlockingIOError:
             return False
         _faults.pause("retention")
+        os.unlink(path / MANIFEST)  # no longer a checkpoint: never brought back by recovery
+        _faults.fs_op(f"unlink {path.name}/{MANIFEST}")
+        fsync_dir(path)
         doomed = root / f"step-{step}.del-{secrets.token_hex(4)}"
         os.rename(path, doomed)
+        _faults.fs_op(f"rename {path.name} {doomed.name}")
         fsync_dir(root)
     finally:
         os.close(fd)
-    shutil.rmtree(doomed, ignore_errors=True)
+    remove_path(doomed)
     return True
 
 
@@ -201,7 +433,8 @@ class WriterLock:
 
         if self._fd is not None:
             return
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        check_no_symlinks(self.root)
+        fd = open_nofollow(self.root / ".lock", os.O_RDWR | os.O_CREAT)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -219,6 +452,7 @@ class WriterLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
         self._fd = fd
+        _faults.fs_op("lock")
 
     def release(self) -> None:
         """Release the lock (idempotent)."""

@@ -17,7 +17,7 @@ import torch
 
 from ckpt import format as fmt
 from ckpt._flatten import torch_dtype, unflatten
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, CorruptCheckpointError, DcpCheckpointError
 
 __all__ = ["MapLocation", "RestoreStats", "read_checkpoint", "verify_step"]
 
@@ -100,6 +100,11 @@ def read_checkpoint(
     path = Path(path)
     t0 = time.perf_counter()
     body = fmt.read_manifest(path)
+    if isinstance(body.get("metadata"), dict) and "dcp" in body["metadata"] and not body["entries"]:
+        raise DcpCheckpointError(
+            f"{path}: this step was written by DCP (ckpt.dcp.CkptStorageWriter); load it with "
+            f"dcp.load(state, storage_reader=CkptStorageReader({str(path)!r}))"
+        )
     stats = RestoreStats(step=body.get("step"), path=str(path), verified=verify, mmap=mmap)
     stats.nbytes = sum(rec["size"] for rec in body["files"])
     own = executor is None
@@ -138,7 +143,7 @@ def _read_mmap(path: Path, body: dict, verify: bool, stats: RestoreStats) -> lis
             v0 = time.perf_counter()
             fmt.verify_file(path, rec)
             stats.verify_s += time.perf_counter() - v0
-        files[rec["name"]] = _mmap(path / rec["name"], rec["size"])
+        files[rec["name"]] = _mmap(fmt.inside(path, rec["name"]), rec["size"])
     return fmt.load_arrays(body, files)
 
 
@@ -230,6 +235,8 @@ def _into_targets(body: dict, into: Any) -> dict[int, torch.Tensor]:
 def _mmap(file: Path, size: int) -> torch.Tensor:
     if size == 0:
         return torch.empty(0, dtype=torch.uint8)
+    if file.is_symlink():  # never map through a symlink out of the checkpoint
+        raise CorruptCheckpointError(f"{file}: data file is a symlink")
     # copy-on-write private mapping: pages are read lazily, writes never reach the file
     return torch.from_file(str(file), shared=False, size=size, dtype=torch.uint8)
 
@@ -244,4 +251,9 @@ def verify_step(path: str | os.PathLike[str]) -> dict:
     body = fmt.read_manifest(path)
     for rec in body["files"]:
         fmt.verify_file(path, rec)
+    meta = body.get("metadata")
+    if isinstance(meta, dict) and "dcp" in meta and not body["entries"]:  # a DCP step
+        from ckpt.dcp import check_bytes_items  # byte items load as dcp.load would, safely
+
+        check_bytes_items(path)
     return body

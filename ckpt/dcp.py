@@ -17,13 +17,21 @@ and how:
   (pinned when CUDA is present) pool instead of fresh allocations.
 
 Run DCP's collectives on a group of their own (``checkpoint_group()``: gloo), so that a background
-``async_save`` cannot deadlock with training collectives. Byte items (non-tensor leaves) are
-serialized by DCP itself (``torch.save``); ckpt stores them as opaque checksummed bytes.
+``async_save`` cannot deadlock with training collectives.
+
+Byte items (non-tensor leaves) are serialized by DCP's planner with ``torch.save``. No stored byte
+ever reaches an unpickler that can run code: the writer refuses an item that
+``torch.load(weights_only=True)`` cannot read back (so a save that could not be loaded safely
+fails at once, naming the item), and the reader loads each item itself with
+``weights_only=True`` (an allow-list of plain types and tensors) and hands the planner a fresh
+serialization of that safe object, never the stored bytes (DCP's ``load_bytes`` calls
+``torch.load(weights_only=False)``). A hostile item is a ``CorruptCheckpointError``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import os
 import re
@@ -69,9 +77,11 @@ if TYPE_CHECKING:
 __all__ = [
     "CkptStorageReader",
     "CkptStorageWriter",
+    "check_bytes_items",
     "checkpoint_group",
     "decode_metadata",
     "encode_metadata",
+    "load_bytes_item",
 ]
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -96,6 +106,28 @@ def _split_id(checkpoint_id: str | os.PathLike[str] | None) -> tuple[Path, int] 
     if not m:
         raise CheckpointError(f"checkpoint_id {checkpoint_id!r} must name a DIR/step-N directory")
     return path.parent, int(m.group(1))
+
+
+def load_bytes_item(raw: bytes | memoryview, where: str) -> Any:
+    """Load one stored byte item with ``torch.load(weights_only=True)`` (never runs code);
+    anything outside the allow-list is a ``CorruptCheckpointError`` naming ``where``."""
+    try:
+        return torch.load(io.BytesIO(bytes(raw)), weights_only=True, map_location="cpu")
+    except Exception as exc:
+        lines = str(exc).splitlines() or [repr(exc)]
+        why = next((ln for ln in lines if "WeightsUnpickler error" in ln), lines[0]).strip()
+        raise CorruptCheckpointError(
+            f"{where}: byte item cannot be loaded safely (torch.load(weights_only=True) refused "
+            f"it; ckpt never unpickles arbitrary objects): {why}"
+        ) from None
+
+
+def _safe_bytes(obj: Any) -> io.BytesIO:
+    """A fresh ``torch.save`` of an object that ``load_bytes_item`` produced, for the planner."""
+    out = io.BytesIO()
+    torch.save(obj, out)
+    out.seek(0)
+    return out
 
 
 # ---- metadata as JSON (DCP pickles its .metadata; ckpt never unpickles) ----------------------
@@ -172,7 +204,7 @@ class _ChunkedFile:
 
     def __init__(self, path: Path, chunk_bytes: int) -> None:
         self.path, self.chunk = path, chunk_bytes
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         self.size, self.crc, self.crcs = 0, 0, []  # type: ignore[var-annotated]
 
     def write(self, view: memoryview) -> None:
@@ -218,7 +250,8 @@ def _raw(t: torch.Tensor) -> memoryview:
 class CkptStorageWriter(StorageWriter):
     """A DCP ``StorageWriter`` (and ``AsyncStager``) writing ckpt step directories (module doc).
 
-    ``directory``/``step``: where (``checkpoint_id="DIR/step-N"`` works too). ``manager``: the
+    ``directory``/``step``: where (``CkptStorageWriter("DIR/step-N")`` and
+    ``checkpoint_id="DIR/step-N"`` work too). ``manager``: the
     coordinator's ``CheckpointManager`` on ``directory`` (upload, retention); ``pool``: sizing of
     the staging pool used by ``async_save``; ``chunk_bytes``: checksum chunk size.
     """
@@ -237,6 +270,8 @@ class CkptStorageWriter(StorageWriter):
         super().__init__()
         self.directory = Path(directory) if directory is not None else None
         self.step = step
+        if step is None and directory is not None and _STEP_DIR.match(Path(directory).name):
+            self.directory, self.step = _split_id(directory)  # type: ignore[misc]
         self.manager = manager
         self.chunk_bytes = chunk_bytes
         self.pool = PinnedPool(pool)
@@ -311,7 +346,15 @@ class CkptStorageWriter(StorageWriter):
                 loc: dict[str, Any] = {"file": info["file"], "offset": offset}
                 if item.type == WriteItemType.BYTE_IO:
                     assert isinstance(data, io.BytesIO)
-                    out.write(memoryview(data.getbuffer()))
+                    raw = data.getvalue()
+                    where = f"{self.directory}/step-{self.step}: item {item.index.fqn!r}"
+                    try:  # refuse now what a load could not read back without pickle
+                        load_bytes_item(raw, where)
+                    except CorruptCheckpointError as exc:
+                        raise CheckpointError(
+                            f"{exc}; it cannot be stored without pickle"
+                        ) from None
+                    out.write(memoryview(raw))
                     loc["kind"] = "bytes"
                 else:
                     assert isinstance(data, torch.Tensor)
@@ -429,6 +472,9 @@ def _rebuild(obj: Any, staged: Iterator[torch.Tensor]) -> Any:
 class CkptStorageReader(StorageReader):
     """A DCP ``StorageReader`` over a ckpt step directory written by :class:`CkptStorageWriter`.
 
+    ``CkptStorageReader(DIR, step)``, ``CkptStorageReader("DIR/step-N")`` (a step directory) or
+    ``CkptStorageReader(DIR)`` (its newest step) all work; so does ``checkpoint_id="DIR/step-N"``.
+
     Every chunk a rank reads is checked against the manifest's CRC32C (``verify=False`` skips
     that; sizes are still checked).
     """
@@ -443,6 +489,8 @@ class CkptStorageReader(StorageReader):
         super().__init__()
         self.directory = Path(directory) if directory is not None else None
         self.step = step
+        if step is None and directory is not None and (Path(directory) / fmt.MANIFEST).exists():
+            self.directory, self.step = _split_id(directory)  # type: ignore[misc]
         self.verify = verify
         self.storage_data: dict[MetadataIndex, dict] = {}
         self._files: dict[str, dict] = {}
@@ -452,8 +500,8 @@ class CkptStorageReader(StorageReader):
         """The step directory being read."""
         if self.directory is None:
             raise CheckpointError("CkptStorageReader needs a directory (and a step)")
+        latest = _commit.steps(self.directory)  # also recovers a re-save a crash cut in two
         if self.step is None:
-            latest = _commit.steps(self.directory)
             if not latest:
                 raise CheckpointError(f"{self.directory}: no committed checkpoints")
             self.step = latest[-1]
@@ -511,7 +559,8 @@ class CkptStorageReader(StorageReader):
             for req, loc in zip(reqs, locs, strict=True):
                 raw = data[loc["offset"] - base : loc["offset"] - base + loc["nbytes"]]
                 if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(bytes(raw)))
+                    where = f"{self.path}/{name}: item {req.storage_index.fqn!r}"
+                    planner.load_bytes(req, _safe_bytes(load_bytes_item(raw.numpy().data, where)))
                     continue
                 shape = [int(d) for d in loc["shape"]]
                 src = raw.view(torch_dtype(loc["dtype"])).view(shape) if raw.numel() else (
@@ -532,14 +581,18 @@ class CkptStorageReader(StorageReader):
 
     def _read_chunks(self, rec: dict, lo: int, hi: int) -> tuple[int, torch.Tensor]:
         """Bytes ``[lo, hi)`` of a data file, widened to whole chunks, each verified."""
-        path = self.path / rec["name"]
+        path = fmt.inside(self.path, rec["name"])
         chunk = rec["chunk_bytes"]
         first, last = lo // chunk, max(lo, hi - 1) // chunk
         start, end = first * chunk, min((last + 1) * chunk, rec["size"])
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path}: data file missing") from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptCheckpointError(f"{path}: data file is a symlink") from None
+            raise
         try:
             if os.fstat(fd).st_size != rec["size"]:
                 raise CorruptCheckpointError(
@@ -571,3 +624,28 @@ def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> 
         if off != 0 or n != t.size(dim):
             t = t.narrow(dim, off, n)
     return t
+
+
+def check_bytes_items(path: str | os.PathLike[str]) -> int:
+    """Load every byte item of the DCP step ``path`` the way a load would (``weights_only=True``,
+    chunks verified); returns how many there are. Raises ``CorruptCheckpointError`` naming the
+    item that would not load safely."""
+    reader = CkptStorageReader(path)
+    md = reader.read_metadata()
+    reader.set_up_storage_reader(md, True)
+    count = 0
+    for index, loc in reader.storage_data.items():
+        if loc.get("kind") != "bytes":
+            continue
+        name = fmt.safe_relpath(loc["file"])
+        rec = reader._files.get(name)
+        if rec is None:
+            raise CorruptCheckpointError(f"{reader.path}: {name} is not in the manifest")
+        off, n = int(loc["offset"]), int(loc["nbytes"])
+        base, data = reader._read_chunks(rec, off, off + n)
+        load_bytes_item(
+            data[off - base : off - base + n].numpy().data,
+            f"{reader.path}/{name}: item {index.fqn!r}",
+        )
+        count += 1
+    return count

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CorruptCheckpointError", "LockedError"]
+__all__ = ["CheckpointError", "CorruptCheckpointError", "DcpCheckpointError", "LockedError"]
 
 
 class CheckpointError(RuntimeError):
@@ -15,3 +15,8 @@ class CorruptCheckpointError(CheckpointError):
 
 class LockedError(CheckpointError):
     """Another writer (manager or ``ckpt gc``) holds the directory's writer lock."""
+
+
+class DcpCheckpointError(CheckpointError):
+    """The step was written through ``ckpt.dcp``: load it with ``dcp.load`` and
+    ``CkptStorageReader``, not with ``restore``/``ckpt.load`` (never a reason to fall back)."""

@@ -42,6 +42,7 @@ __all__ = [
     "MAX_DEPTH",
     "Target",
     "check_file",
+    "inside",
     "load_arrays",
     "numpy_dtype",
     "plan",
@@ -189,9 +190,14 @@ def read_manifest(directory: str | os.PathLike[str], name: str = MANIFEST) -> di
     """
     path = Path(directory) / name
     try:
-        raw = path.read_bytes()
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:  # never a symlink
+            raw = f.read()
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: manifest missing") from None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise CorruptCheckpointError(f"{path}: manifest is a symlink") from None
     start = len(_HEAD) + 8 + len(_MID)
     if not (raw.startswith(_HEAD) and raw[len(_HEAD) + 8 : start] == _MID and raw.endswith(_TAIL)):
         raise CorruptCheckpointError(f"{path}: manifest is not valid: bad framing")
@@ -472,17 +478,32 @@ def _check_size(path: Path, rec: dict, fd: int) -> None:
         raise CorruptCheckpointError(f"{path}: size {size} != {rec['size']} bytes (truncated?)")
 
 
+def inside(directory: Path, name: str) -> Path:
+    """``directory/name``, refusing a symlink at any component of ``name`` (never followed out of
+    the checkpoint directory); the last component is opened with ``O_NOFOLLOW`` as well."""
+    path = directory
+    for part in safe_relpath(name).split("/"):
+        path = path / part
+        if path.is_symlink():
+            raise CorruptCheckpointError(f"{path}: data file is a symlink")
+    return path
+
+
 def _open(path: Path) -> int:
     try:
-        return os.open(path, os.O_RDONLY)
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: data file missing") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # never read through a symlink out of the checkpoint
+            raise CorruptCheckpointError(f"{path}: data file is a symlink") from None
+        raise
 
 
 def check_file(directory: Path, rec: dict) -> None:
     """Check that a data file exists with exactly the size its record claims (before any
     allocation sized by that claim)."""
-    path = directory / rec["name"]
+    path = inside(directory, rec["name"])
     fd = _open(path)
     try:
         _check_size(path, rec, fd)
@@ -502,7 +523,7 @@ def stream_file(
     most ``IO_BYTES`` into a buffer per worker thread, so the extra host memory is one such buffer
     per thread, whatever the file or ``chunk_bytes`` claim. Returns the seconds spent
     checksumming. With ``targets=[]`` this only verifies."""
-    path = directory / rec["name"]
+    path = inside(directory, rec["name"])
     order = sorted((t for t in targets if t[1].numel()), key=lambda t: t[0])
     starts = [off for off, _ in order]
     chunk, size = rec["chunk_bytes"], rec["size"]

@@ -32,7 +32,7 @@ from ckpt._flatten import RNG_KEY, Leaf, apply_into, flatten, rng_state
 from ckpt._paths import local_path
 from ckpt._pool import Buffer, PinnedPool, PoolOptions
 from ckpt._reader import MapLocation, RestoreStats, read_checkpoint
-from ckpt.errors import CheckpointError, CorruptCheckpointError, LockedError
+from ckpt.errors import CheckpointError, CorruptCheckpointError, DcpCheckpointError, LockedError
 
 if TYPE_CHECKING:
     from ckpt.remote import RemoteOptions, RemoteStats, RemoteTier
@@ -497,6 +497,8 @@ class CheckpointManager:
                     log.warning("ckpt: skipping step %d: %s", s, exc)
                     skipped.append((s, str(exc)))
                     continue
+                except DcpCheckpointError:
+                    raise  # not corrupt: never fall back to an older step because of it
                 except CheckpointError as exc:
                     if step is not None or path.is_dir():
                         raise  # only corruption falls back; a step deleted under us is re-listed

@@ -606,6 +606,8 @@ class RemoteTier:
                 rpath = self._rpath(step, rec["name"])
 
                 def fetch(r: str = rpath, d: Path = dest) -> None:
+                    if d.is_symlink():  # never write through a symlink
+                        raise CheckpointError(f"{d}: download target is a symlink")
                     self.fs.get_file(r, str(d))
 
                 self._call(fetch, step, rec["name"], "download")

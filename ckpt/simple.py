@@ -4,8 +4,8 @@ same commit protocol: a temporary sibling directory renamed into place)."""
 from __future__ import annotations
 
 import os
+import re
 import secrets
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,13 @@ _REMOTE_HINT = "for remote storage use CheckpointManager('/local/dir', remote=UR
 def save(path: str | os.PathLike[str], state: Any, *, metadata: dict | None = None) -> Path:
     """Write ``state`` to the checkpoint directory ``path`` and return it once durable.
 
-    An existing checkpoint at ``path`` is replaced; a crash leaves either the old or the new one.
+    An existing checkpoint at ``path`` is replaced; a crash at any instant leaves the old or the
+    new one reachable at ``path`` (an atomic exchange where the filesystem has it; otherwise
+    the next ``save``/``load`` of ``path`` puts the old copy back).
     """
     path = local_path(path, "ckpt.save", _REMOTE_HINT)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _settle(path)
     leaves: list[Leaf] = []
     tree = flatten(state, leaves)
     entries, nbytes = fmt.plan(leaves)
@@ -50,18 +53,39 @@ def save(path: str | os.PathLike[str], state: Any, *, metadata: dict | None = No
         }
         fmt.write_manifest(tmp, body)
         _commit.fsync_dir(tmp)
-        old = None
-        if path.exists():
-            old = path.with_name(f"{path.name}.del-{secrets.token_hex(4)}")
-            os.rename(path, old)
-        os.rename(tmp, path)
-        _commit.fsync_dir(path.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        retired = path.with_name(f"{path.name}.del-{secrets.token_hex(4)}")
+        _commit.replace_dir(tmp, path, retired)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _commit.remove_path(tmp)  # the new copy, or after the exchange the old one
         raise
     return path
+
+
+def _settle(path: Path, tmps: bool = True) -> None:
+    """Recover from an earlier save of ``path`` that crashed: put a complete retired copy back
+    when ``path`` is missing, delete retired copies once ``path`` is complete, and (``tmps``)
+    delete the temporary directories of saves whose process is gone."""
+    try:
+        names = os.listdir(path.parent)
+    except FileNotFoundError:
+        return
+    retired = [path.parent / n for n in names if n.startswith(f"{path.name}.del-")]
+    if retired:
+        _commit.settle(path, retired)
+    for n in names if tmps else ():
+        m = re.match(rf"^{re.escape(path.name)}\.tmp-(\d+)-[0-9a-f]+$", n)
+        if m and not _alive(int(m.group(1))):
+            _commit.remove_path(path.parent / n)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def load(
@@ -73,6 +97,8 @@ def load(
 ) -> Any:
     """Load the checkpoint directory ``path`` (verified unless ``verify=False``)."""
     path = local_path(path, "ckpt.load", _REMOTE_HINT)
+    if not os.path.lexists(path):
+        _settle(path, tmps=False)  # a save of ``path`` may have crashed between its two renames
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
     state, _, _ = read_checkpoint(path, map_location=map_location, mmap=mmap, verify=verify)
