@@ -111,9 +111,11 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch exactly (like torchdata's
     StatefulDataLoader): the state is small and JSON-able. Resume re-creates the epoch's index
-    order from the saved RNG state (or the stateful sampler's own state) and skips the delivered
-    index batches without reading them. Per-worker randomness inside ``__getitem__`` (from the
-    worker seed) is not replayed: derive augmentations from the index/epoch for exact resume.
+    order from the saved RNG states (every generator along the sampler chain; see
+    ``feedpipe._rng_state``) or the stateful sampler's own state, and skips the delivered index
+    batches without reading them. It never changes the global torch RNG. Per-worker randomness
+    inside ``__getitem__`` (from the worker seed) is not replayed: derive augmentations from the
+    index/epoch for exact resume.
     """
 
     def __init__(  # noqa: PLR0917 - torch's positional signature

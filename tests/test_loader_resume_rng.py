@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,7 +22,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler
 
-from feedpipe import DataLoader
+from feedpipe import DataLoader, MemmapWriter
 
 N, B, K = 40, 4, 3  # a 40-sample epoch of batches of 4; stop after K batches
 
@@ -230,3 +233,136 @@ def test_deterministic_custom_sampler_does_not_warn() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loader.state_dict()
+
+
+# ------------------------------------------------------------------ point 2: the global RNG
+def _global_loader(workers: str, **kw: Any) -> DataLoader:
+    return DataLoader(DATA, batch_size=B, shuffle=True, **WORKERS[workers], **kw)
+
+
+@pytest.mark.parametrize("workers", list(WORKERS))
+def test_torch_order_and_draws_unchanged_without_resume(workers: str) -> None:
+    """No resume: feedpipe draws from the global RNG exactly as torch's DataLoader does."""
+    torch.manual_seed(3)
+    theirs = [_steps(iter(torch.utils.data.DataLoader(DATA, batch_size=B, shuffle=True)))
+              for _ in range(2)]  # fmt: skip
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    loader = _global_loader(workers)
+    assert [_steps(iter(loader)) for _ in range(2)] == theirs
+    assert torch.equal(torch.get_rng_state(), after)
+
+
+@pytest.mark.parametrize("workers", list(WORKERS))
+def test_resume_twice_leaves_the_global_rng_alone(workers: str) -> None:
+    torch.manual_seed(0)
+    full = _global_loader(workers)
+    want = [_steps(iter(full)) for _ in range(2)]
+    want_rng = torch.get_rng_state()
+    torch.manual_seed(0)
+    a = _global_loader(workers)
+    _steps(iter(a))
+    got = _steps(iter(a), K)
+    state, user = a.state_dict(), torch.get_rng_state()
+    for stop in (2, None):  # resume, stop again 2 batches later, resume again
+        b = _global_loader(workers)
+        torch.set_rng_state(user)
+        b.load_state_dict(json.loads(json.dumps(state)))
+        got += _steps(iter(b), stop)
+        state, user = b.state_dict(), torch.get_rng_state()
+    assert got == want[1]
+    assert torch.equal(torch.get_rng_state(), want_rng)  # the same draws, dropout included
+
+
+@pytest.mark.parametrize("restored", [True, False])
+@pytest.mark.parametrize("workers", ["inline", "processes"])
+def test_epoch_boundary_state(workers: str, restored: bool) -> None:
+    """Saved between epochs: with the user's RNG restored the next epoch draws from it, as the
+    uninterrupted run does; without, the order is still reproduced and the RNG left alone."""
+    torch.manual_seed(0)
+    full = _global_loader(workers)
+    want = [_steps(iter(full)) for _ in range(2)]
+    want_rng = torch.get_rng_state()
+    torch.manual_seed(0)
+    a = _global_loader(workers)
+    _steps(iter(a))
+    state, user = a.state_dict(), torch.get_rng_state()
+    assert state["in_epoch"] is False
+    torch.manual_seed(99)
+    other = torch.get_rng_state()
+    b = _global_loader(workers)
+    b.load_state_dict(state)
+    if restored:
+        torch.set_rng_state(user)
+    assert _steps(iter(b)) == want[1]
+    if restored:
+        assert torch.equal(torch.get_rng_state(), want_rng)
+    else:  # only the training loop's own draws moved it
+        after = torch.get_rng_state()
+        torch.set_rng_state(other)
+        _steps(iter(torch.tensor(want[1])))
+        assert torch.equal(after, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("worker_type", ["thread", "process"])
+def test_persistent_workers_resume_leaves_the_global_rng_alone(worker_type: str) -> None:
+    kw = {"batch_size": B, "shuffle": True, "num_workers": 2, "persistent_workers": True,
+          "worker_type": worker_type}  # fmt: skip
+    torch.manual_seed(0)
+    full = DataLoader(DATA, **kw)
+    want = [_steps(iter(full)) for _ in range(2)]
+    torch.manual_seed(0)
+    a = DataLoader(DATA, **kw)
+    _steps(iter(a))
+    it = iter(a)
+    got = _steps(it, K)
+    state, user = a.state_dict(), torch.get_rng_state()
+    del it
+    b = DataLoader(DATA, **kw)
+    torch.set_rng_state(user)
+    b.load_state_dict(state)
+    it = iter(b)
+    rest = [next(it).tolist()]
+    assert torch.equal(torch.get_rng_state(), user)
+    torch.rand(3)
+    assert got + rest + _steps(it) == want[1]
+
+
+def test_load_state_dict_and_iter_do_not_touch_the_global_rng() -> None:
+    """The issue's direct check: after load_state_dict + iter(), torch.get_rng_state() is what
+    the user set, at every point of the resumed epoch."""
+    a = _global_loader("threads")
+    it = iter(a)
+    for _ in range(K):
+        next(it)
+    state = a.state_dict()
+    torch.manual_seed(2024)
+    mine = torch.get_rng_state()
+    b = _global_loader("threads")
+    b.load_state_dict(state)
+    assert torch.equal(torch.get_rng_state(), mine)
+    for _ in iter(b):
+        assert torch.equal(torch.get_rng_state(), mine)
+
+
+def test_readme_loader_killed_and_resumed_trains_bit_identically(tmp_path: Path) -> None:
+    """The README's loader (shuffle=True, no generator=, thread workers) in a loop with dropout,
+    saved by ckpt with rng=True, SIGKILLed mid-epoch twice: the parameters after resuming are
+    bit for bit those of the run that was never interrupted, and so is every step's batch."""
+    data = tmp_path / "data"
+    with MemmapWriter(data, shape=(8,), dtype="float32") as w:  # record i starts with i
+        w.append_batch(np.arange(200, dtype=np.float32)[:, None] * np.ones(8, np.float32))
+    steps = 30  # 13 batches an epoch: the kills are in epochs 0 and 1, after saves at 8 and 16
+    script = str(Path(__file__).with_name("_resume_dropout_train.py"))
+    args = [sys.executable, script, str(data), str(tmp_path), str(steps), "10", "19"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    full = torch.load(tmp_path / "full" / "params.pt")
+    resumed = torch.load(tmp_path / "killed" / "params.pt")
+    for name, value in full.items():
+        assert torch.equal(value, resumed[name]), name
+    want = (tmp_path / "full" / "steps.log").read_text().split("\n")
+    log = (tmp_path / "killed" / "steps.log").read_text().split("\n")
+    done = dict(line.split() for line in log if line)  # a redone step logs its batch again
+    assert done == dict(line.split() for line in want if line)
+    assert len(log) == len(want) + (10 - 8) + (19 - 16)  # both resumes were mid-epoch
