@@ -50,6 +50,7 @@ _KNOWN_ITERS = {
         tud.WeightedRandomSampler,
         tud.BatchSampler,
         tud.DistributedSampler,
+        tud.dataloader._InfiniteConstantSampler,  # an IterableDataset's placeholder
         list,
         tuple,
         range,

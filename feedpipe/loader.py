@@ -254,7 +254,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         if problems:
             warnings.warn(
                 "DataLoader.state_dict() cannot hold every RNG that decides the order: "
-                f"{'; '.join(problems)}. A resume from this state will not reproduce the order. "
+                f"{'; '.join(problems)}. A resume from this state will not reproduce the order "
+                "(with thread workers, a dataset drawing from a global RNG while the sampler "
+                "draws is reported here too). "
                 "Give the sampler a torch.Generator as `.generator` (and draw only from it), or "
                 "state_dict()/load_state_dict() methods.",
                 RuntimeWarning,
@@ -305,12 +307,23 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             raise ValueError("the state holds a sampler state but this loader's sampler has none")
         if self._iterable and "dataset" not in state:
             raise ValueError("the state holds no dataset position for this IterableDataset")
-        saved, ours = sorted(state["rng"]), sorted(self._generators())
+        rng = state["rng"]
+        if not isinstance(rng, dict):
+            raise ValueError(f"DataLoader state: 'rng' must be a dict, got {type(rng).__name__}")
+        saved = sorted(rng)
+        ours = sorted(self._generators())
         if saved != ours:
             raise ValueError(
                 f"the state holds RNG states for {saved}, but this loader's order draws from "
                 f"{ours}: it was saved by a loader with other samplers or generators"
             )
+        for name, text in rng.items():
+            try:
+                private(text)
+            except (TypeError, ValueError, RuntimeError) as exc:  # binascii.Error is a ValueError
+                raise ValueError(
+                    f"the state's RNG state for {name!r} is not a torch generator state: {exc}"
+                ) from None
         # Stateful parts load now (a user's set_epoch() after this sees the loaded epoch); the
         # RNG state and the skip apply at the next iter(), where torch draws from the RNG.
         sampler = self._stateful_sampler()

@@ -366,3 +366,12 @@ def test_readme_loader_killed_and_resumed_trains_bit_identically(tmp_path: Path)
     done = dict(line.split() for line in log if line)  # a redone step logs its batch again
     assert done == dict(line.split() for line in want if line)
     assert len(log) == len(want) + (10 - 8) + (19 - 16)  # both resumes were mid-epoch
+
+
+@pytest.mark.parametrize("bad", ["not base64!", "AAAA", 7, None])
+def test_corrupt_rng_state_is_refused_at_load(bad: Any) -> None:
+    loader = _loader("batch_sampler.sampler", "inline")
+    state = json.loads(json.dumps(loader.state_dict()))
+    state["rng"]["batch_sampler.sampler"] = bad
+    with pytest.raises(ValueError, match=r"RNG state for 'batch_sampler\.sampler'"):
+        _loader("batch_sampler.sampler", "inline").load_state_dict(state)
