@@ -381,15 +381,19 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             else:
                 self._set_rng(rng)
             saved = rng.get(chain.global_name) if chain.global_name else None
-            if saved is not None and (pending["in_epoch"] or global_state() != saved):
+            # lend mid-epoch (the draws were made before the save), or at a boundary when the
+            # user's RNG is not where the saved one was (else draw from it, as saved)
+            lend = saved is not None and (pending["in_epoch"] or global_state() != saved)
+            if saved is None:
+                pass
+            elif at_sampler:  # the base seed (if any now) was not drawn there: draw it privately
+                self._lend = lent = saved if lend else None
+                self._seed_gen = private(saved, reseed=True)
+            elif lend:  # the base seed and the sampler's draws follow from the saved state
+                self._lend = self._seed_gen = private(saved)
                 lent = saved
-                if at_sampler:  # the base seed was drawn before the save: draw another privately
-                    self._lend = saved
-                    self._seed_gen = private(saved, reseed=True)
-                else:  # the base seed and the sampler's draws follow from the saved state
-                    self._lend = self._seed_gen = private(saved)
-                if self.generator is not None:
-                    self._seed_gen = None
+            if self.generator is not None:
+                self._seed_gen = None
             if pending["in_epoch"]:
                 epoch.batches, epoch.samples = int(pending["batches"]), int(pending["samples"])
                 if "sampler" not in pending:

@@ -275,22 +275,24 @@ def test_resume_twice_leaves_the_global_rng_alone(workers: str) -> None:
 
 
 @pytest.mark.parametrize("restored", [True, False])
-@pytest.mark.parametrize("workers", ["inline", "processes"])
+@pytest.mark.parametrize("workers", ["inline", "processes", "persistent_threads"])
 def test_epoch_boundary_state(workers: str, restored: bool) -> None:
     """Saved between epochs: with the user's RNG restored the next epoch draws from it, as the
     uninterrupted run does; without, the order is still reproduced and the RNG left alone."""
+    kw = {"persistent_workers": True} if workers.startswith("persistent") else {}
+    workers = workers.removeprefix("persistent_")
     torch.manual_seed(0)
-    full = _global_loader(workers)
+    full = _global_loader(workers, **kw)
     want = [_steps(iter(full)) for _ in range(2)]
     want_rng = torch.get_rng_state()
     torch.manual_seed(0)
-    a = _global_loader(workers)
+    a = _global_loader(workers, **kw)
     _steps(iter(a))
     state, user = a.state_dict(), torch.get_rng_state()
     assert state["in_epoch"] is False
     torch.manual_seed(99)
     other = torch.get_rng_state()
-    b = _global_loader(workers)
+    b = _global_loader(workers, **kw)
     b.load_state_dict(state)
     if restored:
         torch.set_rng_state(user)
