@@ -125,8 +125,11 @@ class IndexStream:
     def __init__(self, sampler: Iterable[Any]) -> None:
         self.sampler = sampler
         self.skip = 0
-        # called before the sampler's first draw; weak, so the loader is freed by refcount
-        self.on_start: weakref.WeakMethod[Callable[[], None]] | None = None
+        # called before the sampler's first draw, returns None or a wrapper of the pass's
+        # batches; weak, so the loader is freed by refcount
+        self.on_start: (
+            weakref.WeakMethod[Callable[[], Callable[[Iterator[Any]], Iterator[Any]] | None]] | None
+        ) = None
         self.sent: dict[int, Any] = {}  # one dict, cleared per pass (iterators hold it)
         self.arrays = False  # yield numpy arrays (see index_batches); read when a pass starts
 
@@ -139,11 +142,13 @@ class IndexStream:
     def _gen(self) -> Iterator[Any]:
         # Lazy on purpose: torch's multi-process iterator calls iter() twice and advances only
         # the second one, so the one-shot skip is taken when the first index is drawn.
+        # the hook may return a wrapper for this pass's batches (the loader's RNG replay)
         hook = self.on_start() if self.on_start is not None else None
-        if hook is not None:
-            hook()
+        wrap = hook() if hook is not None else None
         del hook  # a suspended generator must not hold the loader (a cycle via torch's iterator)
         it = index_batches(self.sampler, self.arrays)  # torch's batches and draws, vectorised
+        if wrap is not None:
+            it = wrap(it)
         skip, self.skip = self.skip, 0
         sent = self.sent
         sent.clear()

@@ -28,7 +28,6 @@ batch, then ``collate_fn``, as in torch.
 
 from __future__ import annotations
 
-import base64
 import gc
 import sys
 import time
@@ -55,6 +54,7 @@ from feedpipe._loader_fetch import (
     _WorkerInit,
     choose_mode,
 )
+from feedpipe._rng_state import RngChain, Watch, encode, global_state, private, replay
 from feedpipe._workers_thread import InlineSource, RNGWatch, ThreadWorkers, thread_worker_info
 from feedpipe.errors import WorkerError
 from feedpipe.gpu import GPUFeed, Prefetcher
@@ -71,19 +71,6 @@ def get_worker_info() -> Any:
     """torch's ``get_worker_info()``, which also works inside feedpipe's thread workers."""
     info = thread_worker_info()
     return info if info is not None else tud.get_worker_info()
-
-
-def _gen_state(gen: torch.Generator | None) -> str:
-    state = torch.get_rng_state() if gen is None else gen.get_state()
-    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
-
-
-def _set_gen_state(gen: torch.Generator | None, text: str) -> None:
-    state = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-    if gen is None:
-        torch.set_rng_state(state)
-    else:
-        gen.set_state(state)
 
 
 class _Epoch:
@@ -125,9 +112,11 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch exactly (like torchdata's
     StatefulDataLoader): the state is small and JSON-able. Resume re-creates the epoch's index
-    order from the saved RNG state (or the stateful sampler's own state) and skips the delivered
-    index batches without reading them. Per-worker randomness inside ``__getitem__`` (from the
-    worker seed) is not replayed: derive augmentations from the index/epoch for exact resume.
+    order from the saved RNG states (every generator along the sampler chain; see
+    ``feedpipe._rng_state``) or the stateful sampler's own state, and skips the delivered index
+    batches without reading them. It never changes the global torch RNG. Per-worker randomness
+    inside ``__getitem__`` (from the worker seed) is not replayed: derive augmentations from the
+    index/epoch for exact resume.
     """
 
     def __init__(  # noqa: PLR0917 - torch's positional signature
@@ -194,7 +183,12 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         self._stream = None if self._iterable else IndexStream(self._index_sampler)
         if self._stream is not None:
             self._stream.on_start = weakref.WeakMethod(self._at_sampler_start)
+        # a pending resume's RNG replay (feedpipe._rng_state): states to set at the sampler's
+        # first draw, a state to lend the global RNG then, a private base-seed generator
         self._restore_rng: dict[str, str] | None = None
+        self._lend: str | torch.Generator | None = None
+        self._seed_gen: torch.Generator | None = None
+        self._uncaptured: set[str] = set()  # RNG draws the state cannot hold (state_dict warns)
         default = self.collate_fn in (default_collate, default_convert)
         self._mode = choose_mode(self.dataset, self._auto_collation, default)
         self._inner: tud.DataLoader | None = None  # type: ignore[type-arg]
@@ -255,12 +249,28 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     # ------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """A small JSON-able state: where the current epoch stands and how to regenerate it."""
+        """A small JSON-able state: where the current epoch stands and how to regenerate it.
+
+        Warns (``RuntimeWarning``) when a sampler draws from an RNG that the state cannot hold,
+        naming it: a resume would not reproduce its order."""
         if self._pending is not None:
             return dict(self._pending)
         if not self.in_order and self.num_workers > 0:
             raise ValueError(
                 "state_dict() needs in_order=True: out-of-order delivery is not resumable"
+            )
+        chain = RngChain.of(self)
+        problems = chain.problems + sorted(self._uncaptured)
+        if problems:
+            warnings.warn(
+                "DataLoader.state_dict() cannot hold every RNG that decides the order: "
+                f"{'; '.join(problems)}. A resume from this state will not reproduce the order "
+                "(with thread workers, a dataset drawing from a global RNG while the sampler "
+                "draws is reported here too). "
+                "Give the sampler a torch.Generator as `.generator` (and draw only from it), or "
+                "state_dict()/load_state_dict() methods.",
+                RuntimeWarning,
+                stacklevel=2,
             )
         epoch = self._epoch
         state: dict[str, Any] = {
@@ -268,7 +278,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             "in_epoch": epoch.active,
             "batches": epoch.batches if epoch.active else 0,
             "samples": epoch.samples if epoch.active else 0,
-            "rng": epoch.rng if epoch.active else self._rng_now(),
+            "rng": epoch.rng if epoch.active else self._rng_now(chain),
             # where the RNG state applies: just before the sampler's first draw, or at iter()
             # (which may first draw the workers' base seed, as torch does)
             "rng_at": "sampler" if epoch.active or self._reuses_workers() else "iter",
@@ -293,7 +303,11 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` at the next ``iter(loader)``."""
+        """Continue from ``state`` at the next ``iter(loader)``.
+
+        Explicit generators (``generator=``, a sampler's ``.generator``) are set back to the
+        saved epoch's state; the global torch RNG is never changed (see ``feedpipe._rng_state``).
+        """
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"unsupported DataLoader state version {state.get('version')!r}")
         missing = [k for k in ("in_epoch", "batches", "samples", "rng") if k not in state]
@@ -303,6 +317,23 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             raise ValueError("the state holds a sampler state but this loader's sampler has none")
         if self._iterable and "dataset" not in state:
             raise ValueError("the state holds no dataset position for this IterableDataset")
+        rng = state["rng"]
+        if not isinstance(rng, dict):
+            raise ValueError(f"DataLoader state: 'rng' must be a dict, got {type(rng).__name__}")
+        saved = sorted(rng)
+        ours = sorted(self._generators())
+        if saved != ours:
+            raise ValueError(
+                f"the state holds RNG states for {saved}, but this loader's order draws from "
+                f"{ours}: it was saved by a loader with other samplers or generators"
+            )
+        for name, text in rng.items():
+            try:
+                private(text)
+            except (TypeError, ValueError, RuntimeError) as exc:  # binascii.Error is a ValueError
+                raise ValueError(
+                    f"the state's RNG state for {name!r} is not a torch generator state: {exc}"
+                ) from None
         # Stateful parts load now (a user's set_epoch() after this sees the loaded epoch); the
         # RNG state and the skip apply at the next iter(), where torch draws from the RNG.
         sampler = self._stateful_sampler()
@@ -322,22 +353,18 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         return None
 
     def _generators(self) -> dict[str, torch.Generator | None]:
-        """Every RNG an epoch's index order draws from: the loader's (or global), the sampler's."""
-        gens: dict[str, torch.Generator | None] = {"loader": self.generator}
-        for name, s in (("sampler", self.sampler), ("batch_sampler", self.batch_sampler)):
-            g = getattr(s, "generator", None)
-            if isinstance(g, torch.Generator) and g is not self.generator:
-                gens[name] = g
-        return gens
+        """Every RNG an epoch's index order draws from, by name (``feedpipe._rng_state``)."""
+        return RngChain.of(self).generators
 
-    def _rng_now(self) -> dict[str, str]:
-        return {name: _gen_state(g) for name, g in self._generators().items()}
+    def _rng_now(self, chain: RngChain | None = None) -> dict[str, str]:
+        gens = (chain or RngChain.of(self)).generators
+        return {name: encode(g) for name, g in gens.items()}
 
     def _set_rng(self, states: dict[str, str]) -> None:
-        gens = self._generators()
-        for name, text in states.items():
-            if name in gens:
-                _set_gen_state(gens[name], text)
+        """Set the loader's own generators; the global RNG is the user's and is never set."""
+        for name, gen in self._generators().items():
+            if gen is not None and name in states:
+                gen.set_state(private(states[name]).get_state())
 
     def _begin_epoch(self) -> None:
         """Apply a pending state (RNG, skip) at ``iter()``.
@@ -345,26 +372,54 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         A saved RNG state applies at one of two points (``rng_at``): just before the sampler's
         first draw (mid-epoch, or between epochs when persistent workers draw no new base seed),
         or at ``iter()``, before torch draws the workers' base seed. Either way the resumed
-        epoch's index order, and the RNG state after it, are those of the uninterrupted run.
+        epoch's index order, and the state of the loader's own generators after it, are those
+        of the uninterrupted run. The global RNG's saved state is only lent to the sampler's
+        first draw (mid-epoch always; at an epoch boundary when the user's global RNG is not in
+        that state already, else the epoch draws from it as the uninterrupted run did).
         """
         skip = 0
         pending, self._pending = self._pending, None
         epoch = self._epoch = _Epoch()  # a fresh object: an abandoned iterator cannot count here
-        self._restore_rng = None
+        self._restore_rng, self._lend, self._seed_gen = None, None, None
+        lent: str | None = None
+        chain = RngChain.of(self)
         if pending is not None:
-            if pending.get("rng_at") != "sampler" or self._stream is None:
-                self._set_rng(pending["rng"])
+            rng = pending["rng"]
+            at_sampler = pending.get("rng_at") == "sampler" and self._stream is not None
+            if at_sampler:
+                self._restore_rng = rng
             else:
-                self._restore_rng = pending["rng"]
+                self._set_rng(rng)
+            saved = rng.get(chain.global_name) if chain.global_name else None
+            # lend mid-epoch (the draws were made before the save), or at a boundary when the
+            # user's RNG is not where the saved one was (else draw from it, as saved)
+            lend = saved is not None and (pending["in_epoch"] or global_state() != saved)
+            if saved is None:
+                pass
+            elif at_sampler:  # the base seed (if any now) was not drawn there: draw it privately
+                self._lend = lent = saved if lend else None
+                self._seed_gen = private(saved, reseed=True)
+            elif lend:  # the base seed and the sampler's draws follow from the saved state
+                self._lend = self._seed_gen = private(saved)
+                lent = saved
+            if self.generator is not None:
+                self._seed_gen = None
             if pending["in_epoch"]:
                 epoch.batches, epoch.samples = int(pending["batches"]), int(pending["samples"])
                 if "sampler" not in pending:
                     skip = epoch.batches  # the sampler restarts from scratch: skip, don't read
         if self._stream is None:
-            epoch.rng = self._rng_now()
+            epoch.rng = self._rng_now(chain)
+            if lent is not None and chain.global_name:
+                epoch.rng[chain.global_name] = lent
         epoch.active = True
         if self._stream is not None:
             self._stream.skip = skip
+
+    def _base_seed_generator(self) -> torch.Generator | None:
+        """The generator this pass draws the workers' base seed from (torch: ``generator=``)."""
+        gen, self._seed_gen = self._seed_gen, None
+        return gen if gen is not None else self.generator
 
     def _reuses_workers(self) -> bool:
         """Whether the next ``iter()`` reuses persistent workers (and so draws no base seed)."""
@@ -400,12 +455,24 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         note = feed.note_copy if self.meter.enabled else None
         return _direct.DirectReader(self.dataset, feed.device, feed.copy_stream, note)
 
-    def _at_sampler_start(self) -> None:
-        """Runs before the sampler's first draw of a pass: restore, then record, the RNG."""
+    def _at_sampler_start(self) -> Callable[[Any], Any] | None:
+        """Runs before the sampler's first draw of a pass: restore, then record, the RNG.
+
+        Returns how to wrap the pass's index iterator: lend the global RNG the saved state for
+        the first draw, watch samplers of unknown classes (``feedpipe._rng_state.replay``)."""
+        chain = RngChain.of(self)
         if self._restore_rng is not None:
             self._set_rng(self._restore_rng)
             self._restore_rng = None
-        self._epoch.rng = self._rng_now()
+        lend, self._lend = self._lend, None
+        lent = encode(lend) if isinstance(lend, torch.Generator) else lend
+        self._epoch.rng = self._rng_now(chain)
+        if lent is not None and chain.global_name:
+            self._epoch.rng[chain.global_name] = lent
+        watch = Watch(chain.custom, self._uncaptured) if chain.custom else None
+        if lent is None and watch is None:
+            return None
+        return lambda it: replay(it, lent, watch)
 
     def _process_source(self) -> Any:
         if self._inner is None:
@@ -414,6 +481,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             # finalizer holds the inner loader, so torch's queues are intact when it runs).
             weakref.finalize(self, _torch_compat.shutdown_iterator, self._inner)
         self._inner._IterableDataset_len_called = self._IterableDataset_len_called
+        self._inner.generator = self._base_seed_generator()  # torch draws the base seed from it
         if not torch.cuda.is_initialized():
             source = iter(self._inner)
         else:
@@ -481,7 +549,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             iter(index_sampler),
             self.collate_fn,
             self._mode,
-            generator=self.generator,
+            generator=self._base_seed_generator(),
             pin=self._pin(),
             drop_last=self.drop_last,
             timed=self.meter.enabled,
@@ -499,7 +567,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         sampler_iter = iter(index_sampler)
         if not (self.persistent_workers and self._thread_seeded):  # torch's RNG draws, exactly
             base_seed = int(
-                torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+                torch.empty((), dtype=torch.int64)
+                .random_(generator=self._base_seed_generator())
+                .item()
             )
             self._thread_base_seed = base_seed
             self._thread_seeded = True
