@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from feedpipe import DatasetError, MemmapDataset
 from feedpipe._memmap_writer import MemmapWriter
@@ -248,3 +250,92 @@ def test_open_refuses_unreadable_index(tmp_path: Path, n: int, changes: dict[str
     ds = _index(tmp_path, n, **changes)
     with pytest.raises(DatasetError, match=r"index\.json"):
         MemmapDataset(ds)
+
+
+# ---------------------------------------------------------------------- point 9
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix]
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dataset_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tpl") / "ds"
+    with MemmapWriter(root, shape=None, fields={"y": ("int16", (2,))}, shard_bytes=64) as w:
+        for i in range(12):
+            w.append(bytes([i]) * (i + 1), y=[i, -i])
+    return root
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_malformed_index_raises_only_dataset_error(dataset_template: Path, data: Any) -> None:
+    """Any mutation of a valid index: open and read give a result or a DatasetError naming it."""
+    import tempfile
+
+    good = json.loads((dataset_template / "index.json").read_text())
+    path = data.draw(st.sampled_from(_paths(good)))
+    value = data.draw(_JSON)
+    doc = json.loads(json.dumps(good))
+    if path:
+        node = doc
+        for k in path[:-1]:
+            node = node[k]
+        if data.draw(st.booleans()) and isinstance(node, dict):
+            del node[path[-1]]
+        else:
+            node[path[-1]] = value
+    else:
+        doc = value
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "ds"
+        root.mkdir()
+        for f in dataset_template.iterdir():
+            if f.name != "index.json":
+                os.symlink(f, root / f.name)
+        (root / "index.json").write_text(json.dumps(doc))  # Infinity/NaN included
+        try:
+            ds = MemmapDataset(root)
+            ds.read_batch(np.arange(len(ds)))
+        except DatasetError as exc:
+            assert str(root) in str(exc)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "[" * 100_000 + "]" * 100_000,
+        '{"format": "feedpipe.memmap", "version": 1, "layout": {"kind": "bytes"}, '
+        '"fields": {}, "num_records": Infinity, "shards": []}',
+        '{"format": "feedpipe.memmap", "version": 1, "layout": {"kind": "fixed", "shape": '
+        '[1e999], "dtype": "uint8"}, "fields": {}, "num_records": 0, "shards": []}',
+    ],
+)
+def test_hostile_index_text(tmp_path: Path, raw: str) -> None:
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "index.json").write_text(raw)
+    with pytest.raises(DatasetError, match=r"ds/index\.json"):
+        MemmapDataset(tmp_path / "ds")
+    res = _cli("inspect", "ds", cwd=tmp_path)
+    assert res.returncode == 1 and "Traceback" not in res.stderr and "index.json" in res.stderr

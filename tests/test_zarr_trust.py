@@ -141,7 +141,12 @@ def _mutate(doc: Any, path: tuple[Any, ...], value: Any, delete: bool) -> Any:
 
 
 def _raw_cases() -> list[str]:
-    return ["[" * 100_000 + "]" * 100_000, '{"zarr_format": 3, "shape": [Infinity]}', "\xff", ""]
+    return [
+        "[" * 100_000 + "]" * 100_000,
+        '{"zarr_format": 3, "node_type": "array", "shape": [Infinity], "data_type": "int32"}',
+        "\xff",
+        "",
+    ]
 
 
 def _check_only_dataset_errors(open_and_read: Any, where: str) -> None:
