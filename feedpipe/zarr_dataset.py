@@ -1,8 +1,9 @@
 """``ZarrDataset``: a map-style torch dataset over a Zarr v3 array (or a group of aligned arrays).
 
 The first axis is the sample axis. Reads go through TensorStore by default (GIL released, one
-batched read per array, missing chunks are an error rather than silent fill values) or through
-zarr-python with ``backend="zarr"``. Any codec zarr supports works, including the v3 sharding
+batched read per array) or through zarr-python with ``backend="zarr"``. On every path a missing
+chunk is a :class:`DatasetError`, never fill values (zarr-python through
+:mod:`feedpipe._zarr_strict`). Any codec zarr supports works, including the v3 sharding
 codec with zstd. Remote fsspec URLs (``s3://``...) are read with zarr-python's fsspec store.
 """
 
@@ -165,7 +166,8 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
         if self.backend == "tensorstore" and _TS_STARTED_IN not in (None, os.getpid()):
             warnings.warn(
                 f"{self.path}: this process was forked after TensorStore ran in its parent, which "
-                "TensorStore does not allow; reading with zarr-python here instead (use the "
+                "TensorStore does not allow; reading with zarr-python here instead (missing chunks "
+                "are still errors; use the "
                 "'forkserver' or 'spawn' start method, or thread workers, to keep TensorStore)",
                 RuntimeWarning,
                 stacklevel=3,

@@ -263,7 +263,7 @@ _JSON = st.recursive(
         st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
     ),
     max_leaves=12,
-)
+) | st.sampled_from([float("inf"), float("-inf"), -1, 2**64, 1.5, True, "", "x", [], {}, [-1]])
 
 
 def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
