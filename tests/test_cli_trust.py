@@ -7,6 +7,7 @@ import io
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -46,30 +47,65 @@ def _dataset(root: Path, n: int = 64, shard_bytes: int = 1 << 20) -> Path:
     return root
 
 
+def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    from feedpipe.cli import main
+
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_line(rc: int, err: str, *needles: str) -> None:
+    assert rc != 0
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
 @pytest.mark.parametrize("command", ["inspect", "bench"])
-def test_unknown_scheme_and_non_dataset_are_one_line_errors(tmp_path: Path, command: str) -> None:
+def test_unknown_scheme_and_non_dataset_are_one_line_errors(
+    tmp_path: Path,
+    command: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
     extra = ["--workers", "0", "--batches", "2"] if command == "bench" else []
-    _one_line_error(_cli(command, "s4://bucket/ds", *extra, cwd=tmp_path), "s4://bucket/ds", "s4")
+    rc, _, err = _main(capsys, command, "s4://bucket/ds", *extra)
+    _one_line(rc, err, "s4://bucket/ds", "'s4'")
     (tmp_path / "notes").mkdir()
-    _one_line_error(_cli(command, "notes", *extra, cwd=tmp_path), "notes", "not a feedpipe dataset")
-    _one_line_error(_cli(command, "missing", *extra, cwd=tmp_path), "missing")
+    rc, _, err = _main(capsys, command, "notes", *extra)
+    _one_line(rc, err, "notes", "not a feedpipe dataset")
+    rc, _, err = _main(capsys, command, "missing", *extra)
+    _one_line(rc, err, "missing")
 
 
-def test_credentials_in_a_url_are_not_printed(tmp_path: Path) -> None:
-    res = _cli("inspect", "s4://user:hunter2secret@host/ds", cwd=tmp_path)
-    _one_line_error(res)
-    assert "hunter2secret" not in res.stderr + res.stdout
+def test_unknown_scheme_from_the_console_script(tmp_path: Path) -> None:
+    _one_line_error(_cli("inspect", "s4://bucket/ds", cwd=tmp_path), "s4://bucket/ds")
+
+
+def test_credentials_in_a_url_are_not_printed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, err = _main(capsys, "inspect", "s4://user:hunter2secret@host/ds")
+    _one_line(rc, err)
+    assert "hunter2secret" not in out + err
 
 
 def test_inspect_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
-    _dataset(tmp_path / "ds", n=3000, shard_bytes=16)  # 3000 shard rows: more than a pipe holds
+    import fcntl
+
+    _dataset(tmp_path / "ds", n=200, shard_bytes=16)  # 200 shard rows: more than the pipe holds
     proc = subprocess.Popen(
-        [sys.executable, "-m", "feedpipe.cli", "inspect", "ds", "--shards", "100000"],
+        [sys.executable, "-m", "feedpipe.cli", "inspect", "ds", "--shards", "1000"],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
     assert proc.stdout is not None and proc.stderr is not None
+    fcntl.fcntl(proc.stdout.fileno(), 1031, 4096)  # F_SETPIPE_SZ: a one-page pipe
     first = proc.stdout.readline()
     proc.stdout.close()  # what `| head -1` does
     err = proc.stderr.read().decode()
@@ -79,7 +115,7 @@ def test_inspect_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
 
 
 def test_inspect_and_bench_read_s3_with_endpoint_url(
-    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     import fsspec
 
@@ -89,27 +125,16 @@ def test_inspect_and_bench_read_s3_with_endpoint_url(
     for f in sorted(local.iterdir(), key=lambda p: p.name == "index.json"):
         fs.put_file(str(f), f"{bucket}/ds/{f.name}")
     url, endpoint = f"s3://{bucket}/ds", opts["client_kwargs"]["endpoint_url"]
-    res = _cli("inspect", url, "--endpoint-url", endpoint, "--verify", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr
-    assert "records   64" in res.stdout and "verify: all 1 files match" in res.stdout
-    res = _cli(
-        "bench",
-        url,
-        "--endpoint-url",
-        endpoint,
-        "--workers",
-        "0",
-        "--batches",
-        "2",
-        "--warmup",
-        "1",
-        "--batch-size",
-        "8",
-        cwd=tmp_path,
-    )
-    assert res.returncode == 0, res.stderr
-    assert "w=0" in res.stdout and "Traceback" not in res.stderr
-    assert sorted(os.listdir(tmp_path)) == ["ds"]  # the temporary shard cache is gone
+    rc, out, err = _main(capsys, "inspect", url, "--endpoint-url", endpoint, "--verify")
+    assert rc == 0, err
+    assert "records   64" in out and "verify: all 1 files match" in out
+    before = set(os.listdir(tempfile.gettempdir()))
+    args = ("--workers", "0,1", "--batches", "2", "--warmup", "1", "--batch-size", "8")
+    rc, out, err = _main(capsys, "bench", url, "--endpoint-url", endpoint, *args)
+    assert rc == 0, err
+    assert "w=0" in out and "w=1" in out and err == ""
+    after = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("feedpipe-bench-")}
+    assert after <= before  # the temporary shard cache is gone
 
 
 def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path: Path) -> None:
