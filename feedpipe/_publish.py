@@ -10,12 +10,13 @@ looks like a complete dataset.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from feedpipe import _remote
-from feedpipe._index import INDEX_NAME, read_index
+from feedpipe._index import INDEX_NAME, parse_index, read_index
 from feedpipe.errors import DatasetError
 
 __all__ = ["check_remote_destination", "publish"]
@@ -65,8 +66,6 @@ def publish(local: str, url: str, storage_options: Mapping[str, Any], *, overwri
             what="read the old index",
             storage_options=storage_options,
         )
-        from feedpipe._index import parse_index
-
         old_files = [rel for _sid, rel, _n, _c in parse_index(old, url).files()]
         _remote.call(
             lambda: fs.rm_file(old_index),
@@ -78,7 +77,7 @@ def publish(local: str, url: str, storage_options: Mapping[str, Any], *, overwri
     for rel in [*new_files, INDEX_NAME]:
         src, dst = os.path.join(local, rel), _remote.join(root, rel)
         _remote.call(
-            lambda s=src, d=dst: fs.put_file(s, d),
+            functools.partial(fs.put_file, src, dst),
             _remote.join(url, rel),
             what="upload",
             storage_options=storage_options,

@@ -106,7 +106,7 @@ class _StrictStore(WrapperStore[Any]):
 def strict_store(store: Any, meta: dict[str, Any], where: str) -> Any:
     """Wrap the zarr store of the one array whose ``zarr.json`` is ``meta``."""
     try:
-        codecs = meta.get("codecs")
+        codecs: Any = meta.get("codecs")
         sharded = bool(codecs) and codecs[0].get("name") == "sharding_indexed"
         shards = _ShardIndexShape(meta, where) if sharded else None
     except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError, IndexError) as exc:
