@@ -17,6 +17,7 @@ Extra top-level keys (e.g. ``"classes"``) are kept in :attr:`Index.extra` and wr
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import uuid
@@ -31,12 +32,16 @@ from feedpipe.errors import DatasetError
 __all__ = [
     "FORMAT",
     "INDEX_NAME",
+    "MAX_BYTES",
     "VERSION",
     "FieldSpec",
     "FileInfo",
     "Index",
     "Layout",
     "Shard",
+    "check_dtype",
+    "check_shape",
+    "parse_index",
     "read_index",
     "write_index",
 ]
@@ -46,6 +51,52 @@ VERSION = 1
 INDEX_NAME = "index.json"
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 _CORE_KEYS = {"format", "version", "layout", "fields", "num_records", "shards"}
+MAX_BYTES = 1 << 62  # no record, field or file may be larger: offsets stay within int64
+_DTYPE_KINDS = "biufc"  # what torch.from_numpy reads: bool, ints, floats, complex
+
+
+def check_dtype(dtype: Any, what: str) -> str:
+    """``dtype`` as a canonical numpy name if torch can read it; else ``ValueError``."""
+    if isinstance(dtype, np.dtype):
+        dt = dtype
+    elif isinstance(dtype, str) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
+        try:
+            dt = np.dtype(dtype)
+        except TypeError as exc:
+            raise ValueError(f"{what}: unknown dtype {dtype!r}") from exc
+    else:
+        raise ValueError(f"{what}: dtype must be a string, got {type(dtype).__name__}")
+    if dt.kind not in _DTYPE_KINDS or dt.fields is not None or dt.subdtype is not None:
+        raise ValueError(
+            f"{what}: dtype {dt} cannot be read as a tensor (bool, integer, float or complex only)"
+        )
+    if not dt.isnative and dt.itemsize > 1:
+        native = dt.newbyteorder("=").str
+        raise ValueError(f"{what}: dtype {dt.str} is not native byte order (use {native})")
+    return str(dt)
+
+
+def check_shape(shape: Any, itemsize: int, what: str) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints whose bytes fit :data:`MAX_BYTES`."""
+    if not isinstance(shape, (list, tuple)) or not all(_is_int(d) for d in shape):
+        raise ValueError(f"{what}: shape must be a list of integers, got {shape!r}")
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"{what}: negative dimension in shape {list(dims)}")
+    if math.prod(dims) * itemsize > MAX_BYTES:
+        raise ValueError(f"{what}: shape {list(dims)} is too large ({itemsize}-byte items)")
+    return dims
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _int(value: Any, what: str, limit: int = MAX_BYTES) -> int:
+    """A JSON integer in ``0..limit``; anything else (bool, float, string) is a ``ValueError``."""
+    if not _is_int(value) or not 0 <= int(value) <= limit:
+        raise ValueError(f"{what} must be an integer in 0..{limit}, got {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -156,17 +207,19 @@ class Index:
             raise DatasetError(f"{source}: unsupported index version {version!r} (expected 1)")
         try:
             layout = _parse_layout(doc["layout"])
-            fields = {
-                str(n): FieldSpec(
-                    str(np.dtype(f["dtype"])), tuple(int(d) for d in f.get("shape", []))
-                )
-                for n, f in dict(doc.get("fields") or {}).items()
-            }
+            fields = _parse_fields(doc.get("fields", {}))
+            if not isinstance(doc["shards"], list):
+                raise ValueError("'shards' must be a list")
             shards = [_parse_shard(s, i, source) for i, s in enumerate(doc["shards"])]
-            declared = int(doc["num_records"])
+            declared = _int(doc["num_records"], "num_records")
+            classes = doc.get("classes")
+            if classes is not None and not (
+                isinstance(classes, list) and all(isinstance(c, str) for c in classes)
+            ):
+                raise ValueError("'classes' must be a list of strings")
         except DatasetError:
             raise
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
             raise DatasetError(f"{source}: malformed index: {type(exc).__name__}: {exc}") from None
         index = cls(layout, fields, shards, {k: v for k, v in doc.items() if k not in _CORE_KEYS})
         if index.num_records != declared:
@@ -184,35 +237,56 @@ class Index:
         return index
 
 
-def _parse_layout(doc: Mapping[str, Any]) -> Layout:
+def _parse_layout(doc: Any) -> Layout:
+    if not isinstance(doc, Mapping):
+        raise ValueError("'layout' must be an object")
     kind = doc["kind"]
     if kind == "bytes":
         return Layout("bytes")
     if kind != "fixed":
         raise ValueError(f"unknown layout kind {kind!r}")
-    shape = tuple(int(d) for d in doc["shape"])
-    if any(d < 0 for d in shape):
-        raise ValueError(f"negative dimension in shape {shape}")
-    return Layout("fixed", shape, str(np.dtype(doc["dtype"])))
+    dtype = check_dtype(doc["dtype"], "layout")
+    return Layout("fixed", check_shape(doc["shape"], np.dtype(dtype).itemsize, "layout"), dtype)
 
 
-def _parse_shard(doc: Mapping[str, Any], shard_id: int, source: str) -> Shard:
-    records = int(doc["records"])
-    if records < 0:
-        raise DatasetError(f"{source}: shard {shard_id} has a negative record count")
+def _parse_fields(doc: Any) -> dict[str, FieldSpec]:
+    if not isinstance(doc, Mapping):
+        raise ValueError("'fields' must be an object")
+    fields = {}
+    for name, f in doc.items():
+        if not isinstance(name, str) or not name.isidentifier() or name == "data":
+            raise ValueError(f"invalid side-field name {name!r}")
+        if not isinstance(f, Mapping):
+            raise ValueError(f"field {name!r} must be an object")
+        dtype = check_dtype(f["dtype"], f"field {name!r}")
+        shape = check_shape(f.get("shape", []), np.dtype(dtype).itemsize, f"field {name!r}")
+        fields[name] = FieldSpec(dtype, shape)
+    return fields
+
+
+def _parse_shard(doc: Any, shard_id: int, source: str) -> Shard:
+    if not isinstance(doc, Mapping) or not isinstance(doc["files"], Mapping):
+        raise ValueError(f"shard {shard_id} must be an object with a 'files' object")
+    records = _int(doc["records"], f"shard {shard_id} records")
     files: dict[str, FileInfo] = {}
-    for role, f in dict(doc["files"]).items():
-        path = str(f["path"])
+    for role, f in doc["files"].items():
+        if not isinstance(f, Mapping) or not isinstance(f["path"], str):
+            raise ValueError(f"shard {shard_id} file {role!r} must be an object with a 'path'")
+        path = f["path"]
         parts = path.split("/")
-        if not path or path.startswith("/") or "\\" in path or ".." in parts or ":" in parts[0]:
+        if (
+            path.startswith("/")
+            or "\\" in path
+            or any(p in ("", ".", "..") for p in parts)
+            or ":" in parts[0]
+            or path == INDEX_NAME
+        ):
             raise DatasetError(f"{source}: shard {shard_id} file path {path!r} escapes the dataset")
-        crc = str(f["crc32c"]).lower()
-        if not _HEX8.match(crc):
+        crc = f["crc32c"]
+        if not isinstance(crc, str) or not _HEX8.match(crc.lower()):
             raise DatasetError(f"{source}: shard {shard_id} file {path!r} has a bad crc32c {crc!r}")
-        nbytes = int(f["bytes"])
-        if nbytes < 0:
-            raise DatasetError(f"{source}: shard {shard_id} file {path!r} has a negative size")
-        files[str(role)] = FileInfo(path, nbytes, crc)
+        nbytes = _int(f["bytes"], f"shard {shard_id} file {path!r} bytes")
+        files[str(role)] = FileInfo(path, nbytes, crc.lower())
     return Shard(records, files)
 
 
@@ -251,11 +325,19 @@ def read_index(path_or_url: str | os.PathLike[str], fs: Any = None) -> Index:
         raise DatasetError(f"{root}: not a feedpipe dataset (no {INDEX_NAME})") from None
     except NotADirectoryError:
         raise DatasetError(f"{root}: not a feedpipe dataset (not a directory)") from None
+    except IsADirectoryError:
+        raise DatasetError(f"{root}: not a feedpipe dataset ({INDEX_NAME} is a folder)") from None
+    return parse_index(raw, name)
+
+
+def parse_index(raw: bytes | str, source: str) -> Index:
+    """Parse and validate ``index.json`` bytes; any problem is a :class:`DatasetError`."""
     try:
         doc = json.loads(raw)
-    except ValueError as exc:
-        raise DatasetError(f"{name}: index is not valid JSON: {exc}") from None
-    return Index.from_json(doc, name)
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise DatasetError(f"{source}: index is not valid JSON: {why}") from None
+    return Index.from_json(doc, source)
 
 
 def write_index(directory: str | os.PathLike[str], index: Index) -> str:

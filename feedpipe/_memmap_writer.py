@@ -7,7 +7,9 @@ last, so a crashed or interrupted write never looks like a complete dataset.
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
 from types import TracebackType
@@ -16,18 +18,103 @@ from typing import Any
 import numpy as np
 
 from feedpipe._crc import crc32c, to_hex
-from feedpipe._index import INDEX_NAME, FieldSpec, FileInfo, Index, Layout, Shard, write_index
+from feedpipe._index import (
+    INDEX_NAME,
+    FieldSpec,
+    FileInfo,
+    Index,
+    Layout,
+    Shard,
+    check_dtype,
+    check_shape,
+    read_index,
+    write_index,
+)
 from feedpipe.errors import DatasetError
 
-__all__ = ["DEFAULT_SHARD_BYTES", "MemmapWriter", "shard_name"]
+__all__ = [
+    "DEFAULT_SHARD_BYTES",
+    "MemmapWriter",
+    "check_destination",
+    "prepare_destination",
+    "shard_name",
+]
 
 DEFAULT_SHARD_BYTES = 256 << 20
 _TMP_MARK = ".tmp-"
+# names a writer creates: shard files, their temps, and the index and its temps
+_OWN_NAME = re.compile(
+    r"^(index\.json|\.index\.json\..*\.tmp|\.?shard-\d{5,}\.[A-Za-z0-9_.]+(\.tmp-[0-9a-f]{8})?)$"
+)
+
+
+def check_destination(path: str, *, overwrite: bool) -> bool:
+    """Refuse ``path`` unless a new dataset may be written there; True if something is there.
+
+    Absent or empty: fine. A dataset (``index.json``) holding only its own files: fine with
+    ``overwrite``, else refused. Anything else (a file, a folder holding other files, a dataset
+    with extra files) is refused even with ``overwrite``: feedpipe never deletes what it did not
+    write. Leftovers of an interrupted writer (shard files, no index) count as its own.
+    """
+    if not os.path.lexists(path):
+        return False
+    if os.path.islink(path) or not os.path.isdir(path):
+        raise DatasetError(
+            f"{path}: exists and is not a dataset folder; refusing to replace it"
+            + (" (did you forget DEST?)" if path.endswith((".npy", ".npz")) else "")
+        )
+    entries = os.listdir(path)
+    foreign = sorted(
+        e
+        for e in entries
+        if not _OWN_NAME.match(e)
+        or os.path.islink(os.path.join(path, e))
+        or os.path.isdir(os.path.join(path, e))
+    )
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise DatasetError(
+            f"{path}: folder holds files feedpipe did not write ({shown}); refusing to write "
+            "into it, even with overwrite (choose a new or empty folder)"
+        )
+    if INDEX_NAME in entries:
+        listed = {rel for _sid, rel, _n, _c in read_index(path).files()}  # damaged: not ours
+        extra = sorted(e for e in entries if e[0] != "." and e != INDEX_NAME and e not in listed)
+        if extra:
+            raise DatasetError(
+                f"{path}: the dataset folder holds files its index does not list ({extra[0]}...); "
+                "refusing to replace it"
+            )
+        if not overwrite:
+            raise DatasetError(f"{path}: a dataset already exists here (pass overwrite=True)")
+    return bool(entries)
+
+
+def prepare_destination(path: str, *, overwrite: bool) -> None:
+    """:func:`check_destination`, then delete the old dataset's files (its index first)."""
+    if not check_destination(path, overwrite=overwrite):
+        return
+    entries = os.listdir(path)
+    for e in sorted(entries, key=lambda e: e == INDEX_NAME, reverse=True):
+        os.unlink(os.path.join(path, e))
 
 
 def shard_name(shard_id: int, suffix: str) -> str:
     """Relative file name of one shard file, e.g. ``shard-00003.data``."""
     return f"shard-{shard_id:05d}.{suffix}"
+
+
+def _dtype(value: Any) -> Any:
+    """A dtype argument as :func:`check_dtype` takes it (``np.int32``, ``torch.int32``, str)."""
+    if isinstance(value, (str, np.dtype)) or (
+        isinstance(value, type) and issubclass(value, np.generic)
+    ):
+        return value
+    if type(value).__module__ == "torch":  # torch.dtype: its numpy twin
+        import torch
+
+        return torch.empty(0, dtype=value).numpy().dtype
+    return np.dtype(value)
 
 
 def _as_array(value: Any) -> np.ndarray:
@@ -91,27 +178,47 @@ class MemmapWriter:
         extra: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         first_shard: int = 0,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
+        from feedpipe import _remote
+
         self.path = os.fspath(path)
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
-        if shape is None:
-            self.layout = Layout("bytes")
-        else:
-            self.layout = Layout("fixed", tuple(int(d) for d in shape), str(np.dtype(dtype)))
-        self.fields: dict[str, FieldSpec] = {}
-        for name, spec in dict(fields or {}).items():
-            if not name.isidentifier() or name == "data":
-                raise ValueError(f"invalid side-field name {name!r}")
-            fdtype, fshape = (spec, ()) if not isinstance(spec, tuple) else spec
-            self.fields[name] = FieldSpec(str(np.dtype(fdtype)), tuple(int(d) for d in fshape))
+        try:
+            if shape is None:
+                self.layout = Layout("bytes")
+            else:
+                dt = check_dtype(_dtype(dtype), "records")
+                dims = check_shape(tuple(shape), np.dtype(dt).itemsize, "records")
+                self.layout = Layout("fixed", dims, dt)
+            self.fields: dict[str, FieldSpec] = {}
+            for name, spec in dict(fields or {}).items():
+                if not isinstance(name, str) or not name.isidentifier() or name == "data":
+                    raise ValueError(f"invalid side-field name {name!r}")
+                fdtype, fshape = (spec, ()) if not isinstance(spec, tuple) else spec
+                fdt = check_dtype(_dtype(fdtype), f"field {name!r}")
+                what = f"field {name!r}"
+                self.fields[name] = FieldSpec(
+                    fdt, check_shape(tuple(fshape), np.dtype(fdt).itemsize, what)
+                )
+        except (ValueError, TypeError) as exc:
+            raise DatasetError(f"{self.path}: {exc}") from None
         self.shard_bytes = int(shard_bytes)
         self.extra = dict(extra or {})
-        if os.path.exists(os.path.join(self.path, INDEX_NAME)):
-            if not overwrite:
-                raise DatasetError(f"{self.path}: a dataset already exists here (overwrite=False)")
-            shutil.rmtree(self.path)
-        os.makedirs(self.path, exist_ok=True)
+        self._upload: tuple[str, dict[str, Any], bool] | None = None
+        if _remote.is_remote(self.path):  # write locally, publish on close (index last)
+            self._upload = (self.path, dict(storage_options or {}), overwrite)
+            from feedpipe._publish import check_remote_destination
+
+            check_remote_destination(self.path, self._upload[1], overwrite=overwrite)
+            self._local = tempfile.mkdtemp(prefix="feedpipe-upload-")
+        else:
+            if self.path.startswith("file://"):
+                self.path = self.path[len("file://") :]
+            prepare_destination(self.path, overwrite=overwrite)
+            os.makedirs(self.path, exist_ok=True)
+            self._local = self.path
         self._shards: list[Shard] = []
         self._first_shard = first_shard
         self._data: _ShardFile | None = None
@@ -234,7 +341,7 @@ class MemmapWriter:
 
     def _open_shard(self) -> None:
         sid = self._first_shard + len(self._shards)
-        self._data = _ShardFile(self.path, shard_name(sid, "data"))
+        self._data = _ShardFile(self._local, shard_name(sid, "data"))
         self._offsets = [0]
         self._columns = {name: [] for name in self.fields}
         self._records = 0
@@ -275,7 +382,7 @@ class MemmapWriter:
             col = np.concatenate(parts) if parts else np.empty((0, *spec.shape), spec.dtype)
             pending.append((f"field.{name}", name, col))
         for role, suffix, arr in pending:
-            f = _ShardFile(self.path, shard_name(sid, suffix))
+            f = _ShardFile(self._local, shard_name(sid, suffix))
             try:
                 f.write(np.ascontiguousarray(arr).view(np.uint8).reshape(-1))
                 files[role] = f.finish()
@@ -297,7 +404,15 @@ class MemmapWriter:
         self._close_shard()
         self._closed = True
         index = Index(self.layout, dict(self.fields), list(self._shards), dict(self.extra))
-        write_index(self.path, index)
+        write_index(self._local, index)
+        if self._upload is not None:
+            from feedpipe._publish import publish
+
+            url, options, overwrite = self._upload
+            try:
+                publish(self._local, url, options, overwrite=overwrite)
+            finally:
+                shutil.rmtree(self._local, ignore_errors=True)
         return index
 
     def abort(self) -> None:
@@ -306,6 +421,8 @@ class MemmapWriter:
             self._data.abort()
             self._data = None
         self._closed = True
+        if self._upload is not None:
+            shutil.rmtree(self._local, ignore_errors=True)
 
     def finish_shards(self) -> list[Shard]:
         """Close the open shard without writing an index (for writers whose shards are merged)."""

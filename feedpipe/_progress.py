@@ -1,11 +1,14 @@
 """A tiny progress-bar helper over tqdm, shared by the CLI commands.
 
-``progress(total, desc, unit="B")`` returns a tqdm bar, or a no-op bar when ``enabled`` is False
-(tqdm itself disables the bar when stderr is not a terminal if ``enabled`` is None).
+``progress(total, desc, unit="B")`` returns a tqdm bar on stderr, or a no-op bar when ``enabled``
+is False, or when it is None (the default) and stderr is not a terminal: a bar is never drawn
+into a log file or a pipe. Byte bars count in binary units (KiB, MiB/s), the unit every feedpipe
+summary uses.
 """
 
 from __future__ import annotations
 
+import sys
 from types import TracebackType
 from typing import Any
 
@@ -21,6 +24,9 @@ class NullBar:
         self.n += n  # type: ignore[assignment]
 
     def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        return None
+
+    def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
         return None
 
     def close(self) -> None:
@@ -41,18 +47,28 @@ class NullBar:
 def progress(
     total: float | None, desc: str, *, unit: str = "B", enabled: bool | None = None
 ) -> Any:
-    """A tqdm bar (byte units scale to kB/MB/GB), or a :class:`NullBar` when disabled."""
-    if enabled is False:
+    """A tqdm bar (bytes scale to KiB/MiB/GiB), or a :class:`NullBar` when disabled."""
+    if enabled is None:
+        enabled = _is_terminal(sys.stderr)
+    if not enabled:
         return NullBar()
     from tqdm.auto import tqdm
 
+    binary = unit == "B"
     return tqdm(
         total=total,
         desc=desc,
-        unit=unit,
-        unit_scale=unit == "B",
-        unit_divisor=1024 if unit == "B" else 1000,
-        disable=None if enabled is None else not enabled,
+        unit="iB" if binary else unit,  # with unit_divisor=1024: "KiB", "MiB/s"
+        unit_scale=binary,
+        unit_divisor=1024 if binary else 1000,
+        file=sys.stderr,
         dynamic_ncols=True,
         leave=True,
     )
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # replaced or closed stream
+        return False

@@ -21,9 +21,10 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
-import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -79,6 +80,14 @@ class BenchResult:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", nargs="?", help="a feedpipe dataset directory or URL")
     parser.add_argument(
+        "--endpoint-url", default=None, help="S3-compatible endpoint (e.g. a MinIO or local server)"
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="local shard cache for a URL (default: a temporary folder, removed at the end)",
+    )
+    parser.add_argument(
         "--synthetic", action="store_true", help="use a built-in synthetic dataset instead of PATH"
     )
     parser.add_argument("--sample-shape", default="3,32,32", help="synthetic sample shape")
@@ -112,16 +121,27 @@ def _ints(text: str, what: str) -> list[int]:
     return values
 
 
-def _dataset(args: argparse.Namespace) -> Any:
+def _dataset(args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
     if args.synthetic:
         shape = tuple(_ints(args.sample_shape, "--sample-shape"))
         n = (args.warmup + args.batches) * args.batch_size
         return SyntheticDataset(n, shape, args.sample_delay_ms / 1e3)
     if not args.path:
         raise SystemExit("feedpipe bench: give a dataset PATH or --synthetic")
+    from feedpipe import _remote
     from feedpipe.memmap import MemmapDataset
 
-    return MemmapDataset(args.path)
+    if not _remote.is_remote(args.path):
+        return MemmapDataset(args.path)
+    options: dict[str, Any] = {}
+    if getattr(args, "endpoint_url", None):
+        options["client_kwargs"] = {"endpoint_url": args.endpoint_url}
+    cache = getattr(args, "cache_dir", None)
+    if cache is None:
+        cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="feedpipe-bench-"))
+    ds = MemmapDataset(args.path, cache_dir=cache, storage_options=options)
+    stack.callback(ds.close)  # unpin its shards before the cache folder goes
+    return ds
 
 
 def _cycle(loader: Any) -> Iterator[Any]:
@@ -278,8 +298,6 @@ def _plot(results: list[BenchResult], path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the sweep, print the table, write the plot/JSON; returns the exit status."""
-    from tqdm import tqdm
-
     workers = _ints(args.workers, "--workers")
     prefetch = _ints(args.prefetch, "--prefetch")
     if min(prefetch) < 1:
@@ -288,12 +306,38 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "feedpipe bench: need --batch-size >= 1, --batches >= 2, --warmup >= 0, --step-ms >= 0"
         )
-    dataset = _dataset(args)
+    with contextlib.ExitStack() as stack:
+        dataset = _dataset(args, stack)
+        results = _sweep(args, dataset, workers, prefetch)
+    from feedpipe._remote import redact
+
+    source = "synthetic" if args.synthetic else redact(args.path)
+    print(
+        f"feedpipe bench: {source}, batch {args.batch_size}, {args.worker_type} workers, "
+        f"{args.batches} batches per run after {args.warmup} warm-up"
+    )
+    print(_table(results, args.step_ms))
+    if args.plot:
+        _plot(results, args.plot)
+        print(f"plot written to {args.plot}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([dataclasses.asdict(r) for r in results], f)
+        print(f"results written to {args.json}")
+    return 0
+
+
+def _sweep(
+    args: argparse.Namespace, dataset: Any, workers: list[int], prefetch: list[int]
+) -> list[BenchResult]:
+    from feedpipe._progress import progress
+
     configs = [(w, p) for w in workers for p in (prefetch if w else prefetch[:1])]
     step_values = [0.0, args.step_ms] if args.step_ms else [0.0]
     total = len(configs) * len(step_values) * (args.warmup + args.batches)
     results: list[BenchResult] = []
-    with tqdm(total=total, disable=args.no_progress, file=sys.stderr, unit="batch") as bar:
+    enabled = False if args.no_progress else None  # None: only on a terminal
+    with progress(total, "bench", unit="batch", enabled=enabled) as bar:
         for w, p in configs:
             for step_ms in step_values:
                 bar.set_description(f"w={w} p={p if w else '-'} step={step_ms:g}ms")
@@ -311,19 +355,4 @@ def run(args: argparse.Namespace) -> int:
                         progress=bar,
                     )
                 )
-    from feedpipe._remote import redact
-
-    source = "synthetic" if args.synthetic else redact(args.path)
-    print(
-        f"feedpipe bench: {source}, batch {args.batch_size}, {args.worker_type} workers, "
-        f"{args.batches} batches per run after {args.warmup} warm-up"
-    )
-    print(_table(results, args.step_ms))
-    if args.plot:
-        _plot(results, args.plot)
-        print(f"plot written to {args.plot}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump([dataclasses.asdict(r) for r in results], f)
-        print(f"results written to {args.json}")
-    return 0
+    return results

@@ -1,13 +1,17 @@
 """The ``feedpipe`` command: ``convert``, ``inspect``, ``stage`` and ``bench`` subcommands.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
-modules are imported only when their subcommand runs.
+modules are imported only when their subcommand runs. No command prints a traceback: an error is
+one line on stderr naming the file or URL (credentials redacted) and exit status 1; Ctrl-C exits
+with 130; a closed stdout (``feedpipe inspect ... | head``) ends the command quietly.
+``FEEDPIPE_DEBUG=1`` re-raises, for a bug report.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 __all__ = ["main"]
@@ -34,7 +38,48 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
     mod = importlib.import_module(_COMMANDS[args.command][0])
-    return int(mod.run(args) or 0)
+    try:
+        rc = int(mod.run(args) or 0)
+        sys.stdout.flush()  # a closed pipe surfaces here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        _silence_stdout()
+        return 1
+    except KeyboardInterrupt:
+        print(f"feedpipe {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if os.environ.get("FEEDPIPE_DEBUG"):
+            raise
+        print(f"feedpipe {args.command}: error: {_describe(exc, args)}", file=sys.stderr)
+        return 1
+
+
+def _describe(exc: BaseException, args: argparse.Namespace) -> str:
+    """One line for an error: the message (redacted), with the type for unexpected errors."""
+    from feedpipe import _remote
+    from feedpipe.errors import DatasetError, MissingExtraError
+
+    text = str(exc)
+    if isinstance(exc, ValueError) and text.startswith("Protocol not known: "):
+        url = getattr(args, "path", None) or getattr(args, "url", None)
+        where = f"{url}: " if isinstance(url, str) else ""
+        text = f"{where}unknown URL scheme {text.split(': ', 1)[1]!r} (no fsspec filesystem for it)"
+    elif not isinstance(exc, (DatasetError, MissingExtraError, OSError)):
+        text = f"{type(exc).__name__}: {text}"
+    elif isinstance(exc, OSError) and exc.filename is not None and str(exc.filename) not in text:
+        text = f"{exc.filename}: {text}"
+    return " ".join(_remote.redact(text).split())
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null so the exit flush does not raise."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -20,12 +20,14 @@ to ``DEST``: an interrupted conversion never looks complete.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing as mp
 import os
 import shutil
 import sys
+import tempfile
 import time
 import types
 from collections.abc import Mapping, Sequence
@@ -35,9 +37,24 @@ from typing import Any
 
 import numpy as np
 
-from feedpipe._index import INDEX_NAME, FileInfo, Index, Shard, read_index, write_index
-from feedpipe._memmap_writer import DEFAULT_SHARD_BYTES, MemmapWriter, shard_name
+from feedpipe import _remote
+from feedpipe._index import (
+    FileInfo,
+    Index,
+    Shard,
+    check_dtype,
+    check_shape,
+    read_index,
+    write_index,
+)
+from feedpipe._memmap_writer import (
+    DEFAULT_SHARD_BYTES,
+    MemmapWriter,
+    check_destination,
+    shard_name,
+)
 from feedpipe._progress import progress
+from feedpipe._publish import check_remote_destination, publish
 from feedpipe.errors import DatasetError
 
 __all__ = ["ConvertResult", "add_arguments", "convert", "run"]
@@ -59,11 +76,11 @@ class ConvertResult:
     resumed_parts: int
 
     def summary(self) -> str:
-        mb = self.bytes / 1e6
-        rate = mb / self.seconds if self.seconds > 0 else float("inf")
+        mib = self.bytes / (1 << 20)
+        rate = mib / self.seconds if self.seconds > 0 else float("inf")
         return (
-            f"{self.path}: {self.records} records, {mb:.1f} MB in {self.shards} shards, "
-            f"{self.seconds:.1f} s ({rate:.0f} MB/s)"
+            f"{self.path}: {self.records} records, {mib:.1f} MiB in {self.shards} shards, "
+            f"{self.seconds:.1f} s ({rate:.0f} MiB/s)"
             + (f", {self.resumed_parts} parts resumed" if self.resumed_parts else "")
         )
 
@@ -167,19 +184,22 @@ class _ArraySource(_Source):
     def _load(self) -> dict[str, list[np.ndarray]]:
         if len(self.paths) == 1 and self.paths[0].endswith(".npz"):
             path = self.paths[0]
-            z = np.load(path, allow_pickle=False)
-            keys = list(z.files)
-            key = self.data_key or ("data" if "data" in keys else keys[0])
-            if key not in keys:
-                raise DatasetError(f"{path}: no array {key!r} (has {keys})")
-            return {"data": [z[key]], **{k: [z[k]] for k in keys if k != key}}
+            try:
+                z = np.load(path, allow_pickle=False)
+                keys = list(z.files)
+                key = self.data_key or ("data" if "data" in keys else keys[0])
+                if key not in keys:
+                    raise DatasetError(f"{path}: no array {key!r} (has {keys})")
+                return {"data": [z[key]], **{k: [z[k]] for k in keys if k != key}}
+            except (ValueError, OSError, IndexError, EOFError) as exc:
+                raise DatasetError(f"{path}: cannot read as .npz: {exc}") from None
         out = []
         for path in self.paths:
             if not path.endswith(".npy"):
                 raise DatasetError(f"{path}: expected .npy files or one .npz file")
             try:
                 out.append(np.load(path, mmap_mode="r", allow_pickle=False))
-            except (ValueError, OSError) as exc:
+            except (ValueError, OSError, EOFError) as exc:
                 raise DatasetError(f"{path}: cannot read as .npy: {exc}") from None
         return {"data": out}
 
@@ -424,9 +444,30 @@ def convert(
     """Convert ``source`` into a memmap dataset at ``dest`` (see the module docstring)."""
     start = time.monotonic()
     dest = os.fspath(dest).rstrip("/")
-    if os.path.exists(os.path.join(dest, INDEX_NAME)) and not overwrite:
-        raise DatasetError(f"{dest}: a dataset already exists here (pass overwrite=True)")
-    src = _make_source(source, kind, data_key, storage_options or {})
+    options = dict(storage_options or {})
+    if _remote.is_remote(dest):  # convert into a local temp folder, then publish (index last)
+        check_remote_destination(dest, options, overwrite=overwrite)
+        with tempfile.TemporaryDirectory(prefix="feedpipe-convert-") as tmp:
+            local = convert(
+                source,
+                os.path.join(tmp, "dataset"),
+                kind=kind,
+                data_key=data_key,
+                shard_bytes=shard_bytes,
+                workers=workers,
+                progress_bar=progress_bar,
+                storage_options=options,
+            )
+            publish(local.path, dest, options, overwrite=overwrite)
+        return dataclasses.replace(local, path=dest, seconds=time.monotonic() - start)
+    if dest.startswith("file://"):
+        dest = dest[len("file://") :]
+    if not dest or dest == ".":
+        raise DatasetError(f"{dest!r}: not a usable destination (name a new folder)")
+    _check_not_a_source(source, dest)
+    check_destination(dest, overwrite=overwrite)
+    src = _make_source(source, kind, data_key, options)
+    _check_layout(src)
     workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
     n = src.length
     nparts = max(1, min(n, max(math.ceil(src.est_bytes / shard_bytes), 2 * workers)))
@@ -435,13 +476,9 @@ def convert(
     plan = {"fingerprint": src.fingerprint(), "bounds": bounds, "shard_bytes": shard_bytes}
     plan = json.loads(json.dumps(plan))
     plan_path = os.path.join(work, _PLAN)
-    try:
-        with open(plan_path) as f:
-            old_plan = json.load(f)
-    except (FileNotFoundError, ValueError):
-        old_plan = None
+    old_plan = _read_plan(work, plan_path)
     if old_plan != plan and os.path.exists(work):
-        shutil.rmtree(work)  # a different conversion was interrupted here: start over
+        shutil.rmtree(work)  # a different conversion of ours was interrupted here: start over
     os.makedirs(work, exist_ok=True)
     if old_plan != plan:
         with open(plan_path + ".tmp", "w") as f:
@@ -462,12 +499,14 @@ def convert(
     for part in parts:
         shutil.rmtree(part)
     os.unlink(plan_path)
-    if os.path.exists(dest):
+    if check_destination(dest, overwrite=overwrite):  # re-checked: only our dataset is replaced
         old = f"{dest}.old-{os.getpid()}"
         os.replace(dest, old)
         os.replace(work, dest)
         shutil.rmtree(old)
     else:
+        if os.path.isdir(dest):
+            os.rmdir(dest)  # empty
         os.replace(work, dest)
     return ConvertResult(
         dest,
@@ -476,6 +515,63 @@ def convert(
         len(index.shards),
         time.monotonic() - start,
         len(done),
+    )
+
+
+def _read_plan(work: str, plan_path: str) -> Any:
+    """The plan of an interrupted conversion in ``work``; refuse a ``work`` that is not ours."""
+    if not os.path.lexists(work):
+        return None
+    if os.path.islink(work) or not os.path.isdir(work):
+        raise DatasetError(f"{work}: exists and is not a feedpipe conversion folder; move it away")
+    try:
+        with open(plan_path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        if os.listdir(work):
+            raise DatasetError(
+                f"{work}: exists and is not a feedpipe conversion folder (no {_PLAN}); move it away"
+            ) from None
+        return None
+    except (ValueError, RecursionError):
+        return {}  # our plan, damaged: start over
+
+
+def _check_not_a_source(source: Any, dest: str) -> None:
+    """``dest`` must not be, hold, or lie inside a source path: sources are never touched."""
+    if not isinstance(source, (str, os.PathLike, list, tuple)):
+        return
+    d = os.path.realpath(dest)
+    for item in source if isinstance(source, (list, tuple)) else [source]:
+        p = os.fspath(item)
+        if "://" in p:
+            continue
+        r = os.path.realpath(p)
+        if d == r or d.startswith(r.rstrip("/") + "/") or r.startswith(d.rstrip("/") + "/"):
+            raise DatasetError(
+                f"{dest}: the destination overlaps the source {p} (did you forget DEST?)"
+            )
+
+
+def _check_layout(src: _Source) -> None:
+    """Refuse, before writing anything, records or fields that could not be read back."""
+    try:
+        if src.shape is not None:
+            dt = check_dtype(src.dtype, "records")
+            check_shape(list(src.shape), np.dtype(dt).itemsize, "records")
+        for name, spec in src.fields.items():
+            fdtype, fshape = (spec, ()) if not isinstance(spec, tuple) else spec
+            fdt = check_dtype(fdtype, f"side field {name!r}")
+            check_shape(list(fshape), np.dtype(fdt).itemsize, f"side field {name!r}")
+    except ValueError as exc:
+        raise DatasetError(f"{_describe(src)}: {exc}") from None
+
+
+def _describe(src: _Source) -> str:
+    where = src.extra.get("source", {})
+    paths = where.get("paths")
+    return str(
+        where.get("path") or (", ".join(paths) if paths else "") or where.get("type") or src.kind
     )
 
 
@@ -539,12 +635,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "source", nargs="+", help="image folder, .npy files, one .npz, or a Zarr array/group"
     )
-    parser.add_argument("dest", help="output dataset directory")
+    parser.add_argument("dest", help="output dataset folder (new or empty), or an fsspec URL")
     parser.add_argument("--kind", default="auto", choices=["auto", "images", "npy", "zarr"])
     parser.add_argument("--data-key", default=None, help="records array in a .npz or Zarr group")
     parser.add_argument("--shard-size", default="256MiB", type=_parse_size, help="e.g. 256MiB")
     parser.add_argument("--workers", type=int, default=None, help="parallel processes")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing dataset (datasets only)"
+    )
+    parser.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for DEST")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -560,6 +659,11 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
             overwrite=args.overwrite,
             progress_bar=False if args.no_progress else None,
+            storage_options=(
+                {"client_kwargs": {"endpoint_url": args.endpoint_url}}
+                if args.endpoint_url
+                else None
+            ),
         )
     except DatasetError as exc:
         print(f"feedpipe convert: error: {exc}", file=sys.stderr)

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from feedpipe import _remote
 from feedpipe._crc import crc32c, to_hex
 from feedpipe._index import Index, read_index
 from feedpipe.errors import DatasetError
@@ -94,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="dataset directory (local path or fsspec URL)")
     parser.add_argument("--verify", action="store_true", help="check size and CRC32C of every file")
     parser.add_argument("--shards", type=int, default=10, help="shard rows to print (default 10)")
+    parser.add_argument(
+        "--endpoint-url", default=None, help="S3-compatible endpoint (e.g. a MinIO or local server)"
+    )
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -101,16 +105,17 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     path = os.fspath(args.path)
     fs = None
     root = path
-    if "://" in path and not path.startswith("file://"):
-        import fsspec.core
-
-        fs, root = fsspec.core.url_to_fs(path)
+    if _remote.is_remote(path):
+        options: dict[str, Any] = {}
+        if getattr(args, "endpoint_url", None):
+            options["client_kwargs"] = {"endpoint_url": args.endpoint_url}
+        fs, root = _remote.resolve(path, options)
     elif path.startswith("file://"):
         root = path = path[len("file://") :]
     try:
         index = read_index(root, fs=fs)
     except DatasetError as exc:
-        print(f"feedpipe inspect: error: {exc}", file=sys.stderr)
+        print(f"feedpipe inspect: error: {_remote.redact(str(exc))}", file=sys.stderr)
         return 1
     from feedpipe._remote import redact
 

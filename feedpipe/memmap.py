@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -44,7 +43,7 @@ import torch
 
 from feedpipe import _remote
 from feedpipe._crc import crc32c_file, to_hex
-from feedpipe._index import INDEX_NAME, FileInfo, Index, read_index
+from feedpipe._index import INDEX_NAME, FileInfo, Index, parse_index, read_index
 from feedpipe._memmap_open import OpenShard, OpenShards
 from feedpipe._memmap_writer import MemmapWriter
 from feedpipe.errors import DatasetError
@@ -119,7 +118,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             fs, root = _remote.resolve(self.path, self.storage_options, policy.deadline_s)
             raw, _ = _remote.read_remote_index(fs, root, self.path, self.storage_options, policy)
             self._index_raw = raw
-            self.index = Index.from_json(json.loads(raw), _remote.join(self._shown, INDEX_NAME))
+            self.index = parse_index(raw, _remote.join(self._shown, INDEX_NAME))
         else:
             if self.path.startswith("file://"):
                 self.path = self._shown = self.path[len("file://") :]

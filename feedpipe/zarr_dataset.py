@@ -1,8 +1,9 @@
 """``ZarrDataset``: a map-style torch dataset over a Zarr v3 array (or a group of aligned arrays).
 
 The first axis is the sample axis. Reads go through TensorStore by default (GIL released, one
-batched read per array, missing chunks are an error rather than silent fill values) or through
-zarr-python with ``backend="zarr"``. Any codec zarr supports works, including the v3 sharding
+batched read per array) or through zarr-python with ``backend="zarr"``. On every path a missing
+chunk is a :class:`DatasetError`, never fill values (zarr-python through
+:mod:`feedpipe._zarr_strict`). Any codec zarr supports works, including the v3 sharding
 codec with zstd. Remote fsspec URLs (``s3://``...) are read with zarr-python's fsspec store.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from feedpipe._index import check_dtype, check_shape
 from feedpipe._remote import redact
 from feedpipe.errors import DatasetError, require
 
@@ -81,17 +83,10 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._dtypes: dict[str, np.dtype] = {}
         for name, meta in metas.items():
-            where = self._where(name)
-            if meta.get("node_type") != "array":
-                raise DatasetError(f"{where}: not a Zarr array")
-            shape = tuple(int(d) for d in meta["shape"])
-            if not shape:
-                raise DatasetError(f"{where}: a 0-d array has no sample axis")
+            shape, dtype = _array_meta(meta, f"{self._where(name)}/zarr.json")
             self.shapes[name] = shape
-            try:
-                self._dtypes[name] = np.dtype(meta["data_type"])
-            except (TypeError, KeyError):
-                pass  # unusual data types: ask the backend
+            if dtype is not None:
+                self._dtypes[name] = dtype
         self._direct: dict[str, _Direct] = {}
         if direct and not self.remote:
             for name, meta in metas.items():
@@ -139,10 +134,11 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
             ) from None
         try:
             doc = json.loads(raw)
-        except ValueError as exc:
-            raise DatasetError(f"{where}/zarr.json: not valid JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:
+            why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise DatasetError(f"{where}/zarr.json: not valid JSON: {why}") from None
         if not isinstance(doc, dict) or doc.get("zarr_format") != 3:
-            raise DatasetError(f"{where}: not Zarr format 3")
+            raise DatasetError(f"{where}/zarr.json: not Zarr format 3")
         return doc
 
     def _members(self) -> list[str]:
@@ -172,7 +168,8 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
         if self.backend == "tensorstore" and _TS_STARTED_IN not in (None, os.getpid()):
             warnings.warn(
                 f"{self._where('')}: this process was forked after TensorStore ran in its parent, "
-                "which TensorStore does not allow; reading with zarr-python here instead (use the "
+                "which TensorStore does not allow; reading with zarr-python here instead (missing "
+                "chunks are still errors; use the "
                 "'forkserver' or 'spawn' start method, or thread workers, to keep TensorStore)",
                 RuntimeWarning,
                 stacklevel=3,
@@ -196,16 +193,23 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
                     ) from None
         else:
             zarr: Any = require("zarr", "zarr")
+            from feedpipe._zarr_strict import strict_store
+
             for name in self.names:
                 where = self._where(name)
+                meta = self._read_meta(name)
                 try:
                     if self.remote:
                         store = zarr.storage.FsspecStore.from_url(
                             where, storage_options=self.storage_options, read_only=True
                         )
-                        handles[name] = zarr.open_array(store, mode="r")
                     else:
-                        handles[name] = zarr.open_array(where, mode="r")
+                        store = zarr.storage.LocalStore(where, read_only=True)
+                except Exception as exc:
+                    raise DatasetError(f"{where}: zarr cannot open it: {exc}") from None
+                strict = strict_store(store, meta, where)  # missing chunks raise
+                try:
+                    handles[name] = zarr.open_array(strict, mode="r")
                 except Exception as exc:
                     raise DatasetError(f"{where}: zarr cannot open it: {exc}") from None
         self._handles, self._pid = handles, os.getpid()
@@ -321,6 +325,33 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
         )
 
 
+def _array_meta(meta: dict[str, Any], source: str) -> tuple[tuple[int, ...], np.dtype | None]:
+    """An array's shape and numpy dtype (None: a type only the backend knows) from its
+    ``zarr.json``; anything malformed or unreadable as a tensor is a :class:`DatasetError`."""
+    if meta.get("node_type") != "array":
+        raise DatasetError(f"{source}: not a Zarr array (node_type {meta.get('node_type')!r})")
+    dtype: np.dtype | None = None
+    try:
+        if "shape" not in meta or "data_type" not in meta:
+            raise ValueError("an array needs 'shape' and 'data_type'")
+        name = meta["data_type"]
+        if isinstance(name, str):
+            try:
+                dtype = np.dtype(name)
+            except TypeError:
+                dtype = None  # a Zarr type name numpy does not know: the backend decides
+        elif not isinstance(name, dict):  # v3 extension types are objects
+            raise ValueError(f"data_type must be a string or an object, got {name!r}")
+        if dtype is not None:
+            check_dtype(dtype, "data_type")
+        shape = check_shape(meta["shape"], dtype.itemsize if dtype is not None else 1, "array")
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise DatasetError(f"{source}: malformed Zarr metadata: {exc}") from None
+    if not shape:
+        raise DatasetError(f"{source}: a 0-d array has no sample axis")
+    return shape, dtype
+
+
 # ---------------------------------------------------------------------- direct reads
 _MISSING = np.uint64(2**64 - 1)
 _ROW_COPY_MIN = 64 << 10  # rows this large are copied one by one (no temp + scatter)
@@ -375,6 +406,8 @@ class _Direct:
             codecs = meta["codecs"]
             if dtype.kind not in "biufc" or grid["name"] != "regular" or len(codecs) != 1:
                 return None
+            if int(grid["configuration"]["chunk_shape"][0]) <= 0:
+                return None
             if list(grid["configuration"]["chunk_shape"][1:]) != list(shape[1:]):
                 return None
 
@@ -393,14 +426,14 @@ class _Direct:
                 )
                 if not (plain(conf["codecs"]) and ok_index):
                     return None
-                if list(conf["chunk_shape"][1:]) != list(shape[1:]):
+                if list(conf["chunk_shape"][1:]) != list(shape[1:]) or conf["chunk_shape"][0] <= 0:
                     return None
             elif not plain(codecs):
                 return None
             if meta.get("chunk_key_encoding", {"name": "default"})["name"] not in ("default", "v2"):
                 return None
             return _Direct(root, meta, shape)
-        except (KeyError, TypeError, ValueError, IndexError):
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError):
             return None
 
     def _fd(self, k: int) -> int:

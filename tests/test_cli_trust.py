@@ -1,0 +1,180 @@
+"""The feedpipe CLI prints no tracebacks, reads URLs where its help says so, and draws no
+progress bar into a pipe (issue 16, point 14)."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from feedpipe._memmap_writer import MemmapWriter
+from feedpipe._progress import NullBar, progress
+
+
+def _cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "feedpipe.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _one_line_error(res: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert res.returncode != 0, res
+    assert "Traceback" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def _dataset(root: Path, n: int = 64, shard_bytes: int = 1 << 20) -> Path:
+    with MemmapWriter(root, shape=(4,), dtype="float32", shard_bytes=shard_bytes) as w:
+        w.append_batch(np.arange(n * 4, dtype=np.float32).reshape(n, 4))
+    return root
+
+
+def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    from feedpipe.cli import main
+
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_line(rc: int, err: str, *needles: str) -> None:
+    assert rc != 0
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("command", ["inspect", "bench"])
+def test_unknown_scheme_and_non_dataset_are_one_line_errors(
+    tmp_path: Path,
+    command: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    extra = ["--workers", "0", "--batches", "2"] if command == "bench" else []
+    rc, _, err = _main(capsys, command, "s4://bucket/ds", *extra)
+    _one_line(rc, err, "s4://bucket/ds", "'s4'")
+    (tmp_path / "notes").mkdir()
+    rc, _, err = _main(capsys, command, "notes", *extra)
+    _one_line(rc, err, "notes", "not a feedpipe dataset")
+    rc, _, err = _main(capsys, command, "missing", *extra)
+    _one_line(rc, err, "missing")
+
+
+def test_unknown_scheme_from_the_console_script(tmp_path: Path) -> None:
+    _one_line_error(_cli("inspect", "s4://bucket/ds", cwd=tmp_path), "s4://bucket/ds")
+
+
+def test_credentials_in_a_url_are_not_printed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, err = _main(capsys, "inspect", "s4://user:hunter2secret@host/ds")
+    _one_line(rc, err)
+    assert "hunter2secret" not in out + err
+
+
+def test_inspect_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
+    import fcntl
+
+    _dataset(tmp_path / "ds", n=200, shard_bytes=16)  # 200 shard rows: more than the pipe holds
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "feedpipe.cli", "inspect", "ds", "--shards", "1000"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    fcntl.fcntl(proc.stdout.fileno(), 1031, 4096)  # F_SETPIPE_SZ: a one-page pipe
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what `| head -1` does
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=60)
+    assert first.startswith(b"dataset")
+    assert "BrokenPipeError" not in err and "Traceback" not in err, err
+
+
+def test_inspect_and_bench_read_s3_with_endpoint_url(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import fsspec
+
+    bucket, opts = s3_bucket
+    local = _dataset(tmp_path / "ds")
+    fs = fsspec.filesystem("s3", **opts)
+    for f in sorted(local.iterdir(), key=lambda p: p.name == "index.json"):
+        fs.put_file(str(f), f"{bucket}/ds/{f.name}")
+    url, endpoint = f"s3://{bucket}/ds", opts["client_kwargs"]["endpoint_url"]
+    rc, out, err = _main(capsys, "inspect", url, "--endpoint-url", endpoint, "--verify")
+    assert rc == 0, err
+    assert "records   64" in out and "verify: all 1 files match" in out
+    before = set(os.listdir(tempfile.gettempdir()))
+    args = ("--workers", "0,1", "--batches", "2", "--warmup", "1", "--batch-size", "8")
+    rc, out, err = _main(capsys, "bench", url, "--endpoint-url", endpoint, *args)
+    assert rc == 0, err
+    assert "w=0" in out and "w=1" in out and err == ""
+    after = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("feedpipe-bench-")}
+    assert after <= before  # the temporary shard cache is gone
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path: Path) -> None:
+    res = _cli(
+        "bench",
+        "--synthetic",
+        "--workers",
+        "0",
+        "--batches",
+        "3",
+        "--warmup",
+        "1",
+        "--batch-size",
+        "4",
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == "", res.stderr  # no bar, no carriage returns
+    np.save(tmp_path / "x.npy", np.zeros((8, 2), np.float32))
+    res = _cli("convert", "x.npy", "out", "--workers", "1", cwd=tmp_path)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert "MiB" in res.stdout and "MB/s" not in res.stdout
+
+
+class _FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_helper_draws_only_on_a_terminal_in_binary_units(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert isinstance(progress(10, "x"), NullBar)
+    term = _FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    bar = progress(8 << 20, "x")
+    assert not isinstance(bar, NullBar)
+    bar.update(3 << 20)
+    bar.close()
+    drawn = term.getvalue()
+    assert "iB/s" in drawn and "MB/s" not in drawn and "kB/s" not in drawn, drawn
+    assert isinstance(progress(10, "x", enabled=False), NullBar)
