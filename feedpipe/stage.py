@@ -60,10 +60,10 @@ class _Bar:
     def __init__(self, total: int, show: bool, desc: str) -> None:
         self._lock = threading.Lock()
         self._bar: Any = None
-        if show:
-            from tqdm.auto import tqdm
+        if show:  # drawn only on a terminal, in the binary units of the summary
+            from feedpipe._progress import progress
 
-            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+            self._bar = progress(total, desc, unit="B")
 
     def __call__(self, n: int) -> None:
         if self._bar is not None:

@@ -157,6 +157,9 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path: Path) -> None:
     res = _cli("convert", "x.npy", "out", "--workers", "1", cwd=tmp_path)
     assert res.returncode == 0 and res.stderr == "", res.stderr
     assert "MiB" in res.stdout and "MB/s" not in res.stdout
+    res = _cli("stage", "out", "staged", cwd=tmp_path)
+    assert res.returncode == 0 and res.stderr == "", res.stderr  # stage's byte bar too
+    assert "MiB/s" in res.stdout and "MB/s" not in res.stdout.replace("MiB/s", ""), res.stdout
 
 
 class _FakeTerminal(io.StringIO):
