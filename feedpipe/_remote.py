@@ -407,8 +407,9 @@ def parse_index(raw: bytes, index_url: str) -> list[FileEntry]:
     """The files an ``index.json`` lists; raises :class:`DatasetError` naming ``index_url``."""
     try:
         doc = json.loads(raw)
-    except ValueError as exc:
-        raise DatasetError(f"{index_url}: index is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise DatasetError(f"{index_url}: index is not valid JSON: {why}") from None
     return _entries_from_index(doc, index_url)
 
 

@@ -458,3 +458,10 @@ def test_cache_refuses_an_index_listing_its_lock_directory(
     url = upload(tmp_path / "src", bucket, opts)
     with pytest.raises(DatasetError, match="reserved"):
         ShardCache(url, tmp_path / "cache", None, opts)
+
+
+def test_a_deeply_nested_remote_index_is_a_dataset_error() -> None:
+    """A hostile remote ``index.json`` nested past the JSON parser's limit names the URL."""
+    raw = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(DatasetError, match="nested too deeply"):
+        _remote.parse_index(raw, "memory://bucket/ds/index.json")
