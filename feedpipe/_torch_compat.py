@@ -8,7 +8,8 @@ degrades to doing nothing (or to torch's own behaviour) when the internal it nee
    own. :func:`install_worker_info_shim` swaps the *code* of torch's ``get_worker_info`` (the
    function object stays, so ``from torch.utils.data import get_worker_info`` done before still
    sees the change) for one that returns the calling thread's info first, then the global.
-   Outside feedpipe's threads it returns exactly what torch's does.
+   Outside feedpipe's threads it returns exactly what torch's does, also in a process forked
+   from a worker thread (the child forgets the thread's info).
 2. Showing the user's dataset (not feedpipe's timing proxy) in ``get_worker_info().dataset`` of
    process workers: :func:`unwrap_worker_dataset` replaces the same global inside the worker.
 3. Worker deaths. torch registers its workers' pids with a C-level SIGCHLD handler that raises
@@ -28,6 +29,7 @@ degrades to doing nothing (or to torch's own behaviour) when the internal it nee
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any
@@ -90,7 +92,14 @@ def install_worker_info_shim() -> bool:
     exec(compile(_SHIM_SOURCE, __file__, "exec"), namespace)
     module["_feedpipe_thread_worker_info"] = thread_worker_info
     fn.__code__ = namespace["get_worker_info"].__code__  # type: ignore[union-attr]
+    # a process forked from a worker thread (a torch loader run inside the dataset) is no
+    # feedpipe worker: its main thread must not inherit the thread's info
+    os.register_at_fork(after_in_child=_forget_thread_worker_info)
     return True
+
+
+def _forget_thread_worker_info() -> None:
+    _LOCAL.info = None
 
 
 def make_worker_info(wid: int, num_workers: int, seed: int, dataset: Any) -> Any:
