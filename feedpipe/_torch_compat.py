@@ -167,13 +167,23 @@ def stop_workers(source: Any) -> None:
         shutdown()
 
 
-def dead_workers(source: Any) -> list[tuple[int, int | None, int | None]]:
-    """``(worker id, pid, exit code)`` of the dead process workers of a torch iterator."""
-    out = []
+def dead_workers(
+    source: Any, active_only: bool = False
+) -> list[tuple[int, int | None, int | None]]:
+    """``(worker id, pid, exit code)`` of the dead process workers of a torch iterator.
+
+    A worker that torch let go (``_workers_status`` False) exits with code 0 while the others go
+    on when its ``IterableDataset`` ran out: ``active_only`` leaves those out, as torch's own
+    check does (the SIGCHLD paths). Otherwise they come last (torch also lets go of a worker it
+    found dead, just before it raises "exited unexpectedly").
+    """
+    status = getattr(source, "_workers_status", None) or []
+    active, let_go = [], []
     for wid, w in enumerate(getattr(source, "_workers", None) or []):
         if not w.is_alive():
-            out.append((wid, w.pid, w.exitcode))
-    return out
+            still = wid >= len(status) or bool(status[wid])
+            (active if still else let_go).append((wid, w.pid, w.exitcode))
+    return active if active_only else active + let_go
 
 
 class WorkerDiedError(RuntimeError):
@@ -185,7 +195,7 @@ def _on_sigchld(previous: Any) -> Any:
         source = _Sigchld.reading
         if source is None:
             _Sigchld.deaths += 1
-        elif not getattr(source, "_shutdown", False) and dead_workers(source):
+        elif not getattr(source, "_shutdown", False) and dead_workers(source, active_only=True):
             _Sigchld.reading = None  # raise once
             raise WorkerDiedError("a DataLoader worker process exited")
         if callable(previous):  # torch's handler: only other (plain torch) loaders' workers
@@ -233,7 +243,7 @@ class Guard:
             return next(source)
         if _Sigchld.deaths != self.seen:
             self.seen = _Sigchld.deaths
-            if not getattr(source, "_shutdown", False) and dead_workers(source):
+            if not getattr(source, "_shutdown", False) and dead_workers(source, active_only=True):
                 raise WorkerDiedError("a DataLoader worker process exited")
         _Sigchld.reading = source
         try:

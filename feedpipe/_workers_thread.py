@@ -12,7 +12,11 @@ the thread's own ``WorkerInfo`` (``feedpipe._torch_compat``), in ``worker_init_f
 have is their own global RNG: a ``worker_init_fn`` that seeds numpy / ``random`` / torch, or a
 dataset that draws from them, changes the training loop's RNG. ``RNGWatch`` detects both (by
 comparing the global states around ``worker_init_fn`` and around each worker's first batch) and
-warns once per loader.
+warns once per loader. The global RNGs are shared with every other thread, so the checks run
+in the loader's first pass only, while the main thread waits inside ``iter()`` for each worker's
+first batch (``_FirstRound``): a draw they see is the workers', never the training loop's, the
+sampler's (the first batches' indices are drawn before the workers start) or another
+``iter()``'s.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class RNGWatch:
     def __init__(self) -> None:
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+        self.watching = True  # until a first round was checked in full (``_FirstRound``)
 
     def check(self, what: str, before: tuple[Any, ...]) -> None:
         """``before`` is :func:`_rng_states` taken before ``what`` ran in a worker thread."""
@@ -105,6 +110,43 @@ class RNGWatch:
             RuntimeWarning,
             stacklevel=2,
         )
+
+
+class _FirstRound:
+    """The first batch of each worker, read while the main thread waits in ``iter()``.
+
+    Workers run their RNG checks only while ``open``; the main thread closes it (under the lock,
+    so no check is half done) before it returns to the user's code.
+    """
+
+    def __init__(self, batches: int) -> None:
+        self.batches = batches  # workers that got a first batch
+        self.open = True
+        self._lock = threading.Lock()
+        self._done = threading.Semaphore(0)
+
+    def check(self, watch: RNGWatch, what: str, before: tuple[Any, ...]) -> None:
+        """Worker side: check the global RNGs against ``before`` if the main thread still waits."""
+        with self._lock:
+            if self.open:
+                watch.check(what, before)
+
+    def finish(self) -> None:
+        """Worker side: this worker's first batch is done (read, failed or never read)."""
+        self._done.release()
+
+    def wait(self, timeout: float) -> bool:
+        """Main side: wait for every first batch (at most ``timeout``), then close; True if all
+        were checked."""
+        deadline = time.monotonic() + timeout
+        done = 0
+        while done < self.batches and self._done.acquire(
+            timeout=max(0.0, deadline - time.monotonic())
+        ):
+            done += 1
+        with self._lock:
+            self.open = False
+        return done == self.batches
 
 
 # Worker threads still running, joined at exit (a pool may be gone while its threads finish).
@@ -164,6 +206,15 @@ class ThreadWorkers:
         # with a worker_init_fn, no worker reads before all ran it: the RNG checks of the first
         # batch would otherwise see another worker's worker_init_fn reseeding
         inited = threading.Barrier(num_workers) if worker_init_fn is not None else None
+        # the loader's first pass: the first batches' indices are drawn before any worker runs
+        # and the main thread waits for those batches, so the RNG checks see the workers only
+        self._predrawn: list[Any] = []
+        first: _FirstRound | None = None
+        if rng_watch is not None and rng_watch.watching:
+            self._predrawn = list(itertools.islice(sampler_iter, num_workers))[::-1]
+            first = _FirstRound(len(self._predrawn))
+        else:
+            rng_watch = None
         for wid in range(num_workers):
             ds = copy.copy(dataset) if mode is Mode.ITERABLE else dataset
             t = threading.Thread(
@@ -178,6 +229,7 @@ class ThreadWorkers:
                     "timed": timed,
                     "rng_watch": rng_watch,
                     "inited": inited,
+                    "first": first,
                 },
                 name=f"feedpipe-worker-{wid}",
                 daemon=True,
@@ -185,6 +237,12 @@ class ThreadWorkers:
             _track(t)
             t.start()
             self._threads.append(t)
+        if rng_watch is not None and first is not None:
+            for _ in range(first.batches):
+                self._put_task()
+            wait_s = _INIT_SYNC_S if timeout <= 0 else min(timeout, _INIT_SYNC_S)
+            if first.wait(wait_s + (_INIT_SYNC_S if worker_init_fn is not None else 0.0)):
+                rng_watch.watching = False
         for _ in range(self._max_tasks):
             self._put_task()
 
@@ -256,7 +314,7 @@ class ThreadWorkers:
         if self._shutdown or self._outstanding >= self._max_tasks:
             return
         try:
-            index = next(self._sampler_iter)
+            index = self._predrawn.pop() if self._predrawn else next(self._sampler_iter)
         except StopIteration:
             return
         for _ in range(self._num_workers):
@@ -335,12 +393,13 @@ def _worker_loop(  # noqa: PLR0917
     timed: bool,
     rng_watch: RNGWatch | None = None,
     inited: threading.Barrier | None = None,
+    first: _FirstRound | None = None,
 ) -> None:
     try:
         _worker_body(
             wid, num_workers, base_seed, dataset, collate_fn, mode, inbox,
             results=results, init_fn=init_fn, pin=pin, drop_last=drop_last, out_for=out_for,
-            timed=timed, rng_watch=rng_watch, inited=inited,
+            timed=timed, rng_watch=rng_watch, inited=inited, first=first,
         )  # fmt: skip
     finally:
         _torch_compat.set_thread_worker_info(None)
@@ -365,6 +424,7 @@ def _worker_body(  # noqa: PLR0917
     timed: bool,
     rng_watch: RNGWatch | None,
     inited: threading.Barrier | None,
+    first: _FirstRound | None,
 ) -> None:
     fetch = fetch_batch if timed else fetch_untimed
     iterable = mode is Mode.ITERABLE
@@ -373,14 +433,16 @@ def _worker_body(  # noqa: PLR0917
         _torch_compat.make_worker_info(wid, num_workers, seed, dataset)
     )
     init_error: _Failed | None = None
+    if first is None:  # the RNG checks run in the first round only
+        rng_watch = None
     if init_fn is not None:
         before = _rng_states() if rng_watch is not None else None
         try:
             init_fn(wid)
         except (Exception, SystemExit) as exc:  # SystemExit: this thread is not the process
             init_error = _Failed(exc, wid, None)
-        if rng_watch is not None and before is not None:
-            rng_watch.check("worker_init_fn", before)
+        if first is not None and rng_watch is not None and before is not None:
+            first.check(rng_watch, "worker_init_fn", before)
         if inited is not None:
             try:
                 inited.wait(_INIT_SYNC_S)
@@ -397,6 +459,9 @@ def _worker_body(  # noqa: PLR0917
         idx, indices = task
         if init_error is not None:
             results.put((idx, wid, init_error))
+            if first is not None:
+                first.finish()
+                first = None
             continue
         before = _rng_states() if watch_first else None
         try:
@@ -418,9 +483,12 @@ def _worker_body(  # noqa: PLR0917
             results.put((idx, wid, _Failed(exc, wid, where)))
             continue
         finally:
-            if before is not None and rng_watch is not None:
+            if first is not None:
+                if before is not None and rng_watch is not None:
+                    first.check(rng_watch, "dataset", before)
                 watch_first = False
-                rng_watch.check("dataset", before)
+                first.finish()
+                first = None
         results.put((idx, wid, out))
 
 

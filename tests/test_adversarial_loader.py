@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from feedpipe import DataLoader
 
@@ -52,3 +52,113 @@ def test_torch_process_workers_forked_from_a_thread_worker_see_their_own_info() 
     loader = DataLoader(_RunsATorchLoader(), batch_size=None, num_workers=2, worker_type="thread")
     for got in loader:
         assert got.tolist() == [[0, 3], [1, 3], [2, 3]]
+
+
+# ------------------------------------------------- global-RNG warnings blame the right thread
+def _rng_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if "global RNG" in str(w.message)]
+
+
+class _Items(Dataset):  # type: ignore[type-arg]
+    """Leaves every global RNG alone; items 2, 3 (worker 1's first batch) are slow."""
+
+    def __init__(self, slow_s: float = 0.0) -> None:
+        self.slow_s = slow_s
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> Any:
+        if i in {2, 3}:
+            time.sleep(self.slow_s)
+        return i
+
+
+def test_no_rng_warning_for_draws_of_the_training_loop() -> None:
+    """Dropout on CPU or a numpy mixup in the loop is not the dataset drawing in a worker."""
+    loader = DataLoader(_Items(0.1), batch_size=2, num_workers=2, worker_type="thread")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for _batch in loader:
+                torch.rand(3)
+                np.random.rand()
+    assert _rng_warnings(record) == []
+
+
+def test_no_rng_warning_for_zip_of_two_thread_loaders() -> None:
+    """torch's idiom ``zip(loader_a, loader_b)``: b's ``iter()`` draws its base seed from the
+    global torch RNG while a's workers read."""
+    a = DataLoader(_Items(0.1), batch_size=2, num_workers=2, worker_type="thread")
+    b = DataLoader(_Items(), batch_size=4, num_workers=2, worker_type="thread")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert len(list(zip(a, b, strict=False))) == 4
+        it1, it2 = iter(a), iter(b)  # two iterators alive at once
+        assert len(list(zip(it1, it2, strict=False))) == 4
+    assert _rng_warnings(record) == []
+
+
+class _NumpySampler:
+    """A custom sampler drawing from numpy's global RNG lazily, one index at a time."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __iter__(self) -> Any:
+        for _ in range(16):
+            yield int(np.random.randint(16))
+
+
+def test_no_rng_warning_for_a_sampler_drawing_from_the_global_rng() -> None:
+    def init(wid: int) -> None:  # opens a file, say: no RNG
+        time.sleep(0.05)
+
+    loader = DataLoader(_Items(0.05), batch_size=2, sampler=_NumpySampler(), num_workers=2,
+                        worker_type="thread", worker_init_fn=init)  # fmt: skip
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert len(list(loader)) == 8
+    assert _rng_warnings(record) == []
+
+
+class _Draws(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> Any:
+        return i + int(np.random.rand() * 0)  # a numpy augmentation (adds 0)
+
+
+def test_rng_warning_still_fires_for_a_drawing_dataset_in_zip() -> None:
+    a = DataLoader(_Items(), batch_size=2, num_workers=2, worker_type="thread")
+    b = DataLoader(_Draws(), batch_size=2, num_workers=2, worker_type="thread")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = [int(x) for _, batch in zip(a, b, strict=True) for x in batch]
+    assert got == list(range(16))
+    msgs = _rng_warnings(record)
+    assert len(msgs) == 1 and "dataset drew from the global RNG of numpy.random" in msgs[0]
+
+
+# --------------------------------------------- a worker that finished its stream did not die
+class _Uneven(IterableDataset):  # type: ignore[type-arg]
+    """Worker 0 streams 2 samples at once; worker 1 streams 12, slowly."""
+
+    def __iter__(self) -> Any:
+        info = tud.get_worker_info()
+        if info is None or info.id == 0:
+            yield from range(2)
+            return
+        for i in range(100, 112):
+            time.sleep(0.02)
+            yield i
+
+
+def test_a_process_worker_done_with_its_stream_is_not_a_death() -> None:
+    """torch ends a worker whose IterableDataset is exhausted (exit code 0) while the others go
+    on: its SIGCHLD, arriving inside ``next()``, must not become a ``WorkerError``."""
+    for _ in range(3):
+        loader = DataLoader(_Uneven(), batch_size=2, num_workers=2)
+        got = sorted(int(x) for b in loader for x in b)
+        assert got == [0, 1, *range(100, 112)]
