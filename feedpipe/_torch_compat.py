@@ -16,8 +16,8 @@ degrades to doing nothing (or to torch's own behaviour) when the internal it nee
    ``RuntimeError`` in the main thread *wherever it happens to be*, including the user's
    ``except`` block. :func:`adopt_workers` takes feedpipe's process workers out of that table;
    feedpipe's own handler (:func:`_on_sigchld`) raises only while the main thread is inside the
-   loader's ``next()`` (the pass is over then anyway), and otherwise leaves a note that the next
-   ``next()`` reads.
+   loader's ``next()`` (the pass is over then anyway), and leaves a note that every loader's
+   next ``next()`` reads (a death seen inside another loader's ``next()`` counts too).
    :func:`waiting_on`, :func:`tasks_of` and :func:`stop_workers` read and stop torch's
    iterator for ``WorkerError`` messages.
 4. Shutdown. :func:`shutdown_iterator` calls the iterator's ``_shutdown_workers()``, which
@@ -136,7 +136,7 @@ class _Sigchld:
 
     installed = False
     reading: Any = None  # the torch iterator whose next() the main thread is inside, or None
-    deaths = 0  # SIGCHLDs seen outside a next(): the next one checks its workers
+    deaths = 0  # SIGCHLDs seen: each Guard checks its workers when it sees a new one
 
 
 def waiting_on(source: Any) -> tuple[int | None, int | None]:
@@ -193,9 +193,12 @@ class WorkerDiedError(RuntimeError):
 def _on_sigchld(previous: Any) -> Any:
     def handler(signum: int, frame: Any) -> None:
         source = _Sigchld.reading
-        if source is None:
-            _Sigchld.deaths += 1
-        elif not getattr(source, "_shutdown", False) and dead_workers(source, active_only=True):
+        _Sigchld.deaths += 1  # every Guard looks at its workers in its next next()
+        if (
+            source is not None
+            and not getattr(source, "_shutdown", False)
+            and dead_workers(source, active_only=True)
+        ):
             _Sigchld.reading = None  # raise once
             raise WorkerDiedError("a DataLoader worker process exited")
         if callable(previous):  # torch's handler: only other (plain torch) loaders' workers

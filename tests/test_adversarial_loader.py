@@ -8,6 +8,7 @@ sampler, or another ``iter()``.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from typing import Any
@@ -19,6 +20,7 @@ import torch.utils.data as tud
 from torch.utils.data import Dataset, IterableDataset
 
 from feedpipe import DataLoader
+from feedpipe.errors import WorkerError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -162,3 +164,34 @@ def test_a_process_worker_done_with_its_stream_is_not_a_death() -> None:
         loader = DataLoader(_Uneven(), batch_size=2, num_workers=2)
         got = sorted(int(x) for b in loader for x in b)
         assert got == [0, 1, *range(100, 112)]
+
+
+class _SlowItems(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> Any:
+        time.sleep(0.15)
+        return i
+
+
+class _ExitsAt4(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> Any:
+        if i == 4:
+            os._exit(3)
+        return i
+
+
+def test_worker_death_of_one_loader_while_inside_another_loaders_next() -> None:
+    """``zip(loader_a, loader_b)``: b's worker dies while the main thread waits in a's
+    ``next()``; b's next ``next()`` reports it at once (not after torch's 5 s status poll)."""
+    a = DataLoader(_SlowItems(), batch_size=2, num_workers=1)
+    b = DataLoader(_ExitsAt4(), batch_size=2, num_workers=2)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="exit code 3"):
+        for _pair in zip(a, b, strict=True):
+            pass
+    assert time.monotonic() - t0 < 4.0
