@@ -140,12 +140,14 @@ class _FirstRound:
         were checked."""
         deadline = time.monotonic() + timeout
         done = 0
-        while done < self.batches and self._done.acquire(
-            timeout=max(0.0, deadline - time.monotonic())
-        ):
-            done += 1
-        with self._lock:
-            self.open = False
+        try:
+            while done < self.batches and self._done.acquire(
+                timeout=max(0.0, deadline - time.monotonic())
+            ):
+                done += 1
+        finally:  # also on KeyboardInterrupt: the caller's code runs next
+            with self._lock:
+                self.open = False
         return done == self.batches
 
 

@@ -9,6 +9,8 @@ sampler, or another ``iter()``.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 import warnings
 from typing import Any
@@ -195,3 +197,35 @@ def test_worker_death_of_one_loader_while_inside_another_loaders_next() -> None:
         for _pair in zip(a, b, strict=True):
             pass
     assert time.monotonic() - t0 < 4.0
+
+
+class _SlowPlain(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        time.sleep(0.15)
+        return i
+
+
+def test_ctrl_c_in_iter_is_prompt_and_blames_no_one() -> None:
+    """Ctrl-C while ``iter()`` waits for the first batches: raised at once; the training loop's
+    RNG draws after it are not blamed on the abandoned workers."""
+    loader = DataLoader(_SlowPlain(), batch_size=2, num_workers=2, worker_type="thread")
+    timer = threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT))
+    t0 = time.monotonic()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                for _batch in loader:
+                    pass
+            assert time.monotonic() - t0 < 0.25
+            for _ in range(20):  # the loop goes on (say, saves a checkpoint): draws meanwhile
+                torch.rand(3)
+                time.sleep(0.02)
+        finally:
+            timer.cancel()
+        assert sorted(int(x) for b in loader for x in b) == list(range(8))  # usable again
+    assert _rng_warnings(record) == []
