@@ -178,7 +178,8 @@ def dead_workers(
     found dead, just before it raises "exited unexpectedly").
     """
     status = getattr(source, "_workers_status", None) or []
-    active, let_go = [], []
+    active: list[tuple[int, int | None, int | None]] = []
+    let_go: list[tuple[int, int | None, int | None]] = []
     for wid, w in enumerate(getattr(source, "_workers", None) or []):
         if not w.is_alive():
             still = wid >= len(status) or bool(status[wid])

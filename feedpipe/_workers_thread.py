@@ -167,6 +167,8 @@ class ThreadWorkers:
     """An iterator over ``ShippedTuple`` batches produced by ``num_workers`` threads.
 
     ``sampler_iter`` yields index batches (``None`` placeholders for iterable datasets).
+    ``datasets``: the workers' datasets of an earlier pool (``persistent_workers``; the loader
+    then passes no ``worker_init_fn``: it ran once, as in a persistent worker process).
     ``out_for(batch_number, rows)``, for ``read_batch`` datasets, may return a preallocated
     destination (e.g. a pinned ring slot of a device feed) that the worker gathers into; such
     a batch is not pinned again. Batch numbers count from 0 in each pass.
@@ -190,6 +192,7 @@ class ThreadWorkers:
         out_for: Callable[[int, int], Any] | None = None,
         timed: bool = True,
         rng_watch: RNGWatch | None = None,
+        datasets: list[Any] | None = None,
     ) -> None:
         _torch_compat.install_worker_info_shim()
         self._sampler_iter = sampler_iter
@@ -217,8 +220,14 @@ class ThreadWorkers:
             first = _FirstRound(len(self._predrawn))
         else:
             rng_watch = None
+        # each worker's dataset (a copy of an iterable one); persistent workers pass the last
+        # pass's back in, so what a worker set on its copy stays, as in a persistent process
+        self.init_failed: list[int] = []  # workers whose worker_init_fn raised
+        self.datasets = datasets or [
+            copy.copy(dataset) if mode is Mode.ITERABLE else dataset for _ in range(num_workers)
+        ]
         for wid in range(num_workers):
-            ds = copy.copy(dataset) if mode is Mode.ITERABLE else dataset
+            ds = self.datasets[wid]
             t = threading.Thread(
                 target=_worker_loop,
                 args=(wid, num_workers, base_seed, ds, collate_fn, mode, self._inboxes[wid]),
@@ -232,6 +241,7 @@ class ThreadWorkers:
                     "rng_watch": rng_watch,
                     "inited": inited,
                     "first": first,
+                    "init_failed": self.init_failed,
                 },
                 name=f"feedpipe-worker-{wid}",
                 daemon=True,
@@ -396,12 +406,14 @@ def _worker_loop(  # noqa: PLR0917
     rng_watch: RNGWatch | None = None,
     inited: threading.Barrier | None = None,
     first: _FirstRound | None = None,
+    init_failed: list[int] | None = None,
 ) -> None:
     try:
         _worker_body(
             wid, num_workers, base_seed, dataset, collate_fn, mode, inbox,
             results=results, init_fn=init_fn, pin=pin, drop_last=drop_last, out_for=out_for,
             timed=timed, rng_watch=rng_watch, inited=inited, first=first,
+            init_failed=init_failed,
         )  # fmt: skip
     finally:
         _torch_compat.set_thread_worker_info(None)
@@ -427,6 +439,7 @@ def _worker_body(  # noqa: PLR0917
     rng_watch: RNGWatch | None,
     inited: threading.Barrier | None,
     first: _FirstRound | None,
+    init_failed: list[int] | None,
 ) -> None:
     fetch = fetch_batch if timed else fetch_untimed
     iterable = mode is Mode.ITERABLE
@@ -443,6 +456,8 @@ def _worker_body(  # noqa: PLR0917
             init_fn(wid)
         except (Exception, SystemExit) as exc:  # SystemExit: this thread is not the process
             init_error = _Failed(exc, wid, None)
+            if init_failed is not None:
+                init_failed.append(wid)
         if first is not None and rng_watch is not None and before is not None:
             first.check(rng_watch, "worker_init_fn", before)
         if inited is not None:

@@ -504,7 +504,11 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             self._thread_base_seed = base_seed
             self._thread_seeded = True
         pin = self._pin()
-        return ThreadWorkers(
+        # persistent_workers: worker_init_fn runs once (again only if it raised) and each worker
+        # keeps its dataset copy, as persistent worker processes do
+        last = getattr(self, "_thread_pool_parts", None)
+        kept = last[0] if last is not None and self.persistent_workers and not last[1] else None
+        pool = ThreadWorkers(
             self._direct if self._direct is not None else self.dataset,
             sampler_iter,
             self.collate_fn,
@@ -518,7 +522,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             base_seed=self._thread_base_seed,
             rng_watch=self._thread_rng_watch(),
             timeout=self.timeout,
-            worker_init_fn=self.worker_init_fn,
+            worker_init_fn=self.worker_init_fn if kept is None else None,
+            datasets=kept,
             pin=pin,
             in_order=self.in_order,
             drop_last=self.drop_last,
@@ -528,6 +533,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             if feed is not None and self.in_order and self._direct is None
             else None,
         )
+        if self.persistent_workers:
+            self._thread_pool_parts = (pool.datasets, pool.init_failed)
+        return pool
 
 
 def _takes_arrays(dataset: Any) -> bool:

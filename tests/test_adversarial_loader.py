@@ -229,3 +229,32 @@ def test_ctrl_c_in_iter_is_prompt_and_blames_no_one() -> None:
             timer.cancel()
         assert sorted(int(x) for b in loader for x in b) == list(range(8))  # usable again
     assert _rng_warnings(record) == []
+
+
+# ------------------------------------------------ persistent_workers keeps thread workers' state
+class _EpochAware(IterableDataset):  # type: ignore[type-arg]
+    """Each worker's copy counts its own passes (state a persistent worker keeps)."""
+
+    def __init__(self) -> None:
+        self.passes = 0
+        self.opened = -1
+
+    def __iter__(self) -> Any:
+        info = tud.get_worker_info()
+        self.passes += 1
+        yield torch.tensor([info.id, self.passes, self.opened])
+
+
+def _open_per_worker(wid: int) -> None:
+    tud.get_worker_info().dataset.opened = wid  # torch's docs: configure this worker's copy
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_persistent_thread_workers_keep_their_dataset_and_init_once(persistent: bool) -> None:
+    def run(**kw: Any) -> list[list[list[int]]]:
+        kw.update(persistent_workers=persistent, worker_init_fn=_open_per_worker)
+        loader = DataLoader(_EpochAware(), batch_size=None, num_workers=2, **kw)
+        return [sorted(b.tolist() for b in loader) for _ in range(3)]
+
+    want = run(multiprocessing_context="fork")  # torch's process workers
+    assert run(worker_type="thread") == want
