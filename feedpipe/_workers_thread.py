@@ -13,10 +13,11 @@ have is their own global RNG: a ``worker_init_fn`` that seeds numpy / ``random``
 dataset that draws from them, changes the training loop's RNG. ``RNGWatch`` detects both (by
 comparing the global states around ``worker_init_fn`` and around each worker's first batch) and
 warns once per loader. The global RNGs are shared with every other thread, so the checks run
-in the loader's first pass only, while the main thread waits inside ``iter()`` for each worker's
-first batch (``_FirstRound``): a draw they see is the workers', never the training loop's, the
-sampler's (the first batches' indices are drawn before the workers start) or another
-``iter()``'s.
+on each worker's first batch of the loader's first pass only (``_FirstRound``), whose indices
+are drawn before the workers start; the rest of the pass is dealt out only after the first
+``next()`` has waited for those batches, and a round during which any loader's ``iter()`` ran
+(``note_iter``: its seed draws, as in ``zip(a, b)``) is not judged. A draw they see is the
+workers', never the sampler's or another loader's.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from feedpipe._loader_fetch import (
 )
 from feedpipe.errors import WorkerError
 
-__all__ = ["RNGWatch", "ThreadWorkers", "thread_worker_info"]
+__all__ = ["RNGWatch", "ThreadWorkers", "note_iter", "thread_worker_info"]
 
 thread_worker_info = _torch_compat.thread_worker_info
 _POLL_S = 1.0  # how often a wait without timeout checks that the workers are alive
@@ -112,24 +113,43 @@ class RNGWatch:
         )
 
 
-class _FirstRound:
-    """The first batch of each worker, read while the main thread waits in ``iter()``.
+class _Iters:
+    """How many ``iter(loader)`` calls (of any feedpipe loader) began: each may draw from the
+    global RNGs in the calling thread."""
 
-    Workers run their RNG checks only while ``open``; the main thread closes it (under the lock,
-    so no check is half done) before it returns to the user's code.
+    n = 0
+
+
+def note_iter() -> None:
+    """A loader's ``iter()`` begins (call before it draws any seed)."""
+    _Iters.n += 1
+
+
+class _FirstRound:
+    """The first batch of each worker, read before the rest of the pass is dealt out.
+
+    Workers run their RNG checks only while ``open`` and no ``iter()`` began since the round
+    did; the main thread closes it (under the lock, so no check is half done) in its first
+    ``next()`` once those batches are read, before it returns to the user's code.
     """
 
     def __init__(self, batches: int) -> None:
         self.batches = batches  # workers that got a first batch
         self.open = True
+        self._iters = _Iters.n
         self._lock = threading.Lock()
         self._done = threading.Semaphore(0)
 
     def check(self, watch: RNGWatch, what: str, before: tuple[Any, ...]) -> None:
-        """Worker side: check the global RNGs against ``before`` if the main thread still waits."""
+        """Worker side: check the global RNGs against ``before`` if the round is still clean."""
         with self._lock:
-            if self.open:
+            if self.open and _Iters.n == self._iters:
                 watch.check(what, before)
+
+    def close(self) -> None:
+        """No more checks (the main thread goes back to the user's code)."""
+        with self._lock:
+            self.open = False
 
     def finish(self) -> None:
         """Worker side: this worker's first batch is done (read, failed or never read)."""
@@ -148,7 +168,7 @@ class _FirstRound:
         finally:  # also on KeyboardInterrupt: the caller's code runs next
             with self._lock:
                 self.open = False
-        return done == self.batches
+        return done == self.batches and _Iters.n == self._iters
 
 
 # Worker threads still running, joined at exit (a pool may be gone while its threads finish).
@@ -249,14 +269,28 @@ class ThreadWorkers:
             _track(t)
             t.start()
             self._threads.append(t)
-        if rng_watch is not None and first is not None:
+        self._first = first
+        self._rng_watch = rng_watch
+        self._first_wait_s = (_INIT_SYNC_S if timeout <= 0 else min(timeout, _INIT_SYNC_S)) + (
+            _INIT_SYNC_S if worker_init_fn is not None else 0.0
+        )
+        if first is not None:  # the rest is dealt out in the first next(): _end_first_round
             for _ in range(first.batches):
                 self._put_task()
-            wait_s = _INIT_SYNC_S if timeout <= 0 else min(timeout, _INIT_SYNC_S)
-            if first.wait(wait_s + (_INIT_SYNC_S if worker_init_fn is not None else 0.0)):
-                rng_watch.watching = False
-        for _ in range(self._max_tasks):
-            self._put_task()
+        else:
+            for _ in range(self._max_tasks):
+                self._put_task()
+
+    def _end_first_round(self) -> None:
+        """First ``next()`` of a watched pass: wait for the first batches, then deal the rest."""
+        first, self._first = self._first, None
+        assert first is not None
+        try:
+            if first.wait(self._first_wait_s) and self._rng_watch is not None:
+                self._rng_watch.watching = False
+        finally:  # also after Ctrl-C: the pass may go on
+            for _ in range(self._max_tasks):
+                self._put_task()
 
     # --------------------------------------------------------------------------- iteration
     def __iter__(self) -> ThreadWorkers:
@@ -268,6 +302,8 @@ class ThreadWorkers:
         return self._rcvd_idx, (info[0] if info else None)
 
     def __next__(self) -> ShippedTuple | _Failed:
+        if self._first is not None:
+            self._end_first_round()
         while True:
             while self._rcvd_idx < self._send_idx:
                 info = self._task_info.get(self._rcvd_idx)
@@ -342,6 +378,9 @@ class ThreadWorkers:
 
     def close(self, join_s: float = 0.0) -> None:
         """Tell the threads to exit after their current batch; wait up to ``join_s`` for them."""
+        first = getattr(self, "_first", None)
+        if first is not None:
+            first.close()
         if not self._shutdown:
             self._shutdown = True
             for box in self._inboxes:

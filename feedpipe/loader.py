@@ -55,7 +55,13 @@ from feedpipe._loader_fetch import (
     _WorkerInit,
     choose_mode,
 )
-from feedpipe._workers_thread import InlineSource, RNGWatch, ThreadWorkers, thread_worker_info
+from feedpipe._workers_thread import (
+    InlineSource,
+    RNGWatch,
+    ThreadWorkers,
+    note_iter,
+    thread_worker_info,
+)
 from feedpipe.errors import WorkerError
 from feedpipe.gpu import GPUFeed, Prefetcher
 from feedpipe.stall import StallMeter, StallStats
@@ -233,6 +239,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     def __iter__(self) -> _LoaderIter:  # type: ignore[override]
         # for the meter: starting a later pass's workers is input time (no clock when off)
         started = _perf() if self.meter.enabled else None
+        note_iter()  # seed draws follow: thread workers' RNG checks must not blame them
         self._begin_epoch()
         # worker stages run this many at a time (the direct path runs at most one)
         self.meter.set_workers(

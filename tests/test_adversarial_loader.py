@@ -208,9 +208,9 @@ class _SlowPlain(Dataset):  # type: ignore[type-arg]
         return i
 
 
-def test_ctrl_c_in_iter_is_prompt_and_blames_no_one() -> None:
-    """Ctrl-C while ``iter()`` waits for the first batches: raised at once; the training loop's
-    RNG draws after it are not blamed on the abandoned workers."""
+def test_ctrl_c_while_waiting_for_the_first_batches_is_prompt_and_blames_no_one() -> None:
+    """Ctrl-C while the first ``next()`` waits for the workers' first batches: raised at once;
+    the training loop's RNG draws after it are not blamed on the abandoned workers."""
     loader = DataLoader(_SlowPlain(), batch_size=2, num_workers=2, worker_type="thread")
     timer = threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT))
     t0 = time.monotonic()
@@ -258,3 +258,14 @@ def test_persistent_thread_workers_keep_their_dataset_and_init_once(persistent: 
 
     want = run(multiprocessing_context="fork")  # torch's process workers
     assert run(worker_type="thread") == want
+
+
+def test_first_pass_wait_for_the_checked_batches_is_stall() -> None:
+    """The RNG check waits for each worker's first batch inside the first ``next()`` (counted as
+    stall), never inside ``iter()`` (before the first pass's clock starts)."""
+    loader = DataLoader(_Items(0.15), batch_size=2, num_workers=2, worker_type="thread")
+    t0 = time.perf_counter()
+    it = iter(loader)
+    assert time.perf_counter() - t0 < 0.1
+    assert len(list(it)) == 8
+    assert loader.stats.stall_s >= 0.25  # worker 1's first batch: two 0.15 s items
