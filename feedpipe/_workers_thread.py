@@ -271,8 +271,10 @@ class ThreadWorkers:
             self._threads.append(t)
         self._first = first
         self._rng_watch = rng_watch
-        self._first_wait_s = (_INIT_SYNC_S if timeout <= 0 else min(timeout, _INIT_SYNC_S)) + (
-            _INIT_SYNC_S if worker_init_fn is not None else 0.0
+        # with a timeout, no extra wait (torch's timeout is per batch): only the first batches
+        # already read by the first next() are checked (again in the next pass if not all were)
+        self._first_wait_s = (
+            0.0 if timeout > 0 else _INIT_SYNC_S * (1 + (worker_init_fn is not None))
         )
         if first is not None:  # the rest is dealt out in the first next(): _end_first_round
             for _ in range(first.batches):

@@ -269,3 +269,21 @@ def test_first_pass_wait_for_the_checked_batches_is_stall() -> None:
     assert time.perf_counter() - t0 < 0.1
     assert len(list(it)) == 8
     assert loader.stats.stall_s >= 0.25  # worker 1's first batch: two 0.15 s items
+
+
+class _StuckAt2(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        if i == 2:
+            time.sleep(1.5)
+        return i
+
+
+def test_thread_timeout_is_not_doubled_by_the_first_round() -> None:
+    loader = DataLoader(_StuckAt2(), batch_size=2, num_workers=2, worker_type="thread", timeout=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"timed out after 0\.3 s"):
+        list(loader)
+    assert time.monotonic() - t0 < 0.5
