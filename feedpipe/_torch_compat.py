@@ -8,15 +8,16 @@ degrades to doing nothing (or to torch's own behaviour) when the internal it nee
    own. :func:`install_worker_info_shim` swaps the *code* of torch's ``get_worker_info`` (the
    function object stays, so ``from torch.utils.data import get_worker_info`` done before still
    sees the change) for one that returns the calling thread's info first, then the global.
-   Outside feedpipe's threads it returns exactly what torch's does.
+   Outside feedpipe's threads it returns exactly what torch's does, also in a process forked
+   from a worker thread (the child forgets the thread's info).
 2. Showing the user's dataset (not feedpipe's timing proxy) in ``get_worker_info().dataset`` of
    process workers: :func:`unwrap_worker_dataset` replaces the same global inside the worker.
 3. Worker deaths. torch registers its workers' pids with a C-level SIGCHLD handler that raises
    ``RuntimeError`` in the main thread *wherever it happens to be*, including the user's
    ``except`` block. :func:`adopt_workers` takes feedpipe's process workers out of that table;
    feedpipe's own handler (:func:`_on_sigchld`) raises only while the main thread is inside the
-   loader's ``next()`` (the pass is over then anyway), and otherwise leaves a note that the next
-   ``next()`` reads.
+   loader's ``next()`` (the pass is over then anyway), and leaves a note that every loader's
+   next ``next()`` reads (a death seen inside another loader's ``next()`` counts too).
    :func:`waiting_on`, :func:`tasks_of` and :func:`stop_workers` read and stop torch's
    iterator for ``WorkerError`` messages.
 4. Shutdown. :func:`shutdown_iterator` calls the iterator's ``_shutdown_workers()``, which
@@ -28,6 +29,7 @@ degrades to doing nothing (or to torch's own behaviour) when the internal it nee
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any
@@ -90,7 +92,14 @@ def install_worker_info_shim() -> bool:
     exec(compile(_SHIM_SOURCE, __file__, "exec"), namespace)
     module["_feedpipe_thread_worker_info"] = thread_worker_info
     fn.__code__ = namespace["get_worker_info"].__code__  # type: ignore[union-attr]
+    # a process forked from a worker thread (a torch loader run inside the dataset) is no
+    # feedpipe worker: its main thread must not inherit the thread's info
+    os.register_at_fork(after_in_child=_forget_thread_worker_info)
     return True
+
+
+def _forget_thread_worker_info() -> None:
+    _LOCAL.info = None
 
 
 def make_worker_info(wid: int, num_workers: int, seed: int, dataset: Any) -> Any:
@@ -127,7 +136,7 @@ class _Sigchld:
 
     installed = False
     reading: Any = None  # the torch iterator whose next() the main thread is inside, or None
-    deaths = 0  # SIGCHLDs seen outside a next(): the next one checks its workers
+    deaths = 0  # SIGCHLDs seen: each Guard checks its workers when it sees a new one
 
 
 def waiting_on(source: Any) -> tuple[int | None, int | None]:
@@ -158,13 +167,24 @@ def stop_workers(source: Any) -> None:
         shutdown()
 
 
-def dead_workers(source: Any) -> list[tuple[int, int | None, int | None]]:
-    """``(worker id, pid, exit code)`` of the dead process workers of a torch iterator."""
-    out = []
+def dead_workers(
+    source: Any, active_only: bool = False
+) -> list[tuple[int, int | None, int | None]]:
+    """``(worker id, pid, exit code)`` of the dead process workers of a torch iterator.
+
+    A worker that torch let go (``_workers_status`` False) exits with code 0 while the others go
+    on when its ``IterableDataset`` ran out: ``active_only`` leaves those out, as torch's own
+    check does (the SIGCHLD paths). Otherwise they come last (torch also lets go of a worker it
+    found dead, just before it raises "exited unexpectedly").
+    """
+    status = getattr(source, "_workers_status", None) or []
+    active: list[tuple[int, int | None, int | None]] = []
+    let_go: list[tuple[int, int | None, int | None]] = []
     for wid, w in enumerate(getattr(source, "_workers", None) or []):
         if not w.is_alive():
-            out.append((wid, w.pid, w.exitcode))
-    return out
+            still = wid >= len(status) or bool(status[wid])
+            (active if still else let_go).append((wid, w.pid, w.exitcode))
+    return active if active_only else active + let_go
 
 
 class WorkerDiedError(RuntimeError):
@@ -174,9 +194,12 @@ class WorkerDiedError(RuntimeError):
 def _on_sigchld(previous: Any) -> Any:
     def handler(signum: int, frame: Any) -> None:
         source = _Sigchld.reading
-        if source is None:
-            _Sigchld.deaths += 1
-        elif not getattr(source, "_shutdown", False) and dead_workers(source):
+        _Sigchld.deaths += 1  # every Guard looks at its workers in its next next()
+        if (
+            source is not None
+            and not getattr(source, "_shutdown", False)
+            and dead_workers(source, active_only=True)
+        ):
             _Sigchld.reading = None  # raise once
             raise WorkerDiedError("a DataLoader worker process exited")
         if callable(previous):  # torch's handler: only other (plain torch) loaders' workers
@@ -224,7 +247,7 @@ class Guard:
             return next(source)
         if _Sigchld.deaths != self.seen:
             self.seen = _Sigchld.deaths
-            if not getattr(source, "_shutdown", False) and dead_workers(source):
+            if not getattr(source, "_shutdown", False) and dead_workers(source, active_only=True):
                 raise WorkerDiedError("a DataLoader worker process exited")
         _Sigchld.reading = source
         try:

@@ -12,7 +12,12 @@ the thread's own ``WorkerInfo`` (``feedpipe._torch_compat``), in ``worker_init_f
 have is their own global RNG: a ``worker_init_fn`` that seeds numpy / ``random`` / torch, or a
 dataset that draws from them, changes the training loop's RNG. ``RNGWatch`` detects both (by
 comparing the global states around ``worker_init_fn`` and around each worker's first batch) and
-warns once per loader.
+warns once per loader. The global RNGs are shared with every other thread, so the checks run
+on each worker's first batch of the loader's first pass only (``_FirstRound``), whose indices
+are drawn before the workers start; the rest of the pass is dealt out only after the first
+``next()`` has waited for those batches, and a round during which any loader's ``iter()`` ran
+(``note_iter``: its seed draws, as in ``zip(a, b)``) is not judged. A draw they see is the
+workers', never the sampler's or another loader's.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from feedpipe._loader_fetch import (
 )
 from feedpipe.errors import WorkerError
 
-__all__ = ["RNGWatch", "ThreadWorkers", "thread_worker_info"]
+__all__ = ["RNGWatch", "ThreadWorkers", "note_iter", "thread_worker_info"]
 
 thread_worker_info = _torch_compat.thread_worker_info
 _POLL_S = 1.0  # how often a wait without timeout checks that the workers are alive
@@ -80,6 +85,7 @@ class RNGWatch:
     def __init__(self) -> None:
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+        self.watching = True  # until a first round was checked in full (``_FirstRound``)
 
     def check(self, what: str, before: tuple[Any, ...]) -> None:
         """``before`` is :func:`_rng_states` taken before ``what`` ran in a worker thread."""
@@ -107,6 +113,64 @@ class RNGWatch:
         )
 
 
+class _Iters:
+    """How many ``iter(loader)`` calls (of any feedpipe loader) began: each may draw from the
+    global RNGs in the calling thread."""
+
+    n = 0
+
+
+def note_iter() -> None:
+    """A loader's ``iter()`` begins (call before it draws any seed)."""
+    _Iters.n += 1
+
+
+class _FirstRound:
+    """The first batch of each worker, read before the rest of the pass is dealt out.
+
+    Workers run their RNG checks only while ``open`` and no ``iter()`` began since the round
+    did; the main thread closes it (under the lock, so no check is half done) in its first
+    ``next()`` once those batches are read, before it returns to the user's code.
+    """
+
+    def __init__(self, batches: int) -> None:
+        self.batches = batches  # workers that got a first batch
+        self.open = True
+        self._iters = _Iters.n
+        self._lock = threading.Lock()
+        self._done = threading.Semaphore(0)
+
+    def check(self, watch: RNGWatch, what: str, before: tuple[Any, ...]) -> None:
+        """Worker side: check the global RNGs against ``before`` if the round is still clean."""
+        with self._lock:
+            if self.open and _Iters.n == self._iters:
+                watch.check(what, before)
+
+    def close(self) -> None:
+        """No more checks (the main thread goes back to the user's code)."""
+        with self._lock:
+            self.open = False
+
+    def finish(self) -> None:
+        """Worker side: this worker's first batch is done (read, failed or never read)."""
+        self._done.release()
+
+    def wait(self, timeout: float) -> bool:
+        """Main side: wait for every first batch (at most ``timeout``), then close; True if all
+        were checked."""
+        deadline = time.monotonic() + timeout
+        done = 0
+        try:
+            while done < self.batches and self._done.acquire(
+                timeout=max(0.0, deadline - time.monotonic())
+            ):
+                done += 1
+        finally:  # also on KeyboardInterrupt: the caller's code runs next
+            with self._lock:
+                self.open = False
+        return done == self.batches and _Iters.n == self._iters
+
+
 # Worker threads still running, joined at exit (a pool may be gone while its threads finish).
 _RUNNING: set[threading.Thread] = set()
 _RUNNING_LOCK = threading.Lock()
@@ -123,6 +187,8 @@ class ThreadWorkers:
     """An iterator over ``ShippedTuple`` batches produced by ``num_workers`` threads.
 
     ``sampler_iter`` yields index batches (``None`` placeholders for iterable datasets).
+    ``datasets``: the workers' datasets of an earlier pool (``persistent_workers``; the loader
+    then passes no ``worker_init_fn``: it ran once, as in a persistent worker process).
     ``out_for(batch_number, rows)``, for ``read_batch`` datasets, may return a preallocated
     destination (e.g. a pinned ring slot of a device feed) that the worker gathers into; such
     a batch is not pinned again. Batch numbers count from 0 in each pass.
@@ -146,6 +212,7 @@ class ThreadWorkers:
         out_for: Callable[[int, int], Any] | None = None,
         timed: bool = True,
         rng_watch: RNGWatch | None = None,
+        datasets: list[Any] | None = None,
     ) -> None:
         _torch_compat.install_worker_info_shim()
         self._sampler_iter = sampler_iter
@@ -164,8 +231,23 @@ class ThreadWorkers:
         # with a worker_init_fn, no worker reads before all ran it: the RNG checks of the first
         # batch would otherwise see another worker's worker_init_fn reseeding
         inited = threading.Barrier(num_workers) if worker_init_fn is not None else None
+        # the loader's first pass: the first batches' indices are drawn before any worker runs
+        # and the main thread waits for those batches, so the RNG checks see the workers only
+        self._predrawn: list[Any] = []
+        first: _FirstRound | None = None
+        if rng_watch is not None and rng_watch.watching:
+            self._predrawn = list(itertools.islice(sampler_iter, num_workers))[::-1]
+            first = _FirstRound(len(self._predrawn))
+        else:
+            rng_watch = None
+        # each worker's dataset (a copy of an iterable one); persistent workers pass the last
+        # pass's back in, so what a worker set on its copy stays, as in a persistent process
+        self.init_failed: list[int] = []  # workers whose worker_init_fn raised
+        self.datasets = datasets or [
+            copy.copy(dataset) if mode is Mode.ITERABLE else dataset for _ in range(num_workers)
+        ]
         for wid in range(num_workers):
-            ds = copy.copy(dataset) if mode is Mode.ITERABLE else dataset
+            ds = self.datasets[wid]
             t = threading.Thread(
                 target=_worker_loop,
                 args=(wid, num_workers, base_seed, ds, collate_fn, mode, self._inboxes[wid]),
@@ -178,6 +260,8 @@ class ThreadWorkers:
                     "timed": timed,
                     "rng_watch": rng_watch,
                     "inited": inited,
+                    "first": first,
+                    "init_failed": self.init_failed,
                 },
                 name=f"feedpipe-worker-{wid}",
                 daemon=True,
@@ -185,8 +269,30 @@ class ThreadWorkers:
             _track(t)
             t.start()
             self._threads.append(t)
-        for _ in range(self._max_tasks):
-            self._put_task()
+        self._first = first
+        self._rng_watch = rng_watch
+        # with a timeout, no extra wait (torch's timeout is per batch): only the first batches
+        # already read by the first next() are checked (again in the next pass if not all were)
+        self._first_wait_s = (
+            0.0 if timeout > 0 else _INIT_SYNC_S * (1 + (worker_init_fn is not None))
+        )
+        if first is not None:  # the rest is dealt out in the first next(): _end_first_round
+            for _ in range(first.batches):
+                self._put_task()
+        else:
+            for _ in range(self._max_tasks):
+                self._put_task()
+
+    def _end_first_round(self) -> None:
+        """First ``next()`` of a watched pass: wait for the first batches, then deal the rest."""
+        first, self._first = self._first, None
+        assert first is not None
+        try:
+            if first.wait(self._first_wait_s) and self._rng_watch is not None:
+                self._rng_watch.watching = False
+        finally:  # also after Ctrl-C: the pass may go on
+            for _ in range(self._max_tasks):
+                self._put_task()
 
     # --------------------------------------------------------------------------- iteration
     def __iter__(self) -> ThreadWorkers:
@@ -198,6 +304,8 @@ class ThreadWorkers:
         return self._rcvd_idx, (info[0] if info else None)
 
     def __next__(self) -> ShippedTuple | _Failed:
+        if self._first is not None:
+            self._end_first_round()
         while True:
             while self._rcvd_idx < self._send_idx:
                 info = self._task_info.get(self._rcvd_idx)
@@ -256,7 +364,7 @@ class ThreadWorkers:
         if self._shutdown or self._outstanding >= self._max_tasks:
             return
         try:
-            index = next(self._sampler_iter)
+            index = self._predrawn.pop() if self._predrawn else next(self._sampler_iter)
         except StopIteration:
             return
         for _ in range(self._num_workers):
@@ -272,6 +380,9 @@ class ThreadWorkers:
 
     def close(self, join_s: float = 0.0) -> None:
         """Tell the threads to exit after their current batch; wait up to ``join_s`` for them."""
+        first = getattr(self, "_first", None)
+        if first is not None:
+            first.close()
         if not self._shutdown:
             self._shutdown = True
             for box in self._inboxes:
@@ -335,12 +446,15 @@ def _worker_loop(  # noqa: PLR0917
     timed: bool,
     rng_watch: RNGWatch | None = None,
     inited: threading.Barrier | None = None,
+    first: _FirstRound | None = None,
+    init_failed: list[int] | None = None,
 ) -> None:
     try:
         _worker_body(
             wid, num_workers, base_seed, dataset, collate_fn, mode, inbox,
             results=results, init_fn=init_fn, pin=pin, drop_last=drop_last, out_for=out_for,
-            timed=timed, rng_watch=rng_watch, inited=inited,
+            timed=timed, rng_watch=rng_watch, inited=inited, first=first,
+            init_failed=init_failed,
         )  # fmt: skip
     finally:
         _torch_compat.set_thread_worker_info(None)
@@ -365,6 +479,8 @@ def _worker_body(  # noqa: PLR0917
     timed: bool,
     rng_watch: RNGWatch | None,
     inited: threading.Barrier | None,
+    first: _FirstRound | None,
+    init_failed: list[int] | None,
 ) -> None:
     fetch = fetch_batch if timed else fetch_untimed
     iterable = mode is Mode.ITERABLE
@@ -373,14 +489,18 @@ def _worker_body(  # noqa: PLR0917
         _torch_compat.make_worker_info(wid, num_workers, seed, dataset)
     )
     init_error: _Failed | None = None
+    if first is None:  # the RNG checks run in the first round only
+        rng_watch = None
     if init_fn is not None:
         before = _rng_states() if rng_watch is not None else None
         try:
             init_fn(wid)
         except (Exception, SystemExit) as exc:  # SystemExit: this thread is not the process
             init_error = _Failed(exc, wid, None)
-        if rng_watch is not None and before is not None:
-            rng_watch.check("worker_init_fn", before)
+            if init_failed is not None:
+                init_failed.append(wid)
+        if first is not None and rng_watch is not None and before is not None:
+            first.check(rng_watch, "worker_init_fn", before)
         if inited is not None:
             try:
                 inited.wait(_INIT_SYNC_S)
@@ -397,6 +517,9 @@ def _worker_body(  # noqa: PLR0917
         idx, indices = task
         if init_error is not None:
             results.put((idx, wid, init_error))
+            if first is not None:
+                first.finish()
+                first = None
             continue
         before = _rng_states() if watch_first else None
         try:
@@ -418,9 +541,12 @@ def _worker_body(  # noqa: PLR0917
             results.put((idx, wid, _Failed(exc, wid, where)))
             continue
         finally:
-            if before is not None and rng_watch is not None:
+            if first is not None:
+                if before is not None and rng_watch is not None:
+                    first.check(rng_watch, "dataset", before)
                 watch_first = False
-                rng_watch.check("dataset", before)
+                first.finish()
+                first = None
         results.put((idx, wid, out))
 
 

@@ -55,7 +55,13 @@ from feedpipe._loader_fetch import (
     choose_mode,
 )
 from feedpipe._rng_state import RngChain, Watch, encode, global_state, private, replay
-from feedpipe._workers_thread import InlineSource, RNGWatch, ThreadWorkers, thread_worker_info
+from feedpipe._workers_thread import (
+    InlineSource,
+    RNGWatch,
+    ThreadWorkers,
+    note_iter,
+    thread_worker_info,
+)
 from feedpipe.errors import WorkerError
 from feedpipe.gpu import GPUFeed, Prefetcher
 from feedpipe.stall import StallMeter, StallStats
@@ -227,6 +233,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     def __iter__(self) -> _LoaderIter:  # type: ignore[override]
         # for the meter: starting a later pass's workers is input time (no clock when off)
         started = _perf() if self.meter.enabled else None
+        note_iter()  # seed draws follow: thread workers' RNG checks must not blame them
         self._begin_epoch()
         # worker stages run this many at a time (the direct path runs at most one)
         self.meter.set_workers(
@@ -574,7 +581,11 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             self._thread_base_seed = base_seed
             self._thread_seeded = True
         pin = self._pin()
-        return ThreadWorkers(
+        # persistent_workers: worker_init_fn runs once (again only if it raised) and each worker
+        # keeps its dataset copy, as persistent worker processes do
+        last = getattr(self, "_thread_pool_parts", None)
+        kept = last[0] if last is not None and self.persistent_workers and not last[1] else None
+        pool = ThreadWorkers(
             self._direct if self._direct is not None else self.dataset,
             sampler_iter,
             self.collate_fn,
@@ -588,7 +599,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             base_seed=self._thread_base_seed,
             rng_watch=self._thread_rng_watch(),
             timeout=self.timeout,
-            worker_init_fn=self.worker_init_fn,
+            worker_init_fn=self.worker_init_fn if kept is None else None,
+            datasets=kept,
             pin=pin,
             in_order=self.in_order,
             drop_last=self.drop_last,
@@ -598,6 +610,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             if feed is not None and self.in_order and self._direct is None
             else None,
         )
+        if self.persistent_workers:
+            self._thread_pool_parts = (pool.datasets, pool.init_failed)
+        return pool
 
 
 def _takes_arrays(dataset: Any) -> bool:
