@@ -371,6 +371,11 @@ def _entries_from_index(doc: Any, url: str) -> list[FileEntry]:
 
     out: list[FileEntry] = []
     for shard_id, rel, nbytes, crc in Index.from_json(doc, url).files():
+        if not isinstance(rel, str) or any(ord(c) < 32 or ord(c) == 127 for c in rel):
+            raise DatasetError(
+                f"{url}: shard {shard_id} file path {rel!r} is not a string without control "
+                "characters"
+            )
         parts = rel.split("/")
         if rel.startswith("/") or ".." in parts:
             raise DatasetError(f"{url}: shard {shard_id} file path {rel!r} escapes the dataset")

@@ -87,7 +87,8 @@ def stage(
 ) -> StageResult:
     """Copy the dataset at ``src`` (any fsspec URL or local path) into the local directory ``dst``.
 
-    Files already in ``dst`` with the indexed size (and CRC32C, when ``verify_existing``) are kept;
+    Files already in ``dst`` with the indexed size and CRC32C are kept (``verify_existing=False``
+    trusts the size alone, but only when ``dst`` already holds this very ``index.json``);
     everything else is fetched with up to ``workers`` parallel transfers. Each remote call is
     retried on transient errors until ``deadline_s``. See the module docstring for what holds
     when the stage is interrupted. Raises :class:`~feedpipe._remote.RemoteError` (a
@@ -105,12 +106,16 @@ def stage(
     _refuse_linked_dirs(dst, entries)
     _clean_stale_temps(dst)
 
+    index_path = os.path.join(dst, INDEX_NAME)
+    same_index = _read_or_none(index_path) == raw_index
+    # sizes alone are trusted only for this very version: another version's shards (or an
+    # interrupted stage's leftovers) can have the same sizes and other bytes
+    check_crc = verify_existing or not same_index
     todo: list[FileEntry] = []
     for e in entries:
-        if not _remote.is_complete(os.path.join(dst, e.relpath), e, check_crc=verify_existing):
+        if not _remote.is_complete(os.path.join(dst, e.relpath), e, check_crc=check_crc):
             todo.append(e)
-    index_path = os.path.join(dst, INDEX_NAME)
-    if todo or _read_or_none(index_path) != raw_index:
+    if todo or not same_index:
         _invalidate(index_path)  # before any shard is touched: never v1's index over v2's shards
     total = sum(e.nbytes for e in todo)
     bar = _Bar(total, progress, desc=f"stage {_remote.redact(url, storage_options)}")
@@ -300,7 +305,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel transfers")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
-        "--no-verify-existing", action="store_true", help="trust sizes of files already there"
+        "--no-verify-existing", action="store_true", help="trust sizes of files already there (only when DST already has this index)"
     )
     parser.add_argument(
         "--endpoint-url", default=None, help="S3-compatible endpoint (e.g. a MinIO or local server)"
