@@ -398,14 +398,43 @@ def read_remote_index(
 ) -> tuple[bytes, list[FileEntry]]:
     """Fetch ``index.json`` below ``root`` (retries under ``policy``); return bytes and files."""
     index_url = join(url, INDEX_NAME)
+    policy = policy or DEFAULT_POLICY
+    end = time.monotonic() + policy.deadline_s
     raw: bytes = call(
-        lambda: fs.cat_file(join(root, INDEX_NAME)),
+        # a server that answers a byte at a time resets every socket timeout: bound the whole read
+        lambda: _within(lambda: fs.cat_file(join(root, INDEX_NAME)), end - time.monotonic()),
         index_url,
         what="read dataset index",
         storage_options=storage_options,
         policy=policy,
     )
     return raw, parse_index(raw, redact(index_url, storage_options))
+
+
+def _within(fn: Callable[[], T], seconds: float) -> T:
+    """``fn()`` on a daemon thread; :class:`TimeoutError` if it has not returned in ``seconds``.
+
+    The calling thread polls, so Ctrl-C is seen at once; a call still hanging is abandoned.
+    """
+    box: dict[str, Any] = {}
+
+    def _run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=_run, name="feedpipe-remote-call", daemon=True)
+    thread.start()
+    end = time.monotonic() + max(0.0, seconds)
+    while thread.is_alive():
+        left = end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no complete answer within {max(0.0, seconds):.1f} s")
+        thread.join(min(0.2, left))
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[no-any-return]
 
 
 def parse_index(raw: bytes, index_url: str) -> list[FileEntry]:

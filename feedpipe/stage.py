@@ -305,7 +305,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel transfers")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
-        "--no-verify-existing", action="store_true", help="trust sizes of files already there (only when DST already has this index)"
+        "--no-verify-existing",
+        action="store_true",
+        help="trust sizes of files already there (only when DST already has this index)",
     )
     parser.add_argument(
         "--endpoint-url", default=None, help="S3-compatible endpoint (e.g. a MinIO or local server)"
@@ -336,7 +338,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         print(
-            "feedpipe stage: interrupted (the destination has no index until a rerun completes)",
+            "feedpipe stage: interrupted; rerun it to finish (a partly staged destination has no "
+            "index.json, so it never opens as a mix of versions)",
             file=sys.stderr,
         )
         return 130

@@ -4,15 +4,33 @@ redaction that the first implementation missed. Each test failed before its fix.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from test_stage import make_dataset
 
-from feedpipe import MemmapDataset
+from feedpipe import MemmapDataset, _remote
 from feedpipe.errors import DatasetError
 from feedpipe.stage import stage
+
+ROOT = Path(__file__).resolve().parent.parent
+_CLI = "import sys; from feedpipe.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    code = os.environ.get("PYTHONPATH") or str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join([code, str(ROOT / "tests")])
+    return env
 
 
 def test_no_verify_existing_never_serves_v2_index_over_v1_shards(tmp_path: Path) -> None:
@@ -63,6 +81,80 @@ def test_an_index_listing_a_control_character_name_is_a_clear_error(
     (src / "index.json").write_text(json.dumps(doc))
     dst = tmp_path / "dst"
     stage(tmp_path / "src0", dst, progress=False)
-    with pytest.raises(DatasetError, match="index.json.*control characters"):
+    with pytest.raises(DatasetError, match=r"index\.json.*control characters"):
         stage(src, dst, progress=False)
     MemmapDataset(dst, verify=True)  # the old version is untouched
+
+
+@pytest.fixture
+def drip_server() -> Iterator[str]:
+    """An HTTP server that answers every GET with 200 and then one byte every 0.5 s."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    stop = threading.Event()
+
+    def _handle(conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                body = b'{"format": "feedpipe"' + b" " * 4000 + b"}"
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+                for i in range(len(body)):
+                    if stop.wait(0.5):
+                        return
+                    conn.sendall(body[i : i + 1])
+            except OSError:
+                return
+
+    def _serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=_handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=_serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        stop.set()
+        sock.close()
+
+
+def test_deadline_bounds_an_index_read_from_a_slow_drip_server(
+    tmp_path: Path, drip_server: str
+) -> None:
+    """Each byte arrives before aiohttp's read timeout: the read never timed out and the stage
+    hung far past deadline_s=3."""
+    t0 = time.monotonic()
+    with pytest.raises(_remote.RemoteError, match=r"index.*deadline 3 s"):
+        stage(f"{drip_server}/ds", tmp_path / "dst", deadline_s=3, progress=False)
+    took = time.monotonic() - t0
+    assert took < 8, f"deadline_s=3 took {took:.1f} s"
+
+
+def test_ctrl_c_during_the_index_read_exits_at_once_and_keeps_the_old_version(
+    tmp_path: Path, drip_server: str
+) -> None:
+    make_dataset(tmp_path / "v1", shards=1, nbytes=5000)
+    dst = tmp_path / "dst"
+    stage(tmp_path / "v1", dst, progress=False)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CLI, "stage", f"{drip_server}/ds", str(dst), "--no-progress"],
+        env=_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2.0)  # in the index read (the default deadline is 120 s)
+    t0 = time.monotonic()
+    child.send_signal(signal.SIGINT)
+    try:
+        _, err = child.communicate(timeout=10)
+    finally:
+        child.kill()
+    assert child.returncode == 130, err
+    assert time.monotonic() - t0 < 5
+    assert "Traceback" not in err
+    MemmapDataset(dst, verify=True)
