@@ -354,6 +354,7 @@ INDEX_NAME = "index.json"
 # with TEMP_PREFIX (an index listing one is refused), so a temp is never a dataset file and a
 # dataset file (``x.part.1.data`` included) is never taken for a temp and deleted.
 TEMP_PREFIX = ".feedpipe-tmp."
+_MIN_ATTEMPT_S = 5.0  # the least time one bounded attempt gets, even past the deadline
 
 
 @dataclass(frozen=True)
@@ -401,8 +402,12 @@ def read_remote_index(
     policy = policy or DEFAULT_POLICY
     end = time.monotonic() + policy.deadline_s
     raw: bytes = call(
-        # a server that answers a byte at a time resets every socket timeout: bound the whole read
-        lambda: _within(lambda: fs.cat_file(join(root, INDEX_NAME)), end - time.monotonic()),
+        # a server that answers a byte at a time resets every socket timeout: bound the whole
+        # read (an attempt gets at least a few seconds: the first one also builds the client)
+        lambda: _within(
+            lambda: fs.cat_file(join(root, INDEX_NAME)),
+            max(end - time.monotonic(), _MIN_ATTEMPT_S),
+        ),
         index_url,
         what="read dataset index",
         storage_options=storage_options,

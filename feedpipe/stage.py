@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,8 @@ from feedpipe._remote import INDEX_NAME, FileEntry
 from feedpipe.errors import DatasetError
 
 __all__ = ["StageResult", "add_arguments", "run", "stage"]
+
+_log = logging.getLogger("feedpipe.stage")
 
 DEFAULT_WORKERS = 16
 _CANCEL_GRACE_S = 2.0  # after Ctrl-C, how long transfers get to notice before we return
@@ -103,6 +106,39 @@ def stage(
     t0 = time.perf_counter()
     raw_index, entries = _remote.read_remote_index(fs, root, url, storage_options, policy)
     os.makedirs(dst, exist_ok=True)
+    with _exclusive(dst):
+        return _stage_locked(
+            fs,
+            root,
+            url,
+            dst,
+            raw_index=raw_index,
+            entries=entries,
+            storage_options=storage_options,
+            workers=workers,
+            progress=progress,
+            verify_existing=verify_existing,
+            policy=policy,
+            t0=t0,
+        )
+
+
+def _stage_locked(
+    fs: Any,
+    root: str,
+    url: str,
+    dst: str,
+    *,
+    raw_index: bytes,
+    entries: list[FileEntry],
+    storage_options: Mapping[str, Any] | None,
+    workers: int,
+    progress: bool,
+    verify_existing: bool,
+    policy: _remote.RetryPolicy,
+    t0: float,
+) -> StageResult:
+    """The body of :func:`stage`, run while this process alone stages into ``dst``."""
     _refuse_linked_dirs(dst, entries)
     _clean_stale_temps(dst)
 
@@ -160,6 +196,26 @@ def stage(
         bar.close()
     _write_atomic(index_path, raw_index)
     return StageResult(len(todo), len(entries) - len(todo), total, time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def _exclusive(dst: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``dst``'s stage lock: two stages into one directory (two
+    versions, or every rank of a node) run one after the other, never interleaved. The lock
+    file's name has the temp prefix, so no dataset file can have it."""
+    import fcntl
+
+    path = os.path.join(dst, _remote.TEMP_PREFIX + "stage.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log.info("%s: waiting for another feedpipe stage into this directory", dst)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # Ctrl-C interrupts the wait
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _run_all(

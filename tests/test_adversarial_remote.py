@@ -132,7 +132,7 @@ def test_deadline_bounds_an_index_read_from_a_slow_drip_server(
     with pytest.raises(_remote.RemoteError, match=r"index.*deadline 3 s"):
         stage(f"{drip_server}/ds", tmp_path / "dst", deadline_s=3, progress=False)
     took = time.monotonic() - t0
-    assert took < 8, f"deadline_s=3 took {took:.1f} s"
+    assert took < 9, f"deadline_s=3 took {took:.1f} s"
 
 
 def test_ctrl_c_during_the_index_read_exits_at_once_and_keeps_the_old_version(
@@ -158,3 +158,29 @@ def test_ctrl_c_during_the_index_read_exits_at_once_and_keeps_the_old_version(
     assert time.monotonic() - t0 < 5
     assert "Traceback" not in err
     MemmapDataset(dst, verify=True)
+
+
+def test_two_concurrent_stages_of_two_versions_never_leave_a_mix(tmp_path: Path) -> None:
+    """Both stages 'succeeded' and the last index sat over the other version's shards (3 of 5
+    trials). A lock in the destination makes them run one after the other."""
+    v1 = make_dataset(tmp_path / "v1", shards=30, nbytes=10_000, seed=1)
+    v2 = make_dataset(tmp_path / "v2", shards=30, nbytes=10_000, seed=2)
+    for trial in range(4):
+        dst = tmp_path / f"dst{trial}"
+        errors: list[BaseException] = []
+
+        def _go(version: str, dst: Path = dst, errors: list[BaseException] = errors) -> None:
+            try:
+                stage(tmp_path / version, dst, progress=False, workers=2)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=_go, args=(v,)) for v in ("v1", "v2")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors
+        MemmapDataset(dst, verify=True)  # the index matches every shard
+        files = {p.name: p.read_bytes() for p in dst.iterdir() if p.name in v1}
+        assert files in (v1, v2)
