@@ -55,6 +55,9 @@ _LOCAL_PROTOCOLS = {"file", "local"}
 _SECRET_KEYS = re.compile(r"secret|token|passw|key|credential|session|auth|sig", re.I)
 # userinfo runs to the last "@" of the authority (a raw "@" in a password is common)
 _URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/?#\s\\]*@", re.I)
+# a password with a raw "/", "?" or "#" (unencoded, but users write them): "user:" first, then
+# everything up to the "@" (may over-redact "host:port/path@x", never under-redact)
+_URL_USERINFO_RAW = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/?#\s\\:@]*:[^\s'\"\\]*@", re.I)
 # a query/fragment parameter whose name says it is a credential (X-Amz-Signature, sig, token,
 # access_token, AWSAccessKeyId, api_key, password, ...): its value goes
 _QUERY_SECRETS = re.compile(
@@ -130,6 +133,7 @@ def resolve(
 
     text = os.fspath(url)
     options = dict(storage_options or {})
+    _redact_library_logs()
     if text.startswith(("s3://", "s3a://")):
         from feedpipe.errors import require
 
@@ -195,8 +199,36 @@ def redact(text: str, storage_options: Mapping[str, Any] | None = None) -> str:
     text = str(text)
     for secret in sorted(set(_secret_values(storage_options)), key=len, reverse=True):
         text = text.replace(secret, "***")
+    text = _URL_USERINFO_RAW.sub(lambda m: m.group("scheme") + "***@", text)
     text = _URL_USERINFO.sub(lambda m: m.group("scheme") + "***@", text)
     return _QUERY_SECRETS.sub(lambda m: m.group("name") + "=***", text)
+
+
+class _RedactFilter(logging.Filter):
+    """Passes every record through :func:`redact` (fsspec logs each URL it opens at DEBUG)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            text = record.getMessage()
+        except Exception:
+            return True
+        clean = redact(text)
+        if clean != text:
+            record.msg, record.args = clean, None
+        return True
+
+
+# a filter applies to the records of the logger it is on, not of its children: name each one
+_LIBRARY_LOGGERS = ("fsspec", "fsspec.http", "fsspec.cached", "fsspec.local", "s3fs", "gcsfs")
+_REDACT_FILTER = _RedactFilter()
+
+
+def _redact_library_logs() -> None:
+    """Make the storage libraries' own log records safe (idempotent)."""
+    for name in _LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        if _REDACT_FILTER not in logger.filters:
+            logger.addFilter(_REDACT_FILTER)
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
