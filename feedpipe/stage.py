@@ -13,8 +13,10 @@ The rules, in order:
 3. A symlink in the destination is never written through: a linked file is replaced by the real
    file (the link's target is untouched); a linked directory on a file's path is refused.
 4. Ctrl-C (or any exception) cancels the transfers in flight at their next chunk; the temps are
-   removed. ``deadline_s`` bounds every remote call, the index read included, and caps
-   botocore's timeouts (see :func:`feedpipe._remote.resolve`).
+   removed. ``deadline_s`` bounds the retries of every remote call and the index read as a
+   whole, and caps the clients' socket timeouts (see :func:`feedpipe._remote.resolve`); a
+   download that keeps receiving bytes is not cut off.
+5. Two stages into one directory take turns (an exclusive ``flock`` on a lock file there).
 
 Rerunning after an interruption copies only files that are missing or wrong.
 """
@@ -206,7 +208,10 @@ def _exclusive(dst: str) -> Iterator[None]:
     import fcntl
 
     path = os.path.join(dst, _remote.TEMP_PREFIX + "stage.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:  # ELOOP: a symlink there, never followed
+        raise DatasetError(f"{path}: cannot open the stage lock: {exc.strerror}") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -284,6 +289,11 @@ def _invalidate(index_path: str) -> None:
         os.unlink(index_path)
     except FileNotFoundError:
         return
+    except IsADirectoryError:
+        raise DatasetError(
+            f"{index_path}: is a directory, not a dataset index (remove it, or stage into "
+            "another directory)"
+        ) from None
     _fsync_dir(os.path.dirname(index_path))
 
 

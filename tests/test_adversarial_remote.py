@@ -270,3 +270,19 @@ def test_third_party_debug_logs_never_show_the_password(
     MemmapDataset(f"http://me:Pw0rdSecret@{http_ds}/ds", cache_dir=tmp_path / "c")[0]
     assert any(r.name.startswith("fsspec") for r in caplog.records)
     leaks.logs(caplog)
+
+
+@pytest.mark.parametrize("what", ["index-dir", "lock-link"])
+def test_odd_entries_in_the_destination_are_clear_errors(tmp_path: Path, what: str) -> None:
+    """A directory named index.json raised a bare IsADirectoryError (a CLI traceback)."""
+    make_dataset(tmp_path / "src", shards=1, nbytes=3000)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (tmp_path / "out").mkdir()
+    if what == "index-dir":
+        (dst / "index.json").mkdir()
+    else:
+        (dst / ".feedpipe-tmp.stage.lock").symlink_to(tmp_path / "out" / "x")
+    with pytest.raises(DatasetError, match=r"index\.json|lock"):
+        stage(tmp_path / "src", dst, progress=False)
+    assert list((tmp_path / "out").iterdir()) == []
