@@ -55,6 +55,9 @@ _LOCAL_PROTOCOLS = {"file", "local"}
 _SECRET_KEYS = re.compile(r"secret|token|passw|key|credential|session|auth|sig", re.I)
 # userinfo runs to the last "@" of the authority (a raw "@" in a password is common)
 _URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/?#\s\\]*@", re.I)
+# a password with a raw "/", "?" or "#" (unencoded, but users write them): "user:" first, then
+# everything up to the "@" (may over-redact "host:port/path@x", never under-redact)
+_URL_USERINFO_RAW = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/?#\s\\:@]*:[^\s'\"\\]*@", re.I)
 # a query/fragment parameter whose name says it is a credential (X-Amz-Signature, sig, token,
 # access_token, AWSAccessKeyId, api_key, password, ...): its value goes
 _QUERY_SECRETS = re.compile(
@@ -130,6 +133,7 @@ def resolve(
 
     text = os.fspath(url)
     options = dict(storage_options or {})
+    _redact_library_logs()
     if text.startswith(("s3://", "s3a://")):
         from feedpipe.errors import require
 
@@ -195,8 +199,36 @@ def redact(text: str, storage_options: Mapping[str, Any] | None = None) -> str:
     text = str(text)
     for secret in sorted(set(_secret_values(storage_options)), key=len, reverse=True):
         text = text.replace(secret, "***")
+    text = _URL_USERINFO_RAW.sub(lambda m: m.group("scheme") + "***@", text)
     text = _URL_USERINFO.sub(lambda m: m.group("scheme") + "***@", text)
     return _QUERY_SECRETS.sub(lambda m: m.group("name") + "=***", text)
+
+
+class _RedactFilter(logging.Filter):
+    """Passes every record through :func:`redact` (fsspec logs each URL it opens at DEBUG)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            text = record.getMessage()
+        except Exception:
+            return True
+        clean = redact(text)
+        if clean != text:
+            record.msg, record.args = clean, None
+        return True
+
+
+# a filter applies to the records of the logger it is on, not of its children: name each one
+_LIBRARY_LOGGERS = ("fsspec", "fsspec.http", "fsspec.cached", "fsspec.local", "s3fs", "gcsfs")
+_REDACT_FILTER = _RedactFilter()
+
+
+def _redact_library_logs() -> None:
+    """Make the storage libraries' own log records safe (idempotent)."""
+    for name in _LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        if _REDACT_FILTER not in logger.filters:
+            logger.addFilter(_REDACT_FILTER)
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -354,6 +386,7 @@ INDEX_NAME = "index.json"
 # with TEMP_PREFIX (an index listing one is refused), so a temp is never a dataset file and a
 # dataset file (``x.part.1.data`` included) is never taken for a temp and deleted.
 TEMP_PREFIX = ".feedpipe-tmp."
+_MIN_ATTEMPT_S = 5.0  # the least time one bounded attempt gets, even past the deadline
 
 
 @dataclass(frozen=True)
@@ -371,6 +404,11 @@ def _entries_from_index(doc: Any, url: str) -> list[FileEntry]:
 
     out: list[FileEntry] = []
     for shard_id, rel, nbytes, crc in Index.from_json(doc, url).files():
+        if not isinstance(rel, str) or any(ord(c) < 32 or ord(c) == 127 for c in rel):
+            raise DatasetError(
+                f"{url}: shard {shard_id} file path {rel!r} is not a string without control "
+                "characters"
+            )
         parts = rel.split("/")
         if rel.startswith("/") or ".." in parts:
             raise DatasetError(f"{url}: shard {shard_id} file path {rel!r} escapes the dataset")
@@ -393,14 +431,47 @@ def read_remote_index(
 ) -> tuple[bytes, list[FileEntry]]:
     """Fetch ``index.json`` below ``root`` (retries under ``policy``); return bytes and files."""
     index_url = join(url, INDEX_NAME)
+    policy = policy or DEFAULT_POLICY
+    end = time.monotonic() + policy.deadline_s
     raw: bytes = call(
-        lambda: fs.cat_file(join(root, INDEX_NAME)),
+        # a server that answers a byte at a time resets every socket timeout: bound the whole
+        # read (an attempt gets at least a few seconds: the first one also builds the client)
+        lambda: _within(
+            lambda: fs.cat_file(join(root, INDEX_NAME)),
+            max(end - time.monotonic(), _MIN_ATTEMPT_S),
+        ),
         index_url,
         what="read dataset index",
         storage_options=storage_options,
         policy=policy,
     )
     return raw, parse_index(raw, redact(index_url, storage_options))
+
+
+def _within(fn: Callable[[], T], seconds: float) -> T:
+    """``fn()`` on a daemon thread; :class:`TimeoutError` if it has not returned in ``seconds``.
+
+    The calling thread polls, so Ctrl-C is seen at once; a call still hanging is abandoned.
+    """
+    box: dict[str, Any] = {}
+
+    def _run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=_run, name="feedpipe-remote-call", daemon=True)
+    thread.start()
+    end = time.monotonic() + max(0.0, seconds)
+    while thread.is_alive():
+        left = end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no complete answer within {max(0.0, seconds):.1f} s")
+        thread.join(min(0.2, left))
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[no-any-return]
 
 
 def parse_index(raw: bytes, index_url: str) -> list[FileEntry]:

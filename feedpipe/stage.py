@@ -13,8 +13,10 @@ The rules, in order:
 3. A symlink in the destination is never written through: a linked file is replaced by the real
    file (the link's target is untouched); a linked directory on a file's path is refused.
 4. Ctrl-C (or any exception) cancels the transfers in flight at their next chunk; the temps are
-   removed. ``deadline_s`` bounds every remote call, the index read included, and caps
-   botocore's timeouts (see :func:`feedpipe._remote.resolve`).
+   removed. ``deadline_s`` bounds the retries of every remote call and the index read as a
+   whole, and caps the clients' socket timeouts (see :func:`feedpipe._remote.resolve`); a
+   download that keeps receiving bytes is not cut off.
+5. Two stages into one directory take turns (an exclusive ``flock`` on a lock file there).
 
 Rerunning after an interruption copies only files that are missing or wrong.
 """
@@ -23,10 +25,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +38,8 @@ from feedpipe._remote import INDEX_NAME, FileEntry
 from feedpipe.errors import DatasetError
 
 __all__ = ["StageResult", "add_arguments", "run", "stage"]
+
+_log = logging.getLogger("feedpipe.stage")
 
 DEFAULT_WORKERS = 16
 _CANCEL_GRACE_S = 2.0  # after Ctrl-C, how long transfers get to notice before we return
@@ -87,7 +92,8 @@ def stage(
 ) -> StageResult:
     """Copy the dataset at ``src`` (any fsspec URL or local path) into the local directory ``dst``.
 
-    Files already in ``dst`` with the indexed size (and CRC32C, when ``verify_existing``) are kept;
+    Files already in ``dst`` with the indexed size and CRC32C are kept (``verify_existing=False``
+    trusts the size alone, but only when ``dst`` already holds this very ``index.json``);
     everything else is fetched with up to ``workers`` parallel transfers. Each remote call is
     retried on transient errors until ``deadline_s``. See the module docstring for what holds
     when the stage is interrupted. Raises :class:`~feedpipe._remote.RemoteError` (a
@@ -102,15 +108,52 @@ def stage(
     t0 = time.perf_counter()
     raw_index, entries = _remote.read_remote_index(fs, root, url, storage_options, policy)
     os.makedirs(dst, exist_ok=True)
+    with _exclusive(dst):
+        return _stage_locked(
+            fs,
+            root,
+            url,
+            dst,
+            raw_index=raw_index,
+            entries=entries,
+            storage_options=storage_options,
+            workers=workers,
+            progress=progress,
+            verify_existing=verify_existing,
+            policy=policy,
+            t0=t0,
+        )
+
+
+def _stage_locked(
+    fs: Any,
+    root: str,
+    url: str,
+    dst: str,
+    *,
+    raw_index: bytes,
+    entries: list[FileEntry],
+    storage_options: Mapping[str, Any] | None,
+    workers: int,
+    progress: bool,
+    verify_existing: bool,
+    policy: _remote.RetryPolicy,
+    t0: float,
+) -> StageResult:
+    """The body of :func:`stage`, run while this process alone stages into ``dst``."""
     _refuse_linked_dirs(dst, entries)
     _clean_stale_temps(dst)
 
+    index_path = os.path.join(dst, INDEX_NAME)
+    same_index = _read_or_none(index_path) == raw_index
+    # sizes alone are trusted only for this very version: another version's shards (or an
+    # interrupted stage's leftovers) can have the same sizes and other bytes
+    check_crc = verify_existing or not same_index
     todo: list[FileEntry] = []
     for e in entries:
-        if not _remote.is_complete(os.path.join(dst, e.relpath), e, check_crc=verify_existing):
+        if not _remote.is_complete(os.path.join(dst, e.relpath), e, check_crc=check_crc):
             todo.append(e)
-    index_path = os.path.join(dst, INDEX_NAME)
-    if todo or _read_or_none(index_path) != raw_index:
+    if todo or not same_index:
         _invalidate(index_path)  # before any shard is touched: never v1's index over v2's shards
     total = sum(e.nbytes for e in todo)
     bar = _Bar(total, progress, desc=f"stage {_remote.redact(url, storage_options)}")
@@ -155,6 +198,29 @@ def stage(
         bar.close()
     _write_atomic(index_path, raw_index)
     return StageResult(len(todo), len(entries) - len(todo), total, time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def _exclusive(dst: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``dst``'s stage lock: two stages into one directory (two
+    versions, or every rank of a node) run one after the other, never interleaved. The lock
+    file's name has the temp prefix, so no dataset file can have it."""
+    import fcntl
+
+    path = os.path.join(dst, _remote.TEMP_PREFIX + "stage.lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:  # ELOOP: a symlink there, never followed
+        raise DatasetError(f"{path}: cannot open the stage lock: {exc.strerror}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log.info("%s: waiting for another feedpipe stage into this directory", dst)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # Ctrl-C interrupts the wait
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _run_all(
@@ -223,6 +289,11 @@ def _invalidate(index_path: str) -> None:
         os.unlink(index_path)
     except FileNotFoundError:
         return
+    except IsADirectoryError:
+        raise DatasetError(
+            f"{index_path}: is a directory, not a dataset index (remove it, or stage into "
+            "another directory)"
+        ) from None
     _fsync_dir(os.path.dirname(index_path))
 
 
@@ -300,7 +371,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel transfers")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
-        "--no-verify-existing", action="store_true", help="trust sizes of files already there"
+        "--no-verify-existing",
+        action="store_true",
+        help="trust sizes of files already there (only when DST already has this index)",
     )
     parser.add_argument(
         "--endpoint-url", default=None, help="S3-compatible endpoint (e.g. a MinIO or local server)"
@@ -331,7 +404,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         print(
-            "feedpipe stage: interrupted (the destination has no index until a rerun completes)",
+            "feedpipe stage: interrupted; rerun it to finish (a partly staged destination has no "
+            "index.json, so it never opens as a mix of versions)",
             file=sys.stderr,
         )
         return 130
