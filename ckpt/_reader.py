@@ -19,7 +19,7 @@ from ckpt import format as fmt
 from ckpt._flatten import torch_dtype, unflatten
 from ckpt.errors import CheckpointError
 
-__all__ = ["MapLocation", "RestoreStats", "read_checkpoint", "verify_step"]
+__all__ = ["MapLocation", "RestoreStats", "check_into", "read_checkpoint", "verify_step"]
 
 log = logging.getLogger("ckpt")
 
@@ -95,7 +95,8 @@ def read_checkpoint(
     extra host memory is one read buffer (``fmt.IO_BYTES``) per reader thread. Tensors of
     ``into`` (found where the tree and ``into`` agree, same dtype and shape, contiguous) are
     filled in place instead, after every checksum has passed, and returned in the state.
-    Raises ``CorruptCheckpointError`` naming the file if the manifest or a data file is bad.
+    Raises ``CorruptCheckpointError`` naming the file if the manifest or a data file is bad, and
+    ``CheckpointError`` (before anything is written) if the state does not fit ``into``.
     """
     path = Path(path)
     t0 = time.perf_counter()
@@ -108,6 +109,8 @@ def read_checkpoint(
     try:
         for rec in body["files"]:
             fmt.check_file(path, rec)  # real sizes first: nothing is allocated for a short file
+        if into is not None:
+            check_into(body, into, path)
         if mmap:
             arrays = _read_mmap(path, body, verify, stats)
             for i, entry in enumerate(body["entries"]):
@@ -197,8 +200,7 @@ def _into_targets(body: dict, into: Any) -> dict[int, torch.Tensor]:
         node, target = stack.pop()
         kind = node["t"]
         if isinstance(target, torch.nn.Module):  # its tensors by state_dict name, no hooks run
-            named = target.named_parameters(remove_duplicate=False)
-            target = {**dict(named), **dict(target.named_buffers(remove_duplicate=False))}
+            target = _module_tensors(target)
         if kind == "state":
             stack.append((node["v"], target))
         elif kind == "tensor" and "view" in node:
@@ -225,6 +227,48 @@ def _into_targets(body: dict, into: Any) -> dict[int, torch.Tensor]:
         ):
             stack.extend(zip(node["items"], target, strict=True))
     return {i: t for i, t in found.items() if i not in viewed}
+
+
+def _module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    named = module.named_parameters(remove_duplicate=False)
+    return {**dict(named), **dict(module.named_buffers(remove_duplicate=False))}
+
+
+def check_into(body: dict, into: Any, path: str | os.PathLike[str] = "") -> None:
+    """Raise ``CheckpointError`` naming the place where loading the tree into ``into`` (as
+    ``apply_into`` does) would fail part way: a tensor or array of another shape (which ``copy_``
+    would also broadcast silently), a list of another length. Runs before anything is written,
+    so a mismatch never leaves ``into`` half-loaded."""
+    stack = [(body["tree"], into, "state")]
+    while stack:
+        node, target, where = stack.pop()
+        while node["t"] == "state":
+            node = node["v"]
+        kind = node["t"]
+        if isinstance(target, torch.nn.Module):
+            target = _module_tensors(target)
+        elif callable(getattr(target, "load_state_dict", None)):
+            continue  # its own load_state_dict checks what it is given
+        if (kind == "tensor" and isinstance(target, torch.Tensor)) or (
+            kind == "ndarray" and isinstance(target, np.ndarray)
+        ):
+            shape = (node.get("view") or body["entries"][node["i"]])["shape"]
+            if list(target.shape) != shape:
+                raise CheckpointError(
+                    f"{path}: {where}: saved with shape {shape}, cannot load into shape "
+                    f"{list(target.shape)}; nothing was loaded"
+                )
+        elif kind in ("dict", "odict") and isinstance(target, dict):
+            stack.extend((v, target[k], f"{where}[{k!r}]") for k, v in node["items"] if k in target)
+        elif kind in ("list", "tuple", "namedtuple", "size") and isinstance(target, list):
+            if len(target) != len(node["items"]):
+                raise CheckpointError(
+                    f"{path}: {where}: list of {len(target)} vs {len(node['items'])} saved "
+                    "items; nothing was loaded"
+                )
+            if kind != "size":
+                pairs = enumerate(zip(node["items"], target, strict=True))
+                stack.extend((v, t, f"{where}[{i}]") for i, (v, t) in pairs)
 
 
 def _mmap(file: Path, size: int) -> torch.Tensor:

@@ -475,7 +475,7 @@ class CheckpointManager:
                 path = _commit.step_dir(self.directory, s)
                 try:
                     if s not in local and s in remote:
-                        state, stats = self._restore_remote(s, map_location, mmap)
+                        state, stats = self._restore_remote(s, map_location, mmap, into)
                     else:
                         try:
                             with _commit.reading(path):
@@ -490,7 +490,7 @@ class CheckpointManager:
                             if s not in remote:
                                 raise
                             log.warning("ckpt: step %d: %s; fetching the remote copy", s, exc)
-                            state, stats = self._restore_remote(s, map_location, mmap)
+                            state, stats = self._restore_remote(s, map_location, mmap, into)
                 except CorruptCheckpointError as exc:
                     if step is not None:
                         raise
@@ -498,7 +498,7 @@ class CheckpointManager:
                     skipped.append((s, str(exc)))
                     continue
                 except CheckpointError as exc:
-                    if step is not None or path.is_dir():
+                    if step is not None or path.is_dir() or s not in local:
                         raise  # only corruption falls back; a step deleted under us is re-listed
                     log.warning("ckpt: step %d vanished while restoring (%s); re-listing", s, exc)
                     vanished = True
@@ -579,7 +579,7 @@ class CheckpointManager:
             self.remote.stats.uploads.setdefault(step, _done_status(step))
 
     def _restore_remote(
-        self, step: int, map_location: MapLocation, mmap: bool
+        self, step: int, map_location: MapLocation, mmap: bool, into: Any = None
     ) -> tuple[Any, RestoreStats]:
         """Download ``step`` to a temp dir, verify every checksum, load, keep it as ``step-N``."""
         assert self.remote is not None
@@ -589,7 +589,7 @@ class CheckpointManager:
             pass
         tmp = self._download(step, CorruptCheckpointError)
         try:
-            state, _, stats = read_checkpoint(tmp, map_location=map_location, mmap=mmap)
+            state, _, stats = read_checkpoint(tmp, map_location=map_location, mmap=mmap, into=into)
             stats.path = f"{self.remote.url}/step-{step}"
             if self._lock.held:
                 self._publish_download(tmp, step)
