@@ -1,0 +1,199 @@
+"""Adversarial review of issue 15 (points 4-10, 12-14): hostile manifests that pass the old
+validator but still broke a restore, ``into=`` mismatches, URL handling and the CLI with
+credentials. Each test failed before its fix."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import ckpt
+from ckpt import cli
+from ckpt import format as fmt
+from ckpt._reader import verify_step
+from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.manager import CheckpointManager
+from tests.test_ckpt_adversarial_manifest import write_raw
+
+
+def _state(step: int) -> dict[str, Any]:
+    return {
+        "w": torch.full((4, 3), float(step)),
+        "z": torch.empty(0, 3),
+        "a": np.full(3, step, dtype="<f4"),
+        "za": np.empty((0, 2), dtype="<f4"),
+        "size": torch.Size([2, 3]),
+        "step": step,
+    }
+
+
+def _item(body: dict, key: str) -> dict:
+    return next(node for k, node in body["tree"]["items"] if k == key)
+
+
+def _entry(body: dict, key: str) -> dict:
+    return body["entries"][_item(body, key)["i"]]
+
+
+def _two_steps(tmp_path: Path) -> CheckpointManager:
+    m = CheckpointManager(tmp_path, keep_last=None)
+    for step in (1, 2):
+        m.save(step, _state(step)).result()
+    return m
+
+
+def _falls_back(m: CheckpointManager, path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(CorruptCheckpointError):
+        verify_step(path)
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        state = m.restore()
+    assert state["step"] == 1
+    assert "skipping step 2" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("key", "shape"),
+    [
+        ("z", [0, 1 << 62, 1 << 62]),  # torch: "Stride calculation overflowed"
+        ("za", [0, 1 << 62, 1 << 62]),  # numpy: "array is too big"
+        ("za", [1 << 62, 0]),
+    ],
+)
+def test_zero_size_entry_with_huge_dims_is_corrupt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, key: str, shape: list[int]
+) -> None:
+    """nbytes == prod(shape) * itemsize == 0 held, yet building the empty array overflowed: the
+    step verified, and restore raised a non-corrupt error (no fallback)."""
+    m = _two_steps(tmp_path)
+    path = tmp_path / "step-2"
+    body = fmt.read_manifest(path)
+    _entry(body, key)["shape"] = shape
+    write_raw(path, body)
+    _falls_back(m, path, caplog)
+    m.close()
+
+
+def test_size_node_beyond_int64_is_corrupt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``torch.Size([2**63])`` raises ValueError at unflatten, after the whole step was read."""
+    m = _two_steps(tmp_path)
+    path = tmp_path / "step-2"
+    body = fmt.read_manifest(path)
+    _item(body, "size")["items"] = [1 << 63]
+    write_raw(path, body)
+    _falls_back(m, path, caplog)
+    m.close()
+
+
+def test_zero_size_view_with_huge_dims_is_corrupt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    m = CheckpointManager(tmp_path, keep_last=None)
+    for step in (1, 2):
+        base = torch.arange(8, dtype=torch.float32) + step
+        m.save(step, {"a": base, "b": base[2:], "step": step}).result()
+    path = tmp_path / "step-2"
+    body = fmt.read_manifest(path)
+    _item(body, "b")["view"].update(shape=[0, 1 << 62, 1 << 62], stride=[1, 1, 1])
+    write_raw(path, body)
+    _falls_back(m, path, caplog)
+    m.close()
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_into_shape_mismatch_writes_nothing(tmp_path: Path, mmap: bool) -> None:
+    """A shape mismatch anywhere in ``into`` is a CheckpointError naming it, raised before any
+    tensor of ``into`` is written (it used to stream ``a`` in, then fail at ``b`` with a raw
+    RuntimeError; a shape that broadcasts was silently broadcast)."""
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        m.save(1, {"a": torch.ones(4), "b": torch.ones(3), "c": torch.full((1,), 7.0)}).result()
+        for bad in ({"b": torch.zeros(5)}, {"c": torch.zeros(3)}):
+            into = {"a": torch.zeros(4), "b": torch.zeros(3), "c": torch.zeros(1), **bad}
+            before = {k: v.clone() for k, v in into.items()}
+            with pytest.raises(CheckpointError, match=r"shape"):
+                m.restore(into=into, mmap=mmap)
+            for k, v in into.items():
+                assert torch.equal(v, before[k]), k
+
+
+def test_into_module_shape_mismatch_writes_nothing(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        src = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        m.save(1, {"model": src}).result()
+        dst = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 5))
+        before = [p.detach().clone() for p in dst.parameters()]
+        with pytest.raises(CheckpointError, match=r"shape"):
+            m.restore(into={"model": dst})
+        for p, b in zip(dst.parameters(), before, strict=True):
+            assert torch.equal(p.detach(), b)
+
+
+def test_into_list_length_mismatch_writes_nothing(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        m.save(1, {"a": torch.ones(2), "l": [torch.ones(1), torch.ones(1)]}).result()
+        into = {"a": torch.zeros(2), "l": [torch.zeros(1)]}
+        with pytest.raises(CheckpointError, match=r"list"):
+            m.restore(into=into)
+        assert torch.equal(into["a"], torch.zeros(2))
+
+
+def test_file_url_with_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``file://localhost/abs`` is ``/abs`` (RFC 8089); another host is refused. Both used to
+    create a relative local directory named after the host."""
+    monkeypatch.chdir(tmp_path)
+    target = tmp_path / "run"
+    with CheckpointManager(f"file://localhost{target}") as m:
+        assert m.directory == target
+    with pytest.raises(ValueError, match="file://"):
+        CheckpointManager(f"file://otherhost{target}")
+    with pytest.raises(ValueError, match="file://"):
+        ckpt.save(f"file://otherhost{tmp_path}/x", {"a": 1})
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_cli_url_with_credentials_prints_one_redacted_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A URL whose credentials make the client raise a non-OSError (botocore's
+    ParamValidationError) printed a traceback holding the secret."""
+    for argv in (
+        ["ls", "s3://AKIAEXAMPLE:TOPSECRET@bucket/run", "--endpoint-url", "http://127.0.0.1:9"],
+        ["verify", "memory://user:TOPSECRET@host/none"],
+        ["gc", "s3://user:TOPSECRET@bucket/run"],
+        ["ls", "file://user:TOPSECRET@localhost/nonexistent"],
+    ):
+        rc = cli.main(argv)
+        out = capsys.readouterr()
+        text = out.out + out.err
+        assert rc != 0, argv
+        assert "TOPSECRET" not in text, (argv, text)
+        assert "Traceback" not in text
+
+
+def test_remote_garbage_manifest_newer_than_local(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A remote step-N whose manifest is garbage: listed (listing only), but restore falls back
+    to the newest good step with a logged reason; verify=True semantics hold."""
+    remote = tmp_path / "remote"
+    with CheckpointManager(tmp_path / "a", keep_last=None, remote=f"file://{remote}") as m:
+        m.save(1, _state(1)).result()
+        m.wait(uploads=True)
+    (remote / "step-9").mkdir()
+    (remote / "step-9" / fmt.MANIFEST).write_bytes(b'{"crc32c":"00000000","body":{}}\n')
+    with CheckpointManager(tmp_path / "b", keep_last=None, remote=f"file://{remote}") as m2:
+        assert m2.latest_step() == 9
+        with caplog.at_level(logging.WARNING, logger="ckpt"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = m2.restore()
+        assert state["step"] == 1
+        assert "skipping step 9" in caplog.text
+        assert not (tmp_path / "b" / "step-9").exists()
