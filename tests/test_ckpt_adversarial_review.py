@@ -4,6 +4,8 @@ credentials. Each test failed before its fix."""
 
 from __future__ import annotations
 
+import collections
+import enum
 import logging
 import os
 import warnings
@@ -197,3 +199,40 @@ def test_remote_garbage_manifest_newer_than_local(
         assert state["step"] == 1
         assert "skipping step 9" in caplog.text
         assert not (tmp_path / "b" / "step-9").exists()
+
+
+class _Checked(collections.namedtuple("_Checked", ["x"])):
+    """A registered namedtuple whose constructor validates (raises on a hostile value)."""
+
+    __slots__ = ()
+
+    def __new__(cls, x: int) -> _Checked:
+        if not isinstance(x, int):
+            raise TypeError(f"x must be an int, got {x!r}")
+        return super().__new__(cls, x)
+
+
+class _Picky(enum.IntEnum):
+    A = 1
+
+    @classmethod
+    def _missing_(cls, value: object) -> Any:
+        raise TypeError(f"no {value!r}")
+
+
+def test_registered_class_refusing_saved_values_is_not_a_raw_error(tmp_path: Path) -> None:
+    """A hostile value for a registered class whose constructor (or ``_missing_``) raises came out
+    of ``restore`` as that raw exception; it falls back like an unregistered class, warning."""
+    ckpt.register_type(_Checked)
+    ckpt.register_type(_Picky)
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        m.save(1, {"t": _Checked(3), "e": _Picky.A}).result()
+        path = tmp_path / "step-1"
+        body = fmt.read_manifest(path)
+        _item(body, "t")["items"][0]["v"] = "rm -rf /"
+        _item(body, "e")["v"] = 7
+        write_raw(path, body)
+        with pytest.warns(UserWarning, match="refused the saved values"):
+            state = m.restore()
+        assert state["t"].x == "rm -rf /" and not isinstance(state["t"], _Checked)
+        assert state["e"] == 7
