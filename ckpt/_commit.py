@@ -35,11 +35,12 @@ __all__ = [
     "remove_leftovers",
     "remove_path",
     "step_dir",
+    "step_number",
     "steps",
     "write_latest",
 ]
 
-_STEP = re.compile(r"^step-(\d+)$")
+_STEP = re.compile(r"^step-(0|[1-9][0-9]*)\Z")  # ASCII, canonical: "step-05" is not step 5
 _LEFTOVER = re.compile(r"^(step-\d+\.(tmp|del)-.+|latest\.tmp-.+)$")
 LATEST = "latest"
 
@@ -56,6 +57,13 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 def step_dir(root: Path, step: int) -> Path:
     """The committed directory of ``step``."""
     return root / f"step-{step}"
+
+
+def step_number(name: str) -> int | None:
+    """The step a ``step-N`` name stands for (``N`` in ASCII digits, no leading zero), else
+    ``None``: the only names that ``step_dir`` gives back."""
+    m = _STEP.match(name)
+    return int(m.group(1)) if m else None
 
 
 def steps(root: Path) -> list[int]:

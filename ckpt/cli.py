@@ -60,8 +60,9 @@ def _step_names(root: Path) -> list[tuple[int, Path]]:
     """Every ``step-N`` entry of ``root`` (committed or not: one without a manifest is bad)."""
     found = []
     for name in os.listdir(root):
-        if name.startswith("step-") and name[5:].isdigit():
-            found.append((int(name[5:]), root / name))
+        step = _commit.step_number(name)
+        if step is not None:
+            found.append((step, root / name))
     return sorted(found)
 
 

@@ -236,3 +236,22 @@ def test_registered_class_refusing_saved_values_is_not_a_raw_error(tmp_path: Pat
             state = m.restore()
         assert state["t"].x == "rm -rf /" and not isinstance(state["t"], _Checked)
         assert state["e"] == 7
+
+
+@pytest.mark.parametrize("name", ["step-²", "step-٣", "step-03", "step-3\n"])
+def test_step_names_are_ascii_and_canonical(tmp_path: Path, name: str) -> None:
+    """``str.isdigit``/``\\d`` took ``step-²`` (then ``int()`` raised: ``ckpt ls`` tracebacked and
+    a remote with such an object made ``latest_step()`` fail) and ``step-٣``/``step-03`` as step
+    3, whose directory ``step-3`` does not exist. Only the names ckpt writes are steps."""
+    remote = tmp_path / "remote"
+    with CheckpointManager(tmp_path / "a", keep_last=None, remote=f"file://{remote}") as m:
+        m.save(1, _state(1)).result()
+        m.wait(uploads=True)
+    for root in (tmp_path / "a", remote):
+        (root / name).mkdir()
+        (root / name / fmt.MANIFEST).write_bytes((root / "step-1" / fmt.MANIFEST).read_bytes())
+    assert cli.main(["ls", str(tmp_path / "a")]) == 0
+    assert cli.main(["ls", f"file://{remote}"]) == 0
+    with CheckpointManager(tmp_path / "a", keep_last=None, remote=f"file://{remote}") as m2:
+        assert m2.steps() == [1]
+        assert m2.restore()["step"] == 1
