@@ -464,7 +464,7 @@ class CheckpointManager:
         if busy:
             self.wait()
         skipped: list[tuple[int, str]] = []
-        remote = self._remote_steps()
+        remote = self._remote_steps(strict=step is None)  # unlisted, a newer step would be missed
         for _attempt in range(3):  # re-list if a step vanished under us (concurrent retention)
             vanished = False
             local = set(_commit.steps(self.directory))
@@ -498,7 +498,8 @@ class CheckpointManager:
                     skipped.append((s, str(exc)))
                     continue
                 except CheckpointError as exc:
-                    if step is not None or path.is_dir() or s not in local:
+                    gone = not path.is_dir() if s in local else s not in self._remote_steps()
+                    if step is not None or not gone:
                         raise  # only corruption falls back; a step deleted under us is re-listed
                     log.warning("ckpt: step %d vanished while restoring (%s); re-listing", s, exc)
                     vanished = True
@@ -560,13 +561,21 @@ class CheckpointManager:
         return path
 
     def _download(self, step: int, error: type[CheckpointError]) -> Path:
-        """Download remote ``step`` into a temp dir here; other failures become ``error``."""
+        """Download remote ``step`` into a temp dir here. A failure that outlived the retries
+        (the copy may still be there) is a ``CheckpointError``, never a reason to fall back to
+        an older step; other failures (a missing or forbidden object) become ``error``."""
         assert self.remote is not None
         try:
             return self.remote.download(step)
         except CheckpointError:
             raise
         except Exception as exc:
+            from feedpipe._remote import RemoteError
+
+            if isinstance(exc, RemoteError) and not exc.permanent:
+                raise CheckpointError(
+                    f"step {step}: cannot download the remote copy: {exc}"
+                ) from exc
             raise error(f"step {step}: remote copy unavailable: {exc}") from exc
 
     def _publish_download(self, tmp: Path, step: int) -> None:

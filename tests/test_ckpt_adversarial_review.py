@@ -255,3 +255,47 @@ def test_step_names_are_ascii_and_canonical(tmp_path: Path, name: str) -> None:
     with CheckpointManager(tmp_path / "a", keep_last=None, remote=f"file://{remote}") as m2:
         assert m2.steps() == [1]
         assert m2.restore()["step"] == 1
+
+
+def test_unreachable_remote_never_makes_restore_return_an_older_local_step(
+    tmp_path: Path, s3_bucket: tuple[str, dict], s3_server: str
+) -> None:
+    """Local step 50, remote step 100. A remote that cannot be listed (or whose newer copy cannot
+    be downloaded, retries exhausted) made ``restore()`` return step 50 with only a log line;
+    only corruption may cause a fallback, so it is a ``CheckpointError`` naming the remote."""
+    pytest.importorskip("s3fs")
+    import shutil
+
+    from _faultproxy import FaultProxy
+
+    from ckpt.remote import RemoteOptions
+
+    bucket, opts = s3_bucket
+    with CheckpointManager(tmp_path / "a", remote=RemoteOptions(f"s3://{bucket}/run",
+                           storage_options=opts)) as m:  # fmt: skip
+        m.save(50, _state(50)).result()
+        m.save(100, _state(100)).result()
+        m.wait(uploads=True)
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a" / "step-50", tmp_path / "b" / "step-50")
+    with FaultProxy(s3_server) as proxy:
+        proxied = {
+            **opts,
+            "client_kwargs": {**opts["client_kwargs"], "endpoint_url": proxy.url},
+            "config_kwargs": {"retries": {"max_attempts": 1}},  # ckpt's deadline decides
+        }
+        options = RemoteOptions(
+            f"s3://{bucket}/run", storage_options=proxied, deadline_s=1, on_error="warn"
+        )
+        with CheckpointManager(tmp_path / "b", remote=options) as m2:
+            m2.wait(uploads=True)  # the start-up reconciliation with the remote is over
+            proxy.inject("403", times=10_000, method="GET")
+            with pytest.raises(CheckpointError, match="cannot list the remote tier"):
+                m2.restore()
+            proxy.clear()
+            proxy.inject("drop", times=10_000, match="step-100/data.bin")
+            with pytest.raises(CheckpointError, match="cannot download the remote copy"):
+                m2.restore()
+            proxy.clear()
+            assert m2.restore()["step"] == 100
+            assert m2.restore(step=50)["step"] == 50
