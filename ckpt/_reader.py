@@ -10,13 +10,13 @@ from collections.abc import Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, NoReturn, Union
 
 import numpy as np
 import torch
 
 from ckpt import format as fmt
-from ckpt._flatten import torch_dtype, unflatten
+from ckpt._flatten import RNG_KEY, torch_dtype, unflatten
 from ckpt.errors import CheckpointError
 
 __all__ = ["MapLocation", "RestoreStats", "check_into", "read_checkpoint", "verify_step"]
@@ -235,40 +235,58 @@ def _module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def check_into(body: dict, into: Any, path: str | os.PathLike[str] = "") -> None:
-    """Raise ``CheckpointError`` naming the place where loading the tree into ``into`` (as
-    ``apply_into`` does) would fail part way: a tensor or array of another shape (which ``copy_``
-    would also broadcast silently), a list of another length. Runs before anything is written,
-    so a mismatch never leaves ``into`` half-loaded."""
-    stack = [(body["tree"], into, "state")]
+    """Raise ``CheckpointError`` naming the place where ``apply_into`` would fail part way on this
+    tree: a tensor or array of another shape (which ``copy_`` would also broadcast silently), a
+    list of another length, a saved value that cannot go into the object there. Runs before
+    anything is written, so a mismatch never leaves ``into`` half-loaded."""
+    stack = [(body["tree"], into, "state")]  # targets that apply_into is called on
     while stack:
         node, target, where = stack.pop()
         while node["t"] == "state":
             node = node["v"]
         kind = node["t"]
-        if isinstance(target, torch.nn.Module):
-            target = _module_tensors(target)
+        if isinstance(target, torch.nn.Module):  # load_state_dict: its tensors by name
+            if kind in ("dict", "odict"):
+                named = _module_tensors(target)
+                stack.extend(
+                    (v, named[k], f"{where}[{k!r}]") for k, v in node["items"] if k in named
+                )
         elif callable(getattr(target, "load_state_dict", None)):
-            continue  # its own load_state_dict checks what it is given
-        if (kind == "tensor" and isinstance(target, torch.Tensor)) or (
-            kind == "ndarray" and isinstance(target, np.ndarray)
-        ):
-            shape = (node.get("view") or body["entries"][node["i"]])["shape"]
-            if list(target.shape) != shape:
-                raise CheckpointError(
-                    f"{path}: {where}: saved with shape {shape}, cannot load into shape "
-                    f"{list(target.shape)}; nothing was loaded"
-                )
+            pass  # its own load_state_dict checks what it is given
         elif kind in ("dict", "odict") and isinstance(target, dict):
-            stack.extend((v, target[k], f"{where}[{k!r}]") for k, v in node["items"] if k in target)
+            for k, v in node["items"]:
+                t = target.get(k) if k != RNG_KEY else None
+                if isinstance(t, np.ndarray) and v["t"] == "ndarray":
+                    _check_shape(body, v, t, f"{where}[{k!r}]", path)
+                elif (isinstance(t, (dict, list)) or _stateful(t)) or (
+                    isinstance(t, torch.Tensor) and v["t"] == "tensor"
+                ):  # anything else there is replaced
+                    stack.append((v, t, f"{where}[{k!r}]"))
         elif kind in ("list", "tuple", "namedtuple", "size") and isinstance(target, list):
-            if len(target) != len(node["items"]):
-                raise CheckpointError(
-                    f"{path}: {where}: list of {len(target)} vs {len(node['items'])} saved "
-                    "items; nothing was loaded"
-                )
-            if kind != "size":
-                pairs = enumerate(zip(node["items"], target, strict=True))
-                stack.extend((v, t, f"{where}[{i}]") for i, (v, t) in pairs)
+            items = node["items"] if kind != "size" else [{"t": "v"}] * len(node["items"])
+            if len(target) != len(items):
+                _fail(path, where, f"a list of {len(target)} vs {len(items)} saved items")
+            for i, (v, t) in enumerate(zip(items, target, strict=True)):
+                if isinstance(t, (dict, list, torch.Tensor)) or _stateful(t):
+                    stack.append((v, t, f"{where}[{i}]"))
+        elif kind == "tensor" and isinstance(target, torch.Tensor):
+            _check_shape(body, node, target, where, path)
+        else:
+            _fail(path, where, f"cannot load a saved {kind} into a {type(target).__name__}")
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "load_state_dict", None))
+
+
+def _fail(path: str | os.PathLike[str], where: str, why: str) -> NoReturn:
+    raise CheckpointError(f"{path}: {where}: {why}; nothing was loaded")
+
+
+def _check_shape(body: dict, node: dict, target: Any, where: str, path: Any) -> None:
+    shape = (node.get("view") or body["entries"][node["i"]])["shape"]
+    if list(target.shape) != shape:
+        _fail(path, where, f"saved with shape {shape}, cannot load into shape {list(target.shape)}")
 
 
 def _mmap(file: Path, size: int) -> torch.Tensor:

@@ -299,3 +299,25 @@ def test_unreachable_remote_never_makes_restore_return_an_older_local_step(
             proxy.clear()
             assert m2.restore()["step"] == 100
             assert m2.restore(step=50)["step"] == 50
+
+
+@pytest.mark.parametrize(
+    "into",
+    [
+        lambda: ({"a": torch.zeros(4)}, {"a": torch.zeros(4), "n": {}}),  # 5 into a dict
+        lambda: (None, (torch.zeros(4),)),  # a tuple: apply_into refuses it
+        lambda: ({"a": torch.zeros(4)}, {"a": torch.zeros(4), "l": [torch.zeros(1), {}]}),
+    ],
+)
+def test_into_that_apply_into_refuses_writes_nothing(tmp_path: Path, into: Any) -> None:
+    """``apply_into`` raised "cannot load ..." after the matching tensors had been streamed in."""
+    _, target = into()
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        if isinstance(target, tuple):
+            m.save(1, (torch.ones(4),)).result()
+        else:
+            m.save(1, {"a": torch.ones(4), "n": 5, "l": [torch.ones(1), 3]}).result()
+        with pytest.raises(CheckpointError, match="cannot load"):
+            m.restore(into=target)
+        first = target["a"] if isinstance(target, dict) else target[0]
+        assert torch.equal(first, torch.zeros(4))
