@@ -321,3 +321,12 @@ def test_into_that_apply_into_refuses_writes_nothing(tmp_path: Path, into: Any) 
             m.restore(into=target)
         first = target["a"] if isinstance(target, dict) else target[0]
         assert torch.equal(first, torch.zeros(4))
+
+
+def test_lightning_url_error_is_redacted(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    from ckpt.integrations.lightning import CkptCheckpointIO
+
+    with pytest.raises(ValueError, match="CkptCheckpointIO") as info:
+        CkptCheckpointIO().save_checkpoint({"w": torch.ones(1)}, "s3://AKIA:TOPSECRET@b/x.ckpt")
+    assert "TOPSECRET" not in str(info.value)

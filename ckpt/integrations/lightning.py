@@ -74,9 +74,11 @@ def _local(path: Any) -> str:
     if key.startswith("file://"):
         return str(local_path(key, "CkptCheckpointIO", "checkpoint to a local path"))
     if "://" in key:
+        from feedpipe._remote import redact
+
         raise ValueError(
-            f"CkptCheckpointIO writes local directories, got the URL {key!r}: checkpoint to a "
-            "local path and upload with ckpt.CheckpointManager(remote=...)"
+            f"CkptCheckpointIO writes local directories, got the URL {redact(key)!r}: checkpoint "
+            "to a local path and upload with ckpt.CheckpointManager(remote=...)"
         )
     return key
 
