@@ -304,10 +304,10 @@ def _validate_entry(e: Any, where: str, sizes: dict[str, int]) -> None:
         itemsize = numpy_dtype(e.get("dtype")).itemsize
     else:
         raise CorruptCheckpointError(f"{where}.kind: unknown kind {kind!r:.40}")
-    _extent(shape, itemsize, f"{where}.shape")
     off, n = _int(e.get("offset"), f"{where}.offset"), _int(e.get("nbytes"), f"{where}.nbytes")
     if n != math.prod(shape) * itemsize:
         raise CorruptCheckpointError(f"{where}.nbytes: {n} != prod(shape) * itemsize")
+    _extent(shape, itemsize, f"{where}.shape")
     if off % ALIGN or off + n > sizes[file]:
         raise CorruptCheckpointError(
             f"{where}.offset: bytes {off}-{off + n} are unaligned or beyond {file} "
