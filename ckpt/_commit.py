@@ -62,11 +62,12 @@ __all__ = [
     "replace_dir",
     "settle",
     "step_dir",
+    "step_number",
     "steps",
     "write_latest",
 ]
 
-_STEP = re.compile(r"^step-(\d+)$")
+_STEP = re.compile(r"^step-(0|[1-9][0-9]*)\Z")  # ASCII, canonical: "step-05" is not step 5
 _LEFTOVER = re.compile(r"^(step-\d+\.(tmp|del)-.+|latest\.tmp-.+)$")
 _DEL = re.compile(r"^(step-\d+)\.del-.+$")
 LATEST = "latest"
@@ -117,6 +118,13 @@ def is_complete(path: Path) -> bool:
         )
     except (FileNotFoundError, NotADirectoryError):
         return False
+
+
+def step_number(name: str) -> int | None:
+    """The step a ``step-N`` name stands for (``N`` in ASCII digits, no leading zero), else
+    ``None``: the only names that ``step_dir`` gives back."""
+    m = _STEP.match(name)
+    return int(m.group(1)) if m else None
 
 
 def steps(root: Path) -> list[int]:

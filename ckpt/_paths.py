@@ -3,7 +3,8 @@
 ``CheckpointManager``, ``ckpt.save`` and ``ckpt.load`` work on local directories; remote storage
 is the manager's ``remote=`` tier. A URL (``s3://b/run``), or a path that a URL collapsed into
 (``Path("s3://b/run")`` is ``s3:/b/run``), must never become a local directory named ``s3:``.
-``file://`` URLs name local paths and are accepted.
+``file://`` URLs name local paths and are accepted: ``file:///abs`` and ``file://localhost/abs``
+are ``/abs`` (RFC 8089); a ``file://`` URL naming another host is refused like any remote URL.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ def local_path(path: str | os.PathLike[str], what: str, hint: str) -> Path:
     (or was) a remote URL."""
     text = os.fspath(path)
     if text.startswith("file://"):
-        return Path(text[len("file://") :])
+        host, _, rest = text[len("file://") :].partition("/")
+        if host in ("", "localhost"):
+            return Path("/" + rest)
     m = _SCHEME.match(text)
     if m is not None:
         from feedpipe._remote import redact

@@ -10,16 +10,16 @@ from collections.abc import Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, NoReturn, Union
 
 import numpy as np
 import torch
 
 from ckpt import format as fmt
-from ckpt._flatten import torch_dtype, unflatten
+from ckpt._flatten import RNG_KEY, torch_dtype, unflatten
 from ckpt.errors import CheckpointError, CorruptCheckpointError, DcpCheckpointError
 
-__all__ = ["MapLocation", "RestoreStats", "read_checkpoint", "verify_step"]
+__all__ = ["MapLocation", "RestoreStats", "check_into", "read_checkpoint", "verify_step"]
 
 log = logging.getLogger("ckpt")
 
@@ -95,7 +95,8 @@ def read_checkpoint(
     extra host memory is one read buffer (``fmt.IO_BYTES``) per reader thread. Tensors of
     ``into`` (found where the tree and ``into`` agree, same dtype and shape, contiguous) are
     filled in place instead, after every checksum has passed, and returned in the state.
-    Raises ``CorruptCheckpointError`` naming the file if the manifest or a data file is bad.
+    Raises ``CorruptCheckpointError`` naming the file if the manifest or a data file is bad, and
+    ``CheckpointError`` (before anything is written) if the state does not fit ``into``.
     """
     path = Path(path)
     t0 = time.perf_counter()
@@ -113,6 +114,8 @@ def read_checkpoint(
     try:
         for rec in body["files"]:
             fmt.check_file(path, rec)  # real sizes first: nothing is allocated for a short file
+        if into is not None:
+            check_into(body, into, path)
         if mmap:
             arrays = _read_mmap(path, body, verify, stats)
             for i, entry in enumerate(body["entries"]):
@@ -202,8 +205,7 @@ def _into_targets(body: dict, into: Any) -> dict[int, torch.Tensor]:
         node, target = stack.pop()
         kind = node["t"]
         if isinstance(target, torch.nn.Module):  # its tensors by state_dict name, no hooks run
-            named = target.named_parameters(remove_duplicate=False)
-            target = {**dict(named), **dict(target.named_buffers(remove_duplicate=False))}
+            target = _module_tensors(target)
         if kind == "state":
             stack.append((node["v"], target))
         elif kind == "tensor" and "view" in node:
@@ -230,6 +232,66 @@ def _into_targets(body: dict, into: Any) -> dict[int, torch.Tensor]:
         ):
             stack.extend(zip(node["items"], target, strict=True))
     return {i: t for i, t in found.items() if i not in viewed}
+
+
+def _module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    named = module.named_parameters(remove_duplicate=False)
+    return {**dict(named), **dict(module.named_buffers(remove_duplicate=False))}
+
+
+def check_into(body: dict, into: Any, path: str | os.PathLike[str] = "") -> None:
+    """Raise ``CheckpointError`` naming the place where ``apply_into`` would fail part way on this
+    tree: a tensor or array of another shape (which ``copy_`` would also broadcast silently), a
+    list of another length, a saved value that cannot go into the object there. Runs before
+    anything is written, so a mismatch never leaves ``into`` half-loaded."""
+    stack = [(body["tree"], into, "state")]  # targets that apply_into is called on
+    while stack:
+        node, target, where = stack.pop()
+        while node["t"] == "state":
+            node = node["v"]
+        kind = node["t"]
+        if isinstance(target, torch.nn.Module):  # load_state_dict: its tensors by name
+            if kind in ("dict", "odict"):
+                named = _module_tensors(target)
+                stack.extend(
+                    (v, named[k], f"{where}[{k!r}]") for k, v in node["items"] if k in named
+                )
+        elif callable(getattr(target, "load_state_dict", None)):
+            pass  # its own load_state_dict checks what it is given
+        elif kind in ("dict", "odict") and isinstance(target, dict):
+            for k, v in node["items"]:
+                t = target.get(k) if k != RNG_KEY else None
+                if isinstance(t, np.ndarray) and v["t"] == "ndarray":
+                    _check_shape(body, v, t, f"{where}[{k!r}]", path)
+                elif (isinstance(t, (dict, list)) or _stateful(t)) or (
+                    isinstance(t, torch.Tensor) and v["t"] == "tensor"
+                ):  # anything else there is replaced
+                    stack.append((v, t, f"{where}[{k!r}]"))
+        elif kind in ("list", "tuple", "namedtuple", "size") and isinstance(target, list):
+            items = node["items"] if kind != "size" else [{"t": "v"}] * len(node["items"])
+            if len(target) != len(items):
+                _fail(path, where, f"a list of {len(target)} vs {len(items)} saved items")
+            for i, (v, t) in enumerate(zip(items, target, strict=True)):
+                if isinstance(t, (dict, list, torch.Tensor)) or _stateful(t):
+                    stack.append((v, t, f"{where}[{i}]"))
+        elif kind == "tensor" and isinstance(target, torch.Tensor):
+            _check_shape(body, node, target, where, path)
+        else:
+            _fail(path, where, f"cannot load a saved {kind} into a {type(target).__name__}")
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "load_state_dict", None))
+
+
+def _fail(path: str | os.PathLike[str], where: str, why: str) -> NoReturn:
+    raise CheckpointError(f"{path}: {where}: {why}; nothing was loaded")
+
+
+def _check_shape(body: dict, node: dict, target: Any, where: str, path: Any) -> None:
+    shape = (node.get("view") or body["entries"][node["i"]])["shape"]
+    if list(target.shape) != shape:
+        _fail(path, where, f"saved with shape {shape}, cannot load into shape {list(target.shape)}")
 
 
 def _mmap(file: Path, size: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import Any
 
 from ckpt import _commit, _retention
 from ckpt import format as fmt
+from ckpt._paths import local_path
 from ckpt.errors import CheckpointError
 
 __all__ = ["main"]
@@ -59,8 +60,9 @@ def _step_names(root: Path) -> list[tuple[int, Path]]:
     """Every ``step-N`` entry of ``root`` (committed or not: one without a manifest is bad)."""
     found = []
     for name in os.listdir(root):
-        if name.startswith("step-") and name[5:].isdigit():
-            found.append((int(name[5:]), root / name))
+        step = _commit.step_number(name)
+        if step is not None:
+            found.append((step, root / name))
     return sorted(found)
 
 
@@ -279,13 +281,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if "://" in text and not text.startswith("file://"):
             if args.command == "gc":
-                print(f"ckpt: gc works on a local directory, not {text!r}", file=sys.stderr)
+                print(f"ckpt: gc works on a local directory, not {_scrub(text, text)!r}",
+                      file=sys.stderr)  # fmt: skip
                 return 2
-            return _remote_cmd(args.command, text, _storage_options(args), args.step
-                               if args.command == "verify" else None)  # fmt: skip
-        root = Path(text[len("file://") :] if text.startswith("file://") else text)
+            try:
+                return _remote_cmd(args.command, text, _storage_options(args), args.step
+                                   if args.command == "verify" else None)  # fmt: skip
+            except (CheckpointError, OSError):
+                raise
+            except Exception as exc:  # the client's own errors (botocore, fsspec): one line
+                print(f"ckpt: {_scrub(text, text)}: {type(exc).__name__}: {_scrub(str(exc), text)}",
+                      file=sys.stderr)  # fmt: skip
+                return 1
+        try:
+            root = local_path(text, "ckpt", "give the URL of a remote checkpoint as it is")
+        except ValueError as exc:
+            print(f"ckpt: {exc}", file=sys.stderr)
+            return 2
         if not root.is_dir():
-            print(f"ckpt: {text}: no such directory", file=sys.stderr)
+            print(f"ckpt: {_scrub(text, text)}: no such directory", file=sys.stderr)
             return 2
         if args.command == "ls":
             return _ls(root)
@@ -293,8 +307,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _verify_cmd(root, args.step)
         return _gc(root, args.keep_last, args.dry_run)
     except (CheckpointError, OSError) as exc:
-        print(f"ckpt: {exc}", file=sys.stderr)
+        print(f"ckpt: {_scrub(str(exc), text)}", file=sys.stderr)
         return 1
+
+
+def _scrub(message: str, url: str) -> str:
+    """``message`` without the credentials of ``url`` (its userinfo and password, also where a
+    client quotes them outside a URL, e.g. inside a bucket name) and without any URL's."""
+    from urllib.parse import urlsplit
+
+    from feedpipe._remote import redact
+
+    try:
+        userinfo = urlsplit(url).netloc.rpartition("@")[0]
+    except ValueError:
+        userinfo = ""
+    for secret in (userinfo, userinfo.partition(":")[2]):
+        if secret:
+            message = message.replace(secret, "***")
+    return redact(message)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -265,6 +265,13 @@ def _shape(value: Any, field: str) -> list[int]:
     return [_int(d, f"{field}[{k}]") for k, d in enumerate(dims)]
 
 
+def _extent(shape: list[int], itemsize: int, field: str) -> None:
+    """Refuse a shape whose dims (a zero dim counted as 1) span more than ``_MAX_BYTES``: torch's
+    stride calculation and numpy's size check overflow on it even when it holds no element."""
+    if math.prod(max(d, 1) for d in shape) * max(itemsize, 1) > _MAX_BYTES:
+        raise CorruptCheckpointError(f"{field}: dimensions {shape} overflow (over 2**62 bytes)")
+
+
 def _validate_files(files: Any) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for k, rec in enumerate(_typed(files, list, "files")):
@@ -306,6 +313,7 @@ def _validate_entry(e: Any, where: str, sizes: dict[str, int]) -> None:
     off, n = _int(e.get("offset"), f"{where}.offset"), _int(e.get("nbytes"), f"{where}.nbytes")
     if n != math.prod(shape) * itemsize:
         raise CorruptCheckpointError(f"{where}.nbytes: {n} != prod(shape) * itemsize")
+    _extent(shape, itemsize, f"{where}.shape")
     if off % ALIGN or off + n > sizes[file]:
         raise CorruptCheckpointError(
             f"{where}.offset: bytes {off}-{off + n} are unaligned or beyond {file} "
@@ -320,6 +328,7 @@ def _validate_view(view: Any, where: str, entry: dict) -> None:
     shape = _shape(view.get("shape"), f"{where}.shape")
     stride = _shape(view.get("stride"), f"{where}.stride")
     off = _int(view.get("offset"), f"{where}.offset")
+    _extent(shape, itemsize, f"{where}.shape")
     if len(stride) != len(shape) or off % itemsize:
         raise CorruptCheckpointError(f"{where}: stride/shape lengths differ or unaligned offset")
     if entry.get("kind") != "tensor" or entry.get("dtype") != "uint8":
@@ -390,7 +399,7 @@ def _validate_node(node: Any, where: str, entries: list[dict]) -> list[tuple[Any
     elif kind in ("list", "tuple", "size", "namedtuple"):
         items = _typed(node.get("items"), list, f"{where}.items")
         if kind == "size":
-            [_int(d, f"{where}.items[{k}]", -(1 << 63), 1 << 63) for k, d in enumerate(items)]
+            [_int(d, f"{where}.items[{k}]", -(1 << 63), (1 << 63) - 1) for k, d in enumerate(items)]
             return []
         if kind == "namedtuple":
             _qualname(node.get("cls"), f"{where}.cls")

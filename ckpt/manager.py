@@ -464,7 +464,7 @@ class CheckpointManager:
         if busy:
             self.wait()
         skipped: list[tuple[int, str]] = []
-        remote = self._remote_steps()
+        remote = self._remote_steps(strict=step is None)  # unlisted, a newer step would be missed
         for _attempt in range(3):  # re-list if a step vanished under us (concurrent retention)
             vanished = False
             local = set(_commit.steps(self.directory))
@@ -475,7 +475,7 @@ class CheckpointManager:
                 path = _commit.step_dir(self.directory, s)
                 try:
                     if s not in local and s in remote:
-                        state, stats = self._restore_remote(s, map_location, mmap)
+                        state, stats = self._restore_remote(s, map_location, mmap, into)
                     else:
                         try:
                             with _commit.reading(path):
@@ -490,7 +490,7 @@ class CheckpointManager:
                             if s not in remote:
                                 raise
                             log.warning("ckpt: step %d: %s; fetching the remote copy", s, exc)
-                            state, stats = self._restore_remote(s, map_location, mmap)
+                            state, stats = self._restore_remote(s, map_location, mmap, into)
                 except CorruptCheckpointError as exc:
                     if step is not None:
                         raise
@@ -500,7 +500,8 @@ class CheckpointManager:
                 except DcpCheckpointError:
                     raise  # not corrupt: never fall back to an older step because of it
                 except CheckpointError as exc:
-                    if step is not None or path.is_dir():
+                    gone = not path.is_dir() if s in local else s not in self._remote_steps()
+                    if step is not None or not gone:
                         raise  # only corruption falls back; a step deleted under us is re-listed
                     log.warning("ckpt: step %d vanished while restoring (%s); re-listing", s, exc)
                     vanished = True
@@ -562,13 +563,21 @@ class CheckpointManager:
         return path
 
     def _download(self, step: int, error: type[CheckpointError]) -> Path:
-        """Download remote ``step`` into a temp dir here; other failures become ``error``."""
+        """Download remote ``step`` into a temp dir here. A failure that outlived the retries
+        (the copy may still be there) is a ``CheckpointError``, never a reason to fall back to
+        an older step; other failures (a missing or forbidden object) become ``error``."""
         assert self.remote is not None
         try:
             return self.remote.download(step)
         except CheckpointError:
             raise
         except Exception as exc:
+            from feedpipe._remote import RemoteError
+
+            if isinstance(exc, RemoteError) and not exc.permanent:
+                raise CheckpointError(
+                    f"step {step}: cannot download the remote copy: {exc}"
+                ) from exc
             raise error(f"step {step}: remote copy unavailable: {exc}") from exc
 
     def _publish_download(self, tmp: Path, step: int) -> None:
@@ -581,7 +590,7 @@ class CheckpointManager:
             self.remote.stats.uploads.setdefault(step, _done_status(step))
 
     def _restore_remote(
-        self, step: int, map_location: MapLocation, mmap: bool
+        self, step: int, map_location: MapLocation, mmap: bool, into: Any = None
     ) -> tuple[Any, RestoreStats]:
         """Download ``step`` to a temp dir, verify every checksum, load, keep it as ``step-N``."""
         assert self.remote is not None
@@ -591,7 +600,7 @@ class CheckpointManager:
             pass
         tmp = self._download(step, CorruptCheckpointError)
         try:
-            state, _, stats = read_checkpoint(tmp, map_location=map_location, mmap=mmap)
+            state, _, stats = read_checkpoint(tmp, map_location=map_location, mmap=mmap, into=into)
             stats.path = f"{self.remote.url}/step-{step}"
             if self._lock.held:
                 self._publish_download(tmp, step)

@@ -157,9 +157,9 @@ def list_remote(fs: Any, root: str) -> dict[int, RemoteListing]:
     for path, info in found.items():
         rel = path[len(base) :] if path.startswith(base) else path
         head, _, tail = rel.partition("/")
-        if not head.startswith("step-") or not head[5:].isdigit():
+        step = _commit.step_number(head)
+        if step is None:
             continue
-        step = int(head[5:])
         entry = out.setdefault(step, RemoteListing(step, False, 0.0))
         entry.committed |= tail == fmt.MANIFEST
         entry.newest_mtime = max(entry.newest_mtime, _mtime(info))

@@ -50,9 +50,12 @@ def registered(name: str) -> type | None:
 def make_namedtuple(name: str, fields: list[str], items: list[Any]) -> tuple:
     """Rebuild a namedtuple: the registered class, else an equivalent one (with a warning)."""
     cls = registered(name)
-    if cls is not None and _is_namedtuple(cls) and list(cls._fields) == fields:  # type: ignore[attr-defined]
-        return cls(*items)
     why = "is not registered" if cls is None else "has other fields now"
+    if cls is not None and _is_namedtuple(cls) and list(cls._fields) == fields:  # type: ignore[attr-defined]
+        try:
+            return cls(*items)
+        except Exception as exc:  # its constructor refuses the saved values
+            why = f"refused the saved values ({exc!r:.200})"
     warnings.warn(
         f"ckpt: namedtuple {name} {why}; restored as an equivalent namedtuple "
         "(ckpt.register_type(cls) restores the class itself)",
@@ -76,7 +79,7 @@ def make_enum(name: str, value: int | str) -> Any:
     if cls is not None and issubclass(cls, enum.Enum):
         try:
             return cls(value)
-        except ValueError:
+        except Exception:  # ValueError, or whatever a custom _missing_ raises
             why = f"has no member with value {value!r} now"
     else:
         why = "is not registered"

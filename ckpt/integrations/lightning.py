@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ckpt._paths import local_path
 from ckpt.errors import CheckpointError
 from ckpt.simple import load, save
 
@@ -71,11 +72,13 @@ def _local(path: Any) -> str:
     """A local path (``file://`` stripped); a remote URL is an error, not a local directory."""
     key = os.fspath(path)
     if key.startswith("file://"):
-        return key[len("file://") :]
+        return str(local_path(key, "CkptCheckpointIO", "checkpoint to a local path"))
     if "://" in key:
+        from feedpipe._remote import redact
+
         raise ValueError(
-            f"CkptCheckpointIO writes local directories, got the URL {key!r}: checkpoint to a "
-            "local path and upload with ckpt.CheckpointManager(remote=...)"
+            f"CkptCheckpointIO writes local directories, got the URL {redact(key)!r}: checkpoint "
+            "to a local path and upload with ckpt.CheckpointManager(remote=...)"
         )
     return key
 
