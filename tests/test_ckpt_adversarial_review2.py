@@ -1,0 +1,180 @@
+"""Adversarial review of the commit protocol and the no-follow rules (issue 15 points 2, 3).
+
+Special files where ckpt expects a regular file (a FIFO, a directory) are a clear error and
+never hang; ``ckpt.save(path)`` never deletes a path that is not a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.cli import main as ckpt_main
+from ckpt.errors import CheckpointError
+from ckpt.manager import CheckpointManager
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((1000,), float(step)), "step": step}
+
+
+def _run(root: Path) -> Path:
+    with CheckpointManager(root, keep_last=None) as m:
+        for s in (1, 2):
+            m.save(s, _state(s)).result(30)
+    return root
+
+
+def _no_hang(fn: Callable[[], Any], fifos: list[Path], timeout_s: float = 5.0) -> Any:
+    """Run ``fn`` in a thread; if it is still running after ``timeout_s`` (blocked opening a
+    FIFO), release it by opening the FIFOs' write ends and fail."""
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            out["error"] = exc
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        for f in fifos:
+            try:
+                os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        t.join(5)
+        pytest.fail(f"hung on a FIFO: {fifos}")
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def _fifo(path: Path) -> Path:
+    if path.is_dir():
+        import shutil
+
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+    os.mkfifo(path)
+    return path
+
+
+def test_manifest_fifo_never_hangs(tmp_path: Path) -> None:
+    """A manifest replaced by a FIFO: ckpt.load, CkptStorageReader-free CLI verify and ls end
+    with a clear error, never block on open."""
+    path = ckpt.save(tmp_path / "one", _state(1))
+    fifo = _fifo(path / "manifest.json")
+    with pytest.raises(CheckpointError, match="manifest.json: .*not a regular file"):
+        _no_hang(lambda: ckpt.load(path), [fifo])
+    assert _no_hang(lambda: ckpt_main(["verify", str(path)]), [fifo]) == 1
+
+
+def test_data_file_fifo_never_hangs(tmp_path: Path) -> None:
+    """A data file replaced by a FIFO: restore falls back to the older step (logged), verify
+    fails, and nothing blocks."""
+    root = _run(tmp_path / "run")
+    fifo = _fifo(root / "step-2" / "data.bin")
+    with CheckpointManager(root) as m:
+        state = _no_hang(lambda: m.restore(), [fifo])
+    assert state["step"] == 1
+    with pytest.raises(CheckpointError, match="data.bin: .*not a regular file"):
+        _no_hang(lambda: ckpt.load(root / "step-2"), [fifo])
+    assert _no_hang(lambda: ckpt_main(["verify", str(root)]), [fifo]) == 1
+
+
+def test_data_file_directory_is_corrupt(tmp_path: Path) -> None:
+    """A data file replaced by a directory is a CheckpointError naming it, not a raw OSError."""
+    root = _run(tmp_path / "run")
+    (root / "step-2" / "data.bin").unlink()
+    (root / "step-2" / "data.bin").mkdir()
+    with pytest.raises(CheckpointError, match="data.bin"):
+        ckpt.load(root / "step-2")
+
+
+def test_dcp_data_file_fifo_never_hangs(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt.dcp import CkptStorageReader, CkptStorageWriter
+
+    root = tmp_path / "run"
+    dcp.save({"w": torch.ones(10)}, storage_writer=CkptStorageWriter(root, step=5))
+    data = [p for p in (root / "step-5").iterdir() if p.name != "manifest.json"]
+    assert data
+    fifos = [_fifo(p) for p in data]
+    out = {"w": torch.zeros(10)}
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        _no_hang(
+            lambda: dcp.load(out, storage_reader=CkptStorageReader(root / "step-5")), fifos
+        )
+
+
+def test_latest_fifo_never_hangs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``DIR/latest`` replaced by a FIFO: ``ckpt ls`` does not block; the next save replaces it."""
+    root = _run(tmp_path / "run")
+    fifo = _fifo(root / "latest")
+    assert _no_hang(lambda: ckpt_main(["ls", str(root)]), [fifo]) == 0
+    with CheckpointManager(root, keep_last=None) as m:
+        _no_hang(lambda: m.save(3, _state(3)).result(30), [fifo])
+    assert (root / "latest").read_text().strip() == "step-3"
+
+
+@pytest.mark.parametrize("kind", ["dir", "fifo"])
+def test_lock_special_file_is_a_clear_error(tmp_path: Path, kind: str) -> None:
+    """``DIR/.lock`` that is a directory or a FIFO: a CheckpointError naming it, never a hang."""
+    root = _run(tmp_path / "run")
+    lock = root / ".lock"
+    lock.unlink()
+    if kind == "dir":
+        lock.mkdir()
+    else:
+        os.mkfifo(lock)
+    with pytest.raises(CheckpointError, match=r"\.lock"):
+        _no_hang(lambda: CheckpointManager(root).save(3, _state(3)).result(30), [lock])
+
+
+def test_save_never_deletes_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    """``ckpt.save("outputs", state)`` over a user's directory refuses; the files stay."""
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    (outputs / "results.csv").write_text("precious\n")
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        ckpt.save(outputs, _state(1))
+    assert (outputs / "results.csv").read_text() == "precious\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
+
+
+def test_save_never_deletes_a_file(tmp_path: Path) -> None:
+    """``ckpt.save(path)`` where ``path`` is a regular file refuses; the file stays."""
+    victim = tmp_path / "model.pt"
+    victim.write_bytes(b"precious")
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        ckpt.save(victim, _state(1))
+    assert victim.read_bytes() == b"precious"
+
+
+def test_save_into_an_empty_directory_and_over_a_checkpoint(tmp_path: Path) -> None:
+    """An empty directory and an existing checkpoint are replaced (trailing slash, relative)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    ckpt.save(str(empty) + "/", _state(1))
+    assert ckpt.load(empty)["step"] == 1
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        ckpt.save("empty/", _state(2))
+        assert ckpt.load("empty")["step"] == 2
+    finally:
+        os.chdir(cwd)
