@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ckpt import _faults
 from ckpt.errors import CheckpointError, LockedError
-from ckpt.format import MANIFEST
+from ckpt.format import MANIFEST, open_regular
 
 __all__ = [
     "WriterLock",
@@ -354,13 +354,15 @@ def write_latest(root: Path, step: int) -> None:
 
 
 def read_latest(root: Path) -> int | None:
-    """The step named by ``DIR/latest``, or ``None`` if absent or unreadable (a symlink is a
-    ``CheckpointError``)."""
-    try:
-        fd = open_nofollow(root / LATEST, os.O_RDONLY)
+    """The step named by ``DIR/latest``, or ``None`` if absent, unreadable or not a regular
+    file (a symlink is a ``CheckpointError``)."""
+    try:  # O_NONBLOCK: a FIFO named latest never blocks the open
+        fd = open_nofollow(root / LATEST, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, device or directory
+            return None
         m = _STEP.match(os.read(fd, 64).decode().strip())
     except (UnicodeDecodeError, OSError):
         return None
@@ -434,7 +436,7 @@ class WriterLock:
         if self._fd is not None:
             return
         check_no_symlinks(self.root)
-        fd = open_nofollow(self.root / ".lock", os.O_RDWR | os.O_CREAT)
+        fd = open_regular(self.root / ".lock", os.O_RDWR | os.O_CREAT, error=CheckpointError)
         deadline = time.monotonic() + timeout_s
         while True:
             try:

@@ -31,7 +31,6 @@ serialization of that safe object, never the stored bytes (DCP's ``load_bytes`` 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import io
 import os
 import re
@@ -585,14 +584,7 @@ class CkptStorageReader(StorageReader):
         chunk = rec["chunk_bytes"]
         first, last = lo // chunk, max(lo, hi - 1) // chunk
         start, end = first * chunk, min((last + 1) * chunk, rec["size"])
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{path}: data file missing") from None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise CorruptCheckpointError(f"{path}: data file is a symlink") from None
-            raise
+        fd = fmt.open_data(path)  # never a symlink, FIFO or device
         try:
             if os.fstat(fd).st_size != rec["size"]:
                 raise CorruptCheckpointError(
