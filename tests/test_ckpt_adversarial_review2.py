@@ -178,3 +178,94 @@ def test_save_into_an_empty_directory_and_over_a_checkpoint(tmp_path: Path) -> N
         assert ckpt.load("empty")["step"] == 2
     finally:
         os.chdir(cwd)
+
+
+# ---- recovery killed after each of its own filesystem operations, then recovered again ----
+
+
+def _cut_run(base: Path) -> None:
+    """A directory as crashed writers leave it: step 5 only under a complete ``.del-`` name, a
+    half-deleted ``.del-`` copy, a dead save's temporary directory, an eviction cut after its
+    manifest went, and a stray ``latest.tmp-``."""
+    import shutil
+
+    from _ckpt_commit_worker import state
+
+    with CheckpointManager(base, keep_last=None) as m:
+        for s in (4, 5, 6):
+            m.save(s, state(s, "old")).result(30)
+    shutil.copytree(base / "step-5", base / "step-5.tmp-1-abcd")
+    shutil.copytree(base / "step-5", base / "step-5.del-bbbb")
+    (base / "step-5.del-bbbb" / "manifest.json").unlink()
+    (base / "step-5").rename(base / "step-5.del-aaaa")
+    (base / "step-6" / "manifest.json").unlink()
+    (base / "latest.tmp-1-abcd").write_text("step-6\n")
+
+
+def _recover_manager(root: str) -> None:
+    with CheckpointManager(root, keep_last=None) as m:
+        m.gc()  # takes the writer lock: recovery and leftover removal
+
+
+def _recover_reader(root: str) -> None:
+    from ckpt import _commit
+
+    _commit.steps(Path(root))
+
+
+def _recover_simple(root: str) -> None:
+    ckpt.load(Path(root) / "model")
+
+
+def _killed(fn: Callable[[str], None], root: Path, k: int) -> int | None:
+    import multiprocessing as mp
+
+    def body() -> None:
+        os.environ["CKPT_TEST_KILL_AFTER"] = str(k)
+        fn(str(root))
+
+    proc = mp.get_context("fork").Process(target=body)
+    proc.start()
+    proc.join(30)
+    return proc.exitcode
+
+
+@pytest.mark.parametrize("mode", ["manager", "reader", "simple"])
+def test_recovery_is_idempotent_under_kills(tmp_path: Path, mode: str) -> None:
+    """Recovery itself killed after its k-th operation, then killed again after its first, then
+    run to the end: the only complete copy of step 5 is never lost."""
+    import shutil
+
+    from _ckpt_commit_worker import state
+
+    base = tmp_path / "base"
+    if mode == "simple":
+        base.mkdir()
+        ckpt.save(base / "model", state(5, "old"))
+        shutil.copytree(base / "model", base / "model.del-bbbb")
+        (base / "model.del-bbbb" / "manifest.json").unlink()
+        (base / "model").rename(base / "model.del-aaaa")
+    else:
+        _cut_run(base)
+    fn = {"manager": _recover_manager, "reader": _recover_reader, "simple": _recover_simple}[mode]
+    kills = 0
+    for k in range(1, 40):
+        root = tmp_path / f"k{k}"
+        shutil.copytree(base, root)
+        code = _killed(fn, root, k)
+        assert code in (0, -9), code
+        assert _killed(fn, root, 1) in (0, -9)
+        if mode == "simple":
+            got = ckpt.load(root / "model")
+        else:
+            _recover_manager(str(root))
+            with CheckpointManager(root) as m:
+                assert m.steps() == [4, 5], k
+                got = m.restore(5)
+        assert got["tag"] == "old" and torch.equal(got["w"], state(5, "old")["w"]), k
+        shutil.rmtree(root)
+        if code == 0:
+            assert kills >= (1 if mode == "reader" else 3), kills  # the harness did kill it
+            return
+        kills += 1
+    pytest.fail("recovery never finished")
