@@ -21,7 +21,9 @@ Every committed step stays reachable at every instant of a crash:
    steps when no writer holds the lock (``steps`` calls ``recover``).
 
 Nothing in the directory is followed out of it: ``.lock``, ``latest``, step directories and data
-files that are symlinks are a ``CheckpointError`` naming the path, never opened through.
+files that are symlinks are a ``CheckpointError`` naming the path, never opened through. A FIFO,
+device or directory where a regular file belongs is an error too, never a hang, and a ``.lock``
+with more than one hard link is refused rather than written into.
 """
 
 from __future__ import annotations
@@ -437,6 +439,12 @@ class WriterLock:
             return
         check_no_symlinks(self.root)
         fd = open_regular(self.root / ".lock", os.O_RDWR | os.O_CREAT, error=CheckpointError)
+        if os.fstat(fd).st_nlink > 1:  # it is written below: never into a file shared elsewhere
+            os.close(fd)
+            raise CheckpointError(
+                f"{self.root / '.lock'}: has more than one hard link; ckpt never writes into a "
+                "file that another path shares (remove it; it is recreated)"
+            )
         deadline = time.monotonic() + timeout_s
         while True:
             try:

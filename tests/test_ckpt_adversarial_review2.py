@@ -269,3 +269,21 @@ def test_recovery_is_idempotent_under_kills(tmp_path: Path, mode: str) -> None:
             return
         kills += 1
     pytest.fail("recovery never finished")
+
+
+def test_hard_linked_lock_is_never_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``DIR/.lock`` hard-linked to a file elsewhere (``cp -al``, an attacker): the writer lock
+    refuses it instead of truncating the other file; ``ckpt gc`` too."""
+    root = _run(tmp_path / "run")
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious\n")
+    (root / ".lock").unlink()
+    os.link(victim, root / ".lock")
+    with pytest.raises(CheckpointError, match=r"\.lock: .*hard link"):
+        CheckpointManager(root).save(3, _state(3)).result(30)
+    for args in (["gc", str(root), "--dry-run"], ["gc", str(root), "--keep-last", "1"]):
+        assert ckpt_main(args) == 1
+        assert "hard link" in capsys.readouterr().err
+    assert victim.read_bytes() == b"precious\n"
