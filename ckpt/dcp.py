@@ -109,7 +109,10 @@ def _split_id(checkpoint_id: str | os.PathLike[str] | None) -> tuple[Path, int] 
 
 def load_bytes_item(raw: bytes | memoryview, where: str) -> Any:
     """Load one stored byte item with ``torch.load(weights_only=True)`` (never runs code);
-    anything outside the allow-list is a ``CorruptCheckpointError`` naming ``where``."""
+    anything outside the allow-list is a ``CorruptCheckpointError`` naming ``where``. Only the
+    zip archive ``torch.save`` writes, with stored (uncompressed) entries, is accepted: a loaded
+    item never takes more memory than its stored bytes (no zip bomb, no legacy-format sizes)."""
+    _check_archive(raw, where)
     try:
         return torch.load(io.BytesIO(bytes(raw)), weights_only=True, map_location="cpu")
     except Exception as exc:
@@ -119,6 +122,24 @@ def load_bytes_item(raw: bytes | memoryview, where: str) -> Any:
             f"{where}: byte item cannot be loaded safely (torch.load(weights_only=True) refused "
             f"it; ckpt never unpickles arbitrary objects): {why}"
         ) from None
+
+
+def _check_archive(raw: bytes | memoryview, where: str) -> None:
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            infos = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise CorruptCheckpointError(
+            f"{where}: byte item is not a torch.save zip archive ({exc})"
+        ) from None
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(raw):
+            raise CorruptCheckpointError(
+                f"{where}: byte item entry {info.filename!r} is compressed or larger than the "
+                "item (torch.save stores entries uncompressed; refused to bound memory)"
+            )
 
 
 def _safe_bytes(obj: Any) -> io.BytesIO:

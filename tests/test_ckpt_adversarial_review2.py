@@ -287,3 +287,42 @@ def test_hard_linked_lock_is_never_written(
         assert ckpt_main(args) == 1
         assert "hard link" in capsys.readouterr().err
     assert victim.read_bytes() == b"precious\n"
+
+
+def _deflated(obj: Any) -> bytes:
+    """``torch.save(obj)`` re-zipped with deflate: a few KiB that expand to the full size."""
+    import io
+    import zipfile
+
+    plain = io.BytesIO()
+    torch.save(obj, plain)
+    out = io.BytesIO()
+    with (
+        zipfile.ZipFile(io.BytesIO(plain.getvalue())) as zin,
+        zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zout,
+    ):
+        for name in zin.namelist():
+            zout.writestr(name, zin.read(name))
+    return out.getvalue()
+
+
+def test_byte_item_bomb_is_refused() -> None:
+    """A DCP byte item is loaded with ``weights_only=True``, which also inflates deflated zip
+    entries: a 50 KiB item would allocate 50 MB (GBs for a larger one). Only what torch.save
+    writes (stored entries, the zip format) is accepted, so memory is bounded by the item."""
+    import io
+
+    from ckpt.dcp import load_bytes_item
+
+    bomb = _deflated(torch.zeros(50_000_000, dtype=torch.uint8))
+    assert len(bomb) < 1_000_000
+    with pytest.raises(CheckpointError, match="item 'x'.*compressed"):
+        load_bytes_item(bomb, "item 'x'")
+    legacy = io.BytesIO()
+    torch.save({"a": 1}, legacy, _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointError, match="item 'y'.*not a torch.save zip"):
+        load_bytes_item(legacy.getvalue(), "item 'y'")
+    plain = io.BytesIO()
+    torch.save({"a": torch.arange(3), "b": "text"}, plain)
+    got = load_bytes_item(plain.getvalue(), "item 'z'")
+    assert got["b"] == "text" and torch.equal(got["a"], torch.arange(3))
