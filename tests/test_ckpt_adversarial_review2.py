@@ -248,8 +248,7 @@ def test_recovery_is_idempotent_under_kills(tmp_path: Path, mode: str) -> None:
     else:
         _cut_run(base)
     fn = {"manager": _recover_manager, "reader": _recover_reader, "simple": _recover_simple}[mode]
-    kills = 0
-    for k in range(1, 40):
+    for kills, k in enumerate(range(1, 40)):
         root = tmp_path / f"k{k}"
         shutil.copytree(base, root)
         code = _killed(fn, root, k)
@@ -267,7 +266,6 @@ def test_recovery_is_idempotent_under_kills(tmp_path: Path, mode: str) -> None:
         if code == 0:
             assert kills >= (1 if mode == "reader" else 3), kills  # the harness did kill it
             return
-        kills += 1
     pytest.fail("recovery never finished")
 
 
@@ -316,11 +314,11 @@ def test_byte_item_bomb_is_refused() -> None:
 
     bomb = _deflated(torch.zeros(50_000_000, dtype=torch.uint8))
     assert len(bomb) < 1_000_000
-    with pytest.raises(CheckpointError, match="item 'x'.*compressed"):
+    with pytest.raises(CheckpointError, match=r"item 'x'.*compressed"):
         load_bytes_item(bomb, "item 'x'")
     legacy = io.BytesIO()
     torch.save({"a": 1}, legacy, _use_new_zipfile_serialization=False)
-    with pytest.raises(CheckpointError, match="item 'y'.*not a torch.save zip"):
+    with pytest.raises(CheckpointError, match=r"item 'y'.*not a torch\.save zip"):
         load_bytes_item(legacy.getvalue(), "item 'y'")
     plain = io.BytesIO()
     torch.save({"a": torch.arange(3), "b": "text"}, plain)
