@@ -350,7 +350,14 @@ def write_latest(root: Path, step: int) -> None:
     finally:
         os.close(fd)
     _faults.fs_op(f"write {tmp.name}")
-    os.rename(tmp, root / LATEST)  # replaces a symlink named latest, never writes through it
+    try:
+        os.rename(tmp, root / LATEST)  # replaces a symlink named latest, never writes through it
+    except IsADirectoryError:
+        remove_path(tmp)
+        raise CheckpointError(
+            f"{root / LATEST}: is a directory; ckpt keeps its latest-step pointer there "
+            "(remove or rename that directory)"
+        ) from None
     _faults.fs_op(f"rename {tmp.name} {LATEST}")
     fsync_dir(root)
 

@@ -324,3 +324,21 @@ def test_byte_item_bomb_is_refused() -> None:
     torch.save({"a": torch.arange(3), "b": "text"}, plain)
     got = load_bytes_item(plain.getvalue(), "item 'z'")
     assert got["b"] == "text" and torch.equal(got["a"], torch.arange(3))
+
+
+def test_latest_directory_is_named_and_kept(tmp_path: Path) -> None:
+    """A directory named ``latest``: the save commits its step, then fails naming ``latest``;
+    the directory and its files are left alone, and no ``latest.tmp-`` is left behind."""
+    root = _run(tmp_path / "run")
+    (root / "latest").unlink()
+    (root / "latest").mkdir()
+    (root / "latest" / "notes.txt").write_text("keep\n")
+    with (
+        pytest.raises(CheckpointError, match=r"latest: is a directory"),
+        CheckpointManager(root, keep_last=None) as m,
+    ):
+        m.save(3, _state(3)).result(30)
+    assert (root / "latest" / "notes.txt").read_text() == "keep\n"
+    assert not [p for p in os.listdir(root) if p.startswith("latest.tmp-")]
+    with CheckpointManager(root) as m:
+        assert m.steps() == [1, 2, 3]
