@@ -413,9 +413,12 @@ def evict(root: Path, step: int) -> bool:
         except BlockingIOError:
             return False
         _faults.pause("retention")
-        os.unlink(path / MANIFEST)  # no longer a checkpoint: never brought back by recovery
+        # relative to the locked directory's fd: had ``step-N`` been swapped for a symlink since
+        # the open, the path would reach a manifest elsewhere
+        os.unlink(MANIFEST, dir_fd=fd)  # no longer a checkpoint: never brought back by recovery
         _faults.fs_op(f"unlink {path.name}/{MANIFEST}")
-        fsync_dir(path)
+        os.fsync(fd)
+        _faults.fs_op(f"fsync {path.name}")
         doomed = root / f"step-{step}.del-{secrets.token_hex(4)}"
         os.rename(path, doomed)
         _faults.fs_op(f"rename {path.name} {doomed.name}")

@@ -342,3 +342,29 @@ def test_latest_directory_is_named_and_kept(tmp_path: Path) -> None:
     assert not [p for p in os.listdir(root) if p.startswith("latest.tmp-")]
     with CheckpointManager(root) as m:
         assert m.steps() == [1, 2, 3]
+
+
+def test_eviction_never_unlinks_through_a_swapped_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``step-N`` swapped for a symlink after eviction opened and locked it (at the
+    ``retention`` fault point): the manifest it removes is the locked step's, never one that
+    the symlink reaches."""
+    from ckpt import _commit, _faults
+
+    root = _run(tmp_path / "run")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "manifest.json").write_text("precious\n")
+    real = _faults.pause
+
+    def swap(point: str) -> None:
+        if point == "retention":
+            (root / "step-1").rename(tmp_path / "moved")
+            (root / "step-1").symlink_to(victim)
+        real(point)
+
+    monkeypatch.setattr(_faults, "pause", swap)
+    _commit.evict(root, 1)
+    assert (victim / "manifest.json").read_text() == "precious\n"
+    assert not (tmp_path / "moved" / "manifest.json").exists()  # the locked step lost it
