@@ -178,11 +178,19 @@ def remove_path(path: Path) -> None:
 
 def discard(path: Path) -> None:
     """Delete a retired copy: its manifest first (fsynced), so it never looks complete again."""
-    if path.is_dir() and not path.is_symlink():
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path / MANIFEST)
-            _faults.fs_op(f"unlink {path.name}/{MANIFEST}")
-            fsync_dir(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # gone, a file or a symlink: nothing to retire first
+        fd = -1
+    if fd >= 0:
+        try:  # relative to the fd: never a manifest that a swapped-in symlink reaches
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(MANIFEST, dir_fd=fd)
+                _faults.fs_op(f"unlink {path.name}/{MANIFEST}")
+                os.fsync(fd)
+                _faults.fs_op(f"fsync {path.name}")
+        finally:
+            os.close(fd)
     remove_path(path)
 
 
