@@ -41,6 +41,7 @@ __all__ = [
     "IO_BYTES",
     "MANIFEST",
     "MAX_DEPTH",
+    "MAX_MANIFEST_BYTES",
     "Target",
     "check_file",
     "inside",
@@ -64,6 +65,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 CHUNK_BYTES = 16 << 20  # one CRC32C per 16 MiB of each data file
 IO_BYTES = 16 << 20  # the largest single read of a restore: its buffer per reader thread
+MAX_MANIFEST_BYTES = 1 << 30  # a manifest is read whole: bounded, whatever its file claims
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 
 
@@ -194,7 +196,12 @@ def read_manifest(directory: str | os.PathLike[str], name: str = MANIFEST) -> di
     path = Path(directory) / name
     try:
         with open(open_regular(path), "rb") as f:  # never a symlink, a FIFO or a device
-            raw = f.read()
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_MANIFEST_BYTES:  # a (sparse) giant is refused before it is read
+                raise CorruptCheckpointError(
+                    f"{path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte limit"
+                )
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: manifest missing") from None
     except OSError as exc:

@@ -368,3 +368,18 @@ def test_eviction_never_unlinks_through_a_swapped_step(
     _commit.evict(root, 1)
     assert (victim / "manifest.json").read_text() == "precious\n"
     assert not (tmp_path / "moved" / "manifest.json").exists()  # the locked step lost it
+
+
+def test_giant_sparse_manifest_is_refused_unread(tmp_path: Path) -> None:
+    """A sparse manifest larger than ``MAX_MANIFEST_BYTES`` is a CorruptCheckpointError before
+    any of it is read (it is read whole otherwise), and restore falls back."""
+    from ckpt import format as fmt
+    from ckpt.errors import CorruptCheckpointError
+
+    root = _run(tmp_path / "run")
+    with open(root / "step-2" / "manifest.json", "r+b") as f:
+        f.truncate(fmt.MAX_MANIFEST_BYTES + 4096)
+    with pytest.raises(CorruptCheckpointError, match=r"manifest\.json: manifest is .* limit"):
+        ckpt.load(root / "step-2")
+    with CheckpointManager(root) as m:
+        assert m.restore()["step"] == 1
