@@ -201,7 +201,7 @@ def read_manifest(directory: str | os.PathLike[str], name: str = MANIFEST) -> di
                 raise CorruptCheckpointError(
                     f"{path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte limit"
                 )
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+            raw = f.read(size)  # never more than it claimed (a growing file is cut)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: manifest missing") from None
     except OSError as exc:
