@@ -21,7 +21,9 @@ Every committed step stays reachable at every instant of a crash:
    steps when no writer holds the lock (``steps`` calls ``recover``).
 
 Nothing in the directory is followed out of it: ``.lock``, ``latest``, step directories and data
-files that are symlinks are a ``CheckpointError`` naming the path, never opened through.
+files that are symlinks are a ``CheckpointError`` naming the path, never opened through. A FIFO,
+device or directory where a regular file belongs is an error too, never a hang, and a ``.lock``
+with more than one hard link is refused rather than written into.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from pathlib import Path
 
 from ckpt import _faults
 from ckpt.errors import CheckpointError, LockedError
-from ckpt.format import MANIFEST
+from ckpt.format import MANIFEST, open_regular
 
 __all__ = [
     "WriterLock",
@@ -184,11 +186,19 @@ def remove_path(path: Path) -> None:
 
 def discard(path: Path) -> None:
     """Delete a retired copy: its manifest first (fsynced), so it never looks complete again."""
-    if path.is_dir() and not path.is_symlink():
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path / MANIFEST)
-            _faults.fs_op(f"unlink {path.name}/{MANIFEST}")
-            fsync_dir(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # gone, a file or a symlink: nothing to retire first
+        fd = -1
+    if fd >= 0:
+        try:  # relative to the fd: never a manifest that a swapped-in symlink reaches
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(MANIFEST, dir_fd=fd)
+                _faults.fs_op(f"unlink {path.name}/{MANIFEST}")
+                os.fsync(fd)
+                _faults.fs_op(f"fsync {path.name}")
+        finally:
+            os.close(fd)
     remove_path(path)
 
 
@@ -356,19 +366,28 @@ def write_latest(root: Path, step: int) -> None:
     finally:
         os.close(fd)
     _faults.fs_op(f"write {tmp.name}")
-    os.rename(tmp, root / LATEST)  # replaces a symlink named latest, never writes through it
+    try:
+        os.rename(tmp, root / LATEST)  # replaces a symlink named latest, never writes through it
+    except IsADirectoryError:
+        remove_path(tmp)
+        raise CheckpointError(
+            f"{root / LATEST}: is a directory; ckpt keeps its latest-step pointer there "
+            "(remove or rename that directory)"
+        ) from None
     _faults.fs_op(f"rename {tmp.name} {LATEST}")
     fsync_dir(root)
 
 
 def read_latest(root: Path) -> int | None:
-    """The step named by ``DIR/latest``, or ``None`` if absent or unreadable (a symlink is a
-    ``CheckpointError``)."""
-    try:
-        fd = open_nofollow(root / LATEST, os.O_RDONLY)
+    """The step named by ``DIR/latest``, or ``None`` if absent, unreadable or not a regular
+    file (a symlink is a ``CheckpointError``)."""
+    try:  # O_NONBLOCK: a FIFO named latest never blocks the open
+        fd = open_nofollow(root / LATEST, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, device or directory
+            return None
         m = _STEP.match(os.read(fd, 64).decode().strip())
     except (UnicodeDecodeError, OSError):
         return None
@@ -410,9 +429,12 @@ def evict(root: Path, step: int) -> bool:
         except BlockingIOError:
             return False
         _faults.pause("retention")
-        os.unlink(path / MANIFEST)  # no longer a checkpoint: never brought back by recovery
+        # relative to the locked directory's fd: had ``step-N`` been swapped for a symlink since
+        # the open, the path would reach a manifest elsewhere
+        os.unlink(MANIFEST, dir_fd=fd)  # no longer a checkpoint: never brought back by recovery
         _faults.fs_op(f"unlink {path.name}/{MANIFEST}")
-        fsync_dir(path)
+        os.fsync(fd)
+        _faults.fs_op(f"fsync {path.name}")
         doomed = root / f"step-{step}.del-{secrets.token_hex(4)}"
         os.rename(path, doomed)
         _faults.fs_op(f"rename {path.name} {doomed.name}")
@@ -442,7 +464,13 @@ class WriterLock:
         if self._fd is not None:
             return
         check_no_symlinks(self.root)
-        fd = open_nofollow(self.root / ".lock", os.O_RDWR | os.O_CREAT)
+        fd = open_regular(self.root / ".lock", os.O_RDWR | os.O_CREAT, error=CheckpointError)
+        if os.fstat(fd).st_nlink > 1:  # it is written below: never into a file shared elsewhere
+            os.close(fd)
+            raise CheckpointError(
+                f"{self.root / '.lock'}: has more than one hard link; ckpt never writes into a "
+                "file that another path shares (remove it; it is recreated)"
+            )
         deadline = time.monotonic() + timeout_s
         while True:
             try:

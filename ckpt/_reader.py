@@ -297,10 +297,17 @@ def _check_shape(body: dict, node: dict, target: Any, where: str, path: Any) -> 
 def _mmap(file: Path, size: int) -> torch.Tensor:
     if size == 0:
         return torch.empty(0, dtype=torch.uint8)
-    if file.is_symlink():  # never map through a symlink out of the checkpoint
-        raise CorruptCheckpointError(f"{file}: data file is a symlink")
-    # copy-on-write private mapping: pages are read lazily, writes never reach the file
-    return torch.from_file(str(file), shared=False, size=size, dtype=torch.uint8)
+    import mmap
+
+    fd = fmt.open_data(file)  # the file checked is the file mapped: no symlink, FIFO or device
+    try:
+        if os.fstat(fd).st_size != size:
+            raise CorruptCheckpointError(f"{file}: size {os.fstat(fd).st_size} != {size} bytes")
+        # copy-on-write private mapping: pages are read lazily, writes never reach the file
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
 def verify_step(path: str | os.PathLike[str]) -> dict:

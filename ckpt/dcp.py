@@ -31,7 +31,6 @@ serialization of that safe object, never the stored bytes (DCP's ``load_bytes`` 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import io
 import os
 import re
@@ -110,7 +109,10 @@ def _split_id(checkpoint_id: str | os.PathLike[str] | None) -> tuple[Path, int] 
 
 def load_bytes_item(raw: bytes | memoryview, where: str) -> Any:
     """Load one stored byte item with ``torch.load(weights_only=True)`` (never runs code);
-    anything outside the allow-list is a ``CorruptCheckpointError`` naming ``where``."""
+    anything outside the allow-list is a ``CorruptCheckpointError`` naming ``where``. Only the
+    zip archive ``torch.save`` writes, with stored (uncompressed) entries, is accepted: a loaded
+    item never takes more memory than its stored bytes (no zip bomb, no legacy-format sizes)."""
+    _check_archive(raw, where)
     try:
         return torch.load(io.BytesIO(bytes(raw)), weights_only=True, map_location="cpu")
     except Exception as exc:
@@ -120,6 +122,24 @@ def load_bytes_item(raw: bytes | memoryview, where: str) -> Any:
             f"{where}: byte item cannot be loaded safely (torch.load(weights_only=True) refused "
             f"it; ckpt never unpickles arbitrary objects): {why}"
         ) from None
+
+
+def _check_archive(raw: bytes | memoryview, where: str) -> None:
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            infos = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise CorruptCheckpointError(
+            f"{where}: byte item is not a torch.save zip archive ({exc})"
+        ) from None
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(raw):
+            raise CorruptCheckpointError(
+                f"{where}: byte item entry {info.filename!r} is compressed or larger than the "
+                "item (torch.save stores entries uncompressed; refused to bound memory)"
+            )
 
 
 def _safe_bytes(obj: Any) -> io.BytesIO:
@@ -585,14 +605,7 @@ class CkptStorageReader(StorageReader):
         chunk = rec["chunk_bytes"]
         first, last = lo // chunk, max(lo, hi - 1) // chunk
         start, end = first * chunk, min((last + 1) * chunk, rec["size"])
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{path}: data file missing") from None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise CorruptCheckpointError(f"{path}: data file is a symlink") from None
-            raise
+        fd = fmt.open_data(path)  # never a symlink, FIFO or device
         try:
             if os.fstat(fd).st_size != rec["size"]:
                 raise CorruptCheckpointError(

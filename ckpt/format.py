@@ -17,6 +17,7 @@ import keyword
 import math
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -40,11 +41,14 @@ __all__ = [
     "IO_BYTES",
     "MANIFEST",
     "MAX_DEPTH",
+    "MAX_MANIFEST_BYTES",
     "Target",
     "check_file",
     "inside",
     "load_arrays",
     "numpy_dtype",
+    "open_data",
+    "open_regular",
     "plan",
     "read_manifest",
     "safe_relpath",
@@ -61,6 +65,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 CHUNK_BYTES = 16 << 20  # one CRC32C per 16 MiB of each data file
 IO_BYTES = 16 << 20  # the largest single read of a restore: its buffer per reader thread
+MAX_MANIFEST_BYTES = 1 << 30  # a manifest is read whole: bounded, whatever its file claims
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 
 
@@ -190,8 +195,13 @@ def read_manifest(directory: str | os.PathLike[str], name: str = MANIFEST) -> di
     """
     path = Path(directory) / name
     try:
-        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:  # never a symlink
-            raw = f.read()
+        with open(open_regular(path), "rb") as f:  # never a symlink, a FIFO or a device
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_MANIFEST_BYTES:  # a (sparse) giant is refused before it is read
+                raise CorruptCheckpointError(
+                    f"{path}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte limit"
+                )
+            raw = f.read(size)  # never more than it claimed (a growing file is cut)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: manifest missing") from None
     except OSError as exc:
@@ -498,9 +508,31 @@ def inside(directory: Path, name: str) -> Path:
     return path
 
 
-def _open(path: Path) -> int:
+def open_regular(
+    path: str | os.PathLike[str],
+    flags: int = os.O_RDONLY,
+    mode: int = 0o644,
+    error: type[CheckpointError] = CorruptCheckpointError,
+) -> int:
+    """``os.open`` of a regular file only: never through a symlink (``ELOOP``), and a FIFO,
+    device or directory is an ``error`` naming ``path`` (opened ``O_NONBLOCK``, so a FIFO never
+    blocks the open; the flag changes nothing for regular files)."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except IsADirectoryError:
+        raise error(f"{path}: not a regular file (a directory)") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        kind = stat.filemode(os.fstat(fd).st_mode)
+        os.close(fd)
+        raise error(f"{path}: not a regular file ({kind})")
+    return fd
+
+
+def open_data(path: Path) -> int:
+    """Open a data file for reading (``open_regular``); a missing file or a symlink is a
+    ``CorruptCheckpointError`` naming it."""
+    try:
+        return open_regular(path)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: data file missing") from None
     except OSError as exc:
@@ -513,7 +545,7 @@ def check_file(directory: Path, rec: dict) -> None:
     """Check that a data file exists with exactly the size its record claims (before any
     allocation sized by that claim)."""
     path = inside(directory, rec["name"])
-    fd = _open(path)
+    fd = open_data(path)
     try:
         _check_size(path, rec, fd)
     finally:
@@ -537,7 +569,7 @@ def stream_file(
     starts = [off for off, _ in order]
     chunk, size = rec["chunk_bytes"], rec["size"]
     local = threading.local()
-    fd = _open(path)
+    fd = open_data(path)
 
     def one(i: int) -> float:
         scratch = getattr(local, "buf", None)

@@ -25,13 +25,15 @@ _REMOTE_HINT = "for remote storage use CheckpointManager('/local/dir', remote=UR
 def save(path: str | os.PathLike[str], state: Any, *, metadata: dict | None = None) -> Path:
     """Write ``state`` to the checkpoint directory ``path`` and return it once durable.
 
-    An existing checkpoint at ``path`` is replaced; a crash at any instant leaves the old or the
-    new one reachable at ``path`` (an atomic exchange where the filesystem has it; otherwise
-    the next ``save``/``load`` of ``path`` puts the old copy back).
+    An existing checkpoint (or an empty directory) at ``path`` is replaced; any other file or
+    directory there is a ``CheckpointError`` and stays untouched. A crash at any instant leaves
+    the old or the new checkpoint reachable at ``path`` (an atomic exchange where the filesystem
+    has it; otherwise the next ``save``/``load`` of ``path`` puts the old copy back).
     """
     path = local_path(path, "ckpt.save", _REMOTE_HINT)
     path.parent.mkdir(parents=True, exist_ok=True)
     _settle(path)
+    _check_replaceable(path)
     leaves: list[Leaf] = []
     tree = flatten(state, leaves)
     entries, nbytes = fmt.plan(leaves)
@@ -59,6 +61,20 @@ def save(path: str | os.PathLike[str], state: Any, *, metadata: dict | None = No
         _commit.remove_path(tmp)  # the new copy, or after the exchange the old one
         raise
     return path
+
+
+def _check_replaceable(path: Path) -> None:
+    """Refuse to replace anything at ``path`` but a checkpoint or an empty directory."""
+    if os.path.islink(path):
+        raise CheckpointError(f"{path}: is a symlink; ckpt.save never replaces one")
+    if not os.path.lexists(path) or _commit.is_complete(path):
+        return
+    if path.is_dir() and not any(path.iterdir()):
+        return
+    raise CheckpointError(
+        f"{path}: exists and is not a checkpoint directory; ckpt.save replaces only a "
+        "checkpoint or an empty directory (choose another path, or remove it yourself)"
+    )
 
 
 def _settle(path: Path, tmps: bool = True) -> None:
