@@ -35,7 +35,16 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-__all__ = ["RngChain", "Watch", "decode", "encode", "global_state", "private", "replay"]
+__all__ = [
+    "RngChain",
+    "Watch",
+    "decode",
+    "encode",
+    "global_state",
+    "order",
+    "private",
+    "replay",
+]
 
 _WATCHED_BATCHES = 2  # batches of a pass during which an unknown sampler is watched
 _MAX_DEPTH = 16
@@ -150,6 +159,25 @@ def _walk(loader: Any) -> Iterator[tuple[str, Any]]:
             return  # its own state holds its position and randomness
         obj = getattr(obj, "sampler", None)
         name = "sampler" if obj is loader.sampler else f"{name}.sampler"
+
+
+def order(loader: Any) -> dict[str, Any]:
+    """What else fixes which samples a saved batch count covers: the sampler chain's classes
+    (with a torch ``DistributedSampler``'s world size: it shards by it and is not elastic), the
+    batch size and the dataset's length (``None`` where there is none). A state is loaded only
+    into a loader whose ``order`` is the same; a stateful sampler's own state covers its part."""
+    samplers = []
+    for _, obj in _walk(loader):
+        name = type(obj).__name__
+        if isinstance(obj, tud.DistributedSampler) and not _stateful(obj):
+            name += f"(num_replicas={obj.num_replicas})"
+        samplers.append(name)
+    try:
+        length: int | None = len(loader.dataset)
+    except TypeError:
+        length = None
+    size = getattr(loader._index_sampler, "batch_size", loader.batch_size)
+    return {"samplers": samplers, "batch_size": size, "dataset_length": length}
 
 
 class Watch:

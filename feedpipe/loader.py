@@ -54,7 +54,7 @@ from feedpipe._loader_fetch import (
     _WorkerInit,
     choose_mode,
 )
-from feedpipe._rng_state import RngChain, Watch, encode, global_state, private, replay
+from feedpipe._rng_state import RngChain, Watch, encode, global_state, order, private, replay
 from feedpipe._workers_thread import InlineSource, RNGWatch, ThreadWorkers, thread_worker_info
 from feedpipe.errors import WorkerError
 from feedpipe.gpu import GPUFeed, Prefetcher
@@ -76,13 +76,14 @@ def get_worker_info() -> Any:
 class _Epoch:
     """Where the current epoch stands: updated per batch (a plain object, cheap to write)."""
 
-    __slots__ = ("active", "batches", "rng", "samples")
+    __slots__ = ("active", "batches", "resumed", "rng", "samples")
 
     def __init__(self) -> None:
         self.active = False
         self.batches = 0  # batches delivered this epoch (including before a resume)
         self.samples = 0  # samples delivered this epoch (including before a resume)
         self.rng: dict[str, str] | None = None  # RNG states at the start of the epoch
+        self.resumed: dict[str, Any] | None = None  # the state this pass resumes from
 
 
 class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
@@ -253,8 +254,13 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
         Warns (``RuntimeWarning``) when a sampler draws from an RNG that the state cannot hold,
         naming it: a resume would not reproduce its order."""
-        if self._pending is not None:
-            return dict(self._pending)
+        epoch = self._epoch
+        # iter() without a next() yet: the sampler has not drawn, so the pass stands where its
+        # start left it: the resumed state, or the epoch boundary (with the base seed drawn)
+        fresh = epoch.active and epoch.rng is None
+        pending = self._pending if self._pending is not None else epoch.resumed if fresh else None
+        if pending is not None:
+            return dict(pending)
         if not self.in_order and self.num_workers > 0:
             raise ValueError(
                 "state_dict() needs in_order=True: out-of-order delivery is not resumable"
@@ -272,16 +278,17 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                 RuntimeWarning,
                 stacklevel=2,
             )
-        epoch = self._epoch
+        active = epoch.active and not fresh
         state: dict[str, Any] = {
             "version": _STATE_VERSION,
-            "in_epoch": epoch.active,
-            "batches": epoch.batches if epoch.active else 0,
-            "samples": epoch.samples if epoch.active else 0,
-            "rng": epoch.rng if epoch.active else self._rng_now(chain),
+            "in_epoch": active,
+            "batches": epoch.batches if active else 0,
+            "samples": epoch.samples if active else 0,
+            "rng": epoch.rng if active else self._rng_now(chain),
             # where the RNG state applies: just before the sampler's first draw, or at iter()
             # (which may first draw the workers' base seed, as torch does)
             "rng_at": "sampler" if epoch.active or self._reuses_workers() else "iter",
+            "order": order(self),
         }
         sampler = self._stateful_sampler()
         if sampler is not None:
@@ -334,6 +341,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                 raise ValueError(
                     f"the state's RNG state for {name!r} is not a torch generator state: {exc}"
                 ) from None
+        self._check_order(state)
         # Stateful parts load now (a user's set_epoch() after this sees the loaded epoch); the
         # RNG state and the skip apply at the next iter(), where torch draws from the RNG.
         sampler = self._stateful_sampler()
@@ -344,6 +352,22 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         self._pending = dict(state)
 
     # --------------------------------------------------------------------------- internals
+    def _check_order(self, state: dict[str, Any]) -> None:
+        """Refuse a state whose batch count would skip other samples in this loader."""
+        saved, ours = state.get("order"), order(self)
+        if saved is None:  # a state written before the order was recorded
+            return
+        if not isinstance(saved, dict):
+            raise ValueError(f"DataLoader state: 'order' must be a dict, got {type(saved).__name__}")
+        for key, value in ours.items():
+            if key == "batch_size" and "sampler" in state:
+                continue  # the stateful sampler counts samples, not batches
+            if saved.get(key) != value:
+                raise ValueError(
+                    f"the state was saved by a loader with {key} {saved.get(key)!r}, but this "
+                    f"loader has {value!r}: resuming would skip or repeat other samples"
+                )
+
     def _stateful_sampler(self) -> Any:
         for s in (self.sampler, getattr(self.batch_sampler, "sampler", None), self.batch_sampler):
             if callable(getattr(s, "state_dict", None)) and callable(
@@ -380,6 +404,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         skip = 0
         pending, self._pending = self._pending, None
         epoch = self._epoch = _Epoch()  # a fresh object: an abandoned iterator cannot count here
+        epoch.resumed = pending
         self._restore_rng, self._lend, self._seed_gen = None, None, None
         lent: str | None = None
         chain = RngChain.of(self)
