@@ -358,7 +358,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         if saved is None:  # a state written before the order was recorded
             return
         if not isinstance(saved, dict):
-            raise ValueError(f"DataLoader state: 'order' must be a dict, got {type(saved).__name__}")
+            kind = type(saved).__name__
+            raise ValueError(f"DataLoader state: 'order' must be a dict, got {kind}")
         for key, value in ours.items():
             if key == "batch_size" and "sampler" in state:
                 continue  # the stateful sampler counts samples, not batches

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DistributedSampler as TorchDistributedSampler
 from torch.utils.data import (
     RandomSampler,
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
-from torch.utils.data import DistributedSampler as TorchDistributedSampler
 
 import feedpipe
 from feedpipe import DataLoader
@@ -31,15 +31,20 @@ WORKERS: dict[str, dict[str, Any]] = {
     "threads": {"num_workers": 2, "worker_type": "thread"},
     "processes": {"num_workers": 2},
 }
+
+
+def _shared(g: torch.Generator) -> dict[str, Any]:
+    """One generator for the loader and its sampler."""
+    return {"sampler": RandomSampler(DATA, generator=g), "generator": g}
+
+
 SAMPLERS: dict[str, Callable[[], dict[str, Any]]] = {
     "global": lambda: {"shuffle": True},
     "generator": lambda: {"shuffle": True, "generator": torch.Generator().manual_seed(7)},
     "weighted": lambda: {"sampler": WeightedRandomSampler([1.0] * N, N)},
     "subset": lambda: {"sampler": SubsetRandomSampler(list(range(3, N)))},
     "replacement": lambda: {"sampler": RandomSampler(DATA, replacement=True, num_samples=70)},
-    "shared_generator": lambda: (
-        lambda g: {"sampler": RandomSampler(DATA, generator=g), "generator": g}
-    )(torch.Generator().manual_seed(7)),
+    "shared_generator": lambda: _shared(torch.Generator().manual_seed(7)),
 }
 
 
