@@ -341,6 +341,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                 raise ValueError(
                     f"the state's RNG state for {name!r} is not a torch generator state: {exc}"
                 ) from None
+        self._check_counts(state)
         self._check_order(state)
         # Stateful parts load now (a user's set_epoch() after this sees the loaded epoch); the
         # RNG state and the skip apply at the next iter(), where torch draws from the RNG.
@@ -352,6 +353,31 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         self._pending = dict(state)
 
     # --------------------------------------------------------------------------- internals
+    def _check_counts(self, state: dict[str, Any]) -> None:
+        """Refuse counts that no loader writes (a corrupt or hand-edited state)."""
+        for key in ("batches", "samples"):
+            if type(state[key]) is not int or state[key] < 0:
+                raise ValueError(
+                    f"DataLoader state: {key!r} must be an int >= 0, got {state[key]!r}"
+                )
+        if type(state["in_epoch"]) is not bool:
+            raise ValueError(
+                f"DataLoader state: 'in_epoch' must be a bool, got {state['in_epoch']!r}"
+            )
+        if state.get("rng_at", "iter") not in ("iter", "sampler"):
+            raise ValueError(f"DataLoader state: unknown 'rng_at' {state['rng_at']!r}")
+        if "sampler" in state or not state["in_epoch"]:
+            return  # a stateful sampler holds the position itself
+        try:
+            total = len(self._index_sampler)
+        except (TypeError, NotImplementedError):
+            return
+        if state["batches"] > total:
+            raise ValueError(
+                f"the state says {state['batches']} batches of the epoch were delivered, but an "
+                f"epoch of this loader has {total}"
+            )
+
     def _check_order(self, state: dict[str, Any]) -> None:
         """Refuse a state whose batch count would skip other samples in this loader."""
         saved, ours = state.get("order"), order(self)

@@ -228,3 +228,23 @@ def test_stateful_sampler_state_after_stopiteration_without_set_epoch() -> None:
     b = make()
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
     assert [first, _batches(iter(b))] == want
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("batches", 10**9),  # broke: an empty epoch, silently
+        ("batches", True),
+        ("batches", "3"),
+        ("batches", 2.5),
+        ("samples", -5),
+        ("in_epoch", "no"),
+        ("rng_at", "bogus"),
+    ],
+)
+def test_corrupt_counts_are_refused_at_load(key: str, value: Any) -> None:
+    """Broke: a hand-edited or corrupt count was accepted, and the resumed epoch skipped
+    everything (10**9) or counted samples past the epoch's end."""
+    state = _saved(batch_size=4, shuffle=True)
+    with pytest.raises(ValueError, match=key):
+        DataLoader(DATA, batch_size=4, shuffle=True).load_state_dict({**state, key: value})
