@@ -115,7 +115,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     StatefulDataLoader): the state is small and JSON-able. Resume re-creates the epoch's index
     order from the saved RNG states (every generator along the sampler chain; see
     ``feedpipe._rng_state``) or the stateful sampler's own state, and skips the delivered index
-    batches without reading them. It never changes the global torch RNG. Per-worker randomness
+    batches without reading them. It never changes the global torch RNG. A loader whose order
+    differs (samplers, batch size, dataset length) refuses the state. Per-worker randomness
     inside ``__getitem__`` (from the worker seed) is not replayed: derive augmentations from the
     index/epoch for exact resume.
     """
