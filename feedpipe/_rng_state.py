@@ -4,9 +4,10 @@ Which RNGs. The loader's ``generator=`` (or, without one, torch's global RNG: to
 workers' base seed from it, and its ``RandomSampler`` draws its seed from it), and every
 ``torch.Generator`` found as ``.generator`` along the sampler chain: the index sampler, its
 ``.sampler``, that one's ``.sampler`` and so on (``batch_sampler=BatchSampler(RandomSampler(ds,
-generator=g))`` is found as ``batch_sampler.sampler``). A stateful sampler (``state_dict`` /
-``load_state_dict``) ends the walk: its own state covers it. When the loader has its own
-generator but a sampler may draw from the global RNG, the global RNG is recorded too.
+generator=g))`` is found as ``batch_sampler.sampler``), and any other ``torch.Generator``
+attribute of those samplers (``self.rng``, found as ``sampler.rng``). A stateful sampler
+(``state_dict`` / ``load_state_dict``) ends the walk: its own state covers it. When the loader
+has its own generator but a sampler may draw from the global RNG, the global RNG is recorded too.
 
 Replay without touching the user's RNG. An explicit generator belongs to the loader: its saved
 state is set back and the epoch's draws advance it exactly as in the uninterrupted run. The
@@ -137,6 +138,9 @@ class RngChain:
                 draws_global = True  # it may draw from the global RNG at its first next()
                 chain.custom.append(label)
             for attr, value in vars(obj).items() if hasattr(obj, "__dict__") else ():
+                if isinstance(value, torch.Generator) and id(value) not in seen:
+                    seen.add(id(value))  # a generator under another name (``self.rng``)
+                    chain.generators[f"{name}.{attr}"] = value
                 if isinstance(value, (np.random.Generator, np.random.RandomState, random.Random)):
                     chain.problems.append(
                         f"{label} holds a {type(value).__name__} in .{attr}, which the state "

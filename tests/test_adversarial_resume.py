@@ -9,6 +9,7 @@ exactly must be refused at ``load_state_dict``, never silently skip or repeat sa
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from torch.utils.data import DistributedSampler as TorchDistributedSampler
 from torch.utils.data import (
     RandomSampler,
+    Sampler,
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
@@ -248,3 +250,27 @@ def test_corrupt_counts_are_refused_at_load(key: str, value: Any) -> None:
     state = _saved(batch_size=4, shuffle=True)
     with pytest.raises(ValueError, match=key):
         DataLoader(DATA, batch_size=4, shuffle=True).load_state_dict({**state, key: value})
+
+
+class OwnGenerator(Sampler[int]):
+    """A custom sampler whose torch.Generator is not called ``.generator``."""
+
+    def __init__(self) -> None:
+        self.rng = torch.Generator().manual_seed(5)
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self) -> Iterator[int]:
+        yield from torch.randperm(N, generator=self.rng).tolist()
+
+
+@pytest.mark.parametrize("workers", ["inline", "processes"])
+def test_a_generator_under_another_attribute_name_is_in_the_state(workers: str) -> None:
+    """Broke: ``self.rng = torch.Generator()`` was neither held nor warned about; the resumed
+    epoch drew another permutation, silently."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _resume(
+            lambda: DataLoader(DATA, batch_size=4, sampler=OwnGenerator(), **WORKERS[workers]), 3
+        )
