@@ -4,9 +4,10 @@ Which RNGs. The loader's ``generator=`` (or, without one, torch's global RNG: to
 workers' base seed from it, and its ``RandomSampler`` draws its seed from it), and every
 ``torch.Generator`` found as ``.generator`` along the sampler chain: the index sampler, its
 ``.sampler``, that one's ``.sampler`` and so on (``batch_sampler=BatchSampler(RandomSampler(ds,
-generator=g))`` is found as ``batch_sampler.sampler``). A stateful sampler (``state_dict`` /
-``load_state_dict``) ends the walk: its own state covers it. When the loader has its own
-generator but a sampler may draw from the global RNG, the global RNG is recorded too.
+generator=g))`` is found as ``batch_sampler.sampler``), and any other ``torch.Generator``
+attribute of those samplers (``self.rng``, found as ``sampler.rng``). A stateful sampler
+(``state_dict`` / ``load_state_dict``) ends the walk: its own state covers it. When the loader
+has its own generator but a sampler may draw from the global RNG, the global RNG is recorded too.
 
 Replay without touching the user's RNG. An explicit generator belongs to the loader: its saved
 state is set back and the epoch's draws advance it exactly as in the uninterrupted run. The
@@ -35,7 +36,16 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-__all__ = ["RngChain", "Watch", "decode", "encode", "global_state", "private", "replay"]
+__all__ = [
+    "RngChain",
+    "Watch",
+    "decode",
+    "encode",
+    "global_state",
+    "order",
+    "private",
+    "replay",
+]
 
 _WATCHED_BATCHES = 2  # batches of a pass during which an unknown sampler is watched
 _MAX_DEPTH = 16
@@ -128,6 +138,9 @@ class RngChain:
                 draws_global = True  # it may draw from the global RNG at its first next()
                 chain.custom.append(label)
             for attr, value in vars(obj).items() if hasattr(obj, "__dict__") else ():
+                if isinstance(value, torch.Generator) and id(value) not in seen:
+                    seen.add(id(value))  # a generator under another name (``self.rng``)
+                    chain.generators[f"{name}.{attr}"] = value
                 if isinstance(value, (np.random.Generator, np.random.RandomState, random.Random)):
                     chain.problems.append(
                         f"{label} holds a {type(value).__name__} in .{attr}, which the state "
@@ -150,6 +163,25 @@ def _walk(loader: Any) -> Iterator[tuple[str, Any]]:
             return  # its own state holds its position and randomness
         obj = getattr(obj, "sampler", None)
         name = "sampler" if obj is loader.sampler else f"{name}.sampler"
+
+
+def order(loader: Any) -> dict[str, Any]:
+    """What else fixes which samples a saved batch count covers: the sampler chain's classes
+    (with a torch ``DistributedSampler``'s world size: it shards by it and is not elastic), the
+    batch size and the dataset's length (``None`` where there is none). A state is loaded only
+    into a loader whose ``order`` is the same; a stateful sampler's own state covers its part."""
+    samplers = []
+    for _, obj in _walk(loader):
+        name = type(obj).__name__
+        if isinstance(obj, tud.DistributedSampler) and not _stateful(obj):
+            name += f"(num_replicas={obj.num_replicas})"
+        samplers.append(name)
+    try:
+        length: int | None = len(loader.dataset)
+    except TypeError:
+        length = None
+    size = getattr(loader._index_sampler, "batch_size", loader.batch_size)
+    return {"samplers": samplers, "batch_size": size, "dataset_length": length}
 
 
 class Watch:

@@ -54,7 +54,7 @@ from feedpipe._loader_fetch import (
     _WorkerInit,
     choose_mode,
 )
-from feedpipe._rng_state import RngChain, Watch, encode, global_state, private, replay
+from feedpipe._rng_state import RngChain, Watch, encode, global_state, order, private, replay
 from feedpipe._workers_thread import (
     InlineSource,
     RNGWatch,
@@ -82,13 +82,14 @@ def get_worker_info() -> Any:
 class _Epoch:
     """Where the current epoch stands: updated per batch (a plain object, cheap to write)."""
 
-    __slots__ = ("active", "batches", "rng", "samples")
+    __slots__ = ("active", "batches", "resumed", "rng", "samples")
 
     def __init__(self) -> None:
         self.active = False
         self.batches = 0  # batches delivered this epoch (including before a resume)
         self.samples = 0  # samples delivered this epoch (including before a resume)
         self.rng: dict[str, str] | None = None  # RNG states at the start of the epoch
+        self.resumed: dict[str, Any] | None = None  # the state this pass resumes from
 
 
 class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
@@ -120,7 +121,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     StatefulDataLoader): the state is small and JSON-able. Resume re-creates the epoch's index
     order from the saved RNG states (every generator along the sampler chain; see
     ``feedpipe._rng_state``) or the stateful sampler's own state, and skips the delivered index
-    batches without reading them. It never changes the global torch RNG. Per-worker randomness
+    batches without reading them. It never changes the global torch RNG. A loader whose order
+    differs (samplers, batch size, dataset length) refuses the state. Per-worker randomness
     inside ``__getitem__`` (from the worker seed) is not replayed: derive augmentations from the
     index/epoch for exact resume.
     """
@@ -260,8 +262,13 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
         Warns (``RuntimeWarning``) when a sampler draws from an RNG that the state cannot hold,
         naming it: a resume would not reproduce its order."""
-        if self._pending is not None:
-            return dict(self._pending)
+        epoch = self._epoch
+        # iter() without a next() yet: the sampler has not drawn, so the pass stands where its
+        # start left it: the resumed state, or the epoch boundary (with the base seed drawn)
+        fresh = epoch.active and epoch.rng is None
+        pending = self._pending if self._pending is not None else epoch.resumed if fresh else None
+        if pending is not None:
+            return dict(pending)
         if not self.in_order and self.num_workers > 0:
             raise ValueError(
                 "state_dict() needs in_order=True: out-of-order delivery is not resumable"
@@ -279,16 +286,17 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                 RuntimeWarning,
                 stacklevel=2,
             )
-        epoch = self._epoch
+        active = epoch.active and not fresh
         state: dict[str, Any] = {
             "version": _STATE_VERSION,
-            "in_epoch": epoch.active,
-            "batches": epoch.batches if epoch.active else 0,
-            "samples": epoch.samples if epoch.active else 0,
-            "rng": epoch.rng if epoch.active else self._rng_now(chain),
+            "in_epoch": active,
+            "batches": epoch.batches if active else 0,
+            "samples": epoch.samples if active else 0,
+            "rng": epoch.rng if active else self._rng_now(chain),
             # where the RNG state applies: just before the sampler's first draw, or at iter()
             # (which may first draw the workers' base seed, as torch does)
             "rng_at": "sampler" if epoch.active or self._reuses_workers() else "iter",
+            "order": order(self),
         }
         sampler = self._stateful_sampler()
         if sampler is not None:
@@ -341,6 +349,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                 raise ValueError(
                     f"the state's RNG state for {name!r} is not a torch generator state: {exc}"
                 ) from None
+        self._check_counts(state)
+        self._check_order(state)
         # Stateful parts load now (a user's set_epoch() after this sees the loaded epoch); the
         # RNG state and the skip apply at the next iter(), where torch draws from the RNG.
         sampler = self._stateful_sampler()
@@ -351,6 +361,48 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         self._pending = dict(state)
 
     # --------------------------------------------------------------------------- internals
+    def _check_counts(self, state: dict[str, Any]) -> None:
+        """Refuse counts that no loader writes (a corrupt or hand-edited state)."""
+        for key in ("batches", "samples"):
+            if type(state[key]) is not int or state[key] < 0:
+                raise ValueError(
+                    f"DataLoader state: {key!r} must be an int >= 0, got {state[key]!r}"
+                )
+        if type(state["in_epoch"]) is not bool:
+            raise ValueError(
+                f"DataLoader state: 'in_epoch' must be a bool, got {state['in_epoch']!r}"
+            )
+        if state.get("rng_at", "iter") not in ("iter", "sampler"):
+            raise ValueError(f"DataLoader state: unknown 'rng_at' {state['rng_at']!r}")
+        if "sampler" in state or not state["in_epoch"]:
+            return  # a stateful sampler holds the position itself
+        try:
+            total = len(self._index_sampler)
+        except (TypeError, NotImplementedError):
+            return
+        if state["batches"] > total:
+            raise ValueError(
+                f"the state says {state['batches']} batches of the epoch were delivered, but an "
+                f"epoch of this loader has {total}"
+            )
+
+    def _check_order(self, state: dict[str, Any]) -> None:
+        """Refuse a state whose batch count would skip other samples in this loader."""
+        saved, ours = state.get("order"), order(self)
+        if saved is None:  # a state written before the order was recorded
+            return
+        if not isinstance(saved, dict):
+            kind = type(saved).__name__
+            raise ValueError(f"DataLoader state: 'order' must be a dict, got {kind}")
+        for key, value in ours.items():
+            if key == "batch_size" and "sampler" in state:
+                continue  # the stateful sampler counts samples, not batches
+            if saved.get(key) != value:
+                raise ValueError(
+                    f"the state was saved by a loader with {key} {saved.get(key)!r}, but this "
+                    f"loader has {value!r}: resuming would skip or repeat other samples"
+                )
+
     def _stateful_sampler(self) -> Any:
         for s in (self.sampler, getattr(self.batch_sampler, "sampler", None), self.batch_sampler):
             if callable(getattr(s, "state_dict", None)) and callable(
@@ -387,6 +439,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         skip = 0
         pending, self._pending = self._pending, None
         epoch = self._epoch = _Epoch()  # a fresh object: an abandoned iterator cannot count here
+        epoch.resumed = pending
         self._restore_rng, self._lend, self._seed_gen = None, None, None
         lent: str | None = None
         chain = RngChain.of(self)
