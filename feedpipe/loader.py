@@ -301,7 +301,13 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         sampler = self._stateful_sampler()
         if sampler is not None:
             sub = dict(sampler.state_dict())
-            sub["consumed"] = epoch.samples if epoch.active else sub.get("consumed", 0)
+            if epoch.active:
+                sub["consumed"] = epoch.samples
+            elif "consumed_base" in sub:  # feedpipe's DistributedSampler at an epoch boundary:
+                # the next iter() starts a fresh pass (of the same epoch unless set_epoch()
+                # changes it), as torch's sampler does, whatever the last pass consumed
+                sub.update(consumed=0, consumed_base=0, segment_start=0)
+                sub["num_replicas"] = getattr(sampler, "num_replicas", sub["num_replicas"])
             state["sampler"] = sub
         if self._iterable:
             if not callable(getattr(self.dataset, "state_dict", None)):
