@@ -252,6 +252,10 @@ def check_into(body: dict, into: Any, path: str | os.PathLike[str] = "") -> None
         kind = node["t"]
         if isinstance(target, torch.nn.Module):  # load_state_dict: its tensors by name
             if kind in ("dict", "odict"):
+                saved, wanted = {k for k, _ in node["items"]}, set(target.state_dict())
+                if saved != wanted:  # torch's strict load_state_dict would refuse it part way
+                    missing, extra = sorted(wanted - saved), sorted(saved - wanted)
+                    _fail(path, where, f"module keys differ: missing {missing}, unexpected {extra}")
                 named = _module_tensors(target)
                 stack.extend(
                     (v, named[k], f"{where}[{k!r}]") for k, v in node["items"] if k in named
