@@ -28,7 +28,7 @@ def local_path(path: str | os.PathLike[str], what: str, hint: str) -> Path:
             return Path("/" + rest)
     m = _SCHEME.match(text)
     if m is not None:
-        from feedpipe._remote import redact
+        from feedpipe.io import redact
 
         raise ValueError(
             f"{what} takes a local directory, got {redact(text)!r} (a {m.group(1)}:// URL); {hint}"

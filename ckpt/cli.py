@@ -202,7 +202,7 @@ def _fetch(fs: Any, rpath: str, into: Path, *, data: bool) -> None:
 def _remote_cmd(command: str, url: str, options: dict, only: int | None) -> int:
     """``ckpt ls|verify URL``: a remote root of ``step-N`` prefixes, or one remote checkpoint."""
     from ckpt.remote import list_remote
-    from feedpipe._remote import redact, resolve
+    from feedpipe.io import redact, resolve
 
     fs, root = resolve(url, options or None)
     shown = redact(url, options).rstrip("/")
@@ -316,7 +316,7 @@ def _scrub(message: str, url: str) -> str:
     client quotes them outside a URL, e.g. inside a bucket name) and without any URL's."""
     from urllib.parse import urlsplit
 
-    from feedpipe._remote import redact
+    from feedpipe.io import redact
 
     try:
         userinfo = urlsplit(url).netloc.rpartition("@")[0]

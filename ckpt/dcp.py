@@ -68,7 +68,7 @@ from ckpt import format as fmt
 from ckpt._flatten import torch_dtype
 from ckpt._pool import Buffer, PinnedPool, PoolOptions
 from ckpt.errors import CheckpointError, CorruptCheckpointError
-from feedpipe._crc import crc32c, to_hex
+from feedpipe.io import crc32c, to_hex
 
 if TYPE_CHECKING:
     from ckpt.manager import CheckpointManager

@@ -32,7 +32,7 @@ from ckpt import _faults
 from ckpt._flatten import ALIGN, MAX_DEPTH, Leaf, torch_dtype
 from ckpt._pool import Buffer
 from ckpt.errors import CheckpointError, CorruptCheckpointError
-from feedpipe._crc import crc32c, to_hex
+from feedpipe.io import crc32c, to_hex
 
 __all__ = [
     "ALIGN",

@@ -572,9 +572,9 @@ class CheckpointManager:
         except CheckpointError:
             raise
         except Exception as exc:
-            from feedpipe._remote import RemoteError
+            from feedpipe.io import RemoteIOError
 
-            if isinstance(exc, RemoteError) and not exc.permanent:
+            if isinstance(exc, RemoteIOError) and not exc.permanent:
                 raise CheckpointError(
                     f"step {step}: cannot download the remote copy: {exc}"
                 ) from exc

@@ -13,10 +13,10 @@ its manifest first. Verification (``RemoteOptions.verify``):
   each request body in flight.
 
 Transient errors are retried with backoff under ``deadline_s``, permanent ones fail at once
-(``feedpipe._remote.call``); failures are kept in the stats and raised by the manager's next
+(``feedpipe.io.call``); failures are kept in the stats and raised by the manager's next
 ``save``/``wait`` (``on_error="warn"``: logged, and retried after the next commit); the local
 copy is never evicted before its upload is done (unless ``evict_before_upload``). Messages
-never contain credentials (``feedpipe._remote.redact``).
+never contain credentials (``feedpipe.io.redact``).
 Upload status is mirrored to ``DIR/upload-status.json`` for ``ckpt ls``.
 """
 
@@ -40,8 +40,7 @@ from typing import Any
 from ckpt import _commit, _faults
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError
-from feedpipe._crc import crc32c, to_hex
-from feedpipe._remote import RetryPolicy, call, redact, resolve
+from feedpipe.io import RetryPolicy, call, crc32c, redact, resolve, to_hex
 
 __all__ = [
     "STATUS_FILE",

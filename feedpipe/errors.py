@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
-__all__ = ["DatasetError", "MissingExtraError", "WorkerError"]
+from feedpipe.io.remote import RemoteIOError, redact
+
+__all__ = ["DatasetError", "MissingExtraError", "RemoteError", "WorkerError"]
 
 
 class DatasetError(Exception):
     """A dataset is malformed, truncated, corrupt, or was indexed out of range.
 
-    The message passes through :func:`feedpipe._remote.redact` here, once for every raise site:
-    a URL's password or signed query string never reaches the text.
+    The message passes through :func:`feedpipe.io.remote.redact` here, once for every raise
+    site: a URL's password or signed query string never reaches the text.
     """
 
     def __init__(self, *args: object) -> None:
         if args and isinstance(args[0], str):
-            from feedpipe._remote import redact  # lazy: _remote imports this module
-
             args = (redact(args[0]), *args[1:])
         super().__init__(*args)
+
+
+class RemoteError(DatasetError, RemoteIOError):
+    """A remote read failed; the message names the URL and says whether retries were exhausted.
+
+    A ``DatasetError`` for feedpipe's callers and a :class:`feedpipe.io.RemoteIOError` (the
+    class ckpt raises) for code that handles both.
+    """
+
+    def __init__(self, message: str, url: str, *, permanent: bool = False) -> None:
+        RemoteIOError.__init__(self, message, url, permanent=permanent)
 
 
 class WorkerError(RuntimeError):

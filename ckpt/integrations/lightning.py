@@ -74,7 +74,7 @@ def _local(path: Any) -> str:
     if key.startswith("file://"):
         return str(local_path(key, "CkptCheckpointIO", "checkpoint to a local path"))
     if "://" in key:
-        from feedpipe._remote import redact
+        from feedpipe.io import redact
 
         raise ValueError(
             f"CkptCheckpointIO writes local directories, got the URL {redact(key)!r}: checkpoint "

@@ -1,0 +1,47 @@
+"""The shared I/O layer: CRC32C, remote access (resolve, retry, classify, redact), temp names.
+
+Standard library, fsspec and crc32c only: no torch, no numpy, nothing else from feedpipe. It is
+the only part of feedpipe that ckpt imports.
+"""
+
+from __future__ import annotations
+
+from feedpipe.io.crc import crc32c, crc32c_file, to_hex
+from feedpipe.io.remote import (
+    DEFAULT_POLICY,
+    TEMP_PREFIX,
+    CancelledError,
+    RemoteIOError,
+    RetryPolicy,
+    call,
+    classify,
+    is_remote,
+    is_temp,
+    join,
+    redact,
+    resolve,
+    temp_name,
+    temp_target,
+    within,
+)
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "TEMP_PREFIX",
+    "CancelledError",
+    "RemoteIOError",
+    "RetryPolicy",
+    "call",
+    "classify",
+    "crc32c",
+    "crc32c_file",
+    "is_remote",
+    "is_temp",
+    "join",
+    "redact",
+    "resolve",
+    "temp_name",
+    "temp_target",
+    "to_hex",
+    "within",
+]
