@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from feedpipe.errors import DatasetError
+from feedpipe.io.fsutil import fsync_dir
 
 __all__ = [
     "FORMAT",
@@ -351,18 +352,5 @@ def write_index(directory: str | os.PathLike[str], index: Index) -> str:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root, best_effort=True)
     return final
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)

@@ -36,6 +36,7 @@ from typing import Any
 from feedpipe import _remote
 from feedpipe._remote import INDEX_NAME, FileEntry
 from feedpipe.errors import DatasetError
+from feedpipe.io.fsutil import atomic_write, fsync_dir
 
 __all__ = ["StageResult", "add_arguments", "run", "stage"]
 
@@ -196,7 +197,7 @@ def _stage_locked(
         raise
     finally:
         bar.close()
-    _write_atomic(index_path, raw_index)
+    atomic_write(index_path, raw_index)
     return StageResult(len(todo), len(entries) - len(todo), total, time.perf_counter() - t0)
 
 
@@ -294,15 +295,7 @@ def _invalidate(index_path: str) -> None:
             f"{index_path}: is a directory, not a dataset index (remove it, or stage into "
             "another directory)"
         ) from None
-    _fsync_dir(os.path.dirname(index_path))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(os.path.dirname(index_path))
 
 
 def _refuse_linked_dirs(dst: str, entries: list[FileEntry]) -> None:
@@ -321,21 +314,6 @@ def _refuse_linked_dirs(dst: str, entries: list[FileEntry]) -> None:
                     f"{path}: is a symlink; feedpipe stage never writes through links in the "
                     "destination (remove it, or stage into another directory)"
                 )
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = _remote.temp_name(path, len(data))
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(os.path.dirname(path))
 
 
 def _clean_stale_temps(root: str) -> None:

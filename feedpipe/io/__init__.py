@@ -1,4 +1,5 @@
-"""The shared I/O layer: CRC32C, remote access (resolve, retry, classify, redact), temp names.
+"""The shared I/O layer: CRC32C, remote access (resolve, retry, classify, redact), temp names,
+directory fsync and atomic writes.
 
 Standard library, fsspec and crc32c only: no torch, no numpy, nothing else from feedpipe. It is
 the only part of feedpipe that ckpt imports.
@@ -7,6 +8,7 @@ the only part of feedpipe that ckpt imports.
 from __future__ import annotations
 
 from feedpipe.io.crc import crc32c, crc32c_file, to_hex
+from feedpipe.io.fsutil import atomic_write, fsync_dir
 from feedpipe.io.remote import (
     DEFAULT_POLICY,
     TEMP_PREFIX,
@@ -31,10 +33,12 @@ __all__ = [
     "CancelledError",
     "RemoteIOError",
     "RetryPolicy",
+    "atomic_write",
     "call",
     "classify",
     "crc32c",
     "crc32c_file",
+    "fsync_dir",
     "is_remote",
     "is_temp",
     "join",
