@@ -219,8 +219,8 @@ def run_one(
 
 def _table(results: list[BenchResult], step_ms: float) -> str:
     """The sweep as a text table: one row per configuration, alone vs with the step."""
-    from feedpipe._stall_report import hint
     from feedpipe.stall import StallStats
+    from feedpipe.stall.report import hint
 
     head = f"{'config':<10}{'alone samples/s':>16}{'alone p50 ms':>14}"
     if step_ms:

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 import feedpipe
-from feedpipe import stall as stall_mod
 from feedpipe.stall import (
     DistributedSink,
     JsonlSink,
@@ -21,6 +20,7 @@ from feedpipe.stall import (
     TensorBoardSink,
     gather_stats,
 )
+from feedpipe.stall import meter as stall_mod
 
 
 class FakeClock:

@@ -19,8 +19,6 @@ import pytest
 import torch
 
 from feedpipe import DataLoader
-from feedpipe import stall as stall_mod
-from feedpipe._stall_report import CPU_BOUND, MIN_BATCHES, hint
 from feedpipe.stall import (
     DistributedSummary,
     JsonlSink,
@@ -29,6 +27,8 @@ from feedpipe.stall import (
     StallStats,
     TensorBoardSink,
 )
+from feedpipe.stall import meter as stall_mod
+from feedpipe.stall.report import CPU_BOUND, MIN_BATCHES, hint
 
 FETCH = 0.040  # per batch (one sample per batch)
 STEP = 0.002

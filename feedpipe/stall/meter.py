@@ -59,10 +59,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, TypeVar
 
-from feedpipe._stall_dist import DistributedSink, DistributedSummary, gather_stats
-from feedpipe._stall_report import format_report, format_summary
-from feedpipe._stall_sinks import JsonlSink, LoggingSink, Sink, TensorBoardSink
-from feedpipe._stall_stats import StageStats, StallStats
+from feedpipe.stall.distributed import DistributedSink, DistributedSummary, gather_stats
+from feedpipe.stall.report import format_report, format_summary
+from feedpipe.stall.sinks import JsonlSink, LoggingSink, Sink, TensorBoardSink
+from feedpipe.stall.stats import StageStats, StallStats
 
 __all__ = [
     "WORKER_STAGES",

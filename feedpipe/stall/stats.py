@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from feedpipe._stall_report import format_report, format_summary
+from feedpipe.stall.report import format_report, format_summary
 
 __all__ = ["StageStats", "StallStats"]
 

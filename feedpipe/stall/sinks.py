@@ -19,7 +19,8 @@ from typing import IO, TYPE_CHECKING, Any
 from feedpipe.errors import MissingExtraError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from feedpipe.stall import StallMeter, StallStats
+    from feedpipe.stall.meter import StallMeter
+    from feedpipe.stall.stats import StallStats
 
 __all__ = ["JsonlSink", "LoggingSink", "Sink", "TensorBoardSink"]
 

@@ -15,10 +15,10 @@ import statistics
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from feedpipe._stall_sinks import Sink
+from feedpipe.stall.sinks import Sink
 
 if TYPE_CHECKING:  # pragma: no cover
-    from feedpipe.stall import StallStats
+    from feedpipe.stall.stats import StallStats
 
 __all__ = ["DistributedSink", "DistributedSummary", "gather_stats"]
 
@@ -55,7 +55,7 @@ def gather_stats(stats: StallStats, group: Any = None) -> DistributedSummary:
     """Collective: all-gather ``stats`` from every rank of ``group`` and summarise them."""
     import torch.distributed as dist
 
-    from feedpipe.stall import StallStats
+    from feedpipe.stall.stats import StallStats
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
