@@ -17,10 +17,10 @@ _EXPORTS: dict[str, str] = {
     "DataLoader": "feedpipe.loader",
     "get_worker_info": "feedpipe.loader",
     "DistributedSampler": "feedpipe.sampler",
-    "MemmapDataset": "feedpipe.memmap",
-    "MemmapWriter": "feedpipe.memmap",
-    "ZarrDataset": "feedpipe.zarr_dataset",
-    "convert": "feedpipe.convert",
+    "MemmapDataset": "feedpipe.datasets.memmap",
+    "MemmapWriter": "feedpipe.datasets.writer",
+    "ZarrDataset": "feedpipe.datasets.zarr",
+    "convert": "feedpipe.datasets.convert",
     "stage": "feedpipe.stage",
     "ShardCache": "feedpipe.cache",
     "StallMeter": "feedpipe.stall.meter",
@@ -50,16 +50,16 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from feedpipe.cache import ShardCache
-    from feedpipe.convert import convert
     from feedpipe.dali import ImageLoader
+    from feedpipe.datasets.convert import convert
+    from feedpipe.datasets.memmap import MemmapDataset, MemmapWriter
+    from feedpipe.datasets.zarr import ZarrDataset
     from feedpipe.errors import DatasetError
     from feedpipe.gpu import GPUFeed
     from feedpipe.loader import DataLoader, get_worker_info
-    from feedpipe.memmap import MemmapDataset, MemmapWriter
     from feedpipe.sampler import DistributedSampler
     from feedpipe.stage import stage
     from feedpipe.stall import StallMeter, StallStats
-    from feedpipe.zarr_dataset import ZarrDataset
 
 
 def __getattr__(name: str) -> Any:

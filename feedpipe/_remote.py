@@ -114,7 +114,7 @@ class FileEntry:
 
 
 def _entries_from_index(doc: Any, url: str) -> list[FileEntry]:
-    from feedpipe._index import Index
+    from feedpipe.datasets.format import Index
 
     out: list[FileEntry] = []
     for shard_id, rel, nbytes, crc in Index.from_json(doc, url).files():

@@ -129,7 +129,7 @@ def _dataset(args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
     if not args.path:
         raise SystemExit("feedpipe bench: give a dataset PATH or --synthetic")
     from feedpipe import _remote
-    from feedpipe.memmap import MemmapDataset
+    from feedpipe.datasets.memmap import MemmapDataset
 
     if not _remote.is_remote(args.path):
         return MemmapDataset(args.path)

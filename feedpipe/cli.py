@@ -18,7 +18,7 @@ __all__ = ["main"]
 
 _COMMANDS: dict[str, tuple[str, str]] = {
     "convert": (
-        "feedpipe.convert",
+        "feedpipe.datasets.convert",
         "build a dataset from images, .npy/.npz, Zarr or a torch dataset",
     ),
     "inspect": ("feedpipe.inspect_cmd", "print a dataset's index; --verify checks every checksum"),

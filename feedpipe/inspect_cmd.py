@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 from feedpipe import _remote
 from feedpipe._crc import crc32c, to_hex
-from feedpipe._index import Index, read_index
+from feedpipe.datasets.format import Index, read_index
 from feedpipe.errors import DatasetError
 
 __all__ = ["add_arguments", "describe", "run", "verify"]

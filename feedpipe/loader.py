@@ -676,11 +676,11 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
 def _takes_arrays(dataset: Any) -> bool:
     """Whether ``dataset.read_batch`` is one of ours, which takes numpy index arrays."""
-    from feedpipe.memmap import MemmapDataset
+    from feedpipe.datasets.memmap import MemmapDataset
 
     if isinstance(dataset, MemmapDataset):
         return True
-    zarr = sys.modules.get("feedpipe.zarr_dataset")  # imported only if the user did
+    zarr = sys.modules.get("feedpipe.datasets.zarr")  # imported only if the user did
     return zarr is not None and isinstance(dataset, zarr.ZarrDataset)
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from feedpipe._memmap_writer import MemmapWriter
 from feedpipe._progress import NullBar, progress
+from feedpipe.datasets.writer import MemmapWriter
 
 
 def _cli(

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from feedpipe import DatasetError, MemmapDataset
-from feedpipe._memmap_writer import MemmapWriter
 from feedpipe.convert import convert
+from feedpipe.datasets.writer import MemmapWriter
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from feedpipe import DatasetError, MemmapDataset, MemmapWriter
-from feedpipe._index import Index, read_index
+from feedpipe.datasets.format import Index, read_index
 
 RNG = np.random.default_rng(0)
 

@@ -1,4 +1,4 @@
-"""``MemmapWriter``: write a sharded memmap dataset (see :mod:`feedpipe._index` for the format).
+"""``MemmapWriter``: write a sharded memmap dataset (format: :mod:`feedpipe.datasets.format`).
 
 Each shard is written under a temporary name and renamed when complete; ``index.json`` is written
 last, so a crashed or interrupted write never looks like a complete dataset.
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from feedpipe._crc import crc32c, to_hex
-from feedpipe._index import (
+from feedpipe.datasets.format import (
     INDEX_NAME,
     FieldSpec,
     FileInfo,
@@ -209,7 +209,7 @@ class MemmapWriter:
         self._upload: tuple[str, dict[str, Any], bool] | None = None
         if _remote.is_remote(self.path):  # write locally, publish on close (index last)
             self._upload = (self.path, dict(storage_options or {}), overwrite)
-            from feedpipe._publish import check_remote_destination
+            from feedpipe.datasets._publish import check_remote_destination
 
             check_remote_destination(self.path, self._upload[1], overwrite=overwrite)
             self._local = tempfile.mkdtemp(prefix="feedpipe-upload-")
@@ -406,7 +406,7 @@ class MemmapWriter:
         index = Index(self.layout, dict(self.fields), list(self._shards), dict(self.extra))
         write_index(self._local, index)
         if self._upload is not None:
-            from feedpipe._publish import publish
+            from feedpipe.datasets._publish import publish
 
             url, options, overwrite = self._upload
             try:

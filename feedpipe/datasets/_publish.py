@@ -1,7 +1,7 @@
 """Publish a dataset written in a local folder to an fsspec URL: shard files first, index last.
 
 A remote destination is treated like a local one (see
-:func:`feedpipe._memmap_writer.prepare_destination`): an existing dataset is replaced only with
+:func:`feedpipe.datasets.writer.prepare_destination`): an existing dataset is replaced only with
 ``overwrite``, and a non-empty prefix that is not a dataset is refused. When a dataset is
 replaced, its ``index.json`` is deleted before any shard is written, so no reader ever sees the
 old index over new shards; the new ``index.json`` is uploaded last, so a failed upload never
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from feedpipe import _remote
-from feedpipe._index import INDEX_NAME, parse_index, read_index
+from feedpipe.datasets.format import INDEX_NAME, parse_index, read_index
 from feedpipe.errors import DatasetError
 
 __all__ = ["check_remote_destination", "publish"]

@@ -1,0 +1,746 @@
+"""``MemmapDataset``: a map-style torch dataset over a sharded memmap directory, with batched reads.
+
+The format is described in :mod:`feedpipe.datasets.format`; :class:`MemmapWriter` writes it.
+
+Batched reads (:meth:`MemmapDataset.read_batch`, ``__getitems__``) turn a batch of indices into
+one vectorised gather with the GIL released. Fixed-size records are read one of two ways
+(``read=`` on the dataset):
+
+- ``"mmap"``: ``np.take`` from the mapped shard straight into the destination, with
+  ``mode="clip"`` (indices are checked first; with ``mode="raise"`` numpy gathers into a
+  temporary and copies it again: 5.35 against 7.06 GB/s at 8 KiB and 6.37 against 16.38 at
+  256 KiB, ``benchmarks/datasets.py`` on the 2-core dev VM). A batch spanning several shards is
+  gathered in file order, then scattered.
+- ``"pread"``: ``os.preadv`` straight into the destination rows, in file order, adjacent records
+  coalesced into one call, every byte count checked (a truncated shard raises).
+- ``"auto"`` (default): ``"mmap"``, by measurement: ``read_batch`` alone into reused buffers,
+  shuffled 16 MiB batches (``benchmarks/gpu_feed.py --device cpu --probe --gb 1 --records N``,
+  2-core dev VM) moved 256 KiB records at 8.45 (mmap) against 4.19 GB/s (pread) on 1 thread and
+  5.70 against 4.60 on 16, and 8 KiB records at 2.39 against 1.53 and 2.59 against 0.41: one
+  ``os.preadv`` per run of records from Python re-takes the GIL per call, which convoys across
+  threads.
+  ``"pread"`` stays available (it never maps the file, so it never faults on first touch).
+
+A CUDA ``out`` skips the host gather: records go by DMA from the page cache to the GPU
+(:mod:`feedpipe._memmap_dma`).
+
+Variable-length records are always read with ``os.preadv`` (runs of adjacent records become one
+call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from feedpipe import _remote
+from feedpipe._crc import crc32c_file, to_hex
+from feedpipe.datasets._memmap_open import OpenShard, OpenShards
+from feedpipe.datasets.format import INDEX_NAME, FileInfo, Index, parse_index, read_index
+from feedpipe.datasets.writer import MemmapWriter
+from feedpipe.errors import DatasetError
+
+__all__ = ["MemmapDataset", "MemmapWriter", "verify_files"]
+
+_IOV_MAX = 1024
+_ROW_COPY_MIN = 64 << 10  # records this large are copied one by one when a batch spans shards
+_THREAD_MIN_BYTES = 16 << 20  # split a preadv batch over threads above this many bytes
+_MAX_THREADS = 4
+_READS = ("auto", "mmap", "pread")
+
+
+def verify_files(root: str, index: Index) -> Iterator[tuple[str, str]]:
+    """Check size and CRC32C of every file; yield ``(relpath, problem)`` for each mismatch."""
+    for _sid, rel, nbytes, crc in index.files():
+        path = os.path.join(root, rel)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            yield rel, "missing"
+            continue
+        if size != nbytes:
+            yield rel, f"size {size} bytes, index says {nbytes}"
+            continue
+        got, _ = crc32c_file(path)
+        if to_hex(got) != crc:
+            yield rel, f"crc32c {to_hex(got)}, index says {crc}"
+
+
+class MemmapDataset(torch.utils.data.Dataset[Any]):
+    """Map-style dataset over a directory written by :class:`MemmapWriter`.
+
+    ``ds[i]`` is a tensor (fixed layout), a 1-D uint8 tensor (bytes layout), or a dict
+    ``{"data": ..., "<field>": ...}`` when the dataset has side fields. ``verify=True`` checks
+    every file's CRC32C on open. ``read`` (``"auto"``, ``"mmap"`` or ``"pread"``) picks how
+    batches of fixed-size records are read (see the module docstring).
+    Pickles cheaply: files are reopened lazily in each process.
+
+    A remote URL (``s3://...``) is read through a :class:`feedpipe.cache.ShardCache` in
+    ``cache_dir`` (lazy mode). With ``cache_limit_bytes``, a shard is pinned only while it is
+    read, plus idle shards kept open up to a third of the limit; when a download waits for
+    room, readers drop their idle pins, so an epoch over more shards than the limit holds
+    evicts least-recently-used shards instead of waiting.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit_bytes: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        verify: bool = False,
+        read: str = "auto",
+    ) -> None:
+        if read not in _READS:
+            raise ValueError(f"read must be one of {_READS}, got {read!r}")
+        self.read = read
+        self.path = os.fspath(path)
+        self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
+        self.cache_limit_bytes = cache_limit_bytes
+        self.storage_options = dict(storage_options or {})
+        self._remote = _remote.is_remote(self.path)
+        self._cache: Any = None  # feedpipe.cache.ShardCache of a remote dataset, made on first use
+        self._index_raw: bytes | None = None
+        # every message and the repr show this: the URL without its password or signature
+        self._shown = _remote.redact(self.path, self.storage_options)
+        if self._remote:
+            # through the retrying path; the cache is then built from these same bytes
+            policy = _remote.DEFAULT_POLICY
+            fs, root = _remote.resolve(self.path, self.storage_options, policy.deadline_s)
+            raw, _ = _remote.read_remote_index(fs, root, self.path, self.storage_options, policy)
+            self._index_raw = raw
+            self.index = parse_index(raw, _remote.join(self._shown, INDEX_NAME))
+        else:
+            if self.path.startswith("file://"):
+                self.path = self._shown = self.path[len("file://") :]
+            if not os.path.isdir(self.path):
+                raise DatasetError(f"{self.path}: not a feedpipe dataset (not a directory)")
+            self.index = read_index(self.path)
+            self._check_local_files(verify)
+        layout = self.index.layout
+        self.kind = layout.kind
+        self.shape = layout.shape
+        self.dtype = np.dtype(layout.dtype)
+        self.fields = dict(self.index.fields)
+        self.classes: list[str] | None = self.index.extra.get("classes")
+        self._record_bytes = layout.record_bytes
+        self._starts = np.concatenate(
+            [[0], np.cumsum([s.records for s in self.index.shards], dtype=np.int64)]
+        ).astype(np.int64)
+        self._len = int(self._starts[-1])
+        self._files: OpenShards | None = None
+        self._offsets_of: dict[int, np.ndarray] = {}
+        self._columns: dict[str, np.ndarray] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._tls = threading.local()  # per-thread scratch for gathers spanning shards
+        self._open_lock = threading.Lock()  # first reads may come from several threads at once
+
+    # ------------------------------------------------------------------ files
+    def _check_local_files(self, verify: bool) -> None:
+        for sid, shard in enumerate(self.index.shards):
+            for info in shard.files.values():
+                self._check_size(os.path.join(self.path, info.path), info, sid)
+        if verify:
+            for rel, problem in verify_files(self.path, self.index):
+                raise DatasetError(f"{os.path.join(self.path, rel)}: checksum failed: {problem}")
+
+    @staticmethod
+    def _check_size(path: str, info: FileInfo, sid: int, size: int | None = None) -> None:
+        if size is None:
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                raise DatasetError(f"{path}: shard {sid} file is missing") from None
+        if size != info.bytes:
+            raise DatasetError(
+                f"{path}: shard {sid} file is {size} bytes but the index says {info.bytes} "
+                "(truncated or modified)"
+            )
+
+    def _local_path(self, shard_id: int, role: str) -> str:
+        """Where one shard file is (or will be, once fetched into the cache) on this machine."""
+        info = self.index.shards[shard_id].files[role]
+        if self._remote:
+            return str(self._shard_cache().path(info.path))
+        return os.path.join(self.path, info.path)
+
+    def _shard_cache(self) -> Any:
+        """The :class:`feedpipe.cache.ShardCache` of a remote dataset (made on first use)."""
+        if self.cache_dir is None:
+            raise NotImplementedError(
+                f"{self._shown}: reading a remote MemmapDataset needs cache_dir=... (lazy "
+                "mode) or the staging cache (feedpipe.stage) to a local directory first"
+            )
+        if self._cache is None:
+            from feedpipe.cache import ShardCache
+
+            limit = self.cache_limit_bytes
+            biggest = max((info.bytes for _s, _r, info in self._shard_files()), default=0)
+            # index-order readahead helps sequential reads; under a tight limit it only evicts
+            roomy = limit is None or limit >= 8 * biggest
+            self._cache = ShardCache(
+                self.path,
+                self.cache_dir,
+                limit,
+                self.storage_options,
+                readahead=2 if roomy else 0,
+                eager_bytes=(1 << 20) if roomy else 0,
+                index_bytes=self._index_raw,
+            )
+        return self._cache
+
+    def _shard_files(self) -> Iterator[tuple[int, str, FileInfo]]:
+        for sid, shard in enumerate(self.index.shards):
+            for role, info in shard.files.items():
+                yield sid, role, info
+
+    def _open_files(self) -> OpenShards:
+        """This process's open shard data files (rebuilt after a fork or unpickling)."""
+        files = self._files
+        if files is not None and files.pid == os.getpid():
+            return files
+        with self._open_lock:
+            files = self._files
+            if files is None or files.pid != os.getpid():
+                sizes = [s.files["data"].bytes for s in self.index.shards]
+                limit = self.cache_limit_bytes if self._remote else None
+                files = self._files = OpenShards(
+                    self._open_data, sizes, None if limit is None else limit // 3
+                )
+                self._pool = None
+        return files
+
+    def _open_data(self, sid: int) -> tuple[int, Any]:
+        """Open (and, remote, fetch and pin) shard ``sid``'s data file: ``(fd, release)``."""
+        info = self.index.shards[sid].files["data"]
+        release: Any = _noop
+        if self._remote:
+            cache = self._shard_cache()
+            path = cache.acquire(info.path, on_wait=self._release_idle)
+
+            def release() -> None:
+                cache.release(info.path)
+        else:
+            path = os.path.join(self.path, info.path)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            release()
+            raise DatasetError(f"{path}: shard {sid} file is missing") from None
+        try:
+            self._check_size(path, info, sid, os.fstat(fd).st_size)
+        except BaseException:
+            os.close(fd)
+            release()
+            raise
+        return fd, release
+
+    def _release_idle(self) -> None:
+        files = self._files
+        if files is not None and files.pid == os.getpid():
+            files.release_idle()
+
+    def _read_whole(self, sid: int, role: str) -> bytes:
+        """A small shard file (offsets, a side column) read whole; remote: pinned meanwhile."""
+        info = self.index.shards[sid].files[role]
+        if self._remote:
+            cache = self._shard_cache()
+            with contextlib.ExitStack() as stack:
+                path = cache.acquire(info.path, on_wait=self._release_idle)
+                stack.callback(cache.release, info.path)
+                return self._read_file(path, info, sid)
+        return self._read_file(os.path.join(self.path, info.path), info, sid)
+
+    def _read_file(self, path: str, info: FileInfo, sid: int) -> bytes:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise DatasetError(f"{path}: shard {sid} file is missing") from None
+        try:
+            self._check_size(path, info, sid, os.fstat(fd).st_size)
+            return _pread_exact(fd, info.bytes, 0, path)
+        finally:
+            os.close(fd)
+
+    def _rows(self, shard: OpenShard) -> np.ndarray:
+        """The shard's data mapped read-only: ``(records, record_bytes)`` uint8 (fixed)."""
+        rb = self._record_bytes if self.kind == "fixed" else 0
+        return self._open_files().rows(shard, rb)
+
+    def _check_mapped(self, shard: OpenShard) -> None:
+        sid = shard.sid
+        info = self.index.shards[sid].files["data"]
+        size = os.fstat(shard.fd).st_size
+        if size != info.bytes:
+            raise DatasetError(
+                f"{self._local_path(sid, 'data')}: shard {sid} file is now {size} bytes but the "
+                f"index says {info.bytes} (truncated or modified while open)"
+            )
+
+    def _offsets(self, sid: int) -> np.ndarray:
+        off = self._offsets_of.get(sid)
+        if off is None:
+            shard = self.index.shards[sid]
+            raw = self._read_whole(sid, "offsets")
+            off = np.frombuffer(raw, dtype="<u8").astype(np.int64)
+            data_bytes = shard.files["data"].bytes
+            if (
+                len(off) != shard.records + 1
+                or off[0] != 0
+                or off[-1] != data_bytes
+                or np.any(np.diff(off) < 0)
+            ):
+                raise DatasetError(
+                    f"{self._local_path(sid, 'offsets')}: shard {sid} offsets are corrupt "
+                    f"(first {off[0]}, last {off[-1]}, data file {data_bytes} bytes)"
+                )
+            self._offsets_of[sid] = off
+        return off
+
+    def _column(self, name: str) -> np.ndarray:
+        """A side field for all records, concatenated over shards (small; kept in memory)."""
+        col = self._columns.get(name)
+        if col is None:
+            spec = self.fields[name]
+            parts = []
+            for sid in range(len(self.index.shards)):
+                raw = self._read_whole(sid, f"field.{name}")
+                parts.append(np.frombuffer(raw, dtype=spec.dtype).reshape(-1, *spec.shape))
+            col = np.concatenate(parts) if parts else np.empty((0, *spec.shape), spec.dtype)
+            self._columns[name] = col
+        return col
+
+    # ------------------------------------------------------------------ indexing
+    def __len__(self) -> int:
+        return self._len
+
+    def _normalize(self, indices: Any) -> np.ndarray:
+        idx = np.asarray(indices.tolist() if isinstance(indices, torch.Tensor) else indices)
+        if idx.dtype.kind not in "iub" or idx.ndim != 1:
+            if idx.size == 0:
+                return np.empty(0, np.int64)
+            raise TypeError(
+                f"indices must be a 1-D sequence of integers, got {idx.dtype} {idx.shape}"
+            )
+        idx = idx.astype(np.int64, copy=False)  # read-only from here on: may be the caller's
+        if idx.size and (idx.view(np.uint64) >= self._len).any():  # negatives wrap: look closer
+            bad = (idx < -self._len) | (idx >= self._len)
+            if bad.any():
+                first = int(idx[np.argmax(bad)])
+                raise IndexError(
+                    f"index {first} is out of range for {self._shown} (length {self._len})"
+                )
+            idx = np.where(idx < 0, idx + self._len, idx)
+        return idx
+
+    def _locate(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if len(self._starts) == 2:  # one shard
+            return np.zeros(len(idx), np.int64), idx
+        sid = np.searchsorted(self._starts, idx, side="right") - 1
+        return sid, idx - self._starts[sid]
+
+    def _plan(self, shards: list[int]) -> list[int]:
+        """The order to read a batch's ``shards`` in; fetches remote ones ahead when they fit."""
+        if not self._remote:
+            return shards
+        cache = self._shard_cache()
+        if cache.pressure_changed():  # a download somewhere waits for room: unpin idle shards
+            self._release_idle()
+        if len(shards) < 2:
+            return shards
+        limit = self.cache_limit_bytes
+        rels = [rel for s in shards for rel in cache.shard_files(s)]
+        need = sum(info.bytes for s in shards for info in self.index.shards[s].files.values())
+        if limit is None or need <= limit // 2:
+            cache.fetch(rels, on_wait=self._release_idle)  # in parallel, not one by one
+            return shards
+        # more than fits: read the open shards first, then the cached ones, fetch the rest last
+        files = self._open_files()
+
+        def rank(s: int) -> int:
+            if files.is_open(s):
+                return 0
+            return 1 if os.path.exists(self._local_path(s, "data")) else 2
+
+        return sorted(shards, key=rank)
+
+    def __getitem__(self, index: int) -> Any:
+        if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
+            if isinstance(index, torch.Tensor) and index.ndim == 0:
+                index = int(index)
+            else:
+                raise TypeError(f"index must be an int, got {type(index).__name__}")
+        i = int(index)
+        if not -self._len <= i < self._len:
+            raise IndexError(f"index {i} is out of range for {self._shown} (length {self._len})")
+        i %= self._len if self._len else 1
+        sid, local = (int(v[0]) for v in self._locate(np.array([i])))
+        self._plan([sid])
+        if self.kind == "fixed":
+            rb = self._record_bytes
+            buf = np.empty(rb, np.uint8)
+            if self.read == "pread":  # never maps: a file changed under us is an error, not SIGBUS
+                pos = np.array([i]), np.array([sid]), np.array([local])
+                self._pread_fixed(*pos, buf.reshape(1, rb))
+            else:
+                with self._open_files().use(sid) as shard:
+                    self._check_mapped(shard)  # a file truncated after mapping would SIGBUS
+                    buf[:] = self._rows(shard)[local]
+            data = torch.from_numpy(buf.view(self.dtype).reshape(self.shape))
+        else:
+            off = self._offsets(sid)
+            buf = np.empty(int(off[local + 1] - off[local]), np.uint8)
+            with self._open_files().use(sid) as shard:
+                self._preadv_exact(shard, [buf], int(off[local]), i, buf.nbytes)
+            data = torch.from_numpy(buf)
+        if not self.fields:
+            return data
+        sample = {"data": data}
+        for name in self.fields:
+            sample[name] = torch.from_numpy(np.array(self._column(name)[i]))
+        return sample
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """torch's per-batch hook: one batched gather, split into per-sample views."""
+        batch = self.read_batch(indices)
+        n = len(indices)
+        if not self.fields:
+            return list(batch) if self.kind == "fixed" else batch
+        names = list(batch)
+        return [{k: batch[k][j] for k in names} for j in range(n)]
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in range(self._len):
+            yield self[i]
+
+    # ------------------------------------------------------------------ batched reads
+    def read_batch(
+        self, indices: Sequence[int] | np.ndarray | torch.Tensor, out: Any = None
+    ) -> Any:
+        """Return what ``default_collate([ds[i] for i in indices])`` returns, in one gather.
+
+        For the bytes layout, ``data`` is a list of uint8 tensors (views of one buffer).
+        ``out`` (optional) has the structure of the result (a tensor, or a dict of tensors; for
+        the bytes layout ``out["data"]`` is a flat uint8 tensor) with room for the batch; the
+        records are written into it and views of it are returned. A CUDA ``out["data"]`` (fixed
+        layout) is filled by DMA straight from the page cache, asynchronously on the current
+        stream (:mod:`feedpipe._memmap_dma`: the shard maps are registered as page-locked).
+        """
+        idx = self._normalize(indices)
+        n = len(idx)
+        out_data = out.get("data") if isinstance(out, dict) else out
+        if self.kind == "fixed":
+            data: Any = self._gather_fixed(idx, out_data)
+        else:
+            data = self._gather_bytes(idx, out_data)
+        if not self.fields:
+            return data
+        result: dict[str, Any] = {"data": data}
+        for name, spec in self.fields.items():
+            target = out.get(name) if isinstance(out, dict) else None
+            col = self._column(name)
+            if target is None:
+                result[name] = torch.from_numpy(col[idx])
+            else:
+                view = _check_out(target, n, spec.shape, np.dtype(spec.dtype), name)
+                np.take(col, idx, axis=0, out=view.numpy(), mode="clip")
+                result[name] = view
+        return result
+
+    def _gather_fixed(self, idx: np.ndarray, out: Any) -> torch.Tensor:
+        n, rb = len(idx), self._record_bytes
+        if isinstance(out, torch.Tensor) and out.is_cuda:
+            return self._dma_fixed(idx, out)
+        if out is None:
+            dest = torch.from_numpy(np.empty((n, *self.shape), self.dtype))
+        else:
+            dest = _check_out(out, n, self.shape, self.dtype, "data")
+        if n == 0 or rb == 0:
+            return dest
+        flat = dest.numpy().reshape(n, -1).view(np.uint8)
+        sid, local = self._locate(idx)
+        if self.read == "pread":
+            self._pread_fixed(idx, sid, local, flat)
+            return dest
+        files = self._open_files()
+        one = len(self._starts) == 2 and not self._remote
+        shards = [0] if one else self._plan(np.unique(sid).tolist())
+        if len(shards) == 1:
+            with files.use(shards[0]) as shard:  # one copy, no scatter
+                self._check_mapped(shard)  # a file truncated after mapping would SIGBUS
+                np.take(self._rows(shard), local, axis=0, out=flat, mode="clip")
+            return dest
+        # gather in file order (sorted: kinder to the TLB and prefetcher), then scatter
+        order = np.argsort(idx, kind="stable")
+        s_sorted, l_sorted = sid[order], local[order]
+        bounds = [0, *(np.flatnonzero(np.diff(s_sorted)) + 1).tolist(), n]
+        group = {int(s_sorted[a]): (a, b) for a, b in itertools.pairwise(bounds)}
+        big = rb >= _ROW_COPY_MIN  # big records: one copy each, no temp + scatter
+        tmp = None if big else _scratch(self._tls, flat)
+        for s in shards:
+            a, b = group[s]
+            with files.use(s) as shard:
+                self._check_mapped(shard)
+                rows = self._rows(shard)
+                if tmp is None:
+                    for p, q in zip(order[a:b].tolist(), l_sorted[a:b].tolist(), strict=True):
+                        flat[p] = rows[q]
+                else:
+                    np.take(rows, l_sorted[a:b], axis=0, out=tmp[a:b], mode="clip")
+        if tmp is not None:  # scatter as a gather: take copies whole rows, fancy setitem not
+            inverse = np.empty_like(order)
+            inverse[order] = np.arange(n)
+            np.take(tmp, inverse, axis=0, out=flat, mode="clip")
+        return dest
+
+    def _dma_fixed(self, idx: np.ndarray, out: torch.Tensor) -> torch.Tensor:
+        """Copy records by DMA from the registered shard maps into ``out`` on the GPU (see
+        :mod:`feedpipe._memmap_dma`); asynchronous on the current CUDA stream."""
+        from feedpipe import _memmap_dma
+
+        n = len(idx)
+        want = torch.from_numpy(np.empty(0, self.dtype)).dtype
+        if out.dtype != want or tuple(out.shape[1:]) != tuple(self.shape) or out.shape[0] < n:
+            raise ValueError(
+                f"out['data'] is {out.dtype} {tuple(out.shape)}; need {want} with at least "
+                f"{n} rows of shape {tuple(self.shape)}"
+            )
+        dest = out[:n]
+        if not dest.is_contiguous():
+            raise ValueError("out['data'] must be contiguous")
+        if n == 0 or self._record_bytes == 0:
+            return dest
+        sid, local = self._locate(idx)
+        files = self._open_files()
+        regs = {}
+        with contextlib.ExitStack() as held:  # every shard of the batch stays mapped meanwhile
+            for s in self._plan(np.unique(sid).tolist()):
+                shard = held.enter_context(files.use(s))
+                self._check_mapped(shard)
+                where = self._local_path(s, "data")
+                regs[s] = _memmap_dma.register(shard, self._rows(shard), where)
+            _memmap_dma.move_records(dest, regs, sid, local)
+        return dest
+
+    def dma_blocker(self) -> str | None:
+        """Why :meth:`read_batch` cannot fill a CUDA ``out`` by DMA (None: it can)."""
+        if self.kind != "fixed":
+            return "the bytes layout (records of varying size)"
+        if self._remote:
+            return "remote shards (read through the local cache)"
+        if self.read == "pread":
+            return "read='pread' (no map to register)"
+        if self._record_bytes == 0:
+            return "empty records"
+        return None
+
+    def device_out(self, rows: int, device: torch.device) -> Any:
+        """An ``out`` for :meth:`read_batch` whose records land on ``device`` by DMA (the device
+        feed's direct path), allocated on the current stream; side fields stay on the host."""
+        want = torch.from_numpy(np.empty(0, self.dtype)).dtype
+        data = torch.empty((rows, *self.shape), dtype=want, device=device)
+        return {"data": data} if self.fields else data
+
+    def _pread_fixed(
+        self, idx: np.ndarray, sid: np.ndarray, local: np.ndarray, flat: np.ndarray
+    ) -> None:
+        """Read fixed records with ``os.preadv`` straight into ``flat`` (rows), in file order:
+        runs of adjacent records in one shard become one call. Runs in the calling thread (the
+        loader's workers are the parallelism; a shared pool here would serialise them)."""
+        n, rb = len(idx), self._record_bytes
+        key = self._shard_key(sid) * (1 << 40) + local
+        order = np.argsort(key, kind="stable")
+        k_sorted = key[order]
+        # a run breaks where the next record is not the adjacent one of the same shard
+        breaks = np.flatnonzero(np.diff(k_sorted) != 1) + 1
+        bounds = [0, *breaks.tolist(), n]
+        order_l, sid_l, local_l = order.tolist(), sid.tolist(), local.tolist()
+        files = self._open_files()
+        shard_of_run = [sid_l[order_l[a]] for a in bounds[:-1]]
+        runs = list(itertools.pairwise(bounds))
+        pos = 0
+        for s, group in itertools.groupby(shard_of_run):
+            count = sum(1 for _ in group)
+            with files.use(s) as shard:
+                for a, b in runs[pos : pos + count]:
+                    for c in range(a, b, _IOV_MAX):
+                        d = min(b, c + _IOV_MAX)
+                        first = order_l[c]
+                        bufs = [flat[p] for p in order_l[c:d]]
+                        offset = local_l[first] * rb
+                        self._preadv_exact(shard, bufs, offset, int(idx[first]), (d - c) * rb)
+            pos += count
+
+    def _shard_key(self, sid: np.ndarray) -> np.ndarray:
+        """Per-record sort key placing shards in :meth:`_plan` order (index order locally)."""
+        if not self._remote:
+            return sid
+        rank = np.zeros(len(self.index.shards), np.int64)
+        rank[self._plan(np.unique(sid).tolist())] = np.arange(len(np.unique(sid)))
+        return rank[sid]
+
+    def _gather_bytes(self, idx: np.ndarray, out: Any) -> list[torch.Tensor]:
+        n = len(idx)
+        sid, local = self._locate(idx)
+        starts = np.empty(n, np.int64)
+        lengths = np.empty(n, np.int64)
+        for s in np.unique(sid).tolist():
+            pos = np.flatnonzero(sid == s)
+            off = self._offsets(s)
+            starts[pos] = off[local[pos]]
+            lengths[pos] = off[local[pos] + 1] - off[local[pos]]
+        total = int(lengths.sum())
+        if out is None:
+            buf = torch.empty(total, dtype=torch.uint8)
+        else:
+            if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.ndim != 1:
+                raise ValueError("out['data'] for the bytes layout must be a 1-D uint8 tensor")
+            if out.numel() < total or not out.is_contiguous():
+                raise ValueError(f"out['data'] holds {out.numel()} bytes; the batch needs {total}")
+            buf = out[:total]
+        flat = buf.numpy()
+        dest = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+        order = np.argsort(self._shard_key(sid) * (1 << 40) + starts, kind="stable").tolist()
+        sid_l, starts_l, idx_l = sid.tolist(), starts.tolist(), idx.tolist()
+        # runs of records that are adjacent in the same shard file become one preadv
+        runs: list[tuple[int, int]] = []
+        a = 0
+        while a < n:
+            b = a + 1
+            end = starts_l[order[a]] + dest[order[a] + 1] - dest[order[a]]
+            while (
+                b < n
+                and b - a < _IOV_MAX
+                and sid_l[order[b]] == sid_l[order[a]]
+                and starts_l[order[b]] == end
+            ):
+                end += dest[order[b] + 1] - dest[order[b]]
+                b += 1
+            runs.append((a, b))
+            a = b
+        files = self._open_files()
+
+        def work(part: list[tuple[int, int]]) -> None:
+            for s, shard_runs in itertools.groupby(part, key=lambda r: sid_l[order[r[0]]]):
+                with files.use(s) as shard:
+                    for a, b in shard_runs:
+                        bufs = [flat[dest[order[p]] : dest[order[p] + 1]] for p in range(a, b)]
+                        nbytes = sum(dest[order[p] + 1] - dest[order[p]] for p in range(a, b))
+                        first = order[a]
+                        self._preadv_exact(shard, bufs, starts_l[first], idx_l[first], nbytes)
+
+        self._run_split(work, runs, total)
+        return list(torch.split(buf, lengths.tolist()))
+
+    def _run_split(self, work: Any, runs: list[tuple[int, int]], nbytes: int) -> None:
+        threads = min(_MAX_THREADS, (os.cpu_count() or 1) // 2, len(runs))
+        if nbytes < _THREAD_MIN_BYTES or threads < 2:
+            work(runs)
+            return
+        pool = self._pool
+        if pool is None:
+            with self._open_lock:
+                pool = self._pool
+                if pool is None:
+                    pool = ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="feedpipe-read")
+                    self._pool = pool
+        step = -(-len(runs) // threads)
+        futures = [pool.submit(work, runs[k : k + step]) for k in range(0, len(runs), step)]
+        for f in futures:
+            f.result()
+
+    def _preadv_exact(
+        self, shard: OpenShard, bufs: list[Any], offset: int, record: Any, nbytes: int
+    ) -> None:
+        got = os.preadv(shard.fd, bufs, offset) if nbytes else 0
+        if got != nbytes:  # a short read means the file changed under us: never return it
+            raise DatasetError(
+                f"{self._local_path(shard.sid, 'data')}: short read at record {record} "
+                f"(got {got} of {nbytes} bytes at offset {offset}); the shard was truncated"
+            )
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_files"] = None
+        state["_pool"] = None
+        state["_tls"] = None
+        state["_open_lock"] = None
+        state["_columns"] = {}
+        state["_offsets_of"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._tls = threading.local()
+        self._open_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close open files and maps and unpin cached shards (they reopen on the next read)."""
+        if self._files is not None:
+            self._files.close()
+            self._files = None
+        if self._cache is not None:
+            self._cache.release_all()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        layout = f"fixed {self.shape} {self.dtype}" if self.kind == "fixed" else "bytes"
+        return (
+            f"MemmapDataset({self._shown!r}, {self._len} records, {layout}, "
+            f"{len(self.index.shards)} shards, fields={list(self.fields)})"
+        )
+
+
+def _check_out(
+    out: Any, n: int, shape: tuple[int, ...], dtype: np.dtype, name: str
+) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
+        raise ValueError(f"out[{name!r}] must be a CPU tensor")
+    want = torch.from_numpy(np.empty(0, dtype)).dtype
+    if out.dtype != want or tuple(out.shape[1:]) != tuple(shape) or out.shape[0] < n:
+        raise ValueError(
+            f"out[{name!r}] is {out.dtype} {tuple(out.shape)}; need {want} with at least "
+            f"{n} rows of shape {tuple(shape)}"
+        )
+    view = out[:n]
+    if not view.is_contiguous():
+        raise ValueError(f"out[{name!r}] must be contiguous")
+    return view
+
+
+def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:
+    data = os.pread(fd, nbytes, offset)
+    if len(data) != nbytes:
+        raise DatasetError(f"{path}: short read (got {len(data)} of {nbytes} bytes)")
+    return data
+
+
+def _noop() -> None:
+    return None
+
+
+def _scratch(tls: threading.local, like: np.ndarray) -> np.ndarray:
+    """A reused per-thread buffer shaped like ``like``: a fresh one per batch costs ~500 page
+    faults per 2 MiB here (more than the gather itself)."""
+    buf = getattr(tls, "buf", None)
+    if buf is None or buf.nbytes < like.nbytes:
+        buf = tls.buf = np.empty(like.nbytes, np.uint8)
+    return buf[: like.nbytes].view(like.dtype).reshape(like.shape)
