@@ -1,0 +1,224 @@
+"""The dependency rules of docs/architecture.md, checked by scanning every import (AST, no import).
+
+Rule 1 (strict): ``feedpipe.io`` imports nothing else from feedpipe; ckpt imports only
+``feedpipe.io`` from feedpipe; feedpipe never imports ckpt.
+Rule 2: a feedpipe module imports only from its own layer or the layers below.
+Rule 3: no private name (``_name`` that is not a module) is imported from another module.
+
+Rules 2 and 3 list today's exceptions in ``LAYER_EXCEPTIONS`` and ``PRIVATE_EXCEPTIONS``. An
+entry that no longer matches an import fails the test too, so the lists can only shrink: remove
+an entry when its import goes away, and never add one for new code.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Layers of feedpipe, bottom (1) to top (4); a module's layer is that of its longest prefix.
+LAYERS: dict[str, int] = {
+    # 1: errors, the shared I/O layer, the contract
+    "feedpipe.errors": 1,
+    "feedpipe.io": 1,
+    "feedpipe.protocols": 1,
+    "feedpipe._crc": 1,  # shim of feedpipe.io.crc
+    # 2: datasets, remote access and staging, the sampler, the DMA path of a memmap dataset
+    "feedpipe.datasets": 2,
+    "feedpipe.remote": 2,
+    "feedpipe._remote": 2,
+    "feedpipe.cache": 2,
+    "feedpipe.stage": 2,
+    "feedpipe._progress": 2,
+    "feedpipe.sampler": 2,
+    "feedpipe._permutation": 2,
+    "feedpipe.device.dma": 2,
+    "feedpipe._memmap_dma": 2,
+    # 3: loader internals, the GPU feed, stall counters
+    "feedpipe.loader.": 3,  # the loader package's internals (feedpipe.loader itself is 4)
+    "feedpipe._loader_fetch": 3,
+    "feedpipe._workers_thread": 3,
+    "feedpipe._index_batches": 3,
+    "feedpipe._torch_compat": 3,
+    "feedpipe._rng_state": 3,
+    "feedpipe.device": 3,
+    "feedpipe.gpu": 3,
+    "feedpipe._ring": 3,
+    "feedpipe._direct": 3,
+    "feedpipe.stall": 3,
+    # 4: the DataLoader, DALI, integrations, commands, the CLI, the package and its shims
+    "feedpipe": 4,
+    "feedpipe.loader": 4,
+    "feedpipe.dali": 4,
+    "feedpipe._dali_pipe": 4,
+    "feedpipe._dali_source": 4,
+    "feedpipe.integrations": 4,
+    "feedpipe.commands": 4,
+    "feedpipe.cli": 4,
+    "feedpipe.inspect_cmd": 4,
+    "feedpipe.bench": 4,
+    "feedpipe.memmap": 4,  # shim of feedpipe.datasets.memmap
+    "feedpipe.zarr_dataset": 4,  # shim of feedpipe.datasets.zarr
+    "feedpipe.convert": 4,  # shim of feedpipe.datasets.convert
+}
+
+# Rule 2, today's exceptions: (importer, imported module) -> why it is still there.
+LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {
+    # a worker's fetch reads the worker info that the DataLoader module owns (lazy import); it
+    # belongs in a loader-internal module both can import
+    ("feedpipe._loader_fetch", "feedpipe.loader"): "get_worker_info lives in the DataLoader",
+}
+
+# Rule 3, today's exceptions: (importer, "module:name") -> why it is still there.
+PRIVATE_EXCEPTIONS: dict[tuple[str, str], str] = {
+    # the worker protocol: the loader and the thread pool share fetch's wrappers and the failure
+    # record a worker ships back; they become public names of the fetch module
+    ("feedpipe._workers_thread", "feedpipe._loader_fetch:_Failed"): "worker failure record",
+    ("feedpipe.loader", "feedpipe._loader_fetch:_Failed"): "worker failure record",
+    ("feedpipe.loader", "feedpipe._loader_fetch:_IterProxy"): "iterable-dataset wrapper",
+    ("feedpipe.loader", "feedpipe._loader_fetch:_MapProxy"): "map-dataset wrapper",
+    ("feedpipe.loader", "feedpipe._loader_fetch:_TimedCollate"): "collate with stall timing",
+    ("feedpipe.loader", "feedpipe._loader_fetch:_WorkerInit"): "worker_init_fn wrapper",
+    ("feedpipe.loader", "feedpipe._loader_fetch:_short"): "short repr for messages",
+    # the GPU feed drives the pinned ring's slots and events directly; they become the ring
+    # module's public names when the ring moves to feedpipe.device.ring
+    ("feedpipe.gpu", "feedpipe._ring:_Event"): "ring slot event",
+    ("feedpipe.gpu", "feedpipe._ring:_Ring"): "pinned ring",
+    ("feedpipe.gpu", "feedpipe._ring:_Slot"): "ring slot",
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_module(name: str) -> bool:
+    rel = Path(*name.split("."))
+    return (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file()
+
+
+def _imports(path: Path) -> list[tuple[str, str | None]]:
+    """Every import of ``path`` (top level, inside functions, under TYPE_CHECKING) as
+    ``(module, name)``: ``name`` is None for ``import module``."""
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out: list[tuple[str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.extend((alias.name, None) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            out.extend((base, alias.name) for alias in node.names)
+    return out
+
+
+def _sources(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def _target(module: str, name: str | None) -> str:
+    """The module an import loads: ``from a import b`` loads ``a.b`` when that is a module."""
+    if name is not None and _is_module(f"{module}.{name}"):
+        return f"{module}.{name}"
+    return module
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _layer(module: str) -> int | None:
+    best = ""
+    for prefix in LAYERS:
+        hit = module.startswith(prefix) if prefix.endswith(".") else _in(module, prefix)
+        if hit and len(prefix) > len(best):
+            best = prefix
+    return LAYERS[best] if best else None
+
+
+def test_rule1_io_imports_nothing_else_from_feedpipe() -> None:
+    bad = [
+        (_module_name(p), _target(m, n))
+        for p in _sources("feedpipe/io")
+        for m, n in _imports(p)
+        if _in(m, "feedpipe") and not _in(_target(m, n), "feedpipe.io")
+    ]
+    assert bad == []
+
+
+def test_rule1_ckpt_imports_only_feedpipe_io() -> None:
+    bad = [
+        (_module_name(p), _target(m, n))
+        for p in _sources("ckpt")
+        for m, n in _imports(p)
+        if _in(m, "feedpipe") and not _in(_target(m, n), "feedpipe.io")
+    ]
+    assert bad == []
+
+
+def test_rule1_feedpipe_never_imports_ckpt() -> None:
+    bad = [
+        (_module_name(p), m) for p in _sources("feedpipe") for m, _ in _imports(p) if _in(m, "ckpt")
+    ]
+    assert bad == []
+
+
+def test_every_feedpipe_module_has_a_layer() -> None:
+    """A new module must say where it belongs (add it to LAYERS and docs/architecture.md)."""
+    assert [_module_name(p) for p in _sources("feedpipe") if _layer(_module_name(p)) is None] == []
+
+
+def _layer_violations() -> set[tuple[str, str]]:
+    found = set()
+    for path in _sources("feedpipe"):
+        me = _module_name(path)
+        for module, name in _imports(path):
+            target = _target(module, name)
+            if not _in(target, "feedpipe") or _in(target, me):
+                continue
+            mine, theirs = _layer(me), _layer(target)
+            if mine is not None and theirs is not None and theirs > mine:
+                found.add((me, target))
+    return found
+
+
+def _private_violations() -> set[tuple[str, str]]:
+    """``from module import _name`` where ``_name`` is not a module: a private function, class
+    or constant used outside its module. A private *module* is fine to import: inside it names
+    carry no underscore, and the module is the privacy boundary."""
+    found = set()
+    for path in _sources("feedpipe"):
+        me = _module_name(path)
+        for module, name in _imports(path):
+            if not _in(module, "feedpipe") or name is None or not name.startswith("_"):
+                continue
+            if module != me and not _is_module(f"{module}.{name}"):
+                found.add((me, f"{module}:{name}"))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("found", "allowed", "rule"),
+    [
+        (_layer_violations, LAYER_EXCEPTIONS, "imports go down the layers"),
+        (_private_violations, PRIVATE_EXCEPTIONS, "no _name imported across modules"),
+    ],
+    ids=["rule2", "rule3"],
+)
+def test_rules_2_and_3_hold_outside_the_listed_exceptions(
+    found: object, allowed: dict[tuple[str, str], str], rule: str
+) -> None:
+    now = found()  # type: ignore[operator]
+    new = sorted(now - set(allowed))
+    assert new == [], f"{rule}: new violations (fix them; do not add exceptions): {new}"
+    stale = sorted(set(allowed) - now)
+    assert stale == [], f"{rule}: these exceptions are gone, remove them from the list: {stale}"
