@@ -22,7 +22,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "build a dataset from images, .npy/.npz, Zarr or a torch dataset",
     ),
     "inspect": ("feedpipe.inspect_cmd", "print a dataset's index; --verify checks every checksum"),
-    "stage": ("feedpipe.stage", "copy a dataset from any fsspec URL to a local dir, verified"),
+    "stage": (
+        "feedpipe.remote.stage",
+        "copy a dataset from any fsspec URL to a local dir, verified",
+    ),
     "bench": ("feedpipe.bench", "measure a loader alone and against a simulated step"),
 }
 

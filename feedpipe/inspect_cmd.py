@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from feedpipe import _remote
-from feedpipe._crc import crc32c, to_hex
 from feedpipe.datasets.format import Index, read_index
 from feedpipe.errors import DatasetError
+from feedpipe.io.crc import crc32c, to_hex
 
 __all__ = ["add_arguments", "describe", "run", "verify"]
 

@@ -42,11 +42,11 @@ import numpy as np
 import torch
 
 from feedpipe import _remote
-from feedpipe._crc import crc32c_file, to_hex
 from feedpipe.datasets._memmap_open import OpenShard, OpenShards
 from feedpipe.datasets.format import INDEX_NAME, FileInfo, Index, parse_index, read_index
 from feedpipe.datasets.writer import MemmapWriter
 from feedpipe.errors import DatasetError
+from feedpipe.io.crc import crc32c_file, to_hex
 
 __all__ = ["MemmapDataset", "MemmapWriter", "verify_files"]
 
@@ -181,7 +181,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                 "mode) or the staging cache (feedpipe.stage) to a local directory first"
             )
         if self._cache is None:
-            from feedpipe.cache import ShardCache
+            from feedpipe.remote.cache import ShardCache
 
             limit = self.cache_limit_bytes
             biggest = max((info.bytes for _s, _r, info in self._shard_files()), default=0)

@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from feedpipe._crc import crc32c, to_hex
 from feedpipe.datasets.format import (
     INDEX_NAME,
     FieldSpec,
@@ -31,6 +30,7 @@ from feedpipe.datasets.format import (
     write_index,
 )
 from feedpipe.errors import DatasetError
+from feedpipe.io.crc import crc32c, to_hex
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",

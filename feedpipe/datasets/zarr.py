@@ -464,7 +464,7 @@ class _Direct:
                 raise DatasetError(f"{path}: shard is truncated (no complete shard index)")
             body = raw[: self.nchunks * 16]
             if self.index_crc:
-                from feedpipe._crc import crc32c
+                from feedpipe.io.crc import crc32c
 
                 if crc32c(body) != int.from_bytes(raw[-4:], "little"):
                     raise DatasetError(f"{path}: shard index fails its CRC32C check")

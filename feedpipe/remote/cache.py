@@ -1,0 +1,622 @@
+"""A bounded, crash-safe local cache of a remote dataset's files, shared by processes on a node.
+
+``ShardCache(url, cache_dir, limit_bytes)`` fetches a file on first use
+(:meth:`~ShardCache.acquire`), fetches ahead in the background (:meth:`~ShardCache.prefetch`)
+and evicts least-recently-used files to stay under ``limit_bytes``. Safety across processes
+comes from ``flock`` locks, one per file:
+
+* a reader holds a *shared* lock while it uses a file (a pin); eviction needs an *exclusive*
+  lock taken without waiting, so a pinned file is never evicted;
+* a downloader holds the *exclusive* lock, so each file is downloaded once; the others wait and
+  then find it complete;
+* a download goes to a temp name (``.feedpipe-tmp.BYTES.PID.RAND.NAME``, a prefix no dataset file
+  may have) and is renamed after its size and CRC32C match the index; a temp whose lock is free
+  belongs to a dead downloader and is removed by the next eviction scan;
+* no file is ever rewritten or truncated in place (a reader may have it mapped): a download is
+  renamed over the old name and eviction unlinks, so a reader keeps its old bytes;
+* space is reserved under a cache-wide lock before a download starts (the temp name records the
+  size), so concurrent downloaders together stay under the limit;
+* a download that has to wait for room touches ``.pressure`` in the cache directory and calls
+  its caller's ``on_wait``: readers that keep idle files pinned (a dataset's open shards) drop
+  those pins at their next read (:meth:`ShardCache.pressure_changed`). Background prefetches
+  never wait for room: they give up (the file is fetched again on use).
+
+A local path or ``file://`` URL is not cached: files are read in place and never evicted.
+Each dataset version gets its own subdirectory (keyed by URL and index checksum), so a rewritten
+remote dataset never mixes with stale files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from feedpipe import _remote
+from feedpipe._remote import INDEX_NAME, FileEntry
+from feedpipe.errors import DatasetError
+from feedpipe.io.crc import crc32c, to_hex
+
+__all__ = ["CacheStats", "ShardCache"]
+
+log = logging.getLogger("feedpipe.cache")
+
+_LOCKS = ".locks"
+_CACHE_LOCK = ".cache.lock"
+_PRESSURE = ".pressure"
+_POLL_S = 0.01
+
+
+@dataclass
+class CacheStats:
+    """Counters of one :class:`ShardCache` object (this process only)."""
+
+    hits: int = 0
+    downloads: int = 0
+    bytes_downloaded: int = 0
+    evictions: int = 0
+    stale_temps_removed: int = 0
+
+
+def _flock(fd: int, op: int, timeout_s: float, what: str) -> None:
+    """``flock`` with a timeout (polls without blocking); :class:`TimeoutError` names ``what``."""
+    deadline = time.monotonic() + timeout_s
+    pause = _POLL_S
+    while True:
+        try:
+            fcntl.flock(fd, op | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for the lock on {what}")
+        time.sleep(pause)
+        pause = min(pause * 1.5, 0.2)
+
+
+def _try_exclusive(lock_path: str) -> int | None:
+    """Open ``lock_path`` and take an exclusive lock without waiting; return the fd or None."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+class ShardCache:
+    """A local cache of the files of the dataset at ``remote_root`` (see the module docstring).
+
+    Args:
+        remote_root: dataset URL (``s3://bucket/ds``) or local path / ``file://`` URL.
+        cache_dir: cache directory (shared by processes on the node); unused for local datasets.
+        limit_bytes: the cache directory's size limit (``None``: unbounded).
+        storage_options: fsspec options (credentials, endpoint); never logged.
+        prefetch_workers: background download threads for :meth:`prefetch`.
+        readahead: when the main (largest) file of shard ``k`` is acquired, prefetch the files
+            of shards ``k+1 .. k+readahead`` (index order) in the background.
+        eager_bytes: prefetch every file up to this size at construction (side columns and
+            offsets, which a dataset reads for all shards at once); 0 disables.
+        timeout_s: how long to wait for a lock (e.g. another process's download of the same file).
+        room_timeout_s: how long to wait for readers to unpin files when the cache is full.
+        deadline_s: retry deadline for transient remote errors, per file.
+        index_bytes: the dataset's ``index.json`` as the caller already read it (so that caller
+            and cache see the same version); read from the remote when ``None``.
+    """
+
+    def __init__(
+        self,
+        remote_root: str | os.PathLike[str],
+        cache_dir: str | os.PathLike[str] | None = None,
+        limit_bytes: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        prefetch_workers: int = 8,
+        readahead: int = 0,
+        eager_bytes: int = 0,
+        timeout_s: float = 600.0,
+        room_timeout_s: float = 30.0,
+        deadline_s: float = 120.0,
+        index_bytes: bytes | None = None,
+    ) -> None:
+        self._args: dict[str, Any] = {
+            "url": os.fspath(remote_root),
+            "cache_dir": None if cache_dir is None else os.fspath(cache_dir),
+            "limit_bytes": limit_bytes,
+            "options": dict(storage_options or {}),
+            "prefetch_workers": prefetch_workers,
+            "readahead": readahead,
+            "eager_bytes": eager_bytes,
+            "timeout_s": timeout_s,
+            "room_timeout_s": room_timeout_s,
+            "deadline_s": deadline_s,
+        }
+        self._setup(index_bytes)
+
+    def _setup(self, raw_index: bytes | None) -> None:
+        a = self._args
+        self.url: str = a["url"]
+        cache_dir, limit_bytes = a["cache_dir"], a["limit_bytes"]
+        self.stats = CacheStats()
+        self.limit_bytes = limit_bytes
+        self.timeout_s: float = a["timeout_s"]
+        self.room_timeout_s: float = a["room_timeout_s"]
+        self.readahead: int = a["readahead"]
+        self._options: dict[str, Any] = a["options"]
+        self._policy = _remote.RetryPolicy(deadline_s=a["deadline_s"])
+        self._prefetch_workers: int = a["prefetch_workers"]
+        self._reset_process_state()
+        self.is_local = not _remote.is_remote(self.url)
+        self._fs, self._root = _remote.resolve(self.url, self._options, a["deadline_s"])
+        if self.is_local:
+            self.dir = self._root
+            self._entries: dict[str, FileEntry] = {}
+            return
+        if cache_dir is None:
+            raise ValueError(
+                f"{_remote.redact(self.url, self._options)}: a remote dataset needs cache_dir"
+            )
+        if limit_bytes is not None and limit_bytes <= 0:
+            raise ValueError(f"limit_bytes must be positive, got {limit_bytes}")
+        self.cache_dir = os.path.abspath(cache_dir)
+        if raw_index is None:
+            raw_index, entries = _remote.read_remote_index(
+                self._fs, self._root, self.url, self._options, self._policy
+            )
+        else:
+            entries = _remote.parse_index(raw_index, _remote.join(self.url, INDEX_NAME))
+        raw = raw_index
+        self.index_bytes = raw
+        for e in entries:  # the cache's own lock directory sits beside the files
+            if e.relpath.split("/", 1)[0] == _LOCKS:
+                url = _remote.join(_remote.redact(self.url, self._options), INDEX_NAME)
+                raise DatasetError(f"{url}: file path {e.relpath!r} is reserved by the cache")
+        self._entries = {e.relpath: e for e in entries}
+        self._by_shard: dict[int, list[str]] = {}
+        for e in entries:
+            self._by_shard.setdefault(e.shard, []).append(e.relpath)
+        self._main = {
+            max(rels, key=lambda rel: self._entries[rel].nbytes) for rels in self._by_shard.values()
+        }
+        key = hashlib.sha1(f"{self.url}\0{to_hex(crc32c(raw))}".encode()).hexdigest()[:16]
+        self.dir = os.path.join(self.cache_dir, key)
+        os.makedirs(os.path.join(self.dir, _LOCKS), exist_ok=True)
+        index_path = os.path.join(self.dir, INDEX_NAME)
+        if not os.path.exists(index_path):
+            tmp = _remote.temp_name(index_path, len(raw))
+            with open(tmp, "wb") as f:
+                f.write(raw)
+            os.replace(tmp, index_path)
+        self._scan(need=0)  # removes temps left by crashed downloaders
+        if a["eager_bytes"] > 0:
+            self.prefetch(e.relpath for e in entries if e.nbytes <= a["eager_bytes"])
+
+    def _reset_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._pins: dict[str, list[int]] = {}
+        self._held: set[str] = set()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[str, Future[None]] = {}
+        self._closed = False
+        self._pressure_ns = 0
+
+    def _check_process(self) -> None:
+        """After a fork: drop the parent's pins (its own fds keep its locks) and thread pool."""
+        if self._pid != os.getpid():
+            for fds in self._pins.values():
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            self._reset_process_state()
+            if not self.is_local:  # s3fs and other async filesystems are not fork-safe
+                self._fs, self._root = _remote.resolve(
+                    self.url, self._options, self._policy.deadline_s
+                )
+
+    # ---------------------------------------------------------------- public API
+    def path(self, relpath: str) -> str:
+        """The local path of ``relpath`` (present or not)."""
+        return os.path.join(self.dir, relpath)
+
+    def acquire(self, relpath: str, on_wait: Callable[[], None] | None = None) -> str:
+        """Make ``relpath`` local (downloading it once if needed), pin it and return its path.
+
+        The file cannot be evicted until :meth:`release` is called for each :meth:`acquire`.
+        ``on_wait`` is called while the download waits for room under the limit (e.g. to
+        release the caller's own idle pins).
+        """
+        if self.is_local:
+            return self.path(relpath)
+        self._check_process()
+        fd = self._ensure(relpath, pin=True, on_wait=on_wait)
+        assert fd is not None
+        with self._lock:
+            self._pins.setdefault(relpath, []).append(fd)
+        if self.readahead > 0 and relpath in self._main:
+            shard = self._entries[relpath].shard
+            ahead = range(shard + 1, shard + 1 + self.readahead)
+            self.prefetch(rel for k in ahead for rel in self._by_shard.get(k, ()))
+        return self.path(relpath)
+
+    def release(self, relpath: str) -> None:
+        """Unpin one :meth:`acquire` of ``relpath``."""
+        if self.is_local:
+            return
+        self._check_process()
+        with self._lock:
+            fds = self._pins.get(relpath)
+            if not fds:
+                raise ValueError(f"{relpath!r} is not acquired")
+            fd = fds.pop()
+            if not fds:
+                del self._pins[relpath]
+        os.close(fd)  # closing the only fd of this open file drops its shared lock
+
+    def hold(self, relpath: str) -> str:
+        """Like :meth:`acquire` but idempotent: pins ``relpath`` at most once per object, until
+        :meth:`release_all` or :meth:`close` (for readers that keep files open)."""
+        if self.is_local:
+            return self.path(relpath)
+        self._check_process()
+        with self._lock:
+            if relpath in self._held:
+                return self.path(relpath)
+        path = self.acquire(relpath)
+        with self._lock:
+            if relpath in self._held:  # another thread got there first
+                duplicate = True
+            else:
+                self._held.add(relpath)
+                duplicate = False
+        if duplicate:
+            self.release(relpath)
+        return path
+
+    def release_all(self) -> None:
+        """Release every pin of this object (from :meth:`acquire` and :meth:`hold`)."""
+        self._check_process()
+        with self._lock:
+            pins, self._pins = self._pins, {}
+            self._held.clear()
+        for fds in pins.values():
+            for fd in fds:
+                os.close(fd)
+
+    @contextlib.contextmanager
+    def pinned(self, relpath: str) -> Iterator[str]:
+        """Context manager: ``with cache.pinned("shard-00000.data") as path: ...``."""
+        path = self.acquire(relpath)
+        try:
+            yield path
+        finally:
+            self.release(relpath)
+
+    def shard_files(self, shard: int) -> list[str]:
+        """The files the index lists for ``shard`` (remote datasets only)."""
+        return list(self._by_shard.get(shard, ()))
+
+    def prefetch(self, relpaths: Iterable[str]) -> list[Future[None]]:
+        """Fetch ``relpaths`` in the background (not pinned); returns futures (errors stay there:
+        a later :meth:`acquire` of the same file retries and raises)."""
+        if self.is_local:
+            return []
+        self._check_process()
+        out: list[Future[None]] = []
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("ShardCache is closed")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self._prefetch_workers, thread_name_prefix="feedpipe-prefetch"
+                )
+            for rel in relpaths:
+                self._entry(rel)
+                fut = self._pending.get(rel)
+                if fut is None or fut.done():
+                    if os.path.exists(self.path(rel)):
+                        continue
+                    fut = self._pool.submit(self._prefetch_one, rel)
+                    self._pending[rel] = fut
+                out.append(fut)
+        return out
+
+    def fetch(self, relpaths: Iterable[str], on_wait: Callable[[], None] | None = None) -> None:
+        """Make ``relpaths`` local now, in parallel on the prefetch threads (not pinned); raises
+        the first download error. For a reader about to touch many files at once.
+        ``on_wait`` as for :meth:`acquire`."""
+        wanted = list(relpaths)
+        futures = self.prefetch(wanted)
+        for fut in futures:
+            try:
+                fut.result(timeout=self.timeout_s + self._policy.deadline_s)
+            except Exception:  # a prefetch gives up when there is no room: retry here, waiting
+                break
+        else:
+            return
+        for rel in wanted:
+            self._ensure(rel, pin=False, on_wait=on_wait)
+
+    def pressure_changed(self) -> bool:
+        """True if a download (any process) has waited for room since this object last asked.
+
+        One ``stat``; a reader that keeps idle files pinned calls it per read and unpins them.
+        """
+        if self.is_local or self.limit_bytes is None:
+            return False
+        try:
+            ns = os.stat(os.path.join(self.cache_dir, _PRESSURE)).st_mtime_ns
+        except FileNotFoundError:
+            return False
+        changed, self._pressure_ns = ns != self._pressure_ns, ns
+        return changed
+
+    def pinned_files(self) -> list[str]:
+        """Relative paths this object currently pins."""
+        with self._lock:
+            return sorted(self._pins)
+
+    def close(self) -> None:
+        """Stop prefetching and release every pin of this object."""
+        self._check_process()
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+            pins, self._pins = self._pins, {}
+            self._held.clear()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        for fds in pins.values():
+            for fd in fds:
+                os.close(fd)
+
+    def __enter__(self) -> ShardCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles as its arguments and index: pins and threads stay with this process."""
+        return {"args": self._args, "index": None if self.is_local else self.index_bytes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._args = state["args"]
+        self._setup(state["index"])
+
+    # ---------------------------------------------------------------- internals
+    def _entry(self, relpath: str) -> FileEntry:
+        try:
+            return self._entries[relpath]
+        except KeyError:
+            url = _remote.join(_remote.redact(self.url, self._options), relpath)
+            raise DatasetError(f"{url}: not listed in the index") from None
+
+    def _lock_path(self, relpath: str) -> str:
+        return os.path.join(self.dir, _LOCKS, relpath + ".lock")
+
+    def _prefetch_one(self, relpath: str) -> None:
+        try:
+            self._ensure(relpath, pin=False, wait_room=False)
+        except Exception as exc:
+            log.debug("prefetch of %s failed (will retry on use): %s", relpath, exc)
+            raise
+
+    def _ensure(
+        self,
+        relpath: str,
+        *,
+        pin: bool,
+        on_wait: Callable[[], None] | None = None,
+        wait_room: bool = True,
+    ) -> int | None:
+        """Make ``relpath`` present; return an fd holding its shared lock when ``pin``."""
+        entry = self._entry(relpath)
+        final = self.path(relpath)
+        lock_path = self._lock_path(relpath)
+        os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+        what = _remote.join(_remote.redact(self.url, self._options), relpath)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            _flock(fd, fcntl.LOCK_SH, self.timeout_s, what)
+            downloaded = False
+            while True:
+                try:
+                    present = os.stat(final).st_size == entry.nbytes
+                except FileNotFoundError:
+                    present = False
+                if present:
+                    os.utime(final)  # least-recently-used order = mtime order
+                    if not downloaded:
+                        with self._lock:
+                            self.stats.hits += 1
+                    if pin:
+                        return fd
+                    os.close(fd)
+                    return None
+                # not there: take the exclusive lock (never upgrade while holding shared: two
+                # upgraders would wait for each other) and download unless someone beat us to it
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                _flock(fd, fcntl.LOCK_EX, self.timeout_s, what)
+                if not os.path.exists(final):
+                    self._download(entry, final, on_wait, wait_room)
+                    downloaded = True
+                _flock(fd, fcntl.LOCK_SH, self.timeout_s, what)  # then re-check: evicted meanwhile?
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _download(
+        self,
+        entry: FileEntry,
+        final: str,
+        on_wait: Callable[[], None] | None,
+        wait_room: bool,
+    ) -> None:
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = self._reserve(entry, final, on_wait, wait_room)
+        url = _remote.join(self.url, entry.relpath)
+        _remote.fetch_verified(
+            self._fs,
+            _remote.join(self._root, entry.relpath),
+            url,
+            final,
+            entry,
+            storage_options=self._options,
+            policy=self._policy,
+            tmp=tmp,
+        )
+        with self._lock:
+            self.stats.downloads += 1
+            self.stats.bytes_downloaded += entry.nbytes
+        log.debug("cached %s (%d bytes)", _remote.redact(url, self._options), entry.nbytes)
+
+    def _reserve(
+        self,
+        entry: FileEntry,
+        final: str,
+        on_wait: Callable[[], None] | None = None,
+        wait_room: bool = True,
+    ) -> str:
+        """Make room for ``entry`` under the cache-wide lock; create its (reserving) temp file."""
+        if self.limit_bytes is not None and entry.nbytes > self.limit_bytes:
+            raise DatasetError(
+                f"{_remote.join(_remote.redact(self.url, self._options), entry.relpath)}: file of "
+                f"{entry.nbytes} bytes does not fit the cache limit of {self.limit_bytes} bytes"
+            )
+        start = time.monotonic()
+        rounds = 0
+        while True:
+            rounds += 1
+            fd = os.open(os.path.join(self.cache_dir, _CACHE_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                _flock(fd, fcntl.LOCK_EX, self.timeout_s, self.cache_dir)
+                short = self._scan(need=entry.nbytes)
+                if short <= 0:
+                    tmp = _remote.temp_name(final, entry.nbytes)
+                    open(tmp, "wb").close()
+                    return tmp
+            finally:
+                os.close(fd)
+            waited = time.monotonic() - start
+            if not wait_room or waited >= self.room_timeout_s:
+                raise DatasetError(
+                    f"cache {self.cache_dir}: cannot make room for "
+                    f"{_remote.join(_remote.redact(self.url, self._options), entry.relpath)} "
+                    f"({entry.nbytes} bytes) under the limit of {self.limit_bytes} bytes: the "
+                    f"rest is pinned by readers (still {short} bytes short after "
+                    f"{waited:.1f} s)"
+                )
+            self._signal_pressure()
+            if on_wait is not None:
+                on_wait()
+            if rounds > 1 or on_wait is None:  # right after on_wait, look again at once
+                time.sleep(0.05)
+
+    def _signal_pressure(self) -> None:
+        """Tell readers in every process that a download waits for room (see the docstring)."""
+        path = os.path.join(self.cache_dir, _PRESSURE)
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            with contextlib.suppress(OSError):
+                open(path, "ab").close()
+
+    def _scan(self, need: int) -> int:
+        """Remove dead temps; evict LRU unpinned files until ``need`` more bytes fit the limit.
+
+        Returns how many bytes are still missing (<= 0: it fits). Call under the cache-wide lock
+        (or with ``need=0``, which only removes dead temps and evicts nothing).
+        """
+        complete: list[tuple[float, int, str, str]] = []  # (mtime, size, path, lock path)
+        used = 0
+        for key in _listdir(self.cache_dir):
+            top = os.path.join(self.cache_dir, key)
+            if key.startswith(".") or not os.path.isdir(top):
+                continue
+            for dirpath, dirnames, files in os.walk(top):
+                if dirpath == top and _LOCKS in dirnames:
+                    dirnames.remove(_LOCKS)
+                for name in files:
+                    path = os.path.join(dirpath, name)
+                    rel = os.path.relpath(path, top)
+                    target = _remote.temp_target(name)
+                    if target is not None:
+                        used += self._stale_or_reserved(top, dirpath, target, path)
+                        continue
+                    if rel == INDEX_NAME:
+                        continue
+                    try:
+                        st = os.stat(path)
+                    except FileNotFoundError:
+                        continue
+                    used += st.st_size
+                    complete.append(
+                        (st.st_mtime, st.st_size, path, os.path.join(top, _LOCKS, rel + ".lock"))
+                    )
+        if self.limit_bytes is None:
+            return 0
+        short = used + need - self.limit_bytes
+        if need == 0:
+            return short
+        for _mtime, size, path, lock_path in sorted(complete):
+            if short <= 0:
+                break
+            fd = _try_exclusive(lock_path)
+            if fd is None:
+                continue  # pinned by a reader or being (re)downloaded
+            try:
+                os.unlink(path)
+                short -= size
+                with self._lock:
+                    self.stats.evictions += 1
+                log.debug("evicted %s (%d bytes)", path, size)
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(fd)
+        return short
+
+    def _stale_or_reserved(
+        self, top: str, dirpath: str, target: tuple[str, int, int], path: str
+    ) -> int:
+        """Bytes reserved by a live download's temp file; a dead downloader's temp is removed."""
+        final_name, declared, _pid = target
+        rel = os.path.relpath(os.path.join(dirpath, final_name), top)
+        fd = _try_exclusive(os.path.join(top, _LOCKS, rel + ".lock"))
+        if fd is None:  # its downloader is alive and holds the lock
+            try:
+                return max(declared, os.path.getsize(path))
+            except FileNotFoundError:
+                return 0
+        try:
+            os.unlink(path)
+            with self._lock:
+                self.stats.stale_temps_removed += 1
+            log.info("removed %s left by an interrupted download", path)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(fd)
+        return 0
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []

@@ -1,0 +1,394 @@
+"""Stage a dataset from any fsspec URL (``s3://``, ``file://``, a Lustre/NFS path) to local disk.
+
+The rules, in order:
+
+1. The destination's ``index.json`` is removed before any shard is touched (unless it already is
+   the source's index and every file is in place), so an interrupted stage of v2 over v1 leaves
+   no index at all, never v1's index over v2's shards. ``index.json`` is written last, so a
+   directory with an index is a complete dataset of that index.
+2. Files are copied in parallel, each under a temp name (:data:`feedpipe._remote.TEMP_PREFIX`,
+   which no dataset file may have), verified against the index (size and CRC32C) and renamed
+   into place. No file is ever truncated or rewritten in place: a reader that has the old file
+   mapped keeps reading the old bytes.
+3. A symlink in the destination is never written through: a linked file is replaced by the real
+   file (the link's target is untouched); a linked directory on a file's path is refused.
+4. Ctrl-C (or any exception) cancels the transfers in flight at their next chunk; the temps are
+   removed. ``deadline_s`` bounds the retries of every remote call and the index read as a
+   whole, and caps the clients' socket timeouts (see :func:`feedpipe._remote.resolve`); a
+   download that keeps receiving bytes is not cut off.
+5. Two stages into one directory take turns (an exclusive ``flock`` on a lock file there).
+
+Rerunning after an interruption copies only files that are missing or wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from feedpipe import _remote
+from feedpipe._remote import INDEX_NAME, FileEntry
+from feedpipe.errors import DatasetError
+from feedpipe.io.fsutil import atomic_write, fsync_dir
+
+__all__ = ["StageResult", "add_arguments", "run", "stage"]
+
+_log = logging.getLogger("feedpipe.stage")
+
+DEFAULT_WORKERS = 16
+_CANCEL_GRACE_S = 2.0  # after Ctrl-C, how long transfers get to notice before we return
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What :func:`stage` did: files copied, files skipped (already present and verified), bytes."""
+
+    copied: int
+    skipped: int
+    bytes_copied: int
+    seconds: float
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_copied / 2**20 / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Bar:
+    """A thread-safe byte counter feeding an optional tqdm bar (bytes, rate, ETA)."""
+
+    def __init__(self, total: int, show: bool, desc: str) -> None:
+        self._lock = threading.Lock()
+        self._bar: Any = None
+        if show:  # drawn only on a terminal, in the binary units of the summary
+            from feedpipe._progress import progress
+
+            self._bar = progress(total, desc, unit="B")
+
+    def __call__(self, n: int) -> None:
+        if self._bar is not None:
+            with self._lock:
+                self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def stage(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    workers: int = DEFAULT_WORKERS,
+    progress: bool = True,
+    verify_existing: bool = True,
+    deadline_s: float = 120.0,
+) -> StageResult:
+    """Copy the dataset at ``src`` (any fsspec URL or local path) into the local directory ``dst``.
+
+    Files already in ``dst`` with the indexed size and CRC32C are kept (``verify_existing=False``
+    trusts the size alone, but only when ``dst`` already holds this very ``index.json``);
+    everything else is fetched with up to ``workers`` parallel transfers. Each remote call is
+    retried on transient errors until ``deadline_s``. See the module docstring for what holds
+    when the stage is interrupted. Raises :class:`~feedpipe._remote.RemoteError` (a
+    :class:`~feedpipe.DatasetError`) naming the URL, with credentials redacted.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    url = os.fspath(src)
+    dst = os.path.abspath(os.fspath(dst))
+    fs, root = _remote.resolve(url, storage_options, deadline_s)
+    policy = _remote.RetryPolicy(deadline_s=deadline_s)
+    t0 = time.perf_counter()
+    raw_index, entries = _remote.read_remote_index(fs, root, url, storage_options, policy)
+    os.makedirs(dst, exist_ok=True)
+    with _exclusive(dst):
+        return _stage_locked(
+            fs,
+            root,
+            url,
+            dst,
+            raw_index=raw_index,
+            entries=entries,
+            storage_options=storage_options,
+            workers=workers,
+            progress=progress,
+            verify_existing=verify_existing,
+            policy=policy,
+            t0=t0,
+        )
+
+
+def _stage_locked(
+    fs: Any,
+    root: str,
+    url: str,
+    dst: str,
+    *,
+    raw_index: bytes,
+    entries: list[FileEntry],
+    storage_options: Mapping[str, Any] | None,
+    workers: int,
+    progress: bool,
+    verify_existing: bool,
+    policy: _remote.RetryPolicy,
+    t0: float,
+) -> StageResult:
+    """The body of :func:`stage`, run while this process alone stages into ``dst``."""
+    _refuse_linked_dirs(dst, entries)
+    _clean_stale_temps(dst)
+
+    index_path = os.path.join(dst, INDEX_NAME)
+    same_index = _read_or_none(index_path) == raw_index
+    # sizes alone are trusted only for this very version: another version's shards (or an
+    # interrupted stage's leftovers) can have the same sizes and other bytes
+    check_crc = verify_existing or not same_index
+    todo: list[FileEntry] = []
+    for e in entries:
+        if not _remote.is_complete(os.path.join(dst, e.relpath), e, check_crc=check_crc):
+            todo.append(e)
+    if todo or not same_index:
+        _invalidate(index_path)  # before any shard is touched: never v1's index over v2's shards
+    total = sum(e.nbytes for e in todo)
+    bar = _Bar(total, progress, desc=f"stage {_remote.redact(url, storage_options)}")
+    cancel = threading.Event()
+    temps: set[str] = set()
+    temps_lock = threading.Lock()
+
+    def _one(e: FileEntry) -> None:
+        final = os.path.join(dst, e.relpath)
+        tmp = _remote.temp_name(final, e.nbytes)
+        with temps_lock:
+            temps.add(tmp)
+        try:
+            _remote.fetch_verified(
+                fs,
+                _remote.join(root, e.relpath),
+                _remote.join(url, e.relpath),
+                final,
+                e,
+                storage_options=storage_options,
+                progress=bar,
+                policy=policy,
+                tmp=tmp,
+                cancel=cancel,
+            )
+        finally:
+            with temps_lock:
+                temps.discard(tmp)
+
+    try:
+        # largest first keeps the pool busy at the end of the run
+        _run_all(sorted(todo, key=lambda e: -e.nbytes), _one, workers, cancel)
+    except BaseException:
+        cancel.set()
+        with temps_lock:
+            left = list(temps)
+        for tmp in left:  # transfers still in flight write to an unlinked file, then stop
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise
+    finally:
+        bar.close()
+    atomic_write(index_path, raw_index)
+    return StageResult(len(todo), len(entries) - len(todo), total, time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def _exclusive(dst: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``dst``'s stage lock: two stages into one directory (two
+    versions, or every rank of a node) run one after the other, never interleaved. The lock
+    file's name has the temp prefix, so no dataset file can have it."""
+    import fcntl
+
+    path = os.path.join(dst, _remote.TEMP_PREFIX + "stage.lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:  # ELOOP: a symlink there, never followed
+        raise DatasetError(f"{path}: cannot open the stage lock: {exc.strerror}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log.info("%s: waiting for another feedpipe stage into this directory", dst)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # Ctrl-C interrupts the wait
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _run_all(
+    todo: list[FileEntry],
+    one: Callable[[FileEntry], None],
+    workers: int,
+    cancel: threading.Event,
+) -> None:
+    """Run ``one`` over ``todo`` on daemon threads; the first error cancels the rest.
+
+    Daemon threads, joined with a timeout: a Ctrl-C in the calling thread is seen at once, and a
+    transfer stuck in a socket read cannot hold the interpreter's exit.
+    """
+    pending = iter(todo)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def _worker() -> None:
+        while not cancel.is_set():
+            with lock:
+                e = next(pending, None)
+            if e is None:
+                return
+            try:
+                one(e)
+            except BaseException as exc:
+                with lock:
+                    errors.append(exc)
+                cancel.set()
+                return
+
+    threads = [
+        threading.Thread(target=_worker, name=f"feedpipe-stage-{i}", daemon=True)
+        for i in range(min(workers, max(1, len(todo))))
+    ]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)
+    except BaseException:
+        cancel.set()
+        end = time.monotonic() + _CANCEL_GRACE_S
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+        raise
+    real = [e for e in errors if not isinstance(e, _remote.CancelledError)]
+    if real or errors:
+        raise (real or errors)[0]
+
+
+def _read_or_none(path: str) -> bytes | None:
+    try:
+        if os.path.islink(path):
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _invalidate(index_path: str) -> None:
+    """Remove the destination's index (a link: the link only) and make that durable."""
+    try:
+        os.unlink(index_path)
+    except FileNotFoundError:
+        return
+    except IsADirectoryError:
+        raise DatasetError(
+            f"{index_path}: is a directory, not a dataset index (remove it, or stage into "
+            "another directory)"
+        ) from None
+    fsync_dir(os.path.dirname(index_path))
+
+
+def _refuse_linked_dirs(dst: str, entries: list[FileEntry]) -> None:
+    """A symlinked directory on a file's path would take the write outside ``dst``: refuse."""
+    seen: set[str] = set()
+    for e in entries:
+        parts = e.relpath.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            rel = "/".join(parts[:i])
+            if rel in seen:
+                continue
+            seen.add(rel)
+            path = os.path.join(dst, rel)
+            if os.path.islink(path):
+                raise DatasetError(
+                    f"{path}: is a symlink; feedpipe stage never writes through links in the "
+                    "destination (remove it, or stage into another directory)"
+                )
+
+
+def _clean_stale_temps(root: str) -> None:
+    """Remove temp files (:func:`feedpipe._remote.temp_name`) whose process no longer exists."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            target = _remote.temp_target(name)
+            if target is None:
+                continue
+            if not _pid_alive(target[2]):
+                try:
+                    os.unlink(os.path.join(dirpath, name))
+                except FileNotFoundError:
+                    pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``feedpipe stage SRC DST``."""
+    parser.add_argument(
+        "src", help="dataset URL or path (s3://bucket/ds, file:///..., /lustre/...)"
+    )
+    parser.add_argument("dst", help="local destination directory")
+    parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel transfers")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-verify-existing",
+        action="store_true",
+        help="trust sizes of files already there (only when DST already has this index)",
+    )
+    parser.add_argument(
+        "--endpoint-url", default=None, help="S3-compatible endpoint (e.g. a MinIO or local server)"
+    )
+    parser.add_argument("--anon", action="store_true", help="anonymous (unsigned) S3 access")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``feedpipe stage``; credentials come from the usual environment/config of the backend."""
+    import sys
+
+    options: dict[str, Any] = {}
+    if args.endpoint_url:
+        options["client_kwargs"] = {"endpoint_url": args.endpoint_url}
+    if args.anon:
+        options["anon"] = True
+    try:
+        result = stage(
+            args.src,
+            args.dst,
+            storage_options=options or None,
+            workers=args.workers,
+            progress=not args.no_progress,
+            verify_existing=not args.no_verify_existing,
+        )
+    except DatasetError as exc:
+        print(f"feedpipe stage: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(
+            "feedpipe stage: interrupted; rerun it to finish (a partly staged destination has no "
+            "index.json, so it never opens as a mix of versions)",
+            file=sys.stderr,
+        )
+        return 130
+    print(
+        f"staged {args.dst}: {result.copied} files copied ({result.bytes_copied / 2**20:.1f} MiB, "
+        f"{result.mb_per_s:.1f} MiB/s), {result.skipped} already present"
+    )
+    return 0
