@@ -21,7 +21,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "feedpipe.datasets.convert",
         "build a dataset from images, .npy/.npz, Zarr or a torch dataset",
     ),
-    "inspect": ("feedpipe.inspect_cmd", "print a dataset's index; --verify checks every checksum"),
+    "inspect": (
+        "feedpipe.commands.inspect",
+        "print a dataset's index; --verify checks every checksum",
+    ),
     "stage": (
         "feedpipe.remote.stage",
         "copy a dataset from any fsspec URL to a local dir, verified",

@@ -56,7 +56,6 @@ LAYERS: dict[str, int] = {
     "feedpipe.integrations": 4,
     "feedpipe.commands": 4,
     "feedpipe.cli": 4,
-    "feedpipe.inspect_cmd": 4,
     "feedpipe.bench": 4,
     "feedpipe.memmap": 4,  # shim of feedpipe.datasets.memmap
     "feedpipe.zarr_dataset": 4,  # shim of feedpipe.datasets.zarr
