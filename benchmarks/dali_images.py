@@ -123,7 +123,7 @@ def run_bare_dali(files: list[str], args: argparse.Namespace, device_id: int | N
     from nvidia.dali import fn, pipeline_def
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-    from feedpipe._dali_pipe import Transform, augment
+    from feedpipe.dali.pipeline import Transform, augment
 
     @pipeline_def(
         batch_size=args.batch_size,

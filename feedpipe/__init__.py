@@ -27,7 +27,7 @@ _EXPORTS: dict[str, str] = {
     "StallStats": "feedpipe.stall.stats",
     "DatasetError": "feedpipe.errors",
     "GPUFeed": "feedpipe.gpu",
-    "ImageLoader": "feedpipe.dali",
+    "ImageLoader": "feedpipe.dali.loader",
 }
 
 __all__ = [

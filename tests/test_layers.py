@@ -51,8 +51,6 @@ LAYERS: dict[str, int] = {
     "feedpipe": 4,
     "feedpipe.loader": 4,
     "feedpipe.dali": 4,
-    "feedpipe._dali_pipe": 4,
-    "feedpipe._dali_source": 4,
     "feedpipe.integrations": 4,
     "feedpipe.commands": 4,
     "feedpipe.cli": 4,

@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from feedpipe import _dali_source as _src
-from feedpipe._dali_pipe import (
+from feedpipe.dali import source as _src
+from feedpipe.dali.pipeline import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     Transform,
@@ -166,7 +166,7 @@ class ImageLoader:
         self._fed: Any = None
         self._probe: Any = None
         self._caller: _Caller | None = None
-        # The pipeline persists across epochs as one endless stream (see _dali_source): each
+        # The pipeline persists across epochs as one endless stream (see feedpipe.dali.source): each
         # epoch is a segment of DALI iterations; the next epoch's order is predicted and
         # published ahead, so DALI reads and decodes across the epoch boundary without a pause.
         self._pos = 0  # DALI iteration of the next pipe.run() output
