@@ -345,11 +345,33 @@ def _array_meta(meta: dict[str, Any], source: str) -> tuple[tuple[int, ...], np.
         if dtype is not None:
             check_dtype(dtype, "data_type")
         shape = check_shape(meta["shape"], dtype.itemsize if dtype is not None else 1, "array")
-    except (ValueError, TypeError, OverflowError) as exc:
+        _check_chunk_shapes(meta, len(shape))
+    except (ValueError, TypeError, OverflowError, KeyError, AttributeError) as exc:
         raise DatasetError(f"{source}: malformed Zarr metadata: {exc}") from None
     if not shape:
         raise DatasetError(f"{source}: a 0-d array has no sample axis")
     return shape, dtype
+
+
+def _check_chunk_shapes(meta: dict[str, Any], ndim: int) -> None:
+    """The chunk grid's and a sharding codec's ``chunk_shape``: ``ndim`` positive integers."""
+    grid = meta.get("chunk_grid")
+    shapes = []
+    if isinstance(grid, dict) and isinstance(grid.get("configuration"), dict):
+        shapes.append(("chunk_grid", grid["configuration"].get("chunk_shape")))
+    for codec in meta.get("codecs") or []:
+        if isinstance(codec, dict) and codec.get("name") == "sharding_indexed":
+            conf = codec.get("configuration")
+            if not isinstance(conf, dict):
+                raise ValueError("sharding_indexed needs a configuration object")
+            shapes.append(("sharding_indexed", conf.get("chunk_shape")))
+    for where, chunk in shapes:
+        if (
+            not isinstance(chunk, list)
+            or len(chunk) != ndim
+            or any(type(c) is not int or c < 1 for c in chunk)
+        ):
+            raise ValueError(f"{where} chunk_shape must be {ndim} positive integers, got {chunk!r}")
 
 
 # ---------------------------------------------------------------------- direct reads
