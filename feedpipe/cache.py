@@ -197,10 +197,19 @@ class ShardCache:
         os.makedirs(os.path.join(self.dir, _LOCKS), exist_ok=True)
         index_path = os.path.join(self.dir, INDEX_NAME)
         if not os.path.exists(index_path):
-            tmp = _remote.temp_name(index_path, len(raw))
-            with open(tmp, "wb") as f:
-                f.write(raw)
-            os.replace(tmp, index_path)
+            # under the index's own lock, as a download holds its file's: another cache's scan
+            # (a thread or process opening the same version) takes an unlocked temp for a dead one
+            lock_path = os.path.join(self.dir, _LOCKS, INDEX_NAME + ".lock")
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                _flock(fd, fcntl.LOCK_EX, self.timeout_s, index_path)
+                if not os.path.exists(index_path):
+                    tmp = _remote.temp_name(index_path, len(raw))
+                    with open(tmp, "wb") as f:
+                        f.write(raw)
+                    os.replace(tmp, index_path)
+            finally:
+                os.close(fd)
         self._scan(need=0)  # removes temps left by crashed downloaders
         if a["eager_bytes"] > 0:
             self.prefetch(e.relpath for e in entries if e.nbytes <= a["eager_bytes"])
