@@ -80,21 +80,29 @@ class _CancelledError(Exception):
 
 
 def _flock(
-    fd: int, op: int, timeout_s: float, what: str, cancel: threading.Event | None = None
-) -> None:
+    fd: int,
+    op: int,
+    timeout_s: float,
+    what: str,
+    cancel: threading.Event | None = None,
+    moot: Callable[[], bool] | None = None,
+) -> bool:
     """``flock`` with a timeout (polls without blocking); :class:`TimeoutError` names ``what``.
 
-    With ``cancel``, the wait stops (:class:`_CancelledError`) as soon as the event is set.
+    Returns True once locked. With ``cancel``, the wait stops (:class:`_CancelledError`) as
+    soon as the event is set; with ``moot``, it stops (returning False) once ``moot()`` is true.
     """
     deadline = time.monotonic() + timeout_s
     pause = _POLL_S
     while True:
         try:
             fcntl.flock(fd, op | fcntl.LOCK_NB)
-            return
+            return True
         except OSError as exc:
             if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 raise
+        if moot is not None and moot():
+            return False
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout_s:g} s waiting for the lock on {what}")
         if cancel is None:
@@ -544,12 +552,15 @@ class ShardCache:
         try:
             _flock(fd, fcntl.LOCK_SH, self.timeout_s, what, cancel)
             downloaded = False
-            while True:
+
+            def present() -> bool:
                 try:
-                    present = os.stat(final).st_size == entry.nbytes
+                    return os.stat(final).st_size == entry.nbytes
                 except FileNotFoundError:
-                    present = False
-                if present:
+                    return False
+
+            while True:
+                if present():
                     os.utime(final)  # least-recently-used order = mtime order
                     if not downloaded:
                         with self._lock:
@@ -568,8 +579,10 @@ class ShardCache:
                         f"{what}: its cached copy {final} is missing or changed while this "
                         "process has it pinned (was the cache directory cleaned under a reader?)"
                     )
-                _flock(fd, fcntl.LOCK_EX, self.timeout_s, what, cancel)
-                if not os.path.exists(final):
+                # another thread or process may download it and pin it meanwhile: its shared
+                # lock would block us until it unpins, so stop waiting once the file is there
+                locked = _flock(fd, fcntl.LOCK_EX, self.timeout_s, what, cancel, present)
+                if locked and not present():  # a wrong-sized copy is replaced, never reused
                     if cancel is not None and cancel.is_set():
                         raise _CancelledError(what)
                     self._download(entry, final, on_wait, wait_room, cancel)
