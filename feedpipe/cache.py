@@ -84,6 +84,7 @@ def _flock(
     op: int,
     timeout_s: float,
     what: str,
+    *,
     cancel: threading.Event | None = None,
     moot: Callable[[], bool] | None = None,
 ) -> bool:
@@ -550,7 +551,7 @@ class ShardCache:
         what = _remote.join(_remote.redact(self.url, self._options), relpath)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            _flock(fd, fcntl.LOCK_SH, self.timeout_s, what, cancel)
+            _flock(fd, fcntl.LOCK_SH, self.timeout_s, what, cancel=cancel)
             downloaded = False
 
             def present() -> bool:
@@ -581,14 +582,14 @@ class ShardCache:
                     )
                 # another thread or process may download it and pin it meanwhile: its shared
                 # lock would block us until it unpins, so stop waiting once the file is there
-                locked = _flock(fd, fcntl.LOCK_EX, self.timeout_s, what, cancel, present)
+                locked = _flock(fd, fcntl.LOCK_EX, self.timeout_s, what, cancel=cancel, moot=present)
                 if locked and not present():  # a wrong-sized copy is replaced, never reused
                     if cancel is not None and cancel.is_set():
                         raise _CancelledError(what)
                     self._download(entry, final, on_wait, wait_room, cancel)
                     downloaded = True
                 # then re-check: evicted meanwhile?
-                _flock(fd, fcntl.LOCK_SH, self.timeout_s, what, cancel)
+                _flock(fd, fcntl.LOCK_SH, self.timeout_s, what, cancel=cancel)
         except BaseException:
             os.close(fd)
             raise
@@ -639,7 +640,7 @@ class ShardCache:
             rounds += 1
             fd = os.open(os.path.join(self.cache_dir, _CACHE_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                _flock(fd, fcntl.LOCK_EX, self.timeout_s, self.cache_dir, cancel)
+                _flock(fd, fcntl.LOCK_EX, self.timeout_s, self.cache_dir, cancel=cancel)
                 short = self._scan(need=entry.nbytes)
                 if short <= 0:
                     tmp = _remote.temp_name(final, entry.nbytes)
