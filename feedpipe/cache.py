@@ -582,7 +582,9 @@ class ShardCache:
                     )
                 # another thread or process may download it and pin it meanwhile: its shared
                 # lock would block us until it unpins, so stop waiting once the file is there
-                locked = _flock(fd, fcntl.LOCK_EX, self.timeout_s, what, cancel=cancel, moot=present)
+                locked = _flock(
+                    fd, fcntl.LOCK_EX, self.timeout_s, what, cancel=cancel, moot=present
+                )
                 if locked and not present():  # a wrong-sized copy is replaced, never reused
                     if cancel is not None and cancel.is_set():
                         raise _CancelledError(what)
