@@ -180,7 +180,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                 f"{self._shown}: reading a remote MemmapDataset needs cache_dir=... (lazy "
                 "mode) or the staging cache (feedpipe.stage) to a local directory first"
             )
-        if self._cache is None:
+        if self._cache is None or self._cache.closed:  # closed by close(): a fresh one
             from feedpipe.cache import ShardCache
 
             limit = self.cache_limit_bytes
@@ -685,19 +685,23 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         self._open_lock = threading.Lock()
 
     def close(self) -> None:
-        """Close open files and maps and unpin cached shards (they reopen on the next read)."""
+        """Close open files and maps, unpin cached shards and stop the cache's prefetches
+        (everything reopens on the next read)."""
+        self._close(wait=True)
+
+    def _close(self, wait: bool) -> None:
         if self._files is not None:
             self._files.close()
             self._files = None
         if self._cache is not None:
-            self._cache.release_all()
+            self._cache.close(wait=wait)
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self._close(wait=False)  # never block the garbage collector on a download
         except Exception:
             pass
 
