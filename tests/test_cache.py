@@ -258,7 +258,11 @@ def test_caches_opened_at_once_never_delete_each_others_index_temp(
         errors: list[BaseException] = []
         go = threading.Barrier(6)
 
-        def open_one(cache_dir: Path = cache_dir) -> None:
+        def open_one(
+            cache_dir: Path = cache_dir,
+            go: threading.Barrier = go,
+            errors: list[BaseException] = errors,
+        ) -> None:
             try:
                 go.wait()
                 ShardCache(url, cache_dir, storage_options=opts, index_bytes=raw).close()
