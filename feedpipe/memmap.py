@@ -90,6 +90,9 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
     evicts least-recently-used shards instead of waiting.
     """
 
+    #: ``read_batch`` takes numpy index arrays (:class:`feedpipe.protocols.IndexArrayDataset`).
+    takes_index_arrays = True
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -542,6 +545,11 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         if self._record_bytes == 0:
             return "empty records"
         return None
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes per record (fixed layout; 0 for the bytes layout)."""
+        return int(self._record_bytes)
 
     def device_out(self, rows: int, device: torch.device) -> Any:
         """An ``out`` for :meth:`read_batch` whose records land on ``device`` by DMA (the device
