@@ -183,6 +183,12 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                 f"{self._shown}: reading a remote MemmapDataset needs cache_dir=... (lazy "
                 "mode) or the staging cache (feedpipe.stage) to a local directory first"
             )
+        if self._cache is not None:
+            return self._cache
+        with self._open_lock:  # thread workers' first reads: one cache, not one per thread
+            return self._make_cache() if self._cache is None else self._cache
+
+    def _make_cache(self) -> Any:
         if self._cache is None:
             from feedpipe.cache import ShardCache
 

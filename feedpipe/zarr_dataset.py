@@ -404,6 +404,10 @@ class _Direct:
         self.addrs: dict[int, tuple[np.ndarray, bool]] = {}
         self._tls = threading.local()  # per-thread scratch for gathers spanning shards
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # rebuilt from its plan: open files, maps, the key function and the scratch stay behind
+        return (_Direct, (self.root, self.meta, self.shape))
+
     @staticmethod
     def plan(root: str, meta: dict[str, Any], shape: tuple[int, ...]) -> _Direct | None:
         """A direct reader if the layout qualifies, else None."""

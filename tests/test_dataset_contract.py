@@ -91,14 +91,31 @@ class TestMemmapBytesFields(_Ragged):
         return MemmapDataset(tmp_path / "ds")
 
 
+@pytest.fixture(scope="module")
+def remote_fixed(s3_server: str) -> tuple[str, dict[str, Any]]:
+    """A fixed-layout dataset with side fields, written once to a fresh bucket."""
+    import uuid
+
+    import boto3
+    from conftest import s3_options
+
+    opts = s3_options(s3_server)
+    bucket = f"contract-{uuid.uuid4().hex[:12]}"
+    boto3.client(
+        "s3", endpoint_url=s3_server, aws_access_key_id="testing",
+        aws_secret_access_key="testing", region_name="us-east-1",
+    ).create_bucket(Bucket=bucket)  # fmt: skip
+    url = f"s3://{bucket}/ds"
+    _fixed(url, fields=True, storage_options=opts)
+    return url, opts
+
+
 class TestMemmapRemote(DatasetContractTests):
-    """Over a real S3 API (moto server), read through the shard cache."""
+    """Over a real S3 API (moto server), read through the shard cache (a fresh cache per test)."""
 
     @pytest.fixture
-    def dataset(self, tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]) -> Iterator[Any]:
-        bucket, opts = s3_bucket
-        url = f"s3://{bucket}/ds"
-        _fixed(url, fields=True, storage_options=opts)
+    def dataset(self, tmp_path: Path, remote_fixed: tuple[str, dict[str, Any]]) -> Iterator[Any]:
+        url, opts = remote_fixed
         ds = MemmapDataset(url, cache_dir=tmp_path / "cache", storage_options=opts)
         yield ds
         ds.close()
@@ -244,6 +261,8 @@ class _CastsOut(_Good):
             return super().read_batch(indices)
         batch = super().read_batch(indices)
         for k, v in batch.items():
+            if len(out[k]) < len(v):
+                raise ValueError(f"out[{k!r}] is too short")
             out[k][: len(v)].copy_(v)  # a silent cast into whatever dtype out has
         return {k: out[k][: len(v)] for k, v in batch.items()}
 
@@ -310,3 +329,43 @@ def test_assert_batches_equal_is_bitwise() -> None:
     ]:
         with pytest.raises(AssertionError):
             assert_batches_equal(got, want)
+
+
+def test_remote_memmap_makes_one_cache_for_concurrent_first_reads(
+    tmp_path: Path, remote_fixed: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thread workers' first reads used to build one ShardCache each; the second one's scan
+    removed the first one's index temp file mid-write (FileNotFoundError in a worker)."""
+    import threading
+    import time
+
+    from feedpipe import cache as cache_mod
+
+    init = cache_mod.ShardCache.__init__
+
+    built: list[Any] = []
+
+    def slow_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        built.append(self)
+        time.sleep(0.3)  # widen the window in which a second thread could start its own
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(cache_mod.ShardCache, "__init__", slow_init)
+    url, opts = remote_fixed
+    ds = MemmapDataset(url, cache_dir=tmp_path / "cache", storage_options=opts)
+    made: list[Any] = []
+    barrier = threading.Barrier(3)
+
+    def first_read() -> None:
+        barrier.wait(10)
+        made.append(ds._shard_cache())
+
+    threads = [threading.Thread(target=first_read) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(made) == 3 and all(c is made[0] for c in made)
+    assert len(built) == 1, f"{len(built)} caches built"
+    ds.read_batch(np.arange(N))  # every file fetched before the server goes (no retries at exit)
+    ds.close()
