@@ -369,3 +369,24 @@ def test_remote_memmap_makes_one_cache_for_concurrent_first_reads(
     assert len(built) == 1, f"{len(built)} caches built"
     ds.read_batch(np.arange(N))  # every file fetched before the server goes (no retries at exit)
     ds.close()
+
+
+def test_the_guide_snippet_runs_as_a_test_module(tmp_path: Path) -> None:
+    """docs/guides/dataset-contract.md's example is a test module that passes as written."""
+    import os
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "guides" / "dataset-contract.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "class Test" in b]
+    assert len(blocks) == 1
+    (tmp_path / "test_array_dataset.py").write_text(blocks[0])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_array_dataset.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    passed = int(re.search(r"(\d+) passed", summary).group(1))  # type: ignore[union-attr]
+    assert passed >= 10 and "failed" not in summary, summary
