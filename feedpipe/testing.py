@@ -37,7 +37,9 @@ def assert_batches_equal(got: Any, want: Any, where: str = "batch") -> None:
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor), f"{where}: {type(got).__name__}, want a tensor"
         assert got.dtype == want.dtype, f"{where}: dtype {got.dtype}, want {want.dtype}"
-        assert got.shape == want.shape, f"{where}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
+        assert got.shape == want.shape, (
+            f"{where}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
+        )
         assert torch.equal(_bytes(got), _bytes(want)), f"{where}: values differ"
         return
     assert type(got) is type(want), f"{where}: {type(got).__name__}, want {type(want).__name__}"

@@ -35,7 +35,9 @@ def _fixed(path: Path | str, *, fields: bool, **kw: Any) -> None:
 
 def _bytes(path: Path | str, *, fields: bool) -> None:
     rng = np.random.default_rng(2)
-    records = [rng.integers(0, 256, int(rng.integers(0, 40)), dtype=np.uint8).tobytes() for _ in range(N)]
+    records = [
+        rng.integers(0, 256, int(rng.integers(0, 40)), dtype=np.uint8).tobytes() for _ in range(N)
+    ]
     spec = {"label": "int32"} if fields else {}
     cols = {"label": np.arange(N, dtype=np.int32)} if fields else {}
     with MemmapWriter(path, shape=None, fields=spec, shard_bytes=300) as w:
@@ -50,7 +52,9 @@ class _Ragged(DatasetContractTests):
         if not isinstance(samples[0], dict):
             return list(samples)
         batch = {"data": [s["data"] for s in samples]}
-        batch.update({k: default_collate([s[k] for s in samples]) for k in samples[0] if k != "data"})
+        batch.update(
+            {k: default_collate([s[k] for s in samples]) for k in samples[0] if k != "data"}
+        )
         return batch
 
     def make_out(self, dataset: Any, indices: list[int], batch: Any) -> Any:
@@ -310,9 +314,7 @@ _FAILED = (AssertionError, pytest.fail.Exception)
         (_WritesIndices, "test_index_arrays_match_lists", ValueError),
     ],
 )
-def test_the_suite_catches_a_broken_dataset(
-    broken: type[_Good], check: str, caught: Any
-) -> None:
+def test_the_suite_catches_a_broken_dataset(broken: type[_Good], check: str, caught: Any) -> None:
     suite = DatasetContractTests()
     with pytest.raises(caught):
         getattr(suite, check)(broken())
@@ -381,7 +383,10 @@ def test_the_guide_snippet_runs_as_a_test_module(tmp_path: Path) -> None:
     blocks = [b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "class Test" in b]
     assert len(blocks) == 1
     (tmp_path / "test_array_dataset.py").write_text(blocks[0])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_array_dataset.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env, check=False,
