@@ -90,6 +90,9 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
     evicts least-recently-used shards instead of waiting.
     """
 
+    #: ``read_batch`` takes numpy index arrays (:class:`feedpipe.protocols.IndexArrayDataset`).
+    takes_index_arrays = True
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -180,6 +183,13 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                 f"{self._shown}: reading a remote MemmapDataset needs cache_dir=... (lazy "
                 "mode) or the staging cache (feedpipe.stage) to a local directory first"
             )
+        cache = self._cache
+        if cache is not None and not cache.closed:
+            return cache
+        with self._open_lock:  # thread workers' first reads: one cache, not one per thread
+            return self._make_cache()
+
+    def _make_cache(self) -> Any:
         if self._cache is None or self._cache.closed:  # closed by close(): a fresh one
             from feedpipe.cache import ShardCache
 
@@ -542,6 +552,11 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         if self._record_bytes == 0:
             return "empty records"
         return None
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes per record (fixed layout; 0 for the bytes layout)."""
+        return int(self._record_bytes)
 
     def device_out(self, rows: int, device: torch.device) -> Any:
         """An ``out`` for :meth:`read_batch` whose records land on ``device`` by DMA (the device

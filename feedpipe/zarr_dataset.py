@@ -46,6 +46,9 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
     from the shard index, instead of through the engine (see :class:`_Direct`).
     """
 
+    #: ``read_batch`` takes numpy index arrays (:class:`feedpipe.protocols.IndexArrayDataset`).
+    takes_index_arrays = True
+
     def __init__(
         self,
         path_or_url: str | os.PathLike[str],
@@ -288,12 +291,16 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
                 if t is None:
                     t = torch.from_numpy(np.empty(shape, self.dtype_of(name)))
             else:
+                want = torch.from_numpy(np.empty(0, self.dtype_of(name))).dtype
                 if (
                     not isinstance(target, torch.Tensor)
+                    or target.dtype != want  # copy_ would cast silently
                     or tuple(target.shape[1:]) != shape[1:]
                     or target.shape[0] < shape[0]
                 ):
-                    raise ValueError(f"out[{name!r}] must be a tensor with room for {shape}")
+                    raise ValueError(
+                        f"out[{name!r}] must be a {want} tensor with room for {shape}"
+                    )
                 t = target[: shape[0]]
                 if arr is not None:
                     t.copy_(torch.from_numpy(arr))
@@ -418,6 +425,10 @@ class _Direct:
         self.maps: dict[int, np.ndarray] = {}
         self.addrs: dict[int, tuple[np.ndarray, bool]] = {}
         self._tls = threading.local()  # per-thread scratch for gathers spanning shards
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # rebuilt from its plan: open files, maps, the key function and the scratch stay behind
+        return (_Direct, (self.root, self.meta, self.shape))
 
     @staticmethod
     def plan(root: str, meta: dict[str, Any], shape: tuple[int, ...]) -> _Direct | None:
