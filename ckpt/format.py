@@ -30,6 +30,7 @@ import torch
 
 from ckpt import _faults
 from ckpt._flatten import ALIGN, MAX_DEPTH, Leaf, torch_dtype
+from ckpt._layout import DATA_FILE, MANIFEST
 from ckpt._pool import Buffer
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from feedpipe._crc import crc32c, to_hex
@@ -62,7 +63,6 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 CHUNK_BYTES = 16 << 20  # one CRC32C per 16 MiB of each data file
 IO_BYTES = 16 << 20  # the largest single read of a restore: its buffer per reader thread
 MAX_MANIFEST_BYTES = 1 << 30  # a manifest is read whole: bounded, whatever its file claims
@@ -78,7 +78,7 @@ def safe_relpath(name: Any) -> str:
     return name
 
 
-def plan(leaves: Sequence[Leaf], file: str = "data.bin", start: int = 0) -> tuple[list[dict], int]:
+def plan(leaves: Sequence[Leaf], file: str = DATA_FILE, start: int = 0) -> tuple[list[dict], int]:
     """Lay ``leaves`` out in one data file; returns the manifest entries and the file size."""
     entries, offset = [], start
     for leaf in leaves:

@@ -28,7 +28,6 @@ import datetime
 import json
 import logging
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -37,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt import _commit, _faults
+from ckpt import _commit, _faults, _layout
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from feedpipe._crc import crc32c, to_hex
@@ -56,8 +55,7 @@ __all__ = [
 
 log = logging.getLogger("ckpt")
 
-STATUS_FILE = "upload-status.json"
-_STATES = ("pending", "uploading", "done", "failed")
+STATUS_FILE = _layout.STATUS_FILE
 
 
 @dataclass(frozen=True)
@@ -157,7 +155,7 @@ def list_remote(fs: Any, root: str) -> dict[int, RemoteListing]:
     for path, info in found.items():
         rel = path[len(base) :] if path.startswith(base) else path
         head, _, tail = rel.partition("/")
-        step = _commit.step_number(head)
+        step = _layout.step_number(head)
         if step is None:
             continue
         entry = out.setdefault(step, RemoteListing(step, False, 0.0))
@@ -370,12 +368,12 @@ class RemoteTier:
             self._retain_local()
 
     def _rpath(self, step: int, name: str = "") -> str:
-        return f"{self.root}/step-{step}" + (f"/{name}" if name else "")
+        return f"{self.root}/{_layout.step_name(step)}" + (f"/{name}" if name else "")
 
     def _call(self, fn: Callable[[], Any], step: int, name: str, what: str) -> Any:
         return call(
             fn,
-            f"{self.options.url.rstrip('/')}/step-{step}/{name}",
+            f"{self.options.url.rstrip('/')}/{_layout.step_name(step)}/{name}",
             what=what,
             policy=self._policy,
             storage_options=self.options.storage_options,
@@ -399,11 +397,11 @@ class RemoteTier:
         return result
 
     def _same_manifest(self, step: int) -> bool:
-        local = (_commit.step_dir(self.directory, step) / fmt.MANIFEST).read_bytes()
+        local = (_layout.step_dir(self.directory, step) / fmt.MANIFEST).read_bytes()
         return self._remote_manifest(step) == local
 
     def _upload_one(self, step: int) -> None:
-        path = _commit.step_dir(self.directory, step)
+        path = _layout.step_dir(self.directory, step)
         t0 = time.perf_counter()
         with self._cond:
             self.stats.uploads[step] = UploadStatus(step, "uploading")
@@ -433,8 +431,8 @@ class RemoteTier:
                     self._call(lambda: self.fs.pipe_file(rpath, raw), step, fmt.MANIFEST, "upload")
                     if self._remote_manifest(step) != raw:
                         raise CorruptCheckpointError(
-                            f"{self.url}/step-{step}/{fmt.MANIFEST}: read back differs from the "
-                            "local manifest"
+                            f"{self.url}/{_layout.step_name(step)}/{fmt.MANIFEST}: read back "
+                            "differs from the local manifest"
                         )
         except Exception as exc:
             self._fail(step, exc)
@@ -476,12 +474,15 @@ class RemoteTier:
                 if attempt == 2:
                     raise
                 log.warning(
-                    "ckpt: %s/step-%d/%s did not verify; uploading again", self.url, step, name
+                    "ckpt: %s/%s/%s did not verify; uploading again",
+                    self.url,
+                    _layout.step_name(step),
+                    name,
                 )
 
     def _verify_remote(self, step: int, rec: dict) -> None:
         rpath, name = self._rpath(step, rec["name"]), rec["name"]
-        where = f"{self.url}/step-{step}/{name}"
+        where = f"{self.url}/{_layout.step_name(step)}/{name}"
         info = self._call(lambda: self.fs.info(rpath), step, name, "stat")
         if int(info.get("size", -1)) != rec["size"]:
             raise CorruptCheckpointError(
@@ -552,7 +553,9 @@ class RemoteTier:
             if now - entry.newest_mtime > self.options.grace_s:
                 self._delete_remote(step)
                 self.stats.partial_removed.append(step)
-                log.info("ckpt: removed partial upload step-%d from %s", step, self.url)
+                log.info(
+                    "ckpt: removed partial upload %s from %s", _layout.step_name(step), self.url
+                )
 
     def gc(self) -> None:
         """Apply remote retention and partial-upload garbage collection now."""
@@ -578,25 +581,29 @@ class RemoteTier:
 
         raw = self._remote_manifest(step)
         if raw is None:
-            raise CheckpointError(f"{self.url}/step-{step}: no manifest (not a checkpoint)")
+            raise CheckpointError(
+                f"{self.url}/{_layout.step_name(step)}: no manifest (not a checkpoint)"
+            )
         with tempfile.TemporaryDirectory(prefix="ckpt-manifest-") as tmp:
             Path(tmp, fmt.MANIFEST).write_bytes(raw)
             try:
                 return fmt.read_manifest(tmp)
             except CorruptCheckpointError as exc:
                 raise CorruptCheckpointError(
-                    str(exc).replace(tmp, f"{self.url}/step-{step}")
+                    str(exc).replace(tmp, f"{self.url}/{_layout.step_name(step)}")
                 ) from None
 
     def download(self, step: int) -> Path:
         """Download ``step`` into ``DIR/step-N.tmp-remote-*`` (manifest checked, files fetched);
         the caller verifies the data and publishes or removes the directory."""
-        tmp = self.directory / f"step-{step}.tmp-remote-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = self.directory / _layout.tmp_name(_layout.step_name(step), "remote")
         tmp.mkdir()
         try:
             raw = self._remote_manifest(step)
             if raw is None:
-                raise CheckpointError(f"{self.url}/step-{step}: no manifest (not a checkpoint)")
+                raise CheckpointError(
+                    f"{self.url}/{_layout.step_name(step)}: no manifest (not a checkpoint)"
+                )
             (tmp / fmt.MANIFEST).write_bytes(raw)
             body = fmt.read_manifest(tmp)
             for rec in body["files"]:
@@ -626,7 +633,7 @@ class RemoteTier:
                 "updated": time.time(),
                 "steps": {str(s): asdict(st) for s, st in sorted(self.stats.uploads.items())},
             }
-        tmp = self.directory / f".{STATUS_FILE}.tmp-{os.getpid()}-{threading.get_ident()}"
+        tmp = self.directory / _layout.status_tmp_name()
         try:
             tmp.write_text(json.dumps(doc))
             os.replace(tmp, self.directory / STATUS_FILE)
