@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt import _commit, _faults, _layout
+from ckpt import _commit, _faults, _layout, _retention
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from feedpipe._crc import crc32c, to_hex
@@ -534,18 +534,25 @@ class RemoteTier:
         self._call(rm_rest, step, "", "delete")
 
     def _retain_remote(self) -> None:
+        """Remote retention is ``ckpt._retention.plan``, the rule of the local tier, with every
+        remote step counted as restorable: a remote manifest is written only after each data
+        file verified, and checking more would download the step. The newest verified upload and
+        steps still queued or uploading are never deleted (the evict guard)."""
         listing = self._call(lambda: list_remote(self.fs, self.root), 0, "", "list")
         with self._cond:
             active = set(self._queue) | {
                 s for s, st in self.stats.uploads.items() if st.state == "uploading"
             }
         committed = sorted(s for s, e in listing.items() if e.committed)
-        if self.keep_last is not None:
-            for step in committed[: -self.keep_last]:
-                if step == self._newest_verified or step in active:
-                    continue
-                self._delete_remote(step)
-                self.stats.remote_evicted.append(step)
+        decision = _retention.plan(
+            committed,
+            self.keep_last,
+            is_restorable=lambda s: True,
+            may_evict=lambda s: s != self._newest_verified and s not in active,
+        )
+        for step in decision.delete:
+            self._delete_remote(step)
+            self.stats.remote_evicted.append(step)
         now = time.time()
         for step, entry in listing.items():
             if entry.committed or step in active:

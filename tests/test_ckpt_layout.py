@@ -98,3 +98,21 @@ def test_temporary_and_retired_names_are_recognised() -> None:
     assert m is not None and m.group(1) == base
     assert _layout.tmp_name(base) != _layout.tmp_name(base)  # random part
     assert not _layout.LEFTOVER.match(_layout.LATEST) and not _layout.LEFTOVER.match(base)
+
+
+def _calls(path: Path, module: str, name: str) -> int:
+    tree = ast.parse(path.read_text())
+    return sum(
+        isinstance(n, ast.Attribute)
+        and n.attr == name
+        and isinstance(n.value, ast.Name)
+        and n.value.id == module
+        for n in ast.walk(tree)
+    )
+
+
+@pytest.mark.parametrize("module", ["manager.py", "cli.py", "remote.py"])
+def test_one_retention_rule(module: str) -> None:
+    """The manager, ``ckpt gc`` and the remote tier's ``keep_last_remote`` all decide through
+    ``ckpt._retention.plan``; none slices its own list of steps to keep."""
+    assert _calls(CKPT / module, "_retention", "plan") >= 1
