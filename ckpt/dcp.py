@@ -216,47 +216,6 @@ def decode_metadata(doc: dict, where: str = "") -> Metadata:
 
 
 # ---- writing -------------------------------------------------------------------------------
-class _ChunkedFile:
-    """Appends pieces to a file with ``pwrite``, keeping one running CRC32C per chunk."""
-
-    def __init__(self, path: Path, chunk_bytes: int) -> None:
-        self.path, self.chunk = path, chunk_bytes
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        self.size, self.crc, self.crcs = 0, 0, []  # type: ignore[var-annotated]
-
-    def write(self, view: memoryview) -> None:
-        while view:
-            room = self.chunk - self.size % self.chunk
-            piece, view = view[:room], view[room:]
-            done = 0
-            while done < len(piece):
-                done += os.pwrite(self.fd, piece[done:], self.size + done)
-            self.crc = crc32c(piece, self.crc)
-            self.size += len(piece)
-            if self.size % self.chunk == 0:
-                self.crcs.append(to_hex(self.crc))
-                self.crc = 0
-
-    def pad(self, align: int) -> None:
-        extra = -self.size % align
-        if extra:
-            self.write(memoryview(bytes(extra)))
-
-    def close(self) -> dict:
-        try:
-            if self.size % self.chunk:
-                self.crcs.append(to_hex(self.crc))
-            os.fsync(self.fd)
-        finally:
-            os.close(self.fd)
-        return {
-            "name": self.path.name,
-            "size": self.size,
-            "chunk_bytes": self.chunk,
-            "crc32c": self.crcs,
-        }
-
-
 def _raw(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu" or not t.is_contiguous():
@@ -359,7 +318,7 @@ class CkptStorageWriter(StorageWriter):
         results: list[WriteResult] = []
         if not plan.items:
             return results
-        out = _ChunkedFile(tmp / info["file"], self.chunk_bytes)
+        out = fmt.ChunkedWriter(tmp / info["file"], self.chunk_bytes)
         try:
             for item in plan.items:
                 out.pad(fmt.ALIGN)
@@ -403,17 +362,15 @@ class CkptStorageWriter(StorageWriter):
         metadata.storage_data = {wr.index: wr.storage_data for rr in results for wr in rr}
         tmp = self.directory / self._tmp
         tmp.mkdir(exist_ok=True)
-        body = {
-            "format": "ckpt",
-            "version": fmt.FORMAT_VERSION,
-            "step": self.step,
-            "created": time.time(),
-            "nbytes": sum(r["size"] for r in files),
-            "tree": {"t": "dict", "items": []},
-            "entries": [],
-            "files": sorted(files, key=lambda r: r["name"]),
-            "metadata": {"dcp": encode_metadata(metadata)},
-        }
+        body = fmt.new_manifest(
+            step=self.step,
+            created=time.time(),
+            nbytes=sum(r["size"] for r in files),
+            tree={"t": "dict", "items": []},
+            entries=[],
+            files=sorted(files, key=lambda r: r["name"]),
+            metadata={"dcp": encode_metadata(metadata)},
+        )
         fmt.write_manifest(tmp, body)
         self.committed = _commit.publish(tmp, self.directory, self.step)
         _commit.write_latest(self.directory, self.step)

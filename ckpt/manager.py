@@ -247,17 +247,15 @@ class CheckpointManager:
             raise
         stats.nbytes = nbytes
         stats.blocked_s = time.perf_counter() - t0
-        body = {
-            "format": "ckpt",
-            "version": fmt.FORMAT_VERSION,
-            "step": step,
-            "created": time.time(),
-            "nbytes": nbytes,
-            "tree": tree,
-            "entries": entries,
-            "files": [],
-            "metadata": metadata or {},
-        }
+        body = fmt.new_manifest(
+            step=step,
+            created=time.time(),
+            nbytes=nbytes,
+            tree=tree,
+            entries=entries,
+            files=[],
+            metadata=metadata,
+        )
         handle = SaveHandle(step, stats)
         with self._mutex:
             self.stats.saves += 1

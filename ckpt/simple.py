@@ -41,16 +41,9 @@ def save(path: str | os.PathLike[str], state: Any, *, metadata: dict | None = No
     tmp.mkdir()
     try:
         rec = fmt.write_file(tmp / _layout.DATA_FILE, buf.view())
-        body = {
-            "format": "ckpt",
-            "version": fmt.FORMAT_VERSION,
-            "step": None,
-            "nbytes": nbytes,
-            "tree": tree,
-            "entries": entries,
-            "files": [rec],
-            "metadata": metadata or {},
-        }
+        body = fmt.new_manifest(
+            step=None, nbytes=nbytes, tree=tree, entries=entries, files=[rec], metadata=metadata
+        )
         fmt.write_manifest(tmp, body)
         _commit.fsync_dir(tmp)
         retired = path.with_name(_layout.del_name(path.name))

@@ -116,3 +116,58 @@ def test_one_retention_rule(module: str) -> None:
     """The manager, ``ckpt gc`` and the remote tier's ``keep_last_remote`` all decide through
     ``ckpt._retention.plan``; none slices its own list of steps to keep."""
     assert _calls(CKPT / module, "_retention", "plan") >= 1
+
+
+def _format_dicts(path: Path) -> list[int]:
+    """Lines of dict literals with a ``"format"`` key (hand-built manifest bodies)."""
+    tree = ast.parse(path.read_text())
+    return [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Dict)
+        and any(isinstance(k, ast.Constant) and k.value == "format" for k in n.keys)
+    ]
+
+
+def test_one_manifest_builder_and_one_chunked_writer() -> None:
+    """Manifest bodies are built by ``format.new_manifest`` only, and dcp writes its data files
+    through ``format.ChunkedWriter`` (no pwrite of its own)."""
+    built = {f.name: _format_dicts(f) for f in sorted(CKPT.rglob("*.py"))}
+    assert {k: v for k, v in built.items() if v} == {"format.py": built["format.py"]}
+    assert len(built["format.py"]) == 1
+    assert _calls(CKPT / "dcp.py", "os", "pwrite") == 0
+    assert _calls(CKPT / "dcp.py", "fmt", "ChunkedWriter") == 1
+    for module in ("manager.py", "dcp.py", "simple.py"):
+        assert _calls(CKPT / module, "fmt", "new_manifest") == 1
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5])
+def test_chunked_writer_agrees_with_write_file(size: int, tmp_path: Path) -> None:
+    """Streamed in odd pieces, ``ChunkedWriter`` writes the bytes and record ``write_file`` does."""
+    from ckpt import format as fmt
+
+    data = os.urandom(size)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    want = fmt.write_file(tmp_path / "a" / "x.bin", memoryview(data), chunk_bytes=4096)
+    out = fmt.ChunkedWriter(tmp_path / "b" / "x.bin", 4096)
+    for lo in range(0, size, 1000):
+        out.write(memoryview(data)[lo : lo + 1000])
+    got = out.close()
+    assert got == want and (tmp_path / "b" / "x.bin").read_bytes() == data
+    fmt.verify_file(tmp_path / "b", got)
+
+
+def test_new_manifest_round_trips(tmp_path: Path) -> None:
+    from ckpt import format as fmt
+
+    rec = fmt.write_file(tmp_path / _layout.DATA_FILE, memoryview(b""))
+    tree = {"t": "dict", "items": []}
+    for created in (None, 12.5):
+        body = fmt.new_manifest(
+            step=3, nbytes=0, tree=tree, entries=[], files=[rec], created=created
+        )
+        assert body["format"] == "ckpt" and body["version"] == fmt.FORMAT_VERSION
+        assert ("created" in body) is (created is not None) and body["metadata"] == {}
+        fmt.write_manifest(tmp_path, body)
+        assert fmt.read_manifest(tmp_path) == body
