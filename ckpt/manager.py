@@ -32,7 +32,13 @@ from ckpt._flatten import RNG_KEY, Leaf, apply_into, flatten, rng_state
 from ckpt._paths import local_path
 from ckpt._pool import Buffer, PinnedPool, PoolOptions
 from ckpt._reader import MapLocation, RestoreStats, read_checkpoint
-from ckpt.errors import CheckpointError, CorruptCheckpointError, DcpCheckpointError, LockedError
+from ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    DcpCheckpointError,
+    LockedError,
+    RemoteCheckpointError,
+)
 
 if TYPE_CHECKING:
     from ckpt.remote import RemoteOptions, RemoteStats, RemoteTier
@@ -567,15 +573,15 @@ class CheckpointManager:
         assert self.remote is not None
         try:
             return self.remote.download(step)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            from feedpipe._remote import RemoteError
-
-            if isinstance(exc, RemoteError) and not exc.permanent:
+        except RemoteCheckpointError as exc:
+            if not exc.permanent:
                 raise CheckpointError(
                     f"step {step}: cannot download the remote copy: {exc}"
                 ) from exc
+            raise error(f"step {step}: remote copy unavailable: {exc}") from exc
+        except CheckpointError:
+            raise
+        except Exception as exc:
             raise error(f"step {step}: remote copy unavailable: {exc}") from exc
 
     def _publish_download(self, tmp: Path, step: int) -> None:

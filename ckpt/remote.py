@@ -38,7 +38,7 @@ from typing import Any
 
 from ckpt import _commit, _faults, _layout, _retention
 from ckpt import format as fmt
-from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.errors import CheckpointError, CorruptCheckpointError, RemoteCheckpointError
 from feedpipe._crc import crc32c, to_hex
 from feedpipe._remote import RetryPolicy, call, redact, resolve
 
@@ -131,6 +131,23 @@ class RemoteListing:
     step: int
     committed: bool
     newest_mtime: float
+
+
+def _transfer(
+    fn: Callable[[], Any],
+    url: str,
+    what: str,
+    policy: RetryPolicy,
+    storage_options: Mapping[str, Any] | None,
+) -> Any:
+    """``feedpipe``'s retrying ``call``, its ``RemoteError`` (a ``DatasetError``) raised as
+    ckpt's ``RemoteCheckpointError`` with the same message: ckpt raises only ckpt errors."""
+    from feedpipe._remote import RemoteError
+
+    try:
+        return call(fn, url, what=what, policy=policy, storage_options=storage_options)
+    except RemoteError as exc:
+        raise RemoteCheckpointError(str(exc), exc.url, permanent=exc.permanent) from exc
 
 
 def _mtime(info: Mapping[str, Any]) -> float:
@@ -335,12 +352,12 @@ class RemoteTier:
         """On start: mark steps already committed remotely as done, queue the others."""
         local = _commit.steps(self.directory)
         try:
-            remote = call(
+            remote = _transfer(
                 lambda: list_remote(self.fs, self.root),
                 self.url,
-                what="list",
-                policy=self._policy,
-                storage_options=self.options.storage_options,
+                "list",
+                self._policy,
+                self.options.storage_options,
             )
         except Exception as exc:
             for step in local:
@@ -371,12 +388,12 @@ class RemoteTier:
         return f"{self.root}/{_layout.step_name(step)}" + (f"/{name}" if name else "")
 
     def _call(self, fn: Callable[[], Any], step: int, name: str, what: str) -> Any:
-        return call(
+        return _transfer(
             fn,
             f"{self.options.url.rstrip('/')}/{_layout.step_name(step)}/{name}",
-            what=what,
-            policy=self._policy,
-            storage_options=self.options.storage_options,
+            what,
+            self._policy,
+            self.options.storage_options,
         )
 
     def _makedirs(self, rdir: str, step: int, name: str) -> None:
@@ -573,12 +590,12 @@ class RemoteTier:
         """Steps committed on the remote (listing only; restore verifies). ``deadline_s`` bounds
         the retries (default: ``min(30, RemoteOptions.deadline_s)``)."""
         limit = min(30.0, self.options.deadline_s) if deadline_s is None else deadline_s
-        listing = call(
+        listing = _transfer(
             lambda: list_remote(self.fs, self.root),
             self.url,
-            what="list",
-            policy=RetryPolicy(deadline_s=limit, base_s=0.1, max_sleep_s=2.0),
-            storage_options=self.options.storage_options,
+            "list",
+            RetryPolicy(deadline_s=limit, base_s=0.1, max_sleep_s=2.0),
+            self.options.storage_options,
         )
         return sorted(s for s, e in listing.items() if e.committed)
 
