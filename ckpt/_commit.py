@@ -33,16 +33,15 @@ import errno
 import fcntl
 import functools
 import os
-import re
-import secrets
 import shutil
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ckpt import _faults
+from ckpt import _faults, _layout
+from ckpt._layout import LATEST, LEFTOVER, LOCK, MANIFEST, RETIRED, step_dir
 from ckpt.errors import CheckpointError, LockedError
-from ckpt.format import MANIFEST, open_regular
+from ckpt.format import open_regular
 
 __all__ = [
     "WriterLock",
@@ -63,16 +62,10 @@ __all__ = [
     "remove_path",
     "replace_dir",
     "settle",
-    "step_dir",
-    "step_number",
     "steps",
     "write_latest",
 ]
 
-_STEP = re.compile(r"^step-(0|[1-9][0-9]*)\Z")  # ASCII, canonical: "step-05" is not step 5
-_LEFTOVER = re.compile(r"^(step-\d+\.(tmp|del)-.+|latest\.tmp-.+)$")
-_DEL = re.compile(r"^(step-\d+)\.del-.+$")
-LATEST = "latest"
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -107,11 +100,6 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
     _faults.fs_op(f"fsync {Path(path).name}")
 
 
-def step_dir(root: Path, step: int) -> Path:
-    """The committed directory of ``step``."""
-    return root / f"step-{step}"
-
-
 def is_complete(path: Path) -> bool:
     """Whether ``path`` is a real directory holding a regular manifest (no symlink followed)."""
     try:
@@ -120,13 +108,6 @@ def is_complete(path: Path) -> bool:
         )
     except (FileNotFoundError, NotADirectoryError):
         return False
-
-
-def step_number(name: str) -> int | None:
-    """The step a ``step-N`` name stands for (``N`` in ASCII digits, no leading zero), else
-    ``None``: the only names that ``step_dir`` gives back."""
-    m = _STEP.match(name)
-    return int(m.group(1)) if m else None
 
 
 def steps(root: Path) -> list[int]:
@@ -138,18 +119,18 @@ def steps(root: Path) -> list[int]:
         names = os.listdir(root)
     except FileNotFoundError:
         return []
-    if any((m := _DEL.match(n)) and m.group(1) not in names for n in names):
+    if any((m := RETIRED.match(n)) and m.group(1) not in names for n in names):
         recover(root, lock_held=False)  # a re-save cut between its renames (module doc, 2)
         names = os.listdir(root)
     for name in names:
-        m = _STEP.match(name)
-        if not m:
+        step = _layout.step_number(name)
+        if step is None:
             continue
         for path in (root / name, root / name / MANIFEST):
             if os.path.islink(path):
                 raise _symlink_error(path)
         if is_complete(root / name):
-            out.append(int(m.group(1)))
+            out.append(step)
     return sorted(out)
 
 
@@ -160,7 +141,7 @@ def check_no_symlinks(root: Path) -> None:
     except FileNotFoundError:
         return
     for name in sorted(names):
-        if (name in (".lock", LATEST) or _STEP.match(name) or _LEFTOVER.match(name)) and (
+        if (name in (LOCK, LATEST) or _layout.is_step_name(name) or LEFTOVER.match(name)) and (
             os.path.islink(root / name)
         ):
             raise _symlink_error(root / name)
@@ -169,7 +150,7 @@ def check_no_symlinks(root: Path) -> None:
 def leftovers(root: Path) -> list[Path]:
     """Temporary directories/files of interrupted saves or deletions."""
     try:
-        return sorted(root / n for n in os.listdir(root) if _LEFTOVER.match(n))
+        return sorted(root / n for n in os.listdir(root) if LEFTOVER.match(n))
     except FileNotFoundError:
         return []
 
@@ -289,7 +270,7 @@ def remove_leftovers(root: Path) -> list[Path]:
     retired: dict[str, list[Path]] = {}
     removed = []
     for path in found:
-        m = _DEL.match(path.name)
+        m = RETIRED.match(path.name)
         if m:
             retired.setdefault(m.group(1), []).append(path)
         else:
@@ -300,7 +281,7 @@ def remove_leftovers(root: Path) -> list[Path]:
     for name in os.listdir(root):  # an eviction cut short after removing the manifest
         path = root / name
         if (
-            _STEP.match(name)
+            _layout.is_step_name(name)
             and not os.path.islink(path)
             and path.is_dir()
             and not os.path.lexists(path / MANIFEST)
@@ -317,7 +298,7 @@ def recover(root: Path, lock_held: bool) -> None:
     any; without ``lock_held``, only when no writer holds the lock (a live one recovers itself)."""
     orphans: dict[str, list[Path]] = {}
     for path in leftovers(root):
-        m = _DEL.match(path.name)
+        m = RETIRED.match(path.name)
         if m and not os.path.lexists(root / m.group(1)) and is_complete(path):
             orphans.setdefault(m.group(1), []).append(path)
     if not orphans:
@@ -339,7 +320,7 @@ def recover(root: Path, lock_held: bool) -> None:
 
 def make_tmp(root: Path, step: int) -> Path:
     """Create ``step-N.tmp-<pid>-<rand>`` for a save in progress."""
-    path = root / f"step-{step}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    path = root / _layout.tmp_name(_layout.step_name(step))
     path.mkdir()
     _faults.fs_op(f"mkdir {path.name}")
     return path
@@ -351,17 +332,17 @@ def publish(tmp: Path, root: Path, step: int) -> Path:
     fsync_dir(tmp)
     final = step_dir(root, step)
     _faults.pause("rename")
-    replace_dir(tmp, final, root / f"step-{step}.del-{secrets.token_hex(4)}")
+    replace_dir(tmp, final, root / _layout.del_name(final.name))
     return final
 
 
 def write_latest(root: Path, step: int) -> None:
     """Atomically point ``DIR/latest`` at ``step-N``."""
     _faults.pause("latest")
-    tmp = root / f"latest.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = root / _layout.tmp_name(LATEST)
     fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
-        os.write(fd, f"step-{step}\n".encode())
+        os.write(fd, _layout.latest_text(step))
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -388,12 +369,11 @@ def read_latest(root: Path) -> int | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, device or directory
             return None
-        m = _STEP.match(os.read(fd, 64).decode().strip())
+        return _layout.latest_step(os.read(fd, 64))
     except (UnicodeDecodeError, OSError):
         return None
     finally:
         os.close(fd)
-    return int(m.group(1)) if m else None
 
 
 @contextlib.contextmanager
@@ -435,7 +415,7 @@ def evict(root: Path, step: int) -> bool:
         _faults.fs_op(f"unlink {path.name}/{MANIFEST}")
         os.fsync(fd)
         _faults.fs_op(f"fsync {path.name}")
-        doomed = root / f"step-{step}.del-{secrets.token_hex(4)}"
+        doomed = root / _layout.del_name(path.name)
         os.rename(path, doomed)
         _faults.fs_op(f"rename {path.name} {doomed.name}")
         fsync_dir(root)
@@ -464,11 +444,11 @@ class WriterLock:
         if self._fd is not None:
             return
         check_no_symlinks(self.root)
-        fd = open_regular(self.root / ".lock", os.O_RDWR | os.O_CREAT, error=CheckpointError)
+        fd = open_regular(self.root / LOCK, os.O_RDWR | os.O_CREAT, error=CheckpointError)
         if os.fstat(fd).st_nlink > 1:  # it is written below: never into a file shared elsewhere
             os.close(fd)
             raise CheckpointError(
-                f"{self.root / '.lock'}: has more than one hard link; ckpt never writes into a "
+                f"{self.root / LOCK}: has more than one hard link; ckpt never writes into a "
                 "file that another path shares (remove it; it is recreated)"
             )
         deadline = time.monotonic() + timeout_s

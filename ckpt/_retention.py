@@ -1,4 +1,4 @@
-"""The one retention rule, shared by ``CheckpointManager`` and ``ckpt gc``.
+"""The one retention rule, shared by ``CheckpointManager``, ``ckpt gc`` and the remote tier.
 
 Walking the committed steps from newest to oldest, the first ``keep_last`` steps that are
 *restorable* are kept. A step that is not restorable is never counted, so a bad step never
@@ -7,9 +7,12 @@ and deleted like any other step when it is older. A step older than the kept one
 if every guard allows it (the upload guard: never delete a local step whose upload has not
 finished). With ``keep_last=None`` nothing is deleted.
 
-``restorable(path)`` is the check both callers use: ``ckpt._reader.verify_step``, which runs the
-validator a restore runs (tree, entries, types, sizes) and checks every file size and chunk
-checksum, without building a tensor. A step written through DCP is checked the same way (DCP's
+The remote tier applies the same ``plan`` to its committed remote steps, each counted as
+restorable (its manifest is written only after every data file verified).
+
+``restorable(path)`` is the check both local callers use: ``ckpt._reader.verify_step``, which
+runs the validator a restore runs (tree, entries, types, sizes) and checks every file size and
+chunk checksum, without building a tensor. A step written through DCP is checked the same way (DCP's
 planner, not ckpt, rebuilds its tree).
 """
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ckpt import _commit, _retention
+from ckpt import _commit, _layout, _retention
 from ckpt import format as fmt
 from ckpt._paths import local_path
 from ckpt.errors import CheckpointError
@@ -60,7 +60,7 @@ def _step_names(root: Path) -> list[tuple[int, Path]]:
     """Every ``step-N`` entry of ``root`` (committed or not: one without a manifest is bad)."""
     found = []
     for name in os.listdir(root):
-        step = _commit.step_number(name)
+        step = _layout.step_number(name)
         if step is not None:
             found.append((step, root / name))
     return sorted(found)
@@ -133,7 +133,7 @@ def _verify_cmd(root: Path, only: int | None) -> int:
         if single:
             print(f"{root}: a single checkpoint, not a directory of steps (drop --step)")
             return 2
-        targets = [(f"step {only}", _commit.step_dir(root, only))]
+        targets = [(f"step {only}", _layout.step_dir(root, only))]
     if not targets:
         print(f"{root}: no committed checkpoints")
         return 1
@@ -162,7 +162,7 @@ def _gc(root: Path, keep_last: int, dry_run: bool) -> int:
         why_bad: dict[int, str] = {}
 
         def is_restorable(step: int) -> bool:
-            why = _retention.restorable(_commit.step_dir(root, step))
+            why = _retention.restorable(_layout.step_dir(root, step))
             if why is not None:
                 why_bad[step] = why
             return why is None
@@ -212,7 +212,8 @@ def _remote_cmd(command: str, url: str, options: dict, only: int | None) -> int:
         listing = list_remote(fs, root)
         chosen = sorted(listing) if only is None else [only]
         targets = [
-            (f"step {n}", f"{root}/step-{n}", n in listing and listing[n].committed) for n in chosen
+            (f"step {n}", f"{root}/{_layout.step_name(n)}", n in listing and listing[n].committed)
+            for n in chosen
         ]
     if command == "ls":
         print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'created':<19}  {'upload':<9}  status")

@@ -33,8 +33,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import re
-import secrets
 import threading
 import time
 from collections import deque
@@ -63,7 +61,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckpt import _commit
+from ckpt import _commit, _layout
 from ckpt import format as fmt
 from ckpt._flatten import torch_dtype
 from ckpt._pool import Buffer, PinnedPool, PoolOptions
@@ -83,7 +81,6 @@ __all__ = [
     "load_bytes_item",
 ]
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _group: Any = None
 _group_lock = threading.Lock()
 
@@ -101,10 +98,10 @@ def _split_id(checkpoint_id: str | os.PathLike[str] | None) -> tuple[Path, int] 
     if checkpoint_id is None:
         return None
     path = Path(checkpoint_id)
-    m = _STEP_DIR.match(path.name)
-    if not m:
+    step = _layout.step_id(path.name)
+    if step is None:
         raise CheckpointError(f"checkpoint_id {checkpoint_id!r} must name a DIR/step-N directory")
-    return path.parent, int(m.group(1))
+    return path.parent, step
 
 
 def load_bytes_item(raw: bytes | memoryview, where: str) -> Any:
@@ -219,47 +216,6 @@ def decode_metadata(doc: dict, where: str = "") -> Metadata:
 
 
 # ---- writing -------------------------------------------------------------------------------
-class _ChunkedFile:
-    """Appends pieces to a file with ``pwrite``, keeping one running CRC32C per chunk."""
-
-    def __init__(self, path: Path, chunk_bytes: int) -> None:
-        self.path, self.chunk = path, chunk_bytes
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        self.size, self.crc, self.crcs = 0, 0, []  # type: ignore[var-annotated]
-
-    def write(self, view: memoryview) -> None:
-        while view:
-            room = self.chunk - self.size % self.chunk
-            piece, view = view[:room], view[room:]
-            done = 0
-            while done < len(piece):
-                done += os.pwrite(self.fd, piece[done:], self.size + done)
-            self.crc = crc32c(piece, self.crc)
-            self.size += len(piece)
-            if self.size % self.chunk == 0:
-                self.crcs.append(to_hex(self.crc))
-                self.crc = 0
-
-    def pad(self, align: int) -> None:
-        extra = -self.size % align
-        if extra:
-            self.write(memoryview(bytes(extra)))
-
-    def close(self) -> dict:
-        try:
-            if self.size % self.chunk:
-                self.crcs.append(to_hex(self.crc))
-            os.fsync(self.fd)
-        finally:
-            os.close(self.fd)
-        return {
-            "name": self.path.name,
-            "size": self.size,
-            "chunk_bytes": self.chunk,
-            "crc32c": self.crcs,
-        }
-
-
 def _raw(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu" or not t.is_contiguous():
@@ -290,7 +246,11 @@ class CkptStorageWriter(StorageWriter):
         super().__init__()
         self.directory = Path(directory) if directory is not None else None
         self.step = step
-        if step is None and directory is not None and _STEP_DIR.match(Path(directory).name):
+        if (
+            step is None
+            and directory is not None
+            and _layout.step_id(Path(directory).name) is not None
+        ):
             self.directory, self.step = _split_id(directory)  # type: ignore[misc]
         self.manager = manager
         self.chunk_bytes = chunk_bytes
@@ -312,7 +272,7 @@ class CkptStorageWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether ``checkpoint_id`` names a ``DIR/step-N`` directory."""
-        return bool(_STEP_DIR.match(Path(checkpoint_id).name))
+        return _layout.step_id(Path(checkpoint_id).name) is not None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Record the role; the coordinator takes the directory's writer lock (via ``manager``)."""
@@ -330,10 +290,11 @@ class CkptStorageWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Give every rank the shared temporary directory and its file name."""
-        tmp = f"step-{self.step}.tmp-dcp-{os.getpid()}-{secrets.token_hex(4)}"
+        assert self.step is not None  # set_up_storage_writer refuses a writer without one
+        tmp = _layout.tmp_name(_layout.step_name(self.step), "dcp")
         self._tmp = tmp
         return [
-            dataclasses.replace(p, storage_data={"tmp": tmp, "file": f"rank-{i:05d}.bin"})
+            dataclasses.replace(p, storage_data={"tmp": tmp, "file": _layout.rank_file(i)})
             for i, p in enumerate(plans)
         ]
 
@@ -350,14 +311,14 @@ class CkptStorageWriter(StorageWriter):
         return fut
 
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        assert self.directory is not None
+        assert self.directory is not None and self.step is not None
         info = plan.storage_data
         tmp = self.directory / info["tmp"]
         tmp.mkdir(exist_ok=True)
         results: list[WriteResult] = []
         if not plan.items:
             return results
-        out = _ChunkedFile(tmp / info["file"], self.chunk_bytes)
+        out = fmt.ChunkedWriter(tmp / info["file"], self.chunk_bytes)
         try:
             for item in plan.items:
                 out.pad(fmt.ALIGN)
@@ -367,7 +328,9 @@ class CkptStorageWriter(StorageWriter):
                 if item.type == WriteItemType.BYTE_IO:
                     assert isinstance(data, io.BytesIO)
                     raw = data.getvalue()
-                    where = f"{self.directory}/step-{self.step}: item {item.index.fqn!r}"
+                    where = (
+                        f"{_layout.step_dir(self.directory, self.step)}: item {item.index.fqn!r}"
+                    )
                     try:  # refuse now what a load could not read back without pickle
                         load_bytes_item(raw, where)
                     except CorruptCheckpointError as exc:
@@ -399,17 +362,15 @@ class CkptStorageWriter(StorageWriter):
         metadata.storage_data = {wr.index: wr.storage_data for rr in results for wr in rr}
         tmp = self.directory / self._tmp
         tmp.mkdir(exist_ok=True)
-        body = {
-            "format": "ckpt",
-            "version": fmt.FORMAT_VERSION,
-            "step": self.step,
-            "created": time.time(),
-            "nbytes": sum(r["size"] for r in files),
-            "tree": {"t": "dict", "items": []},
-            "entries": [],
-            "files": sorted(files, key=lambda r: r["name"]),
-            "metadata": {"dcp": encode_metadata(metadata)},
-        }
+        body = fmt.new_manifest(
+            step=self.step,
+            created=time.time(),
+            nbytes=sum(r["size"] for r in files),
+            tree={"t": "dict", "items": []},
+            entries=[],
+            files=sorted(files, key=lambda r: r["name"]),
+            metadata={"dcp": encode_metadata(metadata)},
+        )
         fmt.write_manifest(tmp, body)
         self.committed = _commit.publish(tmp, self.directory, self.step)
         _commit.write_latest(self.directory, self.step)
@@ -525,7 +486,7 @@ class CkptStorageReader(StorageReader):
             if not latest:
                 raise CheckpointError(f"{self.directory}: no committed checkpoints")
             self.step = latest[-1]
-        return _commit.step_dir(self.directory, self.step)
+        return _layout.step_dir(self.directory, self.step)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load; ``checkpoint_id`` may name ``DIR/step-N``."""

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CorruptCheckpointError", "DcpCheckpointError", "LockedError"]
+from typing import Any
+
+__all__ = [
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "DcpCheckpointError",
+    "LockedError",
+    "RemoteCheckpointError",
+]
 
 
 class CheckpointError(RuntimeError):
@@ -15,6 +23,20 @@ class CorruptCheckpointError(CheckpointError):
 
 class LockedError(CheckpointError):
     """Another writer (manager or ``ckpt gc``) holds the directory's writer lock."""
+
+
+class RemoteCheckpointError(CheckpointError):
+    """A transfer to or from the remote tier failed: ``permanent`` (a missing or forbidden
+    object, bad credentials) or transient errors that outlived their retries. ``url`` is the
+    object's URL with credentials redacted, as in the message."""
+
+    def __init__(self, message: str, url: str = "", *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.url = url
+        self.permanent = permanent
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keeps url and permanent across processes
+        return (type(self), (str(self), self.url), {"permanent": self.permanent})
 
 
 class DcpCheckpointError(CheckpointError):

@@ -30,6 +30,7 @@ import torch
 
 from ckpt import _faults
 from ckpt._flatten import ALIGN, MAX_DEPTH, Leaf, torch_dtype
+from ckpt._layout import DATA_FILE, MANIFEST
 from ckpt._pool import Buffer
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from feedpipe.io import crc32c, to_hex
@@ -42,10 +43,12 @@ __all__ = [
     "MANIFEST",
     "MAX_DEPTH",
     "MAX_MANIFEST_BYTES",
+    "ChunkedWriter",
     "Target",
     "check_file",
     "inside",
     "load_arrays",
+    "new_manifest",
     "numpy_dtype",
     "open_data",
     "open_regular",
@@ -62,7 +65,6 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 CHUNK_BYTES = 16 << 20  # one CRC32C per 16 MiB of each data file
 IO_BYTES = 16 << 20  # the largest single read of a restore: its buffer per reader thread
 MAX_MANIFEST_BYTES = 1 << 30  # a manifest is read whole: bounded, whatever its file claims
@@ -78,7 +80,7 @@ def safe_relpath(name: Any) -> str:
     return name
 
 
-def plan(leaves: Sequence[Leaf], file: str = "data.bin", start: int = 0) -> tuple[list[dict], int]:
+def plan(leaves: Sequence[Leaf], file: str = DATA_FILE, start: int = 0) -> tuple[list[dict], int]:
     """Lay ``leaves`` out in one data file; returns the manifest entries and the file size."""
     entries, offset = [], start
     for leaf in leaves:
@@ -160,7 +162,71 @@ def write_file(
         os.close(fd)
         if own:
             pool.shutdown()
-    return {"name": Path(path).name, "size": size, "chunk_bytes": chunk_bytes, "crc32c": crcs}
+    return _file_record(Path(path).name, size, chunk_bytes, crcs)
+
+
+def _file_record(name: str, size: int, chunk_bytes: int, crcs: list[str]) -> dict:
+    return {"name": name, "size": size, "chunk_bytes": chunk_bytes, "crc32c": crcs}
+
+
+class ChunkedWriter:
+    """Appends pieces to a new data file with ``pwrite``, keeping one running CRC32C per chunk
+    (the streaming counterpart of ``write_file``, for writers that get their bytes piece by
+    piece, such as a DCP ``StorageWriter``). ``close`` fsyncs and returns the file's record."""
+
+    def __init__(self, path: Path, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.path, self.chunk = path, chunk_bytes
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        self.size, self.crc = 0, 0
+        self.crcs: list[str] = []
+
+    def write(self, view: memoryview) -> None:
+        """Append ``view``."""
+        while view:
+            room = self.chunk - self.size % self.chunk
+            piece, view = view[:room], view[room:]
+            _pwrite_all(self.fd, piece, self.size)
+            self.crc = crc32c(piece, self.crc)
+            self.size += len(piece)
+            if self.size % self.chunk == 0:
+                self.crcs.append(to_hex(self.crc))
+                self.crc = 0
+
+    def pad(self, align: int) -> None:
+        """Append zero bytes up to the next multiple of ``align``."""
+        extra = -self.size % align
+        if extra:
+            self.write(memoryview(bytes(extra)))
+
+    def close(self) -> dict:
+        """Fsync and close the file; return its manifest record (as ``write_file`` does)."""
+        try:
+            if self.size % self.chunk:
+                self.crcs.append(to_hex(self.crc))
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+        return _file_record(self.path.name, self.size, self.chunk, self.crcs)
+
+
+def new_manifest(
+    *,
+    step: int | None,
+    nbytes: int,
+    tree: dict,
+    entries: list[dict],
+    files: list[dict],
+    metadata: dict | None = None,
+    created: float | None = None,
+) -> dict:
+    """A manifest body of this format version (``write_manifest`` writes it). ``step`` is
+    ``None`` for a lone ``ckpt.save``; ``created`` (seconds since the epoch) is left out when
+    ``None``."""
+    body: dict[str, Any] = {"format": "ckpt", "version": FORMAT_VERSION, "step": step}
+    if created is not None:
+        body["created"] = created
+    body.update(nbytes=nbytes, tree=tree, entries=entries, files=files, metadata=metadata or {})
+    return body
 
 
 _HEAD, _MID, _TAIL = b'{"crc32c":"', b'","body":', b"}\n"

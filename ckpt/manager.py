@@ -26,13 +26,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpt import _commit, _faults, _retention
+from ckpt import _commit, _faults, _layout, _retention
 from ckpt import format as fmt
 from ckpt._flatten import RNG_KEY, Leaf, apply_into, flatten, rng_state
 from ckpt._paths import local_path
 from ckpt._pool import Buffer, PinnedPool, PoolOptions
 from ckpt._reader import MapLocation, RestoreStats, read_checkpoint
-from ckpt.errors import CheckpointError, CorruptCheckpointError, DcpCheckpointError, LockedError
+from ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    DcpCheckpointError,
+    LockedError,
+    RemoteCheckpointError,
+)
 
 if TYPE_CHECKING:
     from ckpt.remote import RemoteOptions, RemoteStats, RemoteTier
@@ -247,17 +253,15 @@ class CheckpointManager:
             raise
         stats.nbytes = nbytes
         stats.blocked_s = time.perf_counter() - t0
-        body = {
-            "format": "ckpt",
-            "version": fmt.FORMAT_VERSION,
-            "step": step,
-            "created": time.time(),
-            "nbytes": nbytes,
-            "tree": tree,
-            "entries": entries,
-            "files": [],
-            "metadata": metadata or {},
-        }
+        body = fmt.new_manifest(
+            step=step,
+            created=time.time(),
+            nbytes=nbytes,
+            tree=tree,
+            entries=entries,
+            files=[],
+            metadata=metadata,
+        )
         handle = SaveHandle(step, stats)
         with self._mutex:
             self.stats.saves += 1
@@ -296,7 +300,7 @@ class CheckpointManager:
             tmp = _commit.make_tmp(self.directory, step)
             data = job.buf.view()[: job.body["nbytes"]]
             rec = fmt.write_file(
-                tmp / "data.bin", data, self._executor, self.write_options.chunk_bytes
+                tmp / _layout.DATA_FILE, data, self._executor, self.write_options.chunk_bytes
             )
             self.pool.release(job.buf)
             released = True
@@ -378,7 +382,7 @@ class CheckpointManager:
     def _is_restorable(self, step: int) -> bool:
         """Steps this manager committed or restored verified count as restorable; any other step
         is checked once (``ckpt._retention.restorable``), keyed by its directory's inode."""
-        path = _commit.step_dir(self.directory, step)
+        path = _layout.step_dir(self.directory, step)
         try:
             ino = os.stat(path).st_ino
         except OSError:
@@ -406,7 +410,7 @@ class CheckpointManager:
         """Run the post-commit actions (``on_commit`` listeners such as the upload, retention)
         for ``step``, committed into this directory by another writer such as ``ckpt.dcp``."""
         self._ensure_writer()
-        path = _commit.step_dir(self.directory, step)
+        path = _layout.step_dir(self.directory, step)
         if not (path / fmt.MANIFEST).is_file():
             raise CheckpointError(f"{path}: not a committed checkpoint")
         self._newest_verified = max(step, self._newest_verified or step)
@@ -437,7 +441,7 @@ class CheckpointManager:
     def metadata(self, step: int) -> dict:
         """The ``metadata`` dict given to ``save`` for ``step`` (read from the local manifest,
         else from the remote's); raises ``CheckpointError`` if the step is not found."""
-        path = _commit.step_dir(self.directory, step)
+        path = _layout.step_dir(self.directory, step)
         if not (path / fmt.MANIFEST).is_file() and step in self._remote_steps():
             assert self.remote is not None
             body = self.remote.read_manifest(step)
@@ -472,7 +476,7 @@ class CheckpointManager:
             for s in candidates:
                 if any(s == done for done, _ in skipped):
                     continue
-                path = _commit.step_dir(self.directory, s)
+                path = _layout.step_dir(self.directory, s)
                 try:
                     if s not in local and s in remote:
                         state, stats = self._restore_remote(s, map_location, mmap, into)
@@ -542,7 +546,7 @@ class CheckpointManager:
         """Make sure ``DIR/step-N`` holds a verified copy of ``step``, downloading it from the
         remote when the local copy is missing or fails verification; return its path. Meant for
         checkpoints read by other means, such as ``ckpt.dcp.CkptStorageReader``."""
-        path = _commit.step_dir(self.directory, step)
+        path = _layout.step_dir(self.directory, step)
         try:
             with _commit.reading(path):
                 for rec in fmt.read_manifest(path)["files"]:
@@ -569,15 +573,15 @@ class CheckpointManager:
         assert self.remote is not None
         try:
             return self.remote.download(step)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            from feedpipe.io import RemoteIOError
-
-            if isinstance(exc, RemoteIOError) and not exc.permanent:
+        except RemoteCheckpointError as exc:
+            if not exc.permanent:
                 raise CheckpointError(
                     f"step {step}: cannot download the remote copy: {exc}"
                 ) from exc
+            raise error(f"step {step}: remote copy unavailable: {exc}") from exc
+        except CheckpointError:
+            raise
+        except Exception as exc:
             raise error(f"step {step}: remote copy unavailable: {exc}") from exc
 
     def _publish_download(self, tmp: Path, step: int) -> None:
@@ -601,7 +605,7 @@ class CheckpointManager:
         tmp = self._download(step, CorruptCheckpointError)
         try:
             state, _, stats = read_checkpoint(tmp, map_location=map_location, mmap=mmap, into=into)
-            stats.path = f"{self.remote.url}/step-{step}"
+            stats.path = f"{self.remote.url}/{_layout.step_name(step)}"
             if self._lock.held:
                 self._publish_download(tmp, step)
         finally:

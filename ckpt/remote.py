@@ -28,7 +28,6 @@ import datetime
 import json
 import logging
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -37,9 +36,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt import _commit, _faults
+from ckpt import _commit, _faults, _layout, _retention
 from ckpt import format as fmt
-from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.errors import CheckpointError, CorruptCheckpointError, RemoteCheckpointError
 from feedpipe.io import RetryPolicy, call, crc32c, redact, resolve, to_hex
 
 __all__ = [
@@ -55,8 +54,7 @@ __all__ = [
 
 log = logging.getLogger("ckpt")
 
-STATUS_FILE = "upload-status.json"
-_STATES = ("pending", "uploading", "done", "failed")
+STATUS_FILE = _layout.STATUS_FILE
 
 
 @dataclass(frozen=True)
@@ -134,6 +132,23 @@ class RemoteListing:
     newest_mtime: float
 
 
+def _transfer(
+    fn: Callable[[], Any],
+    url: str,
+    what: str,
+    policy: RetryPolicy,
+    storage_options: Mapping[str, Any] | None,
+) -> Any:
+    """``feedpipe.io``'s retrying ``call``, its ``RemoteIOError`` raised as
+    ckpt's ``RemoteCheckpointError`` with the same message: ckpt raises only ckpt errors."""
+    from feedpipe.io import RemoteIOError
+
+    try:
+        return call(fn, url, what=what, policy=policy, storage_options=storage_options)
+    except RemoteIOError as exc:
+        raise RemoteCheckpointError(str(exc), exc.url, permanent=exc.permanent) from exc
+
+
 def _mtime(info: Mapping[str, Any]) -> float:
     value = info.get("LastModified") or info.get("mtime") or info.get("created") or 0.0
     if isinstance(value, datetime.datetime):
@@ -156,7 +171,7 @@ def list_remote(fs: Any, root: str) -> dict[int, RemoteListing]:
     for path, info in found.items():
         rel = path[len(base) :] if path.startswith(base) else path
         head, _, tail = rel.partition("/")
-        step = _commit.step_number(head)
+        step = _layout.step_number(head)
         if step is None:
             continue
         entry = out.setdefault(step, RemoteListing(step, False, 0.0))
@@ -336,12 +351,12 @@ class RemoteTier:
         """On start: mark steps already committed remotely as done, queue the others."""
         local = _commit.steps(self.directory)
         try:
-            remote = call(
+            remote = _transfer(
                 lambda: list_remote(self.fs, self.root),
                 self.url,
-                what="list",
-                policy=self._policy,
-                storage_options=self.options.storage_options,
+                "list",
+                self._policy,
+                self.options.storage_options,
             )
         except Exception as exc:
             for step in local:
@@ -369,15 +384,15 @@ class RemoteTier:
             self._retain_local()
 
     def _rpath(self, step: int, name: str = "") -> str:
-        return f"{self.root}/step-{step}" + (f"/{name}" if name else "")
+        return f"{self.root}/{_layout.step_name(step)}" + (f"/{name}" if name else "")
 
     def _call(self, fn: Callable[[], Any], step: int, name: str, what: str) -> Any:
-        return call(
+        return _transfer(
             fn,
-            f"{self.options.url.rstrip('/')}/step-{step}/{name}",
-            what=what,
-            policy=self._policy,
-            storage_options=self.options.storage_options,
+            f"{self.options.url.rstrip('/')}/{_layout.step_name(step)}/{name}",
+            what,
+            self._policy,
+            self.options.storage_options,
         )
 
     def _makedirs(self, rdir: str, step: int, name: str) -> None:
@@ -398,11 +413,11 @@ class RemoteTier:
         return result
 
     def _same_manifest(self, step: int) -> bool:
-        local = (_commit.step_dir(self.directory, step) / fmt.MANIFEST).read_bytes()
+        local = (_layout.step_dir(self.directory, step) / fmt.MANIFEST).read_bytes()
         return self._remote_manifest(step) == local
 
     def _upload_one(self, step: int) -> None:
-        path = _commit.step_dir(self.directory, step)
+        path = _layout.step_dir(self.directory, step)
         t0 = time.perf_counter()
         with self._cond:
             self.stats.uploads[step] = UploadStatus(step, "uploading")
@@ -432,8 +447,8 @@ class RemoteTier:
                     self._call(lambda: self.fs.pipe_file(rpath, raw), step, fmt.MANIFEST, "upload")
                     if self._remote_manifest(step) != raw:
                         raise CorruptCheckpointError(
-                            f"{self.url}/step-{step}/{fmt.MANIFEST}: read back differs from the "
-                            "local manifest"
+                            f"{self.url}/{_layout.step_name(step)}/{fmt.MANIFEST}: read back "
+                            "differs from the local manifest"
                         )
         except Exception as exc:
             self._fail(step, exc)
@@ -475,12 +490,15 @@ class RemoteTier:
                 if attempt == 2:
                     raise
                 log.warning(
-                    "ckpt: %s/step-%d/%s did not verify; uploading again", self.url, step, name
+                    "ckpt: %s/%s/%s did not verify; uploading again",
+                    self.url,
+                    _layout.step_name(step),
+                    name,
                 )
 
     def _verify_remote(self, step: int, rec: dict) -> None:
         rpath, name = self._rpath(step, rec["name"]), rec["name"]
-        where = f"{self.url}/step-{step}/{name}"
+        where = f"{self.url}/{_layout.step_name(step)}/{name}"
         info = self._call(lambda: self.fs.info(rpath), step, name, "stat")
         if int(info.get("size", -1)) != rec["size"]:
             raise CorruptCheckpointError(
@@ -532,18 +550,25 @@ class RemoteTier:
         self._call(rm_rest, step, "", "delete")
 
     def _retain_remote(self) -> None:
+        """Remote retention is ``ckpt._retention.plan``, the rule of the local tier, with every
+        remote step counted as restorable: a remote manifest is written only after each data
+        file verified, and checking more would download the step. The newest verified upload and
+        steps still queued or uploading are never deleted (the evict guard)."""
         listing = self._call(lambda: list_remote(self.fs, self.root), 0, "", "list")
         with self._cond:
             active = set(self._queue) | {
                 s for s, st in self.stats.uploads.items() if st.state == "uploading"
             }
         committed = sorted(s for s, e in listing.items() if e.committed)
-        if self.keep_last is not None:
-            for step in committed[: -self.keep_last]:
-                if step == self._newest_verified or step in active:
-                    continue
-                self._delete_remote(step)
-                self.stats.remote_evicted.append(step)
+        decision = _retention.plan(
+            committed,
+            self.keep_last,
+            is_restorable=lambda s: True,
+            may_evict=lambda s: s != self._newest_verified and s not in active,
+        )
+        for step in decision.delete:
+            self._delete_remote(step)
+            self.stats.remote_evicted.append(step)
         now = time.time()
         for step, entry in listing.items():
             if entry.committed or step in active:
@@ -551,7 +576,9 @@ class RemoteTier:
             if now - entry.newest_mtime > self.options.grace_s:
                 self._delete_remote(step)
                 self.stats.partial_removed.append(step)
-                log.info("ckpt: removed partial upload step-%d from %s", step, self.url)
+                log.info(
+                    "ckpt: removed partial upload %s from %s", _layout.step_name(step), self.url
+                )
 
     def gc(self) -> None:
         """Apply remote retention and partial-upload garbage collection now."""
@@ -562,12 +589,12 @@ class RemoteTier:
         """Steps committed on the remote (listing only; restore verifies). ``deadline_s`` bounds
         the retries (default: ``min(30, RemoteOptions.deadline_s)``)."""
         limit = min(30.0, self.options.deadline_s) if deadline_s is None else deadline_s
-        listing = call(
+        listing = _transfer(
             lambda: list_remote(self.fs, self.root),
             self.url,
-            what="list",
-            policy=RetryPolicy(deadline_s=limit, base_s=0.1, max_sleep_s=2.0),
-            storage_options=self.options.storage_options,
+            "list",
+            RetryPolicy(deadline_s=limit, base_s=0.1, max_sleep_s=2.0),
+            self.options.storage_options,
         )
         return sorted(s for s, e in listing.items() if e.committed)
 
@@ -577,25 +604,29 @@ class RemoteTier:
 
         raw = self._remote_manifest(step)
         if raw is None:
-            raise CheckpointError(f"{self.url}/step-{step}: no manifest (not a checkpoint)")
+            raise CheckpointError(
+                f"{self.url}/{_layout.step_name(step)}: no manifest (not a checkpoint)"
+            )
         with tempfile.TemporaryDirectory(prefix="ckpt-manifest-") as tmp:
             Path(tmp, fmt.MANIFEST).write_bytes(raw)
             try:
                 return fmt.read_manifest(tmp)
             except CorruptCheckpointError as exc:
                 raise CorruptCheckpointError(
-                    str(exc).replace(tmp, f"{self.url}/step-{step}")
+                    str(exc).replace(tmp, f"{self.url}/{_layout.step_name(step)}")
                 ) from None
 
     def download(self, step: int) -> Path:
         """Download ``step`` into ``DIR/step-N.tmp-remote-*`` (manifest checked, files fetched);
         the caller verifies the data and publishes or removes the directory."""
-        tmp = self.directory / f"step-{step}.tmp-remote-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = self.directory / _layout.tmp_name(_layout.step_name(step), "remote")
         tmp.mkdir()
         try:
             raw = self._remote_manifest(step)
             if raw is None:
-                raise CheckpointError(f"{self.url}/step-{step}: no manifest (not a checkpoint)")
+                raise CheckpointError(
+                    f"{self.url}/{_layout.step_name(step)}: no manifest (not a checkpoint)"
+                )
             (tmp / fmt.MANIFEST).write_bytes(raw)
             body = fmt.read_manifest(tmp)
             for rec in body["files"]:
@@ -625,7 +656,7 @@ class RemoteTier:
                 "updated": time.time(),
                 "steps": {str(s): asdict(st) for s, st in sorted(self.stats.uploads.items())},
             }
-        tmp = self.directory / f".{STATUS_FILE}.tmp-{os.getpid()}-{threading.get_ident()}"
+        tmp = self.directory / _layout.status_tmp_name()
         try:
             tmp.write_text(json.dumps(doc))
             os.replace(tmp, self.directory / STATUS_FILE)

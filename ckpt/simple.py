@@ -4,12 +4,10 @@ same commit protocol: a temporary sibling directory renamed into place)."""
 from __future__ import annotations
 
 import os
-import re
-import secrets
 from pathlib import Path
 from typing import Any
 
-from ckpt import _commit
+from ckpt import _commit, _layout
 from ckpt import format as fmt
 from ckpt._flatten import Leaf, flatten
 from ckpt._paths import local_path
@@ -39,23 +37,16 @@ def save(path: str | os.PathLike[str], state: Any, *, metadata: dict | None = No
     entries, nbytes = fmt.plan(leaves)
     buf = Buffer(nbytes, pin=False)
     fmt.stage(leaves, entries, buf)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = path.with_name(_layout.tmp_name(path.name))
     tmp.mkdir()
     try:
-        rec = fmt.write_file(tmp / "data.bin", buf.view())
-        body = {
-            "format": "ckpt",
-            "version": fmt.FORMAT_VERSION,
-            "step": None,
-            "nbytes": nbytes,
-            "tree": tree,
-            "entries": entries,
-            "files": [rec],
-            "metadata": metadata or {},
-        }
+        rec = fmt.write_file(tmp / _layout.DATA_FILE, buf.view())
+        body = fmt.new_manifest(
+            step=None, nbytes=nbytes, tree=tree, entries=entries, files=[rec], metadata=metadata
+        )
         fmt.write_manifest(tmp, body)
         _commit.fsync_dir(tmp)
-        retired = path.with_name(f"{path.name}.del-{secrets.token_hex(4)}")
+        retired = path.with_name(_layout.del_name(path.name))
         _commit.replace_dir(tmp, path, retired)
     except BaseException:
         _commit.remove_path(tmp)  # the new copy, or after the exchange the old one
@@ -85,12 +76,12 @@ def _settle(path: Path, tmps: bool = True) -> None:
         names = os.listdir(path.parent)
     except FileNotFoundError:
         return
-    retired = [path.parent / n for n in names if n.startswith(f"{path.name}.del-")]
+    retired = [path.parent / n for n in names if _layout.is_retired(n, path.name)]
     if retired:
         _commit.settle(path, retired)
     for n in names if tmps else ():
-        m = re.match(rf"^{re.escape(path.name)}\.tmp-(\d+)-[0-9a-f]+$", n)
-        if m and not _alive(int(m.group(1))):
+        pid = _layout.tmp_pid(n, path.name)
+        if pid is not None and not _alive(pid):
             _commit.remove_path(path.parent / n)
 
 

@@ -197,7 +197,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         self._lend: str | torch.Generator | None = None
         self._seed_gen: torch.Generator | None = None
         self._uncaptured: set[str] = set()  # RNG draws the state cannot hold (state_dict warns)
-        default = self.collate_fn in (default_collate, default_convert)
+        # read_batch stands in for default_collate only: with batch_size set, a user's explicit
+        # collate_fn=default_convert gets torch's list of samples, not a stacked batch
+        default = self.collate_fn is (default_collate if self._auto_collation else default_convert)
         self._mode = choose_mode(self.dataset, self._auto_collation, default)
         self._inner: tud.DataLoader | None = None  # type: ignore[type-arg]
         self._thread_seeded = False

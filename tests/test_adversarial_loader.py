@@ -287,3 +287,25 @@ def test_thread_timeout_is_not_doubled_by_the_first_round() -> None:
     with pytest.raises(WorkerError, match=r"timed out after 0\.3 s"):
         list(loader)
     assert time.monotonic() - t0 < 0.5
+
+
+def test_explicit_default_convert_with_a_batch_size_gives_torchs_list() -> None:
+    """Found by the dataset contract suite: collate_fn=default_convert with batch_size set was
+    taken as the default collation, so a read_batch dataset returned a stacked batch where torch
+    returns a list of converted samples."""
+    import tempfile
+
+    from torch.utils.data import DataLoader as TorchLoader
+    from torch.utils.data._utils.collate import default_convert
+
+    from feedpipe import MemmapDataset, MemmapWriter
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with MemmapWriter(tmp, shape=(3,), dtype="float32") as w:
+            w.append_batch(np.arange(24, dtype=np.float32).reshape(8, 3))
+        ds = MemmapDataset(tmp)
+        ours = list(DataLoader(ds, batch_size=4, collate_fn=default_convert))
+        theirs = list(TorchLoader(ds, batch_size=4, collate_fn=default_convert))
+        assert [type(b) for b in ours] == [type(b) for b in theirs] == [list, list]
+        for a, b in zip(ours, theirs, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -242,3 +242,36 @@ def test_readahead_and_eager_small_files(
             f.result(timeout=60)
         assert data_files(cache) == [DATA[1], DATA[2]]
         assert cache.stats.downloads == len(labels) + 2
+
+
+def test_caches_opened_at_once_never_delete_each_others_index_temp(
+    tmp_path: Path, remote: tuple[str, dict[str, Any], dict[str, bytes]]
+) -> None:
+    """Broke (examples/s3_staging.py, thread workers): one cache's scan took another's unlocked
+    index temp for a dead download's and deleted it, so the other's rename failed."""
+    import threading
+
+    url, opts, _ = remote
+    raw = _remote.read_remote_index(*_remote.resolve(url, opts), url, opts)[0]
+    for attempt in range(15):
+        cache_dir = tmp_path / f"cache{attempt}"
+        errors: list[BaseException] = []
+        go = threading.Barrier(6)
+
+        def open_one(
+            cache_dir: Path = cache_dir,
+            go: threading.Barrier = go,
+            errors: list[BaseException] = errors,
+        ) -> None:
+            try:
+                go.wait()
+                ShardCache(url, cache_dir, storage_options=opts, index_bytes=raw).close()
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=open_one) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors

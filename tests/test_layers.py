@@ -55,6 +55,7 @@ LAYERS: dict[str, int] = {
     "feedpipe.commands": 4,
     "feedpipe.cli": 4,
     "feedpipe.bench": 4,
+    "feedpipe.testing": 4,  # the dataset conformance suite (runs a DataLoader)
     "feedpipe.memmap": 4,  # shim of feedpipe.datasets.memmap
     "feedpipe.zarr_dataset": 4,  # shim of feedpipe.datasets.zarr
     "feedpipe.convert": 4,  # shim of feedpipe.datasets.convert

@@ -39,6 +39,9 @@ _ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 passwords = st.text(alphabet=_ALNUM + "-._~!$&'()*+,;=:@", min_size=10, max_size=30).filter(
     lambda p: sum(c in _ALNUM for c in p) >= 6
 )
+# fsspec reads "::" as its URL-chaining separator, so a URL whose password holds it cannot be
+# opened at all (its redaction is still checked by the tests that need no server)
+openable_passwords = passwords.filter(lambda p: "::" not in f"user:{p}")
 users = st.text(alphabet=_ALNUM + "-._", min_size=1, max_size=12)
 tokens = st.text(alphabet=_ALNUM + "-._~%", min_size=10, max_size=40).filter(
     lambda t: sum(c in _ALNUM for c in t) >= 6
@@ -176,7 +179,7 @@ _settings = settings(
 
 
 @_settings
-@given(user=users, password=passwords)
+@given(user=users, password=openable_passwords)
 def test_memmap_dataset_over_http_never_shows_the_password(
     *,
     http_root: tuple[str, Path],
@@ -207,7 +210,7 @@ def test_memmap_dataset_over_http_never_shows_the_password(
 
 
 @_settings
-@given(user=users, password=passwords)
+@given(user=users, password=openable_passwords)
 def test_stage_over_http_never_shows_the_password(
     *,
     http_root: tuple[str, Path],

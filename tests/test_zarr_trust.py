@@ -201,3 +201,26 @@ def test_zarr_json_without_shape_names_the_file(tmp_path: Path) -> None:
     (tmp_path / "a" / "zarr.json").write_text(json.dumps(meta))
     with pytest.raises(DatasetError, match=r"a/zarr\.json.*shape"):
         ZarrDataset(tmp_path / "a")
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("chunk_grid", "configuration", "chunk_shape", 0), float("inf")),  # found by hypothesis
+        (("chunk_grid", "configuration", "chunk_shape", 0), 0),
+        (("chunk_grid", "configuration", "chunk_shape"), [4, 4, 4, 4, 4]),
+        (("codecs", 0, "configuration", "chunk_shape", 0), "x"),
+    ],
+)
+def test_bad_chunk_shapes_are_dataset_errors(
+    zarr_template: Path, tmp_path: Path, path: tuple[Any, ...], value: Any
+) -> None:
+    """A chunk shape no backend can use is refused at open, naming the file."""
+    doc = _mutate(json.loads((zarr_template / "zarr.json").read_text()), path, value, False)
+    root = tmp_path / "a"
+    root.mkdir()
+    os.symlink(zarr_template / "c", root / "c")
+    (root / "zarr.json").write_text(json.dumps(doc))
+    for backend in ("zarr", "tensorstore"):
+        with pytest.raises(DatasetError, match="chunk_shape"):
+            ZarrDataset(root, backend=backend).read_batch([0])

@@ -275,14 +275,13 @@ def _parse_shard(doc: Any, shard_id: int, source: str) -> Shard:
             raise ValueError(f"shard {shard_id} file {role!r} must be an object with a 'path'")
         path = f["path"]
         parts = path.split("/")
-        if (
-            path.startswith("/")
-            or "\\" in path
-            or any(p in ("", ".", "..") for p in parts)
-            or ":" in parts[0]
-            or path == INDEX_NAME
-        ):
+        if path.startswith("/") or "\\" in path or ".." in parts or ":" in parts[0]:
             raise DatasetError(f"{source}: shard {shard_id} file path {path!r} escapes the dataset")
+        if path == INDEX_NAME or any(p in ("", ".") for p in parts):
+            raise DatasetError(
+                f"{source}: shard {shard_id} file path {path!r} is not a valid dataset file name "
+                f"(an empty or '.' component, or {INDEX_NAME!r})"
+            )
         crc = f["crc32c"]
         if not isinstance(crc, str) or not _HEX8.match(crc.lower()):
             raise DatasetError(f"{source}: shard {shard_id} file {path!r} has a bad crc32c {crc!r}")

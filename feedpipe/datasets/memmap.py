@@ -90,6 +90,9 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
     evicts least-recently-used shards instead of waiting.
     """
 
+    #: ``read_batch`` takes numpy index arrays (:class:`feedpipe.protocols.IndexArrayDataset`).
+    takes_index_arrays = True
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -180,7 +183,14 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                 f"{self._shown}: reading a remote MemmapDataset needs cache_dir=... (lazy "
                 "mode) or the staging cache (feedpipe.stage) to a local directory first"
             )
-        if self._cache is None:
+        cache = self._cache
+        if cache is not None and not cache.closed:
+            return cache
+        with self._open_lock:  # thread workers' first reads: one cache, not one per thread
+            return self._make_cache()
+
+    def _make_cache(self) -> Any:
+        if self._cache is None or self._cache.closed:  # closed by close(): a fresh one
             from feedpipe.remote.cache import ShardCache
 
             limit = self.cache_limit_bytes
@@ -543,6 +553,11 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             return "empty records"
         return None
 
+    @property
+    def record_bytes(self) -> int:
+        """Bytes per record (fixed layout; 0 for the bytes layout)."""
+        return int(self._record_bytes)
+
     def device_out(self, rows: int, device: torch.device) -> Any:
         """An ``out`` for :meth:`read_batch` whose records land on ``device`` by DMA (the device
         feed's direct path), allocated on the current stream; side fields stay on the host."""
@@ -685,19 +700,23 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         self._open_lock = threading.Lock()
 
     def close(self) -> None:
-        """Close open files and maps and unpin cached shards (they reopen on the next read)."""
+        """Close open files and maps, unpin cached shards and stop the cache's prefetches
+        (everything reopens on the next read)."""
+        self._close(wait=True)
+
+    def _close(self, wait: bool) -> None:
         if self._files is not None:
             self._files.close()
             self._files = None
         if self._cache is not None:
-            self._cache.release_all()
+            self._cache.close(wait=wait)
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self._close(wait=False)  # never block the garbage collector on a download
         except Exception:
             pass
 

@@ -46,6 +46,9 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
     from the shard index, instead of through the engine (see :class:`_Direct`).
     """
 
+    #: ``read_batch`` takes numpy index arrays (:class:`feedpipe.protocols.IndexArrayDataset`).
+    takes_index_arrays = True
+
     def __init__(
         self,
         path_or_url: str | os.PathLike[str],
@@ -288,12 +291,16 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
                 if t is None:
                     t = torch.from_numpy(np.empty(shape, self.dtype_of(name)))
             else:
+                want = torch.from_numpy(np.empty(0, self.dtype_of(name))).dtype
                 if (
                     not isinstance(target, torch.Tensor)
+                    or target.dtype != want  # copy_ would cast silently
                     or tuple(target.shape[1:]) != shape[1:]
                     or target.shape[0] < shape[0]
                 ):
-                    raise ValueError(f"out[{name!r}] must be a tensor with room for {shape}")
+                    raise ValueError(
+                        f"out[{name!r}] must be a {want} tensor with room for {shape}"
+                    )
                 t = target[: shape[0]]
                 if arr is not None:
                     t.copy_(torch.from_numpy(arr))
@@ -345,11 +352,33 @@ def _array_meta(meta: dict[str, Any], source: str) -> tuple[tuple[int, ...], np.
         if dtype is not None:
             check_dtype(dtype, "data_type")
         shape = check_shape(meta["shape"], dtype.itemsize if dtype is not None else 1, "array")
-    except (ValueError, TypeError, OverflowError) as exc:
+        _check_chunk_shapes(meta, len(shape))
+    except (ValueError, TypeError, OverflowError, KeyError, AttributeError) as exc:
         raise DatasetError(f"{source}: malformed Zarr metadata: {exc}") from None
     if not shape:
         raise DatasetError(f"{source}: a 0-d array has no sample axis")
     return shape, dtype
+
+
+def _check_chunk_shapes(meta: dict[str, Any], ndim: int) -> None:
+    """The chunk grid's and a sharding codec's ``chunk_shape``: ``ndim`` positive integers."""
+    grid = meta.get("chunk_grid")
+    shapes = []
+    if isinstance(grid, dict) and isinstance(grid.get("configuration"), dict):
+        shapes.append(("chunk_grid", grid["configuration"].get("chunk_shape")))
+    for codec in meta.get("codecs") or []:
+        if isinstance(codec, dict) and codec.get("name") == "sharding_indexed":
+            conf = codec.get("configuration")
+            if not isinstance(conf, dict):
+                raise ValueError("sharding_indexed needs a configuration object")
+            shapes.append(("sharding_indexed", conf.get("chunk_shape")))
+    for where, chunk in shapes:
+        if (
+            not isinstance(chunk, list)
+            or len(chunk) != ndim
+            or any(type(c) is not int or c < 1 for c in chunk)
+        ):
+            raise ValueError(f"{where} chunk_shape must be {ndim} positive integers, got {chunk!r}")
 
 
 # ---------------------------------------------------------------------- direct reads
@@ -396,6 +425,10 @@ class _Direct:
         self.maps: dict[int, np.ndarray] = {}
         self.addrs: dict[int, tuple[np.ndarray, bool]] = {}
         self._tls = threading.local()  # per-thread scratch for gathers spanning shards
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # rebuilt from its plan: open files, maps, the key function and the scratch stay behind
+        return (_Direct, (self.root, self.meta, self.shape))
 
     @staticmethod
     def plan(root: str, meta: dict[str, Any], shape: tuple[int, ...]) -> _Direct | None:

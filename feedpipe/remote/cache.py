@@ -16,6 +16,11 @@ comes from ``flock`` locks, one per file:
   renamed over the old name and eviction unlinks, so a reader keeps its old bytes;
 * space is reserved under a cache-wide lock before a download starts (the temp name records the
   size), so concurrent downloaders together stay under the limit;
+* prefetch threads are daemons and never keep the interpreter alive: :meth:`ShardCache.close`,
+  garbage collection and interpreter exit set a cancel event that stops their lock waits and
+  drops queued prefetches (a download cut off by exit leaves only a temp, removed by the next
+  scan); a wait for a file that this object itself pins fails at once instead of waiting
+  ``timeout_s`` for its own lock;
 * a download that has to wait for room touches ``.pressure`` in the cache directory and calls
   its caller's ``on_wait``: readers that keep idle files pinned (a dataset's open shards) drop
   those pins at their next read (:meth:`ShardCache.pressure_changed`). Background prefetches
@@ -34,10 +39,13 @@ import fcntl
 import hashlib
 import logging
 import os
+import queue
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,21 +75,115 @@ class CacheStats:
     stale_temps_removed: int = 0
 
 
-def _flock(fd: int, op: int, timeout_s: float, what: str) -> None:
-    """``flock`` with a timeout (polls without blocking); :class:`TimeoutError` names ``what``."""
+class _CancelledError(Exception):
+    """A background prefetch stopped because its cache was closed or the interpreter exits."""
+
+
+def _flock(
+    fd: int,
+    op: int,
+    timeout_s: float,
+    what: str,
+    *,
+    cancel: threading.Event | None = None,
+    moot: Callable[[], bool] | None = None,
+) -> bool:
+    """``flock`` with a timeout (polls without blocking); :class:`TimeoutError` names ``what``.
+
+    Returns True once locked. With ``cancel``, the wait stops (:class:`_CancelledError`) as
+    soon as the event is set; with ``moot``, it stops (returning False) once ``moot()`` is true.
+    """
     deadline = time.monotonic() + timeout_s
     pause = _POLL_S
     while True:
         try:
             fcntl.flock(fd, op | fcntl.LOCK_NB)
-            return
+            return True
         except OSError as exc:
             if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 raise
+        if moot is not None and moot():
+            return False
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout_s:g} s waiting for the lock on {what}")
-        time.sleep(pause)
+        if cancel is None:
+            time.sleep(pause)
+        elif cancel.wait(pause):
+            raise _CancelledError(what)
         pause = min(pause * 1.5, 0.2)
+
+
+_Job = tuple[Future[None], Callable[[str, threading.Event], None], str]
+
+
+class _DaemonPool:
+    """Daemon threads running background prefetches (``fn(relpath, cancel)``).
+
+    Unlike :class:`~concurrent.futures.ThreadPoolExecutor`, whose threads the interpreter joins
+    at exit after running every queued call, nothing here delays exit. :meth:`shutdown` cancels
+    the queued calls and sets ``cancel``, which the running ones check in their lock waits.
+    """
+
+    def __init__(self, workers: int, cancel: threading.Event) -> None:
+        self.cancel = cancel
+        self._workers = max(1, workers)
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[str, threading.Event], None], relpath: str) -> Future[None]:
+        fut: Future[None] = Future()
+        with self._lock:
+            if self.cancel.is_set():
+                raise RuntimeError("ShardCache is closed")
+            self._jobs.put((fut, fn, relpath))
+            if len(self._threads) < self._workers:
+                t = threading.Thread(
+                    target=self._run,
+                    name=f"feedpipe-prefetch-{len(self._threads)}",
+                    daemon=True,
+                )
+                self._threads.append(t)
+                t.start()
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fut, fn, relpath = job
+            if self.cancel.is_set():
+                fut.cancel()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fn(relpath, self.cancel)
+                except BaseException as exc:  # handed to the future's owner
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(None)
+            del job, fut
+
+    def shutdown(self, timeout_s: float = 0.0) -> None:
+        """Set ``cancel``, cancel queued calls, stop the threads; wait up to ``timeout_s``."""
+        self.cancel.set()
+        with self._lock:
+            threads = list(self._threads)
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in threads:
+            self._jobs.put(None)
+        if timeout_s <= 0 or sys.is_finalizing():  # threads cut off at exit never finish
+            return
+        deadline = time.monotonic() + timeout_s
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
 
 
 def _try_exclusive(lock_path: str) -> int | None:
@@ -197,10 +299,19 @@ class ShardCache:
         os.makedirs(os.path.join(self.dir, _LOCKS), exist_ok=True)
         index_path = os.path.join(self.dir, INDEX_NAME)
         if not os.path.exists(index_path):
-            tmp = _remote.temp_name(index_path, len(raw))
-            with open(tmp, "wb") as f:
-                f.write(raw)
-            os.replace(tmp, index_path)
+            # under the index's own lock, as a download holds its file's: another cache's scan
+            # (a thread or process opening the same version) takes an unlocked temp for a dead one
+            lock_path = os.path.join(self.dir, _LOCKS, INDEX_NAME + ".lock")
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                _flock(fd, fcntl.LOCK_EX, self.timeout_s, index_path)
+                if not os.path.exists(index_path):
+                    tmp = _remote.temp_name(index_path, len(raw))
+                    with open(tmp, "wb") as f:
+                        f.write(raw)
+                    os.replace(tmp, index_path)
+            finally:
+                os.close(fd)
         self._scan(need=0)  # removes temps left by crashed downloaders
         if a["eager_bytes"] > 0:
             self.prefetch(e.relpath for e in entries if e.nbytes <= a["eager_bytes"])
@@ -210,7 +321,7 @@ class ShardCache:
         self._pins: dict[str, list[int]] = {}
         self._held: set[str] = set()
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: _DaemonPool | None = None
         self._pending: dict[str, Future[None]] = {}
         self._closed = False
         self._pressure_ns = 0
@@ -321,9 +432,9 @@ class ShardCache:
             if self._closed:
                 raise RuntimeError("ShardCache is closed")
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    self._prefetch_workers, thread_name_prefix="feedpipe-prefetch"
-                )
+                self._pool = _DaemonPool(self._prefetch_workers, threading.Event())
+                # garbage collection or interpreter exit (atexit) stops it: never waited for
+                weakref.finalize(self, self._pool.shutdown)
             for rel in relpaths:
                 self._entry(rel)
                 fut = self._pending.get(rel)
@@ -370,8 +481,18 @@ class ShardCache:
         with self._lock:
             return sorted(self._pins)
 
-    def close(self) -> None:
-        """Stop prefetching and release every pin of this object."""
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close` (no more prefetches; pins may still be taken)."""
+        return self._closed
+
+    def close(self, *, wait: bool = True) -> None:
+        """Stop prefetching and release every pin of this object.
+
+        Queued prefetches are cancelled and running ones stop waiting for locks. With ``wait``,
+        a download already under way is given up to ``deadline_s`` to finish, so no prefetch
+        thread writes into the cache directory after this returns.
+        """
         self._check_process()
         with self._lock:
             self._closed = True
@@ -379,7 +500,7 @@ class ShardCache:
             pins, self._pins = self._pins, {}
             self._held.clear()
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(timeout_s=self._policy.deadline_s if wait else 0.0)
         for fds in pins.values():
             for fd in fds:
                 os.close(fd)
@@ -409,9 +530,12 @@ class ShardCache:
     def _lock_path(self, relpath: str) -> str:
         return os.path.join(self.dir, _LOCKS, relpath + ".lock")
 
-    def _prefetch_one(self, relpath: str) -> None:
+    def _prefetch_one(self, relpath: str, cancel: threading.Event) -> None:
         try:
-            self._ensure(relpath, pin=False, wait_room=False)
+            self._ensure(relpath, pin=False, wait_room=False, cancel=cancel)
+        except _CancelledError:
+            log.debug("prefetch of %s cancelled", relpath)
+            raise
         except Exception as exc:
             log.debug("prefetch of %s failed (will retry on use): %s", relpath, exc)
             raise
@@ -423,8 +547,12 @@ class ShardCache:
         pin: bool,
         on_wait: Callable[[], None] | None = None,
         wait_room: bool = True,
+        cancel: threading.Event | None = None,
     ) -> int | None:
-        """Make ``relpath`` present; return an fd holding its shared lock when ``pin``."""
+        """Make ``relpath`` present; return an fd holding its shared lock when ``pin``.
+
+        ``cancel`` (background prefetches) stops the lock waits and any further download.
+        """
         entry = self._entry(relpath)
         final = self.path(relpath)
         lock_path = self._lock_path(relpath)
@@ -432,14 +560,17 @@ class ShardCache:
         what = _remote.join(_remote.redact(self.url, self._options), relpath)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            _flock(fd, fcntl.LOCK_SH, self.timeout_s, what)
+            _flock(fd, fcntl.LOCK_SH, self.timeout_s, what, cancel=cancel)
             downloaded = False
-            while True:
+
+            def present() -> bool:
                 try:
-                    present = os.stat(final).st_size == entry.nbytes
+                    return os.stat(final).st_size == entry.nbytes
                 except FileNotFoundError:
-                    present = False
-                if present:
+                    return False
+
+            while True:
+                if present():
                     os.utime(final)  # least-recently-used order = mtime order
                     if not downloaded:
                         with self._lock:
@@ -451,11 +582,25 @@ class ShardCache:
                 # not there: take the exclusive lock (never upgrade while holding shared: two
                 # upgraders would wait for each other) and download unless someone beat us to it
                 fcntl.flock(fd, fcntl.LOCK_UN)
-                _flock(fd, fcntl.LOCK_EX, self.timeout_s, what)
-                if not os.path.exists(final):
-                    self._download(entry, final, on_wait, wait_room)
+                with self._lock:  # our own pin blocks the exclusive lock: waiting cannot help
+                    ours = relpath in self._pins
+                if ours:
+                    raise DatasetError(
+                        f"{what}: its cached copy {final} is missing or changed while this "
+                        "process has it pinned (was the cache directory cleaned under a reader?)"
+                    )
+                # another thread or process may download it and pin it meanwhile: its shared
+                # lock would block us until it unpins, so stop waiting once the file is there
+                locked = _flock(
+                    fd, fcntl.LOCK_EX, self.timeout_s, what, cancel=cancel, moot=present
+                )
+                if locked and not present():  # a wrong-sized copy is replaced, never reused
+                    if cancel is not None and cancel.is_set():
+                        raise _CancelledError(what)
+                    self._download(entry, final, on_wait, wait_room, cancel)
                     downloaded = True
-                _flock(fd, fcntl.LOCK_SH, self.timeout_s, what)  # then re-check: evicted meanwhile?
+                # then re-check: evicted meanwhile?
+                _flock(fd, fcntl.LOCK_SH, self.timeout_s, what, cancel=cancel)
         except BaseException:
             os.close(fd)
             raise
@@ -466,9 +611,10 @@ class ShardCache:
         final: str,
         on_wait: Callable[[], None] | None,
         wait_room: bool,
+        cancel: threading.Event | None = None,
     ) -> None:
         os.makedirs(os.path.dirname(final), exist_ok=True)
-        tmp = self._reserve(entry, final, on_wait, wait_room)
+        tmp = self._reserve(entry, final, on_wait, wait_room, cancel)
         url = _remote.join(self.url, entry.relpath)
         _remote.fetch_verified(
             self._fs,
@@ -491,6 +637,7 @@ class ShardCache:
         final: str,
         on_wait: Callable[[], None] | None = None,
         wait_room: bool = True,
+        cancel: threading.Event | None = None,
     ) -> str:
         """Make room for ``entry`` under the cache-wide lock; create its (reserving) temp file."""
         if self.limit_bytes is not None and entry.nbytes > self.limit_bytes:
@@ -504,7 +651,7 @@ class ShardCache:
             rounds += 1
             fd = os.open(os.path.join(self.cache_dir, _CACHE_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                _flock(fd, fcntl.LOCK_EX, self.timeout_s, self.cache_dir)
+                _flock(fd, fcntl.LOCK_EX, self.timeout_s, self.cache_dir, cancel=cancel)
                 short = self._scan(need=entry.nbytes)
                 if short <= 0:
                     tmp = _remote.temp_name(final, entry.nbytes)
