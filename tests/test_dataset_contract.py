@@ -57,6 +57,14 @@ class _Ragged(DatasetContractTests):
         )
         return batch
 
+    @pytest.mark.xfail(
+        strict=True,
+        reason="open, found on the H200: the GPU feed's ring is laid out from the first batch, "
+        "so bytes-layout batches (a list of as many tensors as records) are refused there",
+    )
+    def test_loader_on_cuda_matches(self, dataset: Any) -> None:
+        super().test_loader_on_cuda_matches(dataset)
+
     def make_out(self, dataset: Any, indices: list[int], batch: Any) -> Any:
         data = batch["data"] if isinstance(batch, dict) else batch
         flat = torch.full((sum(t.numel() for t in data),), 0xA5, dtype=torch.uint8)
