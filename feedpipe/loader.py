@@ -36,7 +36,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.utils.data as tud
 from torch.utils.data._utils.collate import default_collate, default_convert
@@ -46,14 +45,13 @@ from feedpipe._direct import DirectReader
 from feedpipe._index_batches import IndexStream
 from feedpipe._loader_fetch import (
     Mode,
-    _Failed,
     _IterProxy,
     _MapProxy,
-    _short,
     _TimedCollate,
     _WorkerInit,
     choose_mode,
 )
+from feedpipe._loader_iter import LoaderIter
 from feedpipe._rng_state import RngChain, Watch, encode, global_state, order, private, replay
 from feedpipe._workers_thread import (
     InlineSource,
@@ -62,7 +60,6 @@ from feedpipe._workers_thread import (
     note_iter,
     thread_worker_info,
 )
-from feedpipe.errors import WorkerError
 from feedpipe.gpu import GPUFeed, Prefetcher
 from feedpipe.stall import StallMeter, StallStats
 
@@ -234,7 +231,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             return None
         return {**self._feed.info, "path": "ring" if self._direct is None else "direct"}
 
-    def __iter__(self) -> _LoaderIter:  # type: ignore[override]
+    def __iter__(self) -> LoaderIter:  # type: ignore[override]
         # for the meter: starting a later pass's workers is input time (no clock when off)
         started = _perf() if self.meter.enabled else None
         note_iter()  # seed draws follow: thread workers' RNG checks must not blame them
@@ -256,7 +253,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             source = self._thread_source(feed)
         else:
             source = self._process_source()
-        return _LoaderIter(self, source, feed, started)
+        return LoaderIter(self, source, feed, started)
 
     # ------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -684,213 +681,3 @@ def _takes_arrays(dataset: Any) -> bool:
         return True
     zarr = sys.modules.get("feedpipe.datasets.zarr")  # imported only if the user did
     return zarr is not None and isinstance(dataset, zarr.ZarrDataset)
-
-
-class _LoaderIter:
-    """What ``iter(loader)`` returns: unwraps shipped batches, counts, explains failures."""
-
-    def __init__(
-        self,
-        loader: DataLoader,
-        source: Any,
-        feed: Prefetcher | None = None,
-        started: float | None = None,
-    ) -> None:
-        self._loader = loader
-        self._source = source
-        own = isinstance(source, (InlineSource, ThreadWorkers))
-        # torch's process iterator: a worker death raises in next(), never elsewhere
-        self._guard = None if own else _torch_compat.Guard(source)
-        self._feed = feed
-        if feed is not None:
-            pull = weakref.WeakMethod(self._pull)  # no cycle: the pass dies with its iterator
-            feed.pull = lambda: pull()()  # type: ignore[misc]  # noqa: PLW0108
-        meter = self._meter = loader.meter
-        self._timed = meter.enabled  # off: the sources read no clock either
-        self._log = meter._waits  # the meter's batch log, appended as record_batch does
-        self._profiler = meter._profiler  # its _is_profiler_enabled flag: one read per batch
-        self._in_pass = True  # until StopIteration or drop: the meter's clock is not "outside"
-        meter.pass_begin(started)
-        self._epoch = loader._epoch
-        self._first = self._epoch.batches  # batch number (in the epoch) of this pass's first batch
-        self._delivered = 0
-        stream = loader._stream
-        self._sent = stream.sent if stream is not None else None
-        # out of order, batch n is delivered within the prefetch window of the n-th delivery
-        window = (loader.prefetch_factor or 1) * max(1, loader.num_workers)
-        self._lag = 0 if loader.in_order else 4 * window + 4
-        # torch's iterator warns when an IterableDataset yields more than its len(); ours too
-        self._len_called = loader._IterableDataset_len_called if own and loader._iterable else None
-
-    def __iter__(self) -> _LoaderIter:
-        return self
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    def __next__(self) -> Any:
-        # Counters on: two clock reads around the blocking part and one record_batch call
-        # (while a profiler records: wait_begin/wait_end, so the wait is a profiler range).
-        # Counters off: no clock at all.
-        timed = self._timed
-        traced = timed and self._profiler._is_profiler_enabled
-        if traced:
-            self._meter.wait_begin()
-        t0 = _perf() if timed else 0.0
-        on_device = None
-        try:
-            if self._feed is None:
-                shipped = next(self._source) if self._guard is None else self._guard.next()
-            else:  # `prefetch` later batches keep copying to the device meanwhile
-                on_device, shipped = next(self._feed)
-        except StopIteration:
-            self._epoch.active = False
-            if timed and not traced:
-                self._meter.wait_pending(t0)  # the step before this wait still counts
-            self._end_pass()
-            raise
-        except Exception as exc:
-            if timed and not traced:
-                self._meter.wait_pending(t0)
-            if self._feed is not None:  # _pull explained it already
-                raise
-            raise self._explain(exc) from exc
-        t1 = _perf() if timed else 0.0
-        if type(shipped) is _Failed:
-            if timed and not traced:
-                self._meter.wait_pending(t0)
-            indices = shipped.indices
-            self._count(len(indices) if isinstance(indices, (list, tuple, np.ndarray)) else 0)
-            error: BaseException | None = shipped.exception(self._first + self._delivered - 1)
-            shipped = None
-            assert error is not None
-            try:
-                raise error
-            finally:  # break the frame <-> traceback cycle so the workers shut down promptly
-                error = None
-        batch, samples, nbytes, fetch_s, collate_s = shipped
-        if traced:
-            meter = self._meter
-            meter.add_stage("fetch", fetch_s, nbytes)
-            if collate_s >= 0.0:
-                meter.add_stage("collate", collate_s, nbytes)
-            meter.wait_end(samples=samples, nbytes=nbytes)
-        elif timed:  # meter.record_batch(t0, t1, ...), inlined: the call is a sixth of the cost
-            log = self._log
-            log += (t0, t1, samples, nbytes, fetch_s, collate_s)
-            if len(log) >= self._meter._fold_at:
-                self._meter._after_wait(t1)
-        self._count(samples)
-        if self._len_called is not None and self._delivered > self._len_called:
-            warnings.warn(
-                f"Length of IterableDataset {self._loader.dataset} was reported to be "
-                f"{self._len_called} (when accessing len(dataloader)), but {self._delivered} "
-                "samples have been fetched. ",
-                stacklevel=2,
-            )
-        return self._finalize(batch) if self._feed is None else on_device
-
-    def _finalize(self, batch: Any) -> Any:
-        """The one place a delivered host batch is finished (device batches come from the feed)."""
-        return batch
-
-    def _pull(self) -> tuple[Any, Any, bool]:
-        """The device feed's source: the next shipped batch, in order. The feed hands ``shipped``
-        back (without its host batch) beside the device batch when that batch's turn comes."""
-        try:
-            shipped = next(self._source) if self._guard is None else self._guard.next()
-        except StopIteration:
-            raise
-        except Exception as exc:
-            raise self._explain(exc) from exc
-        if type(shipped) is _Failed:
-            return None, shipped, False
-        return shipped[0], (None, *shipped[1:]), True
-
-    def _end_pass(self) -> None:
-        """Tell the meter this pass is over (once): time until the next pass is outside."""
-        if self._in_pass:
-            self._in_pass = False
-            self._meter.pass_end()
-
-    def __del__(self) -> None:
-        if getattr(self, "_in_pass", False):  # dropped mid-pass (break)
-            try:
-                self._end_pass()
-            except Exception:  # interpreter shutdown: the counters no longer matter
-                pass
-        if getattr(self, "_feed", None) is not None:  # abandoned: turn its workers away
-            self._feed.close()  # type: ignore[union-attr]
-
-    def _count(self, samples: int) -> None:
-        """One more batch of ``samples`` delivered (or failed) this epoch."""
-        epoch = self._epoch
-        epoch.batches += 1
-        epoch.samples += samples
-        if self._sent is not None:
-            self._sent.pop(self._delivered - self._lag, None)
-        self._delivered += 1
-
-    # ------------------------------------------------------------------- failure messages
-    def _explain(self, exc: Exception) -> Exception:
-        """Turn a worker death or timeout into a ``WorkerError`` naming worker and samples."""
-        loader, source = self._loader, self._source
-        batch, worker = (
-            source.waiting_on()
-            if isinstance(source, ThreadWorkers)
-            else _torch_compat.waiting_on(source)
-        )
-        indices = None
-        if loader._stream is not None and batch is not None:
-            indices = loader._stream.sent.get(batch)
-        where = f"batch {self._first + batch}" if batch is not None else "the next batch"
-        what = f" (sample indices {_short(indices)})" if indices is not None else ""
-        dead = _dead_workers(source, wait=_dying(exc))
-        if dead:
-            wid, pid, code = dead[0]
-            held = [
-                f"batch {self._first + b}"
-                + (f" (sample indices {_short(ix)})" if (ix := sent.get(b)) is not None else "")
-                for b in _torch_compat.tasks_of(source, wid)[:4]
-                for sent in [loader._stream.sent if loader._stream is not None else {}]
-            ]
-            holding = f"while loading {' or '.join(held)}" if held else "between batches"
-            _torch_compat.stop_workers(source)
-            return WorkerError(
-                f"DataLoader worker {wid} (pid {pid}) died with exit code {code} {holding}; a "
-                "negative code is the signal that killed it (-9: SIGKILL, often the out-of-memory "
-                f"killer). Original error: {exc}"
-            )
-        if isinstance(exc, TimeoutError) or str(exc).startswith("DataLoader timed out"):
-            return WorkerError(
-                f"DataLoader worker {worker} timed out after {loader.timeout} s loading "
-                f"{where}{what}"
-            )
-        return exc
-
-
-# What reading from a worker that is dying raises in the main process: its pipe or socket
-# closed (EOFError, ConnectionError), its shared-memory file gone (FileNotFoundError), or
-# feedpipe's SIGCHLD handler (WorkerDiedError). The worker may not be reaped yet when it is raised.
-_DYING = (EOFError, ConnectionError, FileNotFoundError, _torch_compat.WorkerDiedError)
-_DEATH_WAIT_S = 5.0
-
-
-def _dying(exc: BaseException) -> bool:
-    """Whether ``exc`` may come from a dying process worker (not re-raised from inside one)."""
-    if isinstance(exc, RuntimeError) and "exited unexpectedly" in str(exc):
-        return True
-    return isinstance(exc, _DYING) and "in DataLoader worker process" not in str(exc)
-
-
-def _dead_workers(source: Any, wait: bool = False) -> list[tuple[int, int | None, int | None]]:
-    """Dead process workers of ``source``; ``wait``: give a dying one up to ``_DEATH_WAIT_S``
-    to be reaped (its pipe closes before the kernel reports it dead)."""
-    dead = _torch_compat.dead_workers(source)
-    if dead or not wait or not getattr(source, "_workers", None):
-        return dead
-    deadline = time.monotonic() + _DEATH_WAIT_S
-    while not dead and time.monotonic() < deadline:
-        time.sleep(0.01)
-        dead = _torch_compat.dead_workers(source)
-    return dead

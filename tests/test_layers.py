@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     # 3: loader internals, the GPU feed, stall counters
     "feedpipe.loader.": 3,  # the loader package's internals (feedpipe.loader itself is 4)
     "feedpipe._loader_fetch": 3,
+    "feedpipe._loader_iter": 3,
     "feedpipe._workers_thread": 3,
     "feedpipe._index_batches": 3,
     "feedpipe._torch_compat": 3,
@@ -75,12 +76,12 @@ PRIVATE_EXCEPTIONS: dict[tuple[str, str], str] = {
     # the worker protocol: the loader and the thread pool share fetch's wrappers and the failure
     # record a worker ships back; they become public names of the fetch module
     ("feedpipe._workers_thread", "feedpipe._loader_fetch:_Failed"): "worker failure record",
-    ("feedpipe.loader", "feedpipe._loader_fetch:_Failed"): "worker failure record",
     ("feedpipe.loader", "feedpipe._loader_fetch:_IterProxy"): "iterable-dataset wrapper",
     ("feedpipe.loader", "feedpipe._loader_fetch:_MapProxy"): "map-dataset wrapper",
     ("feedpipe.loader", "feedpipe._loader_fetch:_TimedCollate"): "collate with stall timing",
     ("feedpipe.loader", "feedpipe._loader_fetch:_WorkerInit"): "worker_init_fn wrapper",
-    ("feedpipe.loader", "feedpipe._loader_fetch:_short"): "short repr for messages",
+    ("feedpipe._loader_iter", "feedpipe._loader_fetch:_Failed"): "worker failure record",
+    ("feedpipe._loader_iter", "feedpipe._loader_fetch:_short"): "short repr for messages",
     # the GPU feed drives the pinned ring's slots and events directly; they become the ring
     # module's public names when the ring moves to feedpipe.device.ring
     ("feedpipe.gpu", "feedpipe._ring:_Event"): "ring slot event",
