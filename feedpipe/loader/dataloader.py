@@ -29,7 +29,6 @@ batch, then ``collate_fn``, as in torch.
 from __future__ import annotations
 
 import gc
-import sys
 import time
 import warnings
 import weakref
@@ -62,6 +61,7 @@ from feedpipe.loader.threads import (
     ThreadWorkers,
     note_iter,
 )
+from feedpipe.protocols import IndexArrayDataset
 from feedpipe.stall import StallMeter, StallStats
 
 __all__ = ["DataLoader", "get_worker_info"]
@@ -677,10 +677,5 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
 
 def _takes_arrays(dataset: Any) -> bool:
-    """Whether ``dataset.read_batch`` is one of ours, which takes numpy index arrays."""
-    from feedpipe.datasets.memmap import MemmapDataset
-
-    if isinstance(dataset, MemmapDataset):
-        return True
-    zarr = sys.modules.get("feedpipe.datasets.zarr")  # imported only if the user did
-    return zarr is not None and isinstance(dataset, zarr.ZarrDataset)
+    """Whether ``dataset.read_batch`` takes numpy index arrays (feedpipe.protocols, step 2)."""
+    return isinstance(dataset, IndexArrayDataset) and dataset.takes_index_arrays is True
