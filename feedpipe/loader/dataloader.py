@@ -590,8 +590,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             self._slots.forget()  # the last pass's workers are gone; live views keep their slots
         _torch_compat.set_len_called(self._inner, _torch_compat.len_called(self))
         self._inner.generator = self._base_seed_generator()  # torch draws the base seed from it
-        if not torch.cuda.is_initialized():
-            source = iter(self._inner)
+        if not torch.cuda.is_initialized() or _torch_compat.workers_running(self._inner):
+            source = iter(self._inner)  # no fork: nothing to keep out of a child's GC
         else:
             # Forked workers inherit every object of this process, some owning CUDA handles
             # (events, memory). Were the child's cyclic GC to destroy one, it would call CUDA in
