@@ -3,22 +3,120 @@
 A save stages the whole state into one buffer. With ``buffers=2`` (double buffering) one save can
 stage while the previous one persists; a third save waits for a buffer to come back
 (back-pressure) and the wait is reported. Allocation is bounded by ``budget_bytes``.
+
+Page-locking is the slow part of allocating: the driver pins and maps every page. A pinned
+buffer is therefore anonymous memory (transparent huge pages requested) that several threads
+register with CUDA in slices at once (``cuMemHostRegister``, portable, through ctypes so the
+calls run in parallel); where that is not possible it falls back to ``torch.empty(pin_memory=
+True)``. See the ``ckpt_save`` section of docs/benchmarks.md for what each way costs.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 import threading
 import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache
+from typing import Any
 
 import numpy as np
 import torch
 
 from ckpt.errors import CheckpointError
 
-__all__ = ["Buffer", "PinnedPool", "PoolOptions"]
+__all__ = ["Buffer", "PinnedPool", "PoolOptions", "pinned_empty"]
 
 _ROUND = 2 << 20  # buffer sizes are rounded up to 2 MiB
+_SLICE = 64 << 20  # the piece of a pinned buffer one thread registers at a time
+_PORTABLE = 1  # CU_MEMHOSTREGISTER_PORTABLE: pinned for every context
+
+
+class _Driver:
+    """``cuMemHostRegister`` / ``cuMemHostUnregister`` through ctypes (calls release the GIL)."""
+
+    def __init__(self, lib: Any) -> None:
+        self.register = lib.cuMemHostRegister_v2
+        self.register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        self.unregister = lib.cuMemHostUnregister
+        self.unregister.argtypes = [ctypes.c_void_p]
+        self.set_ctx = lib.cuCtxSetCurrent
+        self.set_ctx.argtypes = [ctypes.c_void_p]
+        self.retain = lib.cuDevicePrimaryCtxRetain
+        self.retain.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        self.ctx: int | None = None
+
+    def context(self) -> int:
+        """The primary context of the current torch device (the one torch uses)."""
+        if self.ctx is None:
+            handle = ctypes.c_void_p()
+            code = self.retain(ctypes.byref(handle), torch.cuda.current_device())
+            if code != 0:
+                raise RuntimeError(f"cuDevicePrimaryCtxRetain failed with CUresult {code}")
+            self.ctx = int(handle.value or 0)
+        return self.ctx
+
+
+@cache
+def _driver() -> _Driver | None:
+    try:
+        return _Driver(ctypes.CDLL("libcuda.so.1"))
+    except (OSError, AttributeError):
+        return None
+
+
+def _unregister(driver: _Driver, ctx: int, ptrs: list[int]) -> None:
+    driver.set_ctx(ctx)
+    for ptr in ptrs:
+        driver.unregister(ptr)
+
+
+def pinned_empty(nbytes: int, threads: int = 8) -> tuple[torch.Tensor, Any]:
+    """A page-locked uint8 tensor of ``nbytes``, registered in parallel slices; returns it and an
+    object that keeps it registered (the memory is unregistered when that object is collected).
+    Falls back to ``torch.empty(pin_memory=True)`` where the driver cannot be reached."""
+    driver = _driver() if nbytes >= _SLICE else None
+    if driver is None:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None
+    try:
+        ctx = driver.context()
+    except RuntimeError:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            area.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    tensor = torch.frombuffer(area, dtype=torch.uint8)
+    base = tensor.data_ptr()
+    starts = list(range(0, nbytes, _SLICE))
+
+    def one(start: int) -> int:
+        driver.set_ctx(ctx)
+        return int(driver.register(base + start, min(_SLICE, nbytes - start), _PORTABLE))
+
+    with ThreadPoolExecutor(max(1, min(threads, len(starts)))) as pool:
+        codes = list(pool.map(one, starts))
+    done = [base + s for s, c in zip(starts, codes, strict=True) if c == 0]
+    keep = _Registered(tensor, area)
+    weakref.finalize(keep, _unregister, driver, ctx, done)
+    if len(done) != len(starts):
+        del keep
+        bad = next(c for c in codes if c)
+        raise RuntimeError(f"cuMemHostRegister of {nbytes} bytes failed with CUresult {bad}")
+    return tensor, keep
+
+
+class _Registered:
+    """Holds a registered area alive; collecting it unregisters the area (weakref.finalize)."""
+
+    def __init__(self, tensor: torch.Tensor, area: mmap.mmap) -> None:
+        self.tensor, self.area = tensor, area
 
 
 @dataclass(frozen=True)
@@ -41,13 +139,24 @@ class Buffer:
     """One staging buffer: a flat uint8 tensor and a numpy view of the same memory."""
 
     def __init__(self, nbytes: int, pin: bool) -> None:
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._keep: Any = None
+        if pin:
+            try:
+                self.tensor, self._keep = pinned_empty(nbytes, _threads())
+            except (RuntimeError, OSError):  # not registrable here: torch's own pinned memory
+                self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        else:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         self.array: np.ndarray = self.tensor.numpy()
         self.nbytes = nbytes
 
     def view(self) -> memoryview:
         """A writable memoryview of the whole buffer (for os.pwrite / readinto)."""
         return self.array.data.cast("B")
+
+
+def _threads() -> int:
+    return max(1, min(16, (os.cpu_count() or 2) // 2))
 
 
 class PinnedPool:
