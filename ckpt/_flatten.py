@@ -153,7 +153,7 @@ def _flatten(obj: Any, leaves: list[Leaf], tensors: list, path: str, depth: int)
     if isinstance(obj, float):
         return {"t": "v", "v": obj} if math.isfinite(obj) else {"t": "float", "v": repr(obj)}
     if isinstance(obj, (np.ndarray, np.generic)):
-        node: dict[str, Any] = {"t": "ndarray" if isinstance(obj, np.ndarray) else "npscalar"}
+        node = {"t": "ndarray" if isinstance(obj, np.ndarray) else "npscalar"}
         tensors.append((node, np.asarray(obj), path))
         return node
     if isinstance(obj, (bytes, bytearray)):

@@ -113,21 +113,22 @@ class _Job:
             end = min(hi, pos + READ_BYTES)
             hits = self.overlapping(pos, end)
             cuda = any(dst.is_cuda for _, dst in hits)
+            host: torch.Tensor | None = None
             if cuda:
                 host = self.slot()[: end - pos]
-                view = memoryview(host.numpy())
+                view = host.numpy().data
             else:
                 if self.local.scratch is None:
                     self.local.scratch = memoryview(bytearray(min(READ_BYTES, max(1, size))))
                 view = self.local.scratch[: end - pos]
-                host = torch.frombuffer(view, dtype=torch.uint8) if hits else None
+                if hits:
+                    host = torch.frombuffer(view, dtype=torch.uint8)
             self.read(view, pos)
             if self.verify:
                 t0 = time.perf_counter()
                 value = crc32c(view, value)
                 crc_s += time.perf_counter() - t0
-            if hits:
-                assert host is not None
+            if host is not None:
                 self.place(hits, host, pos, end, cuda)
         if self.verify and to_hex(value) != self.rec["crc32c"][i]:
             raise CorruptCheckpointError(
@@ -186,9 +187,7 @@ def read_into(
     try:
         size = os.fstat(job.fd).st_size
         if size != rec["size"]:
-            raise CorruptCheckpointError(
-                f"{path}: size {size} != {rec['size']} bytes (truncated?)"
-            )
+            raise CorruptCheckpointError(f"{path}: size {size} != {rec['size']} bytes (truncated?)")
         chunks = range(len(rec["crc32c"]))
         if executor is None:
             return sum(map(job.chunk, chunks))

@@ -64,9 +64,8 @@ class _Run:
         try:
             bounce = torch.empty(span, dtype=torch.uint8, device=self.device)
         except torch.cuda.OutOfMemoryError:  # no room for the gather: copy each leaf directly
-            host = buf.tensor
             for off, src in zip(self.offsets, self.sources, strict=True):
-                host[self.start + off : self.start + off + src.numel()].copy_(src, non_blocking=True)
+                _copy(buf.tensor, self.start + off, src.numel(), src)
             return
         sizes, k = [], 0
         for off, src in zip(self.offsets, self.sources, strict=True):
@@ -81,6 +80,11 @@ class _Run:
         buf.tensor[self.start : self.end].copy_(bounce, non_blocking=True)
 
 
+def _copy(host: torch.Tensor, off: int, n: int, src: torch.Tensor) -> None:
+    """One leaf's bytes into ``host[off:off + n]`` (asynchronous from CUDA)."""
+    host[off : off + n].view(src.dtype).view(src.shape).copy_(src, non_blocking=src.is_cuda)
+
+
 def stage(leaves: Sequence[Leaf], entries: Sequence[dict], buf: Buffer) -> None:
     """Copy every leaf into ``buf`` at its planned offset; returns once every byte is there."""
     streams: dict[torch.device, Any] = {}
@@ -92,19 +96,18 @@ def stage(leaves: Sequence[Leaf], entries: Sequence[dict], buf: Buffer) -> None:
             if n == 0:
                 continue
             src = leaf.value
-            cuda = isinstance(src, torch.Tensor) and src.is_cuda
-            small = cuda and n <= SMALL_BYTES and src.is_contiguous()
+            if not isinstance(src, torch.Tensor):
+                buf.array[off : off + n].view(src.dtype).reshape(src.shape)[...] = src
+                continue
+            small = src.is_cuda and n <= SMALL_BYTES and src.is_contiguous()
             if run is not None and not (
                 small and src.device == run.device and off + n - run.start <= RUN_BYTES
             ):  # a run holds only consecutive leaves: anything else ends it
                 with torch.cuda.stream(streams[run.device]):
                     run.issue(buf)
                 run = None
-            if not cuda:
-                if isinstance(src, torch.Tensor):
-                    host[off : off + n].view(src.dtype).view(src.shape).copy_(src)
-                else:
-                    buf.array[off : off + n].view(src.dtype).reshape(src.shape)[...] = src
+            if not src.is_cuda:
+                _copy(host, off, n, src)
                 continue
             device = src.device
             stream = streams.get(device)
@@ -117,7 +120,7 @@ def stage(leaves: Sequence[Leaf], entries: Sequence[dict], buf: Buffer) -> None:
                 run.add(off, src, n)
             else:
                 with torch.cuda.stream(stream):
-                    host[off : off + n].view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
+                    _copy(host, off, n, src)
         if run is not None:
             with torch.cuda.stream(streams[run.device]):
                 run.issue(buf)
