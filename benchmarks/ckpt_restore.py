@@ -4,9 +4,8 @@ A state of bf16 tensors (64 MiB each) on the GPU (or float32 on the CPU) is save
 method; then, interleaved over ``--repeats`` rounds, each method restores it into the existing
 tensors from the page cache (GB/s until every tensor holds the bytes), and ckpt also restores
 into new tensors. The peak extra host memory of a restore is sampled from ``VmRSS``. Where the
-page cache can be dropped for the files (``/proc/sys/vm/drop_caches`` as root, else
-``posix_fadvise(DONTNEED)``), the cold restore is compared with a plain parallel read of the
-same bytes from the same disk, measured in the same run.
+page cache can be dropped for the files (``posix_fadvise(DONTNEED)``), the cold restore is
+compared with a plain parallel read of the same bytes from the same disk, in the same run.
 
     .venv/bin/python benchmarks/ckpt_restore.py --size-gb 0.5           # CPU
     python benchmarks/ckpt_restore.py --device cuda --size-gb 4         # GPU (the H200 figure)
@@ -87,13 +86,6 @@ def _files(root: Path) -> list[Path]:
 
 def drop_cache(paths: list[Path]) -> str:
     """Evict ``paths`` from the page cache; returns how (or '' if it could not)."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
     try:
         for p in paths:
             fd = os.open(p, os.O_RDONLY)
