@@ -225,7 +225,7 @@ def _write_doc(device: str, text: str) -> None:
 def make_model(tensors: int, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A transformer (about 106M parameters) whose model + AdamW state has about ``tensors``
     tensors: 4 per parameter (the parameter, exp_avg, exp_avg_sq and the 0-dim step)."""
-    layers = max(1, (tensors // 4 - 4) // 12)
+    layers = max(1, round((tensors / 4 - 4) / 12))
     d = 1024 if layers <= 8 else 384
     ff = 4 * d
     per_layer = 12 * d * d + 9 * d + ff
