@@ -29,10 +29,11 @@ import torch
 
 from ckpt.errors import CheckpointError
 
-__all__ = ["Buffer", "PinnedPool", "PoolOptions", "pinned_empty"]
+__all__ = ["SLICE_BYTES", "Buffer", "PinnedPool", "PoolOptions", "pinned_empty"]
 
 _ROUND = 2 << 20  # buffer sizes are rounded up to 2 MiB
-_SLICE = 64 << 20  # the piece of a pinned buffer one thread registers at a time
+SLICE_BYTES = 64 << 20
+"""The piece of a pinned buffer one thread registers at a time (a CUDA copy may span only one)."""
 _PORTABLE = 1  # CU_MEMHOSTREGISTER_PORTABLE: pinned for every context
 
 
@@ -79,7 +80,7 @@ def pinned_empty(nbytes: int, threads: int = 8) -> tuple[torch.Tensor, Any]:
     """A page-locked uint8 tensor of ``nbytes``, registered in parallel slices; returns it and an
     object that keeps it registered (the memory is unregistered when that object is collected).
     Falls back to ``torch.empty(pin_memory=True)`` where the driver cannot be reached."""
-    driver = _driver() if nbytes >= _SLICE else None
+    driver = _driver() if nbytes >= SLICE_BYTES else None
     if driver is None:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None
     try:
@@ -94,11 +95,11 @@ def pinned_empty(nbytes: int, threads: int = 8) -> tuple[torch.Tensor, Any]:
             pass
     tensor = torch.frombuffer(area, dtype=torch.uint8)
     base = tensor.data_ptr()
-    starts = list(range(0, nbytes, _SLICE))
+    starts = list(range(0, nbytes, SLICE_BYTES))
 
     def one(start: int) -> int:
         driver.set_ctx(ctx)
-        return int(driver.register(base + start, min(_SLICE, nbytes - start), _PORTABLE))
+        return int(driver.register(base + start, min(SLICE_BYTES, nbytes - start), _PORTABLE))
 
     with ThreadPoolExecutor(max(1, min(threads, len(starts)))) as pool:
         codes = list(pool.map(one, starts))
@@ -140,11 +141,15 @@ class Buffer:
 
     def __init__(self, nbytes: int, pin: bool) -> None:
         self._keep: Any = None
+        self.slice_bytes: int | None = None
+        """Set when the buffer is registered in slices: no device copy may cross a multiple."""
         if pin:
             try:
                 self.tensor, self._keep = pinned_empty(nbytes, _threads())
             except (RuntimeError, OSError):  # not registrable here: torch's own pinned memory
                 self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            if self._keep is not None:
+                self.slice_bytes = SLICE_BYTES
         else:
             self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         self.array: np.ndarray = self.tensor.numpy()

@@ -45,6 +45,30 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+def _flat(src: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``src`` as a flat uint8 tensor (a view if contiguous, else a copy made on
+    the current stream). ``as_strided`` also covers contiguous tensors whose size-1 dims have
+    other strides, which ``view(-1)`` keeps."""
+    if not src.is_contiguous():
+        src = src.contiguous()
+    return torch.as_strided(src, (src.numel(),), (1,)).view(torch.uint8)
+
+
+def _to_host(buf: Buffer, off: int, flat: torch.Tensor) -> None:
+    """Copy device bytes ``flat`` to ``buf`` at ``off`` asynchronously: one copy per
+    registration slice it spans (a copy may not cross two ``cuMemHostRegister`` ranges)."""
+    step = buf.slice_bytes
+    n = flat.numel()
+    if step is None or off // step == (off + n - 1) // step:
+        buf.tensor[off : off + n].copy_(flat, non_blocking=True)
+        return
+    pos = off
+    while pos < off + n:
+        end = min(off + n, (pos // step + 1) * step)
+        buf.tensor[pos:end].copy_(flat[pos - off : end - off], non_blocking=True)
+        pos = end
+
+
 class _Run:
     """Consecutive small contiguous leaves of one CUDA device, gathered with one copy."""
 
@@ -55,7 +79,7 @@ class _Run:
 
     def add(self, offset: int, src: torch.Tensor, nbytes: int) -> None:
         self.offsets.append(offset - self.start)
-        self.sources.append(src.view(-1).view(torch.uint8))
+        self.sources.append(_flat(src))
         self.end = offset + nbytes
 
     def issue(self, buf: Buffer) -> None:
@@ -65,7 +89,7 @@ class _Run:
             bounce = torch.empty(span, dtype=torch.uint8, device=self.device)
         except torch.cuda.OutOfMemoryError:  # no room for the gather: copy each leaf directly
             for off, src in zip(self.offsets, self.sources, strict=True):
-                _copy(buf.tensor, self.start + off, src.numel(), src)
+                _to_host(buf, self.start + off, src)
             return
         sizes, k = [], 0
         for off, src in zip(self.offsets, self.sources, strict=True):
@@ -74,19 +98,13 @@ class _Run:
         sizes.append(span - k)
         bounce.zero_()  # the padding: never stale device memory in the file (one memset)
         torch._foreach_copy_(list(bounce.split(sizes)[1::2]), self.sources)
-        buf.tensor[self.start : self.end].copy_(bounce, non_blocking=True)
-
-
-def _copy(host: torch.Tensor, off: int, n: int, src: torch.Tensor) -> None:
-    """One leaf's bytes into ``host[off:off + n]`` (asynchronous from CUDA)."""
-    host[off : off + n].view(src.dtype).view(src.shape).copy_(src, non_blocking=src.is_cuda)
+        _to_host(buf, self.start, bounce)
 
 
 def stage(leaves: Sequence[Leaf], entries: Sequence[dict], buf: Buffer) -> None:
     """Copy every leaf into ``buf`` at its planned offset; returns once every byte is there."""
     streams: dict[torch.device, Any] = {}
     run: _Run | None = None
-    host = buf.tensor
     with torch.no_grad():
         for leaf, entry in zip(leaves, entries, strict=True):
             off, n = entry["offset"], entry["nbytes"]
@@ -104,7 +122,7 @@ def stage(leaves: Sequence[Leaf], entries: Sequence[dict], buf: Buffer) -> None:
                     run.issue(buf)
                 run = None
             if not src.is_cuda:
-                _copy(host, off, n, src)
+                buf.tensor[off : off + n].view(src.dtype).view(src.shape).copy_(src)
                 continue
             device = src.device
             stream = streams.get(device)
@@ -117,7 +135,7 @@ def stage(leaves: Sequence[Leaf], entries: Sequence[dict], buf: Buffer) -> None:
                 run.add(off, src, n)
             else:
                 with torch.cuda.stream(stream):
-                    _copy(host, off, n, src)
+                    _to_host(buf, off, _flat(src))
         if run is not None:
             with torch.cuda.stream(streams[run.device]):
                 run.issue(buf)
