@@ -4,11 +4,11 @@ A save stages the whole state into one buffer. With ``buffers=2`` (double buffer
 stage while the previous one persists; a third save waits for a buffer to come back
 (back-pressure) and the wait is reported. Allocation is bounded by ``budget_bytes``.
 
-Page-locking is the slow part of allocating: the driver pins and maps every page. A pinned
-buffer is therefore anonymous memory (transparent huge pages requested) that several threads
-register with CUDA in slices at once (``cuMemHostRegister``, portable, through ctypes so the
-calls run in parallel); where that is not possible it falls back to ``torch.empty(pin_memory=
-True)``. See the ``ckpt_save`` section of docs/benchmarks.md for what each way costs.
+Page-locking is the slow part of allocating: the kernel faults in and zeroes every page, the
+driver pins and maps it. A pinned buffer is therefore anonymous memory (transparent huge pages
+requested) that several threads fault in at once before one ``cuMemHostRegister`` call
+(portable, through ctypes) registers it, the way torch's ``pinned_use_cuda_host_register``
+allocator works; where that is not possible it falls back to ``torch.empty(pin_memory=True)``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ __all__ = ["SLICE_BYTES", "Buffer", "PinnedPool", "PoolOptions", "pinned_empty"]
 
 _ROUND = 2 << 20  # buffer sizes are rounded up to 2 MiB
 SLICE_BYTES = 64 << 20
-"""The piece of a pinned buffer one thread registers at a time (a CUDA copy may span only one)."""
+"""The piece of a pinned buffer one thread faults in at a time."""
 _PORTABLE = 1  # CU_MEMHOSTREGISTER_PORTABLE: pinned for every context
 
 
@@ -70,16 +70,17 @@ def _driver() -> _Driver | None:
         return None
 
 
-def _unregister(driver: _Driver, ctx: int, ptrs: list[int]) -> None:
+def _unregister(driver: _Driver, ctx: int, ptr: int) -> None:
     driver.set_ctx(ctx)
-    for ptr in ptrs:
-        driver.unregister(ptr)
+    driver.unregister(ptr)
 
 
 def pinned_empty(nbytes: int, threads: int = 8) -> tuple[torch.Tensor, Any]:
-    """A page-locked uint8 tensor of ``nbytes``, registered in parallel slices; returns it and an
-    object that keeps it registered (the memory is unregistered when that object is collected).
-    Falls back to ``torch.empty(pin_memory=True)`` where the driver cannot be reached."""
+    """A page-locked uint8 tensor of ``nbytes``; returns it and an object that keeps it
+    registered (the memory is unregistered when that object is collected). The pages are
+    faulted in by ``threads`` threads at once, then registered in one call (one registration:
+    a copy may use any range of it), as torch's ``pinned_use_cuda_host_register`` does. Falls
+    back to ``torch.empty(pin_memory=True)`` where the driver cannot be reached."""
     driver = _driver() if nbytes >= SLICE_BYTES else None
     if driver is None:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None
@@ -97,19 +98,17 @@ def pinned_empty(nbytes: int, threads: int = 8) -> tuple[torch.Tensor, Any]:
     base = tensor.data_ptr()
     starts = list(range(0, nbytes, SLICE_BYTES))
 
-    def one(start: int) -> int:
-        driver.set_ctx(ctx)
-        return int(driver.register(base + start, min(SLICE_BYTES, nbytes - start), _PORTABLE))
+    def fault(start: int) -> None:  # ctypes releases the GIL: the threads run at once
+        ctypes.memset(base + start, 0, min(SLICE_BYTES, nbytes - start))
 
     with ThreadPoolExecutor(max(1, min(threads, len(starts)))) as pool:
-        codes = list(pool.map(one, starts))
-    done = [base + s for s, c in zip(starts, codes, strict=True) if c == 0]
+        list(pool.map(fault, starts))
+    driver.set_ctx(ctx)
+    code = int(driver.register(base, nbytes, _PORTABLE))
+    if code != 0:
+        raise RuntimeError(f"cuMemHostRegister of {nbytes} bytes failed with CUresult {code}")
     keep = _Registered(tensor, area)
-    weakref.finalize(keep, _unregister, driver, ctx, done)
-    if len(done) != len(starts):
-        del keep
-        bad = next(c for c in codes if c)
-        raise RuntimeError(f"cuMemHostRegister of {nbytes} bytes failed with CUresult {bad}")
+    weakref.finalize(keep, _unregister, driver, ctx, base)
     return tensor, keep
 
 
@@ -141,15 +140,11 @@ class Buffer:
 
     def __init__(self, nbytes: int, pin: bool) -> None:
         self._keep: Any = None
-        self.slice_bytes: int | None = None
-        """Set when the buffer is registered in slices: no device copy may cross a multiple."""
         if pin:
             try:
                 self.tensor, self._keep = pinned_empty(nbytes, _threads())
             except (RuntimeError, OSError):  # not registrable here: torch's own pinned memory
                 self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            if self._keep is not None:
-                self.slice_bytes = SLICE_BYTES
         else:
             self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         self.array: np.ndarray = self.tensor.numpy()

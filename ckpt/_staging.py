@@ -55,18 +55,8 @@ def _flat(src: torch.Tensor) -> torch.Tensor:
 
 
 def _to_host(buf: Buffer, off: int, flat: torch.Tensor) -> None:
-    """Copy device bytes ``flat`` to ``buf`` at ``off`` asynchronously: one copy per
-    registration slice it spans (a copy may not cross two ``cuMemHostRegister`` ranges)."""
-    step = buf.slice_bytes
-    n = flat.numel()
-    if step is None or off // step == (off + n - 1) // step:
-        buf.tensor[off : off + n].copy_(flat, non_blocking=True)
-        return
-    pos = off
-    while pos < off + n:
-        end = min(off + n, (pos // step + 1) * step)
-        buf.tensor[pos:end].copy_(flat[pos - off : end - off], non_blocking=True)
-        pos = end
+    """Copy device bytes ``flat`` to ``buf`` at ``off`` (asynchronous)."""
+    buf.tensor[off : off + flat.numel()].copy_(flat, non_blocking=True)
 
 
 class _Run:

@@ -167,9 +167,9 @@ def test_read_into_memory_is_bounded_by_the_read_size(tmp_path: Path) -> None:
     assert np.array_equal(out.numpy(), payload)
 
 
-def test_gathered_runs_split_at_registration_slices() -> None:
+def test_gathered_runs_land_at_their_planned_offsets() -> None:
     """The batched path (here on CPU tensors): a run's bytes land exactly at their planned
-    offsets, size-1 dims with odd strides included, and copies split at slice boundaries."""
+    offsets, size-1 dims with odd strides included."""
     from ckpt import _staging
     from ckpt._flatten import flatten
     from ckpt._pool import Buffer
@@ -185,7 +185,6 @@ def test_gathered_runs_split_at_registration_slices() -> None:
     fmt.stage(leaves, entries, want)
     got = Buffer(nbytes, False)
     got.tensor.fill_(0xAB)
-    got.slice_bytes = 1000  # as if registered in 1000-byte slices
     run = _staging._Run(torch.device("cpu"), entries[0]["offset"])
     for leaf, e in zip(leaves, entries, strict=True):
         run.add(e["offset"], leaf.value, e["nbytes"])
@@ -200,8 +199,8 @@ def test_gathered_runs_split_at_registration_slices() -> None:
 def test_gpu_3000_mixed_tensors_round_trip_bitwise(tmp_path: Path) -> None:
     state = _state(3000, "cuda")
     state["big"] = torch.randn(3 << 20, device="cuda")  # beyond SMALL_BYTES: a direct copy
-    for i in range(11):  # over 64 MiB in all: the pinned pool is registered in slices, and
-        state[f"odd{i}"] = torch.randn(3_000_001 + i, device="cuda")  # copies cross them
+    for i in range(11):  # over 64 MiB in all: the pool buffer is registered by pinned_empty
+        state[f"odd{i}"] = torch.randn(3_000_001 + i, device="cuda")
     with CheckpointManager(tmp_path, write=WriteOptions(chunk_bytes=1 << 20)) as m:
         m.save(1, state).result()
         got = m.restore(1)
