@@ -108,7 +108,7 @@ def pinned_empty(nbytes: int, threads: int = 8) -> tuple[torch.Tensor, Any]:
     if code != 0:
         raise RuntimeError(f"cuMemHostRegister of {nbytes} bytes failed with CUresult {code}")
     keep = _Registered(tensor, area)
-    weakref.finalize(keep, _unregister, driver, ctx, base)
+    weakref.finalize(keep, _unregister, driver, ctx, base).atexit = False  # exit frees it
     return tensor, keep
 
 

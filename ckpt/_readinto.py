@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_EXCEPTION, Executor, wait
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Executor, Future, wait
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +31,12 @@ from ckpt import format as fmt
 from ckpt.errors import CorruptCheckpointError
 from feedpipe.io import crc32c, to_hex
 
-__all__ = ["READ_BYTES", "read_into", "reader_threads"]
+__all__ = ["READ_BYTES", "WINDOW", "read_into", "reader_threads"]
 
 READ_BYTES = 4 << 20
 """The largest single read: the size of each thread's host buffer and of each pinned slot."""
+WINDOW = 64
+"""Chunks submitted ahead at most (a manifest of a billion tiny chunks queues no more)."""
 
 
 def reader_threads() -> int:
@@ -191,17 +193,42 @@ def read_into(
         chunks = range(len(rec["crc32c"]))
         if executor is None:
             return sum(map(job.chunk, chunks))
-        futures = [executor.submit(job.chunk, i) for i in chunks]
-        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in pending:  # after a bad chunk, read no further
-            f.cancel()
-        wait(futures)  # every read is over before fd is closed (and its number reused)
-        for f in futures:
-            error = None if f.cancelled() else f.exception()
-            if error is not None:
-                raise error
-        return sum(f.result() for f in futures)
+        return _run(executor, job, chunks)
     finally:
         for stream in job.streams:  # every copy is complete (or failed) before returning
             stream.synchronize()
         os.close(job.fd)
+
+
+def _run(executor: Executor, job: _Job, chunks: range) -> float:
+    """``job.chunk`` over ``chunks`` on ``executor``, at most ``WINDOW`` in flight; the first
+    error stops the submitting, and every read is over before this returns or raises."""
+    pending: set[Future] = set()
+    total, error = 0.0, None
+    try:
+        for i in chunks:
+            if len(pending) >= WINDOW:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                total += _collect(done)
+            pending.add(executor.submit(job.chunk, i))
+    except BaseException as exc:  # a bad chunk (or Ctrl-C): read no further
+        error = exc
+        for f in pending:
+            f.cancel()
+    else:
+        _, rest = wait(pending, return_when=FIRST_EXCEPTION)
+        for f in rest:  # after a bad chunk, read no further
+            f.cancel()
+    done, _ = wait(pending)  # every read is over before fd is closed (and its number reused)
+    if error is not None:
+        raise error
+    return total + _collect(done)
+
+
+def _collect(done: set[Future]) -> float:
+    """The checksum seconds of finished chunks; re-raises the first chunk's error."""
+    total = 0.0
+    for f in done:
+        if not f.cancelled():
+            total += f.result()
+    return total

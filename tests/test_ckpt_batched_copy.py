@@ -110,11 +110,14 @@ def _corrupt(path: Path, where: str) -> None:
     data.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("where", ["first", "last"])
+@pytest.mark.parametrize(
+    ("where", "chunk"), [("first", 64 << 10), ("last", 64 << 10), ("last", 2 << 10)]
+)
 def test_a_corrupt_chunk_writes_nothing_into_the_callers_tensors(
-    tmp_path: Path, where: str
+    tmp_path: Path, where: str, chunk: int
 ) -> None:
-    m, state, path = _saved(tmp_path)
+    """Also with hundreds of chunks (more than ``WINDOW`` in flight at once)."""
+    m, state, path = _saved(tmp_path, chunk)
     _corrupt(path, where)
     into = {
         k: torch.full_like(v, 7) if v.dtype != torch.bool else v.clone() for k, v in state.items()
@@ -192,6 +195,21 @@ def test_gathered_runs_land_at_their_planned_offsets() -> None:
     assert torch.equal(got.tensor, want.tensor)
 
 
+def test_restore_benchmark_runs_on_a_tiny_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    import runpy
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "ckpt_restore.py"
+    bench = runpy.run_path(str(script), run_name="ckpt_restore_bench")
+    args = ["--size-gb", "0.004", "--repeats", "1", "--no-doc", "--dir", str(tmp_path)]
+    assert bench["main"](args) == 0
+    out = capsys.readouterr().out
+    for name in ("ckpt restore(into=)", "torch.load + copy_", "DCP load (in place)", "cold disk"):
+        assert name in out
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- CUDA paths ------------------------------------------------------------------------------
 
 
@@ -238,6 +256,27 @@ def test_gpu_restore_into_cuda_corrupt_chunk_writes_nothing(tmp_path: Path) -> N
         with pytest.raises(CorruptCheckpointError):
             m.restore(1, into=into)
     assert all(bool((v == 5.0).all()) for v in into.values())
+
+
+@pytest.mark.gpu
+def test_gpu_many_tensor_save_benchmark_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import runpy
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "ckpt_save.py"
+    bench = runpy.run_path(str(script), run_name="ckpt_save_bench")
+    args = [
+        "--device",
+        "cuda",
+        "--tensors",
+        "40",
+        "--saves",
+        "1",
+        "--no-doc",
+        "--dir",
+        str(tmp_path),
+    ]
+    assert bench["main"](args) == 0
+    assert "transformer + AdamW" in capsys.readouterr().out
 
 
 @pytest.mark.gpu
