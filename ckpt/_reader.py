@@ -168,7 +168,8 @@ def _allocate(
     for i, e in enumerate(body["entries"]):
         if i in found:
             value: Any = found[i]
-            raw = value.detach().reshape(-1).view(torch.uint8)
+            # as_strided: a contiguous tensor's size-1 dims may keep any stride, which reshape keeps
+            raw = torch.as_strided(value.detach(), (value.numel(),), (1,)).view(torch.uint8)
         else:
             try:
                 value, raw = _new(e, map_location, path, moved)

@@ -293,3 +293,21 @@ def test_gpu_pinned_empty_is_pinned_and_unregistered_when_collected() -> None:
     del t, keep
     gc.collect()
     assert int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0  # already unregistered
+
+
+def test_restore_into_contiguous_tensors_with_odd_size1_strides(tmp_path: Path) -> None:
+    """Found on the H200: ``zeros_like`` of a one-element complex tensor keeps a stride of 3,
+    which ``reshape(-1).view(uint8)`` refuses; such a tensor is contiguous, filled in place."""
+    state = {
+        "c": torch.randn(4, 3, dtype=torch.complex64)[:1, 0],  # shape (1,), stride (3,)
+        "f": torch.randn(2, 5)[:, :1].t().contiguous(),
+    }
+    odd = torch.empty_strided((1, 1), (7, 5), dtype=torch.complex64)
+    state["o"] = odd.copy_(torch.tensor([[1 + 2j]]))
+    with CheckpointManager(tmp_path) as m:
+        m.save(1, state).result()
+        into = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert into["c"].stride() == (3,) and into["c"].is_contiguous()
+        m.restore(1, into=into)
+    for k, v in state.items():
+        assert torch.equal(into[k], v), k
