@@ -4,7 +4,7 @@ With ``device="cuda"``, a dataset that can fill a CUDA ``out`` by DMA (``MemmapD
 fixed-size records on local shards: :meth:`~feedpipe.MemmapDataset.dma_blocker`) skips the host
 gather and the pinned ring: the loader's workers see a :class:`DirectReader`, whose
 ``read_batch`` allocates the batch on the device and issues the copies on the feed's copy stream
-(:mod:`feedpipe._memmap_dma`). Side fields (labels) still go through the ring.
+(:mod:`feedpipe.device.dma`). Side fields (labels) still go through the ring.
 
 Why this is safe, in the terms of :mod:`feedpipe.gpu` (``C`` the copy stream):
 
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from feedpipe import _memmap_dma
+from feedpipe.device import dma as _memmap_dma
 
 __all__: list[str] = []  # private module; DataLoader(direct=...) is the public face
 
