@@ -319,8 +319,11 @@ class ShardCache:
             finally:
                 os.close(fd)
         self._scan(need=0)  # removes temps left by crashed downloaders
-        if a["eager_bytes"] > 0:
-            self.prefetch(e.relpath for e in entries if e.nbytes <= a["eager_bytes"])
+        # side files only, and only when they take a small part of the limit: eager fetches
+        # that do not fit would evict each other (and the shards in use) before their first use
+        eager = [e for e in entries if e.nbytes <= a["eager_bytes"] and e.relpath not in self._main]
+        if eager and (limit_bytes is None or sum(e.nbytes for e in eager) <= limit_bytes // 4):
+            self.prefetch(e.relpath for e in eager)
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
@@ -366,7 +369,7 @@ class ShardCache:
         assert fd is not None
         with self._lock:
             self._leases.setdefault(relpath, []).append(fd)
-        if self.readahead > 0 and relpath in self._main:
+        if self.readahead > 0 and relpath in self._main and not self.plan:  # index order
             shard = self._entries[relpath].shard
             ahead = range(shard + 1, shard + 1 + self.readahead)
             self.prefetch(rel for k in ahead for rel in self._by_shard.get(k, ()))
@@ -650,7 +653,9 @@ class ShardCache:
             fd = os.open(os.path.join(self.cache_dir, _CACHE_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 _flock(fd, fcntl.LOCK_EX, self.timeout_s, self.cache_dir, cancel=cancel)
-                short = self._scan(need=entry.nbytes)
+                # a prefetch evicts only files needed later than itself (Belady); a read waiting
+                # for its file evicts whatever the order puts first
+                short = self._scan(entry.nbytes, None if wait_room else entry.relpath)
                 if short <= 0:
                     tmp = _remote.temp_name(final, entry.nbytes)
                     open(tmp, "wb").close()
@@ -681,9 +686,10 @@ class ShardCache:
             with contextlib.suppress(OSError):
                 open(path, "ab").close()
 
-    def _scan(self, need: int) -> int:
+    def _scan(self, need: int, incoming: str | None = None) -> int:
         """Remove dead temps; evict files not leased until ``need`` more bytes fit the limit
-        (in :meth:`_eviction_order`).
+        (in :meth:`_eviction_order`; for a prefetch of ``incoming``, only files its plan needs
+        later than ``incoming``, or not at all when ``incoming`` is not planned either).
 
         Returns how many bytes are still missing (<= 0: it fits). Call under the cache-wide lock
         (or with ``need=0``, which only removes dead temps and evicts nothing).
@@ -719,7 +725,7 @@ class ShardCache:
         short = used + need - self.limit_bytes
         if need == 0:
             return short
-        for _mtime, size, path, lock_path in self._eviction_order(complete):
+        for _mtime, size, path, lock_path in self._eviction_order(complete, incoming):
             if short <= 0:
                 break
             fd = _try_exclusive(lock_path)
@@ -738,23 +744,34 @@ class ShardCache:
         return short
 
     def _eviction_order(
-        self, complete: list[tuple[float, int, str, str]]
+        self, complete: list[tuple[float, int, str, str]], incoming: str | None = None
     ) -> list[tuple[float, int, str, str]]:
         """Complete files, first to evict first: those no planned read uses (this cache's
         :attr:`plan`; every file of other caches), least recently used first; then planned
-        ones, the next use farthest away first (Belady). Without a plan: LRU."""
+        ones, the next use farthest away first (Belady). Without a plan: LRU. For a prefetch
+        of ``incoming``, only the files needed later than it."""
         if not self.plan:
             return sorted(complete)
         mine = self.dir + os.sep
         rels = {c[2]: os.path.relpath(c[2], self.dir) for c in complete if c[2].startswith(mine)}
-        ranks = self.plan.ranks(rels.values())
+        ranks = self.plan.ranks([*rels.values(), *([incoming] if incoming else [])])
 
         def key(c: tuple[float, int, str, str]) -> tuple[int, float]:
             rel = rels.get(c[2])
             nxt = None if rel is None else ranks[rel]
             return (0, c[0]) if nxt is None else (1, -nxt)
 
-        return sorted(complete, key=key)
+        order = sorted(complete, key=key)
+        if incoming is None:
+            return order
+        mine_next = ranks[incoming]  # None: not planned, so only unplanned files may go
+
+        def later(c: tuple[float, int, str, str]) -> bool:
+            rel = rels.get(c[2])
+            nxt = None if rel is None else ranks[rel]
+            return nxt is None or (mine_next is not None and nxt > mine_next)
+
+        return [c for c in order if later(c)]
 
     def _stale_or_reserved(
         self, top: str, dirpath: str, target: tuple[str, int, int], path: str
