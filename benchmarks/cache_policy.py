@@ -173,7 +173,7 @@ def main() -> int:
         f"{args.record_kb} KiB, plus a label file each), {total / 2**20:.1f} MiB, read through "
         "`MemmapDataset(url, cache_dir=..., cache_limit_bytes=...)` from a counting fsspec "
         "filesystem over local files; `DataLoader(batch_size="
-        f"{args.batch})` with `DistributedSampler(shuffle_mode=\"block\", "
+        f'{args.batch})` with `DistributedSampler(shuffle_mode="block", '
         f"block_size={args.records})`; {args.epochs} epochs. Amplification = bytes downloaded "
         "(counted by the filesystem) / (dataset bytes x epochs). LRU is the same dataset with "
         "the plan turned off, in the same run.",
