@@ -50,7 +50,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("loader_overhead", ("--repeats", "3", "--mib", "32"), ("--repeats", "5")),
     Benchmark("datasets", ("--quick",), ("--full",)),
     Benchmark("stall_overhead", ("--batches", "20000", "--reps", "3")),
-    Benchmark("staging", ("--shards", "16", "--shard-mb", "8", "--repeat", "1")),
+    Benchmark("staging", ("--shards", "16", "--shard-mb", "4", "--repeat", "1")),
+    Benchmark("cache_policy", ()),
     Benchmark(
         "ckpt_save",
         ("--device", "cpu", "--size-gb", "0.5", "--saves", "3"),
