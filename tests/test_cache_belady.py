@@ -255,3 +255,19 @@ def test_process_workers_are_not_planned(tmp_path: Path, remote: tuple[str, int]
     del it
     assert ds.planned == []
     ds.close()
+
+
+def test_a_bad_index_batch_fails_in_read_batch_not_in_the_plan(
+    tmp_path: Path, remote: tuple[str, int]
+) -> None:
+    """An out-of-range index from the sampler is the worker's IndexError, as without a plan."""
+    url, total = remote
+    ds = Recording(url, cache_dir=tmp_path / "c", cache_limit_bytes=total // 5)
+    ds.plan_ahead([len(ds) + 5])  # ignored by the plan
+    assert len(ds._shard_cache().plan) == 0
+    dl = DataLoader(ds, batch_sampler=[[0, 1], [len(ds) + 5]])
+    it = iter(dl)
+    assert next(it)["label"].tolist() == [0, 1]
+    with pytest.raises(IndexError, match="out of range"):
+        next(it)
+    ds.close()

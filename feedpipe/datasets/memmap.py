@@ -357,7 +357,10 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             return
         from feedpipe.remote.plan import batch_key
 
-        idx = self._normalize(indices)
+        try:
+            idx = self._normalize(indices)
+        except (IndexError, TypeError, ValueError):
+            return  # not planned: read_batch raises for it, in the worker, naming the batch
         shards = np.unique(self._locate(idx)[0]) if len(idx) else ()
         data = [self.index.shards[int(s)].files["data"].path for s in shards]
         self._shard_cache().plan.add(batch_key(idx), data)
