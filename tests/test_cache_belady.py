@@ -271,3 +271,14 @@ def test_a_bad_index_batch_fails_in_read_batch_not_in_the_plan(
     with pytest.raises(IndexError, match="out of range"):
         next(it)
     ds.close()
+
+
+def test_pin_names_are_deprecated_aliases_of_lease(tmp_path: Path, remote: tuple[str, int]) -> None:
+    url, _ = remote
+    with ShardCache(url, tmp_path / "c", limit_bytes=None) as cache:
+        with pytest.warns(DeprecationWarning, match="leased"), cache.pinned("shard-00000.data"):
+            assert cache.leased_files() == ["shard-00000.data"]
+            with pytest.warns(DeprecationWarning, match="leased_files"):
+                assert cache.pinned_files() == ["shard-00000.data"]
+        assert cache.leased_files() == []
+        assert not hasattr(cache, "hold")  # removed: acquire/release or leased()
