@@ -138,10 +138,12 @@ def headline(doc_text: str) -> list[str]:
                 f"**{s8.group(2)}** at 8 KiB ({s8.group(1)} GB/s)."
             )
     st = _section(doc_text, "staging")
-    stage = _row(st, "`feedpipe.stage`")
+    shaped = _row(st, "proxy", "`feedpipe.stage`")  # through the shaping proxy, if it ran
+    stage = shaped or _row(st, "`feedpipe.stage`")
     if stage:
+        link = f" ({stage[0]})" if shaped else ""
         out.append(
-            f"`feedpipe.stage` from S3 vs a sequential `fs.get` loop: **{stage[-1]}** "
+            f"`feedpipe.stage` from S3{link} vs a sequential `fs.get` loop: **{stage[-1]}** "
             "the throughput, every file CRC32C-verified."
         )
     cs = _section(doc_text, "ckpt_save")
