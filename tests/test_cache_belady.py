@@ -282,3 +282,25 @@ def test_pin_names_are_deprecated_aliases_of_lease(tmp_path: Path, remote: tuple
                 assert cache.pinned_files() == ["shard-00000.data"]
         assert cache.leased_files() == []
         assert not hasattr(cache, "hold")  # removed: acquire/release or leased()
+
+
+def test_a_prefetch_evicts_only_files_needed_later_than_itself(
+    tmp_path: Path, remote: tuple[str, int]
+) -> None:
+    url, _ = remote
+    data = [f"shard-{i:05d}.data" for i in range(5)]
+    cache = ShardCache(url, tmp_path / "c", limit_bytes=3 * RECORDS * RECORD)
+    for rel in data[:3]:
+        with cache.leased(rel):
+            pass
+    for key, rel in enumerate([data[0], data[3], data[1], data[2]]):
+        cache.plan.add(key, [rel])
+    (fut,) = cache.prefetch([data[3]])  # needed second: data[2] (needed last) goes
+    fut.result(timeout=30)
+    present = sorted(p.name for p in Path(cache.dir).glob("*.data"))
+    assert present == [data[0], data[1], data[3]]
+    (fut,) = cache.prefetch([data[4]])  # not planned: it may not push out a planned file
+    with pytest.raises(Exception, match="cannot make room"):
+        fut.result(timeout=30)
+    assert sorted(p.name for p in Path(cache.dir).glob("*.data")) == present
+    cache.close()
