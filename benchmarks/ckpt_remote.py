@@ -191,9 +191,10 @@ def main() -> None:
             f"Target (ckpt uploader >= 5x the sequential `fs.put_file` through the proxy): "
             f"{verdict} ({got['ckpt_readback']:.2f}x with the default verify=readback, "
             f"{got['ckpt_size']:.2f}x with verify=size). Straight to the server the uploader "
-            f"moved {ceiling:.0f} MB/s in the same run: the most the moto server (one Python "
-            "process, GIL-bound; last column near 1.0 means saturated) and the client manage on "
-            f"this machine, so the ratio through the proxy cannot exceed "
+            f"moved {ceiling:.0f} MB/s in the same run: the most the client and the moto server "
+            "together manage on this machine (the last column tells which side binds: near 1.0 "
+            "the server, one GIL-bound Python process; well below 1.0 the client), so the ratio "
+            "through the proxy cannot exceed "
             f"{ceiling / seq_rate:.1f}x here. Read-back verification downloads every byte again. "
             "Other jobs shared this 2-core machine during the run.",
         ]
