@@ -63,7 +63,7 @@ from feedpipe.loader.threads import (
     ThreadWorkers,
     note_iter,
 )
-from feedpipe.protocols import BatchDataset, IndexArrayDataset
+from feedpipe.protocols import AccessPlanDataset, BatchDataset, IndexArrayDataset
 from feedpipe.stall import StallMeter, StallStats
 
 __all__ = ["DataLoader", "auto_worker_type", "get_worker_info"]
@@ -287,6 +287,10 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             self._stream.arrays = (
                 own and self._mode is Mode.READ_BATCH and _takes_arrays(self.dataset)
             )
+            # the future order, for a dataset that reads in this process (e.g. Belady eviction)
+            planned = own and self._mode is Mode.READ_BATCH
+            ds = self.dataset
+            self._stream.planner = ds if planned and isinstance(ds, AccessPlanDataset) else None
         if self.num_workers == 0:
             source: Any = self._inline_source()
         elif self._threads:
