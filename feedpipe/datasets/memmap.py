@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from feedpipe import _remote
+from feedpipe.datasets._gather import ShardSpace
 from feedpipe.datasets._memmap_open import OpenShard, OpenShards
 from feedpipe.datasets.format import INDEX_NAME, FileInfo, Index, parse_index, read_index
 from feedpipe.datasets.writer import MemmapWriter
@@ -141,6 +142,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         ).astype(np.int64)
         self._len = int(self._starts[-1])
         self._files: OpenShards | None = None
+        self._space: ShardSpace | None | bool = None  # False: this dataset reads per shard
         self._offsets_of: dict[int, np.ndarray] = {}
         self._columns: dict[str, np.ndarray] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -228,6 +230,29 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                 )
                 self._pool = None
         return files
+
+    def _shard_space(self) -> ShardSpace | None:
+        """This process's one-range map of every shard (:mod:`feedpipe.datasets._gather`), or
+        ``None`` where batches are read shard by shard (remote, ``read="pread"``, bytes layout,
+        more shards than the map budget)."""
+        space = self._space
+        if isinstance(space, ShardSpace) and space.pid == os.getpid():
+            return space
+        if space is False:
+            return None
+        with self._open_lock:
+            space = self._space
+            if isinstance(space, ShardSpace) and space.pid != os.getpid():
+                space.forget()  # a forked child: the parent's maps, no other thread here
+                space = None
+            if space is None:
+                space = None
+                if not self._remote and self.kind == "fixed" and self.read != "pread":
+                    paths = [self._local_path(s, "data") for s in range(len(self.index.shards))]
+                    sizes = [s.files["data"].bytes for s in self.index.shards]
+                    space = ShardSpace.create(paths, sizes, self._starts, self._record_bytes)
+                self._space = space if space is not None else False
+        return space if isinstance(space, ShardSpace) else None
 
     def _open_data(self, sid: int) -> tuple[int, Any]:
         """Open (and, remote, fetch and pin) shard ``sid``'s data file: ``(fd, release)``."""
@@ -401,6 +426,8 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             if self.read == "pread":  # never maps: a file changed under us is an error, not SIGBUS
                 pos = np.array([i]), np.array([sid]), np.array([local])
                 self._pread_fixed(*pos, buf.reshape(1, rb))
+            elif (space := self._shard_space()) is not None:
+                space.take(np.array([i], np.int64), buf.reshape(1, rb))
             else:
                 with self._open_files().use(sid) as shard:
                     self._check_mapped(shard)  # a file truncated after mapping would SIGBUS
@@ -477,6 +504,10 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         if n == 0 or rb == 0:
             return dest
         flat = dest.numpy().reshape(n, -1).view(np.uint8)
+        space = self._shard_space()
+        if space is not None:  # every shard in one range: one gather, however many it touches
+            space.take(idx, flat)
+            return dest
         sid, local = self._locate(idx)
         if self.read == "pread":
             self._pread_fixed(idx, sid, local, flat)
@@ -687,6 +718,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_files"] = None
+        state["_space"] = None
         state["_pool"] = None
         state["_tls"] = None
         state["_open_lock"] = None
@@ -705,6 +737,12 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         self._close(wait=True)
 
     def _close(self, wait: bool) -> None:
+        space, self._space = self._space, None
+        if isinstance(space, ShardSpace):
+            if space.pid == os.getpid():
+                space.close(timeout=60.0 if wait else 0.0)
+            else:
+                space.forget()
         if self._files is not None:
             self._files.close()
             self._files = None
