@@ -69,7 +69,6 @@ def _lib() -> Any:
         ]
         lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         lib.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
-        lib.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
         _libc = lib
     return _libc
 
@@ -89,13 +88,19 @@ class ShardSpace:
     """Shards of ``record_bytes``-sized records mapped side by side (see the module docstring).
 
     ``paths[s]`` is shard ``s``'s data file, ``sizes[s]`` its size in bytes from the index and
-    ``starts`` the cumulative record counts (``len(paths) + 1`` entries). Use :meth:`create`,
+    ``starts`` the cumulative record counts (``len(paths) + 1`` entries); ``watch=False`` checks
+    sizes with ``os.stat`` per batch instead of inotify. Use :meth:`create`,
     which returns ``None`` where this layout cannot be had (not Linux, too many shards, too
     much address space).
     """
 
     def __init__(
-        self, paths: Sequence[str], sizes: Sequence[int], starts: np.ndarray, record_bytes: int
+        self,
+        paths: Sequence[str],
+        sizes: Sequence[int],
+        starts: np.ndarray,
+        record_bytes: int,
+        watch: bool = True,
     ) -> None:
         self.pid = os.getpid()
         self._paths, self._sizes, self._rb = list(paths), list(sizes), int(record_bytes)
@@ -131,16 +136,21 @@ class ShardSpace:
         self._base = int(base)
         rows = self._span // self._rb
         self._view = np.asarray(_Window(self._base, rows, self._rb))
-        self._inotify = -1
-        try:
-            fd = lib.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
-        except AttributeError:  # pragma: no cover - not glibc
-            fd = -1
-        self._inotify = int(fd)
+        self._inotify = -1  # no inotify (watch=False, or none to be had): stat per batch
+        if watch:
+            try:
+                self._inotify = int(lib.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC))
+            except AttributeError:  # pragma: no cover - not glibc
+                pass
 
     @classmethod
     def create(
-        cls, paths: Sequence[str], sizes: Sequence[int], starts: np.ndarray, record_bytes: int
+        cls,
+        paths: Sequence[str],
+        sizes: Sequence[int],
+        starts: np.ndarray,
+        record_bytes: int,
+        watch: bool = True,
     ) -> ShardSpace | None:
         """A space for these shards, or ``None`` where the per-shard path must serve."""
         if not sys.platform.startswith("linux") or record_bytes <= 0 or not paths:
@@ -151,7 +161,7 @@ class ShardSpace:
         if sum(-(-int(s) // unit) * unit for s in sizes) > _MAX_SPAN:
             return None
         try:
-            return cls(paths, sizes, starts, record_bytes)
+            return cls(paths, sizes, starts, record_bytes, watch)
         except OSError:
             return None
 
@@ -204,7 +214,9 @@ class ShardSpace:
                     )
                     if got is None or got != self._base + int(self._offset[s]):
                         err = ctypes.get_errno()
-                        raise DatasetError(f"{path}: shard {s} cannot be mapped: {os.strerror(err)}")
+                        raise DatasetError(
+                            f"{path}: shard {s} cannot be mapped: {os.strerror(err)}"
+                        )
             finally:
                 os.close(fd)
             self._mapped[s] = True
@@ -307,4 +319,3 @@ def _changed(path: str, sid: int, size: int, want: int, verb: str) -> str:
         f"{path}: shard {sid} file {verb} {size} bytes but the index says {want} "
         f"(truncated or modified{while_open})"
     )
-

@@ -142,7 +142,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         ).astype(np.int64)
         self._len = int(self._starts[-1])
         self._files: OpenShards | None = None
-        self._space: ShardSpace | None | bool = None  # False: this dataset reads per shard
+        self._space: ShardSpace | bool | None = None  # False: this dataset reads per shard
         self._offsets_of: dict[int, np.ndarray] = {}
         self._columns: dict[str, np.ndarray] = {}
         self._pool: ThreadPoolExecutor | None = None
