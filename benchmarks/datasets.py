@@ -415,6 +415,18 @@ def shards_report(
             cells.append(f"{rates[name] / base:.2f}x")
         target = "-" if "per-shard" in name else ">= 1.0x"
         lines.append(f"| {name} | {target} | " + " | ".join(cells) + " |")
+    missed = [
+        f"{name} at {rb} B"
+        for name in names[:-1]
+        for rb in sizes
+        if results[rb][0][name] < max(v for k, v in results[rb][0].items() if k.startswith("(b)"))
+    ]
+    lines += [
+        "",
+        "Target met in every cell."
+        if not missed
+        else "Target NOT met for: " + "; ".join(missed) + " (see the note below).",
+    ]
     firsts = "; ".join(
         f"{rb // 1024 if rb >= 1024 else rb} {'KiB' if rb >= 1024 else 'B'}: "
         + ", ".join(f"{c:,} shards {results[rb][1][c]:.2f} s" for c in SHARD_COUNTS)

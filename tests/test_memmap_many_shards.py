@@ -269,3 +269,14 @@ def test_forked_child_and_pickled_copy_read_the_same(shared: dict[Any, Any]) -> 
     assert int(copy.read_batch(idx).sum()) == want
     ds.close()  # closes the maps; the next read maps again
     assert int(ds.read_batch(idx).sum()) == want
+
+
+def test_a_fifo_planted_for_a_shard_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """A shard swapped for a named pipe after open: a clear error, never a blocked open()."""
+    path, x = _write(tmp_path, 80, fields=False)
+    ds = MemmapDataset(path)
+    (path / "shard-00003.data").unlink()
+    os.mkfifo(path / "shard-00003.data")
+    with pytest.raises(DatasetError, match=r"shard-00003\.data: shard 3 file is not a regular"):
+        ds.read_batch([0, 3 * 3 + 1])
+    assert torch.equal(ds.read_batch([0, 5]), torch.from_numpy(x[[0, 5]]))

@@ -33,6 +33,7 @@ import ctypes.util
 import math
 import mmap
 import os
+import stat
 import struct
 import sys
 import threading
@@ -194,13 +195,16 @@ class ShardSpace:
         lib = _lib()
         for s in sids:
             path = self._paths[s]
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:  # non-blocking: a FIFO planted in place of a shard must not hang the open
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
             except FileNotFoundError:
                 raise DatasetError(f"{path}: shard {s} file is missing") from None
             try:
                 self._watch(s, path)  # before the size check: a later truncation is seen
-                size = os.fstat(fd).st_size
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise DatasetError(f"{path}: shard {s} file is not a regular file")
+                size = st.st_size
                 if size != self._sizes[s]:
                     raise DatasetError(_changed(path, s, size, self._sizes[s], "is"))
                 if size:

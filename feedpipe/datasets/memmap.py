@@ -6,11 +6,14 @@ Batched reads (:meth:`MemmapDataset.read_batch`, ``__getitems__``) turn a batch 
 one vectorised gather with the GIL released. Fixed-size records are read one of two ways
 (``read=`` on the dataset):
 
-- ``"mmap"``: ``np.take`` from the mapped shard straight into the destination, with
+- ``"mmap"``: ``np.take`` from the mapped shards straight into the destination, with
   ``mode="clip"`` (indices are checked first; with ``mode="raise"`` numpy gathers into a
   temporary and copies it again: 5.35 against 7.06 GB/s at 8 KiB and 6.37 against 16.38 at
-  256 KiB, ``benchmarks/datasets.py`` on the 2-core dev VM). A batch spanning several shards is
-  gathered in file order, then scattered.
+  256 KiB, ``benchmarks/datasets.py`` on the 2-core dev VM). A local dataset maps every shard
+  into one reserved address range (:mod:`feedpipe.datasets._gather`), so a batch is one
+  ``np.take`` however many shards it touches, and open descriptors do not grow with the number
+  of shards. A remote dataset (shards pinned in the cache one by one) and one with more shards
+  than the map budget gather shard by shard, in file order, then scatter.
 - ``"pread"``: ``os.preadv`` straight into the destination rows, in file order, adjacent records
   coalesced into one call, every byte count checked (a truncated shard raises).
 - ``"auto"`` (default): ``"mmap"``, by measurement: ``read_batch`` alone into reused buffers,
