@@ -161,7 +161,7 @@ def test_open_descriptors_do_not_grow_with_shards(shared: dict[Any, Any]) -> Non
     ds.read_batch(np.arange(len(x)))
     for i in range(0, len(x), 7):
         ds[i]
-    assert _fds() - before <= 2  # the inotify descriptor; main: one per shard (2,000)
+    assert _fds() - before <= 1  # the process's inotify descriptor; main: two per shard
     ds.close()
     assert _fds() - before <= 0
 
@@ -280,3 +280,54 @@ def test_a_fifo_planted_for_a_shard_is_refused_not_waited_on(tmp_path: Path) -> 
     with pytest.raises(DatasetError, match=r"shard-00003\.data: shard 3 file is not a regular"):
         ds.read_batch([0, 3 * 3 + 1])
     assert torch.equal(ds.read_batch([0, 5]), torch.from_numpy(x[[0, 5]]))
+
+
+def _inotify_fds() -> int:
+    fds = os.listdir("/proc/self/fd")
+    links = []
+    for fd in fds:
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return sum("inotify" in link for link in links)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_datasets_share_one_inotify_instance(tmp_path: Path) -> None:
+    """inotify instances are few (128 per user by default): one per process, not per dataset;
+    and every dataset on a shared file still sees its truncation."""
+    path, _x = _write(tmp_path, 80, fields=False)
+    sets = [MemmapDataset(path) for _ in range(20)]
+    for ds in sets:
+        ds.read_batch([0, 1, 3, 100])  # shards 0, 1 and 33 mapped (and watched)
+    assert _inotify_fds() <= 1
+    os.truncate(path / "shard-00000.data", 4)
+    for ds in sets:
+        with pytest.raises(DatasetError, match=r"shard-00000\.data: shard 0 file is now 4"):
+            ds.read_batch([1])
+    for ds in sets[:10]:
+        ds.close()  # the watch stays for the other ten
+    os.truncate(path / "shard-00001.data", 4)
+    with pytest.raises(DatasetError, match=r"shard-00001\.data: shard 1 file is now 4"):
+        sets[15].read_batch([3 + 1])
+
+
+def test_empty_shards_between_full_ones(tmp_path: Path) -> None:
+    """Shards of zero records take no room in the range and never shift their neighbours."""
+    counts = [3, 0, 2, 0, 0, 4, 1, 0]
+    x = np.arange(sum(counts) * SHAPE[0], dtype=np.int32).reshape(-1, *SHAPE)
+    path = tmp_path / "gaps"
+    path.mkdir()
+    entries, start = [], 0
+    for s, c in enumerate(counts):
+        data = x[start : start + c].tobytes()
+        (path / f"shard-{s:05d}.data").write_bytes(data)
+        info = FileInfo(f"shard-{s:05d}.data", len(data), to_hex(crc32c(data)))
+        entries.append(Shard(c, {"data": info}))
+        start += c
+    write_index(path, Index(Layout("fixed", SHAPE, "int32"), {}, entries))
+    ds = MemmapDataset(path, verify=True)
+    idx = np.array([9, 0, 3, 4, 5, 2, 8, 1, 6, 7, 0])
+    assert torch.equal(ds.read_batch(idx), torch.from_numpy(x[idx]))
+    assert all(torch.equal(ds[int(i)], torch.from_numpy(x[i])) for i in idx)

@@ -17,9 +17,10 @@ shards. Each mapped shard costs up to two kernel map areas (``vm.max_map_count``
 with more shards than :func:`map_budget` allows is read the per-shard way instead.
 
 Integrity. A file truncated under a map would raise ``SIGBUS`` on the next read of a lost page.
-The shards are watched with ``inotify`` (``IN_MODIFY``, which a truncation raises); before
-each gather one non-blocking read of the inotify descriptor tells whether any watched file
-changed, and only then are the changed files' sizes checked against the index. So the check is
+The shards are watched with ``inotify`` (``IN_MODIFY``, which a truncation raises), through one
+inotify instance per process shared by every dataset; before each gather one non-blocking read
+of its descriptor tells whether any watched file changed, and only then are the changed files'
+sizes checked against the index. So the check is
 one system call per batch, not one per shard. Where inotify is unavailable (or out of
 watches), the shards it does not watch are checked with ``os.stat`` per batch touching them.
 As with any map, a truncation racing the gather itself is not caught; ``read="pread"`` never
@@ -70,6 +71,7 @@ def _lib() -> Any:
         ]
         lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         lib.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+        lib.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
         _libc = lib
     return _libc
 
@@ -118,7 +120,9 @@ class ShardSpace:
         self._unwatched = np.zeros(len(self._paths), bool)  # mapped, checked by stat per batch
         self._any_unwatched = False
         self._bad: dict[int, str] = {}  # sid -> error, once a watched file was seen to change
-        self._wd_sids: dict[int, list[int]] = {}
+        self._dirty: list[int] = []  # shards the process's watcher saw change (to re-check)
+        self._wds: set[int] = set()
+        self._watching = watch
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._active = 0
@@ -137,12 +141,6 @@ class ShardSpace:
         self._base = int(base)
         rows = self._span // self._rb
         self._view = np.asarray(_Window(self._base, rows, self._rb))
-        self._inotify = -1  # no inotify (watch=False, or none to be had): stat per batch
-        if watch:
-            try:
-                self._inotify = int(lib.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC))
-            except AttributeError:  # pragma: no cover - not glibc
-                pass
 
     @classmethod
     def create(
@@ -226,19 +224,19 @@ class ShardSpace:
             self._mapped[s] = True
 
     def _watch(self, sid: int, path: str) -> None:
-        wd = -1
-        if self._inotify >= 0:
-            wd = _lib().inotify_add_watch(self._inotify, os.fsencode(path), _IN_MODIFY)
-        if wd < 0:
+        wd = _watcher().add(path, self._dirty, sid) if self._watching else -1
+        if wd < 0:  # no inotify (watch=False, none to be had, out of watches): stat per batch
             self._unwatched[sid] = True
             self._any_unwatched = True
         else:
-            self._wd_sids.setdefault(int(wd), []).append(sid)  # hard links share one watch
+            self._wds.add(wd)
 
     def _check(self, sid: np.ndarray) -> None:
         """Raise if a shard of this batch changed size since it was mapped (under the lock)."""
-        if self._inotify >= 0:
-            self._drain()
+        if self._wds:
+            _watcher().drain()
+            while self._dirty:
+                self._restat(self._dirty.pop())
         if self._any_unwatched:
             for s in np.unique(sid[self._unwatched[sid]]).tolist():
                 self._restat(s)
@@ -246,27 +244,6 @@ class ShardSpace:
             for s in np.unique(sid).tolist():
                 if s in self._bad:
                     raise DatasetError(self._bad[s])
-
-    def _drain(self) -> None:
-        """Read pending inotify events; re-check the sizes of the files they name."""
-        changed: set[int] = set()
-        while True:
-            try:
-                buf = os.read(self._inotify, 64 << 10)
-            except BlockingIOError:
-                break
-            except InterruptedError:  # pragma: no cover
-                continue
-            pos = 0
-            while pos + _EVENT.size <= len(buf):
-                wd, mask, _cookie, length = _EVENT.unpack_from(buf, pos)
-                pos += _EVENT.size + length
-                if mask & _IN_Q_OVERFLOW:  # events lost: check every mapped shard
-                    changed.update(np.flatnonzero(self._mapped).tolist())
-                else:
-                    changed.update(self._wd_sids.get(wd, ()))
-        for s in changed:
-            self._restat(s)
 
     def _restat(self, s: int) -> None:
         path = self._paths[s]
@@ -291,18 +268,112 @@ class ShardSpace:
         self.forget()
 
     def forget(self) -> None:
-        """Release the maps and the inotify descriptor without waiting (after a fork, where
-        no other thread of this process can be inside a gather)."""
+        """Release the maps and the watches without waiting (after a fork, where no other
+        thread of this process can be inside a gather)."""
         self._closed = True
-        if self._inotify >= 0:
-            try:
-                os.close(self._inotify)
-            except OSError:
-                pass
-            self._inotify = -1
+        if self._wds and self.pid == os.getpid():  # a child's watcher never held them
+            _watcher().remove(self._dirty, self._wds)
+        self._wds = set()
         if self._base:
             _lib().munmap(self._base, max(self._span, mmap.PAGESIZE))
             self._base = 0
+
+
+class _Watcher:
+    """This process's one inotify instance, shared by every :class:`ShardSpace` (instances are
+    few: 128 per user by default). A change event appends the shard to its space's ``dirty``
+    list; the space re-checks those shards under its own lock (the watcher never takes it)."""
+
+    def __init__(self) -> None:
+        try:
+            self.fd = int(_lib().inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC))
+        except AttributeError:  # pragma: no cover - not glibc
+            self.fd = -1
+        self._lock = threading.Lock()
+        self._owners: dict[int, list[tuple[list[int], int]]] = {}  # wd -> (dirty list, shard)
+
+    def add(self, path: str, dirty: list[int], sid: int) -> int:
+        """Watch ``path`` for shard ``sid`` of the space owning ``dirty``; the wd, or -1."""
+        if self.fd < 0:
+            return -1
+        with self._lock:
+            wd = int(_lib().inotify_add_watch(self.fd, os.fsencode(path), _IN_MODIFY))
+            if wd >= 0:  # hard links (and other datasets) on one file share its watch
+                self._owners.setdefault(wd, []).append((dirty, sid))
+            return wd
+
+    def remove(self, dirty: list[int], wds: set[int]) -> None:
+        """Forget one space's watches (the watch itself goes with its last owner)."""
+        with self._lock:
+            for wd in wds:
+                left = [o for o in self._owners.get(wd, ()) if o[0] is not dirty]
+                if left:
+                    self._owners[wd] = left
+                elif self._owners.pop(wd, None) is not None:
+                    _lib().inotify_rm_watch(self.fd, wd)
+
+    def drain(self) -> None:
+        """Read the pending events (one system call when there are none)."""
+        with self._lock:
+            while True:
+                try:
+                    buf = os.read(self.fd, 64 << 10)
+                except BlockingIOError:
+                    return
+                except InterruptedError:  # pragma: no cover
+                    continue
+                pos = 0
+                while pos + _EVENT.size <= len(buf):
+                    wd, mask, _cookie, length = _EVENT.unpack_from(buf, pos)
+                    pos += _EVENT.size + length
+                    # lost events (queue overflow): every watched shard is re-checked
+                    lost = mask & _IN_Q_OVERFLOW
+                    for owners in self._owners.values() if lost else [self._owners.get(wd, [])]:
+                        for dirty, sid in owners:
+                            dirty.append(sid)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+
+
+_WATCHER: _Watcher | None = None
+_WATCHER_LOCK = threading.Lock()
+
+
+def _watcher() -> _Watcher:
+    """This process's :class:`_Watcher` (made on first use; a forked child makes its own)."""
+    global _WATCHER
+    w = _WATCHER
+    if w is None:
+        with _WATCHER_LOCK:
+            w = _WATCHER
+            if w is None:
+                w = _WATCHER = _Watcher()
+                if not _HOOKED:
+                    _hook()
+    return w
+
+
+_HOOKED = False
+
+
+def _hook() -> None:
+    global _HOOKED
+    os.register_at_fork(after_in_child=_after_fork)
+    _HOOKED = True
+
+
+def _after_fork() -> None:
+    """In a forked child: never read the parent's events; a fresh watcher on first use."""
+    global _WATCHER, _WATCHER_LOCK
+    if _WATCHER is not None:
+        _WATCHER.close()  # the child's copy of the descriptor only
+    _WATCHER, _WATCHER_LOCK = None, threading.Lock()
 
 
 class _Window:
