@@ -297,9 +297,10 @@ class NpyTake(SortedTake):
         return super().__getitems__(indices)
 
 
-def shards_size(
-    root: Path, rb: int, total: int, seconds: float, reps: int
-) -> tuple[dict[str, float], dict[int, float]]:
+Result = tuple[dict[str, float], dict[int, float], dict[str, float]]
+
+
+def shards_size(root: Path, rb: int, total: int, seconds: float, reps: int) -> Result:
     """One record size: baseline (b) and MemmapDataset at each shard count; rates, first touch."""
     batch, width = SIZES[rb], rb // 4
     n = total // rb
@@ -316,6 +317,7 @@ def shards_size(
     for count in SHARD_COUNTS:
         ds = sets[count] = MemmapDataset(root / f"s{count}-{rb}")
         first[count] = _touch(ds, rb)
+    ideas = gather_ideas(sets[SHARD_COUNTS[-1]], root / f"s{SHARD_COUNTS[-1]}-{rb}", batch)
     # 80 shards read the way every batch was read before (one gather per shard touched); at
     # 10,000 shards that path holds two descriptors per shard, past this machine's limit
     per_shard = MemmapDataset(root / f"s{SHARD_COUNTS[1]}-{rb}")
@@ -363,7 +365,45 @@ def shards_size(
     for ds in [*sets.values(), per_shard]:
         ds.close()
     gc.collect()
-    return best, first
+    return best, first, ideas
+
+
+def gather_ideas(ds: MemmapDataset, path: Path, batch: int) -> dict[str, float]:
+    """Microseconds per random batch over many shards, by the two gathers considered: one
+    ``np.take`` over the one-range map (what ``read_batch`` does), and a list of per-shard
+    views gathered record by record with ``np.stack(..., out=)`` (no loader, same buffer)."""
+    import mmap
+
+    space = ds._shard_space()
+    assert space is not None
+    rb = ds.record_bytes
+    views = []
+    for shard in ds.index.shards:
+        with open(path / shard.files["data"].path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        views.append(np.frombuffer(mm, np.uint8).reshape(-1, rb))
+    starts = np.concatenate([[0], np.cumsum([s.records for s in ds.index.shards])])
+    out = np.empty((batch, rb), np.uint8)
+
+    def views_gather(idx: np.ndarray) -> None:
+        sid = np.searchsorted(starts, idx, side="right") - 1
+        pairs = zip(sid.tolist(), (idx - starts[sid]).tolist(), strict=True)
+        np.stack([views[s][r] for s, r in pairs], out=out)
+
+    ways: dict[str, Callable[[np.ndarray], None]] = {
+        "one range, one np.take": lambda idx: space.take(idx, out),
+        "list of views, np.stack": views_gather,
+    }
+    rng = np.random.default_rng(3)
+    best = dict.fromkeys(ways, float("inf"))
+    for _ in range(3):
+        for name, fn in ways.items():
+            idxs = [rng.integers(0, len(ds), batch) for _ in range(100)]
+            start = time.perf_counter()
+            for idx in idxs:
+                fn(idx)
+            best[name] = min(best[name], (time.perf_counter() - start) / 100 * 1e6)
+    return best
 
 
 def _touch(ds: MemmapDataset, rb: int) -> float:
@@ -376,9 +416,7 @@ def _touch(ds: MemmapDataset, rb: int) -> float:
     return time.perf_counter() - start
 
 
-def shards_report(
-    results: dict[int, tuple[dict[str, float], dict[int, float]]], total: int, cmd: str
-) -> str:
+def shards_report(results: dict[int, Result], total: int, cmd: str) -> str:
     sizes = list(results)
     head = " | ".join(f"{rb // 1024} KiB" if rb >= 1024 else f"{rb} B" for rb in sizes)
     lines = [
@@ -432,6 +470,19 @@ def shards_report(
         + ", ".join(f"{c:,} shards {results[rb][1][c]:.2f} s" for c in SHARD_COUNTS)
         for rb in sizes
     )
+    ideas = list(results[sizes[0]][2])
+    lines += [
+        "",
+        f"The two gathers considered, alone (no loader), {SHARD_COUNTS[-1]:,} shards, "
+        "microseconds per random batch (batch sizes as above), best of 3:",
+        "",
+        f"| gather | {head} |",
+        "|---|" + "---|" * len(sizes),
+        *(
+            f"| {name} | " + " | ".join(f"{results[rb][2][name]:,.0f}" for rb in sizes) + " |"
+            for name in ideas
+        ),
+    ]
     lines += [
         "",
         "First touch (not in the rates above: one pass over the dataset before measuring, which "
@@ -447,7 +498,7 @@ def run_shards(args: argparse.Namespace) -> None:
         total, seconds, reps = (256 << 20, 2.0, 3)
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="feedpipe-bench-shards-", dir=args.dir))
-    results: dict[int, tuple[dict[str, float], dict[int, float]]] = {}
+    results: dict[int, Result] = {}
     try:
         for rb in SIZES:
             print(f"records of {rb} B, shards {SHARD_COUNTS}", flush=True)
