@@ -249,7 +249,6 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                 space.forget()  # a forked child: the parent's maps, no other thread here
                 space = None
             if space is None:
-                space = None
                 if not self._remote and self.kind == "fixed" and self.read != "pread":
                     paths = [self._local_path(s, "data") for s in range(len(self.index.shards))]
                     sizes = [s.files["data"].bytes for s in self.index.shards]
