@@ -15,6 +15,15 @@ sampled over an epoch of a dataset much larger than its batch buffers.
     python benchmarks/datasets.py            # --quick (default): under ~3 minutes
     python benchmarks/datasets.py --full     # longer runs, a larger RSS dataset
     python benchmarks/datasets.py --no-write # do not rewrite docs/benchmarks.md
+
+The shard-count axis (``--shards``, its own section of docs/benchmarks.md): the same records
+in 1, 80 and 10,000 shards, read by ``feedpipe.DataLoader`` over ``MemmapDataset``, against
+baseline (b) over one ``.npy`` of the same records, in the same run; the ratio is printed.
+Where a record size has fewer records than shards, shard files are hard links to a smaller set
+of distinct one-record files (the index lists every shard; the page cache holds the same
+bytes as the baseline's file).
+
+    python benchmarks/datasets.py --shards   # the shard-count axis only: under ~2 minutes
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._report import machine, write_section
 from feedpipe import DataLoader, MemmapDataset, MemmapWriter, ZarrDataset
+from feedpipe.datasets.format import FileInfo, Index, Layout, Shard, write_index
+from feedpipe.io.crc import crc32c_file, to_hex
 
 SIZES = {512: 256, 8192: 256, 262144: 32}  # record bytes -> batch size
 
@@ -244,6 +255,266 @@ def run_size(root: Path, rb: int, total: int, seconds: float, reps: int) -> dict
     return best
 
 
+# ---------------------------------------------------------------------- shard-count axis
+SHARD_COUNTS = (1, 80, 10_000)
+
+
+def write_shards(path: Path, rows: np.ndarray, shards: int) -> int:
+    """Write ``rows`` as a dataset of exactly ``shards`` shards (near-equal record counts);
+    with fewer rows than shards, shard ``s`` is a hard link to one-row file ``s % len(rows)``.
+    Returns the number of records the dataset holds."""
+    path.mkdir(parents=True)
+    parts = np.array_split(rows, shards) if shards <= len(rows) else None
+    entries: list[Shard] = []
+    distinct: list[FileInfo] = []
+    for s in range(shards):
+        rel = f"shard-{s:05d}.data"
+        if parts is not None:
+            (path / rel).write_bytes(parts[s].tobytes())
+            crc, nbytes = crc32c_file(str(path / rel))
+            info, records = FileInfo(rel, nbytes, to_hex(crc)), len(parts[s])
+        else:
+            k = s % len(rows)
+            if s < len(rows):
+                (path / rel).write_bytes(rows[k].tobytes())
+                crc, nbytes = crc32c_file(str(path / rel))
+                distinct.append(FileInfo(rel, nbytes, to_hex(crc)))
+            else:
+                (path / rel).hardlink_to(path / distinct[k].path)
+            info, records = FileInfo(rel, distinct[k].bytes, distinct[k].crc32c), 1
+        entries.append(Shard(records, {"data": info}))
+    layout = Layout("fixed", tuple(rows.shape[1:]), str(rows.dtype))
+    write_index(path, Index(layout, {}, entries))
+    return sum(e.records for e in entries)
+
+
+class NpyTake(SortedTake):
+    """(b) over one ``.npy`` (``np.load(mmap_mode="r")``)."""
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        if self.mm is None:
+            self.mm = np.load(self.path, mmap_mode="r")
+        return super().__getitems__(indices)
+
+
+Result = tuple[dict[str, float], dict[int, float], dict[str, float]]
+
+
+def shards_size(root: Path, rb: int, total: int, seconds: float, reps: int) -> Result:
+    """One record size: baseline (b) and MemmapDataset at each shard count; rates, first touch."""
+    batch, width = SIZES[rb], rb // 4
+    n = total // rb
+    rows = np.random.default_rng(rb).integers(0, 50_000, (n, width), dtype=np.int32)
+    npy = root / f"raw-{rb}.npy"
+    np.save(npy, rows)
+    sets: dict[int, MemmapDataset] = {}
+    first: dict[int, float] = {}
+    for count in SHARD_COUNTS:
+        write_shards(root / f"s{count}-{rb}", rows, count)
+    del rows
+    for p in root.iterdir():
+        _warm(p) if p.is_dir() else _warm(p.parent)
+    for count in SHARD_COUNTS:
+        ds = sets[count] = MemmapDataset(root / f"s{count}-{rb}")
+        first[count] = _touch(ds, rb)
+    ideas = gather_ideas(sets[SHARD_COUNTS[-1]], root / f"s{SHARD_COUNTS[-1]}-{rb}", batch)
+    # 80 shards read the way every batch was read before (one gather per shard touched); at
+    # 10,000 shards that path holds two descriptors per shard, past this machine's limit
+    per_shard = MemmapDataset(root / f"s{SHARD_COUNTS[1]}-{rb}")
+    per_shard._space = False  # the per-shard path, kept for datasets over the map budget
+    _touch(per_shard, rb)
+
+    def torch_loader(ds: Dataset[Any], workers: int) -> Callable[[], Iterable[Any]]:
+        loader = TorchLoader(
+            ds,
+            batch_size=batch,
+            shuffle=True,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            drop_last=True,
+        )
+        return lambda: loader
+
+    def fp_loader(ds: Any, workers: int) -> Callable[[], Iterable[Any]]:
+        loader = DataLoader(
+            ds,
+            batch_size=batch,
+            shuffle=True,
+            num_workers=workers,
+            worker_type="thread",
+            drop_last=True,
+        )
+        return lambda: loader
+
+    base = NpyTake(str(npy), n, width)
+    configs: dict[str, Callable[[], Iterable[Any]]] = {
+        "(b) sorted np.take, 0 workers": torch_loader(base, 0),
+        "(b) sorted np.take, 2 workers": torch_loader(base, 2),
+    }
+    for count, ds in sets.items():
+        configs[f"{count} shards, 0 workers"] = fp_loader(ds, 0)
+        configs[f"{count} shards, 2 threads"] = fp_loader(ds, 2)
+    configs[f"{SHARD_COUNTS[1]} shards, per-shard path, 0 workers"] = fp_loader(per_shard, 0)
+    best: dict[str, float] = {}
+    for _ in range(reps):
+        for name, make in configs.items():
+            rate = measure(make, batch, seconds)
+            best[name] = max(best.get(name, 0.0), rate)
+            print(f"  {rb:>6} B  {name:<32} {rate:>12,.0f} samples/s", flush=True)
+    del configs
+    for ds in [*sets.values(), per_shard]:
+        ds.close()
+    gc.collect()
+    return best, first, ideas
+
+
+def gather_ideas(ds: MemmapDataset, path: Path, batch: int) -> dict[str, float]:
+    """Microseconds per random batch over many shards, by the two gathers considered: one
+    ``np.take`` over the one-range map (what ``read_batch`` does), and a list of per-shard
+    views gathered record by record with ``np.stack(..., out=)`` (no loader, same buffer)."""
+    import mmap
+
+    space = ds._shard_space()
+    assert space is not None
+    rb = ds.record_bytes
+    views = []
+    for shard in ds.index.shards:
+        with open(path / shard.files["data"].path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        views.append(np.frombuffer(mm, np.uint8).reshape(-1, rb))
+    starts = np.concatenate([[0], np.cumsum([s.records for s in ds.index.shards])])
+    out = np.empty((batch, rb), np.uint8)
+
+    def views_gather(idx: np.ndarray) -> None:
+        sid = np.searchsorted(starts, idx, side="right") - 1
+        pairs = zip(sid.tolist(), (idx - starts[sid]).tolist(), strict=True)
+        np.stack([views[s][r] for s, r in pairs], out=out)
+
+    ways: dict[str, Callable[[np.ndarray], None]] = {
+        "one range, one np.take": lambda idx: space.take(idx, out),
+        "list of views, np.stack": views_gather,
+    }
+    rng = np.random.default_rng(3)
+    best = dict.fromkeys(ways, float("inf"))
+    for _ in range(3):
+        for name, fn in ways.items():
+            idxs = [rng.integers(0, len(ds), batch) for _ in range(100)]
+            start = time.perf_counter()
+            for idx in idxs:
+                fn(idx)
+            best[name] = min(best[name], (time.perf_counter() - start) / 100 * 1e6)
+    return best
+
+
+def _touch(ds: MemmapDataset, rb: int) -> float:
+    """Read every record once in 16 MiB batches (maps every shard); return the seconds."""
+    step = max(1, (16 << 20) // rb)
+    buf = torch.empty((step, rb // 4), dtype=torch.int32)
+    start = time.perf_counter()
+    for a in range(0, len(ds), step):
+        ds.read_batch(np.arange(a, min(a + step, len(ds))), out=buf)
+    return time.perf_counter() - start
+
+
+def shards_report(results: dict[int, Result], total: int, cmd: str) -> str:
+    sizes = list(results)
+    head = " | ".join(f"{rb // 1024} KiB" if rb >= 1024 else f"{rb} B" for rb in sizes)
+    lines = [
+        f"Machine: {machine()} (the measurement machine for this section).",
+        f"Command: `{cmd}`. {total >> 20} MiB of distinct records per size, shuffled, page cache "
+        "warm, best of the repetitions; samples/s. Baseline (b): `torch.utils.data.DataLoader` "
+        "with a hand-written `__getitems__` (one sorted `np.take` over one `.npy`); feedpipe: "
+        "`feedpipe.DataLoader` (thread workers) over `MemmapDataset` of the same records in "
+        "1, 80 and 10,000 shards. At 256 KiB the 10,000 shards are hard links to "
+        f"{total // (256 << 10)} distinct one-record files (see the script's docstring). "
+        "'per-shard path' is the 80-shard dataset read one gather per shard touched (how every "
+        "batch was read before the one-range map; still the path of datasets with more shards "
+        "than a quarter of `vm.max_map_count`); at 10,000 shards it cannot run here: it holds "
+        "two descriptors per shard, past this machine's limit of 20,000.",
+        "",
+        f"| loader | {head} |",
+        "|---|" + "---|" * len(sizes),
+    ]
+    for name in results[sizes[0]][0]:
+        cells = [f"{results[rb][0][name]:,.0f}" for rb in sizes]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"| ratio to the best (b) (0 or 2 workers) | target | {head} |",
+        "|---|---|" + "---|" * len(sizes),
+    ]
+    names = [f"{c} shards, {w}" for c in SHARD_COUNTS for w in ("0 workers", "2 threads")]
+    names.append(f"{SHARD_COUNTS[1]} shards, per-shard path, 0 workers")
+    for name in names:
+        cells = []
+        for rb in sizes:
+            rates = results[rb][0]
+            base = max(v for k, v in rates.items() if k.startswith("(b)"))
+            cells.append(f"{rates[name] / base:.2f}x")
+        target = "-" if "per-shard" in name else ">= 1.0x"
+        lines.append(f"| {name} | {target} | " + " | ".join(cells) + " |")
+    missed = [
+        f"{name} at {rb} B"
+        for name in names[:-1]
+        for rb in sizes
+        if results[rb][0][name] < max(v for k, v in results[rb][0].items() if k.startswith("(b)"))
+    ]
+    lines += [
+        "",
+        "Target met in every cell."
+        if not missed
+        else "Target NOT met for: " + "; ".join(missed) + " (see the note below).",
+    ]
+    firsts = "; ".join(
+        f"{rb // 1024 if rb >= 1024 else rb} {'KiB' if rb >= 1024 else 'B'}: "
+        + ", ".join(f"{c:,} shards {results[rb][1][c]:.2f} s" for c in SHARD_COUNTS)
+        for rb in sizes
+    )
+    ideas = list(results[sizes[0]][2])
+    lines += [
+        "",
+        f"The two gathers considered, alone (no loader), {SHARD_COUNTS[-1]:,} shards, "
+        "microseconds per random batch (batch sizes as above), best of 3:",
+        "",
+        f"| gather | {head} |",
+        "|---|" + "---|" * len(sizes),
+        *(
+            f"| {name} | " + " | ".join(f"{results[rb][2][name]:,.0f}" for rb in sizes) + " |"
+            for name in ideas
+        ),
+    ]
+    lines += [
+        "",
+        "First touch (not in the rates above: one pass over the dataset before measuring, which "
+        "maps every shard into the dataset's one address range, closes its descriptor and "
+        f"watches it with inotify): {firsts}.",
+    ]
+    return "\n".join(lines)
+
+
+def run_shards(args: argparse.Namespace) -> None:
+    total, seconds, reps = (32 << 20, 0.5, 2)
+    if args.full:
+        total, seconds, reps = (256 << 20, 2.0, 3)
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp(prefix="feedpipe-bench-shards-", dir=args.dir))
+    results: dict[int, Result] = {}
+    try:
+        for rb in SIZES:
+            print(f"records of {rb} B, shards {SHARD_COUNTS}", flush=True)
+            results[rb] = shards_size(root, rb, total, seconds, reps)
+            for p in list(root.iterdir()):
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    cmd = "python benchmarks/datasets.py --shards" + (" --full" if args.full else "")
+    text = shards_report(results, total, cmd)
+    print()
+    print(text)
+    if not args.no_write:
+        write_section("datasets_shards", text)
+
+
 # ---------------------------------------------------------------------- RSS over an epoch
 def _rss() -> tuple[int, int]:
     anon = file = 0
@@ -381,7 +652,11 @@ def main() -> None:
     mode.add_argument("--full", action="store_true", help="longer runs and a larger RSS dataset")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--no-write", action="store_true", help="do not rewrite docs/benchmarks.md")
+    ap.add_argument("--shards", action="store_true", help="only the shard-count axis")
     args = ap.parse_args()
+    if args.shards:
+        run_shards(args)
+        return
     total, seconds, reps, rss_total = (96 << 20, 0.7, 2, 2 << 30)
     if args.full:
         total, seconds, reps, rss_total = (1 << 30, 3.0, 3, 6 << 30)

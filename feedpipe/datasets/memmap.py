@@ -6,11 +6,14 @@ Batched reads (:meth:`MemmapDataset.read_batch`, ``__getitems__``) turn a batch 
 one vectorised gather with the GIL released. Fixed-size records are read one of two ways
 (``read=`` on the dataset):
 
-- ``"mmap"``: ``np.take`` from the mapped shard straight into the destination, with
+- ``"mmap"``: ``np.take`` from the mapped shards straight into the destination, with
   ``mode="clip"`` (indices are checked first; with ``mode="raise"`` numpy gathers into a
   temporary and copies it again: 5.35 against 7.06 GB/s at 8 KiB and 6.37 against 16.38 at
-  256 KiB, ``benchmarks/datasets.py`` on the 2-core dev VM). A batch spanning several shards is
-  gathered in file order, then scattered.
+  256 KiB, ``benchmarks/datasets.py`` on the 2-core dev VM). A local dataset maps every shard
+  into one reserved address range (:mod:`feedpipe.datasets._gather`), so a batch is one
+  ``np.take`` however many shards it touches, and open descriptors do not grow with the number
+  of shards. A remote dataset (shards pinned in the cache one by one) and one with more shards
+  than the map budget gather shard by shard, in file order, then scatter.
 - ``"pread"``: ``os.preadv`` straight into the destination rows, in file order, adjacent records
   coalesced into one call, every byte count checked (a truncated shard raises).
 - ``"auto"`` (default): ``"mmap"``, by measurement: ``read_batch`` alone into reused buffers,
@@ -42,6 +45,7 @@ import numpy as np
 import torch
 
 from feedpipe import _remote
+from feedpipe.datasets._gather import ShardSpace
 from feedpipe.datasets._memmap_open import OpenShard, OpenShards
 from feedpipe.datasets.format import INDEX_NAME, FileInfo, Index, parse_index, read_index
 from feedpipe.datasets.writer import MemmapWriter
@@ -142,6 +146,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         ).astype(np.int64)
         self._len = int(self._starts[-1])
         self._files: OpenShards | None = None
+        self._space: ShardSpace | bool | None = None  # False: this dataset reads per shard
         self._offsets_of: dict[int, np.ndarray] = {}
         self._columns: dict[str, np.ndarray] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -229,6 +234,28 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                 )
                 self._pool = None
         return files
+
+    def _shard_space(self) -> ShardSpace | None:
+        """This process's one-range map of every shard (:mod:`feedpipe.datasets._gather`), or
+        ``None`` where batches are read shard by shard (remote, ``read="pread"``, bytes layout,
+        more shards than the map budget)."""
+        space = self._space
+        if isinstance(space, ShardSpace) and space.pid == os.getpid():
+            return space
+        if space is False:
+            return None
+        with self._open_lock:
+            space = self._space
+            if isinstance(space, ShardSpace) and space.pid != os.getpid():
+                space.forget()  # a forked child: the parent's maps, no other thread here
+                space = None
+            if space is None:
+                if not self._remote and self.kind == "fixed" and self.read != "pread":
+                    paths = [self._local_path(s, "data") for s in range(len(self.index.shards))]
+                    sizes = [s.files["data"].bytes for s in self.index.shards]
+                    space = ShardSpace.create(paths, sizes, self._starts, self._record_bytes)
+                self._space = space if space is not None else False
+        return space if isinstance(space, ShardSpace) else None
 
     def _open_data(self, sid: int) -> tuple[int, Any]:
         """Open (and, remote, fetch and pin) shard ``sid``'s data file: ``(fd, release)``."""
@@ -444,6 +471,8 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             if self.read == "pread":  # never maps: a file changed under us is an error, not SIGBUS
                 pos = np.array([i]), np.array([sid]), np.array([local])
                 self._pread_fixed(*pos, buf.reshape(1, rb))
+            elif (space := self._shard_space()) is not None:
+                space.take(np.array([i], np.int64), buf.reshape(1, rb))
             else:
                 with self._open_files().use(sid) as shard:
                     self._check_mapped(shard)  # a file truncated after mapping would SIGBUS
@@ -521,6 +550,10 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         if n == 0 or rb == 0:
             return dest
         flat = dest.numpy().reshape(n, -1).view(np.uint8)
+        space = self._shard_space()
+        if space is not None:  # every shard in one range: one gather, however many it touches
+            space.take(idx, flat)
+            return dest
         sid, local = self._locate(idx)
         if self.read == "pread":
             self._pread_fixed(idx, sid, local, flat)
@@ -731,6 +764,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_files"] = None
+        state["_space"] = None
         state["_pool"] = None
         state["_tls"] = None
         state["_open_lock"] = None
@@ -749,6 +783,12 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         self._close(wait=True)
 
     def _close(self, wait: bool) -> None:
+        space, self._space = self._space, None
+        if isinstance(space, ShardSpace):
+            if space.pid == os.getpid():
+                space.close(timeout=60.0 if wait else 0.0)
+            else:
+                space.forget()
         if self._files is not None:
             self._files.close()
             self._files = None
