@@ -8,17 +8,14 @@ one vectorised gather with the GIL released. Fixed-size records are read one of 
 
 - ``"mmap"``: ``np.take`` from the mapped shard straight into the destination, with
   ``mode="clip"`` (indices are checked first; with ``mode="raise"`` numpy gathers into a
-  temporary and copies it again: 5.35 against 7.06 GB/s at 8 KiB and 6.37 against 16.38 at
-  256 KiB, ``benchmarks/datasets.py`` on the 2-core dev VM). A batch spanning several shards is
-  gathered in file order, then scattered.
+  temporary and copies it again, which is slower: the ``np.take alone`` rows of the datasets
+  section of docs/benchmarks.md). A batch spanning several shards is gathered in file order,
+  then scattered.
 - ``"pread"``: ``os.preadv`` straight into the destination rows, in file order, adjacent records
   coalesced into one call, every byte count checked (a truncated shard raises).
-- ``"auto"`` (default): ``"mmap"``, by measurement: ``read_batch`` alone into reused buffers,
-  shuffled 16 MiB batches (``benchmarks/gpu_feed.py --device cpu --probe --gb 1 --records N``,
-  2-core dev VM) moved 256 KiB records at 8.45 (mmap) against 4.19 GB/s (pread) on 1 thread and
-  5.70 against 4.60 on 16, and 8 KiB records at 2.39 against 1.53 and 2.59 against 0.41: one
-  ``os.preadv`` per run of records from Python re-takes the GIL per call, which convoys across
-  threads.
+- ``"auto"`` (default): ``"mmap"``, because it measured faster at every record size and thread
+  count (``benchmarks/diagnostics/feed_probe.py --device cpu`` prints both): one ``os.preadv``
+  per run of records from Python re-takes the GIL per call, which convoys across threads.
   ``"pread"`` stays available (it never maps the file, so it never faults on first touch).
 
 A CUDA ``out`` skips the host gather: records go by DMA from the page cache to the GPU
