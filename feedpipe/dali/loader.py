@@ -172,12 +172,8 @@ class ImageLoader:
         self.skipped = 0  # bad records replaced so far (one per replaced sample)
         self._skip: set[int] = set()
         self._device_id = device_id
-        self._num_threads = opts.num_threads
-        self._py_num_workers = opts.py_num_workers
-        self._py_start_method = opts.py_start_method
         prefetch = opts.prefetch
         self._prefetch = prefetch if prefetch is not None else max(4, 2 * opts.py_num_workers)
-        self._hw_decoder_load = opts.hw_decoder_load
         self._seed = seed + 7919 * int(getattr(sampler, "rank", 0) or 0)
         self._plan_dir: str | None = None
         self._pipe: Any = None
@@ -318,14 +314,14 @@ class ImageLoader:
                 source,
                 self.transform,
                 batch_size=self.batch_size,
-                num_threads=self._num_threads,
+                num_threads=self.options.num_threads,
                 device_id=self._device_id,
                 seed=self._seed,
-                py_num_workers=self._py_num_workers,
-                py_start_method=self._py_start_method,
+                py_num_workers=self.options.py_num_workers,
+                py_start_method=self.options.py_start_method,
                 prefetch=self._prefetch,
                 prefetch_queue_depth=_PIPE_DEPTH,
-                hw_decoder_load=self._hw_decoder_load,
+                hw_decoder_load=self.options.hw_decoder_load,
             )
             start = 0
         elif (
@@ -488,10 +484,10 @@ class ImageLoader:
             self._fed = build_fed(
                 self.transform,
                 batch_size=self.batch_size,
-                num_threads=self._num_threads,
+                num_threads=self.options.num_threads,
                 device_id=self._device_id,
                 seed=self._seed + 1,
-                hw_decoder_load=self._hw_decoder_load,
+                hw_decoder_load=self.options.hw_decoder_load,
             )
         self._fed.feed_input("encoded", bufs)
         (images,) = self._run(self._fed, "repaired batch")

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from feedpipe import _remote
+from feedpipe.datasets._gather import ROW_COPY_MIN, inverse, scratch
 from feedpipe.datasets._memmap_open import OpenShard, OpenShards
 from feedpipe.datasets.format import INDEX_NAME, FileInfo, Index, parse_index, read_index
 from feedpipe.datasets.writer import MemmapWriter
@@ -48,7 +49,6 @@ from feedpipe.io.crc import crc32c_file, to_hex
 __all__ = ["MemmapDataset", "MemmapWriter", "verify_files"]
 
 _IOV_MAX = 1024
-_ROW_COPY_MIN = 64 << 10  # records this large are copied one by one when a batch spans shards
 _THREAD_MIN_BYTES = 16 << 20  # split a preadv batch over threads above this many bytes
 _MAX_THREADS = 4
 _READS = ("auto", "mmap", "pread")
@@ -491,8 +491,8 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         s_sorted, l_sorted = sid[order], local[order]
         bounds = [0, *(np.flatnonzero(np.diff(s_sorted)) + 1).tolist(), n]
         group = {int(s_sorted[a]): (a, b) for a, b in itertools.pairwise(bounds)}
-        big = rb >= _ROW_COPY_MIN  # big records: one copy each, no temp + scatter
-        tmp = None if big else _scratch(self._tls, flat)
+        big = rb >= ROW_COPY_MIN  # big records: one copy each, no temp + scatter
+        tmp = None if big else scratch(self._tls, flat)
         for s in shards:
             a, b = group[s]
             with files.use(s) as shard:
@@ -504,9 +504,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                 else:
                     np.take(rows, l_sorted[a:b], axis=0, out=tmp[a:b], mode="clip")
         if tmp is not None:  # scatter as a gather: take copies whole rows, fancy setitem not
-            inverse = np.empty_like(order)
-            inverse[order] = np.arange(n)
-            np.take(tmp, inverse, axis=0, out=flat, mode="clip")
+            np.take(tmp, inverse(order), axis=0, out=flat, mode="clip")
         return dest
 
     def _dma_fixed(self, idx: np.ndarray, out: torch.Tensor) -> torch.Tensor:
@@ -751,12 +749,3 @@ def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:
 
 def _noop() -> None:
     return None
-
-
-def _scratch(tls: threading.local, like: np.ndarray) -> np.ndarray:
-    """A reused per-thread buffer shaped like ``like``: a fresh one per batch costs ~500 page
-    faults per 2 MiB here (more than the gather itself)."""
-    buf = getattr(tls, "buf", None)
-    if buf is None or buf.nbytes < like.nbytes:
-        buf = tls.buf = np.empty(like.nbytes, np.uint8)
-    return buf[: like.nbytes].view(like.dtype).reshape(like.shape)

@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from feedpipe._remote import redact
+from feedpipe.datasets._gather import ROW_COPY_MIN, inverse, scratch
 from feedpipe.datasets.format import check_dtype, check_shape
 from feedpipe.errors import DatasetError, require
+from feedpipe.io.remote import is_remote, redact
 
 __all__ = ["ZarrDataset"]
 
@@ -31,10 +32,6 @@ _BACKENDS = ("tensorstore", "zarr")
 # pid of the process that started TensorStore's threads. TensorStore aborts a forked child that
 # uses it after its parent did, so such a child reads through zarr-python instead.
 _TS_STARTED_IN: int | None = None
-
-
-def _is_remote(path: str) -> bool:
-    return "://" in path and path.split("://", 1)[0].lower() not in {"file", "local"}
 
 
 class ZarrDataset(torch.utils.data.Dataset[Any]):
@@ -64,7 +61,7 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
         if self.path.startswith("file://"):
             self.path = self.path[len("file://") :]
         self.storage_options = dict(storage_options or {})
-        self.remote = _is_remote(self.path)
+        self.remote = is_remote(self.path)
         # TensorStore is given local paths; remote URLs use zarr-python over fsspec
         self.backend = "zarr" if self.remote else backend
         node = self._read_meta("")
@@ -383,7 +380,6 @@ def _check_chunk_shapes(meta: dict[str, Any], ndim: int) -> None:
 
 # ---------------------------------------------------------------------- direct reads
 _MISSING = np.uint64(2**64 - 1)
-_ROW_COPY_MIN = 64 << 10  # rows this large are copied one by one (no temp + scatter)
 
 
 class _Direct:
@@ -529,15 +525,15 @@ class _Direct:
             bounds = [0, *(np.flatnonzero(np.diff(shard)) + 1).tolist(), len(idx)]
         else:
             bounds = [0, len(idx)]
-        if order is not None and self.row >= _ROW_COPY_MIN:  # one copy per record, no scatter
+        if order is not None and self.row >= ROW_COPY_MIN:  # one copy per record, no scatter
             for a, b in itertools.pairwise(bounds):
                 self._read_shard(int(shard[a]), local[a:b], idx[a:b], out, where, at=order[a:b])
             return
-        dest = out if order is None else _scratch(self._tls, out)
+        dest = out if order is None else scratch(self._tls, out)
         for a, b in itertools.pairwise(bounds):
             self._read_shard(int(shard[a]), local[a:b], idx[a:b], dest[a:b], where)
         if order is not None:  # scatter as a gather: take copies whole rows, fancy setitem not
-            np.take(dest, _inverse(order), 0, out, "clip")
+            np.take(dest, inverse(order), 0, out, "clip")
 
     def _read_shard(
         self,
@@ -612,19 +608,3 @@ class _Direct:
             for fd in self.fds.values():
                 os.close(fd)
         self.fds, self.indexes, self.maps, self.addrs = {}, {}, {}, {}
-
-
-def _scratch(tls: threading.local, like: np.ndarray) -> np.ndarray:
-    """A reused per-thread buffer shaped like ``like`` (a fresh one per batch is faulted in
-    page by page: 512 faults per 2 MiB of 4 KiB pages)."""
-    buf = getattr(tls, "buf", None)
-    if buf is None or buf.nbytes < like.nbytes:
-        buf = tls.buf = np.empty(like.nbytes, np.uint8)
-    return buf[: like.nbytes].view(like.dtype).reshape(like.shape)
-
-
-def _inverse(order: np.ndarray) -> np.ndarray:
-    """The inverse permutation of ``order``."""
-    inv = np.empty_like(order)
-    inv[order] = np.arange(len(order))
-    return inv
