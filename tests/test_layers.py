@@ -343,3 +343,40 @@ def test_rule5_pattern_finds_figures(text: str) -> None:
 )
 def test_rule5_pattern_leaves_settings_and_arithmetic(text: str) -> None:
     assert not MEASURED.search(text)
+
+
+# Rule 6: the docs name public paths only. A dotted path of feedpipe or ckpt with a component
+# that starts with "_" (``ckpt._pool.PoolOptions``) is private; docs/architecture.md, the map of
+# the modules, names private modules on purpose and is not scanned.
+PRIVATE_PATH = re.compile(r"\b(?:feedpipe|ckpt)(?:\.\w+)*\._(?!_)\w+")  # not a __dunder__
+PATH_RULE_EXEMPT = {"docs/architecture.md"}
+
+
+def _doc_pages() -> list[Path]:
+    return sorted([*(ROOT / "docs").rglob("*.md"), ROOT / "README.md"])
+
+
+def test_rule6_docs_reference_public_paths_only() -> None:
+    bad = [
+        f"{page.relative_to(ROOT)}:{n}: {m.group(0)}"
+        for page in _doc_pages()
+        if str(page.relative_to(ROOT)) not in PATH_RULE_EXEMPT
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        for m in PRIVATE_PATH.finditer(line)
+    ]
+    assert bad == [], f"docs name private module paths; name the public path instead: {bad}"
+
+
+@pytest.mark.parametrize(
+    ("text", "private"),
+    [
+        ("::: ckpt._pool.PoolOptions", True),
+        ("`feedpipe._memmap_writer.MemmapWriter`", True),
+        ("feedpipe.loader._torch_compat", True),
+        ("::: ckpt.manager.PoolOptions", False),
+        ("`feedpipe.datasets.memmap.MemmapDataset.__getitems__`", False),
+        ("feedpipe.DataLoader(direct=False)", False),
+    ],
+)
+def test_rule6_pattern(text: str, private: bool) -> None:
+    assert bool(PRIVATE_PATH.search(text)) is private
