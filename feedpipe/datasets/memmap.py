@@ -81,9 +81,9 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
     Pickles cheaply: files are reopened lazily in each process.
 
     A remote URL (``s3://...``) is read through a :class:`feedpipe.cache.ShardCache` in
-    ``cache_dir`` (lazy mode). With ``cache_limit_bytes``, a shard is pinned only while it is
+    ``cache_dir`` (lazy mode). With ``cache_limit_bytes``, a shard is leased only while it is
     read, plus idle shards kept open up to a third of the limit; when a download waits for
-    room, readers drop their idle pins, so an epoch over more shards than the limit holds
+    room, readers end their idle leases, so an epoch over more shards than the limit holds
     evicts least-recently-used shards instead of waiting.
     """
 
@@ -227,7 +227,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         return files
 
     def _open_data(self, sid: int) -> tuple[int, Any]:
-        """Open (and, remote, fetch and pin) shard ``sid``'s data file: ``(fd, release)``."""
+        """Open (and, remote, download and lease) shard ``sid``'s data file: ``(fd, release)``."""
         info = self.index.shards[sid].files["data"]
         release: Any = _noop
         if self._remote:
@@ -360,7 +360,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         if not self._remote:
             return shards
         cache = self._shard_cache()
-        if cache.pressure_changed():  # a download somewhere waits for room: unpin idle shards
+        if cache.pressure_changed():  # a download somewhere waits for room: end idle leases
             self._release_idle()
         if len(shards) < 2:
             return shards
@@ -695,7 +695,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         self._open_lock = threading.Lock()
 
     def close(self) -> None:
-        """Close open files and maps, unpin cached shards and stop the cache's prefetches
+        """Close open files and maps, end cached shards' leases and stop the cache's prefetches
         (everything reopens on the next read)."""
         self._close(wait=True)
 
