@@ -94,9 +94,3 @@ def test_options_form_decodes_like_the_flat_form() -> None:
         xb = torch.cat([x for x, _ in b])
     assert xa.shape == (6, CROP, CROP, 3) and xa.dtype == torch.float16
     assert torch.equal(xa, xb)  # eval transforms are deterministic
-
-
-def test_image_loader_has_no_dead_running_flag() -> None:
-    ds = BytesDataset([_jpeg(0)])
-    with ImageLoader(ds, 1, device="cpu") as loader:
-        assert not hasattr(loader, "_running")
