@@ -82,6 +82,10 @@ def test_unknown_or_bad_keywords_fail_clearly() -> None:
         Transform(output_layout="CHW")
     with pytest.raises(ValueError, match="dtype"):
         ImageLoader(ds, 1, device="cpu", dtype="int8")
+    with pytest.raises(TypeError, match="ImageLoaderOptions"):
+        ImageLoader(ds, 1, options={"device": "cpu"})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Transform"):
+        ImageLoader(ds, 1, device="cpu", transform={"crop": 16})  # type: ignore[arg-type]
 
 
 def test_options_form_decodes_like_the_flat_form() -> None:

@@ -89,6 +89,10 @@ def _split_flat(
     transform: Transform | None, options: ImageLoaderOptions | None, flat: dict[str, Any]
 ) -> tuple[Transform, ImageLoaderOptions]:
     """``transform`` and ``options`` with the flat keywords (aliases of their fields) applied."""
+    if transform is not None and not isinstance(transform, Transform):
+        raise TypeError(f"transform must be a feedpipe.dali.Transform, got {type(transform)}")
+    if options is not None and not isinstance(options, ImageLoaderOptions):
+        raise TypeError(f"options must be a feedpipe.dali.ImageLoaderOptions, got {type(options)}")
     unknown = sorted(set(flat) - _TRANSFORM_FIELDS - _OPTION_FIELDS)
     if unknown:
         raise TypeError(f"ImageLoader() got unexpected keyword argument(s) {unknown}")
