@@ -4,6 +4,7 @@ parameter names follow it."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -45,8 +46,13 @@ def test_the_glossary_is_in_the_site_and_defines_each_word_once() -> None:
     assert set(words) >= REQUIRED, REQUIRED - set(words)
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def _members(path: Path, cls: str) -> set[str] | None:
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _tree(path).body:
         if isinstance(node, ast.ClassDef) and node.name == cls:
             names = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
             for n in ast.walk(node):
@@ -72,7 +78,7 @@ def _parameters() -> set[tuple[str, str]]:
     out = set()
     for path in [*ROOT.glob("feedpipe/**/*.py"), *ROOT.glob("ckpt/**/*.py")]:
         rel = str(path.relative_to(ROOT))
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = node.args
                 for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs]:
