@@ -178,66 +178,6 @@ def read_ceiling(ds: Any, bs: int, workers: int, pin: bool, seconds: float) -> f
     return sum(done) * bs * rec / (time.perf_counter() - t0) / _GB
 
 
-def probe(ds: Any, bs: int, device: torch.device, seconds: float) -> None:
-    """Diagnostics: host copy bandwidth by threads, and DMA straight from the page cache."""
-    rec = ds[0].numel()
-    big = bs * rec
-    pin = device.type == "cuda"
-    for w in (1, 4, 8, 16):  # pinned -> pinned copies: the host's memory bandwidth for a gather
-        src = [torch.empty(big, dtype=torch.uint8, pin_memory=pin) for _ in range(w)]
-        dst = [torch.empty(big, dtype=torch.uint8, pin_memory=pin) for _ in range(w)]
-        for buf in src:
-            buf.fill_(1)
-        done = [0] * w
-        deadline = time.perf_counter() + seconds / 2
-
-        def copy(
-            k: int, src: Any = src, dst: Any = dst, done: Any = done, dl: float = deadline
-        ) -> None:
-            while time.perf_counter() < dl:
-                dst[k].copy_(src[k])
-                done[k] += 1
-
-        t0 = time.perf_counter()
-        ts = [threading.Thread(target=copy, args=(k,)) for k in range(w)]
-        for th in ts:
-            th.start()
-        for th in ts:
-            th.join()
-        print(
-            f"  probe: host memcpy 16 MiB, {w} threads: "
-            f"{sum(done) * big / (time.perf_counter() - t0) / _GB:.2f} GB/s",
-            flush=True,
-        )
-    for r in ("mmap", "pread"):
-        for w in (1, 16):
-            g = read_ceiling(ds if r == ds.read else _with_read(ds, r), bs, w, pin, seconds / 2)
-            print(f"  probe: read_batch read={r} {w} threads: {g:.2f} GB/s", flush=True)
-    if device.type != "cuda":
-        return
-    # MemmapDataset.read_batch(out=<cuda tensor>): DMA from the registered page cache
-    gpu_out = torch.empty(bs, rec, dtype=torch.uint8, device=device)
-    perm0 = np.random.default_rng(2).permutation(len(ds))
-    nb = len(ds) // bs
-    ds.read_batch(perm0[:bs], out=gpu_out)  # registers the maps (timed apart)
-    torch.cuda.synchronize()
-    k, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds / 2:
-        ds.read_batch(perm0[(k % nb) * bs : (k % nb + 1) * bs], out=gpu_out)
-        k += 1
-    torch.cuda.synchronize()
-    print(
-        f"  probe: read_batch(out=cuda) 1 thread: {k * big / (time.perf_counter() - t0) / _GB:.2f}"
-        " GB/s",
-        flush=True,
-    )
-    ds.close()
-
-
-def _with_read(ds: Any, r: str) -> Any:
-    return feedpipe.MemmapDataset(ds.path, read=r)
-
-
 def synthetic_step(
     ds: Any,
     bs: int,
@@ -353,7 +293,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--records", default="262144,8192", help="record sizes in bytes")
     p.add_argument("--dir", default=None, help="where to write (default /dev/shm if roomy)")
     p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
-    p.add_argument("--probe", action="store_true", help="only diagnostics on the first size")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -387,9 +326,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"records {rec} B: {len(ds)} written+warmed in {time.perf_counter() - t0:.1f}s,"
                 f" batch {bs}"
             )
-            if args.probe:
-                probe(ds, bs, device, args.seconds)
-                return 0
             results: dict[str, list[Result]] = {"torch": [], "direct": [], "ring": []}
             for kind, ws in workers.items():
                 for w in ws:

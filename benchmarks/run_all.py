@@ -12,7 +12,8 @@ rewrites its own section of docs/benchmarks.md (machine, command and date includ
 reports which succeeded, and then regenerates the "headline" list of measured ratios in
 ``README.md`` and ``docs/index.md`` from the tables now in docs/benchmarks.md, so the front
 pages never quote a number the tables do not hold. A benchmark that fails does not stop the
-others; the exit status is 1 if any failed.
+others; the exit status is 1 if any failed. The scripts in ``benchmarks/diagnostics/`` explain a
+figure rather than produce one; this script does not run them.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from ckpt import _faults, _layout
 from ckpt._layout import LATEST, LEFTOVER, LOCK, MANIFEST, RETIRED, step_dir
 from ckpt.errors import CheckpointError, LockedError
 from ckpt.format import open_regular
+from feedpipe.io.fsutil import fsync_dir as io_fsync_dir
 
 __all__ = [
     "WriterLock",
@@ -90,13 +91,9 @@ def open_nofollow(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """fsync a directory so that renames/creations inside it are durable (it may be reached
-    through a symlink: the checkpoint directory itself may be one; fsync writes nothing)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """:func:`feedpipe.io.fsync_dir` (the one durability rule of both packages; the checkpoint
+    directory may be reached through a symlink), then the fault-injection point of tests."""
+    io_fsync_dir(path)
     _faults.fs_op(f"fsync {Path(path).name}")
 
 

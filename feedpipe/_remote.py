@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from feedpipe.datasets.format import INDEX_NAME
 from feedpipe.errors import DatasetError, RemoteError, require
 from feedpipe.io.crc import crc32c_file, to_hex
 from feedpipe.io.remote import (
@@ -99,7 +100,6 @@ def call(
 
 # ---------------------------------------------------------------- verified transfers
 
-INDEX_NAME = "index.json"
 _MIN_ATTEMPT_S = 5.0  # the least time one bounded attempt gets, even past the deadline
 
 

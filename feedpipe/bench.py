@@ -140,7 +140,7 @@ def _dataset(args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
     if cache is None:
         cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="feedpipe-bench-"))
     ds = MemmapDataset(args.path, cache_dir=cache, storage_options=options)
-    stack.callback(ds.close)  # unpin its shards before the cache folder goes
+    stack.callback(ds.close)  # end its shards' leases before the cache folder goes
     return ds
 
 

@@ -170,13 +170,13 @@ class TestZarrZarrPython(_Zarr):
 
 
 class TestZarrSingleArrayEngine(_Zarr):
-    """A single uncompressed array read by the engine (``direct=False``)."""
+    """A single uncompressed array read by the engine (``preadv=False``)."""
 
     def make_dataset(self, tmp_path: Path) -> Any:
         pytest.importorskip("tensorstore")
         from feedpipe import ZarrDataset
 
-        return ZarrDataset(_zarr_group(tmp_path) / "raw", backend="zarr", direct=False)
+        return ZarrDataset(_zarr_group(tmp_path) / "raw", backend="zarr", preadv=False)
 
 
 class TestZarrSingleArrayPreadv(_Zarr):
@@ -187,7 +187,7 @@ class TestZarrSingleArrayPreadv(_Zarr):
         from feedpipe import ZarrDataset
 
         ds = ZarrDataset(_zarr_group(tmp_path) / "raw")
-        assert ds._direct, "expected the preadv path"
+        assert ds._preadv, "expected the preadv path"
         return ds
 
 

@@ -4,8 +4,9 @@ Rule 1 (strict): ``feedpipe.io`` imports nothing else from feedpipe; ckpt import
 ``feedpipe.io`` from feedpipe; feedpipe never imports ckpt.
 Rule 2: a feedpipe module imports only from its own layer or the layers below.
 Rule 3: no private name (``_name`` that is not a module) is imported from another module.
-
 Rule 4: only ``feedpipe.loader._torch_compat`` touches torch's private API.
+Rule 5: no measured figure (throughput, ratio, measured cost) in a docstring or comment of
+feedpipe or ckpt: the decision is stated and docs/benchmarks.md holds the numbers.
 
 Rules 2 and 3 list today's exceptions in ``LAYER_EXCEPTIONS`` and ``PRIVATE_EXCEPTIONS``. An
 entry that no longer matches an import fails the test too, so the lists can only shrink: remove
@@ -15,6 +16,9 @@ an entry when its import goes away, and never add one for new code.
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -248,3 +252,133 @@ def test_rule4_only_torch_compat_touches_torch_privates() -> None:
     }
     assert bad == {}
     assert _torch_private_touches(compat), "the scan must see the compat module's own touches"
+
+
+# Rule 5: no measured figures in library code. A docstring or comment states the decision and
+# points at its section of docs/benchmarks.md, which benchmarks/ generates. A measured figure is
+# a throughput (``12.3 GB/s``, ``900 samples/s``), a ratio (``9.4x``) or a measured cost
+# (``costs ~40%``, ``took 1.2 ms``); arithmetic (``2**-30 s (~1 ns)``) is not one.
+MEASURED = re.compile(
+    r"\b\d[\d.,]*\s*(?:[KMGT]i?B|B|samples|records|batches|images|steps)/s\b"
+    r"|\b\d+(?:\.\d+)?x\b"
+    r"|\b(?:cost|costs|took|takes|reached|reaches|measured)\b[^.;:]{0,40}?\d+(?:\.\d+)?\s*"
+    r"(?:%|ns|us|µs|ms|s)(?!\w)",
+    re.IGNORECASE,
+)
+
+# Rule 5, today's exceptions: files of the loader and the GPU feed (the lead's) -> why.
+FIGURE_EXCEPTIONS: dict[str, str] = {
+    "feedpipe/device/direct.py": "direct-path thresholds quoted with GB/s in the docstring",
+    "feedpipe/device/dma.py": "a table of DMA GB/s in the docstring",
+    "feedpipe/loader/fetch.py": "cost of an Enum lookup in a comment",
+}
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """Every docstring line and comment of ``path``, with its line number."""
+    src = path.read_text()
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(src, str(path))):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                lines = first.value.value.splitlines()
+                out.extend((first.lineno + i, line) for i, line in enumerate(lines))
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            out.append((tok.start[0], tok.string))
+    return out
+
+
+def _figures() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for path in _sources("feedpipe") + _sources("ckpt"):
+        for line, text in _prose(path):
+            for m in MEASURED.finditer(text):
+                rel = str(path.relative_to(ROOT))
+                found.setdefault(rel, []).append(f"{rel}:{line}: {m.group(0)!r}")
+    return found
+
+
+def test_rule5_no_measured_figures_in_docstrings_or_comments() -> None:
+    found = _figures()
+    new = sorted(hit for f, hits in found.items() if f not in FIGURE_EXCEPTIONS for hit in hits)
+    assert new == [], (
+        "measured figures in library prose: state the decision and link to its section of "
+        f"docs/benchmarks.md instead: {new}"
+    )
+    stale = sorted(set(FIGURE_EXCEPTIONS) - set(found))
+    assert stale == [], f"rule 5: these exceptions are gone, remove them from the list: {stale}"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "measured 19.1 GB/s direct against 12.3",
+        "# moved 900 samples/s",
+        "torch's best (9.4x)",
+        "# Enum attribute lookups cost ~100 ns each",
+        "# it costs ~40% of throughput",
+        "the copy took 1.5 ms",
+        "| 256 KiB | 54.1-54.7 GB/s |",
+        "8.45 (mmap) against 4.19 GiB/s",
+    ],
+)
+def test_rule5_pattern_finds_figures(text: str) -> None:
+    assert MEASURED.search(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "# Wait histogram: from 2**-30 s (~1 ns) to 2**12 s.",
+        "its midpoint is within ~3% of every value in it",
+        "20% busy means the input is idle 80% of the time",
+        "the page-locked ring of 64 MiB; timeout=300 s",
+        "a 0x10 flag and a 16-byte header",
+        "see the staging section of docs/benchmarks.md",
+    ],
+)
+def test_rule5_pattern_leaves_settings_and_arithmetic(text: str) -> None:
+    assert not MEASURED.search(text)
+
+
+# Rule 6: the docs name public paths only. A dotted path of feedpipe or ckpt with a component
+# that starts with "_" (``ckpt._pool.PoolOptions``) is private; docs/architecture.md, the map of
+# the modules, names private modules on purpose and is not scanned.
+PRIVATE_PATH = re.compile(r"\b(?:feedpipe|ckpt)(?:\.\w+)*\._(?!_)\w+")  # not a __dunder__
+PATH_RULE_EXEMPT = {"docs/architecture.md"}
+
+
+def _doc_pages() -> list[Path]:
+    return sorted([*(ROOT / "docs").rglob("*.md"), ROOT / "README.md"])
+
+
+def test_rule6_docs_reference_public_paths_only() -> None:
+    bad = [
+        f"{page.relative_to(ROOT)}:{n}: {m.group(0)}"
+        for page in _doc_pages()
+        if str(page.relative_to(ROOT)) not in PATH_RULE_EXEMPT
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        for m in PRIVATE_PATH.finditer(line)
+    ]
+    assert bad == [], f"docs name private module paths; name the public path instead: {bad}"
+
+
+@pytest.mark.parametrize(
+    ("text", "private"),
+    [
+        ("::: ckpt._pool.PoolOptions", True),
+        ("`feedpipe._memmap_writer.MemmapWriter`", True),
+        ("feedpipe.loader._torch_compat", True),
+        ("::: ckpt.manager.PoolOptions", False),
+        ("`feedpipe.datasets.memmap.MemmapDataset.__getitems__`", False),
+        ("feedpipe.DataLoader(direct=False)", False),
+    ],
+)
+def test_rule6_pattern(text: str, private: bool) -> None:
+    assert bool(PRIVATE_PATH.search(text)) is private

@@ -148,8 +148,8 @@ def test_direct_reads_of_uncompressed_sharded_arrays(tmp_path: Path, index_locat
     )
     arr[:] = x
     direct = ZarrDataset(tmp_path / "u")
-    engine = ZarrDataset(tmp_path / "u", direct=False)
-    assert "" in direct._direct and not engine._direct
+    engine = ZarrDataset(tmp_path / "u", preadv=False)
+    assert "" in direct._preadv and not engine._preadv
     idx = [129, 0, 41, 40, 39, 7, 7, -2]
     assert torch.equal(direct.read_batch(idx), engine.read_batch(idx))
     assert torch.equal(direct.read_batch(idx), torch.from_numpy(x[idx]))
@@ -172,7 +172,7 @@ def test_direct_reads_of_unsharded_arrays(tmp_path: Path) -> None:
         tmp_path / "p", shape=x.shape, chunks=(16, 4), dtype="float64", compressors=None
     )[:] = x
     ds = ZarrDataset(tmp_path / "p")
-    assert ds._direct and torch.equal(ds.read_batch([49, 0, 17]), torch.from_numpy(x[[49, 0, 17]]))
+    assert ds._preadv and torch.equal(ds.read_batch([49, 0, 17]), torch.from_numpy(x[[49, 0, 17]]))
 
 
 @pytest.mark.parametrize("index_location", ["end", "start"])
@@ -192,6 +192,6 @@ def test_direct_reads_of_big_records_across_shards(tmp_path: Path, index_locatio
         ),
     )[:] = x
     ds = ZarrDataset(tmp_path / "big")
-    assert ds._direct
+    assert ds._preadv
     for idx in ([8, 0, 4, 3, 8, 1], [5, 4], [2]):
         assert torch.equal(ds.read_batch(idx), torch.from_numpy(x[idx]))

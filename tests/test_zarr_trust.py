@@ -54,7 +54,7 @@ def test_missing_chunk_fails_the_epoch_in_process_workers(
 ) -> None:
     _array(tmp_path / "a", sharded=False)
     os.unlink(tmp_path / "a" / "c" / "5" / "0")
-    ds = ZarrDataset(tmp_path / "a", direct=False)
+    ds = ZarrDataset(tmp_path / "a", preadv=False)
     if parent_read_first:  # TensorStore now runs in the parent: forked workers use zarr-python
         with pytest.raises(DatasetError, match="c/5/0"):
             ds.read_batch(list(range(40, 48)))
@@ -71,7 +71,7 @@ def test_zarr_python_backend_refuses_missing_chunks(tmp_path: Path, sharded: boo
     victim = "c/1/0" if sharded else "c/3/0"
     os.unlink(tmp_path / "a" / victim)
     for backend in ("zarr", "tensorstore"):
-        ds = ZarrDataset(tmp_path / "a", backend=backend, direct=False)
+        ds = ZarrDataset(tmp_path / "a", backend=backend, preadv=False)
         assert ds.read_batch([0, 1])[0, 0] == 1  # other chunks read fine
         with pytest.raises(DatasetError, match=victim if backend == "zarr" else "records"):
             ds.read_batch([40 if sharded else 26])
@@ -80,7 +80,7 @@ def test_zarr_python_backend_refuses_missing_chunks(tmp_path: Path, sharded: boo
 def test_missing_inner_chunk_of_a_shard_is_an_error(tmp_path: Path) -> None:
     _array(tmp_path / "a", sharded=True, zero_chunk=True)  # inner chunk 1 of shard 0 not stored
     for backend in ("zarr", "tensorstore"):
-        ds = ZarrDataset(tmp_path / "a", backend=backend, direct=False)
+        ds = ZarrDataset(tmp_path / "a", backend=backend, preadv=False)
         with pytest.raises(DatasetError):
             ds.read_batch([9])
 

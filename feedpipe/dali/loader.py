@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,21 +41,67 @@ import numpy as np
 import torch
 
 from feedpipe.dali import source as _src
-from feedpipe.dali.pipeline import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    Transform,
-    build_fed,
-    build_main,
-    build_probe,
-)
+from feedpipe.dali.pipeline import Transform, build_fed, build_main, build_probe
 from feedpipe.errors import DatasetError, WorkerError, require
 from feedpipe.stall import StallMeter
 
-__all__ = ["ImageLoader"]
+__all__ = ["ImageLoader", "ImageLoaderOptions"]
 
 _STATE_VERSION = 1
 _PIPE_DEPTH = 2  # DALI's prefetch_queue_depth: run() feeds one batch ahead of what it returns
+
+
+@dataclass(frozen=True)
+class ImageLoaderOptions:
+    """How :class:`ImageLoader` runs DALI (the image transforms are a separate :class:`Transform`).
+
+    ``device``: "cuda" (decode with ``device="mixed"`` on GPU ``device_id``, default the current
+    one) or "cpu" (DALI's CPU backend). ``num_threads``: DALI operator threads.
+    ``py_num_workers``: reader processes; ``py_start_method``: "spawn" (safe once CUDA is
+    initialised) or "fork". ``prefetch``: batches the readers prepare ahead (``None``:
+    ``max(4, 2 * py_num_workers)``). ``hw_decoder_load``: share of JPEGs sent to the hardware
+    decoder (GPU only). ``on_error``: "raise" or "skip" (module docstring). ``timeout``: seconds
+    to wait for one batch before raising :class:`~feedpipe.errors.WorkerError`.
+    """
+
+    device: str = "cuda"
+    device_id: int | None = None
+    num_threads: int = 4
+    py_num_workers: int = 4
+    py_start_method: str = "spawn"
+    prefetch: int | None = None
+    hw_decoder_load: float = 0.9
+    on_error: str = "raise"
+    timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+
+
+_TRANSFORM_FIELDS = frozenset(f.name for f in fields(Transform))
+_OPTION_FIELDS = frozenset(f.name for f in fields(ImageLoaderOptions))
+
+
+def _split_flat(
+    transform: Transform | None, options: ImageLoaderOptions | None, flat: dict[str, Any]
+) -> tuple[Transform, ImageLoaderOptions]:
+    """``transform`` and ``options`` with the flat keywords (aliases of their fields) applied."""
+    if transform is not None and not isinstance(transform, Transform):
+        raise TypeError(f"transform must be a feedpipe.dali.Transform, got {type(transform)}")
+    if options is not None and not isinstance(options, ImageLoaderOptions):
+        raise TypeError(f"options must be a feedpipe.dali.ImageLoaderOptions, got {type(options)}")
+    unknown = sorted(set(flat) - _TRANSFORM_FIELDS - _OPTION_FIELDS)
+    if unknown:
+        raise TypeError(f"ImageLoader() got unexpected keyword argument(s) {unknown}")
+    t_kw = {k: v for k, v in flat.items() if k in _TRANSFORM_FIELDS}
+    o_kw = {k: v for k, v in flat.items() if k in _OPTION_FIELDS}
+    return (
+        replace(transform or Transform(), **t_kw),
+        replace(options or ImageLoaderOptions(), **o_kw),
+    )
 
 
 class ImageLoader:
@@ -68,17 +115,16 @@ class ImageLoader:
         sampler: a feedpipe/torch sampler (``set_epoch`` and ``state_dict`` are used when present);
             default: ``feedpipe.DistributedSampler`` over one rank with ``shuffle`` and ``seed``.
         drop_last: drop the last incomplete batch.
-        train: random resized crop + horizontal flip; else resize the shorter side to ``resize``
-            and center-crop ``crop``. Then normalize with ``mean``/``std`` (0..1 units) into
-            ``dtype`` ("float32", "float16" or "uint8" = no normalization) and ``output_layout``.
-        device: "cuda" (decode with ``device="mixed"`` on GPU ``device_id``) or "cpu".
-        num_threads: DALI operator threads; py_num_workers: reader processes; prefetch: batches
-            the readers prepare ahead (default ``max(4, 2 * py_num_workers)``).
-        py_start_method: "spawn" (safe once CUDA is initialised) or "fork".
-        hw_decoder_load: share of JPEGs sent to the hardware decoder (GPU only).
-        on_error: "raise" or "skip" (see the module docstring).
+        transform: a :class:`Transform`: ``train`` = random resized crop + horizontal flip; else
+            resize the shorter side to ``resize`` and center-crop ``crop``; then normalize with
+            ``mean``/``std`` (0..1 units) into ``dtype`` ("float32", "float16" or "uint8" = no
+            normalization) and ``output_layout``.
+        options: an :class:`ImageLoaderOptions` (device, DALI threads and workers, prefetch,
+            ``on_error``, ``timeout``).
         meter: a :class:`~feedpipe.StallMeter` to report into (one is created otherwise).
-        timeout: seconds to wait for one batch before raising :class:`~feedpipe.errors.WorkerError`.
+        **flat: each field of ``Transform`` and ``ImageLoaderOptions`` is also accepted as a flat
+            keyword (``ImageLoader(ds, 256, device="cpu", crop=224)``); it overrides that field
+            of ``transform``/``options``.
     """
 
     def __init__(
@@ -90,34 +136,18 @@ class ImageLoader:
         shuffle: bool = True,
         drop_last: bool = False,
         seed: int = 0,
-        train: bool = True,
-        crop: int = 224,
-        resize: int = 256,
-        mean: tuple[float, ...] = IMAGENET_MEAN,
-        std: tuple[float, ...] = IMAGENET_STD,
-        output_layout: str = "NCHW",
-        dtype: str = "float32",
-        device: str = "cuda",
-        device_id: int | None = None,
-        num_threads: int = 4,
-        py_num_workers: int = 4,
-        py_start_method: str = "spawn",
-        prefetch: int | None = None,
-        hw_decoder_load: float = 0.9,
-        on_error: str = "raise",
+        transform: Transform | None = None,
+        options: ImageLoaderOptions | None = None,
         meter: StallMeter | None = None,
-        timeout: float = 300.0,
+        **flat: Any,
     ) -> None:
         require("nvidia.dali", "dali")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        if device not in ("cuda", "cpu"):
-            raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-        if output_layout not in ("NCHW", "NHWC"):
-            raise ValueError(f"output_layout must be 'NCHW' or 'NHWC', got {output_layout!r}")
-        if device == "cuda":
+        self.transform, self.options = _split_flat(transform, options, flat)
+        opts = self.options
+        device_id = opts.device_id
+        if opts.device == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError("device='cuda' needs a CUDA GPU; use device='cpu' without one")
             device_id = torch.cuda.current_device() if device_id is None else device_id
@@ -139,27 +169,15 @@ class ImageLoader:
         self.batch_size = batch_size
         self.sampler = sampler
         self.drop_last = drop_last
-        self.on_error = on_error
+        self.on_error = opts.on_error
         self.device = torch.device("cpu") if device_id is None else torch.device("cuda", device_id)
-        self.transform = Transform(
-            train=train,
-            crop=crop,
-            resize=resize,
-            mean=tuple(mean),
-            std=tuple(std),
-            output_layout=output_layout,
-            dtype=dtype,
-        )
         self.meter = meter if meter is not None else StallMeter()
-        self.timeout = timeout
+        self.timeout = opts.timeout
         self.skipped = 0  # bad records replaced so far (one per replaced sample)
         self._skip: set[int] = set()
         self._device_id = device_id
-        self._num_threads = num_threads
-        self._py_num_workers = py_num_workers
-        self._py_start_method = py_start_method
-        self._prefetch = prefetch if prefetch is not None else max(4, 2 * py_num_workers)
-        self._hw_decoder_load = hw_decoder_load
+        prefetch = opts.prefetch
+        self._prefetch = prefetch if prefetch is not None else max(4, 2 * opts.py_num_workers)
         self._seed = seed + 7919 * int(getattr(sampler, "rank", 0) or 0)
         self._plan_dir: str | None = None
         self._pipe: Any = None
@@ -175,7 +193,6 @@ class ImageLoader:
         self._last_end = 0  # the iteration after the last published segment
         self._spec: tuple[int, int, np.ndarray, list[int]] | None = None  # id, start, plan, skip
         self._speculate = True  # off once a prediction was wrong
-        self._running = False  # an epoch is in flight (not run to its end)
         self._tainted = False  # DALI failed on a batch of the current pipeline
         self._iter_state: dict[str, Any] | None = None  # sampler state at the current __iter__
         self._delivered = 0
@@ -273,7 +290,7 @@ class ImageLoader:
         if self._plan_dir is not None:
             shutil.rmtree(self._plan_dir, ignore_errors=True)
             self._plan_dir = None
-        self._pipe, self._running, self._tainted, self._spec = None, False, False, None
+        self._pipe, self._tainted, self._spec = None, False, None
         self._pos = self._segs = self._last_end = 0
 
     def _publish(self, indices: np.ndarray, start: int) -> int:
@@ -301,14 +318,14 @@ class ImageLoader:
                 source,
                 self.transform,
                 batch_size=self.batch_size,
-                num_threads=self._num_threads,
+                num_threads=self.options.num_threads,
                 device_id=self._device_id,
                 seed=self._seed,
-                py_num_workers=self._py_num_workers,
-                py_start_method=self._py_start_method,
+                py_num_workers=self.options.py_num_workers,
+                py_start_method=self.options.py_start_method,
                 prefetch=self._prefetch,
                 prefetch_queue_depth=_PIPE_DEPTH,
-                hw_decoder_load=self._hw_decoder_load,
+                hw_decoder_load=self.options.hw_decoder_load,
             )
             start = 0
         elif (
@@ -328,7 +345,6 @@ class ImageLoader:
             self._seg_id = self._publish(indices, start)
         if self._speculate:
             self._predict_next()
-        self._running = True
         return start
 
     def _predict_next(self) -> None:
@@ -372,7 +388,6 @@ class ImageLoader:
         try:
             return self._run(self._pipe, what)
         except StopIteration:
-            self._running = False
             raise WorkerError(f"DALI pipeline ended before {what}") from None
         finally:
             self._pos += 1
@@ -415,7 +430,6 @@ class ImageLoader:
             self.meter.wait_end(samples=len(labels), nbytes=nbytes)
             self._delivered += len(labels)
             yield images, labels
-        self._running = False
 
     def _to_torch(self, out: Any) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         images = _tensor(out[0], self.device)
@@ -474,10 +488,10 @@ class ImageLoader:
             self._fed = build_fed(
                 self.transform,
                 batch_size=self.batch_size,
-                num_threads=self._num_threads,
+                num_threads=self.options.num_threads,
                 device_id=self._device_id,
                 seed=self._seed + 1,
-                hw_decoder_load=self._hw_decoder_load,
+                hw_decoder_load=self.options.hw_decoder_load,
             )
         self._fed.feed_input("encoded", bufs)
         (images,) = self._run(self._fed, "repaired batch")

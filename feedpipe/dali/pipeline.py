@@ -7,7 +7,7 @@ from typing import Any
 
 from feedpipe.errors import require
 
-__all__: list[str] = []
+__all__ = ["Transform"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -26,6 +26,14 @@ class Transform:
     dtype: str = "float32"  # "float32" | "float16" | "uint8"
     random_area: tuple[float, float] = (0.08, 1.0)
     random_aspect_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+
+    def __post_init__(self) -> None:
+        if self.output_layout not in ("NCHW", "NHWC"):
+            raise ValueError(f"output_layout must be 'NCHW' or 'NHWC', got {self.output_layout!r}")
+        if self.dtype not in ("float32", "float16", "uint8"):
+            raise ValueError(f"dtype must be 'float32', 'float16' or 'uint8', got {self.dtype!r}")
+        for name in ("mean", "std", "random_area", "random_aspect_ratio"):  # lists -> tuples
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
 
 def _dali_dtype(types: Any, name: str) -> Any:

@@ -21,12 +21,14 @@ A bad record (reason != 0) is replaced by the next valid record in dataset order
 
 from __future__ import annotations
 
-import os
+import io
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from feedpipe.io.fsutil import atomic_write
 
 __all__: list[str] = []
 
@@ -117,10 +119,9 @@ def write_segment(root: Path, seg: int, start: int, indices: np.ndarray, skip: l
         (f"skip-{seg}.npy", np.asarray(sorted(skip), dtype=np.int64)),
         (f"seg-{seg}.npy", body),
     ):
-        tmp = root / f".{name}.tmp"
-        with open(tmp, "wb") as f:
-            np.save(f, arr)
-        os.replace(tmp, root / name)
+        buf = io.BytesIO()
+        np.save(buf, arr)
+        atomic_write(root / name, buf.getvalue(), durable=False)  # scratch in /dev/shm
 
 
 class _Segment:

@@ -1,4 +1,6 @@
-"""Every shard of a fixed-record dataset mapped into one reserved address range.
+"""Gathers for the datasets' batched reads: every shard of a fixed-record dataset mapped into one
+reserved address range (:class:`ShardSpace`), and the scratch buffer and inverse permutation of
+the shard-by-shard path (shared by ``MemmapDataset`` and ``ZarrDataset``).
 
 A batch touching many shards is then one ``np.take`` over one ``(rows, record_bytes)`` view,
 whatever the number of shards it touches: the per-batch work is vectorised and O(records).
@@ -45,7 +47,7 @@ import numpy as np
 
 from feedpipe.errors import DatasetError
 
-__all__ = ["ShardSpace", "map_budget"]
+__all__ = ["ROW_COPY_MIN", "ShardSpace", "inverse", "map_budget", "scratch"]
 
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
@@ -394,3 +396,23 @@ def _changed(path: str, sid: int, size: int, want: int, verb: str) -> str:
         f"{path}: shard {sid} file {verb} {size} bytes but the index says {want} "
         f"(truncated or modified{while_open})"
     )
+
+
+# ------------------------------------------------------------ the shard-by-shard path
+ROW_COPY_MIN = 64 << 10  # records this large are copied one by one (no scratch + scatter)
+
+
+def scratch(tls: threading.local, like: np.ndarray) -> np.ndarray:
+    """A per-thread buffer shaped like ``like``, reused across batches (a fresh one per batch
+    is faulted in page by page, which costs more than the gather itself)."""
+    buf = getattr(tls, "buf", None)
+    if buf is None or buf.nbytes < like.nbytes:
+        buf = tls.buf = np.empty(like.nbytes, np.uint8)
+    return buf[: like.nbytes].view(like.dtype).reshape(like.shape)
+
+
+def inverse(order: np.ndarray) -> np.ndarray:
+    """The inverse permutation of ``order``: ``inverse(order)[order] == arange(len(order))``."""
+    inv = np.empty_like(order)
+    inv[order] = np.arange(len(order))
+    return inv

@@ -2,8 +2,8 @@
 
 A shard is *in use* while a read is inside :meth:`OpenShards.use`; in-use shards are never
 closed. Between reads a shard stays open (fd, read-only map and, for a cached remote dataset,
-its cache pin) as long as the idle open shards fit ``idle_bytes``; beyond that the least
-recently used idle shard is closed and unpinned, so a bounded cache can evict it.
+its cache lease) as long as the idle open shards fit ``idle_bytes``; beyond that the least
+recently used idle shard is closed and its lease released, so a bounded cache can evict it.
 :meth:`OpenShards.release_idle` closes every idle shard at once (a download waiting for room).
 """
 
@@ -25,7 +25,7 @@ Opener = Callable[[int], tuple[int, Callable[[], None]]]
 
 
 class OpenShard:
-    """One open shard data file: its fd, its map (made on first use) and how to unpin it."""
+    """One open shard data file: its fd, its map (made on first use) and how to end its lease."""
 
     __slots__ = ("fd", "locked", "mm", "nbytes", "release", "rows", "sid", "unlock", "users")
 
@@ -37,8 +37,10 @@ class OpenShard:
         self.locked: Any = None  # the map registered with CUDA (feedpipe.device.dma)
         self.unlock: int | None = None
 
-    def close(self, unpin: bool = True) -> None:
-        if self.locked is not None and unpin:  # not in a forked child: CUDA is the parent's
+    def close(self, owner: bool = True) -> None:
+        """Close the file; ``owner`` (this process opened it) also ends the CUDA registration
+        and the cache lease, which a forked child leaves to its parent."""
+        if self.locked is not None and owner:  # not in a forked child: CUDA is the parent's
             from feedpipe.device.dma import unlock
 
             unlock(self)
@@ -54,14 +56,14 @@ class OpenShard:
             os.close(self.fd)
         except OSError:
             pass
-        if unpin:
+        if owner:
             self.release()
 
 
 class OpenShards:
     """LRU of open shards (see the module docstring); thread-safe; one per process.
 
-    ``opener(sid)`` opens (and pins) a shard's data file and returns ``(fd, release)``;
+    ``opener(sid)`` opens (and leases) a shard's data file and returns ``(fd, release)``;
     ``sizes[sid]`` is its size in bytes; ``idle_bytes=None`` keeps every shard open.
     """
 
@@ -103,7 +105,7 @@ class OpenShards:
         return rows
 
     def release_idle(self) -> None:
-        """Close and unpin every shard not in use now."""
+        """Close every shard not in use now and end its lease."""
         with self._lock:
             idle = [s for s in self._open.values() if s.users == 0]
             for s in idle:
@@ -112,12 +114,12 @@ class OpenShards:
             s.close()
 
     def close(self) -> None:
-        """Close everything (in this process; after a fork the parent's pins are left alone)."""
+        """Close everything (in this process; after a fork the parent's leases are left alone)."""
         mine = self.pid == os.getpid()
         with self._lock:
             shards, self._open = list(self._open.values()), OrderedDict()
         for s in shards:
-            s.close(unpin=mine)
+            s.close(owner=mine)
 
     def _get(self, sid: int) -> OpenShard:
         with self._lock:

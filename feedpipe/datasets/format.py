@@ -20,7 +20,6 @@ import json
 import math
 import os
 import re
-import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from feedpipe.errors import DatasetError
-from feedpipe.io.fsutil import fsync_dir
+from feedpipe.io.fsutil import atomic_write
 
 __all__ = [
     "FORMAT",
@@ -341,15 +340,8 @@ def parse_index(raw: bytes | str, source: str) -> Index:
 
 
 def write_index(directory: str | os.PathLike[str], index: Index) -> str:
-    """Write ``index.json`` atomically (temp name, fsync, rename); return its path."""
-    root = os.fspath(directory)
-    final = os.path.join(root, INDEX_NAME)
-    tmp = os.path.join(root, f".{INDEX_NAME}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    data = json.dumps(index.to_json(), indent=1).encode()
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    fsync_dir(root, best_effort=True)
+    """Write ``index.json`` atomically and durably (:func:`feedpipe.io.fsutil.atomic_write`);
+    return its path."""
+    final = os.path.join(os.fspath(directory), INDEX_NAME)
+    atomic_write(final, json.dumps(index.to_json(), indent=1).encode())
     return final

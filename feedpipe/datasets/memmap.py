@@ -8,20 +8,17 @@ one vectorised gather with the GIL released. Fixed-size records are read one of 
 
 - ``"mmap"``: ``np.take`` from the mapped shards straight into the destination, with
   ``mode="clip"`` (indices are checked first; with ``mode="raise"`` numpy gathers into a
-  temporary and copies it again: 5.35 against 7.06 GB/s at 8 KiB and 6.37 against 16.38 at
-  256 KiB, ``benchmarks/datasets.py`` on the 2-core dev VM). A local dataset maps every shard
-  into one reserved address range (:mod:`feedpipe.datasets._gather`), so a batch is one
-  ``np.take`` however many shards it touches, and open descriptors do not grow with the number
-  of shards. A remote dataset (shards pinned in the cache one by one) and one with more shards
-  than the map budget gather shard by shard, in file order, then scatter.
+  temporary and copies it again, which is slower: the ``np.take alone`` rows of the datasets
+  section of docs/benchmarks.md). A local dataset maps every shard into one reserved address
+  range (:mod:`feedpipe.datasets._gather`), so a batch is one ``np.take`` however many shards it
+  touches, and open descriptors do not grow with the number of shards. A remote dataset (shards
+  leased from the cache one by one) and one with more shards than the map budget gather shard
+  by shard, in file order, then scatter.
 - ``"pread"``: ``os.preadv`` straight into the destination rows, in file order, adjacent records
   coalesced into one call, every byte count checked (a truncated shard raises).
-- ``"auto"`` (default): ``"mmap"``, by measurement: ``read_batch`` alone into reused buffers,
-  shuffled 16 MiB batches (``benchmarks/gpu_feed.py --device cpu --probe --gb 1 --records N``,
-  2-core dev VM) moved 256 KiB records at 8.45 (mmap) against 4.19 GB/s (pread) on 1 thread and
-  5.70 against 4.60 on 16, and 8 KiB records at 2.39 against 1.53 and 2.59 against 0.41: one
-  ``os.preadv`` per run of records from Python re-takes the GIL per call, which convoys across
-  threads.
+- ``"auto"`` (default): ``"mmap"``, because it measured faster at every record size and thread
+  count (``benchmarks/diagnostics/feed_probe.py --device cpu`` prints both): one ``os.preadv``
+  per run of records from Python re-takes the GIL per call, which convoys across threads.
   ``"pread"`` stays available (it never maps the file, so it never faults on first touch).
 
 A CUDA ``out`` skips the host gather: records go by DMA from the page cache to the GPU
@@ -45,7 +42,7 @@ import numpy as np
 import torch
 
 from feedpipe import _remote
-from feedpipe.datasets._gather import ShardSpace
+from feedpipe.datasets._gather import ROW_COPY_MIN, ShardSpace, inverse, scratch
 from feedpipe.datasets._memmap_open import OpenShard, OpenShards
 from feedpipe.datasets.format import INDEX_NAME, FileInfo, Index, parse_index, read_index
 from feedpipe.datasets.writer import MemmapWriter
@@ -55,7 +52,6 @@ from feedpipe.io.crc import crc32c_file, to_hex
 __all__ = ["MemmapDataset", "MemmapWriter", "verify_files"]
 
 _IOV_MAX = 1024
-_ROW_COPY_MIN = 64 << 10  # records this large are copied one by one when a batch spans shards
 _THREAD_MIN_BYTES = 16 << 20  # split a preadv batch over threads above this many bytes
 _MAX_THREADS = 4
 _READS = ("auto", "mmap", "pread")
@@ -90,7 +86,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
     A remote URL (``s3://...``) is read through a :class:`feedpipe.cache.ShardCache` in
     ``cache_dir`` (lazy mode). With ``cache_limit_bytes``, a shard is leased only while it is
     read, plus idle shards kept open up to a third of the limit; when a download waits for
-    room, readers drop their idle leases, so an epoch over more shards than the limit holds
+    room, readers end their idle leases, so an epoch over more shards than the limit holds
     evicts shards instead of waiting: the one needed farthest in the future when the loader
     plans the reads (:meth:`plan_ahead`), else the least recently used.
     """
@@ -258,7 +254,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         return space if isinstance(space, ShardSpace) else None
 
     def _open_data(self, sid: int) -> tuple[int, Any]:
-        """Open (and, remote, fetch and pin) shard ``sid``'s data file: ``(fd, release)``."""
+        """Open (and, remote, download and lease) shard ``sid``'s data file: ``(fd, release)``."""
         info = self.index.shards[sid].files["data"]
         release: Any = _noop
         if self._remote:
@@ -433,7 +429,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         if not self._remote:
             return shards
         cache = self._shard_cache()
-        if cache.pressure_changed():  # a download somewhere waits for room: unpin idle shards
+        if cache.pressure_changed():  # a download somewhere waits for room: end idle leases
             self._release_idle()
         if len(shards) < 2:
             return shards
@@ -571,8 +567,8 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         s_sorted, l_sorted = sid[order], local[order]
         bounds = [0, *(np.flatnonzero(np.diff(s_sorted)) + 1).tolist(), n]
         group = {int(s_sorted[a]): (a, b) for a, b in itertools.pairwise(bounds)}
-        big = rb >= _ROW_COPY_MIN  # big records: one copy each, no temp + scatter
-        tmp = None if big else _scratch(self._tls, flat)
+        big = rb >= ROW_COPY_MIN  # big records: one copy each, no temp + scatter
+        tmp = None if big else scratch(self._tls, flat)
         for s in shards:
             a, b = group[s]
             with files.use(s) as shard:
@@ -584,9 +580,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                 else:
                     np.take(rows, l_sorted[a:b], axis=0, out=tmp[a:b], mode="clip")
         if tmp is not None:  # scatter as a gather: take copies whole rows, fancy setitem not
-            inverse = np.empty_like(order)
-            inverse[order] = np.arange(n)
-            np.take(tmp, inverse, axis=0, out=flat, mode="clip")
+            np.take(tmp, inverse(order), axis=0, out=flat, mode="clip")
         return dest
 
     def _dma_fixed(self, idx: np.ndarray, out: torch.Tensor) -> torch.Tensor:
@@ -778,7 +772,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         self._open_lock = threading.Lock()
 
     def close(self) -> None:
-        """Close open files and maps, unpin cached shards and stop the cache's prefetches
+        """Close open files and maps, end cached shards' leases and stop the cache's prefetches
         (everything reopens on the next read)."""
         self._close(wait=True)
 
@@ -838,12 +832,3 @@ def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:
 
 def _noop() -> None:
     return None
-
-
-def _scratch(tls: threading.local, like: np.ndarray) -> np.ndarray:
-    """A reused per-thread buffer shaped like ``like``: a fresh one per batch costs ~500 page
-    faults per 2 MiB here (more than the gather itself)."""
-    buf = getattr(tls, "buf", None)
-    if buf is None or buf.nbytes < like.nbytes:
-        buf = tls.buf = np.empty(like.nbytes, np.uint8)
-    return buf[: like.nbytes].view(like.dtype).reshape(like.shape)

@@ -424,12 +424,6 @@ class MemmapWriter:
         if self._upload is not None:
             shutil.rmtree(self._local, ignore_errors=True)
 
-    def finish_shards(self) -> list[Shard]:
-        """Close the open shard without writing an index (for writers whose shards are merged)."""
-        self._close_shard()
-        self._closed = True
-        return list(self._shards)
-
     def __enter__(self) -> MemmapWriter:
         return self
 

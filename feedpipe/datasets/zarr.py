@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from feedpipe._remote import redact
+from feedpipe.datasets._gather import ROW_COPY_MIN, inverse, scratch
 from feedpipe.datasets.format import check_dtype, check_shape
 from feedpipe.errors import DatasetError, require
+from feedpipe.io.remote import is_remote, redact
 
 __all__ = ["ZarrDataset"]
 
@@ -33,17 +34,15 @@ _BACKENDS = ("tensorstore", "zarr")
 _TS_STARTED_IN: int | None = None
 
 
-def _is_remote(path: str) -> bool:
-    return "://" in path and path.split("://", 1)[0].lower() not in {"file", "local"}
-
-
 class ZarrDataset(torch.utils.data.Dataset[Any]):
     """Samples along the first axis of a Zarr v3 array, or of aligned arrays in a group.
 
     For a group, ``arrays`` picks the member arrays (default: every array member) and samples are
-    dicts ``{name: tensor}``; for a single array, samples are tensors. ``direct`` (default True)
-    reads uncompressed local arrays whose chunks hold whole records with ``preadv`` at addresses
-    from the shard index, instead of through the engine (see :class:`_Direct`).
+    dicts ``{name: tensor}``; for a single array, samples are tensors. ``preadv`` (default True)
+    reads uncompressed local arrays whose chunks hold whole records with ``os.preadv`` at
+    addresses from the shard index, instead of through the engine (see :class:`_PreadvReader`).
+    ``direct`` is the deprecated name of ``preadv`` (it warns; "direct" now names only the GPU
+    feed's direct path, see the glossary).
     """
 
     #: ``read_batch`` takes numpy index arrays (:class:`feedpipe.protocols.IndexArrayDataset`).
@@ -56,15 +55,25 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
         arrays: Sequence[str] | None = None,
         backend: str = "tensorstore",
         storage_options: dict[str, Any] | None = None,
-        direct: bool = True,
+        preadv: bool = True,
+        direct: bool | None = None,
     ) -> None:
+        if direct is not None:
+            if preadv is not True:
+                raise TypeError("ZarrDataset: pass preadv= only (direct= is its deprecated name)")
+            warnings.warn(
+                "ZarrDataset(direct=) is deprecated; use ZarrDataset(preadv=)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            preadv = direct
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
         self.path = os.fspath(path_or_url).rstrip("/")
         if self.path.startswith("file://"):
             self.path = self.path[len("file://") :]
         self.storage_options = dict(storage_options or {})
-        self.remote = _is_remote(self.path)
+        self.remote = is_remote(self.path)
         # TensorStore is given local paths; remote URLs use zarr-python over fsspec
         self.backend = "zarr" if self.remote else backend
         node = self._read_meta("")
@@ -90,12 +99,12 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
             self.shapes[name] = shape
             if dtype is not None:
                 self._dtypes[name] = dtype
-        self._direct: dict[str, _Direct] = {}
-        if direct and not self.remote:
+        self._preadv: dict[str, _PreadvReader] = {}
+        if preadv and not self.remote:
             for name, meta in metas.items():
-                plan = _Direct.plan(os.path.join(self.path, name), meta, self.shapes[name])
+                plan = _PreadvReader.plan(os.path.join(self.path, name), meta, self.shapes[name])
                 if plan is not None:
-                    self._direct[name] = plan
+                    self._preadv[name] = plan
         lengths = {n: s[0] for n, s in self.shapes.items()}
         self._len = next(iter(lengths.values()))
         if len(set(lengths.values())) != 1:
@@ -238,10 +247,10 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
         return np.where(idx < 0, idx + self._len, idx)
 
     def _read(self, name: str, idx: np.ndarray) -> np.ndarray:
-        direct = self._direct.get(name)
-        if direct is not None:
-            out = np.empty((len(idx), *self.shapes[name][1:]), direct.dtype)
-            direct.read(idx, out.reshape(len(idx), -1).view(np.uint8), self._where(name))
+        reader = self._preadv.get(name)
+        if reader is not None:
+            out = np.empty((len(idx), *self.shapes[name][1:]), reader.dtype)
+            reader.read(idx, out.reshape(len(idx), -1).view(np.uint8), self._where(name))
             return out
         h = self._open()[name]
         try:
@@ -319,8 +328,8 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
         state = self.__dict__.copy()
         state["_handles"] = None
         state["_pid"] = -1
-        state["_direct"] = {
-            k: _Direct.plan(v.root, v.meta, v.shape) for k, v in self._direct.items()
+        state["_preadv"] = {
+            k: _PreadvReader.plan(v.root, v.meta, v.shape) for k, v in self._preadv.items()
         }
         return state
 
@@ -381,12 +390,11 @@ def _check_chunk_shapes(meta: dict[str, Any], ndim: int) -> None:
             raise ValueError(f"{where} chunk_shape must be {ndim} positive integers, got {chunk!r}")
 
 
-# ---------------------------------------------------------------------- direct reads
+# ---------------------------------------------------------------------- preadv reads
 _MISSING = np.uint64(2**64 - 1)
-_ROW_COPY_MIN = 64 << 10  # rows this large are copied one by one (no temp + scatter)
 
 
-class _Direct:
+class _PreadvReader:
     """Byte-range reads of an *uncompressed* Zarr v3 array whose chunks hold whole records.
 
     Such chunks (a lone ``bytes`` codec, or ``sharding_indexed`` with only ``bytes`` inside) are
@@ -428,11 +436,11 @@ class _Direct:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # rebuilt from its plan: open files, maps, the key function and the scratch stay behind
-        return (_Direct, (self.root, self.meta, self.shape))
+        return (_PreadvReader, (self.root, self.meta, self.shape))
 
     @staticmethod
-    def plan(root: str, meta: dict[str, Any], shape: tuple[int, ...]) -> _Direct | None:
-        """A direct reader if the layout qualifies, else None."""
+    def plan(root: str, meta: dict[str, Any], shape: tuple[int, ...]) -> _PreadvReader | None:
+        """A preadv reader if the layout qualifies, else None."""
         try:
             dtype = np.dtype(meta["data_type"])
             grid = meta["chunk_grid"]
@@ -465,7 +473,7 @@ class _Direct:
                 return None
             if meta.get("chunk_key_encoding", {"name": "default"})["name"] not in ("default", "v2"):
                 return None
-            return _Direct(root, meta, shape)
+            return _PreadvReader(root, meta, shape)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError):
             return None
 
@@ -529,15 +537,15 @@ class _Direct:
             bounds = [0, *(np.flatnonzero(np.diff(shard)) + 1).tolist(), len(idx)]
         else:
             bounds = [0, len(idx)]
-        if order is not None and self.row >= _ROW_COPY_MIN:  # one copy per record, no scatter
+        if order is not None and self.row >= ROW_COPY_MIN:  # one copy per record, no scatter
             for a, b in itertools.pairwise(bounds):
                 self._read_shard(int(shard[a]), local[a:b], idx[a:b], out, where, at=order[a:b])
             return
-        dest = out if order is None else _scratch(self._tls, out)
+        dest = out if order is None else scratch(self._tls, out)
         for a, b in itertools.pairwise(bounds):
             self._read_shard(int(shard[a]), local[a:b], idx[a:b], dest[a:b], where)
         if order is not None:  # scatter as a gather: take copies whole rows, fancy setitem not
-            np.take(dest, _inverse(order), 0, out, "clip")
+            np.take(dest, inverse(order), 0, out, "clip")
 
     def _read_shard(
         self,
@@ -612,19 +620,3 @@ class _Direct:
             for fd in self.fds.values():
                 os.close(fd)
         self.fds, self.indexes, self.maps, self.addrs = {}, {}, {}, {}
-
-
-def _scratch(tls: threading.local, like: np.ndarray) -> np.ndarray:
-    """A reused per-thread buffer shaped like ``like`` (a fresh one per batch is faulted in
-    page by page: 512 faults per 2 MiB of 4 KiB pages)."""
-    buf = getattr(tls, "buf", None)
-    if buf is None or buf.nbytes < like.nbytes:
-        buf = tls.buf = np.empty(like.nbytes, np.uint8)
-    return buf[: like.nbytes].view(like.dtype).reshape(like.shape)
-
-
-def _inverse(order: np.ndarray) -> np.ndarray:
-    """The inverse permutation of ``order``."""
-    inv = np.empty_like(order)
-    inv[order] = np.arange(len(order))
-    return inv

@@ -1,51 +1,67 @@
-"""Local file helpers shared by feedpipe's writers: directory fsync and atomic replace."""
+"""Local file helpers shared by feedpipe's writers and ckpt: directory fsync and atomic replace.
+
+One durability rule for both packages (docs/architecture.md, "Durability"): a file is durable
+once its own ``fsync`` and then an ``fsync`` of its directory have returned. :func:`fsync_dir`
+raises every error except the one a filesystem gives when it cannot sync a directory at all
+(``EINVAL``, ``ENOTSUP``/``EOPNOTSUPP``): there a rename is as durable as the filesystem makes
+it, and refusing to write would help nobody. A directory that cannot be opened (missing, not a
+directory, no permission) always raises.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 
 from feedpipe.io.remote import temp_name
 
 __all__ = ["atomic_write", "fsync_dir"]
 
+# fsync(2) on a directory fd: "EINVAL: fd is bound to a special file which does not support
+# synchronization" (some FUSE, CIFS and 9p mounts); ENOTSUP/EOPNOTSUPP on others.
+_CANNOT_SYNC_DIRS = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
 
-def fsync_dir(path: str | os.PathLike[str], *, best_effort: bool = False) -> None:
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
     """``fsync`` a directory so that a rename or create inside it is durable.
 
-    With ``best_effort``, a platform or filesystem that cannot open or sync a directory is
-    ignored; otherwise its ``OSError`` propagates.
+    ``""`` is the current directory (``os.path.dirname`` of a bare file name). The directory may
+    be reached through a symlink (fsync writes nothing). Raises ``OSError`` when the directory
+    cannot be opened or synced, except on a filesystem that cannot sync directories at all
+    (module docstring).
     """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        if best_effort:  # pragma: no cover - platforms without directory fds
-            return
-        raise
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(os.fspath(path) or ".", flags)
     try:
         os.fsync(fd)
-    except OSError:
-        if not best_effort:  # pragma: no cover
+    except OSError as exc:
+        if exc.errno not in _CANNOT_SYNC_DIRS:
             raise
     finally:
         os.close(fd)
 
 
-def atomic_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a :func:`~feedpipe.io.remote.temp_name` file.
+def atomic_write(path: str | os.PathLike[str], data: bytes, *, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` through a :func:`~feedpipe.io.remote.temp_name` file.
 
-    The temp is written, fsynced and renamed over ``path`` (a failure removes it), then the
-    directory is fsynced: a reader sees the old content or the new, never a torn file.
+    A reader sees the old content or the new, never a torn file; a failure removes the temp.
+    ``durable`` (default): the temp is fsynced before the rename and the directory after it, so
+    the new content survives a power loss once this returns. ``durable=False`` skips both fsyncs
+    (scratch files that a crash makes worthless anyway).
     """
-    tmp = temp_name(path, len(data))
+    target = os.fspath(path)
+    tmp = temp_name(target, len(data))
     try:
         with open(tmp, "xb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    fsync_dir(os.path.dirname(path))
+    if durable:
+        fsync_dir(os.path.dirname(target))

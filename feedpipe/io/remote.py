@@ -135,7 +135,8 @@ def resolve(
     if text.startswith(("s3://", "s3a://")):
         _require("s3fs", "s3")
         # every file is verified end to end against the index's CRC32C, so botocore's own
-        # response checksum (pure Python without awscrt) is redundant; it costs ~40% of throughput
+        # response checksum (pure Python without awscrt) is redundant, and slow: see the
+        # staging section of docs/benchmarks.md
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("response_checksum_validation", "when_required")
         if deadline_s is not None:

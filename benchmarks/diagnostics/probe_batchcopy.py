@@ -10,7 +10,7 @@ batches of ``--batch-mb`` to one device buffer on one side stream, for each reco
 - a gather kernel (``index_select``) over the map viewed as a CUDA tensor, zero-copy (what it
   uses for smaller records). Both results are checked against the map.
 
-    python benchmarks/probe_batchcopy.py          # H200 machine; prints, writes nothing
+    python benchmarks/diagnostics/probe_batchcopy.py         # H200 machine; prints, writes nothing
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from feedpipe.device import dma as _memmap_dma
 
