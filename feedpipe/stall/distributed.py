@@ -107,7 +107,7 @@ def _pack(s: StallStats) -> bytes:
 
 def _unpack(rank: int, raw: bytes) -> RankStats:
     *values, name = _RECORD.unpack(raw)
-    d = dict(zip(_NUMBERS, values))
+    d = dict(zip(_NUMBERS, values, strict=True))
     for key in ("batches", "samples", "bytes"):
         d[key] = int(d[key])
     for key in ("device_idle_s", "device_idle_fraction"):

@@ -52,9 +52,10 @@ def hint(s: StallStats) -> str:
 
     Cases, in order: no data; too few batches (:data:`MIN_BATCHES`) for a verdict;
     device-bound when the host waited but the GPU's stream did not (device idle for input below
-    :data:`INPUT_BOUND`); input-bound with the slowest stage to fix, unless workers overlap the step and every stage
-    delivers faster than the step (then no stage is blamed); compute-bound. Under thread
-    workers whose fetch is CPU-bound (:data:`CPU_BOUND`) a note says the GIL inflates the step.
+    :data:`INPUT_BOUND`); input-bound with the slowest stage to fix, unless workers overlap the
+    step and every stage delivers faster than the step (then no stage is blamed); compute-bound.
+    Under thread workers whose fetch is CPU-bound (:data:`CPU_BOUND`) a note says the GIL
+    inflates the step.
     """
     if s.batches == 0 or s.wall_s <= 0:
         return "no batches measured yet"
