@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             ring_alone = read_ceiling(ds, bs, best["ring"].workers, cuda, args.seconds)
             size = f"{rec // 1024} KiB" if rec >= 1024 else f"{rec} B"
             cells = []
-            direct_default = "direct" in best and rec >= 2048  # feedpipe._direct._AUTO_MIN
+            direct_default = "direct" in best and rec >= 2048  # feedpipe.device.direct._AUTO_MIN
 
             def cell(r: Result, alone: float, bold: bool, base: float = bt.gbps) -> str:
                 star = "**" if bold else ""

@@ -6,7 +6,7 @@ batches of ``--batch-mb`` to one device buffer on one side stream, for each reco
 - torch ``copy_(non_blocking=True)`` per record (what a Python gather would do);
 - the driver's ``cuMemcpyAsync`` per record, through ctypes;
 - the driver's ``cuMemcpyBatchAsync_v2`` (CUDA 13 drivers), one call per batch (what
-  ``feedpipe._memmap_dma`` uses for records of 64 KiB and more);
+  ``feedpipe.device.dma`` uses for records of 64 KiB and more);
 - a gather kernel (``index_select``) over the map viewed as a CUDA tensor, zero-copy (what it
   uses for smaller records). Both results are checked against the map.
 
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from feedpipe import _memmap_dma
+from feedpipe.device import dma as _memmap_dma
 
 
 def _bench(

@@ -26,7 +26,7 @@ _EXPORTS: dict[str, str] = {
     "StallMeter": "feedpipe.stall.meter",
     "StallStats": "feedpipe.stall.stats",
     "DatasetError": "feedpipe.errors",
-    "GPUFeed": "feedpipe.gpu",
+    "GPUFeed": "feedpipe.device.feed",
     "ImageLoader": "feedpipe.dali.loader",
 }
 
@@ -54,8 +54,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from feedpipe.datasets.convert import convert
     from feedpipe.datasets.memmap import MemmapDataset, MemmapWriter
     from feedpipe.datasets.zarr import ZarrDataset
+    from feedpipe.device.feed import GPUFeed
     from feedpipe.errors import DatasetError
-    from feedpipe.gpu import GPUFeed
     from feedpipe.loader import DataLoader, get_worker_info
     from feedpipe.sampler import DistributedSampler
     from feedpipe.stage import stage

@@ -1,6 +1,6 @@
 """The GPU feed's direct path: ``MemmapDataset`` records go by DMA from the page cache to the GPU.
 
-CPU tests cover the choice (``feedpipe._direct.blocker``, ``DataLoader(direct=...)``) and the
+CPU tests cover the choice (``feedpipe.device.direct.blocker``, ``DataLoader(direct=...)``) and the
 run splitting; ``gpu`` tests check every batch against torch's DataLoader, with side fields,
 short last batches, shards crossed inside a batch, resume, and a slow consumer.
 """
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import feedpipe
-from feedpipe import _direct, _memmap_dma
+from feedpipe.device import direct as _direct
+from feedpipe.device import dma as _memmap_dma
 from feedpipe.gpu import GPUFeedWarning
 from feedpipe.stall import StallMeter
 

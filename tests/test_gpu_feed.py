@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from feedpipe._ring import _Ring, flatten, map_tensors
+from feedpipe.device.ring import Ring, flatten, map_tensors
 from feedpipe.gpu import GPUFeed, GPUFeedWarning, resolve_device
 from feedpipe.stall import StallMeter
 
@@ -245,7 +245,7 @@ def test_out_for_is_none_until_the_ring_is_laid_out_and_for_non_batch_major() ->
 
 
 def test_filler_waits_for_the_slot_previous_batch_then_for_its_copy() -> None:
-    ring = _Ring(2, pin=False, batch_size=None, timeout=30)
+    ring = Ring(2, pin=False, batch_size=None, timeout=30)
     leaves, rebuild = flatten([torch.zeros(4, 2)])
     ring.allocate(leaves, rebuild)
 
@@ -282,7 +282,7 @@ def test_close_wakes_waiting_fillers() -> None:
 
 
 def test_slot_copy_that_never_completes_times_out_naming_the_slot() -> None:
-    ring = _Ring(2, pin=False, batch_size=None, timeout=0.05)
+    ring = Ring(2, pin=False, batch_size=None, timeout=0.05)
     leaves, rebuild = flatten(torch.zeros(2))
     ring.allocate(leaves, rebuild)
 
@@ -299,7 +299,7 @@ def test_slot_copy_that_never_completes_times_out_naming_the_slot() -> None:
 
 
 def test_out_of_order_submission_is_an_error() -> None:
-    ring = _Ring(3, pin=False, batch_size=None, timeout=1)
+    ring = Ring(3, pin=False, batch_size=None, timeout=1)
     leaves, rebuild = flatten(torch.zeros(2))
     ring.allocate(leaves, rebuild)
     with pytest.raises(RuntimeError, match="in order: got 1, expected 0"):
@@ -420,10 +420,11 @@ def test_gpu_reuse_check_catches_missing_synchronisation(
     monkeypatch: pytest.MonkeyPatch, disable: str, consumer: int, copy: int
 ) -> None:
     """The check above has teeth: with one safety step removed, it sees corrupted batches."""
-    from feedpipe import _ring, gpu
+    from feedpipe.device import feed as gpu
+    from feedpipe.device import ring as _ring
 
     if disable == "slot_wait":
-        monkeypatch.setattr(_ring._Ring, "wait_copied", lambda self, slot: None)
+        monkeypatch.setattr(_ring.Ring, "wait_copied", lambda self, slot: None)
     elif disable == "consumer_wait":
         monkeypatch.setattr(
             gpu._CudaCopier,

@@ -405,8 +405,8 @@ class IntoOut(WithReadBatch):
 
 def test_thread_workers_gather_into_caller_buffers() -> None:
     """The plug point for a device feed: ``out_for(batch, rows)`` gives the destination."""
-    from feedpipe._loader_fetch import Mode
-    from feedpipe._workers_thread import ThreadWorkers
+    from feedpipe.loader.fetch import Mode
+    from feedpipe.loader.threads import ThreadWorkers
 
     ds = IntoOut()
     slots = {n: [torch.empty(6, 6), torch.empty(6, dtype=torch.int64)] for n in range(7)}

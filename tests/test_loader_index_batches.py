@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
 from feedpipe import DataLoader, DistributedSampler
-from feedpipe._index_batches import index_batches
+from feedpipe.loader.index_stream import index_batches
 
 SIZES = [1, 2, 7, 10, 31, 64, 100]
 BATCHES = [1, 3, 8, 10, 64, 128]

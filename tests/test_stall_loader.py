@@ -18,7 +18,9 @@ import torch
 
 from feedpipe.stall import StallMeter, StallStats
 
-loader_mod = pytest.importorskip("feedpipe.loader", reason="feedpipe.DataLoader has not landed")
+loader_mod = pytest.importorskip(
+    "feedpipe.loader.dataloader", reason="feedpipe.DataLoader has not landed"
+)
 DataLoader = loader_mod.DataLoader
 
 DELAY = 0.015  # per sample: 30 ms batches, so 5% is well above scheduling noise
@@ -158,7 +160,7 @@ def test_default_meter_is_on_and_shared_meter_adds_up() -> None:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_counters_off_read_no_clock(workers: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """``StallMeter(enabled=False)``: the loader and its fetch path read no clock at all."""
-    import feedpipe._loader_fetch as fetch_mod
+    import feedpipe.loader.fetch as fetch_mod
 
     def no_clock() -> float:
         raise AssertionError("a clock was read with the counters off")

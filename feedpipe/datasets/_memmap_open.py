@@ -34,12 +34,12 @@ class OpenShard:
         self.mm: mmap.mmap | None = None
         self.rows: np.ndarray | None = None
         self.users = 0
-        self.locked: Any = None  # the map registered with CUDA (feedpipe._memmap_dma)
+        self.locked: Any = None  # the map registered with CUDA (feedpipe.device.dma)
         self.unlock: int | None = None
 
     def close(self, unpin: bool = True) -> None:
         if self.locked is not None and unpin:  # not in a forked child: CUDA is the parent's
-            from feedpipe._memmap_dma import unlock
+            from feedpipe.device.dma import unlock
 
             unlock(self)
         self.locked = None

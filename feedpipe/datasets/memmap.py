@@ -22,7 +22,7 @@ one vectorised gather with the GIL released. Fixed-size records are read one of 
   ``"pread"`` stays available (it never maps the file, so it never faults on first touch).
 
 A CUDA ``out`` skips the host gather: records go by DMA from the page cache to the GPU
-(:mod:`feedpipe._memmap_dma`).
+(:mod:`feedpipe.device.dma`).
 
 Variable-length records are always read with ``os.preadv`` (runs of adjacent records become one
 call).
@@ -443,7 +443,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         the bytes layout ``out["data"]`` is a flat uint8 tensor) with room for the batch; the
         records are written into it and views of it are returned. A CUDA ``out["data"]`` (fixed
         layout) is filled by DMA straight from the page cache, asynchronously on the current
-        stream (:mod:`feedpipe._memmap_dma`: the shard maps are registered as page-locked).
+        stream (:mod:`feedpipe.device.dma`: the shard maps are registered as page-locked).
         """
         idx = self._normalize(indices)
         n = len(idx)
@@ -514,8 +514,8 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
 
     def _dma_fixed(self, idx: np.ndarray, out: torch.Tensor) -> torch.Tensor:
         """Copy records by DMA from the registered shard maps into ``out`` on the GPU (see
-        :mod:`feedpipe._memmap_dma`); asynchronous on the current CUDA stream."""
-        from feedpipe import _memmap_dma
+        :mod:`feedpipe.device.dma`); asynchronous on the current CUDA stream."""
+        from feedpipe.device import dma as _memmap_dma
 
         n = len(idx)
         want = torch.from_numpy(np.empty(0, self.dtype)).dtype

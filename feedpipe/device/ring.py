@@ -1,6 +1,6 @@
 """The page-locked ring behind the GPU feed, and the walker over nested batch structures.
 
-A :class:`_Ring` holds ``n`` slots allocated once. Batch number ``seq`` of an epoch always uses
+A :class:`Ring` holds ``n`` slots allocated once. Batch number ``seq`` of an epoch always uses
 slot ``seq % n``, so slot reuse follows the batch order and can never deadlock: a filler of batch
 ``seq`` only waits for batch ``seq - n`` (earlier work) to be submitted and for the copy out of the
 slot to complete. A slot is one flat byte buffer per tensor leaf of the batch; a batch leaf is a
@@ -76,7 +76,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 # --------------------------------------------------------------------------- ring of slots
-class _Event(Protocol):
+class Event(Protocol):
     def query(self) -> bool: ...
 
 
@@ -91,14 +91,14 @@ class _Layout:
     rebuild: _Rebuild | None  # None when some leaves bypass the ring (already on a device)
 
 
-class _Slot:
+class Slot:
     __slots__ = ("buffers", "event", "index", "lent", "seq")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.buffers: list[torch.Tensor] = []
         self.seq = -1  # last batch submitted out of this slot
-        self.event: _Event | None = None  # completes when the copy out of the slot is done
+        self.event: Event | None = None  # completes when the copy out of the slot is done
         self.lent = False  # views handed to a filler whose batch is not submitted yet
 
 
@@ -106,7 +106,7 @@ class RingClosedError(RuntimeError):
     """The ring was closed (iteration ended or abandoned) while a filler waited for a slot."""
 
 
-class _Ring:
+class Ring:
     """``n`` reusable host slots (page-locked when ``pin``), indexed by ``seq % n``."""
 
     def __init__(self, n: int, *, pin: bool, batch_size: int | None, timeout: float) -> None:
@@ -116,7 +116,7 @@ class _Ring:
         self.pin = pin
         self.batch_size = batch_size
         self.timeout = timeout
-        self.slots = [_Slot(i) for i in range(n)]
+        self.slots = [Slot(i) for i in range(n)]
         self.layout: _Layout | None = None
         self.next_seq = 0  # the next batch to be submitted
         self.grown = 0  # slot buffers reallocated because a batch was bigger than its slot
@@ -195,7 +195,7 @@ class _Ring:
             self._closed = False
             return self.gen
 
-    def wait_copied(self, slot: _Slot) -> None:
+    def wait_copied(self, slot: Slot) -> None:
         """Poll until the copy out of ``slot`` has completed (interruptible; times out)."""
         event = slot.event
         if event is None or event.query():
@@ -211,7 +211,7 @@ class _Ring:
             time.sleep(pause)
             pause = min(pause * 2, 500e-6)
 
-    def _wait_turn(self, seq: int, gen: int) -> _Slot:
+    def _wait_turn(self, seq: int, gen: int) -> Slot:
         """Block until batch ``seq - n`` (the slot's previous user) is submitted; interruptible."""
         slot = self.slots[seq % self.n]
         cond = self._conds[seq % self.n]
@@ -223,7 +223,7 @@ class _Ring:
         return slot
 
     # -- filling
-    def fits(self, slot: _Slot, leaves: list[torch.Tensor]) -> bool:
+    def fits(self, slot: Slot, leaves: list[torch.Tensor]) -> bool:
         return len(leaves) == len(slot.buffers) and all(
             _nbytes(t) <= _nbytes(b) for t, b in zip(leaves, slot.buffers, strict=True)
         )
@@ -254,7 +254,7 @@ class _Ring:
         ]
         return layout.rebuild(views)
 
-    def fill(self, seq: int, leaves: list[torch.Tensor]) -> tuple[_Slot, list[torch.Tensor], int]:
+    def fill(self, seq: int, leaves: list[torch.Tensor]) -> tuple[Slot, list[torch.Tensor], int]:
         """Return slot ``seq % n`` holding ``leaves`` (as views) and the bytes copied into it.
         Leaves that already are views of the slot (gathered in place) are not copied."""
         if seq != self.next_seq:
@@ -278,7 +278,7 @@ class _Ring:
             views.append(v)
         return slot, views, copied
 
-    def _grow(self, slot: _Slot, leaves: list[torch.Tensor]) -> None:
+    def _grow(self, slot: Slot, leaves: list[torch.Tensor]) -> None:
         if self.layout is not None and len(leaves) != len(slot.buffers):
             raise ValueError(
                 f"feedpipe GPU feed: batch has {len(leaves)} tensors, but the ring was laid out "
@@ -311,7 +311,7 @@ class _Ring:
             self._conds[self.next_seq % self.n].notify_all()
             self.next_seq += 1
 
-    def submitted(self, slot: _Slot, seq: int, event: _Event | None) -> None:
+    def submitted(self, slot: Slot, seq: int, event: Event | None) -> None:
         """Record that batch ``seq``'s copy out of ``slot`` was issued; ``event`` marks its end."""
         slot.seq, slot.event = seq, event
         with self._lock:

@@ -25,6 +25,13 @@ degrades to doing nothing (or to torch's own behaviour) when the internal it nee
    loader, so the workers go when the loader goes, even when a reference cycle the user made
    holds the loader (the cyclic GC would first close the index queues torch needs to tell the
    workers to exit, and each join would then wait 5 s).
+5. ``torch.utils.data.DataLoader``'s own private members, which the ``DataLoader`` subclass
+   reads as torch's iterators do: :func:`index_sampler` (``_index_sampler``: the batch sampler
+   with automatic batching, else the sampler), :func:`auto_collation` (``_auto_collation``),
+   :func:`len_called` / :func:`set_len_called` (``_IterableDataset_len_called``, behind torch's
+   warning when an IterableDataset yields more than its ``len()``), torch's
+   :class:`ExceptionWrapper` (re-raises a worker's exception with its traceback text) and its
+   recursive :func:`pin_memory`. Each is covered by tests/test_torch_compat.py on the pinned torch.
 """
 
 from __future__ import annotations
@@ -35,15 +42,23 @@ import threading
 from typing import Any
 
 import torch
+from torch._utils import ExceptionWrapper
 from torch.utils.data._utils import worker as _worker
+from torch.utils.data._utils.pin_memory import pin_memory
 
 __all__ = [
+    "ExceptionWrapper",
     "Guard",
     "WorkerDiedError",
     "adopt_workers",
+    "auto_collation",
     "dead_workers",
+    "index_sampler",
     "install_worker_info_shim",
+    "len_called",
     "make_worker_info",
+    "pin_memory",
+    "set_len_called",
     "set_thread_worker_info",
     "shutdown_iterator",
     "stop_workers",
@@ -266,3 +281,24 @@ def shutdown_iterator(loader: Any) -> None:
     shutdown = getattr(it, "_shutdown_workers", None)
     if callable(shutdown):
         shutdown()
+
+
+# ------------------------------------------------------------- 5. DataLoader's private members
+def index_sampler(loader: Any) -> Any:
+    """``loader._index_sampler``: what torch's iterators draw index batches (or indices) from."""
+    return loader._index_sampler
+
+
+def auto_collation(loader: Any) -> bool:
+    """``loader._auto_collation``: whether torch batches samples (a batch sampler is in use)."""
+    return bool(loader._auto_collation)
+
+
+def len_called(loader: Any) -> Any:
+    """``loader._IterableDataset_len_called``: the ``len()`` an iterable's yield is held to."""
+    return loader._IterableDataset_len_called
+
+
+def set_len_called(loader: Any, value: Any) -> None:
+    """Hand the outer loader's ``len()`` record to the inner loader (:func:`len_called`)."""
+    loader._IterableDataset_len_called = value

@@ -4,7 +4,7 @@ With ``device="cuda"``, a dataset that can fill a CUDA ``out`` by DMA (``MemmapD
 fixed-size records on local shards: :meth:`~feedpipe.MemmapDataset.dma_blocker`) skips the host
 gather and the pinned ring: the loader's workers see a :class:`DirectReader`, whose
 ``read_batch`` allocates the batch on the device and issues the copies on the feed's copy stream
-(:mod:`feedpipe._memmap_dma`). Side fields (labels) still go through the ring.
+(:mod:`feedpipe.device.dma`). Side fields (labels) still go through the ring.
 
 Why this is safe, in the terms of :mod:`feedpipe.gpu` (``C`` the copy stream):
 
@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from feedpipe import _memmap_dma
+from feedpipe.device import dma as _memmap_dma
+from feedpipe.protocols import DMADataset
 
 __all__: list[str] = []  # private module; DataLoader(direct=...) is the public face
 
@@ -60,17 +61,16 @@ def blocker(dataset: Any, device: torch.device, *, auto: bool) -> str | None:
     adds the checks that only the automatic choice makes (memory, record size)."""
     if device.type != "cuda":
         return "the feed is not on a CUDA device"
-    check = getattr(dataset, "dma_blocker", None)
-    if not callable(check) or not callable(getattr(dataset, "device_out", None)):
+    if not isinstance(dataset, DMADataset):
         return f"{type(dataset).__name__} has no DMA read (dma_blocker/device_out)"
-    reason: str | None = check()
+    reason: str | None = dataset.dma_blocker()
     if reason is not None:
         return reason
     if not _memmap_dma.read_only_supported(device.index or 0):
         return f"{device} cannot DMA from read-only registered memory"
     if not auto:
         return None
-    record = int(getattr(dataset, "_record_bytes", 0))
+    record = int(dataset.record_bytes)
     if record < _AUTO_MIN:
         return f"records of {record} B (below {_AUTO_MIN} B the pinned ring is the default)"
     total = record * len(dataset)

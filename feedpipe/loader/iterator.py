@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from feedpipe import _torch_compat
-from feedpipe._loader_fetch import _Failed, _short
-from feedpipe._workers_thread import InlineSource, ThreadWorkers
+from feedpipe.device.feed import Prefetcher
 from feedpipe.errors import WorkerError
-from feedpipe.gpu import Prefetcher
+from feedpipe.loader import _torch_compat
+from feedpipe.loader.fetch import Failed, short
+from feedpipe.loader.threads import InlineSource, ThreadWorkers
 
 __all__ = ["LoaderIter", "dead_workers", "dying"]
 
@@ -56,7 +56,7 @@ class LoaderIter:
         window = (loader.prefetch_factor or 1) * max(1, loader.num_workers)
         self._lag = 0 if loader.in_order else 4 * window + 4
         # torch's iterator warns when an IterableDataset yields more than its len(); ours too
-        self._len_called = loader._IterableDataset_len_called if own and loader._iterable else None
+        self._len_called = _torch_compat.len_called(loader) if own and loader._iterable else None
 
     def __iter__(self) -> LoaderIter:
         return self
@@ -92,7 +92,7 @@ class LoaderIter:
                 raise
             raise self._explain(exc) from exc
         t1 = _perf() if timed else 0.0
-        if type(shipped) is _Failed:
+        if type(shipped) is Failed:
             if timed and not traced:
                 self._meter.wait_pending(t0)
             indices = shipped.indices
@@ -139,7 +139,7 @@ class LoaderIter:
             raise
         except Exception as exc:
             raise self._explain(exc) from exc
-        if type(shipped) is _Failed:
+        if type(shipped) is Failed:
             return None, shipped, False
         return shipped[0], (None, *shipped[1:]), True
 
@@ -180,13 +180,13 @@ class LoaderIter:
         if loader._stream is not None and batch is not None:
             indices = loader._stream.sent.get(batch)
         where = f"batch {self._first + batch}" if batch is not None else "the next batch"
-        what = f" (sample indices {_short(indices)})" if indices is not None else ""
+        what = f" (sample indices {short(indices)})" if indices is not None else ""
         dead = dead_workers(source, wait=dying(exc))
         if dead:
             wid, pid, code = dead[0]
             held = [
                 f"batch {self._first + b}"
-                + (f" (sample indices {_short(ix)})" if (ix := sent.get(b)) is not None else "")
+                + (f" (sample indices {short(ix)})" if (ix := sent.get(b)) is not None else "")
                 for b in _torch_compat.tasks_of(source, wid)[:4]
                 for sent in [loader._stream.sent if loader._stream is not None else {}]
             ]

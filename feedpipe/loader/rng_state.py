@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
+from feedpipe.loader import _torch_compat
+
 __all__ = [
     "RngChain",
     "Watch",
@@ -154,7 +156,7 @@ class RngChain:
 
 def _walk(loader: Any) -> Iterator[tuple[str, Any]]:
     """The index sampler and the samplers it wraps (``.sampler``), named as the loader sees them."""
-    obj, seen = loader._index_sampler, set[int]()
+    obj, seen = _torch_compat.index_sampler(loader), set[int]()
     name = "batch_sampler" if obj is loader.batch_sampler else "sampler"
     while obj is not None and id(obj) not in seen and len(seen) < _MAX_DEPTH:
         seen.add(id(obj))
@@ -180,7 +182,7 @@ def order(loader: Any) -> dict[str, Any]:
         length: int | None = len(loader.dataset)
     except TypeError:
         length = None
-    size = getattr(loader._index_sampler, "batch_size", loader.batch_size)
+    size = getattr(_torch_compat.index_sampler(loader), "batch_size", loader.batch_size)
     return {"samplers": samplers, "batch_size": size, "dataset_length": length}
 
 

@@ -29,7 +29,6 @@ batch, then ``collate_fn``, as in torch.
 from __future__ import annotations
 
 import gc
-import sys
 import time
 import warnings
 import weakref
@@ -38,29 +37,31 @@ from typing import Any
 
 import torch
 import torch.utils.data as tud
-from torch.utils.data._utils.collate import default_collate, default_convert
+from torch.utils.data import default_collate, default_convert
 
-from feedpipe import _direct, _torch_compat
-from feedpipe._direct import DirectReader
-from feedpipe._index_batches import IndexStream
-from feedpipe._loader_fetch import (
+from feedpipe.device import direct as _direct
+from feedpipe.device.direct import DirectReader
+from feedpipe.device.feed import GPUFeed, Prefetcher
+from feedpipe.loader import _torch_compat
+from feedpipe.loader.fetch import (
+    IterProxy,
+    MapProxy,
     Mode,
-    _IterProxy,
-    _MapProxy,
-    _TimedCollate,
-    _WorkerInit,
+    TimedCollate,
+    WorkerInit,
     choose_mode,
+    get_worker_info,
 )
-from feedpipe._loader_iter import LoaderIter
-from feedpipe._rng_state import RngChain, Watch, encode, global_state, order, private, replay
-from feedpipe._workers_thread import (
+from feedpipe.loader.index_stream import IndexStream
+from feedpipe.loader.iterator import LoaderIter
+from feedpipe.loader.rng_state import RngChain, Watch, encode, global_state, order, private, replay
+from feedpipe.loader.threads import (
     InlineSource,
     RNGWatch,
     ThreadWorkers,
     note_iter,
-    thread_worker_info,
 )
-from feedpipe.gpu import GPUFeed, Prefetcher
+from feedpipe.protocols import IndexArrayDataset
 from feedpipe.stall import StallMeter, StallStats
 
 __all__ = ["DataLoader", "get_worker_info"]
@@ -68,12 +69,6 @@ __all__ = ["DataLoader", "get_worker_info"]
 _STATE_VERSION = 1
 _perf = time.perf_counter
 _WORKER_TYPES = ("process", "thread")
-
-
-def get_worker_info() -> Any:
-    """torch's ``get_worker_info()``, which also works inside feedpipe's thread workers."""
-    info = thread_worker_info()
-    return info if info is not None else tud.get_worker_info()
 
 
 class _Epoch:
@@ -96,7 +91,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
       worker_type: ``"process"`` (torch's workers) or ``"thread"`` (a thread pool that calls the
         dataset directly; for GIL-releasing reads). Inside thread workers torch's
         ``get_worker_info()`` and ``feedpipe.get_worker_info()`` return the thread's info;
-        there is no per-thread global RNG (``feedpipe._workers_thread`` warns, docs/migration).
+        there is no per-thread global RNG (``feedpipe.loader.threads`` warns, docs/migration).
       meter: a ``feedpipe.StallMeter`` to count into (one is created per loader if None);
         ``loader.meter`` and ``loader.stats`` expose it; ``StallMeter(enabled=False)`` turns
         the counters off (the loader then reads no clock at all).
@@ -107,7 +102,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
       prefetch: with ``device``, batches copied to the device ahead of the one returned
         (default 2); they count as delivered (``state_dict``) only when returned.
       direct: with ``device`` on CUDA, read a ``MemmapDataset`` of fixed-size records by DMA
-        straight from the page cache into device memory (no host gather; ``feedpipe._direct``).
+        straight from the page cache into device memory (no host gather;
+        ``feedpipe.device.direct``).
         ``None`` (default): when it applies (default collation, local shards, ``read`` not
         ``"pread"``, and the data fits in half the available memory, as its pages stay locked
         while open); workers are then threads (``worker_init_fn`` of process workers turns it
@@ -116,9 +112,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch exactly (like torchdata's
     StatefulDataLoader): the state is small and JSON-able. Resume re-creates the epoch's index
-    order from the saved RNG states (every generator along the sampler chain; see
-    ``feedpipe._rng_state``) or the stateful sampler's own state, and skips the delivered index
-    batches without reading them. It never changes the global torch RNG. A loader whose order
+    order from the saved RNG states (every generator along the sampler chain;
+    see ``feedpipe.loader.rng_state``) or the stateful sampler's own state, and skips the delivered
+    index batches without reading them. It never changes the global torch RNG. A loader whose order
     differs (samplers, batch size, dataset length) refuses the state. Per-worker randomness
     inside ``__getitem__`` (from the worker seed) is not replayed: derive augmentations from the
     index/epoch for exact resume.
@@ -185,10 +181,10 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                 meter=self.meter,
             )
         self._iterable = isinstance(self.dataset, tud.IterableDataset)
-        self._stream = None if self._iterable else IndexStream(self._index_sampler)
+        self._stream = None if self._iterable else IndexStream(_torch_compat.index_sampler(self))
         if self._stream is not None:
             self._stream.on_start = weakref.WeakMethod(self._at_sampler_start)
-        # a pending resume's RNG replay (feedpipe._rng_state): states to set at the sampler's
+        # a pending resume's RNG replay (feedpipe.loader.rng_state): states to set at the sampler's
         # first draw, a state to lend the global RNG then, a private base-seed generator
         self._restore_rng: dict[str, str] | None = None
         self._lend: str | torch.Generator | None = None
@@ -196,8 +192,10 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         self._uncaptured: set[str] = set()  # RNG draws the state cannot hold (state_dict warns)
         # read_batch stands in for default_collate only: with batch_size set, a user's explicit
         # collate_fn=default_convert gets torch's list of samples, not a stacked batch
-        default = self.collate_fn is (default_collate if self._auto_collation else default_convert)
-        self._mode = choose_mode(self.dataset, self._auto_collation, default)
+        default = self.collate_fn is (
+            default_collate if _torch_compat.auto_collation(self) else default_convert
+        )
+        self._mode = choose_mode(self.dataset, _torch_compat.auto_collation(self), default)
         self._inner: tud.DataLoader | None = None  # type: ignore[type-arg]
         self._thread_seeded = False
         self._direct: DirectReader | None = None
@@ -326,7 +324,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         """Continue from ``state`` at the next ``iter(loader)``.
 
         Explicit generators (``generator=``, a sampler's ``.generator``) are set back to the
-        saved epoch's state; the global torch RNG is never changed (see ``feedpipe._rng_state``).
+        saved epoch's state; the global torch RNG is never changed
+        (see ``feedpipe.loader.rng_state``).
         """
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"unsupported DataLoader state version {state.get('version')!r}")
@@ -382,7 +381,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         if "sampler" in state or not state["in_epoch"]:
             return  # a stateful sampler holds the position itself
         try:
-            total = len(self._index_sampler)
+            total = len(_torch_compat.index_sampler(self))
         except (TypeError, NotImplementedError):
             return
         if state["batches"] > total:
@@ -417,7 +416,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         return None
 
     def _generators(self) -> dict[str, torch.Generator | None]:
-        """Every RNG an epoch's index order draws from, by name (``feedpipe._rng_state``)."""
+        """Every RNG an epoch's index order draws from, by name (``feedpipe.loader.rng_state``)."""
         return RngChain.of(self).generators
 
     def _rng_now(self, chain: RngChain | None = None) -> dict[str, str]:
@@ -524,7 +523,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         """Runs before the sampler's first draw of a pass: restore, then record, the RNG.
 
         Returns how to wrap the pass's index iterator: lend the global RNG the saved state for
-        the first draw, watch samplers of unknown classes (``feedpipe._rng_state.replay``)."""
+        the first draw, watch samplers of unknown classes (``feedpipe.loader.rng_state.replay``)."""
         chain = RngChain.of(self)
         if self._restore_rng is not None:
             self._set_rng(self._restore_rng)
@@ -545,7 +544,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             # Persistent workers go when this loader goes, by refcount or by the cyclic GC (the
             # finalizer holds the inner loader, so torch's queues are intact when it runs).
             weakref.finalize(self, _torch_compat.shutdown_iterator, self._inner)
-        self._inner._IterableDataset_len_called = self._IterableDataset_len_called
+        _torch_compat.set_len_called(self._inner, _torch_compat.len_called(self))
         self._inner.generator = self._base_seed_generator()  # torch draws the base seed from it
         if not torch.cuda.is_initialized():
             source = iter(self._inner)
@@ -567,14 +566,14 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     def _make_inner(self) -> tud.DataLoader:  # type: ignore[type-arg]
         """The torch DataLoader that runs torch's iterator over the timed dataset/collate."""
         proxy: Any = (
-            _IterProxy(self.dataset) if self._iterable else _MapProxy(self.dataset, self._mode)
+            IterProxy(self.dataset) if self._iterable else MapProxy(self.dataset, self._mode)
         )
         common: dict[str, Any] = {
             "num_workers": self.num_workers,
-            "collate_fn": _TimedCollate(self.collate_fn, self._mode),
+            "collate_fn": TimedCollate(self.collate_fn, self._mode),
             "pin_memory": self.pin_memory and self._feed is None,
             "timeout": self.timeout,
-            "worker_init_fn": _WorkerInit(self.worker_init_fn)
+            "worker_init_fn": WorkerInit(self.worker_init_fn)
             if self.num_workers
             else self.worker_init_fn,
             "multiprocessing_context": self.multiprocessing_context,
@@ -588,7 +587,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             return tud.DataLoader(
                 proxy, batch_size=self.batch_size, drop_last=self.drop_last, **common
             )
-        if self._auto_collation:
+        if _torch_compat.auto_collation(self):
             return tud.DataLoader(proxy, batch_sampler=self._stream, **common)
         return tud.DataLoader(proxy, batch_size=None, sampler=self._stream, **common)
 
@@ -608,7 +607,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     def _inline_source(self) -> InlineSource:
         if self.timeout != 0:  # torch's single-process iterator refuses a timeout the same way
             raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
-        index_sampler = self._stream if self._stream is not None else self._index_sampler
+        index_sampler = (
+            self._stream if self._stream is not None else _torch_compat.index_sampler(self)
+        )
         return InlineSource(
             self._direct if self._direct is not None else self.dataset,
             iter(index_sampler),
@@ -628,7 +629,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         return watch
 
     def _thread_source(self, feed: Prefetcher | None = None) -> ThreadWorkers:
-        index_sampler = self._stream if self._stream is not None else self._index_sampler
+        index_sampler = (
+            self._stream if self._stream is not None else _torch_compat.index_sampler(self)
+        )
         sampler_iter = iter(index_sampler)
         if not (self.persistent_workers and self._thread_seeded):  # torch's RNG draws, exactly
             base_seed = int(
@@ -648,7 +651,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             sampler_iter,
             self.collate_fn,
             self._mode,
-            # the direct path's worker only issues copies: one thread is enough (feedpipe._direct)
+            # the direct path's worker only issues copies: one thread is enough
             num_workers=self.num_workers if self._direct is None else 1,
             # the direct path's one worker keeps the feed's window queued (it only issues copies)
             prefetch_factor=(self.prefetch_factor or 2)
@@ -674,10 +677,5 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
 
 def _takes_arrays(dataset: Any) -> bool:
-    """Whether ``dataset.read_batch`` is one of ours, which takes numpy index arrays."""
-    from feedpipe.datasets.memmap import MemmapDataset
-
-    if isinstance(dataset, MemmapDataset):
-        return True
-    zarr = sys.modules.get("feedpipe.datasets.zarr")  # imported only if the user did
-    return zarr is not None and isinstance(dataset, zarr.ZarrDataset)
+    """Whether ``dataset.read_batch`` takes numpy index arrays (feedpipe.protocols, step 2)."""
+    return isinstance(dataset, IndexArrayDataset) and dataset.takes_index_arrays is True

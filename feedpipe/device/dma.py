@@ -24,7 +24,8 @@ per ``shared/GPU.md``):
 For comparison, ``read_batch`` into pinned host memory (the CPU gathering from the map) on 4-8
 threads reached 12.7-17.5 GB/s of 256 KiB records in the same day's ``benchmarks/gpu_feed.py``
 runs. Registration pins the shard's pages (memory that stays resident) until the shard is
-closed, so the loader uses this path only for data that fits in memory (:mod:`feedpipe._direct`).
+closed, so the loader uses this path only for data that fits in memory
+(:mod:`feedpipe.device.direct`).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 ``fetch_batch`` is the one function that turns an index batch into a batch: it reads with
 ``read_batch`` (one call, no collation), ``__getitems__`` (one call, then collate) or per-sample
 ``__getitem__`` (torch's path), and times the read and the collation. Process workers reach it
-through ``_MapProxy`` / ``_TimedCollate`` (torch's fetcher calls ``__getitems__`` then
-``collate_fn``), thread workers call it directly. A failure becomes a ``_Failed`` record naming
+through ``MapProxy`` / ``TimedCollate`` (torch's fetcher calls ``__getitems__`` then
+``collate_fn``), thread workers call it directly. A failure becomes a ``Failed`` record naming
 the worker and the sample indices, re-raised in the main process with the original type.
 """
 
@@ -18,15 +18,30 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch._utils import ExceptionWrapper
+import torch.utils.data as tud
 from torch.utils.data import Dataset, IterableDataset
 
-from feedpipe import _torch_compat
 from feedpipe.errors import WorkerError
+from feedpipe.loader import _torch_compat
 
 _perf = time.perf_counter
 
-__all__ = ["Mode", "Shipped", "fetch_batch", "fetch_untimed", "nbytes_of", "pin_batch"]
+__all__ = [
+    "Failed",
+    "Fetched",
+    "IterProxy",
+    "MapProxy",
+    "Mode",
+    "Shipped",
+    "TimedCollate",
+    "WorkerInit",
+    "fetch_batch",
+    "fetch_untimed",
+    "get_worker_info",
+    "nbytes_of",
+    "pin_batch",
+    "short",
+]
 
 
 class Mode(enum.Enum):
@@ -77,7 +92,7 @@ class Shipped(NamedTuple):
     collate_s: float
 
 
-class _Failed:
+class Failed:
     """A worker's exception with the worker id and the sample indices it was reading.
 
     In the main process or a thread the original exception object is re-raised (with a note
@@ -88,7 +103,7 @@ class _Failed:
     def __init__(self, exc: BaseException, worker: int | None, indices: Any) -> None:
         self.worker, self.indices = worker, indices
         self.exc: BaseException | None = exc
-        self.wrapper = ExceptionWrapper((type(exc), exc, exc.__traceback__), "")
+        self.wrapper = _torch_compat.ExceptionWrapper((type(exc), exc, exc.__traceback__), "")
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -100,7 +115,7 @@ class _Failed:
         worker = self.worker
         where = "in the main process" if worker is None else f"in DataLoader worker {worker}"
         num = "a batch" if batch is None else f"batch {batch}"
-        what = "" if self.indices is None else f" (sample indices {_short(self.indices)})"
+        what = "" if self.indices is None else f" (sample indices {short(self.indices)})"
         context = f"{where} while loading {num}{what}"
         exc = self.exc
         if exc is None:  # from a process: re-create the type, like torch
@@ -124,7 +139,7 @@ class _Failed:
         return error
 
 
-def _short(indices: Any, limit: int = 16) -> str:
+def short(indices: Any, limit: int = 16) -> str:
     if isinstance(indices, np.ndarray):
         indices = indices.tolist()
     if isinstance(indices, (list, tuple)) and len(indices) > limit:
@@ -159,9 +174,7 @@ def nbytes_of(batch: Any) -> int:
 
 def pin_batch(batch: Any) -> Any:
     """Page-lock a batch (torch's recursive pin), the hook a device feed extends."""
-    from torch.utils.data._utils.pin_memory import pin_memory
-
-    return pin_memory(batch)
+    return _torch_compat.pin_memory(batch)
 
 
 def read_indices(dataset: Any, indices: Any, mode: Mode, out: Any = None) -> Any:
@@ -215,17 +228,21 @@ def fetch_untimed(
     return (batch, len(indices) if mode is not _NO_BATCH else 1, 0, -1.0, -1.0)
 
 
+def get_worker_info() -> Any:
+    """torch's ``get_worker_info()``, which also works inside feedpipe's thread workers."""
+    info = _torch_compat.thread_worker_info()
+    return info if info is not None else tud.get_worker_info()
+
+
 def worker_id() -> int | None:
     """The current torch or feedpipe worker id, or None in the main process."""
-    from feedpipe.loader import get_worker_info
-
     info = get_worker_info()
     return None if info is None else info.id
 
 
 # ----------------------------------------------------------------------- process-worker plumbing
-class _Fetched:
-    """What ``_MapProxy`` hands torch's fetcher: the read samples plus their read time."""
+class Fetched:
+    """What ``MapProxy`` hands torch's fetcher: the read samples plus their read time."""
 
     __slots__ = ("data", "failed", "fetch_s", "indices", "samples")
 
@@ -234,13 +251,13 @@ class _Fetched:
         self.indices, self.failed = indices, failed
 
 
-class _MapProxy(Dataset):  # type: ignore[type-arg]
+class MapProxy(Dataset):  # type: ignore[type-arg]
     """Stands in for a map-style dataset inside torch's worker loop.
 
     Torch's fetcher calls ``__getitems__`` (auto-collation) or ``__getitem__`` (batch_size=None)
-    and passes the result to ``collate_fn``; here that result is a ``_Fetched`` carrying the
-    read time, and ``_TimedCollate`` finishes the job. ``get_worker_info().dataset`` still
-    returns the user's dataset (see ``_WorkerInit``).
+    and passes the result to ``collate_fn``; here that result is a ``Fetched`` carrying the
+    read time, and ``TimedCollate`` finishes the job. ``get_worker_info().dataset`` still
+    returns the user's dataset (see ``WorkerInit``).
     """
 
     def __init__(self, dataset: Any, mode: Mode) -> None:
@@ -252,22 +269,22 @@ class _MapProxy(Dataset):  # type: ignore[type-arg]
     def __repr__(self) -> str:
         return repr(self.dataset)
 
-    def _read(self, indices: Any, samples: int) -> _Fetched:
+    def _read(self, indices: Any, samples: int) -> Fetched:
         t0 = time.perf_counter()
         try:
             data = read_indices(self.dataset, indices, self.mode)
         except (Exception, SystemExit) as exc:
-            return _Fetched(None, 0.0, samples, indices, _Failed(exc, worker_id(), indices))
-        return _Fetched(data, time.perf_counter() - t0, samples, indices)
+            return Fetched(None, 0.0, samples, indices, Failed(exc, worker_id(), indices))
+        return Fetched(data, time.perf_counter() - t0, samples, indices)
 
-    def __getitems__(self, indices: Sequence[int]) -> _Fetched:
+    def __getitems__(self, indices: Sequence[int]) -> Fetched:
         return self._read(indices, len(indices))
 
-    def __getitem__(self, index: Any) -> _Fetched:
+    def __getitem__(self, index: Any) -> Fetched:
         return self._read(index, 1)
 
 
-class _IterProxy(IterableDataset):  # type: ignore[type-arg]
+class IterProxy(IterableDataset):  # type: ignore[type-arg]
     """Stands in for an iterable dataset: times each ``next`` and turns errors into records."""
 
     def __init__(self, dataset: Any) -> None:
@@ -290,7 +307,7 @@ class _IterProxy(IterableDataset):  # type: ignore[type-arg]
             except StopIteration:
                 return
             except (Exception, SystemExit) as exc:
-                yield _Failed(exc, worker_id(), f"stream position {position}")
+                yield Failed(exc, worker_id(), f"stream position {position}")
                 return
             clock.fetch_s += time.perf_counter() - t0
             position += 1
@@ -308,14 +325,14 @@ def _clock() -> _Clock:
     return _CLOCK
 
 
-class _TimedCollate:
-    """Wraps the user's ``collate_fn`` in torch's fetch path; returns ``Shipped`` or ``_Failed``."""
+class TimedCollate:
+    """Wraps the user's ``collate_fn`` in torch's fetch path; returns ``Shipped`` or ``Failed``."""
 
     def __init__(self, collate_fn: Callable[[Any], Any], mode: Mode) -> None:
         self.collate_fn, self.mode = collate_fn, mode
 
-    def __call__(self, data: Any) -> Shipped | _Failed:
-        if isinstance(data, _Fetched):
+    def __call__(self, data: Any) -> Shipped | Failed:
+        if isinstance(data, Fetched):
             if data.failed is not None:
                 return data.failed
             fetch_s, samples, indices, data = data.fetch_s, data.samples, data.indices, data.data
@@ -323,7 +340,7 @@ class _TimedCollate:
             clock = _clock()
             fetch_s, clock.fetch_s = clock.fetch_s, 0.0
             items = data if isinstance(data, list) else [data]
-            failed = next((x for x in items if isinstance(x, _Failed)), None)
+            failed = next((x for x in items if isinstance(x, Failed)), None)
             if failed is not None:
                 return failed
             samples, indices = (len(data) if isinstance(data, list) else 1), None
@@ -333,19 +350,19 @@ class _TimedCollate:
         try:
             batch = self.collate_fn(data)
         except (Exception, SystemExit) as exc:
-            return _Failed(exc, worker_id(), indices)
+            return Failed(exc, worker_id(), indices)
         collate_s = time.perf_counter() - t0
         return Shipped(batch, samples, nbytes_of(batch), fetch_s, collate_s)
 
 
-class _WorkerInit:
+class WorkerInit:
     """Runs first in each torch worker: shows the user's dataset in ``get_worker_info()``."""
 
     def __init__(self, user_fn: Callable[[int], None] | None) -> None:
         self.user_fn = user_fn
 
     def __call__(self, worker: int) -> None:
-        _torch_compat.unwrap_worker_dataset((_MapProxy, _IterProxy))
+        _torch_compat.unwrap_worker_dataset((MapProxy, IterProxy))
         if self.user_fn is not None:
             try:
                 self.user_fn(worker)

@@ -7,7 +7,8 @@ Nothing is pickled or copied through shared memory, so this pays off for reads t
 the GIL (numpy/memmap gathers, ``read_batch``).
 
 Inside the threads ``feedpipe.get_worker_info()`` and torch's ``get_worker_info()`` both return
-the thread's own ``WorkerInfo`` (``feedpipe._torch_compat``), in ``worker_init_fn`` too, so an
+the thread's own ``WorkerInfo`` (``feedpipe.loader._torch_compat``), in ``worker_init_fn`` too, so
+an
 ``IterableDataset`` that shards itself by worker id works as with processes. What threads cannot
 have is their own global RNG: a ``worker_init_fn`` that seeds numpy / ``random`` / torch, or a
 dataset that draws from them, changes the training loop's RNG. ``RNGWatch`` detects both (by
@@ -36,17 +37,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from feedpipe import _torch_compat
-from feedpipe._loader_fetch import (
+from feedpipe.errors import WorkerError
+from feedpipe.loader import _torch_compat
+from feedpipe.loader.fetch import (
+    Failed,
     Mode,
     ShippedTuple,
-    _Failed,
     fetch_batch,
     fetch_untimed,
     nbytes_of,
     pin_batch,
 )
-from feedpipe.errors import WorkerError
 
 __all__ = ["RNGWatch", "ThreadWorkers", "note_iter", "thread_worker_info"]
 
@@ -303,7 +304,7 @@ class ThreadWorkers:
         info = self._task_info.get(self._rcvd_idx)
         return self._rcvd_idx, (info[0] if info else None)
 
-    def __next__(self) -> ShippedTuple | _Failed:
+    def __next__(self) -> ShippedTuple | Failed:
         if self._first is not None:
             self._end_first_round()
         while True:
@@ -488,7 +489,7 @@ def _worker_body(  # noqa: PLR0917
     _torch_compat.set_thread_worker_info(
         _torch_compat.make_worker_info(wid, num_workers, seed, dataset)
     )
-    init_error: _Failed | None = None
+    init_error: Failed | None = None
     if first is None:  # the RNG checks run in the first round only
         rng_watch = None
     if init_fn is not None:
@@ -496,7 +497,7 @@ def _worker_body(  # noqa: PLR0917
         try:
             init_fn(wid)
         except (Exception, SystemExit) as exc:  # SystemExit: this thread is not the process
-            init_error = _Failed(exc, wid, None)
+            init_error = Failed(exc, wid, None)
             if init_failed is not None:
                 init_failed.append(wid)
         if first is not None and rng_watch is not None and before is not None:
@@ -538,7 +539,7 @@ def _worker_body(  # noqa: PLR0917
                 out = (pin_batch(out[0]), *out[1:])
         except (Exception, SystemExit) as exc:  # SystemExit: this thread is not the process
             where = indices if not iterable else f"stream position {position}"
-            results.put((idx, wid, _Failed(exc, wid, where)))
+            results.put((idx, wid, Failed(exc, wid, where)))
             continue
         finally:
             if first is not None:
@@ -603,7 +604,7 @@ class InlineSource:
     def __iter__(self) -> InlineSource:
         return self
 
-    def __next__(self) -> ShippedTuple | _Failed:
+    def __next__(self) -> ShippedTuple | Failed:
         indices = next(self._sampler_iter)
         try:
             if self._iterator is not None:
@@ -623,4 +624,4 @@ class InlineSource:
             raise
         except Exception as exc:
             where = indices if self._iterator is None else f"stream position {self._position}"
-            return _Failed(exc, None, where)
+            return Failed(exc, None, where)

@@ -1,0 +1,426 @@
+"""GPU feed: batches land on the device before the training step asks for them.
+
+``GPUFeed`` sits at the end of the loader. Batch ``s`` of an epoch goes through ring slot
+``s % n`` (``n`` page-locked host slots, allocated once from the first batch and reused), is
+copied to the device with ``non_blocking=True`` on a dedicated copy stream, and is handed to the
+consumer ``prefetch`` batches later. (The loader's direct path for big fixed-size memmap records
+skips the ring and DMAs them from the page cache on the copy stream: :mod:`feedpipe.device.direct`.)
+Thread workers gather straight into their slot
+(:meth:`GPUFeed.out_for`); anything else (process workers' shared-memory batches) is copied into
+the slot first, timed as the ``"pin"`` stage. The copy is timed with CUDA events as ``"h2d"``
+(harvested when they have completed, never by syncing the hot path).
+
+Why this is safe (``C`` is the copy stream, ``E_s`` the event recorded on ``C`` after batch
+``s``'s copies, ``U`` the consumer's current stream when ``next()`` returns batch ``s``):
+
+1. Host writes before the copy: slot ``s % n`` is filled on the host (by the worker's gather, which
+   returned, or by the synchronous pin copy) before the copies of batch ``s`` are enqueued on ``C``.
+2. Slot reuse after the copy: the slot is written again only for batch ``s + n``, and only once
+   ``E_s.query()`` reports that the copy out of it has completed (:meth:`Ring.wait_copied`, used by
+   both the worker path and the pin path). So no DMA read of a slot overlaps a host write to it.
+3. Consumer after the copy: before batch ``s`` is returned, ``U.wait_event(E_s)``; every kernel the
+   consumer enqueues on ``U`` afterwards runs after the copy has finished.
+4. Device memory lifetime: the device tensors are allocated on ``C`` and ``record_stream(U)`` is
+   called on each, so the caching allocator does not give their memory to a later copy on ``C``
+   until the consumer's work enqueued on ``U`` before they were freed has completed.
+
+5. Epochs: a filler is bound to its epoch's generation and is turned away (gets ``None``) once
+   that epoch ends, atomically with lending; a ring whose slots are still lent to an abandoned
+   epoch's workers is never reused (a fresh one replaces it), so a late gather cannot land in a
+   slot that a new epoch is using.
+
+If the consumer moves a batch to another stream, it orders that stream itself (as with torch).
+
+Memory is bounded: ``n = prefetch + 2 + fillers`` slots (``fillers`` = how many batches thread
+workers may gather at once), each the size of the first batch (scaled to ``batch_size`` rows when
+it is batch-major and shorter). The slot count never grows; a batch bigger than its slot
+reallocates that slot once, with a logged warning per new maximum. ``info`` reports the budget.
+
+Without CUDA (or with ``device="cpu"``) the same code runs with unpinned slots and a host copy out
+of the slot (so consumers never see a reused buffer), after exactly one :class:`GPUFeedWarning`.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from feedpipe.device.ring import Event, Ring, RingClosedError, Slot, flatten, log, map_tensors
+
+__all__ = [
+    "GPUFeed",
+    "GPUFeedWarning",
+    "Prefetcher",
+    "map_tensors",
+    "resolve_device",
+]
+
+
+class GPUFeedWarning(UserWarning):
+    """The GPU feed fell back to host memory (``device="cpu"`` or no usable CUDA device)."""
+
+
+def resolve_device(device: str | int | torch.device) -> torch.device:
+    """Return the device a feed targets: ``cuda:N`` when usable, else ``cpu`` with one warning.
+
+    A CUDA index that does not exist on a machine with CUDA is an error, not a fallback.
+    """
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            warnings.warn(
+                f"feedpipe: device={str(device)!r} requested but CUDA is not available; "
+                "batches stay in host memory",
+                GPUFeedWarning,
+                stacklevel=3,
+            )
+            return torch.device("cpu")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if not 0 <= index < torch.cuda.device_count():
+            raise ValueError(
+                f"feedpipe: device={str(device)!r} does not exist; this machine has "
+                f"{torch.cuda.device_count()} CUDA device(s)"
+            )
+        return torch.device("cuda", index)
+    if dev.type == "cpu":
+        warnings.warn(
+            "feedpipe: device='cpu' given; the GPU feed is off and batches stay in host memory",
+            GPUFeedWarning,
+            stacklevel=3,
+        )
+        return dev
+    raise ValueError(f"feedpipe: device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
+
+
+@dataclass
+class _InFlight:
+    """A submitted batch: its device (or host-copy) leaves, how to rebuild it, its done event."""
+
+    seq: int
+    leaves: list[Any]
+    rebuild: Any
+    event: Any | None
+    nbytes: int
+
+
+class _CudaCopier:
+    """Issues slot -> device copies on a dedicated stream and hands them to the consumer."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def copy(self, views: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any, Any]:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):  # device tensors are allocated on the copy stream
+            start.record(self.stream)
+            outs = [v.to(self.device, non_blocking=True) for v in views]
+            end.record(self.stream)
+        return outs, start, end
+
+    def hand_over(self, outs: list[torch.Tensor], event: Any) -> None:
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_event(event)
+        for t in outs:
+            t.record_stream(consumer)
+
+
+class _HostCopier:
+    """CPU fallback: a synchronous copy out of the slot, so the consumer never sees a slot."""
+
+    stream = None
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def copy(self, views: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any, Any]:
+        t0 = time.perf_counter()
+        outs = [v.clone() for v in views]
+        self.seconds = time.perf_counter() - t0
+        return outs, None, None
+
+    def hand_over(self, outs: list[torch.Tensor], event: Any) -> None:
+        return None
+
+
+def _bound_out_for(ring: Ring, gen: int) -> Callable[[int, int], Any | None]:
+    def out_for(seq: int, rows: int) -> Any | None:
+        try:
+            return ring.out_for(seq, rows, gen)
+        except RingClosedError:
+            return None
+
+    return out_for
+
+
+class GPUFeed:
+    """Moves CPU batches to ``device`` through a ring of page-locked slots, ``prefetch`` ahead.
+
+    Either iterate ``feed.iterate(cpu_batches)``, or drive it step by step (what the loader does,
+    so that it counts a batch only when it is handed over): ``start()``, then ``submit(batch)``
+    (or ``skip()`` for a batch that failed) up to ``prefetch`` batches ahead, ``hand_over(flight)``
+    in order, ``finish()``. Thread workers gather batch ``seq`` (its delivery-order number) into
+    ``out_for(seq, rows)`` when that is not ``None``. ``meter`` (a :class:`feedpipe.StallMeter`)
+    receives the ``"pin"`` and ``"h2d"`` stages (on the CPU fallback, "h2d" is the host copy).
+    """
+
+    def __init__(
+        self,
+        device: str | int | torch.device,
+        *,
+        prefetch: int = 2,
+        fillers: int = 0,
+        batch_size: int | None = None,
+        meter: Any | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        if prefetch < 0 or fillers < 0:
+            raise ValueError(f"prefetch and fillers must be >= 0, got {prefetch} and {fillers}")
+        self.device = resolve_device(device)
+        self.on_gpu = self.device.type == "cuda"
+        self.prefetch = prefetch
+        self.meter = meter
+        self._ring = Ring(
+            prefetch + 2 + fillers, pin=self.on_gpu, batch_size=batch_size, timeout=timeout
+        )
+        self._copier: _CudaCopier | _HostCopier = (
+            _CudaCopier(self.device) if self.on_gpu else _HostCopier()
+        )
+        self._timings: deque[tuple[Any, Any, int]] = deque()  # (start, end, nbytes) to harvest
+        self._seq = 0
+        self.batches = 0
+
+    # ------------------------------------------------------------------ reporting
+    @property
+    def copy_stream(self) -> Any:
+        """The dedicated CUDA copy stream (``None`` on the CPU fallback)."""
+        return self._copier.stream
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The memory budget: slot count and bytes (0 until the first batch lays the ring out)."""
+        ring = self._ring
+        return {
+            "device": str(self.device),
+            "pinned": ring.pin,
+            "prefetch": self.prefetch,
+            "slots": ring.n,
+            "slot_bytes": ring.slot_bytes,
+            "ring_bytes": ring.ring_bytes,
+            "reallocations": ring.grown,
+            "batches": self.batches,
+        }
+
+    # ------------------------------------------------------------------ the three steps
+    def out_for(self, seq: int, rows: int) -> Any | None:
+        """Slot views for batch ``seq`` of ``rows`` samples, for a worker to gather into.
+
+        Blocks until batch ``seq - slots`` has been submitted and its copy completed. Returns
+        ``None`` (gather into fresh memory instead) before the first batch has laid out the ring,
+        for batches that are not batch-major or do not fit, and once the iteration has ended.
+        """
+        return _bound_out_for(self._ring, self._ring.gen)(seq, rows)
+
+    def start(self) -> Callable[[int, int], Any | None]:
+        """Begin an epoch (batches numbered from 0); returns this epoch's :meth:`out_for`.
+
+        Waits for the copies out of every slot. If the previous epoch was abandoned while
+        fillers held slots (their gathers may still be running), the ring is not reused: a new
+        one replaces it (the old one is freed into torch's pinned-memory cache once released).
+        Fillers must use the returned function, bound to this epoch's ring.
+        """
+        old = self._ring
+        lent = old.retire()
+        if lent:
+            log.info(
+                "feedpipe GPU feed: the previous epoch was abandoned with %d slots lent to "
+                "workers; using a fresh ring",
+                lent,
+            )
+            self._ring = Ring(old.n, pin=old.pin, batch_size=old.batch_size, timeout=old.timeout)
+        gen = self._ring.reset()
+        self._seq = 0
+        return _bound_out_for(self._ring, gen)
+
+    def submit(self, batch: Any) -> _InFlight:
+        """Put the next batch (in delivery order) into its slot and start its copy to the device.
+
+        In-place gathers (:meth:`out_for`) must use the same numbering: batch ``seq`` is the
+        ``seq``-th call to :meth:`submit` or :meth:`skip` since :meth:`start`.
+        """
+        seq = self._seq
+        leaves, rebuild = flatten(batch)
+        host = [i for i, t in enumerate(leaves) if t.device.type == "cpu"]
+        host_leaves = [leaves[i] for i in host]
+        ring = self._ring
+        if ring.layout is None:
+            ring.allocate(host_leaves, rebuild if len(host) == len(leaves) else None)
+        t0 = time.perf_counter()
+        slot, views, copied = ring.fill(seq, host_leaves)
+        if copied and self.meter is not None:
+            self.meter.add_stage("pin", time.perf_counter() - t0, copied)
+        outs, start, end = self._copier.copy(views)
+        nbytes = sum(v.numel() * v.element_size() for v in views)
+        self._note_copy(slot, seq, start, end, nbytes)
+        result: list[Any] = list(leaves)
+        for i, out in zip(host, outs, strict=True):
+            result[i] = out
+        for i, t in enumerate(leaves):  # leaves already on a device: moved only if elsewhere
+            if t.device.type != "cpu" and t.device != self.device:
+                result[i] = t.to(self.device)
+        self._seq += 1
+        return _InFlight(seq, result, rebuild, end, nbytes)
+
+    def skip(self) -> None:
+        """The next batch will never arrive (its worker failed): keep the numbering aligned."""
+        self._ring.skip()
+        self._seq += 1
+
+    def _note_copy(self, slot: Slot, seq: int, start: Any, end: Any, nbytes: int) -> None:
+        if self.on_gpu:
+            self._timings.append((start, end, nbytes))
+        elif self.meter is not None:
+            assert isinstance(self._copier, _HostCopier)
+            self.meter.add_stage("h2d", self._copier.seconds, nbytes)
+        event: Event | None = end
+        self._ring.submitted(slot, seq, event)
+
+    def note_copy(self, start: Any, end: Any, nbytes: int) -> None:
+        """Report a copy issued elsewhere on :attr:`copy_stream` (the direct DMA path) as
+        ``"h2d"`` once its CUDA events have completed; any thread may call it."""
+        if self.on_gpu:
+            self._timings.append((start, end, nbytes))
+
+    def hand_over(self, flight: _InFlight) -> Any:
+        """Order the consumer's current stream after the copy and return the device batch."""
+        if flight.event is not None:
+            outs = [t for t in flight.leaves if isinstance(t, torch.Tensor) and t.is_cuda]
+            self._copier.hand_over(outs, flight.event)
+        self._harvest(block=False)
+        self.batches += 1
+        return flight.rebuild(flight.leaves)
+
+    def _harvest(self, block: bool) -> None:
+        """Report completed copy times (CUDA events) to the meter, oldest first."""
+        while self._timings:
+            start, end, nbytes = self._timings[0]
+            if not block and not end.query():
+                return
+            end.synchronize()
+            self._timings.popleft()
+            if self.meter is not None:
+                self.meter.add_stage("h2d", start.elapsed_time(end) / 1000.0, nbytes)
+
+    # ------------------------------------------------------------------ iteration
+    def iterate(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Yield ``batches`` on the device, keeping ``prefetch`` copies in flight ahead.
+
+        Batch numbers (for :meth:`out_for`) restart at 0 on each call. When the iteration ends or
+        is abandoned, fillers waiting for a slot get ``None`` and completed timings are reported.
+        """
+        self.start()
+        epoch = self.epoch
+        source = iter(batches)
+        pending: deque[_InFlight] = deque()
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(pending) <= self.prefetch:
+                    try:
+                        batch = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    pending.append(self.submit(batch))
+                if not pending:
+                    return
+                if self.meter is not None:
+                    self.meter.set_depth("gpu_prefetch", len(pending) - 1)
+                yield self.hand_over(pending.popleft())
+        finally:
+            self.finish(epoch)
+
+    def finish(self, epoch: tuple[Ring, int] | None = None) -> None:
+        """End an epoch: wake fillers waiting for a slot (they get ``None``), report timings.
+        With ``epoch`` (``self.epoch`` taken after :meth:`start`), only if it is still current."""
+        if epoch is not None and epoch != self.epoch:
+            return
+        self._ring.close()
+        self._harvest(block=True)
+
+    @property
+    def epoch(self) -> tuple[Ring, int]:
+        """Identifies the current epoch (its ring and generation)."""
+        return self._ring, self._ring.gen
+
+    def close(self) -> None:
+        """Wake any filler waiting for a slot (it gets ``None``); the ring memory stays reusable."""
+        self._ring.close()
+
+    def prefetcher(self, pull: Callable[[], tuple[Any, Any, bool]] | None = None) -> Prefetcher:
+        """Start an epoch driven by ``pull`` (see :class:`Prefetcher`)."""
+        return Prefetcher(self, pull)
+
+
+class Prefetcher:
+    """One epoch of a :class:`GPUFeed` for a loader: ``next()`` returns ``(batch, info)`` in order.
+
+    ``pull()`` (settable later, as ``.pull``: the loader's workers need :attr:`out_for` before
+    the loader's iterator exists) returns the next ``(cpu_batch, info, ok)`` or raises
+    ``StopIteration``;
+    ``ok=False`` marks a batch whose worker failed (its ``info`` comes back with ``batch=None``
+    at its turn, so the loader raises it in order). ``prefetch`` batches stay submitted ahead.
+    ``out_for`` is this epoch's in-place gather function for thread workers.
+    """
+
+    def __init__(
+        self, feed: GPUFeed, pull: Callable[[], tuple[Any, Any, bool]] | None = None
+    ) -> None:
+        self._feed = feed
+        self.pull = pull
+        self._ahead: deque[tuple[_InFlight | None, Any]] = deque()
+        self._exhausted = False
+        self.out_for = feed.start()
+        self._epoch = feed.epoch
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> tuple[Any, Any]:
+        feed, ahead = self._feed, self._ahead
+        while not self._exhausted and len(ahead) <= feed.prefetch:
+            if self.pull is None:
+                raise RuntimeError("Prefetcher.pull was never set")
+            try:
+                batch, info, ok = self.pull()
+            except StopIteration:
+                self._exhausted = True
+                break
+            except BaseException:
+                self.close()
+                raise
+            if ok:
+                ahead.append((feed.submit(batch), info))
+            else:
+                feed.skip()
+                ahead.append((None, info))
+        if not ahead:
+            self.close()
+            raise StopIteration
+        if feed.meter is not None:
+            feed.meter.set_depth("gpu_prefetch", len(ahead) - 1)
+        flight, info = ahead.popleft()
+        return (None if flight is None else feed.hand_over(flight)), info
+
+    def close(self) -> None:
+        """End the epoch early or late: fillers waiting for a slot are turned away."""
+        self._exhausted = True
+        self._ahead.clear()
+        self._feed.finish(self._epoch)  # a no-op once a later epoch has started
