@@ -43,8 +43,7 @@ from feedpipe.loader.fetch import (
     Failed,
     Mode,
     ShippedTuple,
-    fetch_batch,
-    fetch_untimed,
+    fetcher,
     nbytes_of,
     pin_batch,
 )
@@ -483,7 +482,7 @@ def _worker_body(  # noqa: PLR0917
     first: _FirstRound | None,
     init_failed: list[int] | None,
 ) -> None:
-    fetch = fetch_batch if timed else fetch_untimed
+    fetch = fetcher(timed)
     iterable = mode is Mode.ITERABLE
     seed = base_seed + wid
     _torch_compat.set_thread_worker_info(
@@ -593,7 +592,7 @@ class InlineSource:
         timed: bool = True,
     ) -> None:
         self._sampler_iter = sampler_iter
-        self._fetch = fetch_batch if timed else fetch_untimed
+        self._fetch = fetcher(timed)
         torch.empty((), dtype=torch.int64).random_(generator=generator)  # torch's base seed draw
         self._dataset, self._collate_fn, self._mode = dataset, collate_fn, mode
         self._pin, self._drop_last = pin, drop_last

@@ -237,6 +237,8 @@ class StallMeter:
         if self._first_begin is None and not self._waits:
             self._first_begin = now
         if self._profiler._is_profiler_enabled:
+            if self._range is not None:  # the previous wait raised instead of delivering
+                self._close_range()
             self._open_range("feedpipe.wait")
 
     def wait_end(self, samples: int = 0, nbytes: int = 0) -> None:
@@ -311,6 +313,9 @@ class StallMeter:
         When no other pass is active, the time from now to the next ``pass_begin`` is *outside*.
         """
         now = _perf()
+        if self._range is not None:  # the wait that ended the pass delivered no batch
+            self._close_range()
+            self._set_fold_at()
         self._fold()
         with self._lock:
             self._passes = max(0, self._passes - 1)
