@@ -153,6 +153,12 @@ def test_nothing_recorded_when_off() -> None:
         trace.reset()
 
 
+def _path(*first: Path) -> str:
+    """PYTHONPATH for a child: ``first``, this checkout, then the caller's own entries."""
+    rest = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join([*map(str, first), str(ROOT), *([rest] if rest else [])])
+
+
 def _decide(env: dict[str, str]) -> str:
     """In a fresh interpreter: the recorder the environment picks, and whether nvtx got imported."""
     code = (
@@ -162,7 +168,7 @@ def _decide(env: dict[str, str]) -> str:
     clean = {k: v for k, v in os.environ.items() if k not in ("FEEDPIPE_NVTX",) and "NVTX" not in k}
     out = subprocess.run(
         [sys.executable, "-c", code],
-        env={**clean, "PYTHONPATH": str(ROOT), **env},
+        env={**clean, "PYTHONPATH": _path(), **env},
         capture_output=True,
         text=True,
         timeout=60,
@@ -204,7 +210,7 @@ def test_real_nvtx_package() -> None:
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
-        env={**os.environ, "PYTHONPATH": str(ROOT), "FEEDPIPE_NVTX": "1"},
+        env={**os.environ, "PYTHONPATH": _path(), "FEEDPIPE_NVTX": "1"},
         capture_output=True,
         text=True,
         timeout=120,
@@ -219,7 +225,7 @@ def test_forced_on_without_nvtx_names_the_package(tmp_path: Path) -> None:
     code = "from feedpipe.io import trace\ntrace.recorder()\n"
     out = subprocess.run(
         [sys.executable, "-c", code],
-        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "FEEDPIPE_NVTX": "1"},
+        env={**os.environ, "PYTHONPATH": _path(tmp_path), "FEEDPIPE_NVTX": "1"},
         capture_output=True,
         text=True,
         timeout=60,

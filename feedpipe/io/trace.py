@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -125,9 +126,10 @@ def active() -> bool:
     return recorder() is not None
 
 
-def _set(rec: Recorder | None) -> None:
+def _set(rec: Any) -> None:
     global _recorder
     _recorder = rec
+    _SPANS.clear()
 
 
 def set_recorder(rec: Recorder | None) -> Recorder | None:
@@ -149,6 +151,8 @@ def reset() -> None:
 
 
 class _Span:
+    """A reusable range: any thread may enter it (push) and leave it (pop) at once."""
+
     __slots__ = ("_name", "_rec")
 
     def __init__(self, rec: Recorder, name: str) -> None:
@@ -179,9 +183,19 @@ class _NoSpan:
 _NO_SPAN = _NoSpan()
 
 
-def span(name: str) -> _Span | _NoSpan:
-    """``with span("ckpt/write"): ...``: a range around the block, in the calling thread."""
-    rec = _recorder
-    if rec is _UNSET:
+class _Spans(dict[str, "_Span | _NoSpan"]):
+    """name -> the context manager for the current recorder (``_NO_SPAN`` while off), made on
+    first use and dropped whenever the recorder changes."""
+
+    def __missing__(self, name: str) -> _Span | _NoSpan:
         rec = recorder()
-    return _NO_SPAN if rec is None else _Span(rec, name)
+        cm: _Span | _NoSpan = _NO_SPAN if rec is None else _Span(rec, name)
+        self[name] = cm
+        return cm
+
+
+_SPANS = _Spans()
+
+#: ``with span("ckpt/write"): ...``: a range around the block, in the calling thread. A bound
+#: ``dict.__getitem__`` (no Python frame), so a range costs two no-op calls while off.
+span: Callable[[str], _Span | _NoSpan] = _SPANS.__getitem__
