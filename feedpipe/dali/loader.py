@@ -49,6 +49,7 @@ from feedpipe.dali.pipeline import (
     build_probe,
 )
 from feedpipe.errors import DatasetError, WorkerError, require
+from feedpipe.io import trace
 from feedpipe.stall import StallMeter
 
 __all__ = ["ImageLoader"]
@@ -393,7 +394,8 @@ class ImageLoader:
         for b in range(n_batches):
             self.meter.wait_begin()
             try:
-                out = self._next(f"batch {b}")
+                with trace.span("feedpipe/decode"):  # the wait for DALI's decoded batch
+                    out = self._next(f"batch {b}")
             except (WorkerError, KeyboardInterrupt):
                 raise
             except Exception as exc:  # DALI could not decode this batch
