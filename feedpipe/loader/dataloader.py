@@ -621,6 +621,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             pin=self._pin(),
             drop_last=self.drop_last,
             timed=self.meter.enabled,
+            shared_clock=self._feed is None,  # a feed delivers batches fetched in earlier next()s
         )
 
     def _thread_rng_watch(self) -> RNGWatch:

@@ -47,6 +47,8 @@ class LoaderIter:
         self._profiler = meter._profiler  # its _is_profiler_enabled flag: one read per batch
         # device idle for input: CUDA events at hand-off (device="cuda" with counters on)
         self._clock = meter.device_clock if feed is not None and self._timed else None
+        # an in-process source that ships a mid-clock instead of stage times (fetch_mid)
+        self._shared = bool(getattr(source, "shared_clock", False))
         self._in_pass = True  # until StopIteration or drop: the meter's clock is not "outside"
         meter.pass_begin(started)
         self._epoch = loader._epoch
@@ -118,6 +120,11 @@ class LoaderIter:
             finally:  # break the frame <-> traceback cycle so the workers shut down promptly
                 error = None
         batch, samples, nbytes, fetch_s, collate_s = shipped
+        if self._shared:  # fetch_s is the clock between read and collate (or -1.0: no collate)
+            if fetch_s >= 0.0:
+                fetch_s, collate_s = fetch_s - t0, t1 - fetch_s
+            else:
+                fetch_s = t1 - t0
         if traced:
             meter = self._meter
             meter.add_stage("fetch", fetch_s, nbytes)
