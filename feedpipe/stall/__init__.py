@@ -18,7 +18,8 @@ from feedpipe.stall.distributed import (
     RankStats,
     gather_stats,
 )
-from feedpipe.stall.meter import WORKER_STAGES, NullMeter, StallMeter
+from feedpipe.stall.meter import WORKER_STAGES, StallMeter
+from feedpipe.stall.null import NullMeter
 from feedpipe.stall.sinks import JsonlSink, LoggingSink, Sink, TensorBoardSink
 from feedpipe.stall.stats import StageStats, StallStats
 

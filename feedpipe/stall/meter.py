@@ -171,6 +171,8 @@ class StallMeter:
 
     def __new__(cls, enabled: bool = True, trace: bool | Literal["auto"] = "auto") -> StallMeter:
         if not enabled and cls is StallMeter:
+            from feedpipe.stall.null import NullMeter  # a subclass: imported when first needed
+
             return super().__new__(NullMeter)
         return super().__new__(cls)
 
@@ -789,54 +791,6 @@ class StallMeter:
         import torch.profiler
 
         return torch.profiler.record_function(name)
-
-
-class NullMeter(StallMeter):
-    """A meter that records nothing: what ``StallMeter(enabled=False)`` returns."""
-
-    enabled = False
-
-    def __init__(self, enabled: bool = False, trace: bool | Literal["auto"] = False) -> None:
-        super().__init__(True, False)
-
-    def wait_begin(self) -> None:
-        pass
-
-    def wait_end(self, samples: int = 0, nbytes: int = 0) -> None:
-        pass
-
-    def record_batch(  # noqa: PLR0917 - positional on the hot path
-        self,
-        begin: float,
-        end: float,
-        samples: int = 0,
-        nbytes: int = 0,
-        fetch_s: float = -1.0,
-        collate_s: float = -1.0,
-    ) -> None:
-        pass
-
-    def wait_pending(self, begin: float) -> None:
-        pass
-
-    def add_stage(self, name: str, seconds: float, nbytes: int = 0) -> None:
-        pass
-
-    def pass_begin(self, at: float | None = None) -> None:
-        pass
-
-    def pass_end(self) -> None:
-        pass
-
-    def set_depth(self, name: str, n: int) -> None:
-        pass
-
-    @contextmanager
-    def region(self, name: str) -> Iterator[None]:
-        yield
-
-    def add_sink(self, sink: Sink) -> Sink:
-        return sink
 
 
 class _NeverOn:
