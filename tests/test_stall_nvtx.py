@@ -233,3 +233,39 @@ def test_forced_on_without_nvtx_names_the_package(tmp_path: Path) -> None:
     )
     assert out.returncode != 0
     assert "FEEDPIPE_NVTX=1 needs the nvtx package: pip install nvtx" in out.stderr
+
+
+class _Fails(_Data):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 7:
+            raise ValueError("bad record 7")
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ranges_stay_balanced_when_a_batch_fails(rec: Recorded, workers: int) -> None:
+    """A failing batch raises in next(); every range opened for it is still closed."""
+    kw: dict[str, Any] = {"num_workers": workers, "worker_type": "thread"} if workers else {}
+    loader = feedpipe.DataLoader(_Fails(), batch_size=4, **kw)
+    it = iter(loader)
+    got, errors = 0, 0
+    while True:
+        try:
+            next(it)
+            got += 1
+        except ValueError as exc:
+            assert "bad record 7" in str(exc)
+            errors += 1
+        except StopIteration:
+            break
+    assert (got, errors) == (5, 1)
+    assert rec.balanced(), dict(rec.stacks)
+    assert loader.meter.batches == 5
+
+
+def test_watch_device_is_cuda_only() -> None:
+    from feedpipe.stall import NullMeter, StallMeter
+
+    assert StallMeter(trace=False).watch_device("cpu") is None
+    assert isinstance(StallMeter(enabled=False), NullMeter)
+    assert StallMeter(enabled=False).watch_device("cuda") is None
