@@ -72,21 +72,41 @@ def torch_dtype(name: Any) -> torch.dtype:
     return value
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _device_name(device: torch.device) -> str:
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = _DEVICE_NAMES[device] = str(device)
+    return name
+
+
 def _tensor_leaf(t: torch.Tensor, path: str) -> Leaf:
     if t.layout != torch.strided or t.is_quantized:
         raise CheckpointError(f"{path}: only dense strided tensors are supported, got {t.layout}")
-    if t.device.type == "meta":
+    device = t.device
+    if device.type == "meta":
         raise CheckpointError(f"{path}: cannot save a meta tensor (it has no data)")
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    nbytes = t.numel() * t.element_size()
-    name = str(t.dtype).removeprefix("torch.")
+    name = _dtype_name(t.dtype)
     if name not in TORCH_DTYPES:
         raise CheckpointError(f"{path}: dtype {t.dtype} is not supported")
-    return Leaf(t, "tensor", name, list(t.shape), nbytes, path, str(t.device))
+    nbytes = t.numel() * t.element_size()
+    return Leaf(t, "tensor", name, list(t.shape), nbytes, path, _device_name(device))
 
 
 def _array_leaf(a: np.ndarray, path: str) -> Leaf:
@@ -112,6 +132,14 @@ def flatten(state: Any, leaves: list[Leaf] | None = None, path: str = "state") -
 def _flatten(obj: Any, leaves: list[Leaf], tensors: list, path: str, depth: int) -> dict[str, Any]:
     if depth > MAX_DEPTH:
         raise CheckpointError(f"{path}: the state is nested deeper than {MAX_DEPTH} levels")
+    if isinstance(obj, torch.Tensor):  # the common leaf first
+        node: dict[str, Any] = {"t": "tensor"}
+        if obj.requires_grad:
+            node["rg"] = True
+        if _is_parameter(obj):
+            node["param"] = True
+        tensors.append((node, obj, path))
+        return node
     if obj is None or isinstance(obj, bool):
         return {"t": "v", "v": obj}
     if isinstance(obj, enum.Enum):
@@ -124,14 +152,6 @@ def _flatten(obj: Any, leaves: list[Leaf], tensors: list, path: str, depth: int)
         return {"t": "v", "v": int(obj)}
     if isinstance(obj, float):
         return {"t": "v", "v": obj} if math.isfinite(obj) else {"t": "float", "v": repr(obj)}
-    if isinstance(obj, torch.Tensor):
-        node: dict[str, Any] = {"t": "tensor"}
-        if obj.requires_grad:
-            node["rg"] = True
-        if isinstance(obj, torch.nn.Parameter):
-            node["param"] = True
-        tensors.append((node, obj, path))
-        return node
     if isinstance(obj, (np.ndarray, np.generic)):
         node = {"t": "ndarray" if isinstance(obj, np.ndarray) else "npscalar"}
         tensors.append((node, np.asarray(obj), path))
@@ -174,14 +194,22 @@ def _flatten(obj: Any, leaves: list[Leaf], tensors: list, path: str, depth: int)
     )
 
 
+def _is_parameter(t: torch.Tensor) -> bool:
+    """``isinstance(t, nn.Parameter)``, without the metaclass hook's cost for plain tensors."""
+    if type(t) is torch.Tensor:  # what Parameter's __instancecheck__ does for a plain tensor
+        return bool(getattr(t, "_is_param", False))
+    return isinstance(t, torch.nn.Parameter)
+
+
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
     """Which storage ``t`` views (``None`` where sharing cannot apply)."""
     if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg() or not t.numel():
         return None
-    if t.device.type == "meta" or str(t.dtype).removeprefix("torch.") not in TORCH_DTYPES:
+    device = t.device
+    if device.type == "meta" or _dtype_name(t.dtype) not in TORCH_DTYPES:
         return None
     try:
-        return str(t.device), t.untyped_storage().data_ptr()
+        return _device_name(device), t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
         return None
 

@@ -3,22 +3,120 @@
 A save stages the whole state into one buffer. With ``buffers=2`` (double buffering) one save can
 stage while the previous one persists; a third save waits for a buffer to come back
 (back-pressure) and the wait is reported. Allocation is bounded by ``budget_bytes``.
+
+Page-locking is the slow part of allocating: the kernel faults in and zeroes every page, the
+driver pins and maps it. A pinned buffer is therefore anonymous memory (transparent huge pages
+requested) that several threads fault in at once before one ``cuMemHostRegister`` call
+(portable, through ctypes) registers it, the way torch's ``pinned_use_cuda_host_register``
+allocator works; where that is not possible it falls back to ``torch.empty(pin_memory=True)``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 import threading
 import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache
+from typing import Any
 
 import numpy as np
 import torch
 
 from ckpt.errors import CheckpointError
 
-__all__ = ["Buffer", "PinnedPool", "PoolOptions"]
+__all__ = ["SLICE_BYTES", "Buffer", "PinnedPool", "PoolOptions", "pinned_empty"]
 
 _ROUND = 2 << 20  # buffer sizes are rounded up to 2 MiB
+SLICE_BYTES = 64 << 20
+"""The piece of a pinned buffer one thread faults in at a time."""
+_PORTABLE = 1  # CU_MEMHOSTREGISTER_PORTABLE: pinned for every context
+
+
+class _Driver:
+    """``cuMemHostRegister`` / ``cuMemHostUnregister`` through ctypes (calls release the GIL)."""
+
+    def __init__(self, lib: Any) -> None:
+        self.register = lib.cuMemHostRegister_v2
+        self.register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        self.unregister = lib.cuMemHostUnregister
+        self.unregister.argtypes = [ctypes.c_void_p]
+        self.set_ctx = lib.cuCtxSetCurrent
+        self.set_ctx.argtypes = [ctypes.c_void_p]
+        self.retain = lib.cuDevicePrimaryCtxRetain
+        self.retain.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        self.ctx: int | None = None
+
+    def context(self) -> int:
+        """The primary context of the current torch device (the one torch uses)."""
+        if self.ctx is None:
+            handle = ctypes.c_void_p()
+            code = self.retain(ctypes.byref(handle), torch.cuda.current_device())
+            if code != 0:
+                raise RuntimeError(f"cuDevicePrimaryCtxRetain failed with CUresult {code}")
+            self.ctx = int(handle.value or 0)
+        return self.ctx
+
+
+@cache
+def _driver() -> _Driver | None:
+    try:
+        return _Driver(ctypes.CDLL("libcuda.so.1"))
+    except (OSError, AttributeError):
+        return None
+
+
+def _unregister(driver: _Driver, ctx: int, ptr: int) -> None:
+    driver.set_ctx(ctx)
+    driver.unregister(ptr)
+
+
+def pinned_empty(nbytes: int, threads: int = 8) -> tuple[torch.Tensor, Any]:
+    """A page-locked uint8 tensor of ``nbytes``; returns it and an object that keeps it
+    registered (the memory is unregistered when that object is collected). The pages are
+    faulted in by ``threads`` threads at once, then registered in one call (one registration:
+    a copy may use any range of it), as torch's ``pinned_use_cuda_host_register`` does. Falls
+    back to ``torch.empty(pin_memory=True)`` where the driver cannot be reached."""
+    driver = _driver() if nbytes >= SLICE_BYTES else None
+    if driver is None:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None
+    try:
+        ctx = driver.context()
+    except RuntimeError:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            area.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    tensor = torch.frombuffer(area, dtype=torch.uint8)
+    base = tensor.data_ptr()
+    starts = list(range(0, nbytes, SLICE_BYTES))
+
+    def fault(start: int) -> None:  # ctypes releases the GIL: the threads run at once
+        ctypes.memset(base + start, 0, min(SLICE_BYTES, nbytes - start))
+
+    with ThreadPoolExecutor(max(1, min(threads, len(starts)))) as pool:
+        list(pool.map(fault, starts))
+    driver.set_ctx(ctx)
+    code = int(driver.register(base, nbytes, _PORTABLE))
+    if code != 0:
+        raise RuntimeError(f"cuMemHostRegister of {nbytes} bytes failed with CUresult {code}")
+    keep = _Registered(tensor, area)
+    weakref.finalize(keep, _unregister, driver, ctx, base).atexit = False  # exit frees it
+    return tensor, keep
+
+
+class _Registered:
+    """Holds a registered area alive; collecting it unregisters the area (weakref.finalize)."""
+
+    def __init__(self, tensor: torch.Tensor, area: mmap.mmap) -> None:
+        self.tensor, self.area = tensor, area
 
 
 @dataclass(frozen=True)
@@ -41,13 +139,24 @@ class Buffer:
     """One staging buffer: a flat uint8 tensor and a numpy view of the same memory."""
 
     def __init__(self, nbytes: int, pin: bool) -> None:
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._keep: Any = None
+        if pin:
+            try:
+                self.tensor, self._keep = pinned_empty(nbytes, _threads())
+            except (RuntimeError, OSError):  # not registrable here: torch's own pinned memory
+                self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        else:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         self.array: np.ndarray = self.tensor.numpy()
         self.nbytes = nbytes
 
     def view(self) -> memoryview:
         """A writable memoryview of the whole buffer (for os.pwrite / readinto)."""
         return self.array.data.cast("B")
+
+
+def _threads() -> int:
+    return max(1, min(16, (os.cpu_count() or 2) // 2))
 
 
 class PinnedPool:

@@ -17,6 +17,7 @@ import torch
 
 from ckpt import format as fmt
 from ckpt._flatten import RNG_KEY, torch_dtype, unflatten
+from ckpt._readinto import read_into, reader_threads
 from ckpt.errors import CheckpointError, CorruptCheckpointError, DcpCheckpointError
 
 __all__ = ["MapLocation", "RestoreStats", "check_into", "read_checkpoint", "verify_step"]
@@ -91,10 +92,13 @@ def read_checkpoint(
 ) -> tuple[Any, dict, RestoreStats]:
     """Load the checkpoint in directory ``path``; returns (state, manifest body, stats).
 
-    Memory: each tensor is allocated once, on its final device, and filled chunk by chunk; the
-    extra host memory is one read buffer (``fmt.IO_BYTES``) per reader thread. Tensors of
-    ``into`` (found where the tree and ``into`` agree, same dtype and shape, contiguous) are
-    filled in place instead, after every checksum has passed, and returned in the state.
+    Memory: each tensor is allocated once, on its final device, and filled piece by piece by
+    ``reader_threads()`` threads reading in parallel (``ckpt._readinto``); the extra host memory
+    is one ``READ_BYTES`` buffer per thread, plus two pinned ``READ_BYTES`` slots per thread when
+    tensors go to CUDA. Tensors of ``into`` (found where the tree and ``into`` agree, same dtype
+    and shape, contiguous) are filled in place instead, and only after every chunk of every data
+    file has passed its checksum (a first pass reads and checks the files without keeping their
+    bytes; the second pass, which writes, checks them again). Returned in the state.
     Raises ``CorruptCheckpointError`` naming the file if the manifest or a data file is bad, and
     ``CheckpointError`` (before anything is written) if the state does not fit ``into``.
     """
@@ -109,7 +113,7 @@ def read_checkpoint(
     stats = RestoreStats(step=body.get("step"), path=str(path), verified=verify, mmap=mmap)
     stats.nbytes = sum(rec["size"] for rec in body["files"])
     own = executor is None
-    pool = executor or ThreadPoolExecutor(2, thread_name_prefix="ckpt-read")
+    pool = executor or ThreadPoolExecutor(reader_threads(), thread_name_prefix="ckpt-read")
     moved: set[str] = set()
     try:
         for rec in body["files"]:
@@ -126,10 +130,10 @@ def read_checkpoint(
             arrays, dests = _allocate(body, found, map_location, path, moved)
             if found and verify:  # a corrupt step must not touch the caller's tensors
                 for rec in body["files"]:
-                    stats.verify_s += fmt.stream_file(path, rec, [], True, pool)
+                    stats.verify_s += read_into(path, rec, [], True, pool)
             for rec in body["files"]:
                 targets = dests.get(rec["name"], [])
-                stats.verify_s += fmt.stream_file(path, rec, targets, verify, pool)
+                stats.verify_s += read_into(path, rec, targets, verify, pool)
     finally:
         if own:
             pool.shutdown()
@@ -164,7 +168,8 @@ def _allocate(
     for i, e in enumerate(body["entries"]):
         if i in found:
             value: Any = found[i]
-            raw = value.detach().reshape(-1).view(torch.uint8)
+            # as_strided: a contiguous tensor's size-1 dims may keep any stride, which reshape keeps
+            raw = torch.as_strided(value.detach(), (value.numel(),), (1,)).view(torch.uint8)
         else:
             try:
                 value, raw = _new(e, map_location, path, moved)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpt import _commit, _faults, _layout, _retention
+from ckpt import _commit, _faults, _layout, _retention, _staging
 from ckpt import format as fmt
 from ckpt._flatten import RNG_KEY, Leaf, apply_into, flatten, rng_state
 from ckpt._paths import local_path
@@ -248,7 +248,7 @@ class CheckpointManager:
             s0 = time.perf_counter()
             _faults.pause("stage")
             with span("ckpt/stage"):
-                fmt.stage(leaves, entries, buf)
+                _staging.stage(leaves, entries, buf)
             stats.stage_s = time.perf_counter() - s0
         except BaseException:
             self.pool.release(buf)

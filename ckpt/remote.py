@@ -56,6 +56,7 @@ __all__ = [
 log = logging.getLogger("ckpt")
 
 STATUS_FILE = _layout.STATUS_FILE
+_MIN_PART = 5 << 20  # S3's smallest multipart part (all but the last)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,9 @@ class RemoteOptions:
 
     ``url``: the remote root (``s3://bucket/run``, any fsspec URL). ``storage_options``: passed to
     fsspec (credentials are redacted from every message). ``threads``: files and multipart parts
-    in flight. ``block_bytes``: multipart part size. ``verify``: ``"readback"`` or ``"size"``
+    in flight (and read-back ranges). ``block_bytes``: the largest multipart part; a file is
+    cut into at least ``threads`` parts (never under S3's 5 MiB minimum), so one large file
+    still uses every connection. ``verify``: ``"readback"`` or ``"size"``
     (module docstring). ``deadline_s``: how long one transfer keeps retrying transient errors.
     ``grace_s``: remote prefixes without a manifest older than this are garbage-collected.
     ``evict_before_upload``: let local retention delete steps not yet uploaded (opt-out of
@@ -95,7 +98,7 @@ class RemoteOptions:
             raise ValueError(
                 f"RemoteOptions.verify must be 'readback' or 'size', not {self.verify!r}"
             )
-        if self.threads < 1 or self.block_bytes < (5 << 20):
+        if self.threads < 1 or self.block_bytes < _MIN_PART:
             raise ValueError(
                 "RemoteOptions needs threads >= 1 and block_bytes >= 5 MiB (S3 minimum)"
             )
@@ -148,6 +151,12 @@ def _transfer(
         return call(fn, url, what=what, policy=policy, storage_options=storage_options)
     except RemoteIOError as exc:
         raise RemoteCheckpointError(str(exc), exc.url, permanent=exc.permanent) from exc
+
+
+def _part_bytes(size: int, block_bytes: int, threads: int) -> int:
+    """The multipart part size for a file of ``size`` bytes: at most ``block_bytes``, and small
+    enough that the file has ``threads`` parts to send at once, but never under S3's 5 MiB."""
+    return max(_MIN_PART, min(block_bytes, -(-size // max(1, threads))))
 
 
 def _mtime(info: Mapping[str, Any]) -> float:
@@ -473,13 +482,14 @@ class RemoteTier:
     def _put_verified(self, path: Path, step: int, rec: dict) -> None:
         local, rpath, name = path / rec["name"], self._rpath(step, rec["name"]), rec["name"]
         self._makedirs(rpath.rsplit("/", 1)[0], step, name)
+        part = _part_bytes(rec["size"], self.options.block_bytes, self.options.threads)
         for attempt in (1, 2):
             with span("ckpt/upload"):  # in the upload pool's thread
                 self._call(
                     lambda: self.fs.put_file(
                         str(local),
                         rpath,
-                        chunksize=self.options.block_bytes,
+                        chunksize=part,
                         max_concurrency=self.options.threads,
                     ),
                     step, name, "upload",
@@ -511,8 +521,9 @@ class RemoteTier:
         chunk = rec["chunk_bytes"]
         starts = list(range(0, rec["size"], chunk))
         ends = [min(s + chunk, rec["size"]) for s in starts]
-        for lo in range(0, len(starts), 8):  # 8 ranges in flight: bounded memory
-            s_, e_ = starts[lo : lo + 8], ends[lo : lo + 8]
+        flight = self.options.threads  # ranges in flight: bounded memory, threads chunks
+        for lo in range(0, len(starts), flight):
+            s_, e_ = starts[lo : lo + flight], ends[lo : lo + flight]
 
             def get(s_: list[int] = s_, e_: list[int] = e_) -> list[bytes]:
                 return list(self.fs.cat_ranges([rpath] * len(s_), s_, e_, on_error="raise"))

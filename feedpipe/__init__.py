@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "DistributedSampler": "feedpipe.sampler",
     "MemmapDataset": "feedpipe.datasets.memmap",
     "MemmapWriter": "feedpipe.datasets.writer",
+    "TarDataset": "feedpipe.datasets.tar",
     "ZarrDataset": "feedpipe.datasets.zarr",
     "convert": "feedpipe.datasets.convert",
     "stage": "feedpipe.remote.stage",
@@ -41,6 +42,7 @@ __all__ = [
     "ShardCache",
     "StallMeter",
     "StallStats",
+    "TarDataset",
     "ZarrDataset",
     "__version__",
     "convert",
@@ -53,6 +55,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from feedpipe.dali import ImageLoader
     from feedpipe.datasets.convert import convert
     from feedpipe.datasets.memmap import MemmapDataset, MemmapWriter
+    from feedpipe.datasets.tar import TarDataset
     from feedpipe.datasets.zarr import ZarrDataset
     from feedpipe.device.feed import GPUFeed
     from feedpipe.errors import DatasetError

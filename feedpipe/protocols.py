@@ -1,9 +1,11 @@
 """The dataset contract: what ``feedpipe.DataLoader`` and its GPU feed call on a dataset.
 
-Three :class:`typing.Protocol`\\ s, each ``runtime_checkable``. A map-style dataset (``__len__``
+Four :class:`typing.Protocol`\\ s, each ``runtime_checkable``. A map-style dataset (``__len__``
 and ``__getitem__``, as torch requires) becomes a :class:`BatchDataset` by adding
 ``read_batch``; an :class:`IndexArrayDataset` also takes numpy index arrays; a
-:class:`DMADataset` can also fill a CUDA buffer itself (the device feed's direct path).
+:class:`DMADataset` can also fill a CUDA buffer itself (the device feed's direct path); an
+:class:`AccessPlanDataset` is told the order of the reads to come (its own call order is in
+its docstring).
 ``feedpipe.testing.DatasetContractTests`` checks an implementation against this page.
 
 Call order (who calls what, in which thread):
@@ -68,7 +70,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = ["BatchDataset", "DMADataset", "IndexArrayDataset"]
+__all__ = ["AccessPlanDataset", "BatchDataset", "DMADataset", "IndexArrayDataset"]
 
 
 @runtime_checkable
@@ -125,4 +127,37 @@ class DMADataset(BatchDataset, Protocol):
         Its structure is the batch's, holding only the tensors that go to the device (e.g.
         ``{"data": ...}`` when side fields stay on the host).
         """
+        ...
+
+
+@runtime_checkable
+class AccessPlanDataset(Protocol):
+    """A dataset that reads better when it knows the order of the reads to come.
+
+    A remote dataset behind a bounded cache, for example, evicts the file needed farthest in the
+    future (Belady) instead of the least recently used one. Call order, each pass:
+
+    0) only where ``read_batch`` runs in the loader's process (``num_workers=0`` or
+       ``worker_type="thread"``, with the ``read_batch`` read path): worker processes read
+       their own copies, which the loader cannot reach;
+    1) ``plan_horizon()``, main thread, when the pass starts (after a resume's skipped batches):
+       ``0`` turns planning off for the pass; otherwise the loader draws index batches from its
+       sampler up to that many samples ahead of the batches it hands to the workers (the
+       sampler is read ahead; the loader's state still counts delivered batches);
+    2) ``plan_start()``, main thread: a new pass; forget earlier plans;
+    3) ``plan_ahead(indices)``, main thread, once per index batch of the pass, in the order the
+       loader hands them out, each before ``read_batch`` of the same batch is called; then
+       ``read_batch(indices)`` reads it (in about that order: thread workers overlap).
+    """
+
+    def plan_horizon(self) -> int:
+        """How many samples ahead of its reads the dataset wants to see (0: no plan)."""
+        ...
+
+    def plan_start(self) -> None:
+        """A pass begins: the batches planned before will not be read."""
+        ...
+
+    def plan_ahead(self, indices: Sequence[int] | np.ndarray) -> None:
+        """The next index batch ``read_batch`` will be asked to read."""
         ...

@@ -56,9 +56,9 @@ def test_lazy_fetch_once_then_hit(
     url, opts, contents = remote
     with ShardCache(url, tmp_path / "cache", None, opts) as cache:
         assert data_files(cache) == []
-        with cache.pinned("shard-00001.data") as path:
+        with cache.leased("shard-00001.data") as path:
             assert Path(path).read_bytes() == contents["shard-00001.data"]
-        with cache.pinned("shard-00001.data") as path2:
+        with cache.leased("shard-00001.data") as path2:
             assert path2 == path
         assert (cache.stats.downloads, cache.stats.hits) == (1, 1)
         with pytest.raises(DatasetError, match=r"shard-00009\.data: not listed in the index"):
@@ -78,9 +78,9 @@ def test_prefetch(tmp_path: Path, remote: tuple[str, dict[str, Any], dict[str, b
         for f in futures:
             f.result(timeout=60)
         assert data_files(cache) == DATA[1:]
-        assert cache.stats.downloads == 3 and cache.pinned_files() == []
+        assert cache.stats.downloads == 3 and cache.leased_files() == []
         for rel in DATA[1:]:
-            with cache.pinned(rel) as p:
+            with cache.leased(rel) as p:
                 assert Path(p).read_bytes() == contents[rel]
         assert cache.stats.downloads == 3
         with pytest.raises(DatasetError, match="not listed"):
@@ -95,23 +95,23 @@ def test_lru_eviction_respects_limit_and_pins(
     limit = sizes[DATA[0]] + sizes[DATA[1]] + sizes[DATA[2]] // 2  # room for two .data files
     with ShardCache(url, tmp_path / "cache", limit, opts, room_timeout_s=0.5) as cache:
         for rel in DATA[:2]:
-            with cache.pinned(rel):
+            with cache.leased(rel):
                 pass
         time.sleep(0.02)
-        with cache.pinned(DATA[0]):  # DATA[0] is now the most recently used
+        with cache.leased(DATA[0]):  # DATA[0] is now the most recently used
             pass
-        with cache.pinned(DATA[2]):
+        with cache.leased(DATA[2]):
             pass
         assert data_files(cache) == [DATA[0], DATA[2]]  # DATA[1] was least recently used
         assert cache.stats.evictions == 1
         # pin both: a third file cannot fit, and the pinned ones are not evicted
         p0, p2 = cache.acquire(DATA[0]), cache.acquire(DATA[2])
-        with pytest.raises(DatasetError, match="pinned by readers"):
+        with pytest.raises(DatasetError, match="leased by readers"):
             cache.acquire(DATA[3])
         assert data_files(cache) == [DATA[0], DATA[2]]
         assert not [p for p in Path(cache.dir).iterdir() if _remote.is_temp(p.name)]
         cache.release(DATA[0])
-        with cache.pinned(DATA[3]) as p3:
+        with cache.leased(DATA[3]) as p3:
             assert Path(p3).read_bytes() == contents[DATA[3]]
         assert data_files(cache) == [DATA[2], DATA[3]]
         assert Path(p2).read_bytes() == contents[DATA[2]] and not Path(p0).exists()
@@ -129,7 +129,7 @@ opts, files = json.loads(sys.argv[3]), json.loads(sys.argv[4])
 random.Random(seed).shuffle(files)
 with ShardCache(url, cache_dir, None, opts, timeout_s=60) as cache:
     for rel in files:
-        with cache.pinned(rel) as p:
+        with cache.leased(rel) as p:
             open(p, "rb").read()
     print(json.dumps({"downloads": cache.stats.downloads, "hits": cache.stats.hits}))
 """
@@ -219,7 +219,7 @@ def test_sigkilled_downloader_leaves_nothing_complete(
     with ShardCache(url, cache_dir, None, opts) as cache:  # the next user cleans up and refetches
         assert cache.stats.stale_temps_removed == 1
         assert not parts[0].exists()
-        with cache.pinned("shard-00002.data") as p:
+        with cache.leased("shard-00002.data") as p:
             assert Path(p).read_bytes() == contents["shard-00002.data"]
 
 
@@ -234,9 +234,9 @@ def test_readahead_and_eager_small_files(
             time.sleep(0.01)
         assert sorted(p.name for p in Path(cache.dir).glob("*.label")) == labels
         assert data_files(cache) == []  # small side files only
-        with cache.pinned("shard-00003.label"):  # a side file does not trigger readahead
+        with cache.leased("shard-00003.label"):  # a side file does not trigger readahead
             pass
-        with cache.pinned(DATA[1]):  # the main file of shard 1 -> shard 2 is fetched ahead
+        with cache.leased(DATA[1]):  # the main file of shard 1 -> shard 2 is fetched ahead
             pass
         for f in cache.prefetch([DATA[2]]):
             f.result(timeout=60)

@@ -173,10 +173,10 @@ def test_pinned_but_deleted_copy_fails_at_once(
         cache.acquire(rel)
         os.unlink(cache.path(rel))
         start = time.monotonic()
-        with pytest.raises(Exception, match="pinned"):
+        with pytest.raises(Exception, match="leased"):
             cache.acquire(rel)
         (fut,) = cache.prefetch([rel])
-        with pytest.raises(Exception, match="pinned"):
+        with pytest.raises(Exception, match="leased"):
             fut.result(timeout=20)
         assert time.monotonic() - start < 5
     finally:

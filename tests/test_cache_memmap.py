@@ -32,9 +32,9 @@ def test_remote_memmap_dataset_reads_through_cache(
     clone = pickle.loads(pickle.dumps(remote))
     assert torch.equal(clone[55]["data"], local[55]["data"])
     assert clone._cache.stats.downloads == 0
-    assert remote._cache.pinned_files()
+    assert remote._cache.leased_files()
     remote.close()
-    assert remote._cache.pinned_files() == []
+    assert remote._cache.leased_files() == []
     clone.close()
 
 
@@ -112,7 +112,7 @@ def test_remote_epoch_under_a_cache_limit_smaller_than_the_epoch(
     remote.read_batch([3, 4, 5])
     assert remote._open_files()._open[0] is shard0 and cache.stats.downloads == before
     remote.close()
-    assert cache.pinned_files() == []
+    assert cache.leased_files() == []
 
 
 def test_idle_shards_are_unpinned_when_a_download_waits_for_room(
@@ -134,11 +134,11 @@ def test_idle_shards_are_unpinned_when_a_download_waits_for_room(
     assert files.is_open(0) and files.is_open(1)
     # another reader (own lock fds, as another process) finds no room and times out waiting
     other = ShardCache(url, tmp_path / "cache", 16_000, opts, room_timeout_s=0.3)
-    with pytest.raises(DatasetError, match="pinned by readers"):
+    with pytest.raises(DatasetError, match="leased by readers"):
         other.acquire("shard-00003.data")
     assert other.pressure_changed() and not other.pressure_changed()
     ds.read_batch([32])  # sees the pressure: drops its idle shards before reading shard 2
     assert not files.is_open(0) and not files.is_open(1) and files.is_open(2)
-    assert sorted(ds._shard_cache().pinned_files()) == ["shard-00002.data"]
+    assert sorted(ds._shard_cache().leased_files()) == ["shard-00002.data"]
     other.close()
     ds.close()

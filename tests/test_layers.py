@@ -170,10 +170,12 @@ def _private_violations() -> set[tuple[str, str]]:
     or constant used outside its module. A private *module* is fine to import: inside it names
     carry no underscore, and the module is the privacy boundary."""
     found = set()
-    for path in _sources("feedpipe"):
+    for path in [*_sources("feedpipe"), *_sources("ckpt")]:
         me = _module_name(path)
         for module, name in _imports(path):
-            if not _in(module, "feedpipe") or name is None or not name.startswith("_"):
+            if not (_in(module, "feedpipe") or _in(module, "ckpt")):
+                continue
+            if name is None or not name.startswith("_"):
                 continue
             if module != me and not _is_module(f"{module}.{name}"):
                 found.add((me, f"{module}:{name}"))

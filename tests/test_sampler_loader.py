@@ -9,16 +9,12 @@ the same on real ranks (tests/test_sampler_dist.py).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 import feedpipe
 from feedpipe import DistributedSampler
-
-if not (Path(feedpipe.__file__).parent / "loader.py").exists():  # pragma: no cover
-    pytest.skip("feedpipe.DataLoader has not landed yet", allow_module_level=True)
 
 N = 503
 

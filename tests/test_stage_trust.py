@@ -326,10 +326,10 @@ def test_cache_never_takes_a_part_named_shard_for_a_temp(
     odd = "img.part.4194303.data"
     _relocate(tmp_path / "src", {"shard-00001.data": odd})
     url = upload(tmp_path / "src", bucket, opts)
-    with ShardCache(url, tmp_path / "cache", 10**6, opts) as cache, cache.pinned(odd):
+    with ShardCache(url, tmp_path / "cache", 10**6, opts) as cache, cache.leased(odd):
         pass
     with ShardCache(url, tmp_path / "cache", 10**6, opts) as cache:  # rescans the directory
-        with cache.pinned(odd) as path:
+        with cache.leased(odd) as path:
             assert os.path.getsize(path) == 5000
         assert cache.stats.downloads == 0 and cache.stats.hits == 1
 

@@ -82,3 +82,14 @@ def test_worker_info_shim_gives_threads_their_own_info() -> None:
     assert seen[0] is info and seen[0].id == 1 and seen[0].num_workers == 2
     assert seen[1] is None
     assert tud.get_worker_info() is None  # the main thread never saw the worker's info
+
+
+def test_workers_running_sees_torchs_persistent_iterator() -> None:
+    loader = tud.DataLoader(list(range(8)), batch_size=4, num_workers=1, persistent_workers=True)
+    assert compat.workers_running(loader) is False
+    assert len(list(loader)) == 2
+    assert compat.workers_running(loader) is True  # the next iter() reuses the workers
+    compat.shutdown_iterator(loader)
+    plain = tud.DataLoader(list(range(8)), batch_size=4, num_workers=1)
+    list(plain)
+    assert compat.workers_running(plain) is False

@@ -84,10 +84,11 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
     Pickles cheaply: files are reopened lazily in each process.
 
     A remote URL (``s3://...``) is read through a :class:`feedpipe.cache.ShardCache` in
-    ``cache_dir`` (lazy mode). With ``cache_limit_bytes``, a shard is pinned only while it is
+    ``cache_dir`` (lazy mode). With ``cache_limit_bytes``, a shard is leased only while it is
     read, plus idle shards kept open up to a third of the limit; when a download waits for
-    room, readers drop their idle pins, so an epoch over more shards than the limit holds
-    evicts least-recently-used shards instead of waiting.
+    room, readers drop their idle leases, so an epoch over more shards than the limit holds
+    evicts shards instead of waiting: the one needed farthest in the future when the loader
+    plans the reads (:meth:`plan_ahead`), else the least recently used.
     """
 
     #: ``read_batch`` takes numpy index arrays (:class:`feedpipe.protocols.IndexArrayDataset`).
@@ -333,6 +334,48 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
     def __len__(self) -> int:
         return self._len
 
+    # ------------------------------------------ access plan (feedpipe.protocols.AccessPlanDataset)
+    def plan_horizon(self) -> int:
+        """Samples ahead of its reads this dataset wants to know: some only for a remote dataset
+        behind a bounded cache, whose eviction then follows the plan (Belady)."""
+        limit = self.cache_limit_bytes
+        if not self._planned() or limit is None:
+            return 0
+        from feedpipe.remote.plan import horizon_samples
+
+        total = sum(s.files["data"].bytes for s in self.index.shards)
+        return horizon_samples(limit, total, self._len)
+
+    def plan_start(self) -> None:
+        """A new pass begins: forget the planned reads."""
+        if self._planned():
+            self._shard_cache().plan.clear()
+
+    def plan_ahead(self, indices: Sequence[int] | np.ndarray) -> None:
+        """A batch ``read_batch`` will read later, after those planned before it."""
+        if not self._planned():
+            return
+        from feedpipe.remote.plan import batch_key
+
+        try:
+            idx = self._normalize(indices)
+        except (IndexError, TypeError, ValueError):
+            return  # not planned: read_batch raises for it, in the worker, naming the batch
+        shards = np.unique(self._locate(idx)[0]) if len(idx) else ()
+        data = [self.index.shards[int(s)].files["data"].path for s in shards]
+        self._shard_cache().plan.add(batch_key(idx), data)
+
+    def _planned(self) -> bool:
+        return self._remote and self.cache_limit_bytes is not None and self.cache_dir is not None
+
+    def _plan_started(self, idx: np.ndarray) -> None:
+        """This thread starts reading ``idx``: a planned read leaves the plan's future."""
+        cache = self._cache
+        if cache is not None and cache.plan:
+            from feedpipe.remote.plan import batch_key
+
+            cache.plan.start(batch_key(idx))
+
     def _normalize(self, indices: Any) -> np.ndarray:
         idx = np.asarray(indices.tolist() if isinstance(indices, torch.Tensor) else indices)
         if idx.dtype.kind not in "iub" or idx.ndim != 1:
@@ -446,6 +489,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         stream (:mod:`feedpipe.device.dma`: the shard maps are registered as page-locked).
         """
         idx = self._normalize(indices)
+        self._plan_started(idx)
         n = len(idx)
         out_data = out.get("data") if isinstance(out, dict) else out
         if self.kind == "fixed":

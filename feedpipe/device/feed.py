@@ -57,6 +57,7 @@ from feedpipe.io import trace
 __all__ = [
     "GPUFeed",
     "GPUFeedWarning",
+    "PinnedBatch",
     "Prefetcher",
     "map_tensors",
     "resolve_device",
@@ -97,6 +98,17 @@ def resolve_device(device: str | int | torch.device) -> torch.device:
         )
         return dev
     raise ValueError(f"feedpipe: device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
+
+
+class PinnedBatch:
+    """A host batch whose tensors are already page-locked and stay valid while referenced
+    (a process worker's shared slot, :mod:`feedpipe.loader.slots`): the feed copies straight
+    from it, without the ring, and drops it once that copy has completed."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
 
 
 @dataclass
@@ -195,6 +207,7 @@ class GPUFeed:
             _CudaCopier(self.device) if self.on_gpu else _HostCopier()
         )
         self._timings: deque[tuple[Any, Any, int]] = deque()  # (start, end, nbytes) to harvest
+        self._held: deque[tuple[Any, list[Any]]] = deque()  # (copy done event, pinned sources)
         self._seq = 0
         self.batches = 0
         self._trace = trace.recorder()  # NVTX: "feedpipe/pin", "feedpipe/h2d" (read per epoch)
@@ -258,6 +271,10 @@ class GPUFeed:
         In-place gathers (:meth:`out_for`) must use the same numbering: batch ``seq`` is the
         ``seq``-th call to :meth:`submit` or :meth:`skip` since :meth:`start`.
         """
+        if type(batch) is PinnedBatch and self.on_gpu:
+            return self._submit_pinned(batch)
+        if type(batch) is PinnedBatch:
+            batch = batch.batch
         seq = self._seq
         leaves, rebuild = flatten(batch)
         host = [i for i, t in enumerate(leaves) if t.device.type == "cpu"]
@@ -294,6 +311,37 @@ class GPUFeed:
         self._seq += 1
         return _InFlight(seq, result, rebuild, end, nbytes)
 
+    def _submit_pinned(self, pinned: PinnedBatch) -> _InFlight:
+        """Copy a page-locked batch straight to the device; keep its sources until the copy is
+        done (then its slot may be reused). Its ring slot number is skipped."""
+        self._release(block=False)
+        seq = self._seq
+        leaves, rebuild = flatten(pinned.batch)
+        host = [i for i, t in enumerate(leaves) if t.device.type == "cpu"]
+        outs, start, end = self._copier.copy([leaves[i] for i in host])
+        nbytes = sum(leaves[i].numel() * leaves[i].element_size() for i in host)
+        self._timings.append((start, end, nbytes))
+        self._held.append((end, leaves))
+        self._ring.skip()
+        result: list[Any] = list(leaves)
+        for i, out in zip(host, outs, strict=True):
+            result[i] = out
+        for i, t in enumerate(leaves):
+            if t.device.type != "cpu" and t.device != self.device:
+                result[i] = t.to(self.device)
+        self._seq += 1
+        return _InFlight(seq, result, rebuild, end, nbytes)
+
+    def _release(self, block: bool) -> None:
+        """Drop the sources of pinned batches whose copies have completed, oldest first."""
+        held = self._held
+        while held:
+            event, _ = held[0]
+            if not block and not event.query():
+                return
+            event.synchronize()
+            held.popleft()
+
     def skip(self) -> None:
         """The next batch will never arrive (its worker failed): keep the numbering aligned."""
         self._ring.skip()
@@ -320,6 +368,8 @@ class GPUFeed:
             outs = [t for t in flight.leaves if isinstance(t, torch.Tensor) and t.is_cuda]
             self._copier.hand_over(outs, flight.event)
         self._harvest(block=False)
+        if self._held:
+            self._release(block=False)
         self.batches += 1
         return flight.rebuild(flight.leaves)
 
@@ -370,6 +420,7 @@ class GPUFeed:
             return
         self._ring.close()
         self._harvest(block=True)
+        self._release(block=True)
 
     @property
     def epoch(self) -> tuple[Ring, int]:

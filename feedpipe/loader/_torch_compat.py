@@ -66,6 +66,7 @@ __all__ = [
     "thread_worker_info",
     "unwrap_worker_dataset",
     "waiting_on",
+    "workers_running",
 ]
 
 _LOCAL = threading.local()
@@ -275,6 +276,12 @@ _MAIN = threading.main_thread().ident
 
 
 # ------------------------------------------------------------------------------ 4. shutdown
+def workers_running(loader: Any) -> bool:
+    """Whether ``iter(loader)`` will reuse running persistent workers (``loader._iterator``)
+    instead of starting new ones."""
+    return bool(loader.persistent_workers) and getattr(loader, "_iterator", None) is not None
+
+
 def shutdown_iterator(loader: Any) -> None:
     """Stop the persistent workers of a torch ``DataLoader`` (``loader._iterator``) now."""
     it = getattr(loader, "_iterator", None)

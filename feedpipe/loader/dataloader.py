@@ -29,6 +29,7 @@ batch, then ``collate_fn``, as in torch.
 from __future__ import annotations
 
 import gc
+import os
 import time
 import warnings
 import weakref
@@ -55,16 +56,17 @@ from feedpipe.loader.fetch import (
 from feedpipe.loader.index_stream import IndexStream
 from feedpipe.loader.iterator import LoaderIter
 from feedpipe.loader.rng_state import RngChain, Watch, encode, global_state, order, private, replay
+from feedpipe.loader.slots import Slots
 from feedpipe.loader.threads import (
     InlineSource,
     RNGWatch,
     ThreadWorkers,
     note_iter,
 )
-from feedpipe.protocols import IndexArrayDataset
+from feedpipe.protocols import AccessPlanDataset, BatchDataset, IndexArrayDataset
 from feedpipe.stall import StallMeter, StallStats
 
-__all__ = ["DataLoader", "get_worker_info"]
+__all__ = ["DataLoader", "auto_worker_type", "get_worker_info"]
 
 _STATE_VERSION = 1
 _perf = time.perf_counter
@@ -84,14 +86,31 @@ class _Epoch:
         self.resumed: dict[str, Any] | None = None  # the state this pass resumes from
 
 
+def auto_worker_type(dataset: Any, collate_fn: Any, worker_init_fn: Any) -> str:
+    """What ``worker_type="auto"`` picks: ``"thread"`` when a batch is one ``read_batch`` call
+    with torch's default collation and no ``worker_init_fn`` (feedpipe's own datasets gather
+    in numpy or ``preadv``, which release the GIL), ``"process"`` otherwise (a per-sample Python
+    ``__getitem__`` holds the GIL; torch's processes, with feedpipe's shared slots).
+
+    Decided from the dataset's contract, not from timing its first batches: the choice is the
+    same on every run and every rank, and no batch is read twice (docs/concepts/workers.md)."""
+    if isinstance(dataset, tud.IterableDataset) or worker_init_fn is not None:
+        return "process"
+    if collate_fn not in (None, default_collate) or not isinstance(dataset, BatchDataset):
+        return "process"
+    return "thread"
+
+
 class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     """A drop-in ``torch.utils.data.DataLoader`` (same arguments, batches and errors).
 
     Extra keyword-only arguments:
-      worker_type: ``"process"`` (torch's workers) or ``"thread"`` (a thread pool that calls the
-        dataset directly; for GIL-releasing reads). Inside thread workers torch's
-        ``get_worker_info()`` and ``feedpipe.get_worker_info()`` return the thread's info;
-        there is no per-thread global RNG (``feedpipe.loader.threads`` warns, docs/migration).
+      worker_type: ``"process"`` (torch's workers), ``"thread"`` (a thread pool that calls the
+        dataset directly; for GIL-releasing reads) or ``"auto"`` (:func:`auto_worker_type`:
+        threads for a ``read_batch`` dataset with default collation, processes otherwise).
+        Inside thread workers torch's ``get_worker_info()`` and ``feedpipe.get_worker_info()``
+        return the thread's info; there is no per-thread global RNG (``feedpipe.loader.threads``
+        warns, docs/migration).
       meter: a ``feedpipe.StallMeter`` to count into (one is created per loader if None);
         ``loader.meter`` and ``loader.stats`` expose it; ``StallMeter(enabled=False)`` turns
         the counters off (the loader then reads no clock at all).
@@ -146,6 +165,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         prefetch: int = 2,
         direct: bool | None = None,
     ) -> None:
+        if worker_type == "auto":
+            worker_type = auto_worker_type(dataset, collate_fn, worker_init_fn)
         self.worker_type = worker_type  # before torch's checks: threads are not processes
         super().__init__(
             dataset,
@@ -167,7 +188,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             in_order=in_order,
         )
         if worker_type not in _WORKER_TYPES:
-            raise ValueError(f"worker_type must be one of {_WORKER_TYPES}, got {worker_type!r}")
+            raise ValueError(
+                f"worker_type must be one of {(*_WORKER_TYPES, 'auto')}, got {worker_type!r}"
+            )
         self.worker_type = worker_type
         self.meter = meter if meter is not None else StallMeter()
         self._feed: GPUFeed | None = None
@@ -198,6 +221,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             default_collate if _torch_compat.auto_collation(self) else default_convert
         )
         self._mode = choose_mode(self.dataset, _torch_compat.auto_collation(self), default)
+        self._slots: Slots | None = None  # process workers' shared slots (feedpipe.loader.slots)
         self._inner: tud.DataLoader | None = None  # type: ignore[type-arg]
         self._thread_seeded = False
         self._direct: DirectReader | None = None
@@ -231,6 +255,24 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             return None
         return {**self._feed.info, "path": "ring" if self._direct is None else "direct"}
 
+    @property
+    def worker_slots(self) -> dict[str, Any] | None:
+        """Process workers collating into reused shared-memory slots: slots per worker, batches
+        delivered from slots and batches that fell back to torch's path (None when off).
+
+        On when workers are processes, the dataset is map-style, ``collate_fn`` is torch's
+        ``default_collate`` and the batch goes to a CUDA ``device`` or stays unpinned on the
+        host; ``FEEDPIPE_WORKER_SLOTS=0`` turns it off."""
+        slots = self._slots
+        if slots is None:
+            return None
+        return {
+            "slots_per_worker": self._slot_count(),
+            "pinned": slots.pin,
+            "batches_in_slots": slots.resolved,
+            "batches_fallback": slots.fallback,
+        }
+
     def __iter__(self) -> LoaderIter:  # type: ignore[override]
         # for the meter: starting a later pass's workers is input time (no clock when off)
         started = _perf() if self.meter.enabled else None
@@ -247,6 +289,10 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             self._stream.arrays = (
                 own and self._mode is Mode.READ_BATCH and _takes_arrays(self.dataset)
             )
+            # the future order, for a dataset that reads in this process (e.g. Belady eviction)
+            planned = own and self._mode is Mode.READ_BATCH
+            ds = self.dataset
+            self._stream.planner = ds if planned and isinstance(ds, AccessPlanDataset) else None
         if self.num_workers == 0:
             source: Any = self._inline_source()
         elif self._threads:
@@ -546,10 +592,12 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             # Persistent workers go when this loader goes, by refcount or by the cyclic GC (the
             # finalizer holds the inner loader, so torch's queues are intact when it runs).
             weakref.finalize(self, _torch_compat.shutdown_iterator, self._inner)
+        if self._slots is not None and not self.persistent_workers:
+            self._slots.forget()  # the last pass's workers are gone; live views keep their slots
         _torch_compat.set_len_called(self._inner, _torch_compat.len_called(self))
         self._inner.generator = self._base_seed_generator()  # torch draws the base seed from it
-        if not torch.cuda.is_initialized():
-            source = iter(self._inner)
+        if not torch.cuda.is_initialized() or _torch_compat.workers_running(self._inner):
+            source = iter(self._inner)  # no fork: nothing to keep out of a child's GC
         else:
             # Forked workers inherit every object of this process, some owning CUDA handles
             # (events, memory). Were the child's cyclic GC to destroy one, it would call CUDA in
@@ -565,14 +613,36 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         _torch_compat.adopt_workers(source)  # deaths surface in next(), never asynchronously
         return source
 
+    def _slot_count(self) -> int:
+        """Slots per process worker (0: torch's shared-memory path); see :attr:`worker_slots`."""
+        if os.environ.get("FEEDPIPE_WORKER_SLOTS", "1") == "0" or self._iterable:
+            return 0
+        if self.worker_type != "process" or not self.num_workers or self._direct is not None:
+            return 0
+        if self._mode not in (Mode.GETITEMS, Mode.PER_SAMPLE):
+            return 0
+        if self.collate_fn is not default_collate:
+            return 0
+        if self._feed is not None:
+            if not self._feed.on_gpu:
+                return 0
+        elif self.pin_memory and torch.accelerator.is_available():
+            return 0  # torch's pin thread pins each batch; slots would bypass it
+        # a worker has at most prefetch_factor batches queued; two more cover the ones the
+        # main process still holds (delivered, or in the device copy) before it frees them
+        return (self.prefetch_factor or 2) + 2
+
     def _make_inner(self) -> tud.DataLoader:  # type: ignore[type-arg]
         """The torch DataLoader that runs torch's iterator over the timed dataset/collate."""
+        slots = self._slot_count()
+        if slots:
+            self._slots = Slots(pin=self._feed is not None and self._feed.on_gpu)
         proxy: Any = (
             IterProxy(self.dataset) if self._iterable else MapProxy(self.dataset, self._mode)
         )
         common: dict[str, Any] = {
             "num_workers": self.num_workers,
-            "collate_fn": TimedCollate(self.collate_fn, self._mode),
+            "collate_fn": TimedCollate(self.collate_fn, self._mode, slots, self.batch_size),
             "pin_memory": self.pin_memory and self._feed is None,
             "timeout": self.timeout,
             "worker_init_fn": WorkerInit(self.worker_init_fn)

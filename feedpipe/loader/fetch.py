@@ -24,6 +24,7 @@ from torch.utils.data import Dataset, IterableDataset
 from feedpipe.errors import WorkerError
 from feedpipe.io import trace
 from feedpipe.loader import _torch_compat
+from feedpipe.loader.slots import collate_into
 
 _perf = time.perf_counter
 
@@ -400,8 +401,11 @@ def _clock() -> _Clock:
 class TimedCollate:
     """Wraps the user's ``collate_fn`` in torch's fetch path; returns ``Shipped`` or ``Failed``."""
 
-    def __init__(self, collate_fn: Callable[[Any], Any], mode: Mode) -> None:
+    def __init__(
+        self, collate_fn: Callable[[Any], Any], mode: Mode, slots: int = 0, rows: int | None = None
+    ) -> None:
         self.collate_fn, self.mode = collate_fn, mode
+        self.slots, self.rows = slots, rows  # slots > 0: collate into shared slots (loader.slots)
 
     def __call__(self, data: Any) -> Shipped | Failed:
         if isinstance(data, Fetched):
@@ -419,6 +423,11 @@ class TimedCollate:
         if self.mode is _READ_BATCH:  # read_batch returns the batch: no collate stage
             return Shipped(data, samples, nbytes_of(data), fetch_s, -1.0)
         t0 = time.perf_counter()
+        if self.slots:
+            ref = collate_into(data, self.slots, self.rows)
+            if ref is not None:
+                collate_s = time.perf_counter() - t0
+                return Shipped(ref, samples, ref.nbytes, fetch_s, collate_s)
         try:
             with trace.span("feedpipe/collate"):
                 batch = self.collate_fn(data)

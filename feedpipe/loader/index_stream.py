@@ -16,21 +16,28 @@ state seen by the next epoch, by a ``state_dict()`` or by worker seeding is torc
 Anything else (subclasses, ``replacement=True``, ``num_samples``) takes the generic path.
 
 :class:`IndexStream` is how the loader's workers see those batches: recorded (for error
-messages) and skippable without reading data (resume is arithmetic on the sampler).
+messages) and skippable without reading data (resume is arithmetic on the sampler). For a
+dataset that wants the order of its reads ahead (:class:`feedpipe.protocols.AccessPlanDataset`)
+it reads the sampler ahead and tells the dataset each batch first (:func:`plan_ahead`); a
+resume's skipped batches are never planned, and each pass plans its own order.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
-__all__ = ["IndexStream", "index_batches"]
+if TYPE_CHECKING:
+    from feedpipe.protocols import AccessPlanDataset
+
+__all__ = ["IndexStream", "index_batches", "plan_ahead"]
 
 
 def index_batches(batch_sampler: Any, arrays: bool = False) -> Iterator[Any]:
@@ -115,6 +122,24 @@ def _distributed(sampler: Any, size: int, drop: bool) -> Iterator[list[int]]:
         yield pending
 
 
+def plan_ahead(it: Iterator[Any], planner: AccessPlanDataset, horizon: int) -> Iterator[Any]:
+    """``it``'s batches, each told to ``planner.plan_ahead`` up to ``horizon`` samples before it
+    is yielded (at least one batch ahead); holds the planned batches, O(horizon) indices."""
+    planner.plan_start()
+    ahead: collections.deque[Any] = collections.deque()
+    samples = 0  # in the batches planned but not yet yielded
+    for batch in it:
+        planner.plan_ahead(batch)
+        ahead.append(batch)
+        samples += len(batch)
+        while len(ahead) > 1 and samples - len(ahead[0]) >= horizon:
+            head = ahead.popleft()
+            samples -= len(head)
+            yield head
+    while ahead:
+        yield ahead.popleft()
+
+
 class IndexStream:
     """The loader's index sampler as seen by the workers: skippable and recorded.
 
@@ -132,6 +157,8 @@ class IndexStream:
         ) = None
         self.sent: dict[int, Any] = {}  # one dict, cleared per pass (iterators hold it)
         self.arrays = False  # yield numpy arrays (see index_batches); read when a pass starts
+        # a feedpipe.protocols.AccessPlanDataset told the batches ahead; read when a pass starts
+        self.planner: AccessPlanDataset | None = None
 
     def __len__(self) -> int:
         return len(self.sampler)  # type: ignore[arg-type]
@@ -155,6 +182,11 @@ class IndexStream:
         if skip:
             for _ in itertools.islice(it, skip):
                 pass
+        planner = self.planner
+        horizon = planner.plan_horizon() if planner is not None else 0
+        if planner is not None and horizon > 0:
+            it = plan_ahead(it, planner, horizon)
+        del planner
         for n, index in enumerate(it):
             sent[n] = index
             yield index

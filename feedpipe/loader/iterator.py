@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from feedpipe.device.feed import Prefetcher
+from feedpipe.device.feed import PinnedBatch, Prefetcher
 from feedpipe.errors import WorkerError
 from feedpipe.loader import _torch_compat
 from feedpipe.loader.fetch import Failed, short
+from feedpipe.loader.slots import SlotRef
 from feedpipe.loader.threads import InlineSource, ThreadWorkers
 
 __all__ = ["LoaderIter", "dead_workers", "dying"]
@@ -38,6 +39,7 @@ class LoaderIter:
         # torch's process iterator: a worker death raises in next(), never elsewhere
         self._guard = None if own else _torch_compat.Guard(source)
         self._feed = feed
+        self._slots = loader._slots if not own else None  # process workers' shared slots
         if feed is not None:
             pull = weakref.WeakMethod(self._pull)  # no cycle: the pass dies with its iterator
             feed.pull = lambda: pull()()  # type: ignore[misc]  # noqa: PLW0108
@@ -147,7 +149,13 @@ class LoaderIter:
         return self._finalize(batch) if self._feed is None else on_device
 
     def _finalize(self, batch: Any) -> Any:
-        """The one place a delivered host batch is finished (device batches come from the feed)."""
+        """The one place a delivered host batch is finished (device batches come from the feed):
+        a batch in a worker's shared slot becomes views that hold the slot while they live."""
+        if self._slots is None:
+            return batch
+        if type(batch) is SlotRef:
+            return self._slots.resolve(batch)[0]
+        self._slots.fallback += 1
         return batch
 
     def _pull(self) -> tuple[Any, Any, bool]:
@@ -161,7 +169,15 @@ class LoaderIter:
             raise self._explain(exc) from exc
         if type(shipped) is Failed:
             return None, shipped, False
-        return shipped[0], (None, *shipped[1:]), True
+        batch = shipped[0]
+        if self._slots is not None:
+            if type(batch) is SlotRef:
+                batch, pinned = self._slots.resolve(batch)
+                if pinned:  # page-locked in place: the feed copies straight from the slot
+                    batch = PinnedBatch(batch)
+            else:
+                self._slots.fallback += 1
+        return batch, (None, *shipped[1:]), True
 
     def _end_pass(self) -> None:
         """Tell the meter this pass is over (once): time until the next pass is outside."""

@@ -2,11 +2,14 @@
 
 ``ShardCache(url, cache_dir, limit_bytes)`` fetches a file on first use
 (:meth:`~ShardCache.acquire`), fetches ahead in the background (:meth:`~ShardCache.prefetch`)
-and evicts least-recently-used files to stay under ``limit_bytes``. Safety across processes
-comes from ``flock`` locks, one per file:
+and evicts files to stay under ``limit_bytes``: with an access plan (:attr:`ShardCache.plan`,
+the order of the reads to come, which the loader provides), first the files no planned read
+uses and then the one needed farthest in the future (Belady's policy, :mod:`feedpipe.remote.plan`);
+without one, least recently used first. Safety across processes comes from ``flock`` locks,
+one per file:
 
-* a reader holds a *shared* lock while it uses a file (a pin); eviction needs an *exclusive*
-  lock taken without waiting, so a pinned file is never evicted;
+* a reader holds a *shared* lock while it uses a file (a *lease*); eviction needs an
+  *exclusive* lock taken without waiting, so a leased file is never evicted;
 * a downloader holds the *exclusive* lock, so each file is downloaded once; the others wait and
   then find it complete;
 * a download goes to a temp name (``.feedpipe-tmp.BYTES.PID.RAND.NAME``, a prefix no dataset file
@@ -19,12 +22,14 @@ comes from ``flock`` locks, one per file:
 * prefetch threads are daemons and never keep the interpreter alive: :meth:`ShardCache.close`,
   garbage collection and interpreter exit set a cancel event that stops their lock waits and
   drops queued prefetches (a download cut off by exit leaves only a temp, removed by the next
-  scan); a wait for a file that this object itself pins fails at once instead of waiting
+  scan); a wait for a file that this object itself leases fails at once instead of waiting
   ``timeout_s`` for its own lock;
 * a download that has to wait for room touches ``.pressure`` in the cache directory and calls
-  its caller's ``on_wait``: readers that keep idle files pinned (a dataset's open shards) drop
-  those pins at their next read (:meth:`ShardCache.pressure_changed`). Background prefetches
-  never wait for room: they give up (the file is fetched again on use).
+  its caller's ``on_wait``: readers that keep idle files leased (a dataset's open shards) drop
+  those leases at their next read (:meth:`ShardCache.pressure_changed`). Background prefetches
+  never wait for room: they give up (the file is fetched again on use);
+* a lease's end (:meth:`~ShardCache.release`) counts as a use for the least-recently-used
+  order, so a file a reader kept open for a long time is not the first to go.
 
 A local path or ``file://`` URL is not cached: files are read in place and never evicted.
 Each dataset version gets its own subdirectory (keyed by URL and index checksum), so a rewritten
@@ -53,6 +58,7 @@ from feedpipe import _remote
 from feedpipe._remote import INDEX_NAME, FileEntry
 from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c, to_hex
+from feedpipe.remote.plan import AccessPlan
 
 __all__ = ["CacheStats", "ShardCache"]
 
@@ -214,7 +220,7 @@ class ShardCache:
         eager_bytes: prefetch every file up to this size at construction (side columns and
             offsets, which a dataset reads for all shards at once); 0 disables.
         timeout_s: how long to wait for a lock (e.g. another process's download of the same file).
-        room_timeout_s: how long to wait for readers to unpin files when the cache is full.
+        room_timeout_s: how long to wait for readers to release files when the cache is full.
         deadline_s: retry deadline for transient remote errors, per file.
         index_bytes: the dataset's ``index.json`` as the caller already read it (so that caller
             and cache see the same version); read from the remote when ``None``.
@@ -313,13 +319,17 @@ class ShardCache:
             finally:
                 os.close(fd)
         self._scan(need=0)  # removes temps left by crashed downloaders
-        if a["eager_bytes"] > 0:
-            self.prefetch(e.relpath for e in entries if e.nbytes <= a["eager_bytes"])
+        # side files only, and only when they take a small part of the limit: eager fetches
+        # that do not fit would evict each other (and the shards in use) before their first use
+        eager = [e for e in entries if e.nbytes <= a["eager_bytes"] and e.relpath not in self._main]
+        if eager and (limit_bytes is None or sum(e.nbytes for e in eager) <= limit_bytes // 4):
+            self.prefetch(e.relpath for e in eager)
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
-        self._pins: dict[str, list[int]] = {}
-        self._held: set[str] = set()
+        self._leases: dict[str, list[int]] = {}
+        #: the reads to come (empty: least-recently-used eviction); per process
+        self.plan = AccessPlan()
         self._lock = threading.Lock()
         self._pool: _DaemonPool | None = None
         self._pending: dict[str, Future[None]] = {}
@@ -327,9 +337,10 @@ class ShardCache:
         self._pressure_ns = 0
 
     def _check_process(self) -> None:
-        """After a fork: drop the parent's pins (its own fds keep its locks) and thread pool."""
+        """After a fork: drop the parent's leases (its own fds keep its locks), thread pool and
+        plan."""
         if self._pid != os.getpid():
-            for fds in self._pins.values():
+            for fds in self._leases.values():
                 for fd in fds:
                     with contextlib.suppress(OSError):
                         os.close(fd)
@@ -345,84 +356,70 @@ class ShardCache:
         return os.path.join(self.dir, relpath)
 
     def acquire(self, relpath: str, on_wait: Callable[[], None] | None = None) -> str:
-        """Make ``relpath`` local (downloading it once if needed), pin it and return its path.
+        """Make ``relpath`` local (downloading it once if needed), lease it, return its path.
 
         The file cannot be evicted until :meth:`release` is called for each :meth:`acquire`.
         ``on_wait`` is called while the download waits for room under the limit (e.g. to
-        release the caller's own idle pins).
+        release the caller's own idle leases).
         """
         if self.is_local:
             return self.path(relpath)
         self._check_process()
-        fd = self._ensure(relpath, pin=True, on_wait=on_wait)
+        fd = self._ensure(relpath, lease=True, on_wait=on_wait)
         assert fd is not None
         with self._lock:
-            self._pins.setdefault(relpath, []).append(fd)
-        if self.readahead > 0 and relpath in self._main:
+            self._leases.setdefault(relpath, []).append(fd)
+        if self.readahead > 0 and relpath in self._main and not self.plan:  # index order
             shard = self._entries[relpath].shard
             ahead = range(shard + 1, shard + 1 + self.readahead)
             self.prefetch(rel for k in ahead for rel in self._by_shard.get(k, ()))
         return self.path(relpath)
 
     def release(self, relpath: str) -> None:
-        """Unpin one :meth:`acquire` of ``relpath``."""
+        """End one :meth:`acquire`'s lease of ``relpath`` (a use, for the LRU order)."""
         if self.is_local:
             return
         self._check_process()
         with self._lock:
-            fds = self._pins.get(relpath)
+            fds = self._leases.get(relpath)
             if not fds:
                 raise ValueError(f"{relpath!r} is not acquired")
             fd = fds.pop()
             if not fds:
-                del self._pins[relpath]
+                del self._leases[relpath]
+        with contextlib.suppress(OSError):  # still leased here: cannot have been evicted
+            os.utime(self.path(relpath))
         os.close(fd)  # closing the only fd of this open file drops its shared lock
 
-    def hold(self, relpath: str) -> str:
-        """Like :meth:`acquire` but idempotent: pins ``relpath`` at most once per object, until
-        :meth:`release_all` or :meth:`close` (for readers that keep files open)."""
-        if self.is_local:
-            return self.path(relpath)
-        self._check_process()
-        with self._lock:
-            if relpath in self._held:
-                return self.path(relpath)
-        path = self.acquire(relpath)
-        with self._lock:
-            if relpath in self._held:  # another thread got there first
-                duplicate = True
-            else:
-                self._held.add(relpath)
-                duplicate = False
-        if duplicate:
-            self.release(relpath)
-        return path
-
     def release_all(self) -> None:
-        """Release every pin of this object (from :meth:`acquire` and :meth:`hold`)."""
+        """End every lease of this object."""
         self._check_process()
         with self._lock:
-            pins, self._pins = self._pins, {}
-            self._held.clear()
-        for fds in pins.values():
+            leases, self._leases = self._leases, {}
+        for fds in leases.values():
             for fd in fds:
                 os.close(fd)
 
     @contextlib.contextmanager
-    def pinned(self, relpath: str) -> Iterator[str]:
-        """Context manager: ``with cache.pinned("shard-00000.data") as path: ...``."""
+    def leased(self, relpath: str) -> Iterator[str]:
+        """Context manager: ``with cache.leased("shard-00000.data") as path: ...``."""
         path = self.acquire(relpath)
         try:
             yield path
         finally:
             self.release(relpath)
 
+    def pinned(self, relpath: str) -> contextlib.AbstractContextManager[str]:
+        """Deprecated name of :meth:`leased`."""
+        _deprecated("pinned", "leased")
+        return self.leased(relpath)
+
     def shard_files(self, shard: int) -> list[str]:
         """The files the index lists for ``shard`` (remote datasets only)."""
         return list(self._by_shard.get(shard, ()))
 
     def prefetch(self, relpaths: Iterable[str]) -> list[Future[None]]:
-        """Fetch ``relpaths`` in the background (not pinned); returns futures (errors stay there:
+        """Fetch ``relpaths`` in the background (not leased); returns futures (errors stay there:
         a later :meth:`acquire` of the same file retries and raises)."""
         if self.is_local:
             return []
@@ -447,7 +444,7 @@ class ShardCache:
         return out
 
     def fetch(self, relpaths: Iterable[str], on_wait: Callable[[], None] | None = None) -> None:
-        """Make ``relpaths`` local now, in parallel on the prefetch threads (not pinned); raises
+        """Make ``relpaths`` local now, in parallel on the prefetch threads (not leased); raises
         the first download error. For a reader about to touch many files at once.
         ``on_wait`` as for :meth:`acquire`."""
         wanted = list(relpaths)
@@ -460,12 +457,12 @@ class ShardCache:
         else:
             return
         for rel in wanted:
-            self._ensure(rel, pin=False, on_wait=on_wait)
+            self._ensure(rel, lease=False, on_wait=on_wait)
 
     def pressure_changed(self) -> bool:
         """True if a download (any process) has waited for room since this object last asked.
 
-        One ``stat``; a reader that keeps idle files pinned calls it per read and unpins them.
+        One ``stat``; a reader that keeps idle files leased calls it per read and releases them.
         """
         if self.is_local or self.limit_bytes is None:
             return False
@@ -476,18 +473,23 @@ class ShardCache:
         changed, self._pressure_ns = ns != self._pressure_ns, ns
         return changed
 
-    def pinned_files(self) -> list[str]:
-        """Relative paths this object currently pins."""
+    def leased_files(self) -> list[str]:
+        """Relative paths this object currently leases."""
         with self._lock:
-            return sorted(self._pins)
+            return sorted(self._leases)
+
+    def pinned_files(self) -> list[str]:
+        """Deprecated name of :meth:`leased_files`."""
+        _deprecated("pinned_files", "leased_files")
+        return self.leased_files()
 
     @property
     def closed(self) -> bool:
-        """True after :meth:`close` (no more prefetches; pins may still be taken)."""
+        """True after :meth:`close` (no more prefetches; leases may still be taken)."""
         return self._closed
 
     def close(self, *, wait: bool = True) -> None:
-        """Stop prefetching and release every pin of this object.
+        """Stop prefetching and end every lease of this object.
 
         Queued prefetches are cancelled and running ones stop waiting for locks. With ``wait``,
         a download already under way is given up to ``deadline_s`` to finish, so no prefetch
@@ -497,11 +499,10 @@ class ShardCache:
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, None
-            pins, self._pins = self._pins, {}
-            self._held.clear()
+            leases, self._leases = self._leases, {}
         if pool is not None:
             pool.shutdown(timeout_s=self._policy.deadline_s if wait else 0.0)
-        for fds in pins.values():
+        for fds in leases.values():
             for fd in fds:
                 os.close(fd)
 
@@ -512,7 +513,7 @@ class ShardCache:
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickles as its arguments and index: pins and threads stay with this process."""
+        """Pickles as its arguments and index: leases, threads and plan stay here."""
         return {"args": self._args, "index": None if self.is_local else self.index_bytes}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -532,7 +533,7 @@ class ShardCache:
 
     def _prefetch_one(self, relpath: str, cancel: threading.Event) -> None:
         try:
-            self._ensure(relpath, pin=False, wait_room=False, cancel=cancel)
+            self._ensure(relpath, lease=False, wait_room=False, cancel=cancel)
         except _CancelledError:
             log.debug("prefetch of %s cancelled", relpath)
             raise
@@ -544,12 +545,12 @@ class ShardCache:
         self,
         relpath: str,
         *,
-        pin: bool,
+        lease: bool,
         on_wait: Callable[[], None] | None = None,
         wait_room: bool = True,
         cancel: threading.Event | None = None,
     ) -> int | None:
-        """Make ``relpath`` present; return an fd holding its shared lock when ``pin``.
+        """Make ``relpath`` present; return an fd holding its shared lock when ``lease``.
 
         ``cancel`` (background prefetches) stops the lock waits and any further download.
         """
@@ -575,22 +576,22 @@ class ShardCache:
                     if not downloaded:
                         with self._lock:
                             self.stats.hits += 1
-                    if pin:
+                    if lease:
                         return fd
                     os.close(fd)
                     return None
                 # not there: take the exclusive lock (never upgrade while holding shared: two
                 # upgraders would wait for each other) and download unless someone beat us to it
                 fcntl.flock(fd, fcntl.LOCK_UN)
-                with self._lock:  # our own pin blocks the exclusive lock: waiting cannot help
-                    ours = relpath in self._pins
+                with self._lock:  # our own lease blocks the exclusive lock: waiting cannot help
+                    ours = relpath in self._leases
                 if ours:
                     raise DatasetError(
                         f"{what}: its cached copy {final} is missing or changed while this "
-                        "process has it pinned (was the cache directory cleaned under a reader?)"
+                        "process has it leased (was the cache directory cleaned under a reader?)"
                     )
-                # another thread or process may download it and pin it meanwhile: its shared
-                # lock would block us until it unpins, so stop waiting once the file is there
+                # another thread or process may download it and lease it meanwhile: its shared
+                # lock would block us until it releases, so stop waiting once the file is there
                 locked = _flock(
                     fd, fcntl.LOCK_EX, self.timeout_s, what, cancel=cancel, moot=present
                 )
@@ -652,7 +653,9 @@ class ShardCache:
             fd = os.open(os.path.join(self.cache_dir, _CACHE_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 _flock(fd, fcntl.LOCK_EX, self.timeout_s, self.cache_dir, cancel=cancel)
-                short = self._scan(need=entry.nbytes)
+                # a prefetch evicts only files needed later than itself (Belady); a read waiting
+                # for its file evicts whatever the order puts first
+                short = self._scan(entry.nbytes, None if wait_room else entry.relpath)
                 if short <= 0:
                     tmp = _remote.temp_name(final, entry.nbytes)
                     open(tmp, "wb").close()
@@ -665,7 +668,7 @@ class ShardCache:
                     f"cache {self.cache_dir}: cannot make room for "
                     f"{_remote.join(_remote.redact(self.url, self._options), entry.relpath)} "
                     f"({entry.nbytes} bytes) under the limit of {self.limit_bytes} bytes: the "
-                    f"rest is pinned by readers (still {short} bytes short after "
+                    f"rest is leased by readers (still {short} bytes short after "
                     f"{waited:.1f} s)"
                 )
             self._signal_pressure()
@@ -683,8 +686,10 @@ class ShardCache:
             with contextlib.suppress(OSError):
                 open(path, "ab").close()
 
-    def _scan(self, need: int) -> int:
-        """Remove dead temps; evict LRU unpinned files until ``need`` more bytes fit the limit.
+    def _scan(self, need: int, incoming: str | None = None) -> int:
+        """Remove dead temps; evict files not leased until ``need`` more bytes fit the limit
+        (in :meth:`_eviction_order`; for a prefetch of ``incoming``, only files its plan needs
+        later than ``incoming``, or not at all when ``incoming`` is not planned either).
 
         Returns how many bytes are still missing (<= 0: it fits). Call under the cache-wide lock
         (or with ``need=0``, which only removes dead temps and evicts nothing).
@@ -720,12 +725,12 @@ class ShardCache:
         short = used + need - self.limit_bytes
         if need == 0:
             return short
-        for _mtime, size, path, lock_path in sorted(complete):
+        for _mtime, size, path, lock_path in self._eviction_order(complete, incoming):
             if short <= 0:
                 break
             fd = _try_exclusive(lock_path)
             if fd is None:
-                continue  # pinned by a reader or being (re)downloaded
+                continue  # leased by a reader or being (re)downloaded
             try:
                 os.unlink(path)
                 short -= size
@@ -737,6 +742,36 @@ class ShardCache:
             finally:
                 os.close(fd)
         return short
+
+    def _eviction_order(
+        self, complete: list[tuple[float, int, str, str]], incoming: str | None = None
+    ) -> list[tuple[float, int, str, str]]:
+        """Complete files, first to evict first: those no planned read uses (this cache's
+        :attr:`plan`; every file of other caches), least recently used first; then planned
+        ones, the next use farthest away first (Belady). Without a plan: LRU. For a prefetch
+        of ``incoming``, only the files needed later than it."""
+        if not self.plan:
+            return sorted(complete)
+        mine = self.dir + os.sep
+        rels = {c[2]: os.path.relpath(c[2], self.dir) for c in complete if c[2].startswith(mine)}
+        ranks = self.plan.ranks([*rels.values(), *([incoming] if incoming else [])])
+
+        def key(c: tuple[float, int, str, str]) -> tuple[int, float]:
+            rel = rels.get(c[2])
+            nxt = None if rel is None else ranks[rel]
+            return (0, c[0]) if nxt is None else (1, -nxt)
+
+        order = sorted(complete, key=key)
+        if incoming is None:
+            return order
+        mine_next = ranks[incoming]  # None: not planned, so only unplanned files may go
+
+        def later(c: tuple[float, int, str, str]) -> bool:
+            rel = rels.get(c[2])
+            nxt = None if rel is None else ranks[rel]
+            return nxt is None or (mine_next is not None and nxt > mine_next)
+
+        return [c for c in order if later(c)]
 
     def _stale_or_reserved(
         self, top: str, dirpath: str, target: tuple[str, int, int], path: str
@@ -760,6 +795,16 @@ class ShardCache:
         finally:
             os.close(fd)
         return 0
+
+
+def _deprecated(old: str, new: str) -> None:
+    import warnings
+
+    warnings.warn(
+        f"ShardCache.{old} is deprecated: use ShardCache.{new} (a cache file in use is *leased*)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def _listdir(path: str) -> list[str]:

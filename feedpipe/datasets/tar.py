@@ -1,0 +1,225 @@
+"""``TarDataset``: WebDataset-style ``.tar`` shards, read in place, for trying data before
+converting it.
+
+A sample is the run of consecutive regular-file members that share a key: the member's path up
+to the first ``.`` of its file name (``a/b/000017.jpg`` and ``a/b/000017.cls`` are sample
+``a/b/000017`` with fields ``jpg`` and ``cls``), as WebDataset groups them. ``ds[i]`` is a dict
+``{"__key__": key, "__url__": shard, field: bytes, ...}`` (after ``transform`` when given).
+
+The index is built once, from the tar headers only (no member data is read): for local shards
+with ``os.pread`` from the headers' offsets, for URLs through fsspec. Reads are then one
+positioned read per field, so the dataset is map-style: shuffling, the distributed sampler and
+exact resume work as for any dataset. Compressed tars have no offsets to seek to and are
+refused, naming the shard. Directories, links and special members are skipped; a member that
+runs past the end of its shard (a truncated download) is a :class:`~feedpipe.DatasetError`
+naming the shard and the member.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tarfile
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from feedpipe._remote import call, resolve
+from feedpipe.errors import DatasetError
+from feedpipe.io.remote import is_remote
+
+__all__ = ["TarDataset", "expand_shards"]
+
+_BRACES = re.compile(r"\{(\d+)\.\.(\d+)\}")
+
+
+def expand_shards(spec: str | Sequence[str]) -> list[str]:
+    """Shard paths from a list, or from a brace pattern ``"data-{000..099}.tar"`` (zero-padded
+    to the width of the first bound, as WebDataset writes them)."""
+    if not isinstance(spec, str):
+        return [os.fspath(s) for s in spec]
+    m = _BRACES.search(spec)
+    if m is None:
+        return [spec]
+    lo, hi = int(m.group(1)), int(m.group(2))
+    if hi < lo:
+        raise ValueError(f"shard pattern {spec!r}: {{{lo}..{hi}}} is empty")
+    width = len(m.group(1))
+    return [
+        p
+        for i in range(lo, hi + 1)
+        for p in expand_shards(spec[: m.start()] + f"{i:0{width}d}" + spec[m.end() :])
+    ]
+
+
+def _split(name: str) -> tuple[str, str]:
+    """WebDataset's key and field of a member name."""
+    folder, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    if not dot:
+        return name, ""
+    return (f"{folder}/{stem}" if folder else stem), ext.lower()
+
+
+class TarDataset:
+    """Map-style dataset over WebDataset ``.tar`` shards (local paths or fsspec URLs).
+
+    Args:
+      shards: a path, a brace pattern (``"s3://b/train-{0000..0099}.tar"``) or a list.
+      transform: called on each sample dict (e.g. decode the image), in the worker.
+      storage_options: fsspec options for URLs (credentials never appear in errors).
+    """
+
+    def __init__(
+        self,
+        shards: str | Sequence[str],
+        *,
+        transform: Callable[[dict[str, Any]], Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.shards = expand_shards(shards)
+        if not self.shards:
+            raise ValueError("TarDataset needs at least one shard")
+        self.transform = transform
+        self.storage_options = dict(storage_options or {})
+        # per sample: (shard number, key, ((field, offset, size), ...))
+        self._samples: list[tuple[int, str, tuple[tuple[str, int, int], ...]]] = []
+        for number, shard in enumerate(self.shards):
+            self._index(number, shard)
+        self._local = threading.local()
+
+    # ------------------------------------------------------------------ index
+    def _open(self, shard: str) -> Any:
+        if is_remote(shard):
+            fs, path = resolve(shard, self.storage_options)
+            return call(
+                lambda: fs.open(path, "rb"),
+                shard,
+                what="open",
+                storage_options=self.storage_options,
+            )
+        try:
+            return open(shard, "rb")  # the caller closes it
+        except OSError as exc:
+            raise DatasetError(f"cannot open tar shard {shard}: {exc}") from exc
+
+    def _index(self, number: int, shard: str) -> None:
+        with self._open(shard) as f:
+            head = f.read(4)
+            f.seek(0)
+            if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head == b"\xfd7zX":
+                raise DatasetError(
+                    f"{shard} is a compressed tar: its members cannot be read in place; "
+                    "decompress it (or convert it with `feedpipe convert`)"
+                )
+            f.seek(0, os.SEEK_END)
+            length = f.tell()
+            f.seek(0)
+            try:
+                tar = tarfile.open(fileobj=f, mode="r:")  # noqa: SIM115 - f is closed above
+                members = tar.getmembers()
+            except (tarfile.TarError, EOFError) as exc:
+                raise DatasetError(f"{shard} is truncated or not a tar: {exc}") from exc
+            if length - tar.offset < 2 * tarfile.BLOCKSIZE:
+                raise DatasetError(
+                    f"{shard} ends without the tar end-of-archive marker after member "
+                    f"{members[-1].name if members else '(none)'!r}: the shard is truncated"
+                )
+        key: str | None = None
+        fields: dict[str, tuple[int, int]] = {}
+        for m in members:
+            if not m.isreg():
+                continue
+            if m.offset_data + m.size > length:
+                raise DatasetError(
+                    f"{shard}: member {m.name!r} ends at byte {m.offset_data + m.size}, past "
+                    f"the end of the shard ({length} B): the shard is truncated"
+                )
+            k, field = _split(m.name)
+            if k != key:
+                self._flush(number, key, fields)
+                key, fields = k, {}
+            if field in fields:
+                raise DatasetError(f"{shard}: sample {k!r} has two {field!r} members")
+            fields[field] = (m.offset_data, m.size)
+        self._flush(number, key, fields)
+
+    def _flush(self, number: int, key: str | None, fields: dict[str, tuple[int, int]]) -> None:
+        if key is not None and fields:
+            spans = tuple((f, off, size) for f, (off, size) in fields.items())
+            self._samples.append((number, key, spans))
+
+    # ------------------------------------------------------------------ reads
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_local"]  # open files stay in the process that opened them
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    def _here(self) -> Any:
+        """This thread's open files and filesystems, fresh after a fork (s3fs is not fork-safe)."""
+        local = self._local
+        if getattr(local, "pid", None) != os.getpid():
+            local.fds, local.remote, local.pid = {}, {}, os.getpid()
+        return local
+
+    def _fd(self, number: int) -> int:
+        fds: dict[int, int] = self._here().fds
+        fd = fds.get(number)
+        if fd is None:
+            shard = self.shards[number]
+            try:
+                fd = fds[number] = os.open(shard, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError as exc:
+                raise DatasetError(f"cannot open tar shard {shard}: {exc}") from exc
+        return fd
+
+    def _remote(self, number: int) -> tuple[Any, str]:
+        cache: dict[int, tuple[Any, str]] = self._here().remote
+        if number not in cache:
+            cache[number] = resolve(self.shards[number], self.storage_options)
+        return cache[number]
+
+    def _read(self, number: int, offset: int, size: int) -> bytes:
+        shard = self.shards[number]
+        if is_remote(shard):
+            fs, path = self._remote(number)
+            data = call(
+                lambda: fs.cat_file(path, start=offset, end=offset + size),
+                shard,
+                storage_options=self.storage_options,
+            )
+        else:
+            data = os.pread(self._fd(number), size, offset)
+        if len(data) != size:
+            raise DatasetError(
+                f"{shard}: short read at byte {offset} ({len(data)} of {size} B): the shard "
+                "changed or was truncated after it was indexed"
+            )
+        return bytes(data)
+
+    def __getitem__(self, index: int) -> Any:
+        n = len(self._samples)
+        if not -n <= index < n:
+            raise IndexError(f"sample {index} out of range for {n} samples")
+        number, key, spans = self._samples[index]
+        sample: dict[str, Any] = {"__key__": key, "__url__": self.shards[number]}
+        for field, offset, size in spans:
+            sample[field] = self._read(number, offset, size)
+        return self.transform(sample) if self.transform is not None else sample
+
+    def __getitems__(self, indices: Iterable[int]) -> list[Any]:
+        return [self[int(i)] for i in indices]
+
+    def keys(self) -> list[str]:
+        """Every sample's key, in order."""
+        return [key for _, key, _ in self._samples]
+
+    def __repr__(self) -> str:
+        return f"TarDataset({len(self.shards)} shards, {len(self)} samples)"

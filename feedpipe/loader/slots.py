@@ -1,0 +1,337 @@
+"""Process workers that collate straight into reused shared-memory slots.
+
+torch's process workers collate each batch into a fresh shared-memory segment, pass its file
+descriptor to the main process, which maps it and (for a GPU) copies it once more into
+page-locked memory. Here each worker owns ``k`` slots in one shared buffer, allocated on its
+first batch and reused:
+
+1. **Worker** (:func:`collate_into`): with torch's ``default_collate``, the samples are stacked
+   straight into a free slot, and the worker ships a small :class:`SlotRef` (slot number and
+   layout) instead of tensors. The buffer itself travels (by file descriptor, once) only until
+   the main process has marked it seen. No free slot, or a batch that does not fit or that
+   ``default_collate`` would treat differently: the worker falls back to torch's path for that
+   batch, so nothing ever waits for a slot.
+2. **Main** (:meth:`Slots.resolve`): the batch is rebuilt as views of the slot, and the slot
+   stays taken for as long as any of those views (or a tensor sharing their memory) lives: a
+   lease object is kept alive by the views' storage, and releases the slot when the last one is
+   freed. With a CUDA device feed the buffer is page-locked once (``cudaHostRegister``), so the
+   copy to the device is one DMA from the slot; the feed drops its views when that copy is done.
+3. **Ownership of a slot byte**: the worker alone sets a slot's flag (free -> taken) before it
+   writes; the main process alone clears it, after the last view is gone. A ref dropped without
+   being resolved (a pass ended early, torch drained it) clears its flag when it is collected.
+
+The layout of what :func:`collate_into` builds is ``default_collate``'s for the types it handles
+(tensors, numeric numpy arrays and scalars, Python ``int``/``float``/``bool``, ``dict``,
+``list``, ``tuple`` and namedtuples); anything else goes through ``default_collate`` itself.
+tests/test_worker_slots.py checks the equality bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["SlotRef", "Slots", "collate_into", "worker_slots"]
+
+_ALIGN = 64
+_HEADER = 4096  # flags (one byte per slot), then the "seen" byte; slots start page-aligned
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+# ------------------------------------------------------------------------------- the layout
+# spec: ("leaf", i) | ("dict", keys, children) | ("list", children) | ("named", type, children)
+class _UnsupportedError(Exception):
+    """The samples hold something ``collate_into`` leaves to ``default_collate``."""
+
+
+def _leaf_of(samples: list[Any]) -> tuple[torch.dtype, tuple[int, ...], str]:
+    """dtype, per-sample shape and kind of one leaf position, as ``default_collate`` makes it."""
+    elem = samples[0]
+    kind = type(elem)
+    if any(type(s) is not kind for s in samples):
+        raise _UnsupportedError
+    if kind is torch.Tensor:
+        if elem.is_sparse or elem.device.type != "cpu" or elem.requires_grad:
+            raise _UnsupportedError
+        return elem.dtype, tuple(elem.shape), "tensor"
+    if kind is np.ndarray or kind is np.memmap:  # default_collate treats both the same
+        if elem.dtype.kind not in "biufc" or elem.dtype.byteorder == ">":
+            raise _UnsupportedError
+        return torch.from_numpy(np.empty(0, elem.dtype)).dtype, elem.shape, "array"
+    if isinstance(elem, np.generic) and kind is not np.object_:
+        if elem.dtype.kind not in "biufc":
+            raise _UnsupportedError
+        return torch.from_numpy(np.empty(0, elem.dtype)).dtype, (), "npscalar"
+    if kind is bool:
+        return torch.bool, (), "py"
+    if kind is int:
+        return torch.int64, (), "py"
+    if kind is float:
+        return torch.float64, (), "py"
+    raise _UnsupportedError
+
+
+def _plan(samples: list[Any], leaves: list[tuple[Any, ...]]) -> Any:
+    """The batch's structure (``spec``); appends ``(samples, dtype, shape, kind)`` per leaf."""
+    elem = samples[0]
+    kind = type(elem)
+    if kind is dict:
+        keys = list(elem)
+        if any(type(s) is not dict or list(s) != keys for s in samples):
+            raise _UnsupportedError
+        return ("dict", keys, [_plan([s[k] for s in samples], leaves) for k in keys])
+    if kind is tuple and hasattr(elem, "_fields"):
+        raise _UnsupportedError  # a subclass of tuple that is not exactly a namedtuple: below
+    if isinstance(elem, tuple) and hasattr(type(elem), "_fields"):
+        if any(type(s) is not kind or len(s) != len(elem) for s in samples):
+            raise _UnsupportedError
+        return ("named", kind, [_plan(list(col), leaves) for col in zip(*samples, strict=True)])
+    if kind is list or kind is tuple:  # default_collate: a list of the collated columns
+        if any(type(s) is not kind or len(s) != len(elem) for s in samples):
+            raise _UnsupportedError
+        return ("list", [_plan(list(col), leaves) for col in zip(*samples, strict=True)])
+    if isinstance(elem, (Mapping, Sequence)) and not isinstance(elem, (str, bytes)):
+        raise _UnsupportedError  # other containers: default_collate's own rules
+    dtype, shape, how = _leaf_of(samples)
+    if how in ("tensor", "array") and any(tuple(s.shape) != shape for s in samples):
+        raise _UnsupportedError  # default_collate raises its own error for this
+    if how == "tensor" and any(s.dtype != dtype for s in samples):
+        raise _UnsupportedError
+    if how in ("array", "npscalar") and any(s.dtype != samples[0].dtype for s in samples):
+        raise _UnsupportedError
+    leaves.append((samples, dtype, shape, how))
+    return ("leaf", len(leaves) - 1)
+
+
+def _rebuild(spec: Any, tensors: list[torch.Tensor]) -> Any:
+    tag = spec[0]
+    if tag == "leaf":
+        return tensors[spec[1]]
+    if tag == "dict":
+        return {k: _rebuild(c, tensors) for k, c in zip(spec[1], spec[2], strict=True)}
+    if tag == "named":
+        return spec[1](*(_rebuild(c, tensors) for c in spec[2]))
+    return [_rebuild(c, tensors) for c in spec[1]]
+
+
+# ------------------------------------------------------------------------------- worker side
+class SlotRef:
+    """What a worker ships instead of a batch: where in its buffer the batch lies.
+
+    ``buffer`` is set (and travels by file descriptor) until the main process has seen the
+    buffer once. Dropped in the main process without being resolved, it frees its slot.
+    """
+
+    __slots__ = ("__weakref__", "buffer", "k", "layout", "received", "slot", "spec", "token")
+
+    @property
+    def nbytes(self) -> int:
+        """The batch's bytes (what the stall counters count)."""
+        return sum(int(np.prod(shape)) * dtype.itemsize for _, dtype, shape in self.layout)
+
+    def __init__(
+        self, token: str, k: int, slot: int, spec: Any, layout: list[Any], *, buffer: Any
+    ) -> None:
+        self.token, self.k, self.slot, self.spec, self.layout = token, k, slot, spec, layout
+        self.buffer = buffer
+        self.received = False
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (self.token, self.k, self.slot, self.spec, self.layout, self.buffer)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.token, self.k, self.slot, self.spec, self.layout, self.buffer = state
+        self.received = True  # only the receiving (main) process may free the slot
+
+    def __del__(self) -> None:
+        if getattr(self, "received", False):
+            _unclaimed(self)
+
+
+class _WorkerSlots:
+    """One worker's ``k`` slots in one shared buffer: flags, a seen byte, then the slots."""
+
+    def __init__(self, k: int, slot_bytes: int) -> None:
+        self.k, self.slot_bytes = k, slot_bytes
+        self.buffer = torch.empty(_HEADER + k * slot_bytes, dtype=torch.uint8).share_memory_()
+        self.array = self.buffer.numpy()
+        self.array[:_HEADER] = 0  # every slot free, buffer not yet seen
+        self.flags = self.array[:k]
+        self.token = f"{os.getpid()}-{os.urandom(6).hex()}"
+
+    def claim(self) -> int | None:
+        free = np.flatnonzero(self.flags == 0)
+        if not free.size:
+            return None
+        slot = int(free[0])
+        self.flags[slot] = 1
+        return slot
+
+    @property
+    def seen(self) -> bool:
+        return bool(self.array[self.k])
+
+
+_WORKER: dict[str, Any] = {}  # this worker process's slots (one set per process)
+
+
+def worker_slots() -> Any:
+    """This worker process's slots, or None before its first batch (for tests)."""
+    return _WORKER.get("slots")
+
+
+def collate_into(samples: Any, k: int, rows: int | None) -> SlotRef | None:
+    """``default_collate(samples)`` written into a free slot of this worker, or ``None``.
+
+    ``k``: slots per worker; ``rows``: the loader's batch size (the first batch sizes the slots
+    for that many rows). ``None`` means: collate the usual way (unsupported types, no free slot,
+    a batch bigger than a slot).
+    """
+    if not isinstance(samples, list) or not samples:
+        return None
+    leaves: list[tuple[Any, ...]] = []
+    try:
+        spec = _plan(samples, leaves)
+    except _UnsupportedError:
+        return None
+    n = len(samples)
+    sizes = [_align(n * int(np.prod(shape)) * dtype.itemsize) for _, dtype, shape, _ in leaves]
+    ws: _WorkerSlots | None = _WORKER.get("slots")
+    if ws is None:
+        scale = max(1, rows or n) / n
+        ws = _WorkerSlots(k, _align(int(sum(sizes) * scale) + _ALIGN * len(sizes)))
+        _WORKER["slots"] = ws
+    if sum(sizes) > ws.slot_bytes:
+        return None
+    slot = ws.claim()
+    if slot is None:
+        return None
+    base = _HEADER + slot * ws.slot_bytes
+    layout = []
+    offset = base
+    try:
+        for (column, dtype, shape, how), size in zip(leaves, sizes, strict=True):
+            nbytes = n * int(np.prod(shape)) * dtype.itemsize
+            out = ws.buffer[offset : offset + nbytes].view(dtype).view(n, *shape)
+            if how == "tensor":
+                torch.stack(column, 0, out=out)
+            elif how == "array":
+                np.stack(column, axis=0, out=out.numpy())
+            else:  # Python or numpy scalars
+                out.numpy()[...] = column
+            layout.append((offset, dtype, (n, *shape)))
+            offset += size
+    except Exception:  # e.g. an int beyond int64: default_collate raises torch's own error
+        ws.flags[slot] = 0
+        return None
+    return SlotRef(ws.token, ws.k, slot, spec, layout, buffer=None if ws.seen else ws.buffer)
+
+
+# --------------------------------------------------------------------------------- main side
+class _Lease:
+    """Holds a slot while any view of it lives (the views' storage keeps this object alive).
+
+    It also keeps the buffer's registration: a buffer is unregistered only after its last view
+    is gone, so no copy from it can be in flight then."""
+
+    __slots__ = ("buf", "slot")
+
+    def __init__(self, buf: _Buffer, slot: int) -> None:
+        self.buf, self.slot = buf, slot
+
+    def __del__(self) -> None:
+        self.buf.flags[self.slot] = 0
+
+
+class _Leased(np.ndarray):
+    """A slot's bytes as numpy, carrying the lease (views of it keep it alive)."""
+
+    lease: _Lease | None = None
+
+
+class _Buffer:
+    """A worker's buffer as the main process holds it (page-locked once when asked)."""
+
+    def __init__(self, buffer: torch.Tensor, k: int, pin: bool) -> None:
+        self.tensor = buffer
+        self.array = buffer.numpy()
+        self.flags = self.array[:k]
+        self.registered = False
+        if pin and torch.cuda.is_available():
+            err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+            self.registered = int(err) == 0
+        self.array[k] = 1  # seen: the worker stops sending the buffer
+
+    def __del__(self) -> None:
+        if getattr(self, "registered", False):
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            except Exception:  # interpreter shutdown
+                pass
+
+
+_LOCK = threading.Lock()
+
+
+class Slots:
+    """The main process's view of every worker's slots, for one DataLoader."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.buffers: dict[str, _Buffer] = {}
+        self.resolved = 0  # batches delivered from slots (``DataLoader.worker_slots``)
+        self.fallback = 0  # batches that went torch's way
+
+    def resolve(self, ref: SlotRef) -> tuple[Any, bool]:
+        """The batch as views of its slot, and whether they are page-locked."""
+        with _LOCK:
+            buf = self.buffers.get(ref.token)
+            if buf is None:
+                if ref.buffer is None:
+                    raise RuntimeError(
+                        f"feedpipe: worker slot buffer {ref.token} was never received"
+                    )
+                buf = self.buffers[ref.token] = _Buffer(ref.buffer, ref.k, self.pin)
+            _REGISTRY[ref.token] = buf
+        lo = ref.layout[0][0]
+        hi = max(off + int(np.prod(shape)) * dtype.itemsize for off, dtype, shape in ref.layout)
+        region = buf.array[lo:hi].view(_Leased)
+        region.lease = _Lease(buf, ref.slot)
+        ref.received = False  # the lease frees the slot now
+        tensors = []
+        for off, dtype, shape in ref.layout:
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            raw = torch.from_numpy(region[off - lo : off - lo + nbytes])
+            tensors.append(raw.view(dtype).view(shape))
+        self.resolved += 1
+        return _rebuild(ref.spec, tensors), buf.registered
+
+    def forget(self) -> None:
+        """The workers are gone: drop their buffers (live views keep theirs mapped)."""
+        with _LOCK:
+            for token in self.buffers:
+                _REGISTRY.pop(token, None)
+            self.buffers.clear()
+
+
+_REGISTRY: dict[str, _Buffer] = {}  # token -> buffer, for refs dropped unresolved
+
+
+def _unclaimed(ref: SlotRef) -> None:
+    """Free the slot of a ref that was received but never resolved."""
+    try:
+        buf = _REGISTRY.get(ref.token)
+        if buf is not None:
+            buf.flags[ref.slot] = 0
+        elif ref.buffer is not None:
+            ref.buffer.numpy()[ref.slot] = 0
+    except Exception:  # interpreter shutdown
+        pass
