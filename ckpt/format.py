@@ -34,6 +34,7 @@ from ckpt._layout import DATA_FILE, MANIFEST
 from ckpt._pool import Buffer
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from feedpipe.io import crc32c, to_hex
+from feedpipe.io.trace import span
 
 __all__ = [
     "ALIGN",
@@ -151,13 +152,15 @@ def write_file(
 
         def one(start: int) -> str:
             piece = data[start : start + chunk_bytes]
-            crc = crc32c(piece)
-            _pwrite_all(fd, piece, start)
+            with span("ckpt/write"):  # in the write pool's thread
+                crc = crc32c(piece)
+                _pwrite_all(fd, piece, start)
             return to_hex(crc)
 
         crcs = list(pool.map(one, range(0, size, chunk_bytes)))
         _faults.pause("fsync")
-        os.fsync(fd)
+        with span("ckpt/fsync"):
+            os.fsync(fd)
     finally:
         os.close(fd)
         if own:

@@ -39,6 +39,7 @@ from ckpt.errors import (
     LockedError,
     RemoteCheckpointError,
 )
+from feedpipe.io.trace import span
 
 if TYPE_CHECKING:
     from ckpt.remote import RemoteOptions, RemoteStats, RemoteTier
@@ -246,7 +247,8 @@ class CheckpointManager:
         try:
             s0 = time.perf_counter()
             _faults.pause("stage")
-            _staging.stage(leaves, entries, buf)
+            with span("ckpt/stage"):
+                _staging.stage(leaves, entries, buf)
             stats.stage_s = time.perf_counter() - s0
         except BaseException:
             self.pool.release(buf)
@@ -308,7 +310,8 @@ class CheckpointManager:
             c0 = time.perf_counter()
             job.body["files"] = [rec]
             fmt.write_manifest(tmp, job.body)
-            handle.path = _commit.publish(tmp, self.directory, step)
+            with span("ckpt/commit"):
+                handle.path = _commit.publish(tmp, self.directory, step)
             tmp = None
             _commit.write_latest(self.directory, step)
             stats.commit_s = time.perf_counter() - c0

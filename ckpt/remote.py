@@ -40,6 +40,7 @@ from ckpt import _commit, _faults, _layout, _retention
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError, RemoteCheckpointError
 from feedpipe.io import RetryPolicy, call, crc32c, redact, resolve, to_hex
+from feedpipe.io.trace import span
 
 __all__ = [
     "STATUS_FILE",
@@ -483,15 +484,16 @@ class RemoteTier:
         self._makedirs(rpath.rsplit("/", 1)[0], step, name)
         part = _part_bytes(rec["size"], self.options.block_bytes, self.options.threads)
         for attempt in (1, 2):
-            self._call(
-                lambda: self.fs.put_file(
-                    str(local),
-                    rpath,
-                    chunksize=part,
-                    max_concurrency=self.options.threads,
-                ),
-                step, name, "upload",
-            )  # fmt: skip
+            with span("ckpt/upload"):  # in the upload pool's thread
+                self._call(
+                    lambda: self.fs.put_file(
+                        str(local),
+                        rpath,
+                        chunksize=part,
+                        max_concurrency=self.options.threads,
+                    ),
+                    step, name, "upload",
+                )  # fmt: skip
             _faults.pause("upload")
             try:
                 self._verify_remote(step, rec)

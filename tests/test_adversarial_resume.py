@@ -216,6 +216,7 @@ def test_load_twice_and_reload_into_the_same_loader_after_break() -> None:
 def test_stateful_sampler_state_after_stopiteration_without_set_epoch() -> None:
     """Broke: a state saved after a full epoch without set_epoch() said the epoch was consumed,
     so the resumed pass yielded nothing where torch repeats the epoch."""
+
     def make() -> DataLoader:
         sampler = feedpipe.DistributedSampler(DATA, num_replicas=1, rank=0, shuffle=True)
         return DataLoader(DATA, batch_size=4, sampler=sampler)

@@ -43,6 +43,7 @@ import torch
 from feedpipe.dali import source as _src
 from feedpipe.dali.pipeline import Transform, build_fed, build_main, build_probe
 from feedpipe.errors import DatasetError, WorkerError, require
+from feedpipe.io import trace
 from feedpipe.stall import StallMeter
 
 __all__ = ["ImageLoader", "ImageLoaderOptions"]
@@ -408,7 +409,8 @@ class ImageLoader:
         for b in range(n_batches):
             self.meter.wait_begin()
             try:
-                out = self._next(f"batch {b}")
+                with trace.span("feedpipe/decode"):  # the wait for DALI's decoded batch
+                    out = self._next(f"batch {b}")
             except (WorkerError, KeyboardInterrupt):
                 raise
             except Exception as exc:  # DALI could not decode this batch

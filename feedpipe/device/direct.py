@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from feedpipe.device import dma as _memmap_dma
+from feedpipe.io import trace
 from feedpipe.protocols import DMADataset
 
 __all__: list[str] = []  # private module; DataLoader(direct=...) is the public face
@@ -106,7 +107,7 @@ class DirectReader:
         """The batch of ``indices`` with its records on the device (copies in flight on the
         copy stream; the feed orders the consumer after them)."""
         ds, note = self.dataset, self.note
-        with torch.cuda.stream(self.stream):
+        with trace.span("feedpipe/h2d"), torch.cuda.stream(self.stream):
             dest = ds.device_out(len(indices), self.device)
             if note is None:
                 return ds.read_batch(indices, out=dest)

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from feedpipe.device.ring import Event, Ring, RingClosedError, Slot, flatten, log, map_tensors
+from feedpipe.io import trace
 
 __all__ = [
     "GPUFeed",
@@ -209,6 +210,7 @@ class GPUFeed:
         self._held: deque[tuple[Any, list[Any]]] = deque()  # (copy done event, pinned sources)
         self._seq = 0
         self.batches = 0
+        self._trace = trace.recorder()  # NVTX: "feedpipe/pin", "feedpipe/h2d" (read per epoch)
 
     # ------------------------------------------------------------------ reporting
     @property
@@ -260,6 +262,7 @@ class GPUFeed:
             self._ring = Ring(old.n, pin=old.pin, batch_size=old.batch_size, timeout=old.timeout)
         gen = self._ring.reset()
         self._seq = 0
+        self._trace = trace.recorder()
         return _bound_out_for(self._ring, gen)
 
     def submit(self, batch: Any) -> _InFlight:
@@ -279,11 +282,24 @@ class GPUFeed:
         ring = self._ring
         if ring.layout is None:
             ring.allocate(host_leaves, rebuild if len(host) == len(leaves) else None)
+        rec = self._trace  # NVTX ranges in the thread that fills the slot and issues the copy
         t0 = time.perf_counter()
-        slot, views, copied = ring.fill(seq, host_leaves)
+        if rec is not None:
+            rec.push("feedpipe/pin")
+        try:
+            slot, views, copied = ring.fill(seq, host_leaves)
+        finally:
+            if rec is not None:
+                rec.pop()
         if copied and self.meter is not None:
             self.meter.add_stage("pin", time.perf_counter() - t0, copied)
-        outs, start, end = self._copier.copy(views)
+        if rec is not None:
+            rec.push("feedpipe/h2d")
+        try:
+            outs, start, end = self._copier.copy(views)
+        finally:
+            if rec is not None:
+                rec.pop()
         nbytes = sum(v.numel() * v.element_size() for v in views)
         self._note_copy(slot, seq, start, end, nbytes)
         result: list[Any] = list(leaves)

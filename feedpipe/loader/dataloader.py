@@ -203,6 +203,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                 batch_size=batch_size,
                 meter=self.meter,
             )
+            if self._feed.on_gpu and self.meter.enabled:  # device idle for input (CUDA events)
+                self.meter.watch_device(self._feed.device)
         self._iterable = isinstance(self.dataset, tud.IterableDataset)
         self._stream = None if self._iterable else IndexStream(_torch_compat.index_sampler(self))
         if self._stream is not None:
@@ -689,6 +691,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             pin=self._pin(),
             drop_last=self.drop_last,
             timed=self.meter.enabled,
+            shared_clock=self._feed is None,  # a feed delivers batches fetched in earlier next()s
         )
 
     def _thread_rng_watch(self) -> RNGWatch:

@@ -47,6 +47,10 @@ class LoaderIter:
         self._timed = meter.enabled  # off: the sources read no clock either
         self._log = meter._waits  # the meter's batch log, appended as record_batch does
         self._profiler = meter._profiler  # its _is_profiler_enabled flag: one read per batch
+        # device idle for input: CUDA events at hand-off (device="cuda" with counters on)
+        self._clock = meter.device_clock if feed is not None and self._timed else None
+        # an in-process source that ships a mid-clock instead of stage times (fetch_mid)
+        self._shared = bool(getattr(source, "shared_clock", False))
         self._in_pass = True  # until StopIteration or drop: the meter's clock is not "outside"
         meter.pass_begin(started)
         self._epoch = loader._epoch
@@ -76,24 +80,35 @@ class LoaderIter:
             self._meter.wait_begin()
         t0 = _perf() if timed else 0.0
         on_device = None
+        clock = self._clock
+        mark = clock.begin() if clock is not None else None  # the stream's previous work ends
         try:
             if self._feed is None:
                 shipped = next(self._source) if self._guard is None else self._guard.next()
             else:  # `prefetch` later batches keep copying to the device meanwhile
                 on_device, shipped = next(self._feed)
         except StopIteration:
+            if clock is not None:
+                clock.cancel(mark)
             self._epoch.active = False
             if timed and not traced:
                 self._meter.wait_pending(t0)  # the step before this wait still counts
             self._end_pass()
             raise
         except Exception as exc:
+            if clock is not None:
+                clock.cancel(mark)
             if timed and not traced:
                 self._meter.wait_pending(t0)
             if self._feed is not None:  # _pull explained it already
                 raise
             raise self._explain(exc) from exc
         t1 = _perf() if timed else 0.0
+        if clock is not None:  # hand-off done: the consumer stream waits for the copy
+            if on_device is None:
+                clock.cancel(mark)
+            else:
+                clock.end(mark)
         if type(shipped) is Failed:
             if timed and not traced:
                 self._meter.wait_pending(t0)
@@ -107,6 +122,11 @@ class LoaderIter:
             finally:  # break the frame <-> traceback cycle so the workers shut down promptly
                 error = None
         batch, samples, nbytes, fetch_s, collate_s = shipped
+        if self._shared:  # fetch_s is the clock between read and collate (or -1.0: no collate)
+            if fetch_s >= 0.0:
+                fetch_s, collate_s = fetch_s - t0, t1 - fetch_s
+            else:
+                fetch_s = t1 - t0
         if traced:
             meter = self._meter
             meter.add_stage("fetch", fetch_s, nbytes)

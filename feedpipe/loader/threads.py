@@ -43,8 +43,9 @@ from feedpipe.loader.fetch import (
     Failed,
     Mode,
     ShippedTuple,
-    fetch_batch,
-    fetch_untimed,
+    fetch_mid,
+    fetch_traced,
+    fetcher,
     nbytes_of,
     pin_batch,
 )
@@ -483,7 +484,7 @@ def _worker_body(  # noqa: PLR0917
     first: _FirstRound | None,
     init_failed: list[int] | None,
 ) -> None:
-    fetch = fetch_batch if timed else fetch_untimed
+    fetch = fetcher(timed)
     iterable = mode is Mode.ITERABLE
     seed = base_seed + wid
     _torch_compat.set_thread_worker_info(
@@ -591,9 +592,18 @@ class InlineSource:
         pin: bool,
         drop_last: bool,
         timed: bool = True,
+        shared_clock: bool = False,
     ) -> None:
         self._sampler_iter = sampler_iter
-        self._fetch = fetch_batch if timed else fetch_untimed
+        self._fetch = fetcher(timed)
+        # the iterator's clock reads around next() bound the fetch: one read in between does
+        # (map-style datasets, no pinning, no NVTX ranges; see fetch_mid)
+        self.shared_clock = (
+            shared_clock and timed and mode is not Mode.ITERABLE and not pin
+            and self._fetch is not fetch_traced
+        )  # fmt: skip
+        if self.shared_clock:
+            self._fetch = fetch_mid
         torch.empty((), dtype=torch.int64).random_(generator=generator)  # torch's base seed draw
         self._dataset, self._collate_fn, self._mode = dataset, collate_fn, mode
         self._pin, self._drop_last = pin, drop_last

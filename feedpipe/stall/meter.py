@@ -43,6 +43,15 @@ CPU time the process spent outside the loop's thread while the meter ran (thread
 set against the worker stages' seconds it tells a CPU-bound fetch (which, if it holds the GIL,
 slows the step too) from one that waits on I/O.
 
+**The GPU's own view.** With ``device="cuda"`` the loader calls :meth:`StallMeter.watch_device`
+and the meter records two CUDA events per batch (:class:`~feedpipe.stall.device.DeviceClock`):
+``device_idle_s`` is the time the consumer's stream waited for its input, on the GPU's clock,
+beside the host-side stall.
+
+**Profiler ranges.** While ``torch.profiler`` records, each wait is a ``record_function`` range
+("feedpipe.wait"); while an NVTX tool such as Nsight Systems is attached (see
+:mod:`feedpipe.io.trace`), it is also an NVTX range "feedpipe/wait" in the loop's thread.
+
 One meter may be shared by several loaders; ``wait_begin``/``wait_end`` must then come from one
 thread (the training loop), which is how loaders are iterated. ``add_stage`` and ``set_depth``
 may be called from any thread.
@@ -59,6 +68,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, TypeVar
 
+from feedpipe.io import trace as _trace
+from feedpipe.stall.device import DeviceClock
 from feedpipe.stall.distributed import DistributedSink, DistributedSummary, gather_stats
 from feedpipe.stall.report import format_report, format_summary
 from feedpipe.stall.sinks import JsonlSink, LoggingSink, Sink, TensorBoardSink
@@ -153,27 +164,35 @@ class StallMeter:
     _stage_s: dict[str, float]
     _stage_bytes: dict[str, int]
     _stage_calls: dict[str, int]
+    _device_offset: tuple[float, int]  # device idle seconds and batches from load_state_dict
     wait_max_s: float
     region_s: dict[str, float]
     depth: dict[str, int]
 
     def __new__(cls, enabled: bool = True, trace: bool | Literal["auto"] = "auto") -> StallMeter:
         if not enabled and cls is StallMeter:
+            from feedpipe.stall.null import NullMeter  # a subclass: imported when first needed
+
             return super().__new__(NullMeter)
         return super().__new__(cls)
 
     def __init__(self, enabled: bool = True, trace: bool | Literal["auto"] = "auto") -> None:
         self._lock = threading.Lock()
         self._sinks: list[Sink] = []
-        # ``_profiler._is_profiler_enabled`` says whether to open record_function ranges:
+        # ``_torch_prof._is_profiler_enabled`` says whether to open record_function ranges:
         # torch.autograd.profiler (its flag follows torch.profiler) in "auto" mode, or stand-ins
         # whose flag is always on (trace=True) or always off (trace=False).
-        self._profiler: Any = _NeverOn
+        self._torch_prof: Any = _NeverOn
         if trace is True:
-            self._profiler = _AlwaysOn
+            self._torch_prof = _AlwaysOn
         elif trace == "auto":
-            self._profiler = _profiler_module() or _NeverOn
-        self._range: Any = None  # the open record_function range of the current wait
+            self._torch_prof = _profiler_module() or _NeverOn
+        # NVTX ranges: the recorder of feedpipe.io.trace when one is active (trace != False)
+        self._nvtx = _trace.recorder() if trace is not False else None
+        # the flag loaders read once per batch: on while either kind of range is wanted
+        self._profiler: Any = _AlwaysOn if self._nvtx is not None else self._torch_prof
+        self._range: Any = None  # the open range(s) of the current wait (None: none open)
+        self.device_clock: DeviceClock | None = None  # CUDA events at hand-off (watch_device)
         # wait_end calls _after_wait once len(_waits) reaches _fold_at: _FOLD normally, 0 while
         # sinks are attached or a profiler range is open (one comparison on the hot path)
         self._fold_at = self._FOLD
@@ -220,6 +239,8 @@ class StallMeter:
         if self._first_begin is None and not self._waits:
             self._first_begin = now
         if self._profiler._is_profiler_enabled:
+            if self._range is not None:  # the previous wait raised instead of delivering
+                self._close_range()
             self._open_range("feedpipe.wait")
 
     def wait_end(self, samples: int = 0, nbytes: int = 0) -> None:
@@ -294,6 +315,9 @@ class StallMeter:
         When no other pass is active, the time from now to the next ``pass_begin`` is *outside*.
         """
         now = _perf()
+        if self._range is not None:  # the wait that ended the pass delivered no batch
+            self._close_range()
+            self._set_fold_at()
         self._fold()
         with self._lock:
             self._passes = max(0, self._passes - 1)
@@ -308,9 +332,13 @@ class StallMeter:
 
     @contextmanager
     def region(self, name: str) -> Iterator[None]:
-        """Time a user region: ``with meter.region("forward"): ...`` (also a profiler range)."""
-        on = self._profiler._is_profiler_enabled
+        """Time a user region: ``with meter.region("forward"): ...`` (also a profiler range:
+        ``feedpipe.region.NAME`` for torch's profiler, ``feedpipe/region/NAME`` for NVTX)."""
+        on = self._torch_prof._is_profiler_enabled
         rf = self._record_function(f"feedpipe.region.{name}") if on else None
+        nvtx = self._nvtx
+        if nvtx is not None:
+            nvtx.push(f"feedpipe/region/{name}")
         if rf is not None:
             rf.__enter__()
         t0 = _perf()
@@ -320,8 +348,25 @@ class StallMeter:
             dt = _perf() - t0
             if rf is not None:
                 rf.__exit__(None, None, None)
+            if nvtx is not None:
+                nvtx.pop()
             with self._lock:
                 self.region_s[name] += dt
+
+    def watch_device(self, device: Any) -> DeviceClock | None:
+        """Measure *device idle for input* on ``device`` (CUDA only; else returns ``None``).
+
+        The loader calls it for ``device="cuda"``; it then calls ``device_clock.begin()`` when
+        ``next()`` starts and ``device_clock.end(a)`` after the hand-off (see
+        :mod:`feedpipe.stall.device`). Idempotent for one device."""
+        import torch
+
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            return None
+        if self.device_clock is None or self.device_clock.device != dev:
+            self.device_clock = DeviceClock(dev)
+        return self.device_clock
 
     def metered_pass(self, batches: Iterable[_T]) -> Iterator[_T]:
         """Iterate ``batches`` as one pass: ``pass_begin`` first, ``pass_end`` when it is
@@ -526,6 +571,9 @@ class StallMeter:
             self._stage_calls = defaultdict(int)
             self.region_s = defaultdict(float)
             self.depth = {}
+            self._device_offset = (0.0, 0)  # device idle seconds and batches restored
+            if self.device_clock is not None:
+                self.device_clock.reset()
             for sink in self._sinks:
                 sink.restart(_perf(), 0)
 
@@ -569,6 +617,8 @@ class StallMeter:
         def rate(x: float) -> float:
             return x / wall if wall > 0 else 0.0
 
+        idle_s, idle_batches = self._device_idle()
+
         return StallStats(
             wall_s=wall,
             stall_s=stall,
@@ -594,7 +644,18 @@ class StallMeter:
             stages=stages,
             regions=regions,
             depths=dict(self.depth),
+            device_idle_s=idle_s,
+            device_idle_fraction=None if idle_s is None else rate(idle_s),
+            device_batches=idle_batches,
         )
+
+    def _device_idle(self) -> tuple[float | None, int]:
+        """(device idle seconds, batches measured), ``None`` seconds when never measured."""
+        clock, (off_s, off_n) = self.device_clock, self._device_offset
+        if clock is None:
+            return (off_s if off_n else None), off_n
+        clock.poll()
+        return off_s + clock.idle_s, off_n + clock.batches
 
     def _input_cpu(self) -> float | None:
         """CPU seconds of threads other than the loop's since the clock began (thread workers
@@ -624,6 +685,7 @@ class StallMeter:
         stage_s, stage_bytes, stage_calls = self.stage_s, self.stage_bytes, self.stage_calls
         with self._lock:
             regions = dict(self.region_s)
+        idle_s, idle_batches = self._device_idle()
         return {
             "stall_s": self.stall_s,
             "step_s": self.step_s,
@@ -637,6 +699,8 @@ class StallMeter:
             "stage_bytes": stage_bytes,
             "stage_calls": stage_calls,
             "region_s": regions,
+            "device_idle_s": idle_s or 0.0,
+            "device_batches": idle_batches,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -657,6 +721,11 @@ class StallMeter:
             self._stage_bytes.update(state["stage_bytes"])
             self._stage_calls.update(state["stage_calls"])
             self.region_s.update(state["region_s"])
+            # older states lack the device counters
+            self._device_offset = (
+                float(state.get("device_idle_s", 0.0)),
+                int(state.get("device_batches", 0)),
+            )
 
     # ------------------------------------------------------------------ sinks
     def add_sink(self, sink: Sink) -> Sink:
@@ -699,68 +768,29 @@ class StallMeter:
 
     # ------------------------------------------------------------------ profiler ranges
     def _open_range(self, name: str) -> None:
-        rf = self._record_function(name)
-        rf.__enter__()
-        self._range = rf
+        """Open the wait's ranges: NVTX "feedpipe/wait" and, while torch's profiler records,
+        ``record_function(name)``."""
+        if self._nvtx is not None:
+            self._nvtx.push("feedpipe/wait")
+        rf = None
+        if self._torch_prof._is_profiler_enabled:
+            rf = self._record_function(name)
+            rf.__enter__()
+        self._range = (rf,)
         self._fold_at = 0
 
     def _close_range(self) -> None:
-        rf, self._range = self._range, None
-        rf.__exit__(None, None, None)
+        (rf,), self._range = self._range, None
+        if rf is not None:
+            rf.__exit__(None, None, None)
+        if self._nvtx is not None:
+            self._nvtx.pop()
 
     @staticmethod
     def _record_function(name: str) -> Any:
         import torch.profiler
 
         return torch.profiler.record_function(name)
-
-
-class NullMeter(StallMeter):
-    """A meter that records nothing: what ``StallMeter(enabled=False)`` returns."""
-
-    enabled = False
-
-    def __init__(self, enabled: bool = False, trace: bool | Literal["auto"] = False) -> None:
-        super().__init__(True, False)
-
-    def wait_begin(self) -> None:
-        pass
-
-    def wait_end(self, samples: int = 0, nbytes: int = 0) -> None:
-        pass
-
-    def record_batch(  # noqa: PLR0917 - positional on the hot path
-        self,
-        begin: float,
-        end: float,
-        samples: int = 0,
-        nbytes: int = 0,
-        fetch_s: float = -1.0,
-        collate_s: float = -1.0,
-    ) -> None:
-        pass
-
-    def wait_pending(self, begin: float) -> None:
-        pass
-
-    def add_stage(self, name: str, seconds: float, nbytes: int = 0) -> None:
-        pass
-
-    def pass_begin(self, at: float | None = None) -> None:
-        pass
-
-    def pass_end(self) -> None:
-        pass
-
-    def set_depth(self, name: str, n: int) -> None:
-        pass
-
-    @contextmanager
-    def region(self, name: str) -> Iterator[None]:
-        yield
-
-    def add_sink(self, sink: Sink) -> Sink:
-        return sink
 
 
 class _NeverOn:

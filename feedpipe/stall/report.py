@@ -51,9 +51,11 @@ def hint(s: StallStats) -> str:
     """A plain-language verdict: input-bound (and which stage to fix) or compute-bound.
 
     Cases, in order: no data; too few batches (:data:`MIN_BATCHES`) for a verdict;
-    input-bound with the slowest stage to fix, unless workers overlap the step and every stage
-    delivers faster than the step (then no stage is blamed); compute-bound. Under thread
-    workers whose fetch is CPU-bound (:data:`CPU_BOUND`) a note says the GIL inflates the step.
+    device-bound when the host waited but the GPU's stream did not (device idle for input below
+    :data:`INPUT_BOUND`); input-bound with the slowest stage to fix, unless workers overlap the
+    step and every stage delivers faster than the step (then no stage is blamed); compute-bound.
+    Under thread workers whose fetch is CPU-bound (:data:`CPU_BOUND`) a note says the GIL
+    inflates the step.
     """
     if s.batches == 0 or s.wall_s <= 0:
         return "no batches measured yet"
@@ -68,6 +70,13 @@ def hint(s: StallStats) -> str:
 
 def _verdict(s: StallStats) -> str:
     pct = 100 * s.stall_fraction
+    idle = s.device_idle_fraction
+    if idle is not None and s.device_batches and s.stall_fraction >= INPUT_BOUND > idle:
+        return (
+            f"device-bound: the loop waited {pct:.0f}% of the time in next(), but the GPU idled "
+            f"only {100 * idle:.1f}% for input: the host waits overlap queued GPU work "
+            "(asynchronous execution), so the input keeps the GPU fed"
+        )
     if s.stall_fraction >= INPUT_BOUND:
         head = f"input-bound: the loop waited {pct:.0f}% of the time"
         if s.slowest_stage is None:
@@ -111,8 +120,10 @@ def _gil_note(s: StallStats) -> str:
 
 def format_summary(s: StallStats) -> str:
     """One line: stall %, p50/p99 wait, throughput and the slowest stage."""
-    parts = [
-        f"stall {100 * s.stall_fraction:.1f}%",
+    parts = [f"stall {100 * s.stall_fraction:.1f}%"]
+    if s.device_idle_fraction is not None:
+        parts.append(f"device idle for input {100 * s.device_idle_fraction:.1f}%")
+    parts += [
         f"wait p50 {_ms(s.wait_p50_s)} p99 {_ms(s.wait_p99_s)}",
         f"{_rate(s.samples_per_s)} samples/s",
         f"{_rate(s.bytes_per_s)}B/s",
@@ -135,6 +146,14 @@ def format_report(s: StallStats) -> str:
         f"  throughput {_rate(s.samples_per_s)} samples/s, {_rate(s.batches_per_s)} batches/s, "
         f"{_rate(s.bytes_per_s)}B/s",
     ]
+    if s.device_idle_s is not None:
+        frac = 100 * (s.device_idle_fraction or 0.0)
+        lines.insert(
+            2,
+            f"  device idle for input {s.device_idle_s:.3g} s ({frac:.1f}%; GPU stream time from "
+            f"CUDA events at hand-off, {s.device_batches} batches) beside host-side stall "
+            f"{100 * s.stall_fraction:.1f}%",
+        )
     if s.stages:
         lines.append(
             f"  {'stage':<10}{'total s':>10}{'ms/batch':>11}{'effective':>11}{'MB':>10}"

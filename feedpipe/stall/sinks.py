@@ -127,7 +127,8 @@ class JsonlSink(Sink):
 class TensorBoardSink(Sink):
     """Write scalars to a ``torch.utils.tensorboard.SummaryWriter`` (or a log directory).
 
-    Scalars (under ``prefix/``): ``stall_fraction``, ``outside_s`` (seconds between passes),
+    Scalars (under ``prefix/``): ``stall_fraction``, ``device_idle_fraction`` (with a CUDA
+    device: device idle for input), ``outside_s`` (seconds between passes),
     ``wait_p50_ms``, ``wait_p99_ms``,
     ``samples_per_s``, ``batches_per_s``, ``stage/NAME_ms`` (effective per-batch time) and
     ``depth/NAME``; the global step is the meter's batch count. TensorBoard is optional: passing
@@ -166,6 +167,8 @@ class TensorBoardSink(Sink):
             f"{p}/samples_per_s": stats.samples_per_s,
             f"{p}/batches_per_s": stats.batches_per_s,
         }
+        if stats.device_idle_fraction is not None:
+            out[f"{p}/device_idle_fraction"] = stats.device_idle_fraction
         for name, st in stats.stages.items():
             out[f"{p}/stage/{name}_ms"] = st.effective_s * 1e3
         for name, n in stats.depths.items():

@@ -42,6 +42,10 @@ class StallStats:
     ``input_busy`` is the share of worker time spent in worker stages (``None`` without stage
     data): low means the input pipeline is mostly idle. ``slowest_stage`` is the stage with the
     largest ``effective_s`` (see :class:`StageStats`), or ``None`` when no stage was reported.
+    ``device_idle_s`` is *device idle for input*: GPU seconds the consumer's stream waited for
+    its batch, from CUDA events at hand-off (``None`` unless the loader feeds a CUDA device; see
+    :mod:`feedpipe.stall.device`), over ``device_batches`` batches whose events completed;
+    ``device_idle_fraction`` is it per second of ``wall_s``.
     """
 
     wall_s: float
@@ -68,6 +72,9 @@ class StallStats:
     stages: dict[str, StageStats]
     regions: dict[str, float]
     depths: dict[str, int]
+    device_idle_s: float | None = None
+    device_idle_fraction: float | None = None
+    device_batches: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict, ready for ``json.dumps``."""

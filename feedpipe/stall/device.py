@@ -1,0 +1,93 @@
+"""Device idle for input: how long the GPU's stream waited for a batch, from CUDA events.
+
+Host-side stall (time in ``next()``) misreads asynchronous GPU work: the host may wait while the
+GPU is still busy with the last step (no harm done), or return at once while the GPU sits idle
+behind a late copy. A :class:`DeviceClock` asks the GPU itself. Per batch it records two events
+on the consumer's stream:
+
+- **A**, when ``next()`` starts (before the host waits for the batch). The stream reaches A when
+  it has finished the work queued before it: the previous step's compute.
+- **B**, at hand-off, after the consumer stream was made to wait for the batch's copy. The
+  stream reaches B when the input is there.
+
+``B - A`` (GPU clock) is the time the stream sat between its last step and its next input:
+*device idle for input*. When compute is the bottleneck the copy finished long before, so
+``B - A`` is about zero; when input is late (a slow worker, a slow copy) the stream has drained
+and waits. Time the GPU idles because the *host* is slow elsewhere (the user's own Python
+between steps) is not counted: A is then reached as soon as it is queued.
+
+Events are reused from a small pool and read without blocking (``query``): a pair counts once
+its B has completed, oldest first. Only for CUDA devices; torch is imported by the caller.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any
+
+__all__ = ["DeviceClock"]
+
+
+class DeviceClock:
+    """CUDA event pairs at batch hand-off; ``idle_s`` sums the completed ones (GPU seconds)."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self._torch = torch
+        self.device = torch.device(device)
+        self._pending: deque[tuple[Any, Any]] = deque()
+        self._free: list[Any] = []
+        self._lock = threading.Lock()
+        self.idle_s = 0.0
+        self.batches = 0
+
+    def _event(self) -> Any:
+        free = self._free
+        return free.pop() if free else self._torch.cuda.Event(enable_timing=True)
+
+    def begin(self, stream: Any = None) -> Any:
+        """``next()`` starts: record A on ``stream`` (default: the current stream); returns it."""
+        ev = self._event()
+        ev.record(stream if stream is not None else self._torch.cuda.current_stream(self.device))
+        return ev
+
+    def end(self, begin: Any, stream: Any = None) -> None:
+        """Hand-off: record B after the consumer stream waits for the copy; pair it with A."""
+        ev = self._event()
+        ev.record(stream if stream is not None else self._torch.cuda.current_stream(self.device))
+        self._pending.append((begin, ev))
+        if len(self._pending) > 2:
+            self.poll()
+
+    def cancel(self, begin: Any) -> None:
+        """``next()`` delivered no batch (the epoch ended): give A back to the pool."""
+        self._free.append(begin)
+
+    def poll(self, wait: bool = False) -> None:
+        """Add the completed pairs (all of them, synchronizing, when ``wait``), oldest first."""
+        with self._lock:
+            pending, free = self._pending, self._free
+            total, n = 0.0, 0
+            while pending:
+                a, b = pending[0]
+                if not wait and not b.query():
+                    break
+                if wait:
+                    b.synchronize()
+                pending.popleft()
+                total += max(0.0, a.elapsed_time(b)) / 1000.0
+                n += 1
+                free += (a, b)
+            self.idle_s += total
+            self.batches += n
+
+    def reset(self) -> None:
+        """Forget the totals and the pairs not yet read (their events go back to the pool)."""
+        with self._lock:
+            for pair in self._pending:
+                self._free += pair
+            self._pending.clear()
+            self.idle_s = 0.0
+            self.batches = 0
