@@ -300,3 +300,40 @@ def test_remote_tier_takes_a_policy_and_reads_metrics(
         assert m.remote is not None and m.remote.committed_steps() == [1, 4]
         assert m.metrics(1) == {"val_loss": 0.1}  # step 1 is remote only: its remote manifest
         assert _steps(tmp_path / "a") == [4]
+
+
+# ---- the guide's examples are real -------------------------------------------------------------
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "checkpoint-policies.md"
+
+
+def _blocks(page: Path, lang: str) -> list[str]:
+    text = page.read_text()
+    return [b.split("```", 1)[0] for b in text.split(f"```{lang}\n")[1:]]
+
+
+def test_the_policy_guide_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    exec(compile(_blocks(GUIDE, "python")[0], str(GUIDE), "exec"), {})  # its asserts hold
+
+
+def test_the_policy_guide_gc_output_is_real(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(4, 2)
+    with CheckpointManager("checkpoints", keep_last=None) as m:
+        for step in range(0, 301, 25):
+            m.save(step, {"model": model}, metrics={"val_loss": 1.0 / (1 + step % 130)})
+    block = next(b for b in _blocks(GUIDE, "text") if b.startswith("$ ckpt gc"))
+    command, *expected = block.strip().splitlines()
+    assert cli.main(command.split()[2:]) == 0
+    assert capsys.readouterr().out.splitlines() == expected
+
+
+def test_the_preemption_guide_loop_is_the_tested_worker() -> None:
+    page = GUIDE.with_name("preemption.md")
+    worker = Path(__file__).with_name("_ckpt_preempt_train.py").read_text()
+    worker_lines = [line.strip() for line in worker.splitlines()]
+    loop = _blocks(page, "python")[0]
+    for line in filter(None, (x.strip() for x in loop.splitlines())):
+        assert line in worker_lines, line
