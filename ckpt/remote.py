@@ -426,6 +426,7 @@ class RemoteTier:
         t0 = time.perf_counter()
         with self._cond:
             self.stats.uploads[step] = UploadStatus(step, "uploading")
+        self._metrics.pop(step, None)  # a step saved again may carry other metrics
         self._write_status()
         try:
             with _commit.reading(path):  # a shared lock: local retention cannot take it meanwhile

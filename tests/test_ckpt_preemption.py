@@ -77,6 +77,15 @@ def test_previous_python_handler_is_chained_and_restored_on_close(tmp_path: Path
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
+def test_sig_ign_before_us_is_not_called_and_comes_back(tmp_path: Path) -> None:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    m = CheckpointManager(tmp_path, save_on_preemption=True)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert m.preempted
+    m.close()
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+
+
 def test_close_leaves_a_handler_installed_after_ours_alone(tmp_path: Path) -> None:
     def later(signum: int, frame: Any) -> None:
         pass
@@ -166,11 +175,11 @@ def test_save_and_exit_waits_for_the_upload(
 
     bucket, options = s3_bucket
     remote = RemoteOptions(f"s3://{bucket}/run", storage_options=options)
-    m = CheckpointManager(tmp_path, remote=remote, save_on_preemption=True)
-    m.save(1, _state(1))
-    m.notify_preemption()
-    with pytest.raises(SystemExit) as info:
-        m.save_and_exit(2, _state(2))
+    with pytest.raises(SystemExit) as info:  # the with block closes the manager once more
+        with CheckpointManager(tmp_path, remote=remote, save_on_preemption=True) as m:
+            m.save(1, _state(1))
+            m.notify_preemption()
+            m.save_and_exit(2, _state(2))
     assert info.value.code == PREEMPTED_EXIT_CODE
     tier = RemoteTier(tmp_path / "other", remote, None)
     try:
