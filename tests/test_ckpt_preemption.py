@@ -175,11 +175,13 @@ def test_save_and_exit_waits_for_the_upload(
 
     bucket, options = s3_bucket
     remote = RemoteOptions(f"s3://{bucket}/run", storage_options=options)
-    with pytest.raises(SystemExit) as info:  # the with block closes the manager once more
-        with CheckpointManager(tmp_path, remote=remote, save_on_preemption=True) as m:
-            m.save(1, _state(1))
-            m.notify_preemption()
-            m.save_and_exit(2, _state(2))
+    with (  # the with block closes the manager once more
+        pytest.raises(SystemExit) as info,
+        CheckpointManager(tmp_path, remote=remote, save_on_preemption=True) as m,
+    ):
+        m.save(1, _state(1))
+        m.notify_preemption()
+        m.save_and_exit(2, _state(2))
     assert info.value.code == PREEMPTED_EXIT_CODE
     tier = RemoteTier(tmp_path / "other", remote, None)
     try:
