@@ -179,7 +179,10 @@ def _gc(root: Path, policy: Policy, dry_run: bool) -> int:
             return not remote or uploads.get(step, {}).get("state") == "done"
 
         def metrics(step: int) -> dict:
-            return _retention.metrics(_layout.step_dir(root, step))
+            try:
+                return _retention.metrics(_layout.step_dir(root, step))
+            except (CheckpointError, OSError):  # not restorable either: not ranked
+                return {}
 
         decision = _retention.plan(
             _commit.steps(root),

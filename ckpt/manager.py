@@ -456,7 +456,7 @@ class CheckpointManager:
         if known is None or known[0] != ino:
             try:
                 known = (ino, _retention.metrics(path))
-            except CheckpointError as exc:
+            except (CheckpointError, OSError) as exc:  # not restorable either: not ranked
                 log.warning("ckpt: retention cannot read the metrics of step %d: %s", step, exc)
                 known = (ino, {})
             self._metric_cache[step] = known

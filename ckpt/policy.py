@@ -59,11 +59,8 @@ class StepView:
         """The finite value of metric ``name`` saved with ``step``, else ``None``."""
         if self._metrics is None:
             return None
-        if step not in self._seen:
-            try:
-                self._seen[step] = self._metrics(step)
-            except Exception:  # an unreadable manifest: the step has no metric to rank by
-                self._seen[step] = {}
+        if step not in self._seen:  # the caller maps an unreadable manifest to {}
+            self._seen[step] = self._metrics(step)
         value = self._seen[step].get(name)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return None

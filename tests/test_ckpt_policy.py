@@ -337,3 +337,23 @@ def test_the_preemption_guide_loop_is_the_tested_worker() -> None:
     loop = _blocks(page, "python")[0]
     for line in filter(None, (x.strip() for x in loop.splitlines())):
         assert line in worker_lines, line
+
+
+def test_a_metrics_read_failure_stops_the_pass_before_any_delete() -> None:
+    """The remote tier lets a transient failure to read a step's metrics propagate: the whole
+    plan fails, so no step is deleted because its metric could not be read this time."""
+    from ckpt import _retention
+
+    def flaky(step: int) -> dict:
+        if step == 2:
+            raise OSError("connection reset")
+        return {"l": float(step)}
+
+    with pytest.raises(OSError, match="connection reset"):
+        _retention.plan(
+            range(6),
+            KeepLast(1) | KeepBest("l", 1, "min"),
+            is_restorable=lambda s: True,
+            may_evict=lambda s: True,
+            metrics=flaky,
+        )
