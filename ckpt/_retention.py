@@ -1,11 +1,10 @@
 """The one retention rule, shared by ``CheckpointManager``, ``ckpt gc`` and the remote tier.
 
-Walking the committed steps from newest to oldest, the first ``keep_last`` steps that are
-*restorable* are kept. A step that is not restorable is never counted, so a bad step never
-displaces a good one; it is kept (not deleted) when it is newer than the oldest kept good step,
-and deleted like any other step when it is older. A step older than the kept ones is deleted only
-if every guard allows it (the upload guard: never delete a local step whose upload has not
-finished). With ``keep_last=None`` nothing is deleted.
+``plan`` applies a ``ckpt.policy`` object (``KeepLast``, ``KeepEvery``, ``KeepBest``, or any
+``AnyOf`` of them) to the committed steps. Only restorable steps count (the policies'
+rules are in ``ckpt.policy``); the newest restorable step is kept whatever the policy. A step no
+policy keeps is deleted only if every guard allows it (the upload guard: never delete a local
+step whose upload has not finished). With no policy (``None``) nothing is deleted.
 
 The remote tier applies the same ``plan`` to its committed remote steps, each counted as
 restorable (its manifest is written only after every data file verified).
@@ -13,16 +12,19 @@ restorable (its manifest is written only after every data file verified).
 ``restorable(path)`` is the check both local callers use: ``ckpt._reader.verify_step``, which
 runs the validator a restore runs (tree, entries, types, sizes) and checks every file size and
 chunk checksum, without building a tensor. A step written through DCP is checked the same way (DCP's
-planner, not ckpt, rebuilds its tree).
+planner, not ckpt, rebuilds its tree). ``metrics(path)`` reads the metrics a step was saved with
+from its validated manifest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Plan", "plan", "restorable"]
+from ckpt.policy import AnyOf, KeepLast, Policy, StepView
+
+__all__ = ["Plan", "metrics", "plan", "restorable"]
 
 
 @dataclass
@@ -35,37 +37,42 @@ class Plan:
 
 def plan(
     steps: Sequence[int],
-    keep_last: int | None,
+    policy: Policy | None,
     *,
     is_restorable: Callable[[int], bool],
     may_evict: Callable[[int], bool],
+    metrics: Callable[[int], Mapping[str, float]] | None = None,
 ) -> Plan:
     """Decide which of the committed ``steps`` to keep and which to delete (module docstring).
 
-    ``is_restorable`` is asked about the newest steps only, until ``keep_last`` good ones are
-    found; ``may_evict`` is asked about each step that would be deleted.
+    ``is_restorable`` is asked only about steps a policy would keep; ``metrics`` (a step's saved
+    metrics) only by ``KeepBest``; ``may_evict`` about each step that would be deleted.
     """
     out = Plan()
-    if keep_last is None:
-        out.keep = {s: "keep_last=None" for s in steps}
+    if policy is None:
+        out.keep = {s: "no retention policy" for s in steps}
         return out
-    if keep_last < 1:
-        raise ValueError("keep_last must be >= 1 or None")
-    good = 0
-    for step in sorted(steps, reverse=True):
-        if good < keep_last:
-            if is_restorable(step):
-                good += 1
-                newest = "newest valid checkpoint"
-                out.keep[step] = newest if good == 1 else f"one of the newest {keep_last} valid"
-            else:
-                out.keep[step] = "not restorable, not counted"
-        elif not may_evict(step):
+    view = StepView(steps, is_restorable, metrics)
+    out.keep = AnyOf(policy, KeepLast(1)).select(view)
+    for step in view.newest_first:
+        if step in out.keep:
+            continue
+        if not may_evict(step):
             out.keep[step] = "upload not finished"
         else:
             out.delete.append(step)
     out.delete.sort()
     return out
+
+
+def metrics(path: Path) -> dict[str, float]:
+    """The metrics ``step`` was saved with (validated manifest); ``{}`` if it has none."""
+    from ckpt import _commit
+    from ckpt import format as fmt
+
+    with _commit.reading(path):
+        found = fmt.read_manifest(path).get("metrics")
+    return dict(found) if isinstance(found, dict) else {}
 
 
 def restorable(path: Path) -> str | None:

@@ -4,12 +4,13 @@
 output of ``ckpt.save``, a Lightning checkpoint written by ``CkptCheckpointIO``) or a remote URL
 (``s3://bucket/run``; ``--endpoint-url``/``--anon`` for S3-compatible servers).
 ``ls`` lists steps (size, files, creation time, ``latest``, upload status, the ``metadata`` given
-to ``save``) and leftovers without reading data; ``verify`` checks that each step restores: every
-data file's CRC32C and the tree, entries and types, as ``restore`` checks them. Both exit with
-status 1 if any step is bad. ``gc`` removes leftovers of interrupted saves and applies the
-manager's retention rule (``ckpt._retention``) under the directory's writer lock: the newest
-``--keep-last`` restorable steps are kept, and a step whose upload has not finished is never
-deleted.
+to ``save``; with ``--metrics`` the ``metrics`` too) and leftovers without reading data;
+``verify`` checks that each step restores: every data file's CRC32C and the tree, entries and
+types, as ``restore`` checks them. Both exit with status 1 if any step is bad. ``gc`` removes
+leftovers of interrupted saves and applies the manager's retention rule (``ckpt._retention``
+with the ``ckpt.policy`` objects of ``--keep-last N``, ``--keep-every N`` and
+``--keep-best METRIC:K:min|max``; a step is kept if any keeps it) under the directory's writer
+lock: only restorable steps count, and a step whose upload has not finished is never deleted.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ckpt import _commit, _layout, _retention
 from ckpt import format as fmt
 from ckpt._paths import local_path
 from ckpt.errors import CheckpointError
+from ckpt.policy import Policy, from_options
 
 __all__ = ["main"]
 
@@ -74,7 +76,10 @@ def _targets(root: Path) -> tuple[list[tuple[str, Path]], bool]:
     return [(f"step {n}", path) for n, path in _step_names(root)], False
 
 
-def _row(label: str, body: dict | None, mark: str, upload: str = "-") -> str:
+_SHOWN_CHARS = 200  # metadata longer than this is cut in ``ls`` (``metadata(step)`` has it all)
+
+
+def _row(label: str, body: dict | None, mark: str, upload: str = "-", metrics: bool = False) -> str:
     if body is None:
         return f"{label:>10}  {'?':>10}  {'?':>5}  {'?':<19}  {upload:<9}  {mark}"
     size = sum(rec["size"] for rec in body["files"])
@@ -86,12 +91,15 @@ def _row(label: str, body: dict | None, mark: str, upload: str = "-") -> str:
     )
     meta = body.get("metadata")
     shown = {k: v for k, v in meta.items() if k != "dcp"} if isinstance(meta, dict) else {}
-    extra = f"  {json.dumps(shown, sort_keys=True)}" if shown else ""
+    text = json.dumps(shown, sort_keys=True)
+    extra = f"  {text[:_SHOWN_CHARS]}{'...' if len(text) > _SHOWN_CHARS else ''}" if shown else ""
+    if metrics:
+        extra = f"  metrics={json.dumps(body.get('metrics', {}), sort_keys=True)}{extra}"
     files = len(body["files"])
     return f"{label:>10}  {_size(size):>10}  {files:>5}  {when:<19}  {upload:<9}  {mark}{extra}"
 
 
-def _ls(root: Path) -> int:
+def _ls(root: Path, metrics: bool = False) -> int:
     from ckpt.remote import read_status
 
     targets, single = _targets(root)
@@ -114,7 +122,7 @@ def _ls(root: Path) -> int:
         up = uploads.get(step, {}) if step is not None else {}
         if up.get("reason"):
             mark += f" (upload: {up['reason']})"
-        print(_row(name, body, mark, str(up.get("state", "-"))))
+        print(_row(name, body, mark, str(up.get("state", "-")), metrics))
     if not single:
         for path in _commit.leftovers(root):
             print(f"{'-':>10}  {'':>10}  {'':>5}  {'':<19}  {'':<9}  leftover: {path.name}")
@@ -145,7 +153,7 @@ def _verify_cmd(root: Path, only: int | None) -> int:
     return 1 if bad else 0
 
 
-def _gc(root: Path, keep_last: int, dry_run: bool) -> int:
+def _gc(root: Path, policy: Policy, dry_run: bool) -> int:
     from ckpt.remote import STATUS_FILE, read_status
 
     lock = _commit.WriterLock(root)
@@ -170,8 +178,18 @@ def _gc(root: Path, keep_last: int, dry_run: bool) -> int:
         def may_evict(step: int) -> bool:
             return not remote or uploads.get(step, {}).get("state") == "done"
 
+        def metrics(step: int) -> dict:
+            try:
+                return _retention.metrics(_layout.step_dir(root, step))
+            except (CheckpointError, OSError):  # not restorable either: not ranked
+                return {}
+
         decision = _retention.plan(
-            _commit.steps(root), keep_last, is_restorable=is_restorable, may_evict=may_evict
+            _commit.steps(root),
+            policy,
+            is_restorable=is_restorable,
+            may_evict=may_evict,
+            metrics=metrics,
         )
         for step, reason in sorted(decision.keep.items()):
             detail = f": {why_bad[step]}" if step in why_bad else ""
@@ -199,7 +217,9 @@ def _fetch(fs: Any, rpath: str, into: Path, *, data: bool) -> None:
             fs.get_file(f"{rpath}/{rec['name']}", str(dest))
 
 
-def _remote_cmd(command: str, url: str, options: dict, only: int | None) -> int:
+def _remote_cmd(
+    command: str, url: str, options: dict, only: int | None, metrics: bool = False
+) -> int:
     """``ckpt ls|verify URL``: a remote root of ``step-N`` prefixes, or one remote checkpoint."""
     from ckpt.remote import list_remote
     from feedpipe.io import redact, resolve
@@ -235,7 +255,8 @@ def _remote_cmd(command: str, url: str, options: dict, only: int | None) -> int:
             try:
                 _fetch(fs, rpath, Path(tmp), data=command == "verify")
                 if command == "ls":
-                    print(_row(name, fmt.read_manifest(tmp), f"committed ({where})"))
+                    body = fmt.read_manifest(tmp)
+                    print(_row(name, body, f"committed ({where})", metrics=metrics))
                     continue
                 ok, msg, _ = _verify(Path(tmp))
             except (CheckpointError, OSError) as exc:
@@ -265,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     where = "a checkpoint directory (DIR of step-N, or one checkpoint) or a URL (s3://...)"
     p_ls = sub.add_parser("ls", help="list steps, sizes, status and metadata")
     p_ls.add_argument("directory", help=where)
+    p_ls.add_argument("--metrics", action="store_true", help="also show each step's metrics")
     p_verify = sub.add_parser("verify", help="check that every step restores (all checksums)")
     p_verify.add_argument("directory", help=where)
     p_verify.add_argument("--step", type=int, default=None, help="only this step")
@@ -273,11 +295,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--anon", action="store_true", help="anonymous (unsigned) S3 access")
     p_gc = sub.add_parser("gc", help="remove leftovers and old steps")
     p_gc.add_argument("directory", help="a local checkpoint directory")
-    p_gc.add_argument("--keep-last", type=int, default=3)
+    p_gc.add_argument("--keep-last", type=int, default=3, help="keep the newest N (default 3)")
+    p_gc.add_argument("--keep-every", type=int, default=None, help="keep every multiple of N")
+    p_gc.add_argument(
+        "--keep-best", default=None, metavar="METRIC:K:min|max", help="keep the K best by METRIC"
+    )
     p_gc.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
-    if args.command == "gc" and args.keep_last < 1:
-        parser.error("--keep-last must be >= 1")
+    policy: Policy | None = None
+    if args.command == "gc":
+        try:
+            policy = from_options(args.keep_last, args.keep_every, _keep_best(args.keep_best))
+        except ValueError as exc:
+            parser.error(str(exc).replace("KeepLast.n", "--keep-last").replace(
+                "KeepEvery.n", "--keep-every"))  # fmt: skip
     text: str = args.directory
     try:
         if "://" in text and not text.startswith("file://"):
@@ -287,7 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
             try:
                 return _remote_cmd(args.command, text, _storage_options(args), args.step
-                                   if args.command == "verify" else None)  # fmt: skip
+                                   if args.command == "verify" else None,
+                                   args.command == "ls" and args.metrics)  # fmt: skip
             except (CheckpointError, OSError):
                 raise
             except Exception as exc:  # the client's own errors (botocore, fsspec): one line
@@ -303,13 +335,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"ckpt: {_scrub(text, text)}: no such directory", file=sys.stderr)
             return 2
         if args.command == "ls":
-            return _ls(root)
+            return _ls(root, args.metrics)
         if args.command == "verify":
             return _verify_cmd(root, args.step)
-        return _gc(root, args.keep_last, args.dry_run)
+        assert policy is not None
+        return _gc(root, policy, args.dry_run)
     except (CheckpointError, OSError) as exc:
         print(f"ckpt: {_scrub(str(exc), text)}", file=sys.stderr)
         return 1
+
+
+def _keep_best(text: str | None) -> tuple[str, int, str] | None:
+    """``METRIC:K:min|max`` as ``keep_best``'s tuple (``ValueError`` if malformed)."""
+    if text is None:
+        return None
+    parts = text.split(":")
+    if len(parts) < 3 or not parts[-2].isdigit() or parts[-1] not in ("min", "max"):
+        raise ValueError(f"--keep-best: expected METRIC:K:min|max, got {text!r}")
+    return ":".join(parts[:-2]), int(parts[-2]), parts[-1]
 
 
 def _scrub(message: str, url: str) -> str:

@@ -44,9 +44,11 @@ __all__ = [
     "MANIFEST",
     "MAX_DEPTH",
     "MAX_MANIFEST_BYTES",
+    "MAX_METRICS",
     "ChunkedWriter",
     "Target",
     "check_file",
+    "check_metrics",
     "inside",
     "load_arrays",
     "new_manifest",
@@ -221,15 +223,68 @@ def new_manifest(
     files: list[dict],
     metadata: dict | None = None,
     created: float | None = None,
+    metrics: dict | None = None,
 ) -> dict:
     """A manifest body of this format version (``write_manifest`` writes it). ``step`` is
     ``None`` for a lone ``ckpt.save``; ``created`` (seconds since the epoch) is left out when
-    ``None``."""
+    ``None``; ``metrics`` (``check_metrics``) only when given."""
     body: dict[str, Any] = {"format": "ckpt", "version": FORMAT_VERSION, "step": step}
     if created is not None:
         body["created"] = created
     body.update(nbytes=nbytes, tree=tree, entries=entries, files=files, metadata=metadata or {})
+    if metrics:
+        body["metrics"] = dict(metrics)
     return body
+
+
+MAX_METRICS = 256
+_METRIC = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_./:@+-]{0,127}$")
+_METRIC_LIMIT = float(1 << 63)
+
+
+def _metrics_problem(metrics: Any) -> str | None:
+    """Why ``metrics`` is not a valid metrics dict (the field at fault first), else ``None``."""
+    if not isinstance(metrics, dict):
+        return f"metrics: expected a dict of metric name -> number, got {metrics!r:.80}"
+    if len(metrics) > MAX_METRICS:
+        return f"metrics: {len(metrics)} metrics, over the limit of {MAX_METRICS}"
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not _METRIC.match(name):
+            return (
+                f"metrics: bad metric name {name!r:.80} (letters, digits and _./:@+-, "
+                "at most 128 characters)"
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"metrics[{name!r}]: expected a finite number, got {value!r:.80}"
+        if isinstance(value, int) and not -_METRIC_LIMIT <= value <= _METRIC_LIMIT:
+            return f"metrics[{name!r}]: int out of range: {value!r:.40}"
+        if not math.isfinite(value):
+            return f"metrics[{name!r}]: expected a finite number, got {value!r}"
+    return None
+
+
+def check_metrics(metrics: Any) -> dict:
+    """``metrics`` as ``save`` stores them: a dict of at most ``MAX_METRICS`` names (letters,
+    digits, ``_./:@+-``) to finite numbers; anything else raises ``ValueError`` naming the
+    metric. Leave a metric out to mark it missing."""
+    problem = _metrics_problem(metrics)
+    if problem is not None:
+        raise ValueError(problem)
+    return dict(metrics)
+
+
+def _check_metadata(meta: Any) -> None:
+    """``metadata``: a JSON object nested at most ``MAX_DEPTH`` levels."""
+    _typed(meta, dict, "metadata")
+    stack = [(meta, "metadata", 0)]
+    while stack:
+        node, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise CorruptCheckpointError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+        if isinstance(node, dict):
+            stack.extend((v, f"{where}[{k!r:.40}]", depth + 1) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(node))
 
 
 _HEAD, _MID, _TAIL = b'{"crc32c":"', b'","body":', b"}\n"
@@ -539,7 +594,11 @@ def _validate_body(body: Any) -> None:
     if "nbytes" in body:
         _int(body["nbytes"], "nbytes")
     if "metadata" in body:
-        _typed(body["metadata"], dict, "metadata")
+        _check_metadata(body["metadata"])
+    if "metrics" in body:
+        problem = _metrics_problem(body["metrics"])
+        if problem is not None:
+            raise CorruptCheckpointError(problem)
     sizes = _validate_files(body.get("files"))
     entries = _typed(body.get("entries"), list, "entries")
     spans = []

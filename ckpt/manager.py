@@ -10,12 +10,18 @@ Extension points: ``on_commit`` listeners ``(step, path)`` run in the background
 commit; ``evict_guards`` ``(step) -> bool`` may veto the eviction of a step (e.g. until uploaded).
 With ``remote=`` (``ckpt.remote``), committed steps are uploaded in the background, local steps
 are kept until uploaded, ``steps``/``latest_step`` list the remote steps too, and ``restore``
-falls back to the remote copy. Retention is ``ckpt._retention.plan``, the rule ``ckpt gc`` uses.
+falls back to the remote copy. Retention is ``ckpt._retention.plan`` with a ``ckpt.policy``
+object built from ``keep_last``/``keep_every``/``keep_best`` (the rule ``ckpt gc`` uses).
+
+Save policy: ``should_save(step)`` (``save_interval_steps``, ``save_on_steps``, preemption).
+Preemption (``save_on_preemption=True``, ``ckpt.preemption``): ``preempted``,
+``reached_preemption(step)`` and ``save_and_exit(step, state)``; see docs/guides/preemption.md.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import threading
@@ -24,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ckpt import _commit, _faults, _layout, _retention, _staging
 from ckpt import format as fmt
@@ -39,6 +45,8 @@ from ckpt.errors import (
     LockedError,
     RemoteCheckpointError,
 )
+from ckpt.policy import AnyOf, KeepBest, KeepLast, Policy, from_options
+from ckpt.preemption import PREEMPTED_EXIT_CODE, Preemption, PreemptionOptions
 from feedpipe.io.trace import span
 
 if TYPE_CHECKING:
@@ -133,11 +141,23 @@ class CheckpointManager:
     ``directory`` is local (a ``file://`` URL is accepted); any other URL raises ``ValueError``:
     give it as ``remote=`` instead.
 
-    ``keep_last``: how many newest steps retention keeps (``None``: all). ``pool``: staging pool
-    sizing (call ``reserve`` or give ``pool.budget_bytes`` to keep allocation out of the first
-    save). ``write``: background writer settings. ``remote``: a URL or ``RemoteOptions`` to
-    upload every committed step to; ``keep_last_remote``: how many steps remote retention keeps.
+    Retention (``ckpt.policy``; a step is kept if any policy keeps it, only restorable steps
+    count, the newest restorable step is always kept, ``None`` turns a policy off and with
+    every policy off nothing is deleted): ``keep_last``: the newest N steps; ``keep_every``:
+    every multiple of N, for good; ``keep_best``: ``(metric, k, "min" | "max")`` or a
+    ``KeepBest``, the k best steps by a metric given to ``save(metrics=)``.
+
+    ``pool``: staging pool sizing (call ``reserve`` or give ``pool.budget_bytes`` to keep
+    allocation out of the first save). ``write``: background writer settings. ``remote``: a URL
+    or ``RemoteOptions`` to upload every committed step to; ``keep_last_remote``: the remote
+    tier's retention, an int (that many newest steps), a ``ckpt.policy`` object or ``None``.
+
+    ``save_interval_steps``/``save_on_steps``: what ``should_save`` answers.
+    ``save_on_preemption``: ``True`` or ``PreemptionOptions`` to handle SIGTERM and SIGUSR1
+    (``ckpt.preemption``).
     """
+
+    PREEMPTED_EXIT_CODE = PREEMPTED_EXIT_CODE
 
     def __init__(
         self,
@@ -147,10 +167,26 @@ class CheckpointManager:
         pool: PoolOptions | None = None,
         write: WriteOptions | None = None,
         remote: str | RemoteOptions | None = None,
-        keep_last_remote: int | None = 10,
+        keep_last_remote: int | Policy | None = 10,
+        keep_every: int | None = None,
+        keep_best: KeepBest | tuple[str, int, str] | None = None,
+        save_interval_steps: int | None = None,
+        save_on_steps: Any = (),
+        save_on_preemption: bool | PreemptionOptions = False,
     ) -> None:
-        if keep_last is not None and keep_last < 1:
+        if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
             raise ValueError("keep_last must be >= 1 or None")
+        self.policy: Policy | None = from_options(keep_last, keep_every, keep_best)
+        if save_interval_steps is not None and (
+            isinstance(save_interval_steps, bool)
+            or not isinstance(save_interval_steps, int)
+            or save_interval_steps < 1
+        ):
+            raise ValueError(
+                f"save_interval_steps must be an int >= 1, not {save_interval_steps!r}"
+            )
+        self.save_interval_steps = save_interval_steps
+        self.save_on_steps = frozenset(_step_list(save_on_steps))
         self.directory = local_path(
             directory,
             "CheckpointManager",
@@ -174,6 +210,9 @@ class CheckpointManager:
         self._newest_verified: int | None = None
         self._retain_lock = threading.Lock()
         self._checked: dict[int, tuple[int, bool]] = {}  # step -> (dir inode, restorable)
+        self._metric_cache: dict[int, tuple[int, dict]] = {}  # step -> (dir inode, metrics)
+        self._last_saved: int | None = None
+        self._preemption: Preemption | None = None
         self.remote: RemoteTier | None = None
         if remote is not None:
             from ckpt.remote import RemoteOptions, RemoteTier
@@ -187,6 +226,16 @@ class CheckpointManager:
             self.evict_guards.append(self.remote.may_evict)
         if pool is not None and pool.budget_bytes is not None:
             self.pool.reserve(self.pool.buffer_bytes)
+        if save_on_preemption:  # last: nothing after it may fail and leave handlers installed
+            given = save_on_preemption
+            try:
+                self._preemption = Preemption(
+                    given if isinstance(given, PreemptionOptions) else None
+                )
+            except BaseException:
+                if self.remote is not None:
+                    self.remote.close()
+                raise
 
     # ---- saving -------------------------------------------------------------------------
     def reserve(self, state_or_nbytes: Any) -> int:
@@ -225,13 +274,25 @@ class CheckpointManager:
             self.remote.raise_pending()
 
     def save(
-        self, step: int, state: Any, *, rng: bool = False, metadata: dict | None = None
+        self,
+        step: int,
+        state: Any,
+        *,
+        rng: bool = False,
+        metadata: dict | None = None,
+        metrics: dict[str, float] | None = None,
     ) -> SaveHandle:
         """Snapshot ``state`` (blocking only for the copy into the staging pool) and persist it
         in the background as ``step-N``. ``rng=True`` also saves the RNG states; ``metadata`` is
-        a JSON-able dict stored in the manifest."""
+        a JSON-able dict and ``metrics`` a dict of finite numbers (``ckpt.format.check_metrics``,
+        what ``keep_best`` ranks by), both stored in the manifest. Bad ``metrics`` or
+        ``metadata`` raise ``ValueError`` before anything is staged."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if metrics is not None:
+            metrics = fmt.check_metrics(metrics)
+        if metadata is not None:
+            _check_json(metadata)
         self._raise_pending()
         self._ensure_writer()
         t0 = time.perf_counter()
@@ -263,6 +324,7 @@ class CheckpointManager:
             entries=entries,
             files=[],
             metadata=metadata,
+            metrics=metrics,
         )
         handle = SaveHandle(step, stats)
         with self._mutex:
@@ -273,6 +335,7 @@ class CheckpointManager:
             self.stats.last_save = stats
             self._jobs.append(_Job(handle, buf, body, t0))
             self._inflight.append(handle)
+            self._last_saved = step
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._persist_loop, name="ckpt-persist", daemon=False
@@ -365,22 +428,42 @@ class CheckpointManager:
     # ---- retention ----------------------------------------------------------------------
     def _retain(self) -> None:
         """Apply ``ckpt._retention.plan`` (the rule ``ckpt gc`` uses) with the evict guards."""
-        if self.keep_last is None:
+        if self.policy is None:
             return
         with self._retain_lock:  # the persist and upload threads may both apply retention
             committed = _commit.steps(self.directory)
-            if len(committed) <= self.keep_last:
-                return
+            parts = self.policy.policies if isinstance(self.policy, AnyOf) else (self.policy,)
+            if any(isinstance(p, KeepLast) and len(committed) <= p.n for p in parts):
+                return  # KeepLast(n) keeps all of at most n steps: nothing to verify
             decision = _retention.plan(
                 committed,
-                self.keep_last,
+                self.policy,
                 is_restorable=self._is_restorable,
                 may_evict=lambda s: all(guard(s) for guard in self.evict_guards),
+                metrics=self._step_metrics,
             )
             for step in decision.delete:
                 if _commit.evict(self.directory, step):
                     self.stats.evicted.append(step)
                     self._checked.pop(step, None)
+                    self._metric_cache.pop(step, None)
+
+    def _step_metrics(self, step: int) -> dict:
+        """The metrics of local ``step`` (its validated manifest), cached by directory inode."""
+        path = _layout.step_dir(self.directory, step)
+        try:
+            ino = os.stat(path).st_ino
+        except OSError:
+            return {}
+        known = self._metric_cache.get(step)
+        if known is None or known[0] != ino:
+            try:
+                known = (ino, _retention.metrics(path))
+            except (CheckpointError, OSError) as exc:  # not restorable either: not ranked
+                log.warning("ckpt: retention cannot read the metrics of step %d: %s", step, exc)
+                known = (ino, {})
+            self._metric_cache[step] = known
+        return known[1]
 
     def _is_restorable(self, step: int) -> bool:
         """Steps this manager committed or restored verified count as restorable; any other step
@@ -444,15 +527,80 @@ class CheckpointManager:
     def metadata(self, step: int) -> dict:
         """The ``metadata`` dict given to ``save`` for ``step`` (read from the local manifest,
         else from the remote's); raises ``CheckpointError`` if the step is not found."""
+        meta = self._manifest(step).get("metadata")
+        return dict(meta) if isinstance(meta, dict) else {}
+
+    def metrics(self, step: int) -> dict[str, float]:
+        """The ``metrics`` given to ``save`` for ``step`` (``{}`` if none), read like
+        ``metadata``: from the validated local manifest, else from the remote's."""
+        found = self._manifest(step).get("metrics")
+        return dict(found) if isinstance(found, dict) else {}
+
+    def _manifest(self, step: int) -> dict:
         path = _layout.step_dir(self.directory, step)
         if not (path / fmt.MANIFEST).is_file() and step in self._remote_steps():
             assert self.remote is not None
-            body = self.remote.read_manifest(step)
-        else:
-            with _commit.reading(path):
-                body = fmt.read_manifest(path)
-        meta = body.get("metadata")
-        return dict(meta) if isinstance(meta, dict) else {}
+            return self.remote.read_manifest(step)
+        with _commit.reading(path):
+            return fmt.read_manifest(path)
+
+    # ---- save policy and preemption -------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """Whether to save ``step``: a multiple of ``save_interval_steps``, one of
+        ``save_on_steps``, or the step a preemption was agreed on (``reached_preemption``; with
+        several ranks, call it on every rank for the same steps)."""
+        if self.reached_preemption(step):
+            return True
+        if self.save_interval_steps is not None and step % self.save_interval_steps == 0:
+            return True
+        return step in self.save_on_steps
+
+    @property
+    def preempted(self) -> bool:
+        """Whether this process received a preemption signal (or ``notify_preemption``);
+        local, no collective. ``reached_preemption`` is the decision all ranks share."""
+        return self._preemption is not None and self._preemption.signalled is not None
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether to save ``step`` and exit now, the same answer on every rank (one
+        ``all_reduce`` every ``PreemptionOptions.sync_every`` steps with several ranks; see
+        ``ckpt.preemption``). Always ``False`` without ``save_on_preemption``."""
+        return self._preemption is not None and self._preemption.reached(step)
+
+    def notify_preemption(self) -> None:
+        """Record a preemption notice that did not come as a signal (a cloud provider's
+        notice): the hook for such watchers, callable from any thread."""
+        if self._preemption is None:
+            raise CheckpointError(f"{self.directory}: construct with save_on_preemption=True")
+        self._preemption.notify()
+
+    def save_and_exit(
+        self,
+        step: int,
+        state: Any,
+        *,
+        rng: bool = False,
+        metadata: dict | None = None,
+        metrics: dict[str, float] | None = None,
+        timeout: float | None = None,
+    ) -> NoReturn:
+        """Save ``step`` (unless it was the last step saved), wait until it is committed locally
+        and, with a remote tier, uploaded, within ``timeout`` (default
+        ``PreemptionOptions.deadline_s``), close the manager and raise
+        ``SystemExit(PREEMPTED_EXIT_CODE)``. A save that fails or misses the deadline raises
+        its error instead (exit status 1); the steps committed before stay intact."""
+        options = self._preemption.options if self._preemption else PreemptionOptions()
+        limit = options.deadline_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        if self._last_saved != step:
+            self.save(step, state, rng=rng, metadata=metadata, metrics=metrics)
+        self.wait(max(0.0, deadline - time.monotonic()), uploads=True)
+        log.warning(
+            "ckpt: step %d is committed%s; exiting with status %d",
+            step, " and uploaded" if self.remote is not None else "", options.exit_code,
+        )  # fmt: skip
+        self.close()
+        raise SystemExit(options.exit_code)
 
     def restore(
         self,
@@ -625,6 +773,8 @@ class CheckpointManager:
                 self.remote.close()
                 self.remote.raise_pending()
         finally:
+            if self._preemption is not None:
+                self._preemption.close()
             self._lock.release()
             if self._executor is not None:
                 self._executor.shutdown()
@@ -635,6 +785,23 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_json(metadata: Any) -> None:
+    if not isinstance(metadata, dict):
+        raise ValueError(f"metadata must be a dict, got {type(metadata).__name__}")
+    try:
+        json.dumps(metadata, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"metadata is not JSON-able: {exc}") from None
+
+
+def _step_list(steps: Any) -> list[int]:
+    out = list(steps or ())
+    for s in out:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"save_on_steps must hold non-negative ints, got {s!r}")
+    return out
 
 
 def _done_status(step: int) -> Any:

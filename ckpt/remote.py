@@ -39,6 +39,7 @@ from typing import Any
 from ckpt import _commit, _faults, _layout, _retention
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError, RemoteCheckpointError
+from ckpt.policy import KeepLast, Policy
 from feedpipe.io import RetryPolicy, call, crc32c, redact, resolve, to_hex
 from feedpipe.io.trace import span
 
@@ -210,14 +211,18 @@ class RemoteTier:
         self,
         directory: Path,
         options: RemoteOptions,
-        keep_last: int | None = 10,
+        keep_last: int | Policy | None = 10,
         retain_local: Callable[[], None] | None = None,
     ) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise ValueError("keep_last_remote must be >= 1 or None")
+        if isinstance(keep_last, Policy) or keep_last is None:
+            self.policy = keep_last
+        elif isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError("keep_last_remote must be an int >= 1, a ckpt.policy object or None")
+        else:
+            self.policy = KeepLast(keep_last)
         self.directory = directory
         self.options = options
-        self.keep_last = keep_last
+        self._metrics: dict[int, dict] = {}
         self.fs, self.root = resolve(options.url, options.storage_options)
         self.url = redact(options.url, options.storage_options)
         self.stats = RemoteStats()
@@ -431,6 +436,7 @@ class RemoteTier:
         t0 = time.perf_counter()
         with self._cond:
             self.stats.uploads[step] = UploadStatus(step, "uploading")
+        self._metrics.pop(step, None)  # a step saved again may carry other metrics
         self._write_status()
         try:
             with _commit.reading(path):  # a shared lock: local retention cannot take it meanwhile
@@ -575,12 +581,14 @@ class RemoteTier:
         committed = sorted(s for s, e in listing.items() if e.committed)
         decision = _retention.plan(
             committed,
-            self.keep_last,
+            self.policy,
             is_restorable=lambda s: True,
             may_evict=lambda s: s != self._newest_verified and s not in active,
+            metrics=self._step_metrics,
         )
         for step in decision.delete:
             self._delete_remote(step)
+            self._metrics.pop(step, None)
             self.stats.remote_evicted.append(step)
         now = time.time()
         for step, entry in listing.items():
@@ -592,6 +600,19 @@ class RemoteTier:
                 log.info(
                     "ckpt: removed partial upload %s from %s", _layout.step_name(step), self.url
                 )
+
+    def _step_metrics(self, step: int) -> dict:
+        """The metrics of remote ``step``: from its validated remote manifest, read once (a
+        committed manifest does not change: it is the same bytes as the local one)."""
+        if step not in self._metrics:
+            try:
+                found = self.read_manifest(step).get("metrics")
+            except CorruptCheckpointError as exc:  # a bad manifest has no metric to rank by
+                log.warning("ckpt: remote step %d has no readable metrics: %s", step, exc)
+                found = None
+            # any other failure propagates: this retention pass stops and deletes nothing more
+            self._metrics[step] = dict(found) if isinstance(found, dict) else {}
+        return self._metrics[step]
 
     def gc(self) -> None:
         """Apply remote retention and partial-upload garbage collection now."""

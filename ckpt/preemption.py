@@ -1,0 +1,147 @@
+"""Preemption: turn SIGTERM/SIGUSR1 into a save at the next step boundary, on every rank at once.
+
+``CheckpointManager(..., save_on_preemption=True)`` creates a ``Preemption``. It installs a
+handler for each of ``PreemptionOptions.signals`` (SIGTERM and SIGUSR1: what SLURM and
+Kubernetes send before a kill) from the main thread; constructing it in another thread raises
+``ValueError``, as ``signal.signal`` does. The handler only records the signal (it allocates
+nothing, logs nothing and never interrupts a save in progress), then calls the handler that was
+installed before it if that was a Python function; ``SIG_DFL`` and ``SIG_IGN`` are not called
+(the default action would kill the process before it saves). A second signal changes nothing.
+``close()`` puts the previous handlers back, unless someone replaced ours in the meantime.
+
+``reached(step)`` is the agreed decision. On one process it is whether a signal (or
+``notify()``, the hook for cloud preemption notices) arrived. With ``torch.distributed``
+initialized and more than one rank, every rank must call it for the same steps: on each step
+that is a multiple of ``sync_every`` it runs one ``all_reduce(MAX)`` of a one-element CPU tensor
+over a gloo group (the default group if its backend is gloo, else a gloo group it creates on its
+first call), so all ranks see True at the same step even when only one rank was signalled; the
+other steps cost nothing. Once True it stays True, without further collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+__all__ = ["PREEMPTED_EXIT_CODE", "Preemption", "PreemptionOptions"]
+
+log = logging.getLogger("ckpt")
+
+PREEMPTED_EXIT_CODE = 75
+"""The exit status of ``CheckpointManager.save_and_exit``: ``EX_TEMPFAIL`` of ``sysexits.h``
+("temporary failure, retry later"), distinct from success (0) and from a crash (1)."""
+
+
+@dataclass(frozen=True)
+class PreemptionOptions:
+    """``signals`` to handle; ``sync_every``: steps between two agreements across ranks (one
+    ``all_reduce`` each); ``deadline_s``: how long ``save_and_exit`` waits for the save to be
+    durable (and uploaded); ``exit_code``; ``group``: the process group of the agreement
+    (``None``: see the module docstring)."""
+
+    signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
+    sync_every: int = 1
+    deadline_s: float = 60.0
+    exit_code: int = PREEMPTED_EXIT_CODE
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int):
+            raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
+        if not self.deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s!r}")
+
+
+_Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+class Preemption:
+    """The signal handlers, the local flag and the agreement across ranks (module docstring)."""
+
+    def __init__(self, options: PreemptionOptions | None = None) -> None:
+        self.options = options or PreemptionOptions()
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError(
+                "save_on_preemption=True installs signal handlers, which only the main thread "
+                "can do: create the CheckpointManager in the main thread"
+            )
+        self.signalled: int | None = None
+        self.agreed_step: int | None = None
+        self._checked: tuple[int, bool] | None = None
+        self._group: Any = None
+        self._previous: dict[int, _Handler] = {}
+        for sig in self.options.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signalled is None:
+            self.signalled = signum
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+
+    def notify(self, signum: int = 0) -> None:
+        """Record a preemption notice from elsewhere (a cloud metadata watcher, any thread)."""
+        if self.signalled is None:
+            self.signalled = signum
+
+    def reached(self, step: int) -> bool:
+        """Whether the loop must save ``step`` and exit (the same answer on every rank)."""
+        if self.agreed_step is not None:
+            return True
+        if self._checked is not None and self._checked[0] == step:
+            return self._checked[1]
+        local = self.signalled is not None
+        agreed = local
+        if _world_size() > 1:
+            agreed = False
+            if step % self.options.sync_every == 0:
+                agreed = self._all_reduce_max(local)
+        self._checked = (step, agreed)
+        if agreed:
+            self.agreed_step = step
+            how = signal.Signals(self.signalled).name if self.signalled else "another rank"
+            log.warning("ckpt: preemption (%s): saving step %d and exiting", how, step)
+        return agreed
+
+    def _all_reduce_max(self, flag: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        group = self.options.group
+        if group is None:
+            if self._group is None:
+                gloo = dist.get_backend() == "gloo"
+                self._group = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
+            group = self._group
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return bool(t.item())
+
+    def close(self) -> None:
+        """Put back the previous handlers (main thread only; ours only where still installed)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+
+def _world_size() -> int:
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return 1
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return int(dist.get_world_size())
