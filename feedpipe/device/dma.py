@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import logging
 import threading
 from dataclasses import dataclass, field
 from functools import cache
@@ -42,6 +43,7 @@ import torch
 
 __all__ = [
     "batch_copy_available",
+    "clear_last_error",
     "copy_records",
     "gather_records",
     "move_records",
@@ -49,6 +51,7 @@ __all__ = [
     "register",
     "runs",
     "unlock",
+    "unregister",
 ]
 
 _READ_ONLY = 8  # cudaHostRegisterReadOnly
@@ -188,6 +191,7 @@ def register(shard: Any, rows: np.ndarray, where: str) -> _Registration:
                 ptr, rows.nbytes, _READ_ONLY | _MAPPED | _PORTABLE
             )
             if int(err) != 0:
+                clear_last_error()
                 raise RuntimeError(
                     f"{where}: cudaHostRegister of the shard map failed (cudaError {int(err)})"
                 )
@@ -221,7 +225,41 @@ def unlock(shard: Any) -> None:
         reg.views.clear()
     if ptr is not None:
         torch.cuda.synchronize()  # a copy or a gather may still read the pages
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        unregister(ptr, "a shard map")
+
+
+def unregister(ptr: int, what: str) -> None:
+    """``cudaHostUnregister(ptr)``; a failure is logged and cleared, never left behind.
+
+    The runtime keeps a failed call's error as its "last error", which torch reports at its
+    next unrelated CUDA call (a failed unregister once surfaced as an allocation error in a
+    later loader). So the error is read back here, which clears it."""
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err != 0:
+        clear_last_error()
+        logging.getLogger("feedpipe.gpu").warning(
+            "feedpipe: cudaHostUnregister of %s at 0x%x failed (cudaError %d)", what, ptr, err
+        )
+
+
+def clear_last_error() -> None:
+    """Read (and so clear) the CUDA runtime's last error."""
+    fn = _runtime_get_last_error()
+    if fn is not None:
+        fn()
+        return
+    try:  # no runtime symbol to call: a kernel launch reads the error and raises it
+        torch.empty(1, device="cuda").zero_()
+    except Exception:  # the stale error, now consumed
+        pass
+
+
+@cache
+def _runtime_get_last_error() -> Any:
+    try:
+        return ctypes.CDLL(None).cudaGetLastError
+    except (OSError, AttributeError):
+        return None
 
 
 def runs(src: np.ndarray, shard: np.ndarray, record_bytes: int) -> tuple[np.ndarray, np.ndarray]:

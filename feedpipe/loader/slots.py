@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from feedpipe.device.dma import clear_last_error, unregister
+
 __all__ = ["SlotRef", "Slots", "collate_into", "worker_slots"]
 
 _ALIGN = 64
@@ -268,12 +270,14 @@ class _Buffer:
         if pin and torch.cuda.is_available():
             err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
             self.registered = int(err) == 0
+            if not self.registered:  # copies from it are then staged by CUDA: slower, correct
+                clear_last_error()
         self.array[k] = 1  # seen: the worker stops sending the buffer
 
     def __del__(self) -> None:
         if getattr(self, "registered", False):
             try:
-                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+                unregister(self.tensor.data_ptr(), "a worker slot buffer")
             except Exception:  # interpreter shutdown
                 pass
 
