@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 import torch.utils.data as tud
 from torch.utils.data import default_collate
 
@@ -195,12 +194,18 @@ def test_odd_but_valid_tars(tmp_path: Path) -> None:
     d.type = tarfile.DIRTYPE
     main = _tar(
         tmp_path / "m.tar",
-        [_reg("a.b/c.jpg", b"x"), _reg("a.b/c.cls", b""), _reg("k.txt", b"1")]
-        + [_reg("z.txt", b"2"), _reg("k.txt", b"3")],
+        [
+            _reg("a.b/c.jpg", b"x"),
+            _reg("a.b/c.cls", b""),
+            _reg("k.txt", b"1"),
+            _reg("z.txt", b"2"),
+            _reg("k.txt", b"3"),
+        ],
     )
     link = tmp_path / "link.tar"
     link.symlink_to(main)
-    ds = TarDataset([str(link), _tar(tmp_path / "e.tar", []), _tar(tmp_path / "d.tar", [(d, None)])])
+    empty, dirs = _tar(tmp_path / "e.tar", []), _tar(tmp_path / "d.tar", [(d, None)])
+    ds = TarDataset([str(link), empty, dirs])
     assert ds.keys() == ["a.b/c", "k", "z", "k"]
     assert ds[0]["jpg"] == b"x" and ds[0]["cls"] == b"" and ds[3]["txt"] == b"3"
     assert ds[0]["__url__"] == str(link)
