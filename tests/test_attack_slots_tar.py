@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import torch.utils.data as tud
 from torch.utils.data import default_collate
 
@@ -263,3 +264,19 @@ def test_get_worker_info_in_thread_workers_and_auto_type() -> None:
     assert sorted(int(b[0]) for b in ids) == [0, 1]
     auto = DataLoader(WhoAmI(), batch_size=4, num_workers=2, worker_type="auto")
     assert auto.worker_type == "process"  # a per-sample __getitem__
+
+
+def test_an_older_iterator_keeps_working_after_a_new_pass_starts() -> None:
+    """Found: ``iter(loader)`` while an older iterator of the same (non-persistent) loader was
+    still in use dropped the older workers' buffers; its next batch raised "worker slot buffer
+    ... was never received". torch allows several live iterators."""
+    ds = Rows(128)
+    loader = DataLoader(ds, batch_size=8, num_workers=2)
+    it1 = iter(loader)
+    got = [next(it1)["i"].clone() for _ in range(6)]  # the workers have seen their buffers
+    it2 = iter(loader)
+    got2 = [next(it2)["i"].clone()]
+    got += [b["i"].clone() for b in it1]
+    got2 += [b["i"].clone() for b in it2]
+    for batches in (got, got2):
+        assert torch.equal(torch.cat(batches), torch.arange(128))

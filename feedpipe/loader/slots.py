@@ -328,11 +328,24 @@ class Slots:
         return _rebuild(ref.spec, tensors), buf.registered
 
     def forget(self) -> None:
-        """The workers are gone: drop their buffers (live views keep theirs mapped)."""
+        """A new pass: drop the buffers of workers that are gone (live views keep theirs
+        mapped). A worker still running (an older iterator of this loader, still in use)
+        keeps its buffer: its later refs no longer carry it."""
         with _LOCK:
-            for token in self.buffers:
+            for token in [t for t in self.buffers if not _alive(t)]:
                 _REGISTRY.pop(token, None)
-            self.buffers.clear()
+                del self.buffers[token]
+
+
+def _alive(token: str) -> bool:
+    """Whether the worker process that made ``token`` (``"<pid>-<random>"``) still runs."""
+    try:
+        os.kill(int(token.split("-", 1)[0]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a pid reused by another user's process: our worker is gone
+        return False
+    return True
 
 
 _REGISTRY: dict[str, _Buffer] = {}  # token -> buffer, for refs dropped unresolved
