@@ -280,3 +280,19 @@ def test_an_older_iterator_keeps_working_after_a_new_pass_starts() -> None:
     got2 += [b["i"].clone() for b in it2]
     for batches in (got, got2):
         assert torch.equal(torch.cat(batches), torch.arange(128))
+
+
+def test_hostile_s3_shards_name_their_url(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    import fsspec
+
+    bucket, opts = s3_bucket
+    fs = fsspec.filesystem("s3", **opts)
+    neg = _tar(tmp_path / "neg.tar", [_reg("a.txt", b"hello", size="-5")])
+    huge = _tar(tmp_path / "huge.tar", [_reg("a.txt", b"hello", size=str(10**30))])
+    for local in (neg, huge):
+        url = f"s3://{bucket}/bad/{Path(local).name}"
+        fs.put(local, url)
+        with pytest.raises(DatasetError, match=rf"{url}"):
+            TarDataset(url, storage_options=opts)
