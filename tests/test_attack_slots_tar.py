@@ -296,3 +296,25 @@ def test_hostile_s3_shards_name_their_url(
         fs.put(local, url)
         with pytest.raises(DatasetError, match=rf"{url}"):
             TarDataset(url, storage_options=opts)
+
+
+def test_worker_slots_reports_on_or_off_before_and_after_the_first_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found: ``loader.worker_slots`` was None before the first pass even when slots were on,
+    so a check like ``DataLoader(..., collate_fn=f).worker_slots is None`` proved nothing."""
+    on = DataLoader(Rows(16), batch_size=4, num_workers=1)
+    assert on.worker_slots is not None and on.worker_slots["batches_in_slots"] == 0
+    off = [
+        DataLoader(Rows(16), batch_size=4, num_workers=1, collate_fn=_first),
+        DataLoader(Rows(16), batch_size=4, num_workers=2, worker_type="thread"),
+    ]
+    for loader in off:
+        assert loader.worker_slots is None
+        assert len(list(loader)) == 4 and loader.worker_slots is None
+    monkeypatch.setenv("FEEDPIPE_WORKER_SLOTS", "0")
+    assert on.worker_slots is None
+
+
+def _first(batch: list[Any]) -> Any:
+    return batch[0]
