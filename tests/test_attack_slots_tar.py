@@ -318,3 +318,22 @@ def test_worker_slots_reports_on_or_off_before_and_after_the_first_pass(
 
 def _first(batch: list[Any]) -> Any:
     return batch[0]
+
+
+def test_members_webdataset_skips_are_skipped(tmp_path: Path) -> None:
+    """Found: a member without an extension (``README``) or a macOS ``._`` dot file became a
+    sample with field ``""`` (or an extra field), where WebDataset skips it."""
+    shard = _tar(
+        tmp_path / "mac.tar",
+        [
+            _reg("README", b"r"),
+            _reg("._0001.jpg", b"junk"),
+            _reg("d/LICENSE", b"l"),
+            _reg("0001.jpg", b"J"),
+            _reg("0001.cls", b"1"),
+            _reg("x/y.seg.png", b"P"),
+        ],
+    )
+    ds = TarDataset(shard)
+    assert ds.keys() == ["0001", "x/y"]
+    assert ds[0]["jpg"] == b"J" and ds[1]["seg.png"] == b"P"

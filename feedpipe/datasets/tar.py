@@ -10,7 +10,8 @@ The index is built once, from the tar headers only (no member data is read): for
 with ``os.pread`` from the headers' offsets, for URLs through fsspec. Reads are then one
 positioned read per field, so the dataset is map-style: shuffling, the distributed sampler and
 exact resume work as for any dataset. Compressed tars have no offsets to seek to and are
-refused, naming the shard. Directories, links and special members are skipped; a member that
+refused, naming the shard. Directories, links, special members and names WebDataset skips (no
+extension, a dot file) are skipped; sparse members are refused; a member that
 runs past the end of its shard (a truncated download) is a :class:`~feedpipe.DatasetError`
 naming the shard and the member.
 """
@@ -52,13 +53,14 @@ def expand_shards(spec: str | Sequence[str]) -> list[str]:
     ]
 
 
-def _split(name: str) -> tuple[str, str]:
-    """WebDataset's key and field of a member name."""
-    folder, _, base = name.rpartition("/")
-    stem, dot, ext = base.partition(".")
-    if not dot:
-        return name, ""
-    return (f"{folder}/{stem}" if folder else stem), ext.lower()
+_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # WebDataset's base_plus_ext
+
+
+def _split(name: str) -> tuple[str, str] | None:
+    """WebDataset's key and field of a member name; None for a name WebDataset skips (no
+    extension, like ``README``, or a dot file, like macOS's ``._0001.jpg``)."""
+    m = _KEY.match(name)
+    return None if m is None else (m.group(1), m.group(2).lower())
 
 
 class TarDataset:
@@ -133,7 +135,8 @@ class TarDataset:
         key: str | None = None
         fields: dict[str, tuple[int, int]] = {}
         for m in members:
-            if not m.isreg():
+            split = _split(m.name)
+            if not m.isreg() or split is None:
                 continue
             if m.issparse() or m.size < 0:  # a sparse member's bytes are not its data
                 raise DatasetError(
@@ -146,7 +149,7 @@ class TarDataset:
                     f"{shard}: member {m.name!r} ends at byte {m.offset_data + m.size}, past "
                     f"the end of the shard ({length} B): the shard is truncated"
                 )
-            k, field = _split(m.name)
+            k, field = split
             if k != key:
                 self._flush(number, key, fields)
                 key, fields = k, {}
