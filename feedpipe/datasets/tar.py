@@ -10,7 +10,8 @@ The index is built once, from the tar headers only (no member data is read): for
 with ``os.pread`` from the headers' offsets, for URLs through fsspec. Reads are then one
 positioned read per field, so the dataset is map-style: shuffling, the distributed sampler and
 exact resume work as for any dataset. Compressed tars have no offsets to seek to and are
-refused, naming the shard. Directories, links and special members are skipped; a member that
+refused, naming the shard. Directories, links, special members and names WebDataset skips (no
+extension, a dot file) are skipped; sparse members are refused; a member that
 runs past the end of its shard (a truncated download) is a :class:`~feedpipe.DatasetError`
 naming the shard and the member.
 """
@@ -52,13 +53,14 @@ def expand_shards(spec: str | Sequence[str]) -> list[str]:
     ]
 
 
-def _split(name: str) -> tuple[str, str]:
-    """WebDataset's key and field of a member name."""
-    folder, _, base = name.rpartition("/")
-    stem, dot, ext = base.partition(".")
-    if not dot:
-        return name, ""
-    return (f"{folder}/{stem}" if folder else stem), ext.lower()
+_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # WebDataset's base_plus_ext
+
+
+def _split(name: str) -> tuple[str, str] | None:
+    """WebDataset's key and field of a member name; None for a name WebDataset skips (no
+    extension, like ``README``, or a dot file, like macOS's ``._0001.jpg``)."""
+    m = _KEY.match(name)
+    return None if m is None else (m.group(1), m.group(2).lower())
 
 
 class TarDataset:
@@ -84,12 +86,13 @@ class TarDataset:
         self.storage_options = dict(storage_options or {})
         # per sample: (shard number, key, ((field, offset, size), ...))
         self._samples: list[tuple[int, str, tuple[tuple[str, int, int], ...]]] = []
+        self._stamps: dict[int, tuple[int, int]] = {}  # local shard: (size, mtime_ns) indexed
         for number, shard in enumerate(self.shards):
             self._index(number, shard)
         self._local = threading.local()
 
     # ------------------------------------------------------------------ index
-    def _open(self, shard: str) -> Any:
+    def _open(self, number: int, shard: str) -> Any:
         if is_remote(shard):
             fs, path = resolve(shard, self.storage_options)
             return call(
@@ -99,12 +102,15 @@ class TarDataset:
                 storage_options=self.storage_options,
             )
         try:
-            return open(shard, "rb")  # the caller closes it
+            f = open(shard, "rb")  # noqa: SIM115 - the caller closes it
         except OSError as exc:
             raise DatasetError(f"cannot open tar shard {shard}: {exc}") from exc
+        st = os.fstat(f.fileno())
+        self._stamps[number] = (st.st_size, st.st_mtime_ns)
+        return f
 
     def _index(self, number: int, shard: str) -> None:
-        with self._open(shard) as f:
+        with self._open(number, shard) as f:
             head = f.read(4)
             f.seek(0)
             if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head == b"\xfd7zX":
@@ -118,7 +124,8 @@ class TarDataset:
             try:
                 tar = tarfile.open(fileobj=f, mode="r:")  # noqa: SIM115 - f is closed above
                 members = tar.getmembers()
-            except (tarfile.TarError, EOFError) as exc:
+            except (tarfile.TarError, EOFError, OSError, ValueError, OverflowError) as exc:
+                # hostile headers (a negative or huge pax size) make tarfile seek out of range
                 raise DatasetError(f"{shard} is truncated or not a tar: {exc}") from exc
             if length - tar.offset < 2 * tarfile.BLOCKSIZE:
                 raise DatasetError(
@@ -128,14 +135,21 @@ class TarDataset:
         key: str | None = None
         fields: dict[str, tuple[int, int]] = {}
         for m in members:
-            if not m.isreg():
+            split = _split(m.name)
+            if not m.isreg() or split is None:
                 continue
+            if m.issparse() or m.size < 0:  # a sparse member's bytes are not its data
+                raise DatasetError(
+                    f"{shard}: member {m.name!r} is "
+                    f"{'sparse' if m.issparse() else f'of negative size {m.size}'}: "
+                    "TarDataset reads members in place and cannot hold it"
+                )
             if m.offset_data + m.size > length:
                 raise DatasetError(
                     f"{shard}: member {m.name!r} ends at byte {m.offset_data + m.size}, past "
                     f"the end of the shard ({length} B): the shard is truncated"
                 )
-            k, field = _split(m.name)
+            k, field = split
             if k != key:
                 self._flush(number, key, fields)
                 key, fields = k, {}
@@ -175,9 +189,19 @@ class TarDataset:
         if fd is None:
             shard = self.shards[number]
             try:
-                fd = fds[number] = os.open(shard, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                fd = os.open(shard, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except OSError as exc:
                 raise DatasetError(f"cannot open tar shard {shard}: {exc}") from exc
+            st = os.fstat(fd)
+            was = self._stamps.get(number, (st.st_size, st.st_mtime_ns))
+            if was != (st.st_size, st.st_mtime_ns):  # replaced or rewritten since indexing
+                os.close(fd)
+                raise DatasetError(
+                    f"tar shard {shard} changed after it was indexed (size {was[0]} -> "
+                    f"{st.st_size} B, mtime changed: {was[1] != st.st_mtime_ns}): its member "
+                    "offsets no longer hold (short reads or wrong bytes); index it again"
+                )
+            fds[number] = fd
         return fd
 
     def _remote(self, number: int) -> tuple[Any, str]:

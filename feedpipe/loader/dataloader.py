@@ -264,10 +264,13 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         ``default_collate`` and the batch goes to a CUDA ``device`` or stays unpinned on the
         host; ``FEEDPIPE_WORKER_SLOTS=0`` turns it off."""
         slots = self._slots
-        if slots is None:
+        count = self._slot_count()
+        if slots is None and not count:
             return None
+        if slots is None:  # on, before the first pass
+            slots = Slots(pin=self._feed is not None and self._feed.on_gpu)
         return {
-            "slots_per_worker": self._slot_count(),
+            "slots_per_worker": count,
             "pinned": slots.pin,
             "batches_in_slots": slots.resolved,
             "batches_fallback": slots.fallback,

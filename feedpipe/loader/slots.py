@@ -67,11 +67,14 @@ def _leaf_of(samples: list[Any]) -> tuple[torch.dtype, tuple[int, ...], str]:
     if kind is np.ndarray or kind is np.memmap:  # default_collate treats both the same
         if elem.dtype.kind not in "biufc" or elem.dtype.byteorder == ">":
             raise _UnsupportedError
-        return torch.from_numpy(np.empty(0, elem.dtype)).dtype, elem.shape, "array"
+        size = elem.dtype.itemsize  # torch.as_tensor refuses negative or partial strides
+        if any(st < 0 or st % size for s in samples for st in s.strides):
+            raise _UnsupportedError
+        return _torch_dtype(elem), elem.shape, "array"
     if isinstance(elem, np.generic) and kind is not np.object_:
         if elem.dtype.kind not in "biufc":
             raise _UnsupportedError
-        return torch.from_numpy(np.empty(0, elem.dtype)).dtype, (), "npscalar"
+        return _torch_dtype(elem), (), "npscalar"
     if kind is bool:
         return torch.bool, (), "py"
     if kind is int:
@@ -79,6 +82,14 @@ def _leaf_of(samples: list[Any]) -> tuple[torch.dtype, tuple[int, ...], str]:
     if kind is float:
         return torch.float64, (), "py"
     raise _UnsupportedError
+
+
+def _torch_dtype(elem: Any) -> torch.dtype:
+    """The dtype ``torch.as_tensor`` gives a numpy leaf; one it refuses is left to torch."""
+    try:
+        return torch.as_tensor(elem.reshape(-1)[:0] if isinstance(elem, np.ndarray) else elem).dtype
+    except (TypeError, ValueError, RuntimeError):  # np.uint64 scalars, np.longdouble, ...
+        raise _UnsupportedError from None
 
 
 def _plan(samples: list[Any], leaves: list[tuple[Any, ...]]) -> Any:
@@ -204,6 +215,8 @@ def collate_into(samples: Any, k: int, rows: int | None) -> SlotRef | None:
         spec = _plan(samples, leaves)
     except _UnsupportedError:
         return None
+    if not leaves:  # empty containers only ([], {}, ()): nothing to hold
+        return None
     n = len(samples)
     sizes = [_align(n * int(np.prod(shape)) * dtype.itemsize) for _, dtype, shape, _ in leaves]
     ws: _WorkerSlots | None = _WORKER.get("slots")
@@ -319,11 +332,24 @@ class Slots:
         return _rebuild(ref.spec, tensors), buf.registered
 
     def forget(self) -> None:
-        """The workers are gone: drop their buffers (live views keep theirs mapped)."""
+        """A new pass: drop the buffers of workers that are gone (live views keep theirs
+        mapped). A worker still running (an older iterator of this loader, still in use)
+        keeps its buffer: its later refs no longer carry it."""
         with _LOCK:
-            for token in self.buffers:
+            for token in [t for t in self.buffers if not _alive(t)]:
                 _REGISTRY.pop(token, None)
-            self.buffers.clear()
+                del self.buffers[token]
+
+
+def _alive(token: str) -> bool:
+    """Whether the worker process that made ``token`` (``"<pid>-<random>"``) still runs."""
+    try:
+        os.kill(int(token.split("-", 1)[0]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a pid reused by another user's process: our worker is gone
+        return False
+    return True
 
 
 _REGISTRY: dict[str, _Buffer] = {}  # token -> buffer, for refs dropped unresolved
