@@ -21,7 +21,6 @@ DIAG = BENCH / "diagnostics"
 # Files that still name a script by its old path: (file, path named) -> why. These are the
 # loader/device files the lead owns; the list may only shrink.
 STALE_PATH_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("feedpipe/device/dma.py", "benchmarks/probe_batchcopy.py"): "the lead's module",
 }
 
 

@@ -17,14 +17,11 @@ Why this is safe, in the terms of :mod:`feedpipe.gpu` (``C`` the copy stream):
 
 Registration locks the shard's pages in memory until it is closed, so the automatic choice
 (``direct=None``) takes this path only when the whole dataset fits in half the memory available,
-and for records of at least 2 KiB: ``gpu_feed.py --records 2048,512 --gb 0.25`` on the H200
-measured 19.1 GB/s direct against 12.3 for the ring at 2 KiB, but 8.5 against 9.5 at 512 B
-(torch: 1.5 and 1.1). On the H200
-host (``benchmarks/gpu_feed.py``, shuffled 16 MiB batches) it delivered 256 KiB records at
-28-48 GB/s across runs against 9-13 for the pinned ring, and 8 KiB records at 13.8-21.0 against
-8.4-10.9. ``num_workers=0`` issues from the training thread (fastest there: the copy engines'
-call blocks for about the transfer); with workers, one thread issues (30.3 and 16.5 GB/s in
-the last run), since more only compete for the GIL.
+and for records of at least 2 KiB: below that the pinned ring measured faster, above it the
+direct path did, at every record size measured (docs/benchmarks.md, "GPU feed" and "Direct
+DMA path: copy methods"). ``num_workers=0`` issues from the training thread (the copy engines'
+call blocks for about the transfer); with workers, one thread issues, since more only compete
+for the GIL.
 """
 
 from __future__ import annotations

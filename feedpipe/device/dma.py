@@ -10,20 +10,10 @@ asynchronous on the caller's current CUDA stream:
   a CUDA tensor (zero-copy) and ``index_select`` reads the rows over PCIe into the batch; the
   indices go up in one small pinned copy.
 
-Measured on the H200 host with ``benchmarks/probe_batchcopy.py`` (2 GB in /dev/shm, shuffled,
-16 MiB batches, one thread; two runs; the pinned host-to-device ceiling there is 55 GB/s,
-per ``shared/GPU.md``):
-
-| records | batched copy | gather kernel | torch ``copy_`` per record |
-|---|---|---|---|
-| 256 KiB | 54.1-54.7 GB/s | 50.2 | 17.2-30.1 |
-| 64 KiB | 41.3-54.7 | 48.5 | 5.0-9.2 |
-| 8 KiB | 9.7-18.2 (and 2.4-2.8 in ``gpu_feed.py`` runs) | 48.7 | - |
-| 512 B | 0.36 | 31.5 | - |
-
-For comparison, ``read_batch`` into pinned host memory (the CPU gathering from the map) on 4-8
-threads reached 12.7-17.5 GB/s of 256 KiB records in the same day's ``benchmarks/gpu_feed.py``
-runs. Registration pins the shard's pages (memory that stays resident) until the shard is
+Which of the two serves a batch is decided by record size: the batched copy wins for large
+records and the gather kernel for small ones (docs/benchmarks.md, "Direct DMA path: copy
+methods", measured with ``benchmarks/diagnostics/probe_batchcopy.py``).
+Registration pins the shard's pages (memory that stays resident) until the shard is
 closed, so the loader uses this path only for data that fits in memory
 (:mod:`feedpipe.device.direct`).
 """
