@@ -20,6 +20,7 @@ _EXPORTS: dict[str, str] = {
     "MemmapDataset": "feedpipe.datasets.memmap",
     "MemmapWriter": "feedpipe.datasets.writer",
     "ZarrDataset": "feedpipe.datasets.zarr",
+    "MixedDataset": "feedpipe.datasets.mixed",
     "convert": "feedpipe.datasets.convert",
     "stage": "feedpipe.remote.stage",
     "ShardCache": "feedpipe.remote.cache",
@@ -38,6 +39,7 @@ __all__ = [
     "ImageLoader",
     "MemmapDataset",
     "MemmapWriter",
+    "MixedDataset",
     "ShardCache",
     "StallMeter",
     "StallStats",
@@ -53,6 +55,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from feedpipe.dali import ImageLoader
     from feedpipe.datasets.convert import convert
     from feedpipe.datasets.memmap import MemmapDataset, MemmapWriter
+    from feedpipe.datasets.mixed import MixedDataset
     from feedpipe.datasets.zarr import ZarrDataset
     from feedpipe.errors import DatasetError
     from feedpipe.gpu import GPUFeed
