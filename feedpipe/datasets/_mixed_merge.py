@@ -68,16 +68,18 @@ def _merge(  # noqa: PLR0917 - internal recursion
         for v in values[1:]:
             if not isinstance(v, Mapping) or list(v) != list(first):
                 raise _mismatch(names, where, f"keys {list(first)} and {_keys(v)}")
-        sub = out if isinstance(out, Mapping) else {}
-        merged = {
-            k: _merge([v[k] for v in values], positions, n, names, sub.get(k), f"{where}[{k!r}]")
+        dests: Mapping[Any, Any] = out if isinstance(out, Mapping) else {}
+        fields = {
+            k: _merge([v[k] for v in values], positions, n, names, dests.get(k), f"{where}[{k!r}]")
             for k in first
         }
-        return merged if type(first) is dict else type(first)(merged)
+        return fields if type(first) is dict else type(first)(fields)  # type: ignore[call-arg]
     if isinstance(first, (list, tuple)):
         if _is_fields(values, positions):
             width = len(first)
-            sub = out if isinstance(out, (list, tuple)) and len(out) == width else [None] * width
+            sub: Any = (
+                out if isinstance(out, (list, tuple)) and len(out) == width else [None] * width
+            )
             items = [
                 _merge([v[i] for v in values], positions, n, names, sub[i], f"{where}[{i}]")
                 for i in range(width)
@@ -138,8 +140,7 @@ def _merge_tensors(  # noqa: PLR0917 - internal
             raise ValueError(f"out{where[5:]}: expected a tensor, got {type(out).__name__}")
         if out.dtype != first.dtype or out.ndim != len(shape) or out.shape[1:] != shape[1:]:
             raise ValueError(
-                f"out{where[5:]}: {out.dtype} {tuple(out.shape)} cannot hold "
-                f"{first.dtype} {shape}"
+                f"out{where[5:]}: {out.dtype} {tuple(out.shape)} cannot hold {first.dtype} {shape}"
             )
         if out.shape[0] < n:
             raise ValueError(f"out{where[5:]}: {out.shape[0]} rows, the batch has {n}")
