@@ -145,9 +145,15 @@ def _merge_tensors(  # noqa: PLR0917 - internal
         if out.shape[0] < n:
             raise ValueError(f"out{where[5:]}: {out.shape[0]} rows, the batch has {n}")
         dest = out[:n]
-    for v, pos in zip(values, positions, strict=True):
-        if len(values) == 1 and len(pos) == n:
-            dest.copy_(v)
-        else:
+    if len(values) == 1:
+        dest.copy_(values[0])
+        return dest
+    if dest.device.type != "cpu" or not dest.is_contiguous() or dest.dtype == torch.bfloat16:
+        for v, pos in zip(values, positions, strict=True):
             dest[torch.from_numpy(pos)] = v.to(dest.device)
+        return dest
+    flat = dest.view(n, -1).numpy() if n and dest[0].numel() else None
+    for v, pos in zip(values, positions, strict=True):  # numpy: one single-threaded scatter
+        if flat is not None and len(pos):
+            flat[pos] = v.reshape(len(pos), -1).numpy(force=True)
     return dest

@@ -6,11 +6,12 @@ remainder method (fractions are exact rationals, ties go to the earlier member),
 sum to ``epoch_samples`` and each is within 1 of its share. Whatever the order, an epoch holds
 exactly ``counts[k]`` samples of member ``k``: never a proportion that is right only on average.
 
-Inside its range, position ``j`` of a member of ``n`` samples is sample ``P_c(j % n)``, where
-``c = j // n`` is the cycle and ``P_c`` a seeded Feistel permutation of ``[0, n)`` keyed by
-``(seed, epoch, member name, c)``. A count above ``n`` repeats the member (every full cycle is
-every sample once; up-sampling), a count below ``n`` takes a different random subset of it each
-epoch, without repeats (down-sampling).
+Inside its range, position ``j`` of a member of ``n`` samples is sample ``j % n`` while ``j``
+lies in a whole pass over the member (``j < count - count % n``), and ``P(j % n)`` in the last,
+partial pass, where ``P`` is a Feistel permutation of ``[0, n)`` keyed by ``(seed, epoch, member
+name)``. So a count above ``n`` repeats the member (up-sampling: every sample ``count // n`` or
+one more times), and a count below ``n`` takes a different random subset of it each epoch,
+without repeats (down-sampling). The order within the epoch is the sampler's.
 
 The order is the sampler's: the dataset is map-style, so ``shuffle=True`` or
 ``feedpipe.DistributedSampler`` mixes the members, and resume and elastic resume are the
@@ -57,6 +58,9 @@ def mix_counts(weights: Sequence[float], total: int) -> list[int]:
     for k in order[:left]:
         counts[k] += 1
     return counts
+
+
+_Layout = tuple[int, np.ndarray, list[int], list[FeistelPermutation]]
 
 
 def _name_key(name: str) -> int:
@@ -141,11 +145,15 @@ class MixedDataset:
             return list(self._held[1])
         return mix_counts(self.weights, self.epoch_samples)
 
-    def _make_layout(self, counts: list[int]) -> tuple[int, np.ndarray, list[int]]:
+    def _make_layout(self, counts: list[int]) -> _Layout:
         ends = np.cumsum(np.asarray(counts, dtype=np.int64))
-        return self.epoch, ends, counts
+        perms = [
+            FeistelPermutation(n, derive_key(self.seed, self.epoch, _name_key(name)))
+            for name, n in zip(self.names, self.lengths, strict=True)
+        ]
+        return self.epoch, ends, counts, perms
 
-    def _current(self) -> tuple[int, np.ndarray, list[int]]:
+    def _current(self) -> _Layout:
         layout = self._layout  # one read: thread-safe against a concurrent set_epoch
         if layout[0] != self.epoch:
             layout = self._make_layout(self.counts)
@@ -174,20 +182,20 @@ class MixedDataset:
         if idx.size and (idx.min() < 0 or idx.max() >= n):
             bad = idx[(idx < 0) | (idx >= n)][0]
             raise IndexError(f"index {int(bad)} is out of range for MixedDataset of length {n}")
-        epoch, ends, counts = self._current()
+        _, ends, counts, perms = self._current()
         member = np.searchsorted(ends, idx, side="right")
         local = idx - (ends[member] - np.asarray(counts, np.int64)[member])
         sample = np.empty_like(local)
         for k in np.unique(member).tolist():
             sel = member == k
-            size = self.lengths[k]
+            size, count = self.lengths[k], counts[k]
             pos = local[sel]
-            cycle, rest = np.divmod(pos, size)
-            res = np.empty_like(pos)
-            for c in np.unique(cycle).tolist():
-                at = cycle == c
-                key = derive_key(self.seed, epoch, _name_key(self.names[k]), c)
-                res[at] = FeistelPermutation(size, key)(rest[at])
+            if count % size == 0:  # whole passes only: every sample equally often
+                sample[sel] = pos % size
+                continue
+            partial = pos >= count - count % size  # the last, partial pass: a random subset
+            res = pos % size
+            res[partial] = perms[k](res[partial])
             sample[sel] = res
         return member, sample
 
