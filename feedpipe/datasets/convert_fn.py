@@ -231,6 +231,16 @@ class _PartWriter:
                 first_shard=self.part * SHARDS_PER_PART,
             )
             self.cols = {k: [] for k in fields}
+        lay = self.writer.layout
+        if lay.kind == "fixed" and not (
+            isinstance(data, np.ndarray)
+            and data.shape == lay.shape
+            and str(data.dtype) == lay.dtype
+        ):
+            got = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else "bytes"
+            raise DatasetError(f"a record of {got}; the first was {lay.dtype} {lay.shape}")
+        if lay.kind == "bytes" and isinstance(data, np.ndarray):
+            raise DatasetError(f"an array record ({data.dtype} {data.shape}); the first was bytes")
         if set(fields) != set(self.cols):
             raise DatasetError(f"side fields {sorted(fields)}, earlier records {sorted(self.cols)}")
         self.datas.append(data)
@@ -244,11 +254,7 @@ class _PartWriter:
             return
         datas, cols = self.datas, {k: np.stack(v) for k, v in self.cols.items()}
         self.datas, self.cols = [], {k: [] for k in self.cols}
-        if self.writer.layout.kind == "fixed":
-            shapes = {(d.shape, d.dtype) for d in datas if isinstance(d, np.ndarray)}
-            if len(shapes) != 1 or len(datas) != sum(isinstance(d, np.ndarray) for d in datas):
-                want = f"{self.writer.layout.dtype} {self.writer.layout.shape}"
-                raise DatasetError(f"every record must be an array of {want} like the first")
+        if self.writer.layout.kind == "fixed":  # add() checked every record
             self.writer.append_batch(np.stack(datas), **cols)
         else:
             self.writer.append_batch(datas, **cols)
