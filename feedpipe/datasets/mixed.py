@@ -60,7 +60,9 @@ def mix_counts(weights: Sequence[float], total: int) -> list[int]:
     return counts
 
 
-_Layout = tuple[int, np.ndarray, list[int], list[FeistelPermutation]]
+# (epoch, range ends, counts, per-member permutations, per-member tables of the partial pass)
+_Layout = tuple[int, np.ndarray, list[int], list[FeistelPermutation], list[np.ndarray | None]]
+_TABLE_MAX = 1 << 22  # a partial pass up to this many samples is tabulated once per epoch
 
 
 def _name_key(name: str) -> int:
@@ -151,7 +153,7 @@ class MixedDataset:
             FeistelPermutation(n, derive_key(self.seed, self.epoch, _name_key(name)))
             for name, n in zip(self.names, self.lengths, strict=True)
         ]
-        return self.epoch, ends, counts, perms
+        return self.epoch, ends, counts, perms, [None] * len(perms)
 
     def _current(self) -> _Layout:
         layout = self._layout  # one read: thread-safe against a concurrent set_epoch
@@ -159,6 +161,11 @@ class MixedDataset:
             layout = self._make_layout(self.counts)
             self._layout = layout
         return layout
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_layout"] = (-1, *state["_layout"][1:4], [None] * len(self.names))  # re-made
+        return state
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (call it with the sampler's ``set_epoch``)."""
@@ -182,7 +189,7 @@ class MixedDataset:
         if idx.size and (idx.min() < 0 or idx.max() >= n):
             bad = idx[(idx < 0) | (idx >= n)][0]
             raise IndexError(f"index {int(bad)} is out of range for MixedDataset of length {n}")
-        _, ends, counts, perms = self._current()
+        _, ends, counts, perms, tables = self._current()
         member = np.searchsorted(ends, idx, side="right")
         local = idx - (ends[member] - np.asarray(counts, np.int64)[member])
         sample = np.empty_like(local)
@@ -195,7 +202,14 @@ class MixedDataset:
                 continue
             partial = pos >= count - count % size  # the last, partial pass: a random subset
             res = pos % size
-            res[partial] = perms[k](res[partial])
+            extra = count % size
+            if extra <= _TABLE_MAX:  # one evaluation per epoch, then a lookup per batch
+                table = tables[k]
+                if table is None:
+                    table = tables[k] = perms[k](np.arange(extra, dtype=np.int64))
+                res[partial] = table[res[partial]]
+            else:
+                res[partial] = perms[k](res[partial])
             sample[sel] = res
         return member, sample
 
