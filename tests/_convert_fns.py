@@ -39,3 +39,10 @@ def fails_on_13(item: int) -> np.ndarray:
     if item == 13:
         raise ValueError("bad input")
     return np.full(3, item, np.int64)
+
+
+def fails_from_env(item: Any) -> Iterator[dict[str, Any]]:
+    """``tokens``, failing on inputs >= $FEEDPIPE_TEST_FAIL_AT (unset: never)."""
+    if int(item) >= int(os.environ.get("FEEDPIPE_TEST_FAIL_AT", "1000000")):
+        raise RuntimeError("injected failure")
+    yield from tokens(item)

@@ -227,3 +227,52 @@ def test_a_foreign_folder_is_not_written_into(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="did not write"):
         _convert(fns.tokens, tmp_path / "mine", n=8)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def _failed_run(dest: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A run whose function fails at input 8: parts 0 and 1 are committed, part 2 is not."""
+    monkeypatch.setenv("FEEDPIPE_TEST_FAIL_AT", "8")
+    with pytest.raises(DatasetError, match="input 8"):
+        _convert(fns.fails_from_env, dest, n=16, num_workers=1)
+    monkeypatch.delenv("FEEDPIPE_TEST_FAIL_AT")
+    state = Path(f"{dest}.partial") / STATE_DIR
+    assert sorted(p.name for p in state.glob("part-*.json")) == [
+        "part-00000.json",
+        "part-00001.json",
+    ]
+    return state
+
+
+def test_rerun_after_a_failing_function_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _failed_run(tmp_path / "ds", monkeypatch)
+    result = _convert(fns.fails_from_env, tmp_path / "ds", n=16, num_workers=2)
+    assert result.resumed_parts == 2
+    _convert(fns.fails_from_env, tmp_path / "clean", n=16, num_workers=1)
+    assert _files(tmp_path / "ds") == _files(tmp_path / "clean")
+
+
+def test_hostile_or_damaged_manifests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _failed_run(tmp_path / "ds", monkeypatch)
+    (state / "part-00000.json").write_text("{not json")  # damaged: that part is redone
+    doc = (state / "part-00001.json").read_text()
+    # valid JSON and CRCs, but naming part 0's file as part 1's
+    (state / "part-00001.json").write_text(doc.replace("shard-100000", "shard-00000"))
+    with pytest.raises(DatasetError, match="part 1: manifest lists a foreign file shard-00000"):
+        _convert(fns.fails_from_env, tmp_path / "ds", n=16, num_workers=1)
+    assert not (tmp_path / "ds").exists()
+    escape = doc.replace("shard-100000.data", "../../outside.data")
+    (state / "part-00001.json").write_text(escape)  # refused by the index parser: redone
+    result = _convert(fns.fails_from_env, tmp_path / "ds", n=16, num_workers=1)
+    assert result.resumed_parts == 3  # 0, 2 and 3 from the refused run; part 1 again
+    _convert(fns.fails_from_env, tmp_path / "clean", n=16, num_workers=1)
+    assert _files(tmp_path / "ds") == _files(tmp_path / "clean")
+
+
+def test_a_symlinked_partial_folder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", f"{tmp_path / 'ds'}.partial")
+    with pytest.raises(DatasetError, match="symlink"):
+        _convert(fns.tokens, tmp_path / "ds", n=8)
+    assert list((tmp_path / "elsewhere").iterdir()) == []

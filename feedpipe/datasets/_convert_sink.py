@@ -125,6 +125,8 @@ class Sink:
     # ------------------------------------------------------------------ the protocol
     def start(self, plan: dict[str, Any], *, overwrite: bool) -> dict[int, Index | None]:
         """Resume the conversion of ``plan`` found here, or start afresh; the finished parts."""
+        if not self.remote and os.path.islink(self.root):
+            raise DatasetError(f"{self.root}: is a symlink, not a feedpipe conversion folder")
         raw = self._read(f"{STATE_DIR}/{_PLAN}")
         if raw is not None:
             try:
@@ -167,8 +169,11 @@ class Sink:
             if m is None or raw is None:
                 continue
             part = int(m.group(1))
-            doc = json.loads(raw)
-            done[part] = None if doc.get("empty") is True else parse_index(raw, name)
+            try:  # a damaged manifest: the part is converted again
+                doc = json.loads(raw)
+                done[part] = None if doc == {"empty": True} else parse_index(raw, name)
+            except (ValueError, RecursionError, AttributeError, DatasetError):
+                continue
         return done
 
     def put_part(self, part: int, local: str | None, index: Index | None) -> None:
