@@ -324,3 +324,23 @@ def test_state_of_other_members_is_refused(members: dict[str, Any], tmp_path: Pa
 
 def test_public_name() -> None:
     assert feedpipe.MixedDataset is MixedDataset and "MixedDataset" in feedpipe.__all__
+
+
+def test_process_workers_see_the_epoch_set_before_iter(members: dict[str, Any]) -> None:
+    ds = MixedDataset(members, weights=WEIGHTS, seed=7, epoch_samples=N_TOTAL)
+    loader = DataLoader(ds, batch_size=30, num_workers=2)  # torch's process workers
+    for epoch in (0, 3):
+        ds.set_epoch(epoch)
+        got = [i for b in loader for i in _ids(b)]
+        assert got == _ids(ds.read_batch(np.arange(N_TOTAL))), epoch
+    ds.set_epoch(0)
+    first = _ids(ds.read_batch(np.arange(N_TOTAL)))
+    ds.set_epoch(3)
+    assert first != _ids(ds.read_batch(np.arange(N_TOTAL)))  # books: another subset
+
+
+@pytest.mark.parametrize("bad", [{"epoch": "1"}, {"epoch": True}, {"epoch": -1}, {"version": 2}])
+def test_corrupt_states_are_refused(members: dict[str, Any], bad: dict[str, Any]) -> None:
+    ds = MixedDataset(members, weights=WEIGHTS, seed=7, epoch_samples=N_TOTAL)
+    with pytest.raises(ValueError):
+        ds.load_state_dict({**ds.state_dict(), **bad})
