@@ -176,17 +176,23 @@ class Sink:
                 continue
         return done
 
+    def put_files(self, local: str, rels: list[str]) -> None:
+        """Move or upload finished shard files (then gone from ``local``)."""
+        for rel in rels:
+            src = os.path.join(local, rel)
+            if self.remote:
+                fs = self._filesystem()[0]
+                dst = self._path(rel)
+                self._call(functools.partial(fs.put_file, src, dst), rel, "upload")
+                os.unlink(src)
+            else:
+                os.replace(src, self._path(rel))
+
     def put_part(self, part: int, local: str | None, index: Index | None) -> None:
-        """Move or upload the part's shard files, then its manifest (the part's commit)."""
+        """Move or upload the part's remaining shard files, then its manifest (its commit)."""
         if index is not None and local is not None:
-            for _sid, rel, _n, _crc in index.files():
-                src = os.path.join(local, rel)
-                if self.remote:
-                    fs = self._filesystem()[0]
-                    dst = self._path(rel)
-                    self._call(functools.partial(fs.put_file, src, dst), rel, "upload")
-                else:
-                    os.replace(src, self._path(rel))
+            rels = [rel for _sid, rel, _n, _c in index.files()]
+            self.put_files(local, [r for r in rels if os.path.exists(os.path.join(local, r))])
         doc = {"empty": True} if index is None else index.to_json()
         self._write(f"{STATE_DIR}/part-{part:05d}.json", json.dumps(doc).encode())
 

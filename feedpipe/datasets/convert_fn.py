@@ -11,11 +11,12 @@ that never depends on ``num_workers``. Each part is written by one worker, as it
 (shard ids ``part * 100000 + k``, rolled over at ``shard_bytes``), and the index lists the parts
 in input order. So the output, bytes and index, is the same whatever the worker count.
 
-Commit order: a finished part's shard files are written locally under temporary names, then
-moved (local output) or uploaded (``s3://...``, any fsspec URL) by the worker, then the part's
-manifest is written under ``.feedpipe-convert/`` at the destination. ``index.json`` is written
-last, after every part; then the state folder goes. A rerun after a crash finds the manifests
-and converts only the parts that have none: the same output as an uninterrupted run.
+Commit order: shard files are written locally under temporary names; each is moved (local
+output) or uploaded (``s3://...``, any fsspec URL) by its worker as soon as its shard is closed;
+when the part ends, its manifest is written under ``.feedpipe-convert/`` at the destination.
+``index.json`` is written last, after every part; then the state folder goes. A rerun after a
+crash finds the manifests and converts only the parts that have none: the same output as an
+uninterrupted run.
 """
 
 from __future__ import annotations
@@ -211,8 +212,9 @@ def _plain(value: Any) -> Any:
 class _PartWriter:
     """One part's records into a MemmapWriter whose layout is that of the first record."""
 
-    def __init__(self, path: str, part: int, shard_bytes: int) -> None:
-        self.path, self.part, self.shard_bytes = path, part, shard_bytes
+    def __init__(self, path: str, part: int, shard_bytes: int, sink: Sink) -> None:
+        self.path, self.part, self.shard_bytes, self.sink = path, part, shard_bytes, sink
+        self.shipped = 0  # shards already handed to the sink
         self.writer: MemmapWriter | None = None
         self.closed = False
         self.datas: list[Any] = []
@@ -258,6 +260,11 @@ class _PartWriter:
             self.writer.append_batch(np.stack(datas), **cols)
         else:
             self.writer.append_batch(datas, **cols)
+        done = self.writer.shards  # closed shards go now, not when the part ends
+        if len(done) > self.shipped:
+            rels = [f.path for shard in done[self.shipped :] for f in shard.files.values()]
+            self.sink.put_files(self.path, rels)
+            self.shipped = len(done)
 
     def abort(self) -> None:
         if self.writer is not None and not self.closed:
@@ -281,7 +288,7 @@ def _write_part(fn: Callable[[Any], Any], task: _Task, sink: Sink, shard_bytes: 
     """Run ``fn`` over one part's inputs, write its shards, hand them to the sink."""
     scratch = tempfile.mkdtemp(prefix=f"feedpipe-part-{task.part:05d}-")
     try:
-        out = _PartWriter(os.path.join(scratch, "part"), task.part, shard_bytes)
+        out = _PartWriter(os.path.join(scratch, "part"), task.part, shard_bytes, sink)
         try:
             for j, item in enumerate(task.items):
                 where = f"input {task.first + j} ({_short(item)})"
