@@ -72,9 +72,9 @@ def test_s3_output_is_the_local_bytes(
     tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
 ) -> None:
     bucket, opts = s3_bucket
-    local = _convert(fns.tokens, tmp_path / "local", n=12, num_workers=1, shard_bytes=1024)
+    local = _convert(fns.tokens, tmp_path / "local", n=8, num_workers=1, shard_bytes=1024)
     url = f"s3://{bucket}/ds"
-    remote = _convert(fns.tokens, url, n=12, num_workers=2, shard_bytes=1024, storage_options=opts)
+    remote = _convert(fns.tokens, url, n=8, num_workers=2, shard_bytes=1024, storage_options=opts)
     assert (remote.records, remote.shards) == (local.records, local.shards)
     import s3fs
 
@@ -276,3 +276,12 @@ def test_a_symlinked_partial_folder_is_refused(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="symlink"):
         _convert(fns.tokens, tmp_path / "ds", n=8)
     assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_an_existing_dataset_is_replaced_only_with_overwrite(tmp_path: Path) -> None:
+    _convert(fns.blobs, tmp_path / "ds", n=6)
+    with pytest.raises(DatasetError, match="already exists"):
+        _convert(fns.tokens, tmp_path / "ds", n=6)
+    assert len(feedpipe.MemmapDataset(tmp_path / "ds")) == 12  # untouched
+    _convert(fns.tokens, tmp_path / "ds", n=6, overwrite=True)
+    assert len(feedpipe.MemmapDataset(tmp_path / "ds")) == sum(i % 5 for i in range(6))
