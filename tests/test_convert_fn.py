@@ -285,3 +285,11 @@ def test_an_existing_dataset_is_replaced_only_with_overwrite(tmp_path: Path) -> 
     assert len(feedpipe.MemmapDataset(tmp_path / "ds")) == 12  # untouched
     _convert(fns.tokens, tmp_path / "ds", n=6, overwrite=True)
     assert len(feedpipe.MemmapDataset(tmp_path / "ds")) == sum(i % 5 for i in range(6))
+
+
+def test_another_plan_starts_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _failed_run(tmp_path / "ds", monkeypatch)
+    result = _convert(fns.fails_from_env, tmp_path / "ds", n=16, num_workers=1, inputs_per_part=8)
+    assert result.resumed_parts == 0
+    _convert(fns.fails_from_env, tmp_path / "clean", n=16, num_workers=1, inputs_per_part=8)
+    assert _files(tmp_path / "ds") == _files(tmp_path / "clean")
