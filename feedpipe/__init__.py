@@ -21,6 +21,7 @@ _EXPORTS: dict[str, str] = {
     "MemmapWriter": "feedpipe.datasets.writer",
     "TarDataset": "feedpipe.datasets.tar",
     "ZarrDataset": "feedpipe.datasets.zarr",
+    "MixedDataset": "feedpipe.datasets.mixed",
     "convert": "feedpipe.datasets.convert",
     "stage": "feedpipe.remote.stage",
     "ShardCache": "feedpipe.remote.cache",
@@ -39,6 +40,7 @@ __all__ = [
     "ImageLoader",
     "MemmapDataset",
     "MemmapWriter",
+    "MixedDataset",
     "ShardCache",
     "StallMeter",
     "StallStats",
@@ -55,6 +57,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from feedpipe.dali import ImageLoader
     from feedpipe.datasets.convert import convert
     from feedpipe.datasets.memmap import MemmapDataset, MemmapWriter
+    from feedpipe.datasets.mixed import MixedDataset
     from feedpipe.datasets.tar import TarDataset
     from feedpipe.datasets.zarr import ZarrDataset
     from feedpipe.device.feed import GPUFeed

@@ -430,7 +430,7 @@ def _merge(work: str, parts: list[str], extra: dict[str, Any]) -> Index:
 
 def convert(
     source: Any,
-    dest: str | os.PathLike[str],
+    dest: Any = None,
     *,
     kind: str = "auto",
     data_key: str | None = None,
@@ -439,8 +439,31 @@ def convert(
     overwrite: bool = False,
     progress_bar: bool | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    **fn_options: Any,
 ) -> ConvertResult:
-    """Convert ``source`` into a memmap dataset at ``dest`` (see the module docstring)."""
+    """Convert ``source`` into a memmap dataset at ``dest`` (see the module docstring).
+
+    ``convert(fn, inputs, output=..., num_workers=...)`` with a function first runs ``fn`` over
+    ``inputs`` in parallel instead (:func:`feedpipe.datasets.convert_fn.convert_fn`).
+    """
+    if callable(source) and not hasattr(source, "__getitem__"):
+        from feedpipe.datasets.convert_fn import convert_fn
+
+        if workers is not None:
+            fn_options.setdefault("num_workers", workers)
+        return convert_fn(
+            source,
+            dest,
+            shard_bytes=shard_bytes,
+            overwrite=overwrite,
+            progress_bar=progress_bar,
+            storage_options=storage_options,
+            **fn_options,
+        )
+    if fn_options:
+        raise TypeError(f"convert() got unexpected keyword arguments {sorted(fn_options)}")
+    if dest is None:
+        raise TypeError("convert() missing the destination argument 'dest'")
     start = time.monotonic()
     dest = os.fspath(dest).rstrip("/")
     options = dict(storage_options or {})
@@ -644,10 +667,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for DEST")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--fn",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="run this function (package.module:function) over the SOURCE items in parallel; "
+        "it returns or yields records (docs/guides/parallel-convert.md)",
+    )
+    parser.add_argument(
+        "--inputs-per-part", type=int, default=None, help="with --fn: inputs per part"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     sources = args.source if len(args.source) > 1 else args.source[0]
+    if getattr(args, "fn", None):
+        from feedpipe.datasets.convert_fn import convert_fn, load_function
+
+        try:
+            result = convert_fn(
+                load_function(args.fn),
+                args.source,
+                args.dest,
+                num_workers=args.workers,
+                inputs_per_part=args.inputs_per_part,
+                shard_bytes=args.shard_size,
+                overwrite=args.overwrite,
+                progress_bar=False if args.no_progress else None,
+                storage_options=(
+                    {"client_kwargs": {"endpoint_url": args.endpoint_url}}
+                    if args.endpoint_url
+                    else None
+                ),
+            )
+        except (DatasetError, ValueError) as exc:
+            print(f"feedpipe convert: error: {exc}", file=sys.stderr)
+            return 1
+        print(result.summary())
+        return 0
     try:
         result = convert(
             sources,

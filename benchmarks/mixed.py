@@ -1,0 +1,114 @@
+"""``MixedDataset`` against one ``MemmapDataset`` of the same records, in the same run.
+
+Three memmap datasets of fixed-size int32 records (one up-sampled, one down-sampled, one taken
+whole) are mixed by weight; the baseline is one dataset holding as many records. Both go through
+``feedpipe.DataLoader`` with the same sampler, batch size and thread workers, shuffled, from the
+page cache; repetitions are interleaved and the best kept. The ratio is mixed / single samples/s.
+
+    python benchmarks/mixed.py            # quick (default)
+    python benchmarks/mixed.py --full     # longer runs
+    python benchmarks/mixed.py --no-write # do not rewrite docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._report import machine, write_section
+from feedpipe import DataLoader, MemmapDataset, MemmapWriter, MixedDataset
+
+RECORD = {512: 512, 8192: 256}  # record bytes -> batch size
+
+
+def _write(path: Path, n: int, width: int) -> MemmapDataset:
+    rng = np.random.default_rng(n)
+    with MemmapWriter(path, shape=(width,), dtype="int32") as w:
+        for lo in range(0, n, 4096):
+            m = min(4096, n - lo)
+            w.append_batch(rng.integers(0, 1 << 30, (m, width), dtype=np.int32))
+    return MemmapDataset(path)
+
+
+def _rate(ds: Any, batch: int, seconds: float, workers: int) -> float:
+    """Samples/s over shuffled passes of ``ds`` for about ``seconds``."""
+    loader = DataLoader(
+        ds,
+        batch_size=batch,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+        num_workers=workers,
+        worker_type="thread",
+    )
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for b in loader:
+            done += len(b)
+            if time.perf_counter() - start >= seconds:
+                break
+    return done / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--full", action="store_true")
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    seconds, reps, total = (3.0, 3, 200_000) if args.full else (1.0, 3, 60_000)
+    rows = []
+    tmp = Path(tempfile.mkdtemp(prefix="feedpipe-bench-mixed-"))
+    try:
+        for nbytes, batch in RECORD.items():
+            width = nbytes // 4
+            n = total if nbytes == 512 else total // 8
+            single = _write(tmp / f"single-{nbytes}", n, width)
+            # web is down-sampled (60 % of a 2n/3 draw from n), code up-sampled, books whole
+            members = {
+                "web": _write(tmp / f"web-{nbytes}", n, width),
+                "code": _write(tmp / f"code-{nbytes}", n // 10, width),
+                "books": _write(tmp / f"books-{nbytes}", n // 5, width),
+            }
+            mixed = MixedDataset(
+                members, weights={"web": 0.6, "code": 0.2, "books": 0.2}, epoch_samples=n
+            )
+            best = {"single": 0.0, "mixed": 0.0}
+            for _ in range(reps):  # interleaved repetitions, best kept
+                best["single"] = max(best["single"], _rate(single, batch, seconds, args.workers))
+                best["mixed"] = max(best["mixed"], _rate(mixed, batch, seconds, args.workers))
+            ratio = best["mixed"] / best["single"]
+            print(
+                f"{nbytes:>6} B records, batch {batch}: single {best['single']:,.0f} samples/s, "
+                f"mixed (3 members) {best['mixed']:,.0f} samples/s, ratio {ratio:.2f}"
+            )
+            rows.append(
+                f"| {nbytes} B | {batch} | {best['single']:,.0f} | {best['mixed']:,.0f} | "
+                f"{ratio:.2f} |"
+            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not args.no_write:
+        cmd = "python benchmarks/mixed.py" + (" --full" if args.full else "")
+        write_section(
+            "mixed",
+            "## Mixing datasets (`MixedDataset`) against one dataset\n\n"
+            f"{machine()}. Command: `{cmd}`. `feedpipe.DataLoader`, {args.workers} thread "
+            "workers, shuffled, page cache; three members (down-sampled, up-sampled, whole) "
+            "against one `MemmapDataset` of as many records. Ratio: mixed / single.\n\n"
+            "| record | batch | single (samples/s) | mixed (samples/s) | ratio |\n"
+            "|---|---|---|---|---|\n" + "\n".join(rows),
+        )
+
+
+if __name__ == "__main__":
+    main()

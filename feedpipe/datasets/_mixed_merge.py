@@ -1,0 +1,159 @@
+"""Scatter the per-member batches of a :class:`~feedpipe.datasets.mixed.MixedDataset` into one.
+
+Each part is ``(positions, batch)``: the rows of ``batch`` (a collated batch of one member) go to
+``positions`` of the merged batch. Tensors are scattered with one indexed copy per leaf and
+part; per-sample lists (strings, records of varying size) are interleaved. Every member must give
+the same structure, dtypes and trailing shapes: a mismatch is a ``DatasetError`` naming the two
+members, never a silent cast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from feedpipe.errors import DatasetError
+
+__all__ = ["fill_out", "merge_parts"]
+
+
+def merge_parts(
+    parts: list[tuple[np.ndarray, Any]], n: int, names: list[str], out: Any = None
+) -> Any:
+    """The batch of ``n`` rows made of ``parts`` (positions, member batch); into ``out``."""
+    return _merge([p for _, p in parts], [pos for pos, _ in parts], n, names, out, "batch")
+
+
+def fill_out(batch: Any, out: Any) -> Any:
+    """Copy ``batch`` into the first rows of ``out`` and return views of ``out``."""
+    n = _rows(batch)
+    if n is None:
+        return batch
+    return _merge([batch], [np.arange(n, dtype=np.int64)], n, ["member"], out, "batch")
+
+
+def _rows(batch: Any) -> int | None:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.ndim else None
+    if isinstance(batch, Mapping):
+        for v in batch.values():
+            r = _rows(v)
+            if r is not None:
+                return r
+    if isinstance(batch, (list, tuple)):
+        for v in batch:
+            r = _rows(v)
+            if r is not None:
+                return r
+    return None
+
+
+def _mismatch(names: list[str], where: str, what: str) -> DatasetError:
+    return DatasetError(
+        f"MixedDataset: members {names[0]!r} and {names[-1]!r} give different batches at "
+        f"{where}: {what}"
+    )
+
+
+def _merge(  # noqa: PLR0917 - internal recursion
+    values: list[Any], positions: list[np.ndarray], n: int, names: list[str], out: Any, where: str
+) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return _merge_tensors(values, positions, n, names, out, where)
+    if isinstance(first, Mapping):
+        for v in values[1:]:
+            if not isinstance(v, Mapping) or list(v) != list(first):
+                raise _mismatch(names, where, f"keys {list(first)} and {_keys(v)}")
+        dests: Mapping[Any, Any] = out if isinstance(out, Mapping) else {}
+        fields = {
+            k: _merge([v[k] for v in values], positions, n, names, dests.get(k), f"{where}[{k!r}]")
+            for k in first
+        }
+        return fields if type(first) is dict else type(first)(fields)  # type: ignore[call-arg]
+    if isinstance(first, (list, tuple)):
+        if _is_fields(values, positions):
+            width = len(first)
+            sub: Any = (
+                out if isinstance(out, (list, tuple)) and len(out) == width else [None] * width
+            )
+            items = [
+                _merge([v[i] for v in values], positions, n, names, sub[i], f"{where}[{i}]")
+                for i in range(width)
+            ]
+            if isinstance(first, tuple) and hasattr(first, "_fields"):
+                return type(first)(*items)
+            return type(first)(items)
+        merged: list[Any] = [None] * n
+        for v, pos in zip(values, positions, strict=True):
+            if len(v) != len(pos):
+                raise _mismatch(names, where, f"a list of {len(v)} for {len(pos)} samples")
+            for p, item in zip(pos.tolist(), v, strict=True):
+                merged[p] = item
+        return merged
+    raise _mismatch(names, where, f"cannot merge a {type(first).__name__}")
+
+
+def _keys(v: Any) -> Any:
+    return list(v) if isinstance(v, Mapping) else type(v).__name__
+
+
+def _is_fields(values: list[Any], positions: list[np.ndarray]) -> bool:
+    """A list of collated fields (default_collate of tuple samples), not a per-sample list."""
+    width = len(values[0])
+    for v, pos in zip(values, positions, strict=True):
+        if not isinstance(v, (list, tuple)) or len(v) != width:
+            return False
+        for item in v:
+            if isinstance(item, torch.Tensor):
+                if item.ndim == 0 or item.shape[0] != len(pos):
+                    return False
+            elif not isinstance(item, (Mapping, list, tuple)):
+                return False
+    return True
+
+
+def _merge_tensors(  # noqa: PLR0917 - internal
+    values: list[Any], positions: list[np.ndarray], n: int, names: list[str], out: Any, where: str
+) -> torch.Tensor:
+    first = values[0]
+    for v, pos in zip(values, positions, strict=True):
+        if not isinstance(v, torch.Tensor):
+            raise _mismatch(names, where, f"a tensor and a {type(v).__name__}")
+        if v.dtype != first.dtype or v.shape[1:] != first.shape[1:]:
+            raise _mismatch(
+                names,
+                where,
+                f"{first.dtype} {tuple(first.shape[1:])} and {v.dtype} {tuple(v.shape[1:])} "
+                "per sample",
+            )
+        if v.ndim == 0 or v.shape[0] != len(pos):
+            raise _mismatch(names, where, f"{tuple(v.shape)} for {len(pos)} samples")
+    shape = (n, *first.shape[1:])
+    if out is None:
+        dest = torch.empty(shape, dtype=first.dtype)
+    else:
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"out{where[5:]}: expected a tensor, got {type(out).__name__}")
+        if out.dtype != first.dtype or out.ndim != len(shape) or out.shape[1:] != shape[1:]:
+            raise ValueError(
+                f"out{where[5:]}: {out.dtype} {tuple(out.shape)} cannot hold {first.dtype} {shape}"
+            )
+        if out.shape[0] < n:
+            raise ValueError(f"out{where[5:]}: {out.shape[0]} rows, the batch has {n}")
+        dest = out[:n]
+    if len(values) == 1:
+        dest.copy_(values[0])
+        return dest
+    if dest.device.type != "cpu" or not dest.is_contiguous() or dest.dtype == torch.bfloat16:
+        for v, pos in zip(values, positions, strict=True):
+            dest[torch.from_numpy(pos)] = v.to(dest.device)
+        return dest
+    flat = dest.view(n, -1).numpy() if n and dest[0].numel() else None
+    for v, pos in zip(values, positions, strict=True):  # numpy: one single-threaded scatter
+        if flat is not None and len(pos):
+            flat[pos] = v.reshape(len(pos), -1).numpy(force=True)
+    return dest

@@ -1,0 +1,408 @@
+"""``feedpipe.convert(fn, inputs, output=...)``: run your function over inputs, in parallel.
+
+``fn(item)`` is called once per item of ``inputs`` in a process pool; it returns or yields the
+records of that item (none, to filter it out). A record is an array or tensor (the fixed layout:
+every record the same shape and dtype), bytes (the bytes layout), a dict with a ``"data"`` key
+and side fields, or a tuple ``(data, label)`` / ``(data, field1, field2, ...)``, as
+``feedpipe.convert`` takes from a torch dataset.
+
+Determinism: the inputs are split into parts of ``inputs_per_part`` consecutive items, a number
+that never depends on ``num_workers``. Each part is written by one worker, as its own shards
+(shard ids ``part * 100000 + k``, rolled over at ``shard_bytes``), and the index lists the parts
+in input order. So the output, bytes and index, is the same whatever the worker count.
+
+Commit order: shard files are written locally under temporary names; each is moved (local
+output) or uploaded (``s3://...``, any fsspec URL) by its worker as soon as its shard is closed;
+when the part ends, its manifest is written under ``.feedpipe-convert/`` at the destination.
+``index.json`` is written last, after every part; then the state folder goes. A rerun after a
+crash finds the manifests and converts only the parts that have none: the same output as an
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import math
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from feedpipe._progress import progress
+from feedpipe.datasets._convert_sink import Sink
+from feedpipe.datasets.convert import ConvertResult
+from feedpipe.datasets.format import Index
+from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter
+from feedpipe.errors import DatasetError
+
+__all__ = ["convert_fn", "load_function"]
+
+SHARDS_PER_PART = 100_000  # shard ids of part p: p * SHARDS_PER_PART + k
+_MAX_PARTS = 256  # default inputs_per_part: at most this many parts
+_FLUSH = 256  # records buffered per append_batch
+_QUEUE: Any = None  # a worker's progress queue
+
+
+@dataclass(frozen=True)
+class _Task:
+    part: int
+    first: int  # index of the part's first input
+    items: list[Any]
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """The function named ``package.module:function`` (or ``package.module.function``)."""
+    module, sep, name = spec.partition(":")
+    if not sep:
+        module, _, name = spec.rpartition(".")
+    if not module or not name:
+        raise ValueError(f"--fn {spec!r}: expected package.module:function")
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError as exc:
+        raise ValueError(f"--fn {spec!r}: cannot import {module!r}: {exc}") from None
+    for attr in name.split("."):
+        obj = getattr(obj, attr, None)
+        if obj is None:
+            raise ValueError(f"--fn {spec!r}: {module!r} has no {name!r}")
+    if not callable(obj):
+        raise ValueError(f"--fn {spec!r}: {name!r} is not callable")
+    return obj  # type: ignore[no-any-return]
+
+
+def _fn_name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _fingerprint(fn: Callable[..., Any], items: list[Any]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    code = getattr(fn, "__code__", None)
+    h.update(_fn_name(fn).encode())
+    if code is not None:
+        h.update(code.co_code)
+        h.update(repr(code.co_consts).encode())
+    try:
+        h.update(pickle.dumps(items, protocol=4))
+    except Exception as exc:
+        raise DatasetError(f"inputs must be picklable (workers get them): {exc}") from None
+    return h.hexdigest()
+
+
+def convert_fn(
+    fn: Callable[[Any], Any],
+    inputs: Iterable[Any],
+    output: str | os.PathLike[str],
+    *,
+    num_workers: int | None = None,
+    inputs_per_part: int | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+    progress_bar: bool | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> ConvertResult:
+    """Run ``fn`` over ``inputs`` in ``num_workers`` processes into a dataset at ``output``.
+
+    Args:
+        fn: called as ``fn(item)``; returns or yields records (see the module docstring).
+            With more than one worker it is pickled (a module-level function, or a
+            ``functools.partial`` of one).
+        inputs: the items (paths, URLs, ids...); picklable.
+        output: a new or empty local folder, or an fsspec URL (``s3://bucket/ds``).
+        num_workers: processes (default: up to 4, one per CPU). Changes speed only.
+        inputs_per_part: consecutive inputs per part (default: enough for at most 256 parts).
+            Parts are the unit of parallelism and of resume; each has its own shards.
+        shard_bytes: a shard is closed before its data file would exceed this.
+        overwrite: replace a feedpipe dataset already at ``output``.
+        progress_bar: a tqdm bar with ETA (default: when stderr is a terminal).
+        storage_options: fsspec options for a remote ``output``.
+    """
+    start = time.monotonic()
+    items = list(inputs)
+    if not items:
+        raise DatasetError("convert(fn, inputs): inputs is empty")
+    if shard_bytes <= 0:
+        raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+    per = inputs_per_part or max(1, math.ceil(len(items) / _MAX_PARTS))
+    if per < 1:
+        raise ValueError(f"inputs_per_part must be >= 1, got {per}")
+    tasks = [_Task(k, lo, items[lo : lo + per]) for k, lo in enumerate(range(0, len(items), per))]
+    sink = Sink(os.fspath(output), storage_options)
+    plan = {
+        "version": 1,
+        "fn": _fn_name(fn),
+        "fingerprint": _fingerprint(fn, items),
+        "inputs": len(items),
+        "inputs_per_part": per,
+        "shard_bytes": int(shard_bytes),
+    }
+    done = sink.start(plan, overwrite=overwrite)
+    todo = [t for t in tasks if t.part not in done]
+    workers = max(1, num_workers if num_workers is not None else min(4, os.cpu_count() or 1))
+    name = os.path.basename(sink.output.rstrip("/")) or sink.output
+    bar = progress(len(items), f"convert {name}", unit="input", enabled=progress_bar)
+    bar.update(sum(len(t.items) for t in tasks if t.part in done))
+    try:
+        results = dict(done)
+        results.update(_run(fn, todo, sink, int(shard_bytes), workers, bar))
+    finally:
+        bar.close()
+    index = _merge(tasks, results, _fn_name(fn))
+    sink.finish(index, overwrite=overwrite)
+    return ConvertResult(
+        sink.output,
+        index.num_records,
+        index.total_bytes,
+        len(index.shards),
+        time.monotonic() - start,
+        len(done),
+    )
+
+
+# ---------------------------------------------------------------------- the workers
+def _init_worker(q: Any) -> None:
+    global _QUEUE
+    _QUEUE = q
+
+
+def _records(produced: Any) -> Iterable[Any]:
+    if produced is None:
+        return ()
+    single = (Mapping, tuple, bytes, bytearray, memoryview, np.ndarray)
+    if isinstance(produced, single) or hasattr(produced, "numpy"):
+        return (produced,)
+    if isinstance(produced, str):
+        raise DatasetError("a str record cannot be stored (encode it to bytes)")
+    return produced  # type: ignore[no-any-return]
+
+
+def _split(record: Any) -> tuple[Any, dict[str, Any]]:
+    """(data, side fields) of one record."""
+    if isinstance(record, Mapping):
+        if "data" not in record:
+            raise DatasetError(f"dict records need a 'data' key (got {sorted(record)})")
+        return _plain(record["data"]), {
+            str(k): np.asarray(_plain(v)) for k, v in record.items() if k != "data"
+        }
+    if isinstance(record, tuple):
+        names = ["label"] if len(record) == 2 else [f"field{j}" for j in range(1, len(record))]
+        rest = {n: np.asarray(_plain(v)) for n, v in zip(names, record[1:], strict=True)}
+        return _plain(record[0]), rest
+    return _plain(record), {}
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "detach") and hasattr(value, "numpy"):
+        return value.detach().cpu().numpy()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return value
+    return np.asarray(value)
+
+
+class _PartWriter:
+    """One part's records into a MemmapWriter whose layout is that of the first record."""
+
+    def __init__(self, path: str, part: int, shard_bytes: int, sink: Sink) -> None:
+        self.path, self.part, self.shard_bytes, self.sink = path, part, shard_bytes, sink
+        self.shipped = 0  # shards already handed to the sink
+        self.writer: MemmapWriter | None = None
+        self.closed = False
+        self.datas: list[Any] = []
+        self.cols: dict[str, list[Any]] = {}
+
+    def add(self, record: Any) -> None:
+        data, fields = _split(record)
+        if self.writer is None:
+            fixed = isinstance(data, np.ndarray)
+            self.writer = MemmapWriter(
+                self.path,
+                shape=tuple(data.shape) if fixed else None,
+                dtype=str(data.dtype) if fixed else "uint8",
+                fields={k: (str(v.dtype), tuple(v.shape)) for k, v in fields.items()},
+                shard_bytes=self.shard_bytes,
+                first_shard=self.part * SHARDS_PER_PART,
+            )
+            self.cols = {k: [] for k in fields}
+        lay = self.writer.layout
+        if lay.kind == "fixed" and not (
+            isinstance(data, np.ndarray)
+            and data.shape == lay.shape
+            and str(data.dtype) == lay.dtype
+        ):
+            got = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else "bytes"
+            raise DatasetError(f"a record of {got}; the first was {lay.dtype} {lay.shape}")
+        if lay.kind == "bytes" and isinstance(data, np.ndarray):
+            raise DatasetError(f"an array record ({data.dtype} {data.shape}); the first was bytes")
+        if set(fields) != set(self.cols):
+            raise DatasetError(f"side fields {sorted(fields)}, earlier records {sorted(self.cols)}")
+        self.datas.append(data)
+        for k, v in fields.items():
+            self.cols[k].append(v)
+        if len(self.datas) >= _FLUSH:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.writer is None or not self.datas:
+            return
+        datas, cols = self.datas, {k: np.stack(v) for k, v in self.cols.items()}
+        self.datas, self.cols = [], {k: [] for k in self.cols}
+        if self.writer.layout.kind == "fixed":  # add() checked every record
+            self.writer.append_batch(np.stack(datas), **cols)
+        else:
+            self.writer.append_batch(datas, **cols)
+        done = self.writer.shards  # closed shards go now, not when the part ends
+        if len(done) > self.shipped:
+            rels = [f.path for shard in done[self.shipped :] for f in shard.files.values()]
+            self.sink.put_files(self.path, rels)
+            self.shipped = len(done)
+
+    def abort(self) -> None:
+        if self.writer is not None and not self.closed:
+            self.writer.abort()
+
+    def close(self) -> Index | None:
+        if self.writer is None:
+            return None
+        self.flush()
+        self.closed = True
+        index = self.writer.close()
+        if len(index.shards) >= SHARDS_PER_PART:
+            raise DatasetError(
+                f"part {self.part} wrote {len(index.shards)} shards; use a smaller "
+                "inputs_per_part or a larger shard_bytes"
+            )
+        return index
+
+
+def _write_part(fn: Callable[[Any], Any], task: _Task, sink: Sink, shard_bytes: int) -> Any:
+    """Run ``fn`` over one part's inputs, write its shards, hand them to the sink."""
+    scratch = tempfile.mkdtemp(prefix=f"feedpipe-part-{task.part:05d}-")
+    try:
+        out = _PartWriter(os.path.join(scratch, "part"), task.part, shard_bytes, sink)
+        try:
+            for j, item in enumerate(task.items):
+                where = f"input {task.first + j} ({_short(item)})"
+                try:
+                    for record in _records(fn(item)):
+                        out.add(record)
+                except DatasetError as exc:
+                    raise DatasetError(f"{_fn_name(fn)} on {where}: {exc}") from None
+                except Exception as exc:
+                    raise DatasetError(
+                        f"{_fn_name(fn)} failed on {where}: {type(exc).__name__}: {exc}"
+                    ) from exc
+                if _QUEUE is not None:
+                    _QUEUE.put(1)
+            index = out.close()
+        except BaseException:
+            out.abort()
+            raise
+        sink.put_part(task.part, out.path, index)
+        return None if index is None else index.to_json()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _short(item: Any) -> str:
+    text = repr(item)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _run(  # noqa: PLR0917
+    fn: Callable[[Any], Any],
+    todo: Sequence[_Task],
+    sink: Sink,
+    shard_bytes: int,
+    workers: int,
+    bar: Any,
+) -> dict[int, Index | None]:
+    results: dict[int, Index | None] = {}
+    if not todo:
+        return results
+    if workers == 1 or len(todo) == 1:
+        global _QUEUE
+        _QUEUE = None
+        for t in todo:
+            results[t.part] = _as_index(_write_part(fn, t, sink, shard_bytes))
+            bar.update(len(t.items))
+        return results
+    ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
+    q = ctx.Queue()
+    with ProcessPoolExecutor(
+        min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(q,)
+    ) as pool:
+        futures: dict[Future[Any], _Task] = {
+            pool.submit(_write_part, fn, t, sink, shard_bytes): t for t in todo
+        }
+        pending = set(futures)
+        try:
+            while pending:
+                finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                _drain(q, bar)
+                for fut in finished:
+                    results[futures[fut].part] = _as_index(fut.result())
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise
+        _drain(q, bar)
+    return results
+
+
+def _as_index(doc: Any) -> Index | None:
+    return None if doc is None else Index.from_json(doc, "part manifest")
+
+
+def _drain(q: Any, bar: Any) -> None:
+    while True:
+        try:
+            bar.update(q.get_nowait())
+        except queue_mod.Empty:
+            return
+
+
+# ---------------------------------------------------------------------- the index
+def _merge(tasks: Sequence[_Task], results: Mapping[int, Index | None], fn: str) -> Index:
+    """The parts' shards in input order; every part must have the same layout and fields."""
+    first: tuple[_Task, Index] | None = None
+    shards = []
+    for t in tasks:
+        idx = results[t.part]
+        if idx is None:
+            continue
+        if first is None:
+            first = (t, idx)
+        elif (idx.layout, idx.fields) != (first[1].layout, first[1].fields):
+            raise DatasetError(
+                f"{fn}: inputs {t.first}.. give records of {_describe(idx)}, but inputs "
+                f"{first[0].first}.. gave {_describe(first[1])}: every record needs the same "
+                "layout and side fields"
+            )
+        want = range(t.part * SHARDS_PER_PART, (t.part + 1) * SHARDS_PER_PART)
+        for shard in idx.shards:
+            for info in shard.files.values():
+                sid = info.path.split(".", 1)[0].removeprefix("shard-")
+                if not sid.isdigit() or int(sid) not in want:
+                    raise DatasetError(f"part {t.part}: manifest lists a foreign file {info.path}")
+        shards.extend(idx.shards)
+    if first is None:
+        raise DatasetError(f"{fn} produced no records from any input")
+    extra = {"source": {"kind": "fn", "fn": fn, "inputs": sum(len(t.items) for t in tasks)}}
+    return Index(first[1].layout, dict(first[1].fields), shards, extra)
+
+
+def _describe(idx: Index) -> str:
+    lay = idx.layout
+    data = "bytes" if lay.kind == "bytes" else f"{lay.dtype} {list(lay.shape)}"
+    fields = ", ".join(f"{n}: {f.dtype} {list(f.shape)}" for n, f in idx.fields.items())
+    return f"{data}" + (f" with {fields}" if fields else "")

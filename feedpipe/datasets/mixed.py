@@ -1,0 +1,321 @@
+"""``MixedDataset``: several datasets mixed by weight, with exact per-epoch proportions.
+
+An epoch is ``epoch_samples`` positions. Member ``k`` owns ``counts[k]`` of them, a contiguous
+range; the counts are the weights' exact shares of ``epoch_samples`` rounded by the largest
+remainder method (fractions are exact rationals, ties go to the earlier member), so they always
+sum to ``epoch_samples`` and each is within 1 of its share. Whatever the order, an epoch holds
+exactly ``counts[k]`` samples of member ``k``: never a proportion that is right only on average.
+
+Inside its range, position ``j`` of a member of ``n`` samples is sample ``j % n`` while ``j``
+lies in a whole pass over the member (``j < count - count % n``), and ``P(j % n)`` in the last,
+partial pass, where ``P`` is a Feistel permutation of ``[0, n)`` keyed by ``(seed, epoch, member
+name)``. So a count above ``n`` repeats the member (up-sampling: every sample ``count // n`` or
+one more times), and a count below ``n`` takes a different random subset of it each epoch,
+without repeats (down-sampling). The order within the epoch is the sampler's.
+
+The order is the sampler's: the dataset is map-style, so ``shuffle=True`` or
+``feedpipe.DistributedSampler`` mixes the members, and resume and elastic resume are the
+sampler's arithmetic on ``(seed, epoch, consumed)``. The dataset adds only which epoch it is and
+a digest of the epoch's layout to that state (:meth:`MixedDataset.state_dict`): a few hundred
+bytes whatever the number of members. ``read_batch`` calls each member's ``read_batch`` once
+per batch, with all of that member's indices, and scatters the rows into the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from feedpipe._permutation import FeistelPermutation, derive_key
+
+__all__ = ["MixedDataset", "mix_counts"]
+
+_STATE_VERSION = 1
+
+
+def mix_counts(weights: Sequence[float], total: int) -> list[int]:
+    """Split ``total`` in proportion to ``weights`` by the largest remainder method.
+
+    Exact rational arithmetic: the result sums to ``total``, each count differs from its exact
+    share by less than 1, and ties go to the earlier weight.
+    """
+    if total < 0:
+        raise ValueError(f"total must be >= 0, got {total}")
+    fracs = [Fraction(w) for w in weights]
+    whole = sum(fracs)
+    if whole <= 0:
+        raise ValueError("weights must have a positive sum")
+    shares = [f * total / whole for f in fracs]
+    counts = [math.floor(s) for s in shares]
+    left = total - sum(counts)
+    order = sorted(range(len(shares)), key=lambda k: (-(shares[k] - counts[k]), k))
+    for k in order[:left]:
+        counts[k] += 1
+    return counts
+
+
+# (epoch, range ends, counts, per-member permutations, per-member tables of the partial pass)
+_Layout = tuple[int, np.ndarray, list[int], list[FeistelPermutation], list[np.ndarray | None]]
+_TABLE_MAX = 1 << 22  # a partial pass up to this many samples is tabulated once per epoch
+
+
+def _name_key(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+class MixedDataset:
+    """A map-style dataset over named member datasets, drawn in fixed proportions per epoch.
+
+    Args:
+        datasets: ``{"name": dataset}``; each member is map-style (``len`` and ``__getitem__``)
+            and, to be fast, has ``read_batch`` (every feedpipe dataset has).
+        weights: ``{"name": weight}`` for every member (non-negative, any scale; a zero weight
+            leaves the member out). ``None``: in proportion to the members' lengths.
+        seed: seeds which samples of a down-sampled or repeated member each epoch takes.
+        epoch_samples: samples per epoch (``len(self)``); ``None``: the members' total length.
+            With weights, a member whose share exceeds its length is repeated; one whose share
+            is smaller is subsampled.
+
+    Call :meth:`set_epoch` with the sampler's epoch (a new subset of each down-sampled member
+    every epoch). Save :meth:`state_dict` beside the loader's state; see ``docs/guides/mixing.md``.
+    """
+
+    def __init__(
+        self,
+        datasets: Mapping[str, Any],
+        weights: Mapping[str, float] | None = None,
+        *,
+        seed: int = 0,
+        epoch_samples: int | None = None,
+    ) -> None:
+        if not isinstance(datasets, Mapping) or not datasets:
+            raise ValueError("datasets must be a non-empty {name: dataset} mapping")
+        for name in datasets:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"member names must be non-empty strings, got {name!r}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.names: list[str] = list(datasets)
+        self.datasets: dict[str, Any] = dict(datasets)
+        self.lengths: list[int] = [len(datasets[n]) for n in self.names]
+        self.seed = int(seed)
+        total = sum(self.lengths) if epoch_samples is None else int(epoch_samples)
+        if total < 1:
+            raise ValueError(f"epoch_samples must be >= 1, got {total}")
+        self.epoch_samples = total
+        self.weights = self._check_weights(weights)
+        self.epoch = 0
+        # a resumed epoch keeps the counts it was started with (see load_state_dict)
+        self._held: tuple[int, list[int]] | None = None
+        self._layout = self._make_layout(self.counts)
+
+    # ------------------------------------------------------------------ the epoch's layout
+    def _check_weights(self, weights: Mapping[str, float] | None) -> list[float]:
+        if weights is None:
+            return [float(n) for n in self.lengths]
+        missing = [n for n in self.names if n not in weights]
+        unknown = [n for n in weights if n not in self.datasets]
+        if missing or unknown:
+            raise ValueError(
+                f"weights must name every member exactly: missing {missing}, unknown {unknown}"
+            )
+        out = []
+        for n in self.names:
+            w = weights[n]
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+                raise ValueError(f"weight of {n!r} must be a finite number, got {w!r}")
+            if w < 0:
+                raise ValueError(f"weight of {n!r} must be >= 0, got {w!r}")
+            out.append(float(w))
+        if sum(out) <= 0:
+            raise ValueError("at least one weight must be positive")
+        for n, w, length in zip(self.names, out, self.lengths, strict=True):
+            if w > 0 and length == 0:
+                raise ValueError(f"member {n!r} is empty but has weight {w}")
+        return out
+
+    @property
+    def counts(self) -> list[int]:
+        """Samples of each member (in ``names`` order) in the current epoch."""
+        if self._held is not None and self._held[0] == self.epoch:
+            return list(self._held[1])
+        return mix_counts(self.weights, self.epoch_samples)
+
+    def _make_layout(self, counts: list[int]) -> _Layout:
+        ends = np.cumsum(np.asarray(counts, dtype=np.int64))
+        perms = [
+            FeistelPermutation(n, derive_key(self.seed, self.epoch, _name_key(name)))
+            for name, n in zip(self.names, self.lengths, strict=True)
+        ]
+        return self.epoch, ends, counts, perms, [None] * len(perms)
+
+    def _current(self) -> _Layout:
+        layout = self._layout  # one read: thread-safe against a concurrent set_epoch
+        if layout[0] != self.epoch:
+            layout = self._make_layout(self.counts)
+            self._layout = layout
+        return layout
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_layout"] = (-1, *state["_layout"][1:4], [None] * len(self.names))  # re-made
+        return state
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (call it with the sampler's ``set_epoch``)."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self.epoch = int(epoch)
+
+    # ------------------------------------------------------------------ the dataset contract
+    def __len__(self) -> int:
+        return self.epoch_samples
+
+    @property
+    def takes_index_arrays(self) -> bool:
+        """``read_batch`` takes 1-D ``int64`` numpy index arrays."""
+        return True
+
+    def locate(self, indices: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(member, sample)`` arrays for positions ``indices`` of the current epoch."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = self.epoch_samples
+        if idx.size and (idx.min() < 0 or idx.max() >= n):
+            bad = idx[(idx < 0) | (idx >= n)][0]
+            raise IndexError(f"index {int(bad)} is out of range for MixedDataset of length {n}")
+        _, ends, counts, perms, tables = self._current()
+        member = np.searchsorted(ends, idx, side="right")
+        local = idx - (ends[member] - np.asarray(counts, np.int64)[member])
+        sample = np.empty_like(local)
+        for k in np.unique(member).tolist():
+            sel = member == k
+            size, count = self.lengths[k], counts[k]
+            pos = local[sel]
+            if count % size == 0:  # whole passes only: every sample equally often
+                sample[sel] = pos % size
+                continue
+            partial = pos >= count - count % size  # the last, partial pass: a random subset
+            res = pos % size
+            extra = count % size
+            if extra <= _TABLE_MAX:  # one evaluation per epoch, then a lookup per batch
+                table = tables[k]
+                if table is None:
+                    table = tables[k] = perms[k](np.arange(extra, dtype=np.int64))
+                res[partial] = table[res[partial]]
+            else:
+                res[partial] = perms[k](res[partial])
+            sample[sel] = res
+        return member, sample
+
+    def __getitem__(self, index: int) -> Any:
+        member, sample = self.locate([int(index)])
+        return self.datasets[self.names[int(member[0])]][int(sample[0])]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        member, sample = self.locate(indices)
+        out: list[Any] = [None] * len(member)
+        for k in np.unique(member).tolist():
+            pos = np.flatnonzero(member == k)
+            ds = self.datasets[self.names[k]]
+            local = sample[pos].tolist()
+            many = getattr(ds, "__getitems__", None)
+            items = many(local) if callable(many) else [ds[i] for i in local]
+            for p, item in zip(pos.tolist(), items, strict=True):
+                out[p] = item
+        return out
+
+    def read_batch(self, indices: Sequence[int] | np.ndarray, out: Any = None) -> Any:
+        """``default_collate([self[i] for i in indices])``: one ``read_batch`` per member."""
+        from feedpipe.datasets._mixed_merge import fill_out, merge_parts
+
+        member, sample = self.locate(indices)
+        present = np.unique(member).tolist() if member.size else [0]
+        parts: list[tuple[np.ndarray, Any]] = []
+        for k in present:
+            pos = np.flatnonzero(member == k)
+            parts.append((pos, _member_batch(self.datasets[self.names[k]], sample[pos])))
+        names = [self.names[k] for k in present]
+        if len(parts) > 1:
+            return merge_parts(parts, len(member), names, out)
+        return parts[0][1] if out is None else fill_out(parts[0][1], out)
+
+    # ------------------------------------------------------------------ state
+    def _digest(self, counts: list[int]) -> str:
+        doc = [self.names, self.lengths, counts, self.epoch_samples]
+        return hashlib.blake2b(json.dumps(doc).encode(), digest_size=8).hexdigest()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Which epoch, and a digest of its layout; the same on every rank, O(1) in members."""
+        return {
+            "version": _STATE_VERSION,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "epoch_samples": self.epoch_samples,
+            "members": len(self.names),
+            "layout": self._digest(self.counts),
+        }
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, weights: Mapping[str, float] | None = None
+    ) -> None:
+        """Resume the saved epoch with the layout it was started with.
+
+        When this dataset's weights differ from those the saved epoch used, pass the saved
+        epoch's weights as ``weights``: that epoch finishes with them, and the next epoch uses
+        this dataset's own. Members, their lengths, ``epoch_samples`` and ``seed`` must match.
+        """
+        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+            got = state.get("version") if isinstance(state, Mapping) else state
+            raise ValueError(f"unsupported MixedDataset state version {got!r}")
+        for key, ours in (
+            ("seed", self.seed),
+            ("epoch_samples", self.epoch_samples),
+            ("members", len(self.names)),
+        ):
+            if state.get(key) != ours:
+                raise ValueError(
+                    f"MixedDataset state has {key} {state.get(key)!r}, this dataset {ours!r}"
+                )
+        epoch = state.get("epoch")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"MixedDataset state: bad epoch {epoch!r}")
+        old = (
+            mix_counts(self.weights, self.epoch_samples)
+            if weights is None
+            else mix_counts(self._check_weights(weights), self.epoch_samples)
+        )
+        if self._digest(old) != state.get("layout"):
+            hint = (
+                "pass the weights the saved epoch used: load_state_dict(state, weights=old)"
+                if weights is None
+                else "the given weights are not those of the saved epoch either"
+            )
+            raise ValueError(
+                "MixedDataset state was saved with another layout (other weights, members or "
+                f"member lengths): {hint}"
+            )
+        self.epoch = epoch
+        self._held = (epoch, old)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}={c}" for n, c in zip(self.names, self.counts, strict=True))
+        return f"MixedDataset({parts}; epoch={self.epoch}, seed={self.seed})"
+
+
+def _member_batch(ds: Any, sample: np.ndarray) -> Any:
+    """One batch of ``ds`` for ``sample``: its ``read_batch`` (one call), else collated items."""
+    read = getattr(ds, "read_batch", None)
+    if callable(read):
+        arrays = getattr(ds, "takes_index_arrays", False) is True
+        return read(sample if arrays else sample.tolist())
+    from torch.utils.data import default_collate
+
+    many = getattr(ds, "__getitems__", None)
+    local = sample.tolist()
+    return default_collate(many(local) if callable(many) else [ds[i] for i in local])

@@ -1,0 +1,295 @@
+"""feedpipe.convert(fn, inputs, output=...): a user function over inputs in a process pool.
+
+Deterministic output whatever the worker count, S3 output through the moto server, a real
+SIGKILL in the middle of a run followed by a rerun with identical output, progress with an ETA,
+the ``--fn package.module:function`` CLI, and errors that name the input.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import feedpipe
+from feedpipe.datasets._convert_sink import STATE_DIR
+from feedpipe.errors import DatasetError
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _convert_fns as fns  # the worker functions live in an importable module
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def _convert(fn: Any, out: Any, n: int = 60, **kw: Any) -> Any:
+    kw.setdefault("progress_bar", False)
+    kw.setdefault("inputs_per_part", 4)
+    kw.setdefault("shard_bytes", 256)
+    return feedpipe.convert(fn, list(range(n)), output=str(out), **kw)
+
+
+def test_same_bytes_whatever_the_worker_count(tmp_path: Path) -> None:
+    one = _convert(fns.tokens, tmp_path / "one", n=32, num_workers=1)
+    three = _convert(fns.tokens, tmp_path / "three", n=32, num_workers=3)
+    assert one.records == three.records == sum(i % 5 for i in range(32))
+    assert one.shards == three.shards > 8  # several shards per part, several parts
+    assert _files(tmp_path / "one") == _files(tmp_path / "three")  # index.json included
+    ds = feedpipe.MemmapDataset(tmp_path / "three")
+    want = [r for i in range(32) for r in fns.tokens(i)]
+    assert len(ds) == len(want)
+    for k in (0, 1, len(want) // 2, len(want) - 1):
+        assert np.array_equal(ds[k]["data"].numpy(), want[k]["data"])
+        assert int(ds[k]["doc"]) == want[k]["doc"]
+
+
+def test_the_existing_call_forms_still_work(tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", np.arange(12, dtype=np.int32).reshape(6, 2))
+    feedpipe.convert(str(tmp_path / "x.npy"), str(tmp_path / "npy"), progress_bar=False)
+    assert len(feedpipe.MemmapDataset(tmp_path / "npy")) == 6
+    with pytest.raises(TypeError, match="dest"):
+        feedpipe.convert(str(tmp_path / "x.npy"))
+    # bytes records, and a workers= spelling that maps to num_workers
+    result = feedpipe.convert(fns.blobs, range(9), output=str(tmp_path / "b"), workers=2)
+    ds = feedpipe.MemmapDataset(tmp_path / "b")
+    assert result.records == len(ds) == 18
+    assert bytes(ds[5].numpy()) == fns.blobs(2)[1]
+
+
+def test_s3_output_is_the_local_bytes(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    bucket, opts = s3_bucket
+    local = _convert(fns.tokens, tmp_path / "local", n=8, num_workers=1, shard_bytes=1024)
+    url = f"s3://{bucket}/ds"
+    remote = _convert(fns.tokens, url, n=8, num_workers=2, shard_bytes=1024, storage_options=opts)
+    assert (remote.records, remote.shards) == (local.records, local.shards)
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**opts)
+    names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/ds"))
+    assert STATE_DIR not in names  # the conversion's state is gone once index.json is there
+    want = _files(tmp_path / "local")
+    assert names == sorted(want)
+    for name, data in want.items():
+        assert fs.cat_file(f"{bucket}/ds/{name}") == data, name
+    ds = feedpipe.MemmapDataset(url, storage_options=opts, cache_dir=tmp_path / "cache")
+    assert len(ds) == local.records
+
+
+def _wait_for(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout} s")
+        time.sleep(0.05)
+
+
+def _cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "feedpipe.cli", "convert", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group: the kill takes the workers too
+    )
+
+
+def test_sigkill_mid_run_then_rerun_gives_identical_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FEEDPIPE_TEST_SLEEP", "0")
+    dest = tmp_path / "ds"
+    state = Path(f"{dest}.partial") / STATE_DIR
+    items = [str(i) for i in range(80)]
+    args = ["--fn", "_convert_fns:slow_tokens", *items, str(dest), "--workers", "2",
+            "--inputs-per-part", "4", "--shard-size", "256", "--no-progress"]  # fmt: skip
+    proc = _cli(args, {"FEEDPIPE_TEST_SLEEP": "0.05"})
+    try:
+        _wait_for(lambda: len(list(state.glob("part-*.json"))) >= 3, 30, "3 parts done")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    assert proc.returncode == -signal.SIGKILL
+    done = len(list(state.glob("part-*.json")))
+    assert 3 <= done < 20, "killed too late to test anything"
+    assert not (dest / "index.json").exists() and not dest.exists()
+    rerun = _cli(args)  # the same command
+    out, err = rerun.communicate(timeout=60)
+    assert rerun.returncode == 0, err.decode()
+    assert "parts resumed" in out.decode()
+    clean = _convert(fns.slow_tokens, tmp_path / "clean", n=80, num_workers=1)
+    assert clean.records == feedpipe.MemmapDataset(dest).__len__()
+    assert _files(dest) == _files(tmp_path / "clean")
+    assert not Path(f"{dest}.partial").exists()
+
+
+@pytest.mark.slow
+def test_sigkill_mid_upload_to_s3_then_rerun(
+    tmp_path: Path, s3_server: str, s3_bucket: tuple[str, dict[str, Any]], monkeypatch: Any
+) -> None:
+    monkeypatch.setenv("FEEDPIPE_TEST_SLEEP", "0")
+    bucket, opts = s3_bucket
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**opts)
+    url = f"s3://{bucket}/ds"
+    items = [str(i) for i in range(48)]
+    args = ["--fn", "_convert_fns:slow_tokens", *items, url, "--workers", "2",
+            "--inputs-per-part", "4", "--shard-size", "256", "--no-progress",
+            "--endpoint-url", s3_server]  # fmt: skip
+
+    def manifests() -> int:
+        fs.invalidate_cache()
+        return len(fs.glob(f"{bucket}/ds/{STATE_DIR}/part-*.json"))
+
+    proc = _cli(args, {"FEEDPIPE_TEST_SLEEP": "0.1"})
+    try:
+        _wait_for(lambda: manifests() >= 2, 40, "2 parts uploaded")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    fs.invalidate_cache()
+    uploaded = [p for p in fs.ls(f"{bucket}/ds") if p.rsplit("/", 1)[1].startswith("shard-")]
+    assert uploaded, "shards are uploaded as their part completes"
+    assert not fs.exists(f"{bucket}/ds/index.json")  # index.json goes last
+    rerun = _cli(args)
+    out, err = rerun.communicate(timeout=60)
+    assert rerun.returncode == 0, err.decode()
+    assert "parts resumed" in out.decode()
+    clean = _convert(fns.slow_tokens, tmp_path / "clean", n=len(items), num_workers=1)
+    fs.invalidate_cache()
+    names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/ds"))
+    want = _files(tmp_path / "clean")
+    assert names == sorted(want)
+    for name, data in want.items():
+        assert fs.cat_file(f"{bucket}/ds/{name}") == data, name
+    assert clean.records > 0
+
+
+def test_progress_shows_inputs_and_eta(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _convert(fns.tokens, tmp_path / "p", n=20, num_workers=1, progress_bar=True)
+    err = capsys.readouterr().err
+    assert "20/20" in err and "input" in err
+    assert "<00:00" in err  # tqdm's elapsed<remaining: the ETA
+
+
+def test_cli_takes_a_dotted_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from feedpipe.cli import main
+
+    argv = ["convert", "--fn", "_convert_fns.blobs", "1", "2", "3", str(tmp_path / "d")]
+    assert main([*argv, "--no-progress"]) == 0
+    assert "6 records" in capsys.readouterr().out
+    assert bytes(feedpipe.MemmapDataset(tmp_path / "d")[0].numpy()) == fns.blobs(1)[0]
+    assert main(["convert", "--fn", "_convert_fns:nope", "1", str(tmp_path / "e")]) == 1
+    assert "'_convert_fns' has no 'nope'" in capsys.readouterr().err
+    assert main(["convert", "--fn", "no_such_module_x:f", "1", str(tmp_path / "e")]) == 1
+    assert "cannot import 'no_such_module_x'" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
+
+
+def test_a_failing_input_is_named(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match=r"fails_on_13 failed on input 13 \(13\): ValueError"):
+        _convert(fns.fails_on_13, tmp_path / "f", n=20, num_workers=2)
+    assert not (tmp_path / "f").exists()
+
+
+def test_records_that_change_layout_are_refused_naming_the_inputs(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match=r"inputs 8\.\. give records of float32 \[5\]"):
+        _convert(fns.shape_changes, tmp_path / "s", n=12, num_workers=2)
+    with pytest.raises(DatasetError, match=r"input 8 \(8\).*float32 \(4,\)"):  # in one part
+        _convert(fns.shape_changes, tmp_path / "s2", n=12, num_workers=1, inputs_per_part=12)
+
+
+def test_no_records_and_no_inputs_are_errors(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="produced no records"):
+        feedpipe.convert(fns.tokens, [0, 5, 10], output=str(tmp_path / "n"), progress_bar=False)
+    with pytest.raises(DatasetError, match="inputs is empty"):
+        feedpipe.convert(fns.tokens, [], output=str(tmp_path / "m"))
+
+
+def test_a_foreign_folder_is_not_written_into(tmp_path: Path) -> None:
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(DatasetError, match="did not write"):
+        _convert(fns.tokens, tmp_path / "mine", n=8)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def _failed_run(dest: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A run whose function fails at input 8: parts 0 and 1 are committed, part 2 is not."""
+    monkeypatch.setenv("FEEDPIPE_TEST_FAIL_AT", "8")
+    with pytest.raises(DatasetError, match="input 8"):
+        _convert(fns.fails_from_env, dest, n=16, num_workers=1)
+    monkeypatch.delenv("FEEDPIPE_TEST_FAIL_AT")
+    state = Path(f"{dest}.partial") / STATE_DIR
+    assert sorted(p.name for p in state.glob("part-*.json")) == [
+        "part-00000.json",
+        "part-00001.json",
+    ]
+    return state
+
+
+def test_rerun_after_a_failing_function_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _failed_run(tmp_path / "ds", monkeypatch)
+    result = _convert(fns.fails_from_env, tmp_path / "ds", n=16, num_workers=2)
+    assert result.resumed_parts == 2
+    _convert(fns.fails_from_env, tmp_path / "clean", n=16, num_workers=1)
+    assert _files(tmp_path / "ds") == _files(tmp_path / "clean")
+
+
+def test_hostile_or_damaged_manifests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _failed_run(tmp_path / "ds", monkeypatch)
+    (state / "part-00000.json").write_text("{not json")  # damaged: that part is redone
+    doc = (state / "part-00001.json").read_text()
+    # valid JSON and CRCs, but naming part 0's file as part 1's
+    (state / "part-00001.json").write_text(doc.replace("shard-100000", "shard-00000"))
+    with pytest.raises(DatasetError, match="part 1: manifest lists a foreign file shard-00000"):
+        _convert(fns.fails_from_env, tmp_path / "ds", n=16, num_workers=1)
+    assert not (tmp_path / "ds").exists()
+    escape = doc.replace("shard-100000.data", "../../outside.data")
+    (state / "part-00001.json").write_text(escape)  # refused by the index parser: redone
+    result = _convert(fns.fails_from_env, tmp_path / "ds", n=16, num_workers=1)
+    assert result.resumed_parts == 3  # 0, 2 and 3 from the refused run; part 1 again
+    _convert(fns.fails_from_env, tmp_path / "clean", n=16, num_workers=1)
+    assert _files(tmp_path / "ds") == _files(tmp_path / "clean")
+
+
+def test_a_symlinked_partial_folder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", f"{tmp_path / 'ds'}.partial")
+    with pytest.raises(DatasetError, match="symlink"):
+        _convert(fns.tokens, tmp_path / "ds", n=8)
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_an_existing_dataset_is_replaced_only_with_overwrite(tmp_path: Path) -> None:
+    _convert(fns.blobs, tmp_path / "ds", n=6)
+    with pytest.raises(DatasetError, match="already exists"):
+        _convert(fns.tokens, tmp_path / "ds", n=6)
+    assert len(feedpipe.MemmapDataset(tmp_path / "ds")) == 12  # untouched
+    _convert(fns.tokens, tmp_path / "ds", n=6, overwrite=True)
+    assert len(feedpipe.MemmapDataset(tmp_path / "ds")) == sum(i % 5 for i in range(6))
+
+
+def test_another_plan_starts_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _failed_run(tmp_path / "ds", monkeypatch)
+    result = _convert(fns.fails_from_env, tmp_path / "ds", n=16, num_workers=1, inputs_per_part=8)
+    assert result.resumed_parts == 0
+    _convert(fns.fails_from_env, tmp_path / "clean", n=16, num_workers=1, inputs_per_part=8)
+    assert _files(tmp_path / "ds") == _files(tmp_path / "clean")

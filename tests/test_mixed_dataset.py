@@ -1,0 +1,346 @@
+"""feedpipe.MixedDataset: exact per-epoch proportions, one read_batch per member per batch,
+exact and elastic resume through the loader and feedpipe.DistributedSampler, weight changes."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import feedpipe
+from feedpipe import DataLoader, DistributedSampler, MemmapDataset, MemmapWriter, MixedDataset
+from feedpipe.datasets.mixed import mix_counts
+from feedpipe.errors import DatasetError
+from feedpipe.testing import DatasetContractTests, assert_batches_equal
+
+
+def _write(path: Path, base: int, n: int, shard_bytes: int = 400) -> MemmapDataset:
+    """A fixed-layout memmap dataset whose record i holds base + i (and a label field)."""
+    x = (base + np.arange(n, dtype=np.int64))[:, None] * np.ones((1, 3), np.int64)
+    with MemmapWriter(
+        path, shape=(3,), dtype="int64", fields={"label": "int32"}, shard_bytes=shard_bytes
+    ) as w:
+        w.append_batch(x, label=np.arange(n, dtype=np.int32) % 7)
+    return MemmapDataset(path)
+
+
+def _members(tmp: Path, sizes: dict[str, int]) -> dict[str, MemmapDataset]:
+    return {
+        name: _write(tmp / name, 1000 * (k + 1), n) for k, (name, n) in enumerate(sizes.items())
+    }
+
+
+def _ids(batch: Any) -> list[int]:
+    return batch["data"][:, 0].tolist()
+
+
+class Counting:
+    """A member that counts its calls (and forbids per-sample reads in read_batch's path)."""
+
+    def __init__(self, ds: Any) -> None:
+        self.ds, self.read_calls, self.item_calls = ds, 0, 0
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> Any:
+        self.item_calls += 1
+        return self.ds[i]
+
+    def read_batch(self, indices: Any, out: Any = None) -> Any:
+        self.read_calls += 1
+        return self.ds.read_batch(indices)
+
+
+# ------------------------------------------------------------------ the dataset contract
+class TestMixedContract(DatasetContractTests):
+    """Up-sampled (b: 6 samples, 14 drawn) and down-sampled (a: 25 samples, 16 drawn)."""
+
+    def make_dataset(self, tmp_path: Path) -> Any:
+        members = _members(tmp_path, {"a": 25, "b": 6})
+        return MixedDataset(members, weights={"a": 8, "b": 7}, seed=3, epoch_samples=30)
+
+
+# ------------------------------------------------------------------ proportions
+@pytest.mark.parametrize(
+    "weights,total",
+    [
+        ([0.6, 0.3, 0.1], 1000),
+        ([1, 1, 1], 10),
+        ([0.5, 0.25, 0.25], 7),
+        ([3, 0, 1], 5),
+        ([1e-9, 1.0, 2.5], 123457),
+    ],
+)
+def test_counts_are_exact_shares_rounded(weights: list[float], total: int) -> None:
+    counts = mix_counts(weights, total)
+    assert sum(counts) == total
+    whole = sum(Fraction(w) for w in weights)
+    for c, w in zip(counts, weights, strict=True):
+        assert abs(c - Fraction(w) * total / whole) < 1
+
+
+def test_epoch_draws_exact_counts_with_up_and_down_sampling(tmp_path: Path) -> None:
+    members = _members(tmp_path, {"web": 50, "code": 8, "books": 20})
+    weights = {"web": 0.6, "code": 0.3, "books": 0.1}
+    ds = MixedDataset(members, weights=weights, seed=1, epoch_samples=100)
+    assert ds.counts == [60, 30, 10]
+    subsets = []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        ids = _ids(ds.read_batch(np.arange(100)))
+        per = Counter(i // 1000 for i in ids)
+        assert per == {1: 60, 2: 30, 3: 10}
+        web = Counter(i for i in ids if i // 1000 == 1)
+        code = Counter(i for i in ids if i // 1000 == 2)
+        books = [i for i in ids if i // 1000 == 3]
+        assert set(web) == set(range(1000, 1050))  # up-sampled: every sample, 1 or 2 times
+        assert sorted(web.values()) == [1] * 40 + [2] * 10
+        assert set(code) == set(range(2000, 2008))  # up-sampled: 30 = 3 full passes + 6
+        assert sorted(code.values()) == [3, 3] + [4] * 6
+        assert len(set(books)) == 10  # down-sampled: a subset without repeats
+        subsets.append(set(books))
+    assert subsets[0] != subsets[1]  # a new subset each epoch
+
+
+def test_one_read_batch_per_member_per_batch_through_the_loader(tmp_path: Path) -> None:
+    members = {k: Counting(v) for k, v in _members(tmp_path, {"a": 40, "b": 30, "c": 5}).items()}
+    ds = MixedDataset(members, weights={"a": 2, "b": 1, "c": 1}, epoch_samples=64)
+    loader = DataLoader(ds, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
+    batches = list(loader)
+    assert len(batches) == 4
+    present = sum(len({i // 1000 for i in _ids(b)}) for b in batches)
+    assert sum(m.read_calls for m in members.values()) == present <= 3 * len(batches)
+    assert all(m.item_calls == 0 for m in members.values())
+    counts = Counter(i // 1000 for b in batches for i in _ids(b))
+    assert counts == {1: 32, 2: 16, 3: 16}
+
+
+def test_batches_equal_per_sample_reads_with_thread_workers(tmp_path: Path) -> None:
+    ds = MixedDataset(_members(tmp_path, {"a": 33, "b": 9}), weights={"a": 1, "b": 1}, seed=5)
+    gen = torch.Generator().manual_seed(2)
+    got = list(
+        DataLoader(
+            ds, batch_size=5, shuffle=True, generator=gen, num_workers=2, worker_type="thread"
+        )
+    )
+    gen = torch.Generator().manual_seed(2)
+    want = list(torch.utils.data.DataLoader(ds, batch_size=5, shuffle=True, generator=gen))
+    for g, w in zip(got, want, strict=True):
+        assert_batches_equal(g, w)
+
+
+def test_ragged_and_string_members_merge_per_sample() -> None:
+    class Ragged:
+        def __init__(self, tag: str, n: int) -> None:
+            self.tag, self.n = tag, n
+
+        def __len__(self) -> int:
+            return self.n
+
+        def __getitem__(self, i: int) -> Any:
+            return {"tokens": torch.arange(i % 4 + 1), "name": f"{self.tag}{i}", "y": i}
+
+        def read_batch(self, indices: Any, out: Any = None) -> Any:
+            items = [self[int(i)] for i in indices]
+            return {
+                "tokens": [s["tokens"] for s in items],
+                "name": [s["name"] for s in items],
+                "y": torch.tensor([s["y"] for s in items]),
+            }
+
+    ds = MixedDataset({"a": Ragged("a", 5), "b": Ragged("b", 3)})
+    idx = [7, 0, 5, 1, 6]
+    got = ds.read_batch(idx)
+    items = [ds[i] for i in idx]
+    assert got["name"] == [s["name"] for s in items]
+    assert all(torch.equal(g, s["tokens"]) for g, s in zip(got["tokens"], items, strict=True))
+    assert got["y"].tolist() == [s["y"] for s in items]
+
+
+def test_members_with_other_batches_are_refused_by_name(tmp_path: Path) -> None:
+    a = _write(tmp_path / "a", 1000, 10)
+    with MemmapWriter(tmp_path / "b", shape=(3,), dtype="float32", fields={"label": "int32"}) as w:
+        w.append_batch(np.zeros((10, 3), np.float32), label=np.zeros(10, np.int32))
+    ds = MixedDataset({"a": a, "b": MemmapDataset(tmp_path / "b")})
+    with pytest.raises(DatasetError, match=r"'a' and 'b'.*float32"):
+        ds.read_batch(list(range(20)))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"weights": {"a": 1}}, "missing \\['b'\\]"),
+        ({"weights": {"a": 1, "b": 1, "c": 1}}, "unknown \\['c'\\]"),
+        ({"weights": {"a": -1, "b": 1}}, "'a' must be >= 0"),
+        ({"weights": {"a": 0, "b": 0}}, "positive"),
+        ({"weights": {"a": float("nan"), "b": 1}}, "finite"),
+        ({"epoch_samples": 0}, "epoch_samples"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_bad_arguments(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
+    members = _members(tmp_path, {"a": 4, "b": 4})
+    with pytest.raises(ValueError, match=match):
+        MixedDataset(members, **kwargs)
+
+
+# ------------------------------------------------------------------ resume
+N_TOTAL = 90
+WEIGHTS = {"web": 0.5, "code": 0.3, "books": 0.2}
+
+
+def _rank_loader(
+    members: dict[str, Any], world: int, rank: int, weights: dict[str, float], epoch: int = 1
+) -> tuple[DataLoader, MixedDataset]:
+    ds = MixedDataset(members, weights=weights, seed=7, epoch_samples=N_TOTAL)
+    sampler = DistributedSampler(ds, world, rank, seed=11, pad=False, batch_size=4)
+    loader = DataLoader(
+        ds, batch_size=4, sampler=sampler, num_workers=2, worker_type="thread", prefetch_factor=3
+    )
+    return loader, ds
+
+
+def _start(loader: DataLoader, ds: MixedDataset, epoch: int) -> None:
+    loader.sampler.set_epoch(epoch)
+    ds.set_epoch(epoch)
+
+
+def _run_and_save(
+    members: dict[str, Any], world: int, steps: int, weights: dict[str, float]
+) -> tuple[list[list[int]], list[list[int]], Any]:
+    """Every rank runs ``steps`` batches of epoch 1 and saves; also each rank's full epoch."""
+    taken, full, states = [], [], []
+    for rank in range(world):
+        loader, ds = _rank_loader(members, world, rank, weights)
+        _start(loader, ds, 1)
+        it = iter(loader)
+        taken.append([i for _ in range(steps) for i in _ids(next(it))])
+        states.append(
+            json.loads(json.dumps({"loader": loader.state_dict(), "mix": ds.state_dict()}))
+        )
+        del it
+        ref, rds = _rank_loader(members, world, rank, weights)
+        _start(ref, rds, 1)
+        full.append([i for b in ref for i in _ids(b)])
+    return taken, full, states[-1]
+
+
+def _resume(
+    members: dict[str, Any],
+    world: int,
+    state: Any,
+    weights: dict[str, float],
+    old: dict[str, float] | None = None,
+) -> list[list[int]]:
+    out = []
+    for rank in range(world):
+        loader, ds = _rank_loader(members, world, rank, weights)
+        loader.load_state_dict(state["loader"])
+        ds.load_state_dict(state["mix"], weights=old)
+        _start(loader, ds, state["mix"]["epoch"])
+        out.append([i for b in loader for i in _ids(b)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def members(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _members(tmp_path_factory.mktemp("mix"), {"web": 30, "code": 10, "books": 60})
+
+
+def test_resume_same_world_is_exact(members: dict[str, Any]) -> None:
+    taken, full, state = _run_and_save(members, 3, 4, WEIGHTS)
+    resumed = _resume(members, 3, state, WEIGHTS)
+    assert [t + r for t, r in zip(taken, resumed, strict=True)] == full
+
+
+@pytest.mark.parametrize("old,new", [(3, 2), (2, 5)])
+def test_elastic_resume_finishes_the_epoch_exactly(
+    members: dict[str, Any], old: int, new: int
+) -> None:
+    taken, full, state = _run_and_save(members, old, 3, WEIGHTS)
+    resumed = _resume(members, new, state, WEIGHTS)
+    # the epoch's multiset of samples (with the repeats of up-sampling) is delivered exactly
+    assert Counter(i for r in taken + resumed for i in r) == Counter(i for r in full for i in r)
+    epoch = Counter(i // 1000 for r in full for i in r)
+    assert epoch == {1: 45, 2: 27, 3: 18}
+
+
+def test_changed_weights_finish_the_epoch_then_apply(members: dict[str, Any]) -> None:
+    new = {"web": 0.1, "code": 0.1, "books": 0.8}
+    taken, full, state = _run_and_save(members, 2, 3, WEIGHTS)
+    with pytest.raises(ValueError, match="weights=old"):
+        _resume(members, 2, state, new)
+    resumed = _resume(members, 2, state, new, old=WEIGHTS)
+    assert [t + r for t, r in zip(taken, resumed, strict=True)] == full  # the old weights
+    loader, ds = _rank_loader(members, 1, 0, new)
+    loader.load_state_dict(_run_and_save(members, 1, 2, WEIGHTS)[2]["loader"])
+    ds.load_state_dict(state["mix"], weights=WEIGHTS)
+    _start(loader, ds, 1)
+    list(loader)
+    _start(loader, ds, 2)  # the next epoch: the new weights
+    assert Counter(i // 1000 for b in loader for i in _ids(b)) == {1: 9, 2: 9, 3: 72}
+
+
+def test_state_is_small_whatever_the_number_of_members(tmp_path: Path) -> None:
+    class Tiny:
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, i: int) -> int:
+            return i
+
+    members = {f"member-{k:03d}": Tiny() for k in range(100)}
+    ds = MixedDataset(members, weights={n: k + 1 for k, n in enumerate(members)}, seed=1)
+    sampler = DistributedSampler(ds, 8, 3, seed=2, pad=False, batch_size=4)
+    loader = DataLoader(ds, batch_size=4, sampler=sampler)
+    it = iter(loader)
+    next(it)
+    state = {"loader": loader.state_dict(), "mix": ds.state_dict()}
+    # the mix adds O(1) to the state: the same size with 100 members as with 2
+    two = MixedDataset(dict(list(members.items())[:2]), seed=1, epoch_samples=300)
+    assert set(state["mix"]) == set(two.state_dict())
+    assert len(json.dumps(state["mix"])) - len(json.dumps(two.state_dict())) <= 2  # "100"
+    assert len(json.dumps(state["mix"])) < 200
+    # each rank's position is the sampler's few integers (the loader adds its RNG state)
+    assert len(json.dumps(state["loader"]["sampler"])) < 500
+
+
+def test_state_of_other_members_is_refused(members: dict[str, Any], tmp_path: Path) -> None:
+    ds = MixedDataset(members, weights=WEIGHTS, seed=7, epoch_samples=N_TOTAL)
+    state = ds.state_dict()
+    other = dict(members, books=_write(tmp_path / "more", 3000, 61))
+    with pytest.raises(ValueError, match="another layout"):
+        MixedDataset(other, weights=WEIGHTS, seed=7, epoch_samples=N_TOTAL).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed"):
+        MixedDataset(members, weights=WEIGHTS, seed=8, epoch_samples=N_TOTAL).load_state_dict(state)
+
+
+def test_public_name() -> None:
+    assert feedpipe.MixedDataset is MixedDataset and "MixedDataset" in feedpipe.__all__
+
+
+def test_process_workers_see_the_epoch_set_before_iter(members: dict[str, Any]) -> None:
+    ds = MixedDataset(members, weights=WEIGHTS, seed=7, epoch_samples=N_TOTAL)
+    loader = DataLoader(ds, batch_size=30, num_workers=2)  # torch's process workers
+    for epoch in (0, 3):
+        ds.set_epoch(epoch)
+        got = [i for b in loader for i in _ids(b)]
+        assert got == _ids(ds.read_batch(np.arange(N_TOTAL))), epoch
+    ds.set_epoch(0)
+    first = _ids(ds.read_batch(np.arange(N_TOTAL)))
+    ds.set_epoch(3)
+    assert first != _ids(ds.read_batch(np.arange(N_TOTAL)))  # books: another subset
+
+
+@pytest.mark.parametrize("bad", [{"epoch": "1"}, {"epoch": True}, {"epoch": -1}, {"version": 2}])
+def test_corrupt_states_are_refused(members: dict[str, Any], bad: dict[str, Any]) -> None:
+    ds = MixedDataset(members, weights=WEIGHTS, seed=7, epoch_samples=N_TOTAL)
+    with pytest.raises(ValueError):
+        ds.load_state_dict({**ds.state_dict(), **bad})
