@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "ShardCache": "feedpipe.remote.cache",
     "StallMeter": "feedpipe.stall.meter",
     "StallStats": "feedpipe.stall.stats",
+    "TokenWindows": "feedpipe.datasets.tokens",
     "DatasetError": "feedpipe.errors",
     "GPUFeed": "feedpipe.gpu",
     "ImageLoader": "feedpipe.dali.loader",
@@ -41,6 +42,7 @@ __all__ = [
     "ShardCache",
     "StallMeter",
     "StallStats",
+    "TokenWindows",
     "ZarrDataset",
     "__version__",
     "convert",
@@ -53,6 +55,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from feedpipe.dali import ImageLoader
     from feedpipe.datasets.convert import convert
     from feedpipe.datasets.memmap import MemmapDataset, MemmapWriter
+    from feedpipe.datasets.tokens import TokenWindows
     from feedpipe.datasets.zarr import ZarrDataset
     from feedpipe.errors import DatasetError
     from feedpipe.gpu import GPUFeed

@@ -27,3 +27,10 @@ def test_import_has_no_heavy_side_effects() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_token_windows_is_public() -> None:
+    import feedpipe
+
+    assert "TokenWindows" in feedpipe.__all__
+    assert feedpipe.TokenWindows.__module__ == "feedpipe.datasets.tokens"

@@ -142,14 +142,12 @@ def _ragged(dtype: str, shape: tuple[int, ...], value: Any, where: str) -> np.nd
     if arr.size == 0 and arr.ndim == 1 and shape == ():
         return np.empty(0, want)
     if arr.ndim != 1 + len(shape) or arr.shape[1:] != shape:
-        raise DatasetError(
-            f"{where}: expected shape (n, {', '.join(map(str, shape))}) with any n, got "
-            f"{arr.shape}" if shape else f"{where}: expected a 1-D array, got shape {arr.shape}"
-        )
+        want_shape = f"(n, {', '.join(map(str, shape))})" if shape else "(n,)"
+        raise DatasetError(f"{where}: expected shape {want_shape} with any n, got {arr.shape}")
     if arr.dtype != want:
-        if arr.dtype.kind not in "biuf" or not np.can_cast(arr.dtype, want, "same_kind"):
-            if not (arr.dtype.kind in "iu" and want.kind in "iu"):
-                raise DatasetError(f"{where}: expected dtype {want}, got {arr.dtype}")
+        ints = arr.dtype.kind in "biu" and want.kind in "iu"  # checked below: values must fit
+        if not ints and not np.can_cast(arr.dtype, want, "same_kind"):
+            raise DatasetError(f"{where}: expected dtype {want}, got {arr.dtype}")
         cast = arr.astype(want)
         if not np.array_equal(cast, arr):
             raise DatasetError(
@@ -288,11 +286,12 @@ def read_variable(
     return values, lengths
 
 
-def assemble(  # noqa: PLR0913
+def assemble(
     col: Column,
     values: np.ndarray,
     lengths: np.ndarray,
     mode: str,
+    *,
     pad_value: Any,
     where: Callable[[int], str],
 ) -> dict[str, Any] | list[Any]:

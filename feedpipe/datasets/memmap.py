@@ -46,18 +46,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import default_collate
 
 from feedpipe import _remote
+from feedpipe.datasets._memmap_columns import TypedColumns
 from feedpipe.datasets._memmap_open import OpenShard, OpenShards
-from feedpipe.datasets.columns import (
-    RAGGED_MODES,
-    Column,
-    assemble,
-    check_offsets,
-    read_variable,
-    variable_columns,
-)
+from feedpipe.datasets.columns import RAGGED_MODES, variable_columns
 from feedpipe.datasets.format import INDEX_NAME, FileInfo, Index, parse_index, read_index
 from feedpipe.datasets.writer import MemmapWriter
 from feedpipe.errors import DatasetError
@@ -89,7 +82,7 @@ def verify_files(root: str, index: Index) -> Iterator[tuple[str, str]]:
             yield rel, f"crc32c {to_hex(got)}, index says {crc}"
 
 
-class MemmapDataset(torch.utils.data.Dataset[Any]):
+class MemmapDataset(TypedColumns, torch.utils.data.Dataset[Any]):
     """Map-style dataset over a directory written by :class:`MemmapWriter`.
 
     ``ds[i]`` is a tensor (fixed layout), a 1-D uint8 tensor (bytes layout), a tensor of
@@ -268,7 +261,9 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         with self._open_lock:
             files = self._files
             if files is None or files.pid != os.getpid():
-                sizes = [s.files["data"].bytes if "data" in s.files else 0 for s in self.index.shards]
+                sizes = [
+                    s.files["data"].bytes if "data" in s.files else 0 for s in self.index.shards
+                ]
                 limit = self.cache_limit_bytes if self._remote else None
                 files = self._files = OpenShards(
                     self._open_data, sizes, None if limit is None else limit // 3
@@ -276,33 +271,6 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                 self._pool = None
                 self._role_files = {}
         return files
-
-    def _open_role_files(self, role: str) -> OpenShards:
-        """This process's open files of one role (``data``, or a variable-length field's)."""
-        if role == "data":
-            return self._open_files()
-        self._open_files()  # resets the roles' files after a fork or unpickling
-        files = self._role_files.get(role)
-        if files is None:
-            with self._open_lock:
-                files = self._role_files.get(role)
-                if files is None:
-                    sizes = [s.files[role].bytes for s in self.index.shards]
-                    limit = self.cache_limit_bytes if self._remote else None
-                    files = self._role_files[role] = OpenShards(
-                        lambda sid: self._open_data(sid, role),
-                        sizes,
-                        None if limit is None else limit // 3,
-                    )
-        return files
-
-    @contextlib.contextmanager
-    def _mapped(self, role: str, sid: int) -> Iterator[np.ndarray]:
-        """Shard ``sid``'s ``role`` file mapped read-only (flat uint8), open inside the block."""
-        files = self._open_role_files(role)
-        with files.use(sid) as shard:
-            self._check_mapped(shard, role)  # a file truncated after mapping would SIGBUS
-            yield files.rows(shard, 0)
 
     def _open_data(self, sid: int, role: str = "data") -> tuple[int, Any]:
         """Open (and, remote, fetch and pin) shard ``sid``'s data file: ``(fd, release)``."""
@@ -392,51 +360,6 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                 )
             self._offsets_of[sid] = off
         return off
-
-    def _offsets_col(self, col: Column, sid: int) -> np.ndarray:
-        """Shard ``sid``'s checked offsets of a typed variable-length column (cached)."""
-        off = self._col_offsets.get((col.name, sid))
-        if off is None:
-            shard = self.index.shards[sid]
-            raw = self._read_whole(sid, col.offsets_role)
-            where = self._local_path(sid, col.offsets_role)
-            data_bytes = shard.files[col.data_role].bytes
-            off = check_offsets(raw, shard.records, data_bytes, col.row_bytes, where)
-            self._col_offsets[(col.name, sid)] = off
-        return off
-
-    def _read_var(self, col: Column, idx: np.ndarray, mode: str) -> Any:
-        """One typed variable-length column of a batch (see ``assemble``)."""
-        sid, local = self._locate(idx)
-        order = self._plan(np.unique(sid).tolist()) if len(idx) else []
-        values, lengths = read_variable(
-            sid,
-            local,
-            lambda s: self._offsets_col(col, s),
-            lambda s: self._mapped(col.data_role, s),
-            order,
-        )
-
-        def where(j: int) -> str:
-            s = int(sid[j])
-            return f"{self._local_path(s, col.data_role)}: record {int(local[j])} (shard {s})"
-
-        return assemble(col, values, lengths, mode, self.pad_value, where)
-
-    def read_span(self, name: str, shard: int, start: int, out: np.ndarray) -> None:
-        """Read ``out.nbytes`` bytes of column ``name``'s data file in ``shard`` (``"data"``: the
-        records) from byte ``start`` into ``out`` (contiguous, writable): one ``os.preadv``;
-        a short read is a :class:`DatasetError`. :class:`feedpipe.TokenWindows` reads with it."""
-        role = "data" if name == "data" else f"field.{name}"
-        files = self._open_role_files(role)
-        nbytes = out.nbytes
-        with files.use(shard) as opened:
-            got = os.preadv(opened.fd, [out.reshape(-1).view(np.uint8)], start) if nbytes else 0
-        if got != nbytes:
-            raise DatasetError(
-                f"{self._local_path(shard, role)}: short read (got {got} of {nbytes} bytes at "
-                f"offset {start}); the shard was truncated"
-            )
 
     def _column(self, name: str) -> np.ndarray:
         """A side field for all records, concatenated over shards (small; kept in memory)."""
@@ -555,14 +478,6 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             return samples
         return [self.transform(s) for s in samples]
 
-    def _samples(self, idx: np.ndarray) -> list[Any]:
-        """The samples ``ds[i]`` (before ``transform``) of a batch, read in one gather."""
-        batch = self._read(idx, None, "list")
-        if not self.fields:
-            return list(batch) if self.kind == "fixed" else batch
-        names = list(batch)
-        return [{k: batch[k][j] for k in names} for j in range(len(idx))]
-
     def __iter__(self) -> Iterator[Any]:
         for i in range(self._len):
             yield self[i]
@@ -591,17 +506,6 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             batch = self._read(idx, out, self.ragged)
         return batch if self.batch_transform is None else self.batch_transform(batch)
 
-    def _transformed(self, idx: np.ndarray) -> Any:
-        transform = self.transform
-        assert transform is not None
-        samples = [transform(s) for s in self._samples(idx)]
-        if samples:
-            return default_collate(samples)
-        if self._len == 0:
-            return []
-        ref = default_collate([transform(self._samples(np.zeros(1, np.int64))[0])])
-        return _empty_like(ref)
-
     def _read(self, idx: np.ndarray, out: Any, mode: str) -> Any:
         """The batch before any transform; ragged columns as ``mode`` (pad, nested, list)."""
         n = len(idx)
@@ -623,9 +527,9 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         elif self.kind != "none":
             result["data"] = data
         for name, spec in self.fields.items():
-            col = self._var_cols.get(name)
-            if col is not None:
-                got = self._read_var(col, idx, mode)
+            vcol = self._var_cols.get(name)
+            if vcol is not None:
+                got = self._read_var(vcol, idx, mode)
                 result.update(got) if isinstance(got, dict) else result.__setitem__(name, got)
                 continue
             target = out.get(name) if isinstance(out, dict) else None
@@ -933,19 +837,6 @@ def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:
 
 def _noop() -> None:
     return None
-
-
-def _empty_like(batch: Any) -> Any:
-    """``batch`` with no samples: tensors cut to 0 rows, lists emptied, dicts kept."""
-    if isinstance(batch, torch.Tensor):
-        return batch[:0]
-    if isinstance(batch, dict):
-        return {k: _empty_like(v) for k, v in batch.items()}
-    if isinstance(batch, tuple):
-        return type(batch)(*(_empty_like(v) for v in batch)) if hasattr(batch, "_fields") else (
-            tuple(_empty_like(v) for v in batch)
-        )
-    return []
 
 
 def _scratch(tls: threading.local, like: np.ndarray) -> np.ndarray:
