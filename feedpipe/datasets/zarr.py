@@ -298,7 +298,9 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
                     or tuple(target.shape[1:]) != shape[1:]
                     or target.shape[0] < shape[0]
                 ):
-                    raise ValueError(f"out[{name!r}] must be a {want} tensor with room for {shape}")
+                    raise ValueError(
+                        f"out[{name!r}] must be a {want} tensor with room for {shape}"
+                    )
                 t = target[: shape[0]]
                 if arr is not None:
                     t.copy_(torch.from_numpy(arr))
