@@ -169,7 +169,7 @@ class MemmapWriter:
         self,
         path: str | os.PathLike[str],
         *,
-        shape: Sequence[int] | None = None,
+        shape: Sequence[int | None] | None = None,
         dtype: Any = "uint8",
         fields: Mapping[str, Any] | None = None,
         shard_bytes: int = DEFAULT_SHARD_BYTES,
