@@ -133,6 +133,8 @@ def encode(kind: str, dtype: str, shape: tuple[int, ...], value: Any, where: str
 
 
 def _ragged(dtype: str, shape: tuple[int, ...], value: Any, where: str) -> np.ndarray:
+    if isinstance(value, (bytes, bytearray, memoryview)) and dtype == "uint8" and shape == ():
+        return np.frombuffer(value, np.uint8)
     if isinstance(value, (str, bytes, dict)) or value is None:
         raise DatasetError(f"{where}: expected an array, got {type(value).__name__}")
     if isinstance(value, torch.Tensor):
@@ -314,15 +316,15 @@ def assemble(
     dt, shape = np.dtype(col.dtype), col.shape
     row = col.row_bytes
     rows = lengths // row if row else np.zeros_like(lengths)
-    elems = values.view(dt).reshape(-1, *shape) if values.nbytes else np.empty((0, *shape), dt)
+    elems = values.view(dt).reshape(-1, *shape)
     if mode == "list":
-        tensor = torch.from_numpy(elems)
+        tensor = _tensor(elems)
         return list(torch.split(tensor, rows.tolist())) if len(rows) else []
     if mode == "nested":
         offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(rows)]).astype(np.int64))
         if len(rows) == 0:
             return {col.name: torch.nested.nested_tensor([], layout=torch.jagged)}
-        nested = torch.nested.nested_tensor_from_jagged(torch.from_numpy(elems), offsets)
+        nested = torch.nested.nested_tensor_from_jagged(_tensor(elems), offsets)
         return {col.name: nested}
     n = len(rows)
     width = int(rows.max()) if n else 0
@@ -333,6 +335,12 @@ def assemble(
         target = np.repeat(np.arange(n, dtype=np.int64) * width, rows) + within
         padded.reshape(n * width, *shape)[target] = elems
     return {
-        col.name: torch.from_numpy(padded),
-        f"{col.name}_lengths": torch.from_numpy(rows.astype(np.int64)),
+        col.name: _tensor(padded),
+        f"{col.name}_lengths": _tensor(rows.astype(np.int64)),
     }
+
+
+def _tensor(arr: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy``, with plain strides for an empty array (numpy gives 0 strides)."""
+    t = torch.from_numpy(arr)
+    return t if t.numel() else torch.empty(t.shape, dtype=t.dtype)

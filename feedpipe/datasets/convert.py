@@ -492,14 +492,16 @@ def _write_part(src: _Source, part_dir: str, a: int, b: int, shard_bytes: int) -
         fields=src.fields,
         shard_bytes=shard_bytes,
         records=src.records,
+        first_record=a,
     ) as w:
         for lo in range(a, b, _CHUNK):
             hi = min(b, lo + _CHUNK)
             try:
                 records, fields = src.read(lo, hi)
                 w.append_batch(records, **fields)
-            except DatasetError as exc:
-                raise DatasetError(f"converting records {lo}..{hi - 1}: {exc}") from None
+            except DatasetError as exc:  # the part's temp folder means nothing to the user
+                why = str(exc).removeprefix(f"{part_dir}: ")
+                raise DatasetError(f"converting records {lo}..{hi - 1}: {why}") from None
             if _QUEUE is not None:
                 _QUEUE.put(src.est_bytes * (hi - lo) // max(src.length, 1))
     return b - a

@@ -159,7 +159,8 @@ class MemmapWriter:
     ``fields`` maps side-field names to a dtype, ``(dtype, shape)``, ``(dtype, (None, ...))``
     (ragged), ``"str"`` (UTF-8) or ``"json"`` (see :mod:`feedpipe.datasets.columns`). A shard
     is closed when its files would exceed ``shard_bytes``. ``extra`` adds top-level keys to the
-    index (e.g. ``classes``).
+    index (e.g. ``classes``). ``first_record`` numbers the records in error messages (a writer
+    of one part of a larger conversion).
 
     >>> with MemmapWriter("out", shape=(2048,), dtype="int32", fields={"label": "int64"}) as w:
     ...     w.append(tokens, label=3)
@@ -178,6 +179,7 @@ class MemmapWriter:
         first_shard: int = 0,
         storage_options: Mapping[str, Any] | None = None,
         records: bool = True,
+        first_record: int = 0,
     ) -> None:
         from feedpipe import _remote
 
@@ -230,22 +232,24 @@ class MemmapWriter:
         self._var_offsets: dict[str, list[int]] = {}
         self._records = 0  # records in the open shard
         self.num_records = 0  # records appended in total
+        self.first_record = first_record  # the number of the first record in error messages
         self._closed = False
 
     # ------------------------------------------------------------------ appending
     def append(self, record: Any = None, **fields: Any) -> None:
         """Append one record (an array for a fixed or ragged layout, bytes-like for the bytes
         layout, nothing with ``records=False``) and its fields."""
-        buf = self._check_record(record, self.num_records)
-        cols = self._check_fields(fields, 1, self.num_records)
-        var = self._check_var(fields, 1, self.num_records, batch=False)
+        number = self.first_record + self.num_records
+        buf = self._check_record(record, number)
+        cols = self._check_fields(fields, 1, number)
+        var = self._check_var(fields, 1, number, batch=False)
         self._write_records([buf], [_nbytes(buf)], cols, var)
 
     def append_batch(self, records: Any = None, **fields: Any) -> None:
         """Append many records at once: an ``(n, *shape)`` array (fixed), or a sequence of
         arrays (ragged) or bytes-likes (bytes); field values as sequences of ``n``. With
         ``records=False``, ``n`` is the length of the field sequences."""
-        first = self.num_records
+        first = self.first_record + self.num_records
         if self.layout.kind == "fixed" and not self._var:
             arr = self._check_fixed(_as_array(records), first, batch=True)
             n = len(arr)
