@@ -531,3 +531,32 @@ def test_readback_through_the_loader_matches(typed: tuple[Path, list[dict[str, A
     got = list(DataLoader(ds, batch_size=5, num_workers=2, worker_type="thread"))
     for b, batch in enumerate(got):
         assert_batches_equal(batch, ds.read_batch(list(range(5 * b, min(N, 5 * b + 5)))))
+
+
+def run_guide(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Run a guide's ``python`` blocks in order, in one module namespace, inside ``tmp_path``."""
+    import re
+    import sys
+    import types
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guides" / page).read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, page
+    monkeypatch.chdir(tmp_path)
+    name = "guide_" + re.sub(r"\W", "_", page)
+    module = types.ModuleType(name)  # classes defined by the guide pickle by reference
+    monkeypatch.setitem(sys.modules, name, module)
+    for block in blocks:
+        exec(compile(block, page, "exec"), module.__dict__)
+    return module.__dict__
+
+
+def test_guide_code_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ns = run_guide("typed-columns.md", tmp_path, monkeypatch)
+    padded = ns["padded"]
+    assert padded["tokens"].tolist() == [[4, 4, 8, 1, 3], [5, 17, 2, 0, 0], [9, 0, 0, 0, 0]]
+    assert padded["tokens_lengths"].tolist() == [5, 3, 1]
+    assert padded["text"] == ["un chat", "a cat", "ein Hund"]
+    assert [t.tolist() for t in ns["nested"].unbind()] == [[4, 4, 8, 1, 3], [5, 17, 2], [9]]
+    assert ns["ds"][0]["image"].shape == (3, 32, 32)
+    assert ns["MemmapDataset"]("tokenized")[7]["url"] == "https://example.com/7"

@@ -200,3 +200,14 @@ def test_bad_arguments(tmp_path: Path, kwargs: dict[str, Any], error: type, matc
 
 def test_public_name() -> None:
     assert feedpipe.TokenWindows is TokenWindows
+
+
+def test_guide_code_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_columns import run_guide
+
+    ns = run_guide("token-windows.md", tmp_path, monkeypatch)
+    windows = ns["windows"]
+    assert len(windows) == windows.num_tokens // 2049 and ns["batch"].shape == (8, 2049)
+    got = next(iter(ns["resumed"]))
+    ref = ns["loader"]
+    assert got.shape == (8, 2049) and ref.state_dict()["sampler"]["consumed"] == 24
