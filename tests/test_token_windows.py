@@ -211,3 +211,33 @@ def test_guide_code_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     got = next(iter(ns["resumed"]))
     ref = ns["loader"]
     assert got.shape == (8, 2049) and ref.state_dict()["sampler"]["consumed"] == 24
+
+
+def test_remote_corpus_through_the_cache(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    """A typed corpus written straight to S3, read through the lazy cache with a tight limit:
+    typed columns and windows read the same as locally."""
+    bucket, opts = s3_bucket
+    cat = _corpus(tmp_path / "local", docs=24, seed=7, shard_bytes=400)
+    url = f"s3://{bucket}/corpus"
+    with MemmapWriter(
+        url,
+        records=False,
+        fields={"tokens": ("int32", (None,)), "n": "json"},
+        shard_bytes=400,
+        storage_options=opts,
+    ) as w:
+        local = MemmapDataset(tmp_path / "local")
+        for i in range(len(local)):
+            w.append(tokens=local[i]["tokens"], n={"i": i})
+    ds = MemmapDataset(
+        url, cache_dir=tmp_path / "cache", cache_limit_bytes=2000, storage_options=opts
+    )
+    assert ds.read_batch([5, 23])["n"] == [{"i": 5}, {"i": 23}]
+    tw = TokenWindows(ds, block_size=23)
+    order = np.random.default_rng(2).permutation(len(tw))
+    got = tw.read_batch(order)
+    for j, i in enumerate(order.tolist()):
+        assert np.array_equal(got[j].numpy(), cat[i * 23 : (i + 1) * 23])
+    tw.close()

@@ -277,7 +277,8 @@ class Index:
             raise
         except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
             raise DatasetError(f"{source}: malformed index: {type(exc).__name__}: {exc}") from None
-        index = cls(layout, fields, shards, {k: v for k, v in doc.items() if k not in _CORE_KEYS})
+        extra = {k: v for k, v in doc.items() if k not in _CORE_KEYS}
+        index = cls(layout, fields, shards, extra, version)
         if index.needed_version > version:
             raise DatasetError(
                 f"{source}: version {version} index uses typed columns (a version 2 feature)"
