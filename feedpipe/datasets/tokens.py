@@ -57,7 +57,10 @@ class TokenWindows(torch.utils.data.Dataset[torch.Tensor]):
         pad_value: int = 0,
         dataset_options: dict[str, Any] | None = None,
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        block_size = int(block_size)
+        if block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(dataset, MemmapDataset):
             dataset = MemmapDataset(dataset, **(dataset_options or {}))

@@ -272,6 +272,8 @@ class MemmapWriter:
             if self.layout.kind == "none":
                 n = len(next(iter(fields.values()))) if fields else 0
                 records = [None] * n
+            elif records is None:
+                raise DatasetError(f"{self.path}: records {first}...: append_batch needs records")
             elif self.layout.kind == "fixed":
                 records = list(self._check_fixed(_as_array(records), first, batch=True))
             bufs = [self._check_record(r, first + i) for i, r in enumerate(records)]
