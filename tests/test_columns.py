@@ -111,6 +111,7 @@ def test_nested_mode_gives_jagged_tensors(typed: tuple[Path, list[dict[str, Any]
         assert torch.equal(t, torch.from_numpy(docs[idx[j]]["tokens"]))
     for j, t in enumerate(b["boxes"].unbind()):
         assert torch.equal(t, torch.from_numpy(docs[idx[j]]["boxes"]))
+    assert ds.read_batch([])["tokens"].shape[0] == 0  # an empty batch is a 0-row nested tensor
     with pytest.raises(ValueError, match="ragged"):
         MemmapDataset(path, ragged="list-please")
     with pytest.raises(ValueError, match="pad_value"):

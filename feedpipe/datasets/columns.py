@@ -322,8 +322,6 @@ def assemble(
         return list(torch.split(tensor, rows.tolist())) if len(rows) else []
     if mode == "nested":
         offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(rows)]).astype(np.int64))
-        if len(rows) == 0:
-            return {col.name: torch.nested.nested_tensor([], layout=torch.jagged)}
         nested = torch.nested.nested_tensor_from_jagged(_tensor(elems), offsets)
         return {col.name: nested}
     n = len(rows)
