@@ -56,12 +56,7 @@ def describe(index: Index, path: str, max_shards: int = 10) -> str:
         f"size      {_size(index.total_bytes)} in {sum(1 for _ in index.files())} files",
     ]
     if index.fields:
-        lines.append(
-            "fields    "
-            + ", ".join(
-                f"{n}: {_field(f)}" for n, f in index.fields.items()
-            )
-        )
+        lines.append("fields    " + ", ".join(f"{n}: {_field(f)}" for n, f in index.fields.items()))
     for key, value in index.extra.items():
         text = repr(value)
         if isinstance(value, list) and len(value) > 8:
