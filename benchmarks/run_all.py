@@ -51,6 +51,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("loader_overhead", ("--repeats", "3", "--mib", "32"), ("--repeats", "5")),
     Benchmark("datasets", ("--quick",), ("--full",)),
     Benchmark("datasets", ("--shards",), ("--shards", "--full")),  # the shard-count axis
+    Benchmark("token_windows", ("--docs", "4000"), ("--docs", "20000", "--seconds", "5")),
     Benchmark("stall_overhead", ("--batches", "20000", "--reps", "3")),
     Benchmark("staging", ("--shards", "16", "--shard-mb", "4", "--repeat", "1")),
     Benchmark("cache_policy", ()),

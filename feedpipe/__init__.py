@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "ShardCache": "feedpipe.remote.cache",
     "StallMeter": "feedpipe.stall.meter",
     "StallStats": "feedpipe.stall.stats",
+    "TokenWindows": "feedpipe.datasets.tokens",
     "DatasetError": "feedpipe.errors",
     "GPUFeed": "feedpipe.device.feed",
     "ImageLoader": "feedpipe.dali.loader",
@@ -45,6 +46,7 @@ __all__ = [
     "StallMeter",
     "StallStats",
     "TarDataset",
+    "TokenWindows",
     "ZarrDataset",
     "__version__",
     "convert",
@@ -59,6 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from feedpipe.datasets.memmap import MemmapDataset, MemmapWriter
     from feedpipe.datasets.mixed import MixedDataset
     from feedpipe.datasets.tar import TarDataset
+    from feedpipe.datasets.tokens import TokenWindows
     from feedpipe.datasets.zarr import ZarrDataset
     from feedpipe.device.feed import GPUFeed
     from feedpipe.errors import DatasetError

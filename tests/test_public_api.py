@@ -34,3 +34,10 @@ def test_mixed_dataset_is_public() -> None:
 
     assert "MixedDataset" in feedpipe.__all__
     assert feedpipe.MixedDataset.__module__ == "feedpipe.datasets.mixed"
+
+
+def test_token_windows_is_public() -> None:
+    import feedpipe
+
+    assert "TokenWindows" in feedpipe.__all__
+    assert feedpipe.TokenWindows.__module__ == "feedpipe.datasets.tokens"

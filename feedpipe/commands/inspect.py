@@ -30,14 +30,23 @@ def _size(n: float) -> str:
     return f"{n} B"  # pragma: no cover
 
 
+def _field(f: Any) -> str:
+    if f.kind in ("str", "json"):
+        return f.kind
+    if f.kind == "ragged":
+        return f"{f.dtype}{[None, *f.shape]}"
+    return f"{f.dtype}{list(f.shape) if f.shape else ''}"
+
+
 def describe(index: Index, path: str, max_shards: int = 10) -> str:
     """A human-readable summary of an index."""
     lay = index.layout
-    layout = (
-        f"fixed {list(lay.shape)} {lay.dtype} ({_size(lay.record_bytes)}/record)"
-        if (lay.kind == "fixed")
-        else "bytes (variable-length records)"
-    )
+    layout = {
+        "fixed": f"fixed {list(lay.shape)} {lay.dtype} ({_size(lay.record_bytes)}/record)",
+        "bytes": "bytes (variable-length records)",
+        "ragged": f"ragged {[None, *lay.shape]} {lay.dtype} (variable-length arrays)",
+        "none": "none (a record is its fields)",
+    }[lay.kind]
     lines = [
         f"dataset   {path}",
         f"format    feedpipe.memmap v{index.version}",
@@ -47,12 +56,7 @@ def describe(index: Index, path: str, max_shards: int = 10) -> str:
         f"size      {_size(index.total_bytes)} in {sum(1 for _ in index.files())} files",
     ]
     if index.fields:
-        lines.append(
-            "fields    "
-            + ", ".join(
-                f"{n}: {f.dtype}{list(f.shape) if f.shape else ''}" for n, f in index.fields.items()
-            )
-        )
+        lines.append("fields    " + ", ".join(f"{n}: {_field(f)}" for n, f in index.fields.items()))
     for key, value in index.extra.items():
         text = repr(value)
         if isinstance(value, list) and len(value) > 8:

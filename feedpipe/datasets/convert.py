@@ -8,13 +8,22 @@ Sources:
   is the records, the others become side fields);
 - a Zarr v3 array, or a group (``data_key`` plus aligned side fields);
 - any indexable torch dataset (Python API): samples are arrays/tensors, bytes, ``(x, y, ...)``
-  tuples (``label`` and ``field1``... side fields) or dicts with a ``"data"`` key.
+  tuples (``label`` and ``field1``... side fields) or dicts with any keys (``"data"``, when
+  present, is the records column; without it every key is a field and there is no records
+  column). Each value's column type comes from record 0 (:func:`infer_column`): an array or
+  tensor is fixed-size, a list of numbers a ragged array, ``str`` a string column, a ``dict``
+  a JSON column, ``bytes`` the bytes layout (records) or a ragged uint8 array (a field).
+  What cannot be stored is refused before anything is written, naming the record and field;
+  a later record that does not fit its column fails the conversion naming it, and no
+  dataset appears.
 
 The records are split into parts written in parallel, each a small dataset in
 ``DEST.partial/part-NNNNN``. A part is complete once its own index exists, so an interrupted run
 resumes where it stopped (complete parts are kept). At the end the parts' shard files are
 hard-linked into place, the final ``index.json`` is written last and ``DEST.partial`` is renamed
-to ``DEST``: an interrupted conversion never looks complete.
+to ``DEST``: an interrupted conversion never looks complete. The parts, and so the shards, depend
+only on the source and ``shard_bytes`` (:func:`plan_parts`), never on ``workers``: the worker
+count changes the speed, not one byte of the output.
 """
 
 from __future__ import annotations
@@ -39,11 +48,14 @@ import numpy as np
 from feedpipe import _remote
 from feedpipe._progress import progress
 from feedpipe.datasets._publish import check_remote_destination, publish
+from feedpipe.datasets.columns import parse_field
 from feedpipe.datasets.format import (
     FileInfo,
     Index,
+    Layout,
     Shard,
     check_dtype,
+    check_field_names,
     check_shape,
     read_index,
     write_index,
@@ -56,7 +68,7 @@ from feedpipe.datasets.writer import (
 )
 from feedpipe.errors import DatasetError
 
-__all__ = ["ConvertResult", "add_arguments", "convert", "run"]
+__all__ = ["ConvertResult", "add_arguments", "convert", "infer_column", "plan_parts", "run"]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _CHUNK = 512  # records read and appended at a time
@@ -89,8 +101,9 @@ class _Source:
     """A picklable record source: layout, side fields, and records by range."""
 
     kind = ""
-    shape: tuple[int, ...] | None = None  # None: bytes layout
+    shape: tuple[int | None, ...] | None = None  # None: bytes layout; (None, ...): ragged
     dtype = "uint8"
+    records = True  # False: no records column (dict samples without "data")
     fields: dict[str, Any]
     extra: dict[str, Any]
     length = 0
@@ -178,7 +191,8 @@ class _ArraySource(_Source):
                 )
             self.fields[name] = (str(col.dtype), tuple(col.shape[1:]))
         self.extra = {"source": {"kind": "npy", "paths": self.paths}}
-        self.est_bytes = self.length * int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+        rows = math.prod(int(d) for d in self.shape if d is not None)
+        self.est_bytes = self.length * rows * np.dtype(self.dtype).itemsize
 
     def _load(self) -> dict[str, list[np.ndarray]]:
         if len(self.paths) == 1 and self.paths[0].endswith(".npz"):
@@ -260,14 +274,6 @@ class _ZarrSource(_Source):
         return data, {k: v.numpy() for k, v in batch.items()}
 
 
-def _to_numpy(value: Any) -> Any:
-    if hasattr(value, "detach") and hasattr(value, "numpy"):
-        return value.detach().cpu().numpy()
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return value
-    return np.asarray(value)
-
-
 class _TorchSource(_Source):
     kind = "torch"
 
@@ -280,55 +286,157 @@ class _TorchSource(_Source):
             raise DatasetError(f"{type(dataset).__name__}: the dataset is empty")
         self.dataset = dataset
         data, fields = self._split(dataset[0], 0)
-        if isinstance(data, (bytes, bytearray, memoryview)):
+        self.records = data is not _NO_DATA
+        self.est_bytes = 0
+        if not self.records:
+            self.shape = ()
+        elif isinstance(data, (bytes, bytearray, memoryview)):
             self.shape = None
-            self.est_bytes = self.length * memoryview(data).nbytes
+            self.est_bytes = memoryview(data).nbytes
         else:
-            self.shape, self.dtype = tuple(data.shape), str(data.dtype)
-            self.est_bytes = self.length * data.nbytes
-        self.fields = {k: (str(v.dtype), tuple(v.shape)) for k, v in fields.items()}
+            spec = infer_column(data, "record 0: the records ('data')")
+            if not isinstance(spec, tuple):
+                raise DatasetError(
+                    f"record 0: the records ('data') are {type(data).__name__}; the records "
+                    "column holds arrays or bytes (use another key to store a str/json field)"
+                )
+            self.dtype, self.shape = spec
+            self.est_bytes = _value_bytes(data)
+        self.fields = {}
+        for k, v in fields.items():
+            self.fields[k] = infer_column(v, f"record 0: field {k!r}")
+            self.est_bytes += _value_bytes(v)
+        self.est_bytes *= self.length
         self.extra = {"source": {"kind": "torch", "type": type(dataset).__qualname__}}
         classes = getattr(dataset, "classes", None)
         if isinstance(classes, list) and all(isinstance(c, str) for c in classes):
             self.extra["classes"] = classes
 
-    def _split(self, sample: Any, i: int) -> tuple[Any, dict[str, np.ndarray]]:
+    def _split(self, sample: Any, i: int) -> tuple[Any, dict[str, Any]]:
         if isinstance(sample, Mapping):
-            if "data" not in sample:
-                raise DatasetError(
-                    f"record {i}: dict samples need a 'data' key (got {list(sample)})"
-                )
-            rest = {str(k): np.asarray(_to_numpy(v)) for k, v in sample.items() if k != "data"}
-            return _to_numpy(sample["data"]), rest
+            for k in sample:
+                if not isinstance(k, str) or not k.isidentifier():
+                    raise DatasetError(
+                        f"record {i}: key {k!r} cannot name a field (a Python identifier)"
+                    )
+            rest = {k: _to_value(v) for k, v in sample.items() if k != "data"}
+            return _to_value(sample["data"]) if "data" in sample else _NO_DATA, rest
         if isinstance(sample, (tuple, list)):
             names = ["label"] if len(sample) == 2 else [f"field{j}" for j in range(1, len(sample))]
-            return _to_numpy(sample[0]), {
-                n: np.asarray(_to_numpy(v)) for n, v in zip(names, sample[1:], strict=True)
+            return _to_value(sample[0]), {
+                n: _to_value(v) for n, v in zip(names, sample[1:], strict=True)
             }
-        return _to_numpy(sample), {}
+        return _to_value(sample), {}
 
     def fingerprint(self) -> Any:
         return ["torch", type(self.dataset).__qualname__, self.length, self.shape, self.dtype]
 
-    def read(self, a: int, b: int) -> tuple[Any, dict[str, np.ndarray]]:
+    def read(self, a: int, b: int) -> tuple[Any, dict[str, Any]]:
         datas: list[Any] = []
         cols: dict[str, list[Any]] = {k: [] for k in self.fields}
         for i in range(a, b):
             data, fields = self._split(self.dataset[i], i)
             datas.append(data)
-            for k, col in cols.items():
-                if k not in fields:
-                    raise DatasetError(f"record {i}: missing field {k!r}")
-                col.append(fields[k])
-        if self.shape is None:
-            return datas, {k: np.asarray(v) for k, v in cols.items()}
-        for j, d in enumerate(datas):
-            if not isinstance(d, np.ndarray) or d.shape != self.shape or str(d.dtype) != self.dtype:
-                got = f"{d.dtype} {d.shape}" if isinstance(d, np.ndarray) else type(d).__name__
+            if set(fields) != set(cols):
                 raise DatasetError(
-                    f"record {a + j}: expected {self.dtype} {self.shape} like record 0, got {got}"
+                    f"record {i}: fields {sorted(fields)}, record 0 had {sorted(cols)}"
                 )
-        return np.stack(datas), {k: np.asarray(v) for k, v in cols.items()}
+            for k, col in cols.items():
+                spec = self.fields[k]
+                if not _variable(spec):
+                    _check_fixed(fields[k], spec, f"record {i}: field {k!r}")
+                col.append(fields[k])
+        out = {k: v if _variable(self.fields[k]) else np.stack(v) for k, v in cols.items()}
+        if not self.records:
+            return None, out
+        if self.shape is None or None in self.shape:
+            return datas, out
+        spec = (self.dtype, self.shape)
+        for j, d in enumerate(datas):
+            _check_fixed(d, spec, f"record {a + j}")
+        return np.stack(datas), out
+
+
+_NO_DATA: Any = object()  # a dict sample without a "data" key
+
+
+def infer_column(value: Any, where: str) -> Any:
+    """The writer's field spec for a column whose record 0 holds ``value`` (see the module
+    docstring); ``DatasetError`` naming ``where`` for a value no column can hold."""
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, dict):
+        return "json"
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return ("uint8", (None,))
+    if isinstance(value, list):
+        try:
+            arr = np.asarray(value)
+        except ValueError:  # nested lists of varying lengths: not an array
+            arr = None
+        if arr is not None and arr.size == 0 and arr.ndim == 1:
+            return ("int64", (None,))  # no element to tell: token ids are the common case
+        if arr is not None and arr.dtype.kind in "biuf" and arr.ndim >= 1:
+            return (str(arr.dtype), (None, *arr.shape[1:]))
+        return "json"
+    if isinstance(value, np.ndarray):
+        try:
+            check_dtype(value.dtype, where)
+        except ValueError as exc:
+            raise DatasetError(str(exc)) from None
+        return (str(value.dtype), tuple(value.shape))
+    raise DatasetError(
+        f"{where}: cannot store a {type(value).__name__} (arrays, tensors, numbers, str, "
+        "bytes, lists and dicts of JSON values can be stored)"
+    )
+
+
+def _variable(spec: Any) -> bool:
+    """Whether a writer field spec is a variable-length column (str, json, ragged)."""
+    if isinstance(spec, str):
+        return spec in ("str", "json")
+    return isinstance(spec, tuple) and len(spec[1]) > 0 and spec[1][0] is None
+
+
+def _value_bytes(value: Any) -> int:
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return memoryview(value).nbytes
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "replace"))
+    if isinstance(value, list):
+        return 8 * len(value)
+    return 64
+
+
+def _to_value(value: Any) -> Any:
+    """A sample's value as the writer takes it: tensors and numbers as numpy arrays, the rest
+    (bytes, str, lists, dicts) as is."""
+    if hasattr(value, "detach") and hasattr(value, "numpy"):
+        return value.detach().cpu().numpy()
+    if isinstance(value, (bool, int, float, complex, np.generic)):
+        return np.asarray(value)
+    return value
+
+
+def _check_fixed(value: Any, spec: Any, where: str) -> None:
+    dtype, shape = spec
+    if (
+        not isinstance(value, np.ndarray)
+        or value.shape != tuple(shape)
+        or str(value.dtype) != dtype
+    ):
+        got = (
+            f"{value.dtype} {value.shape}"
+            if isinstance(value, np.ndarray)
+            else type(value).__name__
+        )
+        hint = " (variable-length arrays: return a list, e.g. .tolist())"
+        raise DatasetError(
+            f"{where}: expected {dtype} {tuple(shape)} like record 0, got {got}"
+            + (hint if isinstance(value, np.ndarray) and value.ndim == len(shape) else "")
+        )
 
 
 def _make_source(
@@ -378,20 +486,24 @@ def _write_part(src: _Source, part_dir: str, a: int, b: int, shard_bytes: int) -
     if os.path.exists(part_dir):
         shutil.rmtree(part_dir)  # an incomplete part from an interrupted run
     with MemmapWriter(
-        part_dir, shape=src.shape, dtype=src.dtype, fields=src.fields, shard_bytes=shard_bytes
+        part_dir,
+        shape=src.shape,
+        dtype=src.dtype,
+        fields=src.fields,
+        shard_bytes=shard_bytes,
+        records=src.records,
+        first_record=a,
     ) as w:
         for lo in range(a, b, _CHUNK):
             hi = min(b, lo + _CHUNK)
             try:
                 records, fields = src.read(lo, hi)
                 w.append_batch(records, **fields)
-            except DatasetError as exc:
-                raise DatasetError(f"converting records {lo}..{hi - 1}: {exc}") from None
+            except DatasetError as exc:  # the part's temp folder means nothing to the user
+                why = str(exc).removeprefix(f"{part_dir}: ")
+                raise DatasetError(f"converting records {lo}..{hi - 1}: {why}") from None
             if _QUEUE is not None:
-                nbytes = (
-                    records.nbytes if isinstance(records, np.ndarray) else sum(map(len, records))
-                )
-                _QUEUE.put(nbytes)
+                _QUEUE.put(src.est_bytes * (hi - lo) // max(src.length, 1))
     return b - a
 
 
@@ -492,8 +604,8 @@ def convert(
     _check_layout(src)
     workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
     n = src.length
-    nparts = max(1, min(n, max(math.ceil(src.est_bytes / shard_bytes), 2 * workers)))
-    bounds = [n * k // nparts for k in range(nparts + 1)]
+    bounds = plan_parts(src, shard_bytes)
+    nparts = len(bounds) - 1
     work = dest + ".partial"
     plan = {"fingerprint": src.fingerprint(), "bounds": bounds, "shard_bytes": shard_bytes}
     plan = json.loads(json.dumps(plan))
@@ -540,6 +652,22 @@ def convert(
     )
 
 
+def plan_parts(src: _Source, shard_bytes: int) -> list[int]:
+    """Part boundaries (record numbers) from the source and ``shard_bytes`` alone, never from
+    the worker count: fixed-size records fill each part up to one shard exactly; other
+    layouts split the estimated bytes into parts of about one shard."""
+    n = src.length
+    fixed = src.records and src.shape is not None and None not in src.shape
+    if fixed and not any(_variable(f) for f in src.fields.values()):
+        dims = [int(d) for d in src.shape or () if d is not None]
+        per = math.prod(dims) * np.dtype(src.dtype).itemsize  # the shard limit counts the data
+        per_part = max(1, shard_bytes // per) if per else max(n, 1)
+        nparts = max(1, math.ceil(n / per_part))
+        return [min(n, k * per_part) for k in range(nparts)] + [n]
+    nparts = max(1, min(n, math.ceil(src.est_bytes / shard_bytes)))
+    return [n * k // nparts for k in range(nparts + 1)]
+
+
 def _read_plan(work: str, plan_path: str) -> Any:
     """The plan of an interrupted conversion in ``work``; refuse a ``work`` that is not ours."""
     if not os.path.lexists(work):
@@ -578,13 +706,19 @@ def _check_not_a_source(source: Any, dest: str) -> None:
 def _check_layout(src: _Source) -> None:
     """Refuse, before writing anything, records or fields that could not be read back."""
     try:
-        if src.shape is not None:
+        if src.records and src.shape is not None:
             dt = check_dtype(src.dtype, "records")
-            check_shape(list(src.shape), np.dtype(dt).itemsize, "records")
-        for name, spec in src.fields.items():
-            fdtype, fshape = (spec, ()) if not isinstance(spec, tuple) else spec
-            fdt = check_dtype(fdtype, f"side field {name!r}")
-            check_shape(list(fshape), np.dtype(fdt).itemsize, f"side field {name!r}")
+            dims = src.shape[1:] if src.shape and src.shape[0] is None else src.shape
+            check_shape(list(dims), np.dtype(dt).itemsize, "records")
+        specs = {name: parse_field(name, spec) for name, spec in src.fields.items()}
+        for name in specs:
+            if name == "data" or not name.isidentifier():
+                raise ValueError(f"invalid side-field name {name!r}")
+        if src.records:
+            kind = "bytes" if src.shape is None else "ragged" if None in src.shape else "fixed"
+            check_field_names(Layout(kind), specs)
+        elif not specs:
+            raise ValueError("the samples hold no values")
     except ValueError as exc:
         raise DatasetError(f"{_describe(src)}: {exc}") from None
 

@@ -5,11 +5,19 @@ A dataset is a directory holding ``index.json`` (written last, atomically) and s
     {"format": "feedpipe.memmap", "version": 1,
      "layout": {"kind": "fixed", "shape": [2048], "dtype": "int32"},   # or {"kind": "bytes"}
      "fields": {"label": {"dtype": "int64", "shape": []}},
+     # version 2 adds typed columns: {"kind": "str"}, {"kind": "json"} and variable-length
+     # arrays {"kind": "ragged", "dtype": "int32", "shape": [null]} (fields and layout), and
+     # the layout {"kind": "none"} (records that are only fields)
      "num_records": 1000,
      "shards": [{"records": 500, "files": {
          "data": {"path": "shard-00000.data", "bytes": 4096000, "crc32c": "1a2b3c4d"},
          "offsets": {...},          # bytes layout only: (records + 1) uint64 offsets
-         "field.label": {...}}}]}
+         "field.label": {...},
+         "field.text": {...}, "field.text.offsets": {...}}}]}   # a variable-length field
+
+A variable-length column (the bytes and ragged layouts, and ``str``, ``json`` and ragged
+fields) is a data file plus an offsets file of ``records + 1`` little-endian uint64 byte
+offsets into it (:mod:`feedpipe.datasets.columns`).
 
 Extra top-level keys (e.g. ``"classes"``) are kept in :attr:`Index.extra` and written back.
 """
@@ -33,26 +41,33 @@ __all__ = [
     "FORMAT",
     "INDEX_NAME",
     "MAX_BYTES",
+    "VARIABLE_KINDS",
     "VERSION",
+    "VERSIONS",
     "FieldSpec",
     "FileInfo",
     "Index",
     "Layout",
     "Shard",
     "check_dtype",
+    "check_field_names",
     "check_shape",
+    "column_roles",
     "parse_index",
+    "parse_ragged_shape",
     "read_index",
     "write_index",
 ]
 
 FORMAT = "feedpipe.memmap"
 VERSION = 1
+VERSIONS = (1, 2)  # version 2: typed columns (written only when a dataset uses one)
 INDEX_NAME = "index.json"
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 _CORE_KEYS = {"format", "version", "layout", "fields", "num_records", "shards"}
 MAX_BYTES = 1 << 62  # no record, field or file may be larger: offsets stay within int64
 _DTYPE_KINDS = "biufc"  # what torch.from_numpy reads: bool, ints, floats, complex
+VARIABLE_KINDS = ("ragged", "str", "json")  # columns stored as a data file plus offsets
 
 
 def check_dtype(dtype: Any, what: str) -> str:
@@ -101,7 +116,9 @@ def _int(value: Any, what: str, limit: int = MAX_BYTES) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Record layout: ``fixed`` (``shape``, ``dtype``) or ``bytes`` (variable-length records)."""
+    """Record layout: ``fixed`` (``shape``, ``dtype``), ``bytes`` (variable-length records),
+    ``ragged`` (arrays of ``dtype`` whose first dimension varies; ``shape`` holds the others)
+    or ``none`` (no records column: a record is its fields)."""
 
     kind: str
     shape: tuple[int, ...] = ()
@@ -109,27 +126,57 @@ class Layout:
 
     @property
     def record_bytes(self) -> int:
-        """Bytes per record of a fixed layout (0 for the bytes layout)."""
+        """Bytes per record of a fixed layout (0 for the other layouts)."""
         if self.kind != "fixed":
             return 0
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
+    @property
+    def has_offsets(self) -> bool:
+        """Whether the records column is variable-length (a data file plus offsets)."""
+        return self.kind in ("bytes", "ragged")
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per row (one step of the varying dimension) of a ragged layout; 1 for bytes."""
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
     def to_json(self) -> dict[str, Any]:
-        if self.kind == "bytes":
-            return {"kind": "bytes"}
+        if self.kind in ("bytes", "none"):
+            return {"kind": self.kind}
+        if self.kind == "ragged":
+            return {"kind": "ragged", "shape": [None, *self.shape], "dtype": self.dtype}
         return {"kind": "fixed", "shape": list(self.shape), "dtype": self.dtype}
 
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """A side field stored column-wise: one ``dtype``/``shape`` value per record."""
+    """A side field stored column-wise. ``kind`` ``fixed``: one ``dtype``/``shape`` value per
+    record; ``ragged``: an array of ``dtype`` per record whose first dimension varies
+    (``shape`` holds the others); ``str``: a UTF-8 string; ``json``: any JSON value."""
 
     dtype: str
     shape: tuple[int, ...] = ()
+    kind: str = "fixed"
 
     @property
     def record_bytes(self) -> int:
+        """Bytes per record of a fixed field (0 for a variable-length one)."""
+        if self.kind != "fixed":
+            return 0
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per row of the varying dimension (ragged); 1 for ``str`` and ``json``."""
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        if self.kind in ("str", "json"):
+            return {"kind": self.kind}
+        if self.kind == "ragged":
+            return {"kind": "ragged", "dtype": self.dtype, "shape": [None, *self.shape]}
+        return {"dtype": self.dtype, "shape": list(self.shape)}
 
 
 @dataclass(frozen=True)
@@ -164,6 +211,12 @@ class Index:
         return sum(s.records for s in self.shards)
 
     @property
+    def needed_version(self) -> int:
+        """2 when the dataset uses a typed column (readers of version 1 cannot read it)."""
+        typed = self.layout.kind in ("ragged", "none")
+        return 2 if typed or any(f.kind != "fixed" for f in self.fields.values()) else 1
+
+    @property
     def total_bytes(self) -> int:
         return sum(f.bytes for s in self.shards for f in s.files.values())
 
@@ -176,11 +229,9 @@ class Index:
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "format": FORMAT,
-            "version": self.version,
+            "version": max(self.version, self.needed_version),
             "layout": self.layout.to_json(),
-            "fields": {
-                n: {"dtype": f.dtype, "shape": list(f.shape)} for n, f in self.fields.items()
-            },
+            "fields": {n: f.to_json() for n, f in self.fields.items()},
             "num_records": self.num_records,
             "shards": [
                 {
@@ -203,11 +254,15 @@ class Index:
             fmt = doc.get("format") if isinstance(doc, Mapping) else None
             raise DatasetError(f"{source}: not a feedpipe dataset index (format={fmt!r})")
         version = doc.get("version")
-        if version != VERSION:
-            raise DatasetError(f"{source}: unsupported index version {version!r} (expected 1)")
+        if version not in VERSIONS or isinstance(version, bool):
+            raise DatasetError(
+                f"{source}: unsupported index version {version!r} (expected 1 or 2; "
+                "a newer feedpipe wrote it?)"
+            )
         try:
             layout = _parse_layout(doc["layout"])
             fields = _parse_fields(doc.get("fields", {}))
+            check_field_names(layout, fields)
             if not isinstance(doc["shards"], list):
                 raise ValueError("'shards' must be a list")
             shards = [_parse_shard(s, i, source) for i, s in enumerate(doc["shards"])]
@@ -221,15 +276,18 @@ class Index:
             raise
         except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
             raise DatasetError(f"{source}: malformed index: {type(exc).__name__}: {exc}") from None
-        index = cls(layout, fields, shards, {k: v for k, v in doc.items() if k not in _CORE_KEYS})
+        extra = {k: v for k, v in doc.items() if k not in _CORE_KEYS}
+        index = cls(layout, fields, shards, extra, version)
+        if index.needed_version > version:
+            raise DatasetError(
+                f"{source}: version {version} index uses typed columns (a version 2 feature)"
+            )
         if index.num_records != declared:
             raise DatasetError(
                 f"{source}: num_records is {declared} but the shards hold {index.num_records}"
             )
         for shard_id, shard in enumerate(shards):
-            needed = ["data", *(f"field.{n}" for n in fields)]
-            if layout.kind == "bytes":
-                needed.append("offsets")
+            needed = [*column_roles(layout, fields)]
             for role in needed:
                 if role not in shard.files:
                     raise DatasetError(f"{source}: shard {shard_id} lists no {role!r} file")
@@ -237,15 +295,58 @@ class Index:
         return index
 
 
+def column_roles(layout: Layout, fields: Mapping[str, FieldSpec]) -> Iterator[str]:
+    """The file roles every shard of this layout and these fields must list."""
+    if layout.kind != "none":
+        yield "data"
+    if layout.has_offsets:
+        yield "offsets"
+    for name, spec in fields.items():
+        yield f"field.{name}"
+        if spec.kind in VARIABLE_KINDS:
+            yield f"field.{name}.offsets"
+
+
+def check_field_names(layout: Layout, fields: Mapping[str, FieldSpec]) -> None:
+    """Refuse field names that would clash with a file or a batch key (``ValueError``)."""
+    for name in fields:
+        if not isinstance(name, str) or not name.isidentifier() or name == "data":
+            raise ValueError(f"invalid side-field name {name!r}")
+        if name == "offsets" and layout.has_offsets:
+            raise ValueError("a side field cannot be called 'offsets' (the records' offsets file)")
+    ragged = [n for n, f in fields.items() if f.kind == "ragged"]
+    if layout.kind == "ragged":
+        ragged.append("data")
+    for name in ragged:
+        if f"{name}_lengths" in fields:
+            raise ValueError(
+                f"side field {name}_lengths clashes with the lengths of ragged column {name!r}"
+            )
+    if layout.kind == "none" and not fields:
+        raise ValueError("the 'none' layout needs at least one field")
+
+
+def parse_ragged_shape(shape: Any, dtype: str, what: str) -> tuple[int, ...] | None:
+    """``(None, *rest)`` -> ``rest`` checked (a ragged column); a fixed shape -> ``None``."""
+    if isinstance(shape, (list, tuple)) and len(shape) >= 1 and shape[0] is None:
+        return check_shape(list(shape[1:]), np.dtype(dtype).itemsize, what)
+    return None
+
+
 def _parse_layout(doc: Any) -> Layout:
     if not isinstance(doc, Mapping):
         raise ValueError("'layout' must be an object")
     kind = doc["kind"]
-    if kind == "bytes":
-        return Layout("bytes")
-    if kind != "fixed":
+    if kind in ("bytes", "none"):
+        return Layout(kind)
+    if kind not in ("fixed", "ragged"):
         raise ValueError(f"unknown layout kind {kind!r}")
     dtype = check_dtype(doc["dtype"], "layout")
+    if kind == "ragged":
+        rest = parse_ragged_shape(doc["shape"], dtype, "layout")
+        if rest is None:
+            raise ValueError(f"a ragged layout's shape must start with null, got {doc['shape']!r}")
+        return Layout("ragged", rest, dtype)
     return Layout("fixed", check_shape(doc["shape"], np.dtype(dtype).itemsize, "layout"), dtype)
 
 
@@ -258,7 +359,19 @@ def _parse_fields(doc: Any) -> dict[str, FieldSpec]:
             raise ValueError(f"invalid side-field name {name!r}")
         if not isinstance(f, Mapping):
             raise ValueError(f"field {name!r} must be an object")
+        kind = f.get("kind", "fixed")
+        if kind in ("str", "json"):
+            fields[name] = FieldSpec("uint8", (), kind)
+            continue
+        if kind not in ("fixed", "ragged"):
+            raise ValueError(f"field {name!r}: unknown kind {kind!r}")
         dtype = check_dtype(f["dtype"], f"field {name!r}")
+        if kind == "ragged":
+            rest = parse_ragged_shape(f["shape"], dtype, f"field {name!r}")
+            if rest is None:
+                raise ValueError(f"field {name!r}: a ragged shape must start with null")
+            fields[name] = FieldSpec(dtype, rest, "ragged")
+            continue
         shape = check_shape(f.get("shape", []), np.dtype(dtype).itemsize, f"field {name!r}")
         fields[name] = FieldSpec(dtype, shape)
     return fields
@@ -292,13 +405,26 @@ def _parse_shard(doc: Any, shard_id: int, source: str) -> Shard:
 def _check_sizes(index: Index, shard_id: int, source: str) -> None:
     """The listed sizes must agree with the record count (a cheap consistency check)."""
     shard = index.shards[shard_id]
-    expect: dict[str, int] = {
-        f"field.{n}": shard.records * f.record_bytes for n, f in index.fields.items()
-    }
+    expect: dict[str, int] = {}
+    rows: dict[str, int] = {}  # variable-length data files hold whole rows
+    for n, f in index.fields.items():
+        if f.kind in VARIABLE_KINDS:
+            expect[f"field.{n}.offsets"] = (shard.records + 1) * 8
+            rows[f"field.{n}"] = f.row_bytes
+        else:
+            expect[f"field.{n}"] = shard.records * f.record_bytes
     if index.layout.kind == "fixed":
         expect["data"] = shard.records * index.layout.record_bytes
-    else:
+    elif index.layout.has_offsets:
         expect["offsets"] = (shard.records + 1) * 8
+        rows["data"] = index.layout.row_bytes
+    for role, row in rows.items():
+        info = shard.files[role]
+        if row and info.bytes % row:
+            raise DatasetError(
+                f"{source}: shard {shard_id} file {info.path!r} is listed with {info.bytes} bytes, "
+                f"not a whole number of {row}-byte rows"
+            )
     for role, nbytes in expect.items():
         info = shard.files[role]
         if info.bytes != nbytes:

@@ -24,8 +24,14 @@ one vectorised gather with the GIL released. Fixed-size records are read one of 
 A CUDA ``out`` skips the host gather: records go by DMA from the page cache to the GPU
 (:mod:`feedpipe.device.dma`).
 
-Variable-length records are always read with ``os.preadv`` (runs of adjacent records become one
-call).
+Variable-length records of the bytes layout are read with ``os.preadv`` (runs of adjacent
+records become one call). Typed columns (ragged arrays, ``str``, ``json``; the ragged layout)
+are gathered from the mapped data file, one vectorised gather per column per shard of the
+batch (:mod:`feedpipe.datasets.columns`).
+
+Transforms (``transform=`` per sample, ``batch_transform=`` per batch) run where the read runs
+(the loader's worker): the batch is still read in one gather, then split into samples for
+``transform`` and collated with ``default_collate``; ``batch_transform`` gets the batch.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import contextlib
 import itertools
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -43,7 +49,9 @@ import torch
 
 from feedpipe import _remote
 from feedpipe.datasets._gather import ROW_COPY_MIN, ShardSpace, inverse, scratch
+from feedpipe.datasets._memmap_columns import TypedColumns
 from feedpipe.datasets._memmap_open import OpenShard, OpenShards
+from feedpipe.datasets.columns import RAGGED_MODES, variable_columns
 from feedpipe.datasets.format import INDEX_NAME, FileInfo, Index, parse_index, read_index
 from feedpipe.datasets.writer import MemmapWriter
 from feedpipe.errors import DatasetError
@@ -74,13 +82,26 @@ def verify_files(root: str, index: Index) -> Iterator[tuple[str, str]]:
             yield rel, f"crc32c {to_hex(got)}, index says {crc}"
 
 
-class MemmapDataset(torch.utils.data.Dataset[Any]):
+class MemmapDataset(TypedColumns, torch.utils.data.Dataset[Any]):
     """Map-style dataset over a directory written by :class:`MemmapWriter`.
 
-    ``ds[i]`` is a tensor (fixed layout), a 1-D uint8 tensor (bytes layout), or a dict
-    ``{"data": ..., "<field>": ...}`` when the dataset has side fields. ``verify=True`` checks
-    every file's CRC32C on open. ``read`` (``"auto"``, ``"mmap"`` or ``"pread"``) picks how
-    batches of fixed-size records are read (see the module docstring).
+    ``ds[i]`` is a tensor (fixed layout), a 1-D uint8 tensor (bytes layout), a tensor of
+    varying first dimension (ragged layout), or a dict ``{"data": ..., "<field>": ...}`` when
+    the dataset has side fields (no ``"data"`` with ``records=False``); a ``str`` field is a
+    ``str``, a ``json`` field the decoded value. ``verify=True`` checks every file's CRC32C on
+    open. ``read`` (``"auto"``, ``"mmap"`` or ``"pread"``) picks how batches of fixed-size
+    records are read (see the module docstring).
+
+    Batches of ragged columns (``ragged=``): ``"pad"`` (default) pads each to the longest
+    record with ``pad_value`` (default 0) and adds an int64 ``NAME_lengths`` tensor (rows per
+    record; the records column is ``data``); ``"nested"`` gives a jagged
+    ``torch.nested`` tensor (``layout=torch.jagged``) instead, no lengths. ``str`` and ``json``
+    fields come back as lists.
+
+    ``transform`` (per sample: ``fn(sample) -> sample``) applies to ``ds[i]`` and to every
+    sample of a batch, which is then collated with ``default_collate``; ``batch_transform``
+    (``fn(batch) -> batch``) applies to what ``read_batch`` returns (after ``transform``), not
+    to ``ds[i]``. Both run in the worker that reads; with process workers they must pickle.
     Pickles cheaply: files are reopened lazily in each process.
 
     A remote URL (``s3://...``) is read through a :class:`feedpipe.cache.ShardCache` in
@@ -103,10 +124,23 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         storage_options: dict[str, Any] | None = None,
         verify: bool = False,
         read: str = "auto",
+        ragged: str = "pad",
+        pad_value: float = 0,
+        transform: Callable[[Any], Any] | None = None,
+        batch_transform: Callable[[Any], Any] | None = None,
     ) -> None:
         if read not in _READS:
             raise ValueError(f"read must be one of {_READS}, got {read!r}")
+        if ragged not in RAGGED_MODES:
+            raise ValueError(f"ragged must be one of {RAGGED_MODES}, got {ragged!r}")
+        for fn, what in ((transform, "transform"), (batch_transform, "batch_transform")):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{what} must be callable, got {type(fn).__name__}")
         self.read = read
+        self.ragged = ragged
+        self.pad_value = pad_value
+        self.transform = transform
+        self.batch_transform = batch_transform
         self.path = os.fspath(path)
         self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
         self.cache_limit_bytes = cache_limit_bytes
@@ -143,7 +177,13 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         self._len = int(self._starts[-1])
         self._files: OpenShards | None = None
         self._space: ShardSpace | bool | None = None  # False: this dataset reads per shard
+        self._var_cols = variable_columns(layout, self.fields)
+        for col in self._var_cols.values():
+            if col.kind == "ragged" and np.array(pad_value).astype(col.dtype) != pad_value:
+                raise ValueError(f"pad_value {pad_value!r} does not fit column {col.name!r}")
+        self._role_files: dict[str, OpenShards] = {}  # variable-length fields' data files
         self._offsets_of: dict[int, np.ndarray] = {}
+        self._col_offsets: dict[tuple[str, int], np.ndarray] = {}
         self._columns: dict[str, np.ndarray] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._tls = threading.local()  # per-thread scratch for gathers spanning shards
@@ -223,12 +263,15 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         with self._open_lock:
             files = self._files
             if files is None or files.pid != os.getpid():
-                sizes = [s.files["data"].bytes for s in self.index.shards]
+                sizes = [
+                    s.files["data"].bytes if "data" in s.files else 0 for s in self.index.shards
+                ]
                 limit = self.cache_limit_bytes if self._remote else None
                 files = self._files = OpenShards(
                     self._open_data, sizes, None if limit is None else limit // 3
                 )
                 self._pool = None
+                self._role_files = {}
         return files
 
     def _shard_space(self) -> ShardSpace | None:
@@ -253,9 +296,9 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
                 self._space = space if space is not None else False
         return space if isinstance(space, ShardSpace) else None
 
-    def _open_data(self, sid: int) -> tuple[int, Any]:
+    def _open_data(self, sid: int, role: str = "data") -> tuple[int, Any]:
         """Open (and, remote, download and lease) shard ``sid``'s data file: ``(fd, release)``."""
-        info = self.index.shards[sid].files["data"]
+        info = self.index.shards[sid].files[role]
         release: Any = _noop
         if self._remote:
             cache = self._shard_cache()
@@ -282,6 +325,8 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         files = self._files
         if files is not None and files.pid == os.getpid():
             files.release_idle()
+            for other in list(self._role_files.values()):
+                other.release_idle()
 
     def _read_whole(self, sid: int, role: str) -> bytes:
         """A small shard file (offsets, a side column) read whole; remote: pinned meanwhile."""
@@ -310,13 +355,13 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         rb = self._record_bytes if self.kind == "fixed" else 0
         return self._open_files().rows(shard, rb)
 
-    def _check_mapped(self, shard: OpenShard) -> None:
+    def _check_mapped(self, shard: OpenShard, role: str = "data") -> None:
         sid = shard.sid
-        info = self.index.shards[sid].files["data"]
+        info = self.index.shards[sid].files[role]
         size = os.fstat(shard.fd).st_size
         if size != info.bytes:
             raise DatasetError(
-                f"{self._local_path(sid, 'data')}: shard {sid} file is now {size} bytes but the "
+                f"{self._local_path(sid, role)}: shard {sid} file is now {size} bytes but the "
                 f"index says {info.bytes} (truncated or modified while open)"
             )
 
@@ -459,6 +504,12 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         if not -self._len <= i < self._len:
             raise IndexError(f"index {i} is out of range for {self._shown} (length {self._len})")
         i %= self._len if self._len else 1
+        sample = self._getitem(i)
+        return sample if self.transform is None else self.transform(sample)
+
+    def _getitem(self, i: int) -> Any:
+        if self._var_cols or self.kind == "none":
+            return self._samples(np.array([i], np.int64))[0]
         sid, local = (int(v[0]) for v in self._locate(np.array([i])))
         self._plan([sid])
         if self.kind == "fixed":
@@ -488,13 +539,12 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         return sample
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """torch's per-batch hook: one batched gather, split into per-sample views."""
-        batch = self.read_batch(indices)
-        n = len(indices)
-        if not self.fields:
-            return list(batch) if self.kind == "fixed" else batch
-        names = list(batch)
-        return [{k: batch[k][j] for k in names} for j in range(n)]
+        """torch's per-batch hook: one batched gather, split into per-sample views (each
+        through ``transform``; ``batch_transform`` is for whole batches: not applied here)."""
+        samples = self._samples(self._normalize(indices))
+        if self.transform is None:
+            return samples
+        return [self.transform(s) for s in samples]
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(self._len):
@@ -512,19 +562,45 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         records are written into it and views of it are returned. A CUDA ``out["data"]`` (fixed
         layout) is filled by DMA straight from the page cache, asynchronously on the current
         stream (:mod:`feedpipe.device.dma`: the shard maps are registered as page-locked).
+
+        Ragged columns are padded or nested (``ragged=``), never written into ``out``; with
+        ``transform``, samples are transformed and collated (``out`` is not used); then
+        ``batch_transform`` (see the class docstring).
         """
         idx = self._normalize(indices)
         self._plan_started(idx)
+        if self.transform is not None:
+            batch = self._transformed(idx)
+        else:
+            batch = self._read(idx, out, self.ragged)
+        return batch if self.batch_transform is None else self.batch_transform(batch)
+
+    def _read(self, idx: np.ndarray, out: Any, mode: str) -> Any:
+        """The batch before any transform; ragged columns as ``mode`` (pad, nested, list)."""
         n = len(idx)
         out_data = out.get("data") if isinstance(out, dict) else out
+        data: Any = None
         if self.kind == "fixed":
-            data: Any = self._gather_fixed(idx, out_data)
-        else:
+            data = self._gather_fixed(idx, out_data)
+        elif self.kind == "bytes":
             data = self._gather_bytes(idx, out_data)
+        elif self.kind == "ragged":
+            data = self._read_var(self._var_cols["data"], idx, mode)
+            if not self.fields and mode == "nested":
+                return data["data"]
         if not self.fields:
             return data
-        result: dict[str, Any] = {"data": data}
+        result: dict[str, Any] = {}
+        if isinstance(data, dict):
+            result.update(data)
+        elif self.kind != "none":
+            result["data"] = data
         for name, spec in self.fields.items():
+            vcol = self._var_cols.get(name)
+            if vcol is not None:
+                got = self._read_var(vcol, idx, mode)
+                result.update(got) if isinstance(got, dict) else result.__setitem__(name, got)
+                continue
             target = out.get(name) if isinstance(out, dict) else None
             col = self._column(name)
             if target is None:
@@ -615,7 +691,9 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
     def dma_blocker(self) -> str | None:
         """Why :meth:`read_batch` cannot fill a CUDA ``out`` by DMA (None: it can)."""
         if self.kind != "fixed":
-            return "the bytes layout (records of varying size)"
+            return f"the {self.kind} layout (records of varying size, or none)"
+        if self.transform is not None or self.batch_transform is not None:
+            return "a transform (the batch is built on the host)"
         if self._remote:
             return "remote shards (read through the local cache)"
         if self.read == "pread":
@@ -764,6 +842,8 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         state["_open_lock"] = None
         state["_columns"] = {}
         state["_offsets_of"] = {}
+        state["_col_offsets"] = {}
+        state["_role_files"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -786,6 +866,9 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         if self._files is not None:
             self._files.close()
             self._files = None
+        for files in self._role_files.values():
+            files.close()
+        self._role_files = {}
         if self._cache is not None:
             self._cache.close(wait=wait)
         if self._pool is not None:
@@ -799,7 +882,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             pass
 
     def __repr__(self) -> str:
-        layout = f"fixed {self.shape} {self.dtype}" if self.kind == "fixed" else "bytes"
+        layout = f"{self.kind} {self.shape} {self.dtype}" if self.kind != "bytes" else "bytes"
         return (
             f"MemmapDataset({self._shown!r}, {self._len} records, {layout}, "
             f"{len(self.index.shards)} shards, fields={list(self.fields)})"

@@ -17,14 +17,17 @@ from typing import Any
 
 import numpy as np
 
+from feedpipe.datasets.columns import dtype_arg, encode, parse_field
 from feedpipe.datasets.format import (
     INDEX_NAME,
+    VARIABLE_KINDS,
     FieldSpec,
     FileInfo,
     Index,
     Layout,
     Shard,
     check_dtype,
+    check_field_names,
     check_shape,
     read_index,
     write_index,
@@ -104,17 +107,8 @@ def shard_name(shard_id: int, suffix: str) -> str:
     return f"shard-{shard_id:05d}.{suffix}"
 
 
-def _dtype(value: Any) -> Any:
-    """A dtype argument as :func:`check_dtype` takes it (``np.int32``, ``torch.int32``, str)."""
-    if isinstance(value, (str, np.dtype)) or (
-        isinstance(value, type) and issubclass(value, np.generic)
-    ):
-        return value
-    if type(value).__module__ == "torch":  # torch.dtype: its numpy twin
-        import torch
-
-        return torch.empty(0, dtype=value).numpy().dtype
-    return np.dtype(value)
+def _nbytes(buf: Any) -> int:
+    return 0 if buf is None else memoryview(buf).nbytes
 
 
 def _as_array(value: Any) -> np.ndarray:
@@ -159,9 +153,14 @@ class MemmapWriter:
     """Write records into a new dataset directory; use as a context manager.
 
     ``shape``/``dtype`` give a fixed layout (every record an array of exactly that shape and
-    dtype); ``shape=None`` gives the bytes layout (each record any bytes-like object). ``fields``
-    maps side-field names to a dtype or ``(dtype, shape)``. A shard is closed when its data file
-    would exceed ``shard_bytes``. ``extra`` adds top-level keys to the index (e.g. ``classes``).
+    dtype); ``shape=(None, ...)`` a ragged layout (arrays of ``dtype`` whose first dimension
+    varies); ``shape=None`` the bytes layout (each record any bytes-like object);
+    ``records=False`` no records column (a record is its fields; ``append(**fields)``).
+    ``fields`` maps side-field names to a dtype, ``(dtype, shape)``, ``(dtype, (None, ...))``
+    (ragged), ``"str"`` (UTF-8) or ``"json"`` (see :mod:`feedpipe.datasets.columns`). A shard
+    is closed when its files would exceed ``shard_bytes``. ``extra`` adds top-level keys to the
+    index (e.g. ``classes``). ``first_record`` numbers the records in error messages (a writer
+    of one part of a larger conversion).
 
     >>> with MemmapWriter("out", shape=(2048,), dtype="int32", fields={"label": "int64"}) as w:
     ...     w.append(tokens, label=3)
@@ -171,7 +170,7 @@ class MemmapWriter:
         self,
         path: str | os.PathLike[str],
         *,
-        shape: Sequence[int] | None = None,
+        shape: Sequence[int | None] | None = None,
         dtype: Any = "uint8",
         fields: Mapping[str, Any] | None = None,
         shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -179,6 +178,8 @@ class MemmapWriter:
         overwrite: bool = False,
         first_shard: int = 0,
         storage_options: Mapping[str, Any] | None = None,
+        records: bool = True,
+        first_record: int = 0,
     ) -> None:
         from feedpipe import _remote
 
@@ -186,22 +187,24 @@ class MemmapWriter:
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
         try:
-            if shape is None:
+            if not records:
+                self.layout = Layout("none")
+            elif shape is None:
                 self.layout = Layout("bytes")
             else:
-                dt = check_dtype(_dtype(dtype), "records")
-                dims = check_shape(tuple(shape), np.dtype(dt).itemsize, "records")
-                self.layout = Layout("fixed", dims, dt)
+                dt = check_dtype(dtype_arg(dtype), "records")
+                if len(shape) and shape[0] is None:
+                    rest = check_shape(tuple(shape[1:]), np.dtype(dt).itemsize, "records")
+                    self.layout = Layout("ragged", rest, dt)
+                else:
+                    dims = check_shape(tuple(shape), np.dtype(dt).itemsize, "records")
+                    self.layout = Layout("fixed", dims, dt)
             self.fields: dict[str, FieldSpec] = {}
             for name, spec in dict(fields or {}).items():
                 if not isinstance(name, str) or not name.isidentifier() or name == "data":
                     raise ValueError(f"invalid side-field name {name!r}")
-                fdtype, fshape = (spec, ()) if not isinstance(spec, tuple) else spec
-                fdt = check_dtype(_dtype(fdtype), f"field {name!r}")
-                what = f"field {name!r}"
-                self.fields[name] = FieldSpec(
-                    fdt, check_shape(tuple(fshape), np.dtype(fdt).itemsize, what)
-                )
+                self.fields[name] = parse_field(name, spec)
+            check_field_names(self.layout, self.fields)
         except (ValueError, TypeError) as exc:
             raise DatasetError(f"{self.path}: {exc}") from None
         self.shard_bytes = int(shard_bytes)
@@ -224,25 +227,30 @@ class MemmapWriter:
         self._data: _ShardFile | None = None
         self._offsets: list[int] = []
         self._columns: dict[str, list[np.ndarray]] = {}
+        self._var = {n: f for n, f in self.fields.items() if f.kind in VARIABLE_KINDS}
+        self._var_files: dict[str, _ShardFile] = {}
+        self._var_offsets: dict[str, list[int]] = {}
         self._records = 0  # records in the open shard
         self.num_records = 0  # records appended in total
+        self.first_record = first_record  # the number of the first record in error messages
         self._closed = False
 
     # ------------------------------------------------------------------ appending
-    def append(self, record: Any, **fields: Any) -> None:
-        """Append one record (an array for a fixed layout, bytes-like for the bytes layout)."""
-        if self.layout.kind == "fixed":
-            arr = self._check_fixed(_as_array(record), self.num_records, batch=False)
-            buf: Any = np.ascontiguousarray(arr)
-        else:
-            buf = self._check_bytes(record, self.num_records)
-        cols = self._check_fields(fields, 1, self.num_records)
-        self._write_records([buf], [memoryview(buf).nbytes], cols)
+    def append(self, record: Any = None, **fields: Any) -> None:
+        """Append one record (an array for a fixed or ragged layout, bytes-like for the bytes
+        layout, nothing with ``records=False``) and its fields."""
+        number = self.first_record + self.num_records
+        buf = self._check_record(record, number)
+        cols = self._check_fields(fields, 1, number)
+        var = self._check_var(fields, 1, number, batch=False)
+        self._write_records([buf], [_nbytes(buf)], cols, var)
 
-    def append_batch(self, records: Any, **fields: Any) -> None:
-        """Append many records at once: an ``(n, *shape)`` array, or a sequence of bytes-likes."""
-        first = self.num_records
-        if self.layout.kind == "fixed":
+    def append_batch(self, records: Any = None, **fields: Any) -> None:
+        """Append many records at once: an ``(n, *shape)`` array (fixed), or a sequence of
+        arrays (ragged) or bytes-likes (bytes); field values as sequences of ``n``. With
+        ``records=False``, ``n`` is the length of the field sequences."""
+        first = self.first_record + self.num_records
+        if self.layout.kind == "fixed" and not self._var:
             arr = self._check_fixed(_as_array(records), first, batch=True)
             n = len(arr)
             if n == 0:
@@ -261,13 +269,66 @@ class MemmapWriter:
                 self._write_block(arr[start:stop], stop - start, piece)
                 start = stop
         else:
-            bufs = [self._check_bytes(r, first + i) for i, r in enumerate(records)]
+            if self.layout.kind == "none":
+                n = len(next(iter(fields.values()))) if fields else 0
+                records = [None] * n
+            elif records is None:
+                raise DatasetError(f"{self.path}: records {first}...: append_batch needs records")
+            elif self.layout.kind == "fixed":
+                records = list(self._check_fixed(_as_array(records), first, batch=True))
+            bufs = [self._check_record(r, first + i) for i, r in enumerate(records)]
             if not bufs:
                 return
             cols = self._check_fields(fields, len(bufs), first)
-            self._write_records(bufs, [memoryview(b).nbytes for b in bufs], cols)
+            var = self._check_var(fields, len(bufs), first, batch=True)
+            self._write_records(bufs, [_nbytes(b) for b in bufs], cols, var)
 
     # ------------------------------------------------------------------ checks
+    def _check_record(self, record: Any, number: int) -> Any:
+        kind = self.layout.kind
+        if kind == "fixed":
+            return np.ascontiguousarray(self._check_fixed(_as_array(record), number, batch=False))
+        if kind == "ragged":
+            where = f"{self.path}: record {number}"
+            return encode("ragged", self.layout.dtype, self.layout.shape, record, where)
+        if kind == "none":
+            if record is not None:
+                raise DatasetError(f"{self.path}: record {number}: records=False takes no record")
+            return None
+        return self._check_bytes(record, number)
+
+    def _check_var(
+        self, fields: Mapping[str, Any], n: int, first: int, *, batch: bool
+    ) -> dict[str, list[np.ndarray]]:
+        """Variable-length field values encoded per record (``n`` values each when ``batch``)."""
+        out: dict[str, list[np.ndarray]] = {}
+        for name, spec in self._var.items():
+            values = fields[name]
+            if batch:
+                if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
+                    raise DatasetError(
+                        f"{self.path}: records {first}..{first + n - 1}: field {name!r} needs a "
+                        f"sequence of {n} values, got {type(values).__name__}"
+                    )
+                if len(values) != n:
+                    raise DatasetError(
+                        f"{self.path}: records {first}..{first + n - 1}: field {name!r} has "
+                        f"{len(values)} values for {n} records"
+                    )
+            else:
+                values = [values]
+            out[name] = [
+                encode(
+                    spec.kind,
+                    spec.dtype,
+                    spec.shape,
+                    v,
+                    f"{self.path}: record {first + j}: field {name!r}",
+                )
+                for j, v in enumerate(values)
+            ]
+        return out
+
     def _check_fixed(self, arr: np.ndarray, first: int, *, batch: bool) -> np.ndarray:
         want_shape, want_dtype = self.layout.shape, np.dtype(self.layout.dtype)
         got_shape = arr.shape[1:] if batch else arr.shape
@@ -310,6 +371,8 @@ class MemmapWriter:
             )
         out: dict[str, np.ndarray] = {}
         for name, spec in self.fields.items():
+            if name in self._var:
+                continue
             raw = _as_array(fields[name])
             want = np.dtype(spec.dtype)
             shape = (n, *spec.shape)
@@ -337,47 +400,84 @@ class MemmapWriter:
 
     # ------------------------------------------------------------------ shards
     def _data_size(self) -> int:
-        return self._data.size if self._data is not None else 0
+        """Bytes of the open shard's streamed files (records and variable-length fields)."""
+        if not self._open:
+            return 0
+        size = self._data.size if self._data is not None else 0
+        return size + sum(f.size for f in self._var_files.values())
+
+    @property
+    def _open(self) -> bool:
+        return self._data is not None or bool(self._var_files)
 
     def _open_shard(self) -> None:
         sid = self._first_shard + len(self._shards)
-        self._data = _ShardFile(self._local, shard_name(sid, "data"))
+        if self.layout.kind != "none":
+            self._data = _ShardFile(self._local, shard_name(sid, "data"))
         self._offsets = [0]
-        self._columns = {name: [] for name in self.fields}
+        self._columns = {name: [] for name in self.fields if name not in self._var}
+        self._var_files = {n: _ShardFile(self._local, shard_name(sid, n)) for n in self._var}
+        self._var_offsets = {n: [0] for n in self._var}
         self._records = 0
 
     def _write_records(
-        self, bufs: list[Any], sizes: list[int], cols: dict[str, np.ndarray]
+        self,
+        bufs: list[Any],
+        sizes: list[int],
+        cols: dict[str, np.ndarray],
+        var: dict[str, list[np.ndarray]] | None = None,
     ) -> None:
+        var = var or {}
         for i, (buf, size) in enumerate(zip(bufs, sizes, strict=True)):
-            if self._records and self._data_size() + size > self.shard_bytes:
+            extra = sum(v[i].nbytes for v in var.values())
+            if self._records and self._data_size() + size + extra > self.shard_bytes:
                 self._close_shard()
-            self._write_block(buf, 1, {k: v[i : i + 1] for k, v in cols.items()})
+            one = {k: v[i] for k, v in var.items()}
+            self._write_block(buf, 1, {k: v[i : i + 1] for k, v in cols.items()}, one)
 
-    def _write_block(self, buf: Any, n: int, cols: dict[str, np.ndarray]) -> None:
+    def _write_block(
+        self,
+        buf: Any,
+        n: int,
+        cols: dict[str, np.ndarray],
+        var: dict[str, np.ndarray] | None = None,
+    ) -> None:
         if self._closed:
             raise RuntimeError(f"{self.path}: writer is closed")
-        if self._data is None:
+        if not self._open:
             self._open_shard()
-        assert self._data is not None
-        self._data.write(buf)
-        if self.layout.kind == "bytes":
-            self._offsets.append(self._data.size)
+        if self._data is not None:
+            self._data.write(buf)
+            if self.layout.has_offsets:
+                self._offsets.append(self._data.size)
+        for name, value in (var or {}).items():
+            f = self._var_files[name]
+            f.write(value)
+            self._var_offsets[name].append(f.size)
         for name, col in cols.items():
             self._columns[name].append(col)
         self._records += n
         self.num_records += n
 
     def _close_shard(self) -> None:
-        if self._data is None:
+        if not self._open:
             return
         sid = self._first_shard + len(self._shards)
-        files = {"data": self._data.finish()}
+        files: dict[str, FileInfo] = {}
+        if self._data is not None:
+            files["data"] = self._data.finish()
         self._data = None
+        var_files, self._var_files = self._var_files, {}
         pending: list[tuple[str, str, np.ndarray]] = []
-        if self.layout.kind == "bytes":
+        if self.layout.has_offsets:
             pending.append(("offsets", "offsets", np.asarray(self._offsets, dtype="<u8")))
+        for name, f in var_files.items():
+            files[f"field.{name}"] = f.finish()
+            offsets = np.asarray(self._var_offsets[name], dtype="<u8")
+            pending.append((f"field.{name}.offsets", f"{name}.offsets", offsets))
         for name, spec in self.fields.items():
+            if name in self._var:
+                continue
             parts = self._columns[name]
             col = np.concatenate(parts) if parts else np.empty((0, *spec.shape), spec.dtype)
             pending.append((f"field.{name}", name, col))
@@ -420,6 +520,9 @@ class MemmapWriter:
         if self._data is not None:
             self._data.abort()
             self._data = None
+        for f in self._var_files.values():
+            f.abort()
+        self._var_files = {}
         self._closed = True
         if self._upload is not None:
             shutil.rmtree(self._local, ignore_errors=True)
