@@ -242,6 +242,10 @@ class StallMeter:
         if self._first_begin is None and not self._waits:
             self._first_begin = begin
 
+    def add_skipped(self, n: int) -> None:
+        """Count ``n`` samples dropped by ``DataLoader(on_error="skip")`` (not on the hot path)."""
+        self.skipped += n
+
     def add_stage(self, name: str, seconds: float, nbytes: int = 0) -> None:
         """Add ``seconds`` (and ``nbytes``) to stage ``name``; callable from any thread."""
         try:
@@ -509,6 +513,7 @@ class StallMeter:
             self._batches_folded = 0
             self._samples_folded = 0
             self._bytes_folded = 0
+            self.skipped = 0  # samples dropped by DataLoader(on_error="skip")
             # restored totals (load_state_dict): stall and step from before the clocks restarted
             self._stall_offset = 0.0
             self._step_offset = 0.0
@@ -594,6 +599,7 @@ class StallMeter:
             stages=stages,
             regions=regions,
             depths=dict(self.depth),
+            skipped=self.skipped,
         )
 
     def _input_cpu(self) -> float | None:
@@ -637,6 +643,7 @@ class StallMeter:
             "stage_bytes": stage_bytes,
             "stage_calls": stage_calls,
             "region_s": regions,
+            "skipped": self.skipped,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -657,6 +664,7 @@ class StallMeter:
             self._stage_bytes.update(state["stage_bytes"])
             self._stage_calls.update(state["stage_calls"])
             self.region_s.update(state["region_s"])
+            self.skipped = int(state.get("skipped", 0))  # older states lack it
 
     # ------------------------------------------------------------------ sinks
     def add_sink(self, sink: Sink) -> Sink:

@@ -42,6 +42,7 @@ class StallStats:
     ``input_busy`` is the share of worker time spent in worker stages (``None`` without stage
     data): low means the input pipeline is mostly idle. ``slowest_stage`` is the stage with the
     largest ``effective_s`` (see :class:`StageStats`), or ``None`` when no stage was reported.
+    ``skipped`` counts the samples ``DataLoader(on_error="skip")`` dropped (not in ``samples``).
     """
 
     wall_s: float
@@ -68,6 +69,7 @@ class StallStats:
     stages: dict[str, StageStats]
     regions: dict[str, float]
     depths: dict[str, int]
+    skipped: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict, ready for ``json.dumps``."""
