@@ -71,9 +71,7 @@ def _take(indices: Any, positions: list[int]) -> Any:
     return [indices[k] for k in positions]
 
 
-def read_each(
-    dataset: Any, indices: Any, mode: Mode
-) -> tuple[list[int], list[int], list[Any]]:
+def read_each(dataset: Any, indices: Any, mode: Mode) -> tuple[list[int], list[int], list[Any]]:
     """Read the samples of ``indices`` one at a time: (good positions, bad indices, samples).
 
     ``samples`` are the good samples (for ``collate_fn``); empty for ``read_batch`` datasets,

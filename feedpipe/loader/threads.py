@@ -46,7 +46,6 @@ from feedpipe.loader.fetch import (
     fetch_batch,
     fetch_untimed,
     nbytes_of,
-    pin_batch,
 )
 from feedpipe.loader.skip import pin_out, skipping
 
