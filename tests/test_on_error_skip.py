@@ -70,6 +70,7 @@ def test_skip_is_deterministic(cls: type, workers: int, kind: str) -> None:
         assert [b.tolist() for b in loader] == EXPECTED
     assert loader.stats.skipped == 2 * len(BAD)
     assert "skipped 10 samples" in loader.stats.summary()
+    assert loader.meter.state_dict()["skipped"] == 10
     assert loader.state_dict()["skipped"] == {"known": sorted(BAD), "epoch": []}
     if cls is PerSample and workers and kind == "process":  # the shared-slot path carried the skips
         slots = loader.worker_slots
