@@ -76,7 +76,7 @@ def test_strings_become_the_bytes_layout(tmp_path: Path) -> None:
 
 def test_refused_up_front_naming_the_column(tmp_path: Path) -> None:
     pq.write_table(pa.table({"x": [1, 2], "tags": [[1], [2, 3]]}), tmp_path / "v.parquet")
-    with pytest.raises(DatasetError, match="'tags'.*list"):
+    with pytest.raises(DatasetError, match=r"'tags'.*list"):
         feedpipe.convert(tmp_path / "v.parquet", tmp_path / "o", workers=1)
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
     pq.write_table(pa.table({"x": [1, None, 3]}), tmp_path / "n.parquet")
@@ -102,7 +102,9 @@ class FakeHF:
 
     def __init__(self, table: Any, fmt: str | None = None) -> None:
         self.table, self.fmt = table, fmt
-        self.features = {name: str(t) for name, t in zip(table.schema.names, table.schema.types)}
+        self.features = {
+            name: str(t) for name, t in zip(table.schema.names, table.schema.types, strict=True)
+        }
 
     def __len__(self) -> int:
         return self.table.num_rows

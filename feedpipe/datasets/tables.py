@@ -149,7 +149,7 @@ class ParquetSource(_TableSource):
     kind = "parquet"
 
     def __init__(self, paths: list[str], data_key: str | None) -> None:
-        pq = require("pyarrow.parquet", "parquet")
+        pq: Any = require("pyarrow.parquet", "parquet")
         self.paths = paths
         self.groups: list[tuple[int, int, int]] = []  # (file, row group, first row)
         schema = None
@@ -180,7 +180,7 @@ class ParquetSource(_TableSource):
 
     def _group(self, k: int) -> Any:
         if self._cache is None or self._cache[0] != k:
-            pq = require("pyarrow.parquet", "parquet")
+            pq: Any = require("pyarrow.parquet", "parquet")
             f, g, _ = self.groups[k]
             self._cache = None  # one row group in memory at a time
             self._cache = (k, pq.ParquetFile(self.paths[f]).read_row_group(g))
