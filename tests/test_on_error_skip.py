@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +190,20 @@ def test_too_many_bad_samples_raise(monkeypatch: pytest.MonkeyPatch) -> None:
     loader = feedpipe.DataLoader(PerSample(), batch_size=4, on_error="skip")
     with pytest.raises(feedpipe.DatasetError, match="more than 3 distinct samples"):
         list(loader)
+
+
+@pytest.mark.parametrize(("workers", "kind"), WORKERS)
+def test_through_the_device_feed(workers: int, kind: str) -> None:
+    """device= takes the feed's path (on a CPU-only machine, its host fallback): all-bad
+    batches pass through it as skipped slots, and only delivered batches count."""
+    with warnings.catch_warnings():  # "no CUDA: host batches" (warned once per process)
+        warnings.simplefilter("ignore")
+        loader = feedpipe.DataLoader(
+            Batched(), batch_size=4, num_workers=workers, worker_type=kind,
+            on_error="skip", device="cpu",
+        )  # fmt: skip
+    assert loader._feed is not None
+    it = iter(loader)
+    assert [next(it).tolist() for _ in range(3)] == EXPECTED[:3]
+    assert loader.state_dict()["batches"] == 4
+    assert [b.tolist() for b in it] == EXPECTED[3:]
