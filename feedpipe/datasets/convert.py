@@ -7,6 +7,7 @@ Sources:
 - ``.npy`` files (concatenated along the first axis) or one ``.npz`` (aligned arrays; ``data_key``
   is the records, the others become side fields);
 - a Zarr v3 array, or a group (``data_key`` plus aligned side fields);
+- WebDataset ``.tar`` shards, local or remote (``feedpipe.datasets.tar_source``);
 - Parquet files (a file, a folder or a glob) and Hugging Face ``datasets.Dataset`` objects
   (Python API), read as Arrow tables (``feedpipe.datasets.tables``; extras ``parquet``/``hf``);
 - any indexable torch dataset (Python API): samples are arrays/tensors, bytes, ``(x, y, ...)``
@@ -52,6 +53,7 @@ from feedpipe.datasets.format import (
     write_index,
 )
 from feedpipe.datasets.tables import HFSource, ParquetSource, is_hf_dataset, parquet_paths
+from feedpipe.datasets.tar_source import TarSource, is_tar_source, tar_shards
 from feedpipe.datasets.writer import (
     DEFAULT_SHARD_BYTES,
     MemmapWriter,
@@ -343,7 +345,9 @@ def _make_source(
             kind = "hf" if is_hf_dataset(source) else "torch"
         else:
             first = os.fspath(source[0] if isinstance(source, (list, tuple)) else source)
-            if first.endswith(".parquet") or (
+            if is_tar_source(first):
+                kind = "tar"
+            elif first.endswith(".parquet") or (
                 os.path.isdir(first) and glob.glob(os.path.join(first, "*.parquet"))
             ):
                 kind = "parquet"
@@ -362,6 +366,8 @@ def _make_source(
     paths = [os.fspath(p) for p in (source if isinstance(source, (list, tuple)) else [source])]
     if kind == "parquet":
         return ParquetSource(parquet_paths(paths), data_key)  # type: ignore[return-value]
+    if kind == "tar":
+        return TarSource(tar_shards(paths), data_key, storage_options)  # type: ignore[return-value]
     for p in paths:
         if "://" not in p and not os.path.exists(p):
             raise DatasetError(f"{p}: source does not exist")
@@ -373,7 +379,7 @@ def _make_source(
         return _ZarrSource(paths[0], data_key, storage_options)
     if kind == "images":
         return _ImageSource(paths[0])
-    raise ValueError(f"unknown kind {kind!r} (auto, images, npy, zarr, parquet, hf, torch)")
+    raise ValueError(f"unknown kind {kind!r} (auto, images, npy, zarr, parquet, tar, hf, torch)")
 
 
 # ---------------------------------------------------------------------- parts
@@ -646,12 +652,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "source",
         nargs="+",
-        help="image folder, .npy files, one .npz, a Zarr array/group, or Parquet files "
-        "(files, a folder or a glob)",
+        help="image folder, .npy files, one .npz, a Zarr array/group, Parquet files "
+        "(files, a folder or a glob) or WebDataset .tar shards",
     )
     parser.add_argument("dest", help="output dataset folder (new or empty), or an fsspec URL")
     parser.add_argument(
-        "--kind", default="auto", choices=["auto", "images", "npy", "zarr", "parquet"]
+        "--kind", default="auto", choices=["auto", "images", "npy", "zarr", "parquet", "tar"]
     )
     parser.add_argument(
         "--data-key", default=None, help="records array in a .npz or Zarr group, or column"
