@@ -207,3 +207,14 @@ def test_through_the_device_feed(workers: int, kind: str) -> None:
     assert [next(it).tolist() for _ in range(3)] == EXPECTED[:3]
     assert loader.state_dict()["batches"] == 4
     assert [b.tolist() for b in it] == EXPECTED[3:]
+
+
+@pytest.mark.parametrize("trace", [True, False])
+def test_counters_with_all_bad_batches(trace: bool) -> None:
+    """Only delivered batches count (an all-bad batch is no batch), with or without the
+    profiler ranges."""
+    meter = feedpipe.StallMeter(trace=trace)
+    loader = feedpipe.DataLoader(Batched(), batch_size=4, on_error="skip", meter=meter)
+    assert [b.tolist() for b in loader] == EXPECTED
+    stats = loader.stats
+    assert (stats.batches, stats.samples, stats.skipped) == (4, 15, 5)

@@ -108,9 +108,9 @@ class LoaderIter:
                 error = None
         if type(shipped) is Skipped:  # on_error="skip" (feedpipe.loader.skip)
             shipped = self._skips(shipped)
-            if shipped is ALL_BAD:
-                if timed and not traced:
-                    self._meter.wait_pending(t0)
+            if shipped is ALL_BAD:  # no batch: the caller waits on (a new wait, no count)
+                if traced and self._meter._range is not None:
+                    self._meter._close_range()
                 return shipped
         batch, samples, nbytes, fetch_s, collate_s = shipped
         if traced:
