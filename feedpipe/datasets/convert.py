@@ -7,6 +7,9 @@ Sources:
 - ``.npy`` files (concatenated along the first axis) or one ``.npz`` (aligned arrays; ``data_key``
   is the records, the others become side fields);
 - a Zarr v3 array, or a group (``data_key`` plus aligned side fields);
+- WebDataset ``.tar`` shards, local or remote (``feedpipe.datasets.tar_source``);
+- Parquet files (a file, a folder or a glob) and Hugging Face ``datasets.Dataset`` objects
+  (Python API), read as Arrow tables (``feedpipe.datasets.tables``; extras ``parquet``/``hf``);
 - any indexable torch dataset (Python API): samples are arrays/tensors, bytes, ``(x, y, ...)``
   tuples (``label`` and ``field1``... side fields) or dicts with any keys (``"data"``, when
   present, is the records column; without it every key is a field and there is no records
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import math
 import multiprocessing as mp
@@ -60,6 +64,8 @@ from feedpipe.datasets.format import (
     read_index,
     write_index,
 )
+from feedpipe.datasets.tables import HFSource, ParquetSource, is_hf_dataset, parquet_paths
+from feedpipe.datasets.tar_source import TarSource, is_tar_source, tar_shards
 from feedpipe.datasets.writer import (
     DEFAULT_SHARD_BYTES,
     MemmapWriter,
@@ -444,10 +450,16 @@ def _make_source(
 ) -> _Source:
     if kind == "auto":
         if not isinstance(source, (str, os.PathLike, list, tuple)):
-            kind = "torch"
+            kind = "hf" if is_hf_dataset(source) else "torch"
         else:
             first = os.fspath(source[0] if isinstance(source, (list, tuple)) else source)
-            if first.endswith((".npy", ".npz")):
+            if is_tar_source(first):
+                kind = "tar"
+            elif first.endswith(".parquet") or (
+                os.path.isdir(first) and glob.glob(os.path.join(first, "*.parquet"))
+            ):
+                kind = "parquet"
+            elif first.endswith((".npy", ".npz")):
                 kind = "npy"
             elif "://" in first or os.path.exists(os.path.join(first, "zarr.json")):
                 kind = "zarr"
@@ -457,7 +469,13 @@ def _make_source(
                 raise DatasetError(f"{first}: cannot tell the source kind (pass kind=...)")
     if kind == "torch":
         return _TorchSource(source)
+    if kind == "hf":
+        return HFSource(source, data_key)  # type: ignore[return-value]
     paths = [os.fspath(p) for p in (source if isinstance(source, (list, tuple)) else [source])]
+    if kind == "parquet":
+        return ParquetSource(parquet_paths(paths), data_key)  # type: ignore[return-value]
+    if kind == "tar":
+        return TarSource(tar_shards(paths), data_key, storage_options)  # type: ignore[return-value]
     for p in paths:
         if "://" not in p and not os.path.exists(p):
             raise DatasetError(f"{p}: source does not exist")
@@ -469,7 +487,7 @@ def _make_source(
         return _ZarrSource(paths[0], data_key, storage_options)
     if kind == "images":
         return _ImageSource(paths[0])
-    raise ValueError(f"unknown kind {kind!r} (auto, images, npy, zarr, torch)")
+    raise ValueError(f"unknown kind {kind!r} (auto, images, npy, zarr, parquet, tar, hf, torch)")
 
 
 # ---------------------------------------------------------------------- parts
@@ -789,11 +807,18 @@ def _parse_size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "source", nargs="+", help="image folder, .npy files, one .npz, or a Zarr array/group"
+        "source",
+        nargs="+",
+        help="image folder, .npy files, one .npz, a Zarr array/group, Parquet files "
+        "(files, a folder or a glob) or WebDataset .tar shards",
     )
     parser.add_argument("dest", help="output dataset folder (new or empty), or an fsspec URL")
-    parser.add_argument("--kind", default="auto", choices=["auto", "images", "npy", "zarr"])
-    parser.add_argument("--data-key", default=None, help="records array in a .npz or Zarr group")
+    parser.add_argument(
+        "--kind", default="auto", choices=["auto", "images", "npy", "zarr", "parquet", "tar"]
+    )
+    parser.add_argument(
+        "--data-key", default=None, help="records array in a .npz or Zarr group, or column"
+    )
     parser.add_argument("--shard-size", default="256MiB", type=_parse_size, help="e.g. 256MiB")
     parser.add_argument("--workers", type=int, default=None, help="parallel processes")
     parser.add_argument(

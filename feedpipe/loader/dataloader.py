@@ -56,6 +56,8 @@ from feedpipe.loader.fetch import (
 from feedpipe.loader.index_stream import IndexStream
 from feedpipe.loader.iterator import LoaderIter
 from feedpipe.loader.rng_state import RngChain, Watch, encode, global_state, order, private, replay
+from feedpipe.loader.skip import ON_ERROR, SKIP_LIMIT, SkipMapProxy, SkipTimedCollate
+from feedpipe.loader.skip_iter import SkippingLoaderIter
 from feedpipe.loader.slots import Slots
 from feedpipe.loader.threads import (
     InlineSource,
@@ -76,7 +78,7 @@ _WORKER_TYPES = ("process", "thread")
 class _Epoch:
     """Where the current epoch stands: updated per batch (a plain object, cheap to write)."""
 
-    __slots__ = ("active", "batches", "resumed", "rng", "samples")
+    __slots__ = ("active", "batches", "resumed", "rng", "samples", "skipped")
 
     def __init__(self) -> None:
         self.active = False
@@ -84,6 +86,7 @@ class _Epoch:
         self.samples = 0  # samples delivered this epoch (including before a resume)
         self.rng: dict[str, str] | None = None  # RNG states at the start of the epoch
         self.resumed: dict[str, Any] | None = None  # the state this pass resumes from
+        self.skipped: list[int] = []  # on_error="skip": indices dropped this epoch, delivered
 
 
 def auto_worker_type(dataset: Any, collate_fn: Any, worker_init_fn: Any) -> str:
@@ -164,6 +167,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         device: str | torch.device | None = None,
         prefetch: int = 2,
         direct: bool | None = None,
+        on_error: str = "raise",
     ) -> None:
         if worker_type == "auto":
             worker_type = auto_worker_type(dataset, collate_fn, worker_init_fn)
@@ -192,6 +196,16 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                 f"worker_type must be one of {(*_WORKER_TYPES, 'auto')}, got {worker_type!r}"
             )
         self.worker_type = worker_type
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        if on_error == "skip" and isinstance(dataset, tud.IterableDataset):
+            raise ValueError(
+                "on_error='skip' needs a map-style dataset: an IterableDataset's stream has no "
+                "sample index to skip deterministically (catch errors inside its __iter__)"
+            )
+        self.on_error = on_error
+        self._known_bad: set[int] = set()  # skipped in earlier epochs: never read again
+        self._skipped_seen: set[int] = set()  # every index skipped (bounded: SKIP_LIMIT)
         self.meter = meter if meter is not None else StallMeter()
         self._feed: GPUFeed | None = None
         if device is not None:
@@ -302,7 +316,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             source = self._thread_source(feed)
         else:
             source = self._process_source()
-        return LoaderIter(self, source, feed, started)
+        kind = SkippingLoaderIter if self.on_error == "skip" else LoaderIter
+        return kind(self, source, feed, started)
 
     # ------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -346,6 +361,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             "rng_at": "sampler" if epoch.active or self._reuses_workers() else "iter",
             "order": order(self),
         }
+        if self.on_error == "skip":
+            state["skipped"] = self._skip_state(active)
         sampler = self._stateful_sampler()
         if sampler is not None:
             sub = dict(sampler.state_dict())
@@ -406,6 +423,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                 ) from None
         self._check_counts(state)
         self._check_order(state)
+        _check_skipped(state)
         # Stateful parts load now (a user's set_epoch() after this sees the loaded epoch); the
         # RNG state and the skip apply at the next iter(), where torch draws from the RNG.
         sampler = self._stateful_sampler()
@@ -458,6 +476,15 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                     f"loader has {value!r}: resuming would skip or repeat other samples"
                 )
 
+    def _skip_state(self, active: bool) -> dict[str, list[int]]:
+        """``on_error="skip"``'s part of the state: ``known`` (sorted indices skipped before this
+        epoch, dropped unread) and ``epoch`` (skipped so far this epoch, in delivery order);
+        at most ``SKIP_LIMIT`` distinct indices in all."""
+        epoch = self._epoch
+        if active:
+            return {"known": sorted(self._known_bad), "epoch": list(epoch.skipped)}
+        return {"known": sorted(self._known_bad.union(epoch.skipped)), "epoch": []}
+
     def _stateful_sampler(self) -> Any:
         for s in (self.sampler, getattr(self.batch_sampler, "sampler", None), self.batch_sampler):
             if callable(getattr(s, "state_dict", None)) and callable(
@@ -493,6 +520,11 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         """
         skip = 0
         pending, self._pending = self._pending, None
+        self._known_bad.update(self._epoch.skipped)  # last epoch's skips: known bad from now
+        if pending is not None and "skipped" in pending:
+            known, now = pending["skipped"]["known"], pending["skipped"]["epoch"]
+            self._known_bad = set(known) if pending["in_epoch"] else set(known).union(now)
+            self._skipped_seen = self._known_bad.union(now)
         epoch = self._epoch = _Epoch()  # a fresh object: an abandoned iterator cannot count here
         epoch.resumed = pending
         self._restore_rng, self._lend, self._seed_gen = None, None, None
@@ -521,6 +553,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                 self._seed_gen = None
             if pending["in_epoch"]:
                 epoch.batches, epoch.samples = int(pending["batches"]), int(pending["samples"])
+                if "skipped" in pending:
+                    epoch.skipped = list(pending["skipped"]["epoch"])
                 if "sampler" not in pending:
                     skip = epoch.batches  # the sampler restarts from scratch: skip, don't read
         if self._stream is None:
@@ -530,6 +564,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         epoch.active = True
         if self._stream is not None:
             self._stream.skip = skip
+            self._stream.drop = frozenset(self._known_bad)
 
     def _base_seed_generator(self) -> torch.Generator | None:
         """The generator this pass draws the workers' base seed from (torch: ``generator=``)."""
@@ -640,12 +675,17 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         slots = self._slot_count()
         if slots:
             self._slots = Slots(pin=self._feed is not None and self._feed.on_gpu)
+        skip = self.on_error == "skip"
         proxy: Any = (
-            IterProxy(self.dataset) if self._iterable else MapProxy(self.dataset, self._mode)
+            IterProxy(self.dataset)
+            if self._iterable
+            else (SkipMapProxy if skip else MapProxy)(self.dataset, self._mode)
         )
         common: dict[str, Any] = {
             "num_workers": self.num_workers,
-            "collate_fn": TimedCollate(self.collate_fn, self._mode, slots, self.batch_size),
+            "collate_fn": (SkipTimedCollate if skip else TimedCollate)(
+                self.collate_fn, self._mode, slots, self.batch_size
+            ),
             "pin_memory": self.pin_memory and self._feed is None,
             "timeout": self.timeout,
             "worker_init_fn": WorkerInit(self.worker_init_fn)
@@ -695,6 +735,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             drop_last=self.drop_last,
             timed=self.meter.enabled,
             shared_clock=self._feed is None,  # a feed delivers batches fetched in earlier next()s
+            skip=self.on_error == "skip",
         )
 
     def _thread_rng_watch(self) -> RNGWatch:
@@ -742,6 +783,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             in_order=self.in_order,
             drop_last=self.drop_last,
             timed=self.meter.enabled,
+            skip=self.on_error == "skip",
             # in order, batch n is the feed's n-th: workers read it straight into its slot
             out_for=feed.out_for
             if feed is not None and self.in_order and self._direct is None
@@ -750,6 +792,23 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         if self.persistent_workers:
             self._thread_pool_parts = (pool.datasets, pool.init_failed)
         return pool
+
+
+def _check_skipped(state: dict[str, Any]) -> None:
+    """Refuse an ``on_error="skip"`` state part that no loader writes."""
+    part = state.get("skipped")
+    if part is None:
+        return
+    ok = isinstance(part, dict) and all(
+        isinstance(part.get(k), list) and all(type(i) is int and i >= 0 for i in part[k])
+        for k in ("known", "epoch")
+    )
+    if not ok:
+        raise ValueError(
+            "DataLoader state: 'skipped' must be {'known': [int, ...], 'epoch': [int, ...]}"
+        )
+    if len(part["known"]) + len(part["epoch"]) > 2 * SKIP_LIMIT:
+        raise ValueError(f"DataLoader state: 'skipped' holds more than {SKIP_LIMIT} indices")
 
 
 def _takes_arrays(dataset: Any) -> bool:

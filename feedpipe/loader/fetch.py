@@ -29,12 +29,14 @@ from feedpipe.loader.slots import collate_into
 _perf = time.perf_counter
 
 __all__ = [
+    "ALL_BAD",
     "Failed",
     "Fetched",
     "IterProxy",
     "MapProxy",
     "Mode",
     "Shipped",
+    "Skipped",
     "TimedCollate",
     "WorkerInit",
     "fetch_batch",
@@ -95,6 +97,20 @@ class Shipped(NamedTuple):
     nbytes: int
     fetch_s: float
     collate_s: float
+
+
+class Skipped(NamedTuple):
+    """``on_error="skip"`` (``feedpipe.loader.skip``): ``shipped`` is the batch of the samples
+    that read (a ``Shipped`` record), or None when none did; ``skipped`` the dropped indices.
+
+    A NamedTuple, so torch's pin-memory thread pins the inner batch and passes the rest."""
+
+    shipped: Any
+    skipped: list[int]
+
+
+#: what the loader's iterator makes of a batch whose samples all failed (it reads on)
+ALL_BAD: Any = Skipped(None, [])
 
 
 class Failed:

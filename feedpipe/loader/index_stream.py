@@ -34,6 +34,8 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
+from feedpipe.loader.skip import drop_known
+
 if TYPE_CHECKING:
     from feedpipe.protocols import AccessPlanDataset
 
@@ -159,6 +161,10 @@ class IndexStream:
         self.arrays = False  # yield numpy arrays (see index_batches); read when a pass starts
         # a feedpipe.protocols.AccessPlanDataset told the batches ahead; read when a pass starts
         self.planner: AccessPlanDataset | None = None
+        # on_error="skip" (feedpipe.loader.skip): indices dropped before any worker sees them,
+        # and how many each batch of the pass lost (the loader's iterator pops them)
+        self.drop: frozenset[int] = frozenset()
+        self.dropped: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self.sampler)  # type: ignore[arg-type]
@@ -187,6 +193,12 @@ class IndexStream:
         if planner is not None and horizon > 0:
             it = plan_ahead(it, planner, horizon)
         del planner
+        drop, dropped = self.drop, self.dropped
+        dropped.clear()
         for n, index in enumerate(it):
+            if drop:
+                index, lost = drop_known(index, drop)
+                if lost:
+                    dropped[n] = lost
             sent[n] = index
             yield index

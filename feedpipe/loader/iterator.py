@@ -14,7 +14,7 @@ import numpy as np
 from feedpipe.device.feed import PinnedBatch, Prefetcher
 from feedpipe.errors import WorkerError
 from feedpipe.loader import _torch_compat
-from feedpipe.loader.fetch import Failed, short
+from feedpipe.loader.fetch import ALL_BAD, Failed, Skipped, short
 from feedpipe.loader.slots import SlotRef
 from feedpipe.loader.threads import InlineSource, ThreadWorkers
 
@@ -121,6 +121,12 @@ class LoaderIter:
                 raise error
             finally:  # break the frame <-> traceback cycle so the workers shut down promptly
                 error = None
+        if type(shipped) is Skipped:  # on_error="skip" (feedpipe.loader.skip)
+            shipped = self._skips(shipped)
+            if shipped is ALL_BAD:  # no batch: the caller waits on (a new wait, no count)
+                if traced and self._meter._range is not None:
+                    self._meter._close_range()
+                return shipped
         batch, samples, nbytes, fetch_s, collate_s = shipped
         if self._shared:  # fetch_s is the clock between read and collate (or -1.0: no collate)
             if fetch_s >= 0.0:
@@ -169,6 +175,11 @@ class LoaderIter:
             raise self._explain(exc) from exc
         if type(shipped) is Failed:
             return None, shipped, False
+        skipped = None
+        if type(shipped) is Skipped:  # on_error="skip": the dropped indices ride with the info
+            if shipped.shipped is None:
+                return None, shipped, False
+            skipped, shipped = shipped.skipped, shipped.shipped
         batch = shipped[0]
         if self._slots is not None:
             if type(batch) is SlotRef:
@@ -177,7 +188,12 @@ class LoaderIter:
                     batch = PinnedBatch(batch)
             else:
                 self._slots.fallback += 1
-        return batch, (None, *shipped[1:]), True
+        info = (None, *shipped[1:])
+        return batch, (info if skipped is None else Skipped(info, skipped)), True
+
+    def _skips(self, record: Skipped) -> Any:
+        """A batch with dropped samples: only ``SkippingLoaderIter`` (on_error="skip") gets one."""
+        raise AssertionError("a Skipped batch reached a loader with on_error='raise'")
 
     def _end_pass(self) -> None:
         """Tell the meter this pass is over (once): time until the next pass is outside."""

@@ -47,8 +47,8 @@ from feedpipe.loader.fetch import (
     fetch_traced,
     fetcher,
     nbytes_of,
-    pin_batch,
 )
+from feedpipe.loader.skip import pin_out, skipping
 
 __all__ = ["RNGWatch", "ThreadWorkers", "note_iter", "thread_worker_info"]
 
@@ -213,6 +213,7 @@ class ThreadWorkers:
         drop_last: bool,
         out_for: Callable[[int, int], Any] | None = None,
         timed: bool = True,
+        skip: bool = False,
         rng_watch: RNGWatch | None = None,
         datasets: list[Any] | None = None,
     ) -> None:
@@ -260,6 +261,7 @@ class ThreadWorkers:
                     "drop_last": drop_last,
                     "out_for": out_for if mode is Mode.READ_BATCH else None,
                     "timed": timed,
+                    "skip": skip,
                     "rng_watch": rng_watch,
                     "inited": inited,
                     "first": first,
@@ -446,6 +448,7 @@ def _worker_loop(  # noqa: PLR0917
     drop_last: bool,
     out_for: Callable[[int, int], Any] | None,
     timed: bool,
+    skip: bool = False,
     rng_watch: RNGWatch | None = None,
     inited: threading.Barrier | None = None,
     first: _FirstRound | None = None,
@@ -455,7 +458,7 @@ def _worker_loop(  # noqa: PLR0917
         _worker_body(
             wid, num_workers, base_seed, dataset, collate_fn, mode, inbox,
             results=results, init_fn=init_fn, pin=pin, drop_last=drop_last, out_for=out_for,
-            timed=timed, rng_watch=rng_watch, inited=inited, first=first,
+            timed=timed, skip=skip, rng_watch=rng_watch, inited=inited, first=first,
             init_failed=init_failed,
         )  # fmt: skip
     finally:
@@ -479,12 +482,15 @@ def _worker_body(  # noqa: PLR0917
     drop_last: bool,
     out_for: Callable[[int, int], Any] | None,
     timed: bool,
+    skip: bool,
     rng_watch: RNGWatch | None,
     inited: threading.Barrier | None,
     first: _FirstRound | None,
     init_failed: list[int] | None,
 ) -> None:
-    fetch = fetcher(timed)
+    fetch: Any = fetcher(timed)
+    if skip:  # on_error="skip"
+        fetch = skipping(fetch)
     iterable = mode is Mode.ITERABLE
     seed = base_seed + wid
     _torch_compat.set_thread_worker_info(
@@ -537,7 +543,7 @@ def _worker_body(  # noqa: PLR0917
                 dest = out_for(idx, len(indices)) if out_for is not None else None
                 out = fetch(dataset, indices, collate_fn, mode, dest)
             if pin and (out_for is None or dest is None):
-                out = (pin_batch(out[0]), *out[1:])
+                out = pin_out(out)
         except (Exception, SystemExit) as exc:  # SystemExit: this thread is not the process
             where = indices if not iterable else f"stream position {position}"
             results.put((idx, wid, Failed(exc, wid, where)))
@@ -593,17 +599,20 @@ class InlineSource:
         drop_last: bool,
         timed: bool = True,
         shared_clock: bool = False,
+        skip: bool = False,
     ) -> None:
         self._sampler_iter = sampler_iter
-        self._fetch = fetcher(timed)
+        self._fetch: Any = fetcher(timed)
         # the iterator's clock reads around next() bound the fetch: one read in between does
-        # (map-style datasets, no pinning, no NVTX ranges; see fetch_mid)
+        # (map-style datasets, no pinning, no NVTX ranges, no skipping; see fetch_mid)
         self.shared_clock = (
-            shared_clock and timed and mode is not Mode.ITERABLE and not pin
+            shared_clock and timed and mode is not Mode.ITERABLE and not pin and not skip
             and self._fetch is not fetch_traced
         )  # fmt: skip
         if self.shared_clock:
             self._fetch = fetch_mid
+        if skip:  # on_error="skip"
+            self._fetch = skipping(self._fetch)
         torch.empty((), dtype=torch.int64).random_(generator=generator)  # torch's base seed draw
         self._dataset, self._collate_fn, self._mode = dataset, collate_fn, mode
         self._pin, self._drop_last = pin, drop_last
@@ -628,7 +637,7 @@ class InlineSource:
             else:
                 out = self._fetch(self._dataset, indices, self._collate_fn, self._mode)
             if self._pin:
-                out = (pin_batch(out[0]), *out[1:])
+                out = pin_out(out)
             return out
         except StopIteration:
             raise

@@ -263,6 +263,10 @@ class StallMeter:
         if self._first_begin is None and not self._waits:
             self._first_begin = begin
 
+    def add_skipped(self, n: int) -> None:
+        """Count ``n`` samples dropped by ``DataLoader(on_error="skip")`` (not on the hot path)."""
+        self.skipped += n
+
     def add_stage(self, name: str, seconds: float, nbytes: int = 0) -> None:
         """Add ``seconds`` (and ``nbytes``) to stage ``name``; callable from any thread."""
         try:
@@ -554,6 +558,7 @@ class StallMeter:
             self._batches_folded = 0
             self._samples_folded = 0
             self._bytes_folded = 0
+            self.skipped = 0  # samples dropped by DataLoader(on_error="skip")
             # restored totals (load_state_dict): stall and step from before the clocks restarted
             self._stall_offset = 0.0
             self._step_offset = 0.0
@@ -647,6 +652,7 @@ class StallMeter:
             device_idle_s=idle_s,
             device_idle_fraction=None if idle_s is None else rate(idle_s),
             device_batches=idle_batches,
+            skipped=self.skipped,
         )
 
     def _device_idle(self) -> tuple[float | None, int]:
@@ -701,6 +707,7 @@ class StallMeter:
             "region_s": regions,
             "device_idle_s": idle_s or 0.0,
             "device_batches": idle_batches,
+            "skipped": self.skipped,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -726,6 +733,7 @@ class StallMeter:
                 float(state.get("device_idle_s", 0.0)),
                 int(state.get("device_batches", 0)),
             )
+            self.skipped = int(state.get("skipped", 0))  # older states lack it
 
     # ------------------------------------------------------------------ sinks
     def add_sink(self, sink: Sink) -> Sink:

@@ -131,6 +131,8 @@ def format_summary(s: StallStats) -> str:
     ]
     if s.outside_s > 0:
         parts.append(f"outside {s.outside_s:.3g} s")
+    if s.skipped:
+        parts.append(f"skipped {s.skipped} samples")
     if s.slowest_stage is not None:
         parts.append(f"slowest {s.slowest_stage} {_ms(s.stages[s.slowest_stage].effective_s)}")
     return " | ".join(parts)

@@ -46,6 +46,7 @@ class StallStats:
     its batch, from CUDA events at hand-off (``None`` unless the loader feeds a CUDA device; see
     :mod:`feedpipe.stall.device`), over ``device_batches`` batches whose events completed;
     ``device_idle_fraction`` is it per second of ``wall_s``.
+    ``skipped`` counts the samples ``DataLoader(on_error="skip")`` dropped (not in ``samples``).
     """
 
     wall_s: float
@@ -75,6 +76,7 @@ class StallStats:
     device_idle_s: float | None = None
     device_idle_fraction: float | None = None
     device_batches: int = 0
+    skipped: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict, ready for ``json.dumps``."""

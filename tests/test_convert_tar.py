@@ -1,0 +1,68 @@
+"""``feedpipe convert`` from WebDataset ``.tar`` shards."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+
+import feedpipe
+from feedpipe import DatasetError, MemmapDataset
+from feedpipe.cli import main as cli_main
+
+
+def _shard(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for key, fields in samples:
+            for ext, data in fields.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def _image(i: int) -> bytes:
+    return bytes([i % 251]) * (10 + i)
+
+
+def _shards(root: Path) -> None:
+    root.mkdir()
+    for s in range(2):
+        _shard(
+            root / f"train-{s:02d}.tar",
+            [
+                (
+                    f"{s * 5 + k:06d}",
+                    {"cls": str((s * 5 + k) % 3).encode(), "jpg": _image(s * 5 + k)},
+                )
+                for k in range(5)
+            ],
+        )
+
+
+def test_tar_shards_cli_brace_pattern(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _shards(tmp_path / "wds")
+    pattern = str(tmp_path / "wds" / "train-{00..01}.tar")
+    rc = cli_main(["convert", pattern, str(tmp_path / "o"), "--no-progress", "--workers", "2"])
+    assert rc == 0, capsys.readouterr().err
+    ds = MemmapDataset(tmp_path / "o")
+    assert len(ds) == 10
+    for i in range(10):
+        assert bytes(ds[i]["data"].numpy()) == _image(i) and int(ds[i]["cls"]) == i % 3
+
+
+def test_tar_folder_api(tmp_path: Path) -> None:
+    _shards(tmp_path / "wds")
+    res = feedpipe.convert(tmp_path / "wds", tmp_path / "o", workers=1)
+    assert res.records == 10
+
+
+def test_tar_refuses_what_it_cannot_store(tmp_path: Path) -> None:
+    _shard(tmp_path / "t.tar", [("a", {"jpg": b"x", "txt": b"a cat"})])
+    with pytest.raises(DatasetError, match="field 'txt' is not an integer"):
+        feedpipe.convert(tmp_path / "t.tar", tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+    _shard(tmp_path / "m.tar", [("a", {"jpg": b"x", "cls": b"1"}), ("b", {"jpg": b"y"})])
+    with pytest.raises(DatasetError, match=r"sample 'b' in .*m\.tar: fields"):
+        feedpipe.convert(tmp_path / "m.tar", tmp_path / "o2", workers=1)
