@@ -108,6 +108,7 @@ class _TableSource:
     ``fields``, ``extra``, ``length``, ``est_bytes``, ``fingerprint()``, ``read(a, b)``."""
 
     kind = ""
+    records = True  # a table always has a records column (the data key)
     shape: tuple[int, ...] | None = None
     dtype = "uint8"
     length = 0

@@ -57,6 +57,7 @@ class TarSource:
     """The ``convert`` source protocol over ``TarDataset`` (see the module docstring)."""
 
     kind = "tar"
+    records = True  # the data field's bytes are the records
     shape: tuple[int, ...] | None = None  # the bytes layout
     dtype = "uint8"
 
