@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _describe(exc: BaseException, args: argparse.Namespace) -> str:
     """One line for an error: the message (redacted), with the type for unexpected errors."""
-    from feedpipe import _remote
     from feedpipe.errors import DatasetError, MissingExtraError
+    from feedpipe.remote import transfer as _remote
 
     text = str(exc)
     if isinstance(exc, ValueError) and text.startswith("Protocol not known: "):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from feedpipe.bench import SyntheticDataset
 from feedpipe.cli import main
+from feedpipe.loader.bench import SyntheticDataset
 
 pytest.importorskip("feedpipe.loader", reason="feedpipe.DataLoader has not landed yet")
 

@@ -15,9 +15,9 @@ import pytest
 from _faultproxy import FaultProxy
 from test_stage import make_dataset, upload
 
-from feedpipe import _remote
 from feedpipe.cache import ShardCache
 from feedpipe.errors import DatasetError
+from feedpipe.remote import transfer as _remote
 
 HERE = Path(__file__).resolve().parent
 DATA = [f"shard-{i:05d}.data" for i in range(4)]

@@ -18,9 +18,10 @@ import pytest
 import torch
 from test_stage import make_dataset, upload
 
-from feedpipe import MemmapDataset, _remote
+from feedpipe import MemmapDataset
 from feedpipe._crc import crc32c, to_hex
 from feedpipe.cache import ShardCache
+from feedpipe.remote import transfer as _remote
 
 EXIT_BOUND_S = 10.0  # generous: the old behaviour waited timeout_s (60 s below) at exit
 CHILD_LIMIT_S = 45.0

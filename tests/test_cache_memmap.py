@@ -10,7 +10,8 @@ import pytest
 import torch
 from test_stage import make_dataset, upload
 
-from feedpipe import MemmapDataset, _remote
+from feedpipe import MemmapDataset
+from feedpipe.remote import transfer as _remote
 
 
 def test_remote_memmap_dataset_reads_through_cache(

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from feedpipe._progress import NullBar, progress
 from feedpipe.datasets.writer import MemmapWriter
+from feedpipe.io.progress import NullBar, progress
 
 
 def _cli(

@@ -35,8 +35,7 @@ LAYERS: dict[str, int] = {
     # 2: datasets, remote access and staging, the sampler, the DMA path of a memmap dataset
     "feedpipe.datasets": 2,
     "feedpipe.remote": 2,
-    "feedpipe._remote": 2,
-    "feedpipe._progress": 2,
+    "feedpipe.remote.transfer": 2,
     "feedpipe.sampler": 2,
     "feedpipe._permutation": 2,
     "feedpipe.device.dma": 2,
@@ -48,6 +47,7 @@ LAYERS: dict[str, int] = {
     "feedpipe": 4,
     "feedpipe.loader": 4,
     "feedpipe.loader.dataloader": 4,
+    "feedpipe.loader.bench": 4,  # measures a DataLoader (public path feedpipe.bench)
     "feedpipe.gpu": 4,  # shim of feedpipe.device.feed
     "feedpipe.dali": 4,
     "feedpipe.integrations": 4,

@@ -16,8 +16,8 @@ HOMES: dict[str, set[str]] = {
     "scratch": {"feedpipe/datasets/_gather.py"},
     "inverse": {"feedpipe/datasets/_gather.py"},
     "ROW_COPY_MIN": {"feedpipe/datasets/_gather.py"},
-    "progress": {"feedpipe/_progress.py"},
-    "NullBar": {"feedpipe/_progress.py"},
+    "progress": {"feedpipe/io/progress.py"},
+    "NullBar": {"feedpipe/io/progress.py"},
     "atomic_write": {"feedpipe/io/fsutil.py"},
     # ckpt's adds only the fault-injection point of its crash tests (checked below)
     "fsync_dir": {"feedpipe/io/fsutil.py", "ckpt/_commit.py"},

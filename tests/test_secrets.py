@@ -28,8 +28,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from test_stage import make_dataset
 
-from feedpipe import MemmapDataset, _remote
+from feedpipe import MemmapDataset
 from feedpipe.errors import DatasetError
+from feedpipe.remote import transfer as _remote
 from feedpipe.stage import stage
 
 ROOT = Path(__file__).resolve().parent.parent

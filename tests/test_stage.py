@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from _faultproxy import FaultProxy
 
-from feedpipe import _remote
 from feedpipe.errors import DatasetError
+from feedpipe.remote import transfer as _remote
 from feedpipe.stage import stage
 
 SECRET_KEY = "AKIAFEEDPIPETESTKEY1"

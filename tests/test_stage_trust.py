@@ -26,8 +26,9 @@ from _faultproxy import FaultProxy
 from conftest import free_port
 from test_stage import make_dataset, upload
 
-from feedpipe import MemmapDataset, _remote
+from feedpipe import MemmapDataset
 from feedpipe.errors import DatasetError
+from feedpipe.remote import transfer as _remote
 from feedpipe.stage import stage
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,10 +12,10 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from feedpipe import _remote
 from feedpipe.datasets.format import Index, read_index
 from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c, to_hex
+from feedpipe.remote import transfer as _remote
 
 __all__ = ["add_arguments", "describe", "run", "verify"]
 
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except DatasetError as exc:
         print(f"feedpipe inspect: error: {_remote.redact(str(exc))}", file=sys.stderr)
         return 1
-    from feedpipe._remote import redact
+    from feedpipe.remote.transfer import redact
 
     print(describe(index, redact(path), args.shards), file=out)
     if not args.verify:

@@ -20,12 +20,12 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
-from feedpipe import _remote
 from feedpipe.datasets._publish import check_remote_destination
 from feedpipe.datasets.format import INDEX_NAME, Index, parse_index, write_index
 from feedpipe.datasets.writer import check_destination
 from feedpipe.errors import DatasetError
 from feedpipe.io.fsutil import atomic_write
+from feedpipe.remote import transfer as _remote
 
 __all__ = ["STATE_DIR", "Sink"]
 

@@ -15,9 +15,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from feedpipe import _remote
 from feedpipe.datasets.format import INDEX_NAME, parse_index, read_index
 from feedpipe.errors import DatasetError
+from feedpipe.remote import transfer as _remote
 
 __all__ = ["check_remote_destination", "publish"]
 

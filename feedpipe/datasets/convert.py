@@ -49,8 +49,6 @@ from typing import Any
 
 import numpy as np
 
-from feedpipe import _remote
-from feedpipe._progress import progress
 from feedpipe.datasets._publish import check_remote_destination, publish
 from feedpipe.datasets.columns import parse_field
 from feedpipe.datasets.format import (
@@ -73,6 +71,8 @@ from feedpipe.datasets.writer import (
     shard_name,
 )
 from feedpipe.errors import DatasetError
+from feedpipe.io.progress import progress
+from feedpipe.remote import transfer as _remote
 
 __all__ = ["ConvertResult", "add_arguments", "convert", "infer_column", "plan_parts", "run"]
 

@@ -39,12 +39,12 @@ from typing import Any
 
 import numpy as np
 
-from feedpipe._progress import progress
 from feedpipe.datasets._convert_sink import Sink
 from feedpipe.datasets.convert import ConvertResult
 from feedpipe.datasets.format import Index
 from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter
 from feedpipe.errors import DatasetError
+from feedpipe.io.progress import progress
 
 __all__ = ["convert_fn", "load_function"]
 

@@ -47,7 +47,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from feedpipe import _remote
 from feedpipe.datasets._gather import ROW_COPY_MIN, ShardSpace, inverse, scratch
 from feedpipe.datasets._memmap_columns import TypedColumns
 from feedpipe.datasets._memmap_open import OpenShard, OpenShards
@@ -56,6 +55,7 @@ from feedpipe.datasets.format import INDEX_NAME, FileInfo, Index, parse_index, r
 from feedpipe.datasets.writer import MemmapWriter
 from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c_file, to_hex
+from feedpipe.remote import transfer as _remote
 
 __all__ = ["MemmapDataset", "MemmapWriter", "verify_files"]
 

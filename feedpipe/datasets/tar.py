@@ -25,9 +25,9 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from feedpipe._remote import call, resolve
 from feedpipe.errors import DatasetError
 from feedpipe.io.remote import is_remote
+from feedpipe.remote.transfer import call, resolve
 
 __all__ = ["TarDataset", "expand_shards"]
 

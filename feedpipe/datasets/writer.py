@@ -181,7 +181,7 @@ class MemmapWriter:
         records: bool = True,
         first_record: int = 0,
     ) -> None:
-        from feedpipe import _remote
+        from feedpipe.remote import transfer as _remote
 
         self.path = os.fspath(path)
         if shard_bytes <= 0:

@@ -54,11 +54,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from feedpipe import _remote
-from feedpipe._remote import INDEX_NAME, FileEntry
 from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c, to_hex
+from feedpipe.remote import transfer as _remote
 from feedpipe.remote.plan import AccessPlan
+from feedpipe.remote.transfer import INDEX_NAME, FileEntry
 
 __all__ = ["CacheStats", "ShardCache"]
 

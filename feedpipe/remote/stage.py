@@ -6,15 +6,15 @@ The rules, in order:
    the source's index and every file is in place), so an interrupted stage of v2 over v1 leaves
    no index at all, never v1's index over v2's shards. ``index.json`` is written last, so a
    directory with an index is a complete dataset of that index.
-2. Files are copied in parallel, each under a temp name (:data:`feedpipe._remote.TEMP_PREFIX`,
-   which no dataset file may have), verified against the index (size and CRC32C) and renamed
-   into place. No file is ever truncated or rewritten in place: a reader that has the old file
-   mapped keeps reading the old bytes.
+2. Files are copied in parallel, each under a temp name
+   (:data:`feedpipe.remote.transfer.TEMP_PREFIX`, which no dataset file may have), verified
+   against the index (size and CRC32C) and renamed into place. No file is ever truncated or
+   rewritten in place: a reader that has the old file mapped keeps reading the old bytes.
 3. A symlink in the destination is never written through: a linked file is replaced by the real
    file (the link's target is untouched); a linked directory on a file's path is refused.
 4. Ctrl-C (or any exception) cancels the transfers in flight at their next chunk; the temps are
    removed. ``deadline_s`` bounds the retries of every remote call and the index read as a
-   whole, and caps the clients' socket timeouts (see :func:`feedpipe._remote.resolve`); a
+   whole, and caps the clients' socket timeouts (see :func:`feedpipe.remote.transfer.resolve`); a
    download that keeps receiving bytes is not cut off.
 5. Two stages into one directory take turns (an exclusive ``flock`` on a lock file there).
 
@@ -33,10 +33,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from feedpipe import _remote
-from feedpipe._remote import INDEX_NAME, FileEntry
 from feedpipe.errors import DatasetError
 from feedpipe.io.fsutil import atomic_write, fsync_dir
+from feedpipe.remote import transfer as _remote
+from feedpipe.remote.transfer import INDEX_NAME, FileEntry
 
 __all__ = ["StageResult", "add_arguments", "run", "stage"]
 
@@ -67,7 +67,7 @@ class _Bar:
         self._lock = threading.Lock()
         self._bar: Any = None
         if show:  # drawn only on a terminal, in the binary units of the summary
-            from feedpipe._progress import progress
+            from feedpipe.io.progress import progress
 
             self._bar = progress(total, desc, unit="B")
 
@@ -97,7 +97,7 @@ def stage(
     trusts the size alone, but only when ``dst`` already holds this very ``index.json``);
     everything else is fetched with up to ``workers`` parallel transfers. Each remote call is
     retried on transient errors until ``deadline_s``. See the module docstring for what holds
-    when the stage is interrupted. Raises :class:`~feedpipe._remote.RemoteError` (a
+    when the stage is interrupted. Raises :class:`~feedpipe.remote.transfer.RemoteError` (a
     :class:`~feedpipe.DatasetError`) naming the URL, with credentials redacted.
     """
     if workers < 1:
@@ -317,7 +317,7 @@ def _refuse_linked_dirs(dst: str, entries: list[FileEntry]) -> None:
 
 
 def _clean_stale_temps(root: str) -> None:
-    """Remove temp files (:func:`feedpipe._remote.temp_name`) whose process no longer exists."""
+    """Remove temp files (:func:`feedpipe.remote.transfer.temp_name`) of processes now gone."""
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
             target = _remote.temp_target(name)
