@@ -20,10 +20,12 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 # two test processes (pytest-xdist): most tests wait on subprocesses, sockets or sleeps, so the
-# suite takes about half the time on a 2-core machine; TEST_JOBS=0 runs it in one process
+# suite takes about half the time on a 2-core machine; TEST_JOBS=0 runs it in one process. Tests
+# marked `serial` bound wall time (a prompt Ctrl-C, a deadline) and run alone afterwards.
 TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" -q -n $(TEST_JOBS)
+	$(PY) -m pytest -m "not slow and not serial" -q -n $(TEST_JOBS)
+	$(PY) -m pytest -m "serial and not slow" -q
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow -q

@@ -208,6 +208,7 @@ class _SlowPlain(Dataset):  # type: ignore[type-arg]
         return i
 
 
+@pytest.mark.serial
 def test_ctrl_c_while_waiting_for_the_first_batches_is_prompt_and_blames_no_one() -> None:
     """Ctrl-C while the first ``next()`` waits for the workers' first batches: raised at once;
     the training loop's RNG draws after it are not blamed on the abandoned workers."""

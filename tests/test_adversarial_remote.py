@@ -129,6 +129,7 @@ def drip_server() -> Iterator[str]:
         sock.close()
 
 
+@pytest.mark.serial
 def test_deadline_bounds_an_index_read_from_a_slow_drip_server(
     tmp_path: Path, drip_server: str
 ) -> None:
@@ -141,6 +142,7 @@ def test_deadline_bounds_an_index_read_from_a_slow_drip_server(
     assert took < 9, f"deadline_s=3 took {took:.1f} s"
 
 
+@pytest.mark.serial
 def test_ctrl_c_during_the_index_read_exits_at_once_and_keeps_the_old_version(
     tmp_path: Path, drip_server: str
 ) -> None:

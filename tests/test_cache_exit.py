@@ -98,6 +98,7 @@ def _assert_cache_whole(url: str, cache_dir: Path, opts: dict[str, Any]) -> Shar
 
 
 @pytest.mark.parametrize("close", [False, True], ids=["no-close", "close"])
+@pytest.mark.serial
 def test_memmap_exit_is_prompt_and_cache_reusable(
     tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]], close: bool
 ) -> None:

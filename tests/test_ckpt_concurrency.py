@@ -52,6 +52,7 @@ def test_cli_gc_refuses_a_live_writer(tmp_path: Path, capsys: pytest.CaptureFixt
     assert m.steps() == [0, 1]
 
 
+@pytest.mark.serial
 def test_save_while_another_manager_restores(tmp_path: Path) -> None:
     writer = CheckpointManager(tmp_path, keep_last=1, write=WriteOptions(chunk_bytes=32 << 10))
     writer.save(0, _state(0)).result()

@@ -259,6 +259,7 @@ def test_persistent_workers_go_with_the_loader_without_gc() -> None:
 
 
 @pytest.mark.parametrize("worker_type", ["process", "thread"])
+@pytest.mark.serial
 def test_gc_of_a_loader_in_a_cycle_does_not_block(worker_type: str) -> None:
     """A loader that a user's cycle holds: gc.collect() stops its workers at once (it took 5 s
     per worker: the GC closed the queues torch needs to tell them to exit)."""

@@ -132,6 +132,7 @@ def test_restage_same_version_keeps_the_index_when_nothing_is_fetched(tmp_path: 
 # ------------------------------------------------------------------ 11: Ctrl-C
 
 
+@pytest.mark.serial
 def test_ctrl_c_stops_a_real_feedpipe_stage_within_seconds(
     tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]], s3_server: str
 ) -> None:
@@ -195,6 +196,7 @@ def blackhole() -> Iterator[str]:
         sock.close()
 
 
+@pytest.mark.serial
 def test_deadline_bounds_a_stage_from_a_silent_http_server(tmp_path: Path, blackhole: str) -> None:
     t0 = time.monotonic()
     with pytest.raises(_remote.RemoteError, match="index"):
@@ -204,6 +206,7 @@ def test_deadline_bounds_a_stage_from_a_silent_http_server(tmp_path: Path, black
 
 
 @pytest.mark.parametrize("kind", ["refused", "blackhole"])
+@pytest.mark.serial
 def test_deadline_bounds_a_stage_against_a_dead_endpoint(
     tmp_path: Path, kind: str, blackhole: str
 ) -> None:
@@ -224,6 +227,7 @@ def test_deadline_bounds_a_stage_against_a_dead_endpoint(
     assert not (tmp_path / "dst").exists()
 
 
+@pytest.mark.serial
 def test_deadline_bounds_a_stalled_shard_download(
     tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]], s3_server: str
 ) -> None:

@@ -113,6 +113,7 @@ def test_in_process_matches_injected_delays(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("worker_type", ["thread", "process"])
+@pytest.mark.serial
 def test_workers_stage_times_and_stall(worker_type: str, tmp_path: Path) -> None:
     ds = SleepyDataset(N_BATCHES * BATCH, DELAY, tmp_path)
     meter = StallMeter(trace=False)
