@@ -1,0 +1,87 @@
+"""Adversarial tests of ckpt's retention policies and preemption handling (issue 20, 1-2)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ckpt import format as fmt
+from ckpt.preemption import Preemption
+
+
+def test_metric_name_with_trailing_newline_is_rejected() -> None:
+    """``$`` in the name pattern matched before a trailing newline: ``"loss\\n"`` passed."""
+    with pytest.raises(ValueError, match="bad metric name"):
+        fmt.check_metrics({"loss\n": 1.0})
+
+
+def test_two_managers_closed_in_creation_order_leave_sigterm_fatal() -> None:
+    """Two managers with save_on_preemption, closed A then B: B put back A's (closed) handler,
+    which swallowed every later SIGTERM, so the process could no longer be terminated."""
+    code = textwrap.dedent(
+        """
+        import os, signal, sys, tempfile, time
+        from ckpt import CheckpointManager
+        d = tempfile.mkdtemp()
+        a = CheckpointManager(os.path.join(d, "a"), save_on_preemption=True)
+        b = CheckpointManager(os.path.join(d, "b"), save_on_preemption=True)
+        a.close()
+        b.close()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, signal.getsignal(signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        sys.exit(3)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+
+
+def test_closed_preemption_forwards_to_the_handler_before_it() -> None:
+    """A user handler chained over a closed Preemption still reaches the original handler, and
+    the closed one records nothing."""
+    seen: list[int] = []
+    before = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+    try:
+        a = Preemption()
+        b = Preemption()
+        a.close()
+        b.close()
+        assert signal.getsignal(signal.SIGUSR1) is not None
+        signal.raise_signal(signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1]
+        assert a.signalled is None and b.signalled is None
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
+def test_notify_is_logged_as_a_local_notice(caplog: pytest.LogCaptureFixture) -> None:
+    """``notify()`` (signum 0) was logged as 'another rank'; an unknown number raised."""
+    p = Preemption()
+    try:
+        p.notify()
+        with caplog.at_level(logging.WARNING, logger="ckpt"):
+            assert p.reached(7)
+        assert "another rank" not in caplog.text
+        q = Preemption()
+        try:
+            q.notify(12345)
+            assert q.reached(1)
+        finally:
+            q.close()
+    finally:
+        p.close()
