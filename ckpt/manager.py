@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import operator
 import os
 import threading
 import time
@@ -177,14 +178,12 @@ class CheckpointManager:
         if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
             raise ValueError("keep_last must be >= 1 or None")
         self.policy: Policy | None = from_options(keep_last, keep_every, keep_best)
-        if save_interval_steps is not None and (
-            isinstance(save_interval_steps, bool)
-            or not isinstance(save_interval_steps, int)
-            or save_interval_steps < 1
-        ):
-            raise ValueError(
-                f"save_interval_steps must be an int >= 1, not {save_interval_steps!r}"
-            )
+        if save_interval_steps is not None:
+            save_interval_steps = _index(save_interval_steps)
+            if save_interval_steps is None or save_interval_steps < 1:
+                raise ValueError(
+                    f"save_interval_steps must be an int >= 1, not {save_interval_steps!r}"
+                )
         self.save_interval_steps = save_interval_steps
         self.save_on_steps = frozenset(_step_list(save_on_steps))
         self.directory = local_path(
@@ -796,11 +795,23 @@ def _check_json(metadata: Any) -> None:
         raise ValueError(f"metadata is not JSON-able: {exc}") from None
 
 
+def _index(n: Any) -> int | None:
+    """``n`` as an int if it is an integer (a NumPy integer too, not a bool), else ``None``."""
+    if isinstance(n, bool) or type(n).__name__ == "bool_":
+        return None
+    try:
+        return operator.index(n)
+    except TypeError:
+        return None
+
+
 def _step_list(steps: Any) -> list[int]:
-    out = list(steps or ())
-    for s in out:
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+    out = []
+    for s in list(steps if steps is not None else ()):
+        step = _index(s)
+        if step is None or step < 0:
             raise ValueError(f"save_on_steps must hold non-negative ints, got {s!r}")
+        out.append(step)
     return out
 
 

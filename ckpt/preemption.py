@@ -79,8 +79,12 @@ class Preemption:
         self._group: Any = None
         self._previous: dict[int, _Handler] = {}
         self._closed = False
-        for sig in self.options.signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
+        try:
+            for sig in self.options.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        except BaseException:  # e.g. SIGKILL cannot be caught: install nothing, not a part
+            self.close()
+            raise
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._closed:  # still reachable through a handler chained over ours: pass it on

@@ -85,3 +85,31 @@ def test_notify_is_logged_as_a_local_notice(caplog: pytest.LogCaptureFixture) ->
             q.close()
     finally:
         p.close()
+
+
+def test_a_signal_that_cannot_be_handled_installs_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``signals=(SIGTERM, SIGKILL)``: SIGKILL cannot be caught, and the SIGTERM handler
+    installed before it was left behind, owned by nobody, swallowing every later SIGTERM."""
+    from ckpt import CheckpointManager
+    from ckpt.preemption import PreemptionOptions
+
+    before = signal.getsignal(signal.SIGTERM)
+    options = PreemptionOptions(signals=(signal.SIGTERM, signal.SIGKILL))
+    with pytest.raises((OSError, ValueError)):
+        CheckpointManager(tmp_path, save_on_preemption=options)
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_save_on_steps_takes_numpy_integers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``save_on_steps=np.arange(...)`` (a careless but natural spelling) was refused."""
+    np = pytest.importorskip("numpy")
+    from ckpt import CheckpointManager
+
+    with CheckpointManager(
+        tmp_path, save_on_steps=np.array([5, 5, 20]), save_interval_steps=np.int64(7)
+    ) as manager:
+        assert [s for s in range(25) if manager.should_save(s)] == [0, 5, 7, 14, 20, 21]
+    with pytest.raises(ValueError, match="save_on_steps"):
+        CheckpointManager(tmp_path, save_on_steps=[np.int64(-1)])
+    with pytest.raises(ValueError, match="save_on_steps"):
+        CheckpointManager(tmp_path, save_on_steps=[1.5])
