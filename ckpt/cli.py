@@ -181,7 +181,7 @@ def _gc(root: Path, policy: Policy, dry_run: bool) -> int:
         def metrics(step: int) -> dict:
             try:
                 return _retention.metrics(_layout.step_dir(root, step))
-            except (CheckpointError, OSError):  # not restorable either: not ranked
+            except (CheckpointError, FileNotFoundError):  # corrupt or gone: not ranked
                 return {}
 
         decision = _retention.plan(

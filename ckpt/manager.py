@@ -458,7 +458,8 @@ class CheckpointManager:
         if known is None or known[0] != ino:
             try:
                 known = (ino, _retention.metrics(path))
-            except (CheckpointError, OSError) as exc:  # not restorable either: not ranked
+            except (CheckpointError, FileNotFoundError) as exc:  # corrupt or gone: not ranked
+                # (another OSError, e.g. EIO, propagates: the pass stops and deletes nothing)
                 log.warning("ckpt: retention cannot read the metrics of step %d: %s", step, exc)
                 known = (ino, {})
             self._metric_cache[step] = known

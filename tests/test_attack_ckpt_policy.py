@@ -113,3 +113,35 @@ def test_save_on_steps_takes_numpy_integers(tmp_path) -> None:  # type: ignore[n
         CheckpointManager(tmp_path, save_on_steps=[np.int64(-1)])
     with pytest.raises(ValueError, match="save_on_steps"):
         CheckpointManager(tmp_path, save_on_steps=[1.5])
+
+
+def test_a_transient_read_error_does_not_unrank_the_best_step(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An ``OSError`` reading the best step's manifest (EIO, EMFILE) made it 'unranked', and
+    the same retention pass deleted it: the remote tier stops the pass instead, so must this."""
+    import errno
+
+    import torch
+
+    from ckpt import CheckpointManager, _retention
+
+    state = {"w": torch.zeros(2)}
+    with CheckpointManager(tmp_path, keep_last=1, keep_best=("loss", 1, "min")) as m:
+        for step, loss in [(0, 0.1), (1, 0.5), (2, 0.9), (3, 0.8)]:
+            m.save(step, state, metrics={"loss": loss})
+            m.wait()
+        assert m.steps() == [0, 3]
+    real = _retention.metrics
+
+    def flaky(path):  # type: ignore[no-untyped-def]
+        if path.name.endswith("0"):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real(path)
+
+    monkeypatch.setattr(_retention, "metrics", flaky)
+    with CheckpointManager(tmp_path, keep_last=1, keep_best=("loss", 1, "min")) as m:
+        with pytest.raises(OSError):
+            m.gc()
+        assert m.steps() == [0, 3]
+    monkeypatch.setattr(_retention, "metrics", real)
+    with CheckpointManager(tmp_path, keep_last=1, keep_best=("loss", 1, "min")) as m:
+        assert m.gc() == [] and m.steps() == [0, 3]
