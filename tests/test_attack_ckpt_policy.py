@@ -145,3 +145,14 @@ def test_a_transient_read_error_does_not_unrank_the_best_step(tmp_path, monkeypa
     monkeypatch.setattr(_retention, "metrics", real)
     with CheckpointManager(tmp_path, keep_last=1, keep_best=("loss", 1, "min")) as m:
         assert m.gc() == [] and m.steps() == [0, 3]
+
+
+def test_keep_best_ranks_large_int_metrics_exactly() -> None:
+    """Int metrics (up to 2**63 are accepted) were ranked as floats: 2**62 and 2**62 + 1 tied,
+    so "max" kept the newer, smaller one."""
+    from ckpt.policy import KeepBest, StepView
+
+    saved = {0: {"n": 2**62 + 1}, 1: {"n": 2**62}}
+    view = StepView(saved, lambda s: True, lambda s: saved[s])
+    assert list(KeepBest("n", 1, "max").select(view)) == [0]
+    assert list(KeepBest("n", 1, "min").select(view)) == [1]
