@@ -768,9 +768,12 @@ class CheckpointManager:
         """Wait for saves in flight (and uploads, up to ``RemoteOptions.close_timeout_s``),
         release the writer lock and the writer threads."""
         try:
-            self.wait()
+            try:
+                self.wait()
+            finally:  # a failed save is raised, but the upload threads stop all the same
+                if self.remote is not None:
+                    self.remote.close()
             if self.remote is not None:
-                self.remote.close()
                 self.remote.raise_pending()
         finally:
             if self._preemption is not None:

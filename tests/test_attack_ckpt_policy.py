@@ -156,3 +156,30 @@ def test_keep_best_ranks_large_int_metrics_exactly() -> None:
     view = StepView(saved, lambda s: True, lambda s: saved[s])
     assert list(KeepBest("n", 1, "max").select(view)) == [0]
     assert list(KeepBest("n", 1, "min").select(view)) == [1]
+
+
+def test_close_after_a_failed_save_still_stops_the_remote_tier(tmp_path, s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    """``close()`` re-raises a background save's error; it skipped ``remote.close()`` then,
+    leaving the upload thread running (and applying remote retention) after the writer lock
+    was released to the next manager."""
+    import torch
+
+    from ckpt import CheckpointManager
+    from ckpt.errors import CheckpointError
+    from ckpt.remote import RemoteOptions
+
+    bucket, options = s3_bucket
+    remote = RemoteOptions(f"s3://{bucket}/close", storage_options=options)
+    before = signal.getsignal(signal.SIGTERM)
+    m = CheckpointManager(tmp_path, remote=remote, save_on_preemption=True)
+
+    def boom(step, path):  # type: ignore[no-untyped-def]
+        raise RuntimeError("listener failed")
+
+    m.on_commit.append(boom)
+    m.save(0, {"w": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match="listener failed"):
+        m.close()
+    assert m.remote is not None and m.remote._closed
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert not m._lock.held
