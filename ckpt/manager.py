@@ -210,7 +210,7 @@ class CheckpointManager:
         self._retain_lock = threading.Lock()
         self._checked: dict[int, tuple[int, bool]] = {}  # step -> (dir inode, restorable)
         self._metric_cache: dict[int, tuple[int, dict]] = {}  # step -> (dir inode, metrics)
-        self._last_saved: int | None = None
+        self._last_saved: SaveHandle | None = None  # the newest save asked for
         self._preemption: Preemption | None = None
         self.remote: RemoteTier | None = None
         if remote is not None:
@@ -334,7 +334,7 @@ class CheckpointManager:
             self.stats.last_save = stats
             self._jobs.append(_Job(handle, buf, body, t0))
             self._inflight.append(handle)
-            self._last_saved = step
+            self._last_saved = handle
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._persist_loop, name="ckpt-persist", daemon=False
@@ -584,17 +584,19 @@ class CheckpointManager:
         metrics: dict[str, float] | None = None,
         timeout: float | None = None,
     ) -> NoReturn:
-        """Save ``step`` (unless it was the last step saved), wait until it is committed locally
-        and, with a remote tier, uploaded, within ``timeout`` (default
+        """Save ``step`` (unless it was the last step saved and that save has not failed), wait
+        until it is committed locally and, with a remote tier, uploaded, within ``timeout`` (default
         ``PreemptionOptions.deadline_s``), close the manager and raise
         ``SystemExit(PREEMPTED_EXIT_CODE)``. A save that fails or misses the deadline raises
         its error instead (exit status 1); the steps committed before stay intact."""
         options = self._preemption.options if self._preemption else PreemptionOptions()
         limit = options.deadline_s if timeout is None else timeout
         deadline = time.monotonic() + limit
-        if self._last_saved != step:
-            self.save(step, state, rng=rng, metadata=metadata, metrics=metrics)
+        last = self._last_saved
+        if last is None or last.step != step or last.error is not None:  # a failed save: again
+            last = self.save(step, state, rng=rng, metadata=metadata, metrics=metrics)
         self.wait(max(0.0, deadline - time.monotonic()), uploads=True)
+        last.result(0)  # never exit as "committed" unless this save committed
         log.warning(
             "ckpt: step %d is committed%s; exiting with status %d",
             step, " and uploaded" if self.remote is not None else "", options.exit_code,

@@ -183,3 +183,40 @@ def test_close_after_a_failed_save_still_stops_the_remote_tier(tmp_path, s3_buck
     assert m.remote is not None and m.remote._closed
     assert signal.getsignal(signal.SIGTERM) == before
     assert not m._lock.held
+
+
+def test_save_and_exit_retried_after_a_failed_save_saves_again(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``save_and_exit`` skipped the save when ``step`` was the last step *asked* to be saved,
+    even if that save had failed: a retry after 'disk full' exited 75, 'committed', with
+    nothing saved."""
+    import errno
+
+    import torch
+
+    from ckpt import CheckpointManager
+    from ckpt import format as fmt
+    from ckpt.errors import CheckpointError
+
+    state = {"w": torch.zeros(2)}
+    m = CheckpointManager(tmp_path, save_on_preemption=True)
+    try:
+        m.save(0, state)
+        m.wait()
+        real = fmt.write_file
+
+        def full(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(fmt, "write_file", full)
+        with pytest.raises(CheckpointError, match="No space left"):
+            m.save_and_exit(1, state, timeout=10)
+        assert m.steps() == [0]
+        with pytest.raises(CheckpointError, match="No space left"):  # still full: no exit 75
+            m.save_and_exit(1, state, timeout=10)
+        monkeypatch.setattr(fmt, "write_file", real)
+        with pytest.raises(SystemExit) as exited:
+            m.save_and_exit(1, state, timeout=10)
+        assert exited.value.code == CheckpointManager.PREEMPTED_EXIT_CODE
+        assert m.steps() == [0, 1]
+    finally:
+        m.close()
