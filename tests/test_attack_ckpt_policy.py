@@ -220,3 +220,15 @@ def test_save_and_exit_retried_after_a_failed_save_saves_again(tmp_path, monkeyp
         assert m.steps() == [0, 1]
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("spec", ["loss:0:min", "loss:\u00b2:min", "loss:-1:max"])
+def test_gc_bad_keep_best_names_the_flag(tmp_path, capsys, spec: str) -> None:  # type: ignore[no-untyped-def]
+    """``--keep-best loss:0:min`` was refused as 'KeepBest.k ...', and a Unicode digit ('²',
+    which ``str.isdigit`` accepts) as 'invalid literal for int()': neither named the flag."""
+    from ckpt import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["gc", str(tmp_path), "--keep-best", spec])
+    assert exited.value.code == 2
+    assert "--keep-best" in capsys.readouterr().err
