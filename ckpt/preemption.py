@@ -81,7 +81,8 @@ class Preemption:
         self._closed = False
         try:
             for sig in self.options.signals:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                if sig not in self._previous:  # twice would chain our handler to itself
+                    self._previous[sig] = signal.signal(sig, self._handle)
         except BaseException:  # e.g. SIGKILL cannot be caught: install nothing, not a part
             self.close()
             raise

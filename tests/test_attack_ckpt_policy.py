@@ -269,3 +269,18 @@ def test_a_transient_error_verifying_a_keep_every_step_does_not_delete_it(  # ty
         except OSError:
             pass
         assert 10 in m.steps()
+
+
+def test_a_signal_listed_twice_is_handled_once() -> None:
+    """``signals=(SIGTERM, SIGTERM)`` chained our handler to itself: the signal raised
+    ``RecursionError`` wherever the main thread was, and ``close()`` left the handler in."""
+    from ckpt.preemption import PreemptionOptions
+
+    before = signal.getsignal(signal.SIGTERM)
+    p = Preemption(PreemptionOptions(signals=(signal.SIGTERM, signal.SIGTERM)))
+    try:
+        signal.raise_signal(signal.SIGTERM)
+        assert p.signalled == signal.SIGTERM
+    finally:
+        p.close()
+    assert signal.getsignal(signal.SIGTERM) == before
