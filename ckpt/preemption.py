@@ -56,8 +56,8 @@ class PreemptionOptions:
             raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
-        if not self.deadline_s > 0:
-            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s!r}")
+        if not 0 < self.deadline_s < float("inf"):  # inf overflowed the waits in save_and_exit
+            raise ValueError(f"deadline_s must be a finite number > 0, got {self.deadline_s!r}")
 
 
 _Handler = Callable[[int, FrameType | None], Any] | int | None

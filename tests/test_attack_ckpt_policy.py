@@ -284,3 +284,14 @@ def test_a_signal_listed_twice_is_handled_once() -> None:
     finally:
         p.close()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_an_infinite_deadline_is_refused_up_front() -> None:
+    """``deadline_s=inf`` was accepted, then ``save_and_exit`` died of ``OverflowError`` in its
+    wait, with the save still in flight."""
+    from ckpt.preemption import PreemptionOptions
+
+    with pytest.raises(ValueError, match="deadline_s"):
+        PreemptionOptions(deadline_s=float("inf"))
+    with pytest.raises(ValueError, match="deadline_s"):
+        PreemptionOptions(deadline_s=float("nan"))
