@@ -591,6 +591,8 @@ class CheckpointManager:
         its error instead (exit status 1); the steps committed before stay intact."""
         options = self._preemption.options if self._preemption else PreemptionOptions()
         limit = options.deadline_s if timeout is None else timeout
+        if not 0 < limit < float("inf"):  # checked before saving: inf overflows the waits
+            raise ValueError(f"save_and_exit: timeout must be a finite number > 0, got {limit!r}")
         deadline = time.monotonic() + limit
         last = self._last_saved
         if last is None or last.step != step or last.error is not None:  # a failed save: again

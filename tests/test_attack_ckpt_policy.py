@@ -295,3 +295,14 @@ def test_an_infinite_deadline_is_refused_up_front() -> None:
         PreemptionOptions(deadline_s=float("inf"))
     with pytest.raises(ValueError, match="deadline_s"):
         PreemptionOptions(deadline_s=float("nan"))
+
+
+def test_save_and_exit_refuses_an_infinite_timeout_before_saving(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from ckpt import CheckpointManager
+
+    with CheckpointManager(tmp_path) as m:
+        with pytest.raises(ValueError, match="timeout"):
+            m.save_and_exit(0, {"w": torch.zeros(1)}, timeout=float("inf"))
+        assert m.steps() == []
