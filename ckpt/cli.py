@@ -181,7 +181,7 @@ def _gc(root: Path, policy: Policy, dry_run: bool) -> int:
         def metrics(step: int) -> dict:
             try:
                 return _retention.metrics(_layout.step_dir(root, step))
-            except (CheckpointError, OSError):  # not restorable either: not ranked
+            except (CheckpointError, FileNotFoundError):  # corrupt or gone: not ranked
                 return {}
 
         decision = _retention.plan(
@@ -350,8 +350,9 @@ def _keep_best(text: str | None) -> tuple[str, int, str] | None:
     if text is None:
         return None
     parts = text.split(":")
-    if len(parts) < 3 or not parts[-2].isdigit() or parts[-1] not in ("min", "max"):
-        raise ValueError(f"--keep-best: expected METRIC:K:min|max, got {text!r}")
+    k = parts[-2] if len(parts) >= 3 else ""
+    if not (k.isascii() and k.isdigit() and int(k) >= 1) or parts[-1] not in ("min", "max"):
+        raise ValueError(f"--keep-best: expected METRIC:K:min|max (K >= 1), got {text!r}")
     return ":".join(parts[:-2]), int(parts[-2]), parts[-1]
 
 

@@ -249,7 +249,7 @@ def _metrics_problem(metrics: Any) -> str | None:
     if len(metrics) > MAX_METRICS:
         return f"metrics: {len(metrics)} metrics, over the limit of {MAX_METRICS}"
     for name, value in metrics.items():
-        if not isinstance(name, str) or not _METRIC.match(name):
+        if not isinstance(name, str) or not _METRIC.fullmatch(name):
             return (
                 f"metrics: bad metric name {name!r:.80} (letters, digits and _./:@+-, "
                 "at most 128 characters)"

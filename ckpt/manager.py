@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import operator
 import os
 import threading
 import time
@@ -177,14 +178,12 @@ class CheckpointManager:
         if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
             raise ValueError("keep_last must be >= 1 or None")
         self.policy: Policy | None = from_options(keep_last, keep_every, keep_best)
-        if save_interval_steps is not None and (
-            isinstance(save_interval_steps, bool)
-            or not isinstance(save_interval_steps, int)
-            or save_interval_steps < 1
-        ):
-            raise ValueError(
-                f"save_interval_steps must be an int >= 1, not {save_interval_steps!r}"
-            )
+        if save_interval_steps is not None:
+            save_interval_steps = _index(save_interval_steps)
+            if save_interval_steps is None or save_interval_steps < 1:
+                raise ValueError(
+                    f"save_interval_steps must be an int >= 1, not {save_interval_steps!r}"
+                )
         self.save_interval_steps = save_interval_steps
         self.save_on_steps = frozenset(_step_list(save_on_steps))
         self.directory = local_path(
@@ -211,7 +210,7 @@ class CheckpointManager:
         self._retain_lock = threading.Lock()
         self._checked: dict[int, tuple[int, bool]] = {}  # step -> (dir inode, restorable)
         self._metric_cache: dict[int, tuple[int, dict]] = {}  # step -> (dir inode, metrics)
-        self._last_saved: int | None = None
+        self._last_saved: SaveHandle | None = None  # the newest save asked for
         self._preemption: Preemption | None = None
         self.remote: RemoteTier | None = None
         if remote is not None:
@@ -335,7 +334,7 @@ class CheckpointManager:
             self.stats.last_save = stats
             self._jobs.append(_Job(handle, buf, body, t0))
             self._inflight.append(handle)
-            self._last_saved = step
+            self._last_saved = handle
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._persist_loop, name="ckpt-persist", daemon=False
@@ -459,7 +458,8 @@ class CheckpointManager:
         if known is None or known[0] != ino:
             try:
                 known = (ino, _retention.metrics(path))
-            except (CheckpointError, OSError) as exc:  # not restorable either: not ranked
+            except (CheckpointError, FileNotFoundError) as exc:  # corrupt or gone: not ranked
+                # (another OSError, e.g. EIO, propagates: the pass stops and deletes nothing)
                 log.warning("ckpt: retention cannot read the metrics of step %d: %s", step, exc)
                 known = (ino, {})
             self._metric_cache[step] = known
@@ -584,17 +584,21 @@ class CheckpointManager:
         metrics: dict[str, float] | None = None,
         timeout: float | None = None,
     ) -> NoReturn:
-        """Save ``step`` (unless it was the last step saved), wait until it is committed locally
-        and, with a remote tier, uploaded, within ``timeout`` (default
+        """Save ``step`` (unless it was the last step saved and that save has not failed), wait
+        until it is committed locally and, with a remote tier, uploaded, within ``timeout`` (default
         ``PreemptionOptions.deadline_s``), close the manager and raise
         ``SystemExit(PREEMPTED_EXIT_CODE)``. A save that fails or misses the deadline raises
         its error instead (exit status 1); the steps committed before stay intact."""
         options = self._preemption.options if self._preemption else PreemptionOptions()
         limit = options.deadline_s if timeout is None else timeout
+        if not 0 < limit < float("inf"):  # checked before saving: inf overflows the waits
+            raise ValueError(f"save_and_exit: timeout must be a finite number > 0, got {limit!r}")
         deadline = time.monotonic() + limit
-        if self._last_saved != step:
-            self.save(step, state, rng=rng, metadata=metadata, metrics=metrics)
+        last = self._last_saved
+        if last is None or last.step != step or last.error is not None:  # a failed save: again
+            last = self.save(step, state, rng=rng, metadata=metadata, metrics=metrics)
         self.wait(max(0.0, deadline - time.monotonic()), uploads=True)
+        last.result(0)  # never exit as "committed" unless this save committed
         log.warning(
             "ckpt: step %d is committed%s; exiting with status %d",
             step, " and uploaded" if self.remote is not None else "", options.exit_code,
@@ -768,9 +772,12 @@ class CheckpointManager:
         """Wait for saves in flight (and uploads, up to ``RemoteOptions.close_timeout_s``),
         release the writer lock and the writer threads."""
         try:
-            self.wait()
+            try:
+                self.wait()
+            finally:  # a failed save is raised, but the upload threads stop all the same
+                if self.remote is not None:
+                    self.remote.close()
             if self.remote is not None:
-                self.remote.close()
                 self.remote.raise_pending()
         finally:
             if self._preemption is not None:
@@ -796,11 +803,23 @@ def _check_json(metadata: Any) -> None:
         raise ValueError(f"metadata is not JSON-able: {exc}") from None
 
 
+def _index(n: Any) -> int | None:
+    """``n`` as an int if it is an integer (a NumPy integer too, not a bool), else ``None``."""
+    if isinstance(n, bool) or type(n).__name__ == "bool_":
+        return None
+    try:
+        return operator.index(n)
+    except TypeError:
+        return None
+
+
 def _step_list(steps: Any) -> list[int]:
-    out = list(steps or ())
-    for s in out:
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+    out = []
+    for s in list(steps if steps is not None else ()):
+        step = _index(s)
+        if step is None or step < 0:
             raise ValueError(f"save_on_steps must hold non-negative ints, got {s!r}")
+        out.append(step)
     return out
 
 

@@ -56,7 +56,8 @@ class StepView:
         return self._good[step]
 
     def metric(self, step: int, name: str) -> float | None:
-        """The finite value of metric ``name`` saved with ``step``, else ``None``."""
+        """The finite value (an int or a float) of metric ``name`` saved with ``step``, else
+        ``None``."""
         if self._metrics is None:
             return None
         if step not in self._seen:  # the caller maps an unreadable manifest to {}
@@ -65,10 +66,10 @@ class StepView:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return None
         try:
-            value = float(value)
+            finite = math.isfinite(float(value))
         except OverflowError:
             return None
-        return value if math.isfinite(value) else None
+        return value if finite else None  # an int stays an int: ranked exactly
 
 
 class Policy:
@@ -142,7 +143,7 @@ class KeepBest(Policy):
             raise ValueError(f"KeepBest.mode must be 'min' or 'max', got {self.mode!r}")
 
     def select(self, view: StepView) -> dict[int, str]:
-        sign = 1.0 if self.mode == "min" else -1.0
+        sign = 1 if self.mode == "min" else -1  # an int: int metrics rank exactly
         ranked = []
         for step in view.newest_first:
             value = view.metric(step, self.metric)

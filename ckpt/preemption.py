@@ -7,7 +7,8 @@ Kubernetes send before a kill) from the main thread; constructing it in another 
 nothing, logs nothing and never interrupts a save in progress), then calls the handler that was
 installed before it if that was a Python function; ``SIG_DFL`` and ``SIG_IGN`` are not called
 (the default action would kill the process before it saves). A second signal changes nothing.
-``close()`` puts the previous handlers back, unless someone replaced ours in the meantime.
+``close()`` puts the previous handlers back (skipping those of Preemptions already closed), unless
+someone replaced ours in the meantime; a closed handler still reached only passes the signal on.
 
 ``reached(step)`` is the agreed decision. On one process it is whether a signal (or
 ``notify()``, the hook for cloud preemption notices) arrived. With ``torch.distributed``
@@ -55,8 +56,8 @@ class PreemptionOptions:
             raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
-        if not self.deadline_s > 0:
-            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s!r}")
+        if not 0 < self.deadline_s < float("inf"):  # inf overflowed the waits in save_and_exit
+            raise ValueError(f"deadline_s must be a finite number > 0, got {self.deadline_s!r}")
 
 
 _Handler = Callable[[int, FrameType | None], Any] | int | None
@@ -77,10 +78,21 @@ class Preemption:
         self._checked: tuple[int, bool] | None = None
         self._group: Any = None
         self._previous: dict[int, _Handler] = {}
-        for sig in self.options.signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
+        self._closed = False
+        try:
+            for sig in self.options.signals:
+                if sig not in self._previous:  # twice would chain our handler to itself
+                    self._previous[sig] = signal.signal(sig, self._handle)
+        except BaseException:  # e.g. SIGKILL cannot be caught: install nothing, not a part
+            self.close()
+            raise
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._closed:  # still reachable through a handler chained over ours: pass it on
+            previous = self._previous.get(signum)
+            if callable(previous):
+                previous(signum, frame)
+            return
         if self.signalled is None:
             self.signalled = signum
         previous = self._previous.get(signum)
@@ -107,7 +119,7 @@ class Preemption:
         self._checked = (step, agreed)
         if agreed:
             self.agreed_step = step
-            how = signal.Signals(self.signalled).name if self.signalled else "another rank"
+            how = _name(self.signalled) if local else "another rank"
             log.warning("ckpt: preemption (%s): saving step %d and exiting", how, step)
         return agreed
 
@@ -129,10 +141,24 @@ class Preemption:
         """Put back the previous handlers (main thread only; ours only where still installed)."""
         if threading.current_thread() is not threading.main_thread():
             return
+        self._closed = True
         for sig, previous in self._previous.items():
             if signal.getsignal(sig) == self._handle:
+                # a closed Preemption's handler (another manager closed first) is skipped
+                while isinstance(getattr(previous, "__self__", None), Preemption):
+                    owner: Preemption = previous.__self__  # type: ignore[union-attr]
+                    if not owner._closed:
+                        break
+                    previous = owner._previous.get(sig, signal.SIG_DFL)
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-        self._previous = {}
+
+
+def _name(signum: int | None) -> str:
+    """``SIGTERM`` for a signal number; ``notify()``'s 0 (or any other number) as a notice."""
+    try:
+        return signal.Signals(signum).name if signum else "preemption notice"
+    except ValueError:
+        return f"preemption notice {signum}"
 
 
 def _world_size() -> int:
