@@ -87,6 +87,14 @@ def restorable(path: Path) -> str | None:
     try:
         with _commit.reading(path):
             verify_step(path)
-    except Exception as exc:  # any failure, typed or not, means "cannot be restored"
-        return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+    except CheckpointError as exc:  # corrupt, incomplete or hostile: cannot be restored
+        return str(exc)
+    except (FileNotFoundError, NotADirectoryError) as exc:  # gone
+        return f"{type(exc).__name__}: {exc}"
+    except OSError:
+        # EIO, EMFILE, EACCES...: not a verdict on the step. The pass stops and deletes nothing
+        # (a step is never deleted because it could not be read once)
+        raise
+    except Exception as exc:  # any other failure means "cannot be restored"
+        return f"{type(exc).__name__}: {exc}"
     return None

@@ -425,8 +425,20 @@ class CheckpointManager:
         self._raise_pending()
 
     # ---- retention ----------------------------------------------------------------------
-    def _retain(self) -> None:
-        """Apply ``ckpt._retention.plan`` (the rule ``ckpt gc`` uses) with the evict guards."""
+    def _retain(self, strict: bool = False) -> None:
+        """Apply ``ckpt._retention.plan`` (the rule ``ckpt gc`` uses) with the evict guards.
+
+        A step that cannot be read for a reason other than its content (EIO, EMFILE, EACCES)
+        stops the pass before anything is deleted: raised with ``strict`` (``gc()``), else
+        logged, and the next pass tries again."""
+        try:
+            self._retain_pass()
+        except OSError as exc:
+            if strict:
+                raise
+            log.warning("ckpt: retention skipped (nothing deleted), will retry: %r", exc)
+
+    def _retain_pass(self) -> None:
         if self.policy is None:
             return
         with self._retain_lock:  # the persist and upload threads may both apply retention
@@ -509,7 +521,7 @@ class CheckpointManager:
         """Apply retention now (taking the writer lock); returns the steps evicted."""
         self._ensure_writer()
         before = len(self.stats.evicted)
-        self._retain()
+        self._retain(strict=True)
         return self.stats.evicted[before:]
 
     # ---- reading ------------------------------------------------------------------------
