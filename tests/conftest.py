@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import uuid
 from collections.abc import Iterator
@@ -18,6 +19,14 @@ def _cuda_available() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:  # pragma: no cover
         return False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A run started in the background by a non-interactive shell inherits SIGINT ignored
+    (POSIX), and Python then installs no KeyboardInterrupt handler, in this process or in the
+    Python processes it starts. The Ctrl-C tests need the default, so it is put back."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
