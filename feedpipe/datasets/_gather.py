@@ -40,14 +40,14 @@ import stat
 import struct
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from feedpipe.errors import DatasetError
 
-__all__ = ["ROW_COPY_MIN", "ShardSpace", "inverse", "map_budget", "scratch"]
+__all__ = ["ROW_COPY_MIN", "ShardSpace", "indices_array", "inverse", "map_budget", "scratch"]
 
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
@@ -416,3 +416,21 @@ def inverse(order: np.ndarray) -> np.ndarray:
     inv = np.empty_like(order)
     inv[order] = np.arange(len(order))
     return inv
+
+
+def indices_array(indices: Any, length: int, out_of_range: Callable[[int], str]) -> np.ndarray:
+    """A batch's indices (a sequence, numpy array or tensor of integers) as a 1-D int64 array in
+    ``[0, length)``, negatives wrapped; an index outside ``[-length, length)`` is an
+    ``IndexError`` with ``out_of_range(index)`` as its message."""
+    if hasattr(indices, "tolist") and not isinstance(indices, np.ndarray):  # a tensor
+        indices = indices.tolist()
+    idx = np.asarray(indices)
+    if idx.size == 0:
+        return np.empty(0, np.int64)
+    if idx.dtype.kind not in "iu" or idx.ndim != 1:
+        raise TypeError(f"indices must be a 1-D sequence of integers, got {idx.dtype}")
+    idx = idx.astype(np.int64)
+    bad = (idx < -length) | (idx >= length)
+    if bad.any():
+        raise IndexError(out_of_range(int(idx[np.argmax(bad)])))
+    return np.where(idx < 0, idx + length, idx)

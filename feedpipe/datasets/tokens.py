@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from feedpipe.datasets._gather import indices_array
 from feedpipe.datasets.memmap import MemmapDataset
 from feedpipe.errors import DatasetError
 from feedpipe.io.remote import redact
@@ -100,17 +101,8 @@ class TokenWindows(torch.utils.data.Dataset[torch.Tensor]):
         return self._len
 
     def _normalize(self, indices: Any) -> np.ndarray:
-        idx = np.asarray(indices.tolist() if isinstance(indices, torch.Tensor) else indices)
-        if idx.size == 0:
-            return np.empty(0, np.int64)
-        if idx.dtype.kind not in "iu" or idx.ndim != 1:
-            raise TypeError(f"indices must be a 1-D sequence of integers, got {idx.dtype}")
-        idx = idx.astype(np.int64)
-        bad = (idx < -self._len) | (idx >= self._len)
-        if bad.any():
-            first = int(idx[np.argmax(bad)])
-            raise IndexError(f"window {first} is out of range ({self._len} windows)")
-        return np.where(idx < 0, idx + self._len, idx)
+        n = self._len
+        return indices_array(indices, n, lambda i: f"window {i} is out of range ({n} windows)")
 
     def __getitem__(self, index: int) -> torch.Tensor:
         if isinstance(index, torch.Tensor) and index.ndim == 0:

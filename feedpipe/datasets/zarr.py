@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from feedpipe.datasets._gather import ROW_COPY_MIN, inverse, scratch
+from feedpipe.datasets._gather import ROW_COPY_MIN, indices_array, inverse, scratch
 from feedpipe.datasets.format import check_dtype, check_shape
 from feedpipe.errors import DatasetError, require
 from feedpipe.io.remote import is_remote, redact
@@ -232,19 +232,10 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
         return self._len
 
     def _normalize(self, indices: Any) -> np.ndarray:
-        idx = np.asarray(indices.tolist() if isinstance(indices, torch.Tensor) else indices)
-        if idx.size == 0:
-            return np.empty(0, np.int64)
-        if idx.dtype.kind not in "iu" or idx.ndim != 1:
-            raise TypeError(f"indices must be a 1-D sequence of integers, got {idx.dtype}")
-        idx = idx.astype(np.int64)
-        bad = (idx < -self._len) | (idx >= self._len)
-        if bad.any():
-            first = int(idx[np.argmax(bad)])
-            raise IndexError(
-                f"index {first} is out of range for {self._where('')} (length {self._len})"
-            )
-        return np.where(idx < 0, idx + self._len, idx)
+        n = self._len
+        return indices_array(
+            indices, n, lambda i: f"index {i} is out of range for {self._where('')} (length {n})"
+        )
 
     def _read(self, name: str, idx: np.ndarray) -> np.ndarray:
         reader = self._preadv.get(name)
@@ -307,9 +298,7 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
                     or tuple(target.shape[1:]) != shape[1:]
                     or target.shape[0] < shape[0]
                 ):
-                    raise ValueError(
-                        f"out[{name!r}] must be a {want} tensor with room for {shape}"
-                    )
+                    raise ValueError(f"out[{name!r}] must be a {want} tensor with room for {shape}")
                 t = target[: shape[0]]
                 if arr is not None:
                     t.copy_(torch.from_numpy(arr))
