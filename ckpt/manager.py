@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ckpt import _commit, _faults, _layout, _retention, _staging
+from ckpt import _commit, _faults, _layout, _staging
 from ckpt import format as fmt
 from ckpt._flatten import RNG_KEY, Leaf, apply_into, flatten, rng_state
 from ckpt._paths import local_path
 from ckpt._pool import Buffer, PinnedPool, PoolOptions
 from ckpt._reader import MapLocation, RestoreStats, read_checkpoint
+from ckpt._retainer import Retainer
 from ckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -46,7 +47,7 @@ from ckpt.errors import (
     LockedError,
     RemoteCheckpointError,
 )
-from ckpt.policy import AnyOf, KeepBest, KeepLast, Policy, from_options
+from ckpt.policy import KeepBest, Policy, from_options
 from ckpt.preemption import PREEMPTED_EXIT_CODE, Preemption, PreemptionOptions
 from feedpipe.io.trace import span
 
@@ -207,9 +208,8 @@ class CheckpointManager:
         self._error: tuple[int, BaseException] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._newest_verified: int | None = None
-        self._retain_lock = threading.Lock()
-        self._checked: dict[int, tuple[int, bool]] = {}  # step -> (dir inode, restorable)
-        self._metric_cache: dict[int, tuple[int, dict]] = {}  # step -> (dir inode, metrics)
+        self._retainer = Retainer(self.directory, self.evict_guards, self.stats.evicted)
+        self._checked = self._retainer.checked  # step -> (dir inode, restorable)
         self._last_saved: SaveHandle | None = None  # the newest save asked for
         self._preemption: Preemption | None = None
         self.remote: RemoteTier | None = None
@@ -426,79 +426,11 @@ class CheckpointManager:
 
     # ---- retention ----------------------------------------------------------------------
     def _retain(self, strict: bool = False) -> None:
-        """Apply ``ckpt._retention.plan`` (the rule ``ckpt gc`` uses) with the evict guards.
-
-        A step that cannot be read for a reason other than its content (EIO, EMFILE, EACCES)
-        stops the pass before anything is deleted: raised with ``strict`` (``gc()``), else
-        logged, and the next pass tries again."""
-        try:
-            self._retain_pass()
-        except OSError as exc:
-            if strict:
-                raise
-            log.warning("ckpt: retention skipped (nothing deleted), will retry: %r", exc)
-
-    def _retain_pass(self) -> None:
-        if self.policy is None:
-            return
-        with self._retain_lock:  # the persist and upload threads may both apply retention
-            committed = _commit.steps(self.directory)
-            parts = self.policy.policies if isinstance(self.policy, AnyOf) else (self.policy,)
-            if any(isinstance(p, KeepLast) and len(committed) <= p.n for p in parts):
-                return  # KeepLast(n) keeps all of at most n steps: nothing to verify
-            decision = _retention.plan(
-                committed,
-                self.policy,
-                is_restorable=self._is_restorable,
-                may_evict=lambda s: all(guard(s) for guard in self.evict_guards),
-                metrics=self._step_metrics,
-            )
-            for step in decision.delete:
-                if _commit.evict(self.directory, step):
-                    self.stats.evicted.append(step)
-                    self._checked.pop(step, None)
-                    self._metric_cache.pop(step, None)
-
-    def _step_metrics(self, step: int) -> dict:
-        """The metrics of local ``step`` (its validated manifest), cached by directory inode."""
-        path = _layout.step_dir(self.directory, step)
-        try:
-            ino = os.stat(path).st_ino
-        except OSError:
-            return {}
-        known = self._metric_cache.get(step)
-        if known is None or known[0] != ino:
-            try:
-                known = (ino, _retention.metrics(path))
-            except (CheckpointError, FileNotFoundError) as exc:  # corrupt or gone: not ranked
-                # (another OSError, e.g. EIO, propagates: the pass stops and deletes nothing)
-                log.warning("ckpt: retention cannot read the metrics of step %d: %s", step, exc)
-                known = (ino, {})
-            self._metric_cache[step] = known
-        return known[1]
-
-    def _is_restorable(self, step: int) -> bool:
-        """Steps this manager committed or restored verified count as restorable; any other step
-        is checked once (``ckpt._retention.restorable``), keyed by its directory's inode."""
-        path = _layout.step_dir(self.directory, step)
-        try:
-            ino = os.stat(path).st_ino
-        except OSError:
-            return False
-        known = self._checked.get(step)
-        if known is not None and known[0] == ino:
-            return known[1]
-        why = _retention.restorable(path)
-        if why is not None:
-            log.warning("ckpt: retention does not count step %d (not restorable): %s", step, why)
-        self._checked[step] = (ino, why is None)
-        return why is None
+        """Apply retention (``ckpt._retainer.Retainer.retain``) with the current policy."""
+        self._retainer.retain(self.policy, strict)
 
     def _mark_good(self, step: int, path: Path) -> None:
-        try:
-            self._checked[step] = (os.stat(path).st_ino, True)
-        except OSError:
-            pass
+        self._retainer.mark_good(step, path)
 
     def _retain_if_writer(self) -> None:
         if self._lock.held:
