@@ -53,6 +53,7 @@ class Leaf:
     nbytes: int
     path: str
     device: str = "cpu"
+    stride: tuple[int, ...] = ()  # a tensor's strides (elements), an array's (bytes)
 
 
 TORCH_DTYPES = (
@@ -106,13 +107,14 @@ def _tensor_leaf(t: torch.Tensor, path: str) -> Leaf:
     if name not in TORCH_DTYPES:
         raise CheckpointError(f"{path}: dtype {t.dtype} is not supported")
     nbytes = t.numel() * t.element_size()
-    return Leaf(t, "tensor", name, list(t.shape), nbytes, path, _device_name(device))
+    shape, stride = list(t.shape), t.stride()
+    return Leaf(t, "tensor", name, shape, nbytes, path, _device_name(device), stride)
 
 
 def _array_leaf(a: np.ndarray, path: str) -> Leaf:
     if a.dtype.hasobject or a.dtype.fields is not None:
         raise CheckpointError(f"{path}: numpy dtype {a.dtype} (object/structured) is not supported")
-    return Leaf(a, "ndarray", a.dtype.str, list(a.shape), int(a.nbytes), path)
+    return Leaf(a, "ndarray", a.dtype.str, list(a.shape), int(a.nbytes), path, "cpu", a.strides)
 
 
 def flatten(state: Any, leaves: list[Leaf] | None = None, path: str = "state") -> dict[str, Any]:
@@ -252,7 +254,7 @@ def _shared_entry(members: list[tuple[dict, torch.Tensor, str]], leaves: list[Le
         base = torch.empty(0, dtype=torch.uint8, device=ts[0].device)
         base.set_(ts[0].untyped_storage(), lo, (hi - lo,), (1,))
     leaves.append(
-        Leaf(base, "tensor", "uint8", [hi - lo], hi - lo, members[0][2], str(base.device))
+        Leaf(base, "tensor", "uint8", [hi - lo], hi - lo, members[0][2], str(base.device), (1,))
     )
     for node, t, _ in members:
         node["i"] = len(leaves) - 1

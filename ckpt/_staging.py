@@ -1,41 +1,84 @@
-"""The blocking phase of a save: copy every array leaf into the staging buffer, in few large copies.
+"""The blocking phase of a save: copy every array leaf into the staging buffer, planned once.
 
-``stage`` copies each leaf to its planned offset of a ``Buffer``. A CUDA state of many small
-tensors would cost one device-to-host copy (and several Python-level tensor operations) per
-tensor, so CUDA leaves are batched:
+A state of thousands of small tensors would cost several Python-level tensor operations per
+tensor and per save. ``Stager.plan`` therefore turns the leaves into a ``Plan`` once and reuses
+it for every later save whose leaves have the same *signature*: per leaf its kind, dtype,
+device, byte count, shape and strides (``signature``, one C-level attribute fetch per leaf,
+compared as one list). The plan is a pure function of the signature:
 
-1. Per device, all copies run on one side stream that first waits for the current stream (so
-   they see every write the training loop queued); the save then waits for that stream only,
-   not for the whole device (a data loader's or NCCL's streams are not waited for).
-2. Consecutive small contiguous leaves of one device (the plan lays them out in order) form a
-   *run* of at most ``RUN_BYTES``: one ``torch._foreach_copy_`` gathers them, as bytes, into a
-   device buffer laid out like the staging buffer (padding zeroed), and one device-to-host copy
-   moves the run. The gather is a device-to-device copy, far faster than the link to the host.
-3. Large or non-contiguous leaves are copied directly, each as it is reached, so the link is busy
-   while Python prepares the next ones.
+- the layout (``layout``): CUDA leaves first, grouped by device, then the host leaves, each at
+  a 64-byte aligned offset; the manifest entries come from it;
+- per CUDA device, *runs*: consecutive leaves of at most ``SMALL_BYTES`` (contiguous or not),
+  at most ``RUN_BYTES`` per run. A run owns a device storage and, built once, one view of it
+  per leaf (the leaf's dtype and shape, its strides where it is contiguous), grouped by dtype.
+  A save grows the storage (``UntypedStorage.resize_``: the views follow it), gathers each
+  group with one ``torch._foreach_copy_`` (a device-to-device copy, far faster than the link to
+  the host), moves the run to the host in one copy and shrinks the storage back to nothing, so
+  no device memory is held between saves;
+- larger CUDA leaves are copied directly, each in one copy;
+- host tensors are copied by one ``torch._foreach_copy_`` into views of the buffer, made once
+  per staging buffer (and dropped with it); numpy arrays are copied one by one.
 
-CPU tensors and numpy arrays are copied on the host as before. The bytes in the buffer are the
-leaves' bytes exactly (dtype-agnostic: bool, bf16, float8 and complex are copied as raw bytes).
+Soundness: a plan holds no reference to the caller's tensors. Each save reads every source
+afresh from its leaf, so a tensor replaced, re-created or resized between saves is copied from
+where it is now; what the plan fixes (where its bytes go, as what dtype, shape and strides, by
+which kind of copy) depends only on the signature, and a different signature makes a new plan.
+
+Ordering: per device, all copies run on one side stream that first waits for the current
+stream (so they see every write the training loop queued); the save then waits for that stream
+only, not for the whole device. ``Plan.stage`` returns once every byte is in the buffer (also
+when it raises, so a buffer is never released with copies into it in flight). The bytes in the
+buffer are the leaves' bytes exactly (dtype-agnostic), padding zeroed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import torch
 
+from ckpt import format as fmt
 from ckpt._flatten import Leaf
 from ckpt._pool import Buffer
 
-__all__ = ["RUN_BYTES", "SMALL_BYTES", "stage"]
+__all__ = ["RUN_BYTES", "SMALL_BYTES", "Plan", "Stager", "layout", "signature"]
 
 SMALL_BYTES = 4 << 20
-"""Contiguous CUDA leaves up to this size are gathered into runs (larger ones copy directly)."""
+"""CUDA leaves up to this size are gathered into runs (larger ones copy directly)."""
 RUN_BYTES = 64 << 20
-"""The largest run: the device memory a batched copy borrows from the caching allocator."""
+"""The largest run: the device memory a gathered copy borrows from the caching allocator."""
+
+_SIGNATURE = attrgetter("kind", "dtype", "device", "nbytes", "shape", "stride")
+_VALUE = attrgetter("value")
 
 _streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def signature(leaves: Sequence[Leaf]) -> list[tuple]:
+    """What a plan depends on, per leaf: kind, dtype, device, bytes, shape, strides."""
+    return list(map(_SIGNATURE, leaves))
+
+
+def layout(leaves: Sequence[Leaf]) -> tuple[list[dict], int]:
+    """The manifest entries (in leaf order) and the file size: CUDA leaves first, grouped by
+    device in order of appearance, then the others, in leaf order within each group."""
+    rank: dict[str, int] = {}
+    for leaf in leaves:
+        if leaf.device.startswith("cuda") and leaf.device not in rank:
+            rank[leaf.device] = len(rank)
+    if not rank or (all(leaf.device in rank for leaf in leaves) and len(rank) == 1):
+        return fmt.plan(leaves)
+    last = len(rank)
+    order = sorted(range(len(leaves)), key=lambda i: rank.get(leaves[i].device, last))
+    placed, nbytes = fmt.plan([leaves[i] for i in order])
+    entries: list[dict] = [{}] * len(leaves)
+    for i, entry in zip(order, placed, strict=True):
+        entries[i] = entry
+    return entries, nbytes
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -54,80 +97,186 @@ def _flat(src: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(src, (src.numel(),), (1,)).view(torch.uint8)
 
 
-def _to_host(buf: Buffer, off: int, flat: torch.Tensor) -> None:
-    """Copy device bytes ``flat`` to ``buf`` at ``off`` (asynchronous)."""
-    buf.tensor[off : off + flat.numel()].copy_(flat, non_blocking=True)
+def _to_host(host: torch.Tensor, off: int, flat: torch.Tensor) -> None:
+    """Copy device bytes ``flat`` to ``host`` at ``off`` (asynchronous)."""
+    host[off : off + flat.numel()].copy_(flat, non_blocking=True)
+
+
+def _picker(indices: list[int]) -> Callable[[Sequence[Any]], Any]:
+    """``values -> [values[i] for i in indices]``, in C."""
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda values: (values[i],)
+    return itemgetter(*indices)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return strides[::-1]
 
 
 class _Run:
-    """Consecutive small contiguous leaves of one CUDA device, gathered with one copy."""
+    """Consecutive small leaves of one device, gathered into one storage and copied at once."""
 
     def __init__(self, device: torch.device, start: int) -> None:
         self.device, self.start, self.end = device, start, start
-        self.offsets: list[int] = []
-        self.sources: list[torch.Tensor] = []
+        self.members: list[tuple[int, int]] = []  # (leaf index, offset)
+        self.groups: list[tuple[Callable, list[torch.Tensor]]] = []
+        self.storage: Any = None
+        self.bounce: torch.Tensor | None = None
 
-    def add(self, offset: int, src: torch.Tensor, nbytes: int) -> None:
-        self.offsets.append(offset - self.start)
-        self.sources.append(_flat(src))
+    def add(self, index: int, offset: int, nbytes: int) -> None:
+        self.members.append((index, offset))
         self.end = offset + nbytes
 
-    def issue(self, buf: Buffer) -> None:
-        """Gather the run into a device buffer and copy it to the host in one transfer."""
+    def build(self, leaves: Sequence[Leaf]) -> None:
+        """Make the storage (empty between saves) and one view of it per member."""
         span = self.end - self.start
+        base = torch.empty(span, dtype=torch.uint8, device=self.device)
+        self.storage = base.untyped_storage()
+        self.bounce = base
+        grouped: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
+        for index, offset in self.members:
+            src = leaves[index].value
+            assert isinstance(src, torch.Tensor)
+            stride = src.stride() if src.is_contiguous() else _contiguous_strides(src.shape)
+            view = torch.empty(0, dtype=src.dtype, device=self.device)
+            view.set_(self.storage, (offset - self.start) // src.element_size(), src.shape, stride)
+            indices, views = grouped.setdefault(src.dtype, ([], []))
+            indices.append(index)
+            views.append(view)
+        self.groups = [(_picker(indices), views) for indices, views in grouped.values()]
+        self.storage.resize_(0)
+
+    def issue(self, values: Sequence[Any], host: torch.Tensor) -> None:
+        """Gather the run on the current stream and copy it to ``host`` in one transfer."""
+        assert self.bounce is not None
         try:
-            bounce = torch.empty(span, dtype=torch.uint8, device=self.device)
-        except torch.cuda.OutOfMemoryError:  # no room for the gather: copy each leaf directly
-            for off, src in zip(self.offsets, self.sources, strict=True):
-                _to_host(buf, self.start + off, src)
+            self.storage.resize_(self.end - self.start)
+        except (torch.cuda.OutOfMemoryError, RuntimeError):  # no room: copy each leaf directly
+            for index, offset in self.members:
+                _to_host(host, offset, _flat(values[index]))
             return
-        sizes, k = [], 0
-        for off, src in zip(self.offsets, self.sources, strict=True):
-            sizes += [off - k, src.numel()]
-            k = off + src.numel()
-        sizes.append(span - k)
-        bounce.zero_()  # the padding: never stale device memory in the file (one memset)
-        torch._foreach_copy_(list(bounce.split(sizes)[1::2]), self.sources)
-        _to_host(buf, self.start, bounce)
+        try:
+            self.bounce.zero_()  # the padding: never stale device memory in the file
+            for pick, views in self.groups:
+                torch._foreach_copy_(views, pick(values))
+            host[self.start : self.end].copy_(self.bounce, non_blocking=True)
+        finally:
+            # freed to the caching allocator on this stream: reused only in stream order
+            self.storage.resize_(0)
 
 
-def stage(leaves: Sequence[Leaf], entries: Sequence[dict], buf: Buffer) -> None:
-    """Copy every leaf into ``buf`` at its planned offset; returns once every byte is there."""
-    streams: dict[torch.device, Any] = {}
-    run: _Run | None = None
-    with torch.no_grad():
-        for leaf, entry in zip(leaves, entries, strict=True):
-            off, n = entry["offset"], entry["nbytes"]
+class Plan:
+    """How to stage leaves of one signature (see the module docstring)."""
+
+    def __init__(self, leaves: Sequence[Leaf], gather_host: bool = False) -> None:
+        """``gather_host``: gather host tensors in runs too (the CUDA path's logic, on the CPU;
+        for tests)."""
+        self.key = signature(leaves)
+        self.entries, self.nbytes = layout(leaves)
+        self.device_steps: list[tuple[torch.device, _Run | int]] = []  # in file order
+        host: list[int] = []
+        self.arrays: list[int] = []
+        run: _Run | None = None
+        order = sorted(range(len(leaves)), key=lambda i: self.entries[i]["offset"])
+        for i in order:
+            leaf, entry = leaves[i], self.entries[i]
+            off, n, src = entry["offset"], entry["nbytes"], leaf.value
             if n == 0:
                 continue
-            src = leaf.value
             if not isinstance(src, torch.Tensor):
-                buf.array[off : off + n].view(src.dtype).reshape(src.shape)[...] = src
+                self.arrays.append(i)
                 continue
-            small = src.is_cuda and n <= SMALL_BYTES and src.is_contiguous()
+            gathered = src.is_cuda or gather_host
             if run is not None and not (
-                small and src.device == run.device and off + n - run.start <= RUN_BYTES
+                gathered
+                and n <= SMALL_BYTES
+                and src.device == run.device
+                and off + n - run.start <= RUN_BYTES
             ):  # a run holds only consecutive leaves: anything else ends it
-                with torch.cuda.stream(streams[run.device]):
-                    run.issue(buf)
+                run.build(leaves)
                 run = None
-            if not src.is_cuda:
-                buf.tensor[off : off + n].view(src.dtype).view(src.shape).copy_(src)
-                continue
-            device = src.device
-            stream = streams.get(device)
-            if stream is None:
-                stream = streams[device] = _side_stream(device)
-                stream.wait_stream(torch.cuda.current_stream(device))
-            if small:
+            if not gathered:
+                host.append(i)
+            elif n <= SMALL_BYTES:
                 if run is None:
-                    run = _Run(device, off)
-                run.add(off, src, n)
+                    run = _Run(src.device, off)
+                    self.device_steps.append((src.device, run))
+                run.add(i, off, n)
             else:
-                with torch.cuda.stream(stream):
-                    _to_host(buf, off, _flat(src))
+                self.device_steps.append((src.device, i))
         if run is not None:
-            with torch.cuda.stream(streams[run.device]):
-                run.issue(buf)
-    for stream in streams.values():
-        stream.synchronize()
+            run.build(leaves)
+        self.host = host
+        self._pick_host = _picker(host) if host else None
+        self._host_views: weakref.WeakKeyDictionary[Buffer, list[torch.Tensor]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def matches(self, leaves: Sequence[Leaf]) -> bool:
+        """Whether this plan stages ``leaves`` (their signature is this plan's)."""
+        return signature(leaves) == self.key
+
+    def _views(self, buf: Buffer, leaves: Sequence[Leaf]) -> list[torch.Tensor]:
+        """The host leaves' destinations in ``buf`` (made on its first use, dropped with it)."""
+        views = self._host_views.get(buf)
+        if views is None:
+            views = []
+            for i in self.host:
+                e, src = self.entries[i], leaves[i].value
+                assert isinstance(src, torch.Tensor)
+                raw = buf.tensor[e["offset"] : e["offset"] + e["nbytes"]]
+                views.append(raw.view(src.dtype).view(src.shape))
+            self._host_views[buf] = views
+        return views
+
+    def stage(self, leaves: Sequence[Leaf], buf: Buffer) -> None:
+        """Copy every leaf (of this plan's signature) into ``buf``; returns once every byte is
+        there."""
+        values = list(map(_VALUE, leaves))
+        streams: dict[torch.device, Any] = {}
+        try:
+            with torch.no_grad():
+                for device, step in self.device_steps:
+                    stream = streams.get(device)
+                    if stream is None and device.type == "cuda":
+                        stream = streams[device] = _side_stream(device)
+                        stream.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                        if isinstance(step, _Run):
+                            step.issue(values, buf.tensor)
+                        else:
+                            _to_host(buf.tensor, self.entries[step]["offset"], _flat(values[step]))
+                if self._pick_host is not None:  # host copies overlap the device's
+                    torch._foreach_copy_(self._views(buf, leaves), self._pick_host(values))
+                for i in self.arrays:
+                    e, src = self.entries[i], values[i]
+                    off, n = e["offset"], e["nbytes"]
+                    buf.array[off : off + n].view(src.dtype).reshape(src.shape)[...] = src
+        finally:
+            for stream in streams.values():
+                stream.synchronize()
+
+
+class Stager:
+    """Keeps the plan of the last save; ``plan(leaves)`` reuses it when the signature matches."""
+
+    def __init__(self) -> None:
+        self._plan: Plan | None = None
+        self.planned = 0
+        self.reused = 0
+
+    def plan(self, leaves: Sequence[Leaf]) -> Plan:
+        """The plan for ``leaves``: the last one if their signature matches, else a new one."""
+        plan = self._plan
+        if plan is not None and plan.matches(leaves):
+            self.reused += 1
+            return plan
+        self._plan = None  # drop the old plan (and its device storages' views) first
+        plan = self._plan = Plan(leaves)
+        self.planned += 1
+        return plan

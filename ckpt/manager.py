@@ -197,6 +197,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.write_options = write or WriteOptions()
         self.pool = PinnedPool(pool)
+        self._stager = _staging.Stager()
         self.stats = ManagerStats()
         self.on_commit: list[Callable[[int, Path], None]] = []
         self.evict_guards: list[Callable[[int], bool]] = []
@@ -244,7 +245,7 @@ class CheckpointManager:
         else:
             leaves: list[Leaf] = []
             flatten(state_or_nbytes, leaves)
-            nbytes = fmt.plan(leaves)[1]
+            nbytes = self._stager.plan(leaves).nbytes
         self.pool.reserve(nbytes)
         return nbytes
 
@@ -302,13 +303,14 @@ class CheckpointManager:
                 raise ValueError("rng=True needs a dict state (RNG states go under '__rng__')")
             state = {**state, RNG_KEY: rng_state()}
         tree = flatten(state, leaves)
-        entries, nbytes = fmt.plan(leaves)
+        plan = self._stager.plan(leaves)  # the last save's plan when the leaves match it
+        entries, nbytes = list(plan.entries), plan.nbytes  # entries are never modified
         buf, stats.backpressure_s = self.pool.acquire(nbytes)
         try:
             s0 = time.perf_counter()
             _faults.pause("stage")
             with span("ckpt/stage"):
-                _staging.stage(leaves, entries, buf)
+                plan.stage(leaves, buf)
             stats.stage_s = time.perf_counter() - s0
         except BaseException:
             self.pool.release(buf)

@@ -182,16 +182,13 @@ def test_gathered_runs_land_at_their_planned_offsets() -> None:
     state["odd"] = torch.arange(9.0)[::3][:1]  # shape (1,), stride (3,): contiguous
     leaves: list = []
     flatten(state, leaves)
-    entries, nbytes = fmt.plan(leaves)
-    want = Buffer(nbytes, False)
+    plan = _staging.Plan(leaves, gather_host=True)  # the CUDA path's runs, on host tensors
+    want = Buffer(plan.nbytes, False)
     want.tensor.zero_()
-    fmt.stage(leaves, entries, want)
-    got = Buffer(nbytes, False)
+    fmt.stage(leaves, plan.entries, want)
+    got = Buffer(plan.nbytes, False)
     got.tensor.fill_(0xAB)
-    run = _staging._Run(torch.device("cpu"), entries[0]["offset"])
-    for leaf, e in zip(leaves, entries, strict=True):
-        run.add(e["offset"], leaf.value, e["nbytes"])
-    run.issue(got)
+    plan.stage(leaves, got)
     assert torch.equal(got.tensor, want.tensor)
 
 
