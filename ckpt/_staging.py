@@ -183,6 +183,13 @@ class Plan:
         self.arrays: list[int] = []
         run: _Run | None = None
         order = sorted(range(len(leaves)), key=lambda i: self.entries[i]["offset"])
+        self.gaps: list[tuple[int, int]] = []  # padding between entries, zeroed once per buffer
+        end = 0
+        for i in order:
+            off = self.entries[i]["offset"]
+            if off > end:
+                self.gaps.append((end, off))
+            end = max(end, off + self.entries[i]["nbytes"])
         for i in order:
             leaf, entry = leaves[i], self.entries[i]
             off, n, src = entry["offset"], entry["nbytes"], leaf.value
@@ -222,9 +229,13 @@ class Plan:
         return signature(leaves) == self.key
 
     def _views(self, buf: Buffer, leaves: Sequence[Leaf]) -> list[torch.Tensor]:
-        """The host leaves' destinations in ``buf`` (made on its first use, dropped with it)."""
+        """The host leaves' destinations in ``buf`` (made on its first use, dropped with it).
+        The first use also zeroes the padding: no save of this plan writes there, and a stager
+        keeps one plan at a time, so it stays zero."""
         views = self._host_views.get(buf)
         if views is None:
+            for a, b in self.gaps:
+                buf.array[a:b] = 0
             views = []
             for i in self.host:
                 e, src = self.entries[i], leaves[i].value
@@ -251,8 +262,9 @@ class Plan:
                             step.issue(values, buf.tensor)
                         else:
                             _to_host(buf.tensor, self.entries[step]["offset"], _flat(values[step]))
+                views = self._views(buf, leaves)
                 if self._pick_host is not None:  # host copies overlap the device's
-                    torch._foreach_copy_(self._views(buf, leaves), self._pick_host(values))
+                    torch._foreach_copy_(views, self._pick_host(values))
                 for i in self.arrays:
                     e, src = self.entries[i], values[i]
                     off, n = e["offset"], e["nbytes"]
@@ -265,7 +277,8 @@ class Plan:
 class Stager:
     """Keeps the plan of the last save; ``plan(leaves)`` reuses it when the signature matches."""
 
-    def __init__(self) -> None:
+    def __init__(self, gather_host: bool = False) -> None:
+        self.gather_host = gather_host  # see ``Plan``
         self._plan: Plan | None = None
         self.planned = 0
         self.reused = 0
@@ -277,6 +290,6 @@ class Stager:
             self.reused += 1
             return plan
         self._plan = None  # drop the old plan (and its device storages' views) first
-        plan = self._plan = Plan(leaves)
+        plan = self._plan = Plan(leaves, self.gather_host)
         self.planned += 1
         return plan

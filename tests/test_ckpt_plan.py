@@ -1,0 +1,360 @@
+"""The staging plan cached across saves (``ckpt._staging.Stager``), the first save's pool, and the
+restore's two passes (issue 18, section 3).
+
+A plan is reused only for leaves of the same signature, and the bytes it stages are always the
+bytes of the tensors as they are now: every test compares the staged buffer with a fresh
+per-leaf copy (``ckpt.format.stage``) of the same leaves. ``gather_host=True`` runs the CUDA
+path's runs (storage resized per save, views gathered by dtype) on host tensors."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ckpt import _staging
+from ckpt import format as fmt
+from ckpt._flatten import flatten
+from ckpt._pool import Buffer
+from ckpt.manager import CheckpointManager, PoolOptions
+
+
+def _leaves(state: Any) -> list:
+    leaves: list = []
+    flatten(state, leaves)
+    return leaves
+
+
+def _want(leaves: list) -> torch.Tensor:
+    """The reference: a fresh layout, one copy per leaf into a zeroed buffer."""
+    entries, nbytes = _staging.layout(leaves)
+    buf = Buffer(nbytes, False)
+    buf.tensor.zero_()
+    fmt.stage(leaves, entries, buf)
+    return buf.tensor
+
+
+def _staged(stager: _staging.Stager, state: Any, buf: Buffer | None = None) -> torch.Tensor:
+    leaves = _leaves(state)
+    plan = stager.plan(leaves)
+    if buf is None or buf.nbytes < plan.nbytes:
+        buf = Buffer(plan.nbytes, False)
+    buf.tensor.fill_(0xAB)  # stale bytes: padding must come out zero
+    plan.stage(leaves, buf)
+    got = buf.tensor[: plan.nbytes]
+    assert torch.equal(got, _want(leaves))
+    return got
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    state: dict[str, Any] = {f"w{i}": torch.randn(7 + i, generator=g) for i in range(40)}
+    state["half"] = torch.randn(5, 3, generator=g).half()
+    state["flag"] = torch.tensor([True, False, True])
+    state["scalar"] = torch.tensor(3.0)
+    state["arr"] = np.arange(6, dtype=np.int16)
+    state["empty"] = torch.empty(0)
+    return state
+
+
+MUTATIONS: dict[str, Callable[[dict], bool]] = {}
+"""name -> mutate the state in place; returns whether the signature changes (a new plan)."""
+
+
+def _mutation(fn: Callable[[dict], bool]) -> Callable[[dict], bool]:
+    MUTATIONS[fn.__name__] = fn
+    return fn
+
+
+@_mutation
+def values_change(s: dict) -> bool:
+    for v in s.values():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            v.add_(1)
+    return False
+
+
+@_mutation
+def tensor_swapped(s: dict) -> bool:
+    s["w3"] = torch.full_like(s["w3"], 9.0)  # another object, same metadata
+    return False
+
+
+@_mutation
+def optimizer_state_recreated(s: dict) -> bool:
+    for k in list(s):
+        if isinstance(s[k], torch.Tensor):
+            s[k] = s[k].clone()  # every object new (e.g. load_state_dict)
+            if s[k].is_floating_point():
+                s[k].add_(1)
+    return False
+
+
+@_mutation
+def storage_replaced(s: dict) -> bool:
+    s["w5"].set_(torch.full((12,), 4.0).untyped_storage(), 0, (12,), (1,))  # same shape
+    return False
+
+
+@_mutation
+def shape_change(s: dict) -> bool:
+    s["w0"] = torch.randn(8, 1)
+    return True
+
+
+@_mutation
+def resized_in_place(s: dict) -> bool:
+    s["w1"].resize_(30)
+    s["w1"].fill_(2.0)
+    return True
+
+
+@_mutation
+def dtype_change(s: dict) -> bool:
+    s["w2"] = s["w2"].double()
+    return True
+
+
+@_mutation
+def same_bytes_other_dtype(s: dict) -> bool:
+    s["w4"] = s["w4"].view(torch.int32)  # same shape and bytes, another dtype
+    return True
+
+
+@_mutation
+def non_contiguous_view(s: dict) -> bool:
+    s["half"] = s["half"].t()  # (3, 5) strided: copied in logical order
+    return True
+
+
+@_mutation
+def strided_same_shape(s: dict) -> bool:
+    s["w9"] = torch.arange(32.0)[::2]  # shape (16,) like w9, stride 2
+    return True
+
+
+@_mutation
+def aliasing(s: dict) -> bool:
+    s["tied"] = s["w6"]  # tied weights: one shared entry
+    s["tied_view"] = s["w6"][2:5]
+    return True
+
+
+@_mutation
+def leaf_added(s: dict) -> bool:
+    s["new"] = torch.ones(4)
+    return True
+
+
+@_mutation
+def key_order_change(s: dict) -> bool:
+    w = s.pop("w0")
+    s["w0"] = w  # same tensors, another order: the layout moves
+    return True
+
+
+@_mutation
+def array_change(s: dict) -> bool:
+    s["arr"] = np.arange(6, dtype=np.int32)
+    return True
+
+
+@pytest.mark.parametrize("gather_host", [False, True])
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_a_plan_is_reused_only_for_the_same_signature(name: str, gather_host: bool) -> None:
+    state = _state()
+    stager = _staging.Stager(gather_host=gather_host)
+    _staged(stager, state)
+    _staged(stager, state)
+    assert (stager.planned, stager.reused) == (1, 1)
+    new_plan = MUTATIONS[name](state)
+    _staged(stager, state)  # asserts the bytes against a fresh copy
+    assert stager.planned == 1 + new_plan
+    _staged(stager, state)  # and the new plan is reused in turn
+    assert stager.reused == 2 + (not new_plan)
+
+
+def test_a_plan_holds_no_reference_to_the_callers_tensors() -> None:
+    import gc
+    import weakref
+
+    state = _state()
+    stager = _staging.Stager(gather_host=True)
+    _staged(stager, state)
+    refs = [weakref.ref(v) for v in state.values() if isinstance(v, torch.Tensor)]
+    del state
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_buffer_views_die_with_their_buffer() -> None:
+    import gc
+    import weakref
+
+    state = _state()
+    stager = _staging.Stager()
+    leaves = _leaves(state)
+    plan = stager.plan(leaves)
+    buf = Buffer(plan.nbytes, False)
+    plan.stage(leaves, buf)
+    storage = weakref.ref(buf)
+    del buf
+    gc.collect()
+    assert storage() is None
+    assert len(plan._host_views) == 0
+
+
+def test_cuda_leaves_are_laid_out_first() -> None:
+    """A device's leaves are consecutive in the file, so host leaves between them (AdamW's CPU
+    ``step`` scalars) do not cut the device's runs into pieces."""
+
+    class L:
+        def __init__(self, device: str, nbytes: int) -> None:
+            self.device, self.nbytes = device, nbytes
+            self.kind, self.dtype, self.shape = "tensor", "float32", [nbytes // 4]
+
+    leaves = [L("cuda:0", 40), L("cpu", 4), L("cuda:1", 8), L("cuda:0", 64), L("cpu", 4)]
+    entries, nbytes = _staging.layout(leaves)  # type: ignore[arg-type]
+    offs = [e["offset"] for e in entries]
+    assert offs[0] < offs[3] < offs[2] < offs[1] < offs[4]
+    assert [e["nbytes"] for e in entries] == [40, 4, 8, 64, 4]
+    assert nbytes == offs[4] + 4
+
+
+def test_second_save_stages_without_per_tensor_python(tmp_path: Path) -> None:
+    """A steady save of 2,000 tensors makes a handful of tensor-method calls from Python while
+    staging (one ``_foreach_copy_``), not one or more per tensor."""
+    state = {f"t{i}": torch.full((3,), float(i)) for i in range(2000)}
+    counted = {"view", "copy_", "as_strided", "is_contiguous", "contiguous"}
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "c_call" and getattr(arg, "__name__", "") in counted:
+            calls += 1
+
+    with CheckpointManager(tmp_path, keep_last=1, pool=PoolOptions(buffers=1)) as m:
+        m.save(0, state).result()
+        m.save(1, state).result()
+        for t in state.values():
+            t.add_(1)
+        sys.setprofile(profile)
+        try:
+            handle = m.save(2, state)
+        finally:
+            sys.setprofile(None)
+        handle.result()
+        got = m.restore(2)
+    assert calls < 20, calls
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_manager_saves_survive_signature_changes(tmp_path: Path) -> None:
+    state = _state()
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        for step, name in enumerate(sorted(MUTATIONS)):
+            MUTATIONS[name](state)
+            m.save(step, state).result()
+            got = m.restore(step)
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    assert torch.equal(got[k], v), (name, k)
+                    assert got[k].shape == v.shape and got[k].dtype == v.dtype
+                else:
+                    assert np.array_equal(got[k], v)
+
+
+def test_stage_failing_midway_leaves_the_manager_usable(tmp_path: Path) -> None:
+    class Bad:
+        def state_dict(self) -> dict:
+            raise RuntimeError("boom")
+
+    state = _state()
+    with CheckpointManager(tmp_path, keep_last=1) as m:
+        m.save(0, state).result()
+        with pytest.raises(RuntimeError, match="boom"):
+            m.save(1, {**state, "bad": Bad()})
+        m.save(2, state).result()
+        assert torch.equal(m.restore(2)["w0"], state["w0"])
+
+
+# ---- CUDA paths ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_gpu_a_plan_is_reused_only_for_the_same_signature(name: str) -> None:
+    state = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _state().items()}
+    state["cpu_step"] = torch.tensor(5.0)  # a host leaf among device ones
+    state["big"] = torch.randn(3 << 20, device="cuda")  # beyond SMALL_BYTES: a direct copy
+    stager = _staging.Stager()
+
+    def staged() -> None:
+        leaves = _leaves(state)
+        plan = stager.plan(leaves)
+        buf = Buffer(plan.nbytes, True)
+        buf.tensor.fill_(0xAB)
+        plan.stage(leaves, buf)
+        cpu = [_leaf_on_cpu(leaf) for leaf in leaves]
+        assert torch.equal(buf.tensor[: plan.nbytes], _want(cpu))
+
+    staged()
+    staged()
+    new_plan = MUTATIONS[name](state)
+    for k, v in list(state.items()):
+        if isinstance(v, torch.Tensor) and not v.is_cuda and k != "cpu_step":
+            state[k] = v.cuda()
+    staged()
+    assert (stager.planned, stager.reused) == (1 + new_plan, 1 + (not new_plan))
+
+
+def _leaf_on_cpu(leaf: Any) -> Any:
+    import dataclasses
+
+    value = leaf.value.cpu() if isinstance(leaf.value, torch.Tensor) else leaf.value
+    return dataclasses.replace(leaf, value=value, device="cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_plan_holds_no_device_memory_between_saves(tmp_path: Path) -> None:
+    state = {f"p{i}": torch.randn(1000 + i, device="cuda") for i in range(3000)}
+    with CheckpointManager(tmp_path, keep_last=1) as m:
+        m.save(0, state).result()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        m.save(1, state).result()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before
+        plan = m._stager.plan(_leaves(state))
+        assert m._stager.reused >= 2
+        runs = [s for _, s in plan.device_steps if isinstance(s, _staging._Run)]
+        nbytes = sum(v.numel() * 4 for v in state.values())
+        assert len(runs) <= nbytes // _staging.RUN_BYTES + 1
+        assert torch.equal(m.restore(1)["p7"], state["p7"])
+
+
+@pytest.mark.gpu
+def test_gpu_adamw_state_round_trips_with_its_cpu_steps(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(50)]).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    state = {"model": model, "optim": opt}
+    with CheckpointManager(tmp_path, keep_last=1) as m:
+        m.save(0, state).result()
+        opt.step()
+        m.save(1, state).result()
+        got = m.restore(1)
+    assert m._stager.reused == 1
+    for k, v in model.state_dict().items():
+        assert torch.equal(got["model"][k], v)
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            assert torch.equal(got["optim"]["state"][i][k].cpu(), v.cpu())
