@@ -358,3 +358,13 @@ def test_gpu_adamw_state_round_trips_with_its_cpu_steps(tmp_path: Path) -> None:
     for i, st in opt.state_dict()["state"].items():
         for k, v in st.items():
             assert torch.equal(got["optim"]["state"][i][k].cpu(), v.cpu())
+
+
+def test_plan_overhead_benchmark_runs(capsys: pytest.CaptureFixture) -> None:
+    import runpy
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "ckpt_save.py"
+    bench = runpy.run_path(str(script), run_name="ckpt_save_bench")
+    assert bench["main"](["--plan-overhead", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "signature check only" in out and "per-tensor staging, earlier versions" in out
