@@ -17,14 +17,25 @@ import torch
 
 from ckpt import format as fmt
 from ckpt._flatten import RNG_KEY, torch_dtype, unflatten
-from ckpt._readinto import read_into, reader_threads
+from ckpt._readinto import read_into, reader_threads, verify_threads
 from ckpt.errors import CheckpointError, CorruptCheckpointError, DcpCheckpointError
 
-__all__ = ["MapLocation", "RestoreStats", "check_into", "read_checkpoint", "verify_step"]
+__all__ = [
+    "DEVICE_SCRATCH_SHARE",
+    "MapLocation",
+    "RestoreStats",
+    "check_into",
+    "read_checkpoint",
+    "verify_step",
+]
 
 log = logging.getLogger("ckpt")
 
 MapLocation = Union[str, torch.device, None]  # noqa: UP007 (a runtime alias on 3.10)
+
+DEVICE_SCRATCH_SHARE = 0.5
+"""The largest share of a device's free memory that a restore into existing CUDA tensors
+borrows, for the time of the restore, to read the checkpoint once (see ``read_checkpoint``)."""
 
 
 @dataclass
@@ -38,6 +49,7 @@ class RestoreStats:
     verify_s: float = 0.0
     verified: bool = False
     mmap: bool = False
+    passes: int = 1  # how often the data files were read: 2 = verified first, then read again
     skipped: list[tuple[int, str]] = field(default_factory=list)
 
 
@@ -98,7 +110,11 @@ def read_checkpoint(
     tensors go to CUDA. Tensors of ``into`` (found where the tree and ``into`` agree, same dtype
     and shape, contiguous) are filled in place instead, and only after every chunk of every data
     file has passed its checksum (a first pass reads and checks the files without keeping their
-    bytes; the second pass, which writes, checks them again). Returned in the state.
+    bytes; the second pass, which writes, checks them again). When every such tensor is a CUDA
+    tensor and they fit in ``DEVICE_SCRATCH_SHARE`` of their devices' free memory, the files
+    are read once instead, into new device tensors, and copied into those of ``into`` (on the
+    device) once every checksum has passed: the bytes copied are the bytes checked, so a file
+    changed during the restore cannot slip past the check. Returned in the state.
     Raises ``CorruptCheckpointError`` naming the file if the manifest or a data file is bad, and
     ``CheckpointError`` (before anything is written) if the state does not fit ``into``.
     """
@@ -127,13 +143,16 @@ def read_checkpoint(
                     arrays[i] = _place(arrays[i], _device(entry, map_location, path, moved))
         else:
             found = _into_targets(body, into) if into is not None else {}
-            arrays, dests = _allocate(body, found, map_location, path, moved)
-            if found and verify:  # a corrupt step must not touch the caller's tensors
-                for rec in body["files"]:
-                    stats.verify_s += read_into(path, rec, [], True, pool)
+            scratch = _device_scratch(found) if verify else {}
+            arrays, dests = _allocate(body, {**found, **scratch}, map_location, path, moved)
+            if found and verify and not scratch:  # a corrupt step must not touch their tensors
+                stats.passes = 2
+                _verify_files(path, body, executor, stats)
             for rec in body["files"]:
                 targets = dests.get(rec["name"], [])
                 stats.verify_s += read_into(path, rec, targets, verify, pool)
+            if scratch:  # every checksum passed: now into the caller's tensors
+                _copy_into(found, scratch, arrays)
     finally:
         if own:
             pool.shutdown()
@@ -141,6 +160,54 @@ def read_checkpoint(
     state = unflatten(body["tree"], arrays)
     stats.read_s = time.perf_counter() - t0
     return state, body, stats
+
+
+def _verify_files(path: Path, body: dict, executor: Executor | None, stats: RestoreStats) -> None:
+    """The first pass: read and checksum every data file, keeping nothing (``verify_threads()``
+    threads, each with one small buffer, unless the caller gave an executor)."""
+    pool = executor or ThreadPoolExecutor(verify_threads(), thread_name_prefix="ckpt-verify")
+    try:
+        for rec in body["files"]:
+            stats.verify_s += read_into(path, rec, [], True, pool)
+    finally:
+        if executor is None:
+            pool.shutdown()
+
+
+def _device_scratch(found: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """New tensors like those of ``found``, to read into first, when all of them are CUDA
+    tensors that fit in ``DEVICE_SCRATCH_SHARE`` of each device's free memory (the driver's
+    free memory plus what torch's allocator holds unused); else ``{}``."""
+    if not found or not all(t.is_cuda for t in found.values()):
+        return {}
+    need: dict[torch.device, int] = {}
+    for t in found.values():
+        need[t.device] = need.get(t.device, 0) + t.numel() * t.element_size()
+    for device, nbytes in need.items():
+        free, _ = torch.cuda.mem_get_info(device)
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        if nbytes > DEVICE_SCRATCH_SHARE * (free + unused):
+            return {}
+    try:
+        return {i: torch.empty_like(t.detach()) for i, t in found.items()}
+    except torch.cuda.OutOfMemoryError:
+        return {}
+
+
+def _copy_into(
+    found: dict[int, torch.Tensor], scratch: dict[int, torch.Tensor], arrays: list[Any]
+) -> None:
+    """Copy the verified ``scratch`` tensors into the caller's (one batched copy per device,
+    on its current stream, complete on return) and return the caller's in the state."""
+    devices: dict[torch.device, list[int]] = {}
+    for i, t in found.items():
+        devices.setdefault(t.device, []).append(i)
+    with torch.no_grad():
+        for device, ids in devices.items():
+            torch._foreach_copy_([found[i] for i in ids], [scratch[i] for i in ids])
+            torch.cuda.current_stream(device).synchronize()
+    for i, t in found.items():
+        arrays[i] = t
 
 
 def _read_mmap(path: Path, body: dict, verify: bool, stats: RestoreStats) -> list[Any]:

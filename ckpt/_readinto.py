@@ -11,7 +11,9 @@ Memory: per thread one ``READ_BYTES`` host buffer and, once it meets a CUDA tens
 caller's current stream (work queued on the targets finishes first), and ``read_into`` returns
 only after every copy is complete. A chunk whose checksum fails raises
 ``CorruptCheckpointError``; the pieces before it may already be in the targets (the caller that
-must not write into tensors it does not own verifies the file first with ``targets=[]``).
+must not write into tensors it does not own verifies the file first with ``targets=[]``, or
+reads into tensors of its own first: ``ckpt._reader``). A verify-only read (``targets=[]``)
+reads ``VERIFY_BYTES`` pieces into one such buffer per thread.
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ from ckpt import format as fmt
 from ckpt.errors import CorruptCheckpointError
 from feedpipe.io import crc32c, to_hex
 
-__all__ = ["READ_BYTES", "WINDOW", "read_into", "reader_threads"]
+__all__ = ["READ_BYTES", "VERIFY_BYTES", "WINDOW", "read_into", "reader_threads", "verify_threads"]
 
 READ_BYTES = 4 << 20
 """The largest single read: the size of each thread's host buffer and of each pinned slot."""
+VERIFY_BYTES = 1 << 20
+"""The piece size of a verify-only read (``targets=[]``): small enough that the checksum reads
+the bytes from the core's cache right after the read copied them there."""
 WINDOW = 64
 """Chunks submitted ahead at most (a manifest of a billion tiny chunks queues no more)."""
 
@@ -42,6 +47,12 @@ WINDOW = 64
 def reader_threads() -> int:
     """How many threads a restore reads with: half the cores, at least 2, at most 8."""
     return max(2, min(8, (os.cpu_count() or 2) // 2))
+
+
+def verify_threads() -> int:
+    """How many threads a verify-only pass reads with: every core, at least 2, at most 16
+    (each holds one ``VERIFY_BYTES`` buffer)."""
+    return max(2, min(16, os.cpu_count() or 2))
 
 
 class _Local(threading.local):
@@ -61,6 +72,7 @@ class _Job:
 
     def __init__(self, path: Path, rec: dict, targets: Sequence[fmt.Target], verify: bool) -> None:
         self.path, self.rec, self.verify = path, rec, verify
+        self.piece = READ_BYTES if targets else VERIFY_BYTES
         self.order = sorted((t for t in targets if t[1].numel()), key=lambda t: t[0])
         self.starts = [off for off, _ in self.order]
         self.ready: dict[torch.device, Any] = {}  # device -> event on the caller's stream
@@ -111,8 +123,8 @@ class _Job:
         size, chunk = self.rec["size"], self.rec["chunk_bytes"]
         lo, hi = i * chunk, min((i + 1) * chunk, size)
         value, crc_s = 0, 0.0
-        for pos in range(lo, hi, READ_BYTES):
-            end = min(hi, pos + READ_BYTES)
+        for pos in range(lo, hi, self.piece):
+            end = min(hi, pos + self.piece)
             hits = self.overlapping(pos, end)
             cuda = any(dst.is_cuda for _, dst in hits)
             host: torch.Tensor | None = None
@@ -121,7 +133,7 @@ class _Job:
                 view = host.numpy().data
             else:
                 if self.local.scratch is None:
-                    self.local.scratch = memoryview(bytearray(min(READ_BYTES, max(1, size))))
+                    self.local.scratch = memoryview(bytearray(min(self.piece, max(1, size))))
                 view = self.local.scratch[: end - pos]
                 if hits:
                     host = torch.frombuffer(view, dtype=torch.uint8)

@@ -368,3 +368,115 @@ def test_plan_overhead_benchmark_runs(capsys: pytest.CaptureFixture) -> None:
     assert bench["main"](["--plan-overhead", "40"]) == 0
     out = capsys.readouterr().out
     assert "signature check only" in out and "per-tensor staging, earlier versions" in out
+
+
+# ---- restore(into=): the verify pass, and reading once through device memory -----------------
+
+
+def _saved_state(tmp_path: Path, device: str = "cpu") -> tuple[CheckpointManager, dict, Path]:
+    from ckpt.manager import WriteOptions
+
+    g = torch.Generator().manual_seed(1)
+    state = {f"w{i}": torch.randn(300_000 + i, generator=g).to(device) for i in range(4)}
+    m = CheckpointManager(tmp_path, keep_last=None, write=WriteOptions(chunk_bytes=2 << 20))
+    return m, state, m.save(1, state).result()
+
+
+def test_the_verify_pass_reads_small_pieces_on_every_core(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """restore(into=) of host tensors verifies first: pieces of VERIFY_BYTES (the checksum reads
+    them from the cache), on ``verify_threads()`` threads; then reads again, into the tensors."""
+    import os
+    import threading
+
+    from ckpt import _reader, _readinto
+
+    m, state, _ = _saved_state(tmp_path)
+    sizes: dict[str, list[int]] = {}
+    verifiers: set[str] = set()
+    real = os.preadv
+
+    def preadv(fd: int, buffers: list, pos: int) -> int:
+        name = threading.current_thread().name.split("_")[0]
+        sizes.setdefault(name, []).append(len(buffers[0]))
+        if name == "ckpt-verify":
+            verifiers.add(threading.current_thread().name)
+        return real(fd, buffers, pos)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(_reader, "verify_threads", lambda: 3)
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    m.restore(1, into=into)
+    m.close()
+    assert all(torch.equal(into[k], v) for k, v in state.items())
+    assert m.stats.last_restore is not None and m.stats.last_restore.passes == 2
+    assert max(sizes["ckpt-verify"]) <= _readinto.VERIFY_BYTES < _readinto.READ_BYTES
+    assert max(sizes["ckpt-read"]) > _readinto.VERIFY_BYTES
+    assert 1 <= len(verifiers) <= 3  # the verify pass's own threads
+
+
+def test_restore_into_host_tensors_corrupt_writes_nothing(tmp_path: Path) -> None:
+    from ckpt.errors import CorruptCheckpointError
+
+    m, state, path = _saved_state(tmp_path)
+    raw = bytearray((path / "data.bin").read_bytes())
+    raw[-5] ^= 0xFF
+    (path / "data.bin").write_bytes(bytes(raw))
+    into = {k: torch.full_like(v, 7.0) for k, v in state.items()}
+    with pytest.raises(CorruptCheckpointError):
+        m.restore(1, into=into)
+    m.close()
+    assert all(bool((v == 7.0).all()) for v in into.values())
+
+
+@pytest.mark.gpu
+def test_gpu_restore_into_cuda_reads_once_and_is_bitwise(tmp_path: Path) -> None:
+    m, state, _ = _saved_state(tmp_path, "cuda")
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    ptrs = {k: v.data_ptr() for k, v in into.items()}
+    got = m.restore(1, into=into)
+    m.close()
+    stats = m.stats.last_restore
+    assert stats is not None and stats.passes == 1
+    assert all(torch.equal(into[k], v) for k, v in state.items())
+    assert {k: v.data_ptr() for k, v in into.items()} == ptrs and got["w0"] is into["w0"]
+
+
+@pytest.mark.gpu
+def test_gpu_restore_into_cuda_without_room_verifies_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt import _reader
+    from ckpt.errors import CorruptCheckpointError
+
+    monkeypatch.setattr(_reader, "DEVICE_SCRATCH_SHARE", 0.0)
+    m, state, path = _saved_state(tmp_path, "cuda")
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    m.restore(1, into=into)
+    assert m.stats.last_restore is not None and m.stats.last_restore.passes == 2
+    assert all(torch.equal(into[k], v) for k, v in state.items())
+    raw = bytearray((path / "data.bin").read_bytes())
+    raw[-5] ^= 0xFF
+    (path / "data.bin").write_bytes(bytes(raw))
+    into = {k: torch.full_like(v, 7.0) for k, v in state.items()}
+    with pytest.raises(CorruptCheckpointError):
+        m.restore(1, into=into)
+    m.close()
+    assert all(bool((v == 7.0).all()) for v in into.values())
+
+
+@pytest.mark.gpu
+def test_gpu_restore_into_cuda_corrupt_in_one_pass_writes_nothing(tmp_path: Path) -> None:
+    from ckpt.errors import CorruptCheckpointError
+
+    m, state, path = _saved_state(tmp_path, "cuda")
+    raw = bytearray((path / "data.bin").read_bytes())
+    raw[10] ^= 0xFF  # the first chunk: the read of later chunks is in flight
+    (path / "data.bin").write_bytes(bytes(raw))
+    into = {k: torch.full_like(v, 7.0) for k, v in state.items()}
+    with pytest.raises(CorruptCheckpointError):
+        m.restore(1, into=into)
+    m.close()
+    torch.cuda.synchronize()
+    assert all(bool((v == 7.0).all()) for v in into.values())
