@@ -9,16 +9,26 @@ driver pins and maps it. A pinned buffer is therefore anonymous memory (transpar
 requested) that several threads fault in at once before one ``cuMemHostRegister`` call
 (portable, through ctypes) registers it, the way torch's ``pinned_use_cuda_host_register``
 allocator works; where that is not possible it falls back to ``torch.empty(pin_memory=True)``.
+
+``reserve`` allocates that way, before any save. A buffer that a save itself must allocate (the
+first save without ``reserve``) is made by ``Pinning`` instead, so that allocating overlaps
+copying: background threads (one per core) fault in and register the buffer ``REGISTER_BYTES``
+at a time, each piece registered on its own, in order, and the save copies into each piece as
+soon as it is registered (``Buffer.wait``), never across two pieces (``Buffer.pieces``). A piece
+whose registration fails stays pageable memory: copies into it are synchronous but correct, and
+the failure is logged with its ``CUresult``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -29,12 +39,26 @@ import torch
 
 from ckpt.errors import CheckpointError
 
-__all__ = ["SLICE_BYTES", "Buffer", "PinnedPool", "PoolOptions", "pinned_empty"]
+__all__ = [
+    "REGISTER_BYTES",
+    "SLICE_BYTES",
+    "Buffer",
+    "PinnedPool",
+    "Pinning",
+    "PoolOptions",
+    "pinned_empty",
+]
+
+log = logging.getLogger("ckpt")
 
 _ROUND = 2 << 20  # buffer sizes are rounded up to 2 MiB
 SLICE_BYTES = 64 << 20
 """The piece of a pinned buffer one thread faults in at a time."""
 _PORTABLE = 1  # CU_MEMHOSTREGISTER_PORTABLE: pinned for every context
+REGISTER_BYTES = 32 << 20
+"""The piece of a buffer made by ``Pinning`` that is registered (and copied into) on its own."""
+PIECE_TIMEOUT_S = 300.0
+"""How long a copy waits for its piece of a buffer to be faulted in and registered."""
 
 
 class _Driver:
@@ -112,6 +136,91 @@ def pinned_empty(nbytes: int, threads: int = 8) -> tuple[torch.Tensor, Any]:
     return tensor, keep
 
 
+def _unregister_all(driver: _Driver, ctx: int, ptrs: list[int]) -> None:
+    driver.set_ctx(ctx)
+    for ptr in ptrs:
+        driver.unregister(ptr)
+
+
+class Pinning:
+    """A page-locked area of ``nbytes`` made in the background (see the module docstring):
+    ``threads`` threads fault in and register ``REGISTER_BYTES`` pieces in order; ``wait``
+    returns once the pieces covering a byte range are ready. ``register(ptr, nbytes)`` returns
+    a ``CUresult`` (default: ``cuMemHostRegister`` in torch's current context). The area stays
+    mapped, and registered pieces are unregistered, when the last of ``keep`` and the threads
+    lets go of it."""
+
+    def __init__(
+        self, nbytes: int, threads: int, register: Callable[[int, int], int] | None = None
+    ) -> None:
+        self.nbytes = nbytes
+        unregister: Callable[[list[int]], None] = lambda ptrs: None  # noqa: E731
+        if register is None:
+            driver = _driver()
+            if driver is None:
+                raise RuntimeError("the CUDA driver (libcuda.so.1) cannot be loaded")
+            ctx = driver.context()
+
+            def register(ptr: int, size: int) -> int:
+                driver.set_ctx(ctx)
+                return int(driver.register(ptr, size, _PORTABLE))
+
+            def unregister(ptrs: list[int]) -> None:
+                _unregister_all(driver, ctx, ptrs)
+
+        self._register = register
+        self.area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self.area.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
+        self.tensor = torch.frombuffer(self.area, dtype=torch.uint8)
+        self.base = self.tensor.data_ptr()
+        self.piece = REGISTER_BYTES
+        self.starts = list(range(0, nbytes, self.piece))
+        self.ready = [threading.Event() for _ in self.starts]
+        self.failures: list[str] = []
+        self.registered: list[int] = []
+        self.keep = _Registered(self.tensor, self.area)
+        weakref.finalize(self.keep, unregister, self.registered).atexit = False
+        pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckpt-pin")
+        for k in range(len(self.starts)):
+            pool.submit(self._pin, k, self.keep)
+        pool.shutdown(wait=False)  # the threads finish the pieces, then exit
+
+    def _pin(self, k: int, keep: _Registered) -> None:
+        """Fault in and register piece ``k`` (``keep`` holds the area while this runs)."""
+        start = self.starts[k]
+        size = min(self.piece, self.nbytes - start)
+        try:
+            ctypes.memset(self.base + start, 0, size)  # releases the GIL
+            code = self._register(self.base + start, size)
+            if code != 0:
+                self.failures.append(
+                    f"cuMemHostRegister of bytes {start}-{start + size} failed with CUresult "
+                    f"{code}; that piece stays pageable (slower copies)"
+                )
+            else:
+                self.registered.append(self.base + start)
+        except BaseException as exc:  # never leave a waiter hanging
+            self.failures.append(f"pinning bytes {start}-{start + size} failed: {exc!r}")
+        finally:
+            self.ready[k].set()
+
+    def wait(self, start: int, end: int, timeout: float = PIECE_TIMEOUT_S) -> None:
+        """Return once the pieces holding bytes ``[start, end)`` are faulted in (and, unless
+        their registration failed, registered)."""
+        if end <= start:
+            return
+        for k in range(start // self.piece, (end - 1) // self.piece + 1):
+            if not self.ready[k].wait(timeout):
+                raise CheckpointError(
+                    f"staging buffer: bytes {self.starts[k]}- were not faulted in and registered "
+                    f"within {timeout:.0f} s"
+                )
+
+
 class _Registered:
     """Holds a registered area alive; collecting it unregisters the area (weakref.finalize)."""
 
@@ -136,11 +245,32 @@ class PoolOptions:
 
 
 class Buffer:
-    """One staging buffer: a flat uint8 tensor and a numpy view of the same memory."""
+    """One staging buffer: a flat uint8 tensor and a numpy view of the same memory.
 
-    def __init__(self, nbytes: int, pin: bool) -> None:
+    ``background=True`` (with ``pin``) makes it with ``Pinning``: it returns at once, a copy
+    into it calls ``wait`` for its bytes first and stays within one of its ``pieces``-byte
+    pieces; ``wait_all`` waits for the whole buffer (before writes from the host)."""
+
+    def __init__(
+        self,
+        nbytes: int,
+        pin: bool,
+        background: bool = False,
+        register: Callable[[int, int], int] | None = None,
+    ) -> None:
+        """``register``: passed to ``Pinning`` (tests)."""
         self._keep: Any = None
-        if pin:
+        self._pinning: Pinning | None = None
+        self.pieces: int | None = None  # separately registered pieces: copies stay inside one
+        if pin and background and nbytes >= REGISTER_BYTES:
+            try:
+                self._pinning = Pinning(nbytes, _threads(), register)
+            except (RuntimeError, OSError):  # no driver here: made at once below
+                self._pinning = None
+        if self._pinning is not None:
+            self.tensor, self._keep = self._pinning.tensor, self._pinning.keep
+            self.pieces = self._pinning.piece
+        elif pin:
             try:
                 self.tensor, self._keep = pinned_empty(nbytes, _threads())
             except (RuntimeError, OSError):  # not registrable here: torch's own pinned memory
@@ -150,13 +280,28 @@ class Buffer:
         self.array: np.ndarray = self.tensor.numpy()
         self.nbytes = nbytes
 
+    def wait(self, start: int, end: int) -> None:
+        """Return once bytes ``[start, end)`` may be written (see ``Pinning.wait``)."""
+        if self._pinning is not None:
+            self._pinning.wait(start, end)
+
+    def wait_all(self) -> None:
+        """Return once the whole buffer may be written; logs pieces left pageable."""
+        pinning = self._pinning
+        if pinning is not None:
+            pinning.wait(0, self.nbytes)
+            self._pinning = None
+            for failure in pinning.failures:
+                log.warning("ckpt: staging buffer: %s", failure)
+
     def view(self) -> memoryview:
         """A writable memoryview of the whole buffer (for os.pwrite / readinto)."""
         return self.array.data.cast("B")
 
 
 def _threads() -> int:
-    return max(1, min(16, (os.cpu_count() or 2) // 2))
+    """Threads that fault in a pinned buffer: one per core, at most 16."""
+    return max(1, min(16, os.cpu_count() or 2))
 
 
 class PinnedPool:
@@ -201,7 +346,7 @@ class PinnedPool:
             self._free.clear()
 
     def _allocate(self, prefault: bool) -> Buffer:
-        buf = Buffer(self._size, self._pin)
+        buf = Buffer(self._size, self._pin, background=not prefault)
         if prefault and not self._pin:
             buf.tensor.zero_()  # fault the pages in now, not during the first (timed) copy
         self._count += 1

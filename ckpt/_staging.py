@@ -24,6 +24,10 @@ afresh from its leaf, so a tensor replaced, re-created or resized between saves 
 where it is now; what the plan fixes (where its bytes go, as what dtype, shape and strides, by
 which kind of copy) depends only on the signature, and a different signature makes a new plan.
 
+A buffer that the first save allocates is made while the save copies into it
+(``ckpt._pool.Pinning``): each copy waits for the piece of the buffer it writes and stays
+inside it, and the host copies wait for the whole buffer.
+
 Ordering: per device, all copies run on one side stream that first waits for the current
 stream (so they see every write the training loop queued); the save then waits for that stream
 only, not for the whole device. ``Plan.stage`` returns once every byte is in the buffer (also
@@ -97,9 +101,19 @@ def _flat(src: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(src, (src.numel(),), (1,)).view(torch.uint8)
 
 
-def _to_host(host: torch.Tensor, off: int, flat: torch.Tensor) -> None:
-    """Copy device bytes ``flat`` to ``host`` at ``off`` (asynchronous)."""
-    host[off : off + flat.numel()].copy_(flat, non_blocking=True)
+def _to_host(buf: Buffer, off: int, flat: torch.Tensor) -> None:
+    """Copy device bytes ``flat`` to ``buf`` at ``off`` (asynchronous): once the bytes may be
+    written (``Buffer.wait``), one copy per piece of a buffer registered in pieces."""
+    end, piece = off + flat.numel(), buf.pieces
+    if piece is None:
+        buf.tensor[off:end].copy_(flat, non_blocking=True)
+        return
+    pos = off
+    while pos < end:
+        stop = min(end, (pos // piece + 1) * piece)
+        buf.wait(pos, stop)
+        buf.tensor[pos:stop].copy_(flat[pos - off : stop - off], non_blocking=True)
+        pos = stop
 
 
 def _picker(indices: list[int]) -> Callable[[Sequence[Any]], Any]:
@@ -151,20 +165,20 @@ class _Run:
         self.groups = [(_picker(indices), views) for indices, views in grouped.values()]
         self.storage.resize_(0)
 
-    def issue(self, values: Sequence[Any], host: torch.Tensor) -> None:
-        """Gather the run on the current stream and copy it to ``host`` in one transfer."""
+    def issue(self, values: Sequence[Any], buf: Buffer) -> None:
+        """Gather the run on the current stream and copy it to ``buf`` in one transfer."""
         assert self.bounce is not None
         try:
             self.storage.resize_(self.end - self.start)
         except (torch.cuda.OutOfMemoryError, RuntimeError):  # no room: copy each leaf directly
             for index, offset in self.members:
-                _to_host(host, offset, _flat(values[index]))
+                _to_host(buf, offset, _flat(values[index]))
             return
         try:
             self.bounce.zero_()  # the padding: never stale device memory in the file
             for pick, views in self.groups:
                 torch._foreach_copy_(views, pick(values))
-            host[self.start : self.end].copy_(self.bounce, non_blocking=True)
+            _to_host(buf, self.start, self.bounce)
         finally:
             # freed to the caching allocator on this stream: reused only in stream order
             self.storage.resize_(0)
@@ -259,9 +273,10 @@ class Plan:
                         stream.wait_stream(torch.cuda.current_stream(device))
                     with torch.cuda.stream(stream) if stream is not None else nullcontext():
                         if isinstance(step, _Run):
-                            step.issue(values, buf.tensor)
+                            step.issue(values, buf)
                         else:
-                            _to_host(buf.tensor, self.entries[step]["offset"], _flat(values[step]))
+                            _to_host(buf, self.entries[step]["offset"], _flat(values[step]))
+                buf.wait_all()  # host writes below: the whole buffer must be faulted in
                 views = self._views(buf, leaves)
                 if self._pick_host is not None:  # host copies overlap the device's
                     torch._foreach_copy_(views, self._pick_host(values))

@@ -480,3 +480,107 @@ def test_gpu_restore_into_cuda_corrupt_in_one_pass_writes_nothing(tmp_path: Path
     m.close()
     torch.cuda.synchronize()
     assert all(bool((v == 7.0).all()) for v in into.values())
+
+
+# ---- the first save: a buffer registered in pieces while the save copies into it -------------
+
+
+def _slow_register(delay: float, fail: int | None = None) -> tuple[Callable, list]:
+    import time
+
+    done: list[int] = []
+
+    def register(ptr: int, size: int) -> int:
+        time.sleep(delay)
+        done.append(ptr)
+        return 999 if fail is not None and len(done) == fail else 0
+
+    return register, done
+
+
+def _big_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    state = {f"s{i}": torch.randn(3000 + i, generator=g) for i in range(300)}  # runs
+    state.update({f"b{i}": torch.randn(600_000, generator=g) for i in range(4)})  # over pieces
+    return state
+
+
+@pytest.mark.parametrize("gather_host", [False, True])
+def test_copies_wait_for_their_piece_of_a_buffer_made_in_the_background(
+    monkeypatch: pytest.MonkeyPatch, gather_host: bool
+) -> None:
+    """The pieces are faulted in (zeroed) and registered slowly, one after another; a copy
+    made before its piece was zeroed would be wiped, and one across two pieces would span two
+    registrations."""
+    from ckpt import _pool
+
+    monkeypatch.setattr(_pool, "REGISTER_BYTES", 1 << 20)
+    monkeypatch.setattr(_pool, "_threads", lambda: 2)
+    register, done = _slow_register(0.02)
+    state = _big_state()
+    leaves = _leaves(state)
+    plan = _staging.Stager(gather_host=gather_host).plan(leaves)
+    buf = Buffer(plan.nbytes, True, background=True, register=register)
+    assert buf.pieces == 1 << 20 and len(done) < plan.nbytes >> 20  # still pinning
+    plan.stage(leaves, buf)
+    assert torch.equal(buf.tensor[: plan.nbytes], _want(leaves))
+    assert len(done) == -(-buf.nbytes // (1 << 20))
+
+
+def test_a_piece_that_cannot_be_registered_stays_pageable_and_is_named(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ckpt import _pool
+
+    monkeypatch.setattr(_pool, "REGISTER_BYTES", 1 << 20)
+    register, _ = _slow_register(0.0, fail=2)
+    state = _big_state()
+    leaves = _leaves(state)
+    plan = _staging.Stager(gather_host=True).plan(leaves)
+    buf = Buffer(plan.nbytes, True, background=True, register=register)
+    with caplog.at_level("WARNING", logger="ckpt"):
+        plan.stage(leaves, buf)
+    assert torch.equal(buf.tensor[: plan.nbytes], _want(leaves))
+    assert "failed with CUresult 999" in caplog.text and "pageable" in caplog.text
+
+
+def test_a_stuck_piece_times_out_naming_the_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from ckpt import _pool
+    from ckpt.errors import CheckpointError
+
+    monkeypatch.setattr(_pool, "REGISTER_BYTES", 1 << 20)
+    release = threading.Event()
+
+    def stuck(ptr: int, size: int) -> int:
+        release.wait(10)
+        return 0
+
+    buf = Buffer(4 << 20, True, background=True, register=stuck)
+    try:
+        assert buf._pinning is not None
+        with pytest.raises(CheckpointError, match="were not faulted in and registered"):
+            buf._pinning.wait(0, 10, timeout=0.05)
+    finally:
+        release.set()
+    buf.wait_all()
+
+
+@pytest.mark.gpu
+def test_gpu_first_save_without_reserve_pins_in_the_background(tmp_path: Path) -> None:
+    state = {f"p{i}": torch.randn(200_000 + i, device="cuda") for i in range(500)}  # ~400 MB
+    state["big"] = torch.randn(20 << 20, device="cuda")
+    with CheckpointManager(tmp_path, keep_last=1, pool=PoolOptions(buffers=1)) as m:
+        h = m.save(0, state)
+        h.result()
+        buf = m.pool._free[0]
+        assert buf.pieces is not None and buf._pinning is None  # made in pieces, all done
+        assert buf.tensor.is_pinned()
+        assert m.pool.allocated_bytes == buf.nbytes
+        for t in state.values():
+            t.add_(1)
+        m.save(1, state).result()
+        assert m.pool.allocated_bytes == buf.nbytes  # reused
+        got = m.restore(1)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
