@@ -18,6 +18,7 @@ import torch
 from ckpt import format as fmt
 from ckpt._flatten import RNG_KEY, torch_dtype, unflatten
 from ckpt._readinto import read_into, reader_threads, verify_threads
+from ckpt._staging import BATCHED_DTYPES
 from ckpt.errors import CheckpointError, CorruptCheckpointError, DcpCheckpointError
 
 __all__ = [
@@ -204,7 +205,12 @@ def _copy_into(
         devices.setdefault(t.device, []).append(i)
     with torch.no_grad():
         for device, ids in devices.items():
-            torch._foreach_copy_([found[i] for i in ids], [scratch[i] for i in ids])
+            batched = [i for i in ids if found[i].dtype in BATCHED_DTYPES]
+            if batched:
+                torch._foreach_copy_([found[i] for i in batched], [scratch[i] for i in batched])
+            for i in ids:
+                if found[i].dtype not in BATCHED_DTYPES:
+                    found[i].copy_(scratch[i])
             torch.cuda.current_stream(device).synchronize()
     for i, t in found.items():
         arrays[i] = t

@@ -37,6 +37,7 @@ buffer are the leaves' bytes exactly (dtype-agnostic), padding zeroed.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -49,7 +50,7 @@ from ckpt import format as fmt
 from ckpt._flatten import Leaf
 from ckpt._pool import Buffer
 
-__all__ = ["RUN_BYTES", "SMALL_BYTES", "Plan", "Stager", "layout", "signature"]
+__all__ = ["BATCHED_DTYPES", "RUN_BYTES", "SMALL_BYTES", "Plan", "Stager", "layout", "signature"]
 
 SMALL_BYTES = 4 << 20
 """CUDA leaves up to this size are gathered into runs (larger ones copy directly)."""
@@ -60,6 +61,14 @@ _SIGNATURE = attrgetter("kind", "dtype", "device", "nbytes", "shape", "stride")
 _VALUE = attrgetter("value")
 
 _streams: dict[torch.device, torch.cuda.Stream] = {}
+
+BATCHED_DTYPES = frozenset(
+    (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64,
+     torch.complex128, torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+     torch.int64)
+)  # fmt: skip
+"""The dtypes gathered by one ``_foreach_copy_`` (its device kernel's dtypes); leaves of other
+dtypes (float8, float4, complex32, wide unsigned) are copied one by one within their run."""
 
 
 def signature(leaves: Sequence[Leaf]) -> list[tuple]:
@@ -138,7 +147,7 @@ class _Run:
     def __init__(self, device: torch.device, start: int) -> None:
         self.device, self.start, self.end = device, start, start
         self.members: list[tuple[int, int]] = []  # (leaf index, offset)
-        self.groups: list[tuple[Callable, list[torch.Tensor]]] = []
+        self.groups: list[tuple[Callable, list[torch.Tensor], bool]] = []  # (pick, views, batched)
         self.storage: Any = None
         self.bounce: torch.Tensor | None = None
 
@@ -162,7 +171,10 @@ class _Run:
             indices, views = grouped.setdefault(src.dtype, ([], []))
             indices.append(index)
             views.append(view)
-        self.groups = [(_picker(indices), views) for indices, views in grouped.values()]
+        self.groups = [
+            (_picker(indices), views, dtype in BATCHED_DTYPES)
+            for dtype, (indices, views) in grouped.items()
+        ]
         self.storage.resize_(0)
 
     def issue(self, values: Sequence[Any], buf: Buffer) -> None:
@@ -176,8 +188,12 @@ class _Run:
             return
         try:
             self.bounce.zero_()  # the padding: never stale device memory in the file
-            for pick, views in self.groups:
-                torch._foreach_copy_(views, pick(values))
+            for pick, views, batched in self.groups:
+                if batched:
+                    torch._foreach_copy_(views, pick(values))
+                else:
+                    for view, src in zip(views, pick(values), strict=True):
+                        view.copy_(src)
             _to_host(buf, self.start, self.bounce)
         finally:
             # freed to the caching allocator on this stream: reused only in stream order
@@ -237,6 +253,7 @@ class Plan:
         self._host_views: weakref.WeakKeyDictionary[Buffer, list[torch.Tensor]] = (
             weakref.WeakKeyDictionary()
         )
+        self._lock = threading.Lock()
 
     def matches(self, leaves: Sequence[Leaf]) -> bool:
         """Whether this plan stages ``leaves`` (their signature is this plan's)."""
@@ -262,6 +279,10 @@ class Plan:
     def stage(self, leaves: Sequence[Leaf], buf: Buffer) -> None:
         """Copy every leaf (of this plan's signature) into ``buf``; returns once every byte is
         there."""
+        with self._lock:  # the runs' storages are the plan's: one save at a time
+            self._stage(leaves, buf)
+
+    def _stage(self, leaves: Sequence[Leaf], buf: Buffer) -> None:
         values = list(map(_VALUE, leaves))
         streams: dict[torch.device, Any] = {}
         try:

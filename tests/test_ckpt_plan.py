@@ -584,3 +584,54 @@ def test_gpu_first_save_without_reserve_pins_in_the_background(tmp_path: Path) -
         assert m.pool.allocated_bytes == buf.nbytes  # reused
         got = m.restore(1)
     assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_saves_from_two_threads_share_one_plan_safely(tmp_path: Path) -> None:
+    """The runs' storages belong to the plan: concurrent stagings take turns."""
+    import threading
+
+    state = _big_state()
+    leaves = _leaves(state)
+    plan = _staging.Stager(gather_host=True).plan(leaves)
+    bufs = [Buffer(plan.nbytes, False) for _ in range(2)]
+    want = _want(leaves)
+    errors: list[BaseException] = []
+
+    def loop(buf: Buffer) -> None:
+        try:
+            for _ in range(5):
+                plan.stage(leaves, buf)
+                assert torch.equal(buf.tensor[: plan.nbytes], want)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(b,)) for b in bufs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.gpu
+def test_gpu_every_dtype_in_runs_and_restored_into_in_one_pass(tmp_path: Path) -> None:
+    """Dtypes outside ``BATCHED_DTYPES`` (float8, float4, complex32, uint16...) are copied one
+    by one inside their run, and into the caller's tensors one by one after a restore."""
+    from ckpt._flatten import TORCH_DTYPES
+
+    g = torch.Generator().manual_seed(3)
+    state = {}
+    for k, name in enumerate(TORCH_DTYPES):
+        raw = torch.randint(0, 255, (64 * (k + 1),), dtype=torch.uint8, generator=g)
+        if name == "bool":
+            raw &= 1
+        state[name] = raw.view(getattr(torch, name)).cuda()
+    into = {k: torch.empty_like(v) for k, v in state.items()}
+    with CheckpointManager(tmp_path, keep_last=1) as m:
+        m.save(0, state).result()
+        m.save(1, state).result()
+        assert m._stager.reused == 1
+        m.restore(1, into=into)
+        assert m.stats.last_restore is not None and m.stats.last_restore.passes == 1
+    for k, v in state.items():
+        assert torch.equal(into[k].view(torch.uint8), v.view(torch.uint8)), k
