@@ -158,7 +158,10 @@ class _Run:
     def build(self, leaves: Sequence[Leaf]) -> None:
         """Make the storage (empty between saves) and one view of it per member."""
         span = self.end - self.start
-        base = torch.empty(span, dtype=torch.uint8, device=self.device)
+        try:
+            base = torch.empty(span, dtype=torch.uint8, device=self.device)
+        except torch.cuda.OutOfMemoryError:  # no room now: this run copies each leaf directly
+            return
         self.storage = base.untyped_storage()
         self.bounce = base
         grouped: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
@@ -179,8 +182,9 @@ class _Run:
 
     def issue(self, values: Sequence[Any], buf: Buffer) -> None:
         """Gather the run on the current stream and copy it to ``buf`` in one transfer."""
-        assert self.bounce is not None
         try:
+            if self.storage is None or self.bounce is None:
+                raise torch.cuda.OutOfMemoryError("no storage")
             self.storage.resize_(self.end - self.start)
         except (torch.cuda.OutOfMemoryError, RuntimeError):  # no room: copy each leaf directly
             for index, offset in self.members:
@@ -208,12 +212,26 @@ class Plan:
         for tests)."""
         self.key = signature(leaves)
         self.entries, self.nbytes = layout(leaves)
+        self.gather_host = gather_host
+        self.built = False  # the copies are planned by the first ``stage`` (see ``_build``)
         self.device_steps: list[tuple[torch.device, _Run | int]] = []  # in file order
-        host: list[int] = []
+        self.host: list[int] = []
         self.arrays: list[int] = []
+        self.gaps: list[tuple[int, int]] = []  # padding between entries, zeroed once per buffer
+        self._pick_host: Callable | None = None
+        self._host_views: weakref.WeakKeyDictionary[Buffer, list[torch.Tensor]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def _build(self, leaves: Sequence[Leaf]) -> None:
+        """Plan the copies: runs, direct copies, host copies. Done by the first ``stage``, after
+        the save asked for its buffer, so that it overlaps a buffer made in the background."""
+        gather_host = self.gather_host
+        self.device_steps, self.arrays, self.gaps = [], [], []
+        host: list[int] = []
         run: _Run | None = None
         order = sorted(range(len(leaves)), key=lambda i: self.entries[i]["offset"])
-        self.gaps: list[tuple[int, int]] = []  # padding between entries, zeroed once per buffer
         end = 0
         for i in order:
             off = self.entries[i]["offset"]
@@ -250,10 +268,7 @@ class Plan:
             run.build(leaves)
         self.host = host
         self._pick_host = _picker(host) if host else None
-        self._host_views: weakref.WeakKeyDictionary[Buffer, list[torch.Tensor]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._lock = threading.Lock()
+        self.built = True
 
     def matches(self, leaves: Sequence[Leaf]) -> bool:
         """Whether this plan stages ``leaves`` (their signature is this plan's)."""
@@ -280,6 +295,8 @@ class Plan:
         """Copy every leaf (of this plan's signature) into ``buf``; returns once every byte is
         there."""
         with self._lock:  # the runs' storages are the plan's: one save at a time
+            if not self.built:
+                self._build(leaves)
             self._stage(leaves, buf)
 
     def _stage(self, leaves: Sequence[Leaf], buf: Buffer) -> None:
