@@ -15,6 +15,10 @@ module and the optimizer), saved by a fresh manager without ``reserve`` (the fir
 pool allocation) and then in steady state, against the ceiling measured in the same run: one
 copy of the same number of bytes from one device tensor into one preallocated pinned buffer.
 The per-tensor staging of earlier versions (``ckpt.format.stage``) runs in the same rounds.
+
+``--plan-overhead N`` (CPU) measures the Python part of staging ``N`` small tensors: the
+per-tensor staging of earlier versions against the plan cached across saves (its signature
+check, and the check with the copies).
 """
 
 from __future__ import annotations
