@@ -139,6 +139,12 @@ def strided_same_shape(s: dict) -> bool:
 
 
 @_mutation
+def channels_last(s: dict) -> bool:
+    s["img"] = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    return True
+
+
+@_mutation
 def aliasing(s: dict) -> bool:
     s["tied"] = s["w6"]  # tied weights: one shared entry
     s["tied_view"] = s["w6"][2:5]
@@ -635,3 +641,31 @@ def test_gpu_every_dtype_in_runs_and_restored_into_in_one_pass(tmp_path: Path) -
         assert m.stats.last_restore is not None and m.stats.last_restore.passes == 1
     for k, v in state.items():
         assert torch.equal(into[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+def test_model_and_a_recreated_optimizer_reuse_the_plan(tmp_path: Path) -> None:
+    """The torch idiom: ``opt.load_state_dict`` between saves makes every optimizer tensor a
+    new object; same signature, so the plan is reused, and the bytes are the new tensors'."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step() -> None:
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+
+    step()
+    state = {"model": model, "optim": opt}
+    with CheckpointManager(tmp_path, keep_last=1) as m:
+        m.save(0, state).result()
+        opt.load_state_dict(opt.state_dict())  # new tensors
+        step()
+        m.save(1, state).result()
+        assert (m._stager.planned, m._stager.reused) == (1, 1)
+        got = m.restore(1)
+    for k, v in model.state_dict().items():
+        assert torch.equal(got["model"][k], v)
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            assert torch.equal(got["optim"]["state"][i][k], v)
