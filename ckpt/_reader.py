@@ -18,7 +18,7 @@ import torch
 from ckpt import format as fmt
 from ckpt._flatten import RNG_KEY, torch_dtype, unflatten
 from ckpt._readinto import read_into, reader_threads, verify_threads
-from ckpt._staging import BATCHED_DTYPES
+from ckpt._staging import BATCHED_DTYPES, foreach_copy_exact
 from ckpt.errors import CheckpointError, CorruptCheckpointError, DcpCheckpointError
 
 __all__ = [
@@ -207,7 +207,7 @@ def _copy_into(
         for device, ids in devices.items():
             batched = [i for i in ids if found[i].dtype in BATCHED_DTYPES]
             if batched:
-                torch._foreach_copy_([found[i] for i in batched], [scratch[i] for i in batched])
+                foreach_copy_exact([found[i] for i in batched], [scratch[i] for i in batched])
             for i in ids:
                 if found[i].dtype not in BATCHED_DTYPES:
                     found[i].copy_(scratch[i])

@@ -50,7 +50,17 @@ from ckpt import format as fmt
 from ckpt._flatten import Leaf
 from ckpt._pool import Buffer
 
-__all__ = ["BATCHED_DTYPES", "RUN_BYTES", "SMALL_BYTES", "Plan", "Stager", "layout", "signature"]
+__all__ = [
+    "BATCHED_DTYPES",
+    "BIT_EXACT",
+    "RUN_BYTES",
+    "SMALL_BYTES",
+    "Plan",
+    "Stager",
+    "foreach_copy_exact",
+    "layout",
+    "signature",
+]
 
 SMALL_BYTES = 4 << 20
 """CUDA leaves up to this size are gathered into runs (larger ones copy directly)."""
@@ -69,6 +79,20 @@ BATCHED_DTYPES = frozenset(
 )  # fmt: skip
 """The dtypes gathered by one ``_foreach_copy_`` (its device kernel's dtypes); leaves of other
 dtypes (float8, float4, complex32, wide unsigned) are copied one by one within their run."""
+
+
+BIT_EXACT = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
+"""Dtypes that ``_foreach_copy_``'s device kernel computes in float32 and converts back, which
+turns every NaN into one canonical NaN (its payload and sign lost): batched copies move them
+as same-sized integers, so the bytes arrive exactly."""
+
+
+def foreach_copy_exact(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """``torch._foreach_copy_(dsts, srcs)`` bit for bit (pairs of one dtype, any strides)."""
+    if any(d.dtype in BIT_EXACT for d in dsts):
+        dsts = [d.view(BIT_EXACT.get(d.dtype, d.dtype)) for d in dsts]
+        srcs = [s.view(BIT_EXACT.get(s.dtype, s.dtype)) for s in srcs]
+    torch._foreach_copy_(list(dsts), list(srcs))
 
 
 def signature(leaves: Sequence[Leaf]) -> list[tuple]:
@@ -147,7 +171,8 @@ class _Run:
     def __init__(self, device: torch.device, start: int) -> None:
         self.device, self.start, self.end = device, start, start
         self.members: list[tuple[int, int]] = []  # (leaf index, offset)
-        self.groups: list[tuple[Callable, list[torch.Tensor], bool]] = []  # (pick, views, batched)
+        # (pick, views, batched, bits): ``bits`` reinterprets the sources (see ``BIT_EXACT``)
+        self.groups: list[tuple[Callable, list[torch.Tensor], bool, torch.dtype | None]] = []
         self.storage: Any = None
         self.bounce: torch.Tensor | None = None
 
@@ -169,13 +194,13 @@ class _Run:
             src = leaves[index].value
             assert isinstance(src, torch.Tensor)
             stride = src.stride() if src.is_contiguous() else _contiguous_strides(src.shape)
-            view = torch.empty(0, dtype=src.dtype, device=self.device)
+            view = torch.empty(0, dtype=BIT_EXACT.get(src.dtype, src.dtype), device=self.device)
             view.set_(self.storage, (offset - self.start) // src.element_size(), src.shape, stride)
             indices, views = grouped.setdefault(src.dtype, ([], []))
             indices.append(index)
             views.append(view)
         self.groups = [
-            (_picker(indices), views, dtype in BATCHED_DTYPES)
+            (_picker(indices), views, dtype in BATCHED_DTYPES, BIT_EXACT.get(dtype))
             for dtype, (indices, views) in grouped.items()
         ]
         self.storage.resize_(0)
@@ -192,11 +217,14 @@ class _Run:
             return
         try:
             self.bounce.zero_()  # the padding: never stale device memory in the file
-            for pick, views, batched in self.groups:
+            for pick, views, batched, bits in self.groups:
+                srcs = pick(values)
+                if bits is not None:
+                    srcs = [src.view(bits) for src in srcs]
                 if batched:
-                    torch._foreach_copy_(views, pick(values))
+                    torch._foreach_copy_(views, srcs)
                 else:
-                    for view, src in zip(views, pick(values), strict=True):
+                    for view, src in zip(views, srcs, strict=True):
                         view.copy_(src)
             _to_host(buf, self.start, self.bounce)
         finally:
@@ -317,6 +345,7 @@ class Plan:
                 buf.wait_all()  # host writes below: the whole buffer must be faulted in
                 views = self._views(buf, leaves)
                 if self._pick_host is not None:  # host copies overlap the device's
+                    # host tensors: the CPU kernel copies each pair as is (exact for every dtype)
                     torch._foreach_copy_(views, self._pick_host(values))
                 for i in self.arrays:
                     e, src = self.entries[i], values[i]

@@ -30,9 +30,10 @@ def _leaves(state: Any) -> list:
     return leaves
 
 
-def _want(leaves: list) -> torch.Tensor:
-    """The reference: a fresh layout, one copy per leaf into a zeroed buffer."""
-    entries, nbytes = _staging.layout(leaves)
+def _want(leaves: list, layout_of: list | None = None) -> torch.Tensor:
+    """The reference: a fresh layout (of ``layout_of``, default ``leaves``: CUDA leaves go
+    first), one copy per leaf into a zeroed buffer."""
+    entries, nbytes = _staging.layout(leaves if layout_of is None else layout_of)
     buf = Buffer(nbytes, False)
     buf.tensor.zero_()
     fmt.stage(leaves, entries, buf)
@@ -97,7 +98,8 @@ def optimizer_state_recreated(s: dict) -> bool:
 
 @_mutation
 def storage_replaced(s: dict) -> bool:
-    s["w5"].set_(torch.full((12,), 4.0).untyped_storage(), 0, (12,), (1,))  # same shape
+    other = torch.full((12,), 4.0, device=s["w5"].device)
+    s["w5"].set_(other.untyped_storage(), 0, (12,), (1,))  # same shape
     return False
 
 
@@ -134,7 +136,7 @@ def non_contiguous_view(s: dict) -> bool:
 
 @_mutation
 def strided_same_shape(s: dict) -> bool:
-    s["w9"] = torch.arange(32.0)[::2]  # shape (16,) like w9, stride 2
+    s["w9"] = torch.arange(32.0, device=s["w9"].device)[::2]  # shape (16,) like w9, stride 2
     return True
 
 
@@ -307,7 +309,7 @@ def test_gpu_a_plan_is_reused_only_for_the_same_signature(name: str) -> None:
         buf.tensor.fill_(0xAB)
         plan.stage(leaves, buf)
         cpu = [_leaf_on_cpu(leaf) for leaf in leaves]
-        assert torch.equal(buf.tensor[: plan.nbytes], _want(cpu))
+        assert torch.equal(buf.tensor[: plan.nbytes], _want(cpu, layout_of=leaves))
 
     staged()
     staged()
@@ -669,3 +671,24 @@ def test_model_and_a_recreated_optimizer_reuse_the_plan(tmp_path: Path) -> None:
     for i, st in opt.state_dict()["state"].items():
         for k, v in st.items():
             assert torch.equal(got["optim"]["state"][i][k], v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_half_precision_nan_payloads_survive_save_and_restore(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """``_foreach_copy_``'s CUDA kernel computes half floats in float32, which canonicalises
+    NaNs; every bit pattern (NaN payloads, negative NaNs, subnormals) must come back exactly,
+    through the gathered save and the one-pass restore into existing tensors."""
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    state = {f"t{i}": bits[i * 4096 : (i + 1) * 4096].view(dtype).cuda() for i in range(16)}
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    with CheckpointManager(tmp_path, keep_last=1) as m:
+        m.save(0, state).result()
+        m.save(1, state).result()  # the reused plan's path
+        m.restore(1, into=into)
+        fresh = m.restore(1)
+    for k, v in state.items():
+        assert torch.equal(into[k].view(torch.int16), v.view(torch.int16)), k
+        assert torch.equal(fresh[k].cpu().view(torch.int16), v.cpu().view(torch.int16)), k
