@@ -261,6 +261,11 @@ def _inner_nulls(col: ArrowColumn, values: Any, owner: Callable[[int], int], whe
         )
 
 
+def _row_of(per: int) -> Callable[[int], int]:
+    """The row of an element of a flattened fixed-size list of ``per`` elements a row."""
+    return lambda i: i // per
+
+
 def _fixed_values(pa: Any, col: ArrowColumn, arr: Any, where: Callable[[int], str]) -> np.ndarray:
     n = len(arr)
     if _temporal(pa, arr.type):
@@ -282,7 +287,7 @@ def _fixed_values(pa: Any, col: ArrowColumn, arr: Any, where: Callable[[int], st
                 )
         per *= size
         arr = arr.flatten()
-        _inner_nulls(col, arr, lambda i, per=per: i // per, where)
+        _inner_nulls(col, arr, _row_of(per), where)
     values = arr.to_numpy(zero_copy_only=False)
     return np.asarray(values, dtype=col.dtype).reshape((n, *col.shape))
 
