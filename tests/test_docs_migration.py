@@ -1,7 +1,8 @@
 """The code in docs/migration.md's sections "From MosaicML Streaming", "From LitData", "From
-WebDataset" and "From Hugging Face datasets" runs as written: every ``python`` block of a
-section, in order, in a fresh folder (offline, ``HF_HOME`` there), as the body of one module
-(so that a function it defines pickles into ``feedpipe.convert``'s worker processes)."""
+WebDataset" and "From Hugging Face datasets", and in docs/guides/parquet-hf.md, runs as
+written: every ``python`` block of a section (or page), in order, in a fresh folder (offline,
+``HF_HOME`` there), as the body of one module (so that a function it defines pickles into
+``feedpipe.convert``'s worker processes)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,22 @@ SECTIONS = {
 }
 
 
-def _blocks(section: str) -> list[str]:
-    text = (ROOT / "docs" / "migration.md").read_text()
+def _blocks(section: str, page: str = "migration.md") -> list[str]:
+    text = (ROOT / "docs" / page).read_text()
     parts = re.split(r"^## ", text, flags=re.M)
-    body = next(p for p in parts if p.startswith(section + "\n"))
+    body = next(p for p in parts if p.startswith(section + "\n")) if section else text
     return re.findall(r"^```python\n(.*?)^```", body, flags=re.M | re.S)
+
+
+def _run(code: str, name: str, where: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setenv("HF_HOME", str(where / "hf-home"))
+    monkeypatch.chdir(where)
+    module_name = "docs_" + re.sub(r"\W", "_", name.lower())
+    module = types.ModuleType(module_name)
+    monkeypatch.setitem(sys.modules, module_name, module)
+    exec(compile(code, name, "exec"), module.__dict__)
 
 
 @pytest.mark.parametrize("section", list(SECTIONS))
@@ -36,11 +48,11 @@ def test_migration_section_runs(
         pytest.importorskip(module)
     code = "\n".join(_blocks(section))
     assert code.strip(), f"{section}: no python code"
-    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
-        monkeypatch.setenv(var, "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    monkeypatch.chdir(tmp_path)
-    name = "migration_" + re.sub(r"\W", "_", section.lower())
-    module = types.ModuleType(name)
-    monkeypatch.setitem(sys.modules, name, module)
-    exec(compile(code, f"docs/migration.md: {section}", "exec"), module.__dict__)
+    _run(code, f"docs/migration.md: {section}", tmp_path, monkeypatch)
+
+
+def test_parquet_hf_guide_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("pyarrow")
+    code = "\n".join(_blocks("", "guides/parquet-hf.md"))
+    assert "feedpipe.convert" in code
+    _run(code, "docs/guides/parquet-hf.md", tmp_path, monkeypatch)
