@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import json
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -396,3 +397,49 @@ def test_hf_is_in_the_test_extra() -> None:
     text = (Path(__file__).parent.parent / "pyproject.toml").read_text()
     test = text.split("\ntest = [", 1)[1].split("\n]", 1)[0]
     assert '"pyarrow"' in test and '"datasets' in test
+
+
+# ---------------------------------------------------------------------- hostile metadata
+def _with_hf_features(table: Any, features: dict[str, Any]) -> Any:
+    meta = {b"huggingface": json.dumps({"info": {"features": features}}).encode()}
+    return table.replace_schema_metadata(meta)
+
+
+def test_hf_array2d_from_parquet_is_fixed_and_its_shape_checked(tmp_path: Path) -> None:
+    """In Parquet an ``Array2D`` is plain nested lists: the features give the fixed shape, and
+    every list's length is checked against it (metadata is never trusted blindly)."""
+    grid = [[[float(i)] * 3] * 2 for i in range(4)]
+    typ = pa.list_(pa.list_(pa.float32()))
+    features = {"g": {"shape": [2, 3], "dtype": "float32", "_type": "Array2D"}}
+    good = _with_hf_features(pa.table({"x": [0, 1, 2, 3], "g": pa.array(grid, typ)}), features)
+    pq.write_table(good, tmp_path / "good.parquet")
+    feedpipe.convert(tmp_path / "good.parquet", tmp_path / "o", workers=1)
+    ds = MemmapDataset(tmp_path / "o")
+    assert ds.index.fields["g"].kind == "fixed" and tuple(ds.index.fields["g"].shape) == (2, 3)
+    assert ds.read_batch([3])["g"].tolist() == [grid[3]]
+    grid[2] = [[2.0] * 3, [2.0] * 4]  # a row that lies about the shape
+    bad = _with_hf_features(pa.table({"x": [0, 1, 2, 3], "g": pa.array(grid, typ)}), features)
+    pq.write_table(bad, tmp_path / "bad.parquet")
+    with pytest.raises(DatasetError, match=r"bad\.parquet: row 2 \(record 2\): column 'g' holds"):
+        feedpipe.convert(tmp_path / "bad.parquet", tmp_path / "o2", workers=1)
+    assert not (tmp_path / "o2").exists()
+
+
+def test_hostile_hf_metadata_is_not_trusted(tmp_path: Path) -> None:
+    """An ``Image`` whose ``bytes`` are integers is not read as bytes (``bytes(5)`` would
+    invent five zero bytes), and ``ClassLabel`` names that are not strings are not kept."""
+    table = pa.table({
+        "x": [1, 2],
+        "img": pa.array([{"bytes": 5, "path": "a"}, {"bytes": 6, "path": "b"}]),
+        "label": [0, 1],
+    })  # fmt: skip
+    features = {
+        "img": {"_type": "Image"},
+        "label": {"_type": "ClassLabel", "names": 7},
+        "x": "not a dict",
+    }
+    pq.write_table(_with_hf_features(table, features), tmp_path / "t.parquet")
+    feedpipe.convert(tmp_path / "t.parquet", tmp_path / "o", workers=1)
+    ds = MemmapDataset(tmp_path / "o")
+    assert ds.index.fields["img"].kind == "json" and ds[1]["img"] == {"bytes": 6, "path": "b"}
+    assert "class_labels" not in ds.index.extra and ds.classes is None

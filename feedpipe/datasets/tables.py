@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from feedpipe.errors import DatasetError, require
+from feedpipe.io.remote import redact
 
 __all__ = [
     "ArrowColumn",
@@ -198,6 +199,30 @@ def _jsonable(pa: Any, t: Any) -> bool:
     return False
 
 
+def _bytes_struct(pa: Any, t: Any) -> bool:
+    """Whether ``t`` is a struct with a binary ``bytes`` child (an HF ``Image``/``Audio``)."""
+    return bool(pa.types.is_struct(t)) and (
+        t.get_field_index("bytes") >= 0 and _binary(pa, t.field("bytes").type)
+    )
+
+
+def _array_feature(pa: Any, t: Any, feature: dict[str, Any]) -> tuple[str, tuple[int, ...]] | None:
+    """(dtype, shape) of a Hugging Face ``Array2D``..``Array5D`` column stored as nested lists
+    (an extension type in memory, plain lists in its Parquet files), or None when the Arrow
+    type does not match the feature's fixed shape. Each list's length is checked on reading."""
+    shape = feature.get("shape")
+    if not isinstance(shape, (list, tuple)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape
+    ):
+        return None
+    depth = 0
+    while _list(pa, t) or pa.types.is_fixed_size_list(t):
+        t, depth = t.value_type, depth + 1
+    if depth != len(shape) or not _numeric(pa, t):
+        return None
+    return _dtype(t), tuple(shape)
+
+
 def plan_column(name: str, typ: Any, feature: Any, *, records: bool) -> ArrowColumn:
     """How column ``name`` of Arrow type ``typ`` (Hugging Face ``feature``: its ``to_dict()``
     form, or None) is stored (see the module docstring); ``ValueError`` for what cannot be."""
@@ -205,15 +230,14 @@ def plan_column(name: str, typ: Any, feature: Any, *, records: bool) -> ArrowCol
     arrow = str(typ)
     hf = feature.get("_type", "") if isinstance(feature, dict) else ""
     t = typ.value_type if pa.types.is_dictionary(typ) else typ
-    if hf in _BYTES_FEATURES and pa.types.is_struct(t) and t.get_field_index("bytes") >= 0:
+    if hf in _BYTES_FEATURES and _bytes_struct(pa, t):
         return ArrowColumn(name, arrow, "bytes" if records else "ragged", member="bytes")
-    if hf.startswith("Array") and isinstance(t, pa.ExtensionType):
-        shape = tuple(feature.get("shape") or ())
-        if None in shape or not all(isinstance(d, int) for d in shape):
-            raise ValueError(f"a {hf} with a dynamic first dimension {shape} cannot be stored")
-        return ArrowColumn(name, arrow, "fixed", str(np.dtype(feature["dtype"])), shape)
     if isinstance(t, pa.ExtensionType):
         t = t.storage_type
+    if hf.startswith("Array"):
+        fixed = _array_feature(pa, t, feature)
+        if fixed is not None:
+            return ArrowColumn(name, arrow, "fixed", *fixed)
     inner, shape = _fixed_lists(pa, t)
     if _numeric(pa, inner):
         return ArrowColumn(name, arrow, "fixed", _dtype(inner), shape)
@@ -410,9 +434,13 @@ class _TableSource:
         self.extra = {"source": {"kind": self.kind, "columns": {n: str(schema.field(n).type)
                                                                   for n in names}}}  # fmt: skip
         labels = {
-            n: list(f["names"])
+            n: f["names"]
             for n, f in features.items()
-            if isinstance(f, dict) and f.get("_type") == "ClassLabel" and n in names
+            if n in names
+            and isinstance(f, dict)
+            and f.get("_type") == "ClassLabel"
+            and isinstance(f.get("names"), list)
+            and all(isinstance(c, str) for c in f["names"])
         }
         if labels:
             self.extra["class_labels"] = labels
@@ -502,13 +530,20 @@ class ParquetSource(_TableSource):
         except DatasetError:
             raise
         except Exception as exc:  # pyarrow raises many types for a damaged file
-            raise DatasetError(f"{path}: {what}: {type(exc).__name__}: {exc}") from None
+            why = redact(str(exc), self.storage_options)
+            raise DatasetError(f"{path}: {what}: {type(exc).__name__}: {why}") from None
 
     def _group(self, k: int) -> Any:
         if self._cache is None or self._cache[0] != k:
             f, g, _, _ = self.groups[k]
             self._cache = None  # one row group in memory at a time
             table = self._file(self.paths[f], g)
+            want = self.groups[k + 1][2] if k + 1 < len(self.groups) else self.length
+            if table.num_rows != want - self.groups[k][2]:
+                raise DatasetError(
+                    f"{self.paths[f]}: row group {g} holds {table.num_rows} rows, its footer "
+                    f"says {want - self.groups[k][2]}"
+                )
             self._cache = (k, table)
         return self._cache[1]
 
