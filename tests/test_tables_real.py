@@ -386,11 +386,16 @@ def test_hf_nulls_are_named(tmp_path: Path, hf: Any) -> None:
     assert not (tmp_path / "o").exists()
 
 
-def test_hf_streaming_dataset_is_refused_clearly(tmp_path: Path, hf: Any) -> None:
-    stream = hf.Dataset.from_dict({"x": [1, 2, 3]}).to_iterable_dataset()
+def test_hf_streaming_dataset_and_splits_are_refused_clearly(tmp_path: Path, hf: Any) -> None:
+    ds = hf.Dataset.from_dict({"x": [1, 2, 3]})
     with pytest.raises(DatasetError, match=r"streaming dataset has no length.*from_generator"):
-        feedpipe.convert(stream, tmp_path / "o", workers=1)
+        feedpipe.convert(ds.to_iterable_dataset(), tmp_path / "o", workers=1)
+    splits = hf.DatasetDict({"train": ds, "test": ds})
+    with pytest.raises(DatasetError, match=r"splits \['train', 'test'\].*dataset\['train'\]"):
+        feedpipe.convert(splits, tmp_path / "o", workers=1)
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+    feedpipe.convert(splits["test"].with_format("torch"), tmp_path / "o", workers=1)  # any format
+    assert MemmapDataset(tmp_path / "o").read_batch([0, 2]).tolist() == [1, 3]
 
 
 def test_hf_is_in_the_test_extra() -> None:

@@ -75,7 +75,10 @@ _BYTES_FEATURES = ("Image", "Audio")  # Hugging Face structs {bytes, path}: stor
 
 
 def is_hf_dataset(obj: Any) -> bool:
-    """Whether ``obj`` looks like a ``datasets.Dataset`` (duck-typed, ``datasets`` not needed)."""
+    """Whether ``obj`` looks like a ``datasets.Dataset`` (duck-typed, ``datasets`` not needed),
+    or a ``DatasetDict`` of them (refused by :class:`HFSource`, naming the splits)."""
+    if isinstance(obj, Mapping) and obj and callable(getattr(obj, "with_format", None)):
+        return all(is_hf_dataset(v) for v in obj.values())
     return hasattr(obj, "features") and callable(getattr(obj, "with_format", None))
 
 
@@ -604,6 +607,11 @@ class HFSource(_TableSource):
     def __init__(self, dataset: Any, data_key: str | None) -> None:
         _pa()
         name = type(dataset).__name__
+        if isinstance(dataset, Mapping):
+            raise DatasetError(
+                f"{name} of splits {list(dataset)}: convert one split at a time "
+                f"(dataset[{next(iter(dataset))!r}])"
+            )
         try:
             self.length = len(dataset)
         except TypeError:
