@@ -42,7 +42,8 @@ time (one is cached per process), so memory stays bounded by a row group whateve
 page checksums are verified where the writer stored them. A file that cannot be read is a
 :class:`~feedpipe.DatasetError` naming it (and the row group). A Hugging Face
 ``datasets.Dataset`` (anything with ``.features`` and ``.with_format``) is sliced with
-``with_format("arrow")``; a streaming ``IterableDataset`` has no length and is refused.
+``with_format("arrow")``; a streaming ``IterableDataset`` has no length and is refused, and
+a ``DatasetDict`` is refused naming its splits.
 ``pyarrow`` is the ``parquet`` extra; ``datasets`` the ``hf`` extra.
 """
 
