@@ -448,3 +448,14 @@ def test_hostile_hf_metadata_is_not_trusted(tmp_path: Path) -> None:
     ds = MemmapDataset(tmp_path / "o")
     assert ds.index.fields["img"].kind == "json" and ds[1]["img"] == {"bytes": 6, "path": "b"}
     assert "class_labels" not in ds.index.extra and ds.classes is None
+
+
+def test_hf_image_stored_by_path_only_is_refused(tmp_path: Path, hf: Any) -> None:
+    image_mod = pytest.importorskip("PIL.Image", reason="the Image feature needs Pillow")
+    image_mod.new("RGB", (2, 2)).save(tmp_path / "a.png")
+    features = hf.Features({"image": hf.Image(), "label": hf.Value("int64")})
+    ds = hf.Dataset.from_dict({"image": [str(tmp_path / "a.png")], "label": [0]}, features=features)
+    if ds.with_format("arrow")[0:1].column("image")[0]["bytes"].as_py() is not None:
+        pytest.skip("this datasets version embeds the bytes of local images")
+    with pytest.raises(DatasetError, match=r"record 0: column 'image' .*'bytes'.*by path"):
+        feedpipe.convert(ds, tmp_path / "o", data_key="image", workers=1)
