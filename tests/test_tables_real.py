@@ -164,6 +164,8 @@ def test_nulls_are_refused_naming_file_row_and_column(
     msg = str(err.value)
     assert f"{path}: row {row} (record {row}): column 'col'" in msg and what in msg, msg
     assert not (tmp_path / "o").exists()
+    if what == "is null":  # a flat column: found in the footer's statistics, before any part
+        assert not (tmp_path / "o.partial").exists()
 
 
 def test_null_in_a_json_column_is_stored_as_none(tmp_path: Path) -> None:

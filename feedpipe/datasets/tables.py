@@ -490,6 +490,7 @@ class ParquetSource(_TableSource):
         self.storage_options = dict(storage_options or {})
         self.groups: list[tuple[int, int, int, int]] = []  # (file, group, first record, row)
         schema, row = None, 0
+        nulls: list[tuple[int, str]] = []  # (row group, flat column) whose footer counts nulls
         for f, path in enumerate(paths):
             meta = self._file(path)
             here = meta.schema_arrow
@@ -500,15 +501,17 @@ class ParquetSource(_TableSource):
             in_file = 0
             for g in range(meta.num_row_groups):
                 self.groups.append((f, g, row, in_file))
-                rows = meta.metadata.row_group(g).num_rows
-                row += rows
-                in_file += rows
+                group = meta.metadata.row_group(g)
+                nulls += [(len(self.groups) - 1, n) for n in _null_columns(group, here.names)]
+                row += group.num_rows
+                in_file += group.num_rows
         self.length = row
         if row == 0:
             raise DatasetError(f"{', '.join(paths)}: no rows")
         self._cache: tuple[int, Any] | None = None
         self._plan(schema, data_key, paths[0])
         self.extra["source"]["paths"] = paths
+        self._refuse_nulls(nulls)
         a, b = 0, min(row, _SAMPLE_ROWS)
         pieces = list(self._pieces(a, b))
         sample = _pa().concat_tables([t for _, t in pieces]) if len(pieces) > 1 else pieces[0][1]
@@ -570,6 +573,15 @@ class ParquetSource(_TableSource):
                 a += take
             k += 1
 
+    def _refuse_nulls(self, nulls: list[tuple[int, str]]) -> None:
+        """Up front, from the footers' statistics: a null in a flat column that refuses nulls
+        is named (file, row, column) before anything is written."""
+        for k, name in nulls:
+            col = self.record_column if name == self.key else self.columns[name]
+            if col.kind != "json":
+                f, _, first, in_file = self.groups[k]
+                column_values(col, self._group(k).column(name), self._where((f, in_file, first)))
+
     def fingerprint(self) -> Any:
         sizes = []
         for p in self.paths:
@@ -585,6 +597,18 @@ class ParquetSource(_TableSource):
 
     def read(self, a: int, b: int) -> tuple[Any, dict[str, Any]]:
         return _concat([self._convert(t, self._where(at)) for at, t in self._pieces(a, b)])
+
+
+def _null_columns(group: Any, names: list[str]) -> list[str]:
+    """The top-level, non-nested columns whose chunk in row group ``group`` counts nulls."""
+    found = []
+    for i in range(group.num_columns):
+        chunk = group.column(i)
+        stats = chunk.statistics
+        counted = stats is not None and stats.has_null_count and stats.null_count > 0
+        if chunk.path_in_schema in names and counted:
+            found.append(chunk.path_in_schema)
+    return found
 
 
 def _schema_diff(path_a: str, a: Any, path_b: str, b: Any) -> str:
