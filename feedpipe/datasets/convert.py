@@ -473,7 +473,9 @@ def _make_source(
         return HFSource(source, data_key)  # type: ignore[return-value]
     paths = [os.fspath(p) for p in (source if isinstance(source, (list, tuple)) else [source])]
     if kind == "parquet":
-        return ParquetSource(parquet_paths(paths), data_key)  # type: ignore[return-value]
+        return ParquetSource(  # type: ignore[return-value]
+            parquet_paths(paths, storage_options), data_key, storage_options
+        )
     if kind == "tar":
         return TarSource(tar_shards(paths), data_key, storage_options)  # type: ignore[return-value]
     for p in paths:
