@@ -148,10 +148,10 @@ def _landed(  # noqa: PLR0917 - internal
     if spec is None or got != spec:
         return False
     for key, buf in bufs.items():
-        got = batch if key is None else batch[key]
+        leaf: torch.Tensor = batch if key is None else batch[key]
         want = buf[a:b]
-        if got.data_ptr() != want.data_ptr() or got.stride() != want.stride():
-            want.copy_(got)
+        if leaf.data_ptr() != want.data_ptr() or leaf.stride() != want.stride():
+            want.copy_(leaf)
     return True
 
 
