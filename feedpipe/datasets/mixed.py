@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import threading
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
@@ -115,7 +114,6 @@ class MixedDataset:
         # a resumed epoch keeps the counts it was started with (see load_state_dict)
         self._held: tuple[int, list[int]] | None = None
         self._layout = self._make_layout(self.counts)
-        self._tls: threading.local | None = None  # per-thread staging buffers of read_batch
 
     # ------------------------------------------------------------------ the epoch's layout
     def _check_weights(self, weights: Mapping[str, float] | None) -> list[float]:
@@ -167,7 +165,6 @@ class MixedDataset:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_layout"] = (-1, *state["_layout"][1:4], [None] * len(self.names))  # re-made
-        state["_tls"] = None
         return state
 
     def set_epoch(self, epoch: int) -> None:
@@ -234,13 +231,8 @@ class MixedDataset:
         return out
 
     def read_batch(self, indices: Sequence[int] | np.ndarray, out: Any = None) -> Any:
-        """``default_collate([self[i] for i in indices])``: one ``read_batch`` per member.
-
-        Members whose batches are tensors (or dicts of tensors) read straight into a reused
-        per-thread buffer, grouped by member, and one row permutation per tensor puts the
-        rows in the sampler's order (see :mod:`feedpipe.datasets._mixed_merge`).
-        """
-        from feedpipe.datasets._mixed_merge import fill_out, read_members
+        """``default_collate([self[i] for i in indices])``: one ``read_batch`` per member."""
+        from feedpipe.datasets._mixed_merge import fill_out, merge_parts
 
         member, sample = self.locate(indices)
         n = len(member)
@@ -251,18 +243,12 @@ class MixedDataset:
             return batch if out is None else fill_out(batch, out)
         assert per is not None
         order = np.argsort(member, kind="stable")  # positions grouped by member, ascending
-        ends = np.cumsum(per)
-        spans = [(k, int(ends[k] - per[k]), int(ends[k])) for k in present]
-        if self._tls is None:
-            self._tls = threading.local()
-        return read_members(
-            [(self.datasets[self.names[k]], sample[order[a:b]]) for k, a, b in spans],
-            [self.names[k] for k in present],
-            order,
-            self._tls,
-            _member_batch,
-            out,
-        )
+        ends = np.cumsum(per).tolist()
+        parts: list[tuple[np.ndarray, Any]] = []
+        for k in present:
+            pos = order[ends[k] - int(per[k]) : ends[k]]
+            parts.append((pos, _member_batch(self.datasets[self.names[k]], sample[pos])))
+        return merge_parts(parts, n, [self.names[k] for k in present], out)
 
     # ------------------------------------------------------------------ state
     def _digest(self, counts: list[int]) -> str:
@@ -327,14 +313,12 @@ class MixedDataset:
         return f"MixedDataset({parts}; epoch={self.epoch}, seed={self.seed})"
 
 
-def _member_batch(ds: Any, sample: np.ndarray, out: Any = None) -> Any:
-    """One batch of ``ds`` for ``sample``: its ``read_batch`` (one call, into ``out`` when
-    given), else collated items."""
+def _member_batch(ds: Any, sample: np.ndarray) -> Any:
+    """One batch of ``ds`` for ``sample``: its ``read_batch`` (one call), else collated items."""
     read = getattr(ds, "read_batch", None)
     if callable(read):
         arrays = getattr(ds, "takes_index_arrays", False) is True
-        rows = sample if arrays else sample.tolist()
-        return read(rows) if out is None else read(rows, out=out)
+        return read(sample if arrays else sample.tolist())
     from torch.utils.data import default_collate
 
     many = getattr(ds, "__getitems__", None)
