@@ -116,6 +116,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     args = parser.parse_args()
+    load = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     items = list(range(256 if args.full else 64))
     have_lit = importlib.util.find_spec("litdata") is not None
     tools = {"feedpipe": _feedpipe, **({"litdata": _litdata} if have_lit else {})}
@@ -161,7 +162,8 @@ def main() -> None:
         write_section(
             "convert_fn",
             "## Parallel conversion with a user function (`feedpipe.convert(fn, ...)`)\n\n"
-            f"{machine()}. Command: `{cmd}`. {len(items)} inputs, a Python-heavy tokenizing "
+            f"{machine()}; load average {load:.1f} at the start. "
+            f"Command: `{cmd}`. {len(items)} inputs, a Python-heavy tokenizing "
             f"function, {records:,} records of 256 int32 tokens and an int64 `doc` "
             f"({payload:.1f} MB of payload). LitData: `optimize(fn, inputs, num_workers, "
             "chunk_bytes=\"64MB\")`. Ratio: that run's time / feedpipe's (above 1: feedpipe is "

@@ -13,6 +13,7 @@ page cache; repetitions are interleaved and the best kept. The ratio is mixed / 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -65,6 +66,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     args = parser.parse_args()
+    load = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     seconds, reps, total = (3.0, 3, 200_000) if args.full else (1.0, 3, 60_000)
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="feedpipe-bench-mixed-"))
@@ -106,7 +108,8 @@ def main() -> None:
         write_section(
             "mixed",
             "## Mixing datasets (`MixedDataset`) against one dataset\n\n"
-            f"{machine()}. Command: `{cmd}`. `feedpipe.DataLoader` (0 workers, or thread "
+            f"{machine()}; load average {load:.1f} at the start. "
+            f"Command: `{cmd}`. `feedpipe.DataLoader` (0 workers, or thread "
             "workers), shuffled, page cache; three members (down-sampled, up-sampled, whole) "
             "against one `MemmapDataset` of as many records. Ratio: mixed / single.\n\n"
             "| record | batch | workers | single (samples/s) | mixed (samples/s) | ratio |\n"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import io
+import os
 import shutil
 import sys
 import tarfile
@@ -112,6 +113,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    load = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     per = args.samples or (2000 if args.full else 600)
     have_wds = importlib.util.find_spec("webdataset") is not None
     tmp = Path(tempfile.mkdtemp(prefix="feedpipe-bench-tar-"))
@@ -176,7 +178,8 @@ def main() -> None:
         write_section(
             "tar_read",
             "## Reading WebDataset tar shards: WebDataset vs feedpipe\n\n"
-            f"{machine()}. Command: `{cmd}`. {args.shards} shards of {per} samples "
+            f"{machine()}; load average {load:.1f} at the start. "
+            f"Command: `{cmd}`. {args.shards} shards of {per} samples "
             f"({mb:.0f} MiB of `jpg` bytes, 4 to 28 KiB each, plus `cls`), raw bytes (no "
             f"decoding), batches of {args.batch}, page cache warm, best of {args.reps} "
             "interleaved epochs. WebDataset: `WebDataset(urls, shardshuffle=False)"

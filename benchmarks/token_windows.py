@@ -207,6 +207,7 @@ def main() -> None:
     p.add_argument("--no-litdata", action="store_true", help="skip (c)")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
+    load = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     tmp = Path(tempfile.mkdtemp(prefix="feedpipe-bench-tokens-"))
     try:
         tokens = _write(tmp / "corpus", args.docs, 0)
@@ -237,7 +238,8 @@ def main() -> None:
             [
                 "### Token windows: `TokenWindows` vs per-window reads and LitData `TokensLoader`",
                 "",
-                f"Machine: {machine()}. Command: `{cmd.strip()}`.",
+                f"Machine: {machine()}; load average {load:.1f} at the start. "
+                f"Command: `{cmd.strip()}`.",
                 f"{args.docs} documents, {tokens:,} int32 tokens in {len(ds.index.shards)} "
                 f"shards; shuffled windows of {args.block} tokens, batches of {args.batch}, "
                 "page cache warm.",
