@@ -1,7 +1,7 @@
-"""MixedDataset's read path after the speed work (issue 19, "How it is checked"): one
-``read_batch`` per member, grouped by a stable argsort, scattered row by row (``np.void`` items)
-into a numpy-allocated batch; every result equals ``default_collate`` of the per-sample reads,
-for any dtype, layout, ``out=``, thread or pickled copy."""
+"""MixedDataset's merged batches (issue 19, "How it is checked", MixedDataset speed): every
+result equals ``default_collate`` of the per-sample reads for any dtype (numpy's and those numpy
+lacks), layout (non-contiguous, zero-width rows), ``out=``, thread or pickled copy, so that a
+faster read path can be checked against them."""
 
 from __future__ import annotations
 

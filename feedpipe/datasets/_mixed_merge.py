@@ -5,11 +5,6 @@ Each part is ``(positions, batch)``: the rows of ``batch`` (a collated batch of 
 part; per-sample lists (strings, records of varying size) are interleaved. Every member must give
 the same structure, dtypes and trailing shapes: a mismatch is a ``DatasetError`` naming the two
 members, never a silent cast.
-
-The merged batch is allocated by numpy, not ``torch.empty``: torch's allocator hands a large
-block back to the system when it is freed, so every batch's would be faulted in again page by
-page. A tensor is scattered one row at a time as one ``np.void`` item (one ``memcpy`` each),
-whatever its dtype (``bfloat16`` and ``bool`` included).
 """
 
 from __future__ import annotations
@@ -139,7 +134,7 @@ def _merge_tensors(  # noqa: PLR0917 - internal
             raise _mismatch(names, where, f"{tuple(v.shape)} for {len(pos)} samples")
     shape = (n, *first.shape[1:])
     if out is None:
-        dest = _empty(shape, first.dtype)
+        dest = torch.empty(shape, dtype=first.dtype)
     else:
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"out{where[5:]}: expected a tensor, got {type(out).__name__}")
@@ -153,31 +148,12 @@ def _merge_tensors(  # noqa: PLR0917 - internal
     if len(values) == 1:
         dest.copy_(values[0])
         return dest
-    if dest.device.type != "cpu" or not dest.is_contiguous():
+    if dest.device.type != "cpu" or not dest.is_contiguous() or dest.dtype == torch.bfloat16:
         for v, pos in zip(values, positions, strict=True):
             dest[torch.from_numpy(pos)] = v.to(dest.device)
         return dest
-    if not n or not dest[0].numel():
-        return dest
-    rows = _rows_of(dest)
+    flat = dest.view(n, -1).numpy() if n and dest[0].numel() else None
     for v, pos in zip(values, positions, strict=True):  # numpy: one single-threaded scatter
-        if len(pos):
-            rows[pos] = _rows_of(v.detach().cpu().contiguous())
+        if flat is not None and len(pos):
+            flat[pos] = v.reshape(len(pos), -1).numpy(force=True)
     return dest
-
-
-def _rows_of(t: torch.Tensor) -> np.ndarray:
-    """A contiguous CPU tensor of ``r`` rows as ``r`` ``np.void`` items (views, no copy)."""
-    r = int(t.shape[0])
-    flat = t.view(r, -1).view(torch.uint8).numpy()
-    return flat.view(np.dtype((np.void, flat.shape[1]))).reshape(r)
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape, dtype=dtype)`` from numpy's allocator (see the module docstring)."""
-    size = dtype.itemsize
-    for d in shape:
-        size *= d
-    if not size:
-        return torch.empty(shape, dtype=dtype)
-    return torch.from_numpy(np.empty(size, np.uint8)).view(dtype).view(shape)

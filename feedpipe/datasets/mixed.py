@@ -235,20 +235,15 @@ class MixedDataset:
         from feedpipe.datasets._mixed_merge import fill_out, merge_parts
 
         member, sample = self.locate(indices)
-        n = len(member)
-        per = np.bincount(member, minlength=len(self.names)) if n else None
-        present = [0] if per is None else np.flatnonzero(per).tolist()
-        if len(present) == 1:
-            batch = _member_batch(self.datasets[self.names[present[0]]], sample)
-            return batch if out is None else fill_out(batch, out)
-        assert per is not None
-        order = np.argsort(member, kind="stable")  # positions grouped by member, ascending
-        ends = np.cumsum(per).tolist()
+        present = np.unique(member).tolist() if member.size else [0]
         parts: list[tuple[np.ndarray, Any]] = []
         for k in present:
-            pos = order[ends[k] - int(per[k]) : ends[k]]
+            pos = np.flatnonzero(member == k)
             parts.append((pos, _member_batch(self.datasets[self.names[k]], sample[pos])))
-        return merge_parts(parts, n, [self.names[k] for k in present], out)
+        names = [self.names[k] for k in present]
+        if len(parts) > 1:
+            return merge_parts(parts, len(member), names, out)
+        return parts[0][1] if out is None else fill_out(parts[0][1], out)
 
     # ------------------------------------------------------------------ state
     def _digest(self, counts: list[int]) -> str:
