@@ -13,6 +13,7 @@ page cache; repetitions are interleaved and the best kept. The ratio is mixed / 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -63,8 +64,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--no-write", action="store_true")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     args = parser.parse_args()
+    load = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     seconds, reps, total = (3.0, 3, 200_000) if args.full else (1.0, 3, 60_000)
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="feedpipe-bench-mixed-"))
@@ -82,31 +84,36 @@ def main() -> None:
             mixed = MixedDataset(
                 members, weights={"web": 0.6, "code": 0.2, "books": 0.2}, epoch_samples=n
             )
-            best = {"single": 0.0, "mixed": 0.0}
-            for _ in range(reps):  # interleaved repetitions, best kept
-                best["single"] = max(best["single"], _rate(single, batch, seconds, args.workers))
-                best["mixed"] = max(best["mixed"], _rate(mixed, batch, seconds, args.workers))
-            ratio = best["mixed"] / best["single"]
-            print(
-                f"{nbytes:>6} B records, batch {batch}: single {best['single']:,.0f} samples/s, "
-                f"mixed (3 members) {best['mixed']:,.0f} samples/s, ratio {ratio:.2f}"
-            )
-            rows.append(
-                f"| {nbytes} B | {batch} | {best['single']:,.0f} | {best['mixed']:,.0f} | "
-                f"{ratio:.2f} |"
-            )
+            for workers in args.workers:
+                best = {"single": 0.0, "mixed": 0.0}
+                for _ in range(reps):  # interleaved repetitions, best kept
+                    best["single"] = max(best["single"], _rate(single, batch, seconds, workers))
+                    best["mixed"] = max(best["mixed"], _rate(mixed, batch, seconds, workers))
+                ratio = best["mixed"] / best["single"]
+                print(
+                    f"{nbytes:>6} B records, batch {batch}, {workers} thread workers: single "
+                    f"{best['single']:,.0f} samples/s, mixed (3 members) {best['mixed']:,.0f} "
+                    f"samples/s, ratio {ratio:.2f}"
+                )
+                rows.append(
+                    f"| {nbytes} B | {batch} | {workers} | {best['single']:,.0f} | "
+                    f"{best['mixed']:,.0f} | {ratio:.2f} |"
+                )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if not args.no_write:
         cmd = "python benchmarks/mixed.py" + (" --full" if args.full else "")
+        if args.workers != [0, 2]:
+            cmd += " --workers " + " ".join(map(str, args.workers))
         write_section(
             "mixed",
             "## Mixing datasets (`MixedDataset`) against one dataset\n\n"
-            f"{machine()}. Command: `{cmd}`. `feedpipe.DataLoader`, {args.workers} thread "
-            "workers, shuffled, page cache; three members (down-sampled, up-sampled, whole) "
+            f"{machine()}; load average {load:.1f} at the start. "
+            f"Command: `{cmd}`. `feedpipe.DataLoader` (0 workers, or thread "
+            "workers), shuffled, page cache; three members (down-sampled, up-sampled, whole) "
             "against one `MemmapDataset` of as many records. Ratio: mixed / single.\n\n"
-            "| record | batch | single (samples/s) | mixed (samples/s) | ratio |\n"
-            "|---|---|---|---|---|\n" + "\n".join(rows),
+            "| record | batch | workers | single (samples/s) | mixed (samples/s) | ratio |\n"
+            "|---|---|---|---|---|---|\n" + "\n".join(rows),
         )
 
 

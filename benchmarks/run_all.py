@@ -52,6 +52,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("datasets", ("--quick",), ("--full",)),
     Benchmark("datasets", ("--shards",), ("--shards", "--full")),  # the shard-count axis
     Benchmark("token_windows", ("--docs", "4000"), ("--docs", "20000", "--seconds", "5")),
+    Benchmark("mixed", (), ("--full",)),
+    Benchmark("convert_fn", (), ("--full",)),
+    Benchmark("tar_read", (), ("--full",)),
     Benchmark("stall_overhead", ("--batches", "20000", "--reps", "3")),
     Benchmark("staging", ("--shards", "16", "--shard-mb", "4", "--repeat", "1")),
     Benchmark("cache_policy", ()),
