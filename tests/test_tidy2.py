@@ -73,17 +73,32 @@ def test_layout_and_field_share_one_column_type() -> None:
 @pytest.mark.parametrize(
     ("spec", "doc", "record", "row"),
     [
-        (("L", "fixed", (2, 3), "int32"), {"kind": "fixed", "shape": [2, 3], "dtype": "int32"}, 24, 24),
+        (
+            ("L", "fixed", (2, 3), "int32"),
+            {"kind": "fixed", "shape": [2, 3], "dtype": "int32"},
+            24,
+            24,
+        ),
         (("L", "bytes"), {"kind": "bytes"}, 0, 1),
         (("L", "none"), {"kind": "none"}, 0, 1),
-        (("L", "ragged", (4,), "float16"), {"kind": "ragged", "shape": [None, 4], "dtype": "float16"}, 0, 8),
+        (
+            ("L", "ragged", (4,), "float16"),
+            {"kind": "ragged", "shape": [None, 4], "dtype": "float16"},
+            0,
+            8,
+        ),
         (("F", "int64"), {"dtype": "int64", "shape": []}, 8, 8),
         (("F", "uint8", (5,)), {"dtype": "uint8", "shape": [5]}, 5, 5),
-        (("F", "int32", (2,), "ragged"), {"kind": "ragged", "dtype": "int32", "shape": [None, 2]}, 0, 8),
+        (
+            ("F", "int32", (2,), "ragged"),
+            {"kind": "ragged", "dtype": "int32", "shape": [None, 2]},
+            0,
+            8,
+        ),
         (("F", "uint8", (), "str"), {"kind": "str"}, 0, 1),
         (("F", "uint8", (), "json"), {"kind": "json"}, 0, 1),
     ],
-)  # fmt: skip
+)
 def test_column_json_and_sizes_are_unchanged(
     spec: tuple[object, ...], doc: dict[str, object], record: int, row: int
 ) -> None:
