@@ -311,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "KeepEvery.n", "--keep-every"))  # fmt: skip
     text: str = args.directory
     try:
-        if "://" in text and not text.startswith("file://"):
+        if "://" in text and text[:5].lower() != "file:":
             if args.command == "gc":
                 print(f"ckpt: gc works on a local directory, not {_scrub(text, text)!r}",
                       file=sys.stderr)  # fmt: skip

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
+import os
+import re
+from pathlib import Path
+
+import numpy as np
 
 import pytest
 import torch
 
 import feedpipe
+from feedpipe import MemmapDataset, MemmapWriter
 from feedpipe.loader import threads
 
 # ------------------------------------------------------------------ 1: thread worker options
@@ -111,3 +118,94 @@ def test_column_json_and_sizes_are_unchanged(
     assert (col.record_bytes, col.row_bytes) == (record, row)
     back = _parse_layout(doc) if cls is Layout else _parse_fields({"f": doc})["f"]
     assert back == col
+
+
+# ------------------------------------------------------------------ 3: one file:// rule
+
+FILE_URLS = [
+    ("file:///abs/x", "/abs/x"),
+    ("file://localhost/abs/x", "/abs/x"),
+    ("FILE://LocalHost/abs/x", "/abs/x"),  # the scheme and the host name are case-insensitive
+    ("file:///a%20b/c?d#e", "/a%20b/c?d#e"),  # literal, as fsspec's local filesystem
+    ("file:///abs/x/", "/abs/x/"),
+    ("file:name", "file:name"),  # no slash: a relative path whose name has a colon
+    ("/abs/x", "/abs/x"),
+    ("rel/x", "rel/x"),
+    ("s3://bucket/x", "s3://bucket/x"),
+]
+BAD_FILE_URLS = [
+    ("file://otherhost/abs", "another host"),
+    ("file://relative/path", "another host"),  # RFC 8089: what follows file:// is a host
+    ("file://user:TOPSECRET@localhost/abs", "another host"),
+    ("file://", "no path"),
+    ("file:///", "no path"),
+    ("file://localhost", "no path"),
+    ("file:/abs", "ambiguous"),  # what Path() makes of file:///abs and file://localhost/abs
+]
+
+
+@pytest.mark.parametrize(("url", "path"), FILE_URLS)
+def test_local_file_path(url: str, path: str) -> None:
+    from feedpipe.io import local_file_path
+
+    assert local_file_path(url) == path
+    assert local_file_path(Path("/abs/x")) == "/abs/x"  # a PathLike
+
+
+@pytest.mark.parametrize(("url", "why"), BAD_FILE_URLS)
+def test_local_file_path_refuses(url: str, why: str) -> None:
+    from feedpipe.io import local_file_path
+
+    with pytest.raises(ValueError, match=why) as err:
+        local_file_path(url)
+    assert "TOPSECRET" not in str(err.value)
+
+
+def test_no_file_url_stripping_outside_feedpipe_io() -> None:
+    """Every entry point reaches ``file://`` through the one helper, never by slicing."""
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for path in sorted([*root.glob("feedpipe/**/*.py"), *root.glob("ckpt/**/*.py")]):
+        text = path.read_text()
+        if path.relative_to(root).as_posix() != "feedpipe/io/remote.py" and re.search(
+            r"""(startswith\(|len\()\s*["']file:""", text
+        ):
+            found.append(path.relative_to(root).as_posix())
+    assert found == []
+
+
+def _small_dataset(path: Path) -> np.ndarray:
+    x = np.arange(24, dtype=np.int32).reshape(6, 4)
+    with MemmapWriter(f"FILE://localhost{path}", shape=(4,), dtype="int32") as w:
+        w.append_batch(x)
+    return x
+
+
+def test_every_entry_point_uses_the_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Writer, reader, converter, ``feedpipe inspect``, ckpt and fsspec resolution: one rule."""
+    from feedpipe.commands import inspect as inspect_cmd
+    from feedpipe.io import resolve
+
+    monkeypatch.chdir(tmp_path)
+    x = _small_dataset(tmp_path / "ds")
+    assert sorted(os.listdir(tmp_path)) == ["ds"]  # not a folder named FILE: or localhost
+    ds = MemmapDataset(f"file://localhost{tmp_path}/ds")
+    assert np.array_equal(np.stack([ds[i].numpy() for i in range(len(ds))]), x)
+    assert resolve(f"FILE://localhost{tmp_path}/ds")[1] == f"{tmp_path}/ds"
+    for bad in (f"file://otherhost{tmp_path}/ds", f"file:{tmp_path}/ds"):
+        with pytest.raises(ValueError, match="file:"):
+            MemmapDataset(bad)
+        with pytest.raises(ValueError, match="file:"):
+            MemmapWriter(bad, shape=(4,), dtype="int32")
+        with pytest.raises(ValueError, match="file:"):
+            resolve(bad)
+        args = argparse.Namespace(path=bad, shards=False, verify=False)
+        assert inspect_cmd.run(args) == 1
+        assert re.search("another host|ambiguous", capsys.readouterr().err)
+    from ckpt import CheckpointManager
+
+    with CheckpointManager(f"FILE://{tmp_path}/run") as m:
+        assert m.directory == tmp_path / "run"
+    assert sorted(os.listdir(tmp_path)) == ["ds", "run"]
