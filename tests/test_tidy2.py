@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 import numpy as np
-
 import pytest
 import torch
 
