@@ -248,7 +248,10 @@ class CheckpointManager:
         self.pool.reserve(nbytes)
         return nbytes
 
-    def _ensure_writer(self) -> None:
+    def ensure_writer(self) -> None:
+        """Become the directory's writer, once: take its writer lock, remove the leftovers of
+        interrupted saves and catch up on retention. ``save`` and a restore that publishes a
+        download call it; so does ``ckpt.dcp``'s coordinator before any rank writes."""
         if not self._lock.held:
             self._lock.acquire(self.write_options.lock_timeout_s)
             removed = _commit.remove_leftovers(self.directory)
@@ -293,7 +296,7 @@ class CheckpointManager:
         if metadata is not None:
             _check_json(metadata)
         self._raise_pending()
-        self._ensure_writer()
+        self.ensure_writer()
         t0 = time.perf_counter()
         stats = SaveStats(step)
         leaves: list[Leaf] = []
@@ -507,7 +510,7 @@ class CheckpointManager:
     def adopt(self, step: int) -> None:
         """Run the post-commit actions (``on_commit`` listeners such as the upload, retention)
         for ``step``, committed into this directory by another writer such as ``ckpt.dcp``."""
-        self._ensure_writer()
+        self.ensure_writer()
         path = _layout.step_dir(self.directory, step)
         if not (path / fmt.MANIFEST).is_file():
             raise CheckpointError(f"{path}: not a committed checkpoint")
@@ -519,7 +522,7 @@ class CheckpointManager:
 
     def gc(self) -> list[int]:
         """Apply retention now (taking the writer lock); returns the steps evicted."""
-        self._ensure_writer()
+        self.ensure_writer()
         before = len(self.stats.evicted)
         self._retain(strict=True)
         return self.stats.evicted[before:]
@@ -723,7 +726,7 @@ class CheckpointManager:
             if self.remote is None:
                 raise
             log.warning("ckpt: step %d: %s; fetching the remote copy", step, exc)
-        self._ensure_writer()  # publishing the download needs the writer lock
+        self.ensure_writer()  # publishing the download needs the writer lock
         tmp = self._download(step, CheckpointError)
         try:
             for rec in fmt.read_manifest(tmp)["files"]:
@@ -766,7 +769,7 @@ class CheckpointManager:
         """Download ``step`` to a temp dir, verify every checksum, load, keep it as ``step-N``."""
         assert self.remote is not None
         try:
-            self._ensure_writer()  # to publish the downloaded copy; not required to restore
+            self.ensure_writer()  # to publish the downloaded copy; not required to restore
         except LockedError:
             pass
         tmp = self._download(step, CorruptCheckpointError)

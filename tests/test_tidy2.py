@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import inspect
 import os
@@ -208,3 +209,44 @@ def test_every_entry_point_uses_the_rule(
     with CheckpointManager(f"FILE://{tmp_path}/run") as m:
         assert m.directory == tmp_path / "run"
     assert sorted(os.listdir(tmp_path)) == ["ds", "run"]
+
+
+# ------------------------------------------------------------------ 4: no private manager calls
+
+
+def test_no_ckpt_module_reaches_into_a_manager() -> None:
+    """Outside ``ckpt/manager.py`` no module touches a manager's private attributes
+    (``manager._ensure_writer()`` in ``ckpt.dcp`` did): tests/test_layers.py rule 3 in spirit."""
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for path in sorted(root.glob("ckpt/**/*.py")):
+        if path.name == "manager.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and "manager" in ast.unparse(node.value)
+            ):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []
+
+
+def test_dcp_coordinator_becomes_the_writer(tmp_path: Path) -> None:
+    """The DCP coordinator takes the writer lock and clears leftovers before any rank writes."""
+    from ckpt import _layout
+    from ckpt.dcp import CkptStorageWriter
+    from ckpt.errors import CheckpointError
+    from ckpt.manager import CheckpointManager, WriteOptions
+
+    leftover = tmp_path / _layout.tmp_name(_layout.step_name(9), "dcp")
+    leftover.mkdir()
+    with CheckpointManager(tmp_path) as m:
+        assert leftover.exists()  # nothing removed until a writer is needed
+        CkptStorageWriter(tmp_path, 1, manager=m).set_up_storage_writer(True, rank=0)
+        assert not leftover.exists()
+        other = CheckpointManager(tmp_path, write=WriteOptions(lock_timeout_s=0.2))
+        with pytest.raises((CheckpointError, TimeoutError)):
+            other.ensure_writer()
+        other.close()
