@@ -250,3 +250,55 @@ def test_dcp_coordinator_becomes_the_writer(tmp_path: Path) -> None:
         with pytest.raises((CheckpointError, TimeoutError)):
             other.ensure_writer()
         other.close()
+
+
+# ------------------------------------------------------------------ 5: ckpt gc --keep-last 0
+
+
+def _gc_steps(root: Path, *flags: str) -> tuple[int, list[int]]:
+    from ckpt import _commit, cli
+
+    rc = cli.main(["gc", str(root), *flags])
+    return rc, sorted(_commit.steps(root))
+
+
+@pytest.fixture
+def ten_steps(tmp_path: Path) -> Path:
+    from ckpt import CheckpointManager
+
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=None) as m:
+        for step in range(0, 10):
+            m.save(step, {"w": torch.full((2,), float(step))})
+    return root
+
+
+def test_gc_keep_last_zero_turns_the_count_limit_off(
+    ten_steps: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckpt import _layout
+
+    leftover = ten_steps / _layout.tmp_name(_layout.step_name(10), "x")
+    leftover.mkdir()
+    for flag in ("0", "none", "NONE"):
+        assert _gc_steps(ten_steps, "--keep-last", flag) == (0, list(range(10)))
+    assert not leftover.exists()  # leftovers still go
+    out = capsys.readouterr().out
+    assert "deleted" not in out and "removed leftover" in out
+    # with another flag, that flag alone decides (plus the newest restorable step)
+    assert _gc_steps(ten_steps, "--keep-last", "0", "--keep-every", "4") == (0, [0, 4, 8, 9])
+    # the default is still 3
+    assert _gc_steps(ten_steps) == (0, [4, 8, 9])
+    assert _gc_steps(ten_steps, "--keep-last", "2") == (0, [8, 9])
+
+
+@pytest.mark.parametrize("bad", ["-1", "two", "1.5", ""])
+def test_gc_keep_last_refuses_garbage(
+    tmp_path: Path, bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckpt import cli
+
+    with pytest.raises(SystemExit) as err:
+        cli.main(["gc", str(tmp_path), "--keep-last", bad])
+    assert err.value.code == 2
+    assert "--keep-last" in capsys.readouterr().err
