@@ -302,3 +302,31 @@ def test_gc_keep_last_refuses_garbage(
         cli.main(["gc", str(tmp_path), "--keep-last", bad])
     assert err.value.code == 2
     assert "--keep-last" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ 6: FEEDPIPE_WORKER_SLOTS words
+
+
+def _slot_loader() -> feedpipe.DataLoader:
+    return feedpipe.DataLoader(_Squares(), batch_size=4, num_workers=2)
+
+
+@pytest.mark.parametrize("word", ["0", "false", "No", "OFF", " off "])
+def test_worker_slots_off_words(monkeypatch: pytest.MonkeyPatch, word: str) -> None:
+    monkeypatch.setenv("FEEDPIPE_WORKER_SLOTS", word)
+    assert _slot_loader().worker_slots is None
+
+
+@pytest.mark.parametrize("word", ["1", "true", "Yes", "ON"])
+def test_worker_slots_on_words(monkeypatch: pytest.MonkeyPatch, word: str) -> None:
+    monkeypatch.setenv("FEEDPIPE_WORKER_SLOTS", word)
+    info = _slot_loader().worker_slots
+    assert info is not None and info["slots_per_worker"] > 0
+
+
+@pytest.mark.parametrize("word", ["", "2", "disable", "of", "nope"])
+def test_worker_slots_refuses_other_values(monkeypatch: pytest.MonkeyPatch, word: str) -> None:
+    monkeypatch.setenv("FEEDPIPE_WORKER_SLOTS", word)
+    loader = _slot_loader()
+    with pytest.raises(ValueError, match=f"FEEDPIPE_WORKER_SLOTS={word!r}"):
+        iter(loader)

@@ -38,10 +38,30 @@ import torch
 
 from feedpipe.device.dma import clear_last_error, unregister
 
-__all__ = ["SlotRef", "Slots", "collate_into", "worker_slots"]
+__all__ = ["ENV", "SlotRef", "Slots", "collate_into", "enabled", "worker_slots"]
 
 _ALIGN = 64
 _HEADER = 4096  # flags (one byte per slot), then the "seen" byte; slots start page-aligned
+
+
+ENV = "FEEDPIPE_WORKER_SLOTS"  # the switch: on unless set to an "off" word
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+def enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``FEEDPIPE_WORKER_SLOTS`` lets slots on (unset: on). ``0``/``false``/``no``/``off``
+    turn them off and ``1``/``true``/``yes``/``on`` on (any case, surrounding spaces ignored);
+    any other value is a ``ValueError`` naming the variable and the value."""
+    raw = environ.get(ENV)
+    if raw is None:
+        return True
+    word = raw.strip().lower()
+    if word in _ON or word in _OFF:
+        return word in _ON
+    raise ValueError(
+        f"{ENV}={raw!r}: expected one of {', '.join(_OFF)} (slots off) or {', '.join(_ON)} (on)"
+    )
 
 
 def _align(n: int) -> int:
