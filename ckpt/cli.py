@@ -11,8 +11,8 @@ leftovers of interrupted saves and applies the manager's retention rule (``ckpt.
 with the ``ckpt.policy`` objects of ``--keep-last N``, ``--keep-every N`` and
 ``--keep-best METRIC:K:min|max``; a step is kept if any keeps it) under the directory's writer
 lock: only restorable steps count, and a step whose upload has not finished is never deleted.
-``--keep-last`` is 3 unless given; ``--keep-last 0`` (or ``none``) sets no count limit, so the
-other flags alone decide, and with none of them ``gc`` keeps every step (the manager's
+``--keep-last`` is 3 unless given; ``--keep-last none`` sets no count limit, so the other flags
+alone decide, and with none of them ``gc`` keeps every step (the manager's
 ``keep_last=None``) and only removes leftovers.
 """
 
@@ -303,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=_keep_last,
         default=3,
         metavar="N",
-        help="keep the newest N (default 3); 0 or none: no count limit, the other flags decide "
+        help="keep the newest N (default 3); none: no count limit, the other flags decide "
         "(with none of them, gc only removes leftovers and keeps every step)",
     )
     p_gc.add_argument("--keep-every", type=int, default=None, help="keep every multiple of N")
@@ -355,15 +355,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _keep_last(text: str) -> int | None:
-    """``--keep-last``: an int >= 1, or ``0`` / ``none`` for no count limit (``None``)."""
-    if text.strip().lower() in ("0", "none"):
+    """``--keep-last``: an int >= 1, or ``none`` for no count limit (``None``). ``0`` is refused:
+    it could be read as "keep no step", which retention never does."""
+    if text.strip().lower() == "none":
         return None
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
     if n < 1:
-        raise argparse.ArgumentTypeError(f"expected N >= 1 (or 0 / none: no limit), got {n}")
+        raise argparse.ArgumentTypeError(f"expected N >= 1 (or none: no count limit), got {n}")
     return n
 
 

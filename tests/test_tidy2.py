@@ -252,7 +252,7 @@ def test_dcp_coordinator_becomes_the_writer(tmp_path: Path) -> None:
         other.close()
 
 
-# ------------------------------------------------------------------ 5: ckpt gc --keep-last 0
+# ------------------------------------------------------------------ 5: ckpt gc --keep-last none
 
 
 def _gc_steps(root: Path, *flags: str) -> tuple[int, list[int]]:
@@ -273,26 +273,26 @@ def ten_steps(tmp_path: Path) -> Path:
     return root
 
 
-def test_gc_keep_last_zero_turns_the_count_limit_off(
+def test_gc_keep_last_none_turns_the_count_limit_off(
     ten_steps: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from ckpt import _layout
 
     leftover = ten_steps / _layout.tmp_name(_layout.step_name(10), "x")
     leftover.mkdir()
-    for flag in ("0", "none", "NONE"):
+    for flag in ("none", "NONE", " None "):
         assert _gc_steps(ten_steps, "--keep-last", flag) == (0, list(range(10)))
     assert not leftover.exists()  # leftovers still go
     out = capsys.readouterr().out
     assert "deleted" not in out and "removed leftover" in out
     # with another flag, that flag alone decides (plus the newest restorable step)
-    assert _gc_steps(ten_steps, "--keep-last", "0", "--keep-every", "4") == (0, [0, 4, 8, 9])
+    assert _gc_steps(ten_steps, "--keep-last", "none", "--keep-every", "4") == (0, [0, 4, 8, 9])
     # the default is still 3
     assert _gc_steps(ten_steps) == (0, [4, 8, 9])
     assert _gc_steps(ten_steps, "--keep-last", "2") == (0, [8, 9])
 
 
-@pytest.mark.parametrize("bad", ["-1", "two", "1.5", ""])
+@pytest.mark.parametrize("bad", ["0", "-1", "two", "1.5", "", "nan"])
 def test_gc_keep_last_refuses_garbage(
     tmp_path: Path, bad: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
