@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import gc
 import inspect
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -330,3 +332,87 @@ def test_worker_slots_refuses_other_values(monkeypatch: pytest.MonkeyPatch, word
     loader = _slot_loader()
     with pytest.raises(ValueError, match=f"FEEDPIPE_WORKER_SLOTS={word!r}"):
         iter(loader)
+
+
+# ------------------------------------------------------------------ 7: worker slots grow
+
+
+@pytest.fixture
+def _fresh_worker_slots() -> Any:
+    from feedpipe.loader import slots as slots_mod
+
+    slots_mod._WORKER.clear()
+    yield slots_mod
+    slots_mod._WORKER.clear()
+
+
+def _rows(n: int, start: int = 0) -> list[torch.Tensor]:
+    return [torch.full((64,), float(start + i)) for i in range(n)]
+
+
+def _received(ref: Any) -> Any:
+    assert ref is not None
+    ref.received = True  # as if it had come through the queue
+    return ref
+
+
+def test_slots_grow_at_the_next_safe_point(_fresh_worker_slots: Any) -> None:
+    """A batch larger than the slots goes torch's way while the old buffer has a slot taken;
+    the next batch after every slot is free gets a larger buffer, and the main process drops
+    the old one."""
+    mod = _fresh_worker_slots
+    main = mod.Slots(pin=False)
+    first, _ = main.resolve(_received(mod.collate_into(_rows(1), k=3, rows=None)))
+    old = mod.worker_slots()
+    assert mod.collate_into(_rows(8), k=3, rows=None) is None  # slot 0 still viewed: no growth
+    assert mod.worker_slots() is old and old.wanted > old.slot_bytes
+    del first  # the last view goes: the old buffer is idle
+    gc.collect()
+    # a small batch at the safe point: the buffer grows anyway, for the big batches to come
+    small, _ = main.resolve(_received(mod.collate_into(_rows(1, 5), k=3, rows=None)))
+    new = mod.worker_slots()
+    assert new is not old and new.slot_bytes >= 8 * 64 * 4 and new.grown == 1
+    assert list(main.buffers) == [new.token]  # the old buffer was dropped
+    big, _ = main.resolve(_received(mod.collate_into(_rows(8, 10), k=3, rows=None)))
+    assert torch.equal(big, torch.stack(_rows(8, 10))) and torch.equal(small[0], _rows(1, 5)[0])
+    assert mod.worker_slots() is new
+
+
+def test_slots_growth_is_bounded(_fresh_worker_slots: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = _fresh_worker_slots
+    assert mod.MAX_GROWTHS == 8  # docs/concepts/workers.md says so
+    monkeypatch.setattr(mod, "MAX_GROWTHS", 1)
+    main = mod.Slots(pin=False)
+    for n in (1, 4, 16, 16):
+        ref = mod.collate_into(_rows(n), k=2, rows=None)
+        if n < 16:
+            batch, _ = main.resolve(_received(ref))
+            del batch
+            gc.collect()
+        else:  # one growth (to 4 rows) was allowed: 16 rows go torch's way, every time
+            assert ref is None
+    assert mod.worker_slots().grown == 1
+
+
+class _Rows(torch.utils.data.Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((256,), float(i))
+
+
+def test_custom_batch_sampler_with_a_small_first_batch_uses_slots(
+    _fresh_worker_slots: Any,
+) -> None:
+    """The first batch has 1 row, every later one 8: later batches use slots after growing."""
+    batches = [[0], *[list(range(1 + 8 * b, 9 + 8 * b)) for b in range(30)]]
+    loader = feedpipe.DataLoader(_Rows(), batch_sampler=batches, num_workers=1)
+    for want, got in zip(batches, loader, strict=True):
+        assert got[:, 0].tolist() == [float(i) for i in want]
+        del got
+    info = loader.worker_slots
+    assert info is not None
+    # torch's prefetch lets a few large batches start before the first one's view is gone
+    assert info["batches_fallback"] <= 4, info
+    assert info["batches_in_slots"] == len(batches) - info["batches_fallback"]
