@@ -64,6 +64,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("ckpt")
+_RELISTS = 20  # restore: listings tried while the steps listed vanish (concurrent retention)
 
 
 @dataclass(frozen=True)
@@ -639,7 +640,10 @@ class CheckpointManager:
             self.wait()
         skipped: list[tuple[int, str]] = []
         remote = self._remote_steps(strict=step is None)  # unlisted, a newer step would be missed
-        for _attempt in range(3):  # re-list if a step vanished under us (concurrent retention)
+        # re-list while a step vanishes under us: another manager's retention deleted it after
+        # the listing, so a newer step exists; only a writer that deletes every listed step
+        # before this reader can open it, _RELISTS times in a row, makes this give up
+        for _attempt in range(_RELISTS):
             vanished = False
             local = set(_commit.steps(self.directory))
             candidates = [step] if step is not None else sorted(local | remote, reverse=True)
@@ -695,6 +699,12 @@ class CheckpointManager:
             if not vanished:
                 break
         detail = "; ".join(f"step {s}: {why}" for s, why in skipped) or "no committed steps"
+        if vanished:
+            detail = (
+                f"every listed step was deleted before it could be opened, {_RELISTS} times in "
+                "a row: another manager's retention deletes steps faster than this reader opens "
+                "them"
+            )
         raise CheckpointError(f"{self.directory}: no valid checkpoint to restore ({detail})")
 
     def _remote_steps(self, strict: bool = False) -> set[int]:

@@ -9,6 +9,7 @@ import gc
 import inspect
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -416,3 +417,102 @@ def test_custom_batch_sampler_with_a_small_first_batch_uses_slots(
     # torch's prefetch lets a few large batches start before the first one's view is gone
     assert info["batches_fallback"] <= 4, info
     assert info["batches_in_slots"] == len(batches) - info["batches_fallback"]
+
+
+# ------------------------------------------------------------------ 8: restore under retention
+
+
+def _ckpt_state(step: int) -> dict[str, Any]:
+    return {"w": torch.full((1000,), float(step)), "step": step}
+
+
+def _racing_writer(tmp_path: Path) -> Any:
+    from ckpt.manager import CheckpointManager
+
+    writer = CheckpointManager(tmp_path, keep_last=1)
+    writer.save(0, _ckpt_state(0)).result()
+    writer.wait(30)
+    return writer
+
+
+def _commit_next(writer: Any, evicted: Path) -> None:
+    """The other manager publishes its next step; its retention evicts ``evicted``."""
+    step = max(writer.steps()) + 1
+    writer.save(step, _ckpt_state(step)).result()
+    writer.wait(30)
+    assert not evicted.exists()
+
+
+def test_restore_when_the_listed_step_is_evicted_during_the_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flake of test_save_while_another_manager_restores, made deterministic: the reader
+    lists ``step-0``; before it checks that step's manifest, the writer publishes ``step-1``
+    and evicts ``step-0``. The listing held no complete step, and restore raised "no committed
+    steps" although the directory always held one."""
+    from ckpt import _commit
+    from ckpt.manager import CheckpointManager
+
+    writer = _racing_writer(tmp_path)
+    reader = CheckpointManager(tmp_path)
+    real, me, fired = _commit.is_complete, threading.get_ident(), []
+
+    def racing(path: Path) -> bool:
+        if threading.get_ident() == me and not fired and path.name == "step-0":
+            fired.append(path)
+            _commit_next(writer, path)
+        return real(path)
+
+    monkeypatch.setattr(_commit, "is_complete", racing)
+    state = reader.restore()
+    assert fired and state["step"] == 1 and torch.equal(state["w"], _ckpt_state(1)["w"])
+    writer.close()
+
+
+def test_restore_when_listed_steps_keep_vanishing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each listed step is evicted before the reader opens it, 5 times in a row: the reader
+    re-lists and gets the newest complete, verified step (it gave up after 3)."""
+    from ckpt import _commit
+    from ckpt.manager import CheckpointManager
+
+    writer = _racing_writer(tmp_path)
+    reader = CheckpointManager(tmp_path)
+    real, me, fired = _commit.reading, threading.get_ident(), []
+
+    def racing(path: Path) -> Any:
+        if threading.get_ident() == me and len(fired) < 5:
+            fired.append(path.name)
+            _commit_next(writer, path)
+        return real(path)
+
+    monkeypatch.setattr(_commit, "reading", racing)
+    state = reader.restore()
+    assert fired == [f"step-{i}" for i in range(5)]
+    assert state["step"] == 5 and torch.equal(state["w"], _ckpt_state(5)["w"])
+    writer.close()
+
+
+def test_restore_gives_up_with_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer that evicts every listed step before the reader opens it: a clear error, never
+    "no committed steps" and never another kind of failure."""
+    from ckpt import _commit
+    from ckpt.errors import CheckpointError
+    from ckpt.manager import CheckpointManager
+
+    writer = _racing_writer(tmp_path)
+    reader = CheckpointManager(tmp_path)
+    real, me = _commit.reading, threading.get_ident()
+
+    def racing(path: Path) -> Any:
+        if threading.get_ident() == me:
+            _commit_next(writer, path)
+        return real(path)
+
+    monkeypatch.setattr(_commit, "reading", racing)
+    with pytest.raises(CheckpointError, match="deleted before it could be opened"):
+        reader.restore()
+    writer.close()
