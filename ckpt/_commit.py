@@ -115,8 +115,11 @@ def steps(root: Path) -> list[int]:
     A listing is a snapshot of names whose manifests are checked after it. When a listed step
     turns out incomplete and newer than every complete one, another writer's retention evicted
     it after the listing: that eviction began only after a newer step was published, which a
-    listing taken now shows, so the directory is listed again (at most ``_LISTINGS`` times).
-    Without this a reader could see no step at all while the directory always held one."""
+    listing taken now shows, so the directory is listed again (until it stops changing, at most
+    ``_LISTINGS`` times). Without this a reader could see no step at all while the directory
+    always held one."""
+    before: set[str] | None = None
+    out: list[int] = []
     for _ in range(_LISTINGS):
         try:
             names = os.listdir(root)
@@ -125,6 +128,9 @@ def steps(root: Path) -> list[int]:
         if any((m := RETIRED.match(n)) and m.group(1) not in names for n in names):
             recover(root, lock_held=False)  # a re-save cut between its renames (module doc, 2)
             names = os.listdir(root)
+        if set(names) == before:  # nothing changed: an incomplete step is a crash's leftover
+            break
+        before = set(names)
         out, incomplete = [], -1
         for name in names:
             step = _layout.step_number(name)

@@ -516,3 +516,25 @@ def test_restore_gives_up_with_a_clear_error(
     with pytest.raises(CheckpointError, match="deleted before it could be opened"):
         reader.restore()
     writer.close()
+
+
+def test_a_stable_incomplete_step_costs_one_more_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash's leftover ``step-N`` without a manifest, newer than every committed step, costs
+    one more listing (unchanged: nothing is checked again), and is never listed as committed."""
+    from ckpt import _commit
+
+    writer = _racing_writer(tmp_path)
+    writer.close()
+    (tmp_path / "step-9").mkdir()
+    real, checks = _commit.is_complete, []
+
+    def counting(path: Path) -> bool:
+        checks.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(_commit, "is_complete", counting)
+    assert _commit.steps(tmp_path) == [0]
+    assert sorted(checks) == ["step-0", "step-9"]  # the second listing was the same: no checks
+    assert _commit.steps(tmp_path / "missing") == []
