@@ -110,25 +110,45 @@ def is_complete(path: Path) -> bool:
 def steps(root: Path) -> list[int]:
     """Committed steps (``step-N`` directories holding a manifest), ascending. A ``step-N`` that
     is a symlink is a ``CheckpointError``. A step that a crashed writer left only under its
-    ``.del-`` name is renamed back first, unless a live writer holds the lock (it recovers)."""
-    out = []
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return []
-    if any((m := RETIRED.match(n)) and m.group(1) not in names for n in names):
-        recover(root, lock_held=False)  # a re-save cut between its renames (module doc, 2)
-        names = os.listdir(root)
-    for name in names:
-        step = _layout.step_number(name)
-        if step is None:
-            continue
-        for path in (root / name, root / name / MANIFEST):
-            if os.path.islink(path):
-                raise _symlink_error(path)
-        if is_complete(root / name):
-            out.append(step)
+    ``.del-`` name is renamed back first, unless a live writer holds the lock (it recovers).
+
+    A listing is a snapshot of names whose manifests are checked after it. When a listed step
+    turns out incomplete and newer than every complete one, another writer's retention evicted
+    it after the listing: that eviction began only after a newer step was published, which a
+    listing taken now shows, so the directory is listed again (until it stops changing, at most
+    ``_LISTINGS`` times). Without this a reader could see no step at all while the directory
+    always held one."""
+    before: set[str] | None = None
+    out: list[int] = []
+    for _ in range(_LISTINGS):
+        try:
+            names = os.listdir(root)
+        except FileNotFoundError:
+            return []
+        if any((m := RETIRED.match(n)) and m.group(1) not in names for n in names):
+            recover(root, lock_held=False)  # a re-save cut between its renames (module doc, 2)
+            names = os.listdir(root)
+        if set(names) == before:  # nothing changed: an incomplete step is a crash's leftover
+            break
+        before = set(names)
+        out, incomplete = [], -1
+        for name in names:
+            step = _layout.step_number(name)
+            if step is None:
+                continue
+            for path in (root / name, root / name / MANIFEST):
+                if os.path.islink(path):
+                    raise _symlink_error(path)
+            if is_complete(root / name):
+                out.append(step)
+            else:
+                incomplete = max(incomplete, step)
+        if incomplete < max(out, default=-1) or incomplete < 0:
+            break
     return sorted(out)
+
+
+_LISTINGS = 10  # steps(): listings while the newest listed step is evicted under the listing
 
 
 def check_no_symlinks(root: Path) -> None:

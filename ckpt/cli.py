@@ -11,6 +11,9 @@ leftovers of interrupted saves and applies the manager's retention rule (``ckpt.
 with the ``ckpt.policy`` objects of ``--keep-last N``, ``--keep-every N`` and
 ``--keep-best METRIC:K:min|max``; a step is kept if any keeps it) under the directory's writer
 lock: only restorable steps count, and a step whose upload has not finished is never deleted.
+``--keep-last`` is 3 unless given; ``--keep-last none`` sets no count limit, so the other flags
+alone decide, and with none of them ``gc`` keeps every step (the manager's
+``keep_last=None``) and only removes leftovers.
 """
 
 from __future__ import annotations
@@ -153,7 +156,7 @@ def _verify_cmd(root: Path, only: int | None) -> int:
     return 1 if bad else 0
 
 
-def _gc(root: Path, policy: Policy, dry_run: bool) -> int:
+def _gc(root: Path, policy: Policy | None, dry_run: bool) -> int:
     from ckpt.remote import STATUS_FILE, read_status
 
     lock = _commit.WriterLock(root)
@@ -295,7 +298,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--anon", action="store_true", help="anonymous (unsigned) S3 access")
     p_gc = sub.add_parser("gc", help="remove leftovers and old steps")
     p_gc.add_argument("directory", help="a local checkpoint directory")
-    p_gc.add_argument("--keep-last", type=int, default=3, help="keep the newest N (default 3)")
+    p_gc.add_argument(
+        "--keep-last",
+        type=_keep_last,
+        default=3,
+        metavar="N",
+        help="keep the newest N (default 3); none: no count limit, the other flags decide "
+        "(with none of them, gc only removes leftovers and keeps every step)",
+    )
     p_gc.add_argument("--keep-every", type=int, default=None, help="keep every multiple of N")
     p_gc.add_argument(
         "--keep-best", default=None, metavar="METRIC:K:min|max", help="keep the K best by METRIC"
@@ -311,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "KeepEvery.n", "--keep-every"))  # fmt: skip
     text: str = args.directory
     try:
-        if "://" in text and not text.startswith("file://"):
+        if "://" in text and text[:5].lower() != "file:":
             if args.command == "gc":
                 print(f"ckpt: gc works on a local directory, not {_scrub(text, text)!r}",
                       file=sys.stderr)  # fmt: skip
@@ -338,11 +348,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _ls(root, args.metrics)
         if args.command == "verify":
             return _verify_cmd(root, args.step)
-        assert policy is not None
         return _gc(root, policy, args.dry_run)
     except (CheckpointError, OSError) as exc:
         print(f"ckpt: {_scrub(str(exc), text)}", file=sys.stderr)
         return 1
+
+
+def _keep_last(text: str) -> int | None:
+    """``--keep-last``: an int >= 1, or ``none`` for no count limit (``None``). ``0`` is refused:
+    it could be read as "keep no step", which retention never does."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected N >= 1 (or none: no count limit), got {n}")
+    return n
 
 
 def _keep_best(text: str | None) -> tuple[str, int, str] | None:

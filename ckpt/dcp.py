@@ -282,7 +282,7 @@ class CkptStorageWriter(StorageWriter):
         self.rank = int(kwargs.get("rank", dist.get_rank() if dist.is_initialized() else 0))
         self.directory.mkdir(parents=True, exist_ok=True)
         if is_coordinator and self.manager is not None:
-            self.manager._ensure_writer()  # leftovers are cleaned before any rank writes
+            self.manager.ensure_writer()  # leftovers are cleaned before any rank writes
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Unchanged: DCP's planner decides what this rank writes."""

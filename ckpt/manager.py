@@ -65,6 +65,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("ckpt")
+_RELISTS = 20  # restore: listings tried while the steps listed vanish (concurrent retention)
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,10 @@ class CheckpointManager:
         self.pool.reserve(nbytes)
         return nbytes
 
-    def _ensure_writer(self) -> None:
+    def ensure_writer(self) -> None:
+        """Become the directory's writer, once: take its writer lock, remove the leftovers of
+        interrupted saves and catch up on retention. ``save`` and a restore that publishes a
+        download call it; so does ``ckpt.dcp``'s coordinator before any rank writes."""
         if not self._lock.held:
             self._lock.acquire(self.write_options.lock_timeout_s)
             removed = _commit.remove_leftovers(self.directory)
@@ -294,7 +298,7 @@ class CheckpointManager:
         if metadata is not None:
             _check_json(metadata)
         self._raise_pending()
-        self._ensure_writer()
+        self.ensure_writer()
         t0 = time.perf_counter()
         stats = SaveStats(step)
         leaves: list[Leaf] = []
@@ -441,7 +445,7 @@ class CheckpointManager:
     def adopt(self, step: int) -> None:
         """Run the post-commit actions (``on_commit`` listeners such as the upload, retention)
         for ``step``, committed into this directory by another writer such as ``ckpt.dcp``."""
-        self._ensure_writer()
+        self.ensure_writer()
         path = _layout.step_dir(self.directory, step)
         if not (path / fmt.MANIFEST).is_file():
             raise CheckpointError(f"{path}: not a committed checkpoint")
@@ -453,7 +457,7 @@ class CheckpointManager:
 
     def gc(self) -> list[int]:
         """Apply retention now (taking the writer lock); returns the steps evicted."""
-        self._ensure_writer()
+        self.ensure_writer()
         before = len(self.stats.evicted)
         self._retain(strict=True)
         return self.stats.evicted[before:]
@@ -570,7 +574,10 @@ class CheckpointManager:
             self.wait()
         skipped: list[tuple[int, str]] = []
         remote = self._remote_steps(strict=step is None)  # unlisted, a newer step would be missed
-        for _attempt in range(3):  # re-list if a step vanished under us (concurrent retention)
+        # re-list while a step vanishes under us: another manager's retention deleted it after
+        # the listing, so a newer step exists; only a writer that deletes every listed step
+        # before this reader can open it, _RELISTS times in a row, makes this give up
+        for _attempt in range(_RELISTS):
             vanished = False
             local = set(_commit.steps(self.directory))
             candidates = [step] if step is not None else sorted(local | remote, reverse=True)
@@ -626,6 +633,12 @@ class CheckpointManager:
             if not vanished:
                 break
         detail = "; ".join(f"step {s}: {why}" for s, why in skipped) or "no committed steps"
+        if vanished:
+            detail = (
+                f"every listed step was deleted before it could be opened, {_RELISTS} times in "
+                "a row: another manager's retention deletes steps faster than this reader opens "
+                "them"
+            )
         raise CheckpointError(f"{self.directory}: no valid checkpoint to restore ({detail})")
 
     def _remote_steps(self, strict: bool = False) -> set[int]:
@@ -657,7 +670,7 @@ class CheckpointManager:
             if self.remote is None:
                 raise
             log.warning("ckpt: step %d: %s; fetching the remote copy", step, exc)
-        self._ensure_writer()  # publishing the download needs the writer lock
+        self.ensure_writer()  # publishing the download needs the writer lock
         tmp = self._download(step, CheckpointError)
         try:
             for rec in fmt.read_manifest(tmp)["files"]:
@@ -700,7 +713,7 @@ class CheckpointManager:
         """Download ``step`` to a temp dir, verify every checksum, load, keep it as ``step-N``."""
         assert self.remote is not None
         try:
-            self._ensure_writer()  # to publish the downloaded copy; not required to restore
+            self.ensure_writer()  # to publish the downloaded copy; not required to restore
         except LockedError:
             pass
         tmp = self._download(step, CorruptCheckpointError)

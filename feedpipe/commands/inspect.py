@@ -15,6 +15,7 @@ from typing import Any, TextIO
 from feedpipe.datasets.format import Index, read_index
 from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c, to_hex
+from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
 
 __all__ = ["add_arguments", "describe", "run", "verify"]
@@ -114,11 +115,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if getattr(args, "endpoint_url", None):
             options["client_kwargs"] = {"endpoint_url": args.endpoint_url}
         fs, root = _remote.resolve(path, options)
-    elif path.startswith("file://"):
-        root = path = path[len("file://") :]
     try:
+        if fs is None:
+            root = path = local_file_path(path)
         index = read_index(root, fs=fs)
-    except DatasetError as exc:
+    except (DatasetError, ValueError) as exc:  # ValueError: a file: URL that is not local
         print(f"feedpipe inspect: error: {_remote.redact(str(exc))}", file=sys.stderr)
         return 1
     from feedpipe.remote.transfer import redact

@@ -25,6 +25,7 @@ from feedpipe.datasets.format import INDEX_NAME, Index, parse_index, write_index
 from feedpipe.datasets.writer import check_destination
 from feedpipe.errors import DatasetError
 from feedpipe.io.fsutil import atomic_write
+from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
 
 __all__ = ["STATE_DIR", "Sink"]
@@ -42,8 +43,8 @@ class Sink:
         self.output = output.rstrip("/")
         self.options = dict(storage_options or {})
         self.remote = _remote.is_remote(self.output)
-        if not self.remote and self.output.startswith("file://"):
-            self.output = self.output[len("file://") :]
+        if not self.remote:
+            self.output = local_file_path(self.output)
         self.root = self.output if self.remote else self.output + ".partial"
         self.shown = _remote.redact(self.output, self.options)
         self._fs: Any = None

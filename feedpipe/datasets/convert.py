@@ -72,6 +72,7 @@ from feedpipe.datasets.writer import (
 )
 from feedpipe.errors import DatasetError
 from feedpipe.io.progress import progress
+from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
 
 __all__ = ["ConvertResult", "add_arguments", "convert", "infer_column", "plan_parts", "run"]
@@ -614,8 +615,7 @@ def convert(
             )
             publish(local.path, dest, options, overwrite=overwrite)
         return dataclasses.replace(local, path=dest, seconds=time.monotonic() - start)
-    if dest.startswith("file://"):
-        dest = dest[len("file://") :]
+    dest = local_file_path(dest)
     if not dest or dest == ".":
         raise DatasetError(f"{dest!r}: not a usable destination (name a new folder)")
     _check_not_a_source(source, dest)

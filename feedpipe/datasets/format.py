@@ -30,7 +30,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -114,8 +114,40 @@ def _int(value: Any, what: str, limit: int = MAX_BYTES) -> int:
     return int(value)
 
 
+class _ArrayColumn:
+    """What a records layout and a side field share: a ``kind``, an element ``dtype`` and a
+    ``shape`` (of each record, ``fixed``; of each row of the varying first dimension,
+    ``ragged``). The subclasses differ only in their constructor order and JSON key order,
+    both part of the public API and the on-disk format (docs/formats.md)."""
+
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    _ragged_keys: ClassVar[tuple[str, str, str]]  # the key order of a ragged column's JSON
+    _fixed_keys: ClassVar[tuple[str, ...]]  # ... and of a fixed one's
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes per record of a fixed column (0 for the other kinds)."""
+        return self.row_bytes if self.kind == "fixed" else 0
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per record (fixed) or per row of the varying dimension (ragged); 1 for the
+        byte kinds (``bytes``, ``str``, ``json``)."""
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        if self.kind not in ("fixed", "ragged"):
+            return {"kind": self.kind}
+        shape = [None, *self.shape] if self.kind == "ragged" else list(self.shape)
+        values = {"kind": self.kind, "shape": shape, "dtype": self.dtype}
+        keys = self._ragged_keys if self.kind == "ragged" else self._fixed_keys
+        return {k: values[k] for k in keys}
+
+
 @dataclass(frozen=True)
-class Layout:
+class Layout(_ArrayColumn):
     """Record layout: ``fixed`` (``shape``, ``dtype``), ``bytes`` (variable-length records),
     ``ragged`` (arrays of ``dtype`` whose first dimension varies; ``shape`` holds the others)
     or ``none`` (no records column: a record is its fields)."""
@@ -123,34 +155,17 @@ class Layout:
     kind: str
     shape: tuple[int, ...] = ()
     dtype: str = "uint8"
-
-    @property
-    def record_bytes(self) -> int:
-        """Bytes per record of a fixed layout (0 for the other layouts)."""
-        if self.kind != "fixed":
-            return 0
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+    _ragged_keys: ClassVar[tuple[str, str, str]] = ("kind", "shape", "dtype")
+    _fixed_keys: ClassVar[tuple[str, ...]] = ("kind", "shape", "dtype")
 
     @property
     def has_offsets(self) -> bool:
         """Whether the records column is variable-length (a data file plus offsets)."""
         return self.kind in ("bytes", "ragged")
 
-    @property
-    def row_bytes(self) -> int:
-        """Bytes per row (one step of the varying dimension) of a ragged layout; 1 for bytes."""
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-
-    def to_json(self) -> dict[str, Any]:
-        if self.kind in ("bytes", "none"):
-            return {"kind": self.kind}
-        if self.kind == "ragged":
-            return {"kind": "ragged", "shape": [None, *self.shape], "dtype": self.dtype}
-        return {"kind": "fixed", "shape": list(self.shape), "dtype": self.dtype}
-
 
 @dataclass(frozen=True)
-class FieldSpec:
+class FieldSpec(_ArrayColumn):
     """A side field stored column-wise. ``kind`` ``fixed``: one ``dtype``/``shape`` value per
     record; ``ragged``: an array of ``dtype`` per record whose first dimension varies
     (``shape`` holds the others); ``str``: a UTF-8 string; ``json``: any JSON value."""
@@ -158,25 +173,8 @@ class FieldSpec:
     dtype: str
     shape: tuple[int, ...] = ()
     kind: str = "fixed"
-
-    @property
-    def record_bytes(self) -> int:
-        """Bytes per record of a fixed field (0 for a variable-length one)."""
-        if self.kind != "fixed":
-            return 0
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes per row of the varying dimension (ragged); 1 for ``str`` and ``json``."""
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-
-    def to_json(self) -> dict[str, Any]:
-        if self.kind in ("str", "json"):
-            return {"kind": self.kind}
-        if self.kind == "ragged":
-            return {"kind": "ragged", "dtype": self.dtype, "shape": [None, *self.shape]}
-        return {"dtype": self.dtype, "shape": list(self.shape)}
+    _ragged_keys: ClassVar[tuple[str, str, str]] = ("kind", "dtype", "shape")
+    _fixed_keys: ClassVar[tuple[str, ...]] = ("dtype", "shape")  # no "kind": the default
 
 
 @dataclass(frozen=True)

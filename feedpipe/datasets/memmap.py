@@ -55,6 +55,7 @@ from feedpipe.datasets.format import INDEX_NAME, FileInfo, Index, parse_index, r
 from feedpipe.datasets.writer import MemmapWriter
 from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c_file, to_hex
+from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
 
 __all__ = ["MemmapDataset", "MemmapWriter", "verify_files"]
@@ -158,8 +159,7 @@ class MemmapDataset(TypedColumns, torch.utils.data.Dataset[Any]):
             self._index_raw = raw
             self.index = parse_index(raw, _remote.join(self._shown, INDEX_NAME))
         else:
-            if self.path.startswith("file://"):
-                self.path = self._shown = self.path[len("file://") :]
+            self.path = self._shown = local_file_path(self.path)
             if not os.path.isdir(self.path):
                 raise DatasetError(f"{self.path}: not a feedpipe dataset (not a directory)")
             self.index = read_index(self.path)

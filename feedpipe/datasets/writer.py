@@ -34,6 +34,7 @@ from feedpipe.datasets.format import (
 )
 from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c, to_hex
+from feedpipe.io.remote import local_file_path
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
@@ -217,8 +218,7 @@ class MemmapWriter:
             check_remote_destination(self.path, self._upload[1], overwrite=overwrite)
             self._local = tempfile.mkdtemp(prefix="feedpipe-upload-")
         else:
-            if self.path.startswith("file://"):
-                self.path = self.path[len("file://") :]
+            self.path = local_file_path(self.path)
             prepare_destination(self.path, overwrite=overwrite)
             os.makedirs(self.path, exist_ok=True)
             self._local = self.path

@@ -24,7 +24,7 @@ import torch
 from feedpipe.datasets._gather import ROW_COPY_MIN, indices_array, inverse, scratch
 from feedpipe.datasets.format import check_dtype, check_shape
 from feedpipe.errors import DatasetError, require
-from feedpipe.io.remote import is_remote, redact
+from feedpipe.io.remote import is_remote, local_file_path, redact
 
 __all__ = ["ZarrDataset"]
 
@@ -70,8 +70,7 @@ class ZarrDataset(torch.utils.data.Dataset[Any]):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
         self.path = os.fspath(path_or_url).rstrip("/")
-        if self.path.startswith("file://"):
-            self.path = self.path[len("file://") :]
+        self.path = local_file_path(self.path)
         self.storage_options = dict(storage_options or {})
         self.remote = is_remote(self.path)
         # TensorStore is given local paths; remote URLs use zarr-python over fsspec

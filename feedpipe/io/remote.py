@@ -34,6 +34,7 @@ __all__ = [
     "is_remote",
     "is_temp",
     "join",
+    "local_file_path",
     "redact",
     "resolve",
     "temp_name",
@@ -115,6 +116,37 @@ def is_remote(url: str | os.PathLike[str]) -> bool:
     return text.split("://", 1)[0].lower() not in _LOCAL_PROTOCOLS
 
 
+def local_file_path(url: str | os.PathLike[str]) -> str:
+    """The local path a ``file://`` URL names; any other path or URL is returned unchanged.
+
+    One rule for every entry point of feedpipe and ckpt that takes a local path (RFC 8089):
+    ``file:///abs`` and ``file://localhost/abs`` are ``/abs`` (the scheme and ``localhost`` in any
+    case). Anything else that starts with ``file:/`` is a ``ValueError`` naming the (redacted)
+    URL: another host (``file://host/abs`` is not a path on this machine, and a relative path
+    never follows ``file://``), no path at all (``file://``), and ``file:/abs``, which is what
+    ``Path`` makes of both ``file:///abs`` and ``file://localhost/abs`` and so is ambiguous.
+    ``file:name`` (no slash) is a relative path like any other. The path is taken literally, as
+    fsspec's local filesystem does: no percent-decoding (``file:///a%20b`` is ``/a%20b``) and
+    ``?`` and ``#`` are part of it.
+    """
+    text = os.fspath(url)
+    if text[:6].lower() != "file:/":
+        return text
+    if text[:7].lower() == "file://":
+        host, slash, rest = text[7:].partition("/")
+        local = host.lower() in ("", "localhost")
+        if local and slash and rest.strip("/"):
+            return "/" + rest
+        why = (
+            "names no path"
+            if local
+            else "names another host (only file:///abs and file://localhost/abs are local)"
+        )
+    else:
+        why = "is ambiguous (write file:///abs for /abs)"
+    raise ValueError(f"{redact(text)!r}: this file: URL {why}")
+
+
 def resolve(
     url: str | os.PathLike[str],
     storage_options: Mapping[str, Any] | None = None,
@@ -129,7 +161,7 @@ def resolve(
     """
     import fsspec.core
 
-    text = os.fspath(url)
+    text = local_file_path(url)  # file:// URLs by one rule (fsspec reads file://host/x as host/x)
     options = dict(storage_options or {})
     _redact_library_logs()
     if text.startswith(("s3://", "s3a://")):

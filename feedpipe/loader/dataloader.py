@@ -29,7 +29,6 @@ batch, then ``collate_fn``, as in torch.
 from __future__ import annotations
 
 import gc
-import os
 import time
 import warnings
 import weakref
@@ -59,6 +58,7 @@ from feedpipe.loader.rng_state import RngChain, Watch, encode, global_state, ord
 from feedpipe.loader.skip import ON_ERROR, SKIP_LIMIT, SkipMapProxy, SkipTimedCollate
 from feedpipe.loader.skip_iter import SkippingLoaderIter
 from feedpipe.loader.slots import Slots
+from feedpipe.loader.slots import enabled as slots_enabled
 from feedpipe.loader.threads import (
     InlineSource,
     RNGWatch,
@@ -276,7 +276,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
         On when workers are processes, the dataset is map-style, ``collate_fn`` is torch's
         ``default_collate`` and the batch goes to a CUDA ``device`` or stays unpinned on the
-        host; ``FEEDPIPE_WORKER_SLOTS=0`` turns it off."""
+        host; ``FEEDPIPE_WORKER_SLOTS=0`` (or ``false``, ``no``, ``off``) turns it off."""
         slots = self._slots
         count = self._slot_count()
         if slots is None and not count:
@@ -653,7 +653,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     def _slot_count(self) -> int:
         """Slots per process worker (0: torch's shared-memory path); see :attr:`worker_slots`."""
-        if os.environ.get("FEEDPIPE_WORKER_SLOTS", "1") == "0" or self._iterable:
+        if not slots_enabled() or self._iterable:
             return 0
         if self.worker_type != "process" or not self.num_workers or self._direct is not None:
             return 0

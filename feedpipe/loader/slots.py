@@ -3,7 +3,11 @@
 torch's process workers collate each batch into a fresh shared-memory segment, pass its file
 descriptor to the main process, which maps it and (for a GPU) copies it once more into
 page-locked memory. Here each worker owns ``k`` slots in one shared buffer, allocated on its
-first batch and reused:
+first batch and reused. A later batch larger than a slot (a custom ``batch_sampler`` whose first
+batch was small) goes torch's way, and the worker replaces its buffer by one with slots at least
+twice as large at the first batch for which no slot of the old one is taken (the safe point:
+nothing of the old buffer is in flight or viewed, so the main process drops it when the new one
+arrives), at most ``MAX_GROWTHS`` times per worker:
 
 1. **Worker** (:func:`collate_into`): with torch's ``default_collate``, the samples are stacked
    straight into a free slot, and the worker ships a small :class:`SlotRef` (slot number and
@@ -38,10 +42,30 @@ import torch
 
 from feedpipe.device.dma import clear_last_error, unregister
 
-__all__ = ["SlotRef", "Slots", "collate_into", "worker_slots"]
+__all__ = ["ENV", "SlotRef", "Slots", "collate_into", "enabled", "worker_slots"]
 
 _ALIGN = 64
 _HEADER = 4096  # flags (one byte per slot), then the "seen" byte; slots start page-aligned
+
+
+ENV = "FEEDPIPE_WORKER_SLOTS"  # the switch: on unless set to an "off" word
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+def enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``FEEDPIPE_WORKER_SLOTS`` lets slots on (unset: on). ``0``/``false``/``no``/``off``
+    turn them off and ``1``/``true``/``yes``/``on`` on (any case, surrounding spaces ignored);
+    any other value is a ``ValueError`` naming the variable and the value."""
+    raw = environ.get(ENV)
+    if raw is None:
+        return True
+    word = raw.strip().lower()
+    if word in _ON or word in _OFF:
+        return word in _ON
+    raise ValueError(
+        f"{ENV}={raw!r}: expected one of {', '.join(_OFF)} (slots off) or {', '.join(_ON)} (on)"
+    )
 
 
 def _align(n: int) -> int:
@@ -170,10 +194,14 @@ class SlotRef:
 
 
 class _WorkerSlots:
-    """One worker's ``k`` slots in one shared buffer: flags, a seen byte, then the slots."""
+    """One worker's ``k`` slots in one shared buffer: flags, a seen byte, then the slots.
 
-    def __init__(self, k: int, slot_bytes: int) -> None:
-        self.k, self.slot_bytes = k, slot_bytes
+    ``grown`` counts the buffers this worker had before this one; ``wanted`` is the largest
+    batch (bytes) that did not fit, so far."""
+
+    def __init__(self, k: int, slot_bytes: int, grown: int = 0) -> None:
+        self.k, self.slot_bytes, self.grown = k, slot_bytes, grown
+        self.wanted = 0
         self.buffer = torch.empty(_HEADER + k * slot_bytes, dtype=torch.uint8).share_memory_()
         self.array = self.buffer.numpy()
         self.array[:_HEADER] = 0  # every slot free, buffer not yet seen
@@ -192,8 +220,24 @@ class _WorkerSlots:
     def seen(self) -> bool:
         return bool(self.array[self.k])
 
+    def idle(self) -> bool:
+        """No slot is taken: the main process holds no view of this buffer and no ref to it is
+        in flight (a worker sets a flag before it ships a ref; only the main process clears
+        it). The safe point to replace the buffer."""
+        return not self.flags.any()
+
+    def grow(self, need: int) -> _WorkerSlots:
+        """This worker's slots for a batch of ``need`` bytes that did not fit: a new buffer of
+        at least twice the slot size once this one is idle and fewer than ``MAX_GROWTHS``
+        buffers were replaced, else this one (the batch then goes torch's way)."""
+        self.wanted = max(self.wanted, need)
+        if self.wanted <= self.slot_bytes or self.grown >= MAX_GROWTHS or not self.idle():
+            return self
+        return _WorkerSlots(self.k, _align(max(self.wanted, 2 * self.slot_bytes)), self.grown + 1)
+
 
 _WORKER: dict[str, Any] = {}  # this worker process's slots (one set per process)
+MAX_GROWTHS = 8  # buffers a worker may replace by larger ones (each at least twice the size)
 
 
 def worker_slots() -> Any:
@@ -206,7 +250,7 @@ def collate_into(samples: Any, k: int, rows: int | None) -> SlotRef | None:
 
     ``k``: slots per worker; ``rows``: the loader's batch size (the first batch sizes the slots
     for that many rows). ``None`` means: collate the usual way (unsupported types, no free slot,
-    a batch bigger than a slot).
+    a batch bigger than a slot: the slots then grow, see :meth:`_WorkerSlots.grow`).
     """
     if not isinstance(samples, list) or not samples:
         return None
@@ -224,8 +268,10 @@ def collate_into(samples: Any, k: int, rows: int | None) -> SlotRef | None:
         scale = max(1, rows or n) / n
         ws = _WorkerSlots(k, _align(int(sum(sizes) * scale) + _ALIGN * len(sizes)))
         _WORKER["slots"] = ws
-    if sum(sizes) > ws.slot_bytes:
-        return None
+    if sum(sizes) > ws.slot_bytes or ws.wanted > ws.slot_bytes:  # grow at the next safe point
+        ws = _WORKER["slots"] = ws.grow(sum(sizes))
+        if sum(sizes) > ws.slot_bytes:
+            return None
     slot = ws.claim()
     if slot is None:
         return None
@@ -316,6 +362,12 @@ class Slots:
                     raise RuntimeError(
                         f"feedpipe: worker slot buffer {ref.token} was never received"
                     )
+                # a worker replaces its buffer only when no slot of it is taken: none of its
+                # refs is in flight and no view of it lives, so the older one can go
+                pid = ref.token.split("-", 1)[0]
+                for old in [t for t in self.buffers if t.split("-", 1)[0] == pid]:
+                    _REGISTRY.pop(old, None)
+                    del self.buffers[old]
                 buf = self.buffers[ref.token] = _Buffer(ref.buffer, ref.k, self.pin)
             _REGISTRY[ref.token] = buf
         lo = ref.layout[0][0]

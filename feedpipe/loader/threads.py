@@ -32,6 +32,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -249,24 +250,28 @@ class ThreadWorkers:
         self.datasets = datasets or [
             copy.copy(dataset) if mode is Mode.ITERABLE else dataset for _ in range(num_workers)
         ]
+        options = _WorkerOptions(
+            num_workers=num_workers,
+            base_seed=base_seed,
+            collate_fn=collate_fn,
+            mode=mode,
+            results=self._results,
+            init_fn=worker_init_fn,
+            pin=pin,
+            drop_last=drop_last,
+            out_for=out_for if mode is Mode.READ_BATCH else None,
+            timed=timed,
+            skip=skip,
+            rng_watch=rng_watch,
+            inited=inited,
+            first=first,
+            init_failed=self.init_failed,
+        )
         for wid in range(num_workers):
             ds = self.datasets[wid]
             t = threading.Thread(
                 target=_worker_loop,
-                args=(wid, num_workers, base_seed, ds, collate_fn, mode, self._inboxes[wid]),
-                kwargs={
-                    "results": self._results,
-                    "init_fn": worker_init_fn,
-                    "pin": pin,
-                    "drop_last": drop_last,
-                    "out_for": out_for if mode is Mode.READ_BATCH else None,
-                    "timed": timed,
-                    "skip": skip,
-                    "rng_watch": rng_watch,
-                    "inited": inited,
-                    "first": first,
-                    "init_failed": self.init_failed,
-                },
+                args=(wid, ds, self._inboxes[wid], options),
                 name=f"feedpipe-worker-{wid}",
                 daemon=True,
             )
@@ -433,85 +438,64 @@ def _track(thread: threading.Thread) -> None:
 _HOOKED = False
 
 
-def _worker_loop(  # noqa: PLR0917
-    wid: int,
-    num_workers: int,
-    base_seed: int,
-    dataset: Any,
-    collate_fn: Callable[[Any], Any],
-    mode: Mode,
-    inbox: queue.Queue[Any],
-    *,
-    results: queue.Queue[tuple[int, int, Any]],
-    init_fn: Callable[[int], None] | None,
-    pin: bool,
-    drop_last: bool,
-    out_for: Callable[[int, int], Any] | None,
-    timed: bool,
-    skip: bool = False,
-    rng_watch: RNGWatch | None = None,
-    inited: threading.Barrier | None = None,
-    first: _FirstRound | None = None,
-    init_failed: list[int] | None = None,
-) -> None:
+@dataclass(frozen=True)
+class _WorkerOptions:
+    """What every worker thread of one pool shares (the per-worker parts are its id, dataset
+    and inbox)."""
+
+    num_workers: int
+    base_seed: int
+    collate_fn: Callable[[Any], Any]
+    mode: Mode
+    results: queue.Queue[tuple[int, int, Any]]  # (batch number, worker, batch or failure)
+    init_fn: Callable[[int], None] | None
+    pin: bool
+    drop_last: bool
+    out_for: Callable[[int, int], Any] | None  # READ_BATCH only: the buffer of a batch
+    timed: bool
+    skip: bool = False  # on_error="skip"
+    rng_watch: RNGWatch | None = None
+    inited: threading.Barrier | None = None  # all workers ran worker_init_fn
+    first: _FirstRound | None = None  # the watched first round of the loader's first pass
+    init_failed: list[int] | None = None  # workers whose worker_init_fn raised (appended to)
+
+
+def _worker_loop(wid: int, dataset: Any, inbox: queue.Queue[Any], opts: _WorkerOptions) -> None:
     try:
-        _worker_body(
-            wid, num_workers, base_seed, dataset, collate_fn, mode, inbox,
-            results=results, init_fn=init_fn, pin=pin, drop_last=drop_last, out_for=out_for,
-            timed=timed, skip=skip, rng_watch=rng_watch, inited=inited, first=first,
-            init_failed=init_failed,
-        )  # fmt: skip
+        _worker_body(wid, dataset, inbox, opts)
     finally:
         _torch_compat.set_thread_worker_info(None)
         with _RUNNING_LOCK:
             _RUNNING.discard(threading.current_thread())
 
 
-def _worker_body(  # noqa: PLR0917
-    wid: int,
-    num_workers: int,
-    base_seed: int,
-    dataset: Any,
-    collate_fn: Callable[[Any], Any],
-    mode: Mode,
-    inbox: queue.Queue[Any],
-    *,
-    results: queue.Queue[tuple[int, int, Any]],
-    init_fn: Callable[[int], None] | None,
-    pin: bool,
-    drop_last: bool,
-    out_for: Callable[[int, int], Any] | None,
-    timed: bool,
-    skip: bool,
-    rng_watch: RNGWatch | None,
-    inited: threading.Barrier | None,
-    first: _FirstRound | None,
-    init_failed: list[int] | None,
-) -> None:
-    fetch: Any = fetcher(timed)
-    if skip:  # on_error="skip"
+def _worker_body(wid: int, dataset: Any, inbox: queue.Queue[Any], opts: _WorkerOptions) -> None:
+    results, out_for = opts.results, opts.out_for
+    rng_watch, first = opts.rng_watch, opts.first  # both end after the first round
+    fetch: Any = fetcher(opts.timed)
+    if opts.skip:  # on_error="skip"
         fetch = skipping(fetch)
-    iterable = mode is Mode.ITERABLE
-    seed = base_seed + wid
+    iterable = opts.mode is Mode.ITERABLE
+    seed = opts.base_seed + wid
     _torch_compat.set_thread_worker_info(
-        _torch_compat.make_worker_info(wid, num_workers, seed, dataset)
+        _torch_compat.make_worker_info(wid, opts.num_workers, seed, dataset)
     )
     init_error: Failed | None = None
     if first is None:  # the RNG checks run in the first round only
         rng_watch = None
-    if init_fn is not None:
+    if opts.init_fn is not None:
         before = _rng_states() if rng_watch is not None else None
         try:
-            init_fn(wid)
+            opts.init_fn(wid)
         except (Exception, SystemExit) as exc:  # SystemExit: this thread is not the process
             init_error = Failed(exc, wid, None)
-            if init_failed is not None:
-                init_failed.append(wid)
+            if opts.init_failed is not None:
+                opts.init_failed.append(wid)
         if first is not None and rng_watch is not None and before is not None:
             first.check(rng_watch, "worker_init_fn", before)
-        if inited is not None:
+        if opts.inited is not None:
             try:
-                inited.wait(_INIT_SYNC_S)
+                opts.inited.wait(_INIT_SYNC_S)
             except threading.BrokenBarrierError:  # a slow worker_init_fn: go on without it
                 pass
     watch_first = rng_watch is not None
@@ -534,15 +518,15 @@ def _worker_body(  # noqa: PLR0917
             if iterable:
                 if iterator is None:
                     iterator = iter(dataset)
-                out = _next_iterable(iterator, indices, collate_fn, drop_last)
+                out = _next_iterable(iterator, indices, opts.collate_fn, opts.drop_last)
                 if out is None:
                     results.put((idx, wid, _Exhausted(wid)))
                     continue
                 position += out[1]
             else:
                 dest = out_for(idx, len(indices)) if out_for is not None else None
-                out = fetch(dataset, indices, collate_fn, mode, dest)
-            if pin and (out_for is None or dest is None):
+                out = fetch(dataset, indices, opts.collate_fn, opts.mode, dest)
+            if opts.pin and (out_for is None or dest is None):
                 out = pin_out(out)
         except (Exception, SystemExit) as exc:  # SystemExit: this thread is not the process
             where = indices if not iterable else f"stream position {position}"
