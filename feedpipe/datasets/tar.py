@@ -13,7 +13,10 @@ exact resume work as for any dataset. Compressed tars have no offsets to seek to
 refused, naming the shard. Directories, links, special members and names WebDataset skips (no
 extension, a dot file) are skipped; sparse members are refused; a member that
 runs past the end of its shard (a truncated download) is a :class:`~feedpipe.DatasetError`
-naming the shard and the member.
+naming the shard and the member. A shard that changes after it was indexed is a
+``DatasetError`` naming it: a local shard is checked (size, mtime) when a reader opens it, a
+remote one (size, ETag) when a reader opens it, and on S3 every read is conditional on the ETag
+indexed (``If-Match``), so a replaced object is never read at the old offsets.
 """
 
 from __future__ import annotations
@@ -63,6 +66,17 @@ def _split(name: str) -> tuple[str, str] | None:
     return None if m is None else (m.group(1), m.group(2).lower())
 
 
+def _remote_stamp(f: Any, fs: Any, path: str) -> tuple[int, int | str | None]:
+    """(size, ETag or object version) of an open remote file, from the details fsspec fetched
+    when it opened it (no extra request)."""
+    info = getattr(f, "details", None) or fs.info(path)
+    tag = next(
+        (info[k] for k in ("ETag", "etag", "generation", "VersionId", "mtime") if info.get(k)),
+        None,
+    )
+    return int(info.get("size") or 0), None if tag is None else str(tag)
+
+
 class TarDataset:
     """Map-style dataset over WebDataset ``.tar`` shards (local paths or fsspec URLs).
 
@@ -86,7 +100,8 @@ class TarDataset:
         self.storage_options = dict(storage_options or {})
         # per sample: (shard number, key, ((field, offset, size), ...))
         self._samples: list[tuple[int, str, tuple[tuple[str, int, int], ...]]] = []
-        self._stamps: dict[int, tuple[int, int]] = {}  # local shard: (size, mtime_ns) indexed
+        # what each shard was when indexed: local (size, mtime_ns), remote (size, ETag or version)
+        self._stamps: dict[int, tuple[int, int | str | None]] = {}
         for number, shard in enumerate(self.shards):
             self._index(number, shard)
         self._local = threading.local()
@@ -95,12 +110,14 @@ class TarDataset:
     def _open(self, number: int, shard: str) -> Any:
         if is_remote(shard):
             fs, path = resolve(shard, self.storage_options)
-            return call(
+            f = call(
                 lambda: fs.open(path, "rb"),
                 shard,
                 what="open",
                 storage_options=self.storage_options,
             )
+            self._stamps[number] = _remote_stamp(f, fs, path)
+            return f
         try:
             f = open(shard, "rb")  # noqa: SIM115 - the caller closes it
         except OSError as exc:
@@ -204,21 +221,53 @@ class TarDataset:
             fds[number] = fd
         return fd
 
-    def _remote(self, number: int) -> tuple[Any, str]:
-        cache: dict[int, tuple[Any, str]] = self._here().remote
-        if number not in cache:
-            cache[number] = resolve(self.shards[number], self.storage_options)
-        return cache[number]
+    def _remote(self, number: int) -> Any:
+        """This thread's open file of a remote shard, checked against the indexed stamp; on S3
+        every later read is conditional on the indexed ETag (``If-Match``)."""
+        cache: dict[int, Any] = self._here().remote
+        f = cache.get(number)
+        if f is None:
+            shard = self.shards[number]
+            fs, path = resolve(shard, self.storage_options)
+            fs.invalidate_cache(path)  # a listing cached before the replacement is stale
+            f = call(
+                lambda: fs.open(path, "rb", cache_type="none"),
+                shard,
+                what="open",
+                storage_options=self.storage_options,
+            )
+            now = _remote_stamp(f, fs, path)
+            if now != self._stamps.get(number, now):
+                f.close()
+                raise self._changed(number, f"{self._stamps[number]} -> {now}")
+            cache[number] = f
+        return f
+
+    def _changed(self, number: int, how: str) -> DatasetError:
+        return DatasetError(
+            f"tar shard {self.shards[number]} changed after it was indexed ((size, ETag) "
+            f"{how}): its member offsets no longer hold; index it again"
+        )
 
     def _read(self, number: int, offset: int, size: int) -> bytes:
         shard = self.shards[number]
         if is_remote(shard):
-            fs, path = self._remote(number)
-            data = call(
-                lambda: fs.cat_file(path, start=offset, end=offset + size),
-                shard,
-                storage_options=self.storage_options,
-            )
+            f = self._remote(number)
+
+            def positioned() -> bytes | None:
+                f.seek(offset)
+                try:
+                    return bytes(f.read(size))
+                except OSError as exc:
+                    if type(exc).__name__ == "FileExpired":  # s3fs: If-Match failed (412)
+                        return None
+                    raise
+
+            got = call(positioned, shard, storage_options=self.storage_options)
+            if got is None:
+                self._here().remote.pop(number, None)
+                raise self._changed(number, f"{self._stamps.get(number)} -> (replaced)")
+            data: bytes = got
         else:
             data = os.pread(self._fd(number), size, offset)
         if len(data) != size:
