@@ -47,7 +47,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from feedpipe.datasets._gather import ROW_COPY_MIN, ShardSpace, inverse, scratch
+from feedpipe.datasets._gather import (
+    ROW_COPY_MIN,
+    ShardSpace,
+    indices_array,
+    inverse,
+    scratch,
+)
 from feedpipe.datasets._memmap_columns import TypedColumns
 from feedpipe.datasets._memmap_open import OpenShard, OpenShards
 from feedpipe.datasets.columns import RAGGED_MODES, variable_columns
@@ -293,6 +299,8 @@ class MemmapDataset(TypedColumns, torch.utils.data.Dataset[Any]):
                     paths = [self._local_path(s, "data") for s in range(len(self.index.shards))]
                     sizes = [s.files["data"].bytes for s in self.index.shards]
                     space = ShardSpace.create(paths, sizes, self._starts, self._record_bytes)
+                    if space is not None:
+                        space.crcs = [s.files["data"].crc32c for s in self.index.shards]
                 self._space = space if space is not None else False
         return space if isinstance(space, ShardSpace) else None
 
@@ -445,23 +453,10 @@ class MemmapDataset(TypedColumns, torch.utils.data.Dataset[Any]):
             cache.plan.start(batch_key(idx))
 
     def _normalize(self, indices: Any) -> np.ndarray:
-        idx = np.asarray(indices.tolist() if isinstance(indices, torch.Tensor) else indices)
-        if idx.dtype.kind not in "iub" or idx.ndim != 1:
-            if idx.size == 0:
-                return np.empty(0, np.int64)
-            raise TypeError(
-                f"indices must be a 1-D sequence of integers, got {idx.dtype} {idx.shape}"
-            )
-        idx = idx.astype(np.int64, copy=False)  # read-only from here on: may be the caller's
-        if idx.size and (idx.view(np.uint64) >= self._len).any():  # negatives wrap: look closer
-            bad = (idx < -self._len) | (idx >= self._len)
-            if bad.any():
-                first = int(idx[np.argmax(bad)])
-                raise IndexError(
-                    f"index {first} is out of range for {self._shown} (length {self._len})"
-                )
-            idx = np.where(idx < 0, idx + self._len, idx)
-        return idx
+        n, shown = self._len, self._shown
+        return indices_array(
+            indices, n, lambda i: f"index {i} is out of range for {shown} (length {n})"
+        )
 
     def _locate(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if len(self._starts) == 2:  # one shard
