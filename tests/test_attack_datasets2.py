@@ -4,13 +4,20 @@ TokenWindows and TarDataset. Every finding is a test here, with its fix in the o
 from __future__ import annotations
 
 import io
+import json
+import multiprocessing as mp
+import os
 import tarfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
-from feedpipe import DataLoader, DatasetError, TarDataset
+from feedpipe import DataLoader, DatasetError, MemmapDataset, MemmapWriter, TarDataset, TokenWindows
+from feedpipe.io.crc import crc32c, to_hex
+from feedpipe.testing import DatasetContractTests
 
 
 # ------------------------------------------------------------------------------ TarDataset
@@ -62,7 +69,270 @@ def test_s3_tar_shard_replaced_after_indexing_is_an_error_naming_the_url(
     loader = DataLoader(ds, batch_size=2, num_workers=1, collate_fn=_fields)
     with pytest.raises(DatasetError, match=rf"{url} changed after it was indexed"):
         list(loader)
-    # unchanged: reads as before
-    fs.pipe(url, old)
-    ds = TarDataset(url, storage_options=opts)
-    assert [ds[i]["txt"] for i in (1, 0, 1)] == [b"B" * 50, b"A" * 100, b"B" * 50]
+
+
+
+def _tar_file(path: Path, members: list[tarfile.TarInfo | tuple[str, bytes]]) -> str:
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for m in members:
+            if isinstance(m, tarfile.TarInfo):
+                tar.addfile(m)
+            else:
+                info = tarfile.TarInfo(m[0])
+                info.size = len(m[1])
+                tar.addfile(info, io.BytesIO(m[1]))
+    return str(path)
+
+
+def _special(name: str, kind: bytes, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, link
+    return info
+
+
+def test_tar_samples_are_grouped_exactly_as_webdataset_groups_them(tmp_path: Path) -> None:
+    """The module promise "as WebDataset groups them", side by side with webdataset itself:
+    dotted folders, upper-case and multi-dot extensions, dot files, names without extension,
+    ``..`` and absolute member names (never extracted: only keys), links and devices (skipped),
+    non-adjacent repeated keys, and a key whose members are split across two shards (two
+    samples: WebDataset ends a sample at the end of each shard)."""
+    wds = pytest.importorskip("webdataset")
+    a = _tar_file(
+        tmp_path / "a.tar",
+        [
+            ("a/b.c/d.e.jpg", b"1"),
+            ("a/b.c/d.CLS", b"2"),
+            ("X.JPG", b"3"),
+            ("._x.jpg", b"4"),
+            ("noext", b"5"),
+            ("dir/.hidden.jpg", b"6"),
+            ("../up.jpg", b"7"),
+            ("/abs/x.jpg", b"8"),
+            _special("hard.jpg", tarfile.LNKTYPE, "X.JPG"),
+            _special("soft.jpg", tarfile.SYMTYPE, "/etc/passwd"),
+            _special("dev.jpg", tarfile.CHRTYPE),
+            _special("fifo.jpg", tarfile.FIFOTYPE),
+            ("k.txt", b"a"),
+            ("k.cls", b"b"),
+            ("m.txt", b""),
+            ("k.txt", b"c"),
+            ("split.txt", b"d"),
+        ],
+    )
+    b = _tar_file(tmp_path / "b.tar", [("split.cls", b"e"), ("y.a.b", b"f"), ("z.", b"g")])
+
+    def fields(sample: dict[str, Any]) -> tuple[str, list[tuple[str, bytes]]]:
+        return sample["__key__"], sorted((k, v) for k, v in sample.items() if k[:2] != "__")
+
+    want = [fields(s) for s in wds.WebDataset([a, b], shardshuffle=False)]
+    ds = TarDataset([a, b])
+    assert [fields(ds[i]) for i in range(len(ds))] == want
+    assert ("split", [("txt", b"d")]) in want and ("split", [("cls", b"e")]) in want
+
+
+@pytest.mark.parametrize("size", [2**45, 2**62])
+def test_tar_header_claiming_a_huge_long_name_names_the_shard(tmp_path: Path, size: int) -> None:
+    """Found: a GNU long-name (or pax) header claiming terabytes made tarfile allocate a buffer
+    of that size: a bare MemoryError (or the OOM killer), no shard named."""
+    info = tarfile.TarInfo("././@LongLink")
+    info.type, info.size = tarfile.GNUTYPE_LONGNAME, size
+    path = tmp_path / "long.tar"
+    path.write_bytes(info.tobuf(format=tarfile.GNU_FORMAT) + b"\0" * 2048)
+    with pytest.raises(DatasetError, match=r"long\.tar"):
+        TarDataset(str(path))
+
+
+# ------------------------------------------------------------------------------ batch indices
+def _fixed(path: Path, n: int = 20, shard_bytes: int = 8192) -> np.ndarray:
+    """A fixed-layout dataset of ``n`` records of 1024 int32 (2 records per shard)."""
+    x = np.repeat(np.arange(n, dtype=np.int32)[:, None], 1024, axis=1)
+    with MemmapWriter(path, shape=(1024,), dtype="int32", shard_bytes=shard_bytes) as w:
+        w.append_batch(x)
+    return x
+
+
+def _tokens(path: Path) -> None:
+    with MemmapWriter(path, records=False, fields={"tokens": ("int32", (None,))}) as w:
+        for doc in ([1, 2, 3], [], [4, 5, 6, 7, 8, 9]):
+            w.append(tokens=doc)
+
+
+@pytest.mark.parametrize("kind", ["memmap", "tokens"])
+def test_batch_indices_refuse_bool_masks_and_uint64_beyond_int64(tmp_path: Path, kind: str) -> None:
+    """Found: MemmapDataset.read_batch took a bool mask as indices 1 and 0 (while ds[True] is a
+    TypeError), and a uint64 index of 2**64-1 wrapped to -1 and read the last record, silently
+    (TokenWindows too)."""
+    if kind == "memmap":
+        _fixed(tmp_path / "d")
+        ds: Any = MemmapDataset(tmp_path / "d")
+    else:
+        _tokens(tmp_path / "d")
+        ds = TokenWindows(tmp_path / "d", block_size=2)
+    n = len(ds)
+    for mask in ([True, False, True], np.array([True, False]), torch.tensor([False, True])):
+        with pytest.raises(TypeError, match="integers, got bool"):
+            ds.read_batch(mask)
+    for big in (np.array([0, 2**64 - 1], np.uint64), [2**63], np.array([2**63], np.uint64)):
+        with pytest.raises(IndexError, match=str(int(np.asarray(big)[-1]))):
+            ds.read_batch(big)
+    assert torch.equal(ds.read_batch(np.array([n - 1], np.uint64)), ds.read_batch([-1]))
+    assert torch.equal(ds.read_batch(np.array([-1, 0], np.int8)), ds.read_batch([n - 1, 0]))
+
+
+# ------------------------------------------------------------------------------ ShardSpace
+def _no_watch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ShardSpace checks with stat per batch, as when out of inotify watches."""
+    from feedpipe.datasets._gather import ShardSpace
+
+    real = ShardSpace.create.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(
+        ShardSpace, "create", classmethod(lambda cls, *a: real(cls, *a, watch=False))
+    )
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_mapped_shard_rewritten_in_place_with_the_same_size_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watch: bool
+) -> None:
+    """Found: only sizes were checked, so a mapped shard overwritten in place with other bytes
+    of the same size (``cp`` over it), or truncated and extended back (a hole of zeros), was
+    read silently: wrong records. Now a change seen on a mapped shard whose size still matches
+    is checked against the index's CRC32C; a restore of the indexed bytes reads again."""
+    if not watch:
+        _no_watch(monkeypatch)
+    x = _fixed(tmp_path / "d")
+    ds = MemmapDataset(tmp_path / "d")
+    assert ds._shard_space() is not None
+    assert torch.equal(ds.read_batch([0, 3, 19]), torch.from_numpy(x[[0, 3, 19]]))
+    shard = tmp_path / "d" / "shard-00000.data"
+    good = shard.read_bytes()
+    st = shard.stat()
+    with open(shard, "r+b") as f:  # other bytes, same size
+        f.write(np.full(2048, 77, np.int32).tobytes())
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # coarse-mtime filesystems
+    with pytest.raises(DatasetError, match=r"shard-00000\.data: shard 0 file was rewritten"):
+        ds.read_batch([5, 1])
+    assert torch.equal(ds.read_batch([5, 19]), torch.from_numpy(x[[5, 19]]))  # other shards
+    shard.write_bytes(good)  # restored: accepted again
+    assert torch.equal(ds.read_batch([1, 0]), torch.from_numpy(x[[1, 0]]))
+    os.truncate(shard, 0)  # truncated, then extended back: zeros where the records were
+    os.truncate(shard, len(good))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
+    with pytest.raises(DatasetError, match=r"shard-00000\.data: shard 0 file was rewritten"):
+        ds[0]
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_mapped_shard_renamed_over_keeps_reading_the_old_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watch: bool
+) -> None:
+    """docs/concepts/staging.md: a shard replaced by rename leaves a running reader on the old
+    file's bytes until it reopens the dataset. Found: without inotify (out of watches), the
+    stat per batch looked at the new file and refused every batch of that shard."""
+    if not watch:
+        _no_watch(monkeypatch)
+    x = _fixed(tmp_path / "d")
+    ds = MemmapDataset(tmp_path / "d")
+    assert torch.equal(ds.read_batch([2, 3]), torch.from_numpy(x[[2, 3]]))
+    shard = tmp_path / "d" / "shard-00001.data"
+    new = tmp_path / "d" / "new"
+    new.write_bytes(b"\1" * 100)
+    os.replace(new, shard)
+    assert torch.equal(ds.read_batch([3, 2, 0]), torch.from_numpy(x[[3, 2, 0]]))
+    ds.close()  # reopened: the new file is seen, and refused by size
+    with pytest.raises(DatasetError, match=r"shard-00001\.data: shard 1 file is 100 bytes"):
+        ds.read_batch([2])
+
+
+def _swap_then_truncate_old(root: str, q: Any) -> None:
+    ds = MemmapDataset(root)
+    ds.read_batch([2, 3])  # shard 1 mapped (and watched)
+    shard = os.path.join(root, "shard-00001.data")
+    os.rename(shard, shard + ".old")
+    with open(shard + ".new", "wb") as f:
+        f.write(b"\0" * os.path.getsize(shard + ".old"))  # same size as the index says
+    os.rename(shard + ".new", shard)
+    os.truncate(shard + ".old", 0)  # the file still mapped loses its pages
+    try:
+        ds.read_batch([2, 3])
+        q.put("read")
+    except DatasetError as exc:
+        q.put(str(exc))
+
+
+def test_mapped_file_truncated_after_its_path_was_swapped_is_an_error_not_sigbus(
+    tmp_path: Path,
+) -> None:
+    """Found: the watch's event led to a stat of the path, which named a new file of the right
+    size, so the truncated file still mapped was read: SIGBUS killed the process. Now the
+    watch is on the mapped file itself and a change to it that cannot be checked is an error."""
+    _fixed(tmp_path / "d")
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=_swap_then_truncate_old, args=(str(tmp_path / "d"), q))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0, f"the reader died (exit code {child.exitcode}; -7 is SIGBUS)"
+    got = q.get(timeout=10)
+    assert "shard-00001.data: shard 1 file was modified while mapped" in got
+
+
+# ------------------------------------------------------------------------------ typed columns
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (10**5000, "cannot be stored as JSON.*digits"),
+        ({"k": ["a\ud800"]}, "cannot be stored as JSON.*surrogates"),
+    ],
+    ids=["huge-int", "lone-surrogate"],
+)
+def test_json_values_that_cannot_be_encoded_name_record_and_field(
+    tmp_path: Path, value: Any, match: str
+) -> None:
+    """Found: a huge int and a lone surrogate inside a JSON value escaped the writer as a bare
+    ValueError / UnicodeEncodeError naming neither record nor field."""
+    with MemmapWriter(tmp_path / "j", records=False, fields={"j": "json"}) as w:
+        w.append(j={"ok": 1})
+        with pytest.raises(DatasetError, match=rf"record 1: field 'j': {match}"):
+            w.append(j=value)
+        w.append(j=[2])
+    assert MemmapDataset(tmp_path / "j").read_batch([0, 1])["j"] == [{"ok": 1}, [2]]
+
+
+@pytest.mark.parametrize("text", [b"NaN", b"[1,-Infinity]", b'{"a":Infinity}'])
+def test_json_constants_the_writer_refuses_are_refused_on_read(tmp_path: Path, text: bytes) -> None:
+    """Found: a hostile data file (valid CRC) holding ``NaN``/``Infinity`` read back as floats,
+    values the writer never stores (JSON has no such constants)."""
+    root = tmp_path / "j"
+    with MemmapWriter(root, records=False, fields={"j": "json"}) as w:
+        w.append(j=[1])
+        w.append(j=2)
+    data = b"[1]" + text
+    (root / "shard-00000.j").write_bytes(data)
+    (root / "shard-00000.j.offsets").write_bytes(np.array([0, 3, len(data)], "<u8").tobytes())
+    doc = json.loads((root / "index.json").read_text())
+    for info in doc["shards"][0]["files"].values():
+        raw = (root / info["path"]).read_bytes()
+        info["bytes"], info["crc32c"] = len(raw), to_hex(crc32c(raw))
+    (root / "index.json").write_text(json.dumps(doc))
+    ds = MemmapDataset(root, verify=True)
+    assert ds[0]["j"] == [1]
+    with pytest.raises(DatasetError, match=r"shard-00000\.j: record 1 \(shard 0\): json"):
+        ds.read_batch([0, 1])
+
+
+# ------------------------------------------------------------------------------ TokenWindows
+class TestPaddedTokenWindowsContract(DatasetContractTests):
+    """The dataset contract with ``drop_last=False`` (a padded last window), empty documents
+    and shards, and windows crossing shards: only ``drop_last=True`` was run through it."""
+
+    def make_dataset(self, tmp_path: Path) -> Any:
+        rng = np.random.default_rng(7)
+        with MemmapWriter(
+            tmp_path / "c", records=False, fields={"tokens": ("int16", (None,))}, shard_bytes=30
+        ) as w:
+            for k in (5, 0, 0, 13, 1, 0, 22, 3):
+                w.append(tokens=rng.integers(-(2**15), 2**15, k).astype(np.int16))
+        tw = TokenWindows(tmp_path / "c", block_size=7, drop_last=False, pad_value=-1)
+        assert tw.num_tokens % 7 and len(tw) == -(-tw.num_tokens // 7)
+        return tw

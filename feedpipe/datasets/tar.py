@@ -77,6 +77,23 @@ def _remote_stamp(f: Any, fs: Any, path: str) -> tuple[int, int | str | None]:
     return int(info.get("size") or 0), None if tag is None else str(tag)
 
 
+class _Capped:
+    """A file's ``read``/``seek``/``tell`` for ``tarfile``, reads cut at the file's length."""
+
+    def __init__(self, f: Any, length: int) -> None:
+        self._f, self._length = f, length
+
+    def read(self, n: int | None = -1) -> bytes:
+        left = max(0, self._length - self._f.tell())
+        return bytes(self._f.read(left if n is None or n < 0 else min(n, left)))
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return int(self._f.seek(offset, whence))
+
+    def tell(self) -> int:
+        return int(self._f.tell())
+
+
 class TarDataset:
     """Map-style dataset over WebDataset ``.tar`` shards (local paths or fsspec URLs).
 
@@ -139,9 +156,19 @@ class TarDataset:
             length = f.tell()
             f.seek(0)
             try:
-                tar = tarfile.open(fileobj=f, mode="r:")  # noqa: SIM115 - f is closed above
+                # capped reads: a hostile pax or long-name header claiming terabytes would make
+                # tarfile ask for a buffer of that size (a MemoryError, or the OOM killer)
+                capped: Any = _Capped(f, length)
+                tar = tarfile.open(fileobj=capped, mode="r:")  # noqa: SIM115
                 members = tar.getmembers()
-            except (tarfile.TarError, EOFError, OSError, ValueError, OverflowError) as exc:
+            except (
+                tarfile.TarError,
+                EOFError,
+                OSError,
+                ValueError,
+                OverflowError,
+                MemoryError,
+            ) as exc:
                 # hostile headers (a negative or huge pax size) make tarfile seek out of range
                 raise DatasetError(f"{shard} is truncated or not a tar: {exc}") from exc
             if length - tar.offset < 2 * tarfile.BLOCKSIZE:
