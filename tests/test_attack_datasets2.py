@@ -71,7 +71,6 @@ def test_s3_tar_shard_replaced_after_indexing_is_an_error_naming_the_url(
         list(loader)
 
 
-
 def _tar_file(path: Path, members: list[tarfile.TarInfo | tuple[str, bytes]]) -> str:
     with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
         for m in members:
