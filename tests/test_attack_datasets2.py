@@ -222,6 +222,12 @@ def test_mapped_shard_rewritten_in_place_with_the_same_size_is_an_error(
     assert torch.equal(ds.read_batch([5, 19]), torch.from_numpy(x[[5, 19]]))  # other shards
     shard.write_bytes(good)  # restored: accepted again
     assert torch.equal(ds.read_batch([1, 0]), torch.from_numpy(x[[1, 0]]))
+    with open(shard, "ab") as f:  # extended (a writer appending): the index no longer holds
+        f.write(b"\0" * 4096)
+    with pytest.raises(DatasetError, match=r"shard-00000\.data: shard 0 file is now 12288"):
+        ds[1]
+    os.truncate(shard, len(good))
+    assert torch.equal(ds.read_batch([1, 0]), torch.from_numpy(x[[1, 0]]))
     os.truncate(shard, 0)  # truncated, then extended back: zeros where the records were
     os.truncate(shard, len(good))
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
