@@ -149,6 +149,31 @@ def test_tar_header_claiming_a_huge_long_name_names_the_shard(tmp_path: Path, si
         TarDataset(str(path))
 
 
+def test_local_tar_shard_rewritten_in_place_after_the_first_read_is_an_error(
+    tmp_path: Path,
+) -> None:
+    """Found: the (size, mtime) check ran only when a reader first opened the shard; a shard
+    rewritten in place (same size, other member layout) after that was read at the old offsets:
+    another member's bytes, silently. A shard renamed over stays readable as it was."""
+    path = tmp_path / "s.tar"
+    path.write_bytes(_tar_bytes([("a.txt", b"A" * 100), ("b.txt", b"B" * 50)]))
+    ds = TarDataset(str(path))
+    assert ds[0]["txt"] == b"A" * 100
+    new = _tar_bytes([("a.txt", b"X" * 50), ("b.txt", b"Y" * 100)])
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.write(new)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(DatasetError, match=r"s\.tar changed after it was indexed"):
+        ds[1]
+    path.write_bytes(_tar_bytes([("a.txt", b"A" * 100), ("b.txt", b"B" * 50)]))
+    ds = TarDataset(str(path))
+    assert ds[0]["txt"] == b"A" * 100  # this thread's reader holds the file now
+    (tmp_path / "t.tar").write_bytes(new)
+    os.replace(tmp_path / "t.tar", path)
+    assert ds[1]["txt"] == b"B" * 50
+
+
 # ------------------------------------------------------------------------------ batch indices
 def _fixed(path: Path, n: int = 20, shard_bytes: int = 8192) -> np.ndarray:
     """A fixed-layout dataset of ``n`` records of 1024 int32 (2 records per shard)."""
@@ -255,6 +280,34 @@ def test_mapped_shard_renamed_over_keeps_reading_the_old_bytes(
     ds.close()  # reopened: the new file is seen, and refused by size
     with pytest.raises(DatasetError, match=r"shard-00001\.data: shard 1 file is 100 bytes"):
         ds.read_batch([2])
+
+
+def test_at_the_inotify_watch_limit_the_rest_are_checked_by_stat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of inotify watches (``inotify_add_watch`` fails, ENOSPC) part way through the shards:
+    the watched ones and the rest (stat per batch) both name a truncated shard."""
+    from feedpipe.datasets import _gather
+
+    x = _fixed(tmp_path / "d")
+    watcher = _gather._watcher()
+    real = watcher.add
+    left = [2]
+
+    def add(path: str, dirty: list[int], sid: int) -> int:
+        left[0] -= 1
+        return real(path, dirty, sid) if left[0] >= 0 else -1
+
+    monkeypatch.setattr(watcher, "add", add)
+    ds = MemmapDataset(tmp_path / "d")
+    assert torch.equal(ds.read_batch(np.arange(20)), torch.from_numpy(x))  # 10 shards mapped
+    space = ds._shard_space()
+    assert space is not None and space._unwatched.sum() == 8 and len(space._wds) == 2
+    for sid in (0, 9):  # the first shard mapped is watched, the last is not
+        os.truncate(tmp_path / "d" / f"shard-{sid:05d}.data", 4096)
+        with pytest.raises(DatasetError, match=rf"shard-{sid:05d}\.data: shard {sid} file is now"):
+            ds.read_batch([2 * sid + 1])
+    assert torch.equal(ds.read_batch([5, 7]), torch.from_numpy(x[[5, 7]]))
 
 
 def _swap_then_truncate_old(root: str, q: Any) -> None:

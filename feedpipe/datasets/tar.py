@@ -14,9 +14,10 @@ refused, naming the shard. Directories, links, special members and names WebData
 extension, a dot file) are skipped; sparse members are refused; a member that
 runs past the end of its shard (a truncated download) is a :class:`~feedpipe.DatasetError`
 naming the shard and the member. A shard that changes after it was indexed is a
-``DatasetError`` naming it: a local shard is checked (size, mtime) when a reader opens it, a
-remote one (size, ETag) when a reader opens it, and on S3 every read is conditional on the ETag
-indexed (``If-Match``), so a replaced object is never read at the old offsets.
+``DatasetError`` naming it: a local shard is checked (size, mtime) before each sample is read
+(a shard replaced by rename after a reader opened it is read as it was: the open file is the
+old one), a remote one (size, ETag) when a reader opens it, and on S3 every read is conditional
+on the ETag indexed (``If-Match``), so a replaced object is never read at the old offsets.
 """
 
 from __future__ import annotations
@@ -236,17 +237,25 @@ class TarDataset:
                 fd = os.open(shard, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except OSError as exc:
                 raise DatasetError(f"cannot open tar shard {shard}: {exc}") from exc
-            st = os.fstat(fd)
-            was = self._stamps.get(number, (st.st_size, st.st_mtime_ns))
-            if was != (st.st_size, st.st_mtime_ns):  # replaced or rewritten since indexing
+            try:
+                self._check_local(number, fd)
+            except DatasetError:
                 os.close(fd)
-                raise DatasetError(
-                    f"tar shard {shard} changed after it was indexed (size {was[0]} -> "
-                    f"{st.st_size} B, mtime changed: {was[1] != st.st_mtime_ns}): its member "
-                    "offsets no longer hold (short reads or wrong bytes); index it again"
-                )
+                raise
             fds[number] = fd
         return fd
+
+    def _check_local(self, number: int, fd: int) -> None:
+        """Raise if the open local shard differs from the one indexed (size, mtime): checked
+        when it is opened and before each sample, so a rewrite in place is never read."""
+        st = os.fstat(fd)
+        was = self._stamps.get(number, (st.st_size, st.st_mtime_ns))
+        if was != (st.st_size, st.st_mtime_ns):  # replaced or rewritten since indexing
+            raise DatasetError(
+                f"tar shard {self.shards[number]} changed after it was indexed (size {was[0]} "
+                f"-> {st.st_size} B, mtime changed: {was[1] != st.st_mtime_ns}): its member "
+                "offsets no longer hold (short reads or wrong bytes); index it again"
+            )
 
     def _remote(self, number: int) -> Any:
         """This thread's open file of a remote shard, checked against the indexed stamp; on S3
@@ -310,6 +319,8 @@ class TarDataset:
             raise IndexError(f"sample {index} out of range for {n} samples")
         number, key, spans = self._samples[index]
         sample: dict[str, Any] = {"__key__": key, "__url__": self.shards[number]}
+        if spans and not is_remote(self.shards[number]):
+            self._check_local(number, self._fd(number))  # one fstat: a rewrite since opening
         for field, offset, size in spans:
             sample[field] = self._read(number, offset, size)
         return self.transform(sample) if self.transform is not None else sample
