@@ -343,6 +343,46 @@ def test_mapped_file_truncated_after_its_path_was_swapped_is_an_error_not_sigbus
     assert "shard-00001.data: shard 1 file was modified while mapped" in got
 
 
+def _version(path: Path, base: int, n: int, overwrite: bool) -> None:
+    """A dataset of ``n`` records (1024 int32 of ``base + i``, and a str field), 2 per shard."""
+    with MemmapWriter(
+        path,
+        shape=(1024,),
+        dtype="int32",
+        shard_bytes=8192,
+        fields={"s": "str"},
+        overwrite=overwrite,
+    ) as w:
+        for i in range(n):
+            w.append(np.full(1024, base + i, np.int32), s=f"r{base + i:04d}")
+
+
+@pytest.mark.parametrize("read", ["auto", "pread"])
+def test_a_dataset_rewritten_under_an_open_reader_is_never_mixed_with_the_old_index(
+    tmp_path: Path, read: str
+) -> None:
+    """Found: a dataset rewritten in place (``MemmapWriter(overwrite=True)``, shards of the same
+    sizes) under an open MemmapDataset: the shards it had not opened yet were the new version's,
+    read with the old index: new records under old indices, silently. Now opening a shard
+    checks that ``index.json`` is still the file the dataset was opened with; the shards it
+    already holds keep their old bytes (the writer unlinks them), and reopening reads the new
+    version."""
+    root = tmp_path / "d"
+    _version(root, 0, 20, overwrite=False)
+    old = MemmapDataset(root, read=read)
+    first = old.read_batch([0, 1])
+    assert first["data"][:, 0].tolist() == [0, 1] and first["s"] == ["r0000", "r0001"]
+    _version(root, 100, 30, overwrite=True)
+    got = old.read_batch([1, 0])
+    assert got["data"][:, 0].tolist() == [1, 0] and got["s"] == ["r0001", "r0000"]
+    with pytest.raises(DatasetError, match=r"rewritten since it was opened.*shard 5 cannot"):
+        old.read_batch([5])
+    with pytest.raises(DatasetError, match=r"rewritten since it was opened"):
+        old[7]
+    new = MemmapDataset(root, read=read)
+    assert new.read_batch([5])["s"] == ["r0105"] and len(new) == 30
+
+
 # ------------------------------------------------------------------------------ typed columns
 @pytest.mark.parametrize(
     ("value", "match"),

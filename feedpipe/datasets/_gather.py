@@ -102,9 +102,10 @@ class ShardSpace:
     ``starts`` the cumulative record counts (``len(paths) + 1`` entries); ``watch=False`` checks
     sizes with ``os.stat`` per batch instead of inotify. ``crcs`` (an attribute, optional: set it
     before the first :meth:`take`) holds each shard's CRC32C hex from the index, to re-check a
-    shard seen modified with its size unchanged. Use :meth:`create`,
-    which returns ``None`` where this layout cannot be had (not Linux, too many shards, too
-    much address space).
+    shard seen modified with its size unchanged; ``opened`` (optional too) is called with a
+    shard's number once its file is open, before it is mapped, to refuse it (raise). Use
+    :meth:`create`, which returns ``None`` where this layout cannot be had (not Linux, too many
+    shards, too much address space).
     """
 
     def __init__(
@@ -132,6 +133,7 @@ class ShardSpace:
         self._bad: dict[int, str] = {}  # sid -> error, once a watched file was seen to change
         self._ident: dict[int, tuple[int, int, int]] = {}  # sid -> mapped (dev, ino, mtime_ns)
         self.crcs: list[str] | None = None
+        self.opened: Callable[[int], None] | None = None
         self._dirty: list[int] = []  # shards the process's watcher saw change (to re-check)
         self._wds: set[int] = set()
         self._watching = watch
@@ -210,6 +212,8 @@ class ShardSpace:
             except FileNotFoundError:
                 raise DatasetError(f"{path}: shard {s} file is missing") from None
             try:
+                if self.opened is not None:
+                    self.opened(s)
                 self._watch(s, fd)  # before the size check: a later truncation is seen
                 st = os.fstat(fd)
                 self._ident[s] = (st.st_dev, st.st_ino, st.st_mtime_ns)

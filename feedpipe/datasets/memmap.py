@@ -37,6 +37,7 @@ Transforms (``transform=`` per sample, ``batch_transform=`` per batch) run where
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import threading
@@ -154,6 +155,7 @@ class MemmapDataset(TypedColumns, torch.utils.data.Dataset[Any]):
         self._remote = _remote.is_remote(self.path)
         self._cache: Any = None  # feedpipe.cache.ShardCache of a remote dataset, made on first use
         self._index_raw: bytes | None = None
+        self._index_id: tuple[int, int, int] | None = None  # local: index.json as opened
         # every message and the repr show this: the URL without its password or signature
         self._shown = _remote.redact(self.path, self.storage_options)
         if self._remote:
@@ -168,6 +170,8 @@ class MemmapDataset(TypedColumns, torch.utils.data.Dataset[Any]):
                 self.path = self._shown = self.path[len("file://") :]
             if not os.path.isdir(self.path):
                 raise DatasetError(f"{self.path}: not a feedpipe dataset (not a directory)")
+            # before reading it: a rewrite racing the read is then seen as one, never missed
+            self._index_id = _file_id(os.path.join(self.path, INDEX_NAME))
             self.index = read_index(self.path)
             self._check_local_files(verify)
         layout = self.index.layout
@@ -301,6 +305,10 @@ class MemmapDataset(TypedColumns, torch.utils.data.Dataset[Any]):
                     space = ShardSpace.create(paths, sizes, self._starts, self._record_bytes)
                     if space is not None:
                         space.crcs = [s.files["data"].crc32c for s in self.index.shards]
+                        if self._index_id is not None:  # no reference back to self
+                            space.opened = functools.partial(
+                                _same_version, self.path, self._index_id
+                            )
                 self._space = space if space is not None else False
         return space if isinstance(space, ShardSpace) else None
 
@@ -320,8 +328,10 @@ class MemmapDataset(TypedColumns, torch.utils.data.Dataset[Any]):
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             release()
+            self._check_same_version(sid)  # missing because the dataset is being rewritten?
             raise DatasetError(f"{path}: shard {sid} file is missing") from None
         try:
+            self._check_same_version(sid)  # after the open: the file is the version indexed
             self._check_size(path, info, sid, os.fstat(fd).st_size)
         except BaseException:
             os.close(fd)
@@ -351,12 +361,20 @@ class MemmapDataset(TypedColumns, torch.utils.data.Dataset[Any]):
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
+            self._check_same_version(sid)
             raise DatasetError(f"{path}: shard {sid} file is missing") from None
         try:
+            self._check_same_version(sid)
             self._check_size(path, info, sid, os.fstat(fd).st_size)
             return _pread_exact(fd, info.bytes, 0, path)
         finally:
             os.close(fd)
+
+    def _check_same_version(self, sid: int) -> None:
+        """Raise if ``index.json`` was replaced or removed since this dataset was opened (see
+        :func:`_same_version`); remote datasets read their files through the cache."""
+        if self._index_id is not None:
+            _same_version(self.path, self._index_id, sid)
 
     def _rows(self, shard: OpenShard) -> np.ndarray:
         """The shard's data mapped read-only: ``(records, record_bytes)`` uint8 (fixed)."""
@@ -910,3 +928,25 @@ def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:
 
 def _noop() -> None:
     return None
+
+
+def _same_version(root: str, index_id: tuple[int, int, int], sid: int) -> None:
+    """Raise unless ``index.json`` under ``root`` is still the file ``index_id`` describes: a
+    dataset being rewritten (index removed first, written last), and shard ``sid`` opened now
+    may be the new version's, of the same size, which the old index would read as wrong
+    records, silently. Called after the shard's file is open, so that file is the old one."""
+    if _file_id(os.path.join(root, INDEX_NAME)) != index_id:
+        raise DatasetError(
+            f"{root}: the dataset was rewritten since it was opened ({INDEX_NAME} replaced or "
+            f"removed), so shard {sid} cannot be read with the index it was opened with; open "
+            "the dataset again"
+        )
+
+
+def _file_id(path: str) -> tuple[int, int, int] | None:
+    """``(device, inode, mtime_ns)`` of a file, None if it is missing."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns
