@@ -79,6 +79,35 @@ def test_s3_tar_shard_replaced_after_indexing_is_an_error_naming_the_url(
         list(loader)
 
 
+def test_indexing_a_remote_shard_skips_the_data_of_large_members(
+    s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found: the module promised an index "from the tar headers only", but a remote shard was
+    opened with s3fs's 50 MiB read-ahead: indexing downloaded whole shards. Now the index reads
+    in ``INDEX_BLOCK`` blocks, and members larger than that are skipped, not downloaded."""
+    import fsspec
+    import s3fs.core
+
+    from feedpipe.datasets import tar as tar_module
+
+    bucket, opts = s3_bucket
+    members = [(f"{i:03d}.bin", bytes([i]) * (1 << 20)) for i in range(8)]
+    raw = _tar_bytes(members)
+    fsspec.filesystem("s3", **opts).pipe(f"{bucket}/big.tar", raw)
+    fetched: list[int] = []
+    real = s3fs.core.S3File._fetch_range
+
+    def counted(self: Any, start: int, end: int) -> bytes:
+        fetched.append(end - start)
+        return real(self, start, end)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(s3fs.core.S3File, "_fetch_range", counted)
+    monkeypatch.setattr(tar_module, "INDEX_BLOCK", 64 << 10)
+    ds = TarDataset(f"s3://{bucket}/big.tar", storage_options=opts)
+    assert len(ds) == 8 and sum(fetched) < len(raw) // 8, (sum(fetched), len(raw))
+    assert ds[5]["bin"] == members[5][1]
+
+
 def _tar_file(path: Path, members: list[tarfile.TarInfo | tuple[str, bytes]]) -> str:
     with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
         for m in members:

@@ -6,18 +6,21 @@ to the first ``.`` of its file name (``a/b/000017.jpg`` and ``a/b/000017.cls`` a
 ``a/b/000017`` with fields ``jpg`` and ``cls``), as WebDataset groups them. ``ds[i]`` is a dict
 ``{"__key__": key, "__url__": shard, field: bytes, ...}`` (after ``transform`` when given).
 
-The index is built once, from the tar headers only (no member data is read): for local shards
-with ``os.pread`` from the headers' offsets, for URLs through fsspec. Reads are then one
-positioned read per field, so the dataset is map-style: shuffling, the distributed sampler and
-exact resume work as for any dataset. Compressed tars have no offsets to seek to and are
-refused, naming the shard. Directories, links, special members and names WebDataset skips (no
-extension, a dot file) are skipped; sparse members are refused; a member that
-runs past the end of its shard (a truncated download) is a :class:`~feedpipe.DatasetError`
-naming the shard and the member. A shard that changes after it was indexed is a
-``DatasetError`` naming it: a local shard is checked (size, mtime) before each sample is read
-(a shard replaced by rename after a reader opened it is read as it was: the open file is the
-old one), a remote one (size, ETag) when a reader opens it, and on S3 every read is conditional
-on the ETag indexed (``If-Match``), so a replaced object is never read at the old offsets.
+The index is built once, from the tar headers: ``tarfile`` reads each header and seeks past the
+member's data, through a buffer (local shards: the file's own, URLs: fsspec read-ahead blocks of
+``INDEX_BLOCK`` bytes), so the data of members smaller than the buffer is read along with the
+headers, and that of larger ones is skipped. Reads are then one positioned read per field, so
+the dataset is map-style: shuffling, the distributed sampler and exact resume work as for any
+dataset. Compressed tars have no offsets to seek to and are refused, naming the shard.
+Directories, links, special members and names WebDataset skips (no extension, a dot file) are
+skipped; sparse members are refused; a member that runs past the end of its shard (a truncated
+download) is a :class:`~feedpipe.DatasetError` naming the shard and the member.
+
+A shard that changes after it was indexed is a ``DatasetError`` naming it: a local shard is
+checked (size, mtime) before each sample is read (a shard replaced by rename after a reader
+opened it is read as it was: the open file is the old one), a remote one (size, ETag) when a
+reader opens it, and on S3 every read is conditional on the ETag indexed (``If-Match``), so a
+replaced object is never read at the old offsets.
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ from feedpipe.errors import DatasetError
 from feedpipe.io.remote import is_remote
 from feedpipe.remote.transfer import call, resolve
 
-__all__ = ["TarDataset", "expand_shards"]
+__all__ = ["INDEX_BLOCK", "TarDataset", "expand_shards"]
 
 _BRACES = re.compile(r"\{(\d+)\.\.(\d+)\}")
+#: fsspec read-ahead while a remote shard is indexed: few requests for shards of small members,
+#: and at most this much of each larger member read (s3fs's default block is 50 MiB)
+INDEX_BLOCK = 8 << 20
 
 
 def expand_shards(spec: str | Sequence[str]) -> list[str]:
@@ -129,7 +135,7 @@ class TarDataset:
         if is_remote(shard):
             fs, path = resolve(shard, self.storage_options)
             f = call(
-                lambda: fs.open(path, "rb"),
+                lambda: fs.open(path, "rb", block_size=INDEX_BLOCK, cache_type="readahead"),
                 shard,
                 what="open",
                 storage_options=self.storage_options,
