@@ -434,10 +434,15 @@ def test_json_values_that_cannot_be_encoded_name_record_and_field(
     assert MemmapDataset(tmp_path / "j").read_batch([0, 1])["j"] == [{"ok": 1}, [2]]
 
 
-@pytest.mark.parametrize("text", [b"NaN", b"[1,-Infinity]", b'{"a":Infinity}'])
+@pytest.mark.parametrize(
+    "text",
+    [b"NaN", b"[1,-Infinity]", b'{"a":Infinity}', b"[" * 100_000 + b"]" * 100_000],
+    ids=["nan", "-inf", "inf", "deep"],
+)
 def test_json_constants_the_writer_refuses_are_refused_on_read(tmp_path: Path, text: bytes) -> None:
     """Found: a hostile data file (valid CRC) holding ``NaN``/``Infinity`` read back as floats,
-    values the writer never stores (JSON has no such constants)."""
+    values the writer never stores (JSON has no such constants). Guard: JSON nested 100,000
+    deep (the writer stops at 100) is an error naming the record, not a crash."""
     root = tmp_path / "j"
     with MemmapWriter(root, records=False, fields={"j": "json"}) as w:
         w.append(j=[1])
