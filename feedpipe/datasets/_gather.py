@@ -19,14 +19,20 @@ shards. Each mapped shard costs up to two kernel map areas (``vm.max_map_count``
 with more shards than :func:`map_budget` allows is read the per-shard way instead.
 
 Integrity. A file truncated under a map would raise ``SIGBUS`` on the next read of a lost page.
-The shards are watched with ``inotify`` (``IN_MODIFY``, which a truncation raises), through one
-inotify instance per process shared by every dataset; before each gather one non-blocking read
-of its descriptor tells whether any watched file changed, and only then are the changed files'
-sizes checked against the index. So the check is
-one system call per batch, not one per shard. Where inotify is unavailable (or out of
-watches), the shards it does not watch are checked with ``os.stat`` per batch touching them.
-As with any map, a truncation racing the gather itself is not caught; ``read="pread"`` never
-maps.
+The shards are watched with ``inotify`` (``IN_MODIFY``, which a truncation or a write raises),
+through one inotify instance per process shared by every dataset; the watch is added through
+``/proc/self/fd/N``, so it is on the very file mapped, even if the path was swapped meanwhile.
+Before each gather one non-blocking read of its descriptor tells whether any watched file
+changed, and only then are the changed files checked: a size other than the index's is an
+error; the same size is checked against the index's CRC32C (``crcs``), so bytes rewritten in
+place (a ``cp`` over the shard, a truncation then a sparse extension) are an error too, and a
+restore of the indexed bytes is accepted again. A mapped file modified after its path was
+swapped cannot be checked and is an error. So the check is one system call per batch, not one
+per shard. Where inotify is unavailable (or out of watches), the shards it does not watch are
+checked with ``os.stat`` per batch touching them: a path that now names another file (renamed
+over, removed) leaves the map on the old file, which is safe to read; the same file with
+another size, or another mtime and bytes that fail the CRC32C, is an error. As with any map, a
+truncation racing the gather itself is not caught; ``read="pread"`` never maps.
 """
 
 from __future__ import annotations
@@ -94,9 +100,12 @@ class ShardSpace:
 
     ``paths[s]`` is shard ``s``'s data file, ``sizes[s]`` its size in bytes from the index and
     ``starts`` the cumulative record counts (``len(paths) + 1`` entries); ``watch=False`` checks
-    sizes with ``os.stat`` per batch instead of inotify. Use :meth:`create`,
-    which returns ``None`` where this layout cannot be had (not Linux, too many shards, too
-    much address space).
+    sizes with ``os.stat`` per batch instead of inotify. ``crcs`` (an attribute, optional: set it
+    before the first :meth:`take`) holds each shard's CRC32C hex from the index, to re-check a
+    shard seen modified with its size unchanged; ``opened`` (optional too) is called with a
+    shard's number once its file is open, before it is mapped, to refuse it (raise). Use
+    :meth:`create`, which returns ``None`` where this layout cannot be had (not Linux, too many
+    shards, too much address space).
     """
 
     def __init__(
@@ -122,6 +131,9 @@ class ShardSpace:
         self._unwatched = np.zeros(len(self._paths), bool)  # mapped, checked by stat per batch
         self._any_unwatched = False
         self._bad: dict[int, str] = {}  # sid -> error, once a watched file was seen to change
+        self._ident: dict[int, tuple[int, int, int]] = {}  # sid -> mapped (dev, ino, mtime_ns)
+        self.crcs: list[str] | None = None
+        self.opened: Callable[[int], None] | None = None
         self._dirty: list[int] = []  # shards the process's watcher saw change (to re-check)
         self._wds: set[int] = set()
         self._watching = watch
@@ -200,8 +212,11 @@ class ShardSpace:
             except FileNotFoundError:
                 raise DatasetError(f"{path}: shard {s} file is missing") from None
             try:
-                self._watch(s, path)  # before the size check: a later truncation is seen
+                if self.opened is not None:
+                    self.opened(s)
+                self._watch(s, fd)  # before the size check: a later truncation is seen
                 st = os.fstat(fd)
+                self._ident[s] = (st.st_dev, st.st_ino, st.st_mtime_ns)
                 if not stat.S_ISREG(st.st_mode):
                     raise DatasetError(f"{path}: shard {s} file is not a regular file")
                 size = st.st_size
@@ -225,8 +240,9 @@ class ShardSpace:
                 os.close(fd)
             self._mapped[s] = True
 
-    def _watch(self, sid: int, path: str) -> None:
-        wd = _watcher().add(path, self._dirty, sid) if self._watching else -1
+    def _watch(self, sid: int, fd: int) -> None:
+        # through the descriptor: the watch is on the file mapped, not on what the path names now
+        wd = _watcher().add(f"/proc/self/fd/{fd}", self._dirty, sid) if self._watching else -1
         if wd < 0:  # no inotify (watch=False, none to be had, out of watches): stat per batch
             self._unwatched[sid] = True
             self._any_unwatched = True
@@ -238,25 +254,50 @@ class ShardSpace:
         if self._wds:
             _watcher().drain()
             while self._dirty:
-                self._restat(self._dirty.pop())
+                self._restat(self._dirty.pop(), modified=True)
         if self._any_unwatched:
             for s in np.unique(sid[self._unwatched[sid]]).tolist():
-                self._restat(s)
+                self._restat(s, modified=False)
         if self._bad:
             for s in np.unique(sid).tolist():
                 if s in self._bad:
                     raise DatasetError(self._bad[s])
 
-    def _restat(self, s: int) -> None:
+    def _restat(self, s: int, modified: bool) -> None:
+        """Re-check shard ``s``; ``modified``: inotify saw the mapped file written."""
         path = self._paths[s]
+        dev, ino, mtime = self._ident.get(s, (-1, -1, -1))
         try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:  # removed: the map keeps the old file, which is safe
+            st = os.stat(path)
+        except FileNotFoundError:
+            st = None
+        if st is None or (st.st_dev, st.st_ino) != (dev, ino):
+            if modified:  # the mapped file itself was written, and its path names another now
+                self._bad[s] = (
+                    f"{path}: shard {s} file was modified while mapped, after its path was "
+                    "replaced or removed (the bytes mapped cannot be checked); reopen the dataset"
+                )
+            return  # renamed over or removed: the map keeps the old file, which is safe
+        if st.st_size != self._sizes[s]:
+            self._bad[s] = _changed(path, s, st.st_size, self._sizes[s], "is now")
             return
-        if size != self._sizes[s]:
-            self._bad[s] = _changed(path, s, size, self._sizes[s], "is now")
-        else:
-            self._bad.pop(s, None)
+        if (modified or st.st_mtime_ns != mtime) and self.crcs is not None:
+            from feedpipe.io.crc import crc32c_file, to_hex
+
+            try:
+                value, size = crc32c_file(path)
+            except OSError as exc:
+                self._bad[s] = f"{path}: shard {s} file cannot be re-checked: {exc}"
+                return
+            want = self.crcs[s]
+            if size != self._sizes[s] or to_hex(value) != want:
+                self._bad[s] = (
+                    f"{path}: shard {s} file was rewritten in place while mapped (CRC32C "
+                    f"{to_hex(value)}, the index says {want}); reopen the dataset"
+                )
+                return
+        self._ident[s] = (dev, ino, st.st_mtime_ns)
+        self._bad.pop(s, None)
 
     # ------------------------------------------------------------------ lifetime
     def close(self, timeout: float = 60.0) -> None:
@@ -421,16 +462,26 @@ def inverse(order: np.ndarray) -> np.ndarray:
 def indices_array(indices: Any, length: int, out_of_range: Callable[[int], str]) -> np.ndarray:
     """A batch's indices (a sequence, numpy array or tensor of integers) as a 1-D int64 array in
     ``[0, length)``, negatives wrapped; an index outside ``[-length, length)`` is an
-    ``IndexError`` with ``out_of_range(index)`` as its message."""
+    ``IndexError`` with ``out_of_range(index)`` as its message. Booleans are refused (a mask is
+    not a batch of indices), and a ``uint64`` index too large for ``int64`` is out of range
+    (never wrapped into a negative one). The result may be the caller's array: never write it."""
     if hasattr(indices, "tolist") and not isinstance(indices, np.ndarray):  # a tensor
         indices = indices.tolist()
     idx = np.asarray(indices)
     if idx.size == 0:
         return np.empty(0, np.int64)
     if idx.dtype.kind not in "iu" or idx.ndim != 1:
-        raise TypeError(f"indices must be a 1-D sequence of integers, got {idx.dtype}")
-    idx = idx.astype(np.int64)
-    bad = (idx < -length) | (idx >= length)
-    if bad.any():
-        raise IndexError(out_of_range(int(idx[np.argmax(bad)])))
-    return np.where(idx < 0, idx + length, idx)
+        raise TypeError(
+            f"indices must be a 1-D sequence of integers, got {idx.dtype} {idx.shape}"
+        )
+    if idx.dtype == np.uint64:
+        huge = idx > np.iinfo(np.int64).max
+        if huge.any():
+            raise IndexError(out_of_range(int(idx[np.argmax(huge)])))
+    idx = idx.astype(np.int64, copy=False)
+    if (idx.view(np.uint64) >= length).any():  # negatives look huge: look closer
+        bad = (idx < -length) | (idx >= length)
+        if bad.any():
+            raise IndexError(out_of_range(int(idx[np.argmax(bad)])))
+        idx = np.where(idx < 0, idx + length, idx)
+    return idx

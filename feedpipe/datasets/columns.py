@@ -127,8 +127,12 @@ def encode(kind: str, dtype: str, shape: tuple[int, ...], value: Any, where: str
             raise DatasetError(f"{where}: not encodable as UTF-8: {exc.reason}") from None
     if kind == "json":
         _check_json(value, where)
-        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-        return np.frombuffer(text.encode("utf-8"), np.uint8)
+        try:
+            text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            data = text.encode("utf-8")
+        except (ValueError, UnicodeEncodeError) as exc:  # a huge int, a lone surrogate
+            raise DatasetError(f"{where}: cannot be stored as JSON: {exc}") from None
+        return np.frombuffer(data, np.uint8)
     return np.ascontiguousarray(_ragged(dtype, shape, value, where)).reshape(-1).view(np.uint8)
 
 
@@ -308,7 +312,9 @@ def assemble(
             raw = values[bounds[j] : bounds[j + 1]].tobytes()
             try:
                 text = raw.decode("utf-8")
-                items.append(json.loads(text) if col.kind == "json" else text)
+                items.append(
+                    json.loads(text, parse_constant=_no_constant) if col.kind == "json" else text
+                )
             except (UnicodeDecodeError, ValueError, RecursionError) as exc:
                 why = type(exc).__name__
                 raise DatasetError(f"{where(j)}: {col.kind} column {col.name!r}: {why}") from None
@@ -336,6 +342,11 @@ def assemble(
         col.name: _tensor(padded),
         f"{col.name}_lengths": _tensor(rows.astype(np.int64)),
     }
+
+
+def _no_constant(name: str) -> Any:
+    """``json.loads`` hook: ``NaN``/``Infinity`` are not JSON (the writer never stores them)."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _tensor(arr: np.ndarray) -> torch.Tensor:

@@ -47,14 +47,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from feedpipe.datasets._gather import ROW_COPY_MIN, ShardSpace, inverse, scratch
+from feedpipe.datasets._gather import (
+    ROW_COPY_MIN,
+    ShardSpace,
+    indices_array,
+    inverse,
+    scratch,
+)
 from feedpipe.datasets._memmap_columns import TypedColumns
+from feedpipe.datasets._memmap_files import ShardFiles, verify_files
 from feedpipe.datasets._memmap_open import OpenShard, OpenShards
 from feedpipe.datasets.columns import RAGGED_MODES, variable_columns
-from feedpipe.datasets.format import INDEX_NAME, FileInfo, Index, parse_index, read_index
+from feedpipe.datasets.format import INDEX_NAME, parse_index, read_index
 from feedpipe.datasets.writer import MemmapWriter
 from feedpipe.errors import DatasetError
-from feedpipe.io.crc import crc32c_file, to_hex
 from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
 
@@ -66,24 +72,7 @@ _MAX_THREADS = 4
 _READS = ("auto", "mmap", "pread")
 
 
-def verify_files(root: str, index: Index) -> Iterator[tuple[str, str]]:
-    """Check size and CRC32C of every file; yield ``(relpath, problem)`` for each mismatch."""
-    for _sid, rel, nbytes, crc in index.files():
-        path = os.path.join(root, rel)
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            yield rel, "missing"
-            continue
-        if size != nbytes:
-            yield rel, f"size {size} bytes, index says {nbytes}"
-            continue
-        got, _ = crc32c_file(path)
-        if to_hex(got) != crc:
-            yield rel, f"crc32c {to_hex(got)}, index says {crc}"
-
-
-class MemmapDataset(TypedColumns, torch.utils.data.Dataset[Any]):
+class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
     """Map-style dataset over a directory written by :class:`MemmapWriter`.
 
     ``ds[i]`` is a tensor (fixed layout), a 1-D uint8 tensor (bytes layout), a tensor of
@@ -149,6 +138,7 @@ class MemmapDataset(TypedColumns, torch.utils.data.Dataset[Any]):
         self._remote = _remote.is_remote(self.path)
         self._cache: Any = None  # feedpipe.cache.ShardCache of a remote dataset, made on first use
         self._index_raw: bytes | None = None
+        self._index_id: tuple[int, int, int] | None = None  # local: index.json as opened
         # every message and the repr show this: the URL without its password or signature
         self._shown = _remote.redact(self.path, self.storage_options)
         if self._remote:
@@ -162,6 +152,8 @@ class MemmapDataset(TypedColumns, torch.utils.data.Dataset[Any]):
             self.path = self._shown = local_file_path(self.path)
             if not os.path.isdir(self.path):
                 raise DatasetError(f"{self.path}: not a feedpipe dataset (not a directory)")
+            # before reading it: a rewrite racing the read is then seen as one, never missed
+            self._index_id = self._index_file_id(self.path)
             self.index = read_index(self.path)
             self._check_local_files(verify)
         layout = self.index.layout
@@ -188,215 +180,6 @@ class MemmapDataset(TypedColumns, torch.utils.data.Dataset[Any]):
         self._pool: ThreadPoolExecutor | None = None
         self._tls = threading.local()  # per-thread scratch for gathers spanning shards
         self._open_lock = threading.Lock()  # first reads may come from several threads at once
-
-    # ------------------------------------------------------------------ files
-    def _check_local_files(self, verify: bool) -> None:
-        for sid, shard in enumerate(self.index.shards):
-            for info in shard.files.values():
-                self._check_size(os.path.join(self.path, info.path), info, sid)
-        if verify:
-            for rel, problem in verify_files(self.path, self.index):
-                raise DatasetError(f"{os.path.join(self.path, rel)}: checksum failed: {problem}")
-
-    @staticmethod
-    def _check_size(path: str, info: FileInfo, sid: int, size: int | None = None) -> None:
-        if size is None:
-            try:
-                size = os.stat(path).st_size
-            except FileNotFoundError:
-                raise DatasetError(f"{path}: shard {sid} file is missing") from None
-        if size != info.bytes:
-            raise DatasetError(
-                f"{path}: shard {sid} file is {size} bytes but the index says {info.bytes} "
-                "(truncated or modified)"
-            )
-
-    def _local_path(self, shard_id: int, role: str) -> str:
-        """Where one shard file is (or will be, once fetched into the cache) on this machine."""
-        info = self.index.shards[shard_id].files[role]
-        if self._remote:
-            return str(self._shard_cache().path(info.path))
-        return os.path.join(self.path, info.path)
-
-    def _shard_cache(self) -> Any:
-        """The :class:`feedpipe.cache.ShardCache` of a remote dataset (made on first use)."""
-        if self.cache_dir is None:
-            raise NotImplementedError(
-                f"{self._shown}: reading a remote MemmapDataset needs cache_dir=... (lazy "
-                "mode) or the staging cache (feedpipe.stage) to a local directory first"
-            )
-        cache = self._cache
-        if cache is not None and not cache.closed:
-            return cache
-        with self._open_lock:  # thread workers' first reads: one cache, not one per thread
-            return self._make_cache()
-
-    def _make_cache(self) -> Any:
-        if self._cache is None or self._cache.closed:  # closed by close(): a fresh one
-            from feedpipe.remote.cache import ShardCache
-
-            limit = self.cache_limit_bytes
-            biggest = max((info.bytes for _s, _r, info in self._shard_files()), default=0)
-            # index-order readahead helps sequential reads; under a tight limit it only evicts
-            roomy = limit is None or limit >= 8 * biggest
-            self._cache = ShardCache(
-                self.path,
-                self.cache_dir,
-                limit,
-                self.storage_options,
-                readahead=2 if roomy else 0,
-                eager_bytes=(1 << 20) if roomy else 0,
-                index_bytes=self._index_raw,
-            )
-        return self._cache
-
-    def _shard_files(self) -> Iterator[tuple[int, str, FileInfo]]:
-        for sid, shard in enumerate(self.index.shards):
-            for role, info in shard.files.items():
-                yield sid, role, info
-
-    def _open_files(self) -> OpenShards:
-        """This process's open shard data files (rebuilt after a fork or unpickling)."""
-        files = self._files
-        if files is not None and files.pid == os.getpid():
-            return files
-        with self._open_lock:
-            files = self._files
-            if files is None or files.pid != os.getpid():
-                sizes = [
-                    s.files["data"].bytes if "data" in s.files else 0 for s in self.index.shards
-                ]
-                limit = self.cache_limit_bytes if self._remote else None
-                files = self._files = OpenShards(
-                    self._open_data, sizes, None if limit is None else limit // 3
-                )
-                self._pool = None
-                self._role_files = {}
-        return files
-
-    def _shard_space(self) -> ShardSpace | None:
-        """This process's one-range map of every shard (:mod:`feedpipe.datasets._gather`), or
-        ``None`` where batches are read shard by shard (remote, ``read="pread"``, bytes layout,
-        more shards than the map budget)."""
-        space = self._space
-        if isinstance(space, ShardSpace) and space.pid == os.getpid():
-            return space
-        if space is False:
-            return None
-        with self._open_lock:
-            space = self._space
-            if isinstance(space, ShardSpace) and space.pid != os.getpid():
-                space.forget()  # a forked child: the parent's maps, no other thread here
-                space = None
-            if space is None:
-                if not self._remote and self.kind == "fixed" and self.read != "pread":
-                    paths = [self._local_path(s, "data") for s in range(len(self.index.shards))]
-                    sizes = [s.files["data"].bytes for s in self.index.shards]
-                    space = ShardSpace.create(paths, sizes, self._starts, self._record_bytes)
-                self._space = space if space is not None else False
-        return space if isinstance(space, ShardSpace) else None
-
-    def _open_data(self, sid: int, role: str = "data") -> tuple[int, Any]:
-        """Open (and, remote, download and lease) shard ``sid``'s data file: ``(fd, release)``."""
-        info = self.index.shards[sid].files[role]
-        release: Any = _noop
-        if self._remote:
-            cache = self._shard_cache()
-            path = cache.acquire(info.path, on_wait=self._release_idle)
-
-            def release() -> None:
-                cache.release(info.path)
-        else:
-            path = os.path.join(self.path, info.path)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            release()
-            raise DatasetError(f"{path}: shard {sid} file is missing") from None
-        try:
-            self._check_size(path, info, sid, os.fstat(fd).st_size)
-        except BaseException:
-            os.close(fd)
-            release()
-            raise
-        return fd, release
-
-    def _release_idle(self) -> None:
-        files = self._files
-        if files is not None and files.pid == os.getpid():
-            files.release_idle()
-            for other in list(self._role_files.values()):
-                other.release_idle()
-
-    def _read_whole(self, sid: int, role: str) -> bytes:
-        """A small shard file (offsets, a side column) read whole; remote: pinned meanwhile."""
-        info = self.index.shards[sid].files[role]
-        if self._remote:
-            cache = self._shard_cache()
-            with contextlib.ExitStack() as stack:
-                path = cache.acquire(info.path, on_wait=self._release_idle)
-                stack.callback(cache.release, info.path)
-                return self._read_file(path, info, sid)
-        return self._read_file(os.path.join(self.path, info.path), info, sid)
-
-    def _read_file(self, path: str, info: FileInfo, sid: int) -> bytes:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise DatasetError(f"{path}: shard {sid} file is missing") from None
-        try:
-            self._check_size(path, info, sid, os.fstat(fd).st_size)
-            return _pread_exact(fd, info.bytes, 0, path)
-        finally:
-            os.close(fd)
-
-    def _rows(self, shard: OpenShard) -> np.ndarray:
-        """The shard's data mapped read-only: ``(records, record_bytes)`` uint8 (fixed)."""
-        rb = self._record_bytes if self.kind == "fixed" else 0
-        return self._open_files().rows(shard, rb)
-
-    def _check_mapped(self, shard: OpenShard, role: str = "data") -> None:
-        sid = shard.sid
-        info = self.index.shards[sid].files[role]
-        size = os.fstat(shard.fd).st_size
-        if size != info.bytes:
-            raise DatasetError(
-                f"{self._local_path(sid, role)}: shard {sid} file is now {size} bytes but the "
-                f"index says {info.bytes} (truncated or modified while open)"
-            )
-
-    def _offsets(self, sid: int) -> np.ndarray:
-        off = self._offsets_of.get(sid)
-        if off is None:
-            shard = self.index.shards[sid]
-            raw = self._read_whole(sid, "offsets")
-            off = np.frombuffer(raw, dtype="<u8").astype(np.int64)
-            data_bytes = shard.files["data"].bytes
-            if (
-                len(off) != shard.records + 1
-                or off[0] != 0
-                or off[-1] != data_bytes
-                or np.any(np.diff(off) < 0)
-            ):
-                raise DatasetError(
-                    f"{self._local_path(sid, 'offsets')}: shard {sid} offsets are corrupt "
-                    f"(first {off[0]}, last {off[-1]}, data file {data_bytes} bytes)"
-                )
-            self._offsets_of[sid] = off
-        return off
-
-    def _column(self, name: str) -> np.ndarray:
-        """A side field for all records, concatenated over shards (small; kept in memory)."""
-        col = self._columns.get(name)
-        if col is None:
-            spec = self.fields[name]
-            parts = []
-            for sid in range(len(self.index.shards)):
-                raw = self._read_whole(sid, f"field.{name}")
-                parts.append(np.frombuffer(raw, dtype=spec.dtype).reshape(-1, *spec.shape))
-            col = np.concatenate(parts) if parts else np.empty((0, *spec.shape), spec.dtype)
-            self._columns[name] = col
-        return col
 
     # ------------------------------------------------------------------ indexing
     def __len__(self) -> int:
@@ -445,23 +228,10 @@ class MemmapDataset(TypedColumns, torch.utils.data.Dataset[Any]):
             cache.plan.start(batch_key(idx))
 
     def _normalize(self, indices: Any) -> np.ndarray:
-        idx = np.asarray(indices.tolist() if isinstance(indices, torch.Tensor) else indices)
-        if idx.dtype.kind not in "iub" or idx.ndim != 1:
-            if idx.size == 0:
-                return np.empty(0, np.int64)
-            raise TypeError(
-                f"indices must be a 1-D sequence of integers, got {idx.dtype} {idx.shape}"
-            )
-        idx = idx.astype(np.int64, copy=False)  # read-only from here on: may be the caller's
-        if idx.size and (idx.view(np.uint64) >= self._len).any():  # negatives wrap: look closer
-            bad = (idx < -self._len) | (idx >= self._len)
-            if bad.any():
-                first = int(idx[np.argmax(bad)])
-                raise IndexError(
-                    f"index {first} is out of range for {self._shown} (length {self._len})"
-                )
-            idx = np.where(idx < 0, idx + self._len, idx)
-        return idx
+        n, shown = self._len, self._shown
+        return indices_array(
+            indices, n, lambda i: f"index {i} is out of range for {shown} (length {n})"
+        )
 
     def _locate(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if len(self._starts) == 2:  # one shard
@@ -904,14 +674,3 @@ def _check_out(
     if not view.is_contiguous():
         raise ValueError(f"out[{name!r}] must be contiguous")
     return view
-
-
-def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:
-    data = os.pread(fd, nbytes, offset)
-    if len(data) != nbytes:
-        raise DatasetError(f"{path}: short read (got {len(data)} of {nbytes} bytes)")
-    return data
-
-
-def _noop() -> None:
-    return None

@@ -35,8 +35,8 @@ one). Hugging Face features come from the table's ``huggingface`` schema metadat
 Nulls are refused, naming the file, row and column (fill them first, for example with
 ``pyarrow.compute.fill_null``), except in ``"json"`` columns, where a null is stored as JSON
 ``null`` and reads back as ``None``. In Parquet, nulls in flat columns are found up front from
-the footers' statistics; others when their rows are converted (no dataset appears). What cannot be stored is refused up front, naming the
-column, its Arrow type and the file.
+the footers' statistics; others when their rows are converted (no dataset appears). What cannot
+be stored is refused up front, naming the column, its Arrow type and the file.
 
 Parquet files are local paths or fsspec URLs, read through ``pyarrow.parquet`` one row group at a
 time (one is cached per process), so memory stays bounded by a row group whatever the file size;

@@ -6,14 +6,21 @@ to the first ``.`` of its file name (``a/b/000017.jpg`` and ``a/b/000017.cls`` a
 ``a/b/000017`` with fields ``jpg`` and ``cls``), as WebDataset groups them. ``ds[i]`` is a dict
 ``{"__key__": key, "__url__": shard, field: bytes, ...}`` (after ``transform`` when given).
 
-The index is built once, from the tar headers only (no member data is read): for local shards
-with ``os.pread`` from the headers' offsets, for URLs through fsspec. Reads are then one
-positioned read per field, so the dataset is map-style: shuffling, the distributed sampler and
-exact resume work as for any dataset. Compressed tars have no offsets to seek to and are
-refused, naming the shard. Directories, links, special members and names WebDataset skips (no
-extension, a dot file) are skipped; sparse members are refused; a member that
-runs past the end of its shard (a truncated download) is a :class:`~feedpipe.DatasetError`
-naming the shard and the member.
+The index is built once, from the tar headers: ``tarfile`` reads each header and seeks past the
+member's data, through a buffer (local shards: the file's own, URLs: fsspec read-ahead blocks of
+``INDEX_BLOCK`` bytes), so the data of members smaller than the buffer is read along with the
+headers, and that of larger ones is skipped. Reads are then one positioned read per field, so
+the dataset is map-style: shuffling, the distributed sampler and exact resume work as for any
+dataset. Compressed tars have no offsets to seek to and are refused, naming the shard.
+Directories, links, special members and names WebDataset skips (no extension, a dot file) are
+skipped; sparse members are refused; a member that runs past the end of its shard (a truncated
+download) is a :class:`~feedpipe.DatasetError` naming the shard and the member.
+
+A shard that changes after it was indexed is a ``DatasetError`` naming it: a local shard is
+checked (size, mtime) before each sample is read (a shard replaced by rename after a reader
+opened it is read as it was: the open file is the old one), a remote one (size, ETag) when a
+reader opens it, and on S3 every read is conditional on the ETag indexed (``If-Match``), so a
+replaced object is never read at the old offsets.
 """
 
 from __future__ import annotations
@@ -29,9 +36,12 @@ from feedpipe.errors import DatasetError
 from feedpipe.io.remote import is_remote
 from feedpipe.remote.transfer import call, resolve
 
-__all__ = ["TarDataset", "expand_shards"]
+__all__ = ["INDEX_BLOCK", "TarDataset", "expand_shards"]
 
 _BRACES = re.compile(r"\{(\d+)\.\.(\d+)\}")
+#: fsspec read-ahead while a remote shard is indexed: few requests for shards of small members,
+#: and at most this much of each larger member read (s3fs's default block is 50 MiB)
+INDEX_BLOCK = 8 << 20
 
 
 def expand_shards(spec: str | Sequence[str]) -> list[str]:
@@ -63,6 +73,34 @@ def _split(name: str) -> tuple[str, str] | None:
     return None if m is None else (m.group(1), m.group(2).lower())
 
 
+def _remote_stamp(f: Any, fs: Any, path: str) -> tuple[int, int | str | None]:
+    """(size, ETag or object version) of an open remote file, from the details fsspec fetched
+    when it opened it (no extra request)."""
+    info = getattr(f, "details", None) or fs.info(path)
+    tag = next(
+        (info[k] for k in ("ETag", "etag", "generation", "VersionId", "mtime") if info.get(k)),
+        None,
+    )
+    return int(info.get("size") or 0), None if tag is None else str(tag)
+
+
+class _Capped:
+    """A file's ``read``/``seek``/``tell`` for ``tarfile``, reads cut at the file's length."""
+
+    def __init__(self, f: Any, length: int) -> None:
+        self._f, self._length = f, length
+
+    def read(self, n: int | None = -1) -> bytes:
+        left = max(0, self._length - self._f.tell())
+        return bytes(self._f.read(left if n is None or n < 0 else min(n, left)))
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return int(self._f.seek(offset, whence))
+
+    def tell(self) -> int:
+        return int(self._f.tell())
+
+
 class TarDataset:
     """Map-style dataset over WebDataset ``.tar`` shards (local paths or fsspec URLs).
 
@@ -86,7 +124,8 @@ class TarDataset:
         self.storage_options = dict(storage_options or {})
         # per sample: (shard number, key, ((field, offset, size), ...))
         self._samples: list[tuple[int, str, tuple[tuple[str, int, int], ...]]] = []
-        self._stamps: dict[int, tuple[int, int]] = {}  # local shard: (size, mtime_ns) indexed
+        # what each shard was when indexed: local (size, mtime_ns), remote (size, ETag or version)
+        self._stamps: dict[int, tuple[int, int | str | None]] = {}
         for number, shard in enumerate(self.shards):
             self._index(number, shard)
         self._local = threading.local()
@@ -95,12 +134,14 @@ class TarDataset:
     def _open(self, number: int, shard: str) -> Any:
         if is_remote(shard):
             fs, path = resolve(shard, self.storage_options)
-            return call(
-                lambda: fs.open(path, "rb"),
+            f = call(
+                lambda: fs.open(path, "rb", block_size=INDEX_BLOCK, cache_type="readahead"),
                 shard,
                 what="open",
                 storage_options=self.storage_options,
             )
+            self._stamps[number] = _remote_stamp(f, fs, path)
+            return f
         try:
             f = open(shard, "rb")  # noqa: SIM115 - the caller closes it
         except OSError as exc:
@@ -122,9 +163,19 @@ class TarDataset:
             length = f.tell()
             f.seek(0)
             try:
-                tar = tarfile.open(fileobj=f, mode="r:")  # noqa: SIM115 - f is closed above
+                # capped reads: a hostile pax or long-name header claiming terabytes would make
+                # tarfile ask for a buffer of that size (a MemoryError, or the OOM killer)
+                capped: Any = _Capped(f, length)
+                tar = tarfile.open(fileobj=capped, mode="r:")  # noqa: SIM115
                 members = tar.getmembers()
-            except (tarfile.TarError, EOFError, OSError, ValueError, OverflowError) as exc:
+            except (
+                tarfile.TarError,
+                EOFError,
+                OSError,
+                ValueError,
+                OverflowError,
+                MemoryError,
+            ) as exc:
                 # hostile headers (a negative or huge pax size) make tarfile seek out of range
                 raise DatasetError(f"{shard} is truncated or not a tar: {exc}") from exc
             if length - tar.offset < 2 * tarfile.BLOCKSIZE:
@@ -192,33 +243,73 @@ class TarDataset:
                 fd = os.open(shard, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except OSError as exc:
                 raise DatasetError(f"cannot open tar shard {shard}: {exc}") from exc
-            st = os.fstat(fd)
-            was = self._stamps.get(number, (st.st_size, st.st_mtime_ns))
-            if was != (st.st_size, st.st_mtime_ns):  # replaced or rewritten since indexing
+            try:
+                self._check_local(number, fd)
+            except DatasetError:
                 os.close(fd)
-                raise DatasetError(
-                    f"tar shard {shard} changed after it was indexed (size {was[0]} -> "
-                    f"{st.st_size} B, mtime changed: {was[1] != st.st_mtime_ns}): its member "
-                    "offsets no longer hold (short reads or wrong bytes); index it again"
-                )
+                raise
             fds[number] = fd
         return fd
 
-    def _remote(self, number: int) -> tuple[Any, str]:
-        cache: dict[int, tuple[Any, str]] = self._here().remote
-        if number not in cache:
-            cache[number] = resolve(self.shards[number], self.storage_options)
-        return cache[number]
+    def _check_local(self, number: int, fd: int) -> None:
+        """Raise if the open local shard differs from the one indexed (size, mtime): checked
+        when it is opened and before each sample, so a rewrite in place is never read."""
+        st = os.fstat(fd)
+        was = self._stamps.get(number, (st.st_size, st.st_mtime_ns))
+        if was != (st.st_size, st.st_mtime_ns):  # replaced or rewritten since indexing
+            raise DatasetError(
+                f"tar shard {self.shards[number]} changed after it was indexed (size {was[0]} "
+                f"-> {st.st_size} B, mtime changed: {was[1] != st.st_mtime_ns}): its member "
+                "offsets no longer hold (short reads or wrong bytes); index it again"
+            )
+
+    def _remote(self, number: int) -> Any:
+        """This thread's open file of a remote shard, checked against the indexed stamp; on S3
+        every later read is conditional on the indexed ETag (``If-Match``)."""
+        cache: dict[int, Any] = self._here().remote
+        f = cache.get(number)
+        if f is None:
+            shard = self.shards[number]
+            fs, path = resolve(shard, self.storage_options)
+            fs.invalidate_cache(path)  # a listing cached before the replacement is stale
+            f = call(
+                lambda: fs.open(path, "rb", cache_type="none"),
+                shard,
+                what="open",
+                storage_options=self.storage_options,
+            )
+            now = _remote_stamp(f, fs, path)
+            if now != self._stamps.get(number, now):
+                f.close()
+                raise self._changed(number, f"{self._stamps[number]} -> {now}")
+            cache[number] = f
+        return f
+
+    def _changed(self, number: int, how: str) -> DatasetError:
+        return DatasetError(
+            f"tar shard {self.shards[number]} changed after it was indexed ((size, ETag) "
+            f"{how}): its member offsets no longer hold; index it again"
+        )
 
     def _read(self, number: int, offset: int, size: int) -> bytes:
         shard = self.shards[number]
         if is_remote(shard):
-            fs, path = self._remote(number)
-            data = call(
-                lambda: fs.cat_file(path, start=offset, end=offset + size),
-                shard,
-                storage_options=self.storage_options,
-            )
+            f = self._remote(number)
+
+            def positioned() -> bytes | None:
+                f.seek(offset)
+                try:
+                    return bytes(f.read(size))
+                except OSError as exc:
+                    if type(exc).__name__ == "FileExpired":  # s3fs: If-Match failed (412)
+                        return None
+                    raise
+
+            got = call(positioned, shard, storage_options=self.storage_options)
+            if got is None:
+                self._here().remote.pop(number, None)
+                raise self._changed(number, f"{self._stamps.get(number)} -> (replaced)")
+            data: bytes = got
         else:
             data = os.pread(self._fd(number), size, offset)
         if len(data) != size:
@@ -234,6 +325,8 @@ class TarDataset:
             raise IndexError(f"sample {index} out of range for {n} samples")
         number, key, spans = self._samples[index]
         sample: dict[str, Any] = {"__key__": key, "__url__": self.shards[number]}
+        if spans and not is_remote(self.shards[number]):
+            self._check_local(number, self._fd(number))  # one fstat: a rewrite since opening
         for field, offset, size in spans:
             sample[field] = self._read(number, offset, size)
         return self.transform(sample) if self.transform is not None else sample
