@@ -142,7 +142,7 @@ class MixedDataset:
             raise ValueError(
                 f"weights must name every member exactly: missing {missing}, unknown {unknown}"
             )
-        out = []
+        out: list[float] = []
         for n in self.names:
             w = weights[n]
             if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
