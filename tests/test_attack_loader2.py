@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 
+import feedpipe
 from feedpipe import (
     DataLoader,
     DistributedSampler,
@@ -23,6 +26,8 @@ from feedpipe import (
     MemmapWriter,
     MixedDataset,
 )
+from feedpipe.datasets._convert_sink import STATE_DIR
+from feedpipe.datasets.convert_fn import load_function
 from feedpipe.errors import DatasetError, WorkerError
 
 
@@ -333,3 +338,124 @@ def test_skip_a_transform_error_like_a_read_error(tmp_path: Path, workers: int, 
     again.load_state_dict(state)
     assert [b[:, 0].tolist() for b in again] == got[1:]
     assert again.stats.skipped == 1  # the known-bad sample, dropped unread
+
+
+# ====================================================================== convert(fn, ...)
+def _scalar(item: int) -> Any:
+    """A numpy scalar (0-d record) for even inputs, a Python int for odd ones."""
+    return np.int64(item) if item % 2 == 0 else int(item)
+
+
+def _yields_none(item: int) -> Any:
+    yield np.zeros(2, np.int64)
+    yield None
+
+
+def _yields_str(item: int) -> Any:
+    yield "text"
+
+
+def _exits(item: int) -> Any:
+    if item == 3:
+        sys.exit(3)
+    return np.zeros(2, np.int64)
+
+
+def test_convert_unpicklable_fn_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """A lambda or closure with worker processes failed inside the pool with "Can't pickle
+    local object", after the output's state folder was created."""
+    k = 3
+    for fn in (lambda x: np.full(2, x), lambda x: np.full(2, k)):
+        out = tmp_path / "ds"
+        with pytest.raises(ValueError, match=r"cannot be sent to worker processes.*num_workers=1"):
+            feedpipe.convert(fn, range(8), output=str(out), num_workers=2, inputs_per_part=2)
+        assert not out.exists() and not Path(f"{out}.partial").exists()
+    done = feedpipe.convert(  # in this process, a closure is fine
+        lambda x: np.full(2, k), range(8), output=str(tmp_path / "one"), num_workers=1
+    )
+    assert done.records == 8
+
+
+def test_convert_dotted_path_errors_are_value_errors() -> None:
+    """A relative module name raised TypeError from importlib, not the documented ValueError."""
+    for spec in (".:x", "..x", ".mod:f"):
+        with pytest.raises(ValueError, match="cannot import"):
+            load_function(spec)
+    for spec in ("os:sep", "no_such_module_attackl:f", "os:path.no_such_attr"):
+        with pytest.raises(ValueError, match=re.escape(spec)):
+            load_function(spec)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_convert_records_scalars_none_str_and_exit(tmp_path: Path, workers: int) -> None:
+    """A scalar record (numpy or Python) raised "object is not iterable"; a yielded None or str
+    gave a dtype error naming a temporary folder; sys.exit() in fn ended the whole command."""
+    kw: dict[str, Any] = {"num_workers": workers, "inputs_per_part": 2, "progress_bar": False}
+    res = feedpipe.convert(_scalar, range(6), output=str(tmp_path / "s"), **kw)
+    assert res.records == 6
+    assert [int(x) for x in feedpipe.MemmapDataset(tmp_path / "s")] == list(range(6))
+    for fn, match in (
+        (_yields_none, r"_yields_none on input \d \(\d\): a None record"),
+        (_yields_str, r"_yields_str on input \d \(\d\): a str record"),
+        (_exits, r"_exits failed on input 3 \(3\): SystemExit: 3"),
+    ):
+        with pytest.raises(DatasetError, match=match):
+            feedpipe.convert(fn, range(6), output=str(tmp_path / fn.__name__), **kw)
+
+
+_KILL_AT_STATE_REMOVAL = """
+import os, shutil, signal, sys
+import numpy as np
+import feedpipe
+from feedpipe.datasets import _convert_sink
+real = shutil.rmtree
+def rmtree(path, *a, **k):
+    if str(path).endswith(_convert_sink.STATE_DIR):  # the final rename is done: die here
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(path, *a, **k)
+_convert_sink.shutil.rmtree = rmtree
+sys.path.insert(0, sys.argv[2])
+import _convert_fns
+feedpipe.convert(_convert_fns.tokens, range(16), output=sys.argv[1], num_workers=1,
+                 inputs_per_part=4, shard_bytes=256, progress_bar=False)
+"""
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_convert_killed_after_the_final_rename_reruns_to_the_same_bytes(tmp_path: Path) -> None:
+    """SIGKILL between renaming ``OUTPUT.partial`` to ``OUTPUT`` and removing the state in it:
+    the rerun of the same call said "a dataset already exists here" and the output kept a
+    stray ``.feedpipe-convert/``. Now the rerun finishes it: the uninterrupted run's bytes."""
+    import subprocess
+
+    here = Path(__file__).parent
+    dest = tmp_path / "ds"
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{here.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILL_AT_STATE_REMOVAL, str(dest), str(here)],
+        env=env, capture_output=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    assert (dest / "index.json").exists() and (dest / STATE_DIR / "plan.json").exists()
+    sys.path.insert(0, str(here))
+    try:
+        import _convert_fns as fns
+    finally:
+        sys.path.remove(str(here))
+    kw: dict[str, Any] = {"inputs_per_part": 4, "shard_bytes": 256, "progress_bar": False}
+    again = feedpipe.convert(fns.tokens, range(16), output=str(dest), num_workers=2, **kw)
+    clean = feedpipe.convert(fns.tokens, range(16), output=str(tmp_path / "clean"), **kw)
+    assert _tree(dest) == _tree(tmp_path / "clean")
+    assert (again.records, again.shards, again.resumed_parts) == (clean.records, clean.shards, 4)
+    with pytest.raises(DatasetError, match="already exists"):  # finished: a second rerun
+        feedpipe.convert(fns.tokens, range(16), output=str(dest), **kw)
+    other = feedpipe.convert(fns.tokens, range(16), output=str(dest), overwrite=True, **kw)
+    assert other.resumed_parts == 0 and _tree(dest) == _tree(tmp_path / "clean")

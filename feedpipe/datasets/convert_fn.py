@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
+from numbers import Number
 from typing import Any
 
 import numpy as np
@@ -70,7 +71,7 @@ def load_function(spec: str) -> Callable[..., Any]:
         raise ValueError(f"--fn {spec!r}: expected package.module:function")
     try:
         obj: Any = importlib.import_module(module)
-    except ImportError as exc:
+    except (ImportError, TypeError) as exc:  # TypeError: a relative name (".mod")
         raise ValueError(f"--fn {spec!r}: cannot import {module!r}: {exc}") from None
     for attr in name.split("."):
         obj = getattr(obj, attr, None)
@@ -137,6 +138,9 @@ def convert_fn(
     if per < 1:
         raise ValueError(f"inputs_per_part must be >= 1, got {per}")
     tasks = [_Task(k, lo, items[lo : lo + per]) for k, lo in enumerate(range(0, len(items), per))]
+    workers = max(1, num_workers if num_workers is not None else min(4, os.cpu_count() or 1))
+    if workers > 1 and len(tasks) > 1:
+        _check_picklable(fn)
     sink = Sink(os.fspath(output), storage_options)
     plan = {
         "version": 1,
@@ -146,9 +150,18 @@ def convert_fn(
         "inputs_per_part": per,
         "shard_bytes": int(shard_bytes),
     }
+    finished = None if overwrite else sink.converted(plan)
+    if finished is not None:  # killed after the final rename, before the state was removed
+        return ConvertResult(
+            sink.output,
+            finished.num_records,
+            finished.total_bytes,
+            len(finished.shards),
+            time.monotonic() - start,
+            len(tasks),
+        )
     done = sink.start(plan, overwrite=overwrite)
     todo = [t for t in tasks if t.part not in done]
-    workers = max(1, num_workers if num_workers is not None else min(4, os.cpu_count() or 1))
     name = os.path.basename(sink.output.rstrip("/")) or sink.output
     bar = progress(len(items), f"convert {name}", unit="input", enabled=progress_bar)
     bar.update(sum(len(t.items) for t in tasks if t.part in done))
@@ -169,6 +182,17 @@ def convert_fn(
     )
 
 
+def _check_picklable(fn: Callable[..., Any]) -> None:
+    """Refuse, before anything is written, a function the worker processes cannot receive."""
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        raise ValueError(
+            f"convert(fn, ...): {_fn_name(fn)} cannot be sent to worker processes ({exc}); pass "
+            "a module-level function (or a functools.partial of one), or num_workers=1"
+        ) from None
+
+
 # ---------------------------------------------------------------------- the workers
 def _init_worker(q: Any) -> None:
     global _QUEUE
@@ -178,7 +202,7 @@ def _init_worker(q: Any) -> None:
 def _records(produced: Any) -> Iterable[Any]:
     if produced is None:
         return ()
-    single = (Mapping, tuple, bytes, bytearray, memoryview, np.ndarray)
+    single = (Mapping, tuple, bytes, bytearray, memoryview, np.ndarray, np.generic, Number)
     if isinstance(produced, single) or hasattr(produced, "numpy"):
         return (produced,)
     if isinstance(produced, str):
@@ -202,6 +226,10 @@ def _split(record: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, str):
+        raise DatasetError("a str record cannot be stored (encode it to bytes)")
+    if value is None:
+        raise DatasetError("a None record cannot be stored (to filter an input out, yield nothing)")
     if hasattr(value, "detach") and hasattr(value, "numpy"):
         return value.detach().cpu().numpy()
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -297,7 +325,7 @@ def _write_part(fn: Callable[[Any], Any], task: _Task, sink: Sink, shard_bytes: 
                         out.add(record)
                 except DatasetError as exc:
                     raise DatasetError(f"{_fn_name(fn)} on {where}: {exc}") from None
-                except Exception as exc:
+                except (Exception, SystemExit) as exc:  # sys.exit() in fn: not ours to obey
                     raise DatasetError(
                         f"{_fn_name(fn)} failed on {where}: {type(exc).__name__}: {exc}"
                     ) from exc
