@@ -516,3 +516,18 @@ def test_cache_limit_below_one_shard_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="every sample of the epoch failed"):
         list(DataLoader(ds, batch_size=4, on_error="skip"))
     ds.close()
+
+
+def test_mixed_state_is_the_same_on_every_rank_and_strictly_typed() -> None:
+    states = []
+    for rank in range(3):
+        loader, ds, _ = _rank(3, rank)
+        next(iter(loader))
+        states.append(json.dumps(ds.state_dict(), sort_keys=True))
+    assert len(set(states)) == 1  # "the same on every rank"
+    state = json.loads(states[0])
+    for key, bad in (("seed", 5.0), ("members", True), ("epoch_samples", 41.0), ("seed", "5")):
+        with pytest.raises(ValueError, match=key):
+            _mix().load_state_dict({**state, key: bad})
+    with pytest.raises(ValueError, match="epoch_samples"):  # "must stay the same"
+        _mix(epoch_samples=40).load_state_dict(state)

@@ -296,7 +296,7 @@ class MixedDataset:
             ("epoch_samples", self.epoch_samples),
             ("members", len(self.names)),
         ):
-            if state.get(key) != ours:
+            if type(state.get(key)) is not int or state.get(key) != ours:  # 7.0, True: no
                 raise ValueError(
                     f"MixedDataset state has {key} {state.get(key)!r}, this dataset {ours!r}"
                 )
