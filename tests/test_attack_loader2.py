@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -531,3 +532,23 @@ def test_mixed_state_is_the_same_on_every_rank_and_strictly_typed() -> None:
             _mix().load_state_dict({**state, key: bad})
     with pytest.raises(ValueError, match="epoch_samples"):  # "must stay the same"
         _mix(epoch_samples=40).load_state_dict(state)
+
+
+def test_mixed_forgotten_set_epoch_warns_once() -> None:
+    """sampler.set_epoch(e) without mixed.set_epoch(e): every epoch drew the same subset of
+    the down-sampled member, silently."""
+    ds = _mix()
+    sampler = DistributedSampler(ds, 1, 0, pad=False)
+    loader = DataLoader(ds, batch_size=8, sampler=sampler)
+    list(loader)  # epoch 0 both: no warning
+    sampler.set_epoch(1)
+    with pytest.warns(
+        RuntimeWarning, match=r"sampler is at epoch 1 but the MixedDataset at epoch 0"
+    ):
+        list(loader)
+    sampler.set_epoch(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(loader)  # once per loader
+        ds.set_epoch(2)
+        list(DataLoader(ds, batch_size=8, sampler=sampler))  # in step: no warning

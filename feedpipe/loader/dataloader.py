@@ -296,6 +296,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         started = _perf() if self.meter.enabled else None
         note_iter()  # seed draws follow: thread workers' RNG checks must not blame them
         self._check_worker_epoch()
+        self._warn_epochs()
         self._begin_epoch()
         # worker stages run this many at a time (the direct path runs at most one)
         self.meter.set_workers(
@@ -672,6 +673,25 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                 f"worker processes, whose copies hold epoch {self._workers_epoch!r}: use "
                 "worker_type='thread' or persistent_workers=False"
             )
+
+    def _warn_epochs(self) -> None:
+        """Warn (once) when the sampler's epoch is not the dataset's: ``dataset.set_epoch``
+        forgotten, every epoch would draw the same samples of a ``MixedDataset``."""
+        ds_epoch = _dataset_epoch(self.dataset)
+        if ds_epoch is None or getattr(self, "_epochs_warned", False):
+            return
+        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+            epoch = getattr(sampler, "epoch", None)
+            if type(epoch) is int and epoch != ds_epoch:
+                self._epochs_warned = True
+                warnings.warn(
+                    f"the sampler is at epoch {epoch} but the {type(self.dataset).__name__} at "
+                    f"epoch {ds_epoch}: call dataset.set_epoch(epoch) beside sampler.set_epoch("
+                    "epoch), or every epoch draws the same samples",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                return
 
     def _slot_count(self) -> int:
         """Slots per process worker (0: torch's shared-memory path); see :attr:`worker_slots`."""
