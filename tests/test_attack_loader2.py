@@ -552,3 +552,44 @@ def test_mixed_forgotten_set_epoch_warns_once() -> None:
         list(loader)  # once per loader
         ds.set_epoch(2)
         list(DataLoader(ds, batch_size=8, sampler=sampler))  # in step: no warning
+
+
+class _Dicts:
+    """A member whose batches are dicts with the keys in another order than MemmapDataset's."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def read_batch(self, indices: Any, out: Any = None) -> dict[str, torch.Tensor]:
+        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+        return {"label": (idx % 7).to(torch.int32), "data": (500 + idx)[:, None].repeat(1, 3)}
+
+
+def test_mixed_members_may_order_their_keys_differently(tmp_path: Path) -> None:
+    """{"data", "label"} and {"label", "data"} were refused as "different batches"; torch's
+    default_collate takes the keys by name, so does the mix now (in the first member's order)."""
+    with MemmapWriter(tmp_path / "m", shape=(3,), dtype="int64", fields={"label": "int32"}) as w:
+        w.append_batch(np.arange(6)[:, None].repeat(3, 1), label=np.arange(6, dtype=np.int32))
+    ds = MixedDataset({"m": MemmapDataset(tmp_path / "m"), "d": _Dicts(4)})
+    batch = ds.read_batch(np.arange(10))
+    assert list(batch) == ["data", "label"]
+    assert batch["data"][:, 0].tolist() == [0, 1, 2, 3, 4, 5, 500, 501, 502, 503]
+    assert batch["label"].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]
+    with pytest.raises(DatasetError, match="keys"):  # other keys still refused
+
+        class Other(_Dicts):
+            def read_batch(self, indices: Any, out: Any = None) -> dict[str, torch.Tensor]:
+                return {"data": super().read_batch(indices)["data"]}
+
+        MixedDataset({"m": MemmapDataset(tmp_path / "m"), "o": Other(4)}).read_batch(np.arange(10))
+
+
+@pytest.mark.parametrize("per", [0, -1, 2.5, True])
+def test_convert_inputs_per_part_must_be_a_positive_int(tmp_path: Path, per: Any) -> None:
+    """inputs_per_part=0 silently meant "the default"; 2.5 failed inside range()."""
+    with pytest.raises(ValueError, match="inputs_per_part must be >= 1"):
+        feedpipe.convert(_scalar, range(4), output=str(tmp_path / "x"), inputs_per_part=per)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()

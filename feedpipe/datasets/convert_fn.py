@@ -134,8 +134,8 @@ def convert_fn(
         raise DatasetError("convert(fn, inputs): inputs is empty")
     if shard_bytes <= 0:
         raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
-    per = inputs_per_part or max(1, math.ceil(len(items) / _MAX_PARTS))
-    if per < 1:
+    per = max(1, math.ceil(len(items) / _MAX_PARTS)) if inputs_per_part is None else inputs_per_part
+    if isinstance(per, bool) or not isinstance(per, int) or per < 1:  # 0: not "the default"
         raise ValueError(f"inputs_per_part must be >= 1, got {per}")
     tasks = [_Task(k, lo, items[lo : lo + per]) for k, lo in enumerate(range(0, len(items), per))]
     workers = max(1, num_workers if num_workers is not None else min(4, os.cpu_count() or 1))
