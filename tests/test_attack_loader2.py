@@ -593,3 +593,49 @@ def test_convert_inputs_per_part_must_be_a_positive_int(tmp_path: Path, per: Any
     with pytest.raises(ValueError, match="inputs_per_part must be >= 1"):
         feedpipe.convert(_scalar, range(4), output=str(tmp_path / "x"), inputs_per_part=per)
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
+
+
+@pytest.mark.slow
+def test_convert_sigkill_at_random_moments_then_rerun_gives_the_same_bytes(tmp_path: Path) -> None:
+    """The real CLI process group SIGKILLed at seeded random moments of a run (parts, shard
+    moves, manifests, index, rename, exit); the rerun of the same command gives the bytes of an
+    uninterrupted run. A kill after the run finished leaves the finished dataset (a rerun then
+    says it exists, as for any finished conversion)."""
+    import random
+    import subprocess
+    import time
+
+    here = Path(__file__).parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{here.parent}{os.pathsep}{here}",
+        "FEEDPIPE_TEST_SLEEP": "0",
+    }
+    items = [str(i) for i in range(24)]
+
+    def cli(dest: Path) -> subprocess.Popen[bytes]:
+        args = ["--fn", "_convert_fns:slow_tokens", *items, str(dest), "--workers", "2",
+                "--inputs-per-part", "3", "--shard-size", "256", "--no-progress"]  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, "-m", "feedpipe.cli", "convert", *args], cwd=here.parent, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        )  # fmt: skip
+
+    t0 = time.monotonic()
+    clean = cli(tmp_path / "clean")
+    assert clean.wait(120) == 0
+    took = time.monotonic() - t0
+    want = _tree(tmp_path / "clean")
+    rng = random.Random(20261201)
+    for k in range(6):
+        dest = tmp_path / f"d{k}"
+        proc = cli(dest)
+        time.sleep(rng.uniform(0.2, 1.0) * took)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        rerun = cli(dest)
+        _out, err = rerun.communicate(timeout=120)
+        if rerun.returncode != 0:  # only when the killed run had finished
+            assert b"a dataset already exists here" in err, err.decode()
+        assert _tree(dest) == want, f"kill {k}"
+        assert not Path(f"{dest}.partial").exists()
