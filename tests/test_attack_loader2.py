@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import warnings
@@ -404,22 +405,27 @@ def test_convert_records_scalars_none_str_and_exit(tmp_path: Path, workers: int)
             feedpipe.convert(fn, range(6), output=str(tmp_path / fn.__name__), **kw)
 
 
-_KILL_AT_STATE_REMOVAL = """
-import os, shutil, signal, sys
-import numpy as np
-import feedpipe
-from feedpipe.datasets import _convert_sink
-real = shutil.rmtree
-def rmtree(path, *a, **k):
-    if str(path).endswith(_convert_sink.STATE_DIR):  # the final rename is done: die here
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real(path, *a, **k)
-_convert_sink.shutil.rmtree = rmtree
-sys.path.insert(0, sys.argv[2])
-import _convert_fns
-feedpipe.convert(_convert_fns.tokens, range(16), output=sys.argv[1], num_workers=1,
-                 inputs_per_part=4, shard_bytes=256, progress_bar=False)
-"""
+def _rows(item: int) -> list[np.ndarray]:
+    return [np.full(4, item * 10 + j, np.int32) for j in range(item % 3)]
+
+
+_CONVERT_KW: dict[str, Any] = {"inputs_per_part": 4, "shard_bytes": 64, "progress_bar": False}
+
+
+def _convert_then_die_at_state_removal(dest: str) -> None:
+    """In a forked child: convert, SIGKILLed just after the final rename (at the state's
+    removal)."""
+    from feedpipe.datasets import _convert_sink
+
+    real = shutil.rmtree
+
+    def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        if str(path).endswith(STATE_DIR):
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(path, *args, **kwargs)
+
+    _convert_sink.shutil.rmtree = rmtree  # type: ignore[assignment]
+    feedpipe.convert(_rows, range(16), output=dest, num_workers=1, **_CONVERT_KW)
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -432,33 +438,23 @@ def test_convert_killed_after_the_final_rename_reruns_to_the_same_bytes(tmp_path
     """SIGKILL between renaming ``OUTPUT.partial`` to ``OUTPUT`` and removing the state in it:
     the rerun of the same call said "a dataset already exists here" and the output kept a
     stray ``.feedpipe-convert/``. Now the rerun finishes it: the uninterrupted run's bytes."""
-    import subprocess
+    import multiprocessing as mp
 
-    here = Path(__file__).parent
     dest = tmp_path / "ds"
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{here.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", _KILL_AT_STATE_REMOVAL, str(dest), str(here)],
-        env=env, capture_output=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    child = mp.get_context("fork").Process(
+        target=_convert_then_die_at_state_removal, args=(str(dest),)
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
     assert (dest / "index.json").exists() and (dest / STATE_DIR / "plan.json").exists()
-    sys.path.insert(0, str(here))
-    try:
-        import _convert_fns as fns
-    finally:
-        sys.path.remove(str(here))
-    kw: dict[str, Any] = {"inputs_per_part": 4, "shard_bytes": 256, "progress_bar": False}
-    again = feedpipe.convert(fns.tokens, range(16), output=str(dest), num_workers=2, **kw)
-    clean = feedpipe.convert(fns.tokens, range(16), output=str(tmp_path / "clean"), **kw)
+    again = feedpipe.convert(_rows, range(16), output=str(dest), num_workers=1, **_CONVERT_KW)
+    clean = feedpipe.convert(_rows, range(16), output=str(tmp_path / "clean"), **_CONVERT_KW)
     assert _tree(dest) == _tree(tmp_path / "clean")
     assert (again.records, again.shards, again.resumed_parts) == (clean.records, clean.shards, 4)
     with pytest.raises(DatasetError, match="already exists"):  # finished: a second rerun
-        feedpipe.convert(fns.tokens, range(16), output=str(dest), **kw)
-    other = feedpipe.convert(fns.tokens, range(16), output=str(dest), overwrite=True, **kw)
+        feedpipe.convert(_rows, range(16), output=str(dest), **_CONVERT_KW)
+    other = feedpipe.convert(_rows, range(16), output=str(dest), overwrite=True, **_CONVERT_KW)
     assert other.resumed_parts == 0 and _tree(dest) == _tree(tmp_path / "clean")
 
 
