@@ -635,3 +635,84 @@ def test_convert_sigkill_at_random_moments_then_rerun_gives_the_same_bytes(tmp_p
             assert b"a dataset already exists here" in err, err.decode()
         assert _tree(dest) == want, f"kill {k}"
         assert not Path(f"{dest}.partial").exists()
+
+
+def _rows_unless(marker: str, item: int) -> list[np.ndarray]:
+    """``_rows``, failing on inputs >= 8 while the file ``marker`` exists."""
+    if item >= 8 and os.path.exists(marker):
+        raise RuntimeError("injected failure")
+    return _rows(item)
+
+
+@pytest.mark.slow
+def test_convert_to_s3_failed_run_is_no_dataset_and_overwrite_leaves_nothing_stale(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    """Through the S3 server: a run that fails half way leaves no index.json (no reader can
+    open half a dataset); the rerun resumes to the local bytes; an overwrite by a conversion
+    with fewer shards leaves none of the old ones behind."""
+    import functools
+
+    import s3fs
+
+    bucket, opts = s3_bucket
+    fs = s3fs.S3FileSystem(**opts)
+    url = f"s3://{bucket}/ds"
+    marker = tmp_path / "fail"
+    marker.touch()
+    fn = functools.partial(_rows_unless, str(marker))
+    kw = {**_CONVERT_KW, "storage_options": opts, "num_workers": 2}
+    with pytest.raises(DatasetError, match="injected failure"):
+        feedpipe.convert(fn, range(16), output=url, **kw)
+    fs.invalidate_cache()
+    assert fs.ls(f"{bucket}/ds") and not fs.exists(f"{bucket}/ds/index.json")
+    with pytest.raises((DatasetError, FileNotFoundError)):
+        MemmapDataset(url, storage_options=opts, cache_dir=tmp_path / "c0")
+    marker.unlink()
+    resumed = feedpipe.convert(fn, range(16), output=url, **kw)
+    assert resumed.resumed_parts == 2
+    feedpipe.convert(fn, range(16), output=str(tmp_path / "clean"), **_CONVERT_KW)
+
+    def remote_tree() -> dict[str, bytes]:
+        fs.invalidate_cache()
+        return {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in fs.ls(f"{bucket}/ds")}
+
+    assert remote_tree() == _tree(tmp_path / "clean")
+    with pytest.raises(DatasetError, match="exists"):
+        feedpipe.convert(_rows, range(4), output=url, **kw)
+    feedpipe.convert(_rows, range(4), output=url, overwrite=True, **kw)
+    feedpipe.convert(_rows, range(4), output=str(tmp_path / "small"), **_CONVERT_KW)
+    assert remote_tree() == _tree(tmp_path / "small")
+    ds = MemmapDataset(url, storage_options=opts, cache_dir=tmp_path / "c1")
+    assert [int(x[0]) for x in ds] == [int(r[0]) for i in range(4) for r in _rows(i)]
+
+
+def _rows_times(k: int, item: int) -> list[np.ndarray]:
+    return [r * k for r in _rows(item)]
+
+
+def test_convert_rerun_with_other_partial_arguments_starts_over(tmp_path: Path) -> None:
+    """The plan's fingerprint took a partial's name ("functools:partial") and no code or
+    arguments: a run of partial(f, 1) interrupted, then partial(f, 2) (or of another function)
+    "resumed" the parts of the first, a silently mixed dataset."""
+    import functools
+
+    marker = tmp_path / "fail"
+    marker.touch()
+    first = functools.partial(_rows_unless, str(marker))
+    with pytest.raises(DatasetError, match="partial\\(test_attack_loader2:_rows_unless\\)"):
+        feedpipe.convert(first, range(16), output=str(tmp_path / "ds"), **_CONVERT_KW)
+    second = functools.partial(_rows_times, 2)
+    res = feedpipe.convert(second, range(16), output=str(tmp_path / "ds"), **_CONVERT_KW)
+    assert res.resumed_parts == 0
+    feedpipe.convert(second, range(16), output=str(tmp_path / "clean"), **_CONVERT_KW)
+    assert _tree(tmp_path / "ds") == _tree(tmp_path / "clean")
+    index = json.loads((tmp_path / "ds" / "index.json").read_text())
+    assert index["source"]["fn"] == "partial(test_attack_loader2:_rows_times)"
+    marker.touch()  # the same partial, other arguments
+    with pytest.raises(DatasetError):
+        feedpipe.convert(functools.partial(_rows_unless, str(marker)), range(16),
+                         output=str(tmp_path / "p"), **_CONVERT_KW)  # fmt: skip
+    other = functools.partial(_rows_unless, str(tmp_path / "no-such-marker"))
+    res = feedpipe.convert(other, range(16), output=str(tmp_path / "p"), **_CONVERT_KW)
+    assert res.resumed_parts == 0

@@ -21,6 +21,7 @@ uninterrupted run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import math
@@ -82,17 +83,32 @@ def load_function(spec: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
+def _unwrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The function under ``functools.partial`` layers."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
+
+
 def _fn_name(fn: Callable[..., Any]) -> str:
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+    inner = _unwrap(fn)
+    name = type(inner).__name__
+    name = f"{getattr(inner, '__module__', '?')}:{getattr(inner, '__qualname__', name)}"
+    return name if inner is fn else f"partial({name})"
 
 
 def _fingerprint(fn: Callable[..., Any], items: list[Any]) -> str:
     h = hashlib.blake2b(digest_size=16)
-    code = getattr(fn, "__code__", None)
+    inner = _unwrap(fn)
+    code = getattr(inner, "__code__", None) or getattr(type(inner).__call__, "__code__", None)
     h.update(_fn_name(fn).encode())
     if code is not None:
         h.update(code.co_code)
         h.update(repr(code.co_consts).encode())
+    try:  # a partial's arguments, a callable object's attributes (a function: its name only)
+        h.update(pickle.dumps(fn, protocol=4))
+    except Exception:  # in-process (num_workers=1) functions need not pickle
+        pass
     try:
         h.update(pickle.dumps(items, protocol=4))
     except Exception as exc:
