@@ -142,6 +142,25 @@ class Sink:
         self._write(f"{STATE_DIR}/{_PLAN}", json.dumps(plan, sort_keys=True).encode())
         return {}
 
+    def converted(self, plan: dict[str, Any]) -> Index | None:
+        """Local: the dataset at the destination if this very conversion finished there but
+        was killed between the final rename and the removal of its state (which goes now).
+        None: convert or resume as usual. (Remote, :meth:`start` resumes such a run.)"""
+        if self.remote or os.path.lexists(self.root) or os.path.islink(self.output):
+            return None
+        state = os.path.join(self.output, STATE_DIR)
+        try:
+            with open(os.path.join(state, _PLAN), "rb") as f:
+                same = json.loads(f.read()) == plan
+            with open(os.path.join(self.output, INDEX_NAME), "rb") as f:
+                index = parse_index(f.read(), f"{self.output}/{INDEX_NAME}")
+        except (OSError, ValueError, RecursionError, AttributeError, DatasetError):
+            return None
+        if not same or os.path.islink(state):
+            return None
+        shutil.rmtree(state)
+        return index
+
     def _check_fresh(self, overwrite: bool) -> None:
         if self.remote:
             check_remote_destination(self.output, self.options, overwrite=overwrite)

@@ -66,7 +66,7 @@ def _merge(  # noqa: PLR0917 - internal recursion
         return _merge_tensors(values, positions, n, names, out, where)
     if isinstance(first, Mapping):
         for v in values[1:]:
-            if not isinstance(v, Mapping) or list(v) != list(first):
+            if not isinstance(v, Mapping) or set(v) != set(first):  # any order, as torch
                 raise _mismatch(names, where, f"keys {list(first)} and {_keys(v)}")
         dests: Mapping[Any, Any] = out if isinstance(out, Mapping) else {}
         fields = {

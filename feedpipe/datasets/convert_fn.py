@@ -21,6 +21,7 @@ uninterrupted run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import math
@@ -35,6 +36,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
+from numbers import Number
 from typing import Any
 
 import numpy as np
@@ -70,7 +72,7 @@ def load_function(spec: str) -> Callable[..., Any]:
         raise ValueError(f"--fn {spec!r}: expected package.module:function")
     try:
         obj: Any = importlib.import_module(module)
-    except ImportError as exc:
+    except (ImportError, TypeError) as exc:  # TypeError: a relative name (".mod")
         raise ValueError(f"--fn {spec!r}: cannot import {module!r}: {exc}") from None
     for attr in name.split("."):
         obj = getattr(obj, attr, None)
@@ -81,17 +83,32 @@ def load_function(spec: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
+def _unwrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The function under ``functools.partial`` layers."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
+
+
 def _fn_name(fn: Callable[..., Any]) -> str:
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+    inner = _unwrap(fn)
+    name = type(inner).__name__
+    name = f"{getattr(inner, '__module__', '?')}:{getattr(inner, '__qualname__', name)}"
+    return name if inner is fn else f"partial({name})"
 
 
 def _fingerprint(fn: Callable[..., Any], items: list[Any]) -> str:
     h = hashlib.blake2b(digest_size=16)
-    code = getattr(fn, "__code__", None)
+    inner = _unwrap(fn)
+    code = getattr(inner, "__code__", None) or getattr(type(inner).__call__, "__code__", None)
     h.update(_fn_name(fn).encode())
     if code is not None:
         h.update(code.co_code)
         h.update(repr(code.co_consts).encode())
+    try:  # a partial's arguments, a callable object's attributes (a function: its name only)
+        h.update(pickle.dumps(fn, protocol=4))
+    except Exception:  # in-process (num_workers=1) functions need not pickle
+        pass
     try:
         h.update(pickle.dumps(items, protocol=4))
     except Exception as exc:
@@ -133,10 +150,13 @@ def convert_fn(
         raise DatasetError("convert(fn, inputs): inputs is empty")
     if shard_bytes <= 0:
         raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
-    per = inputs_per_part or max(1, math.ceil(len(items) / _MAX_PARTS))
-    if per < 1:
+    per = max(1, math.ceil(len(items) / _MAX_PARTS)) if inputs_per_part is None else inputs_per_part
+    if isinstance(per, bool) or not isinstance(per, int) or per < 1:  # 0: not "the default"
         raise ValueError(f"inputs_per_part must be >= 1, got {per}")
     tasks = [_Task(k, lo, items[lo : lo + per]) for k, lo in enumerate(range(0, len(items), per))]
+    workers = max(1, num_workers if num_workers is not None else min(4, os.cpu_count() or 1))
+    if workers > 1 and len(tasks) > 1:
+        _check_picklable(fn)
     sink = Sink(os.fspath(output), storage_options)
     plan = {
         "version": 1,
@@ -146,9 +166,18 @@ def convert_fn(
         "inputs_per_part": per,
         "shard_bytes": int(shard_bytes),
     }
+    finished = None if overwrite else sink.converted(plan)
+    if finished is not None:  # killed after the final rename, before the state was removed
+        return ConvertResult(
+            sink.output,
+            finished.num_records,
+            finished.total_bytes,
+            len(finished.shards),
+            time.monotonic() - start,
+            len(tasks),
+        )
     done = sink.start(plan, overwrite=overwrite)
     todo = [t for t in tasks if t.part not in done]
-    workers = max(1, num_workers if num_workers is not None else min(4, os.cpu_count() or 1))
     name = os.path.basename(sink.output.rstrip("/")) or sink.output
     bar = progress(len(items), f"convert {name}", unit="input", enabled=progress_bar)
     bar.update(sum(len(t.items) for t in tasks if t.part in done))
@@ -169,6 +198,17 @@ def convert_fn(
     )
 
 
+def _check_picklable(fn: Callable[..., Any]) -> None:
+    """Refuse, before anything is written, a function the worker processes cannot receive."""
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        raise ValueError(
+            f"convert(fn, ...): {_fn_name(fn)} cannot be sent to worker processes ({exc}); pass "
+            "a module-level function (or a functools.partial of one), or num_workers=1"
+        ) from None
+
+
 # ---------------------------------------------------------------------- the workers
 def _init_worker(q: Any) -> None:
     global _QUEUE
@@ -178,7 +218,7 @@ def _init_worker(q: Any) -> None:
 def _records(produced: Any) -> Iterable[Any]:
     if produced is None:
         return ()
-    single = (Mapping, tuple, bytes, bytearray, memoryview, np.ndarray)
+    single = (Mapping, tuple, bytes, bytearray, memoryview, np.ndarray, np.generic, Number)
     if isinstance(produced, single) or hasattr(produced, "numpy"):
         return (produced,)
     if isinstance(produced, str):
@@ -202,6 +242,10 @@ def _split(record: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, str):
+        raise DatasetError("a str record cannot be stored (encode it to bytes)")
+    if value is None:
+        raise DatasetError("a None record cannot be stored (to filter an input out, yield nothing)")
     if hasattr(value, "detach") and hasattr(value, "numpy"):
         return value.detach().cpu().numpy()
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -297,7 +341,7 @@ def _write_part(fn: Callable[[Any], Any], task: _Task, sink: Sink, shard_bytes: 
                         out.add(record)
                 except DatasetError as exc:
                     raise DatasetError(f"{_fn_name(fn)} on {where}: {exc}") from None
-                except Exception as exc:
+                except (Exception, SystemExit) as exc:  # sys.exit() in fn: not ours to obey
                     raise DatasetError(
                         f"{_fn_name(fn)} failed on {where}: {type(exc).__name__}: {exc}"
                     ) from exc

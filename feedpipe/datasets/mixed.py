@@ -26,6 +26,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
+import operator
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
@@ -62,11 +64,23 @@ def mix_counts(weights: Sequence[float], total: int) -> list[int]:
 
 # (epoch, range ends, counts, per-member permutations, per-member tables of the partial pass)
 _Layout = tuple[int, np.ndarray, list[int], list[FeistelPermutation], list[np.ndarray | None]]
+_MAX_SAMPLES = (1 << 63) - 1  # len() and the int64 positions hold no more
 _TABLE_MAX = 1 << 22  # a partial pass up to this many samples is tabulated once per epoch
 
 
 def _name_key(name: str) -> int:
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+    raw = name.encode("utf-8", "surrogatepass")  # any str, lone surrogates included
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+
+
+def _count(value: Any, what: str) -> int:
+    """``value`` as an ``int`` (an integer type: never a silently truncated float)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{what} must be an integer, got {value!r}")
 
 
 class MixedDataset:
@@ -99,15 +113,18 @@ class MixedDataset:
         for name in datasets:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"member names must be non-empty strings, got {name!r}")
+        seed = _count(seed, "seed")
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         self.names: list[str] = list(datasets)
         self.datasets: dict[str, Any] = dict(datasets)
         self.lengths: list[int] = [len(datasets[n]) for n in self.names]
         self.seed = int(seed)
-        total = sum(self.lengths) if epoch_samples is None else int(epoch_samples)
-        if total < 1:
-            raise ValueError(f"epoch_samples must be >= 1, got {total}")
+        total = (
+            sum(self.lengths) if epoch_samples is None else _count(epoch_samples, "epoch_samples")
+        )
+        if not 1 <= total <= _MAX_SAMPLES:
+            raise ValueError(f"epoch_samples must be in [1, 2**63 - 1], got {total}")
         self.epoch_samples = total
         self.weights = self._check_weights(weights)
         self.epoch = 0
@@ -125,10 +142,10 @@ class MixedDataset:
             raise ValueError(
                 f"weights must name every member exactly: missing {missing}, unknown {unknown}"
             )
-        out = []
+        out: list[float] = []
         for n in self.names:
             w = weights[n]
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
                 raise ValueError(f"weight of {n!r} must be a finite number, got {w!r}")
             if w < 0:
                 raise ValueError(f"weight of {n!r} must be >= 0, got {w!r}")
@@ -169,9 +186,10 @@ class MixedDataset:
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (call it with the sampler's ``set_epoch``)."""
+        epoch = _count(epoch, "epoch")
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
-        self.epoch = int(epoch)
+        self.epoch = epoch
 
     # ------------------------------------------------------------------ the dataset contract
     def __len__(self) -> int:
@@ -278,7 +296,7 @@ class MixedDataset:
             ("epoch_samples", self.epoch_samples),
             ("members", len(self.names)),
         ):
-            if state.get(key) != ours:
+            if type(state.get(key)) is not int or state.get(key) != ours:  # 7.0, True: no
                 raise ValueError(
                     f"MixedDataset state has {key} {state.get(key)!r}, this dataset {ours!r}"
                 )

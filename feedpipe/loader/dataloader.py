@@ -237,6 +237,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         self._mode = choose_mode(self.dataset, _torch_compat.auto_collation(self), default)
         self._slots: Slots | None = None  # process workers' shared slots (feedpipe.loader.slots)
         self._inner: tud.DataLoader | None = None  # type: ignore[type-arg]
+        self._workers_epoch: Any = None  # the dataset's epoch when the worker processes started
         self._thread_seeded = False
         self._direct: DirectReader | None = None
         if self._feed is not None:
@@ -294,6 +295,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         # for the meter: starting a later pass's workers is input time (no clock when off)
         started = _perf() if self.meter.enabled else None
         note_iter()  # seed draws follow: thread workers' RNG checks must not blame them
+        self._check_worker_epoch()
+        self._warn_epochs()
         self._begin_epoch()
         # worker stages run this many at a time (the direct path runs at most one)
         self.meter.set_workers(
@@ -633,6 +636,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         if self._slots is not None and not self.persistent_workers:
             self._slots.forget()  # the last pass's workers are gone; live views keep their slots
         _torch_compat.set_len_called(self._inner, _torch_compat.len_called(self))
+        self._workers_epoch = _dataset_epoch(self.dataset)
         self._inner.generator = self._base_seed_generator()  # torch draws the base seed from it
         if not torch.cuda.is_initialized() or _torch_compat.workers_running(self._inner):
             source = iter(self._inner)  # no fork: nothing to keep out of a child's GC
@@ -650,6 +654,44 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                 gc.unfreeze()
         _torch_compat.adopt_workers(source)  # deaths surface in next(), never asynchronously
         return source
+
+    def _check_worker_epoch(self) -> None:
+        """Refuse to reuse persistent worker processes whose dataset copies hold another epoch.
+
+        A dataset with ``set_epoch`` (``MixedDataset``) chooses its samples by epoch; running
+        worker processes never see a ``set_epoch`` made in this process, so they would serve the
+        old epoch's samples without a word."""
+        epoch = _dataset_epoch(self.dataset)
+        inner = self._inner
+        if (
+            inner is not None
+            and _torch_compat.workers_running(inner)
+            and epoch != self._workers_epoch
+        ):
+            raise ValueError(
+                f"{type(self.dataset).__name__}.set_epoch({epoch!r}) cannot reach the persistent "
+                f"worker processes, whose copies hold epoch {self._workers_epoch!r}: use "
+                "worker_type='thread' or persistent_workers=False"
+            )
+
+    def _warn_epochs(self) -> None:
+        """Warn (once) when the sampler's epoch is not the dataset's: ``dataset.set_epoch``
+        forgotten, every epoch would draw the same samples of a ``MixedDataset``."""
+        ds_epoch = _dataset_epoch(self.dataset)
+        if ds_epoch is None or getattr(self, "_epochs_warned", False):
+            return
+        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+            epoch = getattr(sampler, "epoch", None)
+            if type(epoch) is int and epoch != ds_epoch:
+                self._epochs_warned = True
+                warnings.warn(
+                    f"the sampler is at epoch {epoch} but the {type(self.dataset).__name__} at "
+                    f"epoch {ds_epoch}: call dataset.set_epoch(epoch) beside sampler.set_epoch("
+                    "epoch), or every epoch draws the same samples",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                return
 
     def _slot_count(self) -> int:
         """Slots per process worker (0: torch's shared-memory path); see :attr:`worker_slots`."""
@@ -809,6 +851,13 @@ def _check_skipped(state: dict[str, Any]) -> None:
         )
     if len(part["known"]) + len(part["epoch"]) > 2 * SKIP_LIMIT:
         raise ValueError(f"DataLoader state: 'skipped' holds more than {SKIP_LIMIT} indices")
+
+
+def _dataset_epoch(dataset: Any) -> Any:
+    """The epoch a dataset with ``set_epoch`` holds (``MixedDataset``), else None."""
+    return (
+        getattr(dataset, "epoch", None) if callable(getattr(dataset, "set_epoch", None)) else None
+    )
 
 
 def _takes_arrays(dataset: Any) -> bool:

@@ -142,6 +142,16 @@ def plan_ahead(it: Iterator[Any], planner: AccessPlanDataset, horizon: int) -> I
         yield ahead.popleft()
 
 
+def _dropping(it: Iterator[Any], drop: frozenset[int], dropped: dict[int, int]) -> Iterator[Any]:
+    """``it``'s batches without the known-bad indices ``drop``; ``dropped[n]``: how many
+    batch ``n`` lost."""
+    for n, index in enumerate(it):
+        index, lost = drop_known(index, drop)
+        if lost:
+            dropped[n] = lost
+        yield index
+
+
 class IndexStream:
     """The loader's index sampler as seen by the workers: skippable and recorded.
 
@@ -188,17 +198,15 @@ class IndexStream:
         if skip:
             for _ in itertools.islice(it, skip):
                 pass
+        dropped = self.dropped
+        dropped.clear()
+        if self.drop:  # before the plan: it must hold the batches the workers will read
+            it = _dropping(it, self.drop, dropped)
         planner = self.planner
         horizon = planner.plan_horizon() if planner is not None else 0
         if planner is not None and horizon > 0:
             it = plan_ahead(it, planner, horizon)
         del planner
-        drop, dropped = self.drop, self.dropped
-        dropped.clear()
         for n, index in enumerate(it):
-            if drop:
-                index, lost = drop_known(index, drop)
-                if lost:
-                    dropped[n] = lost
             sent[n] = index
             yield index

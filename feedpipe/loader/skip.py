@@ -6,8 +6,10 @@ The rule, the same for every worker type (``num_workers=0``, threads, processes)
 2. If that raises, the worker reads the batch's samples one at a time (``read_batch([i])``,
    ``__getitems__([i])`` or ``dataset[i]``) and drops those that raise; the rest form a smaller
    batch (``read_batch(good)`` once more, or ``collate_fn`` over the samples already read).
-   If no sample raises alone, the batch is read again and its error, if any, is raised: a
-   ``collate_fn`` failure is not a sample failure.
+   If no sample raises alone, the batch is the samples just read (``collate_fn`` over them;
+   ``read_batch`` datasets read the batch again), and its error, if any, is raised: a
+   ``collate_fn`` failure is not a sample failure, and a sample that failed only in the batch
+   read (a transient error) is not read a third time.
 3. The dropped indices travel with the batch (:class:`Skipped`); a batch whose samples all
    failed travels as ``Skipped(None, indices)`` and is counted as delivered without
    producing a batch, so batch numbering, ``in_order`` and the GPU feed are unchanged.
@@ -111,16 +113,17 @@ def skipping(fetch: Fetch) -> Callable[..., ShippedTuple | Skipped]:
             pass
         t0 = time.perf_counter()
         good, bad, samples = read_each(dataset, indices, mode)
-        if not bad:  # no sample fails alone: read again, raising what the batch raises
-            return fetch(dataset, indices, collate_fn, mode, out)
+        if not bad and mode is Mode.READ_BATCH:  # no sample fails alone: read again, raising
+            return fetch(dataset, indices, collate_fn, mode, out)  # what the batch raises
         if not good:
             return Skipped(None, bad)
         if mode is Mode.READ_BATCH:  # not into ``out``: that slot is sized for the full batch
             return Skipped(fetch(dataset, _take(indices, good), collate_fn, mode), bad)
         t1 = time.perf_counter()
-        batch = collate_fn(samples)
+        batch = collate_fn(samples)  # raises a collate_fn error: not a sample error
         t2 = time.perf_counter()
-        return Skipped((batch, len(good), nbytes_of(batch), t1 - t0, t2 - t1), bad)
+        record = (batch, len(good), nbytes_of(batch), t1 - t0, t2 - t1)
+        return Skipped(record, bad) if bad else record
 
     return fetch_skipping
 
@@ -153,8 +156,8 @@ class SkipMapProxy(MapProxy):
         t0 = time.perf_counter()
         try:
             good, bad, items = read_each(self.dataset, indices, self.mode)
-            if not bad:  # no sample fails alone: read again, raising what the batch raises
-                return super()._read(indices, samples)
+            if not bad and self.mode is Mode.READ_BATCH:  # no sample fails alone: read again,
+                return super()._read(indices, samples)  # raising what the batch raises
             if not good:
                 return _SkipFetched(None, 0.0, 0, indices, bad)
             sub = _take(indices, good)
