@@ -6,7 +6,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 __all__ = ["client", "create_bucket", "s3_options", "start_moto"]
@@ -17,9 +16,11 @@ def start_moto(timeout_s: float = 60.0) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    exe = Path(sys.executable).with_name("moto_server")
+    # ``python -m moto.server``: no console script needed (a wheel bundle installed with
+    # ``pip --target`` has none on PATH)
+    exe = f"{sys.executable} -m moto.server"
     proc = subprocess.Popen(
-        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
