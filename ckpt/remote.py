@@ -159,6 +159,19 @@ def _transfer(
         raise RemoteCheckpointError(str(exc), exc.url, permanent=exc.permanent) from exc
 
 
+def _client_options(options: RemoteOptions) -> dict[str, Any]:
+    """``options.storage_options``; for S3, botocore computes no request checksum of its own
+    unless the caller asks: every data file goes with its ``Content-MD5`` (:mod:`ckpt._s3put`),
+    the manifest is read back, and botocore's checksum would cost the event loop thread that
+    carries every transfer a pass over each part."""
+    out = dict(options.storage_options or {})
+    if options.url.startswith(("s3://", "s3a://")):
+        config = dict(out.get("config_kwargs") or {})
+        config.setdefault("request_checksum_calculation", "when_required")
+        out["config_kwargs"] = config
+    return out
+
+
 def _part_bytes(size: int, block_bytes: int, threads: int) -> int:
     """The multipart part size for a file of ``size`` bytes: at most ``block_bytes``, and small
     enough that the file has ``threads`` parts to send at once, but never under S3's 5 MiB."""
@@ -228,7 +241,7 @@ class RemoteTier:
         self.directory = directory
         self.options = options
         self._metrics: dict[int, dict] = {}
-        self.fs, self.root = resolve(options.url, options.storage_options)
+        self.fs, self.root = resolve(options.url, _client_options(options))
         self.url = redact(options.url, options.storage_options)
         self.stats = RemoteStats()
         self._retain_local = retain_local

@@ -3,7 +3,8 @@ S3 vouch for the bytes (its MD5 ETags) instead of downloading them again; and wh
 means stays honest: a byte flipped in flight or a part left out of the object never passes.
 
 All against the real moto S3 server of ``conftest.py``, with ``_faultproxy.FaultProxy`` in front
-of it where a request must be altered on the way.
+of it where a request must be altered on the way. The default run keeps one test per claim; the
+whole-manager variants (retry, failure, read-back, local rot) are marked slow.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def test_default_upload_is_vouched_by_the_store_without_a_second_transfer(
     assert _fs(proxy.url).cat_file(f"{bucket}/run/step-1/data.bin") == local
 
 
+@pytest.mark.slow
 def test_parts_of_one_file_are_in_flight_together(
     tmp_path: Path, s3_bucket: tuple[str, dict], s3_server: str
 ) -> None:
@@ -115,6 +117,7 @@ def test_parts_of_one_file_are_in_flight_together(
     assert peak[0] >= 3, f"at most {peak[0]} parts were in flight at once"
 
 
+@pytest.mark.slow
 def test_a_byte_flipped_in_flight_is_caught_and_sent_again(
     tmp_path: Path, s3_bucket: tuple[str, dict], proxy: FaultProxy, caplog: Any
 ) -> None:
@@ -134,6 +137,7 @@ def test_a_byte_flipped_in_flight_is_caught_and_sent_again(
     assert _fs(proxy.url).cat_file(f"{bucket}/run/step-1/data.bin") == local
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["corrupt", "drop_part"])
 def test_a_corrupt_or_incomplete_upload_never_commits(
     tmp_path: Path, s3_bucket: tuple[str, dict], proxy: FaultProxy, fault: str
@@ -191,6 +195,7 @@ def test_put_file_reports_what_the_store_vouched_for(
     assert proxy.faults_served == 3
 
 
+@pytest.mark.slow
 def test_readback_still_checks_every_chunk(
     tmp_path: Path, s3_bucket: tuple[str, dict], proxy: FaultProxy
 ) -> None:
@@ -203,6 +208,7 @@ def test_readback_still_checks_every_chunk(
     assert _data_requests(proxy, "GET"), "verify='readback' read nothing back"
 
 
+@pytest.mark.slow
 def test_local_bytes_that_differ_from_the_manifest_are_never_uploaded_as_verified(
     tmp_path: Path, s3_bucket: tuple[str, dict], s3_server: str
 ) -> None:
