@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._report import machine, write_section
-from benchmarks._s3 import create_bucket, s3_options, start_moto
+from benchmarks._s3 import MOTO_NOTE, cpu_seconds, create_bucket, s3_options, start_moto
 from benchmarks._shaping_proxy import start_proxy
 from ckpt.manager import CheckpointManager
 from ckpt.remote import RemoteOptions, RemoteTier
@@ -44,15 +44,6 @@ from ckpt.remote import RemoteOptions, RemoteTier
 
 def _options(endpoint: str) -> dict[str, Any]:
     return {**s3_options(endpoint), "skip_instance_cache": True}
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) used so far by process ``pid`` (Linux ``/proc``)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _median_rate(nbytes: int, seconds: list[float]) -> tuple[float, float]:
@@ -100,14 +91,14 @@ def main() -> None:
 
                 def timed(key: str, fn: Any, link: str = link) -> None:
                     ppid = proxy.pid if proxy is not None and link == "shaped" else None
-                    t0, c0 = time.perf_counter(), _cpu_s(proc.pid)
-                    p0 = _cpu_s(ppid) if ppid else 0.0
+                    t0, c0 = time.perf_counter(), cpu_seconds(proc.pid)
+                    p0 = cpu_seconds(ppid) if ppid else 0.0
                     fn()
                     dt = time.perf_counter() - t0
                     times.setdefault(f"{link}.{key}", []).append(dt)
-                    busy.setdefault(f"{link}.{key}", []).append((_cpu_s(proc.pid) - c0) / dt)
+                    busy.setdefault(f"{link}.{key}", []).append((cpu_seconds(proc.pid) - c0) / dt)
                     pbusy.setdefault(f"{link}.{key}", []).append(
-                        (_cpu_s(ppid) - p0) / dt if ppid else 0.0
+                        (cpu_seconds(ppid) - p0) / dt if ppid else 0.0
                     )
 
                 for r in range(args.repeats):  # interleaved: drift affects every method alike
@@ -207,7 +198,8 @@ def main() -> None:
             "client), so the ratio "
             "through the proxy cannot exceed "
             f"{ceiling / seq_rate:.1f}x here. Read-back verification downloads every byte again. "
-            f"The machine has {os.cpu_count()} cores (client, moto server and proxy share them).",
+            f"The machine has {os.cpu_count()} cores (client, moto server and proxy share them). "
+            + MOTO_NOTE,
         ]
     text = "\n".join(lines)
     print(text)

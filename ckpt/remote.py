@@ -160,14 +160,16 @@ def _transfer(
 
 
 def _client_options(options: RemoteOptions) -> dict[str, Any]:
-    """``options.storage_options``; for S3, botocore computes no request checksum of its own
-    unless the caller asks: every data file goes with its ``Content-MD5`` (:mod:`ckpt._s3put`),
-    the manifest is read back, and botocore's checksum would cost the event loop thread that
-    carries every transfer a pass over each part."""
+    """``options.storage_options``; for S3 (the caller's values win): a connection pool with
+    room for every part and file request in flight (botocore's default of 10 would cap them),
+    and no request checksum computed by botocore: every data file goes with its ``Content-MD5``
+    (:mod:`ckpt._s3put`), the manifest is read back, and botocore's checksum would cost the
+    event loop thread that carries every transfer a pass over each part."""
     out = dict(options.storage_options or {})
     if options.url.startswith(("s3://", "s3a://")):
         config = dict(out.get("config_kwargs") or {})
         config.setdefault("request_checksum_calculation", "when_required")
+        config.setdefault("max_pool_connections", max(10, 2 * options.threads + 2))
         out["config_kwargs"] = config
     return out
 

@@ -66,6 +66,25 @@ def _big(step: int) -> dict:
     return {"w": torch.randn(11 * MIB // 4, generator=g), "step": step}  # 11 MiB: 3 parts
 
 
+class _Counting(FaultProxy):
+    """A proxy that holds each matching request ``hold_s`` and records the most in flight."""
+
+    def __init__(self, upstream: str, method: str, match: str, hold_s: float = 0.4) -> None:
+        super().__init__(upstream)
+        self.peak, self._now, self._count_lock = 0, 0, threading.Lock()
+        self._method, self._match, self._hold_s = method, match, hold_s
+
+    def _take(self, method: str, path: str) -> str | None:
+        if method == self._method and self._match in path:
+            with self._count_lock:
+                self._now += 1
+                self.peak = max(self.peak, self._now)
+            time.sleep(self._hold_s)
+            with self._count_lock:
+                self._now -= 1
+        return super()._take(method, path)
+
+
 def _data_requests(proxy: FaultProxy, method: str) -> list[str]:
     return [p for m, p, _ in proxy.requests if m == method and "/data.bin" in p]
 
@@ -95,26 +114,13 @@ def test_parts_of_one_file_are_in_flight_together(
     """Every part of a file is sent at once (up to ``threads``), not in s3fs's rounds: the
     parts' requests overlap in time at the server's door."""
     bucket, _ = s3_bucket
-    inflight, peak, lock = [0], [0], threading.Lock()
-
-    class Slow(FaultProxy):  # count concurrent part uploads; hold each a moment
-        def _take(self, method: str, path: str) -> str | None:
-            if method == "PUT" and "partNumber=" in path:
-                with lock:
-                    inflight[0] += 1
-                    peak[0] = max(peak[0], inflight[0])
-                time.sleep(0.3)
-                with lock:
-                    inflight[0] -= 1
-            return super()._take(method, path)
-
-    with Slow(s3_server) as slow:
+    with _Counting(s3_server, "PUT", "partNumber=", hold_s=0.3) as slow:
         remote = _remote(bucket, slow.url, threads=4)
         with CheckpointManager(tmp_path, remote=remote) as m:
             m.save(1, _big(1))
             m.wait(uploads=True)
             assert m.stats.remote.uploads[1].state == "done"  # type: ignore[union-attr]
-    assert peak[0] >= 3, f"at most {peak[0]} parts were in flight at once"
+    assert slow.peak >= 3, f"at most {slow.peak} parts were in flight at once"
 
 
 @pytest.mark.slow
@@ -235,3 +241,26 @@ def test_bad_verify_option_names_the_choices() -> None:
         RemoteOptions("s3://b/x", verify="etag")
     with pytest.raises(ValueError, match="verify"):
         RemoteOptions("s3://b/x", verify="")
+
+
+def test_stage_keeps_every_worker_transferring(
+    tmp_path: Path, s3_bucket: tuple[str, dict], s3_server: str
+) -> None:
+    """``stage(workers=16)`` has 16 downloads in flight: the S3 client's connection pool is
+    sized to the workers (botocore's default pool of 10 connections capped them at 10)."""
+    from test_stage import make_dataset, upload
+
+    from feedpipe.remote.stage import stage
+
+    bucket, opts = s3_bucket
+    contents = make_dataset(tmp_path / "src", shards=10, nbytes=2000)  # 20 files
+    url = upload(tmp_path / "src", bucket, opts)
+    with _Counting(s3_server, "GET", "/ds/shard-") as counting:
+        remote_opts = dict(
+            opts, client_kwargs={**opts["client_kwargs"], "endpoint_url": counting.url}
+        )
+        result = stage(
+            url, tmp_path / "dst", storage_options=remote_opts, workers=16, progress=False
+        )
+    assert result.copied == len(contents)
+    assert counting.peak >= 14, f"only {counting.peak} downloads were in flight at once"
