@@ -230,7 +230,7 @@ def main() -> int:
         f"through the shaping proxy ({args.rtt_ms:g} ms round trip, {args.mbps:g} MB/s per "
         "connection: the shape of a real object store). Time to first batch: one run, direct.",
         "",
-        "| link | method | seconds | MB/s | ratio | S3 server CPU (cores busy) |",
+        "| link | method | seconds | MB/s | S3 server CPU (cores busy) | ratio |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for link in links:
@@ -246,8 +246,8 @@ def main() -> int:
         ):  # fmt: skip
             sec = med[f"{link}.{key}"]
             lines.append(
-                f"| {where} | {label} | {sec:.2f} | {_mbps(total, sec):.0f} | {base / sec:.2f}x "
-                f"| {cores[f'{link}.{key}']:.2f} |"
+                f"| {where} | {label} | {sec:.2f} | {_mbps(total, sec):.0f} "
+                f"| {cores[f'{link}.{key}']:.2f} | {base / sec:.2f}x |"
             )
     lines.append(f"| direct | rerun, everything already present (CRC re-verified) | "
                  f"{rerun.seconds:.2f} | | | |")  # fmt: skip
