@@ -6,9 +6,10 @@
 # measures straight to the server and through the proxy (RTT_MS, MBPS per connection) with the
 # sequential fs.get / fs.put loop in the same run; both print their ratios. If moto or s3fs is
 # not importable, the wheel bundle in .devicewheels-remote/ (built by
-# `DW_DIR=.devicewheels-remote ../shared/tools/device-wheels moto ... py-partiql-parser`) is
-# installed into /tmp/site first. Output: stdout, and under $OUT (when set) remote_h200.txt and
-# the rewritten docs/benchmarks.md (sections `staging` and `ckpt_remote`).
+# `DW_DIR=.devicewheels-remote ../shared/tools/device-wheels moto ...`, see docs/benchmarks.md) is
+# installed into /tmp/site-remote first (and the usual .devicewheels/ bundle if crc32c is
+# missing). Output: stdout, and under $OUT (when set) remote_h200.txt and the rewritten
+# docs/benchmarks.md (sections `staging` and `ckpt_remote`).
 #
 #   bash benchmarks/remote_h200.sh                 # full sizes (about 5 minutes on 16 cores)
 #   QUICK=1 bash benchmarks/remote_h200.sh         # small sizes, docs untouched: checks the script
@@ -23,6 +24,12 @@ if ! "$PY" -c "import moto.server, s3fs, boto3" 2>/dev/null; then
   cat .devicewheels-remote/part-* | tar x -C /tmp/dw-remote
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-remote /tmp/dw-remote/*.whl
   export PYTHONPATH="/tmp/site-remote${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if ! "$PY" -c "import crc32c" 2>/dev/null && [ -d .devicewheels ]; then  # the lead's usual bundle
+  rm -rf /tmp/dw-main && mkdir -p /tmp/dw-main
+  cat .devicewheels/part-* | tar x -C /tmp/dw-main
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-main /tmp/dw-main/*.whl
+  export PYTHONPATH="/tmp/site-main${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench AWS_DEFAULT_REGION=us-east-1

@@ -34,13 +34,13 @@ NOTES = """\
 Notes: the speed-up of `stage` over the plain loop has two parts, shown separately above: (1)
 `stage` turns off botocore's response checksum, which is pure Python without `awscrt` and
 redundant here because every file is verified against the CRC32C in the index; (2) parallel
-transfers. Part (2) is small on this machine: against localhost there is little network wait to
-overlap, and s3fs runs all transfers on one asyncio event-loop thread (aiohttp + botocore work
-per 64 KiB chunk), so the client is CPU-bound on 2 cores shared with the moto server (in this
-run moto served the largest file to a bare HTTP GET, no s3fs or botocore, at {raw_gbps:.2f} GB/s).
-Against a real object store, where each stream is latency- and bandwidth-limited, the parallel
-part is what matters. Lazy mode fetches only the shards a batch touches (all of them in parallel),
-plus each shard's small side files up front and the next 2 shards ahead."""
+transfers. Against localhost there is little network wait to overlap, and s3fs runs all
+transfers on one asyncio event-loop thread (aiohttp + botocore work per 64 KiB chunk), so on a
+small machine the client is CPU-bound beside the moto server (in this run moto served the
+largest file to a bare HTTP GET, no s3fs or botocore, at {raw_gbps:.2f} GB/s). Against a real
+object store, where each stream is latency- and bandwidth-limited, the parallel part is what
+matters. Lazy mode fetches only the shards a batch touches (all of them in parallel), plus each
+shard's small side files up front and the next 2 shards ahead."""
 
 RECORD_BYTES = 256 << 10  # 256 KiB records (e.g. encoded images / token blocks)
 BATCH = 32
