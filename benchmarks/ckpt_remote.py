@@ -198,7 +198,9 @@ def main() -> None:
             "client), so the ratio "
             "through the proxy cannot exceed "
             f"{ceiling / seq_rate:.1f}x here. Read-back verification downloads every byte again. "
-            f"The machine has {os.cpu_count()} cores (client, moto server and proxy share them). "
+            f"The machine has {os.cpu_count()} cores (client, moto server and proxy share them; "
+            f"load average {os.getloadavg()[0]:.1f} at the end of the run, where the CPU columns "
+            "are far below 1.0 and the load is above the cores, the client waited for a core). "
             + MOTO_NOTE,
         ]
     text = "\n".join(lines)

@@ -5,10 +5,15 @@
 # (python -m moto.server, one process) and the shaping proxy (benchmarks/_shaping_proxy.py), and
 # measures straight to the server and through the proxy (RTT_MS, MBPS per connection) with the
 # sequential fs.get / fs.put loop in the same run; both print their ratios. If moto or s3fs is
-# not importable, the wheel bundle in .devicewheels-remote/ (built by
-# `DW_DIR=.devicewheels-remote ../shared/tools/device-wheels moto ...`, see docs/benchmarks.md) is
-# installed into /tmp/site-remote first (and the usual .devicewheels/ bundle if crc32c is
-# missing). Output: stdout, and under $OUT (when set) remote_h200.txt and the rewritten
+# not importable, the wheel bundle in .devicewheels-remote/ is installed into /tmp/site-remote
+# first (and the usual .devicewheels/ bundle if crc32c is missing). The bundle (Python 3.12; the
+# pins keep botocore inside aiobotocore's range and python-dateutil below 3):
+#   DW_DIR=.devicewheels-remote ../shared/tools/device-wheels moto werkzeug flask flask-cors \
+#     xmltodict responses jinja2 markupsafe itsdangerous blinker click boto3==1.43.117 \
+#     botocore==1.43.117 s3transfer jmespath aiobotocore==3.10.0 aiohttp aiohappyeyeballs \
+#     aioitertools s3fs==2026.9.0 fsspec==2026.9.0 multidict yarl frozenlist aiosignal propcache \
+#     attrs wrapt python-dateutil==2.9.0.post0 typing_extensions pyyaml cryptography cffi \
+#     pycparser requests urllib3 idna charset-normalizer certifi six pytz py-partiql-parser Output: stdout, and under $OUT (when set) remote_h200.txt and the rewritten
 # docs/benchmarks.md (sections `staging` and `ckpt_remote`).
 #
 #   bash benchmarks/remote_h200.sh                 # full sizes (about 5 minutes on 16 cores)

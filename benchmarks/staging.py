@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -262,7 +263,8 @@ def main() -> int:
             f"{_mbps(total, med['shaped.stage']):.0f} MB/s; straight to the server, in the same "
             f"run, {ceiling:.0f} MB/s: that is the most the client and the moto server together "
             "manage on this machine, so the ratio through the proxy cannot exceed "
-            f"{ceiling / _mbps(total, med['shaped.base']):.1f}x here. " + MOTO_NOTE,
+            f"{ceiling / _mbps(total, med['shaped.base']):.1f}x here ({os.cpu_count()} cores, load "
+            f"average {os.getloadavg()[0]:.1f} at the end of the run). " + MOTO_NOTE,
         ]
     lines += [
         "",
