@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -9,7 +10,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["client", "create_bucket", "s3_options", "start_moto"]
+__all__ = ["MOTO_NOTE", "client", "cpu_seconds", "create_bucket", "s3_options", "start_moto"]
+
+MOTO_NOTE = (
+    "One moto server process serves every request: its buckets live in that process, and s3fs "
+    "addresses one endpoint per filesystem, so keys cannot be spread over several server "
+    "processes without a proxy that parses and routes each HTTP request by bucket; the server "
+    "CPU column (cores busy, of one GIL-bound process) tells when the server binds."
+)
 
 
 def start_moto(timeout_s: float = 60.0) -> tuple[subprocess.Popen[bytes], str]:
@@ -17,9 +25,11 @@ def start_moto(timeout_s: float = 60.0) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    exe = Path(sys.executable).with_name("moto_server")
+    # ``python -m moto.server``: no console script needed (a wheel bundle installed with
+    # ``pip --target`` has none on PATH)
+    exe = f"{sys.executable} -m moto.server"
     proc = subprocess.Popen(
-        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -32,6 +42,15 @@ def start_moto(timeout_s: float = 60.0) -> tuple[subprocess.Popen[bytes], str]:
             time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"moto_server ({exe}) did not start within {timeout_s:.0f} s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system, every thread) used so far by process ``pid`` (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def s3_options(endpoint: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -27,20 +28,20 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine, write_section
-from _s3 import client, create_bucket, s3_options, start_moto
+from _s3 import MOTO_NOTE, client, cpu_seconds, create_bucket, s3_options, start_moto
 from _shaping_proxy import start_proxy
 
 NOTES = """\
 Notes: the speed-up of `stage` over the plain loop has two parts, shown separately above: (1)
 `stage` turns off botocore's response checksum, which is pure Python without `awscrt` and
 redundant here because every file is verified against the CRC32C in the index; (2) parallel
-transfers. Part (2) is small on this machine: against localhost there is little network wait to
-overlap, and s3fs runs all transfers on one asyncio event-loop thread (aiohttp + botocore work
-per 64 KiB chunk), so the client is CPU-bound on 2 cores shared with the moto server (in this
-run moto served the largest file to a bare HTTP GET, no s3fs or botocore, at {raw_gbps:.2f} GB/s).
-Against a real object store, where each stream is latency- and bandwidth-limited, the parallel
-part is what matters. Lazy mode fetches only the shards a batch touches (all of them in parallel),
-plus each shard's small side files up front and the next 2 shards ahead."""
+transfers. Against localhost there is little network wait to overlap, and s3fs runs all
+transfers on one asyncio event-loop thread (aiohttp + botocore work per 64 KiB chunk), so on a
+small machine the client is CPU-bound beside the moto server (in this run moto served the
+largest file to a bare HTTP GET, no s3fs or botocore, at {raw_gbps:.2f} GB/s). Against a real
+object store, where each stream is latency- and bandwidth-limited, the parallel part is what
+matters. Lazy mode fetches only the shards a batch touches (all of them in parallel), plus each
+shard's small side files up front and the next 2 shards ahead."""
 
 RECORD_BYTES = 256 << 10  # 256 KiB records (e.g. encoded images / token blocks)
 BATCH = 32
@@ -144,6 +145,7 @@ def main() -> int:
             return time.perf_counter() - t0
 
         med: dict[str, float] = {}
+        cores: dict[str, float] = {}  # moto server CPU per wall second
         for link, ep in links.items():
             o = s3_options(ep)
             plain = s3fs.S3FileSystem(**o, skip_instance_cache=True)
@@ -154,12 +156,15 @@ def main() -> int:
                 config_kwargs={"response_checksum_validation": "when_required"},
             )
             times: dict[str, list[float]] = {"base": [], "base2": [], "stage": []}
+            busy: dict[str, list[float]] = {"base": [], "base2": [], "stage": []}
             for _ in range(args.repeat):
-                times["base"].append(get_loop(plain))
-                times["base2"].append(get_loop(same))
-                times["stage"].append(stage_once(o))
+                for key, arg in (("base", plain), ("base2", same), ("stage", o)):
+                    c0 = cpu_seconds(proc.pid)
+                    times[key].append(stage_once(o) if key == "stage" else get_loop(arg))
+                    busy[key].append((cpu_seconds(proc.pid) - c0) / times[key][-1])
             for k, v in times.items():
                 med[f"{link}.{k}"] = statistics.median(v)
+                cores[f"{link}.{k}"] = statistics.median(busy[k])
             print(
                 f"{link}: sequential fs.get {_mbps(total, med[link + '.base']):.0f} MB/s (same "
                 f"options as stage {_mbps(total, med[link + '.base2']):.0f}) | stage "
@@ -226,8 +231,8 @@ def main() -> int:
         f"through the shaping proxy ({args.rtt_ms:g} ms round trip, {args.mbps:g} MB/s per "
         "connection: the shape of a real object store). Time to first batch: one run, direct.",
         "",
-        "| link | method | seconds | MB/s | ratio |",
-        "|---|---|---:|---:|---:|",
+        "| link | method | seconds | MB/s | S3 server CPU (cores busy) | ratio |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for link in links:
         base = med[f"{link}.base"]
@@ -242,10 +247,11 @@ def main() -> int:
         ):  # fmt: skip
             sec = med[f"{link}.{key}"]
             lines.append(
-                f"| {where} | {label} | {sec:.2f} | {_mbps(total, sec):.0f} | {base / sec:.2f}x |"
+                f"| {where} | {label} | {sec:.2f} | {_mbps(total, sec):.0f} "
+                f"| {cores[f'{link}.{key}']:.2f} | {base / sec:.2f}x |"
             )
     lines.append(f"| direct | rerun, everything already present (CRC re-verified) | "
-                 f"{rerun.seconds:.2f} | | |")  # fmt: skip
+                 f"{rerun.seconds:.2f} | | | |")  # fmt: skip
     if "shaped" in links:
         ratio = med["shaped.base"] / med["shaped.stage"]
         verdict = "met" if ratio >= 5 else "NOT met"
@@ -257,7 +263,8 @@ def main() -> int:
             f"{_mbps(total, med['shaped.stage']):.0f} MB/s; straight to the server, in the same "
             f"run, {ceiling:.0f} MB/s: that is the most the client and the moto server together "
             "manage on this machine, so the ratio through the proxy cannot exceed "
-            f"{ceiling / _mbps(total, med['shaped.base']):.1f}x here.",
+            f"{ceiling / _mbps(total, med['shaped.base']):.1f}x here ({os.cpu_count()} cores, load "
+            f"average {os.getloadavg()[0]:.1f} at the end of the run). " + MOTO_NOTE,
         ]
     lines += [
         "",

@@ -1,16 +1,21 @@
 """The remote tier: background upload of committed checkpoints to an fsspec URL (S3, GCS, ...).
 
 After each local commit the step is queued; a background thread uploads its data files in
-parallel (large files as multipart, ``RemoteOptions.block_bytes`` per part), verifies each one
+parallel (large files as multipart, ``RemoteOptions.block_bytes`` per part, every part in
+flight at once), verifies each one
 against the manifest, and only then writes the manifest. The remote commit is rename-free: a
 ``URL/step-N/`` prefix without ``manifest.json`` is not a checkpoint, and deleting a step removes
 its manifest first. Verification (``RemoteOptions.verify``):
 
-- ``"readback"`` (default): every chunk is read back from the store and its CRC32C compared with
-  the manifest's (end to end; costs one download of the data).
-- ``"size"``: only the stored object sizes are compared. S3's ETags are MD5s (or MD5s of parts)
-  and cannot be compared with the manifest's CRC32Cs, so this is weaker; botocore still checks
-  each request body in flight.
+- ``"auto"`` (default): each data file is first checked against the manifest's CRC32Cs (a local
+  read), then uploaded. On S3 every part goes with its ``Content-MD5`` (S3 rejects a body that
+  does not match) and the store's ETags, its MD5s of the bytes it received, must equal the MD5s
+  of the bytes sent, with the stored size (:mod:`ckpt._s3put`): the store vouches for every
+  byte without a second transfer. Where it cannot (not S3, or ETags that are not MD5s, as with
+  SSE-KMS), the file is read back as with ``"readback"``.
+- ``"readback"``: every chunk is read back from the store and its CRC32C compared with the
+  manifest's (end to end; costs one download of the data).
+- ``"size"``: only the stored object sizes are compared (weakest).
 
 Transient errors are retried with backoff under ``deadline_s``, permanent ones fail at once
 (``feedpipe.io.call``); failures are kept in the stats and raised by the manager's next
@@ -36,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt import _commit, _faults, _layout, _retention
+from ckpt import _commit, _faults, _layout, _retention, _s3put
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError, RemoteCheckpointError
 from ckpt.policy import KeepLast, Policy
@@ -68,7 +73,7 @@ class RemoteOptions:
     fsspec (credentials are redacted from every message). ``threads``: files and multipart parts
     in flight (and read-back ranges). ``block_bytes``: the largest multipart part; a file is
     cut into at least ``threads`` parts (never under S3's 5 MiB minimum), so one large file
-    still uses every connection. ``verify``: ``"readback"`` or ``"size"``
+    still uses every connection. ``verify``: ``"auto"``, ``"readback"`` or ``"size"``
     (module docstring). ``deadline_s``: how long one transfer keeps retrying transient errors.
     ``grace_s``: remote prefixes without a manifest older than this are garbage-collected.
     ``evict_before_upload``: let local retention delete steps not yet uploaded (opt-out of
@@ -83,7 +88,7 @@ class RemoteOptions:
     storage_options: Mapping[str, Any] | None = None
     threads: int = 8
     block_bytes: int = 16 << 20
-    verify: str = "readback"
+    verify: str = "auto"
     deadline_s: float = 300.0
     grace_s: float = 3600.0
     evict_before_upload: bool = False
@@ -95,9 +100,9 @@ class RemoteOptions:
             raise ValueError(
                 f"RemoteOptions.on_error must be 'raise' or 'warn', not {self.on_error!r}"
             )
-        if self.verify not in ("readback", "size"):
+        if self.verify not in ("auto", "readback", "size"):
             raise ValueError(
-                f"RemoteOptions.verify must be 'readback' or 'size', not {self.verify!r}"
+                f"RemoteOptions.verify must be 'auto', 'readback' or 'size', not {self.verify!r}"
             )
         if self.threads < 1 or self.block_bytes < _MIN_PART:
             raise ValueError(
@@ -152,6 +157,21 @@ def _transfer(
         return call(fn, url, what=what, policy=policy, storage_options=storage_options)
     except RemoteIOError as exc:
         raise RemoteCheckpointError(str(exc), exc.url, permanent=exc.permanent) from exc
+
+
+def _client_options(options: RemoteOptions) -> dict[str, Any]:
+    """``options.storage_options``; for S3 (the caller's values win): a connection pool with
+    room for every part and file request in flight (botocore's default of 10 would cap them),
+    and no request checksum computed by botocore: every data file goes with its ``Content-MD5``
+    (:mod:`ckpt._s3put`), the manifest is read back, and botocore's checksum would cost the
+    event loop thread that carries every transfer a pass over each part."""
+    out = dict(options.storage_options or {})
+    if options.url.startswith(("s3://", "s3a://")):
+        config = dict(out.get("config_kwargs") or {})
+        config.setdefault("request_checksum_calculation", "when_required")
+        config.setdefault("max_pool_connections", max(10, 2 * options.threads + 2))
+        out["config_kwargs"] = config
+    return out
 
 
 def _part_bytes(size: int, block_bytes: int, threads: int) -> int:
@@ -223,7 +243,7 @@ class RemoteTier:
         self.directory = directory
         self.options = options
         self._metrics: dict[int, dict] = {}
-        self.fs, self.root = resolve(options.url, options.storage_options)
+        self.fs, self.root = resolve(options.url, _client_options(options))
         self.url = redact(options.url, options.storage_options)
         self.stats = RemoteStats()
         self._retain_local = retain_local
@@ -237,6 +257,10 @@ class RemoteTier:
         self._newest_verified: int | None = None
         self._closed = False
         self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-upload")
+        # multipart parts (and local checks) of every file: their own pool, so a file's thread
+        # that waits for its parts never holds a worker its parts need
+        self._parts = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-upload-part")
+        self._s3 = _s3put.is_s3(self.fs)
         self._kick()  # reconcile with the remote (uploads committed steps never uploaded)
 
     # ---- queue --------------------------------------------------------------------------
@@ -314,6 +338,7 @@ class RemoteTier:
             with self._cond:
                 self._closed = True  # an abandoned upload may finish, but nothing new starts
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self._parts.shutdown(wait=False, cancel_futures=True)
 
     # ---- background ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -489,20 +514,17 @@ class RemoteTier:
         local, rpath, name = path / rec["name"], self._rpath(step, rec["name"]), rec["name"]
         self._makedirs(rpath.rsplit("/", 1)[0], step, name)
         part = _part_bytes(rec["size"], self.options.block_bytes, self.options.threads)
+        fast = self._s3 and rec["size"] > 0
+        if fast and self.options.verify == "auto":
+            # the store vouches only for the bytes sent: check them against the manifest first
+            # (the committed step is under a shared lock and never rewritten)
+            fmt.stream_file(path, rec, [], True, self._parts)
         for attempt in (1, 2):
-            with span("ckpt/upload"):  # in the upload pool's thread
-                self._call(
-                    lambda: self.fs.put_file(
-                        str(local),
-                        rpath,
-                        chunksize=part,
-                        max_concurrency=self.options.threads,
-                    ),
-                    step, name, "upload",
-                )  # fmt: skip
-            _faults.pause("upload")
             try:
-                self._verify_remote(step, rec)
+                with span("ckpt/upload"):  # in the upload pool's thread
+                    vouched = self._send(local, rpath, step, rec, part)
+                _faults.pause("upload")
+                self._verify_remote(step, rec, vouched)
                 return
             except CorruptCheckpointError:
                 if attempt == 2:
@@ -514,7 +536,28 @@ class RemoteTier:
                     name,
                 )
 
-    def _verify_remote(self, step: int, rec: dict) -> None:
+    def _send(self, local: Path, rpath: str, step: int, rec: dict, part: int) -> bool:
+        """Upload one data file; return whether the store vouched for every byte."""
+        name = rec["name"]
+        if self._s3 and rec["size"] > 0:
+            return _s3put.put_file(
+                self.fs, local, rpath, size=rec["size"], part_bytes=part, pool=self._parts,
+                call=lambda fn, what: self._call(fn, step, name, what),
+            )  # fmt: skip
+        self._call(
+            lambda: self.fs.put_file(
+                str(local), rpath, chunksize=part, max_concurrency=self.options.threads
+            ),
+            step, name, "upload",
+        )  # fmt: skip
+        return False
+
+    def _verify_remote(self, step: int, rec: dict, vouched: bool = False) -> None:
+        """Check the stored object of ``rec``: its size; then, unless ``verify="size"`` or the
+        store vouched for every byte (``verify="auto"`` on S3; its size is checked then), every
+        chunk read back."""
+        if vouched and self.options.verify == "auto":
+            return
         rpath, name = self._rpath(step, rec["name"]), rec["name"]
         where = f"{self.url}/{_layout.step_name(step)}/{name}"
         info = self._call(lambda: self.fs.info(rpath), step, name, "stat")
@@ -522,7 +565,7 @@ class RemoteTier:
             raise CorruptCheckpointError(
                 f"{where}: stored size {info.get('size')} != {rec['size']} bytes"
             )
-        if self.options.verify != "readback" or rec["size"] == 0:
+        if self.options.verify == "size" or rec["size"] == 0:
             return
         chunk = rec["chunk_bytes"]
         starts = list(range(0, rec["size"], chunk))

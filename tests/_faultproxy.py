@@ -9,6 +9,8 @@ queued fault matches it::
         proxy.inject("truncate")                 # reply headers + half the body, then close
         proxy.inject("403")                      # an S3 AccessDenied reply
         proxy.inject("stall")                    # half the body, then nothing until stop()
+        proxy.inject("corrupt", method="PUT")    # one byte of the request body flipped on the way
+        proxy.inject("drop_part")                # last <Part> left out of a multipart completion
         ...
         assert proxy.faults_served == 5
 
@@ -20,6 +22,7 @@ Faults are used in the order they were queued; ``match`` is a substring of the r
 from __future__ import annotations
 
 import http.client
+import re
 import socket
 import threading
 import urllib.parse
@@ -29,7 +32,7 @@ from typing import Any
 
 __all__ = ["FAULTS", "FaultProxy"]
 
-FAULTS = ("drop", "truncate", "stall", "503", "500", "403", "404")
+FAULTS = ("drop", "truncate", "stall", "503", "500", "403", "404", "corrupt", "drop_part")
 
 _ERROR_XML = {
     "503": (503, "SlowDown", "Please reduce your request rate."),
@@ -160,6 +163,12 @@ class FaultProxy:
                 if fault == "drop":
                     self._abort()
                     return
+                if fault == "corrupt" and body:  # a flipped bit that TCP's checksum missed
+                    mid = len(body) // 2
+                    body = body[:mid] + bytes([body[mid] ^ 0x01]) + body[mid + 1 :]
+                elif fault == "drop_part":
+                    body = re.sub(rb"<Part>(?:(?!<Part>).)*</Part>(\s*</CompleteMultipartUpload>)",
+                                  rb"\1", body, flags=re.S)  # fmt: skip
                 if fault in _ERROR_XML:
                     status, code, message = _ERROR_XML[fault]
                     xml = (

@@ -44,8 +44,6 @@ import fcntl
 import hashlib
 import logging
 import os
-import queue
-import sys
 import threading
 import time
 import weakref
@@ -58,6 +56,7 @@ from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c, to_hex
 from feedpipe.remote import transfer as _remote
 from feedpipe.remote.plan import AccessPlan
+from feedpipe.remote.prefetch_pool import DaemonPool
 from feedpipe.remote.transfer import INDEX_NAME, FileEntry
 
 __all__ = ["CacheStats", "ShardCache"]
@@ -117,79 +116,6 @@ def _flock(
         elif cancel.wait(pause):
             raise _CancelledError(what)
         pause = min(pause * 1.5, 0.2)
-
-
-_Job = tuple[Future[None], Callable[[str, threading.Event], None], str]
-
-
-class _DaemonPool:
-    """Daemon threads running background prefetches (``fn(relpath, cancel)``).
-
-    Unlike :class:`~concurrent.futures.ThreadPoolExecutor`, whose threads the interpreter joins
-    at exit after running every queued call, nothing here delays exit. :meth:`shutdown` cancels
-    the queued calls and sets ``cancel``, which the running ones check in their lock waits.
-    """
-
-    def __init__(self, workers: int, cancel: threading.Event) -> None:
-        self.cancel = cancel
-        self._workers = max(1, workers)
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-
-    def submit(self, fn: Callable[[str, threading.Event], None], relpath: str) -> Future[None]:
-        fut: Future[None] = Future()
-        with self._lock:
-            if self.cancel.is_set():
-                raise RuntimeError("ShardCache is closed")
-            self._jobs.put((fut, fn, relpath))
-            if len(self._threads) < self._workers:
-                t = threading.Thread(
-                    target=self._run,
-                    name=f"feedpipe-prefetch-{len(self._threads)}",
-                    daemon=True,
-                )
-                self._threads.append(t)
-                t.start()
-        return fut
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fut, fn, relpath = job
-            if self.cancel.is_set():
-                fut.cancel()
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fn(relpath, self.cancel)
-                except BaseException as exc:  # handed to the future's owner
-                    fut.set_exception(exc)
-                else:
-                    fut.set_result(None)
-            del job, fut
-
-    def shutdown(self, timeout_s: float = 0.0) -> None:
-        """Set ``cancel``, cancel queued calls, stop the threads; wait up to ``timeout_s``."""
-        self.cancel.set()
-        with self._lock:
-            threads = list(self._threads)
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job[0].cancel()
-        for _ in threads:
-            self._jobs.put(None)
-        if timeout_s <= 0 or sys.is_finalizing():  # threads cut off at exit never finish
-            return
-        deadline = time.monotonic() + timeout_s
-        for t in threads:
-            if t is not threading.current_thread():
-                t.join(max(0.0, deadline - time.monotonic()))
 
 
 def _try_exclusive(lock_path: str) -> int | None:
@@ -331,7 +257,7 @@ class ShardCache:
         #: the reads to come (empty: least-recently-used eviction); per process
         self.plan = AccessPlan()
         self._lock = threading.Lock()
-        self._pool: _DaemonPool | None = None
+        self._pool: DaemonPool | None = None
         self._pending: dict[str, Future[None]] = {}
         self._closed = False
         self._pressure_ns = 0
@@ -429,7 +355,7 @@ class ShardCache:
             if self._closed:
                 raise RuntimeError("ShardCache is closed")
             if self._pool is None:
-                self._pool = _DaemonPool(self._prefetch_workers, threading.Event())
+                self._pool = DaemonPool(self._prefetch_workers, threading.Event())
                 # garbage collection or interpreter exit (atexit) stops it: never waited for
                 weakref.finalize(self, self._pool.shutdown)
             for rel in relpaths:

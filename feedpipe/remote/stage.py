@@ -104,7 +104,7 @@ def stage(
         raise ValueError(f"workers must be >= 1, got {workers}")
     url = os.fspath(src)
     dst = os.path.abspath(os.fspath(dst))
-    fs, root = _remote.resolve(url, storage_options, deadline_s)
+    fs, root = _remote.resolve(url, _pooled(url, storage_options, workers), deadline_s)
     policy = _remote.RetryPolicy(deadline_s=deadline_s)
     t0 = time.perf_counter()
     raw_index, entries = _remote.read_remote_index(fs, root, url, storage_options, policy)
@@ -199,6 +199,20 @@ def _stage_locked(
         bar.close()
     atomic_write(index_path, raw_index)
     return StageResult(len(todo), len(entries) - len(todo), total, time.perf_counter() - t0)
+
+
+def _pooled(
+    url: str, storage_options: Mapping[str, Any] | None, workers: int
+) -> Mapping[str, Any] | None:
+    """For S3, a connection pool with room for every worker: botocore's default of 10
+    connections would otherwise cap ``workers`` transfers at 10 (the caller's value wins)."""
+    if not url.startswith(("s3://", "s3a://")):
+        return storage_options
+    out = dict(storage_options or {})
+    config = dict(out.get("config_kwargs") or {})
+    config.setdefault("max_pool_connections", max(10, workers))
+    out["config_kwargs"] = config
+    return out
 
 
 @contextlib.contextmanager

@@ -1,0 +1,192 @@
+"""One file to S3 in parallel parts, with the store's own digest of what it received.
+
+s3fs's ``put_file`` sends the parts of a file in rounds of ``max_concurrency`` on its one event
+loop and keeps nothing a caller could check the stored bytes against but the size. This module
+drives the same S3 calls through s3fs's client (``fs.call_s3``: its session, credentials and
+endpoint), with each part read and hashed in a caller's thread pool, so every part is in flight
+at once and the reads and MD5s run beside the network (``hashlib`` releases the GIL).
+
+What the store vouches for (``verify="auto"``, :mod:`ckpt.remote`):
+
+1. Each part (or the single ``PutObject`` body) is sent with its ``Content-MD5``: S3 rejects a
+   body that does not match it (``BadDigest``), and the part is sent again.
+2. S3's ETag of a part, and of a single-request object, is the MD5 of the bytes it stored; the
+   ETag of a completed multipart object is the MD5 of the part MD5s, then ``-`` and the number
+   of parts. Both are computed by the store from what it received and compared here with the
+   MD5s of the bytes read from the local file; with the stored size from a ``HeadObject``.
+   A byte altered in flight, or a part lost, repeated or reordered changes one of them.
+
+Stores whose ETags are not MD5s (objects encrypted with SSE-KMS or SSE-C, some S3-compatible
+stores) cannot vouch this way: :func:`put_file` then returns ``False`` and the caller reads the
+object back (the ``"readback"`` route). Nothing here compares with the manifest's CRC32Cs: the
+caller checks the local file against them before the upload.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import os
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
+from pathlib import Path
+from typing import Any
+
+from ckpt.errors import CorruptCheckpointError
+
+__all__ = ["Call", "is_s3", "put_file"]
+
+Call = Callable[[Callable[[], Any], str], Any]
+"""Runs one remote request with the caller's retries: ``call(fn, what)``."""
+
+
+def is_s3(fs: Any) -> bool:
+    """True for an s3fs filesystem (the only one whose client this module drives)."""
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "s3" in protocols and callable(getattr(fs, "call_s3", None))
+
+
+def _etag(response: dict) -> str:
+    return str(response.get("ETag", "")).strip('"').lower()
+
+
+def _read(fd: int, offset: int, size: int, path: Path) -> bytes:
+    data = os.pread(fd, size, offset)
+    while len(data) < size:  # a short read: go on; zero bytes: the file shrank
+        more = os.pread(fd, size - len(data), offset + len(data))
+        if not more:
+            raise CorruptCheckpointError(
+                f"{path}: ended at byte {offset + len(data)} while uploading"
+            )
+        data += more
+    return data
+
+
+def _bad_digest(exc: BaseException | None) -> bool:
+    """True if ``exc`` or an error it was raised from is S3's ``BadDigest``."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if "BadDigest" in repr(exc):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def _send(call: Call, send: Callable[[], dict], where: str) -> dict:
+    """One request whose body carries a ``Content-MD5``; a ``BadDigest`` answer (the body was
+    altered on the way) is sent once more, then raised as ``CorruptCheckpointError``."""
+    try:
+        return dict(call(send, "upload"))
+    except Exception as exc:
+        if not _bad_digest(exc):
+            raise
+    try:
+        return dict(call(send, "upload"))
+    except Exception as exc:
+        if not _bad_digest(exc):
+            raise
+        raise CorruptCheckpointError(
+            f"{where}: the store rejected the body twice (its Content-MD5 did not match)"
+        ) from exc
+
+
+def put_file(
+    fs: Any, local: Path, rpath: str, *, size: int, part_bytes: int, pool: Executor, call: Call
+) -> bool:
+    """Upload ``local`` (``size`` bytes) to ``rpath`` in parts of ``part_bytes``, sent at once
+    on ``pool``'s threads; a file of at most one part goes in one request.
+
+    Raises ``CorruptCheckpointError`` if the stored size differs. Returns whether the store's
+    ETags vouch for every byte (module docstring); ``False`` means they could not, and the
+    object must be read back to be verified."""
+    bucket, key, _ = fs.split_path(rpath)
+    where = f"{rpath} ({local.name})"
+    fd = os.open(local, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if size <= part_bytes:
+            data = _read(fd, 0, size, local)
+            digest = hashlib.md5(data, usedforsecurity=False).digest()
+            out = _send(call, lambda: fs.call_s3(
+                "put_object", Bucket=bucket, Key=key, Body=data,
+                ContentMD5=base64.b64encode(digest).decode(),
+            ), where)  # fmt: skip
+            del data
+            expected = digest.hex()
+            vouched = _etag(out) == expected
+        else:
+            expected, vouched = _multipart(
+                fs,
+                fd,
+                local,
+                bucket=bucket,
+                key=key,
+                size=size,
+                part_bytes=part_bytes,
+                pool=pool,
+                call=call,
+            )
+    finally:
+        os.close(fd)
+    fs.invalidate_cache(rpath)
+    head = dict(call(lambda: fs.call_s3("head_object", Bucket=bucket, Key=key), "stat"))
+    if int(head.get("ContentLength", -1)) != size:
+        raise CorruptCheckpointError(
+            f"{where}: stored size {head.get('ContentLength')} != {size} bytes"
+        )
+    return vouched and _etag(head) == expected
+
+
+def _multipart(
+    fs: Any,
+    fd: int,
+    local: Path,
+    *,
+    bucket: str,
+    key: str,
+    size: int,
+    part_bytes: int,
+    pool: Executor,
+    call: Call,
+) -> tuple[str, bool]:
+    """The multipart upload of :func:`put_file`; returns the expected ETag and whether every
+    part's ETag and the object's matched the MD5s of what was read."""
+    mpu = dict(call(lambda: fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key),
+                    "upload"))  # fmt: skip
+    upload_id = mpu["UploadId"]
+
+    def one(number: int, offset: int) -> tuple[bytes, str]:
+        data = _read(fd, offset, min(part_bytes, size - offset), local)
+        digest = hashlib.md5(data, usedforsecurity=False).digest()
+        out = _send(call, lambda: fs.call_s3(
+            "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number,
+            Body=data, ContentMD5=base64.b64encode(digest).decode(),
+        ), f"{bucket}/{key} part {number} ({local.name})")  # fmt: skip
+        return digest, _etag(out)
+
+    try:
+        futures: list[Future[tuple[bytes, str]]] = [
+            pool.submit(one, n, off) for n, off in enumerate(range(0, size, part_bytes), start=1)
+        ]
+        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in pending:  # after a failed part, send no more
+            f.cancel()
+        wait(futures)  # every read is over before the caller closes fd
+        for f in futures:
+            error = None if f.cancelled() else f.exception()
+            if error is not None:
+                raise error
+        results = [f.result() for f in futures]
+        parts = [{"PartNumber": n, "ETag": etag} for n, (_, etag) in enumerate(results, 1)]
+        out = dict(call(lambda: fs.call_s3(
+            "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+            MultipartUpload={"Parts": parts},
+        ), "upload"))  # fmt: skip
+    except BaseException:
+        with contextlib.suppress(Exception):  # leave no parts billed; the error is the news
+            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        raise
+    whole = hashlib.md5(b"".join(d for d, _ in results), usedforsecurity=False).hexdigest()
+    expected = f"{whole}-{len(results)}"
+    vouched = all(etag == d.hex() for d, etag in results) and _etag(out) == expected
+    return expected, vouched

@@ -1,0 +1,90 @@
+"""The daemon threads that run a :class:`~feedpipe.remote.cache.ShardCache`'s background prefetches.
+
+Unlike :class:`~concurrent.futures.ThreadPoolExecutor`, whose threads the interpreter joins at
+exit after running every queued call, nothing here delays exit: the threads are daemons, and
+:meth:`DaemonPool.shutdown` cancels the queued calls and sets the pool's ``cancel`` event, which
+the running ones check in their lock waits.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+__all__ = ["DaemonPool"]
+
+Job = tuple[Future[None], Callable[[str, threading.Event], None], str]
+
+
+class DaemonPool:
+    """Daemon threads running background prefetches (``fn(relpath, cancel)``).
+
+    Unlike :class:`~concurrent.futures.ThreadPoolExecutor`, whose threads the interpreter joins
+    at exit after running every queued call, nothing here delays exit. :meth:`shutdown` cancels
+    the queued calls and sets ``cancel``, which the running ones check in their lock waits.
+    """
+
+    def __init__(self, workers: int, cancel: threading.Event) -> None:
+        self.cancel = cancel
+        self._workers = max(1, workers)
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[str, threading.Event], None], relpath: str) -> Future[None]:
+        fut: Future[None] = Future()
+        with self._lock:
+            if self.cancel.is_set():
+                raise RuntimeError("ShardCache is closed")
+            self._jobs.put((fut, fn, relpath))
+            if len(self._threads) < self._workers:
+                t = threading.Thread(
+                    target=self._run,
+                    name=f"feedpipe-prefetch-{len(self._threads)}",
+                    daemon=True,
+                )
+                self._threads.append(t)
+                t.start()
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fut, fn, relpath = job
+            if self.cancel.is_set():
+                fut.cancel()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fn(relpath, self.cancel)
+                except BaseException as exc:  # handed to the future's owner
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(None)
+            del job, fut
+
+    def shutdown(self, timeout_s: float = 0.0) -> None:
+        """Set ``cancel``, cancel queued calls, stop the threads; wait up to ``timeout_s``."""
+        self.cancel.set()
+        with self._lock:
+            threads = list(self._threads)
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in threads:
+            self._jobs.put(None)
+        if timeout_s <= 0 or sys.is_finalizing():  # threads cut off at exit never finish
+            return
+        deadline = time.monotonic() + timeout_s
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
