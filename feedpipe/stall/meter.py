@@ -73,6 +73,7 @@ from typing import Any, Literal, TypeVar
 from feedpipe.io import trace as _trace
 from feedpipe.stall.device import DeviceClock
 from feedpipe.stall.distributed import DistributedSink, DistributedSummary, gather_stats
+from feedpipe.stall.profiler import AlwaysOn, record_function, torch_flag
 from feedpipe.stall.records import FIELDS, NBUCKETS, RECORD, bucket_value, fold
 from feedpipe.stall.report import format_report, format_summary
 from feedpipe.stall.sinks import JsonlSink, LoggingSink, Sink, TensorBoardSink
@@ -171,15 +172,11 @@ class StallMeter:
         # ``_torch_prof._is_profiler_enabled`` says whether to open record_function ranges:
         # torch.autograd.profiler (its flag follows torch.profiler) in "auto" mode, or stand-ins
         # whose flag is always on (trace=True) or always off (trace=False).
-        self._torch_prof: Any = _NeverOn
-        if trace is True:
-            self._torch_prof = _AlwaysOn
-        elif trace == "auto":
-            self._torch_prof = _profiler_module() or _NeverOn
+        self._torch_prof: Any = torch_flag(trace)
         # NVTX ranges: the recorder of feedpipe.io.trace when one is active (trace != False)
         self._nvtx = _trace.recorder() if trace is not False else None
         # the flag loaders read once per batch: on while either kind of range is wanted
-        self._profiler: Any = _AlwaysOn if self._nvtx is not None else self._torch_prof
+        self._profiler: Any = AlwaysOn if self._nvtx is not None else self._torch_prof
         self._range: Any = None  # the open range(s) of the current wait (None: none open)
         self.device_clock: DeviceClock | None = None  # CUDA events at hand-off (watch_device)
         # a record is followed by after_batch() once len(_waits) reaches fold_at: _FOLD normally,
@@ -228,7 +225,6 @@ class StallMeter:
         pass: ``put(pack(begin, end, samples, nbytes, fetch_s, collate_s))``, then
         ``meter.after_batch(end)`` when ``len(log) >= meter.fold_at``."""
         return self._put, _pack, self._waits
-
 
     def wait_begin(self) -> None:
         """The loop starts waiting for a batch; the time since the last ``wait_end`` is step."""
@@ -335,7 +331,7 @@ class StallMeter:
         """Time a user region: ``with meter.region("forward"): ...`` (also a profiler range:
         ``feedpipe.region.NAME`` for torch's profiler, ``feedpipe/region/NAME`` for NVTX)."""
         on = self._torch_prof._is_profiler_enabled
-        rf = self._record_function(f"feedpipe.region.{name}") if on else None
+        rf = record_function(f"feedpipe.region.{name}") if on else None
         nvtx = self._nvtx
         if nvtx is not None:
             nvtx.push(f"feedpipe/region/{name}")
@@ -759,7 +755,7 @@ class StallMeter:
             self._nvtx.push("feedpipe/wait")
         rf = None
         if self._torch_prof._is_profiler_enabled:
-            rf = self._record_function(name)
+            rf = record_function(name)
             rf.__enter__()
         self._range = (rf,)
         self.fold_at = 0
@@ -771,34 +767,7 @@ class StallMeter:
         if self._nvtx is not None:
             self._nvtx.pop()
 
-    @staticmethod
-    def _record_function(name: str) -> Any:
-        import torch.profiler
-
-        return torch.profiler.record_function(name)
-
-
-class _NeverOn:
-    """Stand-in for ``torch.autograd.profiler`` when ``trace=False``."""
-
-    _is_profiler_enabled = False
-
-
-class _AlwaysOn:
-    """Stand-in for ``torch.autograd.profiler`` when ``trace=True``."""
-
-    _is_profiler_enabled = True
-
 
 def _cpu_now() -> tuple[float, float, int]:
     """(process CPU seconds, this thread's CPU seconds, this thread's id)."""
     return time.process_time(), time.thread_time(), threading.get_ident()
-
-
-def _profiler_module() -> Any:
-    """``torch.autograd.profiler`` if it exposes the cheap ``_is_profiler_enabled`` flag."""
-    try:
-        import torch.autograd.profiler as prof
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return None
-    return prof if hasattr(prof, "_is_profiler_enabled") else None
