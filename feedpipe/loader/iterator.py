@@ -45,7 +45,8 @@ class LoaderIter:
             feed.pull = lambda: pull()()  # type: ignore[misc]  # noqa: PLW0108
         meter = self._meter = loader.meter
         self._timed = meter.enabled  # off: the sources read no clock either
-        self._log = meter._waits  # the meter's batch log, appended as record_batch does
+        # the meter's batch log, bound once per pass: record_batch's body, inlined below
+        self._put, self._pack, self._log = meter.batch_log()
         self._profiler = meter._profiler  # its _is_profiler_enabled flag: one read per batch
         # device idle for input: CUDA events at hand-off (device="cuda" with counters on)
         self._clock = meter.device_clock if feed is not None and self._timed else None
@@ -139,11 +140,10 @@ class LoaderIter:
             if collate_s >= 0.0:
                 meter.add_stage("collate", collate_s, nbytes)
             meter.wait_end(samples=samples, nbytes=nbytes)
-        elif timed:  # meter.record_batch(t0, t1, ...), inlined: the call is a sixth of the cost
-            log = self._log
-            log += (t0, t1, samples, nbytes, fetch_s, collate_s)
-            if len(log) >= self._meter._fold_at:
-                self._meter._after_wait(t1)
+        elif timed:  # meter.record_batch(t0, t1, ...), inlined (StallMeter.batch_log)
+            self._put(self._pack(t0, t1, samples, nbytes, fetch_s, collate_s))
+            if len(self._log) >= self._meter.fold_at:
+                self._meter.after_batch(t1)
         self._count(samples)
         if self._len_called is not None and self._delivered > self._len_called:
             warnings.warn(

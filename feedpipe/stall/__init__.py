@@ -1,7 +1,9 @@
 """Stall counters: how long the training loop waited for input, and which stage is to blame.
 
 :mod:`~feedpipe.stall.meter` holds :class:`StallMeter` (the hot-path counters and how they are
-read), :mod:`~feedpipe.stall.stats` the snapshot it returns, :mod:`~feedpipe.stall.report` the
+read), :mod:`~feedpipe.stall.records` the packed per-batch records and their vectorised fold,
+:mod:`~feedpipe.stall.profiler` the flag that says whether waits are profiler ranges,
+:mod:`~feedpipe.stall.stats` the snapshot it returns, :mod:`~feedpipe.stall.report` the
 printed report and its hint, :mod:`~feedpipe.stall.sinks` the periodic emitters (log, JSONL,
 TensorBoard), :mod:`~feedpipe.stall.device` the CUDA events behind *device idle for input* and
 :mod:`~feedpipe.stall.distributed` the cross-rank summary. The public names are

@@ -1,7 +1,8 @@
 """Stall counters: how long the training loop waited for input, and which stage is to blame.
 
 A :class:`StallMeter` is on by default in every ``feedpipe.DataLoader``. It keeps a handful of
-counters that cost one append per batch on the hot path (folded 4096 at a time, vectorised):
+counters that cost one packed append per batch on the hot path (48 bytes, one C call; folded
+4096 at a time, vectorised, by :mod:`feedpipe.stall.records`):
 
 - the *stall*: time the loop blocked inside ``next()`` (``record_batch``, or
   ``wait_begin``/``wait_end``);
@@ -59,6 +60,7 @@ may be called from any thread.
 
 from __future__ import annotations
 
+import array
 import math
 import operator
 import threading
@@ -71,6 +73,8 @@ from typing import Any, Literal, TypeVar
 from feedpipe.io import trace as _trace
 from feedpipe.stall.device import DeviceClock
 from feedpipe.stall.distributed import DistributedSink, DistributedSummary, gather_stats
+from feedpipe.stall.profiler import AlwaysOn, record_function, torch_flag
+from feedpipe.stall.records import FIELDS, NBUCKETS, RECORD, bucket_value, fold
 from feedpipe.stall.report import format_report, format_summary
 from feedpipe.stall.sinks import JsonlSink, LoggingSink, Sink, TensorBoardSink
 from feedpipe.stall.stats import StageStats, StallStats
@@ -94,23 +98,9 @@ WORKER_STAGES = frozenset({"fetch", "decode", "collate"})
 
 _T = TypeVar("_T")
 _perf = time.perf_counter
+_pack = RECORD.pack
 _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
-
-# Wait histogram: 16 linear sub-buckets per power of two, from 2**-30 s (~1 ns) to 2**12 s.
-# Bucket of w = m * 2**e (0.5 <= m < 1) is (e - _EMIN) * 16 + int(m * 32) - 16, so a bucket
-# spans at most 1/16 of its octave and its midpoint is within ~3% of every value in it.
-_SUB = 16
-_EMIN = -30
-_EMAX = 12
-_NBUCKETS = (_EMAX - _EMIN + 1) * _SUB
-_OFFSET = -_EMIN * _SUB - _SUB
-
-
-def _bucket_value(i: int) -> float:
-    """Midpoint (seconds) of histogram bucket ``i``."""
-    e, sub = divmod(i - _OFFSET, _SUB)  # w = m * 2**(e - 1), m = 0.5 + sub/32 + ...
-    return (0.5 + (sub + 0.5) / (2 * _SUB)) * 2.0 ** (e - 1)
 
 
 class StallMeter:
@@ -139,13 +129,13 @@ class StallMeter:
     """
 
     enabled = True
-    _FIELDS = 6  # numbers per batch record in _waits
-    _FOLD = _FIELDS * 4096  # pending record numbers (4096 batches) folded at a time
+    _FIELDS = FIELDS  # numbers per batch record in _waits
+    _FOLD = FIELDS * 4096  # pending record numbers (4096 batches) folded at a time
     _STAGE_FOLD = 4096  # pending add_stage records folded at a time
     _wait_start: float | None  # begin of a wait in progress (None: the loop is stepping)
     _last: tuple[float, float] | None  # (begin, end) of the latest folded wait
     _first_begin: float | None
-    _waits: list[float]  # pending batch records, flat: begin, end, samples, nbytes, fetch, collate
+    _waits: array.array[float]  # pending records: begin, end, samples, nbytes, fetch, collate
     _stall_folded: float
     _batches_folded: int
     _samples_folded: int
@@ -159,7 +149,7 @@ class StallMeter:
     _stall_extra: float
     _passes: int  # passes in progress (iterators alive)
     _cpu0: tuple[float, float, int] | None  # process CPU, loop-thread CPU, loop thread id
-    _hist: Any  # numpy int64 array of _NBUCKETS counts
+    _hist: Any  # numpy int64 array of NBUCKETS counts
     _stage_logs: dict[str, list[tuple[float, int]]]
     _stage_s: dict[str, float]
     _stage_bytes: dict[str, int]
@@ -182,36 +172,34 @@ class StallMeter:
         # ``_torch_prof._is_profiler_enabled`` says whether to open record_function ranges:
         # torch.autograd.profiler (its flag follows torch.profiler) in "auto" mode, or stand-ins
         # whose flag is always on (trace=True) or always off (trace=False).
-        self._torch_prof: Any = _NeverOn
-        if trace is True:
-            self._torch_prof = _AlwaysOn
-        elif trace == "auto":
-            self._torch_prof = _profiler_module() or _NeverOn
+        self._torch_prof: Any = torch_flag(trace)
         # NVTX ranges: the recorder of feedpipe.io.trace when one is active (trace != False)
         self._nvtx = _trace.recorder() if trace is not False else None
         # the flag loaders read once per batch: on while either kind of range is wanted
-        self._profiler: Any = _AlwaysOn if self._nvtx is not None else self._torch_prof
+        self._profiler: Any = AlwaysOn if self._nvtx is not None else self._torch_prof
         self._range: Any = None  # the open range(s) of the current wait (None: none open)
         self.device_clock: DeviceClock | None = None  # CUDA events at hand-off (watch_device)
-        # wait_end calls _after_wait once len(_waits) reaches _fold_at: _FOLD normally, 0 while
-        # sinks are attached or a profiler range is open (one comparison on the hot path)
-        self._fold_at = self._FOLD
+        # a record is followed by after_batch() once len(_waits) reaches fold_at: _FOLD normally,
+        # 0 while sinks are attached or a profiler range is open (one comparison per batch)
+        self.fold_at = self._FOLD
         self.workers = 0
         self.worker_type: str | None = None
         self._passes = 0
-        self._waits = []
+        # the batch log: its object never changes (loaders bind it, and its frombytes, per pass)
+        self._waits = array.array("d")
+        self._put = self._waits.frombytes
         self.reset()
 
     # ------------------------------------------------------------------ hot path
-    # The hot path only appends: each batch adds six numbers to the flat list ``_waits``
-    # (begin, end, samples, nbytes, fetch_s, collate_s; a negative stage time means "no such
-    # stage"), folded into the totals, maximum and histogram 4096 batches at a time,
-    # vectorised. Numbers, not a tuple per batch: nothing for the cyclic GC to track. A loader
-    # reads the clock itself around the blocking part of ``next()`` and makes one
-    # ``record_batch`` call per batch; ``wait_begin``/``wait_end`` are the same record split
-    # in two, for other callers. Other stages go to ``_stage_logs[name]`` (list.append is
-    # atomic, so ``add_stage`` takes no lock). The step total is derived: waits and steps
-    # alternate, so step = (last end - first begin) - stall.
+    # The hot path only appends: each batch packs six doubles (begin, end, samples, nbytes,
+    # fetch_s, collate_s; a negative stage time means "no such stage") into the array
+    # ``_waits`` in one C call (feedpipe.stall.records), folded into the totals, maximum and
+    # histogram 4096 batches at a time, vectorised, or when the counters are read. A loader
+    # reads the clock itself around the blocking part of ``next()`` and appends the same
+    # record (``batch_log``); ``wait_begin``/``wait_end`` are the same record split in two,
+    # for other callers. Other stages go to ``_stage_logs[name]`` (list.append is atomic, so
+    # ``add_stage`` takes no lock). The step total is derived: waits and steps alternate, so
+    # step = (last end - first begin) - stall.
     def record_batch(  # noqa: PLR0917 - positional on the hot path
         self,
         begin: float,
@@ -226,12 +214,17 @@ class StallMeter:
         ``fetch_s`` / ``collate_s`` are the batch's "fetch" and "collate" stage times (negative:
         the stage did not run). Equivalent to ``wait_begin(); wait_end(samples, nbytes)`` at
         those instants plus ``add_stage`` for each stage, at a fraction of the cost.
-        ``feedpipe.DataLoader`` inlines this body (same list, same six numbers, same check).
+        ``feedpipe.DataLoader`` inlines this body (:meth:`batch_log`).
         """
-        waits = self._waits
-        waits += (begin, end, samples, nbytes, fetch_s, collate_s)
-        if len(waits) >= self._fold_at:
-            self._after_wait(end)
+        self._put(_pack(begin, end, samples, nbytes, fetch_s, collate_s))
+        if len(self._waits) >= self.fold_at:
+            self.after_batch(end)
+
+    def batch_log(self) -> tuple[Any, Any, array.array[float]]:
+        """``(put, pack, log)`` for a loader that inlines :meth:`record_batch`, bound once per
+        pass: ``put(pack(begin, end, samples, nbytes, fetch_s, collate_s))``, then
+        ``meter.after_batch(end)`` when ``len(log) >= meter.fold_at``."""
+        return self._put, _pack, self._waits
 
     def wait_begin(self) -> None:
         """The loop starts waiting for a batch; the time since the last ``wait_end`` is step."""
@@ -249,10 +242,9 @@ class StallMeter:
         begin, self._wait_start = self._wait_start, None
         if begin is None:
             raise RuntimeError("StallMeter.wait_end() without a matching wait_begin()")
-        waits = self._waits
-        waits += (begin, now, samples, nbytes, -1.0, -1.0)
-        if len(waits) >= self._fold_at:
-            self._after_wait(now)
+        self._put(_pack(begin, now, samples, nbytes, -1.0, -1.0))
+        if len(self._waits) >= self.fold_at:
+            self.after_batch(now)
 
     def wait_pending(self, begin: float) -> None:
         """A wait began at ``begin`` and has not delivered a batch (e.g. the epoch ended).
@@ -339,7 +331,7 @@ class StallMeter:
         """Time a user region: ``with meter.region("forward"): ...`` (also a profiler range:
         ``feedpipe.region.NAME`` for torch's profiler, ``feedpipe/region/NAME`` for NVTX)."""
         on = self._torch_prof._is_profiler_enabled
-        rf = self._record_function(f"feedpipe.region.{name}") if on else None
+        rf = record_function(f"feedpipe.region.{name}") if on else None
         nvtx = self._nvtx
         if nvtx is not None:
             nvtx.push(f"feedpipe/region/{name}")
@@ -386,56 +378,36 @@ class StallMeter:
         """Fold pending batch records into the totals, maximum and histogram (any thread)."""
         if not self._waits:
             return
-        import numpy as np
-
         with self._lock:
             waits, f = self._waits, self._FIELDS
-            k = len(waits) - len(waits) % f  # whole records (another may be half in)
+            k = len(waits) - len(waits) % f  # whole records (each is appended in one call)
             if not k:
                 return
-            rec = waits[:k]
+            block = fold(waits[:k])
             del waits[:k]  # records appended meanwhile stay for the next fold
-            n = k // f
-            # column by column: only the waits need an array (histogram); the rest are sums
-            begin = np.fromiter(rec[0::f], np.float64, n)
-            end = np.fromiter(rec[1::f], np.float64, n)
+            begins = block.begins
             if self._first_begin is None:
-                self._first_begin = rec[0]
-            gap, setup = self._gap, self._setup
-            if gap is not None and rec[k - f] >= gap:  # a wait without pass_begin: close it
-                i = int(np.searchsorted(begin, gap))
-                self._outside_folded += float(begin[i]) - gap
+                self._first_begin = float(begins[0])
+            gap, setup, last_begin = self._gap, self._setup, block.last[0]
+            if gap is not None and last_begin >= gap:  # a wait without pass_begin: close it
+                i = int(begins.searchsorted(gap))
+                self._outside_folded += float(begins[i]) - gap
                 self._gap = None
-            if setup is not None and rec[k - f] >= setup:  # iter() until the first wait
-                i = int(np.searchsorted(begin, setup))
-                self._stall_extra += float(begin[i]) - setup
+            if setup is not None and last_begin >= setup:  # iter() until the first wait
+                i = int(begins.searchsorted(setup))
+                self._stall_extra += float(begins[i]) - setup
                 self._setup = None
-            self._last = (rec[k - f], rec[k - f + 1])
-            w = end - begin
-            m, e = np.frexp(w)
-            idx = (e.astype(np.int64) << 4) + (m * 32.0).astype(np.int64) + _OFFSET
-            idx = np.where(w > 0.0, np.clip(idx, 0, _NBUCKETS - 1), 0)
-            self._hist += np.bincount(idx, minlength=_NBUCKETS)
-            self._stall_folded += float(w.sum())
-            self._batches_folded += n
-            self.wait_max_s = max(self.wait_max_s, float(w.max()))
-            nbytes = rec[3::f]
-            self._samples_folded += int(sum(rec[2::f]))
-            self._bytes_folded += int(sum(nbytes))
-            for name, col in (("fetch", 4), ("collate", 5)):
-                t = rec[col::f]
-                if min(t) >= 0.0:  # the stage ran for every batch (the usual case)
-                    seconds, calls, sbytes = sum(t), n, sum(nbytes)
-                elif max(t) < 0.0:  # never ran
-                    continue
-                else:
-                    ran = np.asarray(t) >= 0.0
-                    seconds = float(np.asarray(t)[ran].sum())
-                    calls = int(np.count_nonzero(ran))
-                    sbytes = np.asarray(nbytes)[ran].sum()
-                self._stage_s[name] += float(seconds)
+            self._last = block.last
+            self._hist += block.hist
+            self._stall_folded += block.stall_s
+            self._batches_folded += block.batches
+            self.wait_max_s = max(self.wait_max_s, block.wait_max_s)
+            self._samples_folded += block.samples
+            self._bytes_folded += block.bytes
+            for name, (seconds, calls, sbytes) in block.stages.items():
+                self._stage_s[name] += seconds
                 self._stage_calls[name] += calls
-                self._stage_bytes[name] += int(sbytes)
+                self._stage_bytes[name] += sbytes
 
     def _fold_stages(self) -> None:
         """Fold pending ``add_stage`` records into the per-stage totals (any thread)."""
@@ -553,7 +525,7 @@ class StallMeter:
             self._wait_start = None
             self._last = None
             self._first_begin = None
-            self._waits.clear()
+            del self._waits[:]
             self._stall_folded = 0.0
             self._batches_folded = 0
             self._samples_folded = 0
@@ -569,7 +541,7 @@ class StallMeter:
             self._setup = None
             self._cpu0 = _cpu_now()
             self.wait_max_s = 0.0
-            self._hist = np.zeros(_NBUCKETS, dtype=np.int64)
+            self._hist = np.zeros(NBUCKETS, dtype=np.int64)
             self._stage_logs = {}
             self._stage_s = defaultdict(float)
             self._stage_bytes = defaultdict(int)
@@ -595,9 +567,9 @@ class StallMeter:
             return 0.0
         rank = max(1, math.ceil(q * total))
         i = int(np.searchsorted(cum, rank))
-        if i == _NBUCKETS - 1:  # the top bucket also holds clamped, longer waits
+        if i == NBUCKETS - 1:  # the top bucket also holds clamped, longer waits
             return self.wait_max_s
-        return min(_bucket_value(i), self.wait_max_s) if i else 0.0
+        return min(bucket_value(i), self.wait_max_s) if i else 0.0
 
     def stats(self) -> StallStats:
         """A consistent, JSON-able snapshot of the counters and the rates derived from them."""
@@ -740,7 +712,7 @@ class StallMeter:
         """Attach a sink (:class:`LoggingSink`, :class:`JsonlSink`, ...); polled in ``wait_end``."""
         sink.restart(_perf(), self.batches)
         self._sinks.append(sink)
-        self._fold_at = 0
+        self.fold_at = 0
         return sink
 
     def remove_sink(self, sink: Sink) -> None:
@@ -757,10 +729,11 @@ class StallMeter:
         self._set_fold_at()
 
     def _set_fold_at(self) -> None:
-        self._fold_at = 0 if self._sinks or self._range is not None else self._FOLD
+        self.fold_at = 0 if self._sinks or self._range is not None else self._FOLD
 
-    def _after_wait(self, now: float) -> None:
-        """The rare part of ``wait_end``: fold, close the profiler range, poll the sinks."""
+    def after_batch(self, now: float) -> None:
+        """The rare part of a batch record (``record_batch``, ``wait_end``, a loader's inlined
+        record once ``len(log) >= fold_at``): fold, close the profiler range, poll the sinks."""
         if len(self._waits) >= self._FOLD:
             self._fold()
         if self._range is not None:
@@ -782,10 +755,10 @@ class StallMeter:
             self._nvtx.push("feedpipe/wait")
         rf = None
         if self._torch_prof._is_profiler_enabled:
-            rf = self._record_function(name)
+            rf = record_function(name)
             rf.__enter__()
         self._range = (rf,)
-        self._fold_at = 0
+        self.fold_at = 0
 
     def _close_range(self) -> None:
         (rf,), self._range = self._range, None
@@ -794,34 +767,7 @@ class StallMeter:
         if self._nvtx is not None:
             self._nvtx.pop()
 
-    @staticmethod
-    def _record_function(name: str) -> Any:
-        import torch.profiler
-
-        return torch.profiler.record_function(name)
-
-
-class _NeverOn:
-    """Stand-in for ``torch.autograd.profiler`` when ``trace=False``."""
-
-    _is_profiler_enabled = False
-
-
-class _AlwaysOn:
-    """Stand-in for ``torch.autograd.profiler`` when ``trace=True``."""
-
-    _is_profiler_enabled = True
-
 
 def _cpu_now() -> tuple[float, float, int]:
     """(process CPU seconds, this thread's CPU seconds, this thread's id)."""
     return time.process_time(), time.thread_time(), threading.get_ident()
-
-
-def _profiler_module() -> Any:
-    """``torch.autograd.profiler`` if it exposes the cheap ``_is_profiler_enabled`` flag."""
-    try:
-        import torch.autograd.profiler as prof
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return None
-    return prof if hasattr(prof, "_is_profiler_enabled") else None
