@@ -102,7 +102,10 @@ def put_file(
     object must be read back to be verified."""
     bucket, key, _ = fs.split_path(rpath)
     where = f"{rpath} ({local.name})"
-    fd = os.open(local, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:  # never through a symlink: nothing in a checkpoint directory is followed out of it
+        fd = os.open(local, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{local}: cannot open for upload: {exc.strerror}") from None
     try:
         if size <= part_bytes:
             data = _read(fd, 0, size, local)

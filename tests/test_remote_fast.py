@@ -264,3 +264,25 @@ def test_stage_keeps_every_worker_transferring(
         )
     assert result.copied == len(contents)
     assert counting.peak >= 14, f"only {counting.peak} downloads were in flight at once"
+
+
+def test_a_symlinked_data_file_is_never_uploaded(
+    tmp_path: Path, s3_bucket: tuple[str, dict], s3_server: str
+) -> None:
+    """A data file replaced by a symlink (to identical bytes outside the step) is refused, in
+    every verify mode: nothing in a checkpoint directory is followed out of it."""
+    bucket, _ = s3_bucket
+    with CheckpointManager(tmp_path / "run") as m:
+        m.save(1, {"w": torch.arange(1000.0)})
+        m.wait()
+    data = tmp_path / "run" / "step-1" / "data.bin"
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(data.read_bytes())
+    data.unlink()
+    data.symlink_to(outside)
+    remote = _remote(bucket, s3_server, verify="size", on_error="warn")
+    with CheckpointManager(tmp_path / "run", remote=remote) as m:
+        m.wait(uploads=True)
+        status = m.stats.remote.uploads[1]  # type: ignore[union-attr]
+        assert status.state == "failed" and "data.bin" in status.reason, status
+    assert not _fs(s3_server).exists(f"{bucket}/run/step-1/manifest.json")
