@@ -132,13 +132,16 @@ def read_checkpoint(
     own = executor is None
     pool = executor or ThreadPoolExecutor(reader_threads(), thread_name_prefix="ckpt-read")
     moved: set[str] = set()
+    fds: dict[str, int] = {}  # every pass reads (and a mapping maps) the file opened here
     try:
         for rec in body["files"]:
             fmt.check_file(path, rec)  # real sizes first: nothing is allocated for a short file
         if into is not None:
             check_into(body, into, path)
+        for rec in body["files"]:
+            fds[rec["name"]] = fmt.open_data(fmt.inside(path, rec["name"]))
         if mmap:
-            arrays = _read_mmap(path, body, verify, stats)
+            arrays = _read_mmap(path, body, verify, stats, fds, executor)
             for i, entry in enumerate(body["entries"]):
                 if entry["kind"] == "tensor":
                     arrays[i] = _place(arrays[i], _device(entry, map_location, path, moved))
@@ -148,28 +151,33 @@ def read_checkpoint(
             arrays, dests = _allocate(body, {**found, **scratch}, map_location, path, moved)
             if found and verify and not scratch:  # a corrupt step must not touch their tensors
                 stats.passes = 2
-                _verify_files(path, body, executor, stats)
+                _verify_files(path, body, executor, stats, fds)
             for rec in body["files"]:
                 targets = dests.get(rec["name"], [])
-                stats.verify_s += read_into(path, rec, targets, verify, pool)
+                stats.verify_s += read_into(path, rec, targets, verify, pool, fds[rec["name"]])
             if scratch:  # every checksum passed: now into the caller's tensors
                 _copy_into(found, scratch, arrays)
     finally:
         if own:
             pool.shutdown()
+        for fd in fds.values():
+            os.close(fd)
     _warn_moved(path, moved)
     state = unflatten(body["tree"], arrays)
     stats.read_s = time.perf_counter() - t0
     return state, body, stats
 
 
-def _verify_files(path: Path, body: dict, executor: Executor | None, stats: RestoreStats) -> None:
-    """The first pass: read and checksum every data file, keeping nothing (``verify_threads()``
-    threads, each with one small buffer, unless the caller gave an executor)."""
+def _verify_files(
+    path: Path, body: dict, executor: Executor | None, stats: RestoreStats, fds: dict[str, int]
+) -> None:
+    """The first pass: read and checksum every data file (the open files ``fds``, which the
+    next pass reads again), keeping nothing (``verify_threads()`` threads, each with one small
+    buffer, unless the caller gave an executor)."""
     pool = executor or ThreadPoolExecutor(verify_threads(), thread_name_prefix="ckpt-verify")
     try:
         for rec in body["files"]:
-            stats.verify_s += read_into(path, rec, [], True, pool)
+            stats.verify_s += read_into(path, rec, [], True, pool, fds[rec["name"]])
     finally:
         if executor is None:
             pool.shutdown()
@@ -216,14 +224,22 @@ def _copy_into(
         arrays[i] = t
 
 
-def _read_mmap(path: Path, body: dict, verify: bool, stats: RestoreStats) -> list[Any]:
+def _read_mmap(
+    path: Path,
+    body: dict,
+    verify: bool,
+    stats: RestoreStats,
+    fds: dict[str, int],
+    executor: Executor | None,
+) -> list[Any]:
+    """Map the open files ``fds`` after verifying them: the file mapped is the file verified
+    (its name may have been replaced since)."""
+    if verify:
+        _verify_files(path, body, executor, stats, fds)
     files: dict[str, torch.Tensor] = {}
     for rec in body["files"]:
-        if verify:
-            v0 = time.perf_counter()
-            fmt.verify_file(path, rec)
-            stats.verify_s += time.perf_counter() - v0
-        files[rec["name"]] = _mmap(fmt.inside(path, rec["name"]), rec["size"])
+        name = rec["name"]
+        files[name] = _mmap(fmt.inside(path, name), rec["size"], fds[name])
     return fmt.load_arrays(body, files)
 
 
@@ -376,19 +392,17 @@ def _check_shape(body: dict, node: dict, target: Any, where: str, path: Any) -> 
         _fail(path, where, f"saved with shape {shape}, cannot load into shape {list(target.shape)}")
 
 
-def _mmap(file: Path, size: int) -> torch.Tensor:
+def _mmap(file: Path, size: int, fd: int) -> torch.Tensor:
+    """Map the open data file ``fd`` (opened by ``fmt.open_data``: no symlink, FIFO or device;
+    left open)."""
     if size == 0:
         return torch.empty(0, dtype=torch.uint8)
     import mmap
 
-    fd = fmt.open_data(file)  # the file checked is the file mapped: no symlink, FIFO or device
-    try:
-        if os.fstat(fd).st_size != size:
-            raise CorruptCheckpointError(f"{file}: size {os.fstat(fd).st_size} != {size} bytes")
-        # copy-on-write private mapping: pages are read lazily, writes never reach the file
-        mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
-    finally:
-        os.close(fd)
+    if os.fstat(fd).st_size != size:
+        raise CorruptCheckpointError(f"{file}: size {os.fstat(fd).st_size} != {size} bytes")
+    # copy-on-write private mapping: pages are read lazily, writes never reach the file
+    mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(mapped, dtype=torch.uint8)
 
 

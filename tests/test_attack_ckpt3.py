@@ -1,0 +1,92 @@
+"""Adversarial review (3) of the cached copy plan, the background-pinned first buffer and the
+restore into existing tensors: every test is an attack that failed (or must keep failing to
+break) the promises of docs/ckpt-format.md: a restore is a complete verified checkpoint,
+nothing is written into the caller's tensors before every checksum passed, the saved bytes are
+the tensors' bytes at save time, padding zeroed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt import _reader
+from ckpt import format as fmt
+from ckpt.errors import CheckpointError
+from ckpt.manager import CheckpointManager, WriteOptions
+
+
+def _state(fill: float) -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.full((64, 257), fill + i) for i in range(8)}
+
+
+def _two_steps(tmp_path: Path) -> tuple[CheckpointManager, Path, Path]:
+    """Steps 1 and 2 of the same layout (same data-file size), other values."""
+    m = CheckpointManager(tmp_path / "ck", write=WriteOptions(chunk_bytes=64 << 10))
+    m.save(1, _state(1.0)).result()
+    m.save(2, _state(100.0)).result()
+    return m, tmp_path / "ck" / "step-1", tmp_path / "ck" / "step-2"
+
+
+def _swap_after(
+    monkeypatch: pytest.MonkeyPatch, name: str, old: Path, new: Path, fired: list[int]
+) -> None:
+    """After ``_reader.<name>`` (or ``fmt.verify_file``) returns, replace ``old``'s data file by
+    ``new``'s (a rename, as an overwriting writer would): same size, other bytes."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            if not fired:
+                fired.append(1)
+                tmp = old / "data.bin.new"
+                tmp.write_bytes((new / "data.bin").read_bytes())
+                os.replace(tmp, old / "data.bin")
+            return out
+
+        return hooked
+
+    monkeypatch.setattr(_reader, name, wrap(getattr(_reader, name)))
+    monkeypatch.setattr(fmt, "verify_file", wrap(fmt.verify_file))
+
+
+def test_file_replaced_between_the_verify_pass_and_the_copy_pass_writes_nothing_unverified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """restore(into=host tensors) verifies first, then reads again: both passes must read the
+    same file (it was half-written into the caller's tensors, then failed its checksum)."""
+    m, one, two = _two_steps(tmp_path)
+    fired: list[int] = []
+    _swap_after(monkeypatch, "_verify_files", one, two, fired)
+    into = {k: torch.full_like(v, -7.0) for k, v in _state(0.0).items()}
+    try:
+        m.restore(1, into=into)
+    except CheckpointError:  # refusing is fine, as long as nothing was written
+        assert all(bool((v == -7.0).all()) for v in into.values())
+    else:  # the bytes loaded are the bytes verified: step 1's
+        assert all(torch.equal(into[k], v) for k, v in _state(1.0).items())
+    finally:
+        m.close()
+    assert fired
+
+
+def test_mmap_restore_maps_the_file_it_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mmap=True verified the file by its path, then mapped the path again: a file replaced in
+    between was returned unverified (step 2's values under step 1's manifest)."""
+    m, one, two = _two_steps(tmp_path)
+    fired: list[int] = []
+    _swap_after(monkeypatch, "_verify_files", one, two, fired)
+    try:
+        got = m.restore(1, mmap=True)
+    except CheckpointError:
+        pass
+    else:
+        assert all(torch.equal(got[k], v) for k, v in _state(1.0).items())
+    finally:
+        m.close()
+    assert fired
