@@ -90,3 +90,32 @@ def test_mmap_restore_maps_the_file_it_verified(
     finally:
         m.close()
     assert fired
+
+
+@pytest.mark.parametrize("gather_host", [False, True])
+def test_padding_stays_zero_when_two_plans_take_turns_on_one_buffer(gather_host: bool) -> None:
+    """Two saves at once (two threads, one manager) hold two plans; a buffer written by one
+    then staged by the other again kept the first one's bytes in its padding (a plan zeroed the
+    padding once per buffer, assuming no other plan wrote there since)."""
+    from ckpt import _staging
+    from ckpt._flatten import flatten
+    from ckpt._pool import Buffer
+
+    def leaves(state: dict) -> list:
+        out: list = []
+        flatten(state, out)
+        return out
+
+    odd = leaves({"a": torch.ones(3, dtype=torch.int8), "b": torch.ones(5, dtype=torch.int8)})
+    full = leaves({"a": torch.full((130,), 0x5A, dtype=torch.uint8)})
+    stager = _staging.Stager(gather_host=gather_host)
+    first = stager.plan(odd)
+    buf = Buffer(256, False)
+    first.stage(odd, buf)
+    stager.plan(full).stage(full, buf)  # the other save, into the same buffer
+    first.stage(odd, buf)  # the first thread's next save, with the plan it holds
+    entries, nbytes = _staging.layout(odd)
+    want = torch.zeros(nbytes, dtype=torch.uint8)
+    for e in entries:
+        want[e["offset"] : e["offset"] + e["nbytes"]] = 1
+    assert torch.equal(buf.tensor[:nbytes], want)
