@@ -119,3 +119,46 @@ def test_padding_stays_zero_when_two_plans_take_turns_on_one_buffer(gather_host:
     for e in entries:
         want[e["offset"] : e["offset"] + e["nbytes"]] = 1
     assert torch.equal(buf.tensor[:nbytes], want)
+
+
+_ALLOC_CHILD = r"""
+import re, resource, sys, torch
+from ckpt.errors import CheckpointError
+from ckpt.manager import CheckpointManager
+m = CheckpointManager(sys.argv[1])
+m.save(1, {"a": torch.ones(1000)}).result()
+state = {"a": torch.ones(16 << 20)}  # 64 MiB: a new, larger staging buffer
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+vm = int(re.search(r"VmSize:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), hard))
+try:
+    m.save(2, state).result()
+except CheckpointError as exc:
+    print("REFUSED", exc)
+resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+m.save(3, state).result()
+assert torch.equal(m.restore(3)["a"], state["a"]) and m.steps() == [1, 3], m.steps()
+print("OK")
+m.close()
+"""
+
+
+def test_a_staging_buffer_that_cannot_be_allocated_is_a_clear_error_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """A real out-of-memory (RLIMIT_AS in a child process) while the first save of a larger
+    state allocates its buffer: a ``CheckpointError`` naming the buffer (it was torch's bare
+    allocator message), no step written, the manager saves again once memory is back."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _ALLOC_CHILD, str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REFUSED" in proc.stdout and "staging buffer of 67108864 bytes" in proc.stdout
+    assert proc.stdout.rstrip().endswith("OK")
