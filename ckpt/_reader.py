@@ -141,7 +141,7 @@ def read_checkpoint(
         for rec in body["files"]:
             fds[rec["name"]] = fmt.open_data(fmt.inside(path, rec["name"]))
         if mmap:
-            arrays = _read_mmap(path, body, verify, stats, fds, executor)
+            arrays = _read_mmap(path, body, verify, stats, fds=fds, executor=executor)
             for i, entry in enumerate(body["entries"]):
                 if entry["kind"] == "tensor":
                     arrays[i] = _place(arrays[i], _device(entry, map_location, path, moved))
@@ -154,7 +154,7 @@ def read_checkpoint(
                 _verify_files(path, body, executor, stats, fds)
             for rec in body["files"]:
                 targets = dests.get(rec["name"], [])
-                stats.verify_s += read_into(path, rec, targets, verify, pool, fds[rec["name"]])
+                stats.verify_s += read_into(path, rec, targets, verify, pool, fd=fds[rec["name"]])
             if scratch:  # every checksum passed: now into the caller's tensors
                 _copy_into(found, scratch, arrays)
     finally:
@@ -177,7 +177,7 @@ def _verify_files(
     pool = executor or ThreadPoolExecutor(verify_threads(), thread_name_prefix="ckpt-verify")
     try:
         for rec in body["files"]:
-            stats.verify_s += read_into(path, rec, [], True, pool, fds[rec["name"]])
+            stats.verify_s += read_into(path, rec, [], True, pool, fd=fds[rec["name"]])
     finally:
         if executor is None:
             pool.shutdown()
@@ -229,6 +229,7 @@ def _read_mmap(
     body: dict,
     verify: bool,
     stats: RestoreStats,
+    *,
     fds: dict[str, int],
     executor: Executor | None,
 ) -> list[Any]:

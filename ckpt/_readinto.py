@@ -191,6 +191,7 @@ def read_into(
     targets: Sequence[fmt.Target],
     verify: bool,
     executor: Executor | None,
+    *,
     fd: int | None = None,
 ) -> float:
     """Read data file ``rec`` of ``directory`` into ``targets`` (non-overlapping byte ranges of

@@ -37,6 +37,7 @@ def _swap_after(
 ) -> None:
     """After ``_reader.<name>`` (or ``fmt.verify_file``) returns, replace ``old``'s data file by
     ``new``'s (a rename, as an overwriting writer would): same size, other bytes."""
+
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         def hooked(*args: Any, **kwargs: Any) -> Any:
             out = fn(*args, **kwargs)
@@ -53,21 +54,25 @@ def _swap_after(
     monkeypatch.setattr(fmt, "verify_file", wrap(fmt.verify_file))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_file_replaced_between_the_verify_pass_and_the_copy_pass_writes_nothing_unverified(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str
 ) -> None:
-    """restore(into=host tensors) verifies first, then reads again: both passes must read the
-    same file (it was half-written into the caller's tensors, then failed its checksum)."""
+    """restore(into=host tensors, or CUDA ones without device room) verifies first, then reads
+    again: both passes must read the same file (it was half-written into the caller's tensors,
+    then failed its checksum)."""
+    monkeypatch.setattr(_reader, "DEVICE_SCRATCH_SHARE", 0.0)  # CUDA: the two-pass path
     m, one, two = _two_steps(tmp_path)
     fired: list[int] = []
     _swap_after(monkeypatch, "_verify_files", one, two, fired)
-    into = {k: torch.full_like(v, -7.0) for k, v in _state(0.0).items()}
+    into = {k: torch.full_like(v, -7.0, device=device) for k, v in _state(0.0).items()}
     try:
         m.restore(1, into=into)
     except CheckpointError:  # refusing is fine, as long as nothing was written
         assert all(bool((v == -7.0).all()) for v in into.values())
     else:  # the bytes loaded are the bytes verified: step 1's
-        assert all(torch.equal(into[k], v) for k, v in _state(1.0).items())
+        assert all(torch.equal(into[k].cpu(), v) for k, v in _state(1.0).items())
+        assert m.stats.last_restore is not None and m.stats.last_restore.passes == 2
     finally:
         m.close()
     assert fired
@@ -154,6 +159,7 @@ def test_a_staging_buffer_that_cannot_be_allocated_is_a_clear_error_and_loses_no
 
     proc = subprocess.run(
         [sys.executable, "-c", _ALLOC_CHILD, str(tmp_path / "ck")],
+        check=False,
         capture_output=True,
         text=True,
         timeout=120,
@@ -162,3 +168,49 @@ def test_a_staging_buffer_that_cannot_be_allocated_is_a_clear_error_and_loses_no
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "REFUSED" in proc.stdout and "staging buffer of 67108864 bytes" in proc.stdout
     assert proc.stdout.rstrip().endswith("OK")
+
+
+_PIN_CHILD = r"""
+import os, signal, sys, torch
+from ckpt import _pool
+from ckpt.manager import CheckpointManager
+m = CheckpointManager(sys.argv[1])
+m.save(1, {"w": torch.ones(1000, device="cuda")}).result()
+pin = _pool.Pinning._pin
+def killed(self, k, keep):
+    pin(self, k, keep)
+    if k == 2:  # pieces 0-2 registered, the rest still being faulted in
+        os.kill(os.getpid(), signal.SIGKILL)
+_pool.Pinning._pin = killed
+g = torch.Generator(device="cuda").manual_seed(0)
+m.save(2, {"w": torch.randn(64 << 20, device="cuda", generator=g)}).result()
+print("NOT KILLED")
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_sigkill_while_the_first_buffer_is_pinned_in_the_background_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """A real process SIGKILLed while its first save of a larger state still faults in and
+    registers its buffer (``ckpt._pool.Pinning``): step 1 restores, no step 2 half-exists, and
+    a new manager saves and restores step 2 (again through a buffer pinned in the background)."""
+    import subprocess
+    import sys
+
+    directory = tmp_path / "ck"
+    proc = subprocess.run(
+        [sys.executable, "-c", _PIN_CHILD, str(directory)],
+        check=False, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == -9, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    with CheckpointManager(directory) as m:
+        assert m.steps() == [1]
+        assert torch.equal(m.restore()["w"].cpu(), torch.ones(1000))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        want = torch.randn(64 << 20, device="cuda", generator=g)
+        m.save(2, {"w": want}).result()
+        assert torch.equal(m.restore(2)["w"], want)
+        assert sorted(p.name for p in directory.iterdir() if p.name.startswith("step-")) == [
+            "step-1", "step-2",
+        ]  # fmt: skip
