@@ -292,7 +292,8 @@ def _into_targets(body: dict, into: Any) -> dict[int, torch.Tensor]:
     """Entries whose destination can be a tensor of ``into``: where the tree and ``into`` have the
     same structure (an ``nn.Module`` by parameter and buffer names), and the tensor (a plain tensor
     or parameter, not a subclass such as ``DTensor``) has the entry's dtype, shape and
-    ``requires_grad``, is contiguous, on CPU or CUDA."""
+    ``requires_grad``, is contiguous (and no lazily conjugated or negated view), on CPU or
+    CUDA."""
     found: dict[int, torch.Tensor] = {}
     viewed: set[int] = set()  # entries that views are built on stay ours
     stack = [(body["tree"], into)]
@@ -314,6 +315,7 @@ def _into_targets(body: dict, into: Any) -> dict[int, torch.Tensor]:
                 and str(target.dtype).removeprefix("torch.") == entry["dtype"]
                 and list(target.shape) == entry["shape"]
                 and target.is_contiguous()
+                and not (target.is_conj() or target.is_neg())  # their bytes are not the values
                 and target.device.type in ("cpu", "cuda")
                 and not any(t is target for t in found.values())
             ):

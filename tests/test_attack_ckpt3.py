@@ -214,3 +214,20 @@ def test_gpu_sigkill_while_the_first_buffer_is_pinned_in_the_background_loses_no
         assert sorted(p.name for p in directory.iterdir() if p.name.startswith("step-")) == [
             "step-1", "step-2",
         ]  # fmt: skip
+
+
+def test_restore_into_conjugate_and_negative_views(tmp_path: Path) -> None:
+    """``into`` holding ``t.conj()`` (a contiguous view whose bytes are not its values): the
+    raw read refused it with torch's bare ``view`` error; it is loaded by value instead."""
+    saved = {
+        "c": torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64),
+        "n": torch.tensor([1.0, -2.0, 3.0]),
+    }
+    with CheckpointManager(tmp_path / "ck") as m:
+        m.save(1, saved).result()
+        base_c, base_n = torch.zeros(2, dtype=torch.complex64), torch.zeros(3)
+        into = {"c": base_c.conj(), "n": torch._neg_view(base_n)}
+        m.restore(1, into=into)
+    assert torch.equal(into["c"].resolve_conj(), saved["c"])
+    assert torch.equal(into["n"].resolve_neg(), saved["n"])
+    assert torch.equal(base_c, saved["c"].conj()) and torch.equal(base_n, -saved["n"])
