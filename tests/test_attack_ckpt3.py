@@ -231,3 +231,48 @@ def test_restore_into_conjugate_and_negative_views(tmp_path: Path) -> None:
     assert torch.equal(into["c"].resolve_conj(), saved["c"])
     assert torch.equal(into["n"].resolve_neg(), saved["n"])
     assert torch.equal(base_c, saved["c"].conj()) and torch.equal(base_n, -saved["n"])
+
+
+@pytest.mark.parametrize("gather_host", [False, True])
+def test_mutating_every_tensor_right_after_save_returns_changes_no_step(
+    tmp_path: Path, gather_host: bool
+) -> None:
+    """A careless loop: ``save`` then at once an in-place update of every leaf (views of one
+    storage, 0-dim, empty, non-contiguous, channels_last, numpy), three saves on one plan."""
+    import numpy as np
+
+    from ckpt import _staging
+
+    base = torch.arange(64, dtype=torch.float32)
+    state: dict[str, Any] = {
+        "va": base[2:10],
+        "vb": base[6:30].view(4, 6),
+        "s": torch.tensor(3, dtype=torch.int16),
+        "e": torch.zeros(0, 5),
+        "t": torch.randn(6, 5).t(),
+        "cl": torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+        "h": torch.randn(33).half(),
+        "np": np.arange(12.0).reshape(3, 4)[:, ::2],
+    }
+    snapshots = []
+    with CheckpointManager(tmp_path / "ck") as m:
+        m._stager = _staging.Stager(gather_host=gather_host)  # the CUDA path's runs, on the CPU
+        for step in range(3):
+            snapshots.append(
+                {
+                    k: v.clone() if isinstance(v, torch.Tensor) else v.copy()
+                    for k, v in state.items()
+                }
+            )
+            handle = m.save(step, state)
+            for v in state.values():
+                v[...] = v * 2 + 1 if v.dtype != torch.int16 else v + 1
+            handle.result()
+        assert m._stager.planned == 1 and m._stager.reused == 2
+        for step, want in enumerate(snapshots):
+            got = m.restore(step)
+            for k, v in want.items():
+                g = got[k]
+                assert np.array_equal(g, v) if isinstance(v, np.ndarray) else torch.equal(g, v), k
+        got = m.restore(2)
+        assert got["vb"].untyped_storage().data_ptr() == got["va"].untyped_storage().data_ptr()
