@@ -276,3 +276,40 @@ def test_mutating_every_tensor_right_after_save_returns_changes_no_step(
                 assert np.array_equal(g, v) if isinstance(v, np.ndarray) else torch.equal(g, v), k
         got = m.restore(2)
         assert got["vb"].untyped_storage().data_ptr() == got["va"].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_resave_of_the_step_during_its_restore_loads_the_verified_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mmap: bool
+) -> None:
+    """The real writer of the attack above: another manager re-saves ``step-1`` (its commit
+    swaps the directories) while a reader restores it, between the verify pass and the copy
+    pass (or the mapping). The reader returns the copy it verified, whole."""
+    directory = tmp_path / "ck"
+    with CheckpointManager(directory) as first:
+        first.save(1, _state(1.0)).result()
+    reader = CheckpointManager(directory)
+    writer = CheckpointManager(directory)
+    verify = _reader._verify_files
+    fired: list[int] = []
+
+    def resave_after(*args: Any, **kwargs: Any) -> None:
+        verify(*args, **kwargs)
+        if not fired:
+            fired.append(1)
+            writer.save(1, _state(100.0)).result()
+
+    monkeypatch.setattr(_reader, "_verify_files", resave_after)
+    into = {k: torch.full_like(v, -7.0) for k, v in _state(0.0).items()}
+    try:
+        if mmap:
+            got = reader.restore(1, mmap=True)
+        else:
+            got = reader.restore(1, into=into)
+            assert all(torch.equal(into[k], v) for k, v in _state(1.0).items())
+        assert all(torch.equal(got[k], v) for k, v in _state(1.0).items())
+        assert fired
+        assert torch.equal(reader.restore(1)["w0"], _state(100.0)["w0"])  # the new copy now
+    finally:
+        writer.close()
+        reader.close()
