@@ -121,25 +121,16 @@ def read_checkpoint(
     """
     path = Path(path)
     t0 = time.perf_counter()
-    body = fmt.read_manifest(path)
-    if isinstance(body.get("metadata"), dict) and "dcp" in body["metadata"] and not body["entries"]:
-        raise DcpCheckpointError(
-            f"{path}: this step was written by DCP (ckpt.dcp.CkptStorageWriter); load it with "
-            f"dcp.load(state, storage_reader=CkptStorageReader({str(path)!r}))"
-        )
-    stats = RestoreStats(step=body.get("step"), path=str(path), verified=verify, mmap=mmap)
-    stats.nbytes = sum(rec["size"] for rec in body["files"])
+    body, fds = _open_step(path)  # every pass reads (and a mapping maps) the files opened here
     own = executor is None
-    pool = executor or ThreadPoolExecutor(reader_threads(), thread_name_prefix="ckpt-read")
+    pool: Executor | None = None
     moved: set[str] = set()
-    fds: dict[str, int] = {}  # every pass reads (and a mapping maps) the file opened here
     try:
-        for rec in body["files"]:
-            fmt.check_file(path, rec)  # real sizes first: nothing is allocated for a short file
+        stats = RestoreStats(step=body.get("step"), path=str(path), verified=verify, mmap=mmap)
+        stats.nbytes = sum(rec["size"] for rec in body["files"])
+        pool = executor or ThreadPoolExecutor(reader_threads(), thread_name_prefix="ckpt-read")
         if into is not None:
             check_into(body, into, path)
-        for rec in body["files"]:
-            fds[rec["name"]] = fmt.open_data(fmt.inside(path, rec["name"]))
         if mmap:
             arrays = _read_mmap(path, body, verify, stats, fds=fds, executor=executor)
             for i, entry in enumerate(body["entries"]):
@@ -158,7 +149,7 @@ def read_checkpoint(
             if scratch:  # every checksum passed: now into the caller's tensors
                 _copy_into(found, scratch, arrays)
     finally:
-        if own:
+        if own and pool is not None:
             pool.shutdown()
         for fd in fds.values():
             os.close(fd)
@@ -168,16 +159,67 @@ def read_checkpoint(
     return state, body, stats
 
 
+STEP_REREADS = 5
+"""How often ``read_checkpoint`` reads a step again whose directory was replaced (a re-save)
+while its manifest was read and its data files opened."""
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _open_step(path: Path) -> tuple[dict, dict[str, int]]:
+    """The manifest of step directory ``path`` and its data files, opened (sizes checked before
+    anything is allocated), all from one directory: a re-save swaps in a new directory, and a
+    manifest read from the old one with data files opened in the new one would fail its
+    checksums (a false corruption), so that is read again, up to ``STEP_REREADS`` times."""
+    for attempt in range(STEP_REREADS + 1):
+        before = _identity(path)
+        body = fmt.read_manifest(path)
+        meta = body.get("metadata")
+        if isinstance(meta, dict) and "dcp" in meta and not body["entries"]:
+            raise DcpCheckpointError(
+                f"{path}: this step was written by DCP (ckpt.dcp.CkptStorageWriter); load it "
+                f"with dcp.load(state, storage_reader=CkptStorageReader({str(path)!r}))"
+            )
+        fds: dict[str, int] = {}
+        try:
+            for rec in body["files"]:
+                fmt.check_file(path, rec)  # real sizes first: nothing allocated for a short file
+            for rec in body["files"]:
+                fds[rec["name"]] = fmt.open_data(fmt.inside(path, rec["name"]))
+        except BaseException:
+            for fd in fds.values():
+                os.close(fd)
+            if attempt < STEP_REREADS and _identity(path) != before:
+                continue
+            raise
+        if attempt == STEP_REREADS or _identity(path) == before:
+            return body, fds
+        for fd in fds.values():
+            os.close(fd)
+    raise AssertionError("unreachable")
+
+
 def _verify_files(
-    path: Path, body: dict, executor: Executor | None, stats: RestoreStats, fds: dict[str, int]
+    path: Path,
+    body: dict,
+    executor: Executor | None,
+    stats: RestoreStats,
+    fds: dict[str, int] | None = None,
 ) -> None:
     """The first pass: read and checksum every data file (the open files ``fds``, which the
-    next pass reads again), keeping nothing (``verify_threads()`` threads, each with one small
-    buffer, unless the caller gave an executor)."""
+    next pass reads again; else opened by name), keeping nothing (``verify_threads()`` threads,
+    each with one small buffer, unless the caller gave an executor)."""
     pool = executor or ThreadPoolExecutor(verify_threads(), thread_name_prefix="ckpt-verify")
     try:
         for rec in body["files"]:
-            stats.verify_s += read_into(path, rec, [], True, pool, fd=fds[rec["name"]])
+            fd = None if fds is None else fds[rec["name"]]
+            stats.verify_s += read_into(path, rec, [], True, pool, fd=fd)
     finally:
         if executor is None:
             pool.shutdown()

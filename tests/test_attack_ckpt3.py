@@ -313,3 +313,34 @@ def test_a_resave_of_the_step_during_its_restore_loads_the_verified_copy(
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_resave_between_reading_the_manifest_and_opening_the_data_is_no_corruption(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another manager re-saves ``step-1`` right after a reader read its manifest: the reader
+    opened the new directory's data file under the old manifest and reported the step corrupt
+    (a ``restore()`` then falls back to an older step). It reads the step again instead."""
+    directory = tmp_path / "ck"
+    with CheckpointManager(directory) as first:
+        first.save(1, _state(1.0)).result()
+    reader = CheckpointManager(directory)
+    writer = CheckpointManager(directory)
+    read_manifest = fmt.read_manifest
+    fired: list[int] = []
+
+    def resave_after(*args: Any, **kwargs: Any) -> dict:
+        body = read_manifest(*args, **kwargs)
+        if not fired:
+            fired.append(1)
+            writer.save(1, _state(100.0)).result()
+        return body
+
+    monkeypatch.setattr(fmt, "read_manifest", resave_after)
+    try:
+        got = reader.restore(1)
+        assert fired
+        assert all(torch.equal(got[k], v) for k, v in _state(100.0).items())
+    finally:
+        writer.close()
+        reader.close()
