@@ -179,30 +179,36 @@ def _open_step(path: Path) -> tuple[dict, dict[str, int]]:
     checksums (a false corruption), so that is read again, up to ``STEP_REREADS`` times."""
     for attempt in range(STEP_REREADS + 1):
         before = _identity(path)
-        body = fmt.read_manifest(path)
-        meta = body.get("metadata")
-        if isinstance(meta, dict) and "dcp" in meta and not body["entries"]:
-            raise DcpCheckpointError(
-                f"{path}: this step was written by DCP (ckpt.dcp.CkptStorageWriter); load it "
-                f"with dcp.load(state, storage_reader=CkptStorageReader({str(path)!r}))"
-            )
         fds: dict[str, int] = {}
         try:
+            body = fmt.read_manifest(path)
+            meta = body.get("metadata")
+            if isinstance(meta, dict) and "dcp" in meta and not body["entries"]:
+                raise DcpCheckpointError(
+                    f"{path}: this step was written by DCP (ckpt.dcp.CkptStorageWriter); load "
+                    f"it with dcp.load(state, storage_reader=CkptStorageReader({str(path)!r}))"
+                )
             for rec in body["files"]:
                 fmt.check_file(path, rec)  # real sizes first: nothing allocated for a short file
             for rec in body["files"]:
                 fds[rec["name"]] = fmt.open_data(fmt.inside(path, rec["name"]))
-        except BaseException:
-            for fd in fds.values():
-                os.close(fd)
+        except CheckpointError:
+            _close(fds)
             if attempt < STEP_REREADS and _identity(path) != before:
-                continue
+                continue  # the directory was swapped while we read it
+            raise
+        except BaseException:
+            _close(fds)
             raise
         if attempt == STEP_REREADS or _identity(path) == before:
             return body, fds
-        for fd in fds.values():
-            os.close(fd)
+        _close(fds)
     raise AssertionError("unreachable")
+
+
+def _close(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
 
 
 def _verify_files(
