@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -191,7 +192,7 @@ def _open_step(path: Path) -> tuple[dict, dict[str, int]]:
             for rec in body["files"]:
                 fmt.check_file(path, rec)  # real sizes first: nothing allocated for a short file
             for rec in body["files"]:
-                fds[rec["name"]] = fmt.open_data(fmt.inside(path, rec["name"]))
+                fds[rec["name"]] = _open_data(path, rec["name"], len(body["files"]))
         except CheckpointError:
             _close(fds)
             if attempt < STEP_REREADS and _identity(path) != before:
@@ -204,6 +205,17 @@ def _open_step(path: Path) -> tuple[dict, dict[str, int]]:
             return body, fds
         _close(fds)
     raise AssertionError("unreachable")
+
+
+def _open_data(path: Path, name: str, count: int) -> int:
+    try:
+        return fmt.open_data(fmt.inside(path, name))
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        raise CheckpointError(
+            f"{path}: cannot hold its {count} data files open at once ({exc.strerror})"
+        ) from None
 
 
 def _close(fds: dict[str, int]) -> None:

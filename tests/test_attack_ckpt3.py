@@ -344,3 +344,49 @@ def test_a_resave_between_reading_the_manifest_and_opening_the_data_is_no_corrup
     finally:
         writer.close()
         reader.close()
+
+
+_FILES_CHILD = r"""
+import resource, sys
+from pathlib import Path
+import torch
+from ckpt import format as fmt
+from ckpt._reader import read_checkpoint
+from ckpt.errors import CheckpointError
+from ckpt.manager import CheckpointManager
+from feedpipe.io import crc32c, to_hex
+root = Path(sys.argv[1])
+with CheckpointManager(root) as m:
+    m.save(1, {"w": torch.ones(10)}).result()
+step = root / "step-1"
+body = fmt.read_manifest(step)
+for k in range(200):  # a hostile manifest: valid checksums, 200 more (tiny) data files
+    (step / f"x{k}.bin").write_bytes(b"x")
+    body["files"].append({"name": f"x{k}.bin", "size": 1, "chunk_bytes": 1,
+                          "crc32c": [to_hex(crc32c(b"x"))]})
+fmt.write_manifest(step, body)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+try:
+    read_checkpoint(step)
+except CheckpointError as exc:
+    print("REFUSED", exc)
+"""
+
+
+def test_a_manifest_of_more_data_files_than_may_be_open_is_a_clear_error(tmp_path: Path) -> None:
+    """A restore holds every data file of the step open (for its passes): a hostile manifest
+    listing more files than the process may open is a ``CheckpointError`` naming the step,
+    not a bare ``OSError`` (EMFILE)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _FILES_CHILD, str(tmp_path / "ck")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REFUSED" in proc.stdout and "cannot hold its 201 data files open" in proc.stdout
