@@ -373,6 +373,7 @@ except CheckpointError as exc:
 """
 
 
+@pytest.mark.slow  # a child process (about 10 s of imports on a loaded machine)
 def test_a_manifest_of_more_data_files_than_may_be_open_is_a_clear_error(tmp_path: Path) -> None:
     """A restore holds every data file of the step open (for its passes): a hostile manifest
     listing more files than the process may open is a ``CheckpointError`` naming the step,
