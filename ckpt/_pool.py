@@ -262,6 +262,7 @@ class Buffer:
         self._keep: Any = None
         self._pinning: Pinning | None = None
         self.pieces: int | None = None  # separately registered pieces: copies stay inside one
+        self.zeroed_for: Any = None  # ckpt._staging: the plan whose padding is zero here (weak)
         if pin and background and nbytes >= REGISTER_BYTES:
             try:
                 self._pinning = Pinning(nbytes, _threads(), register)
@@ -346,7 +347,14 @@ class PinnedPool:
             self._free.clear()
 
     def _allocate(self, prefault: bool) -> Buffer:
-        buf = Buffer(self._size, self._pin, background=not prefault)
+        try:
+            buf = Buffer(self._size, self._pin, background=not prefault)
+        except (RuntimeError, MemoryError, OSError) as exc:  # out of (lockable) memory: say so
+            raise CheckpointError(
+                f"cannot allocate a {'pinned ' if self._pin else ''}staging buffer of "
+                f"{self._size} bytes (the pool holds {self.allocated_bytes} bytes in "
+                f"{self._count} buffers): {exc}; nothing was staged"
+            ) from exc
         if prefault and not self._pin:
             buf.tensor.zero_()  # fault the pages in now, not during the first (timed) copy
         self._count += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -121,24 +122,18 @@ def read_checkpoint(
     """
     path = Path(path)
     t0 = time.perf_counter()
-    body = fmt.read_manifest(path)
-    if isinstance(body.get("metadata"), dict) and "dcp" in body["metadata"] and not body["entries"]:
-        raise DcpCheckpointError(
-            f"{path}: this step was written by DCP (ckpt.dcp.CkptStorageWriter); load it with "
-            f"dcp.load(state, storage_reader=CkptStorageReader({str(path)!r}))"
-        )
-    stats = RestoreStats(step=body.get("step"), path=str(path), verified=verify, mmap=mmap)
-    stats.nbytes = sum(rec["size"] for rec in body["files"])
+    body, fds = _open_step(path)  # every pass reads (and a mapping maps) the files opened here
     own = executor is None
-    pool = executor or ThreadPoolExecutor(reader_threads(), thread_name_prefix="ckpt-read")
+    pool: Executor | None = None
     moved: set[str] = set()
     try:
-        for rec in body["files"]:
-            fmt.check_file(path, rec)  # real sizes first: nothing is allocated for a short file
+        stats = RestoreStats(step=body.get("step"), path=str(path), verified=verify, mmap=mmap)
+        stats.nbytes = sum(rec["size"] for rec in body["files"])
+        pool = executor or ThreadPoolExecutor(reader_threads(), thread_name_prefix="ckpt-read")
         if into is not None:
             check_into(body, into, path)
         if mmap:
-            arrays = _read_mmap(path, body, verify, stats)
+            arrays = _read_mmap(path, body, verify, stats, fds=fds, executor=executor)
             for i, entry in enumerate(body["entries"]):
                 if entry["kind"] == "tensor":
                     arrays[i] = _place(arrays[i], _device(entry, map_location, path, moved))
@@ -148,28 +143,101 @@ def read_checkpoint(
             arrays, dests = _allocate(body, {**found, **scratch}, map_location, path, moved)
             if found and verify and not scratch:  # a corrupt step must not touch their tensors
                 stats.passes = 2
-                _verify_files(path, body, executor, stats)
+                _verify_files(path, body, executor, stats, fds)
             for rec in body["files"]:
                 targets = dests.get(rec["name"], [])
-                stats.verify_s += read_into(path, rec, targets, verify, pool)
+                stats.verify_s += read_into(path, rec, targets, verify, pool, fd=fds[rec["name"]])
             if scratch:  # every checksum passed: now into the caller's tensors
                 _copy_into(found, scratch, arrays)
     finally:
-        if own:
+        if own and pool is not None:
             pool.shutdown()
+        for fd in fds.values():
+            os.close(fd)
     _warn_moved(path, moved)
     state = unflatten(body["tree"], arrays)
     stats.read_s = time.perf_counter() - t0
     return state, body, stats
 
 
-def _verify_files(path: Path, body: dict, executor: Executor | None, stats: RestoreStats) -> None:
-    """The first pass: read and checksum every data file, keeping nothing (``verify_threads()``
-    threads, each with one small buffer, unless the caller gave an executor)."""
+STEP_REREADS = 5
+"""How often ``read_checkpoint`` reads a step again whose directory was replaced (a re-save)
+while its manifest was read and its data files opened."""
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _open_step(path: Path) -> tuple[dict, dict[str, int]]:
+    """The manifest of step directory ``path`` and its data files, opened (sizes checked before
+    anything is allocated), all from one directory: a re-save swaps in a new directory, and a
+    manifest read from the old one with data files opened in the new one would fail its
+    checksums (a false corruption), so that is read again, up to ``STEP_REREADS`` times."""
+    for attempt in range(STEP_REREADS + 1):
+        before = _identity(path)
+        fds: dict[str, int] = {}
+        try:
+            body = fmt.read_manifest(path)
+            meta = body.get("metadata")
+            if isinstance(meta, dict) and "dcp" in meta and not body["entries"]:
+                raise DcpCheckpointError(
+                    f"{path}: this step was written by DCP (ckpt.dcp.CkptStorageWriter); load "
+                    f"it with dcp.load(state, storage_reader=CkptStorageReader({str(path)!r}))"
+                )
+            for rec in body["files"]:
+                fmt.check_file(path, rec)  # real sizes first: nothing allocated for a short file
+            for rec in body["files"]:
+                fds[rec["name"]] = _open_data(path, rec["name"], len(body["files"]))
+        except CheckpointError:
+            _close(fds)
+            if attempt < STEP_REREADS and _identity(path) != before:
+                continue  # the directory was swapped while we read it
+            raise
+        except BaseException:
+            _close(fds)
+            raise
+        if attempt == STEP_REREADS or _identity(path) == before:
+            return body, fds
+        _close(fds)
+    raise AssertionError("unreachable")
+
+
+def _open_data(path: Path, name: str, count: int) -> int:
+    try:
+        return fmt.open_data(fmt.inside(path, name))
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        raise CheckpointError(
+            f"{path}: cannot hold its {count} data files open at once ({exc.strerror})"
+        ) from None
+
+
+def _close(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+
+
+def _verify_files(
+    path: Path,
+    body: dict,
+    executor: Executor | None,
+    stats: RestoreStats,
+    fds: dict[str, int] | None = None,
+) -> None:
+    """The first pass: read and checksum every data file (the open files ``fds``, which the
+    next pass reads again; else opened by name), keeping nothing (``verify_threads()`` threads,
+    each with one small buffer, unless the caller gave an executor)."""
     pool = executor or ThreadPoolExecutor(verify_threads(), thread_name_prefix="ckpt-verify")
     try:
         for rec in body["files"]:
-            stats.verify_s += read_into(path, rec, [], True, pool)
+            fd = None if fds is None else fds[rec["name"]]
+            stats.verify_s += read_into(path, rec, [], True, pool, fd=fd)
     finally:
         if executor is None:
             pool.shutdown()
@@ -216,14 +284,23 @@ def _copy_into(
         arrays[i] = t
 
 
-def _read_mmap(path: Path, body: dict, verify: bool, stats: RestoreStats) -> list[Any]:
+def _read_mmap(
+    path: Path,
+    body: dict,
+    verify: bool,
+    stats: RestoreStats,
+    *,
+    fds: dict[str, int],
+    executor: Executor | None,
+) -> list[Any]:
+    """Map the open files ``fds`` after verifying them: the file mapped is the file verified
+    (its name may have been replaced since)."""
+    if verify:
+        _verify_files(path, body, executor, stats, fds)
     files: dict[str, torch.Tensor] = {}
     for rec in body["files"]:
-        if verify:
-            v0 = time.perf_counter()
-            fmt.verify_file(path, rec)
-            stats.verify_s += time.perf_counter() - v0
-        files[rec["name"]] = _mmap(fmt.inside(path, rec["name"]), rec["size"])
+        name = rec["name"]
+        files[name] = _mmap(fmt.inside(path, name), rec["size"], fds[name])
     return fmt.load_arrays(body, files)
 
 
@@ -275,7 +352,8 @@ def _into_targets(body: dict, into: Any) -> dict[int, torch.Tensor]:
     """Entries whose destination can be a tensor of ``into``: where the tree and ``into`` have the
     same structure (an ``nn.Module`` by parameter and buffer names), and the tensor (a plain tensor
     or parameter, not a subclass such as ``DTensor``) has the entry's dtype, shape and
-    ``requires_grad``, is contiguous, on CPU or CUDA."""
+    ``requires_grad``, is contiguous (and no lazily conjugated or negated view), on CPU or
+    CUDA."""
     found: dict[int, torch.Tensor] = {}
     viewed: set[int] = set()  # entries that views are built on stay ours
     stack = [(body["tree"], into)]
@@ -297,6 +375,7 @@ def _into_targets(body: dict, into: Any) -> dict[int, torch.Tensor]:
                 and str(target.dtype).removeprefix("torch.") == entry["dtype"]
                 and list(target.shape) == entry["shape"]
                 and target.is_contiguous()
+                and not (target.is_conj() or target.is_neg())  # their bytes are not the values
                 and target.device.type in ("cpu", "cuda")
                 and not any(t is target for t in found.values())
             ):
@@ -376,19 +455,17 @@ def _check_shape(body: dict, node: dict, target: Any, where: str, path: Any) -> 
         _fail(path, where, f"saved with shape {shape}, cannot load into shape {list(target.shape)}")
 
 
-def _mmap(file: Path, size: int) -> torch.Tensor:
+def _mmap(file: Path, size: int, fd: int) -> torch.Tensor:
+    """Map the open data file ``fd`` (opened by ``fmt.open_data``: no symlink, FIFO or device;
+    left open)."""
     if size == 0:
         return torch.empty(0, dtype=torch.uint8)
     import mmap
 
-    fd = fmt.open_data(file)  # the file checked is the file mapped: no symlink, FIFO or device
-    try:
-        if os.fstat(fd).st_size != size:
-            raise CorruptCheckpointError(f"{file}: size {os.fstat(fd).st_size} != {size} bytes")
-        # copy-on-write private mapping: pages are read lazily, writes never reach the file
-        mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
-    finally:
-        os.close(fd)
+    if os.fstat(fd).st_size != size:
+        raise CorruptCheckpointError(f"{file}: size {os.fstat(fd).st_size} != {size} bytes")
+    # copy-on-write private mapping: pages are read lazily, writes never reach the file
+    mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(mapped, dtype=torch.uint8)
 
 

@@ -191,13 +191,17 @@ def read_into(
     targets: Sequence[fmt.Target],
     verify: bool,
     executor: Executor | None,
+    *,
+    fd: int | None = None,
 ) -> float:
     """Read data file ``rec`` of ``directory`` into ``targets`` (non-overlapping byte ranges of
     CPU or CUDA uint8 tensors), checking its size and, if ``verify``, every chunk's CRC32C; with
-    ``targets=[]`` it only verifies. Returns the seconds spent checksumming."""
+    ``targets=[]`` it only verifies. ``fd``: the file, already open (left open), so that two
+    passes read the same file even if its name is replaced in between. Returns the seconds spent
+    checksumming."""
     path = fmt.inside(directory, rec["name"])
     job = _Job(path, rec, targets, verify)
-    job.fd = fmt.open_data(path)
+    job.fd = fmt.open_data(path) if fd is None else fd
     try:
         size = os.fstat(job.fd).st_size
         if size != rec["size"]:
@@ -209,7 +213,8 @@ def read_into(
     finally:
         for stream in job.streams:  # every copy is complete (or failed) before returning
             stream.synchronize()
-        os.close(job.fd)
+        if fd is None:
+            os.close(job.fd)
 
 
 def _run(executor: Executor, job: _Job, chunks: range) -> float:

@@ -304,12 +304,16 @@ class Plan:
 
     def _views(self, buf: Buffer, leaves: Sequence[Leaf]) -> list[torch.Tensor]:
         """The host leaves' destinations in ``buf`` (made on its first use, dropped with it).
-        The first use also zeroes the padding: no save of this plan writes there, and a stager
-        keeps one plan at a time, so it stays zero."""
-        views = self._host_views.get(buf)
-        if views is None:
+        Also zeroes the padding when another plan staged into ``buf`` since this one last did
+        (``Buffer.zeroed_for``; two saves at once hold two plans): no save of this plan writes
+        there, so it stays zero until then."""
+        zeroed = buf.zeroed_for
+        if zeroed is None or zeroed() is not self:
             for a, b in self.gaps:
                 buf.array[a:b] = 0
+            buf.zeroed_for = weakref.ref(self)
+        views = self._host_views.get(buf)
+        if views is None:
             views = []
             for i in self.host:
                 e, src = self.entries[i], leaves[i].value
