@@ -121,3 +121,98 @@ def test_nulls_without_statistics_in_a_late_row_group_publish_nothing(tmp_path: 
     with pytest.raises(DatasetError, match="row 3001 \\(record 3001\\): column 'v'"):
         feedpipe.convert(path, tmp_path / "o", workers=1, shard_bytes=4096)
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------- 2: one file:// rule
+def _fixtures(root: Path) -> dict[str, Path]:
+    """A memmap dataset, a Zarr array, a tar shard and a folder of .npy files under ``root``."""
+    import tarfile
+
+    import zarr
+
+    from feedpipe import MemmapWriter
+
+    mm = root / "mm"
+    with MemmapWriter(mm, dtype="int64", shape=(2,)) as w:
+        for i in range(3):
+            w.append(np.array([i, -i]))
+    zarr.create_array(root / "z.zarr", shape=(3, 2), dtype="int64", chunks=(2, 2))[:] = 7
+    tar = root / "a b.tar"
+    with tarfile.open(tar, "w") as t:
+        for i in range(2):
+            info = tarfile.TarInfo(f"{i:03d}.txt")
+            info.size = 1
+            t.addfile(info, io.BytesIO(str(i).encode()))
+    np.save(root / "x.npy", np.arange(6).reshape(3, 2))
+    return {"mm": mm, "zarr": root / "z.zarr", "tar": tar, "npy": root / "x.npy"}
+
+
+def _entry_points(f: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Each entry point that takes a local path, called with the (URL) paths ``f``."""
+    import ckpt
+    from ckpt.cli import main as ckpt_main
+
+    return {
+        "MemmapDataset": lambda: len(feedpipe.MemmapDataset(f["mm"])),
+        "ZarrDataset": lambda: len(feedpipe.ZarrDataset(f["zarr"])),
+        "TarDataset": lambda: len(feedpipe.TarDataset(f["tar"])),
+        "convert npy": lambda: feedpipe.convert(f["npy"], f["out"], workers=1).records,
+        "convert tar": lambda: feedpipe.convert(f["tar"], f["out2"], workers=1).records,
+        "stage": lambda: feedpipe.stage(f["mm"], f["staged"]) and len(os.listdir(out / "staged")),
+        "CheckpointManager": lambda: str(ckpt.CheckpointManager(f["ck"]).directory),
+        "ckpt CLI": lambda: ckpt_main(["ls", str(f["ck"])]),
+    }
+
+
+@pytest.mark.parametrize("prefix", ["file://", "file://localhost", "FILE://LocalHost"])
+def test_every_entry_point_reads_a_file_url_as_its_path(
+    tmp_path: Path, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TarDataset read ``file:///x.tar`` as the relative path ``file:/x.tar``, convert took a
+    ``file://`` folder for Zarr, and stage wrote into ``./file:/abs``: now every entry point
+    gives the same answer for the URL as for the plain path."""
+    monkeypatch.chdir(tmp_path)
+    paths = _fixtures(tmp_path)
+    plain = {**paths, "out": tmp_path / "o1", "out2": tmp_path / "o2", "staged": tmp_path / "staged",
+             "ck": tmp_path / "ck"}  # fmt: skip
+    urls = {k: f"{prefix}{v}" for k, v in plain.items()}
+    want = {name: call() for name, call in _entry_points(plain, tmp_path).items()}
+    for p in ("o1", "o2", "staged"):
+        import shutil
+
+        shutil.rmtree(tmp_path / p)
+    got = {name: call() for name, call in _entry_points(urls, tmp_path).items()}
+    assert got == want
+    assert not any(p.name.lower().startswith("file:") for p in tmp_path.iterdir())
+
+
+def test_every_entry_point_refuses_a_file_url_of_another_host_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = _fixtures(tmp_path)
+    plain = {**paths, "out": tmp_path / "o1", "out2": tmp_path / "o2", "staged": tmp_path / "staged",
+             "ck": tmp_path / "ck"}  # fmt: skip
+    urls = {k: f"file://server{v}" for k, v in plain.items()}
+    for name, call in _entry_points(urls, tmp_path).items():
+        if name == "ckpt CLI":
+            assert call() == 2
+            assert f"file://server{tmp_path / 'ck'}" in capsys.readouterr().err
+            continue
+        with pytest.raises(ValueError, match="names another host") as err:
+            call()
+        assert f"file://server{tmp_path}" in str(err.value), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a b.tar", "mm", "x.npy", "z.zarr"]
+
+
+def test_stage_reads_the_relative_file_colon_form_like_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``file:name`` is the relative path ``./file:name`` (the documented rule); fsspec read it
+    as ``./name``, so stage copied another dataset than the one named."""
+    monkeypatch.chdir(tmp_path)
+    _fixtures(tmp_path)
+    with pytest.raises(DatasetError, match="file:mm"):
+        feedpipe.stage("file:mm", tmp_path / "staged")  # ./file:mm does not exist
+    os.rename(tmp_path / "mm", tmp_path / "file:mm")
+    feedpipe.stage("file:mm", tmp_path / "staged")
+    assert len(feedpipe.MemmapDataset(tmp_path / "staged")) == 3
