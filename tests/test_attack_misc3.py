@@ -4,7 +4,9 @@ lying metadata, files replaced mid-conversion), the one ``file://`` rule of
 
 from __future__ import annotations
 
+import gc
 import io
+import itertools
 import json
 import os
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import feedpipe
 from feedpipe import DatasetError, MemmapDataset
@@ -216,3 +219,88 @@ def test_stage_reads_the_relative_file_colon_form_like_open(
     os.rename(tmp_path / "mm", tmp_path / "file:mm")
     feedpipe.stage("file:mm", tmp_path / "staged")
     assert len(feedpipe.MemmapDataset(tmp_path / "staged")) == 3
+
+
+# ---------------------------------------------------------------------- 3: worker slots
+@pytest.fixture
+def fresh_slots() -> Any:
+    from feedpipe.loader import slots as slots_mod
+
+    slots_mod._WORKER.clear()
+    yield slots_mod
+    slots_mod._WORKER.clear()
+
+
+@pytest.mark.parametrize("k", [4095, 4096, 5000])
+def test_many_slots_never_share_bytes_with_the_flags(fresh_slots: Any, k: int) -> None:
+    """``prefetch_factor + 2`` slots: with 4094 or more, the flags and the seen byte ran into
+    slot 0, and the main process marking the buffer seen overwrote the batch's first bytes."""
+    mod = fresh_slots
+    main = mod.Slots(pin=False)
+    held = []
+    for b in range(3):
+        ref = mod.collate_into([torch.zeros(4, dtype=torch.int64)] * 8, k=k, rows=None)
+        assert ref is not None
+        ref.received = True
+        batch, _ = main.resolve(ref)
+        held.append(batch)
+        assert not any(h.any() for h in held), (b, held)
+
+
+def test_loader_with_a_huge_prefetch_factor_delivers_torchs_batches() -> None:
+    data = [torch.zeros(4, dtype=torch.int64) for _ in range(32)]
+    loader = feedpipe.DataLoader(data, batch_size=8, num_workers=1, worker_type="process",
+                                 prefetch_factor=4095)  # fmt: skip
+    assert [b.tolist() for b in loader] == [[[0] * 4] * 8] * 4
+    assert loader.worker_slots is not None and loader.worker_slots["batches_in_slots"] == 4
+
+
+def _eq(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_eq(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_eq, a, b))
+    return bool(a == b)
+
+
+_SIZES = [1, 2, 40, 3, 100, 1, 120, 5, 2, 200, 1]
+_BATCHES = [list(range(sum(_SIZES[:k]), sum(_SIZES[: k + 1]))) for k in range(len(_SIZES))]
+_BLOCK = {i: k for k, b in enumerate(_BATCHES) for i in b}
+
+
+class _Shifting(torch.utils.data.Dataset[Any]):
+    """Samples whose shape and dtype change from batch to batch (equal within one)."""
+
+    def __len__(self) -> int:
+        return sum(_SIZES)
+
+    def __getitem__(self, i: int) -> Any:
+        k = _BLOCK[i]
+        dtype = [torch.float32, torch.int64, torch.uint8, torch.float64][k % 4]
+        x = torch.full((1 + k % 3, 8), i % 250).to(dtype)
+        return {"x": x, "i": i, "a": np.full(3, i, dtype=np.int16)}
+
+
+def test_batches_that_grow_shrink_and_change_shape_equal_torchs() -> None:
+    """Growing and shrinking batches of changing shapes and dtypes, every batch held while
+    the slots grow, persistent workers over two epochs and two iterators at once: the batches
+    equal torch's, and still do after the pass."""
+    ds = _Shifting()
+    want = list(torch.utils.data.DataLoader(ds, batch_sampler=_BATCHES, num_workers=0))
+    loader = feedpipe.DataLoader(ds, batch_sampler=_BATCHES, num_workers=2,
+                                 worker_type="process", persistent_workers=True)  # fmt: skip
+    for _ in range(2):
+        held = list(loader)
+        assert len(held) == len(want) and all(map(_eq, want, held))
+        del held
+        gc.collect()
+    info = loader.worker_slots
+    assert info is not None and info["batches_in_slots"] > 0, info
+    loader = feedpipe.DataLoader(ds, batch_sampler=_BATCHES, num_workers=2, worker_type="process")
+    a, b = [], []
+    for x, y in itertools.zip_longest(iter(loader), iter(loader)):
+        a.append(x)
+        b.append(y)
+    assert all(map(_eq, want, a)) and all(map(_eq, want, b)) and len(a) == len(b) == len(want)
