@@ -472,7 +472,8 @@ def _make_source(
         return _TorchSource(source)
     if kind == "hf":
         return HFSource(source, data_key)  # type: ignore[return-value]
-    paths = [local_file_path(p) for p in (source if isinstance(source, (list, tuple)) else [source])]
+    items = source if isinstance(source, (list, tuple)) else [source]
+    paths = [local_file_path(p) for p in items]
     if kind == "parquet":
         return ParquetSource(  # type: ignore[return-value]
             parquet_paths(paths, storage_options), data_key, storage_options

@@ -112,13 +112,12 @@ def parquet_paths(
             else:
                 found = [root] if fs.exists(root) else []
             found = [fs.unstrip_protocol(p) for p in found]
+        elif os.path.isdir(item):
+            found = sorted(glob.glob(os.path.join(item, "*.parquet")))
+        elif any(c in item for c in "*?["):
+            found = sorted(glob.glob(item))
         else:
-            if os.path.isdir(item):
-                found = sorted(glob.glob(os.path.join(item, "*.parquet")))
-            elif any(c in item for c in "*?["):
-                found = sorted(glob.glob(item))
-            else:
-                found = [item] if os.path.exists(item) else []
+            found = [item] if os.path.exists(item) else []
         if not found:
             raise DatasetError(f"{item}: no Parquet files there")
         paths += found
