@@ -307,3 +307,13 @@ def test_batches_that_grow_shrink_and_change_shape_equal_torchs() -> None:
         a.append(x)
         b.append(y)
     assert all(map(_eq, want, a)) and all(map(_eq, want, b)) and len(a) == len(b) == len(want)
+
+
+def test_feedpipe_stage_stays_callable_after_its_module_is_imported(tmp_path: Path) -> None:
+    """``from feedpipe.stage import stage`` (a public path) bound the module over the function:
+    ``feedpipe.stage(src, dst)`` was then "'module' object is not callable"."""
+    import feedpipe.stage  # noqa: F401
+
+    paths = _fixtures(tmp_path)
+    feedpipe.stage(paths["mm"], tmp_path / "staged")
+    assert len(MemmapDataset(tmp_path / "staged")) == 3
