@@ -312,7 +312,7 @@ def test_batches_that_grow_shrink_and_change_shape_equal_torchs() -> None:
 def test_feedpipe_stage_stays_callable_after_its_module_is_imported(tmp_path: Path) -> None:
     """``from feedpipe.stage import stage`` (a public path) bound the module over the function:
     ``feedpipe.stage(src, dst)`` was then "'module' object is not callable"."""
-    import feedpipe.stage  # noqa: F401
+    import feedpipe.stage
 
     paths = _fixtures(tmp_path)
     feedpipe.stage(paths["mm"], tmp_path / "staged")
