@@ -317,3 +317,40 @@ def test_feedpipe_stage_stays_callable_after_its_module_is_imported(tmp_path: Pa
     paths = _fixtures(tmp_path)
     feedpipe.stage(paths["mm"], tmp_path / "staged")
     assert len(MemmapDataset(tmp_path / "staged")) == 3
+
+
+class _KillOnce(torch.utils.data.Dataset[torch.Tensor]):
+    """SIGKILLs its worker at sample 50 (in the batch after the first big one) once."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __len__(self) -> int:
+        return sum(_SIZES)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 50 and not self.marker.exists():
+            self.marker.touch()
+            os.kill(os.getpid(), 9)
+        return torch.full((16,), float(i))
+
+
+def test_worker_killed_while_its_slots_grow_then_a_new_pass(tmp_path: Path) -> None:
+    """A process worker dies by SIGKILL while batches grow: the pass fails naming the worker,
+    the batches already delivered stay intact, and the next pass equals torch's."""
+    from feedpipe.errors import WorkerError
+
+    marker = tmp_path / "killed"
+    ds = _KillOnce(marker)
+    marker.touch()
+    want = list(torch.utils.data.DataLoader(ds, batch_sampler=_BATCHES[:8]))
+    marker.unlink()
+    loader = feedpipe.DataLoader(ds, batch_sampler=_BATCHES[:8], num_workers=2,
+                                 worker_type="process", timeout=30)  # fmt: skip
+    got = []
+    with pytest.raises(WorkerError, match="died with exit code -9"):
+        for batch in loader:
+            got.append(batch)
+    again = list(loader)
+    assert len(again) == len(want) and all(map(torch.equal, want, again))
+    assert all(map(torch.equal, want, got))

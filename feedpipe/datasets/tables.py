@@ -41,7 +41,8 @@ be stored is refused up front, naming the column, its Arrow type and the file.
 Parquet files are local paths or fsspec URLs, read through ``pyarrow.parquet`` one row group at a
 time (one is cached per process), so memory stays bounded by a row group whatever the file size;
 page checksums are verified where the writer stored them. A file that cannot be read is a
-:class:`~feedpipe.DatasetError` naming it (and the row group). A Hugging Face
+:class:`~feedpipe.DatasetError` naming it (and the row group), and so is a file that changed
+since its footer was read (its stamp: size and ETag, or size, inode and mtime). A Hugging Face
 ``datasets.Dataset`` (anything with ``.features`` and ``.with_format``) is sliced with
 ``with_format("arrow")``; a streaming ``IterableDataset`` has no length and is refused, and
 a ``DatasetDict`` is refused naming its splits.
