@@ -453,7 +453,7 @@ def _make_source(
         if not isinstance(source, (str, os.PathLike, list, tuple)):
             kind = "hf" if is_hf_dataset(source) else "torch"
         else:
-            first = os.fspath(source[0] if isinstance(source, (list, tuple)) else source)
+            first = local_file_path(source[0] if isinstance(source, (list, tuple)) else source)
             if is_tar_source(first):
                 kind = "tar"
             elif first.endswith(".parquet") or (
@@ -472,7 +472,8 @@ def _make_source(
         return _TorchSource(source)
     if kind == "hf":
         return HFSource(source, data_key)  # type: ignore[return-value]
-    paths = [os.fspath(p) for p in (source if isinstance(source, (list, tuple)) else [source])]
+    items = source if isinstance(source, (list, tuple)) else [source]
+    paths = [local_file_path(p) for p in items]
     if kind == "parquet":
         return ParquetSource(  # type: ignore[return-value]
             parquet_paths(paths, storage_options), data_key, storage_options

@@ -41,7 +41,8 @@ be stored is refused up front, naming the column, its Arrow type and the file.
 Parquet files are local paths or fsspec URLs, read through ``pyarrow.parquet`` one row group at a
 time (one is cached per process), so memory stays bounded by a row group whatever the file size;
 page checksums are verified where the writer stored them. A file that cannot be read is a
-:class:`~feedpipe.DatasetError` naming it (and the row group). A Hugging Face
+:class:`~feedpipe.DatasetError` naming it (and the row group), and so is a file that changed
+since its footer was read (its stamp: size and ETag, or size, inode and mtime). A Hugging Face
 ``datasets.Dataset`` (anything with ``.features`` and ``.with_format``) is sliced with
 ``with_format("arrow")``; a streaming ``IterableDataset`` has no length and is refused, and
 a ``DatasetDict`` is refused naming its splits.
@@ -60,7 +61,7 @@ from typing import Any
 import numpy as np
 
 from feedpipe.errors import DatasetError, require
-from feedpipe.io.remote import redact
+from feedpipe.io.remote import local_file_path, redact
 
 __all__ = [
     "ArrowColumn",
@@ -102,8 +103,8 @@ def parquet_paths(
     items = [source] if isinstance(source, str) else list(source)
     paths: list[str] = []
     for item in items:
-        item = os.fspath(item)
-        if "://" in item and not item.startswith("file://"):
+        item = local_file_path(item)  # file:///abs by the one rule; file://host is refused
+        if "://" in item:
             fs, root = _fs(item, storage_options)
             if any(c in root for c in "*?["):
                 found = sorted(fs.glob(root))
@@ -112,14 +113,12 @@ def parquet_paths(
             else:
                 found = [root] if fs.exists(root) else []
             found = [fs.unstrip_protocol(p) for p in found]
+        elif os.path.isdir(item):
+            found = sorted(glob.glob(os.path.join(item, "*.parquet")))
+        elif any(c in item for c in "*?["):
+            found = sorted(glob.glob(item))
         else:
-            item = item.removeprefix("file://")
-            if os.path.isdir(item):
-                found = sorted(glob.glob(os.path.join(item, "*.parquet")))
-            elif any(c in item for c in "*?["):
-                found = sorted(glob.glob(item))
-            else:
-                found = [item] if os.path.exists(item) else []
+            found = [item] if os.path.exists(item) else []
         if not found:
             raise DatasetError(f"{item}: no Parquet files there")
         paths += found
@@ -234,6 +233,7 @@ def plan_column(name: str, typ: Any, feature: Any, *, records: bool) -> ArrowCol
     pa = _pa()
     arrow = str(typ)
     hf = feature.get("_type", "") if isinstance(feature, dict) else ""
+    hf = hf if isinstance(hf, str) else ""  # valid JSON that lies: not a feature
     t = typ.value_type if pa.types.is_dictionary(typ) else typ
     if hf in _BYTES_FEATURES and _bytes_struct(pa, t):
         return ArrowColumn(name, arrow, "bytes" if records else "ragged", member="bytes")
@@ -442,6 +442,7 @@ class _TableSource:
             n: f["names"]
             for n, f in features.items()
             if n in names
+            and _pa().types.is_integer(self._label_type(schema.field(n).type))
             and isinstance(f, dict)
             and f.get("_type") == "ClassLabel"
             and isinstance(f.get("names"), list)
@@ -451,6 +452,11 @@ class _TableSource:
             self.extra["class_labels"] = labels
             if len(labels) == 1:
                 self.extra["classes"] = next(iter(labels.values()))
+
+    @staticmethod
+    def _label_type(t: Any) -> Any:
+        """The value type of a (dictionary-encoded) column: a ClassLabel holds integers."""
+        return t.value_type if _pa().types.is_dictionary(t) else t
 
     def _estimate(self, sample: Any, where: Callable[[int], str]) -> None:
         records, fields = self._convert(sample, where)
@@ -487,8 +493,10 @@ class ParquetSource(_TableSource):
         data_key: str | None,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.paths = paths
+        self.paths = [local_file_path(p) for p in paths]
+        paths = self.paths
         self.storage_options = dict(storage_options or {})
+        self._stamps: dict[str, list[Any]] = {}  # path -> stamp when its footer was read
         self.groups: list[tuple[int, int, int, int]] = []  # (file, group, first record, row)
         schema, row = None, 0
         nulls: list[tuple[int, str]] = []  # (row group, flat column) whose footer counts nulls
@@ -524,22 +532,36 @@ class ParquetSource(_TableSource):
         return state
 
     def _file(self, path: str, group: int | None = None) -> Any:
-        """The ``ParquetFile`` of ``path`` (footer read), or its row group ``group``."""
+        """The ``ParquetFile`` of ``path`` (footer read), or its row group ``group``. The file's
+        stamp (size and ETag, or size, inode and mtime) is taken after each read: a file
+        replaced or rewritten since its footer was read is an error naming it, never a mix."""
         pq: Any = require("pyarrow.parquet", "parquet")
         what = "not a readable Parquet file" if group is None else f"row group {group} unreadable"
         try:
-            if "://" in path and not path.startswith("file://"):
+            if "://" in path:
                 fs, root = _fs(path, self.storage_options)
                 with fs.open(root, "rb") as fh:
                     pf = pq.ParquetFile(fh, page_checksum_verification=True)
-                    return pf if group is None else pf.read_row_group(group)
-            pf = pq.ParquetFile(path.removeprefix("file://"), page_checksum_verification=True)
-            return pf if group is None else pf.read_row_group(group)
+                    out = pf if group is None else pf.read_row_group(group)
+                fs.invalidate_cache(root)
+                info = fs.info(root)
+                stamp = [info.get("size"), str(info.get("ETag") or info.get("LastModified"))]
+            else:
+                pf = pq.ParquetFile(path, page_checksum_verification=True)
+                out = pf if group is None else pf.read_row_group(group)
+                st = os.stat(path)
+                stamp = [st.st_size, st.st_ino, st.st_mtime_ns]
         except DatasetError:
             raise
         except Exception as exc:  # pyarrow raises many types for a damaged file
             why = redact(str(exc), self.storage_options)
             raise DatasetError(f"{path}: {what}: {type(exc).__name__}: {why}") from None
+        if self._stamps.setdefault(path, stamp) != stamp:
+            raise DatasetError(
+                f"{path}: the file changed while it was converted (its footer was read from "
+                "another version): convert it again once it no longer changes"
+            )
+        return out
 
     def _group(self, k: int) -> Any:
         if self._cache is None or self._cache[0] != k:
@@ -586,14 +608,13 @@ class ParquetSource(_TableSource):
     def fingerprint(self) -> Any:
         sizes = []
         for p in self.paths:
-            if "://" in p and not p.startswith("file://"):
+            if "://" in p:
                 fs, root = _fs(p, self.storage_options)
                 info = fs.info(root)
                 stamp = info.get("ETag") or info.get("LastModified") or info.get("mtime")
                 sizes.append([p, info.get("size"), str(stamp)])
             else:
-                local = p.removeprefix("file://")
-                sizes.append([p, os.path.getsize(local), os.path.getmtime(local)])
+                sizes.append([p, os.path.getsize(p), os.path.getmtime(p)])
         return ["parquet", sizes, self.key]
 
     def read(self, a: int, b: int) -> tuple[Any, dict[str, Any]]:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from feedpipe.errors import DatasetError
-from feedpipe.io.remote import is_remote
+from feedpipe.io.remote import is_remote, local_file_path
 from feedpipe.remote.transfer import call, resolve
 
 __all__ = ["INDEX_BLOCK", "TarDataset", "expand_shards"]
@@ -44,9 +44,11 @@ _BRACES = re.compile(r"\{(\d+)\.\.(\d+)\}")
 INDEX_BLOCK = 8 << 20
 
 
-def expand_shards(spec: str | Sequence[str]) -> list[str]:
+def expand_shards(spec: str | os.PathLike[str] | Sequence[str]) -> list[str]:
     """Shard paths from a list, or from a brace pattern ``"data-{000..099}.tar"`` (zero-padded
-    to the width of the first bound, as WebDataset writes them)."""
+    to the width of the first bound, as WebDataset writes them); a ``Path`` is one shard."""
+    if isinstance(spec, os.PathLike):
+        return [os.fspath(spec)]
     if not isinstance(spec, str):
         return [os.fspath(s) for s in spec]
     m = _BRACES.search(spec)
@@ -112,12 +114,12 @@ class TarDataset:
 
     def __init__(
         self,
-        shards: str | Sequence[str],
+        shards: str | os.PathLike[str] | Sequence[str],
         *,
         transform: Callable[[dict[str, Any]], Any] | None = None,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.shards = expand_shards(shards)
+        self.shards = [local_file_path(s) for s in expand_shards(shards)]  # file:///abs: /abs
         if not self.shards:
             raise ValueError("TarDataset needs at least one shard")
         self.transform = transform

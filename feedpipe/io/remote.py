@@ -162,6 +162,8 @@ def resolve(
     import fsspec.core
 
     text = local_file_path(url)  # file:// URLs by one rule (fsspec reads file://host/x as host/x)
+    if text[:5].lower() == "file:":  # file:name is the relative path ./file:name, as for open()
+        text = os.path.abspath(text)  # (fsspec would read it as ./name)
     options = dict(storage_options or {})
     _redact_library_logs()
     if text.startswith(("s3://", "s3a://")):

@@ -48,6 +48,12 @@ _ALIGN = 64
 _HEADER = 4096  # flags (one byte per slot), then the "seen" byte; slots start page-aligned
 
 
+def _header(k: int) -> int:
+    """Bytes before the first slot: ``k`` flags and the seen byte, in whole pages (a large
+    ``prefetch_factor`` makes ``k`` > 4095: the flags must never share bytes with slot 0)."""
+    return (k + 1 + _HEADER - 1) // _HEADER * _HEADER
+
+
 ENV = "FEEDPIPE_WORKER_SLOTS"  # the switch: on unless set to an "off" word
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
@@ -202,9 +208,10 @@ class _WorkerSlots:
     def __init__(self, k: int, slot_bytes: int, grown: int = 0) -> None:
         self.k, self.slot_bytes, self.grown = k, slot_bytes, grown
         self.wanted = 0
-        self.buffer = torch.empty(_HEADER + k * slot_bytes, dtype=torch.uint8).share_memory_()
+        self.header = _header(k)
+        self.buffer = torch.empty(self.header + k * slot_bytes, dtype=torch.uint8).share_memory_()
         self.array = self.buffer.numpy()
-        self.array[:_HEADER] = 0  # every slot free, buffer not yet seen
+        self.array[: self.header] = 0  # every slot free, buffer not yet seen
         self.flags = self.array[:k]
         self.token = f"{os.getpid()}-{os.urandom(6).hex()}"
 
@@ -275,7 +282,7 @@ def collate_into(samples: Any, k: int, rows: int | None) -> SlotRef | None:
     slot = ws.claim()
     if slot is None:
         return None
-    base = _HEADER + slot * ws.slot_bytes
+    base = ws.header + slot * ws.slot_bytes
     layout = []
     offset = base
     try:

@@ -35,6 +35,7 @@ from typing import Any
 
 from feedpipe.errors import DatasetError
 from feedpipe.io.fsutil import atomic_write, fsync_dir
+from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
 from feedpipe.remote.transfer import INDEX_NAME, FileEntry
 
@@ -103,7 +104,7 @@ def stage(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     url = os.fspath(src)
-    dst = os.path.abspath(os.fspath(dst))
+    dst = os.path.abspath(local_file_path(dst))  # file:///abs: /abs, never ./file:/abs
     fs, root = _remote.resolve(url, _pooled(url, storage_options, workers), deadline_s)
     policy = _remote.RetryPolicy(deadline_s=deadline_s)
     t0 = time.perf_counter()
