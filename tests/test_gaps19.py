@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -87,3 +89,67 @@ def test_tar_non_integer_cls_and_bad_field_names_are_refused(tmp_path: Path) -> 
     with pytest.raises(DatasetError, match=r"d\.tar.*'k1\.seg\.png'.*cannot name a side field"):
         feedpipe.convert(tmp_path / "d.tar", tmp_path / "o")
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- convert(fn, inputs, ...)
+sys.path.insert(0, str(Path(__file__).parent))
+import _gaps19_fns as fns  # noqa: E402 - the worker functions live in an importable module
+
+
+def _run(fn: Any, out: Path, n: int = 12, **kw: Any) -> Any:
+    kw.setdefault("progress_bar", False)
+    kw.setdefault("inputs_per_part", 3)
+    kw.setdefault("shard_bytes", 512)
+    return feedpipe.convert(fn, list(range(n)), output=str(out), **kw)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_fn_dicts_without_data_store_str_json_and_ragged_columns(tmp_path: Path) -> None:
+    _run(fns.docs, tmp_path / "one", num_workers=1)
+    _run(fns.docs, tmp_path / "two", num_workers=2)
+    assert _files(tmp_path / "one") == _files(tmp_path / "two")
+    ds = MemmapDataset(tmp_path / "one")
+    want = [r for item in range(12) for r in fns.docs(item)]
+    assert len(ds) == len(want) > 0
+    for i, w in enumerate(want):
+        got = ds[i]
+        assert got["text"] == w["text"] and got["meta"] == w["meta"]
+        assert got["tokens"].tolist() == w["tokens"]
+        assert float(got["score"]) == w["score"]
+
+
+def test_fn_ragged_records_and_fields(tmp_path: Path) -> None:
+    _run(fns.ragged_records, tmp_path / "one", num_workers=1)
+    _run(fns.ragged_records, tmp_path / "two", num_workers=2)
+    assert _files(tmp_path / "one") == _files(tmp_path / "two")
+    ds = MemmapDataset(tmp_path / "one")
+    assert len(ds) == 12
+    for i in range(12):
+        assert ds[i]["data"].tolist() == [i] * (i % 4 + 1)
+        assert ds[i]["pos"].tolist() == list(range(i % 3))
+
+
+def test_fn_type_mismatch_names_input_record_and_field(tmp_path: Path) -> None:
+    for workers in (1, 2):
+        with pytest.raises(DatasetError, match=r"input 5 .*record 0: field 'text' is int64"):
+            _run(fns.text_then_number, tmp_path / f"o{workers}", num_workers=workers)
+        assert not (tmp_path / f"o{workers}").exists()
+
+
+def test_fn_unstorable_value_is_refused_naming_input_and_field(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match=r"input 0 .*record 0: field 'bad'.*dtype object"):
+        _run(fns.a_set, tmp_path / "o", n=2, num_workers=1)
+    assert not (tmp_path / "o").exists()
+
+
+def test_fn_values_that_would_not_read_back_are_refused_naming_the_input(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match=r"input 4 .*record 0: field 'meta'"):
+        _run(fns.hostile_json, tmp_path / "j", num_workers=1)
+    with pytest.raises(DatasetError, match=r"input 2 .*record 0: field 'text'.*UTF-8"):
+        _run(fns.lone_surrogate, tmp_path / "s", num_workers=1)
+    assert not (tmp_path / "j").exists() and not (tmp_path / "s").exists()

@@ -1,0 +1,45 @@
+"""Functions for tests/test_gaps19.py: importable by worker processes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def docs(item: int) -> list[dict[str, Any]]:
+    """Dict records without "data": a str, a JSON dict, ragged tokens and a fixed number."""
+    return [
+        {
+            "text": f"doc {item}.{j} é",
+            "meta": {"item": item, "j": j, "tags": ["a"] * j},
+            "tokens": list(range(item + j)),
+            "score": float(item) / 4,
+        }
+        for j in range(item % 3)
+    ]
+
+
+def ragged_records(item: int) -> dict[str, Any]:
+    """Ragged records (a list of token ids) with a ragged side field of arrays."""
+    return {"data": [item] * (item % 4 + 1), "pos": list(range(item % 3))}
+
+
+def text_then_number(item: int) -> dict[str, Any]:
+    """Field ``text`` is a str, except at input 5 where it is a number."""
+    return {"text": 5 if item == 5 else f"t{item}"}
+
+
+def a_set(item: int) -> dict[str, Any]:
+    """A field no column can hold."""
+    return {"ok": item, "bad": {item}}
+
+
+def hostile_json(item: int) -> dict[str, Any]:
+    """A JSON field that would not read back equal at input 4 (a NaN, a non-str key)."""
+    meta: dict[Any, Any] = {"x": float("nan")} if item == 4 else {"x": 1.0}
+    return {"data": np.full(3, item, np.int16), "meta": meta}
+
+
+def lone_surrogate(item: int) -> dict[str, Any]:
+    return {"text": "\ud800" if item == 2 else "fine"}
