@@ -43,3 +43,17 @@ def hostile_json(item: int) -> dict[str, Any]:
 
 def lone_surrogate(item: int) -> dict[str, Any]:
     return {"text": "\ud800" if item == 2 else "fine"}
+
+
+def mixed_ragged(item: int) -> dict[str, Any]:
+    """Ragged int tokens given as a list first, then as int32/int64 arrays and empty lists;
+    input 7 gives floats (refused: they do not fit the int64 column)."""
+    if item == 7:
+        return {"tokens": [0.5, 1.5]}
+    if item % 3 == 0:
+        return {"tokens": list(range(item))}
+    return {"tokens": np.arange(item, dtype=np.int32 if item % 2 else np.int64)}
+
+
+def fixed_then_longer(item: int) -> dict[str, Any]:
+    return {"tokens": np.arange(4 + (item == 2), dtype=np.int32)}

@@ -153,3 +153,13 @@ def test_fn_values_that_would_not_read_back_are_refused_naming_the_input(tmp_pat
     with pytest.raises(DatasetError, match=r"input 2 .*record 0: field 'text'.*UTF-8"):
         _run(fns.lone_surrogate, tmp_path / "s", num_workers=1)
     assert not (tmp_path / "j").exists() and not (tmp_path / "s").exists()
+
+
+def test_fn_ragged_column_takes_arrays_later_and_refuses_lossy_values(tmp_path: Path) -> None:
+    _run(fns.mixed_ragged, tmp_path / "ok", n=7, num_workers=1)
+    ds = MemmapDataset(tmp_path / "ok")
+    assert [ds[i]["tokens"].tolist() for i in range(7)] == [list(range(i)) for i in range(7)]
+    with pytest.raises(DatasetError, match=r"input 7 .*field 'tokens' is float64"):
+        _run(fns.mixed_ragged, tmp_path / "bad", n=9, num_workers=2)
+    with pytest.raises(DatasetError, match=r"input 2 .*field 'tokens'.*make the first record's"):
+        _run(fns.fixed_then_longer, tmp_path / "fixed", n=3, num_workers=1)

@@ -298,15 +298,19 @@ def _conform(value: Any, spec: Any, what: str) -> Any:
     if got == spec:
         return value
     if (
-        isinstance(value, list)
+        isinstance(value, (list, np.ndarray))
         and isinstance(spec, tuple)
         and isinstance(got, tuple)
         and _variable(spec)
-        and got[1][1:] == spec[1][1:]
-        and (len(value) == 0 or np.can_cast(got[0], spec[0], "same_kind"))
+        and (len(value) == 0 or (got[1][1:] == spec[1][1:] and np.can_cast(got[0], spec[0])))
     ):
         return np.asarray(value, dtype=spec[0]).reshape(-1, *spec[1][1:])
-    raise DatasetError(f"{what} is {_spec_text(got)}; the first record's was {_spec_text(spec)}")
+    hint = ""
+    if isinstance(spec, tuple) and isinstance(got, tuple) and not _variable(spec):
+        hint = " (for a variable-length column, make the first record's value a list)"
+    raise DatasetError(
+        f"{what} is {_spec_text(got)}; the first record's was {_spec_text(spec)}{hint}"
+    )
 
 
 class _PartWriter:
