@@ -57,3 +57,14 @@ def mixed_ragged(item: int) -> dict[str, Any]:
 
 def fixed_then_longer(item: int) -> dict[str, Any]:
     return {"tokens": np.arange(4 + (item == 2), dtype=np.int32)}
+
+
+def scalar_types(item: int) -> dict[str, Any]:
+    """A count that is a Python int in record 0 and a numpy int32 later (widened, kept); a
+    score that is a float at input 3 where record 0 had an int (refused: it would truncate)."""
+    score: Any = 0.5 if item == 3 else item
+    return {
+        "data": np.zeros(2, np.uint8),
+        "count": np.int32(item) if item else item,
+        "score": score,
+    }

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import feedpipe
 from feedpipe import DatasetError, MemmapDataset
@@ -163,3 +164,12 @@ def test_fn_ragged_column_takes_arrays_later_and_refuses_lossy_values(tmp_path: 
         _run(fns.mixed_ragged, tmp_path / "bad", n=9, num_workers=2)
     with pytest.raises(DatasetError, match=r"input 2 .*field 'tokens'.*make the first record's"):
         _run(fns.fixed_then_longer, tmp_path / "fixed", n=3, num_workers=1)
+
+
+def test_fn_fixed_fields_widen_safely_and_refuse_truncation(tmp_path: Path) -> None:
+    _run(fns.scalar_types, tmp_path / "ok", n=3, num_workers=1, inputs_per_part=3)
+    ds = MemmapDataset(tmp_path / "ok")
+    assert [int(ds[i]["count"]) for i in range(3)] == [0, 1, 2]
+    assert ds[2]["count"].dtype == torch.int64
+    with pytest.raises(DatasetError, match=r"input 3 .*field 'score' is float64 \[\]"):
+        _run(fns.scalar_types, tmp_path / "bad", n=4, num_workers=1, inputs_per_part=4)

@@ -297,14 +297,13 @@ def _conform(value: Any, spec: Any, what: str) -> Any:
         return value
     if got == spec:
         return value
-    if (
-        isinstance(value, (list, np.ndarray))
-        and isinstance(spec, tuple)
-        and isinstance(got, tuple)
-        and _variable(spec)
-        and (len(value) == 0 or (got[1][1:] == spec[1][1:] and np.can_cast(got[0], spec[0])))
-    ):
-        return np.asarray(value, dtype=spec[0]).reshape(-1, *spec[1][1:])
+    if isinstance(spec, tuple) and isinstance(got, tuple) and isinstance(value, (list, np.ndarray)):
+        if _variable(spec):  # a list or an array of any length, its rows the first's
+            empty = len(value) == 0
+            if empty or (got[1][1:] == spec[1][1:] and np.can_cast(got[0], spec[0])):
+                return np.asarray(value, dtype=spec[0]).reshape(-1, *spec[1][1:])
+        elif got[1] == spec[1] and np.can_cast(got[0], spec[0]):  # e.g. np.int32 in int64
+            return np.asarray(value, dtype=spec[0])
     hint = ""
     if isinstance(spec, tuple) and isinstance(got, tuple) and not _variable(spec):
         hint = " (for a variable-length column, make the first record's value a list)"
