@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from feedpipe.datasets.columns import encode
 from feedpipe.datasets.tar import TarDataset, expand_shards
 from feedpipe.errors import DatasetError
 
@@ -73,7 +74,9 @@ def _decode(spec: Any, raw: bytes, field: str, sample: Mapping[str, Any]) -> Any
         if spec == "str":
             return raw.decode("utf-8")
         if spec == "json":
-            return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+            value = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+            encode("json", "uint8", (), value, where)  # what would not read back equal
+            return value
         if spec == "int64":
             return int(raw.decode("ascii").strip())
     except UnicodeDecodeError as exc:
