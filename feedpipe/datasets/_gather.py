@@ -471,7 +471,9 @@ def indices_array(indices: Any, length: int, out_of_range: Callable[[int], str])
     if idx.size == 0:
         return np.empty(0, np.int64)
     if idx.dtype.kind not in "iu" or idx.ndim != 1:
-        raise TypeError(f"indices must be a 1-D sequence of integers, got {idx.dtype} {idx.shape}")
+        raise TypeError(
+            f"indices must be a 1-D sequence of integers, got {idx.dtype} {idx.shape}"
+        )
     if idx.dtype == np.uint64:
         huge = idx > np.iinfo(np.int64).max
         if huge.any():
