@@ -2,9 +2,14 @@
 
 ``fn(item)`` is called once per item of ``inputs`` in a process pool; it returns or yields the
 records of that item (none, to filter it out). A record is an array or tensor (the fixed layout:
-every record the same shape and dtype), bytes (the bytes layout), a dict with a ``"data"`` key
-and side fields, or a tuple ``(data, label)`` / ``(data, field1, field2, ...)``, as
-``feedpipe.convert`` takes from a torch dataset.
+every record the same shape and dtype), bytes (the bytes layout), a list of numbers (the ragged
+layout), a dict with any identifier keys (``"data"``, when present, holds the records; the
+others are side fields; without it the dataset has no records column), or a tuple
+``(data, label)`` / ``(data, field1, field2, ...)``, as ``feedpipe.convert`` takes from a torch
+dataset. Columns are typed as there (``infer_column``): ``str`` a ``"str"`` column, a dict a
+``"json"`` column, bytes and lists of numbers ragged arrays, arrays and numbers fixed. Each part
+decides its columns from its first record and checks every record against them (a mismatch is a
+``DatasetError`` naming the input, the record and the field); the parts must then agree.
 
 Determinism: the inputs are split into parts of ``inputs_per_part`` consecutive items, a number
 that never depends on ``num_workers``. Each part is written by one worker, as its own shards
@@ -42,7 +47,8 @@ from typing import Any
 import numpy as np
 
 from feedpipe.datasets._convert_sink import Sink
-from feedpipe.datasets.convert import ConvertResult
+from feedpipe.datasets.columns import encode
+from feedpipe.datasets.convert import ConvertResult, infer_column
 from feedpipe.datasets.format import Index
 from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter
 from feedpipe.errors import DatasetError
@@ -226,31 +232,84 @@ def _records(produced: Any) -> Iterable[Any]:
     return produced  # type: ignore[no-any-return]
 
 
+_NO_DATA: Any = object()  # a dict record without "data": the dataset has no records column
+
+
 def _split(record: Any) -> tuple[Any, dict[str, Any]]:
     """(data, side fields) of one record."""
     if isinstance(record, Mapping):
-        if "data" not in record:
-            raise DatasetError(f"dict records need a 'data' key (got {sorted(record)})")
-        return _plain(record["data"]), {
-            str(k): np.asarray(_plain(v)) for k, v in record.items() if k != "data"
-        }
+        for k in record:
+            if not isinstance(k, str) or not k.isidentifier():
+                raise DatasetError(f"key {k!r} cannot name a field (a Python identifier)")
+        data = _plain(record["data"]) if "data" in record else _NO_DATA
+        return data, {k: _value(v, k) for k, v in record.items() if k != "data"}
     if isinstance(record, tuple):
         names = ["label"] if len(record) == 2 else [f"field{j}" for j in range(1, len(record))]
-        rest = {n: np.asarray(_plain(v)) for n, v in zip(names, record[1:], strict=True)}
+        rest = {n: _value(v, n) for n, v in zip(names, record[1:], strict=True)}
         return _plain(record[0]), rest
     return _plain(record), {}
 
 
 def _plain(value: Any) -> Any:
+    """A records value: an array, bytes, or a list of numbers (ragged)."""
     if isinstance(value, str):
-        raise DatasetError("a str record cannot be stored (encode it to bytes)")
+        raise DatasetError(
+            "a str record cannot be stored as the records (encode it to bytes, or return it "
+            "in a dict under a key other than 'data': a str column)"
+        )
     if value is None:
         raise DatasetError("a None record cannot be stored (to filter an input out, yield nothing)")
     if hasattr(value, "detach") and hasattr(value, "numpy"):
         return value.detach().cpu().numpy()
-    if isinstance(value, (bytes, bytearray, memoryview)):
+    if isinstance(value, (bytes, bytearray, memoryview, list)):
         return value
     return np.asarray(value)
+
+
+def _value(value: Any, name: str) -> Any:
+    """A side-field value as ``infer_column`` types it (str, dict, list and bytes kept)."""
+    if value is None:
+        raise DatasetError(f"field {name!r} is None: a column cannot hold a missing value")
+    if hasattr(value, "detach") and hasattr(value, "numpy"):
+        return value.detach().cpu().numpy()
+    if isinstance(value, (str, dict, list, bytes, bytearray, memoryview)):
+        return value
+    return np.asarray(value)
+
+
+def _variable(spec: Any) -> bool:
+    if isinstance(spec, str):
+        return True
+    return len(spec[1]) > 0 and spec[1][0] is None
+
+
+def _spec_text(spec: Any) -> str:
+    if isinstance(spec, str):
+        return spec
+    return f"{spec[0]} {list(spec[1])}".replace("None", "n")
+
+
+def _conform(value: Any, spec: Any, what: str) -> Any:
+    """``value`` as stored in a column of ``spec`` (the first record's), else ``DatasetError``."""
+    got = infer_column(value, what)
+    if spec in ("str", "json") and (got == spec or (spec == "json" and isinstance(value, list))):
+        encode(spec, "uint8", (), value, what)  # refused here, naming the input, not at flush
+        return value
+    if got == spec:
+        return value
+    if isinstance(spec, tuple) and isinstance(got, tuple) and isinstance(value, (list, np.ndarray)):
+        if _variable(spec):  # a list or an array of any length, its rows the first's
+            empty = len(value) == 0
+            if empty or (got[1][1:] == spec[1][1:] and np.can_cast(got[0], spec[0])):
+                return np.asarray(value, dtype=spec[0]).reshape(-1, *spec[1][1:])
+        elif got[1] == spec[1] and np.can_cast(got[0], spec[0]):  # e.g. np.int32 in int64
+            return np.asarray(value, dtype=spec[0])
+    hint = ""
+    if isinstance(spec, tuple) and isinstance(got, tuple) and not _variable(spec):
+        hint = " (for a variable-length column, make the first record's value a list)"
+    raise DatasetError(
+        f"{what} is {_spec_text(got)}; the first record's was {_spec_text(spec)}{hint}"
+    )
 
 
 class _PartWriter:
@@ -263,21 +322,48 @@ class _PartWriter:
         self.closed = False
         self.datas: list[Any] = []
         self.cols: dict[str, list[Any]] = {}
+        self.specs: dict[str, Any] = {}
+        self.count = 0  # records buffered
 
-    def add(self, record: Any) -> None:
+    def add(self, record: Any, where: str = "a record") -> None:
         data, fields = _split(record)
         if self.writer is None:
-            fixed = isinstance(data, np.ndarray)
-            self.writer = MemmapWriter(
-                self.path,
-                shape=tuple(data.shape) if fixed else None,
-                dtype=str(data.dtype) if fixed else "uint8",
-                fields={k: (str(v.dtype), tuple(v.shape)) for k, v in fields.items()},
-                shard_bytes=self.shard_bytes,
-                first_shard=self.part * SHARDS_PER_PART,
-            )
+            self.specs = {k: infer_column(v, f"{where}: field {k!r}") for k, v in fields.items()}
+            shape: tuple[Any, ...] | None
+            if data is _NO_DATA:
+                if not fields:
+                    raise DatasetError(f"{where} is an empty dict: nothing to store")
+                shape, dtype = (), "uint8"
+            elif isinstance(data, list):
+                spec = infer_column(data, f"{where}: the records")
+                if not isinstance(spec, tuple):
+                    raise DatasetError(
+                        f"{where}: the records are a list of non-numbers; the records column "
+                        "holds arrays or bytes (use another key to store a json field)"
+                    )
+                dtype, shape = spec
+            else:
+                fixed = isinstance(data, np.ndarray)
+                shape = tuple(data.shape) if fixed else None
+                dtype = str(data.dtype) if fixed else "uint8"
+            try:
+                self.writer = MemmapWriter(
+                    self.path,
+                    shape=shape,
+                    dtype=dtype,
+                    records=data is not _NO_DATA,
+                    fields=self.specs,
+                    shard_bytes=self.shard_bytes,
+                    first_shard=self.part * SHARDS_PER_PART,
+                )
+            except ValueError as exc:
+                raise DatasetError(f"{where}: {exc}") from None
             self.cols = {k: [] for k in fields}
         lay = self.writer.layout
+        if (lay.kind == "none") != (data is _NO_DATA):
+            raise DatasetError(f"{where}: a 'data' key only in some records")
+        if lay.kind == "ragged":
+            data = _conform(data, (lay.dtype, (None, *lay.shape)), f"{where}: the records")
         if lay.kind == "fixed" and not (
             isinstance(data, np.ndarray)
             and data.shape == lay.shape
@@ -285,23 +371,31 @@ class _PartWriter:
         ):
             got = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else "bytes"
             raise DatasetError(f"a record of {got}; the first was {lay.dtype} {lay.shape}")
-        if lay.kind == "bytes" and isinstance(data, np.ndarray):
-            raise DatasetError(f"an array record ({data.dtype} {data.shape}); the first was bytes")
+        if lay.kind == "bytes" and not isinstance(data, (bytes, bytearray, memoryview)):
+            got = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else "a list"
+            raise DatasetError(f"an array record ({got}); the first was bytes")
         if set(fields) != set(self.cols):
-            raise DatasetError(f"side fields {sorted(fields)}, earlier records {sorted(self.cols)}")
-        self.datas.append(data)
+            raise DatasetError(
+                f"{where}: side fields {sorted(fields)}, earlier records {sorted(self.cols)}"
+            )
+        if data is not _NO_DATA:
+            self.datas.append(data)
         for k, v in fields.items():
-            self.cols[k].append(v)
-        if len(self.datas) >= _FLUSH:
+            self.cols[k].append(_conform(v, self.specs[k], f"{where}: field {k!r}"))
+        self.count += 1
+        if self.count >= _FLUSH:
             self.flush()
 
     def flush(self) -> None:
-        if self.writer is None or not self.datas:
+        if self.writer is None or not self.count:
             return
-        datas, cols = self.datas, {k: np.stack(v) for k, v in self.cols.items()}
-        self.datas, self.cols = [], {k: [] for k in self.cols}
+        datas = self.datas
+        cols = {k: v if _variable(self.specs[k]) else np.stack(v) for k, v in self.cols.items()}
+        self.datas, self.cols, self.count = [], {k: [] for k in self.cols}, 0
         if self.writer.layout.kind == "fixed":  # add() checked every record
             self.writer.append_batch(np.stack(datas), **cols)
+        elif self.writer.layout.kind == "none":
+            self.writer.append_batch(None, **cols)
         else:
             self.writer.append_batch(datas, **cols)
         done = self.writer.shards  # closed shards go now, not when the part ends
@@ -337,8 +431,8 @@ def _write_part(fn: Callable[[Any], Any], task: _Task, sink: Sink, shard_bytes: 
             for j, item in enumerate(task.items):
                 where = f"input {task.first + j} ({_short(item)})"
                 try:
-                    for record in _records(fn(item)):
-                        out.add(record)
+                    for r, record in enumerate(_records(fn(item))):
+                        out.add(record, f"record {r}")
                 except DatasetError as exc:
                     raise DatasetError(f"{_fn_name(fn)} on {where}: {exc}") from None
                 except (Exception, SystemExit) as exc:  # sys.exit() in fn: not ours to obey
@@ -447,6 +541,12 @@ def _merge(tasks: Sequence[_Task], results: Mapping[int, Index | None], fn: str)
 
 def _describe(idx: Index) -> str:
     lay = idx.layout
-    data = "bytes" if lay.kind == "bytes" else f"{lay.dtype} {list(lay.shape)}"
-    fields = ", ".join(f"{n}: {f.dtype} {list(f.shape)}" for n, f in idx.fields.items())
+    data = {"bytes": "bytes", "none": "no records"}.get(lay.kind, f"{lay.dtype} {list(lay.shape)}")
+    if lay.kind == "ragged":
+        data += " (ragged)"
+    fields = ", ".join(
+        f"{n}: {f.kind if f.kind in ('str', 'json') else f'{f.dtype} {list(f.shape)}'}"
+        + (" (ragged)" if f.kind == "ragged" else "")
+        for n, f in idx.fields.items()
+    )
     return f"{data}" + (f" with {fields}" if fields else "")

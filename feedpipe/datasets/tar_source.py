@@ -3,26 +3,34 @@
 Members are grouped into samples by key, as WebDataset does (``feedpipe.datasets.tar``). The
 records field (``data_key``; else the first image field of the first sample, ``jpg``, ``png``...;
 else its first field) is stored in the bytes layout, as each member's bytes. Every other field
-must hold ASCII integers (WebDataset's ``cls``, ``label``, ``idx``) and becomes an ``int64`` side
-field; any other field (``txt``, ``json``) is refused up front, naming the field: the typed
-string columns are not available to this conversion yet. Every sample must hold the same fields.
+becomes a typed side field, its type decided by its extension (the field name's last part), as
+WebDataset's decoders do: ``txt``/``text`` a ``"str"`` column (UTF-8), ``json``/``jsn`` a
+``"json"`` column, ``cls``/``cls2``/``index``/``label``/``idx``/``id`` an ``int64`` field (ASCII
+integers), any other extension a bytes column (``("uint8", (None,))``). A member that does not
+decode (invalid UTF-8 or JSON, a non-integer ``cls``) is a ``DatasetError`` naming the shard and
+the member. Every sample must hold the same fields.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from feedpipe.datasets.columns import encode
 from feedpipe.datasets.tar import TarDataset, expand_shards
 from feedpipe.errors import DatasetError
 
 __all__ = ["TarSource", "is_tar_source", "tar_shards"]
 
 _IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff")
+_TEXT = ("txt", "text")
+_JSON = ("json", "jsn")
+_INTEGER = ("cls", "cls2", "index", "label", "idx", "id")
 
 
 def is_tar_source(path: str) -> bool:
@@ -43,14 +51,42 @@ def tar_shards(paths: Sequence[str]) -> list[str]:
     return shards
 
 
-def _integer(text: bytes, field: str, key: str) -> int:
+def _spec(field: str) -> Any:
+    """The side-field spec for a field, by its extension (see the module docstring)."""
+    ext = field.rsplit(".", 1)[-1].lower()
+    if ext in _TEXT:
+        return "str"
+    if ext in _JSON:
+        return "json"
+    if ext in _INTEGER:
+        return "int64"
+    return ("uint8", (None,))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON a dataset can store")
+
+
+def _decode(spec: Any, raw: bytes, field: str, sample: Mapping[str, Any]) -> Any:
+    """One member's value for its column; ``DatasetError`` naming the shard and the member."""
+    where = f"{sample.get('__url__', '?')}: member {sample['__key__'] + '.' + field!r}"
     try:
-        return int(text.decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
+        if spec == "str":
+            return raw.decode("utf-8")
+        if spec == "json":
+            value = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+            encode("json", "uint8", (), value, where)  # what would not read back equal
+            return value
+        if spec == "int64":
+            return int(raw.decode("ascii").strip())
+    except UnicodeDecodeError as exc:
         raise DatasetError(
-            f"sample {key!r}: field {field!r} is not an integer ({text[:32]!r}); only integer "
-            "fields (like .cls) can be side fields: choose the records field with data_key"
+            f"{where} is not valid UTF-8 ({exc.reason} at byte {exc.start})"
         ) from None
+    except ValueError as exc:
+        what = "JSON" if spec == "json" else "an integer"
+        raise DatasetError(f"{where} is not {what} ({raw[:32]!r}): {exc}") from None
+    return raw
 
 
 class TarSource:
@@ -76,17 +112,24 @@ class TarSource:
             raise DatasetError(f"sample {first['__key__']!r} has no field {key!r} ({names})")
         self.key, self.side = key, [n for n in names if n != key]
         for name in self.side:
-            _integer(first[name], name, first["__key__"])
-        self.fields: dict[str, Any] = {n: ("int64", ()) for n in self.side}
-        self.est_bytes = max(1, len(first[key]) * self.length)
+            if not name.isidentifier() or name in ("data", "offsets"):
+                raise DatasetError(
+                    f"{first['__url__']}: member {first['__key__'] + '.' + name!r}: field "
+                    f"{name!r} cannot name a side field (a Python identifier other than "
+                    "'data' and 'offsets'): choose it as the records field with data_key"
+                )
+        self.fields: dict[str, Any] = {n: _spec(n) for n in self.side}
+        for name in self.side:
+            _decode(self.fields[name], first[name], name, first)
+        self.est_bytes = max(1, sum(len(first[n]) for n in names) * self.length)
         self.extra = {"source": {"kind": "tar", "paths": shards}}
 
     def fingerprint(self) -> Any:
         return ["tar", self.dataset.shards, self.length, self.key]
 
-    def read(self, a: int, b: int) -> tuple[Any, dict[str, np.ndarray]]:
+    def read(self, a: int, b: int) -> tuple[Any, dict[str, Any]]:
         records: list[bytes] = []
-        cols: dict[str, list[int]] = {n: [] for n in self.side}
+        cols: dict[str, list[Any]] = {n: [] for n in self.side}
         for sample in self.dataset.__getitems__(range(a, b)):
             key = sample["__key__"]
             have = sorted(k for k in sample if not k.startswith("__"))
@@ -97,5 +140,8 @@ class TarSource:
                 )
             records.append(sample[self.key])
             for name, col in cols.items():
-                col.append(_integer(sample[name], name, key))
-        return records, {n: np.asarray(v, dtype=np.int64) for n, v in cols.items()}
+                col.append(_decode(self.fields[name], sample[name], name, sample))
+        return records, {
+            n: np.asarray(v, dtype=np.int64) if self.fields[n] == "int64" else v
+            for n, v in cols.items()
+        }

@@ -1,0 +1,175 @@
+"""Issue 19 gaps: typed columns from WebDataset ``.tar`` members and from ``convert(fn, ...)``."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import feedpipe
+from feedpipe import DatasetError, MemmapDataset
+
+
+def _shard(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> Path:
+    with tarfile.open(path, "w") as tar:
+        for key, fields in samples:
+            for ext, data in fields.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _sample(i: int) -> dict[str, bytes]:
+    return {
+        "jpg": bytes([i]) * (3 + i),
+        "txt": f"a cät number {i}\n".encode(),
+        "json": json.dumps({"i": i, "tags": ["x"] * i, "f": i / 2}).encode(),
+        "cls": str(i % 3).encode(),
+        "seg": bytes(range(i)),
+    }
+
+
+def test_tar_txt_json_and_unknown_members_become_typed_columns(tmp_path: Path) -> None:
+    _shard(tmp_path / "s-0.tar", [(f"{i:04d}", _sample(i)) for i in range(4)])
+    _shard(tmp_path / "s-1.tar", [(f"{i:04d}", _sample(i)) for i in range(4, 7)])
+    res = feedpipe.convert(str(tmp_path / "s-{0..1}.tar"), tmp_path / "o")
+    assert res.records == 7
+    ds = MemmapDataset(tmp_path / "o")
+    for i in range(7):
+        r = ds[i]
+        assert bytes(r["data"].numpy()) == bytes([i]) * (3 + i)
+        assert r["txt"] == f"a cät number {i}\n"
+        assert r["json"] == {"i": i, "tags": ["x"] * i, "f": i / 2}
+        assert int(r["cls"]) == i % 3
+        assert bytes(r["seg"].numpy().astype(np.uint8)) == bytes(range(i))
+
+
+def test_tar_typed_columns_same_bytes_for_1_and_2_workers(tmp_path: Path) -> None:
+    root = tmp_path / "wds"
+    root.mkdir()
+    for s in range(3):
+        _shard(root / f"s{s}.tar", [(f"{s}{i:03d}", _sample(s * 4 + i)) for i in range(4)])
+    feedpipe.convert(root, tmp_path / "o1", workers=1)
+    feedpipe.convert(root, tmp_path / "o2", workers=2)
+    files = sorted(p.name for p in (tmp_path / "o1").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "o2").iterdir())
+    for name in files:
+        assert (tmp_path / "o1" / name).read_bytes() == (tmp_path / "o2" / name).read_bytes()
+
+
+def test_tar_invalid_utf8_txt_names_shard_and_member(tmp_path: Path) -> None:
+    good = _sample(1)
+    bad = dict(_sample(2), txt=b"caf\xe9")
+    _shard(tmp_path / "t.tar", [("k1", good), ("k2", bad)])
+    with pytest.raises(DatasetError, match=r"t\.tar.*'k2\.txt'.*UTF-8"):
+        feedpipe.convert(tmp_path / "t.tar", tmp_path / "o", workers=1)
+    assert not (tmp_path / "o").exists()
+
+
+def test_tar_invalid_json_names_shard_and_member(tmp_path: Path) -> None:
+    for name, payload in (("j.tar", b"{not json"), ("n.tar", b'{"x": NaN}')):
+        _shard(tmp_path / name, [("k1", dict(_sample(1), json=payload))])
+        with pytest.raises(DatasetError, match=rf"{name[0]}\.tar.*'k1\.json'.*JSON"):
+            feedpipe.convert(tmp_path / name, tmp_path / "o")
+        assert not (tmp_path / "o").exists()
+
+
+def test_tar_non_integer_cls_and_bad_field_names_are_refused(tmp_path: Path) -> None:
+    _shard(tmp_path / "c.tar", [("k1", {"jpg": b"x", "cls": b"cat"})])
+    with pytest.raises(DatasetError, match=r"c\.tar.*'k1\.cls'.*integer"):
+        feedpipe.convert(tmp_path / "c.tar", tmp_path / "o")
+    _shard(tmp_path / "d.tar", [("k1", {"jpg": b"x", "seg.png": b"y"})])
+    with pytest.raises(DatasetError, match=r"d\.tar.*'k1\.seg\.png'.*cannot name a side field"):
+        feedpipe.convert(tmp_path / "d.tar", tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- convert(fn, inputs, ...)
+sys.path.insert(0, str(Path(__file__).parent))
+import _gaps19_fns as fns  # noqa: E402 - the worker functions live in an importable module
+
+
+def _run(fn: Any, out: Path, n: int = 12, **kw: Any) -> Any:
+    kw.setdefault("progress_bar", False)
+    kw.setdefault("inputs_per_part", 3)
+    kw.setdefault("shard_bytes", 512)
+    return feedpipe.convert(fn, list(range(n)), output=str(out), **kw)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_fn_dicts_without_data_store_str_json_and_ragged_columns(tmp_path: Path) -> None:
+    _run(fns.docs, tmp_path / "one", num_workers=1)
+    _run(fns.docs, tmp_path / "two", num_workers=2)
+    assert _files(tmp_path / "one") == _files(tmp_path / "two")
+    ds = MemmapDataset(tmp_path / "one")
+    want = [r for item in range(12) for r in fns.docs(item)]
+    assert len(ds) == len(want) > 0
+    for i, w in enumerate(want):
+        got = ds[i]
+        assert got["text"] == w["text"] and got["meta"] == w["meta"]
+        assert got["tokens"].tolist() == w["tokens"]
+        assert float(got["score"]) == w["score"]
+
+
+def test_fn_ragged_records_and_fields(tmp_path: Path) -> None:
+    _run(fns.ragged_records, tmp_path / "one", num_workers=1)
+    _run(fns.ragged_records, tmp_path / "two", num_workers=2)
+    assert _files(tmp_path / "one") == _files(tmp_path / "two")
+    ds = MemmapDataset(tmp_path / "one")
+    assert len(ds) == 12
+    for i in range(12):
+        assert ds[i]["data"].tolist() == [i] * (i % 4 + 1)
+        assert ds[i]["pos"].tolist() == list(range(i % 3))
+
+
+def test_fn_type_mismatch_names_input_record_and_field(tmp_path: Path) -> None:
+    for workers in (1, 2):
+        with pytest.raises(DatasetError, match=r"input 5 .*record 0: field 'text' is int64"):
+            _run(fns.text_then_number, tmp_path / f"o{workers}", num_workers=workers)
+        assert not (tmp_path / f"o{workers}").exists()
+
+
+def test_fn_unstorable_value_is_refused_naming_input_and_field(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match=r"input 0 .*record 0: field 'bad'.*dtype object"):
+        _run(fns.a_set, tmp_path / "o", n=2, num_workers=1)
+    assert not (tmp_path / "o").exists()
+
+
+def test_fn_values_that_would_not_read_back_are_refused_naming_the_input(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match=r"input 4 .*record 0: field 'meta'"):
+        _run(fns.hostile_json, tmp_path / "j", num_workers=1)
+    with pytest.raises(DatasetError, match=r"input 2 .*record 0: field 'text'.*UTF-8"):
+        _run(fns.lone_surrogate, tmp_path / "s", num_workers=1)
+    assert not (tmp_path / "j").exists() and not (tmp_path / "s").exists()
+
+
+def test_fn_ragged_column_takes_arrays_later_and_refuses_lossy_values(tmp_path: Path) -> None:
+    _run(fns.mixed_ragged, tmp_path / "ok", n=7, num_workers=1)
+    ds = MemmapDataset(tmp_path / "ok")
+    assert [ds[i]["tokens"].tolist() for i in range(7)] == [list(range(i)) for i in range(7)]
+    with pytest.raises(DatasetError, match=r"input 7 .*field 'tokens' is float64"):
+        _run(fns.mixed_ragged, tmp_path / "bad", n=9, num_workers=2)
+    with pytest.raises(DatasetError, match=r"input 2 .*field 'tokens'.*make the first record's"):
+        _run(fns.fixed_then_longer, tmp_path / "fixed", n=3, num_workers=1)
+
+
+def test_fn_fixed_fields_widen_safely_and_refuse_truncation(tmp_path: Path) -> None:
+    _run(fns.scalar_types, tmp_path / "ok", n=3, num_workers=1, inputs_per_part=3)
+    ds = MemmapDataset(tmp_path / "ok")
+    assert [int(ds[i]["count"]) for i in range(3)] == [0, 1, 2]
+    assert ds[2]["count"].dtype == torch.int64
+    with pytest.raises(DatasetError, match=r"input 3 .*field 'score' is float64 \[\]"):
+        _run(fns.scalar_types, tmp_path / "bad", n=4, num_workers=1, inputs_per_part=4)
