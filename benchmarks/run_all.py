@@ -184,7 +184,7 @@ def headline(doc_text: str) -> list[str]:
     missed = [
         name
         for name in re.findall(r"<!-- BEGIN (\w+) -->", doc_text)
-        if re.search(r"\bNOT met\b|\bnot reached\b", _section(doc_text, name), re.I)
+        if re.search(r"\bNOT met\b|\bnot reached\b|\bmissed\b", _section(doc_text, name), re.I)
     ]
     if missed:
         out.append(
