@@ -123,3 +123,12 @@ def test_the_diagnostics_run_from_their_new_home(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert out.returncode == 0 and "cuMemcpyBatchAsync" in out.stdout, out.stderr
+
+
+def test_no_test_puts_benchmarks_on_sys_path() -> None:
+    """benchmarks/datasets.py would shadow Hugging Face's ``datasets`` for every later test of
+    the process (pytest-xdist runs many files in one): tests load benchmark files by path."""
+    tests = Path(__file__).resolve().parent
+    pattern = re.compile(r"sys\.path\.(insert|append)\(.*benchmarks")
+    offenders = [p.name for p in tests.glob("*.py") if pattern.search(p.read_text())]
+    assert offenders == []

@@ -12,10 +12,24 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from _shaping_proxy import start_proxy
-
 from ckpt.remote import RemoteOptions
+
+
+def _load_proxy() -> object:
+    """benchmarks/_shaping_proxy.py, loaded by path: putting benchmarks/ on sys.path would let its
+    ``datasets.py`` shadow Hugging Face's ``datasets`` for every later test in the process."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "_shaping_proxy.py"
+    spec = importlib.util.spec_from_file_location("_bench_shaping_proxy", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+start_proxy = _load_proxy().start_proxy  # type: ignore[attr-defined]
 
 BODY = b"x" * (2 << 20)
 
