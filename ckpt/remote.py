@@ -10,9 +10,10 @@ its manifest first. Verification (``RemoteOptions.verify``):
 - ``"auto"`` (default): on S3 the bytes read for the upload are checked against the manifest's
   CRC32Cs as they are sent (a file changed since its commit fails the upload). Every part
   goes with its ``Content-MD5`` (S3 rejects a body that does not match) and the store's ETags,
-  its MD5s of the bytes it received, must equal the MD5s of the bytes sent, with the stored size (:mod:`ckpt._s3put`): the store vouches for every
-  byte without a second transfer. Where it cannot (not S3, or ETags that are not MD5s, as with
-  SSE-KMS), the file is read back as with ``"readback"``.
+  its MD5s of the bytes it received, must equal the MD5s of the bytes sent, with the stored
+  size (:mod:`ckpt._s3put`): the store vouches for every byte without a second transfer.
+  Where it cannot (not S3, or ETags that are not MD5s, as with SSE-KMS), the file is read
+  back as with ``"readback"``.
 - ``"readback"``: every chunk is read back from the store and its CRC32C compared with the
   manifest's (end to end; costs one download of the data).
 - ``"size"``: only the stored object sizes are compared (weakest).
