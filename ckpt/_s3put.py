@@ -105,8 +105,9 @@ class ChunkCheck:
         if to_hex(value) != self._crcs[i]:
             lo = i * self._chunk
             raise CorruptCheckpointError(
-                f"{self._where}: chunk {i} (bytes {lo}-{min(lo + self._chunk, self._size)}) as "
-                f"read for the upload has CRC32C {to_hex(value)} != {self._crcs[i]} (manifest)"
+                f"{self._where}: checksum mismatch in chunk {i} (bytes {lo}-"
+                f"{min(lo + self._chunk, self._size)}) as read for the upload: "
+                f"{to_hex(value)} != {self._crcs[i]}"
             )
 
     def __call__(self, offset: int, data: bytes) -> None:
