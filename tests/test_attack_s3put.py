@@ -168,11 +168,13 @@ def test_a_lost_completion_reply_is_not_a_failed_upload(
     sent; then the upload stands, verified, instead of failing the step."""
     bucket, _ = s3_bucket
     proxy.inject("lose_reply", method="POST", match="uploadId=")
+    # the retry: the upload is gone (moto completes it again; a store may answer NoSuchUpload)
+    proxy.inject("404", method="POST", match="uploadId=")
     with CheckpointManager(tmp_path, remote=_remote(bucket, proxy.url, on_error="warn")) as m:
         m.save(1, _big(1))
         m.wait(uploads=True)
         status = m.stats.remote.uploads[1]  # type: ignore[union-attr]
-    assert proxy.faults_served == 1
+    assert proxy.faults_served == 2
     assert status.state == "done", status
     fs = _fs(s3_server)
     local = (tmp_path / "step-1" / "data.bin").read_bytes()
