@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import os
 import threading
@@ -58,7 +59,7 @@ def is_s3(fs: Any) -> bool:
 _POLY = 0x82F63B78  # CRC32C, reflected
 
 
-def _gf2_times(mat: list[int], vec: int) -> int:
+def _gf2_times(mat: tuple[int, ...], vec: int) -> int:
     out, i = 0, 0
     while vec:
         if vec & 1:
@@ -67,27 +68,32 @@ def _gf2_times(mat: list[int], vec: int) -> int:
     return out
 
 
+def _square(mat: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(_gf2_times(mat, v) for v in mat)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(nbytes: int) -> tuple[int, ...]:
+    """The GF(2) operator that runs a CRC32C register over ``nbytes`` zero bytes (cached: the
+    pieces of a file's chunks come in a few lengths)."""
+    op: tuple[int, ...] = (_POLY, *(1 << n for n in range(31)))  # one zero bit
+    for _ in range(3):
+        op = _square(op)  # one zero byte
+    out = tuple(1 << n for n in range(32))  # identity
+    while nbytes:
+        if nbytes & 1:
+            out = tuple(_gf2_times(op, v) for v in out)
+        nbytes >>= 1
+        if nbytes:
+            op = _square(op)
+    return out
+
+
 def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC32C of ``a + b`` from ``crc32c(a)``, ``crc32c(b)`` and ``len(b)`` (zlib's method)."""
     if len2 <= 0:
         return crc1
-    odd = [_POLY] + [1 << n for n in range(31)]  # one zero bit
-    even = [_gf2_times(odd, v) for v in odd]  # two zero bits
-    odd = [_gf2_times(even, v) for v in even]  # four
-    while True:
-        even = [_gf2_times(odd, v) for v in odd]
-        if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = [_gf2_times(even, v) for v in even]
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return crc1 ^ crc2
+    return _gf2_times(_zeros(len2), crc1) ^ crc2
 
 
 class ChunkCheck:
