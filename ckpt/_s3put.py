@@ -42,7 +42,7 @@ from typing import Any
 from ckpt.errors import CorruptCheckpointError
 from feedpipe.io import crc32c, to_hex
 
-__all__ = ["MAX_PARTS", "Call", "ChunkCheck", "is_s3", "put_file"]
+__all__ = ["MAX_PARTS", "Call", "ChunkCheck", "is_s3", "put_file", "stale_uploads"]
 
 MAX_PARTS = 10_000  # S3's most parts in one multipart upload
 
@@ -329,3 +329,28 @@ def _completed(fs: Any, bucket: str, key: str, expected: str) -> dict | None:
     except Exception:
         return None
     return head if _etag(head) == expected else None
+
+
+def stale_uploads(fs: Any, root: str, before: float) -> list[tuple[str, str, str]]:
+    """Multipart uploads under ``root`` begun before ``before`` (seconds since the epoch) and
+    never completed or aborted (an uploader killed mid-file leaves its parts stored, and billed):
+    ``(path relative to root, key, upload id)`` each."""
+    bucket, prefix, _ = fs.split_path(root)
+    prefix = prefix.rstrip("/") + "/" if prefix else ""
+    out: list[tuple[str, str, str]] = []
+    page_args: dict[str, str] = {}
+    for _ in range(100_000):  # pages of up to 1,000; bounded, never a loop without end
+        page = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **page_args)
+        for upload in page.get("Uploads") or []:
+            initiated = upload.get("Initiated")
+            when = initiated.timestamp() if hasattr(initiated, "timestamp") else float("inf")
+            if when < before:
+                key = str(upload["Key"])
+                out.append((key[len(prefix) :], key, str(upload["UploadId"])))
+        if not page.get("IsTruncated"):
+            break
+        page_args = {
+            "KeyMarker": str(page.get("NextKeyMarker", "")),
+            "UploadIdMarker": str(page.get("NextUploadIdMarker", "")),
+        }
+    return out

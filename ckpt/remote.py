@@ -648,6 +648,24 @@ class RemoteTier:
                 log.info(
                     "ckpt: removed partial upload %s from %s", _layout.step_name(step), self.url
                 )
+        if self._s3:  # parts of a file whose uploader died mid-way (no object, still billed)
+            self._abort_stale_uploads(now - self.options.grace_s, active)
+
+    def _abort_stale_uploads(self, before: float, active: set[int]) -> None:
+        """Abort the multipart uploads of steps not active here, begun before ``before``."""
+        stale = self._call(lambda: _s3put.stale_uploads(self.fs, self.root, before), 0, "", "list")
+        bucket = self.fs.split_path(self.root)[0]
+        for rel, key, upload_id in stale:
+            step = _layout.step_number(rel.partition("/")[0])
+            if step is None or step in active:
+                continue
+
+            def abort(k: str = key, u: str = upload_id) -> None:
+                with contextlib.suppress(FileNotFoundError):  # already gone: nothing to do
+                    self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=k, UploadId=u)
+
+            self._call(abort, step, rel.partition("/")[2], "abort")
+            log.info("ckpt: aborted a stale multipart upload of %s/%s", self.url, rel)
 
     def _step_metrics(self, step: int) -> dict:
         """The metrics of remote ``step``: from its validated remote manifest, read once (a

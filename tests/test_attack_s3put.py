@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -277,3 +278,106 @@ def test_a_file_at_exactly_one_part_and_one_byte_over(tmp_path: Path, s3_server:
             )  # fmt: skip
             assert vouched
             assert fs.cat_file(f"{bucket}/f{size}") == body
+
+
+# ---- 5. an uploader killed mid-multipart ---------------------------------------------------------
+def _client(endpoint: str) -> Any:
+    import boto3
+
+    return boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id="testing",
+        aws_secret_access_key="testing", region_name="us-east-1",
+    )  # fmt: skip
+
+
+def _open_uploads(endpoint: str, bucket: str) -> list[str]:
+    return [u["Key"] for u in _client(endpoint).list_multipart_uploads(Bucket=bucket).get(
+        "Uploads", [])]  # fmt: skip
+
+
+def test_stale_multipart_uploads_are_aborted_after_grace(
+    tmp_path: Path, s3_bucket: tuple[str, dict], s3_server: str
+) -> None:
+    """Parts of a file whose uploader died stay stored (and billed) with no object: nothing
+    listed or deleted them. Remote GC aborts those of a step older than ``grace_s``, and only
+    those: a young one, or one outside any ``step-N``, is left."""
+    bucket, _ = s3_bucket
+    client = _client(s3_server)
+    for key in ("run/step-7/data.bin", "run/notes/x.bin"):
+        uid = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        client.upload_part(Bucket=bucket, Key=key, UploadId=uid, PartNumber=1, Body=b"x" * 100)
+    with CheckpointManager(tmp_path, remote=_remote(bucket, s3_server, grace_s=3600.0)) as m:
+        m.remote.gc()  # type: ignore[union-attr]
+    assert sorted(_open_uploads(s3_server, bucket)) == ["run/notes/x.bin", "run/step-7/data.bin"]
+    with CheckpointManager(tmp_path, remote=_remote(bucket, s3_server, grace_s=0.0)) as m:
+        m.remote.gc()  # type: ignore[union-attr]
+    assert _open_uploads(s3_server, bucket) == ["run/notes/x.bin"]
+
+
+_CHILD = """
+import sys, torch
+from ckpt.manager import CheckpointManager
+from ckpt.remote import RemoteOptions
+d, bucket, endpoint = sys.argv[1:4]
+opts = {"key": "testing", "secret": "testing", "skip_instance_cache": True,
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+remote = RemoteOptions(f"s3://{bucket}/run", storage_options=opts, threads=1,
+                       block_bytes=5 << 20, deadline_s=60.0)
+with CheckpointManager(d, remote=remote) as m:
+    g = torch.Generator().manual_seed(1)
+    m.save(1, {"w": torch.randn(11 * (1 << 20) // 4, generator=g), "step": 1})
+    m.wait(uploads=True)
+"""
+
+
+class _StallFirstPart(FaultProxy):
+    """Forwards the first part of a multipart upload (the store keeps it), then never answers."""
+
+    def __init__(self, upstream: str) -> None:
+        super().__init__(upstream)
+        self.reached = threading.Event()
+
+    def _take(self, method: str, path: str) -> str | None:
+        if method == "PUT" and "partNumber=" in path and not self.reached.is_set():
+            self.reached.set()
+            return "stall"
+        return super()._take(method, path)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_multipart_then_restart(
+    tmp_path: Path, s3_bucket: tuple[str, dict], s3_server: str
+) -> None:
+    """A real uploader SIGKILLed with a part stored and its multipart upload open: nothing is
+    committed or counted as verified; the restart uploads the step, verified, and remote GC
+    aborts the orphan upload."""
+    import signal
+    import subprocess
+
+    bucket, _ = s3_bucket
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    with _StallFirstPart(s3_server) as hook:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(tmp_path), bucket, hook.url], env=env
+        )
+        try:
+            assert hook.reached.wait(90), "the child never sent a part"
+            time.sleep(0.3)  # the part reaches the store
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    fs = _fs(s3_server)
+    assert not fs.exists(f"{bucket}/run/step-1/manifest.json")
+    assert not fs.exists(f"{bucket}/run/step-1/data.bin")
+    assert _open_uploads(s3_server, bucket) == ["run/step-1/data.bin"]
+    with CheckpointManager(tmp_path, remote=_remote(bucket, s3_server, grace_s=0.0)) as m:
+        m.wait(uploads=True)
+        assert m.stats.remote.uploads[1].state == "done"  # type: ignore[union-attr]
+    local = (tmp_path / "step-1" / "data.bin").read_bytes()
+    assert fs.cat_file(f"{bucket}/run/step-1/data.bin") == local
+    assert _open_uploads(s3_server, bucket) == []
