@@ -309,9 +309,10 @@ def _multipart(
             # the completion may have been done by the store and only its reply lost (a retry
             # then finds no such upload): the object's ETag tells whether it is exactly these
             # parts; otherwise the error stands
-            out = _completed(fs, bucket, key, expected)
-            if out is None:
+            found = _completed(fs, bucket, key, expected)
+            if found is None:
                 raise
+            out = found
     except BaseException:
         with contextlib.suppress(Exception):  # leave no parts billed; the error is the news
             fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)

@@ -649,7 +649,11 @@ class RemoteTier:
                     "ckpt: removed partial upload %s from %s", _layout.step_name(step), self.url
                 )
         if self._s3:  # parts of a file whose uploader died mid-way (no object, still billed)
-            self._abort_stale_uploads(now - self.options.grace_s, active)
+            try:
+                self._abort_stale_uploads(now - self.options.grace_s, active)
+            except Exception as exc:  # housekeeping (a store may not list uploads): never fatal
+                reason = redact(str(exc), self.options.storage_options)
+                log.warning("ckpt: stale multipart uploads on %s: %s", self.url, reason)
 
     def _abort_stale_uploads(self, before: float, active: set[int]) -> None:
         """Abort the multipart uploads of steps not active here, begun before ``before``."""
