@@ -77,7 +77,8 @@ class RemoteOptions:
     cut into at least ``threads`` parts (never under S3's 5 MiB minimum), so one large file
     still uses every connection. ``verify``: ``"auto"``, ``"readback"`` or ``"size"``
     (module docstring). ``deadline_s``: how long one transfer keeps retrying transient errors.
-    ``grace_s``: remote prefixes without a manifest older than this are garbage-collected.
+    ``grace_s``: remote prefixes without a manifest older than this are garbage-collected (on
+    S3 also multipart uploads of a step begun before and never completed).
     ``evict_before_upload``: let local retention delete steps not yet uploaded (opt-out of
     tier-aware retention). ``close_timeout_s``: how long ``close()`` waits for uploads.
     ``on_error``: ``"raise"`` (default) re-raises an upload failure from the manager's next
