@@ -382,3 +382,41 @@ def test_sigkill_mid_multipart_then_restart(
     local = (tmp_path / "step-1" / "data.bin").read_bytes()
     assert fs.cat_file(f"{bucket}/run/step-1/data.bin") == local
     assert _open_uploads(s3_server, bucket) == []
+
+
+# ---- 6. credentials never appear ---------------------------------------------------------------
+@pytest.mark.slow
+def test_a_failed_multipart_upload_never_shows_the_secret(
+    tmp_path: Path,
+    s3_bucket: tuple[str, dict],
+    proxy: FaultProxy,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A part refused for good (403): the error raised to the caller, the log, the status and
+    its file name the URL and never the secret."""
+    from ckpt.errors import CheckpointError
+
+    bucket, _ = s3_bucket
+    secret = "a3-SEKRIT-do-not-print"
+    opts = {**_opts(proxy.url), "secret": secret}
+    proxy.inject("403", times=100, match="partNumber=", method="PUT")
+    remote = RemoteOptions(
+        f"s3://{bucket}/run", storage_options=opts, threads=2, block_bytes=5 * MIB, deadline_s=5.0
+    )
+    m = CheckpointManager(tmp_path, remote=remote)
+    try:
+        m.save(1, _big(1))
+        m.wait()
+        m.remote.wait(30)  # type: ignore[union-attr]
+        with pytest.raises(CheckpointError) as err:
+            m.remote.raise_pending()  # type: ignore[union-attr]
+        status = m.stats.remote.uploads[1]  # type: ignore[union-attr]
+    finally:
+        proxy.clear()
+        m.close()
+    text = (
+        f"{err.value} {status.reason} {caplog.text} {(tmp_path / 'upload-status.json').read_text()}"
+    )
+    assert f"s3://{bucket}/run" in str(err.value)
+    assert status.state == "failed"
+    assert secret not in text
