@@ -42,7 +42,15 @@ from typing import Any
 from ckpt.errors import CorruptCheckpointError
 from feedpipe.io import crc32c, to_hex
 
-__all__ = ["MAX_PARTS", "Call", "ChunkCheck", "is_s3", "put_file", "stale_uploads"]
+__all__ = [
+    "MAX_PARTS",
+    "Call",
+    "ChunkCheck",
+    "LocalMismatchError",
+    "is_s3",
+    "put_file",
+    "stale_uploads",
+]
 
 MAX_PARTS = 10_000  # S3's most parts in one multipart upload
 
@@ -54,6 +62,10 @@ def is_s3(fs: Any) -> bool:
     """True for an s3fs filesystem (the only one whose client this module drives)."""
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return "s3" in protocols and callable(getattr(fs, "call_s3", None))
+
+
+class LocalMismatchError(CorruptCheckpointError):
+    """Bytes read from the local file that do not match its manifest (:class:`ChunkCheck`)."""
 
 
 _POLY = 0x82F63B78  # CRC32C, reflected
@@ -110,7 +122,7 @@ class ChunkCheck:
     def _compare(self, i: int, value: int) -> None:
         if to_hex(value) != self._crcs[i]:
             lo = i * self._chunk
-            raise CorruptCheckpointError(
+            raise LocalMismatchError(
                 f"{self._where}: checksum mismatch in chunk {i} (bytes {lo}-"
                 f"{min(lo + self._chunk, self._size)}) as read for the upload: "
                 f"{to_hex(value)} != {self._crcs[i]}"

@@ -529,6 +529,8 @@ class RemoteTier:
                 _faults.pause("upload")
                 self._verify_remote(step, rec, vouched)
                 return
+            except _s3put.LocalMismatchError:  # the local file itself: sending again cannot help
+                raise
             except CorruptCheckpointError:
                 if attempt == 2:
                     raise

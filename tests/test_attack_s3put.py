@@ -116,6 +116,8 @@ def test_a_file_that_changes_after_the_local_check_is_never_vouched_for(
     else:
         assert status.state == "failed" and "checksum mismatch" in status.reason, status
         assert "data.bin" in status.reason
+        started = [r for r in hook.requests if r[0] == "POST" and r[1].endswith("?uploads")]
+        assert len(started) == 1, "a file that fails its manifest locally was sent again"
 
 
 def test_chunk_check_combines_chunks_cut_by_part_boundaries() -> None:
