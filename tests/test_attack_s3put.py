@@ -333,17 +333,19 @@ with CheckpointManager(d, remote=remote) as m:
 """
 
 
-class _StallFirstPart(FaultProxy):
-    """Forwards the first part of a multipart upload (the store keeps it), then never answers."""
+class _HoldSecondPart(FaultProxy):
+    """Lets part 1 of a multipart upload through (the store keeps it), then holds part 2 until
+    ``release`` is set, and drops it."""
 
     def __init__(self, upstream: str) -> None:
         super().__init__(upstream)
-        self.reached = threading.Event()
+        self.reached, self.release = threading.Event(), threading.Event()
 
     def _take(self, method: str, path: str) -> str | None:
-        if method == "PUT" and "partNumber=" in path and not self.reached.is_set():
+        if method == "PUT" and "partNumber=2" in path and not self.reached.is_set():
             self.reached.set()
-            return "stall"
+            self.release.wait(60)
+            return "drop"
         return super()._take(method, path)
 
 
@@ -360,16 +362,16 @@ def test_sigkill_mid_multipart_then_restart(
     bucket, _ = s3_bucket
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    with _StallFirstPart(s3_server) as hook:
+    with _HoldSecondPart(s3_server) as hook:
         proc = subprocess.Popen(
             [sys.executable, "-c", _CHILD, str(tmp_path), bucket, hook.url], env=env
         )
         try:
-            assert hook.reached.wait(90), "the child never sent a part"
-            time.sleep(0.3)  # the part reaches the store
+            assert hook.reached.wait(90), "the child never sent part 2"
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
         finally:
+            hook.release.set()
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
