@@ -18,24 +18,41 @@ What the store vouches for (``verify="auto"``, :mod:`ckpt.remote`):
 
 Stores whose ETags are not MD5s (objects encrypted with SSE-KMS or SSE-C, some S3-compatible
 stores) cannot vouch this way: :func:`put_file` then returns ``False`` and the caller reads the
-object back (the ``"readback"`` route). Nothing here compares with the manifest's CRC32Cs: the
-caller checks the local file against them before the upload.
+object back (the ``"readback"`` route).
+
+The store vouches only for the bytes sent, so they are checked against the manifest as they are
+sent: ``check`` (a :class:`ChunkCheck`) sees every part's bytes, as read for the upload, before
+they go, and compares the manifest's per-chunk CRC32Cs whatever the part boundaries. A file that
+changes after an earlier check, or a read that returns other bytes, fails the upload.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
 from pathlib import Path
 from typing import Any
 
 from ckpt.errors import CorruptCheckpointError
+from feedpipe.io import crc32c, to_hex
 
-__all__ = ["Call", "is_s3", "put_file"]
+__all__ = [
+    "MAX_PARTS",
+    "Call",
+    "ChunkCheck",
+    "LocalMismatchError",
+    "is_s3",
+    "put_file",
+    "stale_uploads",
+]
+
+MAX_PARTS = 10_000  # S3's most parts in one multipart upload
 
 Call = Callable[[Callable[[], Any], str], Any]
 """Runs one remote request with the caller's retries: ``call(fn, what)``."""
@@ -45,6 +62,95 @@ def is_s3(fs: Any) -> bool:
     """True for an s3fs filesystem (the only one whose client this module drives)."""
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return "s3" in protocols and callable(getattr(fs, "call_s3", None))
+
+
+class LocalMismatchError(CorruptCheckpointError):
+    """Bytes read from the local file that do not match its manifest (:class:`ChunkCheck`)."""
+
+
+_POLY = 0x82F63B78  # CRC32C, reflected
+
+
+def _gf2_times(mat: tuple[int, ...], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec, i = vec >> 1, i + 1
+    return out
+
+
+def _square(mat: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(_gf2_times(mat, v) for v in mat)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(nbytes: int) -> tuple[int, ...]:
+    """The GF(2) operator that runs a CRC32C register over ``nbytes`` zero bytes (cached: the
+    pieces of a file's chunks come in a few lengths)."""
+    op: tuple[int, ...] = (_POLY, *(1 << n for n in range(31)))  # one zero bit
+    for _ in range(3):
+        op = _square(op)  # one zero byte
+    out = tuple(1 << n for n in range(32))  # identity
+    while nbytes:
+        if nbytes & 1:
+            out = tuple(_gf2_times(op, v) for v in out)
+        nbytes >>= 1
+        if nbytes:
+            op = _square(op)
+    return out
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32C of ``a + b`` from ``crc32c(a)``, ``crc32c(b)`` and ``len(b)`` (zlib's method)."""
+    if len2 <= 0:
+        return crc1
+    return _gf2_times(_zeros(len2), crc1) ^ crc2
+
+
+class ChunkCheck:
+    """Compares bytes read for an upload with a manifest record's per-chunk CRC32Cs: called as
+    ``check(offset, data)`` for each part, in any order and from any thread; a chunk cut by a
+    part boundary is checked once all its pieces were seen (their CRC32Cs combined)."""
+
+    def __init__(self, rec: dict, where: str) -> None:
+        self._chunk, self._size, self._crcs = rec["chunk_bytes"], rec["size"], rec["crc32c"]
+        self._where = where
+        self._pieces: dict[int, dict[int, tuple[int, int]]] = {}
+        self._lock = threading.Lock()
+
+    def _compare(self, i: int, value: int) -> None:
+        if to_hex(value) != self._crcs[i]:
+            lo = i * self._chunk
+            raise LocalMismatchError(
+                f"{self._where}: checksum mismatch in chunk {i} (bytes {lo}-"
+                f"{min(lo + self._chunk, self._size)}) as read for the upload: "
+                f"{to_hex(value)} != {self._crcs[i]}"
+            )
+
+    def __call__(self, offset: int, data: bytes) -> None:
+        view, end, chunk = memoryview(data), offset + len(data), self._chunk
+        i = offset // chunk
+        while i * chunk < end:
+            first, last = i * chunk, min((i + 1) * chunk, self._size)
+            lo, hi = max(offset, first), min(end, last)
+            value = crc32c(view[lo - offset : hi - offset])
+            if (lo, hi) == (first, last):
+                self._compare(i, value)
+            else:
+                with self._lock:
+                    pieces = self._pieces.setdefault(i, {})
+                    pieces[lo] = (value, hi - lo)
+                    whole = sum(n for _, n in pieces.values()) == last - first
+                    if whole:
+                        del self._pieces[i]
+                if whole:
+                    total = 0
+                    for start in sorted(pieces):
+                        piece, n = pieces[start]
+                        total = crc32c_combine(total, piece, n)
+                    self._compare(i, total)
+            i += 1
 
 
 def _etag(response: dict) -> str:
@@ -92,23 +198,42 @@ def _send(call: Call, send: Callable[[], dict], where: str) -> dict:
 
 
 def put_file(
-    fs: Any, local: Path, rpath: str, *, size: int, part_bytes: int, pool: Executor, call: Call
+    fs: Any,
+    local: Path,
+    rpath: str,
+    *,
+    size: int,
+    part_bytes: int,
+    pool: Executor,
+    call: Call,
+    check: Callable[[int, bytes], None] | None = None,
 ) -> bool:
     """Upload ``local`` (``size`` bytes) to ``rpath`` in parts of ``part_bytes``, sent at once
-    on ``pool``'s threads; a file of at most one part goes in one request.
+    on ``pool``'s threads; a file of at most one part goes in one request. ``check(offset,
+    data)`` sees every part's bytes before they are sent, and may raise to stop the upload.
 
-    Raises ``CorruptCheckpointError`` if the stored size differs. Returns whether the store's
-    ETags vouch for every byte (module docstring); ``False`` means they could not, and the
-    object must be read back to be verified."""
+    Raises ``CorruptCheckpointError`` if the local file is not ``size`` bytes or the stored size
+    differs. Returns whether the store's ETags vouch for every byte (module docstring);
+    ``False`` means they could not, and the object must be read back to be verified."""
     bucket, key, _ = fs.split_path(rpath)
     where = f"{rpath} ({local.name})"
+    if -(-size // part_bytes) > MAX_PARTS:
+        raise ValueError(
+            f"{where}: {size} bytes in parts of {part_bytes} is over S3's {MAX_PARTS} parts"
+        )
     try:  # never through a symlink: nothing in a checkpoint directory is followed out of it
         fd = os.open(local, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise CorruptCheckpointError(f"{local}: cannot open for upload: {exc.strerror}") from None
     try:
+        if os.fstat(fd).st_size != size:
+            raise CorruptCheckpointError(
+                f"{local}: {os.fstat(fd).st_size} bytes, the manifest says {size}"
+            )
         if size <= part_bytes:
             data = _read(fd, 0, size, local)
+            if check is not None:
+                check(0, data)
             digest = hashlib.md5(data, usedforsecurity=False).digest()
             out = _send(call, lambda: fs.call_s3(
                 "put_object", Bucket=bucket, Key=key, Body=data,
@@ -128,6 +253,7 @@ def put_file(
                 part_bytes=part_bytes,
                 pool=pool,
                 call=call,
+                check=check,
             )
     finally:
         os.close(fd)
@@ -151,6 +277,7 @@ def _multipart(
     part_bytes: int,
     pool: Executor,
     call: Call,
+    check: Callable[[int, bytes], None] | None,
 ) -> tuple[str, bool]:
     """The multipart upload of :func:`put_file`; returns the expected ETag and whether every
     part's ETag and the object's matched the MD5s of what was read."""
@@ -160,6 +287,8 @@ def _multipart(
 
     def one(number: int, offset: int) -> tuple[bytes, str]:
         data = _read(fd, offset, min(part_bytes, size - offset), local)
+        if check is not None:
+            check(offset, data)
         digest = hashlib.md5(data, usedforsecurity=False).digest()
         out = _send(call, lambda: fs.call_s3(
             "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number,
@@ -180,16 +309,61 @@ def _multipart(
             if error is not None:
                 raise error
         results = [f.result() for f in futures]
+        whole = hashlib.md5(b"".join(d for d, _ in results), usedforsecurity=False).hexdigest()
+        expected = f"{whole}-{len(results)}"
         parts = [{"PartNumber": n, "ETag": etag} for n, (_, etag) in enumerate(results, 1)]
-        out = dict(call(lambda: fs.call_s3(
-            "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
-            MultipartUpload={"Parts": parts},
-        ), "upload"))  # fmt: skip
+        try:
+            out = dict(call(lambda: fs.call_s3(
+                "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            ), "upload"))  # fmt: skip
+        except Exception:
+            # the completion may have been done by the store and only its reply lost (a retry
+            # then finds no such upload): the object's ETag tells whether it is exactly these
+            # parts; otherwise the error stands
+            found = _completed(fs, bucket, key, expected)
+            if found is None:
+                raise
+            out = found
     except BaseException:
         with contextlib.suppress(Exception):  # leave no parts billed; the error is the news
             fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
         raise
-    whole = hashlib.md5(b"".join(d for d, _ in results), usedforsecurity=False).hexdigest()
-    expected = f"{whole}-{len(results)}"
     vouched = all(etag == d.hex() for d, etag in results) and _etag(out) == expected
     return expected, vouched
+
+
+def _completed(fs: Any, bucket: str, key: str, expected: str) -> dict | None:
+    """The ``HeadObject`` of ``key`` if its ETag is ``expected`` (the multipart ETag of the
+    parts just sent), else ``None``."""
+    try:
+        fs.invalidate_cache(f"{bucket}/{key}")
+        head = dict(fs.call_s3("head_object", Bucket=bucket, Key=key))
+    except Exception:
+        return None
+    return head if _etag(head) == expected else None
+
+
+def stale_uploads(fs: Any, root: str, before: float) -> list[tuple[str, str, str]]:
+    """Multipart uploads under ``root`` begun before ``before`` (seconds since the epoch) and
+    never completed or aborted (an uploader killed mid-file leaves its parts stored, and billed):
+    ``(path relative to root, key, upload id)`` each."""
+    bucket, prefix, _ = fs.split_path(root)
+    prefix = prefix.rstrip("/") + "/" if prefix else ""
+    out: list[tuple[str, str, str]] = []
+    page_args: dict[str, str] = {}
+    for _ in range(100_000):  # pages of up to 1,000; bounded, never a loop without end
+        page = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **page_args)
+        for upload in page.get("Uploads") or []:
+            initiated = upload.get("Initiated")
+            when = initiated.timestamp() if hasattr(initiated, "timestamp") else float("inf")
+            if when < before:
+                key = str(upload["Key"])
+                out.append((key[len(prefix) :], key, str(upload["UploadId"])))
+        if not page.get("IsTruncated"):
+            break
+        page_args = {
+            "KeyMarker": str(page.get("NextKeyMarker", "")),
+            "UploadIdMarker": str(page.get("NextUploadIdMarker", "")),
+        }
+    return out

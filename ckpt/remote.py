@@ -7,12 +7,13 @@ against the manifest, and only then writes the manifest. The remote commit is re
 ``URL/step-N/`` prefix without ``manifest.json`` is not a checkpoint, and deleting a step removes
 its manifest first. Verification (``RemoteOptions.verify``):
 
-- ``"auto"`` (default): each data file is first checked against the manifest's CRC32Cs (a local
-  read), then uploaded. On S3 every part goes with its ``Content-MD5`` (S3 rejects a body that
-  does not match) and the store's ETags, its MD5s of the bytes it received, must equal the MD5s
-  of the bytes sent, with the stored size (:mod:`ckpt._s3put`): the store vouches for every
-  byte without a second transfer. Where it cannot (not S3, or ETags that are not MD5s, as with
-  SSE-KMS), the file is read back as with ``"readback"``.
+- ``"auto"`` (default): on S3 the bytes read for the upload are checked against the manifest's
+  CRC32Cs as they are sent (a file changed since its commit fails the upload). Every part
+  goes with its ``Content-MD5`` (S3 rejects a body that does not match) and the store's ETags,
+  its MD5s of the bytes it received, must equal the MD5s of the bytes sent, with the stored
+  size (:mod:`ckpt._s3put`): the store vouches for every byte without a second transfer.
+  Where it cannot (not S3, or ETags that are not MD5s, as with SSE-KMS), the file is read
+  back as with ``"readback"``.
 - ``"readback"``: every chunk is read back from the store and its CRC32C compared with the
   manifest's (end to end; costs one download of the data).
 - ``"size"``: only the stored object sizes are compared (weakest).
@@ -63,6 +64,7 @@ log = logging.getLogger("ckpt")
 
 STATUS_FILE = _layout.STATUS_FILE
 _MIN_PART = 5 << 20  # S3's smallest multipart part (all but the last)
+_MAX_PART = 5 << 30  # S3's largest part, and largest single PutObject
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,8 @@ class RemoteOptions:
     cut into at least ``threads`` parts (never under S3's 5 MiB minimum), so one large file
     still uses every connection. ``verify``: ``"auto"``, ``"readback"`` or ``"size"``
     (module docstring). ``deadline_s``: how long one transfer keeps retrying transient errors.
-    ``grace_s``: remote prefixes without a manifest older than this are garbage-collected.
+    ``grace_s``: remote prefixes without a manifest older than this are garbage-collected (on
+    S3 also multipart uploads of a step begun before and never completed).
     ``evict_before_upload``: let local retention delete steps not yet uploaded (opt-out of
     tier-aware retention). ``close_timeout_s``: how long ``close()`` waits for uploads.
     ``on_error``: ``"raise"`` (default) re-raises an upload failure from the manager's next
@@ -104,9 +107,9 @@ class RemoteOptions:
             raise ValueError(
                 f"RemoteOptions.verify must be 'auto', 'readback' or 'size', not {self.verify!r}"
             )
-        if self.threads < 1 or self.block_bytes < _MIN_PART:
+        if self.threads < 1 or not _MIN_PART <= self.block_bytes <= _MAX_PART:
             raise ValueError(
-                "RemoteOptions needs threads >= 1 and block_bytes >= 5 MiB (S3 minimum)"
+                "RemoteOptions needs threads >= 1 and 5 MiB <= block_bytes <= 5 GiB (S3 limits)"
             )
 
 
@@ -176,8 +179,10 @@ def _client_options(options: RemoteOptions) -> dict[str, Any]:
 
 def _part_bytes(size: int, block_bytes: int, threads: int) -> int:
     """The multipart part size for a file of ``size`` bytes: at most ``block_bytes``, and small
-    enough that the file has ``threads`` parts to send at once, but never under S3's 5 MiB."""
-    return max(_MIN_PART, min(block_bytes, -(-size // max(1, threads))))
+    enough that the file has ``threads`` parts to send at once, but never under S3's 5 MiB, and
+    large enough that the file has at most S3's 10,000 parts."""
+    part = max(_MIN_PART, min(block_bytes, -(-size // max(1, threads))))
+    return max(part, -(-size // _s3put.MAX_PARTS))
 
 
 def _mtime(info: Mapping[str, Any]) -> float:
@@ -304,8 +309,9 @@ class RemoteTier:
             pending, self._error = self._error, None
         if pending is not None:
             step, exc = pending
+            reason = redact(str(exc), self.options.storage_options)
             raise CheckpointError(
-                f"upload of step {step} to {self.url} failed (the local copy is kept): {exc}"
+                f"upload of step {step} to {self.url} failed (the local copy is kept): {reason}"
             ) from exc
 
     def wait(self, timeout: float | None = None) -> None:
@@ -511,14 +517,11 @@ class RemoteTier:
             self._retain_local()
 
     def _put_verified(self, path: Path, step: int, rec: dict) -> None:
-        local, rpath, name = path / rec["name"], self._rpath(step, rec["name"]), rec["name"]
+        # never through a symlink, at any component of the name (a symlinked directory too)
+        name = rec["name"]
+        local, rpath = fmt.inside(path, name), self._rpath(step, name)
         self._makedirs(rpath.rsplit("/", 1)[0], step, name)
         part = _part_bytes(rec["size"], self.options.block_bytes, self.options.threads)
-        fast = self._s3 and rec["size"] > 0
-        if fast and self.options.verify == "auto":
-            # the store vouches only for the bytes sent: check them against the manifest first
-            # (the committed step is under a shared lock and never rewritten)
-            fmt.stream_file(path, rec, [], True, self._parts)
         for attempt in (1, 2):
             try:
                 with span("ckpt/upload"):  # in the upload pool's thread
@@ -526,6 +529,8 @@ class RemoteTier:
                 _faults.pause("upload")
                 self._verify_remote(step, rec, vouched)
                 return
+            except _s3put.LocalMismatchError:  # the local file itself: sending again cannot help
+                raise
             except CorruptCheckpointError:
                 if attempt == 2:
                     raise
@@ -539,10 +544,13 @@ class RemoteTier:
     def _send(self, local: Path, rpath: str, step: int, rec: dict, part: int) -> bool:
         """Upload one data file; return whether the store vouched for every byte."""
         name = rec["name"]
-        if self._s3 and rec["size"] > 0:
+        if self._s3:
+            # the store vouches only for the bytes sent: those very bytes, as read for the
+            # upload, are checked against the manifest's CRC32Cs before they go
+            check = _s3put.ChunkCheck(rec, str(local)) if self.options.verify == "auto" else None
             return _s3put.put_file(
                 self.fs, local, rpath, size=rec["size"], part_bytes=part, pool=self._parts,
-                call=lambda fn, what: self._call(fn, step, name, what),
+                call=lambda fn, what: self._call(fn, step, name, what), check=check,
             )  # fmt: skip
         self._call(
             lambda: self.fs.put_file(
@@ -643,6 +651,28 @@ class RemoteTier:
                 log.info(
                     "ckpt: removed partial upload %s from %s", _layout.step_name(step), self.url
                 )
+        if self._s3:  # parts of a file whose uploader died mid-way (no object, still billed)
+            try:
+                self._abort_stale_uploads(now - self.options.grace_s, active)
+            except Exception as exc:  # housekeeping (a store may not list uploads): never fatal
+                reason = redact(str(exc), self.options.storage_options)
+                log.warning("ckpt: stale multipart uploads on %s: %s", self.url, reason)
+
+    def _abort_stale_uploads(self, before: float, active: set[int]) -> None:
+        """Abort the multipart uploads of steps not active here, begun before ``before``."""
+        stale = self._call(lambda: _s3put.stale_uploads(self.fs, self.root, before), 0, "", "list")
+        bucket = self.fs.split_path(self.root)[0]
+        for rel, key, upload_id in stale:
+            step = _layout.step_number(rel.partition("/")[0])
+            if step is None or step in active:
+                continue
+
+            def abort(k: str = key, u: str = upload_id) -> None:
+                with contextlib.suppress(FileNotFoundError):  # already gone: nothing to do
+                    self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=k, UploadId=u)
+
+            self._call(abort, step, rel.partition("/")[2], "abort")
+            log.info("ckpt: aborted a stale multipart upload of %s/%s", self.url, rel)
 
     def _step_metrics(self, step: int) -> dict:
         """The metrics of remote ``step``: from its validated remote manifest, read once (a

@@ -11,6 +11,7 @@ queued fault matches it::
         proxy.inject("stall")                    # half the body, then nothing until stop()
         proxy.inject("corrupt", method="PUT")    # one byte of the request body flipped on the way
         proxy.inject("drop_part")                # last <Part> left out of a multipart completion
+        proxy.inject("lose_reply", method="POST")  # forwarded and done upstream, reply lost
         ...
         assert proxy.faults_served == 5
 
@@ -32,7 +33,9 @@ from typing import Any
 
 __all__ = ["FAULTS", "FaultProxy"]
 
-FAULTS = ("drop", "truncate", "stall", "503", "500", "403", "404", "corrupt", "drop_part")
+FAULTS = (
+    "drop", "truncate", "stall", "503", "500", "403", "404", "corrupt", "drop_part", "lose_reply"
+)  # fmt: skip
 
 _ERROR_XML = {
     "503": (503, "SlowDown", "Please reduce your request rate."),
@@ -183,6 +186,9 @@ class FaultProxy:
                     self.wfile.write(xml)
                     return
                 status, reason, headers, payload = self._forward(method, path, body)
+                if fault == "lose_reply":  # the upstream did the request; its reply is lost
+                    self._abort()
+                    return
                 if fault in ("truncate", "stall") and len(payload) > 1:
                     self.send_response(status, reason)
                     for k, v in headers:
