@@ -48,7 +48,8 @@ import numpy as np
 
 from feedpipe.datasets._convert_sink import Sink
 from feedpipe.datasets.columns import encode
-from feedpipe.datasets.convert import ConvertResult, infer_column
+from feedpipe.datasets.convert import ConvertResult
+from feedpipe.datasets.convert_sources import infer_column, is_variable
 from feedpipe.datasets.format import Index
 from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter
 from feedpipe.errors import DatasetError
@@ -277,12 +278,6 @@ def _value(value: Any, name: str) -> Any:
     return np.asarray(value)
 
 
-def _variable(spec: Any) -> bool:
-    if isinstance(spec, str):
-        return True
-    return len(spec[1]) > 0 and spec[1][0] is None
-
-
 def _spec_text(spec: Any) -> str:
     if isinstance(spec, str):
         return spec
@@ -298,14 +293,14 @@ def _conform(value: Any, spec: Any, what: str) -> Any:
     if got == spec:
         return value
     if isinstance(spec, tuple) and isinstance(got, tuple) and isinstance(value, (list, np.ndarray)):
-        if _variable(spec):  # a list or an array of any length, its rows the first's
+        if is_variable(spec):  # a list or an array of any length, its rows the first's
             empty = len(value) == 0
             if empty or (got[1][1:] == spec[1][1:] and np.can_cast(got[0], spec[0])):
                 return np.asarray(value, dtype=spec[0]).reshape(-1, *spec[1][1:])
         elif got[1] == spec[1] and np.can_cast(got[0], spec[0]):  # e.g. np.int32 in int64
             return np.asarray(value, dtype=spec[0])
     hint = ""
-    if isinstance(spec, tuple) and isinstance(got, tuple) and not _variable(spec):
+    if isinstance(spec, tuple) and isinstance(got, tuple) and not is_variable(spec):
         hint = " (for a variable-length column, make the first record's value a list)"
     raise DatasetError(
         f"{what} is {_spec_text(got)}; the first record's was {_spec_text(spec)}{hint}"
@@ -390,7 +385,7 @@ class _PartWriter:
         if self.writer is None or not self.count:
             return
         datas = self.datas
-        cols = {k: v if _variable(self.specs[k]) else np.stack(v) for k, v in self.cols.items()}
+        cols = {k: v if is_variable(self.specs[k]) else np.stack(v) for k, v in self.cols.items()}
         self.datas, self.cols, self.count = [], {k: [] for k in self.cols}, 0
         if self.writer.layout.kind == "fixed":  # add() checked every record
             self.writer.append_batch(np.stack(datas), **cols)

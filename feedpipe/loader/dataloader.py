@@ -55,10 +55,11 @@ from feedpipe.loader.fetch import (
 from feedpipe.loader.index_stream import IndexStream
 from feedpipe.loader.iterator import LoaderIter
 from feedpipe.loader.rng_state import RngChain, Watch, encode, global_state, order, private, replay
-from feedpipe.loader.skip import ON_ERROR, SKIP_LIMIT, SkipMapProxy, SkipTimedCollate
+from feedpipe.loader.skip import ON_ERROR, SkipMapProxy, SkipTimedCollate
 from feedpipe.loader.skip_iter import SkippingLoaderIter
 from feedpipe.loader.slots import Slots
 from feedpipe.loader.slots import enabled as slots_enabled
+from feedpipe.loader.state_check import STATE_VERSION, check_state
 from feedpipe.loader.threads import (
     InlineSource,
     RNGWatch,
@@ -70,7 +71,6 @@ from feedpipe.stall import StallMeter, StallStats
 
 __all__ = ["DataLoader", "auto_worker_type", "get_worker_info"]
 
-_STATE_VERSION = 1
 _perf = time.perf_counter
 _WORKER_TYPES = ("process", "thread")
 
@@ -354,7 +354,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             )
         active = epoch.active and not fresh
         state: dict[str, Any] = {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "in_epoch": active,
             "batches": epoch.batches if active else 0,
             "samples": epoch.samples if active else 0,
@@ -398,35 +398,14 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         saved epoch's state; the global torch RNG is never changed
         (see ``feedpipe.loader.rng_state``).
         """
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"unsupported DataLoader state version {state.get('version')!r}")
-        missing = [k for k in ("in_epoch", "batches", "samples", "rng") if k not in state]
-        if missing:
-            raise ValueError(f"DataLoader state is missing keys {missing}")
-        if "sampler" in state and self._stateful_sampler() is None:
-            raise ValueError("the state holds a sampler state but this loader's sampler has none")
-        if self._iterable and "dataset" not in state:
-            raise ValueError("the state holds no dataset position for this IterableDataset")
-        rng = state["rng"]
-        if not isinstance(rng, dict):
-            raise ValueError(f"DataLoader state: 'rng' must be a dict, got {type(rng).__name__}")
-        saved = sorted(rng)
-        ours = sorted(self._generators())
-        if saved != ours:
-            raise ValueError(
-                f"the state holds RNG states for {saved}, but this loader's order draws from "
-                f"{ours}: it was saved by a loader with other samplers or generators"
-            )
-        for name, text in rng.items():
-            try:
-                private(text)
-            except (TypeError, ValueError, RuntimeError) as exc:  # binascii.Error is a ValueError
-                raise ValueError(
-                    f"the state's RNG state for {name!r} is not a torch generator state: {exc}"
-                ) from None
-        self._check_counts(state)
-        self._check_order(state)
-        _check_skipped(state)
+        check_state(
+            state,
+            generators=sorted(self._generators()),
+            has_sampler_state=self._stateful_sampler() is not None,
+            iterable=self._iterable,
+            epoch_batches=self._epoch_batches,
+            current_order=order(self),
+        )
         # Stateful parts load now (a user's set_epoch() after this sees the loaded epoch); the
         # RNG state and the skip apply at the next iter(), where torch draws from the RNG.
         sampler = self._stateful_sampler()
@@ -437,47 +416,12 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         self._pending = dict(state)
 
     # --------------------------------------------------------------------------- internals
-    def _check_counts(self, state: dict[str, Any]) -> None:
-        """Refuse counts that no loader writes (a corrupt or hand-edited state)."""
-        for key in ("batches", "samples"):
-            if type(state[key]) is not int or state[key] < 0:
-                raise ValueError(
-                    f"DataLoader state: {key!r} must be an int >= 0, got {state[key]!r}"
-                )
-        if type(state["in_epoch"]) is not bool:
-            raise ValueError(
-                f"DataLoader state: 'in_epoch' must be a bool, got {state['in_epoch']!r}"
-            )
-        if state.get("rng_at", "iter") not in ("iter", "sampler"):
-            raise ValueError(f"DataLoader state: unknown 'rng_at' {state['rng_at']!r}")
-        if "sampler" in state or not state["in_epoch"]:
-            return  # a stateful sampler holds the position itself
+    def _epoch_batches(self) -> int | None:
+        """How many batches an epoch of this loader has (None where the sampler has no length)."""
         try:
-            total = len(_torch_compat.index_sampler(self))
+            return len(_torch_compat.index_sampler(self))
         except (TypeError, NotImplementedError):
-            return
-        if state["batches"] > total:
-            raise ValueError(
-                f"the state says {state['batches']} batches of the epoch were delivered, but an "
-                f"epoch of this loader has {total}"
-            )
-
-    def _check_order(self, state: dict[str, Any]) -> None:
-        """Refuse a state whose batch count would skip other samples in this loader."""
-        saved, ours = state.get("order"), order(self)
-        if saved is None:  # a state written before the order was recorded
-            return
-        if not isinstance(saved, dict):
-            kind = type(saved).__name__
-            raise ValueError(f"DataLoader state: 'order' must be a dict, got {kind}")
-        for key, value in ours.items():
-            if key == "batch_size" and "sampler" in state:
-                continue  # the stateful sampler counts samples, not batches
-            if saved.get(key) != value:
-                raise ValueError(
-                    f"the state was saved by a loader with {key} {saved.get(key)!r}, but this "
-                    f"loader has {value!r}: resuming would skip or repeat other samples"
-                )
+            return None
 
     def _skip_state(self, active: bool) -> dict[str, list[int]]:
         """``on_error="skip"``'s part of the state: ``known`` (sorted indices skipped before this
@@ -834,23 +778,6 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         if self.persistent_workers:
             self._thread_pool_parts = (pool.datasets, pool.init_failed)
         return pool
-
-
-def _check_skipped(state: dict[str, Any]) -> None:
-    """Refuse an ``on_error="skip"`` state part that no loader writes."""
-    part = state.get("skipped")
-    if part is None:
-        return
-    ok = isinstance(part, dict) and all(
-        isinstance(part.get(k), list) and all(type(i) is int and i >= 0 for i in part[k])
-        for k in ("known", "epoch")
-    )
-    if not ok:
-        raise ValueError(
-            "DataLoader state: 'skipped' must be {'known': [int, ...], 'epoch': [int, ...]}"
-        )
-    if len(part["known"]) + len(part["epoch"]) > 2 * SKIP_LIMIT:
-        raise ValueError(f"DataLoader state: 'skipped' holds more than {SKIP_LIMIT} indices")
 
 
 def _dataset_epoch(dataset: Any) -> Any:
