@@ -448,48 +448,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    sources = args.source if len(args.source) > 1 else args.source[0]
-    if getattr(args, "fn", None):
-        from feedpipe.datasets.convert_fn import convert_fn, load_function
+    options = {"client_kwargs": {"endpoint_url": args.endpoint_url}} if args.endpoint_url else None
+    bar = False if args.no_progress else None
+    fn = getattr(args, "fn", None)
+    # a function's import or signature problem is the user's input too (a ValueError)
+    errors: tuple[type[Exception], ...] = (DatasetError, ValueError) if fn else (DatasetError,)
+    try:
+        if fn:
+            from feedpipe.datasets.convert_fn import convert_fn, load_function
 
-        try:
             result = convert_fn(
-                load_function(args.fn),
+                load_function(fn),
                 args.source,
                 args.dest,
                 num_workers=args.workers,
                 inputs_per_part=args.inputs_per_part,
                 shard_bytes=args.shard_size,
                 overwrite=args.overwrite,
-                progress_bar=False if args.no_progress else None,
-                storage_options=(
-                    {"client_kwargs": {"endpoint_url": args.endpoint_url}}
-                    if args.endpoint_url
-                    else None
-                ),
+                progress_bar=bar,
+                storage_options=options,
             )
-        except (DatasetError, ValueError) as exc:
-            print(f"feedpipe convert: error: {exc}", file=sys.stderr)
-            return 1
-        print(result.summary())
-        return 0
-    try:
-        result = convert(
-            sources,
-            args.dest,
-            kind=args.kind,
-            data_key=args.data_key,
-            shard_bytes=args.shard_size,
-            workers=args.workers,
-            overwrite=args.overwrite,
-            progress_bar=False if args.no_progress else None,
-            storage_options=(
-                {"client_kwargs": {"endpoint_url": args.endpoint_url}}
-                if args.endpoint_url
-                else None
-            ),
-        )
-    except DatasetError as exc:
+        else:
+            result = convert(
+                args.source if len(args.source) > 1 else args.source[0],
+                args.dest,
+                kind=args.kind,
+                data_key=args.data_key,
+                shard_bytes=args.shard_size,
+                workers=args.workers,
+                overwrite=args.overwrite,
+                progress_bar=bar,
+                storage_options=options,
+            )
+    except errors as exc:
         print(f"feedpipe convert: error: {exc}", file=sys.stderr)
         return 1
     print(result.summary())
