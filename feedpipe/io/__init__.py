@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from feedpipe.io.crc import crc32c, crc32c_file, to_hex
 from feedpipe.io.fsutil import atomic_write, fsync_dir
+from feedpipe.io.ownership import ForeignEntriesError, claim, owns
 from feedpipe.io.remote import (
     DEFAULT_POLICY,
     TEMP_PREFIX,
@@ -32,10 +33,12 @@ __all__ = [
     "DEFAULT_POLICY",
     "TEMP_PREFIX",
     "CancelledError",
+    "ForeignEntriesError",
     "RemoteIOError",
     "RetryPolicy",
     "atomic_write",
     "call",
+    "claim",
     "classify",
     "crc32c",
     "crc32c_file",
@@ -44,6 +47,7 @@ __all__ = [
     "is_temp",
     "join",
     "local_file_path",
+    "owns",
     "redact",
     "resolve",
     "temp_name",
