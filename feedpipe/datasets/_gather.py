@@ -18,21 +18,11 @@ right after (the map keeps the file), so open descriptors do not grow with the n
 shards. Each mapped shard costs up to two kernel map areas (``vm.max_map_count``); a dataset
 with more shards than :func:`map_budget` allows is read the per-shard way instead.
 
-Integrity. A file truncated under a map would raise ``SIGBUS`` on the next read of a lost page.
-The shards are watched with ``inotify`` (``IN_MODIFY``, which a truncation or a write raises),
-through one inotify instance per process shared by every dataset; the watch is added through
-``/proc/self/fd/N``, so it is on the very file mapped, even if the path was swapped meanwhile.
-Before each gather one non-blocking read of its descriptor tells whether any watched file
-changed, and only then are the changed files checked: a size other than the index's is an
-error; the same size is checked against the index's CRC32C (``crcs``), so bytes rewritten in
-place (a ``cp`` over the shard, a truncation then a sparse extension) are an error too, and a
-restore of the indexed bytes is accepted again. A mapped file modified after its path was
-swapped cannot be checked and is an error. So the check is one system call per batch, not one
-per shard. Where inotify is unavailable (or out of watches), the shards it does not watch are
-checked with ``os.stat`` per batch touching them: a path that now names another file (renamed
-over, removed) leaves the map on the old file, which is safe to read; the same file with
-another size, or another mtime and bytes that fail the CRC32C, is an error. As with any map, a
-truncation racing the gather itself is not caught; ``read="pread"`` never maps.
+Integrity. Each shard is checked when it is opened and before every gather by the dataset's
+:class:`~feedpipe.datasets._shard_guard.ShardGuard`, the one rule every layout's reads go
+through (size, the file stamped at open or its CRC32C, first-use verification, inotify while
+mapped, stat where inotify is not to be had): see :mod:`feedpipe.datasets._shard_guard`. The
+check is one system call per batch, not one per shard.
 """
 
 from __future__ import annotations
@@ -42,24 +32,20 @@ import ctypes.util
 import math
 import mmap
 import os
-import stat
-import struct
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from feedpipe.datasets._shard_guard import ShardGuard
 from feedpipe.errors import DatasetError
 
 __all__ = ["ROW_COPY_MIN", "ShardSpace", "indices_array", "inverse", "map_budget", "scratch"]
 
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
-_IN_MODIFY, _IN_Q_OVERFLOW = 0x00000002, 0x00004000
-_IN_NONBLOCK, _IN_CLOEXEC = 0o4000, 0o2000000
-_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name)
 _MAX_SPAN = 1 << 44  # address space one dataset may reserve (user space is 128 TiB)
 _libc: Any = None
 
@@ -78,8 +64,6 @@ def _lib() -> Any:
             ctypes.c_long,
         ]
         lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        lib.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
-        lib.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
         _libc = lib
     return _libc
 
@@ -98,26 +82,23 @@ def map_budget() -> int:
 class ShardSpace:
     """Shards of ``record_bytes``-sized records mapped side by side (see the module docstring).
 
-    ``paths[s]`` is shard ``s``'s data file, ``sizes[s]`` its size in bytes from the index and
-    ``starts`` the cumulative record counts (``len(paths) + 1`` entries); ``watch=False`` checks
-    sizes with ``os.stat`` per batch instead of inotify. ``crcs`` (an attribute, optional: set it
-    before the first :meth:`take`) holds each shard's CRC32C hex from the index, to re-check a
-    shard seen modified with its size unchanged; ``opened`` (optional too) is called with a
-    shard's number once its file is open, before it is mapped, to refuse it (raise). Use
+    ``guard`` knows the shards' data files (``guard.table``: paths, sizes from the index) and
+    checks each one when it is mapped and before each gather; ``starts`` are the cumulative
+    record counts (one more than the shards); ``watch=False`` makes the guard check by
+    ``os.stat`` per batch instead of inotify. Use
     :meth:`create`, which returns ``None`` where this layout cannot be had (not Linux, too many
     shards, too much address space).
     """
 
     def __init__(
-        self,
-        paths: Sequence[str],
-        sizes: Sequence[int],
-        starts: np.ndarray,
-        record_bytes: int,
-        watch: bool = True,
+        self, guard: ShardGuard, starts: np.ndarray, record_bytes: int, watch: bool = True
     ) -> None:
         self.pid = os.getpid()
-        self._paths, self._sizes, self._rb = list(paths), list(sizes), int(record_bytes)
+        self.guard = guard
+        self._paths, self._sizes = guard.table.paths, guard.table.sizes
+        self._rb = int(record_bytes)
+        if not watch:
+            self.guard.watching = False
         unit = math.lcm(self._rb, mmap.PAGESIZE)
         size_arr = np.asarray(self._sizes, np.int64)
         padded = -(-size_arr // unit) * unit
@@ -128,15 +109,6 @@ class ShardSpace:
         # row of global index g is g + delta[sid(g)]
         self._delta = (self._offset // self._rb - starts[:-1]).astype(np.int64)
         self._mapped = np.zeros(len(self._paths), bool)
-        self._unwatched = np.zeros(len(self._paths), bool)  # mapped, checked by stat per batch
-        self._any_unwatched = False
-        self._bad: dict[int, str] = {}  # sid -> error, once a watched file was seen to change
-        self._ident: dict[int, tuple[int, int, int]] = {}  # sid -> mapped (dev, ino, mtime_ns)
-        self.crcs: list[str] | None = None
-        self.opened: Callable[[int], None] | None = None
-        self._dirty: list[int] = []  # shards the process's watcher saw change (to re-check)
-        self._wds: set[int] = set()
-        self._watching = watch
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._active = 0
@@ -158,14 +130,10 @@ class ShardSpace:
 
     @classmethod
     def create(
-        cls,
-        paths: Sequence[str],
-        sizes: Sequence[int],
-        starts: np.ndarray,
-        record_bytes: int,
-        watch: bool = True,
+        cls, guard: ShardGuard, starts: np.ndarray, record_bytes: int, watch: bool = True
     ) -> ShardSpace | None:
         """A space for these shards, or ``None`` where the per-shard path must serve."""
+        paths, sizes = guard.table.paths, guard.table.sizes
         if not sys.platform.startswith("linux") or record_bytes <= 0 or not paths:
             return None
         if len(paths) > map_budget():
@@ -174,7 +142,7 @@ class ShardSpace:
         if sum(-(-int(s) // unit) * unit for s in sizes) > _MAX_SPAN:
             return None
         try:
-            return cls(paths, sizes, starts, record_bytes, watch)
+            return cls(guard, starts, record_bytes, watch)
         except OSError:
             return None
 
@@ -192,7 +160,7 @@ class ShardSpace:
                 raise ValueError("the dataset's shard maps are closed")
             if not self._mapped[sid].all():
                 self._map(np.unique(sid[~self._mapped[sid]]).tolist())
-            self._check(sid)
+            self.guard.check(sid)
             self._active += 1
         try:
             np.take(self._view, rows, axis=0, out=out, mode="clip")
@@ -212,16 +180,8 @@ class ShardSpace:
             except FileNotFoundError:
                 raise DatasetError(f"{path}: shard {s} file is missing") from None
             try:
-                if self.opened is not None:
-                    self.opened(s)
-                self._watch(s, fd)  # before the size check: a later truncation is seen
-                st = os.fstat(fd)
-                self._ident[s] = (st.st_dev, st.st_ino, st.st_mtime_ns)
-                if not stat.S_ISREG(st.st_mode):
-                    raise DatasetError(f"{path}: shard {s} file is not a regular file")
-                size = st.st_size
-                if size != self._sizes[s]:
-                    raise DatasetError(_changed(path, s, size, self._sizes[s], "is"))
+                self.guard.opened(s, fd)  # regular, its size, its version; watched from here
+                size = self._sizes[s]
                 if size:
                     got = lib.mmap(
                         self._base + int(self._offset[s]),
@@ -240,65 +200,6 @@ class ShardSpace:
                 os.close(fd)
             self._mapped[s] = True
 
-    def _watch(self, sid: int, fd: int) -> None:
-        # through the descriptor: the watch is on the file mapped, not on what the path names now
-        wd = _watcher().add(f"/proc/self/fd/{fd}", self._dirty, sid) if self._watching else -1
-        if wd < 0:  # no inotify (watch=False, none to be had, out of watches): stat per batch
-            self._unwatched[sid] = True
-            self._any_unwatched = True
-        else:
-            self._wds.add(wd)
-
-    def _check(self, sid: np.ndarray) -> None:
-        """Raise if a shard of this batch changed size since it was mapped (under the lock)."""
-        if self._wds:
-            _watcher().drain()
-            while self._dirty:
-                self._restat(self._dirty.pop(), modified=True)
-        if self._any_unwatched:
-            for s in np.unique(sid[self._unwatched[sid]]).tolist():
-                self._restat(s, modified=False)
-        if self._bad:
-            for s in np.unique(sid).tolist():
-                if s in self._bad:
-                    raise DatasetError(self._bad[s])
-
-    def _restat(self, s: int, modified: bool) -> None:
-        """Re-check shard ``s``; ``modified``: inotify saw the mapped file written."""
-        path = self._paths[s]
-        dev, ino, mtime = self._ident.get(s, (-1, -1, -1))
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            st = None
-        if st is None or (st.st_dev, st.st_ino) != (dev, ino):
-            if modified:  # the mapped file itself was written, and its path names another now
-                self._bad[s] = (
-                    f"{path}: shard {s} file was modified while mapped, after its path was "
-                    "replaced or removed (the bytes mapped cannot be checked); reopen the dataset"
-                )
-            return  # renamed over or removed: the map keeps the old file, which is safe
-        if st.st_size != self._sizes[s]:
-            self._bad[s] = _changed(path, s, st.st_size, self._sizes[s], "is now")
-            return
-        if (modified or st.st_mtime_ns != mtime) and self.crcs is not None:
-            from feedpipe.io.crc import crc32c_file, to_hex
-
-            try:
-                value, size = crc32c_file(path)
-            except OSError as exc:
-                self._bad[s] = f"{path}: shard {s} file cannot be re-checked: {exc}"
-                return
-            want = self.crcs[s]
-            if size != self._sizes[s] or to_hex(value) != want:
-                self._bad[s] = (
-                    f"{path}: shard {s} file was rewritten in place while mapped (CRC32C "
-                    f"{to_hex(value)}, the index says {want}); reopen the dataset"
-                )
-                return
-        self._ident[s] = (dev, ino, st.st_mtime_ns)
-        self._bad.pop(s, None)
-
     # ------------------------------------------------------------------ lifetime
     def close(self, timeout: float = 60.0) -> None:
         """Unmap everything, once no gather is running (waits up to ``timeout`` seconds)."""
@@ -314,109 +215,10 @@ class ShardSpace:
         """Release the maps and the watches without waiting (after a fork, where no other
         thread of this process can be inside a gather)."""
         self._closed = True
-        if self._wds and self.pid == os.getpid():  # a child's watcher never held them
-            _watcher().remove(self._dirty, self._wds)
-        self._wds = set()
+        self.guard.forget()
         if self._base:
             _lib().munmap(self._base, max(self._span, mmap.PAGESIZE))
             self._base = 0
-
-
-class _Watcher:
-    """This process's one inotify instance, shared by every :class:`ShardSpace` (instances are
-    few: 128 per user by default). A change event appends the shard to its space's ``dirty``
-    list; the space re-checks those shards under its own lock (the watcher never takes it)."""
-
-    def __init__(self) -> None:
-        try:
-            self.fd = int(_lib().inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC))
-        except AttributeError:  # pragma: no cover - not glibc
-            self.fd = -1
-        self._lock = threading.Lock()
-        self._owners: dict[int, list[tuple[list[int], int]]] = {}  # wd -> (dirty list, shard)
-
-    def add(self, path: str, dirty: list[int], sid: int) -> int:
-        """Watch ``path`` for shard ``sid`` of the space owning ``dirty``; the wd, or -1."""
-        if self.fd < 0:
-            return -1
-        with self._lock:
-            wd = int(_lib().inotify_add_watch(self.fd, os.fsencode(path), _IN_MODIFY))
-            if wd >= 0:  # hard links (and other datasets) on one file share its watch
-                self._owners.setdefault(wd, []).append((dirty, sid))
-            return wd
-
-    def remove(self, dirty: list[int], wds: set[int]) -> None:
-        """Forget one space's watches (the watch itself goes with its last owner)."""
-        with self._lock:
-            for wd in wds:
-                left = [o for o in self._owners.get(wd, ()) if o[0] is not dirty]
-                if left:
-                    self._owners[wd] = left
-                elif self._owners.pop(wd, None) is not None:
-                    _lib().inotify_rm_watch(self.fd, wd)
-
-    def drain(self) -> None:
-        """Read the pending events (one system call when there are none)."""
-        with self._lock:
-            while True:
-                try:
-                    buf = os.read(self.fd, 64 << 10)
-                except BlockingIOError:
-                    return
-                except InterruptedError:  # pragma: no cover
-                    continue
-                pos = 0
-                while pos + _EVENT.size <= len(buf):
-                    wd, mask, _cookie, length = _EVENT.unpack_from(buf, pos)
-                    pos += _EVENT.size + length
-                    # lost events (queue overflow): every watched shard is re-checked
-                    lost = mask & _IN_Q_OVERFLOW
-                    for owners in self._owners.values() if lost else [self._owners.get(wd, [])]:
-                        for dirty, sid in owners:
-                            dirty.append(sid)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = -1
-
-
-_WATCHER: _Watcher | None = None
-_WATCHER_LOCK = threading.Lock()
-
-
-def _watcher() -> _Watcher:
-    """This process's :class:`_Watcher` (made on first use; a forked child makes its own)."""
-    global _WATCHER
-    w = _WATCHER
-    if w is None:
-        with _WATCHER_LOCK:
-            w = _WATCHER
-            if w is None:
-                w = _WATCHER = _Watcher()
-                if not _HOOKED:
-                    _hook()
-    return w
-
-
-_HOOKED = False
-
-
-def _hook() -> None:
-    global _HOOKED
-    os.register_at_fork(after_in_child=_after_fork)
-    _HOOKED = True
-
-
-def _after_fork() -> None:
-    """In a forked child: never read the parent's events; a fresh watcher on first use."""
-    global _WATCHER, _WATCHER_LOCK
-    if _WATCHER is not None:
-        _WATCHER.close()  # the child's copy of the descriptor only
-    _WATCHER, _WATCHER_LOCK = None, threading.Lock()
 
 
 class _Window:
@@ -429,14 +231,6 @@ class _Window:
             "typestr": "|u1",
             "version": 3,
         }
-
-
-def _changed(path: str, sid: int, size: int, want: int, verb: str) -> str:
-    while_open = " while open" if verb == "is now" else ""
-    return (
-        f"{path}: shard {sid} file {verb} {size} bytes but the index says {want} "
-        f"(truncated or modified{while_open})"
-    )
 
 
 # ------------------------------------------------------------ the shard-by-shard path

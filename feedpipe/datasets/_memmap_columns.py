@@ -9,7 +9,6 @@ transforms split a batch read in one gather into samples, transform them and col
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -18,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from feedpipe.datasets._memmap_open import OpenShard, OpenShards
+from feedpipe.datasets._memmap_open import OpenShards
 from feedpipe.datasets.columns import Column, assemble, check_offsets, read_variable
 from feedpipe.datasets.format import Index
 from feedpipe.errors import DatasetError
@@ -45,7 +44,7 @@ class TypedColumns:
 
         def _open_files(self) -> OpenShards: ...
         def _open_data(self, sid: int, role: str = "data") -> tuple[int, Any]: ...
-        def _check_mapped(self, shard: OpenShard, role: str = "data") -> None: ...
+        def _role_opener(self, role: str) -> OpenShards: ...
         def _read_whole(self, sid: int, role: str) -> bytes: ...
         def _local_path(self, shard_id: int, role: str) -> str: ...
         def _locate(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
@@ -62,21 +61,14 @@ class TypedColumns:
             with self._open_lock:
                 files = self._role_files.get(role)
                 if files is None:
-                    sizes = [s.files[role].bytes for s in self.index.shards]
-                    limit = self.cache_limit_bytes if self._remote else None
-                    files = self._role_files[role] = OpenShards(
-                        lambda sid: self._open_data(sid, role),
-                        sizes,
-                        None if limit is None else limit // 3,
-                    )
+                    files = self._role_files[role] = self._role_opener(role)
         return files
 
     @contextlib.contextmanager
     def _mapped(self, role: str, sid: int) -> Iterator[np.ndarray]:
         """Shard ``sid``'s ``role`` file mapped read-only (flat uint8), open inside the block."""
         files = self._open_role_files(role)
-        with files.use(sid) as shard:
-            self._check_mapped(shard, role)  # a file truncated after mapping would SIGBUS
+        with files.use(sid) as shard:  # checked before every use (_shard_guard)
             yield files.rows(shard, 0)
 
     def _offsets_col(self, col: Column, sid: int) -> np.ndarray:
@@ -111,20 +103,20 @@ class TypedColumns:
 
     def read_span(self, name: str, shard: int, start: int, out: np.ndarray) -> None:
         """Read ``out.nbytes`` bytes of column ``name``'s data file in ``shard`` (``"data"``: the
-        records) from byte ``start`` into ``out`` (contiguous, writable): one ``os.preadv``;
-        a short read is a :class:`DatasetError`. :class:`feedpipe.TokenWindows` reads with it."""
+        records) from byte ``start`` into ``out`` (contiguous, writable): one copy from the
+        checked map; bytes beyond the file are a :class:`DatasetError`.
+        :class:`feedpipe.TokenWindows` reads with it."""
         role = "data" if name == "data" else f"field.{name}"
-        files = self._open_role_files(role)
         nbytes = out.nbytes
         if not (out.flags.c_contiguous and out.flags.writeable):
             raise ValueError("read_span: out must be a contiguous, writable array")
-        with files.use(shard) as opened:
-            got = os.preadv(opened.fd, [out.data.cast("B")], start) if nbytes else 0
-        if got != nbytes:
-            raise DatasetError(
-                f"{self._local_path(shard, role)}: short read (got {got} of {nbytes} bytes at "
-                f"offset {start}); the shard was truncated"
-            )
+        with self._mapped(role, shard) as flat:  # checked like every read (_shard_guard)
+            if start < 0 or start + nbytes > len(flat):
+                raise DatasetError(
+                    f"{self._local_path(shard, role)}: {nbytes} bytes at offset {start} lie "
+                    f"beyond the file's {len(flat)} bytes"
+                )
+            out.reshape(-1).view(np.uint8)[:] = flat[start : start + nbytes]
 
     def _samples(self, idx: np.ndarray) -> list[Any]:
         """The samples ``ds[i]`` (before ``transform``) of a batch, read in one gather."""

@@ -1,9 +1,10 @@
 """The shard files of a :class:`~feedpipe.MemmapDataset` (a mixin): where each one is (the
 dataset folder, or the remote dataset's :class:`feedpipe.cache.ShardCache`), opening them per
 process (:mod:`._memmap_open`) or mapping every shard of a local fixed-record dataset into one
-range (:mod:`._gather`), and the checks on the way: sizes against the index, the dataset not
-rewritten since it was opened (``index.json`` replaced or removed), offsets and side columns
-read whole.
+range (:mod:`._gather`), offsets and side columns read whole. Every file of every role is
+checked by one rule, :mod:`._shard_guard` (size, the version indexed, the file stamped at open
+or its CRC32C, first-use verification, changes while open); this module builds each role's
+:class:`~._shard_guard.ShardTable` and hands a guard to whatever opens the files.
 """
 
 from __future__ import annotations
@@ -13,18 +14,24 @@ import functools
 import os
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from feedpipe.datasets._gather import ShardSpace
+from feedpipe.datasets._gather import ShardSpace, map_budget
 from feedpipe.datasets._memmap_open import OpenShard, OpenShards
+from feedpipe.datasets._shard_guard import ShardGuard, ShardTable, SharedFlags, Stamp, stamp_of
 from feedpipe.datasets.format import INDEX_NAME, FileInfo, Index
 from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c_file, to_hex
 
-__all__ = ["ShardFiles", "verify_files"]
+__all__ = ["VERIFY_MODES", "ShardFiles", "verify_files"]
+
+#: ``verify=`` of a dataset: every file checked against its CRC32C when the dataset is opened
+#: (``True``), once before its first record is served (``"first-use"``, the default), or never
+#: (``False``: a corrupted shard is then read as it is).
+VERIFY_MODES: tuple[bool | str, ...] = (True, "first-use", False)
+_PREAD_IDLE = 64  # descriptors kept open per role by read="pread" (the rest closed, LRU)
 
 
 def verify_files(root: str, index: Index) -> Iterator[tuple[str, str]]:
@@ -64,24 +71,80 @@ class ShardFiles:
     _cache: Any
     _files: OpenShards | None
     _space: ShardSpace | bool | None
-    _pool: ThreadPoolExecutor | None
     _role_files: dict[str, OpenShards]
     _offsets_of: dict[int, np.ndarray]
     _columns: dict[str, np.ndarray]
     _open_lock: threading.Lock
+    _stamps: dict[str, list[Stamp | None]]
+    _verified: dict[str, SharedFlags]
+    _tables: dict[str, ShardTable]
 
     @staticmethod
     def _index_file_id(root: str) -> tuple[int, int, int] | None:
         """What :meth:`_check_same_version` compares with: ``index.json`` as it is now."""
         return _file_id(os.path.join(root, INDEX_NAME))
 
-    def _check_local_files(self, verify: bool) -> None:
+    def _check_local_files(self, verify: bool | str) -> None:
+        """Sizes of every file (and, ``verify=True``, CRC32Cs); stamps every file for the
+        guard, and sets up the first-use flags (shared with forked workers)."""
+        n = len(self.index.shards)
+        self._stamps = {}
         for sid, shard in enumerate(self.index.shards):
-            for info in shard.files.values():
-                self._check_size(os.path.join(self.path, info.path), info, sid)
-        if verify:
+            for role, info in shard.files.items():
+                path = os.path.join(self.path, info.path)
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:
+                    raise DatasetError(f"{path}: shard {sid} file is missing") from None
+                self._check_size(path, info, sid, st.st_size)
+                self._stamps.setdefault(role, [None] * n)[sid] = stamp_of(st)
+        if verify is True:
             for rel, problem in verify_files(self.path, self.index):
                 raise DatasetError(f"{os.path.join(self.path, rel)}: checksum failed: {problem}")
+        elif verify == "first-use":
+            self._verified = {role: SharedFlags(n) for role in self._stamps}
+
+    def _table(self, role: str) -> ShardTable:
+        """What shard files of ``role`` must be (see :mod:`._shard_guard`), made once."""
+        table = self._tables.get(role)
+        if table is None:
+            shards = self.index.shards
+            paths = [self._local_path(s, role) for s in range(len(shards))]
+            sizes = [s.files[role].bytes for s in shards]
+            crcs = [s.files[role].crc32c for s in shards]
+            version = None
+            if self._index_id is not None:  # no reference back to self
+                version = functools.partial(_same_version, self.path, self._index_id)
+            table = ShardTable(
+                paths,
+                sizes,
+                crcs,
+                stamps=self._stamps.get(role),
+                verified=self._verified.get(role),
+                version=version,
+            )
+            self._tables[role] = table
+        return table
+
+    def _guard(self, role: str) -> ShardGuard:
+        """A new guard (one per process and holder) over ``role``'s files."""
+        return ShardGuard(self._table(role))
+
+    def _role_opener(self, role: str) -> OpenShards:
+        """A fresh holder of ``role``'s open files for this process (see :mod:`._memmap_open`)."""
+        sizes = [s.files[role].bytes if role in s.files else 0 for s in self.index.shards]
+        limit = self.cache_limit_bytes if self._remote else None
+        pread = role == "data" and self.kind == "fixed" and self.read == "pread"
+        shards = self.index.shards
+        has = bool(shards) and role in shards[0].files  # no data files: records=False
+        return OpenShards(
+            lambda sid: self._open_data(sid, role),
+            sizes,
+            None if limit is None else limit // 3,
+            guard=self._guard(role) if has else None,
+            mapped=not pread,
+            idle_count=_PREAD_IDLE if pread else max(64, map_budget() // 8),
+        )
 
     @staticmethod
     def _check_size(path: str, info: FileInfo, sid: int, size: int | None = None) -> None:
@@ -148,14 +211,7 @@ class ShardFiles:
         with self._open_lock:
             files = self._files
             if files is None or files.pid != os.getpid():
-                sizes = [
-                    s.files["data"].bytes if "data" in s.files else 0 for s in self.index.shards
-                ]
-                limit = self.cache_limit_bytes if self._remote else None
-                files = self._files = OpenShards(
-                    self._open_data, sizes, None if limit is None else limit // 3
-                )
-                self._pool = None
+                files = self._files = self._role_opener("data")
                 self._role_files = {}
         return files
 
@@ -175,15 +231,8 @@ class ShardFiles:
                 space = None
             if space is None:
                 if not self._remote and self.kind == "fixed" and self.read != "pread":
-                    paths = [self._local_path(s, "data") for s in range(len(self.index.shards))]
-                    sizes = [s.files["data"].bytes for s in self.index.shards]
-                    space = ShardSpace.create(paths, sizes, self._starts, self._record_bytes)
-                    if space is not None:
-                        space.crcs = [s.files["data"].crc32c for s in self.index.shards]
-                        if self._index_id is not None:  # no reference back to self
-                            space.opened = functools.partial(
-                                _same_version, self.path, self._index_id
-                            )
+                    guard = self._guard("data")
+                    space = ShardSpace.create(guard, self._starts, self._record_bytes)
                 self._space = space if space is not None else False
         return space if isinstance(space, ShardSpace) else None
 
@@ -199,20 +248,13 @@ class ShardFiles:
                 cache.release(info.path)
         else:
             path = os.path.join(self.path, info.path)
-        try:
-            fd = os.open(path, os.O_RDONLY)
+        try:  # non-blocking: a FIFO planted in place of a shard must not hang the open
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             release()
             self._check_same_version(sid)  # missing because the dataset is being rewritten?
             raise DatasetError(f"{path}: shard {sid} file is missing") from None
-        try:
-            self._check_same_version(sid)  # after the open: the file is the version indexed
-            self._check_size(path, info, sid, os.fstat(fd).st_size)
-        except BaseException:
-            os.close(fd)
-            release()
-            raise
-        return fd, release
+        return fd, release  # checked by the holder's guard (version, size, stamp, CRC32C)
 
     def _release_idle(self) -> None:
         files = self._files
@@ -229,18 +271,17 @@ class ShardFiles:
             with contextlib.ExitStack() as stack:
                 path = cache.acquire(info.path, on_wait=self._release_idle)
                 stack.callback(cache.release, info.path)
-                return self._read_file(path, info, sid)
-        return self._read_file(os.path.join(self.path, info.path), info, sid)
+                return self._read_file(path, info, sid, role)
+        return self._read_file(os.path.join(self.path, info.path), info, sid, role)
 
-    def _read_file(self, path: str, info: FileInfo, sid: int) -> bytes:
+    def _read_file(self, path: str, info: FileInfo, sid: int, role: str) -> bytes:
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             self._check_same_version(sid)
             raise DatasetError(f"{path}: shard {sid} file is missing") from None
-        try:
-            self._check_same_version(sid)
-            self._check_size(path, info, sid, os.fstat(fd).st_size)
+        try:  # one read whole is checked as every other read (no watch: read once, kept)
+            ShardGuard(self._table(role), watch=False).opened(sid, fd)
             return _pread_exact(fd, info.bytes, 0, path)
         finally:
             os.close(fd)
@@ -255,16 +296,6 @@ class ShardFiles:
         """The shard's data mapped read-only: ``(records, record_bytes)`` uint8 (fixed)."""
         rb = self._record_bytes if self.kind == "fixed" else 0
         return self._open_files().rows(shard, rb)
-
-    def _check_mapped(self, shard: OpenShard, role: str = "data") -> None:
-        sid = shard.sid
-        info = self.index.shards[sid].files[role]
-        size = os.fstat(shard.fd).st_size
-        if size != info.bytes:
-            raise DatasetError(
-                f"{self._local_path(sid, role)}: shard {sid} file is now {size} bytes but the "
-                f"index says {info.bytes} (truncated or modified while open)"
-            )
 
     def _offsets(self, sid: int) -> np.ndarray:
         off = self._offsets_of.get(sid)

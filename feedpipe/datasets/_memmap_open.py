@@ -3,8 +3,15 @@
 A shard is *in use* while a read is inside :meth:`OpenShards.use`; in-use shards are never
 closed. Between reads a shard stays open (fd, read-only map and, for a cached remote dataset,
 its cache lease) as long as the idle open shards fit ``idle_bytes``; beyond that the least
-recently used idle shard is closed and its lease released, so a bounded cache can evict it.
-:meth:`OpenShards.release_idle` closes every idle shard at once (a download waiting for room).
+recently used idle shard is closed and its lease released, so a bounded cache can evict it;
+``idle_count`` bounds their number too. :meth:`OpenShards.release_idle` closes every idle shard
+at once (a download waiting for room).
+
+Every shard opened is checked by the dataset's :class:`~feedpipe.datasets._shard_guard.ShardGuard`
+(``guard.opened``) and re-checked before every use (``guard.check``): the one integrity rule of
+every layout. With ``mapped=True`` a shard is mapped as soon as it is opened and its descriptor
+closed (the map keeps the file), so open descriptors do not grow with the number of shards;
+reads then copy from the map (``mapped=False`` keeps the descriptor, for ``os.preadv``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+
+from feedpipe.datasets._shard_guard import ShardGuard
 
 __all__ = ["OpenShard", "OpenShards"]
 
@@ -52,10 +61,12 @@ class OpenShard:
             except BufferError:  # a view is still alive somewhere: unmapped when it goes
                 pass
             self.mm = None
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
         if owner:
             self.release()
 
@@ -64,27 +75,49 @@ class OpenShards:
     """LRU of open shards (see the module docstring); thread-safe; one per process.
 
     ``opener(sid)`` opens (and leases) a shard's data file and returns ``(fd, release)``;
-    ``sizes[sid]`` is its size in bytes; ``idle_bytes=None`` keeps every shard open.
+    ``sizes[sid]`` is its size in bytes; ``idle_bytes=None`` keeps every shard open (up to
+    ``idle_count`` idle ones); ``guard`` checks each shard opened and before each use;
+    ``mapped`` maps a shard when it is opened and closes its descriptor.
     """
 
-    def __init__(self, opener: Opener, sizes: list[int], idle_bytes: int | None) -> None:
+    def __init__(
+        self,
+        opener: Opener,
+        sizes: list[int],
+        idle_bytes: int | None,
+        *,
+        guard: ShardGuard | None = None,
+        mapped: bool = False,
+        idle_count: int | None = None,
+    ) -> None:
         self.pid = os.getpid()
         self._opener, self._sizes, self._idle_bytes = opener, sizes, idle_bytes
+        self._guard, self._mapped, self._idle_count = guard, mapped, idle_count
         self._lock = threading.Lock()
         self._open: OrderedDict[int, OpenShard] = OrderedDict()
 
     @contextmanager
     def use(self, sid: int) -> Iterator[OpenShard]:
-        """Open shard ``sid`` (or reuse it) and keep it open and pinned inside the block."""
+        """Open shard ``sid`` (or reuse it), checked, and keep it open and pinned inside the
+        block."""
         shard = self._get(sid)
         try:
+            if self._guard is not None:
+                with self._lock:
+                    self._guard.check((sid,))
             yield shard
         finally:
             with self._lock:
                 shard.users -= 1
                 closing = self._trim()
-            for s in closing:
-                s.close()
+            self._close_all(closing)
+
+    def _close_all(self, shards: list[OpenShard], owner: bool = True) -> None:
+        for s in shards:
+            s.close(owner=owner)
+            if self._guard is not None and owner:
+                with self._lock:
+                    self._guard.closed(s.sid)
 
     def is_open(self, sid: int) -> bool:
         return sid in self._open
@@ -110,16 +143,14 @@ class OpenShards:
             idle = [s for s in self._open.values() if s.users == 0]
             for s in idle:
                 del self._open[s.sid]
-        for s in idle:
-            s.close()
+        self._close_all(idle)
 
     def close(self) -> None:
         """Close everything (in this process; after a fork the parent's leases are left alone)."""
         mine = self.pid == os.getpid()
         with self._lock:
             shards, self._open = list(self._open.values()), OrderedDict()
-        for s in shards:
-            s.close(owner=mine)
+        self._close_all(shards, owner=mine)
 
     def _get(self, sid: int) -> OpenShard:
         with self._lock:
@@ -128,8 +159,7 @@ class OpenShards:
                 shard.users += 1
                 self._open.move_to_end(sid)
                 return shard
-        fd, release = self._opener(sid)  # may download: outside the lock
-        fresh = OpenShard(sid, fd, self._sizes[sid], release)
+        fresh = self._open_one(sid)  # may download and verify: outside the lock
         with self._lock:
             shard = self._open.get(sid)
             if shard is None:  # no other thread opened it meanwhile
@@ -141,17 +171,44 @@ class OpenShards:
             fresh.close()
         return shard
 
+    def _open_one(self, sid: int) -> OpenShard:
+        """Open shard ``sid``, check it (``guard.opened``) and, ``mapped``, map it and close
+        its descriptor."""
+        fd, release = self._opener(sid)
+        shard = OpenShard(sid, fd, self._sizes[sid], release)
+        try:
+            if self._guard is not None:
+                with self._lock:
+                    self._guard.opened(sid, fd)
+            if self._mapped:
+                self.rows(shard, 0)
+                os.close(fd)
+                shard.fd = -1
+        except BaseException:
+            shard.close()
+            if self._guard is not None:
+                with self._lock:
+                    self._guard.closed(sid)
+            raise
+        return shard
+
     def _trim(self) -> list[OpenShard]:
         """Remove LRU idle shards until the idle ones fit the budget (call under the lock)."""
-        if self._idle_bytes is None:
+        if self._idle_bytes is None and (
+            self._idle_count is None or len(self._open) <= self._idle_count
+        ):
             return []
         idle = [s for s in self._open.values() if s.users == 0]  # LRU first
         total = sum(s.nbytes for s in idle)
+        count = len(idle)
+        most_bytes = total if self._idle_bytes is None else self._idle_bytes
+        most = count if self._idle_count is None else self._idle_count
         out = []
         for s in idle:
-            if total <= self._idle_bytes:
+            if total <= most_bytes and count <= most:
                 break
             del self._open[s.sid]
             total -= s.nbytes
+            count -= 1
             out.append(s)
         return out

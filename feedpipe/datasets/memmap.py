@@ -24,10 +24,19 @@ one vectorised gather with the GIL released. Fixed-size records are read one of 
 A CUDA ``out`` skips the host gather: records go by DMA from the page cache to the GPU
 (:mod:`feedpipe.device.dma`).
 
-Variable-length records of the bytes layout are read with ``os.preadv`` (runs of adjacent
-records become one call). Typed columns (ragged arrays, ``str``, ``json``; the ragged layout)
-are gathered from the mapped data file, one vectorised gather per column per shard of the
-batch (:mod:`feedpipe.datasets.columns`).
+Variable-length records (the bytes layout) and typed columns (ragged arrays, ``str``, ``json``;
+the ragged layout) are gathered from the mapped data file, one vectorised gather per column per
+shard of the batch (:mod:`feedpipe.datasets.columns`); their descriptors are closed once mapped.
+
+Integrity, for every layout and every process (workers included), in one place
+(:mod:`feedpipe.datasets._shard_guard`): a shard file is served only if it has its indexed size
+and is the file stat'ed when the dataset was opened, or its bytes match the index's CRC32C;
+with ``verify="first-use"`` (the default) every file is also checked against its CRC32C once
+before its first record is served (shared by forked workers); a file changed while open
+(rewritten in place, truncated) is an error naming it. ``verify=True`` checks every file when
+the dataset is opened; ``verify=False`` skips the first-use check, so a corrupted shard is then
+read as it is (the cost: the datasets section of docs/benchmarks.md,
+``benchmarks/verify_cost.py``).
 
 Transforms (``transform=`` per sample, ``batch_transform=`` per batch) run where the read runs
 (the loader's worker): the batch is still read in one gather, then split into samples for
@@ -41,7 +50,6 @@ import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -55,9 +63,9 @@ from feedpipe.datasets._gather import (
     scratch,
 )
 from feedpipe.datasets._memmap_columns import TypedColumns
-from feedpipe.datasets._memmap_files import ShardFiles, verify_files
+from feedpipe.datasets._memmap_files import VERIFY_MODES, ShardFiles, verify_files
 from feedpipe.datasets._memmap_open import OpenShard, OpenShards
-from feedpipe.datasets.columns import RAGGED_MODES, variable_columns
+from feedpipe.datasets.columns import RAGGED_MODES, gather, variable_columns
 from feedpipe.datasets.format import INDEX_NAME, parse_index, read_index
 from feedpipe.datasets.writer import MemmapWriter
 from feedpipe.errors import DatasetError
@@ -67,8 +75,6 @@ from feedpipe.remote import transfer as _remote
 __all__ = ["MemmapDataset", "MemmapWriter", "verify_files"]
 
 _IOV_MAX = 1024
-_THREAD_MIN_BYTES = 16 << 20  # split a preadv batch over threads above this many bytes
-_MAX_THREADS = 4
 _READS = ("auto", "mmap", "pread")
 
 
@@ -78,8 +84,9 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
     ``ds[i]`` is a tensor (fixed layout), a 1-D uint8 tensor (bytes layout), a tensor of
     varying first dimension (ragged layout), or a dict ``{"data": ..., "<field>": ...}`` when
     the dataset has side fields (no ``"data"`` with ``records=False``); a ``str`` field is a
-    ``str``, a ``json`` field the decoded value. ``verify=True`` checks every file's CRC32C on
-    open. ``read`` (``"auto"``, ``"mmap"`` or ``"pread"``) picks how batches of fixed-size
+    ``str``, a ``json`` field the decoded value. ``verify``: ``"first-use"`` (default) checks
+    each file's CRC32C once before its first record is served, ``True`` every file's on open,
+    ``False`` none (a corrupted shard is then read silently; see the module docstring). ``read`` (``"auto"``, ``"mmap"`` or ``"pread"``) picks how batches of fixed-size
     records are read (see the module docstring).
 
     Batches of ragged columns (``ragged=``): ``"pad"`` (default) pads each to the longest
@@ -112,7 +119,7 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit_bytes: int | None = None,
         storage_options: dict[str, Any] | None = None,
-        verify: bool = False,
+        verify: bool | str = "first-use",
         read: str = "auto",
         ragged: str = "pad",
         pad_value: float = 0,
@@ -121,6 +128,8 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
     ) -> None:
         if read not in _READS:
             raise ValueError(f"read must be one of {_READS}, got {read!r}")
+        if not (isinstance(verify, bool) or verify in VERIFY_MODES):
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if ragged not in RAGGED_MODES:
             raise ValueError(f"ragged must be one of {RAGGED_MODES}, got {ragged!r}")
         for fn, what in ((transform, "transform"), (batch_transform, "batch_transform")):
@@ -139,6 +148,9 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
         self._cache: Any = None  # feedpipe.cache.ShardCache of a remote dataset, made on first use
         self._index_raw: bytes | None = None
         self._index_id: tuple[int, int, int] | None = None  # local: index.json as opened
+        self._stamps: dict[str, list[Any]] = {}  # local: every file as stat'ed at open
+        self._verified: dict[str, Any] = {}  # verify="first-use": files checked (shared)
+        self._tables: dict[str, Any] = {}  # per role: what its files must be (_shard_guard)
         # every message and the repr show this: the URL without its password or signature
         self._shown = _remote.redact(self.path, self.storage_options)
         if self._remote:
@@ -177,7 +189,6 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
         self._offsets_of: dict[int, np.ndarray] = {}
         self._col_offsets: dict[tuple[str, int], np.ndarray] = {}
         self._columns: dict[str, np.ndarray] = {}
-        self._pool: ThreadPoolExecutor | None = None
         self._tls = threading.local()  # per-thread scratch for gathers spanning shards
         self._open_lock = threading.Lock()  # first reads may come from several threads at once
 
@@ -291,15 +302,14 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
             elif (space := self._shard_space()) is not None:
                 space.take(np.array([i], np.int64), buf.reshape(1, rb))
             else:
-                with self._open_files().use(sid) as shard:
-                    self._check_mapped(shard)  # a file truncated after mapping would SIGBUS
+                with self._open_files().use(sid) as shard:  # checked (_shard_guard)
                     buf[:] = self._rows(shard)[local]
             data = torch.from_numpy(buf.view(self.dtype).reshape(self.shape))
         else:
             off = self._offsets(sid)
-            buf = np.empty(int(off[local + 1] - off[local]), np.uint8)
-            with self._open_files().use(sid) as shard:
-                self._preadv_exact(shard, [buf], int(off[local]), i, buf.nbytes)
+            a, b = int(off[local]), int(off[local + 1])
+            with self._mapped("data", sid) as flat:  # checked like every read (_shard_guard)
+                buf = flat[a:b].copy()
             data = torch.from_numpy(buf)
         if not self.fields:
             return data
@@ -404,8 +414,7 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
         one = len(self._starts) == 2 and not self._remote
         shards = [0] if one else self._plan(np.unique(sid).tolist())
         if len(shards) == 1:
-            with files.use(shards[0]) as shard:  # one copy, no scatter
-                self._check_mapped(shard)  # a file truncated after mapping would SIGBUS
+            with files.use(shards[0]) as shard:  # one copy, no scatter; checked (_shard_guard)
                 np.take(self._rows(shard), local, axis=0, out=flat, mode="clip")
             return dest
         # gather in file order (sorted: kinder to the TLB and prefetcher), then scatter
@@ -418,7 +427,6 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
         for s in shards:
             a, b = group[s]
             with files.use(s) as shard:
-                self._check_mapped(shard)
                 rows = self._rows(shard)
                 if tmp is None:
                     for p, q in zip(order[a:b].tolist(), l_sorted[a:b].tolist(), strict=True):
@@ -452,7 +460,6 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
         with contextlib.ExitStack() as held:  # every shard of the batch stays mapped meanwhile
             for s in self._plan(np.unique(sid).tolist()):
                 shard = held.enter_context(files.use(s))
-                self._check_mapped(shard)
                 where = self._local_path(s, "data")
                 regs[s] = _memmap_dma.register(shard, self._rows(shard), where)
             _memmap_dma.move_records(dest, regs, sid, local)
@@ -542,55 +549,12 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
                 raise ValueError(f"out['data'] holds {out.numel()} bytes; the batch needs {total}")
             buf = out[:total]
         flat = buf.numpy()
-        dest = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-        order = np.argsort(self._shard_key(sid) * (1 << 40) + starts, kind="stable").tolist()
-        sid_l, starts_l, idx_l = sid.tolist(), starts.tolist(), idx.tolist()
-        # runs of records that are adjacent in the same shard file become one preadv
-        runs: list[tuple[int, int]] = []
-        a = 0
-        while a < n:
-            b = a + 1
-            end = starts_l[order[a]] + dest[order[a] + 1] - dest[order[a]]
-            while (
-                b < n
-                and b - a < _IOV_MAX
-                and sid_l[order[b]] == sid_l[order[a]]
-                and starts_l[order[b]] == end
-            ):
-                end += dest[order[b] + 1] - dest[order[b]]
-                b += 1
-            runs.append((a, b))
-            a = b
-        files = self._open_files()
-
-        def work(part: list[tuple[int, int]]) -> None:
-            for s, shard_runs in itertools.groupby(part, key=lambda r: sid_l[order[r[0]]]):
-                with files.use(s) as shard:
-                    for a, b in shard_runs:
-                        bufs = [flat[dest[order[p]] : dest[order[p] + 1]] for p in range(a, b)]
-                        nbytes = sum(dest[order[p] + 1] - dest[order[p]] for p in range(a, b))
-                        first = order[a]
-                        self._preadv_exact(shard, bufs, starts_l[first], idx_l[first], nbytes)
-
-        self._run_split(work, runs, total)
+        dest = np.cumsum(lengths) - lengths
+        for s in self._plan(np.unique(sid).tolist()):  # one gather from each shard's map
+            pos = np.flatnonzero(sid == s)
+            with self._mapped("data", s) as data:  # checked like every read (_shard_guard)
+                gather(data, starts[pos], lengths[pos], flat, dest[pos])
         return list(torch.split(buf, lengths.tolist()))
-
-    def _run_split(self, work: Any, runs: list[tuple[int, int]], nbytes: int) -> None:
-        threads = min(_MAX_THREADS, (os.cpu_count() or 1) // 2, len(runs))
-        if nbytes < _THREAD_MIN_BYTES or threads < 2:
-            work(runs)
-            return
-        pool = self._pool
-        if pool is None:
-            with self._open_lock:
-                pool = self._pool
-                if pool is None:
-                    pool = ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="feedpipe-read")
-                    self._pool = pool
-        step = -(-len(runs) // threads)
-        futures = [pool.submit(work, runs[k : k + step]) for k in range(0, len(runs), step)]
-        for f in futures:
-            f.result()
 
     def _preadv_exact(
         self, shard: OpenShard, bufs: list[Any], offset: int, record: Any, nbytes: int
@@ -607,13 +571,13 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
         state = self.__dict__.copy()
         state["_files"] = None
         state["_space"] = None
-        state["_pool"] = None
         state["_tls"] = None
         state["_open_lock"] = None
         state["_columns"] = {}
         state["_offsets_of"] = {}
         state["_col_offsets"] = {}
         state["_role_files"] = {}
+        state["_tables"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -641,9 +605,6 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
         self._role_files = {}
         if self._cache is not None:
             self._cache.close(wait=wait)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
 
     def __del__(self) -> None:
         try:
