@@ -316,10 +316,10 @@ def test_at_the_inotify_watch_limit_the_rest_are_checked_by_stat(
 ) -> None:
     """Out of inotify watches (``inotify_add_watch`` fails, ENOSPC) part way through the shards:
     the watched ones and the rest (stat per batch) both name a truncated shard."""
-    from feedpipe.datasets import _gather
+    from feedpipe.datasets import _shard_guard
 
     x = _fixed(tmp_path / "d")
-    watcher = _gather._watcher()
+    watcher = _shard_guard.watcher()
     real = watcher.add
     left = [2]
 
@@ -331,7 +331,8 @@ def test_at_the_inotify_watch_limit_the_rest_are_checked_by_stat(
     ds = MemmapDataset(tmp_path / "d")
     assert torch.equal(ds.read_batch(np.arange(20)), torch.from_numpy(x))  # 10 shards mapped
     space = ds._shard_space()
-    assert space is not None and space._unwatched.sum() == 8 and len(space._wds) == 2
+    guard = space.guard if space is not None else None
+    assert guard is not None and guard._unwatched.sum() == 8 and len(guard._wds) == 2
     for sid in (0, 9):  # the first shard mapped is watched, the last is not
         os.truncate(tmp_path / "d" / f"shard-{sid:05d}.data", 4096)
         with pytest.raises(DatasetError, match=rf"shard-{sid:05d}\.data: shard {sid} file is now"):

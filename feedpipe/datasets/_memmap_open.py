@@ -133,9 +133,9 @@ class OpenShards:
                     else:
                         shard.mm = mmap.mmap(shard.fd, shard.nbytes, prot=mmap.PROT_READ)
                         flat = np.frombuffer(shard.mm, dtype=np.uint8)
-                    shard.rows = flat.reshape(-1, record_bytes) if record_bytes else flat
+                    shard.rows = flat
                 rows = shard.rows
-        return rows
+        return rows.reshape(-1, record_bytes) if record_bytes else rows
 
     def release_idle(self) -> None:
         """Close every shard not in use now and end its lease."""

@@ -293,7 +293,8 @@ class _Watcher:
             self.fd = int(_lib().inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC))
         except AttributeError:  # pragma: no cover - not glibc
             self.fd = -1
-        self._lock = threading.Lock()
+        # re-entrant: a dataset collected during drain() (its __del__ closes) removes watches
+        self._lock = threading.RLock()
         self._owners: dict[int, list[tuple[list[int], int]]] = {}  # wd -> (dirty list, shard)
 
     def add(self, path: str, dirty: list[int], sid: int) -> int:
@@ -332,8 +333,9 @@ class _Watcher:
                     pos += _EVENT.size + length
                     # lost events (queue overflow): every watched shard is re-checked
                     lost = mask & _IN_Q_OVERFLOW
-                    for owners in self._owners.values() if lost else [self._owners.get(wd, [])]:
-                        for dirty, sid in owners:
+                    every = list(self._owners.values()) if lost else [self._owners.get(wd, [])]
+                    for owners in every:
+                        for dirty, sid in list(owners):
                             dirty.append(sid)
 
     def close(self) -> None:
