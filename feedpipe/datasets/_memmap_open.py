@@ -16,7 +16,6 @@ reads then copy from the map (``mapped=False`` keeps the descriptor, for ``os.pr
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -26,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from feedpipe.datasets._gather import map_file
 from feedpipe.datasets._shard_guard import ShardGuard
 
 __all__ = ["OpenShard", "OpenShards"]
@@ -36,11 +36,10 @@ Opener = Callable[[int], tuple[int, Callable[[], None]]]
 class OpenShard:
     """One open shard data file: its fd, its map (made on first use) and how to end its lease."""
 
-    __slots__ = ("fd", "locked", "mm", "nbytes", "release", "rows", "sid", "unlock", "users")
+    __slots__ = ("fd", "locked", "nbytes", "release", "rows", "sid", "unlock", "users")
 
     def __init__(self, sid: int, fd: int, nbytes: int, release: Callable[[], None]) -> None:
         self.sid, self.fd, self.nbytes, self.release = sid, fd, nbytes, release
-        self.mm: mmap.mmap | None = None
         self.rows: np.ndarray | None = None
         self.users = 0
         self.locked: Any = None  # the map registered with CUDA (feedpipe.device.dma)
@@ -54,13 +53,7 @@ class OpenShard:
 
             unlock(self)
         self.locked = None
-        self.rows = None
-        if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:  # a view is still alive somewhere: unmapped when it goes
-                pass
-            self.mm = None
+        self.rows = None  # the map goes with the last view of it
         if self.fd >= 0:
             try:
                 os.close(self.fd)
@@ -128,12 +121,7 @@ class OpenShards:
         if rows is None:
             with self._lock:
                 if shard.rows is None:
-                    if shard.nbytes == 0:
-                        flat = np.empty(0, np.uint8)
-                    else:
-                        shard.mm = mmap.mmap(shard.fd, shard.nbytes, prot=mmap.PROT_READ)
-                        flat = np.frombuffer(shard.mm, dtype=np.uint8)
-                    shard.rows = flat
+                    shard.rows = map_file(shard.fd, shard.nbytes)  # holds no descriptor
                 rows = shard.rows
         return rows.reshape(-1, record_bytes) if record_bytes else rows
 

@@ -86,7 +86,8 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
     the dataset has side fields (no ``"data"`` with ``records=False``); a ``str`` field is a
     ``str``, a ``json`` field the decoded value. ``verify``: ``"first-use"`` (default) checks
     each file's CRC32C once before its first record is served, ``True`` every file's on open,
-    ``False`` none (a corrupted shard is then read silently; see the module docstring). ``read`` (``"auto"``, ``"mmap"`` or ``"pread"``) picks how batches of fixed-size
+    ``False`` none (a corrupted shard is then read silently; see the module docstring).
+    ``read`` (``"auto"``, ``"mmap"`` or ``"pread"``) picks how batches of fixed-size
     records are read (see the module docstring).
 
     Batches of ragged columns (``ragged=``): ``"pad"`` (default) pads each to the longest
@@ -128,7 +129,7 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
     ) -> None:
         if read not in _READS:
             raise ValueError(f"read must be one of {_READS}, got {read!r}")
-        if not (isinstance(verify, bool) or verify in VERIFY_MODES):
+        if not (isinstance(verify, bool) or (isinstance(verify, str) and verify in VERIFY_MODES)):
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if ragged not in RAGGED_MODES:
             raise ValueError(f"ragged must be one of {RAGGED_MODES}, got {ragged!r}")
