@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from feedpipe.datasets._filemap import libc as _lib
 from feedpipe.datasets._shard_guard import ShardGuard
 from feedpipe.errors import DatasetError
 
@@ -48,34 +49,12 @@ __all__ = [
     "indices_array",
     "inverse",
     "map_budget",
-    "map_file",
     "scratch",
 ]
 
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
 _MAX_SPAN = 1 << 44  # address space one dataset may reserve (user space is 128 TiB)
-_libc: Any = None
-
-
-def _lib() -> Any:
-    global _libc
-    if _libc is None:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _libc = lib
-    return _libc
-
-
 def map_budget() -> int:
     """How many shards one dataset may map: a quarter of ``vm.max_map_count`` (each mapped
     shard splits the reservation: up to two map areas)."""
@@ -227,39 +206,6 @@ class ShardSpace:
         if self._base:
             _lib().munmap(self._base, max(self._span, mmap.PAGESIZE))
             self._base = 0
-
-
-def map_file(fd: int, nbytes: int) -> np.ndarray:
-    """The first ``nbytes`` of the file open as ``fd``, mapped read-only (shared), as a flat
-    uint8 array. Unlike :class:`mmap.mmap`, which keeps a duplicate descriptor per map, the map
-    holds no descriptor: ``fd`` may be closed at once. It is unmapped when the last array over
-    it is gone (never under a live view)."""
-    if nbytes <= 0:
-        return np.empty(0, np.uint8)
-    return np.asarray(_FileMap(fd, nbytes))
-
-
-class _FileMap:
-    """One file map behind :func:`map_file`'s arrays (their ``base``); unmapped when collected."""
-
-    def __init__(self, fd: int, nbytes: int) -> None:
-        self._addr = 0
-        got = _lib().mmap(None, nbytes, _PROT_READ, _MAP_SHARED, fd, 0)
-        if got is None or got == ctypes.c_void_p(-1).value:
-            err = ctypes.get_errno()
-            raise OSError(err, f"cannot map {nbytes} bytes: {os.strerror(err)}")
-        self._addr, self._nbytes = int(got), nbytes
-        self.__array_interface__ = {
-            "data": (self._addr, True),  # read-only
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "version": 3,
-        }
-
-    def __del__(self) -> None:
-        if self._addr:
-            _lib().munmap(self._addr, self._nbytes)
-            self._addr = 0
 
 
 class _Window:

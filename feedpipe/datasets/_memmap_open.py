@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from feedpipe.datasets._gather import map_file
+from feedpipe.datasets._filemap import map_file
 from feedpipe.datasets._shard_guard import ShardGuard
 
 __all__ = ["OpenShard", "OpenShards"]

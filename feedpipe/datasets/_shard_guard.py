@@ -35,7 +35,6 @@ fixed records). Errors name the file and the shard.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 import stat
@@ -46,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from feedpipe.datasets._filemap import libc
 from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c, to_hex
 
@@ -71,7 +71,7 @@ _libc: Any = None
 def _lib() -> Any:
     global _libc
     if _libc is None:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        lib = libc()
         lib.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
         lib.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
         _libc = lib
@@ -181,13 +181,15 @@ class ShardGuard:
         t = self.table
         if t.crcs is None:
             return
+        # read, not mapped: a truncation racing the check is an error here, never a SIGBUS
+        buf = memoryview(bytearray(min(size, _CHUNK)))
         value, pos = 0, 0
         while pos < size:
-            chunk = os.pread(fd, min(_CHUNK, size - pos), pos)
-            if not chunk:
+            got = os.preadv(fd, [buf[: min(_CHUNK, size - pos)]], pos)
+            if not got:
                 break
-            value = crc32c(chunk, value)
-            pos += len(chunk)
+            value = crc32c(buf[:got], value)
+            pos += got
         if pos != size or to_hex(value) != t.crcs[sid]:
             raise DatasetError(
                 f"{t.paths[sid]}: shard {sid} file {why} (CRC32C {to_hex(value)} over {pos} "
