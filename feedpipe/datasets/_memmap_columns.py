@@ -36,7 +36,7 @@ class TypedColumns:
     kind: str
     _remote: bool
     _len: int
-    _open_lock: threading.Lock
+    _open_lock: threading.RLock
     _role_files: dict[str, OpenShards]
     _col_offsets: dict[tuple[str, int], np.ndarray]
 

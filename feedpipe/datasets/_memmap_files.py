@@ -74,7 +74,7 @@ class ShardFiles:
     _role_files: dict[str, OpenShards]
     _offsets_of: dict[int, np.ndarray]
     _columns: dict[str, np.ndarray]
-    _open_lock: threading.Lock
+    _open_lock: threading.RLock
     _stamps: dict[str, list[Stamp | None]]
     _verified: dict[str, SharedFlags]
     _tables: dict[str, ShardTable]

@@ -191,7 +191,9 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
         self._col_offsets: dict[tuple[str, int], np.ndarray] = {}
         self._columns: dict[str, np.ndarray] = {}
         self._tls = threading.local()  # per-thread scratch for gathers spanning shards
-        self._open_lock = threading.Lock()  # first reads may come from several threads at once
+        # first reads may come from several threads at once; re-entrant: a remote table
+        # (under it) makes the cache (under it too)
+        self._open_lock = threading.RLock()
 
     # ------------------------------------------------------------------ indexing
     def __len__(self) -> int:
@@ -584,7 +586,7 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._tls = threading.local()
-        self._open_lock = threading.Lock()
+        self._open_lock = threading.RLock()
 
     def close(self) -> None:
         """Close open files and maps, end cached shards' leases and stop the cache's prefetches
