@@ -117,7 +117,7 @@ def main() -> None:
                 *rows,
             ]
         )
-        write_section("Verification cost (verify=\"first-use\")", table)
+        write_section('Verification cost (verify="first-use")', table)
 
 
 if __name__ == "__main__":

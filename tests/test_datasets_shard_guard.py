@@ -77,7 +77,8 @@ LAYOUTS = {
         {"shape": None}, lambda i: {"record": bytes(_ints(i, 3 + i % 5).astype(np.uint8))}, "data"
     ),
     "str": Layout(
-        {"records": False, "fields": {"f": "str"}}, lambda i: {"f": f"text {i} " * (1 + i % 3)},
+        {"records": False, "fields": {"f": "str"}},
+        lambda i: {"f": f"text {i} " * (1 + i % 3)},
         "field.f",
     ),
     "json": Layout(
@@ -281,8 +282,13 @@ def test_hundreds_of_shards_of_every_layout_fit_a_256_descriptor_limit(tmp_path:
     _replicate(raw, tmp_path / "bytes", 640)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_UNDER_LIMIT), str(tmp_path / "typed"),
-         str(tmp_path / "bytes")],
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(_UNDER_LIMIT),
+            str(tmp_path / "typed"),
+            str(tmp_path / "bytes"),
+        ],
         capture_output=True,
         text=True,
         timeout=180,

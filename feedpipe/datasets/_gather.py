@@ -28,7 +28,6 @@ check is one system call per batch, not one per shard.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import math
 import mmap
 import os
@@ -39,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from feedpipe.datasets._filemap import libc as _lib
+from feedpipe.datasets._filemap import libc
 from feedpipe.datasets._shard_guard import ShardGuard
 from feedpipe.errors import DatasetError
 
@@ -55,6 +54,8 @@ __all__ = [
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
 _MAX_SPAN = 1 << 44  # address space one dataset may reserve (user space is 128 TiB)
+
+
 def map_budget() -> int:
     """How many shards one dataset may map: a quarter of ``vm.max_map_count`` (each mapped
     shard splits the reservation: up to two map areas)."""
@@ -100,7 +101,7 @@ class ShardSpace:
         self._idle = threading.Condition(self._lock)
         self._active = 0
         self._closed = False
-        lib = _lib()
+        lib = libc()
         base = lib.mmap(
             None,
             max(self._span, mmap.PAGESIZE),
@@ -159,7 +160,7 @@ class ShardSpace:
 
     def _map(self, sids: list[int]) -> None:
         """Map shards ``sids`` (under the lock); each fd is closed once mapped."""
-        lib = _lib()
+        lib = libc()
         for s in sids:
             path = self._paths[s]
             try:  # non-blocking: a FIFO planted in place of a shard must not hang the open
@@ -204,7 +205,7 @@ class ShardSpace:
         self._closed = True
         self.guard.forget()
         if self._base:
-            _lib().munmap(self._base, max(self._span, mmap.PAGESIZE))
+            libc().munmap(self._base, max(self._span, mmap.PAGESIZE))
             self._base = 0
 
 
