@@ -313,3 +313,26 @@ def test_first_use_checks_are_shared_with_forked_workers(tmp_path: Path) -> None
     assert kind == "ok", got
     assert flags[len(ds.index.shards) - 1]  # set by the child, seen here
     assert json.dumps(got)
+
+
+@pytest.mark.parametrize("change", ["rewrite", "truncate"])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_without_inotify_a_changed_shard_is_found_by_stat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, change: str
+) -> None:
+    """Out of inotify watches (or none to be had): every layout's open files are stat'ed per
+    read instead, and a truncation or an in-place rewrite (new mtime, CRC32C differs) is still
+    an error naming the file."""
+    from feedpipe.datasets import _shard_guard
+
+    monkeypatch.setattr(_shard_guard.watcher(), "add", lambda *a: -1)
+    layout = LAYOUTS[name]
+    path = tmp_path / name
+    layout.write(path)
+    ds = layout.open(path)
+    idx = layout.first(ds)
+    layout.read(ds, idx)
+    file = _target(path, layout)
+    CHANGES[change](file)
+    with pytest.raises(DatasetError, match=re.escape(str(file)) + r": shard 0 file"):
+        layout.read(ds, idx)
