@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from feedpipe.datasets._filemap import libc
-from feedpipe.datasets._shard_guard import ShardGuard
+from feedpipe.datasets._shard_guard import ShardGuard, Stamp
 from feedpipe.errors import DatasetError
 
 __all__ = [
@@ -143,11 +143,11 @@ class ShardSpace:
         else:
             sid = np.searchsorted(self._starts, idx, side="right") - 1
             rows = idx + self._delta[sid]
+        if not self._mapped[sid].all():  # checked outside the lock: threads verify in parallel
+            self._map(self._admit(np.unique(sid[~self._mapped[sid]]).tolist()))
         with self._lock:
             if self._closed:
                 raise ValueError("the dataset's shard maps are closed")
-            if not self._mapped[sid].all():
-                self._map(np.unique(sid[~self._mapped[sid]]).tolist())
             self.guard.check(sid)
             self._active += 1
         try:
@@ -158,35 +158,56 @@ class ShardSpace:
                 if not self._active:
                     self._idle.notify_all()
 
-    def _map(self, sids: list[int]) -> None:
-        """Map shards ``sids`` (under the lock); each fd is closed once mapped."""
-        lib = libc()
-        for s in sids:
-            path = self._paths[s]
-            try:  # non-blocking: a FIFO planted in place of a shard must not hang the open
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-            except FileNotFoundError:
-                raise DatasetError(f"{path}: shard {s} file is missing") from None
-            try:
-                self.guard.opened(s, fd)  # regular, its size, its version; watched from here
-                size = self._sizes[s]
-                if size:
-                    got = lib.mmap(
-                        self._base + int(self._offset[s]),
-                        size,
-                        _PROT_READ,
-                        _MAP_SHARED | _MAP_FIXED,
-                        fd,
-                        0,
-                    )
-                    if got is None or got != self._base + int(self._offset[s]):
-                        err = ctypes.get_errno()
-                        raise DatasetError(
-                            f"{path}: shard {s} cannot be mapped: {os.strerror(err)}"
-                        )
-            finally:
+    def _admit(self, sids: list[int]) -> list[tuple[int, int, Stamp | None]]:
+        """Open shards ``sids`` and check them (``guard.admit``, no lock held): ``(sid, fd,
+        stamp)`` each, for :meth:`_map`; nothing stays open if one fails."""
+        admitted: list[tuple[int, int, Stamp | None]] = []
+        try:
+            for s in sids:
+                path = self._paths[s]
+                try:  # non-blocking: a FIFO planted in place of a shard must not hang the open
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+                except FileNotFoundError:
+                    raise DatasetError(f"{path}: shard {s} file is missing") from None
+                admitted.append((s, fd, None))
+                admitted[-1] = (s, fd, self.guard.admit(s, fd))
+        except BaseException:
+            for _s, fd, _stamp in admitted:
                 os.close(fd)
-            self._mapped[s] = True
+            raise
+        return admitted
+
+    def _map(self, admitted: list[tuple[int, int, Stamp | None]]) -> None:
+        """Map the shards :meth:`_admit` opened (unless mapped meanwhile); close every fd."""
+        lib = libc()
+        try:
+            with self._lock:
+                if self._closed:
+                    raise ValueError("the dataset's shard maps are closed")
+                for s, fd, stamp in admitted:
+                    if self._mapped[s]:
+                        continue
+                    self.guard.opened(s, fd, stamp)  # watched from here
+                    size = self._sizes[s]
+                    if size:
+                        got = lib.mmap(
+                            self._base + int(self._offset[s]),
+                            size,
+                            _PROT_READ,
+                            _MAP_SHARED | _MAP_FIXED,
+                            fd,
+                            0,
+                        )
+                        if got is None or got != self._base + int(self._offset[s]):
+                            err = ctypes.get_errno()
+                            raise DatasetError(
+                                f"{self._paths[s]}: shard {s} cannot be mapped: "
+                                f"{os.strerror(err)}"
+                            )
+                    self._mapped[s] = True
+        finally:
+            for _s, fd, _stamp in admitted:
+                os.close(fd)
 
     # ------------------------------------------------------------------ lifetime
     def close(self, timeout: float = 60.0) -> None:

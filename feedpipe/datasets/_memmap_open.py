@@ -166,8 +166,9 @@ class OpenShards:
         shard = OpenShard(sid, fd, self._sizes[sid], release)
         try:
             if self._guard is not None:
+                admitted = self._guard.admit(sid, fd)  # outside the lock: may verify
                 with self._lock:
-                    self._guard.opened(sid, fd)
+                    self._guard.opened(sid, fd, admitted)
             if self._mapped:
                 self.rows(shard, 0)
                 os.close(fd)

@@ -6,8 +6,10 @@ bytes records, typed columns, ragged records, the token column of ``TokenWindows
 records read shard by shard). Both call the same :class:`ShardGuard`, so the rule is stated and
 kept here only:
 
-1. **At open** (:meth:`ShardGuard.opened`, with the file's descriptor, before it is mapped or
-   read; in every process, so in every forked or spawned worker too): the file is a regular
+1. **At open** (:meth:`ShardGuard.admit`, with the file's descriptor, before it is mapped or
+   read, outside the holder's lock so that threads check shards in parallel; then
+   :meth:`ShardGuard.opened` starts watching it; in every process, so in every forked or
+   spawned worker too): the file is a regular
    file of the indexed size, the dataset was not rewritten since it was opened (``version``),
    and it is the very file stat'ed when the dataset was opened (same device, inode and mtime:
    :class:`ShardTable` ``stamps``). A file that is not (rewritten in place, swapped by rename,
@@ -154,14 +156,16 @@ class ShardGuard:
         self._wds: dict[int, int] = {}  # sid -> watch descriptor
 
     # ------------------------------------------------------------------ at open
-    def opened(self, sid: int, fd: int) -> None:
-        """Check shard ``sid``'s file, open as ``fd``, before it is mapped or read; raise a
-        :class:`DatasetError` naming it if it may not be served."""
+    def admit(self, sid: int, fd: int) -> Stamp:
+        """The checks of shard ``sid``'s file, open as ``fd``, that touch no state of this
+        guard (so callers run them outside their lock, several at once): the version indexed,
+        a regular file of the indexed size, the file stamped at open or its CRC32C, the
+        first-use CRC32C. Raises a :class:`DatasetError` naming the file; returns the stamp
+        checked, for :meth:`opened`."""
         t = self.table
         path = t.paths[sid]
         if t.version is not None:
             t.version(sid)  # after the open: the file is the version indexed
-        self._watch(sid, fd)  # before the checks: a later change is seen
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise DatasetError(f"{path}: shard {sid} file is not a regular file")
@@ -175,7 +179,22 @@ class ShardGuard:
         elif t.verified is not None and not t.verified[sid]:
             self._crc(sid, fd, st.st_size, "is corrupt")
             t.verified.set(sid)
-        self._ident[sid] = now
+        return now
+
+    def opened(self, sid: int, fd: int, admitted: Stamp | None = None) -> None:
+        """Shard ``sid``'s file, open as ``fd``, is about to be mapped or read: watch it from
+        now on (call under the holder's lock). ``admitted``: what :meth:`admit` returned for
+        this descriptor (run here when ``None``); a file changed since is checked again."""
+        if admitted is None:
+            admitted = self.admit(sid, fd)
+        self._watch(sid, fd)  # from here a change is seen; one before it is seen below
+        st = os.fstat(fd)
+        t = self.table
+        if st.st_size != t.sizes[sid]:
+            raise DatasetError(changed(t.paths[sid], sid, st.st_size, t.sizes[sid], "is now"))
+        if stamp_of(st) != admitted:
+            self._crc(sid, fd, st.st_size, "was rewritten while it was being opened")
+        self._ident[sid] = stamp_of(st)
 
     def _crc(self, sid: int, fd: int, size: int, why: str) -> None:
         t = self.table
