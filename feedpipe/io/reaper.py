@@ -26,6 +26,7 @@ Standard library only: ckpt uses it too.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import warnings
@@ -33,7 +34,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing import connection
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = [
     "DEFAULT_BOUND",
@@ -41,6 +42,7 @@ __all__ = [
     "ProcessLike",
     "StuckWorkerWarning",
     "Workers",
+    "at_exit",
     "end_processes",
     "join_threads",
 ]
@@ -198,9 +200,10 @@ class Workers:
             weakref.finalize(owner, self.end)
 
     def add(self, procs: Iterable[ProcessLike]) -> None:
-        """Take ``procs`` into this set."""
+        """Take ``procs`` into this set (and end them at interpreter exit: :func:`at_exit`)."""
         with self._lock:
             self._procs.extend(procs)
+        at_exit(self, Workers.end)
 
     @property
     def pids(self) -> list[int]:
@@ -216,3 +219,39 @@ class Workers:
         if not procs:
             return []
         return end_processes(procs, self.what, ask=ask or self._ask, bound=self.bound)
+
+
+_AT_EXIT: list[tuple[weakref.ref[Any], Callable[[Any], Any]]] = []
+_AT_EXIT_LOCK = threading.Lock()
+_HOOKED = False
+
+
+def at_exit(owner: object, end: Callable[[Any], Any]) -> None:
+    """Call ``end(owner)`` at interpreter exit if ``owner`` is still alive then (it is held
+    weakly), before ``multiprocessing`` joins its children without a timeout and before torch
+    stops cleaning up.
+
+    ``atexit`` runs its hooks last-registered first: ours is registered at the first call, which
+    comes after the workers were started (so after ``multiprocessing``'s own hook).
+    """
+    global _HOOKED
+    with _AT_EXIT_LOCK:
+        _AT_EXIT[:] = [e for e in _AT_EXIT if e[0]() is not None and e[0]() is not owner]
+        _AT_EXIT.append((weakref.ref(owner), end))
+        if not _HOOKED:
+            atexit.register(_end_all)
+            _HOOKED = True
+
+
+def _end_all() -> None:
+    with _AT_EXIT_LOCK:
+        entries, _AT_EXIT[:] = list(_AT_EXIT), []
+    for ref, end in reversed(entries):
+        owner = ref()
+        if owner is not None:
+            try:
+                end(owner)
+            except Exception as exc:  # pragma: no cover - exit goes on
+                warnings.warn(
+                    f"ending workers at exit failed: {exc!r}", StuckWorkerWarning, stacklevel=1
+                )
