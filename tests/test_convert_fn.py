@@ -293,3 +293,40 @@ def test_another_plan_starts_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert result.resumed_parts == 0
     _convert(fns.fails_from_env, tmp_path / "clean", n=16, num_workers=1, inputs_per_part=8)
     assert _files(tmp_path / "ds") == _files(tmp_path / "clean")
+
+
+_HUNG_SCRIPT = """
+import sys
+sys.path[:0] = [{tests!r}]
+import feedpipe
+import _convert_fns as fns
+from _procs import alive, descendants
+
+try:
+    feedpipe.convert(fns.hangs_on_0_fails_on_1, [0, 1], output={out!r}, num_workers=2,
+                     inputs_per_part=1)
+except Exception as exc:
+    print("RAISED", type(exc).__name__, flush=True)
+print("AFTER", *alive(descendants()), flush=True)
+"""
+
+
+def test_a_hung_fn_is_ended_when_another_input_fails(tmp_path: Path) -> None:
+    """One worker hangs in fn, another fails: convert raises (it used to wait forever for the
+    hung one), and no worker outlives it or the interpreter."""
+    tests = str(Path(__file__).parent)
+    script = tmp_path / "hung.py"
+    script.write_text(_HUNG_SCRIPT.format(tests=tests, out=str(tmp_path / "out")))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), tests])}
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = {k: v for k, _, v in (ln.partition(" ") for ln in proc.stdout.splitlines())}
+    assert "RAISED" in lines, proc.stdout + proc.stderr[-2000:]  # the failed input, named
+    assert lines["AFTER"] == "", proc.stdout

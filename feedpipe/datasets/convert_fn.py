@@ -54,6 +54,7 @@ from feedpipe.datasets.format import Index
 from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter
 from feedpipe.errors import DatasetError
 from feedpipe.io.progress import progress
+from feedpipe.io.reaper import end_processes
 
 __all__ = ["convert_fn", "load_function"]
 
@@ -471,24 +472,31 @@ def _run(  # noqa: PLR0917
         return results
     ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
     q = ctx.Queue()
-    with ProcessPoolExecutor(
+    before = {p.pid for p in mp.active_children()}
+    pool = ProcessPoolExecutor(
         min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(q,)
-    ) as pool:
+    )
+    procs: list[Any] = []
+    try:
         futures: dict[Future[Any], _Task] = {
             pool.submit(_write_part, fn, t, sink, shard_bytes): t for t in todo
         }
+        # the pool starts its processes at the first submit: those new since `before`
+        procs = [p for p in mp.active_children() if p.pid not in before]
         pending = set(futures)
-        try:
-            while pending:
-                finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                _drain(q, bar)
-                for fut in finished:
-                    results[futures[fut].part] = _as_index(fut.result())
-        except BaseException:
-            for fut in pending:
-                fut.cancel()
-            raise
-        _drain(q, bar)
+        while pending:
+            finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            _drain(q, bar)
+            for fut in finished:
+                results[futures[fut].part] = _as_index(fut.result())
+    except BaseException:
+        # a failed part (or Ctrl-C) while others run: the pool's own shutdown would wait for
+        # every running fn, forever for one that hangs; end them within the reaper's bound
+        pool.shutdown(wait=False, cancel_futures=True)
+        end_processes(procs, "convert(fn) worker")
+        raise
+    pool.shutdown(wait=True)
+    _drain(q, bar)
     return results
 
 
