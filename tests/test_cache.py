@@ -275,3 +275,26 @@ def test_caches_opened_at_once_never_delete_each_others_index_temp(
         for t in threads:
             t.join(60)
         assert not errors, errors
+
+
+def test_close_reports_a_prefetch_stuck_in_a_read(
+    tmp_path: Path, remote: tuple[str, dict[str, Any], dict[str, bytes]], s3_server: str
+) -> None:
+    """A prefetch thread stuck in a stalled download: close() returns after ``deadline_s`` and
+    names the thread (threads cannot be killed: the bound is "close returns and reports")."""
+    from feedpipe.io.reaper import StuckWorkerWarning
+
+    url, opts, _ = remote
+    with FaultProxy(s3_server) as proxy:
+        proxy.inject("stall", match="shard-00002.data", method="GET")
+        popts = dict(opts, client_kwargs=dict(opts["client_kwargs"], endpoint_url=proxy.url))
+        cache = ShardCache(url, tmp_path / "cache", None, popts, deadline_s=1.0)
+        cache.prefetch(["shard-00002.data"])
+        deadline = time.monotonic() + 30
+        while (
+            not any("shard-00002.data" in path for _, path, _ in proxy.requests)
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.02)
+        with pytest.warns(StuckWorkerWarning, match=r"ShardCache prefetch thread feedpipe-"):
+            cache.close()

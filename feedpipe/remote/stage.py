@@ -35,6 +35,7 @@ from typing import Any
 
 from feedpipe.errors import DatasetError
 from feedpipe.io.fsutil import atomic_write, fsync_dir
+from feedpipe.io.reaper import join_threads
 from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
 from feedpipe.remote.transfer import INDEX_NAME, FileEntry
@@ -280,9 +281,7 @@ def _run_all(
                 t.join(0.2)
     except BaseException:
         cancel.set()
-        end = time.monotonic() + _CANCEL_GRACE_S
-        for t in threads:
-            t.join(max(0.0, end - time.monotonic()))
+        join_threads(threads, "stage transfer", _CANCEL_GRACE_S)  # stuck ones are reported
         raise
     real = [e for e in errors if not isinstance(e, _remote.CancelledError)]
     if real or errors:
