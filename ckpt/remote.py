@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import itertools
 import json
 import logging
 import os
@@ -47,6 +48,7 @@ from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError, RemoteCheckpointError
 from ckpt.policy import KeepLast, Policy
 from feedpipe.io import RetryPolicy, call, crc32c, redact, resolve, to_hex
+from feedpipe.io.reaper import join_threads
 from feedpipe.io.trace import span
 
 __all__ = [
@@ -61,6 +63,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("ckpt")
+_UPLOADERS = itertools.count()  # numbers the uploaders' thread names
+_IDLE_EXIT_S = 5.0  # how long idle upload threads get to exit after a finished close()
 
 STATUS_FILE = _layout.STATUS_FILE
 _MIN_PART = 5 << 20  # S3's smallest multipart part (all but the last)
@@ -261,10 +265,11 @@ class RemoteTier:
         self._error: tuple[int, BaseException] | None = None
         self._newest_verified: int | None = None
         self._closed = False
-        self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-upload")
+        self._names = f"ckpt-upload-{next(_UPLOADERS)}"  # this uploader's threads' names
+        self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix=self._names)
         # multipart parts (and local checks) of every file: their own pool, so a file's thread
         # that waits for its parts never holds a worker its parts need
-        self._parts = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-upload-part")
+        self._parts = ThreadPoolExecutor(options.threads, thread_name_prefix=f"{self._names}-part")
         self._s3 = _s3put.is_s3(self.fs)
         self._kick()  # reconcile with the remote (uploads committed steps never uploaded)
 
@@ -293,7 +298,9 @@ class RemoteTier:
     def _kick(self) -> None:
         with self._cond:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="ckpt-upload", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._loop, name=f"{self._names}-queue", daemon=True
+                )
                 self._thread.start()
 
     def may_evict(self, step: int) -> bool:
@@ -327,9 +334,13 @@ class RemoteTier:
     def close(self) -> None:
         """Wait (up to ``close_timeout_s``) for uploads, then stop the upload threads. Uploads
         still running then are abandoned with a warning: the local copies stay, and the next
-        manager on this directory uploads them."""
+        manager on this directory uploads them. Each thread left in a transfer (a hung put) is
+        named in a ``StuckWorkerWarning``: threads cannot be killed, so the bound of ``close()``
+        is "returns and reports" (``feedpipe.io.reaper``)."""
+        finished = False
         try:
             self.wait(self.options.close_timeout_s)
+            finished = True
         except TimeoutError:
             with self._cond:
                 left = sorted(set(self._queue) | {
@@ -345,6 +356,10 @@ class RemoteTier:
                 self._closed = True  # an abandoned upload may finish, but nothing new starts
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._parts.shutdown(wait=False, cancel_futures=True)
+            # threads cannot be killed: each one still in a transfer is reported by name
+            ours = (f"{self._names}_", f"{self._names}-")  # pools: name_N; queue, parts: name-
+            mine = [t for t in threading.enumerate() if t.name.startswith(ours)]
+            join_threads(mine, f"ckpt upload to {self.url}", _IDLE_EXIT_S if finished else 0.0)
 
     # ---- background ---------------------------------------------------------------------
     def _loop(self) -> None:
