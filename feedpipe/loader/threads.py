@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from feedpipe.errors import WorkerError
+from feedpipe.io.reaper import join_threads
 from feedpipe.loader import _torch_compat
 from feedpipe.loader.fetch import (
     Failed,
@@ -415,13 +416,12 @@ def _join_at_exit() -> None:
     Daemon threads killed inside a torch call abort the process ("terminate called without an
     active exception"). Every worker thread still running is joined, including those of pools
     already dropped (after a ``break``, a pool is closed at once but its threads finish their
-    batch); a thread stuck in the dataset is abandoned after ``_EXIT_JOIN_S``.
+    batch); a thread stuck in the dataset is abandoned after ``_EXIT_JOIN_S``, and reported by
+    name and native id (threads cannot be killed).
     """
-    deadline = time.monotonic() + _EXIT_JOIN_S
     with _RUNNING_LOCK:
         threads = list(_RUNNING)
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
+    join_threads(threads, "DataLoader worker", _EXIT_JOIN_S)
 
 
 def _track(thread: threading.Thread) -> None:
