@@ -107,6 +107,7 @@ def _record(nodeid: str) -> tuple[list[int], list[str]]:
     """Note the processes and shm entries that appeared since the last test; the new ones."""
     now = descendants()
     _Seen.ever.update(now)
+    _Seen.pids = {p: t for p, t in _Seen.pids.items() if p in now}  # a reused pid is new
     new_pids = [p for p in alive(now) if p not in _Seen.pids]
     for pid in new_pids:
         _Seen.pids[pid] = nodeid
