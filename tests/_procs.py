@@ -15,6 +15,7 @@ __all__ = [
     "alive",
     "descendants",
     "describe",
+    "proc_listing",
     "shm_entries",
     "wait_gone",
 ]
@@ -41,6 +42,14 @@ def cmdline(pid: int) -> str:
     except OSError:
         return ""
     return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def proc_listing() -> frozenset[str]:
+    """The pids in /proc (cheap: a changed listing is what makes a full walk worth it)."""
+    try:
+        return frozenset(os.listdir("/proc"))
+    except OSError:
+        return frozenset()
 
 
 def descendants(root: int | None = None, helpers: bool = False) -> dict[int, str]:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _procs import alive, descendants, describe, shm_entries, wait_gone
+from _procs import alive, descendants, describe, proc_listing, shm_entries, wait_gone
 
 LEFTOVER_GRACE_S = 5.0  # processes still exiting get this long before they count as left behind
 
@@ -101,16 +101,21 @@ class _Seen:
     pids: dict[int, str] = {}
     shm: dict[str, str] = {}
     ever: set[int] = {os.getpid()}  # this process and every descendant seen (shm names' pids)
+    listing: frozenset[str] = frozenset()  # /proc's pids at the last look
 
 
 def _record(nodeid: str) -> tuple[list[int], list[str]]:
     """Note the processes and shm entries that appeared since the last test; the new ones."""
-    now = descendants()
-    _Seen.ever.update(now)
-    _Seen.pids = {p: t for p, t in _Seen.pids.items() if p in now}  # a reused pid is new
-    new_pids = [p for p in alive(now) if p not in _Seen.pids]
-    for pid in new_pids:
-        _Seen.pids[pid] = nodeid
+    new_pids: list[int] = []
+    listing = proc_listing()
+    if listing != _Seen.listing:  # else no process started or ended anywhere: nothing new
+        _Seen.listing = listing
+        now = descendants()
+        _Seen.ever.update(now)
+        _Seen.pids = {p: t for p, t in _Seen.pids.items() if p in now}  # a reused pid is new
+        new_pids = [p for p in alive(now) if p not in _Seen.pids]
+        for pid in new_pids:
+            _Seen.pids[pid] = nodeid
     new_shm = [n for n in shm_entries(_Seen.ever) if n not in _Seen.shm]
     for name in new_shm:
         _Seen.shm[name] = nodeid
