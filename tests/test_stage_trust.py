@@ -177,6 +177,7 @@ def test_ctrl_c_stops_a_real_feedpipe_stage_within_seconds(
     assert took < 6, f"stage took {took:.1f} s to stop after SIGINT; stderr: {err}"
     assert child.returncode == 130, (child.returncode, err)
     assert "Traceback" not in err and "interrupted" in err
+    assert "stage transfer thread feedpipe-stage-" in err  # the stuck transfers, named
     assert not (dst / "index.json").exists()
     assert not _temps(dst)
 

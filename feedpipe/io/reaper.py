@@ -48,8 +48,11 @@ __all__ = [
 ]
 
 
-class StuckWorkerWarning(ResourceWarning):
-    """A worker outlived its bounded shutdown (a process that SIGKILL did not end, or a thread)."""
+class StuckWorkerWarning(RuntimeWarning):
+    """A worker outlived its bounded shutdown (a process that SIGKILL did not end, or a thread).
+
+    A ``RuntimeWarning``: shown by default (Python hides ``ResourceWarning``s).
+    """
 
 
 @dataclass(frozen=True)
