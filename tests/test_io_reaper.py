@@ -146,3 +146,22 @@ def test_interpreter_exit_ends_a_deaf_hung_worker(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert wait_gone([int(proc.stdout.split()[0])], 2.0) == []
+
+
+def test_a_forked_child_leaves_its_parents_workers_alone() -> None:
+    """A forked child inherits the owner's Workers (and its exit hooks), not its processes."""
+    workers = Workers("test worker", bound=FAST)
+    p = _start(deaf=False)
+    workers.add([p])
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child: never back into pytest
+        code = 1
+        try:
+            code = 0 if workers.end() == [] else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert p.is_alive()  # untouched by the child
+    workers.end()
+    assert p.exitcode == -signal.SIGTERM

@@ -27,6 +27,7 @@ Standard library only: ckpt uses it too.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import warnings
@@ -199,6 +200,7 @@ class Workers:
         self._ask = ask
         self._procs: list[ProcessLike] = []
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child inherits this object, not the workers
         if owner is not None:
             weakref.finalize(owner, self.end)
 
@@ -217,6 +219,8 @@ class Workers:
     def end(self, ask: Callable[[], None] | None = None) -> list[ProcessLike]:
         """End every worker within ``bound.total`` seconds (:func:`end_processes`); those that
         outlived SIGKILL (reported)."""
+        if os.getpid() != self._pid:  # in a forked child: the workers are the parent's
+            return []
         with self._lock:
             procs, self._procs = self._procs, []
         if not procs:
@@ -242,11 +246,13 @@ def at_exit(owner: object, end: Callable[[Any], Any]) -> None:
         _AT_EXIT[:] = [e for e in _AT_EXIT if e[0]() is not None and e[0]() is not owner]
         _AT_EXIT.append((weakref.ref(owner), end))
         if not _HOOKED:
-            atexit.register(_end_all)
+            atexit.register(_end_all, os.getpid())
             _HOOKED = True
 
 
-def _end_all() -> None:
+def _end_all(pid: int) -> None:
+    if os.getpid() != pid:  # a forked child exiting: the workers are its parent's
+        return
     with _AT_EXIT_LOCK:
         entries, _AT_EXIT[:] = list(_AT_EXIT), []
     for ref, end in reversed(entries):
