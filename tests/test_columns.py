@@ -220,6 +220,12 @@ def test_writer_refuses_values_by_record_and_field(
         ({"records": False}, "at least one field"),
         ({"shape": (None,), "dtype": "U3"}, "U3"),
         ({"shape": None, "fields": {"t": ("int32", (None, -1))}}, "negative"),
+        # issue 25 item 15: zero-byte rows or records could never be read back
+        ({"records": False, "fields": {"e": ("float32", (None, 0))}}, r"field 'e'.*\(None, 0\)"),
+        ({"shape": (2,), "fields": {"e": ("int8", (None, 3, 0))}}, r"field 'e'.*zero bytes"),
+        ({"shape": (None, 0), "dtype": "float32"}, r"records: shape \(None, 0\).*zero bytes"),
+        ({"shape": (0,), "dtype": "float32"}, r"records: shape \(0,\).*zero bytes"),
+        ({"records": False, "fields": {"e": ("int64", (0,))}}, r"field 'e'.*zero bytes"),
     ],
 )
 def test_writer_refuses_clashing_or_bad_columns(
@@ -227,6 +233,29 @@ def test_writer_refuses_clashing_or_bad_columns(
 ) -> None:
     with pytest.raises(DatasetError, match=match):
         MemmapWriter(tmp_path / "w", **kwargs)
+    assert not (tmp_path / "w").exists()
+
+
+def test_zero_width_columns_are_refused_by_convert_and_on_open(tmp_path: Path) -> None:
+    """Every path into the format refuses a zero-width ragged column by name: convert of
+    dicts, and an index that lists one (written by hand or by an older feedpipe)."""
+
+    class Rows(torch.utils.data.Dataset[Any]):
+        def __len__(self) -> int:
+            return 6
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return {"e": np.zeros((i % 3, 0), np.float32), "y": i}
+
+    with pytest.raises(DatasetError, match=r"part-00000: field 'e': shape .*zero bytes"):
+        convert(Rows(), tmp_path / "o", workers=1)
+    assert not (tmp_path / "o").exists()
+    path = _write(tmp_path / "ds", _docs(4))
+    doc = json.loads((path / "index.json").read_text())
+    doc["fields"]["boxes"]["shape"] = [None, 0]
+    (path / "index.json").write_text(json.dumps(doc))
+    with pytest.raises(DatasetError, match=r"index\.json.*field 'boxes'.*zero bytes"):
+        MemmapDataset(path)
 
 
 # ---------------------------------------------------------------------- hostile files
