@@ -229,6 +229,25 @@ def test_streaming_recipe_with_ragged_members_runs_to_the_end_like_torch(
     assert widths == {6}  # every batch holds a 6-token record; members' own widths differ
 
 
+def test_ragged_batches_vary_in_width_through_the_loader(tmp_path: Path) -> None:
+    """Small batches of ragged members change width from batch to batch (1 to 6 tokens):
+    thread workers give torch's batches all the same."""
+    members = {n: _recipe_member(tmp_path, n, k) for n, k in (("web", 60), ("code", 30))}
+    mixed = MixedDataset(members, weights={"web": 0.75, "code": 0.25}, epoch_samples=80)
+    sampler = DistributedSampler(mixed, num_replicas=1, rank=0, seed=0)
+    want = list(
+        torch.utils.data.DataLoader(
+            mixed, batch_size=3, sampler=sampler, collate_fn=_torch_collate("pad")
+        )
+    )
+    got = DataLoader(mixed, batch_size=3, sampler=sampler, worker_type="thread", num_workers=2)
+    widths = set()
+    for b, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_batches_equal(g, w, f"batch {b}")
+        widths.add(int(g["tokens"].shape[1]))
+    assert widths == {1, 2, 3, 4, 5, 6}
+
+
 def test_ragged_members_pad_with_their_own_pad_value(tmp_path: Path) -> None:
     a = _recipe_member(tmp_path, "a", 20, pad_value=-1)
     b = _recipe_member(tmp_path, "b", 20, pad_value=-2)
