@@ -42,16 +42,17 @@ def merge_parts(
 
 def _widened(values: list[Any], pads: list[Any]) -> list[Any]:
     """``values`` with every padded ragged column (``NAME`` beside ``NAME_lengths``, in dicts at
-    any depth) padded on to the widest part's width, each part with its own pad value."""
+    any depth) padded on to the widest part's width, each part with its own pad value; the
+    same objects when there is nothing to pad."""
     if not all(isinstance(v, Mapping) for v in values):
         return values
-    first = values[0]
-    copies = [dict(v) for v in values]
-    for k in first:
+    changes: dict[Any, list[Any]] = {}
+    for k in values[0]:
         col = [v.get(k) for v in values]
         if all(isinstance(c, Mapping) for c in col):
-            for c, sub in zip(copies, _widened(col, pads), strict=True):
-                c[k] = sub
+            sub = _widened(col, pads)
+            if any(a is not b for a, b in zip(sub, col, strict=True)):
+                changes[k] = sub
             continue
         ragged = isinstance(k, str) and all(lengths_key(k) in v for v in values)
         if not ragged or not all(
@@ -59,9 +60,15 @@ def _widened(values: list[Any], pads: list[Any]) -> list[Any]:
         ):
             continue
         width = max(int(c.shape[1]) for c in col)
-        for c, t, pad in zip(copies, col, pads, strict=True):
-            c[k] = widen(t, width, pad)
-    return [c if type(v) is dict else type(v)(c) for c, v in zip(copies, values, strict=True)]
+        if any(int(c.shape[1]) != width for c in col):
+            changes[k] = [widen(t, width, pad) for t, pad in zip(col, pads, strict=True)]
+    if not changes:
+        return values
+    out = []
+    for j, v in enumerate(values):
+        copy = {k: changes[k][j] if k in changes else x for k, x in v.items()}
+        out.append(copy if type(v) is dict else type(v)(copy))
+    return out
 
 
 def fill_out(batch: Any, out: Any) -> Any:
