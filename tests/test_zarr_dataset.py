@@ -290,3 +290,27 @@ def test_missing_inner_chunk_inside_the_last_partial_shard_is_still_an_error(
     assert np.array_equal(ds.read_batch([24, 0]).numpy(), x[[24, 0]])
     with pytest.raises(DatasetError, match=r"c/1/0.*missing"):
         ds.read_batch(list(range(12, 24)))
+
+
+@pytest.mark.parametrize(
+    "encoding",
+    [
+        {"name": "v2", "separator": "."},
+        {"name": "v2", "separator": "/"},
+        {"name": "default", "separator": "."},
+    ],
+    ids=["v2-dot", "v2-slash", "default-dot"],
+)
+def test_partial_last_shard_under_every_chunk_key_encoding(
+    tmp_path: Path, encoding: dict[str, str]
+) -> None:
+    """The shard's place in the grid (which inner chunks lie outside the array) is read from
+    its key under every chunk key encoding."""
+    x = np.arange(25 * 3, dtype=np.int32).reshape(25, 3) + 1
+    a = zarr.create_array(
+        tmp_path / "a", shape=x.shape, dtype="int32", chunks=(4, 3), shards=(12, 3),
+        chunk_key_encoding=encoding,
+    )  # fmt: skip
+    a[:] = x
+    ds = ZarrDataset(tmp_path / "a", backend="zarr", preadv=False)
+    assert np.array_equal(ds.read_batch(list(range(24, -1, -1))).numpy(), x[::-1])
