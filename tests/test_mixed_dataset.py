@@ -193,6 +193,14 @@ def _torch_collate(mode: str) -> Any:
     return collate
 
 
+def _torch_batches(ds: Any, batch_size: int, sampler: Any, mode: str) -> list[Any]:
+    """torch's DataLoader over ``ds`` (its ``__getitems__``), collated as a torch user would."""
+    loader: Any = torch.utils.data.DataLoader(
+        ds, batch_size=batch_size, sampler=sampler, collate_fn=_torch_collate(mode)
+    )
+    return list(loader)
+
+
 def _rows_of(batch: dict[str, Any]) -> dict[str, Any]:
     """``batch`` with a jagged nested tensor as the list of its records (to compare)."""
     return {
@@ -217,10 +225,7 @@ def test_streaming_recipe_with_ragged_members_runs_to_the_end_like_torch(
     mixed = MixedDataset(members, weights={"web": 0.75, "code": 0.25}, epoch_samples=800, seed=0)
     sampler = DistributedSampler(mixed, num_replicas=1, rank=0, seed=0)
     ours = DataLoader(mixed, batch_size=32, sampler=sampler, worker_type=worker_type, num_workers=2)
-    theirs = torch.utils.data.DataLoader(
-        mixed, batch_size=32, sampler=sampler, collate_fn=_torch_collate(mode)
-    )
-    got, want = list(ours), list(theirs)
+    got, want = list(ours), _torch_batches(mixed, 32, sampler, mode)
     assert len(got) == len(want) == 25
     widths = set()
     for b, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -235,11 +240,7 @@ def test_ragged_batches_vary_in_width_through_the_loader(tmp_path: Path) -> None
     members = {n: _recipe_member(tmp_path, n, k) for n, k in (("web", 60), ("code", 30))}
     mixed = MixedDataset(members, weights={"web": 0.75, "code": 0.25}, epoch_samples=80)
     sampler = DistributedSampler(mixed, num_replicas=1, rank=0, seed=0)
-    want = list(
-        torch.utils.data.DataLoader(
-            mixed, batch_size=3, sampler=sampler, collate_fn=_torch_collate("pad")
-        )
-    )
+    want = _torch_batches(mixed, 3, sampler, "pad")
     got = DataLoader(mixed, batch_size=3, sampler=sampler, worker_type="thread", num_workers=2)
     widths = set()
     for b, (g, w) in enumerate(zip(got, want, strict=True)):
