@@ -46,3 +46,10 @@ def fails_from_env(item: Any) -> Iterator[dict[str, Any]]:
     if int(item) >= int(os.environ.get("FEEDPIPE_TEST_FAIL_AT", "1000000")):
         raise RuntimeError("injected failure")
     yield from tokens(item)
+
+
+def dies_on_7(item: Any) -> np.ndarray:
+    """The worker process dies on input 7 (as a crash in native code or the OOM killer would)."""
+    if int(item) == 7:
+        os._exit(3)
+    return np.full(3, int(item), np.int64)

@@ -207,6 +207,13 @@ def test_a_failing_input_is_named(tmp_path: Path) -> None:
     assert not (tmp_path / "f").exists()
 
 
+def test_a_worker_that_dies_is_named_with_its_function_and_input(tmp_path: Path) -> None:
+    """Issue 25 item 15: not a bare BrokenProcessPool."""
+    with pytest.raises(DatasetError, match=r"dies_on_7: a worker process died .*input 7 \(7\)"):
+        _convert(fns.dies_on_7, tmp_path / "d", n=12, num_workers=2)
+    assert not (tmp_path / "d").exists()
+
+
 def test_records_that_change_layout_are_refused_naming_the_inputs(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"inputs 8\.\. give records of float32 \[5\]"):
         _convert(fns.shape_changes, tmp_path / "s", n=12, num_workers=2)

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from feedpipe.datasets.format import Index, read_index
 from feedpipe.errors import DatasetError
+from feedpipe.io.cliargs import non_negative_int
 from feedpipe.io.crc import crc32c, to_hex
 from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
@@ -99,7 +100,7 @@ def verify(index: Index, root: str, fs: Any = None) -> Iterator[tuple[str, str]]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="dataset directory (local path or fsspec URL)")
     parser.add_argument("--verify", action="store_true", help="check size and CRC32C of every file")
-    parser.add_argument("--shards", type=int, default=10, help="shard rows to print (default 10)")
+    parser.add_argument("--shards", type=non_negative_int, default=10, help="shard rows to print (default 10)")
     parser.add_argument(
         "--endpoint-url", default=None, help="S3-compatible endpoint (e.g. a MinIO or local server)"
     )

@@ -69,6 +69,7 @@ from feedpipe.datasets.writer import (
     shard_name,
 )
 from feedpipe.errors import DatasetError
+from feedpipe.io.cliargs import byte_size, positive_int
 from feedpipe.io.progress import progress
 from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
@@ -407,13 +408,6 @@ def _drain(queue: Any, bar: Any) -> None:
 
 
 # ---------------------------------------------------------------------- CLI
-def _parse_size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    mult = units.get(t[-1:], 1)
-    return int(float(t[:-1] if t[-1:] in units else t) * mult)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "source",
@@ -428,8 +422,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-key", default=None, help="records array in a .npz or Zarr group, or column"
     )
-    parser.add_argument("--shard-size", default="256MiB", type=_parse_size, help="e.g. 256MiB")
-    parser.add_argument("--workers", type=int, default=None, help="parallel processes")
+    parser.add_argument("--shard-size", default="256MiB", type=byte_size, help="e.g. 256MiB")
+    parser.add_argument("--workers", type=positive_int, default=None, help="parallel processes")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an existing dataset (datasets only)"
     )
@@ -443,45 +437,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "it returns or yields records (docs/guides/parallel-convert.md)",
     )
     parser.add_argument(
-        "--inputs-per-part", type=int, default=None, help="with --fn: inputs per part"
+        "--inputs-per-part", type=positive_int, default=None, help="with --fn: inputs per part"
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``feedpipe convert``; errors go to the CLI's one handler (one redacted line)."""
     options = {"client_kwargs": {"endpoint_url": args.endpoint_url}} if args.endpoint_url else None
     bar = False if args.no_progress else None
     fn = getattr(args, "fn", None)
-    # a function's import or signature problem is the user's input too (a ValueError)
-    errors: tuple[type[Exception], ...] = (DatasetError, ValueError) if fn else (DatasetError,)
-    try:
-        if fn:
-            from feedpipe.datasets.convert_fn import convert_fn, load_function
+    if fn:
+        from feedpipe.datasets.convert_fn import convert_fn, load_function
 
-            result = convert_fn(
-                load_function(fn),
-                args.source,
-                args.dest,
-                num_workers=args.workers,
-                inputs_per_part=args.inputs_per_part,
-                shard_bytes=args.shard_size,
-                overwrite=args.overwrite,
-                progress_bar=bar,
-                storage_options=options,
-            )
-        else:
-            result = convert(
-                args.source if len(args.source) > 1 else args.source[0],
-                args.dest,
-                kind=args.kind,
-                data_key=args.data_key,
-                shard_bytes=args.shard_size,
-                workers=args.workers,
-                overwrite=args.overwrite,
-                progress_bar=bar,
-                storage_options=options,
-            )
-    except errors as exc:
-        print(f"feedpipe convert: error: {exc}", file=sys.stderr)
-        return 1
+        try:  # a function's import or signature problem is the user's input too
+            function = load_function(fn)
+        except ValueError as exc:
+            raise DatasetError(str(exc)) from None
+        result = convert_fn(
+            function,
+            args.source,
+            args.dest,
+            num_workers=args.workers,
+            inputs_per_part=args.inputs_per_part,
+            shard_bytes=args.shard_size,
+            overwrite=args.overwrite,
+            progress_bar=bar,
+            storage_options=options,
+        )
+    else:
+        result = convert(
+            args.source if len(args.source) > 1 else args.source[0],
+            args.dest,
+            kind=args.kind,
+            data_key=args.data_key,
+            shard_bytes=args.shard_size,
+            workers=args.workers,
+            overwrite=args.overwrite,
+            progress_bar=bar,
+            storage_options=options,
+        )
     print(result.summary())
     return 0

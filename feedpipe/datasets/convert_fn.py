@@ -33,13 +33,13 @@ import math
 import multiprocessing as mp
 import os
 import pickle
-import queue as queue_mod
 import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from numbers import Number
 from typing import Any
@@ -425,6 +425,8 @@ def _write_part(fn: Callable[[Any], Any], task: _Task, sink: Sink, shard_bytes: 
         try:
             for j, item in enumerate(task.items):
                 where = f"input {task.first + j} ({_short(item)})"
+                if _QUEUE is not None:  # sent at once: names the input if this process dies
+                    _QUEUE.put((os.getpid(), task.first + j, _short(item)))
                 try:
                     for r, record in enumerate(_records(fn(item))):
                         out.add(record, f"record {r}")
@@ -435,7 +437,7 @@ def _write_part(fn: Callable[[Any], Any], task: _Task, sink: Sink, shard_bytes: 
                         f"{_fn_name(fn)} failed on {where}: {type(exc).__name__}: {exc}"
                     ) from exc
                 if _QUEUE is not None:
-                    _QUEUE.put(1)
+                    _QUEUE.put((os.getpid(), None, None))
             index = out.close()
         except BaseException:
             out.abort()
@@ -470,7 +472,8 @@ def _run(  # noqa: PLR0917
             bar.update(len(t.items))
         return results
     ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
-    q = ctx.Queue()
+    q = ctx.SimpleQueue()  # unbuffered: a worker's last message is there even if it is killed
+    running: dict[int, str] = {}  # pid -> the input it is on
     with ProcessPoolExecutor(
         min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(q,)
     ) as pool:
@@ -481,14 +484,18 @@ def _run(  # noqa: PLR0917
         try:
             while pending:
                 finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                _drain(q, bar)
+                _drain(q, bar, running)
                 for fut in finished:
-                    results[futures[fut].part] = _as_index(fut.result())
+                    try:
+                        results[futures[fut].part] = _as_index(fut.result())
+                    except BrokenProcessPool:
+                        _drain(q, bar, running)
+                        raise _died(fn, futures[fut], running) from None
         except BaseException:
             for fut in pending:
                 fut.cancel()
             raise
-        _drain(q, bar)
+        _drain(q, bar, running)
     return results
 
 
@@ -496,12 +503,45 @@ def _as_index(doc: Any) -> Index | None:
     return None if doc is None else Index.from_json(doc, "part manifest")
 
 
-def _drain(q: Any, bar: Any) -> None:
-    while True:
+def _drain(q: Any, bar: Any, running: dict[int, str]) -> None:
+    """Read the workers' messages: ``(pid, input number, its repr)`` when a worker starts an
+    input, ``(pid, None, None)`` when it has finished it (one step of the bar)."""
+    while not q.empty():
+        pid, number, shown = q.get()
+        if number is None:
+            running.pop(pid, None)
+            bar.update(1)
+        else:
+            running[pid] = f"input {number} ({shown})"
+
+
+def _died(fn: Callable[[Any], Any], task: _Task, running: dict[int, str]) -> DatasetError:
+    """The error for a worker process that died (killed, out of memory, ``os._exit``, a crash
+    in native code): it names the function and the inputs being converted at that moment."""
+    dead = [where for pid, where in running.items() if not _alive(pid)]
+    inputs = dead or list(running.values())
+    if not inputs:
+        last = task.first + len(task.items) - 1
+        inputs = [f"one of inputs {task.first}..{last}"]
+    return DatasetError(
+        f"{_fn_name(fn)}: a worker process died (killed, out of memory or crashed) while "
+        f"converting {' or '.join(inputs)}; nothing was published"
+    )
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` is still running (a zombie, dead but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
         try:
-            bar.update(q.get_nowait())
-        except queue_mod.Empty:
-            return
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 # ---------------------------------------------------------------------- the index

@@ -53,6 +53,10 @@ _URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/?#\s\\]*@", re.I
 # a password with a raw "/", "?" or "#" (unencoded, but users write them): "user:" first, then
 # everything up to the "@" (may over-redact "host:port/path@x", never under-redact)
 _URL_USERINFO_RAW = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/?#\s\\:@]*:[^\s'\"\\]*@", re.I)
+# userinfo with no scheme, as libraries quote a bucket or host they could not parse (botocore:
+# 'Invalid bucket name "KEY:SECRET@bucket"'): a "name:" token, then everything up to the last "@"
+# before a space or quote ("//" after the colon is a scheme, left to the two rules above)
+_BARE_USERINFO = re.compile(r"(?<![^\s'\"(\[{<=,])[\w.%+~-]+:(?!//)[^\s'\"]*@")
 # a query/fragment parameter whose name says it is a credential (X-Amz-Signature, sig, token,
 # access_token, AWSAccessKeyId, api_key, password, ...): its value goes
 _QUERY_SECRETS = re.compile(
@@ -222,7 +226,8 @@ def _secret_values(options: Mapping[str, Any] | None) -> Iterator[str]:
 
 
 def redact(text: str, storage_options: Mapping[str, Any] | None = None) -> str:
-    """Remove credentials: secret ``storage_options`` values, URL userinfo, signed query strings.
+    """Remove credentials: secret ``storage_options`` values, URL userinfo (with or without
+    its scheme), signed query strings.
 
     Every URL on its way into a message, ``repr``, log record or status file passes through here
     (``DatasetError`` applies it to its own message).
@@ -232,6 +237,7 @@ def redact(text: str, storage_options: Mapping[str, Any] | None = None) -> str:
         text = text.replace(secret, "***")
     text = _URL_USERINFO_RAW.sub(lambda m: m.group("scheme") + "***@", text)
     text = _URL_USERINFO.sub(lambda m: m.group("scheme") + "***@", text)
+    text = _BARE_USERINFO.sub("***@", text)
     return _QUERY_SECRETS.sub(lambda m: m.group("name") + "=***", text)
 
 

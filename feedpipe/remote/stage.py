@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from feedpipe.errors import DatasetError
+from feedpipe.io.cliargs import positive_int
 from feedpipe.io.fsutil import atomic_write, fsync_dir
 from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
@@ -361,7 +362,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "src", help="dataset URL or path (s3://bucket/ds, file:///..., /lustre/...)"
     )
     parser.add_argument("dst", help="local destination directory")
-    parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel transfers")
+    parser.add_argument("--workers", type=positive_int, default=DEFAULT_WORKERS, help="parallel transfers")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--no-verify-existing",
