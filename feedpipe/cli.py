@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
 modules are imported only when their subcommand runs. No command prints a traceback: an error is
-one line on stderr naming the file or URL and exit status 1; Ctrl-C exits with 130; a closed stdout (``feedpipe inspect ... | head``) ends the command quietly.
+one line on stderr naming the file or URL and exit status 1; Ctrl-C exits with 130; a closed
+stdout (``feedpipe inspect ... | head``) ends the command quietly.
 ``FEEDPIPE_DEBUG=1`` re-raises, for a bug report.
 
 Credentials never reach the terminal. Every error of every subcommand reaches the user through

@@ -283,7 +283,9 @@ def test_symlinked_directory_in_destination_is_refused(tmp_path: Path) -> None:
     assert (outside / "mine.txt").read_text() == "keep"
 
 
-def test_symlinked_files_in_destination_are_replaced_not_written_through(tmp_path: Path) -> None:
+def test_symlinked_files_in_destination_are_refused_not_written_through(tmp_path: Path) -> None:
+    """Issue 25 item 3 changed this: links stage did not make are refused by name (they were
+    replaced); either way nothing is written through them."""
     contents = make_dataset(tmp_path / "src", shards=2, nbytes=5000)
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -298,13 +300,13 @@ def test_symlinked_files_in_destination_are_replaced_not_written_through(tmp_pat
     (dst / "shard-00000.data").symlink_to(same)
     (dst / "shard-00001.data").symlink_to(other)
     (dst / "index.json").symlink_to(index)
-    stage(tmp_path / "src", dst, progress=False)
+    with pytest.raises(DatasetError, match=r"shard-00000\.data \(a symlink\)"):
+        stage(tmp_path / "src", dst, progress=False)
     for name in ("shard-00000.data", "shard-00001.data", "index.json"):
-        assert not (dst / name).is_symlink(), name
+        assert (dst / name).is_symlink(), name
     assert same.read_bytes() == contents["shard-00000.data"]
     assert other.read_bytes() == b"x" * len(contents["shard-00001.data"])
     assert index.read_text() == "users file"
-    assert (dst / "shard-00001.data").read_bytes() == contents["shard-00001.data"]
 
 
 # ------------------------------------------------------------------ 11: temp names

@@ -51,6 +51,7 @@ import numpy as np
 from feedpipe.datasets._publish import check_remote_destination, publish
 from feedpipe.datasets.columns import parse_field
 from feedpipe.datasets.convert_sources import Source, infer_column, is_variable, make_source
+from feedpipe.datasets.destination import check_convert_destination, replace_dataset
 from feedpipe.datasets.format import (
     FileInfo,
     Index,
@@ -62,12 +63,7 @@ from feedpipe.datasets.format import (
     read_index,
     write_index,
 )
-from feedpipe.datasets.writer import (
-    DEFAULT_SHARD_BYTES,
-    MemmapWriter,
-    check_destination,
-    shard_name,
-)
+from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter, shard_name
 from feedpipe.errors import DatasetError
 from feedpipe.io.cliargs import byte_size, positive_int
 from feedpipe.io.progress import progress
@@ -227,7 +223,7 @@ def convert(
     if not dest or dest == ".":
         raise DatasetError(f"{dest!r}: not a usable destination (name a new folder)")
     _check_not_a_source(source, dest)
-    check_destination(dest, overwrite=overwrite)
+    check_convert_destination(dest, overwrite=overwrite)
     src = make_source(source, kind, data_key, options)
     _check_layout(src)
     workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
@@ -261,15 +257,7 @@ def convert(
     for part in parts:
         shutil.rmtree(part)
     os.unlink(plan_path)
-    if check_destination(dest, overwrite=overwrite):  # re-checked: only our dataset is replaced
-        old = f"{dest}.old-{os.getpid()}"
-        os.replace(dest, old)
-        os.replace(work, dest)
-        shutil.rmtree(old)
-    else:
-        if os.path.isdir(dest):
-            os.rmdir(dest)  # empty
-        os.replace(work, dest)
+    replace_dataset(work, dest, overwrite=overwrite)  # re-checked: only our dataset is replaced
     return ConvertResult(
         dest,
         index.num_records,

@@ -105,7 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--step-ms", type=float, default=0.0, help="simulated step time (0: only the alone run)"
     )
     parser.add_argument("--batches", type=int, default=100, help="measured batches per run")
-    parser.add_argument("--warmup", type=non_negative_int, default=5, help="batches dropped before measuring")
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=5, help="batches dropped before measuring"
+    )
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     parser.add_argument("--json", help="write every run's stats and timelines here")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")

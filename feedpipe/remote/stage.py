@@ -2,6 +2,11 @@
 
 The rules, in order:
 
+0. The destination holds nothing stage did not write: a folder of user files, a user's own
+   ``index.json`` or a symlink there is refused by name before anything is written
+   (:func:`feedpipe.io.ownership.claim`, the rule ``convert`` follows too); a folder stage
+   staged into before (marked ``.stage-owner.json``, or holding only a dataset's files) is
+   resumed or refreshed.
 1. The destination's ``index.json`` is removed before any shard is touched (unless it already is
    the source's index and every file is in place), so an interrupted stage of v2 over v1 leaves
    no index at all, never v1's index over v2's shards. ``index.json`` is written last, so a
@@ -33,6 +38,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from feedpipe.datasets.destination import claim_dataset_folder, dataset_entries
 from feedpipe.errors import DatasetError
 from feedpipe.io.cliargs import positive_int
 from feedpipe.io.fsutil import atomic_write, fsync_dir
@@ -144,6 +150,7 @@ def _stage_locked(
     t0: float,
 ) -> StageResult:
     """The body of :func:`stage`, run while this process alone stages into ``dst``."""
+    _claim(dst, entries)
     _refuse_linked_dirs(dst, entries)
     _clean_stale_temps(dst)
 
@@ -203,6 +210,22 @@ def _stage_locked(
     return StageResult(len(todo), len(entries) - len(todo), total, time.perf_counter() - t0)
 
 
+def _claim(dst: str, entries: list[FileEntry]) -> None:
+    """Make ``dst`` stage's by the one ownership rule (:mod:`feedpipe.datasets.destination`):
+    it may hold only a dataset's own files (the source's, or those of the feedpipe index
+    there), stage's temps and lock, and stage's marker; anything else (a user's own
+    ``index.json``, their files, a symlink) is refused by name before anything is written."""
+    lock = os.path.basename(_lock_path(dst))
+    ours = dataset_entries(
+        dst, [e.relpath for e in entries], also=lambda n: n == lock or _remote.is_temp(n)
+    )
+    claim_dataset_folder(dst, "stage", ours)
+
+
+def _lock_path(dst: str) -> str:
+    return os.path.join(dst, _remote.TEMP_PREFIX + "stage.lock")
+
+
 def _pooled(
     url: str, storage_options: Mapping[str, Any] | None, workers: int
 ) -> Mapping[str, Any] | None:
@@ -224,7 +247,7 @@ def _exclusive(dst: str) -> Iterator[None]:
     file's name has the temp prefix, so no dataset file can have it."""
     import fcntl
 
-    path = os.path.join(dst, _remote.TEMP_PREFIX + "stage.lock")
+    path = _lock_path(dst)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as exc:  # ELOOP: a symlink there, never followed
@@ -362,7 +385,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "src", help="dataset URL or path (s3://bucket/ds, file:///..., /lustre/...)"
     )
     parser.add_argument("dst", help="local destination directory")
-    parser.add_argument("--workers", type=positive_int, default=DEFAULT_WORKERS, help="parallel transfers")
+    parser.add_argument(
+        "--workers", type=positive_int, default=DEFAULT_WORKERS, help="parallel transfers"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--no-verify-existing",
@@ -393,10 +418,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             verify_existing=not args.no_verify_existing,
         )
-    except DatasetError as exc:
-        print(f"feedpipe stage: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # other errors: one redacted line from the CLI's handler
         print(
             "feedpipe stage: interrupted; rerun it to finish (a partly staged destination has no "
             "index.json, so it never opens as a mix of versions)",
