@@ -116,6 +116,7 @@ def stage(
     policy = _remote.RetryPolicy(deadline_s=deadline_s)
     t0 = time.perf_counter()
     raw_index, entries = _remote.read_remote_index(fs, root, url, storage_options, policy)
+    _claim(dst, entries, adopt=False)  # before the lock file: a refused folder is left as is
     os.makedirs(dst, exist_ok=True)
     with _exclusive(dst):
         return _stage_locked(
@@ -210,16 +211,17 @@ def _stage_locked(
     return StageResult(len(todo), len(entries) - len(todo), total, time.perf_counter() - t0)
 
 
-def _claim(dst: str, entries: list[FileEntry]) -> None:
+def _claim(dst: str, entries: list[FileEntry], *, adopt: bool = True) -> None:
     """Make ``dst`` stage's by the one ownership rule (:mod:`feedpipe.datasets.destination`):
     it may hold only a dataset's own files (the source's, or those of the feedpipe index
     there), stage's temps and lock, and stage's marker; anything else (a user's own
-    ``index.json``, their files, a symlink) is refused by name before anything is written."""
+    ``index.json``, their files, a symlink) is refused by name before anything is written.
+    ``adopt=False`` checks only."""
     lock = os.path.basename(_lock_path(dst))
     ours = dataset_entries(
         dst, [e.relpath for e in entries], also=lambda n: n == lock or _remote.is_temp(n)
     )
-    claim_dataset_folder(dst, "stage", ours)
+    claim_dataset_folder(dst, "stage", ours, adopt=adopt)
 
 
 def _lock_path(dst: str) -> str:
