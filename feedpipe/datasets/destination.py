@@ -1,8 +1,12 @@
 """Local destinations of ``feedpipe convert`` and ``feedpipe stage``: which entries are a dataset's
 own, and the claim both commands make before they write.
 
-Both go through :func:`feedpipe.io.ownership.claim` (the one ownership rule): a destination
-holding anything the tool did not write is refused, naming the entries, and nothing is written.
+Both follow :mod:`feedpipe.io.ownership` (the one ownership rule): a destination holding anything
+the tool did not write is refused, naming the entries, and nothing is written. ``stage`` writes
+into its folder, so it claims it (:func:`claim_dataset_folder`, a ``.stage-owner.json`` marker);
+``convert`` builds elsewhere and replaces its destination whole, so it runs the same check
+without a marker (:func:`check_convert_destination`), keeping a dataset's bytes a function of
+its source alone.
 What a dataset folder may hold as its own (:func:`dataset_entries`):
 
 - ``index.json`` when it parses as a feedpipe index (a user's own ``index.json`` is not ours);
@@ -127,10 +131,12 @@ def replace_dataset(
     work: str, dest: str, *, overwrite: bool, also: Callable[[str], bool] = is_writer_file
 ) -> None:
     """Put the finished dataset ``work`` at ``dest``: ``dest`` is checked again (only a dataset
-    of ours is replaced), ``work`` is claimed for ``convert`` (so the new ``dest`` carries the
-    marker), then renamed into place; the old ``dest`` is removed after the rename."""
+    of ours is replaced), then ``work`` is renamed into place and the old ``dest`` removed.
+
+    No marker goes into the dataset: its bytes depend on the source alone (the same for any
+    worker count, local or uploaded), and ``convert`` never writes into ``dest``, it replaces
+    it whole, so the check half of the rule is all it needs."""
     check_convert_destination(dest, overwrite=overwrite, also=also)
-    claim_dataset_folder(work, CONVERT, dataset_entries(work, also=also))
     if os.path.lexists(dest):
         old = f"{dest}.old-{os.getpid()}"
         os.replace(dest, old)
