@@ -472,3 +472,41 @@ def test_a_deeply_nested_remote_index_is_a_dataset_error() -> None:
     raw = b"[" * 100_000 + b"]" * 100_000
     with pytest.raises(DatasetError, match="nested too deeply"):
         _remote.parse_index(raw, "memory://bucket/ds/index.json")
+
+
+# ------------------------------------------------------------------ issue 25 item 15
+
+
+def test_stage_from_an_unreachable_host_fails_at_once_in_one_line(tmp_path: Path) -> None:
+    """It printed a warning per retry (37 lines over 2 minutes) before its one-line error."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "feedpipe.cli", "stage", "--no-progress"]
+        + [f"http://127.0.0.1:{free_port()}/ds", str(tmp_path / "dst")],
+        capture_output=True,
+        text=True,
+        timeout=100,  # the old retries ran to the 120 s deadline
+        check=False,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 1, proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unreachable" in lines[0], proc.stderr
+    assert not (tmp_path / "dst").exists()
+
+
+def test_retries_warn_once_per_call(caplog: pytest.LogCaptureFixture) -> None:
+    """Transient errors are still retried, but only the first retry of a call is a warning."""
+    import logging
+
+    failures = iter(range(4))
+
+    def flaky() -> str:
+        if next(failures, None) is not None:
+            raise ConnectionResetError("reset by peer")
+        return "ok"
+
+    policy = _remote.RetryPolicy(deadline_s=30, base_s=0.001, max_sleep_s=0.002)
+    with caplog.at_level(logging.DEBUG, logger="feedpipe.remote"):
+        assert _remote.call(flaky, "http://h/x", policy=policy) == "ok"
+    retries = [r for r in caplog.records if "transient error" in r.getMessage()]
+    assert [r.levelno for r in retries] == [logging.WARNING] + [logging.DEBUG] * 3

@@ -33,6 +33,7 @@ __all__ = [
     "classify",
     "is_remote",
     "is_temp",
+    "is_unreachable",
     "join",
     "local_file_path",
     "redact",
@@ -332,17 +333,38 @@ def classify(exc: BaseException) -> str:
     return "unknown"
 
 
+def is_unreachable(exc: BaseException) -> bool:
+    """True when the host cannot be reached at all: the connection was refused, or its name
+    does not resolve (a temporary DNS failure, ``EAI_AGAIN``, is not this)."""
+    for e in _chain(exc):
+        if isinstance(e, ConnectionRefusedError):
+            return True
+        if isinstance(e, socket.gaierror) and e.errno in (socket.EAI_NONAME, socket.EAI_NODATA):
+            return True
+    return False
+
+
 class RetryPolicy:
-    """Exponential backoff with full jitter under an overall deadline (per call)."""
+    """Exponential backoff with full jitter under an overall deadline (per call).
+
+    ``retry_unreachable=False`` fails at once when the host is unreachable
+    (:func:`is_unreachable`): right for a first contact, where a refused connection is a wrong
+    URL or a server that is down, not a blip worth minutes of retries."""
 
     def __init__(
-        self, deadline_s: float = 120.0, base_s: float = 0.1, max_sleep_s: float = 5.0
+        self,
+        deadline_s: float = 120.0,
+        base_s: float = 0.1,
+        max_sleep_s: float = 5.0,
+        *,
+        retry_unreachable: bool = True,
     ) -> None:
         if deadline_s <= 0 or base_s <= 0 or max_sleep_s <= 0:
             raise ValueError("deadline_s, base_s and max_sleep_s must be positive")
         self.deadline_s = deadline_s
         self.base_s = base_s
         self.max_sleep_s = max_sleep_s
+        self.retry_unreachable = retry_unreachable
 
     def sleep_for(self, attempt: int) -> float:
         """Seconds to wait before retry number ``attempt`` (1-based): uniform in [0, cap]."""
@@ -388,6 +410,12 @@ def call(
             kind = classify(exc)
             detail = redact(f"{type(exc).__name__}: {exc}", storage_options)
             safe_url = redact(url, storage_options)
+            if kind == "transient" and not policy.retry_unreachable and is_unreachable(exc):
+                raise error(
+                    f"cannot {what} {safe_url}: the host is unreachable: {detail}",
+                    safe_url,
+                    permanent=False,
+                ) from None
             if kind != "transient":
                 reason = "permanent error" if kind == "permanent" else "error"
                 raise error(
@@ -404,11 +432,16 @@ def call(
                     safe_url,
                     permanent=False,
                 ) from None
-            log.warning(
-                "transient error on %s (attempt %d), retrying in %.2f s: %s",
+            # one warning per call, at its first retry; the rest at DEBUG (a dead endpoint
+            # would otherwise print a line per attempt until the deadline)
+            log.log(
+                logging.WARNING if attempt == 1 else logging.DEBUG,
+                "transient error on %s (attempt %d), retrying in %.2f s until the %g s "
+                "deadline: %s",
                 safe_url,
                 attempt,
                 pause,
+                policy.deadline_s,
                 detail,
             )
             if on_retry is not None:

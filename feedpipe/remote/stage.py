@@ -115,7 +115,10 @@ def stage(
     fs, root = _remote.resolve(url, _pooled(url, storage_options, workers), deadline_s)
     policy = _remote.RetryPolicy(deadline_s=deadline_s)
     t0 = time.perf_counter()
-    raw_index, entries = _remote.read_remote_index(fs, root, url, storage_options, policy)
+    # the first contact fails at once on an unreachable host (a wrong URL or a server that is
+    # down); the transfers that follow retry every transient error until the deadline
+    first = _remote.RetryPolicy(deadline_s=deadline_s, retry_unreachable=False)
+    raw_index, entries = _remote.read_remote_index(fs, root, url, storage_options, first)
     _claim(dst, entries, adopt=False)  # before the lock file: a refused folder is left as is
     os.makedirs(dst, exist_ok=True)
     with _exclusive(dst):
