@@ -181,3 +181,47 @@ def test_progress_helper_draws_only_on_a_terminal_in_binary_units(
     drawn = term.getvalue()
     assert "iB/s" in drawn and "MB/s" not in drawn and "kB/s" not in drawn, drawn
     assert isinstance(progress(10, "x", enabled=False), NullBar)
+
+
+# ------------------------------------------------------------------ issue 25 item 16
+_KEY, _SECRET = "AKIAKEYID12345678", "SUPERSECRETvalue42"
+_URL = f"s3://{_KEY}:{_SECRET}@bucket/ds"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["inspect", _URL],
+        ["inspect", _URL, "--verify"],
+        ["convert", "x.npy", _URL, "--no-progress"],
+        ["convert", "x.npy", _URL, "--no-progress", "--fn", "json:loads"],
+        ["stage", _URL, "dst", "--no-progress"],
+        ["bench", _URL, "--workers", "0", "--batches", "2"],
+        ["inspect", "ds", _URL],  # argparse's own error quotes the stray argument
+        ["ckpt", "ls", _URL],
+    ],
+    ids=lambda a: "-".join(x for x in a if not x.startswith(("s3:", "--"))),
+)
+def test_no_command_prints_the_secret_of_a_url(
+    tmp_path: Path,
+    argv: list[str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """botocore quotes "KEY:SECRET@bucket" (no scheme) in its 'Invalid bucket name' message."""
+    monkeypatch.chdir(tmp_path)
+    np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
+    if argv[0] == "ckpt":
+        from ckpt.cli import main as ckpt_main
+
+        run, argv = ckpt_main, argv[1:]
+    else:
+        from feedpipe.cli import main as run
+    try:
+        rc = run(argv)
+    except SystemExit as exc:  # argparse
+        rc = exc.code
+    out, err = capsys.readouterr()
+    assert rc != 0 and "Traceback" not in err, err
+    for secret in (_KEY, _SECRET):
+        assert secret not in out + err, out + err
