@@ -309,6 +309,8 @@ def _check_not_a_source(source: Any, dest: str) -> None:
         return
     d = os.path.realpath(dest)
     for item in source if isinstance(source, (list, tuple)) else [source]:
+        if not isinstance(item, (str, os.PathLike)):
+            return  # a list of samples, not of paths
         p = os.fspath(item)
         if "://" in p:
             continue
@@ -437,6 +439,8 @@ def run(args: argparse.Namespace) -> int:
     if fn:
         from feedpipe.datasets.convert_fn import convert_fn, load_function
 
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())  # --fn mod:func finds ./mod.py, as python -m does
         try:  # a function's import or signature problem is the user's input too
             function = load_function(fn)
         except ValueError as exc:
