@@ -354,7 +354,7 @@ def test_unclear_sources_give_one_clear_line(
     for i in range(3):
         np.save(tmp_path / "arrays" / f"{i}.npy", np.full((2, 3), i, np.float32))
     for source, needle in (
-        ("arrays", "name the files in the order"),
+        ("arrays", "a folder of .npy/.npz files; name the files"),
         ("nothere", "does not exist"),
     ):
         assert main(["convert", source, "out", "--no-progress"]) == 1
