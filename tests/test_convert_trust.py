@@ -355,7 +355,7 @@ def test_unclear_sources_give_one_clear_line(
         np.save(tmp_path / "arrays" / f"{i}.npy", np.full((2, 3), i, np.float32))
     for source, needle in (
         ("arrays", "a folder of .npy/.npz files; name the files"),
-        ("nothere", "does not exist"),
+        ("nothere", "source does not exist"),
     ):
         assert main(["convert", source, "out", "--no-progress"]) == 1
         err = capsys.readouterr().err
