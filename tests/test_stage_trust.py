@@ -480,8 +480,10 @@ def test_a_deeply_nested_remote_index_is_a_dataset_error() -> None:
 def test_stage_from_an_unreachable_host_fails_at_once_in_one_line(tmp_path: Path) -> None:
     """It printed a warning per retry (37 lines over 2 minutes) before its one-line error."""
     proc = subprocess.run(
-        [sys.executable, "-m", "feedpipe.cli", "stage", "--no-progress"]
-        + [f"http://127.0.0.1:{free_port()}/ds", str(tmp_path / "dst")],
+        [
+            *(sys.executable, "-m", "feedpipe.cli", "stage", "--no-progress"),
+            *(f"http://127.0.0.1:{free_port()}/ds", str(tmp_path / "dst")),
+        ],
         capture_output=True,
         text=True,
         timeout=100,  # the old retries ran to the 120 s deadline
