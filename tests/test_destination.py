@@ -120,3 +120,25 @@ def test_the_tools_own_previous_output_is_resumed_or_replaced(
     with pytest.raises(DatasetError, match=r"notes\.txt"):
         TOOLS[tool](sources, dst, overwrite=True)
     assert (dst / "notes.txt").read_text() == "mine, added later"
+
+
+def test_a_restage_of_fewer_shards_after_an_interrupted_one_resumes(tmp_path: Path) -> None:
+    """v1 (3 shards) staged; a stage of v2 (2 shards) removed the index and was killed: v1's
+    third shard is listed nowhere now, but in stage's marked folder it is stage's own."""
+    make_dataset(tmp_path / "v1", shards=3, nbytes=4000, seed=1)
+    make_dataset(tmp_path / "v2", shards=2, nbytes=4000, seed=2)
+    dst = tmp_path / "dst"
+    stage(tmp_path / "v1", dst, progress=False)
+    (dst / "index.json").unlink()
+    stage(tmp_path / "v2", dst, progress=False)
+    assert (dst / "index.json").read_bytes() == (tmp_path / "v2" / "index.json").read_bytes()
+
+
+def test_stage_into_a_symlink_to_a_folder_writes_into_that_folder(
+    tmp_path: Path, sources: Path
+) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    stage(sources, tmp_path / "link", progress=False)
+    assert (tmp_path / "link").is_symlink() and owns(tmp_path / "real", "stage")
+    assert len(MemmapDataset(tmp_path / "real")) > 0

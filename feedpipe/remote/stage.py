@@ -39,9 +39,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from feedpipe.datasets.destination import claim_dataset_folder, dataset_entries
+from feedpipe.datasets.writer import is_writer_file
 from feedpipe.errors import DatasetError
 from feedpipe.io.cliargs import positive_int
 from feedpipe.io.fsutil import atomic_write, fsync_dir
+from feedpipe.io.ownership import owns
 from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
 from feedpipe.remote.transfer import INDEX_NAME, FileEntry
@@ -219,12 +221,23 @@ def _claim(dst: str, entries: list[FileEntry], *, adopt: bool = True) -> None:
     it may hold only a dataset's own files (the source's, or those of the feedpipe index
     there), stage's temps and lock, and stage's marker; anything else (a user's own
     ``index.json``, their files, a symlink) is refused by name before anything is written.
-    ``adopt=False`` checks only."""
+    ``adopt=False`` checks only. In a folder stage has marked, shard files of an older version
+    whose index an interrupted restage removed are stage's too (named as feedpipe writes them).
+    A ``dst`` that is a symlink to a folder stages into that folder, as before."""
+    real = os.path.realpath(dst)
     lock = os.path.basename(_lock_path(dst))
-    ours = dataset_entries(
-        dst, [e.relpath for e in entries], also=lambda n: n == lock or _remote.is_temp(n)
-    )
-    claim_dataset_folder(dst, "stage", ours, adopt=adopt)
+    try:
+        marked = owns(real, "stage")
+    except ValueError as exc:  # a malformed marker: never taken as ours
+        raise DatasetError(str(exc)) from None
+    except (FileNotFoundError, NotADirectoryError):
+        marked = False
+
+    def also(name: str) -> bool:
+        return name == lock or _remote.is_temp(name) or (marked and is_writer_file(name))
+
+    ours = dataset_entries(real, [e.relpath for e in entries], also=also)
+    claim_dataset_folder(real, "stage", ours, adopt=adopt)
 
 
 def _lock_path(dst: str) -> str:
