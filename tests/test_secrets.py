@@ -140,8 +140,31 @@ def test_remote_error_pickles_redacted() -> None:
     assert "hunter2-secret" not in back.url
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        'Parameter validation failed:\nInvalid bucket name "AKIA0KEY0ID:S3cr3t/Val@ue@bucket": ...',
+        "Invalid bucket name 'AKIA0KEY0ID:S3cr3t/Val@ue@bucket'",
+        "could not parse (AKIA0KEY0ID:S3cr3t/Val@ue@bucket)",
+    ],
+)
+def test_userinfo_quoted_without_its_scheme_is_redacted(message: str) -> None:
+    """Issue 25 item 16: botocore quotes the bucket part of s3://KEY:SECRET@bucket/..."""
+    leaks = LeakCheck("S3cr3t/Val@ue", "AKIA0KEY0ID")
+    leaks.text("redact", _remote.redact(message))
+    assert "***@bucket" in _remote.redact(message)
+    leaks.exception(_remote.RemoteError(f"cannot read s3://x: {message}", "s3://x"))
+    leaks.exception(DatasetError(message))
+
+
 def test_plain_paths_are_left_alone() -> None:
-    for text in ("s3://b/ds/year=2024/key=3/part-0", "/data/monkey=1", "shard-00000.data"):
+    for text in (
+        "s3://b/ds/year=2024/key=3/part-0",
+        "/data/monkey=1",
+        "shard-00000.data",
+        "at 12:30 user@example.com wrote",
+        "s3://***@bucket/ds",
+    ):
         assert _remote.redact(text) == text
 
 
