@@ -255,8 +255,16 @@ def test_stage_over_http_never_shows_the_password(
     assert result.copied == 4
     leaks.raises(DatasetError, lambda: stage(f"{base}/missing", tmp_path / "d2", progress=True))
     leaks.raises(DatasetError, lambda: stage(f"{base}/bad", tmp_path / "d3", progress=False))
-    dead = f"http://{user}:{password}@127.0.0.1:{free_port()}/ds"  # retried: warnings logged
+    dead = f"http://{user}:{password}@127.0.0.1:{free_port()}/ds"  # unreachable: fails at once
     leaks.raises(DatasetError, lambda: stage(dead, tmp_path / "d4", deadline_s=1.5))
+    resets = iter([ConnectionResetError(f"reset while reading {dead}")])
+
+    def flaky() -> None:  # a transient error: retried, and its warning logged
+        exc = next(resets, None)
+        if exc is not None:
+            raise exc
+
+    _remote.call(flaky, dead, policy=_remote.RetryPolicy(deadline_s=5, base_s=0.001))
     assert any(r.levelno == logging.WARNING for r in caplog.records)
     leaks.captured(capfd)
     leaks.logs(caplog)
