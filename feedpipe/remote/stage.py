@@ -15,8 +15,9 @@ The rules, in order:
    (:data:`feedpipe.remote.transfer.TEMP_PREFIX`, which no dataset file may have), verified
    against the index (size and CRC32C) and renamed into place. No file is ever truncated or
    rewritten in place: a reader that has the old file mapped keeps reading the old bytes.
-3. A symlink in the destination is never written through: a linked file is replaced by the real
-   file (the link's target is untouched); a linked directory on a file's path is refused.
+3. A symlink in the destination is never written through: a linked file or directory there is
+   refused by rule 0, and a linked directory on a file's path is refused again before the
+   transfers.
 4. Ctrl-C (or any exception) cancels the transfers in flight at their next chunk; the temps are
    removed. ``deadline_s`` bounds the retries of every remote call and the index read as a
    whole, and caps the clients' socket timeouts (see :func:`feedpipe.remote.transfer.resolve`); a
