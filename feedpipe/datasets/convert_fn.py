@@ -33,6 +33,7 @@ import math
 import multiprocessing as mp
 import os
 import pickle
+import queue as queue_mod
 import shutil
 import sys
 import tempfile
@@ -61,6 +62,7 @@ SHARDS_PER_PART = 100_000  # shard ids of part p: p * SHARDS_PER_PART + k
 _MAX_PARTS = 256  # default inputs_per_part: at most this many parts
 _FLUSH = 256  # records buffered per append_batch
 _QUEUE: Any = None  # a worker's progress queue
+_SEAT: Any = None  # a pool worker's (board, index) where it posts its current input number
 
 
 @dataclass(frozen=True)
@@ -217,9 +219,65 @@ def _check_picklable(fn: Callable[..., Any]) -> None:
 
 
 # ---------------------------------------------------------------------- the workers
-def _init_worker(q: Any) -> None:
-    global _QUEUE
+def _init_worker(q: Any, board: Any = None, seats: Any = None) -> None:
+    """A pool worker's start: its progress queue, and a seat on the board (see
+    :class:`_Board`) where it posts the input it is converting."""
+    global _QUEUE, _SEAT
     _QUEUE = q
+    if board is not None:
+        with seats.get_lock():
+            seat = seats.value
+            seats.value += 1
+        board[2 * seat] = os.getpid()
+        _SEAT = (board, 2 * seat + 1)
+
+
+class _Board:
+    """Which input each pool worker is converting: one ``(pid, input number)`` pair per worker
+    in shared memory, written with no system call and no wait (a worker killed at any instant
+    leaves its last input there), read by the parent to name the input when a worker dies."""
+
+    def __init__(self, ctx: Any, workers: int) -> None:
+        self.board = ctx.Array("q", [-1] * (2 * workers), lock=False)
+        self.seats = ctx.Value("i", 0)
+
+    def initargs(self, q: Any) -> tuple[Any, ...]:
+        return (q, self.board, self.seats)
+
+    def error(self, fn: Callable[[Any], Any], tasks: Sequence[_Task]) -> DatasetError:
+        """The error for a pool broken by a worker that died (killed, out of memory, a crash
+        in native code): it names the function and the input(s) that worker was on."""
+        posted = {int(self.board[i]): int(self.board[i + 1]) for i in range(0, len(self.board), 2)}
+        numbers = [n for pid, n in posted.items() if pid > 0 and n >= 0 and not _alive(pid)]
+        if not numbers:  # every worker still alive or idle: name what was in flight
+            numbers = [n for pid, n in posted.items() if pid > 0 and n >= 0]
+        shown = [_input(tasks, n) for n in sorted(numbers)] or ["an unknown input"]
+        return DatasetError(
+            f"{_fn_name(fn)}: a worker process died (killed, out of memory or crashed) while "
+            f"converting {' or '.join(shown)}; nothing was published"
+        )
+
+
+def _input(tasks: Sequence[_Task], number: int) -> str:
+    for t in tasks:
+        if t.first <= number < t.first + len(t.items):
+            return f"input {number} ({_short(t.items[number - t.first])})"
+    return f"input {number}"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def _records(produced: Any) -> Iterable[Any]:
@@ -425,8 +483,8 @@ def _write_part(fn: Callable[[Any], Any], task: _Task, sink: Sink, shard_bytes: 
         try:
             for j, item in enumerate(task.items):
                 where = f"input {task.first + j} ({_short(item)})"
-                if _QUEUE is not None:  # sent at once: names the input if this process dies
-                    _QUEUE.put((os.getpid(), task.first + j, _short(item)))
+                if _SEAT is not None:
+                    _SEAT[0][_SEAT[1]] = task.first + j
                 try:
                     for r, record in enumerate(_records(fn(item))):
                         out.add(record, f"record {r}")
@@ -437,7 +495,7 @@ def _write_part(fn: Callable[[Any], Any], task: _Task, sink: Sink, shard_bytes: 
                         f"{_fn_name(fn)} failed on {where}: {type(exc).__name__}: {exc}"
                     ) from exc
                 if _QUEUE is not None:
-                    _QUEUE.put((os.getpid(), None, None))
+                    _QUEUE.put(1)
             index = out.close()
         except BaseException:
             out.abort()
@@ -472,10 +530,13 @@ def _run(  # noqa: PLR0917
             bar.update(len(t.items))
         return results
     ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
-    q = ctx.SimpleQueue()  # unbuffered: a worker's last message is there even if it is killed
-    running: dict[int, str] = {}  # pid -> the input it is on
+    q = ctx.Queue()
+    board = _Board(ctx, min(workers, len(todo)))
     with ProcessPoolExecutor(
-        min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(q,)
+        min(workers, len(todo)),
+        mp_context=ctx,
+        initializer=_init_worker,
+        initargs=board.initargs(q),
     ) as pool:
         futures: dict[Future[Any], _Task] = {
             pool.submit(_write_part, fn, t, sink, shard_bytes): t for t in todo
@@ -484,18 +545,17 @@ def _run(  # noqa: PLR0917
         try:
             while pending:
                 finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                _drain(q, bar, running)
+                _drain(q, bar)
                 for fut in finished:
                     try:
                         results[futures[fut].part] = _as_index(fut.result())
-                    except BrokenProcessPool:
-                        _drain(q, bar, running)
-                        raise _died(fn, futures[fut], running) from None
+                    except BrokenProcessPool:  # not a bare error: name the function and input
+                        raise board.error(fn, todo) from None
         except BaseException:
             for fut in pending:
                 fut.cancel()
             raise
-        _drain(q, bar, running)
+        _drain(q, bar)
     return results
 
 
@@ -503,45 +563,12 @@ def _as_index(doc: Any) -> Index | None:
     return None if doc is None else Index.from_json(doc, "part manifest")
 
 
-def _drain(q: Any, bar: Any, running: dict[int, str]) -> None:
-    """Read the workers' messages: ``(pid, input number, its repr)`` when a worker starts an
-    input, ``(pid, None, None)`` when it has finished it (one step of the bar)."""
-    while not q.empty():
-        pid, number, shown = q.get()
-        if number is None:
-            running.pop(pid, None)
-            bar.update(1)
-        else:
-            running[pid] = f"input {number} ({shown})"
-
-
-def _died(fn: Callable[[Any], Any], task: _Task, running: dict[int, str]) -> DatasetError:
-    """The error for a worker process that died (killed, out of memory, ``os._exit``, a crash
-    in native code): it names the function and the inputs being converted at that moment."""
-    dead = [where for pid, where in running.items() if not _alive(pid)]
-    inputs = dead or list(running.values())
-    if not inputs:
-        last = task.first + len(task.items) - 1
-        inputs = [f"one of inputs {task.first}..{last}"]
-    return DatasetError(
-        f"{_fn_name(fn)}: a worker process died (killed, out of memory or crashed) while "
-        f"converting {' or '.join(inputs)}; nothing was published"
-    )
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` is still running (a zombie, dead but not yet reaped, is not)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
+def _drain(q: Any, bar: Any) -> None:
+    while True:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+            bar.update(q.get_nowait())
+        except queue_mod.Empty:
+            return
 
 
 # ---------------------------------------------------------------------- the index
