@@ -766,11 +766,9 @@ def _is_cache_entry(path: Path) -> bool:
 def _claim_cache_dir(cache_dir: str) -> None:
     """The one ownership rule (:func:`feedpipe.io.ownership.claim`): a ``cache_dir`` holding
     anything a cache did not write is refused by name, since eviction deletes files there."""
-    try:
-        claim(cache_dir, "cache", _is_cache_entry)
-    except ForeignEntriesError as exc:
-        raise DatasetError(str(exc)) from None
-    except ValueError as exc:  # a malformed marker
+    try:  # a cache_dir that is a link to a folder (/scratch -> /mnt/nvme) claims that folder
+        claim(os.path.realpath(cache_dir), "cache", _is_cache_entry)
+    except (ForeignEntriesError, NotADirectoryError, ValueError) as exc:  # ValueError: marker
         raise DatasetError(str(exc)) from None
 
 
