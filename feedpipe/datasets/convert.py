@@ -442,20 +442,19 @@ def run(args: argparse.Namespace) -> int:
         if os.getcwd() not in sys.path and "" not in sys.path:
             sys.path.insert(0, os.getcwd())  # --fn mod:func finds ./mod.py, as python -m does
         try:  # a function's import or signature problem is the user's input too
-            function = load_function(fn)
+            result = convert_fn(
+                load_function(fn),
+                args.source,
+                args.dest,
+                num_workers=args.workers,
+                inputs_per_part=args.inputs_per_part,
+                shard_bytes=args.shard_size,
+                overwrite=args.overwrite,
+                progress_bar=bar,
+                storage_options=options,
+            )
         except ValueError as exc:
             raise DatasetError(str(exc)) from None
-        result = convert_fn(
-            function,
-            args.source,
-            args.dest,
-            num_workers=args.workers,
-            inputs_per_part=args.inputs_per_part,
-            shard_bytes=args.shard_size,
-            overwrite=args.overwrite,
-            progress_bar=bar,
-            storage_options=options,
-        )
     else:
         result = convert(
             args.source if len(args.source) > 1 else args.source[0],

@@ -37,7 +37,7 @@ __all__ = [
     "replace_dataset",
 ]
 
-CONVERT = "convert"  # the tool name of feedpipe convert's marker
+CONVERT = "convert"  # the tool named in convert's refusals (it writes no marker, see above)
 
 
 def dataset_entries(
