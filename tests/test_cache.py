@@ -143,9 +143,9 @@ def test_cache_dir_holding_user_files_is_refused_and_never_evicted_from(
         assert cache.stats.evictions == 1
     assert (cache_dir / "later" / "notes.txt").read_text() == "keep"
     (tmp_path / "link").symlink_to(cache_dir, target_is_directory=True)
-    with ShardCache(url, tmp_path / "link", None, opts) as again:  # a linked cache_dir works
-        with again.leased(DATA[0]) as p0:
-            assert Path(p0).read_bytes() == contents[DATA[0]]
+    again = ShardCache(url, tmp_path / "link", None, opts)  # a linked cache_dir works
+    with again, again.leased(DATA[0]) as p0:
+        assert Path(p0).read_bytes() == contents[DATA[0]]
 
 
 _WORKER = """
