@@ -56,3 +56,10 @@ def hangs_on_0_fails_on_1(item: int) -> np.ndarray:
         time.sleep(0.5)
         raise ValueError("bad input 1")
     return np.full(3, item, np.int64)
+
+
+def dies_on_7(item: Any) -> np.ndarray:
+    """The worker process dies on input 7 (as a crash in native code or the OOM killer would)."""
+    if int(item) == 7:
+        os._exit(3)
+    return np.full(3, int(item), np.int64)

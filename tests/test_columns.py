@@ -670,3 +670,19 @@ def test_guide_code_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert [t.tolist() for t in ns["nested"].unbind()] == [[4, 4, 8, 1, 3], [5, 17, 2], [9]]
     assert ns["ds"][0]["image"].shape == (3, 32, 32)
     assert ns["MemmapDataset"]("tokenized")[7]["url"] == "https://example.com/7"
+
+
+def test_a_json_number_out_of_float_range_is_refused_on_read_as_on_write(tmp_path: Path) -> None:
+    """Issue 25 item 10: ``1e999`` read back as ``inf``, which the writer refuses to store."""
+    with MemmapWriter(tmp_path / "j", records=False, fields={"m": "json"}) as w:
+        w.append(m={"x": 1.0})
+        w.append(m={"x": 1e300})
+    with pytest.raises(DatasetError, match=r"record 0: field 'm': inf cannot be stored"):
+        MemmapWriter(tmp_path / "w", records=False, fields={"m": "json"}).append(m=float("inf"))
+    root = tmp_path / "j"
+    (rel,) = [p.name for p in root.iterdir() if b"1e+300" in p.read_bytes()]
+    _rewrite(root, rel, (root / rel).read_bytes().replace(b"1e+300", b"1e+999"))
+    ds = MemmapDataset(root)
+    assert ds[0]["m"] == {"x": 1.0}
+    with pytest.raises(DatasetError, match=rf"{rel}.*record 1.*'m'.*1e\+999 is out of a float"):
+        ds[1]

@@ -18,14 +18,13 @@ its keys. (The shard a sample came from is in the index's ``extra.source``.)
 from __future__ import annotations
 
 import glob
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from feedpipe.datasets.columns import encode
+from feedpipe.datasets.columns import encode, loads_json
 from feedpipe.datasets.tar import TarDataset, expand_shards
 from feedpipe.errors import DatasetError
 
@@ -70,10 +69,6 @@ def _spec(field: str) -> Any:
     return ("uint8", (None,))
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON a dataset can store")
-
-
 def _decode(spec: Any, raw: bytes, field: str, sample: Mapping[str, Any]) -> Any:
     """One member's value for its column; ``DatasetError`` naming the shard and the member."""
     where = f"{sample.get('__url__', '?')}: member {sample['__key__'] + '.' + field!r}"
@@ -81,7 +76,7 @@ def _decode(spec: Any, raw: bytes, field: str, sample: Mapping[str, Any]) -> Any
         if spec == "str":
             return raw.decode("utf-8")
         if spec == "json":
-            value = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+            value = loads_json(raw.decode("utf-8"))
             encode("json", "uint8", (), value, where)  # what would not read back equal
             return value
         if spec == "int64":
