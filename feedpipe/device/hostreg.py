@@ -32,7 +32,6 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any, Protocol
 
 __all__ = [
@@ -69,28 +68,38 @@ class Runtime(Protocol):
     def peek_last_error(self) -> int: ...
 
 
-@cache
-def _cudart_lib() -> Any:
-    """The ``libcudart`` torch loaded (found in this process's maps: the same instance, whose
-    per-thread last error torch reads), else the global namespace's, else None."""
+def _cudart_libs() -> tuple[Any, ...]:
+    """Every ``libcudart`` this process has loaded (found in its maps: torch's own instance, whose
+    per-thread last error torch reads, is one of them), else the global namespace's; looked up
+    until one is found, then kept."""
+    global _LIBS
+    if _LIBS:
+        return _LIBS
     try:
         with open("/proc/self/maps") as f:
-            paths = [line.split()[-1] for line in f if "/libcudart" in line]
+            paths = sorted({line.split()[-1] for line in f if "/libcudart" in line})
     except OSError:
         paths = []
+    libs = []
     for path in paths:
         try:
             lib = ctypes.CDLL(path)
             lib.cudaGetLastError  # noqa: B018  (probe the symbol)
-            return lib
         except (OSError, AttributeError):
             continue
-    try:
-        lib = ctypes.CDLL(None)
-        lib.cudaGetLastError  # noqa: B018
-        return lib
-    except (OSError, AttributeError):
-        return None
+        libs.append(lib)
+    if not libs:
+        try:
+            lib = ctypes.CDLL(None)
+            lib.cudaGetLastError  # noqa: B018
+            libs.append(lib)
+        except (OSError, AttributeError):
+            pass
+    _LIBS = tuple(libs)
+    return _LIBS
+
+
+_LIBS: tuple[Any, ...] = ()
 
 
 class _TorchRuntime:
@@ -112,9 +121,10 @@ class _TorchRuntime:
         torch.cuda.synchronize()
 
     def get_last_error(self) -> int:
-        lib = _cudart_lib()
-        if lib is not None:
-            return int(lib.cudaGetLastError())
+        libs = _cudart_libs()
+        if libs:  # every instance: whichever torch uses is cleared
+            errors = [int(lib.cudaGetLastError()) for lib in libs]
+            return next((e for e in errors if e), 0)
         import torch
 
         try:  # no symbol to call: a kernel launch reads the error (torch checks it) and raises
@@ -124,8 +134,8 @@ class _TorchRuntime:
         return 0
 
     def peek_last_error(self) -> int:
-        lib = _cudart_lib()
-        return int(lib.cudaPeekAtLastError()) if lib is not None else 0
+        errors = [int(lib.cudaPeekAtLastError()) for lib in _cudart_libs()]
+        return next((e for e in errors if e), 0)
 
 
 _RUNTIME: Runtime = _TorchRuntime()
