@@ -161,12 +161,13 @@ class Registration:
         pages); True once nothing is registered there. Idempotent and thread-safe; never
         raises for the unregister itself (a failure is logged and cleared). In a forked child
         it does nothing: the registration is the parent's, and CUDA cannot run there."""
+        if self.pid != os.getpid():  # before the lock: a fork may have copied it held
+            self.released = True
+            return True
         with _LOCK:
             if self.released:
                 return True
             self.released = True
-            if self.pid != os.getpid():
-                return True
         try:
             if sync:
                 self.runtime.synchronize()
