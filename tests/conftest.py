@@ -34,13 +34,42 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--gpu-order",
+        choices=("forward", "reverse"),
+        default="forward",
+        help="run the collected tests in this order (the GPU suite must pass in one process in "
+        "any order: tests/test_gpu_hygiene.py)",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--gpu-order") == "reverse":
+        items.reverse()
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _no_cuda_error_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A GPU test that leaves a CUDA runtime error behind fails itself, not the next test (the
+    error is cleared here, after the test's garbage is collected: finalizers unregister)."""
+    yield
+    if "gpu" not in request.keywords or not _cuda_available():
+        return
+    import gc
+
+    from feedpipe.device import hostreg
+
+    gc.collect()
+    err = hostreg.clear_last_error()
+    if err:
+        pytest.fail(f"{request.node.nodeid} left CUDA runtime error {err} behind for the next call")
 
 
 def free_port() -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -35,29 +36,31 @@ class OpenShard:
         self.rows: np.ndarray | None = None
         self.users = 0
         self.locked: Any = None  # the map registered with CUDA (feedpipe.device.dma)
-        self.unlock: int | None = None
+        self.unlock: Any = None  # its feedpipe.device.hostreg.Registration
 
     def close(self, owner: bool = True) -> None:
         """Close the file; ``owner`` (this process opened it) also ends the CUDA registration
-        and the cache lease, which a forked child leaves to its parent."""
-        if self.locked is not None and owner:  # not in a forked child: CUDA is the parent's
-            from feedpipe.device.dma import unlock
-
-            unlock(self)
-        self.locked = None
-        self.rows = None
-        if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:  # a view is still alive somewhere: unmapped when it goes
-                pass
-            self.mm = None
+        and the cache lease, which a forked child leaves to its parent. The map is unmapped only
+        once it is unregistered (its registration holds it mapped until then)."""
+        self.rows = None  # first: feedpipe.device.dma registers no map of a closing shard
         try:
-            os.close(self.fd)
-        except OSError:
-            pass
-        if owner:
-            self.release()
+            dma = sys.modules.get("feedpipe.device.dma")  # not imported: nothing was registered
+            if dma is not None and owner:  # not in a forked child: CUDA is the parent's
+                dma.unlock(self)  # under the lock register takes: none in flight is missed
+        finally:
+            self.locked = None
+            if self.mm is not None:
+                try:
+                    self.mm.close()
+                except BufferError:  # a view (or a registration) holds it: unmapped when it goes
+                    pass
+                self.mm = None
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            if owner:
+                self.release()
 
 
 class OpenShards:

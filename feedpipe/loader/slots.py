@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-from feedpipe.device.dma import clear_last_error, unregister
+from feedpipe.device import hostreg
 
 __all__ = [
     "ENV",
@@ -422,18 +422,17 @@ class _Buffer:
         self.flags = self.array[:k]
         self.registered = False
         if pin and torch.cuda.is_available():
-            err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
-            self.registered = int(err) == 0
-            if not self.registered:  # copies from it are then staged by CUDA: slower, correct
-                clear_last_error()
+            try:  # unregistered (no sync: no view, so no copy, is left) when this is collected
+                reg = hostreg.register(buffer.data_ptr(), buffer.numel(), 0, _WHAT, buffer)
+            except hostreg.HostRegisterError:  # copies are then staged by CUDA: slower, correct
+                pass
+            else:
+                hostreg.release_when_collected(self, reg, sync=False)
+                self.registered = True
         self.array[k] = 1  # seen: the worker stops sending the buffer
 
-    def __del__(self) -> None:
-        if getattr(self, "registered", False):
-            try:
-                unregister(self.tensor.data_ptr(), "a worker slot buffer")
-            except Exception:  # interpreter shutdown
-                pass
+
+_WHAT = "a worker slot buffer"
 
 
 _LOCK = threading.Lock()
