@@ -9,7 +9,10 @@ A checkpoint directory ``DIR`` holds:
 - ``latest``: a regular file holding ``step-N`` and a newline, replaced by rename from
   ``latest.tmp-PID-RAND``;
 - ``.lock``: the writer lock; ``upload-status.json``: the remote tier's status mirror, replaced
-  from ``.upload-status.json.tmp-PID-THREAD``.
+  from ``.upload-status.json.tmp-PID-THREAD``;
+- ``.ckpt-owner.json``: ckpt's ownership marker (``feedpipe.io.ownership``; ``ckpt._owner``
+  decides which entries are ckpt's); ``retention.json``: the retention policy of the manager
+  that last wrote the directory (what ``ckpt gc`` applies).
 
 A remote root holds ``step-N/`` prefixes with the same files. ``ckpt.save(PATH)`` uses the same
 ``.tmp-``/``.del-`` suffixes on ``PATH``'s own name. This module only spells and parses names; it
@@ -30,6 +33,7 @@ __all__ = [
     "LEFTOVER",
     "LOCK",
     "MANIFEST",
+    "RETENTION_FILE",
     "RETIRED",
     "STATUS_FILE",
     "del_name",
@@ -52,6 +56,7 @@ DATA_FILE = "data.bin"
 LATEST = "latest"
 LOCK = ".lock"
 STATUS_FILE = "upload-status.json"
+RETENTION_FILE = "retention.json"
 
 STEP = re.compile(r"^step-(0|[1-9][0-9]*)\Z")  # ASCII, canonical: "step-05" is not step 5
 STEP_ID = re.compile(r"^step-(\d+)$")  # a DCP checkpoint_id's last component (step_id)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ckpt import _commit, _faults, _layout, _staging
+from ckpt import _commit, _faults, _layout, _owner, _retention, _staging
 from ckpt import format as fmt
 from ckpt._flatten import RNG_KEY, Leaf, apply_into, flatten, rng_state
 from ckpt._paths import local_path
@@ -251,11 +251,20 @@ class CheckpointManager:
         return nbytes
 
     def ensure_writer(self) -> None:
-        """Become the directory's writer, once: take its writer lock, remove the leftovers of
-        interrupted saves and catch up on retention. ``save`` and a restore that publishes a
-        download call it; so does ``ckpt.dcp``'s coordinator before any rank writes."""
+        """Become the directory's writer, once: claim it (``ckpt._owner.claim_root``: a directory
+        holding entries ckpt did not write is refused, naming them, and nothing is written),
+        take its writer lock, record the retention policy (``ckpt gc`` applies it), remove the
+        leftovers of interrupted saves and catch up on retention. ``save`` and a restore that
+        publishes a download call it; so does ``ckpt.dcp``'s coordinator before any rank
+        writes."""
         if not self._lock.held:
+            _owner.claim_root(self.directory)
             self._lock.acquire(self.write_options.lock_timeout_s)
+            try:
+                _retention.record(self.directory, self.policy)
+            except BaseException:
+                self._lock.release()
+                raise
             removed = _commit.remove_leftovers(self.directory)
             if removed:
                 log.info(
