@@ -44,14 +44,12 @@ __all__ = [
     "foreign",
     "is_ckpt_dir",
     "is_ckpt_manifest",
-    "is_data_name",
     "is_ours",
     "owned",
 ]
 
 TOOL = "ckpt"
 _HEAD = re.compile(rb'\A\{"crc32c":"[0-9a-f]{8}","body":\{')  # format.write_manifest's bytes
-_RANK = re.compile(r"^rank-[0-9]{5,}\.bin\Z")
 _LOCK = re.compile(rb"\A(pid [0-9]+)?\Z")
 _SMALL = 4096  # latest, .lock: ckpt writes a few bytes; anything longer is not its
 
@@ -59,11 +57,6 @@ _SMALL = 4096  # latest, .lock: ckpt writes a few bytes; anything longer is not 
 def is_ckpt_manifest(raw: bytes) -> bool:
     """Whether ``raw`` are the bytes of a manifest that ckpt wrote (intact or not)."""
     return _HEAD.match(raw) is not None and b'"format":"ckpt"' in raw
-
-
-def is_data_name(name: str) -> bool:
-    """Whether ``name`` is a data file ckpt writes into a step (``data.bin``, ``rank-N.bin``)."""
-    return name == _layout.DATA_FILE or _RANK.match(name) is not None
 
 
 def _read(name: str | Path, dir_fd: int | None = None, limit: int | None = None) -> bytes | None:
@@ -98,7 +91,7 @@ def _dir_ok(fd: int) -> bool:
             if raw is None or not is_ckpt_manifest(raw):
                 return False
             continue
-        if not is_data_name(name):
+        if not _layout.is_data_name(name):
             return False
         try:
             if not stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
@@ -150,9 +143,9 @@ def is_ours(path: Path) -> bool:
     """Whether the entry ``path`` of a checkpoint root is one that ckpt wrote (module docstring).
     Symlinks are never followed and never ours."""
     name = path.name
-    if _layout.is_step_name(name) or (_layout.LEFTOVER.match(name) and name.startswith("step-")):
+    if _layout.is_step_name(name) or _layout.is_step_scratch(name):
         return is_ckpt_dir(path)
-    if name == _layout.LATEST or name.startswith(f"{_layout.LATEST}.tmp-"):
+    if name == _layout.LATEST or _layout.is_latest_tmp(name):
         raw = _read(path, limit=_SMALL)
         if raw is None:
             return False
@@ -169,7 +162,7 @@ def is_ours(path: Path) -> bool:
         return _is_json_of(path, "steps")
     if name == _layout.RETENTION_FILE:
         return _is_json_of(path, "tool")
-    if name.startswith(f".{_layout.STATUS_FILE}.tmp-"):
+    if _layout.is_status_tmp(name):
         return _is_regular(path)
     found = temp_target(name)  # feedpipe.io.atomic_write's temp of the marker or the policy
     if found is not None and found[0] in (marker_name(TOOL), _layout.RETENTION_FILE):

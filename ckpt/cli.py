@@ -253,6 +253,12 @@ def _remote_cmd(
         targets = [(shown, root, True)]
     else:
         listing = list_remote(fs, root)
+        if not listing:  # nothing listed: an empty root, or one that is missing or unreachable
+            try:
+                fs.ls(root)  # raises what the listing swallowed (a refused connection, DNS...)
+            except FileNotFoundError:
+                print(f"ckpt: {shown}: no such remote directory", file=sys.stderr)
+                return 2
         chosen = sorted(listing) if only is None else [only]
         targets = [
             (f"step {n}", f"{root}/{_layout.step_name(n)}", n in listing and listing[n].committed)
@@ -352,9 +358,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _remote_cmd(args.command, text, _storage_options(args), args.step
                                    if args.command == "verify" else None,
                                    args.command == "ls" and args.metrics)  # fmt: skip
-            except (CheckpointError, OSError):
+            except CheckpointError:
                 raise
-            except Exception as exc:  # the client's own errors (botocore, fsspec): one line
+            except Exception as exc:  # the client's own errors (botocore, aiohttp): one line
                 print(f"ckpt: {_scrub(text, text)}: {type(exc).__name__}: {_scrub(str(exc), text)}",
                       file=sys.stderr)  # fmt: skip
                 return 1
