@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt import _commit, _faults, _layout, _retention, _s3put
+from ckpt import _commit, _faults, _layout, _owner, _retention, _s3put
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError, RemoteCheckpointError
 from ckpt.policy import KeepLast, Policy
@@ -138,11 +138,13 @@ class RemoteStats:
 
 @dataclass
 class RemoteListing:
-    """One ``step-N`` prefix on the remote: committed (has a manifest), its newest object time."""
+    """One ``step-N`` prefix on the remote: committed (has a manifest), its newest object time,
+    and the names under it that ckpt never writes (``foreign``: such a prefix is never deleted)."""
 
     step: int
     committed: bool
     newest_mtime: float
+    foreign: list[str] = field(default_factory=list)
 
 
 def _transfer(
@@ -212,6 +214,8 @@ def list_remote(fs: Any, root: str) -> dict[int, RemoteListing]:
             continue
         entry = out.setdefault(step, RemoteListing(step, False, 0.0))
         entry.committed |= tail == fmt.MANIFEST
+        if tail != fmt.MANIFEST and not _layout.is_data_name(tail):
+            entry.foreign.append(tail)
         entry.newest_mtime = max(entry.newest_mtime, _mtime(info))
     return out
 
@@ -629,6 +633,13 @@ class RemoteTier:
             active = set(self._queue) | {
                 s for s, st in self.stats.uploads.items() if st.state == "uploading"
             }
+        for step, entry in sorted(listing.items()):
+            if entry.foreign:
+                log.warning(
+                    "ckpt: leaving %s/%s alone: ckpt did not write %s",
+                    self.url, _layout.step_name(step), ", ".join(entry.foreign[:5]),
+                )  # fmt: skip
+        listing = {s: e for s, e in listing.items() if not e.foreign}
         committed = sorted(s for s, e in listing.items() if e.committed)
         decision = _retention.plan(
             committed,
@@ -638,6 +649,13 @@ class RemoteTier:
             metrics=self._step_metrics,
         )
         for step in decision.delete:
+            raw = self._remote_manifest(step)
+            if raw is not None and not _owner.is_ckpt_manifest(raw):
+                log.warning(
+                    "ckpt: leaving %s/%s alone: its manifest was not written by ckpt",
+                    self.url, _layout.step_name(step),
+                )  # fmt: skip
+                continue
             self._delete_remote(step)
             self._metrics.pop(step, None)
             self.stats.remote_evicted.append(step)
