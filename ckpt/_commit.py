@@ -282,7 +282,7 @@ def settle(final: Path, retired: list[Path]) -> list[Path]:
     for path in sorted(retired, key=lambda p: not is_complete(p)):  # complete ones first
         if os.path.islink(path):
             raise _symlink_error(path)
-        if not _owner.is_ckpt_dir(path):
+        if not _owner.is_ckpt_dir(path, scratch=True):
             _not_ours(path, "not only ckpt files")
             continue
         if is_complete(final):
@@ -385,6 +385,11 @@ def write_latest(root: Path, step: int) -> None:
     """Atomically point ``DIR/latest`` at ``step-N``; a ``latest`` that ckpt did not write (e.g.
     DeepSpeed's ``global_step10``) is a ``CheckpointError``, never overwritten."""
     final = root / LATEST
+    if os.path.isdir(final) and not os.path.islink(final):
+        raise CheckpointError(
+            f"{final}: is a directory; ckpt keeps its latest-step pointer there "
+            "(remove or rename that directory)"
+        )
     if os.path.lexists(final) and not _owner.is_ours(final):
         raise CheckpointError(
             f"{final}: was not written by ckpt (not a regular file holding step-N); refusing "
@@ -400,13 +405,10 @@ def write_latest(root: Path, step: int) -> None:
         os.close(fd)
     _faults.fs_op(f"write {tmp.name}")
     try:
-        os.rename(tmp, root / LATEST)  # replaces a symlink named latest, never writes through it
-    except IsADirectoryError:
+        os.rename(tmp, final)  # checked above: ckpt's own latest, replaced, never written through
+    except IsADirectoryError:  # a directory made since the check
         remove_path(tmp)
-        raise CheckpointError(
-            f"{root / LATEST}: is a directory; ckpt keeps its latest-step pointer there "
-            "(remove or rename that directory)"
-        ) from None
+        raise CheckpointError(f"{final}: is a directory (made by another program)") from None
     _faults.fs_op(f"rename {tmp.name} {LATEST}")
     fsync_dir(root)
 

@@ -10,7 +10,9 @@ root (``ckpt._layout`` spells every name):
   written;
 - ``step-N``, ``step-N.tmp-*``, ``step-N.del-*``: real directories holding only ckpt data files
   (``data.bin``, ``rank-NNNNN.bin``, regular files) and at most a manifest that is ckpt's
-  (``is_ckpt_dir``); a ``step-N`` cut short by an eviction has no manifest left;
+  (``is_ckpt_dir``); a ``step-N`` cut short by an eviction has no manifest left, and the
+  manifest of a temporary directory may be torn by a crash (empty, or cut after its first
+  bytes: what is there must be ckpt's head);
 - ``latest`` and ``latest.tmp-*``: a regular file holding ``step-N`` (or, for the temp, nothing);
 - ``.lock``: a regular file holding nothing or ``pid N``; ``upload-status.json``,
   ``retention.json``: ckpt's JSON; their temporary files and the marker's: regular files.
@@ -54,9 +56,19 @@ _LOCK = re.compile(rb"\A(pid [0-9]+)?\Z")
 _SMALL = 4096  # latest, .lock: ckpt writes a few bytes; anything longer is not its
 
 
-def is_ckpt_manifest(raw: bytes) -> bool:
-    """Whether ``raw`` are the bytes of a manifest that ckpt wrote (intact or not)."""
-    return _HEAD.match(raw) is not None and b'"format":"ckpt"' in raw
+_TEMPLATE = b'{"crc32c":"........","body":{'  # "." stands for a hex digit
+
+
+def is_ckpt_manifest(raw: bytes, torn: bool = False) -> bool:
+    """Whether ``raw`` are the bytes of a manifest that ckpt wrote (its checksum unchecked);
+    with ``torn``, also the start of one that a crash cut short (nothing, or ckpt's head)."""
+    if _HEAD.match(raw) is not None:
+        return torn or b'"format":"ckpt"' in raw
+    if not torn or len(raw) >= len(_TEMPLATE):
+        return False
+    hexdigits = b"0123456789abcdef"
+    pairs = zip(_TEMPLATE[: len(raw)], raw, strict=True)
+    return all(t == c or (t == ord(".") and c in hexdigits) for t, c in pairs)
 
 
 def _read(name: str | Path, dir_fd: int | None = None, limit: int | None = None) -> bytes | None:
@@ -81,14 +93,15 @@ def _read(name: str | Path, dir_fd: int | None = None, limit: int | None = None)
         os.close(fd)
 
 
-def _dir_ok(fd: int) -> bool:
-    """Whether the directory open at ``fd`` holds only ckpt data files and a ckpt manifest."""
+def _dir_ok(fd: int, torn: bool) -> bool:
+    """Whether the directory open at ``fd`` holds only ckpt data files and a ckpt manifest
+    (``torn``: or what a crash left of one)."""
     with os.scandir(fd) as it:
         names = [e.name for e in it]
     for name in names:
         if name == _layout.MANIFEST:
             raw = _read(name, fd)
-            if raw is None or not is_ckpt_manifest(raw):
+            if raw is None or not is_ckpt_manifest(raw, torn):
                 return False
             continue
         if not _layout.is_data_name(name):
@@ -101,18 +114,19 @@ def _dir_ok(fd: int) -> bool:
     return True
 
 
-def is_ckpt_dir(path: Path, fd: int | None = None) -> bool:
+def is_ckpt_dir(path: Path, fd: int | None = None, *, scratch: bool = False) -> bool:
     """Whether ``path`` (or the directory open at ``fd``) is a real directory of ckpt's: only
-    ckpt data files and at most a ckpt manifest (a step, its temp or retired copy, the output
-    of ``ckpt.save``; an empty directory holds nothing to lose and qualifies too)."""
+    ckpt data files and at most a ckpt manifest (a step, the output of ``ckpt.save``; an empty
+    directory holds nothing to lose and qualifies too). ``scratch``: a temporary or retired
+    directory, whose manifest may be torn by a crash."""
     if fd is not None:
-        return _dir_ok(fd)
+        return _dir_ok(fd, scratch)
     try:
         own = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:  # gone, a file or a symlink
         return False
     try:
-        return _dir_ok(own)
+        return _dir_ok(own, scratch)
     except OSError:
         return False
     finally:
@@ -144,7 +158,7 @@ def is_ours(path: Path) -> bool:
     Symlinks are never followed and never ours."""
     name = path.name
     if _layout.is_step_name(name) or _layout.is_step_scratch(name):
-        return is_ckpt_dir(path)
+        return is_ckpt_dir(path, scratch=_layout.is_step_scratch(name))
     if name == _layout.LATEST or _layout.is_latest_tmp(name):
         raw = _read(path, limit=_SMALL)
         if raw is None:
@@ -174,7 +188,7 @@ def claim_root(root: str | os.PathLike[str], record: Mapping[str, Any] | None = 
     """Make ``root`` ckpt's (``feedpipe.io.ownership.claim`` with ``is_ours``): a missing or
     empty directory is created and marked, a root of ckpt's own steps is adopted; any other
     entry raises ``ForeignEntriesError`` naming it, and nothing is written."""
-    return claim(root, TOOL, is_ours, record)
+    return claim(os.path.realpath(root), TOOL, is_ours, record)  # DIR may link to a fast disk
 
 
 def owned(root: str | os.PathLike[str]) -> bool:

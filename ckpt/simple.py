@@ -80,8 +80,9 @@ def _settle(path: Path, tmps: bool = True) -> None:
         _commit.settle(path, retired)
     for n in names if tmps else ():
         pid = _layout.tmp_pid(n, path.name)
-        if pid is not None and not _alive(pid) and _owner.is_ckpt_dir(path.parent / n):
-            _commit.remove_path(path.parent / n)  # a dead save's temp that holds only ckpt files
+        tmp = path.parent / n
+        if pid is not None and not _alive(pid) and _owner.is_ckpt_dir(tmp, scratch=True):
+            _commit.remove_path(tmp)  # a dead save's temp that holds only ckpt files
 
 
 def _alive(pid: int) -> bool:
