@@ -155,7 +155,12 @@ def _is_regular(path: Path) -> bool:
 
 def is_ours(path: Path) -> bool:
     """Whether the entry ``path`` of a checkpoint root is one that ckpt wrote (module docstring).
-    Symlinks are never followed and never ours."""
+    Symlinks are never followed and never ours. An entry gone since it was listed (a temporary
+    file renamed by a concurrent writer) holds nothing to protect: it counts as ours."""
+    return _is_ours(path) or not os.path.lexists(path)
+
+
+def _is_ours(path: Path) -> bool:
     name = path.name
     if _layout.is_step_name(name) or _layout.is_step_scratch(name):
         return is_ckpt_dir(path, scratch=_layout.is_step_scratch(name))
