@@ -781,6 +781,14 @@ class RemoteTier:
                 "updated": time.time(),
                 "steps": {str(s): asdict(st) for s, st in sorted(self.stats.uploads.items())},
             }
+        target = self.directory / STATUS_FILE
+        try:  # never into a directory that is not ckpt's yet, nor over another tool's file
+            if not _owner.owned(self.directory) or (
+                os.path.lexists(target) and not _owner.is_ours(target)
+            ):
+                return
+        except ValueError:  # a malformed marker: the writer refuses it (ckpt._owner)
+            return
         tmp = self.directory / _layout.status_tmp_name()
         try:
             tmp.write_text(json.dumps(doc))

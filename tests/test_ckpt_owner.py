@@ -265,3 +265,23 @@ def test_remote_retention_deletes_only_ckpt_prefixes(
     assert {k: fs.cat_file(k) for k in theirs} == theirs
     assert not fs.exists(f"{bucket}/run/step-1000/manifest.json")  # its own retention still ran
     assert fs.exists(f"{bucket}/run/step-1001/manifest.json")
+
+
+def test_the_upload_status_mirror_is_never_written_into_a_foreign_directory(tmp_path: Path) -> None:
+    """The remote tier wrote ``upload-status.json`` from its thread, over whatever held the name,
+    before the first save claimed the directory."""
+    import uuid
+
+    from ckpt.remote import RemoteOptions
+
+    (tmp_path / "upload-status.json").write_bytes(b"another tool's status")
+    (tmp_path / "notes.txt").write_bytes(b"mine")
+    m = CheckpointManager(tmp_path, remote=RemoteOptions(f"memory://{uuid.uuid4().hex}/run"))
+    try:
+        with pytest.raises(FileExistsError, match=r"notes\.txt"):
+            m.save(1, STATE)
+        m.wait(uploads=True)  # the tier's first reconcile (and its status write) has run
+    finally:
+        m.close()
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "upload-status.json"]
+    assert (tmp_path / "upload-status.json").read_bytes() == b"another tool's status"
