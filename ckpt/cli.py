@@ -132,7 +132,8 @@ def _ls(root: Path, metrics: bool = False) -> int:
         print(_row(name, body, mark, str(up.get("state", "-")), metrics))
     if not single:
         for path in _commit.leftovers(root):
-            print(f"{'-':>10}  {'':>10}  {'':>5}  {'':<19}  {'':<9}  leftover: {path.name}")
+            what = "leftover" if _owner.is_ours(path) else "not written by ckpt, kept"
+            print(f"{'-':>10}  {'':>10}  {'':>5}  {'':<19}  {'':<9}  {what}: {path.name}")
     return 1 if bad else 0
 
 

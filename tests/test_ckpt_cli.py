@@ -27,6 +27,18 @@ def test_ls(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert "leftover: step-40.tmp-1-dead" in lines[4]
 
 
+def test_ls_tells_a_foreign_leftover_name_from_ckpt_s_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    _populate(tmp_path)
+    (tmp_path / "step-9.tmp-1-abcdef12").mkdir()
+    (tmp_path / "step-9.tmp-1-abcdef12" / "mine.txt").write_text("mine")
+    assert cli.main(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "leftover: step-40.tmp-1-dead" in out
+    assert "not written by ckpt, kept: step-9.tmp-1-abcdef12" in out
+
+
 def test_verify_ok_and_single_step(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     _populate(tmp_path)
     assert cli.main(["verify", str(tmp_path)]) == 0
