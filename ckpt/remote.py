@@ -478,6 +478,12 @@ class RemoteTier:
                 raw = (path / fmt.MANIFEST).read_bytes()
                 body = fmt.read_manifest(path)
                 existing = self._remote_manifest(step)
+                if existing is not None and not _owner.is_ckpt_manifest(existing):
+                    raise CheckpointError(
+                        f"{self.url}/{_layout.step_name(step)}/{fmt.MANIFEST}: was not written "
+                        "by ckpt; refusing to overwrite another tool's checkpoint (give ckpt a "
+                        "remote root of its own)"
+                    )
                 if existing != raw:
                     if existing is not None:  # a different save of this step: un-commit it first
                         self._call(
@@ -681,9 +687,10 @@ class RemoteTier:
         stale = self._call(lambda: _s3put.stale_uploads(self.fs, self.root, before), 0, "", "list")
         bucket = self.fs.split_path(self.root)[0]
         for rel, key, upload_id in stale:
-            step = _layout.step_number(rel.partition("/")[0])
-            if step is None or step in active:
-                continue
+            head, _, tail = rel.partition("/")
+            step = _layout.step_number(head)
+            if step is None or step in active or not _layout.is_data_name(tail):
+                continue  # only ckpt's own data files are uploaded in parts
 
             def abort(k: str = key, u: str = upload_id) -> None:
                 with contextlib.suppress(FileNotFoundError):  # already gone: nothing to do

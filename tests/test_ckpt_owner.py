@@ -74,6 +74,11 @@ def _symlink(root: Path, outside: Path) -> list[str]:
     return ["step-3"]
 
 
+def _lock(root: Path, outside: Path) -> list[str]:
+    (root / ".lock").write_bytes(b"another tool's lock: do not truncate\n")
+    return [".lock"]
+
+
 LAYOUTS: dict[str, Callable[[Path, Path], list[str]]] = {
     "dcp": _dcp,
     "deepspeed-latest": _deepspeed,
@@ -81,6 +86,7 @@ LAYOUTS: dict[str, Callable[[Path, Path], list[str]]] = {
     "user-tmp-del": _user_scratch,
     "other-manifest": _other_manifest,
     "symlink": _symlink,
+    "foreign-lock": _lock,
 }
 
 
@@ -156,7 +162,7 @@ def _simple_save(root: Path, layout: Callable, outside: Path) -> tuple[list[str]
     names = layout(root, outside)
     errors = []
     for name in names:  # replace the foreign entry itself, or the step its scratch name is of
-        target = root / name.partition(".")[0]
+        target = root / (name.partition(".")[0] or "step-1")
         try:
             ckpt.save(target, STATE)
         except Exception as exc:
@@ -194,7 +200,11 @@ PATHS: dict[str, Callable] = {
 
 
 # a running manager's retention lists only steps with a manifest: these it never looks at
-UNSEEN = {("manager-retention", lay) for lay in ("dcp", "user-step", "user-tmp-del")}
+# (and a manager holding the lock, or ckpt.save(PATH), never opens another .lock)
+UNSEEN = {("manager-retention", lay) for lay in ("dcp", "user-step", "user-tmp-del")} | {
+    ("manager-retention", "foreign-lock"),
+    ("ckpt.save", "foreign-lock"),
+}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -222,7 +232,8 @@ def test_foreign_entries_survive_every_deleting_path(
         assert name in told, f"{path} x {layout}: {name} not named in:\n{told}"
     if path in ("gc", "gc-dry-run"):  # an unclaimed directory with foreign entries: refused
         assert said == "rc=1" and "not written by ckpt" in out.out
-        assert not (root / ".ckpt-owner.json").exists() and not (root / ".lock").exists()
+        assert not (root / ".ckpt-owner.json").exists()
+        assert ".lock" in names or not (root / ".lock").exists()  # nothing written
 
 
 def test_a_root_of_an_earlier_version_is_adopted_silently(tmp_path: Path) -> None:
@@ -285,3 +296,24 @@ def test_the_upload_status_mirror_is_never_written_into_a_foreign_directory(tmp_
         m.close()
     assert sorted(os.listdir(tmp_path)) == ["notes.txt", "upload-status.json"]
     assert (tmp_path / "upload-status.json").read_bytes() == b"another tool's status"
+
+
+def test_an_upload_never_overwrites_another_tool_s_remote_step(tmp_path: Path) -> None:
+    import uuid
+
+    import fsspec
+
+    from ckpt.errors import CheckpointError
+    from ckpt.remote import RemoteOptions
+
+    url = f"memory://{uuid.uuid4().hex}/run"
+    fs = fsspec.filesystem("memory")
+    theirs = b'{"format": "other-tool"}'
+    fs.pipe_file(f"{url}/step-1/manifest.json", theirs)
+    with (
+        pytest.raises(CheckpointError, match=r"step-1/manifest\.json: was not written by ckpt"),
+        CheckpointManager(tmp_path, remote=RemoteOptions(url, deadline_s=5)) as m,
+    ):
+        _save(m, 1)
+        m.wait(uploads=True)
+    assert fs.cat_file(f"{url}/step-1/manifest.json") == theirs
