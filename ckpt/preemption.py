@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-__all__ = ["PREEMPTED_EXIT_CODE", "ExitWith", "Preemption", "PreemptionOptions"]
+__all__ = ["PREEMPTED_EXIT_CODE", "Preemption", "PreemptionOptions"]
 
 log = logging.getLogger("ckpt")
 
@@ -143,7 +143,7 @@ class Preemption:
 
     def close(self, exit_code: int | None = None) -> None:
         """Put back the previous handlers (main thread only; ours only where still installed);
-        with ``exit_code``, ``SIG_DFL`` becomes ``ExitWith(exit_code)`` (module docstring)."""
+        with ``exit_code``, ``SIG_DFL`` becomes ``_ExitWith(exit_code)`` (module docstring)."""
         if threading.current_thread() is not threading.main_thread():
             return
         self._closed = True
@@ -156,11 +156,11 @@ class Preemption:
                         break
                     previous = owner._previous.get(sig, signal.SIG_DFL)
                 if previous in (None, signal.SIG_DFL) and exit_code is not None:
-                    previous = ExitWith(exit_code)  # exiting: a signal must not change the status
+                    previous = _ExitWith(exit_code)  # exiting: a signal must not change the status
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
 
 
-class ExitWith:
+class _ExitWith:
     """A signal handler that raises ``SystemExit(code)``: what a preemption signal does once
     ``save_and_exit`` has committed its step and the process is exiting with ``code``."""
 
