@@ -501,17 +501,18 @@ class WriterLock:
         if self._fd is not None:
             return
         check_no_symlinks(self.root)
-        if os.path.lexists(self.root / LOCK) and not _owner.is_ours(self.root / LOCK):
-            raise CheckpointError(
-                f"{self.root / LOCK}: was not written by ckpt (not empty, not 'pid N'); "
-                "refusing to write into it: move it away"
-            )
         fd = open_regular(self.root / LOCK, os.O_RDWR | os.O_CREAT, error=CheckpointError)
         if os.fstat(fd).st_nlink > 1:  # it is written below: never into a file shared elsewhere
             os.close(fd)
             raise CheckpointError(
                 f"{self.root / LOCK}: has more than one hard link; ckpt never writes into a "
                 "file that another path shares (remove it; it is recreated)"
+            )
+        if not _owner.is_ours(self.root / LOCK):  # another tool's file under ckpt's lock name
+            os.close(fd)
+            raise CheckpointError(
+                f"{self.root / LOCK}: was not written by ckpt (not empty, not 'pid N'); "
+                "refusing to write into it: move it away"
             )
         deadline = time.monotonic() + timeout_s
         while True:

@@ -12,7 +12,9 @@ someone replaced ours in the meantime; a closed handler still reached only passe
 ``close(exit_code=N)`` is what ``save_and_exit`` calls once its save is durable: where the
 previous handler was ``SIG_DFL``, it installs one that raises ``SystemExit(N)`` instead, so a
 second SIGTERM while the process winds down (threads joining, ``atexit``) still ends it with the
-promised status, never with the signal's default death (-15).
+promised status, never with the signal's default death (-15). A process that caught that
+``SystemExit`` and goes on (a test, a notebook) gets ``SIG_DFL`` back with its next
+``Preemption``: one is never chained to the other.
 
 ``reached(step)`` is the agreed decision. On one process it is whether a signal (or
 ``notify()``, the hook for cloud preemption notices) arrived. With ``torch.distributed``
@@ -86,7 +88,10 @@ class Preemption:
         try:
             for sig in self.options.signals:
                 if sig not in self._previous:  # twice would chain our handler to itself
-                    self._previous[sig] = signal.signal(sig, self._handle)
+                    previous = signal.signal(sig, self._handle)
+                    if isinstance(previous, _ExitWith):  # a caught save_and_exit's: not chained
+                        previous = signal.SIG_DFL
+                    self._previous[sig] = previous
         except BaseException:  # e.g. SIGKILL cannot be caught: install nothing, not a part
             self.close()
             raise

@@ -240,6 +240,18 @@ def test_a_sigterm_after_save_and_exit_still_exits_with_its_status(tmp_path: Pat
     assert (tmp_path / "step-0" / "manifest.json").is_file()
 
 
+def test_a_caught_save_and_exit_leaves_later_managers_as_in_a_fresh_process(
+    tmp_path: Path,
+) -> None:
+    m = CheckpointManager(tmp_path / "a", save_on_preemption=True)
+    with pytest.raises(SystemExit):
+        m.save_and_exit(0, _state(0))
+    with CheckpointManager(tmp_path / "b", save_on_preemption=True) as again:
+        os.kill(os.getpid(), signal.SIGTERM)  # recorded, not chained to the exiting handler
+        assert again.preempted
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 def _launch(directory: Path, out: Path, steps: int, sync_every: int = 1, **env: str) -> Any:
     progress = directory.with_suffix(".progress")
     cmd = [sys.executable, str(WORKER), str(directory), str(steps), str(out), str(progress)]
