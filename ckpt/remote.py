@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt import _commit, _faults, _layout, _retention, _s3put
+from ckpt import _commit, _faults, _layout, _owner, _retention, _s3put
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError, RemoteCheckpointError
 from ckpt.policy import KeepLast, Policy
@@ -142,11 +142,13 @@ class RemoteStats:
 
 @dataclass
 class RemoteListing:
-    """One ``step-N`` prefix on the remote: committed (has a manifest), its newest object time."""
+    """One ``step-N`` prefix on the remote: committed (has a manifest), its newest object time,
+    and the names under it that ckpt never writes (``foreign``: such a prefix is never deleted)."""
 
     step: int
     committed: bool
     newest_mtime: float
+    foreign: list[str] = field(default_factory=list)
 
 
 def _transfer(
@@ -216,6 +218,8 @@ def list_remote(fs: Any, root: str) -> dict[int, RemoteListing]:
             continue
         entry = out.setdefault(step, RemoteListing(step, False, 0.0))
         entry.committed |= tail == fmt.MANIFEST
+        if tail != fmt.MANIFEST and not _layout.is_data_name(tail):
+            entry.foreign.append(tail)
         entry.newest_mtime = max(entry.newest_mtime, _mtime(info))
     return out
 
@@ -489,6 +493,12 @@ class RemoteTier:
                 raw = (path / fmt.MANIFEST).read_bytes()
                 body = fmt.read_manifest(path)
                 existing = self._remote_manifest(step)
+                if existing is not None and not _owner.is_ckpt_manifest(existing):
+                    raise CheckpointError(
+                        f"{self.url}/{_layout.step_name(step)}/{fmt.MANIFEST}: was not written "
+                        "by ckpt; refusing to overwrite another tool's checkpoint (give ckpt a "
+                        "remote root of its own)"
+                    )
                 if existing != raw:
                     if existing is not None:  # a different save of this step: un-commit it first
                         self._call(
@@ -644,6 +654,13 @@ class RemoteTier:
             active = set(self._queue) | {
                 s for s, st in self.stats.uploads.items() if st.state == "uploading"
             }
+        for step, entry in sorted(listing.items()):
+            if entry.foreign:
+                log.warning(
+                    "ckpt: leaving %s/%s alone: ckpt did not write %s",
+                    self.url, _layout.step_name(step), ", ".join(entry.foreign[:5]),
+                )  # fmt: skip
+        listing = {s: e for s, e in listing.items() if not e.foreign}
         committed = sorted(s for s, e in listing.items() if e.committed)
         decision = _retention.plan(
             committed,
@@ -653,6 +670,13 @@ class RemoteTier:
             metrics=self._step_metrics,
         )
         for step in decision.delete:
+            raw = self._remote_manifest(step)
+            if raw is not None and not _owner.is_ckpt_manifest(raw):
+                log.warning(
+                    "ckpt: leaving %s/%s alone: its manifest was not written by ckpt",
+                    self.url, _layout.step_name(step),
+                )  # fmt: skip
+                continue
             self._delete_remote(step)
             self._metrics.pop(step, None)
             self.stats.remote_evicted.append(step)
@@ -678,9 +702,10 @@ class RemoteTier:
         stale = self._call(lambda: _s3put.stale_uploads(self.fs, self.root, before), 0, "", "list")
         bucket = self.fs.split_path(self.root)[0]
         for rel, key, upload_id in stale:
-            step = _layout.step_number(rel.partition("/")[0])
-            if step is None or step in active:
-                continue
+            head, _, tail = rel.partition("/")
+            step = _layout.step_number(head)
+            if step is None or step in active or not _layout.is_data_name(tail):
+                continue  # only ckpt's own data files are uploaded in parts
 
             def abort(k: str = key, u: str = upload_id) -> None:
                 with contextlib.suppress(FileNotFoundError):  # already gone: nothing to do
@@ -778,6 +803,14 @@ class RemoteTier:
                 "updated": time.time(),
                 "steps": {str(s): asdict(st) for s, st in sorted(self.stats.uploads.items())},
             }
+        target = self.directory / STATUS_FILE
+        try:  # never into a directory that is not ckpt's yet, nor over another tool's file
+            if not _owner.owned(self.directory) or (
+                os.path.lexists(target) and not _owner.is_ours(target)
+            ):
+                return
+        except ValueError:  # a malformed marker: the writer refuses it (ckpt._owner)
+            return
         tmp = self.directory / _layout.status_tmp_name()
         try:
             tmp.write_text(json.dumps(doc))

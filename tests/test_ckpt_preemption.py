@@ -212,6 +212,46 @@ def test_save_and_exit_past_its_deadline_raises_not_exits(tmp_path: Path, monkey
 
 
 # ---- a real training process -------------------------------------------------------------------
+_SECOND_SIGTERM = """
+import os, signal, sys, time
+import torch
+from ckpt.manager import CheckpointManager
+m = CheckpointManager(sys.argv[1], save_on_preemption=True)
+try:
+    m.save_and_exit(0, {"w": torch.zeros(4)})
+finally:  # a second notice arrives while the process winds down (threads, atexit, cleanup)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+"""
+
+
+def test_a_sigterm_after_save_and_exit_still_exits_with_its_status(tmp_path: Path) -> None:
+    """Issue 25 item 15: ``save_and_exit`` put ``SIG_DFL`` back, so a second SIGTERM while the
+    process exited killed it (-15) instead of the promised status 75."""
+    run = subprocess.run(
+        [sys.executable, "-c", _SECOND_SIGTERM, str(tmp_path)],
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == PREEMPTED_EXIT_CODE, run.stderr
+    assert (tmp_path / "step-0" / "manifest.json").is_file()
+
+
+def test_a_caught_save_and_exit_leaves_later_managers_as_in_a_fresh_process(
+    tmp_path: Path,
+) -> None:
+    m = CheckpointManager(tmp_path / "a", save_on_preemption=True)
+    with pytest.raises(SystemExit):
+        m.save_and_exit(0, _state(0))
+    with CheckpointManager(tmp_path / "b", save_on_preemption=True) as again:
+        os.kill(os.getpid(), signal.SIGTERM)  # recorded, not chained to the exiting handler
+        assert again.preempted
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 def _launch(directory: Path, out: Path, steps: int, sync_every: int = 1, **env: str) -> Any:
     progress = directory.with_suffix(".progress")
     cmd = [sys.executable, str(WORKER), str(directory), str(steps), str(out), str(progress)]
