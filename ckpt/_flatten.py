@@ -134,6 +134,11 @@ def _flatten(obj: Any, leaves: list[Leaf], tensors: list, path: str, depth: int)
     if depth > MAX_DEPTH:
         raise CheckpointError(f"{path}: the state is nested deeper than {MAX_DEPTH} levels")
     if isinstance(obj, torch.Tensor):  # the common leaf first
+        if obj.is_nested:
+            raise CheckpointError(
+                f"{path}: cannot save a nested tensor (no dense strided storage); save its "
+                "components instead, e.g. list(t.unbind())"
+            )
         node: dict[str, Any] = {"t": "tensor"}
         if obj.requires_grad:
             node["rg"] = True
