@@ -284,7 +284,7 @@ class CheckpointManager:
         *,
         rng: bool = False,
         metadata: dict | None = None,
-        metrics: dict[str, float] | None = None,
+        metrics: dict[str, Any] | None = None,
     ) -> SaveHandle:
         """Snapshot ``state`` (blocking only for the copy into the staging pool) and persist it
         in the background as ``step-N``. ``rng=True`` also saves the RNG states; ``metadata`` is
@@ -531,7 +531,7 @@ class CheckpointManager:
         *,
         rng: bool = False,
         metadata: dict | None = None,
-        metrics: dict[str, float] | None = None,
+        metrics: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> NoReturn:
         """Save ``step`` (unless it was the last step saved and that save has not failed), wait

@@ -19,7 +19,8 @@ from ckpt.restore_plan import IncompatibleKeys
 
 
 def _rng_now() -> tuple[torch.Tensor, Any, Any]:
-    return torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+    numpy_state: Any = np.random.get_state()
+    return torch.get_rng_state(), numpy_state[1].copy(), random.getstate()
 
 
 def _same_rng(before: tuple[torch.Tensor, Any, Any]) -> bool:
@@ -60,6 +61,11 @@ def test_a_loader_refusing_its_state_leaves_everything_as_it_was(tmp_path: Path)
     assert into["step"] == 0 and _same_rng(rng)
 
 
+def _inference() -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.zeros(4)
+
+
 @pytest.mark.parametrize(
     ("make", "why"),
     [
@@ -69,7 +75,7 @@ def test_a_loader_refusing_its_state_leaves_everything_as_it_was(tmp_path: Path)
             "overlap",
         ),
         (lambda: torch.zeros(1).expand(4), "overlap"),
-        (lambda: _inference(), "inference"),
+        (_inference, "inference"),
         (lambda: np.zeros(4, np.uint8), "cannot be cast safely"),  # float32 -> uint8
         (lambda: torch.zeros(4, dtype=torch.int32), "cannot be cast safely"),
     ],
@@ -98,11 +104,6 @@ def test_a_target_that_cannot_take_its_value_writes_nothing(
     assert _same_rng(rng)
 
 
-def _inference() -> torch.Tensor:
-    with torch.inference_mode():
-        return torch.zeros(4)
-
-
 def test_lossy_casts_are_refused_and_safe_ones_done(tmp_path: Path) -> None:
     """300.2 (float64) went into a uint8 array as 44. Arrays follow numpy's
     ``can_cast(..., "same_kind")``, tensors ``torch.can_cast``: narrowing within a kind (float64
@@ -113,7 +114,7 @@ def test_lossy_casts_are_refused_and_safe_ones_done(tmp_path: Path) -> None:
         ).result()
         with pytest.raises(CheckpointError, match=r"\['x'\].*float64.*cannot be cast.*uint8"):
             m.restore(into={"x": np.zeros(1, np.uint8), "t": torch.zeros(1)})
-        into = {"x": np.zeros(1, np.float32), "t": torch.zeros(1, dtype=torch.bfloat16)}
+        into: dict[str, Any] = {"x": np.zeros(1, np.float32), "t": torch.zeros(1).bfloat16()}
         m.restore(into=into)
     assert into["x"][0] == np.float32(300.2)
     assert torch.equal(into["t"], torch.tensor([300.2], dtype=torch.float64).to(torch.bfloat16))
@@ -208,11 +209,12 @@ def test_metrics_take_numpy_scalars_and_0_dim_tensors(tmp_path: Path) -> None:
         metrics = {"loss": np.float32(0.5), "n": np.int64(3), "acc": torch.tensor(0.25)}
         m.save(1, {"w": torch.ones(1)}, metrics=metrics).result()
         assert m.metrics(1) == {"loss": 0.5, "n": 3, "acc": 0.25}
-        for bad, why in (
+        bads: list[tuple[dict[str, Any], str]] = [
             ({"loss": np.float32("nan")}, "finite number"),
             ({"loss": torch.tensor(float("inf"))}, "finite number"),
             ({"loss": torch.ones(2)}, "finite number"),
             ({"loss": "low"}, "finite number"),
-        ):
+        ]
+        for bad, why in bads:
             with pytest.raises(ValueError, match=rf"metrics\['loss'\]: expected a {why}"):
                 m.save(2, {"w": torch.ones(1)}, metrics=bad)
