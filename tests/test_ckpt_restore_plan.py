@@ -218,3 +218,29 @@ def test_metrics_take_numpy_scalars_and_0_dim_tensors(tmp_path: Path) -> None:
         for bad, why in bads:
             with pytest.raises(ValueError, match=rf"metrics\['loss'\]: expected a {why}"):
                 m.save(2, {"w": torch.ones(1)}, metrics=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("room", [True, False])
+def test_gpu_a_refusal_leaves_cuda_targets_as_they_were(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, room: bool
+) -> None:
+    """CUDA targets are read through device scratch (room) or a second pass (no room): either
+    way, a loader that refuses its state comes before the first byte reaches them."""
+    from ckpt import _reader
+
+    if not room:
+        monkeypatch.setattr(_reader, "DEVICE_SCRATCH_SHARE", 0.0)
+    saved = {"w": torch.arange(1 << 16, dtype=torch.float32, device="cuda"), "loader": _loader(4)}
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        m.save(1, saved).result()
+        into = {"w": torch.full((1 << 16,), -1.0, device="cuda"), "loader": _loader(8)}
+        with pytest.raises(CheckpointError, match="batch_size 4"):
+            m.restore(into=into)
+        torch.cuda.synchronize()
+        assert bool((into["w"] == -1.0).all())
+        into["loader"] = _loader(4)
+        m.restore(into=into)
+        assert m.stats.last_restore is not None
+        assert m.stats.last_restore.passes == (1 if room else 2)
+    assert torch.equal(into["w"], saved["w"])
