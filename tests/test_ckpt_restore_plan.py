@@ -66,6 +66,32 @@ def _inference() -> torch.Tensor:
         return torch.zeros(4)
 
 
+class _Checked:
+    """A Stateful object that validates a state before any is loaded."""
+
+    def __init__(self, version: int) -> None:
+        self.version, self.loaded = version, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"version": self.version}
+
+    def check_state_dict(self, state: dict[str, int]) -> None:
+        if state["version"] != self.version:
+            raise ValueError(f"version {state['version']} != {self.version}")
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.loaded += 1
+
+
+def test_check_state_dict_runs_before_any_load(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        m.save(1, {"first": _Checked(1), "w": torch.ones(2), "last": _Checked(1)}).result()
+        into: dict[str, Any] = {"first": _Checked(1), "w": torch.zeros(2), "last": _Checked(2)}
+        with pytest.raises(CheckpointError, match=r"\['last'\]: the _Checked refused.*1 != 2"):
+            m.restore(into=into)
+    assert into["first"].loaded == 0 and torch.equal(into["w"], torch.zeros(2))
+
+
 @pytest.mark.parametrize(
     ("make", "why"),
     [
