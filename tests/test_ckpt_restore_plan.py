@@ -257,16 +257,18 @@ def test_gpu_a_refusal_leaves_cuda_targets_as_they_were(
 
     if not room:
         monkeypatch.setattr(_reader, "DEVICE_SCRATCH_SHARE", 0.0)
-    saved = {"w": torch.arange(1 << 16, dtype=torch.float32, device="cuda"), "loader": _loader(4)}
+    weights = torch.arange(1 << 16, dtype=torch.float32, device="cuda")
+    target = torch.full((1 << 16,), -1.0, device="cuda")
+    saved: dict[str, Any] = {"w": weights, "loader": _loader(4)}
     with CheckpointManager(tmp_path, keep_last=None) as m:
         m.save(1, saved).result()
-        into = {"w": torch.full((1 << 16,), -1.0, device="cuda"), "loader": _loader(8)}
+        into: dict[str, Any] = {"w": target, "loader": _loader(8)}
         with pytest.raises(CheckpointError, match="batch_size 4"):
             m.restore(into=into)
         torch.cuda.synchronize()
-        assert bool((into["w"] == -1.0).all())
+        assert bool((target == -1.0).all())
         into["loader"] = _loader(4)
         m.restore(into=into)
         assert m.stats.last_restore is not None
         assert m.stats.last_restore.passes == (1 if room else 2)
-    assert torch.equal(into["w"], saved["w"])
+    assert torch.equal(target, weights)
