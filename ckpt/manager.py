@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from ckpt import _commit, _faults, _layout, _owner, _retention, _staging
 from ckpt import format as fmt
-from ckpt._flatten import RNG_KEY, Leaf, apply_into, flatten, rng_state
+from ckpt._flatten import RNG_KEY, Leaf, flatten, rng_state
 from ckpt._paths import local_path
 from ckpt._pool import Buffer, PinnedPool, PoolOptions
 from ckpt._reader import MapLocation, RestoreStats, read_checkpoint
@@ -289,7 +289,7 @@ class CheckpointManager:
         *,
         rng: bool = False,
         metadata: dict | None = None,
-        metrics: dict[str, float] | None = None,
+        metrics: dict[str, Any] | None = None,
     ) -> SaveHandle:
         """Snapshot ``state`` (blocking only for the copy into the staging pool) and persist it
         in the background as ``step-N``. ``rng=True`` also saves the RNG states; ``metadata`` is
@@ -538,7 +538,7 @@ class CheckpointManager:
         *,
         rng: bool = False,
         metadata: dict | None = None,
-        metrics: dict[str, float] | None = None,
+        metrics: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> NoReturn:
         """Save ``step`` (unless it was the last step saved and that save has not failed), wait
@@ -572,10 +572,15 @@ class CheckpointManager:
         map_location: MapLocation = None,
         mmap: bool = False,
         verify: bool = True,
+        *,
+        strict: bool = True,
     ) -> Any:
         """Load step ``step`` (default: the newest that verifies, falling back past corrupt ones
         with a warning) and return its nested state; with ``into``, also load it into those
-        objects (``load_state_dict``, in-place tensor copies, RNG states). ``verify=False`` skips
+        objects (``load_state_dict``, in-place tensor copies, RNG states), all or nothing
+        (``ckpt.restore_plan``). ``strict``: as torch's ``load_state_dict``, keys of ``into``
+        not saved and saved keys ``into`` lacks are an error; with ``strict=False`` they are
+        skipped and listed in ``stats.last_restore.incompatible_keys``. ``verify=False`` skips
         checksums (sizes are still checked); ``mmap=True`` maps data files lazily."""
         with self._mutex:
             busy = bool(self._inflight)
@@ -596,7 +601,9 @@ class CheckpointManager:
                 path = _layout.step_dir(self.directory, s)
                 try:
                     if s not in local and s in remote:
-                        state, stats = self._restore_remote(s, map_location, mmap, into)
+                        state, stats = self._restore_remote(
+                            s, map_location, mmap, into, strict=strict
+                        )
                     else:
                         try:
                             with _commit.reading(path):
@@ -606,12 +613,15 @@ class CheckpointManager:
                                     mmap=mmap,
                                     verify=verify,
                                     into=into,
+                                    strict=strict,
                                 )
                         except CorruptCheckpointError as exc:
                             if s not in remote:
                                 raise
                             log.warning("ckpt: step %d: %s; fetching the remote copy", s, exc)
-                            state, stats = self._restore_remote(s, map_location, mmap, into)
+                            state, stats = self._restore_remote(
+                                s, map_location, mmap, into, strict=strict
+                            )
                 except CorruptCheckpointError as exc:
                     if step is not None:
                         raise
@@ -636,8 +646,6 @@ class CheckpointManager:
                     "ckpt: restored step %d (%d bytes, read %.3f s, checksums %.3f s)",
                     s, stats.nbytes, stats.read_s, stats.verify_s,
                 )  # fmt: skip
-                if into is not None:
-                    apply_into(into, state)
                 return state
             if not vanished:
                 break
@@ -717,7 +725,12 @@ class CheckpointManager:
             self.remote.stats.uploads.setdefault(step, _done_status(step))
 
     def _restore_remote(
-        self, step: int, map_location: MapLocation, mmap: bool, into: Any = None
+        self,
+        step: int,
+        map_location: MapLocation,
+        mmap: bool,
+        into: Any = None,
+        strict: bool = True,
     ) -> tuple[Any, RestoreStats]:
         """Download ``step`` to a temp dir, verify every checksum, load, keep it as ``step-N``."""
         assert self.remote is not None
@@ -727,7 +740,9 @@ class CheckpointManager:
             pass
         tmp = self._download(step, CorruptCheckpointError)
         try:
-            state, _, stats = read_checkpoint(tmp, map_location=map_location, mmap=mmap, into=into)
+            state, _, stats = read_checkpoint(
+                tmp, map_location=map_location, mmap=mmap, into=into, strict=strict
+            )
             stats.path = f"{self.remote.url}/{_layout.step_name(step)}"
             if self._lock.held:
                 self._publish_download(tmp, step)

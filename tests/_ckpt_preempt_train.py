@@ -45,7 +45,7 @@ def main(argv: list[str]) -> None:
     )
     start = 0
     if manager.latest_step() is not None:
-        restored = manager.restore(into={"model": model, "opt": opt})
+        restored = manager.restore(into={"model": model, "opt": opt, "step": 0})
         start = restored["step"] + 1
     for step in range(start, int(total)):
         loss = model(torch.randn(32, 8)).pow(2).mean()
