@@ -20,6 +20,11 @@ Every committed step stays reachable at every instant of a crash:
 4. Recovery runs under the writer lock (``remove_leftovers``), or from a reader listing the
    steps when no writer holds the lock (``steps`` calls ``recover``).
 
+5. Nothing is deleted or overwritten that ckpt cannot prove it wrote (``ckpt._owner``): leftovers,
+   retired copies, evicted steps, a replaced ``step-N`` and ``latest`` are checked first, and
+   what is not ckpt's is left in place (a warning, or a ``CheckpointError`` where the caller
+   asked to replace it). ``publish`` claims the root (its marker) before the first commit.
+
 Nothing in the directory is followed out of it: ``.lock``, ``latest``, step directories and data
 files that are symlinks are a ``CheckpointError`` naming the path, never opened through. A FIFO,
 device or directory where a regular file belongs is an error too, never a hang, and a ``.lock``
@@ -32,13 +37,14 @@ import contextlib
 import errno
 import fcntl
 import functools
+import logging
 import os
 import shutil
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ckpt import _faults, _layout
+from ckpt import _faults, _layout, _owner
 from ckpt._layout import LATEST, LEFTOVER, LOCK, MANIFEST, RETIRED, step_dir
 from ckpt.errors import CheckpointError, LockedError
 from ckpt.format import open_regular
@@ -67,8 +73,14 @@ __all__ = [
     "write_latest",
 ]
 
+log = logging.getLogger("ckpt")
+
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
+
+
+def _not_ours(path: Path, what: str) -> None:
+    log.warning("ckpt: leaving %s alone: ckpt did not write it (%s)", path, what)
 
 
 def _symlink_error(path: Path) -> CheckpointError:
@@ -236,6 +248,12 @@ def replace_dir(new: Path, final: Path, retired: Path) -> None:
     ``retired`` is the ``.del-`` name the fallback moves the old copy to."""
     if os.path.islink(final):
         raise _symlink_error(final)
+    if os.path.lexists(final) and not _owner.is_ckpt_dir(final):
+        raise CheckpointError(
+            f"{final}: exists and was not written by ckpt (it holds files other than a ckpt "
+            "manifest and data files); refusing to replace it: move it away or choose another "
+            "name"
+        )
     if os.path.lexists(final):
         if exchange(new, final):  # ``new`` now holds the old copy
             fsync_dir(final.parent)
@@ -264,6 +282,9 @@ def settle(final: Path, retired: list[Path]) -> list[Path]:
     for path in sorted(retired, key=lambda p: not is_complete(p)):  # complete ones first
         if os.path.islink(path):
             raise _symlink_error(path)
+        if not _owner.is_ckpt_dir(path, scratch=True):
+            _not_ours(path, "not only ckpt files")
+            continue
         if is_complete(final):
             discard(path)
             removed.append(path)
@@ -281,6 +302,7 @@ def remove_leftovers(root: Path) -> list[Path]:
     """Recover and remove leftovers (call only under the writer lock); returns what was removed.
 
     Temporary directories of unfinished saves are deleted; ``.del-`` copies follow ``settle``.
+    Only entries that ckpt wrote (``ckpt._owner.is_ours``) are touched; others are logged.
     """
     check_no_symlinks(root)
     found = leftovers(root)
@@ -288,7 +310,9 @@ def remove_leftovers(root: Path) -> list[Path]:
     removed = []
     for path in found:
         m = RETIRED.match(path.name)
-        if m:
+        if not _owner.is_ours(path):
+            _not_ours(path, "a leftover's name, not its contents")
+        elif m:
             retired.setdefault(m.group(1), []).append(path)
         else:
             remove_path(path)
@@ -303,6 +327,9 @@ def remove_leftovers(root: Path) -> list[Path]:
             and path.is_dir()
             and not os.path.lexists(path / MANIFEST)
         ):
+            if not _owner.is_ours(path):
+                _not_ours(path, "a step's name without a ckpt manifest")
+                continue
             remove_path(path)
             removed.append(path)
     if removed:
@@ -345,7 +372,8 @@ def make_tmp(root: Path, step: int) -> Path:
 
 def publish(tmp: Path, root: Path, step: int) -> Path:
     """Make a fully written ``tmp`` directory the committed ``step-N`` (crash-safe even when
-    ``step-N`` exists: module doc)."""
+    ``step-N`` exists: module doc). The root is claimed first (``ckpt._owner.claim_root``)."""
+    _owner.claim_root(root)
     fsync_dir(tmp)
     final = step_dir(root, step)
     _faults.pause("rename")
@@ -354,7 +382,19 @@ def publish(tmp: Path, root: Path, step: int) -> Path:
 
 
 def write_latest(root: Path, step: int) -> None:
-    """Atomically point ``DIR/latest`` at ``step-N``."""
+    """Atomically point ``DIR/latest`` at ``step-N``; a ``latest`` that ckpt did not write (e.g.
+    DeepSpeed's ``global_step10``) is a ``CheckpointError``, never overwritten."""
+    final = root / LATEST
+    if os.path.isdir(final) and not os.path.islink(final):
+        raise CheckpointError(
+            f"{final}: is a directory; ckpt keeps its latest-step pointer there "
+            "(remove or rename that directory)"
+        )
+    if os.path.lexists(final) and not _owner.is_ours(final):
+        raise CheckpointError(
+            f"{final}: was not written by ckpt (not a regular file holding step-N); refusing "
+            "to overwrite it: move it away, or give ckpt a directory of its own"
+        )
     _faults.pause("latest")
     tmp = root / _layout.tmp_name(LATEST)
     fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
@@ -365,13 +405,10 @@ def write_latest(root: Path, step: int) -> None:
         os.close(fd)
     _faults.fs_op(f"write {tmp.name}")
     try:
-        os.rename(tmp, root / LATEST)  # replaces a symlink named latest, never writes through it
-    except IsADirectoryError:
+        os.rename(tmp, final)  # checked above: ckpt's own latest, replaced, never written through
+    except IsADirectoryError:  # a directory made since the check
         remove_path(tmp)
-        raise CheckpointError(
-            f"{root / LATEST}: is a directory; ckpt keeps its latest-step pointer there "
-            "(remove or rename that directory)"
-        ) from None
+        raise CheckpointError(f"{final}: is a directory (made by another program)") from None
     _faults.fs_op(f"rename {tmp.name} {LATEST}")
     fsync_dir(root)
 
@@ -425,6 +462,9 @@ def evict(root: Path, step: int) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
+        if not _owner.is_ckpt_dir(path, fd):
+            _not_ours(path, "not only ckpt files")
+            return False
         _faults.pause("retention")
         # relative to the locked directory's fd: had ``step-N`` been swapped for a symlink since
         # the open, the path would reach a manifest elsewhere
@@ -467,6 +507,12 @@ class WriterLock:
             raise CheckpointError(
                 f"{self.root / LOCK}: has more than one hard link; ckpt never writes into a "
                 "file that another path shares (remove it; it is recreated)"
+            )
+        if not _owner.is_ours(self.root / LOCK):  # another tool's file under ckpt's lock name
+            os.close(fd)
+            raise CheckpointError(
+                f"{self.root / LOCK}: was not written by ckpt (not empty, not 'pid N'); "
+                "refusing to write into it: move it away"
             )
         deadline = time.monotonic() + timeout_s
         while True:

@@ -28,7 +28,6 @@ __all__ = [
     "MAX_DEPTH",
     "TORCH_DTYPES",
     "Leaf",
-    "apply_into",
     "flatten",
     "rng_state",
     "set_rng_state",
@@ -135,6 +134,11 @@ def _flatten(obj: Any, leaves: list[Leaf], tensors: list, path: str, depth: int)
     if depth > MAX_DEPTH:
         raise CheckpointError(f"{path}: the state is nested deeper than {MAX_DEPTH} levels")
     if isinstance(obj, torch.Tensor):  # the common leaf first
+        if obj.is_nested:
+            raise CheckpointError(
+                f"{path}: cannot save a nested tensor (no dense strided storage); save its "
+                "components instead, e.g. list(t.unbind())"
+            )
         node: dict[str, Any] = {"t": "tensor"}
         if obj.requires_grad:
             node["rg"] = True
@@ -325,52 +329,6 @@ def _tensor(node: dict, value: torch.Tensor) -> torch.Tensor:
     if node.get("rg") and not value.requires_grad:
         value.requires_grad_(True)
     return value
-
-
-def apply_into(into: Any, state: Any, path: str = "state") -> None:
-    """Load ``state`` into live objects: ``load_state_dict`` for stateful objects, in-place copy for
-    tensors/arrays, recursion into dicts and lists; other dict entries are replaced."""
-    if callable(getattr(into, "load_state_dict", None)):
-        into.load_state_dict(state)
-        return
-    if isinstance(into, dict) and isinstance(state, Mapping):
-        for key, value in state.items():
-            if key == RNG_KEY:
-                set_rng_state(value)
-                continue
-            if key not in into:
-                into[key] = value
-                continue
-            target = into[key]
-            if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
-                with torch.no_grad():
-                    target.copy_(value)
-            elif isinstance(target, np.ndarray) and isinstance(value, np.ndarray):
-                target[...] = value
-            elif isinstance(target, (dict, list)) or callable(
-                getattr(target, "load_state_dict", None)
-            ):
-                apply_into(target, value, f"{path}[{key!r}]")
-            else:
-                into[key] = value
-        return
-    if isinstance(into, list) and isinstance(state, (list, tuple)):
-        if len(into) != len(state):
-            raise CheckpointError(f"{path}: list of {len(into)} vs {len(state)} saved items")
-        for i, value in enumerate(state):
-            if isinstance(into[i], (dict, list, torch.Tensor)) or callable(
-                getattr(into[i], "load_state_dict", None)
-            ):
-                apply_into(into[i], value, f"{path}[{i}]")
-            else:
-                into[i] = value
-        return
-    if isinstance(into, torch.Tensor) and isinstance(state, torch.Tensor):
-        with torch.no_grad():
-            into.copy_(state)
-        return
-    what, where = type(state).__name__, type(into).__name__
-    raise CheckpointError(f"{path}: cannot load a {what} into {where}")
 
 
 def rng_state() -> dict[str, Any]:

@@ -9,7 +9,10 @@ A checkpoint directory ``DIR`` holds:
 - ``latest``: a regular file holding ``step-N`` and a newline, replaced by rename from
   ``latest.tmp-PID-RAND``;
 - ``.lock``: the writer lock; ``upload-status.json``: the remote tier's status mirror, replaced
-  from ``.upload-status.json.tmp-PID-THREAD``.
+  from ``.upload-status.json.tmp-PID-THREAD``;
+- ``.ckpt-owner.json``: ckpt's ownership marker (``feedpipe.io.ownership``; ``ckpt._owner``
+  decides which entries are ckpt's); ``retention.json``: the retention policy of the manager
+  that last wrote the directory (what ``ckpt gc`` applies).
 
 A remote root holds ``step-N/`` prefixes with the same files. ``ckpt.save(PATH)`` uses the same
 ``.tmp-``/``.del-`` suffixes on ``PATH``'s own name. This module only spells and parses names; it
@@ -30,11 +33,16 @@ __all__ = [
     "LEFTOVER",
     "LOCK",
     "MANIFEST",
+    "RETENTION_FILE",
     "RETIRED",
     "STATUS_FILE",
     "del_name",
+    "is_data_name",
+    "is_latest_tmp",
     "is_retired",
+    "is_status_tmp",
     "is_step_name",
+    "is_step_scratch",
     "latest_step",
     "latest_text",
     "rank_file",
@@ -52,11 +60,13 @@ DATA_FILE = "data.bin"
 LATEST = "latest"
 LOCK = ".lock"
 STATUS_FILE = "upload-status.json"
+RETENTION_FILE = "retention.json"
 
 STEP = re.compile(r"^step-(0|[1-9][0-9]*)\Z")  # ASCII, canonical: "step-05" is not step 5
 STEP_ID = re.compile(r"^step-(\d+)$")  # a DCP checkpoint_id's last component (step_id)
 LEFTOVER = re.compile(r"^(step-\d+\.(tmp|del)-.+|latest\.tmp-.+)$")
 RETIRED = re.compile(r"^(step-\d+)\.del-.+$")  # group 1: the step directory it belongs to
+RANK_FILE = re.compile(r"^rank-[0-9]{5,}\.bin\Z")
 
 
 def step_name(step: int) -> str:
@@ -86,6 +96,26 @@ def step_id(name: str) -> int | None:
     ``step_number``, leading zeros are accepted), else ``None``."""
     m = STEP_ID.match(name)
     return int(m.group(1)) if m else None
+
+
+def is_step_scratch(name: str) -> bool:
+    """Whether ``name`` is a step's temporary (``.tmp-``) or retired (``.del-``) directory."""
+    return LEFTOVER.match(name) is not None and not name.startswith(LATEST)
+
+
+def is_latest_tmp(name: str) -> bool:
+    """Whether ``name`` is a temporary ``latest`` (``latest.tmp-PID-RAND``)."""
+    return name.startswith(f"{LATEST}.tmp-")
+
+
+def is_status_tmp(name: str) -> bool:
+    """Whether ``name`` is a temporary status mirror (``status_tmp_name``)."""
+    return name.startswith(f".{STATUS_FILE}.tmp-")
+
+
+def is_data_name(name: str) -> bool:
+    """Whether ``name`` is a data file ckpt writes into a step (``data.bin``, ``rank_file``)."""
+    return name == DATA_FILE or RANK_FILE.match(name) is not None
 
 
 def rank_file(rank: int) -> str:

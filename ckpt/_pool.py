@@ -71,6 +71,7 @@ class _Driver:
         self.unregister.argtypes = [ctypes.c_void_p]
         self.set_ctx = lib.cuCtxSetCurrent
         self.set_ctx.argtypes = [ctypes.c_void_p]
+        self.get_ctx = lib.cuCtxGetCurrent
         self.retain = lib.cuDevicePrimaryCtxRetain
         self.retain.argtypes = [ctypes.c_void_p, ctypes.c_int]
         self.ctx: int | None = None
@@ -85,6 +86,18 @@ class _Driver:
             self.ctx = int(handle.value or 0)
         return self.ctx
 
+    def call(self, ctx: int, fn: Any, *args: Any) -> int:
+        """``fn(*args)`` with ``ctx`` current; the thread's own context is put back after (a
+        finalizer may run on any thread)."""
+        before = ctypes.c_void_p()
+        self.get_ctx(ctypes.byref(before))
+        self.set_ctx(ctx)
+        try:
+            return int(fn(*args))
+        finally:
+            if before.value and before.value != ctx:
+                self.set_ctx(before.value)
+
 
 @cache
 def _driver() -> _Driver | None:
@@ -94,9 +107,21 @@ def _driver() -> _Driver | None:
         return None
 
 
-def _unregister(driver: _Driver, ctx: int, ptr: int) -> None:
-    driver.set_ctx(ctx)
-    driver.unregister(ptr)
+_STUCK: list[Any] = []  # areas whose unregister failed: never unmapped while registered
+_NOT_REGISTERED = 713  # CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED
+
+
+def _unregister_all(driver: _Driver, ctx: int, ptrs: list[int], area: Any = None) -> None:
+    """Unregister each range of ``area`` (a finalizer, which holds ``area`` mapped until it has
+    run); a failure is logged (the driver API leaves no "last error" behind) and keeps ``area``
+    mapped for good: the kernel must never reuse addresses CUDA still counts as registered."""
+    for ptr in ptrs:
+        code = driver.call(ctx, driver.unregister, ptr)
+        if code != 0:
+            log.warning("ckpt: cuMemHostUnregister at 0x%x failed with CUresult %d", ptr, code)
+            if code != _NOT_REGISTERED and area is not None:
+                _STUCK.append(area)
+                area = None
 
 
 def pinned_empty(nbytes: int, threads: int = 8) -> tuple[torch.Tensor, Any]:
@@ -127,19 +152,12 @@ def pinned_empty(nbytes: int, threads: int = 8) -> tuple[torch.Tensor, Any]:
 
     with ThreadPoolExecutor(max(1, min(threads, len(starts)))) as pool:
         list(pool.map(fault, starts))
-    driver.set_ctx(ctx)
-    code = int(driver.register(base, nbytes, _PORTABLE))
+    keep = _Registered(tensor, area)  # before registering: nothing can fail in between
+    code = driver.call(ctx, driver.register, base, nbytes, _PORTABLE)
     if code != 0:
         raise RuntimeError(f"cuMemHostRegister of {nbytes} bytes failed with CUresult {code}")
-    keep = _Registered(tensor, area)
-    weakref.finalize(keep, _unregister, driver, ctx, base).atexit = False  # exit frees it
+    weakref.finalize(keep, _unregister_all, driver, ctx, [base], area).atexit = False
     return tensor, keep
-
-
-def _unregister_all(driver: _Driver, ctx: int, ptrs: list[int]) -> None:
-    driver.set_ctx(ctx)
-    for ptr in ptrs:
-        driver.unregister(ptr)
 
 
 class Pinning:
@@ -154,7 +172,7 @@ class Pinning:
         self, nbytes: int, threads: int, register: Callable[[int, int], int] | None = None
     ) -> None:
         self.nbytes = nbytes
-        unregister: Callable[[list[int]], None] = lambda ptrs: None  # noqa: E731
+        unregister: Callable[[list[int], Any], None] = lambda ptrs, area: None  # noqa: E731
         if register is None:
             driver = _driver()
             if driver is None:
@@ -162,11 +180,10 @@ class Pinning:
             ctx = driver.context()
 
             def register(ptr: int, size: int) -> int:
-                driver.set_ctx(ctx)
-                return int(driver.register(ptr, size, _PORTABLE))
+                return driver.call(ctx, driver.register, ptr, size, _PORTABLE)
 
-            def unregister(ptrs: list[int]) -> None:
-                _unregister_all(driver, ctx, ptrs)
+            def unregister(ptrs: list[int], area: Any) -> None:
+                _unregister_all(driver, ctx, ptrs, area)
 
         self._register = register
         self.area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -183,7 +200,8 @@ class Pinning:
         self.failures: list[str] = []
         self.registered: list[int] = []
         self.keep = _Registered(self.tensor, self.area)
-        weakref.finalize(self.keep, unregister, self.registered).atexit = False
+        # unregistered when the last holder lets go; the process's exit frees them otherwise
+        weakref.finalize(self.keep, unregister, self.registered, self.area).atexit = False
         pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckpt-pin")
         for k in range(len(self.starts)):
             pool.submit(self._pin, k, self.keep)

@@ -7,26 +7,25 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, Union
+from typing import Any, Union
 
 import numpy as np
 import torch
 
 from ckpt import format as fmt
-from ckpt._flatten import RNG_KEY, torch_dtype, unflatten
+from ckpt._flatten import torch_dtype, unflatten
 from ckpt._readinto import read_into, reader_threads, verify_threads
 from ckpt._staging import BATCHED_DTYPES, foreach_copy_exact
 from ckpt.errors import CheckpointError, CorruptCheckpointError, DcpCheckpointError
+from ckpt.restore_plan import IncompatibleKeys, RestorePlan
 
 __all__ = [
     "DEVICE_SCRATCH_SHARE",
     "MapLocation",
     "RestoreStats",
-    "check_into",
     "read_checkpoint",
     "verify_step",
 ]
@@ -53,6 +52,8 @@ class RestoreStats:
     mmap: bool = False
     passes: int = 1  # how often the data files were read: 2 = verified first, then read again
     skipped: list[tuple[int, str]] = field(default_factory=list)
+    incompatible_keys: IncompatibleKeys = field(default_factory=lambda: IncompatibleKeys([], []))
+    """Keys a ``restore(into=, strict=False)`` skipped (``ckpt.restore_plan``)."""
 
 
 def _device(entry: dict, map_location: MapLocation, path: Path, moved: set[str]) -> torch.device:
@@ -103,20 +104,23 @@ def read_checkpoint(
     verify: bool = True,
     executor: Executor | None = None,
     into: Any = None,
+    strict: bool = True,
 ) -> tuple[Any, dict, RestoreStats]:
     """Load the checkpoint in directory ``path``; returns (state, manifest body, stats).
 
     Memory: each tensor is allocated once, on its final device, and filled piece by piece by
     ``reader_threads()`` threads reading in parallel (``ckpt._readinto``); the extra host memory
     is one ``READ_BYTES`` buffer per thread, plus two pinned ``READ_BYTES`` slots per thread when
-    tensors go to CUDA. Tensors of ``into`` (found where the tree and ``into`` agree, same dtype
-    and shape, contiguous) are filled in place instead, and only after every chunk of every data
-    file has passed its checksum (a first pass reads and checks the files without keeping their
-    bytes; the second pass, which writes, checks them again). When every such tensor is a CUDA
-    tensor and they fit in ``DEVICE_SCRATCH_SHARE`` of their devices' free memory, the files
-    are read once instead, into new device tensors, and copied into those of ``into`` (on the
-    device) once every checksum has passed: the bytes copied are the bytes checked, so a file
-    changed during the restore cannot slip past the check. Returned in the state.
+    tensors go to CUDA.
+
+    With ``into``, a ``RestorePlan`` (``ckpt.restore_plan``) is built first and refuses a
+    mismatch (keys per ``strict``, shapes, dtypes, writability) before anything is read; the
+    files are then read (and checked) into new tensors, except the plan's direct targets; the
+    loaded objects check and load their states; only then are the direct targets filled (a
+    second pass, which checks every chunk again), or, when every direct target is a CUDA tensor
+    and they fit in ``DEVICE_SCRATCH_SHARE`` of their devices' free memory, copied on the device
+    from new tensors read in the first pass (the bytes copied are the bytes checked); then the
+    plan's copies, module loads, replaced items and RNG states. Returned in the state.
     Raises ``CorruptCheckpointError`` naming the file if the manifest or a data file is bad, and
     ``CheckpointError`` (before anything is written) if the state does not fit ``into``.
     """
@@ -130,25 +134,17 @@ def read_checkpoint(
         stats = RestoreStats(step=body.get("step"), path=str(path), verified=verify, mmap=mmap)
         stats.nbytes = sum(rec["size"] for rec in body["files"])
         pool = executor or ThreadPoolExecutor(reader_threads(), thread_name_prefix="ckpt-read")
-        if into is not None:
-            check_into(body, into, path)
+        plan = RestorePlan.build(body, into, str(path), strict) if into is not None else None
         if mmap:
             arrays = _read_mmap(path, body, verify, stats, fds=fds, executor=executor)
             for i, entry in enumerate(body["entries"]):
                 if entry["kind"] == "tensor":
                     arrays[i] = _place(arrays[i], _device(entry, map_location, path, moved))
+            if plan is not None:
+                _execute(plan, arrays, lambda: None)
         else:
-            found = _into_targets(body, into) if into is not None else {}
-            scratch = _device_scratch(found) if verify else {}
-            arrays, dests = _allocate(body, {**found, **scratch}, map_location, path, moved)
-            if found and verify and not scratch:  # a corrupt step must not touch their tensors
-                stats.passes = 2
-                _verify_files(path, body, executor, stats, fds)
-            for rec in body["files"]:
-                targets = dests.get(rec["name"], [])
-                stats.verify_s += read_into(path, rec, targets, verify, pool, fd=fds[rec["name"]])
-            if scratch:  # every checksum passed: now into the caller's tensors
-                _copy_into(found, scratch, arrays)
+            step = _Step(path, body, fds, pool, executor, stats, verify)
+            arrays = step.read(plan, map_location, moved)
     finally:
         if own and pool is not None:
             pool.shutdown()
@@ -156,8 +152,83 @@ def read_checkpoint(
             os.close(fd)
     _warn_moved(path, moved)
     state = unflatten(body["tree"], arrays)
+    if plan is not None:
+        stats.incompatible_keys = plan.incompatible_keys
     stats.read_s = time.perf_counter() - t0
     return state, body, stats
+
+
+@dataclass
+class _Step:
+    """One step directory being read: its manifest, open files, readers and stats."""
+
+    path: Path
+    body: dict
+    fds: dict[str, int]
+    pool: Executor
+    executor: Executor | None
+    stats: RestoreStats
+    verify: bool
+
+    def read(self, plan: RestorePlan | None, map_location: MapLocation, moved: set[str]) -> list:
+        """Read every entry; with a ``plan``, run it (``_execute``), filling its direct targets
+        (``plan.direct``) last: from device scratch tensors read in the one pass when they fit,
+        else by a second pass over the files."""
+        body, stats = self.body, self.stats
+        found = plan.direct if plan is not None else {}
+        scratch = _device_scratch(found) if self.verify else {}
+        arrays, dests = _allocate(body, scratch, found, map_location, path=self.path, moved=moved)
+        later = {} if scratch else _split(body, found)
+        stats.passes = 2 if later else 1
+        if later and self.verify and not any(dests.values()):  # the first pass only checks
+            _verify_files(self.path, body, self.executor, stats, self.fds)
+        else:
+            self.files(dests)
+
+        def fill() -> None:  # into the caller's tensors: after every check and load
+            self.files(later)
+            _copy_into(found if scratch else {}, scratch, arrays)
+            for i, t in found.items():
+                arrays[i] = t
+
+        if plan is not None:
+            _execute(plan, arrays, fill)
+        return arrays
+
+    def files(self, dests: dict[str, list[fmt.Target]]) -> None:
+        """Read the files into the byte ranges ``dests`` (checking every chunk if ``verify``)."""
+        for rec in self.body["files"]:
+            name = rec["name"]
+            if name in dests:
+                self.stats.verify_s += read_into(
+                    self.path, rec, dests[name], self.verify, self.pool, fd=self.fds[name]
+                )
+
+
+def _execute(plan: RestorePlan, arrays: list[Any], fill: Any) -> None:
+    """The writes of ``plan`` once every file was read and checked: checks, loads (undone if a
+    later step fails), the direct targets (``fill``), the rest."""
+    plan.check(arrays)
+    try:
+        plan.load(arrays)
+        fill()
+        plan.finish(arrays)
+    except BaseException:
+        plan.undo()
+        raise
+
+
+def _split(body: dict, found: dict[int, torch.Tensor]) -> dict[str, list[fmt.Target]]:
+    """Per data file, the byte ranges of the direct targets ``found`` (the second pass)."""
+    later: dict[str, list[fmt.Target]] = {}
+    if not found:
+        return later
+    for i, t in found.items():
+        e = body["entries"][i]
+        # as_strided: a contiguous tensor's size-1 dims may keep any stride, which reshape keeps
+        raw = torch.as_strided(t.detach(), (t.numel(),), (1,)).view(torch.uint8)
+        later.setdefault(e["file"], []).append((e["offset"], raw))
+    return later
 
 
 STEP_REREADS = 5
@@ -306,20 +377,26 @@ def _read_mmap(
 
 def _allocate(
     body: dict,
+    scratch: dict[int, torch.Tensor],
     found: dict[int, torch.Tensor],
     map_location: MapLocation,
+    *,
     path: Path,
     moved: set[str],
 ) -> tuple[list[Any], dict[str, list[fmt.Target]]]:
-    """One destination per entry (a tensor of ``into``, or a new one on its final device) and,
-    per data file, the byte ranges to fill."""
+    """One destination per entry (a ``scratch`` tensor, or a new one on its final device; none
+    yet for the direct targets ``found``, filled later) and, per data file, the byte ranges to
+    fill."""
     arrays: list[Any] = []
     dests: dict[str, list[fmt.Target]] = {}
     for i, e in enumerate(body["entries"]):
-        if i in found:
-            value: Any = found[i]
-            # as_strided: a contiguous tensor's size-1 dims may keep any stride, which reshape keeps
-            raw = torch.as_strided(value.detach(), (value.numel(),), (1,)).view(torch.uint8)
+        dests.setdefault(e["file"], [])
+        if i in scratch:
+            value: Any = scratch[i]
+            raw = value.reshape(-1).view(torch.uint8)
+        elif i in found:
+            arrays.append(None)
+            continue
         else:
             try:
                 value, raw = _new(e, map_location, path, moved)
@@ -331,7 +408,7 @@ def _allocate(
                     f"{e['dtype']} {e['shape']}): {exc}"
                 ) from None
         arrays.append(value)
-        dests.setdefault(e["file"], []).append((e["offset"], raw))
+        dests[e["file"]].append((e["offset"], raw))
     return arrays, dests
 
 
@@ -346,113 +423,6 @@ def _new(
     array = np.empty(e["shape"], dtype=fmt.numpy_dtype(e["dtype"]))
     flat = array.reshape(-1).view(np.uint8) if array.nbytes else np.empty(0, np.uint8)
     return array, torch.from_numpy(flat)
-
-
-def _into_targets(body: dict, into: Any) -> dict[int, torch.Tensor]:
-    """Entries whose destination can be a tensor of ``into``: where the tree and ``into`` have the
-    same structure (an ``nn.Module`` by parameter and buffer names), and the tensor (a plain tensor
-    or parameter, not a subclass such as ``DTensor``) has the entry's dtype, shape and
-    ``requires_grad``, is contiguous (and no lazily conjugated or negated view), on CPU or
-    CUDA."""
-    found: dict[int, torch.Tensor] = {}
-    viewed: set[int] = set()  # entries that views are built on stay ours
-    stack = [(body["tree"], into)]
-    while stack:
-        node, target = stack.pop()
-        kind = node["t"]
-        if isinstance(target, torch.nn.Module):  # its tensors by state_dict name, no hooks run
-            target = _module_tensors(target)
-        if kind == "state":
-            stack.append((node["v"], target))
-        elif kind == "tensor" and "view" in node:
-            viewed.add(node["i"])
-        elif kind == "tensor" and type(target) in (torch.Tensor, torch.nn.Parameter):
-            i, entry = node["i"], body["entries"][node["i"]]
-            if (
-                i not in found
-                and not node.get("param")
-                and node.get("rg", False) == target.requires_grad
-                and str(target.dtype).removeprefix("torch.") == entry["dtype"]
-                and list(target.shape) == entry["shape"]
-                and target.is_contiguous()
-                and not (target.is_conj() or target.is_neg())  # their bytes are not the values
-                and target.device.type in ("cpu", "cuda")
-                and not any(t is target for t in found.values())
-            ):
-                found[i] = target
-        elif kind in ("dict", "odict") and isinstance(target, Mapping):
-            stack.extend((child, target[k]) for k, child in node["items"] if k in target)
-        elif (
-            kind in ("list", "tuple", "namedtuple")
-            and isinstance(target, (list, tuple))
-            and len(target) == len(node["items"])
-        ):
-            stack.extend(zip(node["items"], target, strict=True))
-    return {i: t for i, t in found.items() if i not in viewed}
-
-
-def _module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    named = module.named_parameters(remove_duplicate=False)
-    return {**dict(named), **dict(module.named_buffers(remove_duplicate=False))}
-
-
-def check_into(body: dict, into: Any, path: str | os.PathLike[str] = "") -> None:
-    """Raise ``CheckpointError`` naming the place where ``apply_into`` would fail part way on this
-    tree: a tensor or array of another shape (which ``copy_`` would also broadcast silently), a
-    list of another length, a saved value that cannot go into the object there. Runs before
-    anything is written, so a mismatch never leaves ``into`` half-loaded."""
-    stack = [(body["tree"], into, "state")]  # targets that apply_into is called on
-    while stack:
-        node, target, where = stack.pop()
-        while node["t"] == "state":
-            node = node["v"]
-        kind = node["t"]
-        if isinstance(target, torch.nn.Module):  # load_state_dict: its tensors by name
-            if kind in ("dict", "odict"):
-                saved, wanted = {k for k, _ in node["items"]}, set(target.state_dict())
-                if saved != wanted:  # torch's strict load_state_dict would refuse it part way
-                    missing, extra = sorted(wanted - saved), sorted(saved - wanted)
-                    _fail(path, where, f"module keys differ: missing {missing}, unexpected {extra}")
-                named = _module_tensors(target)
-                stack.extend(
-                    (v, named[k], f"{where}[{k!r}]") for k, v in node["items"] if k in named
-                )
-        elif callable(getattr(target, "load_state_dict", None)):
-            pass  # its own load_state_dict checks what it is given
-        elif kind in ("dict", "odict") and isinstance(target, dict):
-            for k, v in node["items"]:
-                t = target.get(k) if k != RNG_KEY else None
-                if isinstance(t, np.ndarray) and v["t"] == "ndarray":
-                    _check_shape(body, v, t, f"{where}[{k!r}]", path)
-                elif (isinstance(t, (dict, list)) or _stateful(t)) or (
-                    isinstance(t, torch.Tensor) and v["t"] == "tensor"
-                ):  # anything else there is replaced
-                    stack.append((v, t, f"{where}[{k!r}]"))
-        elif kind in ("list", "tuple", "namedtuple", "size") and isinstance(target, list):
-            items = node["items"] if kind != "size" else [{"t": "v"}] * len(node["items"])
-            if len(target) != len(items):
-                _fail(path, where, f"a list of {len(target)} vs {len(items)} saved items")
-            for i, (v, t) in enumerate(zip(items, target, strict=True)):
-                if isinstance(t, (dict, list, torch.Tensor)) or _stateful(t):
-                    stack.append((v, t, f"{where}[{i}]"))
-        elif kind == "tensor" and isinstance(target, torch.Tensor):
-            _check_shape(body, node, target, where, path)
-        else:
-            _fail(path, where, f"cannot load a saved {kind} into a {type(target).__name__}")
-
-
-def _stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "load_state_dict", None))
-
-
-def _fail(path: str | os.PathLike[str], where: str, why: str) -> NoReturn:
-    raise CheckpointError(f"{path}: {where}: {why}; nothing was loaded")
-
-
-def _check_shape(body: dict, node: dict, target: Any, where: str, path: Any) -> None:
-    shape = (node.get("view") or body["entries"][node["i"]])["shape"]
-    if list(target.shape) != shape:
-        _fail(path, where, f"saved with shape {shape}, cannot load into shape {list(target.shape)}")
 
 
 def _mmap(file: Path, size: int, fd: int) -> torch.Tensor:

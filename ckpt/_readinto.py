@@ -122,6 +122,8 @@ class _Job:
         """Read, checksum and place chunk ``i``; returns the seconds spent checksumming."""
         size, chunk = self.rec["size"], self.rec["chunk_bytes"]
         lo, hi = i * chunk, min((i + 1) * chunk, size)
+        if not self.verify and not self.overlapping(lo, hi):
+            return 0.0  # nothing to check or place: not read
         value, crc_s = 0, 0.0
         for pos in range(lo, hi, self.piece):
             end = min(hi, pos + self.piece)

@@ -14,17 +14,27 @@ runs the validator a restore runs (tree, entries, types, sizes) and checks every
 chunk checksum, without building a tensor. A step written through DCP is checked the same way (DCP's
 planner, not ckpt, rebuilds its tree). ``metrics(path)`` reads the metrics a step was saved with
 from its validated manifest.
+
+``record(root, policy)`` writes the manager's policy to ``DIR/retention.json`` (under the writer
+lock, when it becomes the writer), and ``recorded(root)`` reads it back: ``ckpt gc`` without
+flags applies exactly the policy the manager applied, and refuses to run without one (it never
+falls back to a default of its own).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt.policy import AnyOf, KeepLast, Policy, StepView
+from ckpt import _layout, _owner
+from ckpt.errors import CheckpointError
+from ckpt.policy import AnyOf, KeepLast, Policy, StepView, from_record, to_record
+from feedpipe.io import atomic_write
 
-__all__ = ["Plan", "metrics", "plan", "restorable"]
+__all__ = ["Plan", "metrics", "plan", "record", "recorded", "restorable"]
 
 
 @dataclass
@@ -98,3 +108,46 @@ def restorable(path: Path) -> str | None:
     except Exception as exc:  # any other failure means "cannot be restored"
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def record(root: Path, policy: Policy | None) -> None:
+    """Write ``policy`` to ``root/retention.json`` unless it holds that already (call under the
+    writer lock). A custom ``Policy`` is recorded as such: ``ckpt gc`` then needs flags. A file
+    of that name that ckpt did not write is a ``CheckpointError``, never overwritten."""
+    path = root / _layout.RETENTION_FILE
+    rules = to_record(policy)
+    body: dict = {"tool": _owner.TOOL, "version": 1, "policy": rules}
+    if rules is None:
+        body["custom"] = repr(policy)[:200]
+    text = json.dumps(body, sort_keys=True).encode() + b"\n"
+    if os.path.lexists(path):
+        if not _owner.is_ours(path):
+            raise CheckpointError(
+                f"{path}: was not written by ckpt; refusing to overwrite it (move it away)"
+            )
+        if path.read_bytes() == text:
+            return
+    atomic_write(path, text)
+
+
+def recorded(root: Path) -> Policy | None:
+    """The policy recorded in ``root/retention.json``; ``CheckpointError`` naming the file when
+    there is none, it is not ckpt's, or the manager's policy could not be recorded."""
+    path = root / _layout.RETENTION_FILE
+    if not os.path.lexists(path):
+        raise CheckpointError(
+            f"{path}: no retention policy recorded (written by CheckpointManager when it saves); "
+            "give --keep-last/--keep-every/--keep-best"
+        )
+    if not _owner.is_ours(path):
+        raise CheckpointError(f"{path}: was not written by ckpt; refusing to read a policy from it")
+    body = json.loads(path.read_bytes())
+    if body.get("policy") is None:
+        raise CheckpointError(
+            f"{path}: the manager's policy {body.get('custom', '?')} is a custom one that cannot "
+            "be recorded; give --keep-last/--keep-every/--keep-best"
+        )
+    try:
+        return from_record(body["policy"])
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None

@@ -11,9 +11,13 @@ leftovers of interrupted saves and applies the manager's retention rule (``ckpt.
 with the ``ckpt.policy`` objects of ``--keep-last N``, ``--keep-every N`` and
 ``--keep-best METRIC:K:min|max``; a step is kept if any keeps it) under the directory's writer
 lock: only restorable steps count, and a step whose upload has not finished is never deleted.
-``--keep-last`` is 3 unless given; ``--keep-last none`` sets no count limit, so the other flags
-alone decide, and with none of them ``gc`` keeps every step (the manager's
-``keep_last=None``) and only removes leftovers.
+Without any of those flags ``gc`` applies the policy that the directory's manager recorded
+(``retention.json``), and refuses to run where none is recorded: it has no default of its own.
+``--keep-last none`` sets no count limit, so the other flags alone decide, and with none of them
+``gc`` keeps every step (the manager's ``keep_last=None``) and only removes leftovers.
+``gc`` deletes only what ckpt wrote (``ckpt._owner``): a directory without ckpt's marker that
+holds anything else is refused, naming those entries; in a directory that has the marker they
+are listed as skipped. ``--dry-run`` prints the same decisions and changes nothing.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ckpt import _commit, _layout, _retention
+from ckpt import _commit, _layout, _owner, _retention
 from ckpt import format as fmt
 from ckpt._paths import local_path
 from ckpt.errors import CheckpointError
@@ -128,7 +132,8 @@ def _ls(root: Path, metrics: bool = False) -> int:
         print(_row(name, body, mark, str(up.get("state", "-")), metrics))
     if not single:
         for path in _commit.leftovers(root):
-            print(f"{'-':>10}  {'':>10}  {'':>5}  {'':<19}  {'':<9}  leftover: {path.name}")
+            what = "leftover" if _owner.is_ours(path) else "not written by ckpt, kept"
+            print(f"{'-':>10}  {'':>10}  {'':>5}  {'':<19}  {'':<9}  {what}: {path.name}")
     return 1 if bad else 0
 
 
@@ -156,15 +161,31 @@ def _verify_cmd(root: Path, only: int | None) -> int:
     return 1 if bad else 0
 
 
-def _gc(root: Path, policy: Policy | None, dry_run: bool) -> int:
-    from ckpt.remote import STATUS_FILE, read_status
+_NO_FLAGS = object()  # gc without retention flags: apply the policy the manager recorded
 
+
+def _gc(root: Path, given: Policy | object | None, dry_run: bool) -> int:
+    from ckpt.remote import STATUS_FILE, read_status
+    from feedpipe.io.ownership import ForeignEntriesError
+
+    foreign = _owner.foreign(root)
+    if foreign and not _owner.owned(root):
+        for name in foreign:
+            print(f"{'would refuse' if dry_run else 'refused'}: {name} (not written by ckpt)")
+        raise ForeignEntriesError(root, _owner.TOOL, foreign)
+    for name in foreign:
+        print(f"{'would skip' if dry_run else 'skipped'} {name} (not written by ckpt)")
+    policy = _retention.recorded(root) if given is _NO_FLAGS else given
+    assert policy is None or isinstance(policy, Policy)
+    if not dry_run:
+        _owner.claim_root(root)
     lock = _commit.WriterLock(root)
     lock.acquire()
     try:
         if dry_run:
             for path in _commit.leftovers(root):
-                print(f"would remove leftover {path.name}")
+                if path.name not in foreign:
+                    print(f"would remove leftover {path.name}")
         else:
             for path in _commit.remove_leftovers(root):
                 print(f"removed leftover {path.name}")
@@ -188,7 +209,7 @@ def _gc(root: Path, policy: Policy | None, dry_run: bool) -> int:
                 return {}
 
         decision = _retention.plan(
-            _commit.steps(root),
+            [s for s in _commit.steps(root) if _layout.step_name(s) not in foreign],
             policy,
             is_restorable=is_restorable,
             may_evict=may_evict,
@@ -233,6 +254,12 @@ def _remote_cmd(
         targets = [(shown, root, True)]
     else:
         listing = list_remote(fs, root)
+        if not listing:  # nothing listed: an empty root, or one that is missing or unreachable
+            try:
+                fs.ls(root)  # raises what the listing swallowed (a refused connection, DNS...)
+            except FileNotFoundError:
+                print(f"ckpt: {shown}: no such remote directory", file=sys.stderr)
+                return 2
         chosen = sorted(listing) if only is None else [only]
         targets = [
             (f"step {n}", f"{root}/{_layout.step_name(n)}", n in listing and listing[n].committed)
@@ -301,10 +328,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_gc.add_argument(
         "--keep-last",
         type=_keep_last,
-        default=3,
+        default=None,
         metavar="N",
-        help="keep the newest N (default 3); none: no count limit, the other flags decide "
-        "(with none of them, gc only removes leftovers and keeps every step)",
+        help="keep the newest N; none: no count limit, the other flags decide (with none of "
+        "them, gc only removes leftovers and keeps every step). Without any --keep-* flag, gc "
+        "applies the policy the directory's manager recorded, and refuses without one",
     )
     p_gc.add_argument("--keep-every", type=int, default=None, help="keep every multiple of N")
     p_gc.add_argument(
@@ -312,10 +340,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p_gc.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
-    policy: Policy | None = None
-    if args.command == "gc":
+    policy: Policy | object | None = _NO_FLAGS
+    if args.command == "gc" and (args.keep_last, args.keep_every, args.keep_best) != (None,) * 3:
+        keep_last = None if args.keep_last == _NONE else args.keep_last
         try:
-            policy = from_options(args.keep_last, args.keep_every, _keep_best(args.keep_best))
+            policy = from_options(keep_last, args.keep_every, _keep_best(args.keep_best))
         except ValueError as exc:
             parser.error(str(exc).replace("KeepLast.n", "--keep-last").replace(
                 "KeepEvery.n", "--keep-every"))  # fmt: skip
@@ -330,9 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _remote_cmd(args.command, text, _storage_options(args), args.step
                                    if args.command == "verify" else None,
                                    args.command == "ls" and args.metrics)  # fmt: skip
-            except (CheckpointError, OSError):
+            except CheckpointError:
                 raise
-            except Exception as exc:  # the client's own errors (botocore, fsspec): one line
+            except Exception as exc:  # the client's own errors (botocore, aiohttp): one line
                 print(f"ckpt: {_scrub(text, text)}: {type(exc).__name__}: {_scrub(str(exc), text)}",
                       file=sys.stderr)  # fmt: skip
                 return 1
@@ -354,11 +383,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _keep_last(text: str) -> int | None:
-    """``--keep-last``: an int >= 1, or ``none`` for no count limit (``None``). ``0`` is refused:
+_NONE = "none"
+
+
+def _keep_last(text: str) -> int | str:
+    """``--keep-last``: an int >= 1, or ``none`` for no count limit (``_NONE``). ``0`` is refused:
     it could be read as "keep no step", which retention never does."""
-    if text.strip().lower() == "none":
-        return None
+    if text.strip().lower() == _NONE:
+        return _NONE
     try:
         n = int(text)
     except ValueError:

@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckpt import _commit, _layout
+from ckpt import _commit, _layout, _owner
 from ckpt import format as fmt
 from ckpt._flatten import torch_dtype
 from ckpt._pool import Buffer, PinnedPool, PoolOptions
@@ -283,6 +283,8 @@ class CkptStorageWriter(StorageWriter):
         self.directory.mkdir(parents=True, exist_ok=True)
         if is_coordinator and self.manager is not None:
             self.manager.ensure_writer()  # leftovers are cleaned before any rank writes
+        elif is_coordinator:  # refuse another tool's directory before any rank writes into it
+            _owner.claim_root(self.directory)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Unchanged: DCP's planner decides what this rank writes."""

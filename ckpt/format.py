@@ -265,12 +265,29 @@ def _metrics_problem(metrics: Any) -> str | None:
 
 def check_metrics(metrics: Any) -> dict:
     """``metrics`` as ``save`` stores them: a dict of at most ``MAX_METRICS`` names (letters,
-    digits, ``_./:@+-``) to finite numbers; anything else raises ``ValueError`` naming the
-    metric. Leave a metric out to mark it missing."""
+    digits, ``_./:@+-``) to finite numbers (a NumPy scalar or a 0-dim real tensor counts, as
+    its Python number); anything else raises ``ValueError`` naming the metric. Leave a metric
+    out to mark it missing."""
+    if isinstance(metrics, dict):
+        metrics = {name: _number(value) for name, value in metrics.items()}
     problem = _metrics_problem(metrics)
     if problem is not None:
         raise ValueError(problem)
     return dict(metrics)
+
+
+def _number(value: Any) -> Any:
+    """A NumPy integer or float scalar, or a 0-dim integer or float tensor, as a Python number
+    (anything else unchanged, for ``_metrics_problem`` to judge)."""
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 0
+        and not (value.dtype == torch.bool or value.is_complex())
+    ):
+        return value.item()
+    return value
 
 
 def _check_metadata(meta: Any) -> None:

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ckpt import _commit, _faults, _layout, _staging
+from ckpt import _commit, _faults, _layout, _owner, _retention, _staging
 from ckpt import format as fmt
-from ckpt._flatten import RNG_KEY, Leaf, apply_into, flatten, rng_state
+from ckpt._flatten import RNG_KEY, Leaf, flatten, rng_state
 from ckpt._paths import local_path
 from ckpt._pool import Buffer, PinnedPool, PoolOptions
 from ckpt._reader import MapLocation, RestoreStats, read_checkpoint
@@ -181,11 +181,7 @@ class CheckpointManager:
             raise ValueError("keep_last must be >= 1 or None")
         self.policy: Policy | None = from_options(keep_last, keep_every, keep_best)
         if save_interval_steps is not None:
-            save_interval_steps = _index(save_interval_steps)
-            if save_interval_steps is None or save_interval_steps < 1:
-                raise ValueError(
-                    f"save_interval_steps must be an int >= 1, not {save_interval_steps!r}"
-                )
+            save_interval_steps = _step(save_interval_steps, "save_interval_steps", low=1)
         self.save_interval_steps = save_interval_steps
         self.save_on_steps = frozenset(_step_list(save_on_steps))
         self.directory = local_path(
@@ -251,11 +247,20 @@ class CheckpointManager:
         return nbytes
 
     def ensure_writer(self) -> None:
-        """Become the directory's writer, once: take its writer lock, remove the leftovers of
-        interrupted saves and catch up on retention. ``save`` and a restore that publishes a
-        download call it; so does ``ckpt.dcp``'s coordinator before any rank writes."""
+        """Become the directory's writer, once: claim it (``ckpt._owner.claim_root``: a directory
+        holding entries ckpt did not write is refused, naming them, and nothing is written),
+        take its writer lock, record the retention policy (``ckpt gc`` applies it), remove the
+        leftovers of interrupted saves and catch up on retention. ``save`` and a restore that
+        publishes a download call it; so does ``ckpt.dcp``'s coordinator before any rank
+        writes."""
         if not self._lock.held:
+            _owner.claim_root(self.directory)
             self._lock.acquire(self.write_options.lock_timeout_s)
+            try:
+                _retention.record(self.directory, self.policy)
+            except BaseException:
+                self._lock.release()
+                raise
             removed = _commit.remove_leftovers(self.directory)
             if removed:
                 log.info(
@@ -284,7 +289,7 @@ class CheckpointManager:
         *,
         rng: bool = False,
         metadata: dict | None = None,
-        metrics: dict[str, float] | None = None,
+        metrics: dict[str, Any] | None = None,
     ) -> SaveHandle:
         """Snapshot ``state`` (blocking only for the copy into the staging pool) and persist it
         in the background as ``step-N``. ``rng=True`` also saves the RNG states; ``metadata`` is
@@ -498,7 +503,9 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether to save ``step``: a multiple of ``save_interval_steps``, one of
         ``save_on_steps``, or the step a preemption was agreed on (``reached_preemption``; with
-        several ranks, call it on every rank for the same steps)."""
+        several ranks, call it on every rank for the same steps). ``step`` is an int from 0 to
+        ``2**53`` (``ValueError`` otherwise)."""
+        step = _step(step, "should_save: step")
         if self.reached_preemption(step):
             return True
         if self.save_interval_steps is not None and step % self.save_interval_steps == 0:
@@ -531,7 +538,7 @@ class CheckpointManager:
         *,
         rng: bool = False,
         metadata: dict | None = None,
-        metrics: dict[str, float] | None = None,
+        metrics: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> NoReturn:
         """Save ``step`` (unless it was the last step saved and that save has not failed), wait
@@ -553,6 +560,8 @@ class CheckpointManager:
             "ckpt: step %d is committed%s; exiting with status %d",
             step, " and uploaded" if self.remote is not None else "", options.exit_code,
         )  # fmt: skip
+        if self._preemption is not None:  # from here on a SIGTERM exits with the same status
+            self._preemption.close(options.exit_code)
         self.close()
         raise SystemExit(options.exit_code)
 
@@ -563,10 +572,15 @@ class CheckpointManager:
         map_location: MapLocation = None,
         mmap: bool = False,
         verify: bool = True,
+        *,
+        strict: bool = True,
     ) -> Any:
         """Load step ``step`` (default: the newest that verifies, falling back past corrupt ones
         with a warning) and return its nested state; with ``into``, also load it into those
-        objects (``load_state_dict``, in-place tensor copies, RNG states). ``verify=False`` skips
+        objects (``load_state_dict``, in-place tensor copies, RNG states), all or nothing
+        (``ckpt.restore_plan``). ``strict``: as torch's ``load_state_dict``, keys of ``into``
+        not saved and saved keys ``into`` lacks are an error; with ``strict=False`` they are
+        skipped and listed in ``stats.last_restore.incompatible_keys``. ``verify=False`` skips
         checksums (sizes are still checked); ``mmap=True`` maps data files lazily."""
         with self._mutex:
             busy = bool(self._inflight)
@@ -587,7 +601,9 @@ class CheckpointManager:
                 path = _layout.step_dir(self.directory, s)
                 try:
                     if s not in local and s in remote:
-                        state, stats = self._restore_remote(s, map_location, mmap, into)
+                        state, stats = self._restore_remote(
+                            s, map_location, mmap, into, strict=strict
+                        )
                     else:
                         try:
                             with _commit.reading(path):
@@ -597,12 +613,15 @@ class CheckpointManager:
                                     mmap=mmap,
                                     verify=verify,
                                     into=into,
+                                    strict=strict,
                                 )
                         except CorruptCheckpointError as exc:
                             if s not in remote:
                                 raise
                             log.warning("ckpt: step %d: %s; fetching the remote copy", s, exc)
-                            state, stats = self._restore_remote(s, map_location, mmap, into)
+                            state, stats = self._restore_remote(
+                                s, map_location, mmap, into, strict=strict
+                            )
                 except CorruptCheckpointError as exc:
                     if step is not None:
                         raise
@@ -627,8 +646,6 @@ class CheckpointManager:
                     "ckpt: restored step %d (%d bytes, read %.3f s, checksums %.3f s)",
                     s, stats.nbytes, stats.read_s, stats.verify_s,
                 )  # fmt: skip
-                if into is not None:
-                    apply_into(into, state)
                 return state
             if not vanished:
                 break
@@ -708,7 +725,12 @@ class CheckpointManager:
             self.remote.stats.uploads.setdefault(step, _done_status(step))
 
     def _restore_remote(
-        self, step: int, map_location: MapLocation, mmap: bool, into: Any = None
+        self,
+        step: int,
+        map_location: MapLocation,
+        mmap: bool,
+        into: Any = None,
+        strict: bool = True,
     ) -> tuple[Any, RestoreStats]:
         """Download ``step`` to a temp dir, verify every checksum, load, keep it as ``step-N``."""
         assert self.remote is not None
@@ -718,7 +740,9 @@ class CheckpointManager:
             pass
         tmp = self._download(step, CorruptCheckpointError)
         try:
-            state, _, stats = read_checkpoint(tmp, map_location=map_location, mmap=mmap, into=into)
+            state, _, stats = read_checkpoint(
+                tmp, map_location=map_location, mmap=mmap, into=into, strict=strict
+            )
             stats.path = f"{self.remote.url}/{_layout.step_name(step)}"
             if self._lock.held:
                 self._publish_download(tmp, step)
@@ -772,14 +796,21 @@ def _index(n: Any) -> int | None:
         return None
 
 
+_MAX_STEP = 2**53  # the largest step a JSON reader holds exactly; anything beyond means nothing
+
+
+def _step(n: Any, what: str, low: int = 0) -> int:
+    """``n`` as an int from ``low`` to ``_MAX_STEP`` (a NumPy integer too; not a bool or a
+    float), else ``ValueError`` naming ``what`` and the value."""
+    step = _index(n)
+    if step is None or not low <= step <= _MAX_STEP:
+        kind = type(n).__name__
+        raise ValueError(f"{what} must be an int from {low} to 2**53, got {n!r} ({kind})")
+    return step
+
+
 def _step_list(steps: Any) -> list[int]:
-    out = []
-    for s in list(steps if steps is not None else ()):
-        step = _index(s)
-        if step is None or step < 0:
-            raise ValueError(f"save_on_steps must hold non-negative ints, got {s!r}")
-        out.append(step)
-    return out
+    return [_step(s, "save_on_steps: each step") for s in list(steps if steps is not None else ())]
 
 
 def _done_status(step: int) -> Any:

@@ -30,7 +30,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["AnyOf", "KeepBest", "KeepEvery", "KeepLast", "Policy", "StepView", "from_options"]
+__all__ = [
+    "AnyOf",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLast",
+    "Policy",
+    "StepView",
+    "from_options",
+    "from_record",
+    "to_record",
+]
 
 
 class StepView:
@@ -212,3 +222,42 @@ def from_options(
 def _positive(n: object, name: str) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+
+
+def to_record(policy: Policy | None) -> list[dict] | None:
+    """``policy`` as JSON-able data (``[]`` for ``None``: keep every step), or ``None`` if it is
+    not made of the policies of this module (a custom ``Policy`` cannot be written down)."""
+    parts = () if policy is None else policy.policies if isinstance(policy, AnyOf) else (policy,)
+    out: list[dict] = []
+    for p in parts:
+        if type(p) is KeepLast:
+            out.append({"keep_last": p.n})
+        elif type(p) is KeepEvery:
+            out.append({"keep_every": p.n})
+        elif type(p) is KeepBest:
+            out.append({"keep_best": [p.metric, p.k, p.mode]})
+        else:
+            return None
+    return out
+
+
+def from_record(record: object) -> Policy | None:
+    """The policy that ``to_record`` wrote (``ValueError`` naming what is malformed)."""
+    if not isinstance(record, list):
+        raise ValueError(f"a retention record is a list of policies, got {record!r:.80}")
+    parts: list[Policy] = []
+    for item in record:
+        if not isinstance(item, dict) or len(item) != 1:
+            raise ValueError(f"a retention policy record has one key, got {item!r:.80}")
+        ((key, value),) = item.items()
+        if key == "keep_last":
+            parts.append(KeepLast(value))
+        elif key == "keep_every":
+            parts.append(KeepEvery(value))
+        elif key == "keep_best" and isinstance(value, list) and len(value) == 3:
+            parts.append(KeepBest(*value))
+        else:
+            raise ValueError(f"unknown retention policy record {item!r:.80}")
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else AnyOf(*parts)

@@ -9,6 +9,12 @@ installed before it if that was a Python function; ``SIG_DFL`` and ``SIG_IGN`` a
 (the default action would kill the process before it saves). A second signal changes nothing.
 ``close()`` puts the previous handlers back (skipping those of Preemptions already closed), unless
 someone replaced ours in the meantime; a closed handler still reached only passes the signal on.
+``close(exit_code=N)`` is what ``save_and_exit`` calls once its save is durable: where the
+previous handler was ``SIG_DFL``, it installs one that raises ``SystemExit(N)`` instead, so a
+second SIGTERM while the process winds down (threads joining, ``atexit``) still ends it with the
+promised status, never with the signal's default death (-15). A process that caught that
+``SystemExit`` and goes on (a test, a notebook) gets ``SIG_DFL`` back with its next
+``Preemption``: one is never chained to the other.
 
 ``reached(step)`` is the agreed decision. On one process it is whether a signal (or
 ``notify()``, the hook for cloud preemption notices) arrived. With ``torch.distributed``
@@ -82,7 +88,10 @@ class Preemption:
         try:
             for sig in self.options.signals:
                 if sig not in self._previous:  # twice would chain our handler to itself
-                    self._previous[sig] = signal.signal(sig, self._handle)
+                    previous = signal.signal(sig, self._handle)
+                    if isinstance(previous, _ExitWith):  # a caught save_and_exit's: not chained
+                        previous = signal.SIG_DFL
+                    self._previous[sig] = previous
         except BaseException:  # e.g. SIGKILL cannot be caught: install nothing, not a part
             self.close()
             raise
@@ -137,8 +146,9 @@ class Preemption:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return bool(t.item())
 
-    def close(self) -> None:
-        """Put back the previous handlers (main thread only; ours only where still installed)."""
+    def close(self, exit_code: int | None = None) -> None:
+        """Put back the previous handlers (main thread only; ours only where still installed);
+        with ``exit_code``, ``SIG_DFL`` becomes ``_ExitWith(exit_code)`` (module docstring)."""
         if threading.current_thread() is not threading.main_thread():
             return
         self._closed = True
@@ -150,7 +160,20 @@ class Preemption:
                     if not owner._closed:
                         break
                     previous = owner._previous.get(sig, signal.SIG_DFL)
+                if previous in (None, signal.SIG_DFL) and exit_code is not None:
+                    previous = _ExitWith(exit_code)  # exiting: a signal must not change the status
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+
+
+class _ExitWith:
+    """A signal handler that raises ``SystemExit(code)``: what a preemption signal does once
+    ``save_and_exit`` has committed its step and the process is exiting with ``code``."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(self.code)
 
 
 def _name(signum: int | None) -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import itertools
 import json
 import logging
 import os
@@ -42,11 +43,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt import _commit, _faults, _layout, _retention, _s3put
+from ckpt import _commit, _faults, _layout, _owner, _retention, _s3put
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError, RemoteCheckpointError
 from ckpt.policy import KeepLast, Policy
 from feedpipe.io import RetryPolicy, call, crc32c, redact, resolve, to_hex
+from feedpipe.io.reaper import join_threads
 from feedpipe.io.trace import span
 
 __all__ = [
@@ -61,6 +63,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("ckpt")
+_UPLOADERS = itertools.count()  # numbers the uploaders' thread names
+_IDLE_EXIT_S = 5.0  # how long idle upload threads get to exit after a finished close()
 
 STATUS_FILE = _layout.STATUS_FILE
 _MIN_PART = 5 << 20  # S3's smallest multipart part (all but the last)
@@ -138,11 +142,13 @@ class RemoteStats:
 
 @dataclass
 class RemoteListing:
-    """One ``step-N`` prefix on the remote: committed (has a manifest), its newest object time."""
+    """One ``step-N`` prefix on the remote: committed (has a manifest), its newest object time,
+    and the names under it that ckpt never writes (``foreign``: such a prefix is never deleted)."""
 
     step: int
     committed: bool
     newest_mtime: float
+    foreign: list[str] = field(default_factory=list)
 
 
 def _transfer(
@@ -212,6 +218,8 @@ def list_remote(fs: Any, root: str) -> dict[int, RemoteListing]:
             continue
         entry = out.setdefault(step, RemoteListing(step, False, 0.0))
         entry.committed |= tail == fmt.MANIFEST
+        if tail != fmt.MANIFEST and not _layout.is_data_name(tail):
+            entry.foreign.append(tail)
         entry.newest_mtime = max(entry.newest_mtime, _mtime(info))
     return out
 
@@ -261,10 +269,11 @@ class RemoteTier:
         self._error: tuple[int, BaseException] | None = None
         self._newest_verified: int | None = None
         self._closed = False
-        self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-upload")
+        self._names = f"ckpt-upload-{next(_UPLOADERS)}"  # this uploader's threads' names
+        self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix=self._names)
         # multipart parts (and local checks) of every file: their own pool, so a file's thread
         # that waits for its parts never holds a worker its parts need
-        self._parts = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-upload-part")
+        self._parts = ThreadPoolExecutor(options.threads, thread_name_prefix=f"{self._names}-part")
         self._s3 = _s3put.is_s3(self.fs)
         self._kick()  # reconcile with the remote (uploads committed steps never uploaded)
 
@@ -293,7 +302,9 @@ class RemoteTier:
     def _kick(self) -> None:
         with self._cond:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="ckpt-upload", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._loop, name=f"{self._names}-queue", daemon=True
+                )
                 self._thread.start()
 
     def may_evict(self, step: int) -> bool:
@@ -327,9 +338,13 @@ class RemoteTier:
     def close(self) -> None:
         """Wait (up to ``close_timeout_s``) for uploads, then stop the upload threads. Uploads
         still running then are abandoned with a warning: the local copies stay, and the next
-        manager on this directory uploads them."""
+        manager on this directory uploads them. Each thread left in a transfer (a hung put) is
+        named in a ``StuckWorkerWarning``: threads cannot be killed, so the bound of ``close()``
+        is "returns and reports" (``feedpipe.io.reaper``)."""
+        finished = False
         try:
             self.wait(self.options.close_timeout_s)
+            finished = True
         except TimeoutError:
             with self._cond:
                 left = sorted(set(self._queue) | {
@@ -345,6 +360,10 @@ class RemoteTier:
                 self._closed = True  # an abandoned upload may finish, but nothing new starts
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._parts.shutdown(wait=False, cancel_futures=True)
+            # threads cannot be killed: each one still in a transfer is reported by name
+            ours = (f"{self._names}_", f"{self._names}-")  # pools: name_N; queue, parts: name-
+            mine = [t for t in threading.enumerate() if t.name.startswith(ours)]
+            join_threads(mine, f"ckpt upload to {self.url}", _IDLE_EXIT_S if finished else 0.0)
 
     # ---- background ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -474,6 +493,12 @@ class RemoteTier:
                 raw = (path / fmt.MANIFEST).read_bytes()
                 body = fmt.read_manifest(path)
                 existing = self._remote_manifest(step)
+                if existing is not None and not _owner.is_ckpt_manifest(existing):
+                    raise CheckpointError(
+                        f"{self.url}/{_layout.step_name(step)}/{fmt.MANIFEST}: was not written "
+                        "by ckpt; refusing to overwrite another tool's checkpoint (give ckpt a "
+                        "remote root of its own)"
+                    )
                 if existing != raw:
                     if existing is not None:  # a different save of this step: un-commit it first
                         self._call(
@@ -629,6 +654,13 @@ class RemoteTier:
             active = set(self._queue) | {
                 s for s, st in self.stats.uploads.items() if st.state == "uploading"
             }
+        for step, entry in sorted(listing.items()):
+            if entry.foreign:
+                log.warning(
+                    "ckpt: leaving %s/%s alone: ckpt did not write %s",
+                    self.url, _layout.step_name(step), ", ".join(entry.foreign[:5]),
+                )  # fmt: skip
+        listing = {s: e for s, e in listing.items() if not e.foreign}
         committed = sorted(s for s, e in listing.items() if e.committed)
         decision = _retention.plan(
             committed,
@@ -638,6 +670,13 @@ class RemoteTier:
             metrics=self._step_metrics,
         )
         for step in decision.delete:
+            raw = self._remote_manifest(step)
+            if raw is not None and not _owner.is_ckpt_manifest(raw):
+                log.warning(
+                    "ckpt: leaving %s/%s alone: its manifest was not written by ckpt",
+                    self.url, _layout.step_name(step),
+                )  # fmt: skip
+                continue
             self._delete_remote(step)
             self._metrics.pop(step, None)
             self.stats.remote_evicted.append(step)
@@ -663,9 +702,10 @@ class RemoteTier:
         stale = self._call(lambda: _s3put.stale_uploads(self.fs, self.root, before), 0, "", "list")
         bucket = self.fs.split_path(self.root)[0]
         for rel, key, upload_id in stale:
-            step = _layout.step_number(rel.partition("/")[0])
-            if step is None or step in active:
-                continue
+            head, _, tail = rel.partition("/")
+            step = _layout.step_number(head)
+            if step is None or step in active or not _layout.is_data_name(tail):
+                continue  # only ckpt's own data files are uploaded in parts
 
             def abort(k: str = key, u: str = upload_id) -> None:
                 with contextlib.suppress(FileNotFoundError):  # already gone: nothing to do
@@ -763,6 +803,14 @@ class RemoteTier:
                 "updated": time.time(),
                 "steps": {str(s): asdict(st) for s, st in sorted(self.stats.uploads.items())},
             }
+        target = self.directory / STATUS_FILE
+        try:  # never into a directory that is not ckpt's yet, nor over another tool's file
+            if not _owner.owned(self.directory) or (
+                os.path.lexists(target) and not _owner.is_ours(target)
+            ):
+                return
+        except ValueError:  # a malformed marker: the writer refuses it (ckpt._owner)
+            return
         tmp = self.directory / _layout.status_tmp_name()
         try:
             tmp.write_text(json.dumps(doc))

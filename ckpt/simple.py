@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ckpt import _commit, _layout
+from ckpt import _commit, _layout, _owner
 from ckpt import format as fmt
 from ckpt._flatten import Leaf, flatten
 from ckpt._paths import local_path
@@ -58,13 +58,12 @@ def _check_replaceable(path: Path) -> None:
     """Refuse to replace anything at ``path`` but a checkpoint or an empty directory."""
     if os.path.islink(path):
         raise CheckpointError(f"{path}: is a symlink; ckpt.save never replaces one")
-    if not os.path.lexists(path) or _commit.is_complete(path):
-        return
-    if path.is_dir() and not any(path.iterdir()):
+    if not os.path.lexists(path) or _owner.is_ckpt_dir(path):
         return
     raise CheckpointError(
-        f"{path}: exists and is not a checkpoint directory; ckpt.save replaces only a "
-        "checkpoint or an empty directory (choose another path, or remove it yourself)"
+        f"{path}: exists and is not a checkpoint directory that ckpt wrote; ckpt.save replaces "
+        "only such a checkpoint or an empty directory (choose another path, or remove it "
+        "yourself)"
     )
 
 
@@ -81,8 +80,9 @@ def _settle(path: Path, tmps: bool = True) -> None:
         _commit.settle(path, retired)
     for n in names if tmps else ():
         pid = _layout.tmp_pid(n, path.name)
-        if pid is not None and not _alive(pid):
-            _commit.remove_path(path.parent / n)
+        tmp = path.parent / n
+        if pid is not None and not _alive(pid) and _owner.is_ckpt_dir(tmp, scratch=True):
+            _commit.remove_path(tmp)  # a dead save's temp that holds only ckpt files
 
 
 def _alive(pid: int) -> bool:

@@ -2,9 +2,16 @@
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
 modules are imported only when their subcommand runs. No command prints a traceback: an error is
-one line on stderr naming the file or URL (credentials redacted) and exit status 1; Ctrl-C exits
-with 130; a closed stdout (``feedpipe inspect ... | head``) ends the command quietly.
+one line on stderr naming the file or URL and exit status 1; Ctrl-C exits with 130; a closed
+stdout (``feedpipe inspect ... | head``) ends the command quietly.
 ``FEEDPIPE_DEBUG=1`` re-raises, for a bug report.
+
+Credentials never reach the terminal. Every error of every subcommand reaches the user through
+one place, :func:`main`'s handler (subcommands raise, they do not print errors), and argparse's
+own errors through :class:`_Parser`; both pass the text through
+:func:`feedpipe.io.remote.redact` and also remove the user and password of every URL on the
+command line, whatever library quoted them and however (botocore quotes ``KEY:SECRET@bucket``
+with no scheme).
 """
 
 from __future__ import annotations
@@ -13,6 +20,9 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Sequence
+from typing import NoReturn
+from urllib.parse import unquote
 
 __all__ = ["main"]
 
@@ -33,13 +43,26 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose error line is redacted (it may quote a URL argument)."""
+
+    secrets: Sequence[str] = ()
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {_redact(message, self.secrets)}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="feedpipe", description=__doc__.splitlines()[0])
+    secrets = _url_secrets(argv)
+    parser = _Parser(prog="feedpipe", description=__doc__.splitlines()[0])
+    parser.secrets = secrets
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     wanted = argv[0] if argv and argv[0] in _COMMANDS else None
     for name, (module, help_text) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        p.secrets = secrets
         if name == wanted:  # import only the module we will run
             importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
@@ -57,8 +80,37 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if os.environ.get("FEEDPIPE_DEBUG"):
             raise
-        print(f"feedpipe {args.command}: error: {_describe(exc, args)}", file=sys.stderr)
+        text = _redact(_describe(exc, args), secrets)
+        print(f"feedpipe {args.command}: error: {text}", file=sys.stderr)
         return 1
+
+
+def _url_secrets(argv: Sequence[str]) -> list[str]:
+    """The user and password of every ``scheme://user:password@host`` on the command line, as
+    written and percent-decoded, longest first (a password may hold a raw ``@`` or ``/``)."""
+    found: set[str] = set()
+    for arg in argv:
+        _scheme, sep, rest = arg.partition("://")
+        if not sep or "@" not in rest:
+            continue
+        userinfo = rest.rpartition("@")[0]
+        user, _colon, password = userinfo.partition(":")
+        # a user name is a secret when it is an access key id; a short one is left alone
+        for value, least in ((userinfo, 3), (user, 8), (password, 3)):
+            for form in (value, unquote(value)):
+                if len(form) >= least:
+                    found.add(form)
+    return sorted(found, key=len, reverse=True)
+
+
+def _redact(text: str, secrets: Sequence[str]) -> str:
+    """:func:`feedpipe.io.remote.redact`, then every command-line secret replaced by ``***``."""
+    from feedpipe.io.remote import redact
+
+    text = redact(text)
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
 
 
 def _describe(exc: BaseException, args: argparse.Namespace) -> str:

@@ -46,3 +46,20 @@ def fails_from_env(item: Any) -> Iterator[dict[str, Any]]:
     if int(item) >= int(os.environ.get("FEEDPIPE_TEST_FAIL_AT", "1000000")):
         raise RuntimeError("injected failure")
     yield from tokens(item)
+
+
+def hangs_on_0_fails_on_1(item: int) -> np.ndarray:
+    """Input 0 never returns (a stuck read); input 1 fails a moment later."""
+    if item == 0:
+        time.sleep(1e9)
+    if item == 1:
+        time.sleep(0.5)
+        raise ValueError("bad input 1")
+    return np.full(3, item, np.int64)
+
+
+def dies_on_7(item: Any) -> np.ndarray:
+    """The worker process dies on input 7 (as a crash in native code or the OOM killer would)."""
+    if int(item) == 7:
+        os._exit(3)
+    return np.full(3, int(item), np.int64)

@@ -1,15 +1,20 @@
-"""Shared fixtures: GPU skipping, and a real S3 API server (moto in server mode) on localhost."""
+"""Shared fixtures: GPU skipping, a real S3 API server (moto in server mode) on localhost, and
+the leftover check: no test may leave a process or a /dev/shm entry of ours behind."""
 
 from __future__ import annotations
 
 import os
 import signal
 import socket
+import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _procs import alive, descendants, describe, proc_listing, shm_entries, wait_gone
+
+LEFTOVER_GRACE_S = 5.0  # processes still exiting get this long before they count as left behind
 
 
 def _cuda_available() -> bool:
@@ -29,13 +34,42 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--gpu-order",
+        choices=("forward", "reverse"),
+        default="forward",
+        help="run the collected tests in this order (the GPU suite must pass in one process in "
+        "any order: tests/test_gpu_hygiene.py)",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--gpu-order") == "reverse":
+        items.reverse()
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _no_cuda_error_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A GPU test that leaves a CUDA runtime error behind fails itself, not the next test (the
+    error is cleared here, after the test's garbage is collected: finalizers unregister)."""
+    yield
+    if "gpu" not in request.keywords or not _cuda_available():
+        return
+    import gc
+
+    from feedpipe.device import hostreg
+
+    gc.collect()
+    err = hostreg.clear_last_error()
+    if err:
+        pytest.fail(f"{request.node.nodeid} left CUDA runtime error {err} behind for the next call")
 
 
 def free_port() -> int:
@@ -86,3 +120,74 @@ def s3_bucket(s3_server: str) -> Iterator[tuple[str, dict[str, Any]]]:
         region_name="us-east-1",
     ).create_bucket(Bucket=name)
     yield name, opts
+
+
+# ------------------------------------------------------------------------ leftover check
+class _Seen:
+    """What each test left running: ``{pid: test id}`` and ``{/dev/shm name: test id}``, by the
+    test after which each was first seen (with pytest-xdist, per worker: its own descendants)."""
+
+    pids: dict[int, str] = {}
+    shm: dict[str, str] = {}
+    ever: set[int] = {os.getpid()}  # this process and every descendant seen (shm names' pids)
+    listing: frozenset[str] = frozenset()  # /proc's pids at the last look
+
+
+def _record(nodeid: str) -> tuple[list[int], list[str]]:
+    """Note the processes and shm entries that appeared since the last test; the new ones."""
+    new_pids: list[int] = []
+    listing = proc_listing()
+    if listing != _Seen.listing:  # else no process started or ended anywhere: nothing new
+        _Seen.listing = listing
+        now = descendants()
+        _Seen.ever.update(now)
+        _Seen.pids = {p: t for p, t in _Seen.pids.items() if p in now}  # a reused pid is new
+        new_pids = [p for p in alive(now) if p not in _Seen.pids]
+        for pid in new_pids:
+            _Seen.pids[pid] = nodeid
+    new_shm = [n for n in shm_entries(_Seen.ever) if n not in _Seen.shm]
+    for name in new_shm:
+        _Seen.shm[name] = nodeid
+    return new_pids, new_shm
+
+
+def _report(pids: list[int], shm: list[str]) -> str:
+    lines = [
+        f"  {describe(p)}, left by {_Seen.pids.get(p, 'no test (session set-up or teardown)')}"
+        for p in pids
+    ]
+    lines += [f"  /dev/shm/{n}, left by {_Seen.shm.get(n, '?')}" for n in shm]
+    return "\n".join(lines)
+
+
+def _leftovers(pids: list[int]) -> tuple[list[int], list[str]]:
+    """Those of ``pids`` still alive after the grace period, and our shm entries still there."""
+    left = wait_gone(pids, LEFTOVER_GRACE_S)
+    shm = sorted(shm_entries(_Seen.ever))
+    return left, shm
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers_per_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Attribute new processes/shm entries to the test that made them; a ``serial`` test must
+    leave none (the session-level check below covers the others)."""
+    yield
+    new_pids, new_shm = _record(request.node.nodeid)
+    if request.node.get_closest_marker("serial") and (new_pids or new_shm):
+        left = wait_gone(new_pids, LEFTOVER_GRACE_S)
+        shm = [n for n in new_shm if n in shm_entries(_Seen.ever)]
+        if left or shm:
+            pytest.fail(f"{request.node.nodeid} left behind:\n{_report(left, shm)}", False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_leftovers_per_session() -> Iterator[None]:
+    """Fail the session (an error at the teardown of its last test) when a process descended
+    from this one, or a /dev/shm entry of ours, outlives every test by LEFTOVER_GRACE_S."""
+    yield
+    _record("no test (session teardown)")
+    left, shm = _leftovers(list(descendants()))
+    if left or shm:
+        msg = f"processes/shared memory left behind when the session ended:\n{_report(left, shm)}"
+        print(msg, file=sys.stderr)
+        pytest.fail(msg, False)

@@ -187,6 +187,7 @@ class _ExitsAt4(Dataset):  # type: ignore[type-arg]
         return i
 
 
+@pytest.mark.serial  # bounds wall time: alone, after the parallel phase
 def test_worker_death_of_one_loader_while_inside_another_loaders_next() -> None:
     """``zip(loader_a, loader_b)``: b's worker dies while the main thread waits in a's
     ``next()``; b's next ``next()`` reports it at once (not after torch's 5 s status poll)."""
@@ -261,6 +262,7 @@ def test_persistent_thread_workers_keep_their_dataset_and_init_once(persistent: 
     assert run(worker_type="thread") == want
 
 
+@pytest.mark.serial  # bounds wall time: alone, after the parallel phase
 def test_first_pass_wait_for_the_checked_batches_is_stall() -> None:
     """The RNG check waits for each worker's first batch inside the first ``next()`` (counted as
     stall), never inside ``iter()`` (before the first pass's clock starts)."""
@@ -282,6 +284,7 @@ class _StuckAt2(Dataset):  # type: ignore[type-arg]
         return i
 
 
+@pytest.mark.serial  # bounds wall time: alone, after the parallel phase
 def test_thread_timeout_is_not_doubled_by_the_first_round() -> None:
     loader = DataLoader(_StuckAt2(), batch_size=2, num_workers=2, worker_type="thread", timeout=0.3)
     t0 = time.monotonic()

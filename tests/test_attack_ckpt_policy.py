@@ -15,6 +15,16 @@ from ckpt import format as fmt
 from ckpt.preemption import Preemption
 
 
+@pytest.fixture(autouse=True)
+def _keep_handlers():  # type: ignore[no-untyped-def]
+    """Each test leaves SIGTERM/SIGUSR1 as it found them: a ``save_and_exit`` whose
+    ``SystemExit`` a test catches leaves its exiting handler installed (ckpt.preemption)."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for s, h in before.items():
+        signal.signal(s, h)
+
+
 def test_metric_name_with_trailing_newline_is_rejected() -> None:
     """``$`` in the name pattern matched before a trailing newline: ``"loss\\n"`` passed."""
     with pytest.raises(ValueError, match="bad metric name"):

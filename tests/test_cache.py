@@ -121,6 +121,33 @@ def test_lru_eviction_respects_limit_and_pins(
             ShardCache(url, tmp_path / "c2", 1000, opts).acquire(DATA[0])
 
 
+def test_cache_dir_holding_user_files_is_refused_and_never_evicted_from(
+    tmp_path: Path, remote: tuple[str, dict[str, Any], dict[str, bytes]]
+) -> None:
+    """Issue 25 item 3: eviction deleted any file under cache_dir, a user's included."""
+    url, opts, contents = remote
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "thesis.tex").write_text("years of work")
+    with pytest.raises(DatasetError, match=r"did not write \('thesis\.tex'\)"):
+        ShardCache(url, user, None, opts)
+    assert sorted(p.name for p in user.iterdir()) == ["thesis.tex"]
+    cache_dir = tmp_path / "cache"
+    limit = len(contents[DATA[0]]) + len(contents[DATA[1]]) // 2  # room for one .data file
+    with ShardCache(url, cache_dir, limit, opts, room_timeout_s=0.5) as cache:
+        (cache_dir / "later").mkdir()  # added after the claim: still never evicted
+        (cache_dir / "later" / "notes.txt").write_text("keep")
+        for rel in DATA[:2]:
+            with cache.leased(rel):
+                pass
+        assert cache.stats.evictions == 1
+    assert (cache_dir / "later" / "notes.txt").read_text() == "keep"
+    (tmp_path / "link").symlink_to(cache_dir, target_is_directory=True)
+    again = ShardCache(url, tmp_path / "link", None, opts)  # a linked cache_dir works
+    with again, again.leased(DATA[0]) as p0:
+        assert Path(p0).read_bytes() == contents[DATA[0]]
+
+
 _WORKER = """
 import json, random, sys
 from feedpipe.cache import ShardCache
@@ -275,3 +302,26 @@ def test_caches_opened_at_once_never_delete_each_others_index_temp(
         for t in threads:
             t.join(60)
         assert not errors, errors
+
+
+def test_close_reports_a_prefetch_stuck_in_a_read(
+    tmp_path: Path, remote: tuple[str, dict[str, Any], dict[str, bytes]], s3_server: str
+) -> None:
+    """A prefetch thread stuck in a stalled download: close() returns after ``deadline_s`` and
+    names the thread (threads cannot be killed: the bound is "close returns and reports")."""
+    from feedpipe.io.reaper import StuckWorkerWarning
+
+    url, opts, _ = remote
+    with FaultProxy(s3_server) as proxy:
+        proxy.inject("stall", match="shard-00002.data", method="GET")
+        popts = dict(opts, client_kwargs=dict(opts["client_kwargs"], endpoint_url=proxy.url))
+        cache = ShardCache(url, tmp_path / "cache", None, popts, deadline_s=1.0)
+        cache.prefetch(["shard-00002.data"])
+        deadline = time.monotonic() + 30
+        while (
+            not any("shard-00002.data" in path for _, path, _ in proxy.requests)
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.02)
+        with pytest.warns(StuckWorkerWarning, match=r"ShardCache prefetch thread feedpipe-"):
+            cache.close()

@@ -122,6 +122,7 @@ def test_memmap_exit_is_prompt_and_cache_reusable(
         ds.close()
 
 
+@pytest.mark.serial  # bounds wall time: alone, after the parallel phase
 def test_exit_does_not_wait_on_a_lock_its_own_process_holds(
     tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
 ) -> None:
@@ -135,6 +136,7 @@ def test_exit_does_not_wait_on_a_lock_its_own_process_holds(
     _assert_cache_whole(url, cache_dir, opts).close()
 
 
+@pytest.mark.serial  # bounds wall time: alone, after the parallel phase
 def test_prefetch_stops_waiting_once_another_reader_has_the_file(
     tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
 ) -> None:
@@ -162,6 +164,7 @@ def test_prefetch_stops_waiting_once_another_reader_has_the_file(
         cache.close()
 
 
+@pytest.mark.serial  # bounds wall time: alone, after the parallel phase
 def test_pinned_but_deleted_copy_fails_at_once(
     tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
 ) -> None:

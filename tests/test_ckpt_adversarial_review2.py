@@ -7,6 +7,7 @@ never hang; ``ckpt.save(path)`` never deletes a path that is not a checkpoint.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -122,13 +123,19 @@ def test_dcp_data_file_fifo_never_hangs(tmp_path: Path) -> None:
 
 
 def test_latest_fifo_never_hangs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``DIR/latest`` replaced by a FIFO: ``ckpt ls`` does not block; the next save replaces it."""
+    """``DIR/latest`` replaced by a FIFO: ``ckpt ls`` does not block; the next save commits its
+    step, then refuses to replace a ``latest`` that ckpt did not write, naming it (issue 25)."""
     root = _run(tmp_path / "run")
     fifo = _fifo(root / "latest")
     assert _no_hang(lambda: ckpt_main(["ls", str(root)]), [fifo]) == 0
-    with CheckpointManager(root, keep_last=None) as m:
+    with (
+        pytest.raises(CheckpointError, match=r"latest: was not written by ckpt"),
+        CheckpointManager(root, keep_last=None) as m,
+    ):
         _no_hang(lambda: m.save(3, _state(3)).result(30), [fifo])
-    assert (root / "latest").read_text().strip() == "step-3"
+    assert stat.S_ISFIFO(os.lstat(root / "latest").st_mode)
+    with CheckpointManager(root) as m:
+        assert m.steps() == [1, 2, 3]
 
 
 @pytest.mark.parametrize("kind", ["dir", "fifo"])

@@ -27,6 +27,18 @@ def test_ls(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert "leftover: step-40.tmp-1-dead" in lines[4]
 
 
+def test_ls_tells_a_foreign_leftover_name_from_ckpt_s_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    _populate(tmp_path)
+    (tmp_path / "step-9.tmp-1-abcdef12").mkdir()
+    (tmp_path / "step-9.tmp-1-abcdef12" / "mine.txt").write_text("mine")
+    assert cli.main(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "leftover: step-40.tmp-1-dead" in out
+    assert "not written by ckpt, kept: step-9.tmp-1-abcdef12" in out
+
+
 def test_verify_ok_and_single_step(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     _populate(tmp_path)
     assert cli.main(["verify", str(tmp_path)]) == 0
@@ -60,3 +72,71 @@ def test_gc_keeps_newest_valid(tmp_path: Path, capsys: pytest.CaptureFixture) ->
 def test_missing_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["ls", str(tmp_path / "nope")]) == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+def _run_with_retention_held(root: Path) -> CheckpointManager:
+    """Steps 1..8 saved by a manager whose policy is keep_last=2, keep_every=3 and the best
+    loss (step 2); an evict guard holds its retention back, so every step is still there."""
+    m = CheckpointManager(root, keep_last=2, keep_every=3, keep_best=("loss", 1, "min"))
+    m.evict_guards.append(lambda step: False)
+    for step in range(1, 9):
+        m.save(step, {"w": torch.ones(10) * step}, metrics={"loss": abs(step - 2)}).result(30)
+    m.close()
+    return m
+
+
+def _steps(root: Path) -> list[int]:
+    return _commit.steps(root)
+
+
+def test_gc_without_flags_applies_the_policy_the_manager_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Issue 25 item 2: ``ckpt gc DIR`` kept the newest 3 (its own default) and deleted the best
+    step and the keep_every steps; it now deletes exactly what the manager would."""
+    import shutil
+
+    _run_with_retention_held(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    with CheckpointManager(
+        tmp_path / "b", keep_last=2, keep_every=3, keep_best=("loss", 1, "min")
+    ) as m:
+        m.gc()  # what the manager itself deletes
+    assert _steps(tmp_path / "b") == [2, 3, 6, 7, 8]
+    assert cli.main(["gc", str(tmp_path / "a"), "--dry-run"]) == 0
+    assert _steps(tmp_path / "a") == list(range(1, 9))
+    assert cli.main(["gc", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "would delete step 1" in out and "deleted step 5" in out
+    assert _steps(tmp_path / "a") == _steps(tmp_path / "b")
+
+
+def test_gc_without_flags_or_recorded_policy_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    _run_with_retention_held(tmp_path)
+    (tmp_path / "retention.json").unlink()  # a directory of an earlier version
+    assert cli.main(["gc", str(tmp_path)]) == 1
+    assert "retention.json: no retention policy recorded" in capsys.readouterr().err
+    assert _steps(tmp_path) == list(range(1, 9))
+    assert cli.main(["gc", str(tmp_path), "--keep-last", "none", "--keep-every", "4"]) == 0
+    assert _steps(tmp_path) == [4, 8]  # explicit flags still work
+
+
+@pytest.mark.parametrize(
+    ("target", "named"),
+    [
+        ("https://127.0.0.1:1/run", "https://127.0.0.1:1/run"),  # nothing listens: refused
+        ("https://user:SECRET@127.0.0.1:1/run", "https://***@127.0.0.1:1/run"),
+        ("{tmp}/missing", "{tmp}/missing: no such directory"),
+        ("file://{tmp}/missing", "{tmp}/missing: no such directory"),
+    ],
+)
+def test_ls_of_an_unreachable_or_missing_root_fails_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture, target: str, named: str
+) -> None:
+    """Issue 25 item 10: ``ckpt ls`` of an unreachable https URL exited 0 with an empty table."""
+    assert cli.main(["ls", target.format(tmp=tmp_path)]) != 0
+    err = capsys.readouterr().err
+    assert named.format(tmp=tmp_path) in err and "SECRET" not in err
+    assert len(err.strip().splitlines()) == 1

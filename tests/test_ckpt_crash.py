@@ -28,6 +28,11 @@ def _same(state: dict, ref: dict) -> bool:
     )
 
 
+# Where the kills aim, in turn: each background phase (reached by watching the worker, not by
+# timing: on a loaded machine a random delay may never reach the later phases), or anywhere.
+TARGETS = ("stage", "write", None, "fsync", "rename", None, "latest", "retention", None)
+
+
 def _crash_loop(root: Path, kills: int, seed: int) -> collections.Counter[str]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "numpy", "ckpt.manager", "_ckpt_crash_worker"])
@@ -39,10 +44,15 @@ def _crash_loop(root: Path, kills: int, seed: int) -> collections.Counter[str]:
         phase = ctx.Array("c", 16)
         proc = ctx.Process(target=worker.run, args=(str(root), phase), daemon=True)
         proc.start()
-        deadline = time.monotonic() + 60
-        while not phase.value and proc.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.005)  # wait for the worker to run, so that every kill lands in it
-        proc.join(rng.uniform(0.05, 0.5))
+        target = TARGETS[i % len(TARGETS)]
+        deadline = time.monotonic() + 60  # a deadlock guard: the kill lands anyway after it
+        while proc.is_alive() and time.monotonic() < deadline:
+            now = phase.value.decode()
+            if now and (target is None or now == target):
+                break
+            time.sleep(0.001)  # wait for the worker to run (and reach the target phase)
+        # a random moment inside the phase (each lasts 10-30 ms: worker.PAUSES), or anywhere
+        proc.join(rng.uniform(0.0, 0.01) if target else rng.uniform(0.05, 0.5))
         assert proc.is_alive(), f"worker died on its own (exit code {proc.exitcode})"
         proc.kill()
         proc.join(10)

@@ -493,12 +493,18 @@ def test_gpu_restore_into_cuda_corrupt_in_one_pass_writes_nothing(tmp_path: Path
 # ---- the first save: a buffer registered in pieces while the save copies into it -------------
 
 
-def _slow_register(delay: float, fail: int | None = None) -> tuple[Callable, list]:
+def _slow_register(
+    delay: float, fail: int | None = None, gate: Any = None
+) -> tuple[Callable, list]:
+    """A registration that takes ``delay`` s, fails at call ``fail`` and, with ``gate`` (an
+    event), waits for it first: no piece is ready before the test says so."""
     import time
 
     done: list[int] = []
 
     def register(ptr: int, size: int) -> int:
+        if gate is not None:
+            assert gate.wait(120), "the test never opened the gate"  # a deadlock guard
         time.sleep(delay)
         done.append(ptr)
         return 999 if fail is not None and len(done) == fail else 0
@@ -519,18 +525,25 @@ def test_copies_wait_for_their_piece_of_a_buffer_made_in_the_background(
 ) -> None:
     """The pieces are faulted in (zeroed) and registered slowly, one after another; a copy
     made before its piece was zeroed would be wiped, and one across two pieces would span two
-    registrations."""
+    registrations. No piece is registered until the gate opens, shortly after the save starts
+    (so its first copy waits, whatever the machine's load; the test asserts no timing)."""
+    import threading
+
     from ckpt import _pool
 
     monkeypatch.setattr(_pool, "REGISTER_BYTES", 1 << 20)
     monkeypatch.setattr(_pool, "_threads", lambda: 2)
-    register, done = _slow_register(0.02)
+    gate = threading.Event()
+    register, done = _slow_register(0.02, gate=gate)
     state = _big_state()
     leaves = _leaves(state)
     plan = _staging.Stager(gather_host=gather_host).plan(leaves)
     buf = Buffer(plan.nbytes, True, background=True, register=register)
-    assert buf.pieces == 1 << 20 and len(done) < plan.nbytes >> 20  # still pinning
+    assert buf.pieces == 1 << 20 and not done  # still pinning: the gate is shut
+    opener = threading.Timer(0.05, gate.set)
+    opener.start()
     plan.stage(leaves, buf)
+    opener.join()
     assert torch.equal(buf.tensor[: plan.nbytes], _want(leaves))
     assert len(done) == -(-buf.nbytes // (1 << 20))
 

@@ -149,6 +149,31 @@ def test_should_save_interval_and_listed_steps(tmp_path: Path) -> None:
         assert not any(m.should_save(s) for s in range(50))
 
 
+@pytest.mark.parametrize("bad", [-10, 0, 10.0, 10**22, True, "10", None])
+def test_should_save_refuses_steps_and_intervals_that_mean_nothing(
+    tmp_path: Path, bad: Any
+) -> None:
+    """Issue 25 item 10: ``should_save`` took -10, 10.0 and 10**22; the interval took 10**22."""
+    with CheckpointManager(tmp_path, save_interval_steps=10, save_on_steps=[5]) as m:
+        if bad != 0:  # step 0 is a step; an interval of 0 is not
+            with pytest.raises(ValueError, match=rf"should_save: step must be an int .*{bad!r}"):
+                m.should_save(bad)
+    if bad is not None:  # None: no interval
+        with pytest.raises(ValueError, match=rf"save_interval_steps must be an int .*{bad!r}"):
+            CheckpointManager(tmp_path, save_interval_steps=bad)
+        if bad != 0:
+            with pytest.raises(ValueError, match=r"save_on_steps"):
+                CheckpointManager(tmp_path, save_on_steps=[bad])
+
+
+def test_the_retention_record_round_trips_every_policy() -> None:
+    from ckpt.policy import Policy, from_record, to_record
+
+    for p in (None, KeepLast(2), KeepLast(2) | KeepEvery(3) | KeepBest("loss", 1, "max")):
+        assert from_record(to_record(p)) == p
+    assert to_record(KeepLast(1) | type("Custom", (Policy,), {})()) is None
+
+
 # ---- metrics and metadata in the manifest -------------------------------------------------------
 def test_metrics_and_metadata_round_trip(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path) as m:

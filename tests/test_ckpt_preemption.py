@@ -212,6 +212,46 @@ def test_save_and_exit_past_its_deadline_raises_not_exits(tmp_path: Path, monkey
 
 
 # ---- a real training process -------------------------------------------------------------------
+_SECOND_SIGTERM = """
+import os, signal, sys, time
+import torch
+from ckpt.manager import CheckpointManager
+m = CheckpointManager(sys.argv[1], save_on_preemption=True)
+try:
+    m.save_and_exit(0, {"w": torch.zeros(4)})
+finally:  # a second notice arrives while the process winds down (threads, atexit, cleanup)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+"""
+
+
+def test_a_sigterm_after_save_and_exit_still_exits_with_its_status(tmp_path: Path) -> None:
+    """Issue 25 item 15: ``save_and_exit`` put ``SIG_DFL`` back, so a second SIGTERM while the
+    process exited killed it (-15) instead of the promised status 75."""
+    run = subprocess.run(
+        [sys.executable, "-c", _SECOND_SIGTERM, str(tmp_path)],
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == PREEMPTED_EXIT_CODE, run.stderr
+    assert (tmp_path / "step-0" / "manifest.json").is_file()
+
+
+def test_a_caught_save_and_exit_leaves_later_managers_as_in_a_fresh_process(
+    tmp_path: Path,
+) -> None:
+    m = CheckpointManager(tmp_path / "a", save_on_preemption=True)
+    with pytest.raises(SystemExit):
+        m.save_and_exit(0, _state(0))
+    with CheckpointManager(tmp_path / "b", save_on_preemption=True) as again:
+        os.kill(os.getpid(), signal.SIGTERM)  # recorded, not chained to the exiting handler
+        assert again.preempted
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 def _launch(directory: Path, out: Path, steps: int, sync_every: int = 1, **env: str) -> Any:
     progress = directory.with_suffix(".progress")
     cmd = [sys.executable, str(WORKER), str(directory), str(steps), str(out), str(progress)]
@@ -220,7 +260,7 @@ def _launch(directory: Path, out: Path, steps: int, sync_every: int = 1, **env: 
     return subprocess.Popen(cmd, env=full, stderr=subprocess.PIPE, text=True), progress
 
 
-def _wait_progress(progress: Path, at_least: int, proc: Any, timeout: float = 60.0) -> int:
+def _wait_progress(progress: Path, at_least: int, proc: Any, timeout: float = 180.0) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read()
@@ -318,7 +358,7 @@ def test_one_signalled_rank_of_three_all_save_the_same_step(tmp_path: Path) -> N
     procs[1][0].send_signal(signal.SIGTERM)  # only rank 1 is told
     saved = []
     for r, (proc, _) in enumerate(procs):
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=240)  # a deadlock guard (gloo's own is 180 s)
         assert proc.returncode == PREEMPTED_EXIT_CODE, f"rank {r}: {err}"
         saved.append(max(int(p.name[5:]) for p in (tmp_path / f"rank{r}").glob("step-*")))
     assert len(set(saved)) == 1, saved  # every rank saved the same step

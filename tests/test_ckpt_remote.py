@@ -19,6 +19,7 @@ from ckpt import _commit, cli
 from ckpt.errors import CheckpointError
 from ckpt.manager import CheckpointManager
 from ckpt.remote import STATUS_FILE, RemoteOptions, list_remote, read_status
+from feedpipe.io.reaper import StuckWorkerWarning
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -293,7 +294,8 @@ def test_training_never_blocks_on_a_stalled_remote(
     while ups[1].state != "uploading" and time.monotonic() < deadline:
         time.sleep(0.02)
     assert (ups[1].state, ups[2].state) == ("uploading", "pending")
-    m.close()  # gives up on the uploads after close_timeout_s, with a warning
+    with pytest.warns(StuckWorkerWarning, match=r"ckpt upload to s3://.* thread ckpt-upload-"):
+        m.close()  # gives up on the uploads after close_timeout_s, naming the stuck thread
     assert "unfinished" in caplog.text
     assert m.steps() == [1, 2]  # nothing evicted: neither step reached the remote
     proxy.clear()

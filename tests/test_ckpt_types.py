@@ -139,7 +139,8 @@ def test_manager_restore_into_keeps_ties_and_types(tmp_path: Path) -> None:
         state = {"model": model, "size": torch.Size([3]), "color": Color.RED, "g": grads}
         m.save(1, state).result()
         plain = torch.zeros(2)  # the caller's tensor: filled, its requires_grad left alone
-        into: dict[str, Any] = {"model": torch.nn.Linear(3, 3), "g": plain}
+        # every saved key has its place (strict, as torch's load_state_dict): replaced values
+        into: dict[str, Any] = {"model": torch.nn.Linear(3, 3), "g": plain, "size": 0, "color": 0}
         out = m.restore(into=into)
     assert torch.equal(into["model"].weight, model.weight)
     assert out["size"] == torch.Size([3]) and into["color"] is Color.RED

@@ -181,3 +181,105 @@ def test_progress_helper_draws_only_on_a_terminal_in_binary_units(
     drawn = term.getvalue()
     assert "iB/s" in drawn and "MB/s" not in drawn and "kB/s" not in drawn, drawn
     assert isinstance(progress(10, "x", enabled=False), NullBar)
+
+
+# ------------------------------------------------------------------ issue 25 item 16
+_KEY, _SECRET = "AKIAKEYID12345678", "SUPERSECRETvalue42"
+_URL = f"s3://{_KEY}:{_SECRET}@bucket/ds"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["inspect", _URL],
+        ["inspect", _URL, "--verify"],
+        ["convert", "x.npy", _URL, "--no-progress"],
+        ["convert", "x.npy", _URL, "--no-progress", "--fn", "json:loads"],
+        ["stage", _URL, "dst", "--no-progress"],
+        ["bench", _URL, "--workers", "0", "--batches", "2"],
+        ["inspect", "ds", _URL],  # argparse's own error quotes the stray argument
+        ["ckpt", "ls", _URL],
+    ],
+    ids=lambda a: "-".join(x for x in a if not x.startswith(("s3:", "--"))),
+)
+def test_no_command_prints_the_secret_of_a_url(
+    tmp_path: Path,
+    argv: list[str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """botocore quotes "KEY:SECRET@bucket" (no scheme) in its 'Invalid bucket name' message."""
+    monkeypatch.chdir(tmp_path)
+    np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
+    if argv[0] == "ckpt":
+        from ckpt.cli import main as ckpt_main
+
+        run, argv = ckpt_main, argv[1:]
+    else:
+        from feedpipe.cli import main as run
+    try:
+        rc = run(argv)
+    except SystemExit as exc:  # argparse
+        rc = exc.code
+    out, err = capsys.readouterr()
+    assert rc != 0 and "Traceback" not in err, err
+    for secret in (_KEY, _SECRET):
+        assert secret not in out + err, out + err
+
+
+# ------------------------------------------------------------------ issue 25 item 10
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["convert", "x.npy", "out", "--workers", "0"], "--workers"),
+        (["convert", "x.npy", "out", "--workers", "-1"], "--workers"),
+        (["convert", "x.npy", "out", "--shard-size", "inf"], "--shard-size"),
+        (["convert", "x.npy", "out", "--shard-size", "nan"], "--shard-size"),
+        (["convert", "x.npy", "out", "--shard-size", "0"], "--shard-size"),
+        (["convert", "x.npy", "out", "--shard-size", "lots"], "--shard-size"),
+        (["convert", "x.npy", "out", "--fn", "m:f", "--inputs-per-part", "0"], "--inputs-per-part"),
+        (["inspect", "ds", "--shards", "-1"], "--shards"),
+        (["stage", "src", "dst", "--workers", "0"], "--workers"),
+        (["bench", "--synthetic", "--batch-size", "0"], "--batch-size"),
+    ],
+)
+def test_numbers_that_mean_nothing_are_argparse_errors(
+    tmp_path: Path,
+    argv: list[str],
+    option: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from feedpipe.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert f"error: argument {option}: " in err.strip().splitlines()[-1], err
+    assert sorted(os.listdir(tmp_path)) == ["x.npy"]
+
+
+def test_byte_sizes_in_every_unit() -> None:
+    from feedpipe.io.cliargs import byte_size
+
+    assert byte_size("256MiB") == 256 << 20
+    assert byte_size("64k") == 64 << 10
+    assert byte_size("1.5G") == 3 << 29
+    assert byte_size("2TB") == 2 << 40
+    assert byte_size("4096") == 4096
+
+
+def test_bench_plot_checks_for_matplotlib_before_the_sweep(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 25 item 15: the check came after minutes of measuring."""
+    from feedpipe.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    rc = main(["bench", "--synthetic", "--workers", "0", "--batches", "2", "--plot", "p.png"])
+    out, err = capsys.readouterr()
+    _one_line(rc, err, "matplotlib", "feedpipe[bench]")
+    assert out == ""  # no sweep, no table: the old check came after them

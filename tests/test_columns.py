@@ -220,6 +220,12 @@ def test_writer_refuses_values_by_record_and_field(
         ({"records": False}, "at least one field"),
         ({"shape": (None,), "dtype": "U3"}, "U3"),
         ({"shape": None, "fields": {"t": ("int32", (None, -1))}}, "negative"),
+        # issue 25 item 15: zero-byte rows or records could never be read back
+        ({"records": False, "fields": {"e": ("float32", (None, 0))}}, r"field 'e'.*\(None, 0\)"),
+        ({"shape": (2,), "fields": {"e": ("int8", (None, 3, 0))}}, r"field 'e'.*zero bytes"),
+        ({"shape": (None, 0), "dtype": "float32"}, r"records: shape \(None, 0\).*zero bytes"),
+        ({"shape": (0,), "dtype": "float32"}, r"records: shape \(0,\).*zero bytes"),
+        ({"records": False, "fields": {"e": ("int64", (0,))}}, r"field 'e'.*zero bytes"),
     ],
 )
 def test_writer_refuses_clashing_or_bad_columns(
@@ -227,6 +233,29 @@ def test_writer_refuses_clashing_or_bad_columns(
 ) -> None:
     with pytest.raises(DatasetError, match=match):
         MemmapWriter(tmp_path / "w", **kwargs)
+    assert not (tmp_path / "w").exists()
+
+
+def test_zero_width_columns_are_refused_by_convert_and_on_open(tmp_path: Path) -> None:
+    """Every path into the format refuses a zero-width ragged column by name: convert of
+    dicts, and an index that lists one (written by hand or by an older feedpipe)."""
+
+    class Rows(torch.utils.data.Dataset[Any]):
+        def __len__(self) -> int:
+            return 6
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return {"e": np.zeros((i % 3, 0), np.float32), "y": i}
+
+    with pytest.raises(DatasetError, match=r"part-00000: field 'e': shape .*zero bytes"):
+        convert(Rows(), tmp_path / "o", workers=1)
+    assert not (tmp_path / "o").exists()
+    path = _write(tmp_path / "ds", _docs(4))
+    doc = json.loads((path / "index.json").read_text())
+    doc["fields"]["boxes"]["shape"] = [None, 0]
+    (path / "index.json").write_text(json.dumps(doc))
+    with pytest.raises(DatasetError, match=r"index\.json.*field 'boxes'.*zero bytes"):
+        MemmapDataset(path)
 
 
 # ---------------------------------------------------------------------- hostile files
@@ -387,6 +416,86 @@ def test_transform_keeps_one_gather_per_batch(tmp_path: Path) -> None:
     assert Counting.reads == 1 and seen and seen[0].tolist() == [len(d["text"]) for d in _docs(10)]
     with pytest.raises(TypeError, match="transform must be callable"):
         MemmapDataset(tmp_path / "ds", transform="decode")
+
+
+def _unnested(batch: Any) -> Any:
+    """``batch`` with each jagged nested tensor as the list of its rows (to compare)."""
+    if isinstance(batch, torch.Tensor) and batch.is_nested:
+        return list(batch.unbind())
+    if isinstance(batch, dict):
+        return {k: _unnested(v) for k, v in batch.items()}
+    return batch
+
+
+def _shape(v: Any) -> Any:
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else type(v)
+
+
+def _cut(sample: dict[str, Any]) -> dict[str, Any]:
+    return {**sample, "tokens": sample["tokens"][:3], "boxes": sample["boxes"] * 2}
+
+
+@pytest.mark.parametrize("mode", ["pad", "nested"])
+def test_ragged_columns_batch_through_a_transform(
+    typed: tuple[Path, list[dict[str, Any]]], mode: str
+) -> None:
+    """Issue 25 item 13: with ``transform=``, ragged columns are batched as ``ragged=`` batches
+    them without one (padded with ``NAME_lengths``, or nested), on every worker type, where
+    torch's default_collate refuses records of different lengths."""
+    path, _ = typed
+    plain = MemmapDataset(path, ragged=mode, pad_value=-7)
+    same = MemmapDataset(path, ragged=mode, pad_value=-7, transform=lambda s: s)
+    idx = [28, 3, 3, 0, 17, 9, 21]
+    assert_batches_equal(_unnested(same.read_batch(idx)), _unnested(plain.read_batch(idx)))
+    none, want_none = same.read_batch([]), plain.read_batch([])
+    assert list(none) == list(want_none)
+    for k, v in want_none.items():
+        assert len(none[k]) == len(v) == 0 and (mode == "nested" or _shape(none[k]) == _shape(v))
+    cut = MemmapDataset(path, ragged=mode, pad_value=-7, transform=_cut)
+    sampler = feedpipe.DistributedSampler(cut, num_replicas=1, rank=0, shuffle=True, seed=3)
+    order = list(sampler)
+    for worker_type in ("thread", "process"):
+        loader = DataLoader(
+            cut, batch_size=6, sampler=sampler, num_workers=2, worker_type=worker_type
+        )
+        for b, batch in enumerate(loader):
+            rows = order[6 * b : 6 * b + 6]
+            want = [_cut(plain[i]) for i in rows]
+            got = _unnested(batch)
+            for j, s in enumerate(want):
+                k = len(s["tokens"])
+                tokens = got["tokens"][j]
+                assert torch.equal(tokens[:k], s["tokens"]), (worker_type, b, j)
+                assert torch.equal(got["boxes"][j][: len(s["boxes"])], s["boxes"])
+                if mode == "pad":
+                    assert int(got["tokens_lengths"][j]) == k and (tokens[k:] == -7).all()
+                assert got["text"][j] == s["text"] and int(got["label"][j]) == int(s["label"])
+            if mode == "pad":
+                width = max(len(s["tokens"]) for s in want)
+                assert got["tokens"].shape == (len(rows), width)
+        assert b == (len(order) - 1) // 6, worker_type
+
+
+def test_ragged_records_without_fields_batch_through_a_transform(tmp_path: Path) -> None:
+    """A ragged-layout dataset's samples are tensors: its batch is ``data`` + ``data_lengths``
+    (``pad``) or one nested tensor, with a transform as without one."""
+    with MemmapWriter(tmp_path / "r", shape=(None, 2), dtype="float32") as w:
+        for i in range(9):
+            w.append(np.full((i % 4, 2), i, np.float32))
+    for mode in ("pad", "nested"):
+        plain = MemmapDataset(tmp_path / "r", ragged=mode)
+        doubled = MemmapDataset(tmp_path / "r", ragged=mode, transform=lambda t: t * 2)
+        idx = [3, 0, 8, 6]
+        want = plain.read_batch(idx)
+        got = doubled.read_batch(idx)
+        if mode == "pad":
+            assert_batches_equal(
+                got, {"data": want["data"] * 2, "data_lengths": want["data_lengths"]}
+            )
+        else:
+            assert all(
+                torch.equal(g, 2 * w) for g, w in zip(got.unbind(), want.unbind(), strict=True)
+            )
 
 
 # ---------------------------------------------------------------------- resume
@@ -561,3 +670,19 @@ def test_guide_code_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert [t.tolist() for t in ns["nested"].unbind()] == [[4, 4, 8, 1, 3], [5, 17, 2], [9]]
     assert ns["ds"][0]["image"].shape == (3, 32, 32)
     assert ns["MemmapDataset"]("tokenized")[7]["url"] == "https://example.com/7"
+
+
+def test_a_json_number_out_of_float_range_is_refused_on_read_as_on_write(tmp_path: Path) -> None:
+    """Issue 25 item 10: ``1e999`` read back as ``inf``, which the writer refuses to store."""
+    with MemmapWriter(tmp_path / "j", records=False, fields={"m": "json"}) as w:
+        w.append(m={"x": 1.0})
+        w.append(m={"x": 1e300})
+    with pytest.raises(DatasetError, match=r"record 0: field 'm': inf cannot be stored"):
+        MemmapWriter(tmp_path / "w", records=False, fields={"m": "json"}).append(m=float("inf"))
+    root = tmp_path / "j"
+    (rel,) = [p.name for p in root.iterdir() if b"1e+300" in p.read_bytes()]
+    _rewrite(root, rel, (root / rel).read_bytes().replace(b"1e+300", b"1e+999"))
+    ds = MemmapDataset(root)
+    assert ds[0]["m"] == {"x": 1.0}
+    with pytest.raises(DatasetError, match=rf"{rel}.*record 1.*'m'.*1e\+999 is out of a float"):
+        ds[1]

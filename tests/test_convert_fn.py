@@ -201,10 +201,34 @@ def test_cli_takes_a_dotted_path(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert not (tmp_path / "e").exists()
 
 
+def test_cli_fn_imports_a_module_from_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 25 item 15: as ``python -m`` does (the console script's sys.path lacks the cwd)."""
+    from feedpipe.cli import main
+
+    (tmp_path / "cwd_fns_25.py").write_text(
+        "import numpy as np\n\ndef f(x):\n    return np.full(2, int(x), np.int64)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "cwd_fns_25", raising=False)
+    assert main(["convert", "--fn", "cwd_fns_25:f", "1", "2", "3", "out", "--no-progress"]) == 0
+    assert feedpipe.MemmapDataset(tmp_path / "out")[2].tolist() == [3, 3]
+    sys.modules.pop("cwd_fns_25", None)
+
+
 def test_a_failing_input_is_named(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"fails_on_13 failed on input 13 \(13\): ValueError"):
         _convert(fns.fails_on_13, tmp_path / "f", n=20, num_workers=2)
     assert not (tmp_path / "f").exists()
+
+
+def test_a_worker_that_dies_is_named_with_its_function_and_input(tmp_path: Path) -> None:
+    """Issue 25 item 15: not a bare BrokenProcessPool."""
+    with pytest.raises(DatasetError, match=r"dies_on_7: a worker process died .*input 7 \(7\)"):
+        _convert(fns.dies_on_7, tmp_path / "d", n=12, num_workers=2)
+    assert not (tmp_path / "d").exists()
 
 
 def test_records_that_change_layout_are_refused_naming_the_inputs(tmp_path: Path) -> None:
@@ -293,3 +317,40 @@ def test_another_plan_starts_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert result.resumed_parts == 0
     _convert(fns.fails_from_env, tmp_path / "clean", n=16, num_workers=1, inputs_per_part=8)
     assert _files(tmp_path / "ds") == _files(tmp_path / "clean")
+
+
+_HUNG_SCRIPT = """
+import sys
+sys.path[:0] = [{tests!r}]
+import feedpipe
+import _convert_fns as fns
+from _procs import alive, descendants
+
+try:
+    feedpipe.convert(fns.hangs_on_0_fails_on_1, [0, 1], output={out!r}, num_workers=2,
+                     inputs_per_part=1)
+except Exception as exc:
+    print("RAISED", type(exc).__name__, flush=True)
+print("AFTER", *alive(descendants()), flush=True)
+"""
+
+
+def test_a_hung_fn_is_ended_when_another_input_fails(tmp_path: Path) -> None:
+    """One worker hangs in fn, another fails: convert raises (it used to wait forever for the
+    hung one), and no worker outlives it or the interpreter."""
+    tests = str(Path(__file__).parent)
+    script = tmp_path / "hung.py"
+    script.write_text(_HUNG_SCRIPT.format(tests=tests, out=str(tmp_path / "out")))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), tests])}
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = {k: v for k, _, v in (ln.partition(" ") for ln in proc.stdout.splitlines())}
+    assert "RAISED" in lines, proc.stdout + proc.stderr[-2000:]  # the failed input, named
+    assert lines["AFTER"] == "", proc.stdout

@@ -58,6 +58,22 @@ def test_tar_folder_api(tmp_path: Path) -> None:
     assert res.records == 10
 
 
+def test_tar_conversion_keeps_the_webdataset_key(tmp_path: Path) -> None:
+    """Issue 25 item 15: each sample's ``__key__`` (as WebDataset and TarDataset give it) is
+    kept as a str column of the same name, in samples and in batches."""
+    _shards(tmp_path / "wds")
+    _shard(tmp_path / "wds" / "train-02.tar", [("sub/dir.v2/x", {"cls": b"2", "jpg": b"z"})])
+    keys = feedpipe.TarDataset(str(tmp_path / "wds" / "train-{00..02}.tar")).keys()
+    assert keys[-1] == "sub/dir.v2/x" and len(keys) == 11
+    feedpipe.convert(tmp_path / "wds", tmp_path / "o", workers=2, shard_bytes=64)
+    ds = MemmapDataset(tmp_path / "o")
+    assert ds.fields["__key__"].kind == "str" and len(ds.index.shards) > 1
+    assert [ds[i]["__key__"] for i in range(len(ds))] == keys
+    batch = ds.read_batch([10, 0, 7])
+    assert batch["__key__"] == [keys[10], keys[0], keys[7]]
+    assert batch["cls"].tolist() == [2, 0, 1]
+
+
 def test_tar_refuses_what_it_cannot_store(tmp_path: Path) -> None:
     _shard(tmp_path / "t.tar", [("a", {"jpg": b"x", "cls": b"a cat"})])
     with pytest.raises(DatasetError, match=r"member 'a\.cls' is not an integer"):

@@ -341,3 +341,30 @@ def test_hostile_index_text(tmp_path: Path, raw: str) -> None:
         MemmapDataset(tmp_path / "ds")
     res = _cli("inspect", "ds", cwd=tmp_path)
     assert res.returncode == 1 and "Traceback" not in res.stderr and "index.json" in res.stderr
+
+
+# ---------------------------------------------------------------------- issue 25 item 15
+def test_unclear_sources_give_one_clear_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from feedpipe.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "arrays").mkdir()
+    for i in range(3):
+        np.save(tmp_path / "arrays" / f"{i}.npy", np.full((2, 3), i, np.float32))
+    for source, needle in (
+        ("arrays", "a folder of .npy/.npz files; name the files"),
+        ("nothere", "source does not exist"),
+    ):
+        assert main(["convert", source, "out", "--no-progress"]) == 1
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and f"{source}: {needle}" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["arrays"]
+
+
+def test_a_list_of_dicts_is_a_dataset_of_samples(tmp_path: Path) -> None:
+    """It was taken for a list of paths (TypeError: expected str... not dict)."""
+    res = convert([{"a": 1, "b": "x"}, {"a": 2, "b": "yy"}], tmp_path / "ds", progress_bar=False)
+    ds = MemmapDataset(res.path)
+    assert len(ds) == 2 and ds[1]["a"].item() == 2 and ds[1]["b"] == "yy"

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +20,7 @@ import torch
 pytest.importorskip("nvidia.dali")
 Image = pytest.importorskip("PIL.Image")
 
+from _procs import alive, descendants, wait_gone  # noqa: E402
 from test_dali_datasets import BytesDataset, ExplodingDataset, HangingDataset  # noqa: E402
 
 from feedpipe.dali import ImageLoader  # noqa: E402
@@ -306,11 +311,66 @@ def test_read_error_is_reported_or_skipped(images: list[bytes]) -> None:
 
 def test_hung_worker_times_out(images: list[bytes]) -> None:
     ds = HangingDataset(images[:8])
+    before = set(descendants())
     loader = _loader(ds, batch_size=4, train=False, shuffle=False, timeout=3)
     # DALI prefetches batch 1 while producing batch 0, so either may be the one that times out
     with pytest.raises(WorkerError, match=r"produced no batch [01] within 3 s \(dataset mem://"):
         list(loader)
-    loader.close()  # returns although a worker is still stuck
+    loader.close()
+    assert alive(set(descendants()) - before) == []  # the stuck worker is ended, and reaped
+
+
+_EXIT_SCRIPT = """
+import os, sys, time
+sys.path[:0] = [{tests!r}]
+from _procs import alive, descendants
+from test_dali_datasets import HangingDataset
+from feedpipe.dali import ImageLoader
+
+def main():
+    records = [open(os.path.join({tmp!r}, f"{{i}}.jpg"), "rb").read() for i in range(8)]
+    ds = HangingDataset(records)
+    ds.marker = os.path.join({tmp!r}, "hung")
+    loader = ImageLoader(ds, 2, device="cpu", crop=32, resize=40, num_threads=1,
+                         py_num_workers=1, train=False, shuffle=False, timeout=30)
+    next(iter(loader))  # batch 0; the worker goes on to batch 2 and hangs on record 5
+    while not os.path.exists(ds.marker):
+        pass
+    print("WORKERS", os.getpid(), *descendants(), flush=True)
+    t = time.monotonic()
+    loader.close()
+    print("CLOSE_S", time.monotonic() - t, flush=True)
+    print("AFTER", *alive(descendants()), flush=True)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_hung_worker_gone_after_close_and_exit(images: list[bytes], tmp_path: Path) -> None:
+    """A worker hung in the dataset, then close(), then interpreter exit: no process of the
+    loader's and no plan directory in /dev/shm is left."""
+    for i, rec in enumerate(images[:8]):
+        (tmp_path / f"{i}.jpg").write_bytes(rec)
+    script = tmp_path / "hang.py"
+    tests = str(Path(__file__).parent)
+    script.write_text(_EXIT_SCRIPT.format(tests=tests, tmp=str(tmp_path)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tests).parent), tests])}
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = {k: v for k, _, v in (ln.partition(" ") for ln in proc.stdout.splitlines())}
+    pid, *workers = (int(p) for p in lines["WORKERS"].split())
+    assert workers, "the hung DALI worker was not seen"
+    assert lines["AFTER"] == ""  # close() ended the stuck worker
+    assert wait_gone(workers, 2.0) == []  # and nothing outlives the interpreter
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"feedpipe-dali-{pid}-")]
 
 
 @pytest.mark.gpu

@@ -38,11 +38,16 @@ class ExplodingDataset(BytesDataset):
 
 
 class HangingDataset(BytesDataset):
-    """Record 5 never comes back (a stuck network filesystem, say)."""
+    """Record 5 never comes back (a stuck network filesystem, say); a worker that reaches it
+    first creates the file ``marker`` when one is given."""
+
+    marker: str | None = None
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
         if i == 5:
             import time
 
+            if self.marker is not None:
+                open(self.marker, "a").close()
             time.sleep(3600)
         return super().__getitem__(i)

@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "feedpipe.sampler": 2,
     "feedpipe._permutation": 2,
     "feedpipe.device.dma": 2,
+    "feedpipe.device.hostreg": 2,  # every host registration with CUDA (dma and the loader use it)
     # 3: loader internals, the GPU feed, stall counters
     "feedpipe.loader.": 3,  # the loader package's internals (feedpipe.loader itself is 4)
     "feedpipe.device": 3,

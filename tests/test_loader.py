@@ -430,3 +430,31 @@ def test_thread_workers_gather_into_caller_buffers() -> None:
     assert_same([s[0] for s in got], want)
     for n, shipped in enumerate(got):
         assert shipped[0][0].data_ptr() == slots[n][0].data_ptr()
+
+
+_ALIVE_AT_EXIT = """
+import time, numpy as np, feedpipe
+class DS:
+    def __len__(self): return 1000
+    def __getitem__(self, i): return np.full(4, i)
+it = iter(feedpipe.DataLoader(DS(), batch_size=2, num_workers=2, worker_type="thread"))
+next(it)
+print(time.monotonic(), flush=True)
+"""
+
+
+@pytest.mark.serial
+def test_a_thread_iterator_alive_at_exit_does_not_delay_the_interpreter() -> None:
+    """Idle worker threads of an iterator still alive at exit are told to stop (the exit hook
+    waited 10 s for threads blocked on an empty inbox)."""
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.run(  # noqa: PLW1510 - the return code is asserted
+        [sys.executable, "-c", _ALIVE_AT_EXIT], capture_output=True, text=True, timeout=60
+    )
+    ended = time.monotonic()
+    assert proc.returncode == 0, proc.stderr
+    took = ended - float(proc.stdout.split()[-1])  # CLOCK_MONOTONIC: one clock per machine
+    assert took < 5.0, f"the interpreter took {took:.1f} s to exit after the last batch"

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
 import pytest
 import torch
+from _procs import shm_entries, wait_gone
 from torch.utils.data import Dataset, IterableDataset
 
 from feedpipe import DataLoader
@@ -131,3 +134,79 @@ def test_thread_worker_init_failure_is_reported() -> None:
     )
     with pytest.raises(RuntimeError, match="init failed in 0"):
         next(iter(loader))
+
+
+_HUNG_SCRIPT = """
+import gc, os, signal, sys, time
+sys.path[:0] = [{tests!r}]
+import torch
+from torch.utils.data import Dataset
+from _procs import alive, descendants
+from feedpipe import DataLoader
+
+MARKER = {marker!r}
+
+
+class Hung(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if i == 5:  # a read that never returns, in a worker that ignores SIGTERM
+            open(MARKER, "a").close()
+            time.sleep(1e9)
+        return torch.tensor(i)
+
+
+def deaf(worker_id):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def main():
+    loader = DataLoader(Hung(), batch_size=2, num_workers=1, worker_init_fn=deaf,
+                        multiprocessing_context={context!r}, persistent_workers={persistent})
+    it = iter(loader)
+    next(it)
+    while not os.path.exists(MARKER):
+        time.sleep(0.01)
+    print("PID", os.getpid(), flush=True)
+    print("WORKERS", *descendants(), flush=True)
+    del it  # the pass is dropped ...
+    if {persistent}:
+        del loader  # ... and the loader: its persistent workers go with it
+    gc.collect()
+    print("AFTER", *alive(descendants()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.parametrize(("context", "persistent"), [("fork", False), ("spawn", True)])
+def test_hung_process_worker_is_ended(context: str, persistent: bool, tmp_path: Any) -> None:
+    """A worker stuck in the dataset (and deaf to SIGTERM): dropping the pass (or the loader of
+    persistent workers) terminates, kills and reaps it; nothing outlives the interpreter."""
+    tests = os.path.dirname(__file__)
+    script = tmp_path / "hung.py"
+    script.write_text(
+        _HUNG_SCRIPT.format(
+            tests=tests, marker=str(tmp_path / "hung"), context=context, persistent=persistent
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), tests])}
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = {k: v for k, _, v in (ln.partition(" ") for ln in proc.stdout.splitlines())}
+    workers = [int(p) for p in lines["WORKERS"].split()]
+    assert workers, proc.stdout
+    assert lines["AFTER"] == "", proc.stdout  # ended and reaped when dropped
+    assert wait_gone(workers, 2.0) == []
+    assert shm_entries([int(lines["PID"]), *workers]) == set()  # no slot memory left named

@@ -164,6 +164,108 @@ def test_ragged_and_string_members_merge_per_sample() -> None:
     assert got["y"].tolist() == [s["y"] for s in items]
 
 
+_RECIPE_FIELDS = {"tokens": ("int32", (None,)), "text": "str", "label": "int64"}
+
+
+def _recipe_member(path: Path, name: str, n: int, **kwargs: Any) -> MemmapDataset:
+    """A member of docs/migration.md's Streaming recipe (records of 0 to 6 tokens)."""
+    with MemmapWriter(path / name, records=False, fields=_RECIPE_FIELDS) as w:
+        for i in range(n):
+            w.append(tokens=np.arange(i % 7, dtype=np.int32), text=f"{name} {i}", label=i % 2)
+    return MemmapDataset(path / name, **kwargs)
+
+
+def _torch_collate(mode: str) -> Any:
+    """What a torch user collates these samples with: pad_sequence + lengths, or nesting."""
+
+    def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+        tokens = [s["tokens"] for s in samples]
+        if mode == "nested":
+            first = {"tokens": torch.nested.as_nested_tensor(tokens, layout=torch.jagged)}
+        else:
+            first = {
+                "tokens": torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True),
+                "tokens_lengths": torch.tensor([len(t) for t in tokens]),
+            }
+        rest = torch.utils.data.default_collate([{"label": s["label"]} for s in samples])
+        return {**first, "text": [s["text"] for s in samples], **rest}
+
+    return collate
+
+
+def _torch_batches(ds: Any, batch_size: int, sampler: Any, mode: str) -> list[Any]:
+    """torch's DataLoader over ``ds`` (its ``__getitems__``), collated as a torch user would."""
+    loader: Any = torch.utils.data.DataLoader(
+        ds, batch_size=batch_size, sampler=sampler, collate_fn=_torch_collate(mode)
+    )
+    return list(loader)
+
+
+def _rows_of(batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` with a jagged nested tensor as the list of its records (to compare)."""
+    return {
+        k: list(v.unbind()) if isinstance(v, torch.Tensor) and v.is_nested else v
+        for k, v in batch.items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("mode", "worker_type"), [("pad", "thread"), ("pad", "process"), ("nested", "thread")]
+)
+def test_streaming_recipe_with_ragged_members_runs_to_the_end_like_torch(
+    tmp_path: Path, mode: str, worker_type: str
+) -> None:
+    """Issue 25 item 13: docs/migration.md's Streaming recipe, iterated to the end. Members pad
+    their ragged column to their own longest record; the merged batch is padded to the batch's
+    longest (or nested), equal to torch's DataLoader over the same samples."""
+    members = {
+        name: _recipe_member(tmp_path, name, n, ragged=mode)
+        for name, n in (("web", 600), ("code", 300))
+    }
+    mixed = MixedDataset(members, weights={"web": 0.75, "code": 0.25}, epoch_samples=800, seed=0)
+    sampler = DistributedSampler(mixed, num_replicas=1, rank=0, seed=0)
+    ours = DataLoader(mixed, batch_size=32, sampler=sampler, worker_type=worker_type, num_workers=2)
+    got, want = list(ours), _torch_batches(mixed, 32, sampler, mode)
+    assert len(got) == len(want) == 25
+    widths = set()
+    for b, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_batches_equal(_rows_of(g), _rows_of(w), f"batch {b}")
+        widths.add(max(len(t) for t in _rows_of(g)["tokens"]))
+    assert widths == {6}  # every batch holds a 6-token record; members' own widths differ
+
+
+def test_ragged_batches_vary_in_width_through_the_loader(tmp_path: Path) -> None:
+    """Small batches of ragged members change width from batch to batch (1 to 6 tokens):
+    thread workers give torch's batches all the same."""
+    members = {n: _recipe_member(tmp_path, n, k) for n, k in (("web", 60), ("code", 30))}
+    mixed = MixedDataset(members, weights={"web": 0.75, "code": 0.25}, epoch_samples=80)
+    sampler = DistributedSampler(mixed, num_replicas=1, rank=0, seed=0)
+    want = _torch_batches(mixed, 3, sampler, "pad")
+    got = DataLoader(mixed, batch_size=3, sampler=sampler, worker_type="thread", num_workers=2)
+    widths = set()
+    for b, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_batches_equal(g, w, f"batch {b}")
+        widths.add(int(g["tokens"].shape[1]))
+    assert widths == {1, 2, 3, 4, 5, 6}
+
+
+def test_ragged_members_pad_with_their_own_pad_value(tmp_path: Path) -> None:
+    a = _recipe_member(tmp_path, "a", 20, pad_value=-1)
+    b = _recipe_member(tmp_path, "b", 20, pad_value=-2)
+    mixed = MixedDataset({"a": a, "b": b})
+    idx = [6, 27, 1, 20, 13]  # a's longest is 6 tokens, b's 1: b's rows are padded on to 6
+    batch = mixed.read_batch(idx)
+    assert batch["tokens"].shape == (5, 6) and list(batch) == [
+        "tokens", "tokens_lengths", "text", "label"
+    ]  # fmt: skip
+    for j, i in enumerate(idx):
+        sample, pad = mixed[i], -1 if i < 20 else -2
+        k = len(sample["tokens"])
+        assert int(batch["tokens_lengths"][j]) == k and batch["text"][j] == sample["text"]
+        assert torch.equal(batch["tokens"][j, :k], sample["tokens"])
+        assert (batch["tokens"][j, k:] == pad).all()
+
+
 def test_members_with_other_batches_are_refused_by_name(tmp_path: Path) -> None:
     a = _write(tmp_path / "a", 1000, 10)
     with MemmapWriter(tmp_path / "b", shape=(3,), dtype="float32", fields={"label": "int32"}) as w:

@@ -64,6 +64,7 @@ def _get(url: str) -> float:
     return time.perf_counter() - t0
 
 
+@pytest.mark.serial  # bounds wall time: alone, after the parallel phase
 def test_proxy_holds_each_connection_to_its_rtt_and_bandwidth(server: str) -> None:
     proc, endpoint = start_proxy(server, rtt_s=0.05, mbps=20.0)
     try:

@@ -140,8 +140,31 @@ def test_remote_error_pickles_redacted() -> None:
     assert "hunter2-secret" not in back.url
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        'Parameter validation failed:\nInvalid bucket name "AKIA0KEY0ID:S3cr3t/Val@ue@bucket": ...',
+        "Invalid bucket name 'AKIA0KEY0ID:S3cr3t/Val@ue@bucket'",
+        "could not parse (AKIA0KEY0ID:S3cr3t/Val@ue@bucket)",
+    ],
+)
+def test_userinfo_quoted_without_its_scheme_is_redacted(message: str) -> None:
+    """Issue 25 item 16: botocore quotes the bucket part of s3://KEY:SECRET@bucket/..."""
+    leaks = LeakCheck("S3cr3t/Val@ue", "AKIA0KEY0ID")
+    leaks.text("redact", _remote.redact(message))
+    assert "***@bucket" in _remote.redact(message)
+    leaks.exception(_remote.RemoteError(f"cannot read s3://x: {message}", "s3://x"))
+    leaks.exception(DatasetError(message))
+
+
 def test_plain_paths_are_left_alone() -> None:
-    for text in ("s3://b/ds/year=2024/key=3/part-0", "/data/monkey=1", "shard-00000.data"):
+    for text in (
+        "s3://b/ds/year=2024/key=3/part-0",
+        "/data/monkey=1",
+        "shard-00000.data",
+        "at 12:30 user@example.com wrote",
+        "s3://***@bucket/ds",
+    ):
         assert _remote.redact(text) == text
 
 
@@ -232,8 +255,16 @@ def test_stage_over_http_never_shows_the_password(
     assert result.copied == 4
     leaks.raises(DatasetError, lambda: stage(f"{base}/missing", tmp_path / "d2", progress=True))
     leaks.raises(DatasetError, lambda: stage(f"{base}/bad", tmp_path / "d3", progress=False))
-    dead = f"http://{user}:{password}@127.0.0.1:{free_port()}/ds"  # retried: warnings logged
+    dead = f"http://{user}:{password}@127.0.0.1:{free_port()}/ds"  # unreachable: fails at once
     leaks.raises(DatasetError, lambda: stage(dead, tmp_path / "d4", deadline_s=1.5))
+    resets = iter([ConnectionResetError(f"reset while reading {dead}")])
+
+    def flaky() -> None:  # a transient error: retried, and its warning logged
+        exc = next(resets, None)
+        if exc is not None:
+            raise exc
+
+    _remote.call(flaky, dead, policy=_remote.RetryPolicy(deadline_s=5, base_s=0.001))
     assert any(r.levelno == logging.WARNING for r in caplog.records)
     leaks.captured(capfd)
     leaks.logs(caplog)

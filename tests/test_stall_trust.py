@@ -218,6 +218,7 @@ def _epochs(loader: DataLoader, epochs: int, stop: int | None = None) -> tuple[f
 
 
 @pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.serial  # bounds wall time: alone, after the parallel phase
 def test_starved_loop_with_pause_between_epochs(workers: int) -> None:
     loader = DataLoader(SlowDataset(N, FETCH), batch_size=1, num_workers=workers)
     ref_wait, ref_step = _epochs(loader, 2)
@@ -234,6 +235,7 @@ def test_starved_loop_with_pause_between_epochs(workers: int) -> None:
     assert "input-bound" in loader.meter.report()
 
 
+@pytest.mark.serial  # bounds wall time: alone, after the parallel phase
 def test_break_then_pause_is_outside() -> None:
     loader = DataLoader(SlowDataset(4 * N, FETCH), batch_size=1, num_workers=1)
     ref_wait, ref_step = _epochs(loader, 2, stop=N // 2)
@@ -347,6 +349,7 @@ def test_hint_gil_note_only_for_cpu_bound_thread_fetch(clock: FakeClock) -> None
 
 
 @pytest.mark.parametrize(("dataset", "cpu_bound"), [(BusyDataset, True), (SlowDataset, False)])
+@pytest.mark.serial  # bounds wall time: alone, after the parallel phase
 def test_thread_workers_measure_fetch_cpu(dataset: type[SlowDataset], cpu_bound: bool) -> None:
     loader = DataLoader(dataset(2 * N, 0.010), batch_size=1, num_workers=2, worker_type="thread")
     for _ in loader:
@@ -397,6 +400,7 @@ def test_lightning_monitor_logs_outside(clock: FakeClock) -> None:
     assert metrics["feedpipe/stall_fraction"] == pytest.approx(3.0 / 4.0)
 
 
+@pytest.mark.serial  # bounds wall time: alone, after the parallel phase
 def test_zip_of_two_loaders_sharing_a_meter() -> None:
     meter = StallMeter(trace=False)
     short = DataLoader(SlowDataset(N // 2, 0.005), batch_size=1, meter=meter)
@@ -410,6 +414,7 @@ def test_zip_of_two_loaders_sharing_a_meter() -> None:
     assert s.step_s < 2 * N * (STEP + 0.02)
 
 
+@pytest.mark.serial  # bounds wall time: alone, after the parallel phase
 def test_traced_waits_with_pause_between_epochs() -> None:
     # trace=True: the loader reports through wait_begin/wait_end (profiler ranges)
     loader = DataLoader(SlowDataset(N, FETCH), batch_size=1, meter=StallMeter(trace=True))

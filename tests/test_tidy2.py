@@ -290,8 +290,9 @@ def test_gc_keep_last_none_turns_the_count_limit_off(
     assert "deleted" not in out and "removed leftover" in out
     # with another flag, that flag alone decides (plus the newest restorable step)
     assert _gc_steps(ten_steps, "--keep-last", "none", "--keep-every", "4") == (0, [0, 4, 8, 9])
-    # the default is still 3
-    assert _gc_steps(ten_steps) == (0, [4, 8, 9])
+    # without flags: the manager's recorded policy (keep_last=None keeps every step), never a
+    # default of gc's own (issue 25 item 2; this asserted "the default is still 3")
+    assert _gc_steps(ten_steps) == (0, [0, 4, 8, 9])
     assert _gc_steps(ten_steps, "--keep-last", "2") == (0, [8, 9])
 
 

@@ -225,3 +225,99 @@ def test_auto_worker_type_picks_threads_for_read_batch_and_processes_otherwise()
     )
     with pytest.raises(ValueError, match="auto"):
         DataLoader(Rows(4), worker_type="fibers")
+
+
+class Unsized(tud.Sampler):  # type: ignore[type-arg]
+    def __iter__(self) -> Any:
+        return iter(range(3))
+
+
+def test_slots_are_sized_for_the_rows_a_batch_can_have() -> None:
+    assert slots_mod.slot_rows(512, range(40)) == 40
+    assert slots_mod.slot_rows(8, range(40)) == 8
+    assert slots_mod.slot_rows(None, range(40)) is None  # a batch_sampler: the first batch
+    assert slots_mod.slot_rows(16, Unsized()) == 16
+
+
+def test_batch_size_beyond_the_dataset_with_process_workers() -> None:
+    """Found: ``batch_size=2**40`` over 10 samples laid out slots for 2**40 rows (64 TB)."""
+    ds = Rows(10)
+    want = list(tud.DataLoader(ds, batch_size=2**40))
+    loader = DataLoader(ds, batch_size=2**40, num_workers=1)
+    got = list(loader)
+    assert len(got) == len(want) == 1
+    _equal(got[0], want[0])
+    assert loader.worker_slots["batches_in_slots"] == 1
+
+
+# ------------------------------------------------------------- little shared memory (issue 25)
+_SMALL_SHM = """
+import sys, torch, torch.utils.data as tud
+import feedpipe
+
+class Rows(tud.Dataset):
+    def __init__(self, n, width): self.n, self.width = n, width
+    def __len__(self): return self.n
+    def __getitem__(self, i): return {"x": torch.full((self.width,), float(i)), "i": i}
+
+def copies(loader):  # nothing kept in shared memory: torch's own batches fit
+    return [{k: v.clone() for k, v in b.items()} for b in loader]
+
+GROW = [[0]] + [list(range(i, i + 4)) for i in range(1, 61, 4)]  # 1 row, then 1 MiB batches
+CASES = {  # name: dataset, loader arguments, what the slots do
+    "batch_size over the dataset": (Rows(40, 1024), {"batch_size": 512}, "slots"),
+    "no room for the slots": (Rows(64, 65536), {"batch_size": 4}, "torch"),
+    "no room to grow": (Rows(64, 65536), {"batch_sampler": GROW}, "grown"),
+    "batch_size 2**40": (Rows(10, 16), {"batch_size": 2**40}, "slots"),
+}
+if __name__ == "__main__":  # spawned workers import this file: no pytest for them
+    from feedpipe.testing import assert_batches_equal
+
+    for arg in sys.argv[1:]:
+        ctx, name = arg.split(":")
+        ds, kw, how = CASES[name]
+        want = copies(tud.DataLoader(ds, **kw))
+        workers = 2 if ctx == "fork" else 1  # a spawned worker costs an interpreter with torch
+        loader = feedpipe.DataLoader(ds, num_workers=workers, multiprocessing_context=ctx, **kw)
+        got = copies(loader)
+        assert len(got) == len(want), (arg, len(got), len(want))
+        for n, (a, b) in enumerate(zip(got, want)):
+            assert_batches_equal(a, b, f"{arg} batch {n}")
+        info = loader.worker_slots
+        used, fell = info["batches_in_slots"], info["batches_fallback"]
+        assert {"slots": used > 0, "torch": used == 0, "grown": fell >= len(want) - 2}[how], (
+            arg, info)
+        print(arg, "ok", info, flush=True)
+"""
+_MOUNT = "mount -t tmpfs -o size=8m feedpipe-test /dev/shm"
+
+
+def test_little_shared_memory_goes_torchs_way_for_every_start_method(tmp_path: Path) -> None:
+    """Found: with 8 MiB of /dev/shm, where torch's loader finishes, the slots failed with
+    ENOSPC (sized for ``batch_size`` rows, 512 over 40 samples; 64 TB for ``2**40``), and a
+    worker whose buffer could not be made did not fall back. Runs in a private mount namespace
+    whose /dev/shm is a real 8 MiB tmpfs (``unshare -m``, as root)."""
+    import shutil
+    import subprocess
+    import sys
+
+    unshare = shutil.which("unshare")
+    if (
+        unshare is None
+        or subprocess.run([unshare, "-m", "sh", "-c", _MOUNT], check=False).returncode
+    ):
+        pytest.skip("needs unshare -m and mount (root) for a private 8 MiB /dev/shm")
+    script = tmp_path / "small_shm.py"
+    script.write_text(_SMALL_SHM)
+    runs = [f"fork:{name}" for name in ("batch_size over the dataset", "no room to grow")]
+    runs += [f"{ctx}:no room for the slots" for ctx in ("fork", "spawn", "forkserver")]
+    runs += ["fork:batch_size 2**40"]
+    command = f'{_MOUNT} && exec "$0" "$@"'
+    proc = subprocess.run(  # noqa: PLW1510 - the return code is asserted
+        [unshare, "-m", "sh", "-c", command, sys.executable, str(script), *runs],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(" ok ") == len(runs), proc.stdout

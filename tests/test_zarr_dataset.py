@@ -195,3 +195,122 @@ def test_direct_reads_of_big_records_across_shards(tmp_path: Path, index_locatio
     assert ds._preadv
     for idx in ([8, 0, 4, 3, 8, 1], [5, 4], [2]):
         assert torch.equal(ds.read_batch(idx), torch.from_numpy(x[idx]))
+
+
+# ---------------------------------------------------------------------- edges of the chunk grid
+# (chunk, shard or None, compressed): shards along one axis, along two axes (the second axis, 3
+# wide, ends inside its second inner chunk), one record per inner chunk, and unsharded (the
+# uncompressed layouts are also read with preadv at addresses from the shard index).
+_EDGE_LAYOUTS = [
+    ((4, 3), (12, 3), False),
+    ((4, 2), (8, 2), True),
+    ((1, 3), (5, 3), False),
+    ((4, 3), None, True),
+    ((4, 3), None, False),
+]
+
+
+def _edge_lengths(chunk: int, shard: int) -> list[int]:
+    """Lengths at every edge: below one chunk, around one chunk, around k = 1, 2 shards."""
+    around = {k * shard + d for k in (1, 2) for d in (-1, 0, 1)}
+    return sorted({1, chunk - 1, chunk, chunk + 1, *around} - {0})
+
+
+def _write_zarr_python(path: Path, x: np.ndarray, chunk: Any, shard: Any, zstd: bool) -> None:
+    from zarr.codecs import ZstdCodec
+
+    a = zarr.create_array(
+        path,
+        shape=x.shape,
+        dtype=x.dtype,
+        chunks=chunk,
+        shards=shard,
+        compressors=ZstdCodec(level=1) if zstd else None,
+        config={"write_empty_chunks": True},
+    )
+    a[:] = x
+
+
+def _write_tensorstore(path: Path, x: np.ndarray, chunk: Any, shard: Any, zstd: bool) -> None:
+    import tensorstore as ts
+
+    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if zstd:
+        codecs.append({"name": "zstd", "configuration": {"level": 1}})
+    if shard is not None:
+        index = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+        conf = {"chunk_shape": list(chunk), "codecs": codecs, "index_codecs": index}
+        codecs = [{"name": "sharding_indexed", "configuration": conf}]
+    grid = {"name": "regular", "configuration": {"chunk_shape": list(shard or chunk)}}
+    meta = {"shape": list(x.shape), "data_type": str(x.dtype), "chunk_grid": grid, "codecs": codecs}
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}, "metadata": meta}
+    ts.open(spec, create=True).result().write(x).result()
+
+
+@pytest.mark.parametrize("layout", _EDGE_LAYOUTS, ids=lambda v: f"{v[0]}-{v[1]}-zstd{v[2]}")
+@pytest.mark.parametrize("writer", [_write_zarr_python, _write_tensorstore], ids=["zarr", "ts"])
+def test_arrays_ending_inside_a_chunk_or_shard_read_back_equal(
+    tmp_path: Path, writer: Any, layout: tuple[Any, Any, bool]
+) -> None:
+    """Issue 25 item 6: inner chunks wholly outside the array are never written, so they are not
+    missing; every length around the chunk and shard edges reads back equal to numpy on every
+    backend (TensorStore, strict zarr-python, preadv)."""
+    chunk, shard, zstd = layout
+    for n in _edge_lengths(chunk[0], shard[0] if shard else 2 * chunk[0]):
+        x = np.arange(n * 3, dtype=np.int32).reshape(n, 3) * 7 + 1
+        path = tmp_path / f"a{n}"
+        writer(path, x, chunk, shard, zstd)
+        idx = list(range(n - 1, -1, -1))
+        for backend, preadv in [("tensorstore", False), ("zarr", False), ("tensorstore", True)]:
+            ds = ZarrDataset(path, backend=backend, preadv=preadv)
+            assert len(ds) == n and bool(ds._preadv) == (preadv and not zstd and chunk[1] == 3)
+            got = ds.read_batch(idx)
+            assert np.array_equal(got.numpy(), x[idx]), (n, backend, preadv)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_missing_inner_chunk_inside_the_last_partial_shard_is_still_an_error(
+    tmp_path: Path, backend: str
+) -> None:
+    """The edge rule skips only inner chunks outside the array: one inside it, in the last
+    shard that the array ends in, is still missing."""
+    x = np.arange(25 * 3, dtype=np.int32).reshape(25, 3) + 1
+    x[16:20] = 0  # inner chunk 1 of shard 1 (rows 12..23) equals the fill value: not stored
+    a = zarr.create_array(
+        tmp_path / "a",
+        shape=x.shape,
+        dtype="int32",
+        chunks=(4, 3),
+        shards=(12, 3),
+        compressors=None,
+        config={"write_empty_chunks": False},
+    )
+    a[:] = x
+    ds = ZarrDataset(tmp_path / "a", backend=backend, preadv=False)
+    assert np.array_equal(ds.read_batch([24, 0]).numpy(), x[[24, 0]])
+    with pytest.raises(DatasetError, match=r"c/1/0.*missing"):
+        ds.read_batch(list(range(12, 24)))
+
+
+@pytest.mark.parametrize(
+    "encoding",
+    [
+        {"name": "v2", "separator": "."},
+        {"name": "v2", "separator": "/"},
+        {"name": "default", "separator": "."},
+    ],
+    ids=["v2-dot", "v2-slash", "default-dot"],
+)
+def test_partial_last_shard_under_every_chunk_key_encoding(
+    tmp_path: Path, encoding: dict[str, str]
+) -> None:
+    """The shard's place in the grid (which inner chunks lie outside the array) is read from
+    its key under every chunk key encoding."""
+    x = np.arange(25 * 3, dtype=np.int32).reshape(25, 3) + 1
+    a = zarr.create_array(
+        tmp_path / "a", shape=x.shape, dtype="int32", chunks=(4, 3), shards=(12, 3),
+        chunk_key_encoding=encoding,
+    )  # fmt: skip
+    a[:] = x
+    ds = ZarrDataset(tmp_path / "a", backend="zarr", preadv=False)
+    assert np.array_equal(ds.read_batch(list(range(24, -1, -1))).numpy(), x[::-1])

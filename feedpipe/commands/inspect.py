@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from feedpipe.datasets.format import Index, read_index
 from feedpipe.errors import DatasetError
+from feedpipe.io.cliargs import non_negative_int
 from feedpipe.io.crc import crc32c, to_hex
 from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
@@ -99,7 +100,9 @@ def verify(index: Index, root: str, fs: Any = None) -> Iterator[tuple[str, str]]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="dataset directory (local path or fsspec URL)")
     parser.add_argument("--verify", action="store_true", help="check size and CRC32C of every file")
-    parser.add_argument("--shards", type=int, default=10, help="shard rows to print (default 10)")
+    parser.add_argument(
+        "--shards", type=non_negative_int, default=10, help="shard rows to print (default 10)"
+    )
     parser.add_argument(
         "--endpoint-url", default=None, help="S3-compatible endpoint (e.g. a MinIO or local server)"
     )
@@ -115,15 +118,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if getattr(args, "endpoint_url", None):
             options["client_kwargs"] = {"endpoint_url": args.endpoint_url}
         fs, root = _remote.resolve(path, options)
-    try:
-        if fs is None:
+    if fs is None:
+        try:
             root = path = local_file_path(path)
-        index = read_index(root, fs=fs)
-    except (DatasetError, ValueError) as exc:  # ValueError: a file: URL that is not local
-        print(f"feedpipe inspect: error: {_remote.redact(str(exc))}", file=sys.stderr)
-        return 1
-    from feedpipe.remote.transfer import redact
-
+        except ValueError as exc:  # a file: URL that is not local (the message is redacted)
+            raise DatasetError(str(exc)) from None
+    index = read_index(root, fs=fs)  # errors: one redacted line from the CLI's handler
+    redact = _remote.redact
     print(describe(index, redact(path), args.shards), file=out)
     if not args.verify:
         return 0

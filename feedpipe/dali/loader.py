@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import queue
 import shutil
 import tempfile
@@ -41,9 +42,10 @@ import numpy as np
 import torch
 
 from feedpipe.dali import source as _src
-from feedpipe.dali.pipeline import Transform, build_fed, build_main, build_probe
+from feedpipe.dali.pipeline import Transform, build_fed, build_main, build_probe, worker_processes
 from feedpipe.errors import DatasetError, WorkerError, require
 from feedpipe.io import trace
+from feedpipe.io.reaper import Workers
 from feedpipe.stall import StallMeter
 
 __all__ = ["ImageLoader", "ImageLoaderOptions"]
@@ -185,6 +187,9 @@ class ImageLoader:
         self._fed: Any = None
         self._probe: Any = None
         self._caller: _Caller | None = None
+        # DALI's source worker processes: ended at close(), at a new pipeline, at garbage
+        # collection and at interpreter exit, within feedpipe.io.reaper.DEFAULT_BOUND
+        self._workers = Workers("DALI source worker", self)
         # The pipeline persists across epochs as one endless stream (see feedpipe.dali.source): each
         # epoch is a segment of DALI iterations; the next epoch's order is predicted and
         # published ahead, so DALI reads and decodes across the epoch boundary without a pause.
@@ -253,7 +258,13 @@ class ImageLoader:
         self._iter_state = None
 
     def close(self) -> None:
-        """Stop DALI's workers and remove the plan directory (also done at garbage collection)."""
+        """Stop DALI's workers and remove the plan directory (also done at garbage collection
+        and at interpreter exit).
+
+        Returns within :data:`feedpipe.io.reaper.DEFAULT_BOUND` (6 s): a worker that does not
+        exit when asked (stuck in the dataset) is terminated, then killed, and reaped; one that
+        outlives SIGKILL is reported by name and pid (a ``StuckWorkerWarning``).
+        """
         self._new_generation()  # the plan directory first: workers waiting on it return
         self._fed = self._probe = None
         if self._caller is not None:
@@ -287,12 +298,19 @@ class ImageLoader:
         return indices
 
     def _new_generation(self) -> None:
-        """Drop the pipeline (its workers exit) and its plans; the next epoch builds anew."""
+        """Drop the pipeline and its plans, and end its workers; the next epoch builds anew.
+
+        Asking: the removed plan directory ends a worker's wait for a plan, and dropping the
+        last reference to the pipeline closes DALI's pool; a worker still busy after that (a
+        read that hangs, or a pipeline the stuck DALI thread still holds) is terminated, then
+        killed (:class:`~feedpipe.io.reaper.Workers`).
+        """
         if self._plan_dir is not None:
             shutil.rmtree(self._plan_dir, ignore_errors=True)
             self._plan_dir = None
         self._pipe, self._tainted, self._spec = None, False, None
         self._pos = self._segs = self._last_end = 0
+        self._workers.end()
 
     def _publish(self, indices: np.ndarray, start: int) -> int:
         """Write the next segment (``indices`` from DALI iteration ``start`` on); its id."""
@@ -309,7 +327,10 @@ class ImageLoader:
             self._new_generation()
         spec, self._spec = self._spec, None
         if self._pipe is None:
-            self._plan_dir = tempfile.mkdtemp(prefix="feedpipe-dali-", dir=_shm_dir())
+            # the pid in the name tells whose plans these are (tests/conftest.py's leftover check)
+            self._plan_dir = tempfile.mkdtemp(
+                prefix=f"feedpipe-dali-{os.getpid()}-", dir=_shm_dir()
+            )
             source = _src._BatchSource(
                 self.dataset, self._plan_dir, self.batch_size, self.drop_last, gap=_PIPE_DEPTH
             )
@@ -328,6 +349,7 @@ class ImageLoader:
                 prefetch_queue_depth=_PIPE_DEPTH,
                 hw_decoder_load=self.options.hw_decoder_load,
             )
+            self._workers.add(worker_processes(self._pipe))
             start = 0
         elif (
             spec is not None
@@ -377,7 +399,10 @@ class ImageLoader:
         try:
             return self._caller.call(pipe.run, self.timeout)
         except TimeoutError:
-            self._caller = None  # its thread is stuck in DALI; a daemon, it cannot block exit
+            # its thread is stuck in DALI until the workers are ended below; a daemon, it
+            # cannot block exit, and stop() lets it end once the stuck call returns
+            self._caller.stop()
+            self._caller = None
             self._new_generation()
             raise WorkerError(
                 f"DALI pipeline produced no {what} within {self.timeout} s "

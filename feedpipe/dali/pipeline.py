@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing
 from dataclasses import dataclass
 from typing import Any
 
 from feedpipe.errors import require
 
-__all__ = ["Transform"]
+__all__ = ["Transform", "worker_processes"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -168,3 +169,18 @@ def build_probe(num_threads: int = 1) -> Any:
         pipe.set_outputs(fn.decoders.image(encoded, device="cpu", output_type=types.RGB))
     pipe.build()
     return pipe
+
+
+def worker_processes(pipe: Any) -> list[multiprocessing.process.BaseProcess]:
+    """The Python worker processes of ``pipe``'s parallel external source (after ``build()``).
+
+    DALI keeps them in its private ``Pipeline._py_pool`` (a ``WorkerPool``, whose public
+    ``pids()`` lists them; DALI 1.x-2.4); they are matched, by pid, to this process's
+    ``multiprocessing`` children, so that only processes this process started are ever signalled.
+    """
+    pool = getattr(pipe, "_py_pool", None)  # DALI-internal: the one reach into DALI's privates
+    pids_of = getattr(pool, "pids", None)
+    if not callable(pids_of):
+        return []
+    pids = set(pids_of())
+    return [p for p in multiprocessing.active_children() if p.pid in pids]

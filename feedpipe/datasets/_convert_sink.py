@@ -21,8 +21,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from feedpipe.datasets._publish import check_remote_destination
+from feedpipe.datasets.destination import check_convert_destination, replace_dataset
 from feedpipe.datasets.format import INDEX_NAME, Index, parse_index, write_index
-from feedpipe.datasets.writer import check_destination
+from feedpipe.datasets.writer import is_writer_file
 from feedpipe.errors import DatasetError
 from feedpipe.io.fsutil import atomic_write
 from feedpipe.io.remote import local_file_path
@@ -34,6 +35,11 @@ STATE_DIR = ".feedpipe-convert"
 _PLAN = "plan.json"
 _MANIFEST = re.compile(r"^part-(\d{5,})\.json$")
 _OWN = re.compile(r"^(shard-\d{5,}\.[A-Za-z0-9_.]+|index\.json)$")
+
+
+def _ours(name: str) -> bool:
+    """A name a conversion writes in its folder besides the index's files (see destination)."""
+    return name == STATE_DIR or is_writer_file(name)
 
 
 class Sink:
@@ -167,7 +173,7 @@ class Sink:
             if self._read(INDEX_NAME) is not None:  # replaced: no reader sees old over new
                 self._remove(INDEX_NAME)
             return
-        check_destination(self.output, overwrite=overwrite)
+        check_convert_destination(self.output, overwrite=overwrite, also=_ours)
         if os.path.lexists(self.root):
             if os.path.islink(self.root) or not os.path.isdir(self.root) or os.listdir(self.root):
                 raise DatasetError(
@@ -232,13 +238,5 @@ class Sink:
             self._remove(STATE_DIR)
             return
         write_index(self.root, index)
-        if check_destination(self.output, overwrite=overwrite):  # only our dataset is replaced
-            old = f"{self.output}.old-{os.getpid()}"
-            os.replace(self.output, old)
-            os.replace(self.root, self.output)
-            shutil.rmtree(old)
-        else:
-            if os.path.isdir(self.output):
-                os.rmdir(self.output)  # empty
-            os.replace(self.root, self.output)
+        replace_dataset(self.root, self.output, overwrite=overwrite, also=_ours)
         shutil.rmtree(os.path.join(self.output, STATE_DIR), ignore_errors=True)

@@ -14,15 +14,14 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch.utils.data import default_collate
 
 from feedpipe.datasets._memmap_open import OpenShards
+from feedpipe.datasets._ragged_batch import collate_ragged
 from feedpipe.datasets.columns import Column, assemble, check_offsets, read_variable
 from feedpipe.datasets.format import Index
 from feedpipe.errors import DatasetError
 
-__all__ = ["TypedColumns", "empty_like"]
+__all__ = ["TypedColumns"]
 
 
 class TypedColumns:
@@ -39,6 +38,8 @@ class TypedColumns:
     _open_lock: threading.RLock
     _role_files: dict[str, OpenShards]
     _col_offsets: dict[tuple[str, int], np.ndarray]
+    _var_cols: dict[str, Column]
+    ragged: str
 
     if TYPE_CHECKING:
 
@@ -131,23 +132,15 @@ class TypedColumns:
         assert transform is not None
         samples = [transform(s) for s in self._samples(idx)]
         if samples:
-            return default_collate(samples)
+            return self._collate(samples)
         if self._len == 0:
             return []
-        ref = default_collate([transform(self._samples(np.zeros(1, np.int64))[0])])
-        return empty_like(ref)
+        return self._collate([], transform(self._samples(np.zeros(1, np.int64))[0]))
 
-
-def empty_like(batch: Any) -> Any:
-    """``batch`` with no samples: tensors cut to 0 rows, lists emptied, dicts kept."""
-    if isinstance(batch, torch.Tensor):
-        return batch[:0]
-    if isinstance(batch, dict):
-        return {k: empty_like(v) for k, v in batch.items()}
-    if isinstance(batch, tuple):
-        return (
-            type(batch)(*(empty_like(v) for v in batch))
-            if hasattr(batch, "_fields")
-            else (tuple(empty_like(v) for v in batch))
-        )
-    return []
+    def _collate(self, samples: list[Any], example: Any = None) -> Any:
+        """Transformed samples as one batch: typed columns as the batch without a transform
+        (``example``: a sample to shape the batch of no samples like)."""
+        cols = self._var_cols.values()
+        ragged = [c.name for c in cols if c.kind == "ragged"]
+        listed = [c.name for c in cols if c.kind != "ragged"]
+        return collate_ragged(samples, ragged, self.ragged, self.pad_value, listed, example=example)

@@ -17,6 +17,7 @@ reads then copy from the map (``mapped=False`` keeps the descriptor, for ``os.pr
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -43,25 +44,28 @@ class OpenShard:
         self.rows: np.ndarray | None = None
         self.users = 0
         self.locked: Any = None  # the map registered with CUDA (feedpipe.device.dma)
-        self.unlock: int | None = None
+        self.unlock: Any = None  # its feedpipe.device.hostreg.Registration
 
     def close(self, owner: bool = True) -> None:
         """Close the file; ``owner`` (this process opened it) also ends the CUDA registration
-        and the cache lease, which a forked child leaves to its parent."""
-        if self.locked is not None and owner:  # not in a forked child: CUDA is the parent's
-            from feedpipe.device.dma import unlock
-
-            unlock(self)
-        self.locked = None
-        self.rows = None  # the map goes with the last view of it
-        if self.fd >= 0:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = -1
-        if owner:
-            self.release()
+        and the cache lease, which a forked child leaves to its parent. The map is unmapped only
+        once it is unregistered and its last view is gone (the registration holds the array,
+        whose base is the map: :func:`~feedpipe.datasets._filemap.map_file`)."""
+        self.rows = None  # first: feedpipe.device.dma registers no map of a closing shard
+        try:
+            dma = sys.modules.get("feedpipe.device.dma")  # not imported: nothing was registered
+            if dma is not None and owner:  # not in a forked child: CUDA is the parent's
+                dma.unlock(self)  # under the lock register takes: none in flight is missed
+        finally:
+            self.locked = None
+            if self.fd >= 0:
+                try:
+                    os.close(self.fd)
+                except OSError:
+                    pass
+                self.fd = -1
+            if owner:
+                self.release()
 
 
 class OpenShards:
@@ -118,12 +122,14 @@ class OpenShards:
     def rows(self, shard: OpenShard, record_bytes: int) -> np.ndarray:
         """The shard mapped read-only: ``(records, record_bytes)`` uint8, or flat when 0."""
         rows = shard.rows
-        if rows is None:
+        if rows is None or (record_bytes and rows.ndim == 1):
             with self._lock:
                 if shard.rows is None:
                     shard.rows = map_file(shard.fd, shard.nbytes)  # holds no descriptor
+                if record_bytes and shard.rows.ndim == 1:  # kept: dma registers this very array
+                    shard.rows = shard.rows.reshape(-1, record_bytes)
                 rows = shard.rows
-        return rows.reshape(-1, record_bytes) if record_bytes else rows
+        return rows if record_bytes or rows.ndim == 1 else rows.reshape(-1)
 
     def release_idle(self) -> None:
         """Close every shard not in use now and end its lease."""

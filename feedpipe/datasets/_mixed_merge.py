@@ -5,6 +5,12 @@ Each part is ``(positions, batch)``: the rows of ``batch`` (a collated batch of 
 part; per-sample lists (strings, records of varying size) are interleaved. Every member must give
 the same structure, dtypes and trailing shapes: a mismatch is a ``DatasetError`` naming the two
 members, never a silent cast.
+
+Ragged columns (:mod:`feedpipe.datasets._ragged_batch`) are the one allowed difference: a padded
+column ``NAME`` (beside its ``NAME_lengths``) is padded by each member to its own longest record,
+so the parts are first padded on to the widest, each with its own member's ``pad_value``; jagged
+nested tensors are interleaved row by row into one jagged tensor. The merged batch is the one a
+single dataset holding the same samples would give.
 """
 
 from __future__ import annotations
@@ -15,16 +21,54 @@ from typing import Any
 import numpy as np
 import torch
 
+from feedpipe.datasets._ragged_batch import lengths_key, nest, widen
 from feedpipe.errors import DatasetError
 
 __all__ = ["fill_out", "merge_parts"]
 
 
 def merge_parts(
-    parts: list[tuple[np.ndarray, Any]], n: int, names: list[str], out: Any = None
+    parts: list[tuple[np.ndarray, Any]],
+    n: int,
+    names: list[str],
+    out: Any = None,
+    pads: list[Any] | None = None,
 ) -> Any:
-    """The batch of ``n`` rows made of ``parts`` (positions, member batch); into ``out``."""
-    return _merge([p for _, p in parts], [pos for pos, _ in parts], n, names, out, "batch")
+    """The batch of ``n`` rows made of ``parts`` (positions, member batch); into ``out``.
+    ``pads`` (one per part, default 0) pads a part's ragged columns on to the widest part's."""
+    values = _widened([p for _, p in parts], pads or [0] * len(parts))
+    return _merge(values, [pos for pos, _ in parts], n, names, out, "batch")
+
+
+def _widened(values: list[Any], pads: list[Any]) -> list[Any]:
+    """``values`` with every padded ragged column (``NAME`` beside ``NAME_lengths``, in dicts at
+    any depth) padded on to the widest part's width, each part with its own pad value; the
+    same objects when there is nothing to pad."""
+    if not all(isinstance(v, Mapping) for v in values):
+        return values
+    changes: dict[Any, list[Any]] = {}
+    for k in values[0]:
+        col = [v.get(k) for v in values]
+        if all(isinstance(c, Mapping) for c in col):
+            sub = _widened(col, pads)
+            if any(a is not b for a, b in zip(sub, col, strict=True)):
+                changes[k] = sub
+            continue
+        ragged = isinstance(k, str) and all(lengths_key(k) in v for v in values)
+        if not ragged or not all(
+            isinstance(c, torch.Tensor) and c.ndim >= 2 and not c.is_nested for c in col
+        ):
+            continue
+        width = max(int(c.shape[1]) for c in col)
+        if any(int(c.shape[1]) != width for c in col):
+            changes[k] = [widen(t, width, pad) for t, pad in zip(col, pads, strict=True)]
+    if not changes:
+        return values
+    out = []
+    for j, v in enumerate(values):
+        copy = {k: changes[k][j] if k in changes else x for k, x in v.items()}
+        out.append(copy if type(v) is dict else type(v)(copy))
+    return out
 
 
 def fill_out(batch: Any, out: Any) -> Any:
@@ -120,6 +164,8 @@ def _merge_tensors(  # noqa: PLR0917 - internal
     values: list[Any], positions: list[np.ndarray], n: int, names: list[str], out: Any, where: str
 ) -> torch.Tensor:
     first = values[0]
+    if any(isinstance(v, torch.Tensor) and v.is_nested for v in values):
+        return _merge_nested(values, positions, n, names, where)
     for v, pos in zip(values, positions, strict=True):
         if not isinstance(v, torch.Tensor):
             raise _mismatch(names, where, f"a tensor and a {type(v).__name__}")
@@ -157,3 +203,24 @@ def _merge_tensors(  # noqa: PLR0917 - internal
         if flat is not None and len(pos):
             flat[pos] = v.reshape(len(pos), -1).numpy(force=True)
     return dest
+
+
+def _merge_nested(
+    values: list[Any], positions: list[np.ndarray], n: int, names: list[str], where: str
+) -> torch.Tensor:
+    """Jagged nested tensors (ragged columns, ``ragged="nested"``) interleaved row by row."""
+    if len(values) == 1:
+        return values[0]  # type: ignore[no-any-return]
+    first = values[0]
+    rows: list[Any] = [None] * n
+    for v, pos in zip(values, positions, strict=True):
+        if not (isinstance(v, torch.Tensor) and v.is_nested):
+            raise _mismatch(names, where, f"a nested tensor and a {type(v).__name__}")
+        parts = v.unbind()
+        if v.dtype != first.dtype or (parts and parts[0].shape[1:] != first.unbind()[0].shape[1:]):
+            raise _mismatch(names, where, f"nested {first.dtype} and {v.dtype} records")
+        if len(parts) != len(pos):
+            raise _mismatch(names, where, f"{len(parts)} records for {len(pos)} samples")
+        for p, row in zip(pos.tolist(), parts, strict=True):
+            rows[p] = row
+    return nest(rows)

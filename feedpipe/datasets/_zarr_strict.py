@@ -8,6 +8,11 @@ shard) is checked for empty inner-chunk entries. That makes the zarr-python path
 TensorStore's ``fill_missing_data_reads=False`` (stricter for shards: one missing inner chunk
 fails every read of its shard).
 
+Inner chunks that lie wholly outside the array (the tail of the last shard along an axis whose
+length is not a multiple of the shard shape) are never written by zarr-python or TensorStore, so
+their empty index entries are not missing: only inner chunks whose origin is inside the array are
+checked (:meth:`_ShardIndexShape.stored`).
+
 A shard index whose codecs are not ``bytes`` (+ ``crc32c``) cannot be checked; such arrays are
 refused with ``backend="zarr"`` rather than read unchecked.
 """
@@ -39,8 +44,14 @@ class _ShardIndexShape:
 
     def __init__(self, meta: dict[str, Any], where: str) -> None:
         conf = meta["codecs"][0]["configuration"]
-        outer = meta["chunk_grid"]["configuration"]["chunk_shape"]
-        inner = conf["chunk_shape"]
+        outer = [int(o) for o in meta["chunk_grid"]["configuration"]["chunk_shape"]]
+        inner = [int(i) for i in conf["chunk_shape"]]
+        self.shape = [int(n) for n in meta["shape"]]
+        self.outer, self.inner = outer, inner
+        self.grid = [-(-o // i) for o, i in zip(outer, inner, strict=True)]
+        enc = meta.get("chunk_key_encoding") or {"name": "default"}
+        self.v2 = enc.get("name") == "v2"
+        self.sep = (enc.get("configuration") or {}).get("separator", "." if self.v2 else "/")
         names = [c["name"] for c in conf.get("index_codecs", [])]
         if names not in (["bytes"], ["bytes", "crc32c"]) or any(
             c.get("configuration", {}).get("endian", "little") != "little"
@@ -51,7 +62,7 @@ class _ShardIndexShape:
                 f"{where}: shard index codecs {names} cannot be checked for missing chunks; "
                 "read it with backend='tensorstore'"
             )
-        self.nchunks = math.prod(-(-int(o) // int(i)) for o, i in zip(outer, inner, strict=True))
+        self.nchunks = math.prod(self.grid)
         self.size = self.nchunks * 16 + (4 if names[-1] == "crc32c" else 0)
         self.at_end = conf.get("index_location", "end") == "end"
 
@@ -61,13 +72,38 @@ class _ShardIndexShape:
         if len(raw) != self.size:
             raise DatasetError(f"{where}/{key}: shard is truncated (no complete shard index)")
         entries = np.frombuffer(raw[: self.nchunks * 16], "<u8").reshape(-1, 2)
-        empty = np.flatnonzero(entries[:, 0] == _EMPTY)
+        inside = self.stored(key)
+        empty = np.flatnonzero((entries[:, 0] == _EMPTY) & inside)
         if empty.size:
             raise MissingChunkError(
-                f"{where}/{key}: {empty.size} of {self.nchunks} inner chunks are missing "
+                f"{where}/{key}: {empty.size} of {int(inside.sum())} inner chunks are missing "
                 f"(first: inner chunk {int(empty[0])}); feedpipe never reads missing chunks as "
                 "fill values (write with write_empty_chunks=True)"
             )
+
+    def stored(self, key: str) -> np.ndarray:
+        """Which inner chunks of shard ``key`` (C order, as in its index) start inside the
+        array: the others are never written. All of them when ``key`` does not parse."""
+        coords = self._coords(key)
+        if coords is None:
+            return np.ones(self.nchunks, bool)
+        inside = np.ones((), bool)
+        for c, n, o, i, g in zip(
+            coords, self.shape, self.outer, self.inner, self.grid, strict=True
+        ):
+            inside = np.multiply.outer(inside, c * o + np.arange(g) * i < n)
+        return inside.reshape(-1)
+
+    def _coords(self, key: str) -> list[int] | None:
+        """Shard ``key``'s grid coordinates (``c/1/0``, ``c.1.0``, v2's ``1.0``), else None."""
+        if self.v2:
+            parts = key.split(self.sep)
+        else:
+            head, _, rest = key.partition(self.sep)
+            parts = rest.split(self.sep) if head == "c" else []
+        if len(parts) != len(self.shape) or not all(p.isdigit() for p in parts):
+            return None
+        return [int(p) for p in parts]
 
 
 class _StrictStore(WrapperStore[Any]):

@@ -48,6 +48,7 @@ __all__ = [
     "dtype_arg",
     "encode",
     "gather",
+    "loads_json",
     "parse_field",
     "read_variable",
     "variable_columns",
@@ -312,11 +313,9 @@ def assemble(
             raw = values[bounds[j] : bounds[j + 1]].tobytes()
             try:
                 text = raw.decode("utf-8")
-                items.append(
-                    json.loads(text, parse_constant=_no_constant) if col.kind == "json" else text
-                )
+                items.append(loads_json(text) if col.kind == "json" else text)
             except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-                why = type(exc).__name__
+                why = type(exc).__name__ + (f": {exc}" if type(exc) is ValueError else "")
                 raise DatasetError(f"{where(j)}: {col.kind} column {col.name!r}: {why}") from None
         return items if mode == "list" else {col.name: items}
     dt, shape = np.dtype(col.dtype), col.shape
@@ -344,9 +343,24 @@ def assemble(
     }
 
 
+def loads_json(text: str | bytes) -> Any:
+    """A JSON column's value, as strict as :func:`encode` writes one: ``NaN``, ``Infinity`` and
+    numbers out of a float's range (``1e999``, which ``json`` reads as ``inf``) are refused with
+    a ``ValueError``, so what reads back is what could be written again."""
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+
+
 def _no_constant(name: str) -> Any:
     """``json.loads`` hook: ``NaN``/``Infinity`` are not JSON (the writer never stores them)."""
     raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    """``json.loads`` hook: a number out of a float's range is refused, not read as ``inf``."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of a float's range")
+    return value
 
 
 def _tensor(arr: np.ndarray) -> torch.Tensor:

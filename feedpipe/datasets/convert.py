@@ -51,6 +51,7 @@ import numpy as np
 from feedpipe.datasets._publish import check_remote_destination, publish
 from feedpipe.datasets.columns import parse_field
 from feedpipe.datasets.convert_sources import Source, infer_column, is_variable, make_source
+from feedpipe.datasets.destination import check_convert_destination, replace_dataset
 from feedpipe.datasets.format import (
     FileInfo,
     Index,
@@ -62,13 +63,9 @@ from feedpipe.datasets.format import (
     read_index,
     write_index,
 )
-from feedpipe.datasets.writer import (
-    DEFAULT_SHARD_BYTES,
-    MemmapWriter,
-    check_destination,
-    shard_name,
-)
+from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter, shard_name
 from feedpipe.errors import DatasetError
+from feedpipe.io.cliargs import byte_size, positive_int
 from feedpipe.io.progress import progress
 from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
@@ -226,7 +223,7 @@ def convert(
     if not dest or dest == ".":
         raise DatasetError(f"{dest!r}: not a usable destination (name a new folder)")
     _check_not_a_source(source, dest)
-    check_destination(dest, overwrite=overwrite)
+    check_convert_destination(dest, overwrite=overwrite)
     src = make_source(source, kind, data_key, options)
     _check_layout(src)
     workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
@@ -260,15 +257,7 @@ def convert(
     for part in parts:
         shutil.rmtree(part)
     os.unlink(plan_path)
-    if check_destination(dest, overwrite=overwrite):  # re-checked: only our dataset is replaced
-        old = f"{dest}.old-{os.getpid()}"
-        os.replace(dest, old)
-        os.replace(work, dest)
-        shutil.rmtree(old)
-    else:
-        if os.path.isdir(dest):
-            os.rmdir(dest)  # empty
-        os.replace(work, dest)
+    replace_dataset(work, dest, overwrite=overwrite)  # re-checked: only our dataset is replaced
     return ConvertResult(
         dest,
         index.num_records,
@@ -320,6 +309,8 @@ def _check_not_a_source(source: Any, dest: str) -> None:
         return
     d = os.path.realpath(dest)
     for item in source if isinstance(source, (list, tuple)) else [source]:
+        if not isinstance(item, (str, os.PathLike)):
+            return  # a list of samples, not of paths
         p = os.fspath(item)
         if "://" in p:
             continue
@@ -407,13 +398,6 @@ def _drain(queue: Any, bar: Any) -> None:
 
 
 # ---------------------------------------------------------------------- CLI
-def _parse_size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    mult = units.get(t[-1:], 1)
-    return int(float(t[:-1] if t[-1:] in units else t) * mult)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "source",
@@ -428,8 +412,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-key", default=None, help="records array in a .npz or Zarr group, or column"
     )
-    parser.add_argument("--shard-size", default="256MiB", type=_parse_size, help="e.g. 256MiB")
-    parser.add_argument("--workers", type=int, default=None, help="parallel processes")
+    parser.add_argument("--shard-size", default="256MiB", type=byte_size, help="e.g. 256MiB")
+    parser.add_argument("--workers", type=positive_int, default=None, help="parallel processes")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an existing dataset (datasets only)"
     )
@@ -443,20 +427,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "it returns or yields records (docs/guides/parallel-convert.md)",
     )
     parser.add_argument(
-        "--inputs-per-part", type=int, default=None, help="with --fn: inputs per part"
+        "--inputs-per-part", type=positive_int, default=None, help="with --fn: inputs per part"
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``feedpipe convert``; errors go to the CLI's one handler (one redacted line)."""
     options = {"client_kwargs": {"endpoint_url": args.endpoint_url}} if args.endpoint_url else None
     bar = False if args.no_progress else None
     fn = getattr(args, "fn", None)
-    # a function's import or signature problem is the user's input too (a ValueError)
-    errors: tuple[type[Exception], ...] = (DatasetError, ValueError) if fn else (DatasetError,)
-    try:
-        if fn:
-            from feedpipe.datasets.convert_fn import convert_fn, load_function
+    if fn:
+        from feedpipe.datasets.convert_fn import convert_fn, load_function
 
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())  # --fn mod:func finds ./mod.py, as python -m does
+        try:  # a function's import or signature problem is the user's input too
             result = convert_fn(
                 load_function(fn),
                 args.source,
@@ -468,20 +453,19 @@ def run(args: argparse.Namespace) -> int:
                 progress_bar=bar,
                 storage_options=options,
             )
-        else:
-            result = convert(
-                args.source if len(args.source) > 1 else args.source[0],
-                args.dest,
-                kind=args.kind,
-                data_key=args.data_key,
-                shard_bytes=args.shard_size,
-                workers=args.workers,
-                overwrite=args.overwrite,
-                progress_bar=bar,
-                storage_options=options,
-            )
-    except errors as exc:
-        print(f"feedpipe convert: error: {exc}", file=sys.stderr)
-        return 1
+        except ValueError as exc:
+            raise DatasetError(str(exc)) from None
+    else:
+        result = convert(
+            args.source if len(args.source) > 1 else args.source[0],
+            args.dest,
+            kind=args.kind,
+            data_key=args.data_key,
+            shard_bytes=args.shard_size,
+            workers=args.workers,
+            overwrite=args.overwrite,
+            progress_bar=bar,
+            storage_options=options,
+        )
     print(result.summary())
     return 0

@@ -40,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from numbers import Number
 from typing import Any
@@ -54,6 +55,7 @@ from feedpipe.datasets.format import Index
 from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter
 from feedpipe.errors import DatasetError
 from feedpipe.io.progress import progress
+from feedpipe.io.reaper import end_processes
 
 __all__ = ["convert_fn", "load_function"]
 
@@ -61,6 +63,7 @@ SHARDS_PER_PART = 100_000  # shard ids of part p: p * SHARDS_PER_PART + k
 _MAX_PARTS = 256  # default inputs_per_part: at most this many parts
 _FLUSH = 256  # records buffered per append_batch
 _QUEUE: Any = None  # a worker's progress queue
+_SEAT: Any = None  # a pool worker's (board, index) where it posts its current input number
 
 
 @dataclass(frozen=True)
@@ -217,9 +220,65 @@ def _check_picklable(fn: Callable[..., Any]) -> None:
 
 
 # ---------------------------------------------------------------------- the workers
-def _init_worker(q: Any) -> None:
-    global _QUEUE
+def _init_worker(q: Any, board: Any = None, seats: Any = None) -> None:
+    """A pool worker's start: its progress queue, and a seat on the board (see
+    :class:`_Board`) where it posts the input it is converting."""
+    global _QUEUE, _SEAT
     _QUEUE = q
+    if board is not None:
+        with seats.get_lock():
+            seat = seats.value
+            seats.value += 1
+        board[2 * seat] = os.getpid()
+        _SEAT = (board, 2 * seat + 1)
+
+
+class _Board:
+    """Which input each pool worker is converting: one ``(pid, input number)`` pair per worker
+    in shared memory, written with no system call and no wait (a worker killed at any instant
+    leaves its last input there), read by the parent to name the input when a worker dies."""
+
+    def __init__(self, ctx: Any, workers: int) -> None:
+        self.board = ctx.Array("q", [-1] * (2 * workers), lock=False)
+        self.seats = ctx.Value("i", 0)
+
+    def initargs(self, q: Any) -> tuple[Any, ...]:
+        return (q, self.board, self.seats)
+
+    def error(self, fn: Callable[[Any], Any], tasks: Sequence[_Task]) -> DatasetError:
+        """The error for a pool broken by a worker that died (killed, out of memory, a crash
+        in native code): it names the function and the input(s) that worker was on."""
+        posted = {int(self.board[i]): int(self.board[i + 1]) for i in range(0, len(self.board), 2)}
+        numbers = [n for pid, n in posted.items() if pid > 0 and n >= 0 and not _alive(pid)]
+        if not numbers:  # every worker still alive or idle: name what was in flight
+            numbers = [n for pid, n in posted.items() if pid > 0 and n >= 0]
+        shown = [_input(tasks, n) for n in sorted(numbers)] or ["an unknown input"]
+        return DatasetError(
+            f"{_fn_name(fn)}: a worker process died (killed, out of memory or crashed) while "
+            f"converting {' or '.join(shown)}; nothing was published"
+        )
+
+
+def _input(tasks: Sequence[_Task], number: int) -> str:
+    for t in tasks:
+        if t.first <= number < t.first + len(t.items):
+            return f"input {number} ({_short(t.items[number - t.first])})"
+    return f"input {number}"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def _records(produced: Any) -> Iterable[Any]:
@@ -425,6 +484,8 @@ def _write_part(fn: Callable[[Any], Any], task: _Task, sink: Sink, shard_bytes: 
         try:
             for j, item in enumerate(task.items):
                 where = f"input {task.first + j} ({_short(item)})"
+                if _SEAT is not None:
+                    _SEAT[0][_SEAT[1]] = task.first + j
                 try:
                     for r, record in enumerate(_records(fn(item))):
                         out.add(record, f"record {r}")
@@ -471,24 +532,38 @@ def _run(  # noqa: PLR0917
         return results
     ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
     q = ctx.Queue()
-    with ProcessPoolExecutor(
-        min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(q,)
-    ) as pool:
+    board = _Board(ctx, min(workers, len(todo)))
+    before = {p.pid for p in mp.active_children()}
+    pool = ProcessPoolExecutor(
+        min(workers, len(todo)),
+        mp_context=ctx,
+        initializer=_init_worker,
+        initargs=board.initargs(q),
+    )
+    procs: list[Any] = []
+    try:
         futures: dict[Future[Any], _Task] = {
             pool.submit(_write_part, fn, t, sink, shard_bytes): t for t in todo
         }
+        # the pool starts its processes at the first submit: those new since `before`
+        procs = [p for p in mp.active_children() if p.pid not in before]
         pending = set(futures)
-        try:
-            while pending:
-                finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                _drain(q, bar)
-                for fut in finished:
+        while pending:
+            finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            _drain(q, bar)
+            for fut in finished:
+                try:
                     results[futures[fut].part] = _as_index(fut.result())
-        except BaseException:
-            for fut in pending:
-                fut.cancel()
-            raise
-        _drain(q, bar)
+                except BrokenProcessPool:  # not a bare error: name the function and input
+                    raise board.error(fn, todo) from None
+    except BaseException:
+        # a failed part (or Ctrl-C) while others run: the pool's own shutdown would wait for
+        # every running fn, forever for one that hangs; end them within the reaper's bound
+        pool.shutdown(wait=False, cancel_futures=True)
+        end_processes(procs, "convert(fn) worker")
+        raise
+    pool.shutdown(wait=True)
+    _drain(q, bar)
     return results
 
 

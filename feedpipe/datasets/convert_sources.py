@@ -379,11 +379,19 @@ def _check_fixed(value: Any, spec: Any, where: str) -> None:
         )
 
 
+def _all_paths(source: Any) -> bool:
+    """Whether ``source`` is a path or a list of paths (not a list of samples)."""
+    if isinstance(source, (str, os.PathLike)):
+        return True
+    return bool(source) and all(isinstance(p, (str, os.PathLike)) for p in source)
+
+
 def make_source(
     source: Any, kind: str, data_key: str | None, storage_options: Mapping[str, Any]
 ) -> Source:
     if kind == "auto":
-        if not isinstance(source, (str, os.PathLike, list, tuple)):
+        if not isinstance(source, (str, os.PathLike, list, tuple)) or not _all_paths(source):
+            # a list of samples (dicts, arrays, tuples) is an indexable dataset like any other
             kind = "hf" if is_hf_dataset(source) else "torch"
         else:
             first = local_file_path(source[0] if isinstance(source, (list, tuple)) else source)
@@ -397,8 +405,15 @@ def make_source(
                 kind = "npy"
             elif "://" in first or os.path.exists(os.path.join(first, "zarr.json")):
                 kind = "zarr"
+            elif os.path.isdir(first) and glob.glob(os.path.join(glob.escape(first), "*.np[yz]")):
+                raise DatasetError(
+                    f"{first}: a folder of .npy/.npz files; name the files in the order to "
+                    f"concatenate them (e.g. {os.path.join(first, '*.npy')})"
+                )
             elif os.path.isdir(first):
                 kind = "images"
+            elif not os.path.lexists(first):
+                raise DatasetError(f"{first}: source does not exist")
             else:
                 raise DatasetError(f"{first}: cannot tell the source kind (pass kind=...)")
     if kind == "torch":

@@ -306,7 +306,9 @@ def column_roles(layout: Layout, fields: Mapping[str, FieldSpec]) -> Iterator[st
 
 
 def check_field_names(layout: Layout, fields: Mapping[str, FieldSpec]) -> None:
-    """Refuse field names that would clash with a file or a batch key (``ValueError``)."""
+    """Refuse field names that would clash with a file or a batch key, and columns no read
+    can serve (:func:`_check_widths`): a ``ValueError`` naming the field. The writer (at
+    write time) and :meth:`Index.from_json` (on open) both call it."""
     for name in fields:
         if not isinstance(name, str) or not name.isidentifier() or name == "data":
             raise ValueError(f"invalid side-field name {name!r}")
@@ -322,6 +324,23 @@ def check_field_names(layout: Layout, fields: Mapping[str, FieldSpec]) -> None:
             )
     if layout.kind == "none" and not fields:
         raise ValueError("the 'none' layout needs at least one field")
+    _check_widths(layout, fields)
+
+
+def _check_widths(layout: Layout, fields: Mapping[str, FieldSpec]) -> None:
+    """Every array column's record (fixed) or row (ragged) holds at least one byte. A ragged
+    row of zero bytes (``(None, 0)``) stores every record as zero bytes, so how many rows a
+    record has cannot be read back; a zero-byte fixed record cannot be mapped or indexed."""
+    columns = [("records", layout), *((f"field {n!r}", f) for n, f in fields.items())]
+    for what, col in columns:
+        if col.kind not in ("fixed", "ragged") or col.row_bytes:
+            continue
+        shape = [None, *col.shape] if col.kind == "ragged" else list(col.shape)
+        unit = "row" if col.kind == "ragged" else "record"
+        raise ValueError(
+            f"{what}: shape {tuple(shape)} gives each {unit} zero bytes, which no read can "
+            f"serve; give each {unit} at least one element"
+        )
 
 
 def parse_ragged_shape(shape: Any, dtype: str, what: str) -> tuple[int, ...] | None:

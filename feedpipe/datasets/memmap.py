@@ -40,7 +40,9 @@ read as it is (the cost: the datasets section of docs/benchmarks.md,
 
 Transforms (``transform=`` per sample, ``batch_transform=`` per batch) run where the read runs
 (the loader's worker): the batch is still read in one gather, then split into samples for
-``transform`` and collated with ``default_collate``; ``batch_transform`` gets the batch.
+``transform`` and collated as without one (ragged columns padded or nested, ``str``/``json``
+as lists, the rest by ``default_collate``: :mod:`._ragged_batch`); ``batch_transform`` gets
+the batch.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
     fields come back as lists.
 
     ``transform`` (per sample: ``fn(sample) -> sample``) applies to ``ds[i]`` and to every
-    sample of a batch, which is then collated with ``default_collate``; ``batch_transform``
+    sample of a batch, which is then collated as the batch without it; ``batch_transform``
     (``fn(batch) -> batch``) applies to what ``read_batch`` returns (after ``transform``), not
     to ``ds[i]``. Both run in the worker that reads; with process workers they must pickle.
     Pickles cheaply: files are reopened lazily in each process.

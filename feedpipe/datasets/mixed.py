@@ -260,7 +260,8 @@ class MixedDataset:
             parts.append((pos, _member_batch(self.datasets[self.names[k]], sample[pos])))
         names = [self.names[k] for k in present]
         if len(parts) > 1:
-            return merge_parts(parts, len(member), names, out)
+            pads = [getattr(self.datasets[n], "pad_value", 0) for n in names]
+            return merge_parts(parts, len(member), names, out, pads)
         return parts[0][1] if out is None else fill_out(parts[0][1], out)
 
     # ------------------------------------------------------------------ state

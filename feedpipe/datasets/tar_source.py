@@ -9,23 +9,29 @@ WebDataset's decoders do: ``txt``/``text`` a ``"str"`` column (UTF-8), ``json``/
 integers), any other extension a bytes column (``("uint8", (None,))``). A member that does not
 decode (invalid UTF-8 or JSON, a non-integer ``cls``) is a ``DatasetError`` naming the shard and
 the member. Every sample must hold the same fields.
+
+Each sample's WebDataset key is kept as the ``"str"`` column ``__key__`` (:data:`KEY_FIELD`),
+so ``ds[i]["__key__"]`` is the key WebDataset gives that sample and a batch holds the list of
+its keys. (The shard a sample came from is in the index's ``extra.source``.)
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from feedpipe.datasets.columns import encode
+from feedpipe.datasets.columns import encode, loads_json
 from feedpipe.datasets.tar import TarDataset, expand_shards
 from feedpipe.errors import DatasetError
 
-__all__ = ["TarSource", "is_tar_source", "tar_shards"]
+__all__ = ["KEY_FIELD", "TarSource", "is_tar_source", "tar_shards"]
+
+#: The side field that keeps each sample's WebDataset ``__key__`` (a ``"str"`` column).
+KEY_FIELD = "__key__"
 
 _IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff")
 _TEXT = ("txt", "text")
@@ -63,10 +69,6 @@ def _spec(field: str) -> Any:
     return ("uint8", (None,))
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON a dataset can store")
-
-
 def _decode(spec: Any, raw: bytes, field: str, sample: Mapping[str, Any]) -> Any:
     """One member's value for its column; ``DatasetError`` naming the shard and the member."""
     where = f"{sample.get('__url__', '?')}: member {sample['__key__'] + '.' + field!r}"
@@ -74,7 +76,7 @@ def _decode(spec: Any, raw: bytes, field: str, sample: Mapping[str, Any]) -> Any
         if spec == "str":
             return raw.decode("utf-8")
         if spec == "json":
-            value = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+            value = loads_json(raw.decode("utf-8"))
             encode("json", "uint8", (), value, where)  # what would not read back equal
             return value
         if spec == "int64":
@@ -118,20 +120,23 @@ class TarSource:
                     f"{name!r} cannot name a side field (a Python identifier other than "
                     "'data' and 'offsets'): choose it as the records field with data_key"
                 )
-        self.fields: dict[str, Any] = {n: _spec(n) for n in self.side}
+        self.fields: dict[str, Any] = {KEY_FIELD: "str", **{n: _spec(n) for n in self.side}}
         for name in self.side:
             _decode(self.fields[name], first[name], name, first)
-        self.est_bytes = max(1, sum(len(first[n]) for n in names) * self.length)
+        per_sample = sum(len(first[n]) for n in names) + len(first["__key__"])
+        self.est_bytes = max(1, per_sample * self.length)
         self.extra = {"source": {"kind": "tar", "paths": shards}}
 
     def fingerprint(self) -> Any:
-        return ["tar", self.dataset.shards, self.length, self.key]
+        return ["tar", self.dataset.shards, self.length, self.key, sorted(self.fields)]
 
     def read(self, a: int, b: int) -> tuple[Any, dict[str, Any]]:
         records: list[bytes] = []
         cols: dict[str, list[Any]] = {n: [] for n in self.side}
+        keys: list[str] = []
         for sample in self.dataset.__getitems__(range(a, b)):
             key = sample["__key__"]
+            keys.append(key)
             have = sorted(k for k in sample if not k.startswith("__"))
             if have != sorted([self.key, *self.side]):
                 raise DatasetError(
@@ -142,6 +147,9 @@ class TarSource:
             for name, col in cols.items():
                 col.append(_decode(self.fields[name], sample[name], name, sample))
         return records, {
-            n: np.asarray(v, dtype=np.int64) if self.fields[n] == "int64" else v
-            for n, v in cols.items()
+            KEY_FIELD: keys,
+            **{
+                n: np.asarray(v, dtype=np.int64) if self.fields[n] == "int64" else v
+                for n, v in cols.items()
+            },
         }

@@ -40,6 +40,7 @@ __all__ = [
     "DEFAULT_SHARD_BYTES",
     "MemmapWriter",
     "check_destination",
+    "is_writer_file",
     "prepare_destination",
     "shard_name",
 ]
@@ -50,6 +51,11 @@ _TMP_MARK = ".tmp-"
 _OWN_NAME = re.compile(
     r"^(index\.json|\.index\.json\..*\.tmp|\.?shard-\d{5,}\.[A-Za-z0-9_.]+(\.tmp-[0-9a-f]{8})?)$"
 )
+
+
+def is_writer_file(name: str) -> bool:
+    """Whether ``name`` is one a writer creates (a shard file, the index, their temps)."""
+    return _OWN_NAME.match(name) is not None
 
 
 def check_destination(path: str, *, overwrite: bool) -> bool:

@@ -4,7 +4,8 @@
   ``DataLoader(device=...)`` (public path ``feedpipe.gpu``).
 - :mod:`~feedpipe.device.ring`: the pinned-memory ring of slots the feed copies from.
 - :mod:`~feedpipe.device.direct`: the direct path, records read by the GPU out of the page cache.
-- :mod:`~feedpipe.device.dma`: host-memory registration and batched copies for a memmap dataset
+- :mod:`~feedpipe.device.hostreg`: every host-memory registration with CUDA, exception-safe.
+- :mod:`~feedpipe.device.dma`: shard-map registration and batched copies for a memmap dataset
   (a lower layer: datasets import it).
 
 Importing this package imports none of them.

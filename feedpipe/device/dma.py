@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import logging
 import threading
 from dataclasses import dataclass, field
 from functools import cache
@@ -31,9 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from feedpipe.device import hostreg
+
 __all__ = [
     "batch_copy_available",
-    "clear_last_error",
     "copy_records",
     "gather_records",
     "move_records",
@@ -41,7 +41,6 @@ __all__ = [
     "register",
     "runs",
     "unlock",
-    "unregister",
 ]
 
 _READ_ONLY = 8  # cudaHostRegisterReadOnly
@@ -142,14 +141,16 @@ def read_only_supported(device: int) -> bool:
     return code == 0 and value.value == 1
 
 
-@dataclass
+@dataclass(eq=False)
 class _Registration:
-    """A shard map registered with CUDA: its host address and, per device, a tensor view."""
+    """A shard map registered with CUDA: its host address, per device a tensor view, and the
+    :class:`~feedpipe.device.hostreg.Registration` that unregisters it (None: an empty map)."""
 
     ptr: int
     records: int
     record_bytes: int
     views: dict[int, torch.Tensor] = field(default_factory=dict)
+    handle: hostreg.Registration | None = None
 
 
 class _DeviceArray:
@@ -168,25 +169,34 @@ _REGISTER_LOCK = threading.Lock()  # loader threads may open the same shard at o
 
 
 def register(shard: Any, rows: np.ndarray, where: str) -> _Registration:
-    """Register ``rows`` (the shard's read-only map, records x bytes) with CUDA, once."""
+    """Register ``rows`` (the shard's read-only map, records x bytes) with CUDA, once.
+
+    ``rows`` must be the shard's current map (``shard.rows``): a shard being closed (its
+    ``rows`` dropped) is refused, under the same lock as :func:`unlock`, so no registration is
+    ever made after the shard's last unlock. The registration holds ``rows``, which keeps the
+    map mapped until it is unregistered (:mod:`feedpipe.device.hostreg`, rule 3)."""
     reg: _Registration | None = shard.locked
     if reg is not None:
         return reg
     with _REGISTER_LOCK:
         if shard.locked is not None:
             return shard.locked  # type: ignore[no-any-return]
-        ptr = rows.ctypes.data
+        if getattr(shard, "rows", rows) is not rows:
+            raise ValueError(f"{where}: the shard map is closed")
+        handle = None
         if rows.nbytes:
-            err = torch.cuda.cudart().cudaHostRegister(
-                ptr, rows.nbytes, _READ_ONLY | _MAPPED | _PORTABLE
+            handle = hostreg.register(
+                rows.ctypes.data,
+                rows.nbytes,
+                _READ_ONLY | _MAPPED | _PORTABLE,
+                f"{where} (shard map)",
+                anchor=rows,
             )
-            if int(err) != 0:
-                clear_last_error()
-                raise RuntimeError(
-                    f"{where}: cudaHostRegister of the shard map failed (cudaError {int(err)})"
-                )
-            shard.unlock = ptr
-        reg = shard.locked = _Registration(ptr, rows.shape[0], rows.shape[1])
+        reg = _Registration(rows.ctypes.data, rows.shape[0], rows.shape[1], handle=handle)
+        if handle is not None:  # a shard dropped without close still unregisters (rule 4)
+            hostreg.release_when_collected(reg, handle)
+        shard.locked = reg
+        shard.unlock = handle
         return reg
 
 
@@ -207,49 +217,15 @@ def _device_rows(reg: _Registration, device: torch.device) -> torch.Tensor:
 
 
 def unlock(shard: Any) -> None:
-    """Unregister the shard's map (before it is unmapped); waits for reads in flight."""
-    ptr = shard.unlock
-    reg = shard.locked
-    shard.locked = shard.unlock = None
+    """Unregister the shard's map (before it is unmapped: the registration holds the map until
+    then); waits for the reads in flight first. No registration of it can follow (see
+    :func:`register`: the caller drops ``shard.rows`` first)."""
+    with _REGISTER_LOCK:
+        reg, shard.locked, shard.unlock = shard.locked, None, None
     if reg is not None:
         reg.views.clear()
-    if ptr is not None:
-        torch.cuda.synchronize()  # a copy or a gather may still read the pages
-        unregister(ptr, "a shard map")
-
-
-def unregister(ptr: int, what: str) -> None:
-    """``cudaHostUnregister(ptr)``; a failure is logged and cleared, never left behind.
-
-    The runtime keeps a failed call's error as its "last error", which torch reports at its
-    next unrelated CUDA call (a failed unregister once surfaced as an allocation error in a
-    later loader). So the error is read back here, which clears it."""
-    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
-    if err != 0:
-        clear_last_error()
-        logging.getLogger("feedpipe.gpu").warning(
-            "feedpipe: cudaHostUnregister of %s at 0x%x failed (cudaError %d)", what, ptr, err
-        )
-
-
-def clear_last_error() -> None:
-    """Read (and so clear) the CUDA runtime's last error."""
-    fn = _runtime_get_last_error()
-    if fn is not None:
-        fn()
-        return
-    try:  # no runtime symbol to call: a kernel launch reads the error and raises it
-        torch.empty(1, device="cuda").zero_()
-    except Exception:  # the stale error, now consumed
-        pass
-
-
-@cache
-def _runtime_get_last_error() -> Any:
-    try:
-        return ctypes.CDLL(None).cudaGetLastError
-    except (OSError, AttributeError):
-        return None
+        if reg.handle is not None:
+            reg.handle.release()  # synchronizes, then unregisters even if that raised
 
 
 def runs(src: np.ndarray, shard: np.ndarray, record_bytes: int) -> tuple[np.ndarray, np.ndarray]:

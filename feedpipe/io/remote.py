@@ -33,6 +33,7 @@ __all__ = [
     "classify",
     "is_remote",
     "is_temp",
+    "is_unreachable",
     "join",
     "local_file_path",
     "redact",
@@ -53,6 +54,10 @@ _URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/?#\s\\]*@", re.I
 # a password with a raw "/", "?" or "#" (unencoded, but users write them): "user:" first, then
 # everything up to the "@" (may over-redact "host:port/path@x", never under-redact)
 _URL_USERINFO_RAW = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/?#\s\\:@]*:[^\s'\"\\]*@", re.I)
+# userinfo with no scheme, as libraries quote a bucket or host they could not parse (botocore:
+# 'Invalid bucket name "KEY:SECRET@bucket"'): a "name:" token, then everything up to the last "@"
+# before a space or quote ("//" after the colon is a scheme, left to the two rules above)
+_BARE_USERINFO = re.compile(r"(?<![^\s'\"(\[{<=,])[\w.%+~-]+:(?!//)[^\s'\"]*@")
 # a query/fragment parameter whose name says it is a credential (X-Amz-Signature, sig, token,
 # access_token, AWSAccessKeyId, api_key, password, ...): its value goes
 _QUERY_SECRETS = re.compile(
@@ -222,7 +227,8 @@ def _secret_values(options: Mapping[str, Any] | None) -> Iterator[str]:
 
 
 def redact(text: str, storage_options: Mapping[str, Any] | None = None) -> str:
-    """Remove credentials: secret ``storage_options`` values, URL userinfo, signed query strings.
+    """Remove credentials: secret ``storage_options`` values, URL userinfo (with or without
+    its scheme), signed query strings.
 
     Every URL on its way into a message, ``repr``, log record or status file passes through here
     (``DatasetError`` applies it to its own message).
@@ -232,6 +238,7 @@ def redact(text: str, storage_options: Mapping[str, Any] | None = None) -> str:
         text = text.replace(secret, "***")
     text = _URL_USERINFO_RAW.sub(lambda m: m.group("scheme") + "***@", text)
     text = _URL_USERINFO.sub(lambda m: m.group("scheme") + "***@", text)
+    text = _BARE_USERINFO.sub("***@", text)
     return _QUERY_SECRETS.sub(lambda m: m.group("name") + "=***", text)
 
 
@@ -326,17 +333,38 @@ def classify(exc: BaseException) -> str:
     return "unknown"
 
 
+def is_unreachable(exc: BaseException) -> bool:
+    """True when the host cannot be reached at all: the connection was refused, or its name
+    does not resolve (a temporary DNS failure, ``EAI_AGAIN``, is not this)."""
+    for e in _chain(exc):
+        if isinstance(e, ConnectionRefusedError):
+            return True
+        if isinstance(e, socket.gaierror) and e.errno in (socket.EAI_NONAME, socket.EAI_NODATA):
+            return True
+    return False
+
+
 class RetryPolicy:
-    """Exponential backoff with full jitter under an overall deadline (per call)."""
+    """Exponential backoff with full jitter under an overall deadline (per call).
+
+    ``retry_unreachable=False`` fails at once when the host is unreachable
+    (:func:`is_unreachable`): right for a first contact, where a refused connection is a wrong
+    URL or a server that is down, not a blip worth minutes of retries."""
 
     def __init__(
-        self, deadline_s: float = 120.0, base_s: float = 0.1, max_sleep_s: float = 5.0
+        self,
+        deadline_s: float = 120.0,
+        base_s: float = 0.1,
+        max_sleep_s: float = 5.0,
+        *,
+        retry_unreachable: bool = True,
     ) -> None:
         if deadline_s <= 0 or base_s <= 0 or max_sleep_s <= 0:
             raise ValueError("deadline_s, base_s and max_sleep_s must be positive")
         self.deadline_s = deadline_s
         self.base_s = base_s
         self.max_sleep_s = max_sleep_s
+        self.retry_unreachable = retry_unreachable
 
     def sleep_for(self, attempt: int) -> float:
         """Seconds to wait before retry number ``attempt`` (1-based): uniform in [0, cap]."""
@@ -382,6 +410,12 @@ def call(
             kind = classify(exc)
             detail = redact(f"{type(exc).__name__}: {exc}", storage_options)
             safe_url = redact(url, storage_options)
+            if kind == "transient" and not policy.retry_unreachable and is_unreachable(exc):
+                raise error(
+                    f"cannot {what} {safe_url}: the host is unreachable: {detail}",
+                    safe_url,
+                    permanent=False,
+                ) from None
             if kind != "transient":
                 reason = "permanent error" if kind == "permanent" else "error"
                 raise error(
@@ -398,11 +432,16 @@ def call(
                     safe_url,
                     permanent=False,
                 ) from None
-            log.warning(
-                "transient error on %s (attempt %d), retrying in %.2f s: %s",
+            # one warning per call, at its first retry; the rest at DEBUG (a dead endpoint
+            # would otherwise print a line per attempt until the deadline)
+            log.log(
+                logging.WARNING if attempt == 1 else logging.DEBUG,
+                "transient error on %s (attempt %d), retrying in %.2f s until the %g s "
+                "deadline: %s",
                 safe_url,
                 attempt,
                 pause,
+                policy.deadline_s,
                 detail,
             )
             if on_retry is not None:

@@ -20,11 +20,16 @@ degrades to doing nothing (or to torch's own behaviour) when the internal it nee
    next ``next()`` reads (a death seen inside another loader's ``next()`` counts too).
    :func:`waiting_on`, :func:`tasks_of` and :func:`stop_workers` read and stop torch's
    iterator for ``WorkerError`` messages.
-4. Shutdown. :func:`shutdown_iterator` calls the iterator's ``_shutdown_workers()``, which
-   torch calls itself from ``__del__``: feedpipe calls it from a ``weakref.finalize`` on the
-   loader, so the workers go when the loader goes, even when a reference cycle the user made
-   holds the loader (the cyclic GC would first close the index queues torch needs to tell the
-   workers to exit, and each join would then wait 5 s).
+4. Shutdown. :func:`end_workers` ends a torch iterator's worker processes within
+   :data:`feedpipe.io.reaper.DEFAULT_BOUND` (ask through torch's ``_workers_done_event`` and
+   ``_index_queues``, wait, terminate, kill, reap), then calls its ``_shutdown_workers()`` for
+   torch's own bookkeeping (whose joins then return at once). torch alone would join each hung
+   worker 5 s, one after the other, never send SIGKILL, and do nothing at all at interpreter
+   exit (``python_exit_status``), leaving a worker that ignores SIGTERM to block exit.
+   :func:`shutdown_iterator` runs it from a ``weakref.finalize`` on the loader (persistent
+   workers: the workers go when the loader goes, at garbage collection, in a reference cycle
+   the user made, or at interpreter exit), and the loader's iterator runs it when a pass of
+   non-persistent workers is dropped.
 5. ``torch.utils.data.DataLoader``'s own private members, which the ``DataLoader`` subclass
    reads as torch's iterators do: :func:`index_sampler` (``_index_sampler``: the batch sampler
    with automatic batching, else the sampler), :func:`auto_collation` (``_auto_collation``),
@@ -43,8 +48,11 @@ from typing import Any
 
 import torch
 from torch._utils import ExceptionWrapper
+from torch.utils.data import dataloader as _dataloader
 from torch.utils.data._utils import worker as _worker
 from torch.utils.data._utils.pin_memory import pin_memory
+
+from feedpipe.io.reaper import DEFAULT_BOUND, Bound, at_exit, end_processes
 
 __all__ = [
     "ExceptionWrapper",
@@ -53,6 +61,7 @@ __all__ = [
     "adopt_workers",
     "auto_collation",
     "dead_workers",
+    "end_workers",
     "index_sampler",
     "install_worker_info_shim",
     "len_called",
@@ -175,12 +184,7 @@ def stop_workers(source: Any) -> None:
     wait its full timeout per worker; terminating first makes the shutdown immediate. (The pids
     are out of torch's SIGCHLD table already: :func:`adopt_workers`.)
     """
-    for w in getattr(source, "_workers", None) or []:
-        if w.is_alive():
-            w.terminate()
-    shutdown = getattr(source, "_shutdown_workers", None)
-    if callable(shutdown):
-        shutdown()
+    end_workers(source, Bound(grace=0.0))
 
 
 def dead_workers(
@@ -227,6 +231,7 @@ def _on_sigchld(previous: Any) -> Any:
 def adopt_workers(source: Any) -> None:
     """Take a torch multi-process iterator's workers out of torch's asynchronous SIGCHLD check;
     feedpipe's handler reports their deaths inside ``next()`` only."""
+    at_exit(source, end_workers)  # torch does nothing at exit; multiprocessing joins forever
     if getattr(source, "_worker_pids_set", False):
         try:
             from torch.utils.data._utils import signal_handling
@@ -285,7 +290,27 @@ def workers_running(loader: Any) -> bool:
 def shutdown_iterator(loader: Any) -> None:
     """Stop the persistent workers of a torch ``DataLoader`` (``loader._iterator``) now."""
     it = getattr(loader, "_iterator", None)
-    shutdown = getattr(it, "_shutdown_workers", None)
+    if it is not None:
+        end_workers(it)
+
+
+def _ask_to_exit(source: Any) -> None:
+    """torch's own request to its workers: the done event, then ``None`` on every index queue."""
+    source._workers_done_event.set()
+    for q in source._index_queues:
+        q.put(None)
+
+
+def end_workers(source: Any, bound: Bound = DEFAULT_BOUND) -> None:
+    """End the worker processes of a torch multi-process iterator within ``bound`` (ask, wait,
+    terminate, kill, reap; one that outlives SIGKILL is reported by name and pid), then run
+    torch's ``_shutdown_workers()``. Anything else (a thread pool, an inline source): nothing."""
+    if not isinstance(source, _dataloader._MultiProcessingDataLoaderIter):
+        return
+    workers = [w for w in getattr(source, "_workers", None) or [] if w.pid is not None]
+    if workers and not source._shutdown:
+        end_processes(workers, "DataLoader worker", ask=lambda: _ask_to_exit(source), bound=bound)
+    shutdown = getattr(source, "_shutdown_workers", None)
     if callable(shutdown):
         shutdown()
 

@@ -29,6 +29,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from feedpipe.io.cliargs import non_negative_int, positive_int
+
 __all__ = ["BenchResult", "SyntheticDataset", "add_arguments", "run", "run_one"]
 
 
@@ -94,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sample-delay-ms", type=float, default=0.0, help="synthetic per-sample read delay"
     )
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=positive_int, default=256)
     parser.add_argument("--workers", default="0,2,4", help="comma-separated num_workers sweep")
     parser.add_argument("--prefetch", default="2", help="comma-separated prefetch_factor sweep")
     parser.add_argument("--worker-type", choices=("process", "thread"), default="process")
@@ -103,7 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--step-ms", type=float, default=0.0, help="simulated step time (0: only the alone run)"
     )
     parser.add_argument("--batches", type=int, default=100, help="measured batches per run")
-    parser.add_argument("--warmup", type=int, default=5, help="batches dropped before measuring")
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=5, help="batches dropped before measuring"
+    )
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     parser.add_argument("--json", help="write every run's stats and timelines here")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -306,6 +310,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "feedpipe bench: need --batch-size >= 1, --batches >= 2, --warmup >= 0, --step-ms >= 0"
         )
+    if args.plot:  # before the sweep, not after minutes of measuring
+        from feedpipe.errors import require
+
+        require("matplotlib", "bench")
     with contextlib.ExitStack() as stack:
         dataset = _dataset(args, stack)
         results = _sweep(args, dataset, workers, prefetch)

@@ -57,7 +57,7 @@ from feedpipe.loader.iterator import LoaderIter
 from feedpipe.loader.rng_state import RngChain, Watch, encode, global_state, order, private, replay
 from feedpipe.loader.skip import ON_ERROR, SkipMapProxy, SkipTimedCollate
 from feedpipe.loader.skip_iter import SkippingLoaderIter
-from feedpipe.loader.slots import Slots
+from feedpipe.loader.slots import Slots, slot_rows
 from feedpipe.loader.slots import enabled as slots_enabled
 from feedpipe.loader.state_check import STATE_VERSION, check_state
 from feedpipe.loader.threads import (
@@ -670,7 +670,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         common: dict[str, Any] = {
             "num_workers": self.num_workers,
             "collate_fn": (SkipTimedCollate if skip else TimedCollate)(
-                self.collate_fn, self._mode, slots, self.batch_size
+                self.collate_fn, self._mode, slots, slot_rows(self.batch_size, self.sampler)
             ),
             "pin_memory": self.pin_memory and self._feed is None,
             "timeout": self.timeout,

@@ -209,6 +209,12 @@ class LoaderIter:
                 pass
         if getattr(self, "_feed", None) is not None:  # abandoned: turn its workers away
             self._feed.close()  # type: ignore[union-attr]
+        loader = getattr(self, "_loader", None)
+        if loader is not None and not loader.persistent_workers:  # this pass's processes
+            try:
+                _torch_compat.end_workers(self._source)  # bounded, also with a worker stuck
+            except Exception:  # interpreter shutdown: the exit hook ends them
+                pass
 
     def _count(self, samples: int) -> None:
         """One more batch of ``samples`` delivered (or failed) this epoch."""

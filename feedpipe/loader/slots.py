@@ -24,6 +24,16 @@ arrives), at most ``MAX_GROWTHS`` times per worker:
    writes; the main process alone clears it, after the last view is gone. A ref dropped without
    being resolved (a pass ended early, torch drained it) clears its flag when it is collected.
 
+4. **Room** (:func:`allocate`): a buffer is sized for the rows a batch can actually have
+   (:func:`slot_rows`: ``min(batch_size, samples per pass)``, so a validation loader with
+   ``batch_size=512`` over 40 samples lays out 40 rows) and is made only when ``/dev/shm`` keeps
+   at least as much free as every worker's buffers of this size take (what is left serves
+   torch's own batches). torch creates the segment with ``posix_fallocate``, so a tmpfs that
+   fills up between the check and the allocation is a ``RuntimeError`` (ENOSPC) here, never a
+   SIGBUS on a later write. A worker whose buffer cannot be made, first or grown, keeps what it
+   has (nothing, or its old buffer) and sends what does not fit torch's way: with too little
+   shared memory the loader runs exactly as torch's does, for every start method.
+
 The layout of what :func:`collate_into` builds is ``default_collate``'s for the types it handles
 (tensors, numeric numpy arrays and scalars, Python ``int``/``float``/``bool``, ``dict``,
 ``list``, ``tuple`` and namedtuples); anything else goes through ``default_collate`` itself.
@@ -39,10 +49,22 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.utils.data as tud
 
-from feedpipe.device.dma import clear_last_error, unregister
+from feedpipe.device import hostreg
 
-__all__ = ["ENV", "SlotRef", "Slots", "collate_into", "enabled", "worker_slots"]
+__all__ = [
+    "ENV",
+    "SHM_DIR",
+    "SlotRef",
+    "Slots",
+    "allocate",
+    "collate_into",
+    "enabled",
+    "shm_free",
+    "slot_rows",
+    "worker_slots",
+]
 
 _ALIGN = 64
 _HEADER = 4096  # flags (one byte per slot), then the "seen" byte; slots start page-aligned
@@ -76,6 +98,54 @@ def enabled(environ: Mapping[str, str] = os.environ) -> bool:
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+# ------------------------------------------------------------------------------- the room
+SHM_DIR = "/dev/shm"  # where torch's shared segments live (shm_open), for either strategy
+
+
+def slot_rows(batch_size: int | None, sampler: Any) -> int | None:
+    """The most rows one batch can have: ``batch_size``, capped by the samples one pass draws
+    (``len(sampler)``, when it has one). ``None``: unknown (a custom ``batch_sampler``); the
+    slots are then sized by the first batch and grow when a later one is larger."""
+    if batch_size is None:
+        return None
+    try:
+        return max(1, min(batch_size, len(sampler)))
+    except (TypeError, NotImplementedError):  # a sampler without __len__
+        return batch_size
+
+
+def shm_free(path: str = SHM_DIR) -> int | None:
+    """Bytes an unprivileged process may still allocate under ``path`` (None: no such file
+    system, e.g. off Linux)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def allocate(nbytes: int, workers: int) -> torch.Tensor | None:
+    """A shared-memory buffer of ``nbytes``, or None when it should not or cannot be made.
+
+    Refused before any allocation when ``/dev/shm`` has less free than ``2 * workers *
+    nbytes`` (each of ``workers`` buffers, and as much again left for torch's batches); an
+    allocation that fails anyway (ENOSPC from torch's ``posix_fallocate``, ENOMEM) is None too.
+    """
+    free = shm_free()
+    if free is not None and 2 * max(1, workers) * nbytes > free:
+        return None
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+    except (RuntimeError, MemoryError, OSError):
+        return None
+
+
+def _workers() -> int:
+    """How many worker processes share this loader's ``/dev/shm`` (1 outside a worker)."""
+    info = tud.get_worker_info()
+    return 1 if info is None else int(info.num_workers)
 
 
 # ------------------------------------------------------------------------------- the layout
@@ -203,17 +273,23 @@ class _WorkerSlots:
     """One worker's ``k`` slots in one shared buffer: flags, a seen byte, then the slots.
 
     ``grown`` counts the buffers this worker had before this one; ``wanted`` is the largest
-    batch (bytes) that did not fit, so far."""
+    batch (bytes) that did not fit, so far. Made by :meth:`create`, which may refuse."""
 
-    def __init__(self, k: int, slot_bytes: int, grown: int = 0) -> None:
+    def __init__(self, k: int, slot_bytes: int, buffer: torch.Tensor, grown: int = 0) -> None:
         self.k, self.slot_bytes, self.grown = k, slot_bytes, grown
         self.wanted = 0
         self.header = _header(k)
-        self.buffer = torch.empty(self.header + k * slot_bytes, dtype=torch.uint8).share_memory_()
+        self.buffer = buffer
         self.array = self.buffer.numpy()
         self.array[: self.header] = 0  # every slot free, buffer not yet seen
         self.flags = self.array[:k]
         self.token = f"{os.getpid()}-{os.urandom(6).hex()}"
+
+    @classmethod
+    def create(cls, k: int, slot_bytes: int, grown: int = 0) -> _WorkerSlots | None:
+        """``k`` slots of ``slot_bytes``, or None when :func:`allocate` refuses the buffer."""
+        buffer = allocate(_header(k) + k * slot_bytes, _workers())
+        return None if buffer is None else cls(k, slot_bytes, buffer, grown)
 
     def claim(self) -> int | None:
         free = np.flatnonzero(self.flags == 0)
@@ -236,11 +312,17 @@ class _WorkerSlots:
     def grow(self, need: int) -> _WorkerSlots:
         """This worker's slots for a batch of ``need`` bytes that did not fit: a new buffer of
         at least twice the slot size once this one is idle and fewer than ``MAX_GROWTHS``
-        buffers were replaced, else this one (the batch then goes torch's way)."""
+        buffers were replaced, else this one (the batch then goes torch's way). A larger
+        buffer that cannot be made ends the growing: this one stays."""
         self.wanted = max(self.wanted, need)
         if self.wanted <= self.slot_bytes or self.grown >= MAX_GROWTHS or not self.idle():
             return self
-        return _WorkerSlots(self.k, _align(max(self.wanted, 2 * self.slot_bytes)), self.grown + 1)
+        size = _align(max(self.wanted, 2 * self.slot_bytes))
+        bigger = _WorkerSlots.create(self.k, size, self.grown + 1)
+        if bigger is None:
+            self.grown = MAX_GROWTHS
+            return self
+        return bigger
 
 
 _WORKER: dict[str, Any] = {}  # this worker process's slots (one set per process)
@@ -255,9 +337,10 @@ def worker_slots() -> Any:
 def collate_into(samples: Any, k: int, rows: int | None) -> SlotRef | None:
     """``default_collate(samples)`` written into a free slot of this worker, or ``None``.
 
-    ``k``: slots per worker; ``rows``: the loader's batch size (the first batch sizes the slots
-    for that many rows). ``None`` means: collate the usual way (unsupported types, no free slot,
-    a batch bigger than a slot: the slots then grow, see :meth:`_WorkerSlots.grow`).
+    ``k``: slots per worker; ``rows``: the most rows a batch can have (:func:`slot_rows`; the
+    first batch sizes the slots for that many). ``None`` means: collate the usual way
+    (unsupported types, no free slot, a batch bigger than a slot: the slots then grow, see
+    :meth:`_WorkerSlots.grow`; no room for a buffer: this worker goes torch's way for good).
     """
     if not isinstance(samples, list) or not samples:
         return None
@@ -272,8 +355,13 @@ def collate_into(samples: Any, k: int, rows: int | None) -> SlotRef | None:
     sizes = [_align(n * int(np.prod(shape)) * dtype.itemsize) for _, dtype, shape, _ in leaves]
     ws: _WorkerSlots | None = _WORKER.get("slots")
     if ws is None:
-        scale = max(1, rows or n) / n
-        ws = _WorkerSlots(k, _align(int(sum(sizes) * scale) + _ALIGN * len(sizes)))
+        if _WORKER.get("refused"):
+            return None
+        scale = max(n, rows or n) / n
+        ws = _WorkerSlots.create(k, _align(int(sum(sizes) * scale) + _ALIGN * len(sizes)))
+        if ws is None:
+            _WORKER["refused"] = True
+            return None
         _WORKER["slots"] = ws
     if sum(sizes) > ws.slot_bytes or ws.wanted > ws.slot_bytes:  # grow at the next safe point
         ws = _WORKER["slots"] = ws.grow(sum(sizes))
@@ -334,18 +422,17 @@ class _Buffer:
         self.flags = self.array[:k]
         self.registered = False
         if pin and torch.cuda.is_available():
-            err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
-            self.registered = int(err) == 0
-            if not self.registered:  # copies from it are then staged by CUDA: slower, correct
-                clear_last_error()
+            try:  # unregistered (no sync: no view, so no copy, is left) when this is collected
+                reg = hostreg.register(buffer.data_ptr(), buffer.numel(), 0, _WHAT, buffer)
+            except hostreg.HostRegisterError:  # copies are then staged by CUDA: slower, correct
+                pass
+            else:
+                hostreg.release_when_collected(self, reg, sync=False)
+                self.registered = True
         self.array[k] = 1  # seen: the worker stops sending the buffer
 
-    def __del__(self) -> None:
-        if getattr(self, "registered", False):
-            try:
-                unregister(self.tensor.data_ptr(), "a worker slot buffer")
-            except Exception:  # interpreter shutdown
-                pass
+
+_WHAT = "a worker slot buffer"
 
 
 _LOCK = threading.Lock()

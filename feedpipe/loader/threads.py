@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from feedpipe.errors import WorkerError
+from feedpipe.io.reaper import join_threads
 from feedpipe.loader import _torch_compat
 from feedpipe.loader.fetch import (
     Failed,
@@ -174,8 +175,9 @@ class _FirstRound:
         return done == self.batches and _Iters.n == self._iters
 
 
-# Worker threads still running, joined at exit (a pool may be gone while its threads finish).
-_RUNNING: set[threading.Thread] = set()
+# Worker threads still running, with their inboxes: told to stop and joined at exit (a pool may
+# be gone while its threads finish).
+_RUNNING: dict[threading.Thread, queue.Queue[Any]] = {}
 _RUNNING_LOCK = threading.Lock()
 
 
@@ -275,7 +277,7 @@ class ThreadWorkers:
                 name=f"feedpipe-worker-{wid}",
                 daemon=True,
             )
-            _track(t)
+            _track(t, self._inboxes[wid])
             t.start()
             self._threads.append(t)
         self._first = first
@@ -410,29 +412,43 @@ _INIT_SYNC_S = 5.0
 
 
 def _join_at_exit() -> None:
-    """Let worker threads finish their batch before the interpreter tears torch down.
+    """Stop the worker threads and let them finish their batch before the interpreter tears
+    torch down.
 
     Daemon threads killed inside a torch call abort the process ("terminate called without an
-    active exception"). Every worker thread still running is joined, including those of pools
-    already dropped (after a ``break``, a pool is closed at once but its threads finish their
-    batch); a thread stuck in the dataset is abandoned after ``_EXIT_JOIN_S``.
+    active exception"). Every worker thread still running is told to stop (its queued tasks
+    dropped, so an iterator still alive at exit costs at most the batches being read, not a
+    wait for work that will never come) and joined, including those of pools already dropped
+    (after a ``break``, a pool is closed at once but its threads finish their batch); a thread
+    stuck in the dataset is abandoned after ``_EXIT_JOIN_S``, and reported by name and native
+    id (threads cannot be killed).
     """
-    deadline = time.monotonic() + _EXIT_JOIN_S
     with _RUNNING_LOCK:
-        threads = list(_RUNNING)
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
+        running = list(_RUNNING.items())
+    for _, inbox in running:
+        _stop_inbox(inbox)
+    join_threads([t for t, _ in running], "DataLoader worker", _EXIT_JOIN_S)
 
 
-def _track(thread: threading.Thread) -> None:
-    """Remember a worker thread until it ends; the exit hook is registered with the first one
-    (not at import)."""
+def _stop_inbox(inbox: queue.Queue[Any]) -> None:
+    """Drop a worker's queued tasks and queue the stop word (``None``) as its next task."""
+    try:
+        while True:
+            inbox.get_nowait()
+    except queue.Empty:
+        pass
+    inbox.put(None)
+
+
+def _track(thread: threading.Thread, inbox: queue.Queue[Any]) -> None:
+    """Remember a worker thread and its inbox until it ends; the exit hook is registered with
+    the first one (not at import)."""
     global _HOOKED
     with _RUNNING_LOCK:
         if not _HOOKED:
             atexit.register(_join_at_exit)
             _HOOKED = True
-        _RUNNING.add(thread)
+        _RUNNING[thread] = inbox
 
 
 _HOOKED = False
@@ -466,7 +482,7 @@ def _worker_loop(wid: int, dataset: Any, inbox: queue.Queue[Any], opts: _WorkerO
     finally:
         _torch_compat.set_thread_worker_info(None)
         with _RUNNING_LOCK:
-            _RUNNING.discard(threading.current_thread())
+            _RUNNING.pop(threading.current_thread(), None)
 
 
 def _worker_body(wid: int, dataset: Any, inbox: queue.Queue[Any], opts: _WorkerOptions) -> None:

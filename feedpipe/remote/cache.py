@@ -44,16 +44,20 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
+import stat
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c, to_hex
+from feedpipe.io.ownership import ForeignEntriesError, claim
 from feedpipe.remote import transfer as _remote
 from feedpipe.remote.plan import AccessPlan
 from feedpipe.remote.prefetch_pool import DaemonPool
@@ -66,6 +70,7 @@ log = logging.getLogger("feedpipe.cache")
 _LOCKS = ".locks"
 _CACHE_LOCK = ".cache.lock"
 _PRESSURE = ".pressure"
+_VERSION = re.compile(r"[0-9a-f]{16}")  # a version folder: the key of (url, index CRC)
 _POLL_S = 0.01
 
 
@@ -207,6 +212,7 @@ class ShardCache:
         if limit_bytes is not None and limit_bytes <= 0:
             raise ValueError(f"limit_bytes must be positive, got {limit_bytes}")
         self.cache_dir = os.path.abspath(cache_dir)
+        _claim_cache_dir(self.cache_dir)
         if raw_index is None:
             raw_index, entries = _remote.read_remote_index(
                 self._fs, self._root, self.url, self._options, self._policy
@@ -624,8 +630,8 @@ class ShardCache:
         used = 0
         for key in _listdir(self.cache_dir):
             top = os.path.join(self.cache_dir, key)
-            if key.startswith(".") or not os.path.isdir(top):
-                continue
+            if not _is_version_dir(Path(top)):
+                continue  # evict only from the cache's own version folders
             for dirpath, dirnames, files in os.walk(top):
                 if dirpath == top and _LOCKS in dirnames:
                     dirnames.remove(_LOCKS)
@@ -731,6 +737,39 @@ def _deprecated(old: str, new: str) -> None:
         DeprecationWarning,
         stacklevel=3,
     )
+
+
+def _mode(path: Path) -> int | None:
+    try:
+        return os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+
+
+def _is_version_dir(path: Path) -> bool:
+    """A cache version folder (``cache_dir/<16 hex digits>``), a real directory."""
+    mode = _mode(path)
+    return _VERSION.fullmatch(path.name) is not None and mode is not None and stat.S_ISDIR(mode)
+
+
+def _is_cache_entry(path: Path) -> bool:
+    """What a cache writes at the top of its ``cache_dir``: version folders, its lock and
+    pressure files, temps (of the ownership marker); an entry gone meanwhile."""
+    mode = _mode(path)
+    if mode is None:
+        return True
+    if path.name in (_CACHE_LOCK, _PRESSURE) or _remote.is_temp(path.name):
+        return stat.S_ISREG(mode)
+    return _is_version_dir(path)
+
+
+def _claim_cache_dir(cache_dir: str) -> None:
+    """The one ownership rule (:func:`feedpipe.io.ownership.claim`): a ``cache_dir`` holding
+    anything a cache did not write is refused by name, since eviction deletes files there."""
+    try:  # a cache_dir that is a link to a folder (/scratch -> /mnt/nvme) claims that folder
+        claim(os.path.realpath(cache_dir), "cache", _is_cache_entry)
+    except (ForeignEntriesError, NotADirectoryError, ValueError) as exc:  # ValueError: marker
+        raise DatasetError(str(exc)) from None
 
 
 def _listdir(path: str) -> list[str]:

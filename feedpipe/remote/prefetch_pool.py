@@ -11,9 +11,10 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
+
+from feedpipe.io.reaper import join_threads
 
 __all__ = ["DaemonPool"]
 
@@ -69,7 +70,8 @@ class DaemonPool:
             del job, fut
 
     def shutdown(self, timeout_s: float = 0.0) -> None:
-        """Set ``cancel``, cancel queued calls, stop the threads; wait up to ``timeout_s``."""
+        """Set ``cancel``, cancel queued calls, stop the threads; wait up to ``timeout_s``, then
+        warn (``StuckWorkerWarning``) about each thread still running."""
         self.cancel.set()
         with self._lock:
             threads = list(self._threads)
@@ -84,7 +86,6 @@ class DaemonPool:
             self._jobs.put(None)
         if timeout_s <= 0 or sys.is_finalizing():  # threads cut off at exit never finish
             return
-        deadline = time.monotonic() + timeout_s
-        for t in threads:
-            if t is not threading.current_thread():
-                t.join(max(0.0, deadline - time.monotonic()))
+        # a download stuck past the bound is reported by thread name and id (threads cannot
+        # be killed; daemons, they never hold the interpreter's exit)
+        join_threads(threads, "ShardCache prefetch", timeout_s)

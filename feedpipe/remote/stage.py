@@ -2,6 +2,11 @@
 
 The rules, in order:
 
+0. The destination holds nothing stage did not write: a folder of user files, a user's own
+   ``index.json`` or a symlink there is refused by name before anything is written
+   (:func:`feedpipe.io.ownership.claim`, the rule ``convert`` follows too); a folder stage
+   staged into before (marked ``.stage-owner.json``, or holding only a dataset's files) is
+   resumed or refreshed.
 1. The destination's ``index.json`` is removed before any shard is touched (unless it already is
    the source's index and every file is in place), so an interrupted stage of v2 over v1 leaves
    no index at all, never v1's index over v2's shards. ``index.json`` is written last, so a
@@ -10,8 +15,9 @@ The rules, in order:
    (:data:`feedpipe.remote.transfer.TEMP_PREFIX`, which no dataset file may have), verified
    against the index (size and CRC32C) and renamed into place. No file is ever truncated or
    rewritten in place: a reader that has the old file mapped keeps reading the old bytes.
-3. A symlink in the destination is never written through: a linked file is replaced by the real
-   file (the link's target is untouched); a linked directory on a file's path is refused.
+3. A symlink in the destination is never written through: a linked file or directory there is
+   refused by rule 0, and a linked directory on a file's path is refused again before the
+   transfers.
 4. Ctrl-C (or any exception) cancels the transfers in flight at their next chunk; the temps are
    removed. ``deadline_s`` bounds the retries of every remote call and the index read as a
    whole, and caps the clients' socket timeouts (see :func:`feedpipe.remote.transfer.resolve`); a
@@ -33,8 +39,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from feedpipe.datasets.destination import claim_dataset_folder, dataset_entries
+from feedpipe.datasets.writer import is_writer_file
 from feedpipe.errors import DatasetError
+from feedpipe.io.cliargs import positive_int
 from feedpipe.io.fsutil import atomic_write, fsync_dir
+from feedpipe.io.ownership import owns
+from feedpipe.io.reaper import join_threads
 from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
 from feedpipe.remote.transfer import INDEX_NAME, FileEntry
@@ -108,7 +119,11 @@ def stage(
     fs, root = _remote.resolve(url, _pooled(url, storage_options, workers), deadline_s)
     policy = _remote.RetryPolicy(deadline_s=deadline_s)
     t0 = time.perf_counter()
-    raw_index, entries = _remote.read_remote_index(fs, root, url, storage_options, policy)
+    # the first contact fails at once on an unreachable host (a wrong URL or a server that is
+    # down); the transfers that follow retry every transient error until the deadline
+    first = _remote.RetryPolicy(deadline_s=deadline_s, retry_unreachable=False)
+    raw_index, entries = _remote.read_remote_index(fs, root, url, storage_options, first)
+    _claim(dst, entries, adopt=False)  # before the lock file: a refused folder is left as is
     os.makedirs(dst, exist_ok=True)
     with _exclusive(dst):
         return _stage_locked(
@@ -143,6 +158,7 @@ def _stage_locked(
     t0: float,
 ) -> StageResult:
     """The body of :func:`stage`, run while this process alone stages into ``dst``."""
+    _claim(dst, entries)
     _refuse_linked_dirs(dst, entries)
     _clean_stale_temps(dst)
 
@@ -202,6 +218,34 @@ def _stage_locked(
     return StageResult(len(todo), len(entries) - len(todo), total, time.perf_counter() - t0)
 
 
+def _claim(dst: str, entries: list[FileEntry], *, adopt: bool = True) -> None:
+    """Make ``dst`` stage's by the one ownership rule (:mod:`feedpipe.datasets.destination`):
+    it may hold only a dataset's own files (the source's, or those of the feedpipe index
+    there), stage's temps and lock, and stage's marker; anything else (a user's own
+    ``index.json``, their files, a symlink) is refused by name before anything is written.
+    ``adopt=False`` checks only. In a folder stage has marked, shard files of an older version
+    whose index an interrupted restage removed are stage's too (named as feedpipe writes them).
+    A ``dst`` that is a symlink to a folder stages into that folder, as before."""
+    real = os.path.realpath(dst)
+    lock = os.path.basename(_lock_path(dst))
+    try:
+        marked = owns(real, "stage")
+    except ValueError as exc:  # a malformed marker: never taken as ours
+        raise DatasetError(str(exc)) from None
+    except (FileNotFoundError, NotADirectoryError):
+        marked = False
+
+    def also(name: str) -> bool:
+        return name == lock or _remote.is_temp(name) or (marked and is_writer_file(name))
+
+    ours = dataset_entries(real, [e.relpath for e in entries], also=also)
+    claim_dataset_folder(real, "stage", ours, adopt=adopt)
+
+
+def _lock_path(dst: str) -> str:
+    return os.path.join(dst, _remote.TEMP_PREFIX + "stage.lock")
+
+
 def _pooled(
     url: str, storage_options: Mapping[str, Any] | None, workers: int
 ) -> Mapping[str, Any] | None:
@@ -223,7 +267,7 @@ def _exclusive(dst: str) -> Iterator[None]:
     file's name has the temp prefix, so no dataset file can have it."""
     import fcntl
 
-    path = os.path.join(dst, _remote.TEMP_PREFIX + "stage.lock")
+    path = _lock_path(dst)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as exc:  # ELOOP: a symlink there, never followed
@@ -280,9 +324,7 @@ def _run_all(
                 t.join(0.2)
     except BaseException:
         cancel.set()
-        end = time.monotonic() + _CANCEL_GRACE_S
-        for t in threads:
-            t.join(max(0.0, end - time.monotonic()))
+        join_threads(threads, "stage transfer", _CANCEL_GRACE_S)  # stuck ones are reported
         raise
     real = [e for e in errors if not isinstance(e, _remote.CancelledError)]
     if real or errors:
@@ -361,7 +403,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "src", help="dataset URL or path (s3://bucket/ds, file:///..., /lustre/...)"
     )
     parser.add_argument("dst", help="local destination directory")
-    parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel transfers")
+    parser.add_argument(
+        "--workers", type=positive_int, default=DEFAULT_WORKERS, help="parallel transfers"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--no-verify-existing",
@@ -392,10 +436,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             verify_existing=not args.no_verify_existing,
         )
-    except DatasetError as exc:
-        print(f"feedpipe stage: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # other errors: one redacted line from the CLI's handler
         print(
             "feedpipe stage: interrupted; rerun it to finish (a partly staged destination has no "
             "index.json, so it never opens as a mix of versions)",

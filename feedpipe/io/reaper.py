@@ -1,0 +1,266 @@
+"""End the workers an object started, within a bound: ask, wait, terminate, kill, reap.
+
+Every feedpipe/ckpt object that starts worker processes hands them to a :class:`Workers` and
+ends them through it, at ``close()``, at garbage collection and at interpreter exit (a
+``weakref.finalize``, which also runs from ``atexit``). The steps, each bounded by
+:class:`Bound`:
+
+1. **ask**: the owner's own polite request (a sentinel, a closed queue, a removed plan
+   directory), made before :meth:`Workers.end` or passed to it as ``ask``;
+2. **wait** up to ``Bound.grace`` seconds for every worker to exit by itself;
+3. **terminate** (SIGTERM) the rest and wait up to ``Bound.term`` seconds;
+4. **kill** (SIGKILL) the rest and wait up to ``Bound.kill`` seconds;
+5. **reap**: join each exited worker, so that no zombie is left.
+
+So ``end()`` returns within ``grace + term + kill`` seconds (``DEFAULT_BOUND``: 2 + 2 + 2 s). A
+worker still alive after SIGKILL is in uninterruptible sleep (a stuck NFS read, a hung device):
+it is reported by name and pid with a :class:`StuckWorkerWarning` and returned, never silently
+forgotten.
+
+Threads cannot be killed. :func:`join_threads` gives them the same bounded wait and reports each
+one still running by name and native id; its caller's ``close()`` then returns anyway (the bound
+for thread workers is "close returns and reports"; daemon threads never block interpreter exit).
+
+Standard library only: ckpt uses it too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from multiprocessing import connection
+from typing import Any, Protocol
+
+__all__ = [
+    "DEFAULT_BOUND",
+    "Bound",
+    "ProcessLike",
+    "StuckWorkerWarning",
+    "Workers",
+    "at_exit",
+    "end_processes",
+    "join_threads",
+]
+
+
+class StuckWorkerWarning(RuntimeWarning):
+    """A worker outlived its bounded shutdown (a process that SIGKILL did not end, or a thread).
+
+    A ``RuntimeWarning``: shown by default (Python hides ``ResourceWarning``s).
+    """
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Seconds for each step of a shutdown: the polite wait, then after SIGTERM, then after
+    SIGKILL. The whole shutdown takes at most their sum."""
+
+    grace: float = 2.0
+    term: float = 2.0
+    kill: float = 2.0
+
+    @property
+    def total(self) -> float:
+        """The most seconds a shutdown takes."""
+        return self.grace + self.term + self.kill
+
+
+DEFAULT_BOUND = Bound()
+
+
+class ProcessLike(Protocol):
+    """What :func:`end_processes` needs of a worker: ``multiprocessing.Process`` has it."""
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def sentinel(self) -> int: ...
+    def is_alive(self) -> bool: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+def _wait(procs: list[ProcessLike], seconds: float) -> list[ProcessLike]:
+    """Wait up to ``seconds`` for ``procs`` to exit; those still alive."""
+    deadline = time.monotonic() + seconds
+    alive = [p for p in procs if p.is_alive()]
+    while alive:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            connection.wait([p.sentinel for p in alive], timeout=left)
+        except (OSError, ValueError):  # a sentinel closed under us: poll instead
+            time.sleep(min(left, 0.05))
+        alive = [p for p in alive if p.is_alive()]
+    return alive
+
+
+def _signal(procs: list[ProcessLike], kill: bool) -> None:
+    for p in procs:
+        try:
+            p.kill() if kill else p.terminate()
+        except (OSError, ValueError, AttributeError):  # exited meanwhile, or closed
+            pass
+
+
+def end_processes(
+    procs: Iterable[ProcessLike],
+    what: str,
+    *,
+    ask: Callable[[], None] | None = None,
+    bound: Bound = DEFAULT_BOUND,
+) -> list[ProcessLike]:
+    """End ``procs`` within ``bound.total`` seconds: ``ask()``, wait, SIGTERM, SIGKILL, reap.
+
+    ``what`` names the kind of worker in the warning about one that outlived SIGKILL
+    (:class:`StuckWorkerWarning`, with its name and pid). Returns those still alive.
+    """
+    procs = [p for p in procs if p.pid is not None]
+    if ask is not None:
+        try:
+            ask()
+        except Exception:  # a broken channel: the signals below still end the workers
+            pass
+    alive = _wait(procs, bound.grace)
+    if alive:
+        _signal(alive, kill=False)
+        alive = _wait(alive, bound.term)
+    if alive:
+        _signal(alive, kill=True)
+        alive = _wait(alive, bound.kill)
+    for p in procs:
+        if p not in alive:
+            try:
+                p.join(0)  # reap: no zombie
+            except (AssertionError, ValueError):  # not our child, or closed: nothing to reap
+                pass
+    for p in alive:
+        warnings.warn(
+            f"{what} {p.name} (pid {p.pid}) is still running {bound.total:g} s after it was "
+            "asked to stop, terminated and killed (stuck in uninterruptible I/O?): it is left "
+            "behind",
+            StuckWorkerWarning,
+            stacklevel=2,
+        )
+    return alive
+
+
+def join_threads(
+    threads: Iterable[threading.Thread], what: str, timeout: float = DEFAULT_BOUND.total
+) -> list[threading.Thread]:
+    """Join ``threads`` for at most ``timeout`` seconds in all; warn about (and return) each
+    one still running, by name and native id. Threads cannot be killed: the caller goes on."""
+    deadline = time.monotonic() + timeout
+    alive: list[threading.Thread] = []
+    for t in threads:
+        if t is threading.current_thread() or t.ident is None:
+            continue
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            alive.append(t)
+    for t in alive:
+        warnings.warn(
+            f"{what} thread {t.name} (native id {t.native_id}) is still running {timeout:g} s "
+            "after it was asked to stop (stuck in I/O?); threads cannot be killed, so it is left "
+            "behind" + (" and will not block exit" if t.daemon else ""),
+            StuckWorkerWarning,
+            stacklevel=2,
+        )
+    return alive
+
+
+class Workers:
+    """The worker processes of one owner, ended by :meth:`end`, at the owner's garbage
+    collection and at interpreter exit (whichever comes first; later calls do nothing).
+
+    ``ask`` is the owner's polite request to stop (it must not hold the owner). Holding no
+    reference to the owner, a ``Workers`` can be the target of its ``weakref.finalize``.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        owner: object | None = None,
+        *,
+        ask: Callable[[], None] | None = None,
+        bound: Bound = DEFAULT_BOUND,
+    ) -> None:
+        self.what = what
+        self.bound = bound
+        self._ask = ask
+        self._procs: list[ProcessLike] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child inherits this object, not the workers
+        if owner is not None:
+            weakref.finalize(owner, self.end)
+
+    def add(self, procs: Iterable[ProcessLike]) -> None:
+        """Take ``procs`` into this set (and end them at interpreter exit: :func:`at_exit`)."""
+        with self._lock:
+            self._procs.extend(procs)
+        at_exit(self, Workers.end)
+
+    @property
+    def pids(self) -> list[int]:
+        """The pids of the workers not yet ended."""
+        with self._lock:
+            return [p.pid for p in self._procs if p.pid is not None]
+
+    def end(self, ask: Callable[[], None] | None = None) -> list[ProcessLike]:
+        """End every worker within ``bound.total`` seconds (:func:`end_processes`); those that
+        outlived SIGKILL (reported)."""
+        if os.getpid() != self._pid:  # in a forked child: the workers are the parent's
+            return []
+        with self._lock:
+            procs, self._procs = self._procs, []
+        if not procs:
+            return []
+        return end_processes(procs, self.what, ask=ask or self._ask, bound=self.bound)
+
+
+_AT_EXIT: list[tuple[weakref.ref[Any], Callable[[Any], Any]]] = []
+_AT_EXIT_LOCK = threading.Lock()
+_HOOKED = False
+
+
+def at_exit(owner: object, end: Callable[[Any], Any]) -> None:
+    """Call ``end(owner)`` at interpreter exit if ``owner`` is still alive then (it is held
+    weakly), before ``multiprocessing`` joins its children without a timeout and before torch
+    stops cleaning up.
+
+    ``atexit`` runs its hooks last-registered first: ours is registered at the first call, which
+    comes after the workers were started (so after ``multiprocessing``'s own hook).
+    """
+    global _HOOKED
+    with _AT_EXIT_LOCK:
+        _AT_EXIT[:] = [e for e in _AT_EXIT if e[0]() is not None and e[0]() is not owner]
+        _AT_EXIT.append((weakref.ref(owner), end))
+        if not _HOOKED:
+            atexit.register(_end_all, os.getpid())
+            _HOOKED = True
+
+
+def _end_all(pid: int) -> None:
+    if os.getpid() != pid:  # a forked child exiting: the workers are its parent's
+        return
+    with _AT_EXIT_LOCK:
+        entries, _AT_EXIT[:] = list(_AT_EXIT), []
+    for ref, end in reversed(entries):
+        owner = ref()
+        if owner is not None:
+            try:
+                end(owner)
+            except Exception as exc:  # pragma: no cover - exit goes on
+                warnings.warn(
+                    f"ending workers at exit failed: {exc!r}", StuckWorkerWarning, stacklevel=1
+                )

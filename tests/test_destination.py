@@ -1,0 +1,144 @@
+"""feedpipe.datasets.destination: ``stage`` and ``convert`` claim their destination by the one
+ownership rule (issue 25 item 3).
+
+The matrix: each tool x (a user's own ``index.json``, user files, a symlink entry, the tool's own
+previous output). A destination holding anything the tool did not write is refused by name and
+left byte for byte as it was (no lock file, no marker, no ``.partial``); the tool's own previous
+output is resumed / replaced.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_stage import make_dataset
+
+from feedpipe import MemmapDataset
+from feedpipe.convert import convert
+from feedpipe.errors import DatasetError
+from feedpipe.io.ownership import owns
+from feedpipe.stage import stage
+
+
+def _snapshot(root: Path) -> dict[str, object]:
+    """Every entry under ``root`` (links not followed): a file's bytes or a link's target."""
+    out: dict[str, object] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        out[rel] = (
+            ("link", os.readlink(p)) if p.is_symlink() else p.read_bytes() if p.is_file() else "dir"
+        )
+    return out
+
+
+def _user_index(dst: Path, outside: Path) -> str:
+    (dst / "index.json").write_text('{"my": "own config"}')
+    return "index.json"
+
+
+def _user_files(dst: Path, outside: Path) -> str:
+    (dst / "notes.txt").write_text("my notes")
+    (dst / "shard-00000.data").write_bytes(b"my own bytes")  # a listed name among user files
+    return "notes.txt"
+
+
+def _symlink(dst: Path, outside: Path) -> str:
+    target = outside / "mine.data"
+    target.write_bytes(b"keep")
+    (dst / "shard-00000.data").symlink_to(target)
+    return "shard-00000.data (a symlink)"
+
+
+def _run_stage(src: Path, dst: Path, overwrite: bool = False) -> None:
+    stage(src, dst, progress=False)
+
+
+def _run_convert(src: Path, dst: Path, overwrite: bool = False) -> None:
+    convert(src.parent / "x.npy", dst, workers=1, overwrite=overwrite, progress_bar=False)
+
+
+TOOLS: dict[str, Callable[..., None]] = {"stage": _run_stage, "convert": _run_convert}
+FOREIGN = {"user index.json": _user_index, "user files": _user_files, "symlink": _symlink}
+
+
+@pytest.fixture
+def sources(tmp_path: Path) -> Path:
+    """``tmp_path/src`` (a dataset, for stage) and ``tmp_path/x.npy`` (for convert)."""
+    make_dataset(tmp_path / "src", shards=2, nbytes=4000)
+    np.save(tmp_path / "x.npy", np.arange(40, dtype=np.int32).reshape(10, 4))
+    return tmp_path / "src"
+
+
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+@pytest.mark.parametrize("case", sorted(FOREIGN))
+def test_a_destination_holding_foreign_entries_is_refused_and_untouched(
+    tmp_path: Path, sources: Path, tool: str, case: str
+) -> None:
+    (tmp_path / "outside").mkdir()
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    named = FOREIGN[case](dst, tmp_path / "outside")
+    before, outside = _snapshot(dst), _snapshot(tmp_path / "outside")
+    with pytest.raises(DatasetError, match="did not write") as info:
+        TOOLS[tool](sources, dst, overwrite=True)
+    assert named in str(info.value) and str(dst) in str(info.value)
+    assert _snapshot(dst) == before
+    assert _snapshot(tmp_path / "outside") == outside
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "outside", "src", "x.npy"]
+
+
+@pytest.mark.parametrize(
+    ("tool", "marked"),
+    [("stage", True), ("stage", False), ("convert", False)],
+    ids=["stage-marked", "stage-older-unmarked", "convert"],
+)
+def test_the_tools_own_previous_output_is_resumed_or_replaced(
+    tmp_path: Path, sources: Path, tool: str, marked: bool
+) -> None:
+    """stage marks its folder; an older unmarked one holding only a dataset is adopted.
+    convert writes no marker (a dataset's bytes depend on its source alone) and replaces a
+    folder holding only a dataset's files."""
+    dst = tmp_path / "dst"
+    TOOLS[tool](sources, dst)
+    assert owns(dst, tool) == (tool == "stage")
+    if tool == "stage" and not marked:
+        os.unlink(dst / ".stage-owner.json")
+    if tool == "stage":
+        (dst / "shard-00001.data").unlink()  # an interrupted stage: resumed
+        _run_stage(sources, dst)
+    else:
+        with pytest.raises(DatasetError, match="already exists"):
+            _run_convert(sources, dst)
+        _run_convert(sources, dst, overwrite=True)
+    assert owns(dst, tool) == (tool == "stage")
+    assert len(MemmapDataset(dst)) > 0
+    (dst / "notes.txt").write_text("mine, added later")  # the marker is no licence
+    with pytest.raises(DatasetError, match=r"notes\.txt"):
+        TOOLS[tool](sources, dst, overwrite=True)
+    assert (dst / "notes.txt").read_text() == "mine, added later"
+
+
+def test_a_restage_of_fewer_shards_after_an_interrupted_one_resumes(tmp_path: Path) -> None:
+    """v1 (3 shards) staged; a stage of v2 (2 shards) removed the index and was killed: v1's
+    third shard is listed nowhere now, but in stage's marked folder it is stage's own."""
+    make_dataset(tmp_path / "v1", shards=3, nbytes=4000, seed=1)
+    make_dataset(tmp_path / "v2", shards=2, nbytes=4000, seed=2)
+    dst = tmp_path / "dst"
+    stage(tmp_path / "v1", dst, progress=False)
+    (dst / "index.json").unlink()
+    stage(tmp_path / "v2", dst, progress=False)
+    assert (dst / "index.json").read_bytes() == (tmp_path / "v2" / "index.json").read_bytes()
+
+
+def test_stage_into_a_symlink_to_a_folder_writes_into_that_folder(
+    tmp_path: Path, sources: Path
+) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    stage(sources, tmp_path / "link", progress=False)
+    assert (tmp_path / "link").is_symlink() and owns(tmp_path / "real", "stage")
+    assert len(MemmapDataset(tmp_path / "real")) > 0

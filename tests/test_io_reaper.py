@@ -1,0 +1,167 @@
+"""feedpipe.io.reaper: ask, wait, terminate, kill, reap, within the bound; report what outlives
+it. Real processes (multiprocessing, fork) and a real interpreter exit."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _procs import alive, wait_gone
+
+from feedpipe.io.reaper import Bound, StuckWorkerWarning, Workers, end_processes, join_threads
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork and /proc")
+
+FAST = Bound(grace=0.3, term=0.3, kill=5.0)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _hang(deaf: bool, stop: Any = None) -> None:
+    if deaf:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while stop is None or not stop.is_set():
+        time.sleep(0.01)
+
+
+def _start(deaf: bool, stop: Any = None) -> Any:
+    p = mp.get_context("fork").Process(target=_hang, args=(deaf, stop), name=f"deaf={deaf}")
+    p.start()
+    return p
+
+
+@pytest.mark.parametrize(
+    ("deaf", "asked", "code"),
+    [(False, True, 0), (False, False, -signal.SIGTERM), (True, False, -signal.SIGKILL)],
+)
+def test_each_step_ends_the_worker_it_should(deaf: bool, asked: bool, code: int) -> None:
+    """Asked: exits by itself. Hung: SIGTERM. Hung and deaf to SIGTERM: SIGKILL. All reaped."""
+    stop = mp.get_context("fork").Event()
+    p = _start(deaf, stop)
+    assert end_processes([p], "test worker", ask=stop.set if asked else None, bound=FAST) == []
+    assert p.exitcode == code
+    assert alive([p.pid]) == []  # reaped: not even a zombie
+
+
+class _Unkillable:
+    """Stands for a process in uninterruptible sleep (which a test cannot make): SIGKILL
+    does not end it."""
+
+    name, pid, sentinel = "reader-7", 424242, -1
+
+    def is_alive(self) -> bool:
+        return True
+
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+def test_a_worker_that_outlives_sigkill_is_reported_by_name_and_pid() -> None:
+    with pytest.warns(StuckWorkerWarning, match=r"test worker reader-7 \(pid 424242\)"):
+        left = end_processes([_Unkillable()], "test worker", bound=Bound(0.05, 0.05, 0.05))
+    assert [p.pid for p in left] == [424242]
+
+
+def test_workers_end_when_their_owner_is_collected() -> None:
+    class Owner:
+        pass
+
+    owner = Owner()
+    workers = Workers("test worker", owner, bound=FAST)
+    p = _start(deaf=True)
+    workers.add([p])
+    del owner
+    gc.collect()
+    assert p.exitcode == -signal.SIGKILL and workers.pids == []
+
+
+def test_a_stuck_thread_is_reported_and_left() -> None:
+    release = threading.Event()
+    t = threading.Thread(target=release.wait, name="stuck-io", daemon=True)
+    t.start()
+    try:
+        with pytest.warns(StuckWorkerWarning, match=r"test thread stuck-io \(native id \d+\)"):
+            assert join_threads([t], "test", 0.05) == [t]
+    finally:
+        release.set()
+        t.join()
+
+
+_EXIT_SCRIPT = textwrap.dedent(
+    """
+    import weakref
+
+    class Early:
+        pass
+
+    # a finalizer made before multiprocessing is imported: weakref's exit hook then runs after
+    # multiprocessing's, which joins the (non-daemon) worker first
+    early = Early()
+    weakref.finalize(early, print)
+
+    import multiprocessing as mp, signal, time
+    from feedpipe.io.reaper import Bound, Workers
+
+    def hang():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(1e9)
+
+    class Owner:
+        pass
+
+    if __name__ == "__main__":
+        owner = Owner()  # never closed: interpreter exit must end its worker
+        workers = Workers("test worker", owner, bound=Bound(0.2, 0.2, 5.0))
+        p = mp.get_context("fork").Process(target=hang)  # not a daemon: joined at exit
+        p.start()
+        workers.add([p])
+        print(p.pid, flush=True)
+    """
+)
+
+
+def test_interpreter_exit_ends_a_deaf_hung_worker(tmp_path: Path) -> None:
+    """multiprocessing joins its children at exit without a timeout: a hung worker deaf to
+    SIGTERM would hold the interpreter forever; the reaper's exit hook runs first."""
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert wait_gone([int(proc.stdout.split()[0])], 2.0) == []
+
+
+def test_a_forked_child_leaves_its_parents_workers_alone() -> None:
+    """A forked child inherits the owner's Workers (and its exit hooks), not its processes."""
+    workers = Workers("test worker", bound=FAST)
+    p = _start(deaf=False)
+    workers.add([p])
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child: never back into pytest
+        code = 1
+        try:
+            code = 0 if workers.end() == [] else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert p.is_alive()  # untouched by the child
+    workers.end()
+    assert p.exitcode == -signal.SIGTERM
