@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import gc
@@ -188,7 +187,7 @@ def test_every_entry_point_uses_the_rule(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Writer, reader, converter, ``feedpipe inspect``, ckpt and fsspec resolution: one rule."""
-    from feedpipe.commands import inspect as inspect_cmd
+    from feedpipe import cli as feedpipe_cli
     from feedpipe.io import resolve
 
     monkeypatch.chdir(tmp_path)
@@ -204,8 +203,7 @@ def test_every_entry_point_uses_the_rule(
             MemmapWriter(bad, shape=(4,), dtype="int32")
         with pytest.raises(ValueError, match="file:"):
             resolve(bad)
-        args = argparse.Namespace(path=bad, shards=False, verify=False)
-        assert inspect_cmd.run(args) == 1
+        assert feedpipe_cli.main(["inspect", bad]) == 1  # the CLI's one error handler
         assert re.search("another host|ambiguous", capsys.readouterr().err)
     from ckpt import CheckpointManager
 
