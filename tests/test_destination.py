@@ -142,3 +142,29 @@ def test_stage_into_a_symlink_to_a_folder_writes_into_that_folder(
     stage(sources, tmp_path / "link", progress=False)
     assert (tmp_path / "link").is_symlink() and owns(tmp_path / "real", "stage")
     assert len(MemmapDataset(tmp_path / "real")) > 0
+
+
+@pytest.mark.parametrize("name", [".stage-owner.json", "sub/.cache-owner.json"])
+def test_a_source_index_listing_a_marker_name_is_refused(
+    tmp_path: Path, sources: Path, name: str
+) -> None:
+    """A hostile (CRC-valid) index listing ``.stage-owner.json`` as a shard file made stage
+    write the shard's bytes over its own marker: every later stage into that folder failed
+    on an unreadable marker. No dataset file may have a marker's name."""
+    import json
+    import shutil
+
+    src = tmp_path / "hostile"
+    shutil.copytree(sources, src)
+    doc = json.loads((src / "index.json").read_text())
+    info = next(iter(doc["shards"][0]["files"].values()))
+    (src / name).parent.mkdir(parents=True, exist_ok=True)
+    os.rename(src / info["path"], src / name)
+    info["path"] = name
+    (src / "index.json").write_text(json.dumps(doc))
+    dst = tmp_path / "dst"
+    with pytest.raises(DatasetError, match=r"hostile/index\.json: shard 0 .*ownership marker"):
+        stage(src, dst, progress=False)
+    assert not dst.exists() or not any(dst.iterdir())
+    stage(sources, dst, progress=False)  # the folder is still stage's
+    assert owns(dst, "stage")
