@@ -157,6 +157,24 @@ def test_userinfo_quoted_without_its_scheme_is_redacted(message: str) -> None:
     leaks.exception(DatasetError(message))
 
 
+@pytest.mark.parametrize(
+    "shown",
+    [
+        "GET https://h/b/x?X-Amz-Date=1&q=wJal%2FrXUtn%2BFEMI%3DK7MDENG",
+        "bad credentials wJal%2frXUtn%2bFEMI%3dK7MDENG",
+        "form body v=wJal%2FrXUtn%2BFEMI%3DK7MDENG (wJal/rXUtn%2BFEMI%3DK7MDENG)",
+        "tokens ['TokenOne1234', 'TokenTwo5678']",
+    ],
+)
+def test_a_secret_shown_url_encoded_or_in_a_list_is_redacted(shown: str) -> None:
+    """An AWS secret key holds "/" and "+": a library that puts it in a URL or a form shows
+    it percent-encoded, and the plain ``replace`` of the option's value missed it. A secret
+    option given as a list (several tokens) was not redacted at all."""
+    opts = {"secret": "wJal/rXUtn+FEMI=K7MDENG", "token": ["TokenOne1234", "TokenTwo5678"]}
+    out = _remote.redact(shown, opts)
+    LeakCheck("rXUtn", "TokenOne", "TokenTwo").text("redact", out)
+
+
 def test_plain_paths_are_left_alone() -> None:
     for text in (
         "s3://b/ds/year=2024/key=3/part-0",
