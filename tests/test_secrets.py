@@ -369,3 +369,22 @@ def test_memmap_dataset_repr_of_a_presigned_url_hides_the_signature() -> None:
     )
     leaks.text("redact", _remote.redact(url))
     leaks.raises(ValueError, lambda: _remote.resolve("s4://me:" + sig + "@host/ds"))
+
+
+def test_a_long_input_url_is_redacted_before_it_is_cut(tmp_path: Path) -> None:
+    """convert(fn) names a failing input by its repr cut to 80 characters: cut first, a long
+    token in the URL's userinfo lost its "@" and was shown."""
+    from feedpipe.datasets.convert_fn import convert_fn
+
+    token = "gldt-" + "Zq9" * 22
+    url = f"https://deploy-token-user:{token}@gitlab.example.com/group/data/shard-0.tar"
+    leaks = LeakCheck(token[:12], "Zq9Zq9")
+    exc = leaks.raises(
+        DatasetError,
+        lambda: convert_fn(_fails, [url], tmp_path / "o", num_workers=1, progress_bar=False),
+    )
+    assert "failed on input 0 ('https://***@gitlab.example.com" in str(exc)
+
+
+def _fails(item: object) -> None:
+    raise ValueError("cannot fetch")

@@ -57,6 +57,7 @@ from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter
 from feedpipe.errors import DatasetError
 from feedpipe.io.progress import progress
 from feedpipe.io.reaper import end_processes
+from feedpipe.io.remote import redact
 
 __all__ = ["convert_fn", "load_function"]
 
@@ -524,7 +525,9 @@ def _write_part(fn: Callable[[Any], Any], task: _Task, sink: Sink, shard_bytes: 
 
 
 def _short(item: Any) -> str:
-    text = repr(item)
+    """An input as an error shows it: redacted whole, then cut (a cut first could leave a
+    URL's password without the "@" that marks it)."""
+    text = redact(repr(item))
     return text if len(text) <= 80 else text[:77] + "..."
 
 
