@@ -210,3 +210,16 @@ def test_a_remote_destination_follows_the_local_rule(tmp_path: Path, index: byte
             convert_fn(_row, list(range(5)), url, overwrite=True, num_workers=1, progress_bar=False)
     finally:
         fs.rm(root, recursive=True)
+
+
+def test_stage_of_a_dataset_into_itself_is_refused(tmp_path: Path, sources: Path) -> None:
+    """``stage SRC SRC`` (or through a link to it) adopted the source as its destination; with
+    one shard file damaged, it removed the source's own index.json before its copy failed."""
+    (tmp_path / "link").symlink_to(sources, target_is_directory=True)
+    shard = next(p for p in sorted(sources.iterdir()) if p.name.startswith("shard-"))
+    shard.write_bytes(b"\0" + shard.read_bytes()[1:])
+    before = _snapshot(sources)
+    for src in (sources, tmp_path / "link"):
+        with pytest.raises(DatasetError, match="is the source dataset itself"):
+            stage(src, sources, progress=False)
+    assert _snapshot(sources) == before
