@@ -319,7 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_ls.add_argument("--metrics", action="store_true", help="also show each step's metrics")
     p_verify = sub.add_parser("verify", help="check that every step restores (all checksums)")
     p_verify.add_argument("directory", help=where)
-    p_verify.add_argument("--step", type=int, default=None, help="only this step")
+    from feedpipe.io.cliargs import non_negative_int
+
+    p_verify.add_argument("--step", type=non_negative_int, default=None, help="only this step")
     for p in (p_ls, p_verify):
         p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for a URL")
         p.add_argument("--anon", action="store_true", help="anonymous (unsigned) S3 access")

@@ -63,3 +63,11 @@ def dies_on_7(item: Any) -> np.ndarray:
     if int(item) == 7:
         os._exit(3)
     return np.full(3, int(item), np.int64)
+
+
+def dies_on_3_others_slow(item: Any) -> np.ndarray:
+    """Input 3's worker dies at once while the other workers are inside slow inputs."""
+    if int(item) == 3:
+        os._exit(3)
+    time.sleep(0.4)
+    return np.full(3, int(item), np.int64)

@@ -148,6 +148,28 @@ def test_cache_dir_holding_user_files_is_refused_and_never_evicted_from(
         assert Path(p0).read_bytes() == contents[DATA[0]]
 
 
+def test_a_user_folder_named_like_a_version_is_not_the_caches(
+    tmp_path: Path, remote: tuple[str, dict[str, Any], dict[str, bytes]]
+) -> None:
+    """A version folder was known by its name alone (16 hex digits): a user's folder of that
+    name (a commit hash, a run id) in cache_dir was adopted at the claim and evicted from."""
+    url, opts, contents = remote
+    cache_dir = tmp_path / "cache"
+    (cache_dir / "0123456789abcdef").mkdir(parents=True)
+    (cache_dir / "0123456789abcdef" / "weights.bin").write_bytes(b"x" * 50_000)
+    with pytest.raises(DatasetError, match=r"did not write \('0123456789abcdef'\)"):
+        ShardCache(url, cache_dir, None, opts)
+    cache_dir2 = tmp_path / "cache2"
+    limit = len(contents[DATA[0]]) + len(contents[DATA[1]]) // 2
+    with ShardCache(url, cache_dir2, limit, opts, room_timeout_s=0.5) as cache:
+        (cache_dir2 / "fedcba9876543210").mkdir()  # added after the claim
+        (cache_dir2 / "fedcba9876543210" / "weights.bin").write_bytes(b"y" * 50_000)
+        for rel in DATA[:2]:
+            with cache.leased(rel):
+                pass
+    assert (cache_dir2 / "fedcba9876543210" / "weights.bin").stat().st_size == 50_000
+
+
 _WORKER = """
 import json, random, sys
 from feedpipe.cache import ShardCache

@@ -140,3 +140,14 @@ def test_ls_of_an_unreachable_or_missing_root_fails_naming_it(
     err = capsys.readouterr().err
     assert named.format(tmp=tmp_path) in err and "SECRET" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("step", ["-1", "1.5", "x"])
+def test_verify_step_that_means_nothing_is_an_argparse_error(
+    tmp_path: Path, step: str, capsys: pytest.CaptureFixture
+) -> None:
+    """``--step -1`` looked for ``step--1`` and reported it missing (exit 1)."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["verify", str(tmp_path), "--step", step])
+    assert info.value.code == 2
+    assert "argument --step: " in capsys.readouterr().err

@@ -241,6 +241,13 @@ def test_no_command_prints_the_secret_of_a_url(
         (["inspect", "ds", "--shards", "-1"], "--shards"),
         (["stage", "src", "dst", "--workers", "0"], "--workers"),
         (["bench", "--synthetic", "--batch-size", "0"], "--batch-size"),
+        (["bench", "--synthetic", "--step-ms", "nan"], "--step-ms"),
+        (["bench", "--synthetic", "--step-ms", "inf"], "--step-ms"),
+        (["bench", "--synthetic", "--step-ms", "1e308"], "--step-ms"),
+        (["bench", "--synthetic", "--step-ms", "-5"], "--step-ms"),
+        (["bench", "--synthetic", "--sample-delay-ms", "inf"], "--sample-delay-ms"),
+        (["bench", "--synthetic", "--sample-delay-ms", "nan"], "--sample-delay-ms"),
+        (["bench", "--synthetic", "--batches", "-1"], "--batches"),
     ],
 )
 def test_numbers_that_mean_nothing_are_argparse_errors(

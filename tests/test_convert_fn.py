@@ -231,6 +231,16 @@ def test_a_worker_that_dies_is_named_with_its_function_and_input(tmp_path: Path)
     assert not (tmp_path / "d").exists()
 
 
+def test_a_dying_worker_is_named_alone_not_with_the_workers_the_pool_ended(
+    tmp_path: Path,
+) -> None:
+    """The pool ends its other workers when one dies (SIGTERM): the error named their inputs
+    too ("input 3 or input 0 or input 1"), as if they had died as well."""
+    with pytest.raises(DatasetError) as info:
+        _convert(fns.dies_on_3_others_slow, tmp_path / "d", n=4, num_workers=4, inputs_per_part=1)
+    assert "converting input 3 (3); nothing" in str(info.value), info.value
+
+
 def test_records_that_change_layout_are_refused_naming_the_inputs(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"inputs 8\.\. give records of float32 \[5\]"):
         _convert(fns.shape_changes, tmp_path / "s", n=12, num_workers=2)

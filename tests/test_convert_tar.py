@@ -82,3 +82,14 @@ def test_tar_refuses_what_it_cannot_store(tmp_path: Path) -> None:
     _shard(tmp_path / "m.tar", [("a", {"jpg": b"x", "cls": b"1"}), ("b", {"jpg": b"y"})])
     with pytest.raises(DatasetError, match=r"sample 'b' in .*m\.tar: fields"):
         feedpipe.convert(tmp_path / "m.tar", tmp_path / "o2", workers=1)
+
+
+@pytest.mark.parametrize("cls", [b"99999999999999999999", b"-9223372036854775809"])
+def test_a_class_out_of_int64_is_named(tmp_path: Path, cls: bytes) -> None:
+    """A ``cls`` member beyond int64 was a bare OverflowError naming no shard or member."""
+    _shard(
+        tmp_path / "t.tar", [("a", {"jpg": b"x", "cls": b"1"}), ("b", {"jpg": b"y", "cls": cls})]
+    )
+    with pytest.raises(DatasetError, match=r"t\.tar: member 'b\.cls' is not an integer .*int64"):
+        feedpipe.convert(tmp_path / "t.tar", tmp_path / "o", workers=1)
+    assert not (tmp_path / "o").exists()

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from test_stage import make_dataset
 
+import feedpipe
 from feedpipe import MemmapDataset
 from feedpipe.convert import convert
 from feedpipe.errors import DatasetError
@@ -142,3 +143,83 @@ def test_stage_into_a_symlink_to_a_folder_writes_into_that_folder(
     stage(sources, tmp_path / "link", progress=False)
     assert (tmp_path / "link").is_symlink() and owns(tmp_path / "real", "stage")
     assert len(MemmapDataset(tmp_path / "real")) > 0
+
+
+@pytest.mark.parametrize("name", [".stage-owner.json", "sub/.cache-owner.json"])
+def test_a_source_index_listing_a_marker_name_is_refused(
+    tmp_path: Path, sources: Path, name: str
+) -> None:
+    """A hostile (CRC-valid) index listing ``.stage-owner.json`` as a shard file made stage
+    write the shard's bytes over its own marker: every later stage into that folder failed
+    on an unreadable marker. No dataset file may have a marker's name."""
+    import json
+    import shutil
+
+    src = tmp_path / "hostile"
+    shutil.copytree(sources, src)
+    doc = json.loads((src / "index.json").read_text())
+    info = next(iter(doc["shards"][0]["files"].values()))
+    (src / name).parent.mkdir(parents=True, exist_ok=True)
+    os.rename(src / info["path"], src / name)
+    info["path"] = name
+    (src / "index.json").write_text(json.dumps(doc))
+    dst = tmp_path / "dst"
+    with pytest.raises(DatasetError, match=r"hostile/index\.json: shard 0 .*ownership marker"):
+        stage(src, dst, progress=False)
+    assert not dst.exists() or not any(dst.iterdir())
+    stage(sources, dst, progress=False)  # the folder is still stage's
+    assert owns(dst, "stage")
+
+
+def _row(i: int) -> np.ndarray:
+    return np.full(3, i, np.int64)
+
+
+@pytest.mark.parametrize("index", [b'{"pages": ["a.html"]}', None], ids=["user-index", "dataset"])
+def test_a_remote_destination_follows_the_local_rule(tmp_path: Path, index: bytes | None) -> None:
+    """The remote sibling of the destination rule: a prefix holding any ``index.json`` was
+    taken for a dataset without a look at the rest. ``convert(fn)`` with ``overwrite=True``
+    deleted the user's own ``index.json`` (and any of their files named like a shard) and
+    mixed its shards with their ``notes.txt``. Now a foreign index or entry is refused by
+    name, as locally."""
+    import fsspec
+
+    from feedpipe.datasets.convert_fn import convert_fn
+
+    fs = fsspec.filesystem("memory")
+    root = f"/atk-{tmp_path.name}"
+    url = f"memory://{root}"
+    if index is None:
+        convert_fn(_row, list(range(4)), url, num_workers=1, progress_bar=False)
+    else:
+        fs.pipe_file(f"{root}/index.json", index)
+    fs.pipe_file(f"{root}/notes.txt", b"mine")
+    before = {p: fs.cat_file(p) for p in fs.find(root)}
+    what = r"index\.json: not a feedpipe dataset" if index else r"did not write \('notes\.txt'\)"
+    try:
+        for ow in (False, True):
+            with pytest.raises(DatasetError, match=what):
+                convert_fn(
+                    _row, list(range(5)), url, overwrite=ow, num_workers=1, progress_bar=False
+                )
+            with pytest.raises(DatasetError, match=what), feedpipe.MemmapWriter(url, overwrite=ow):
+                pass
+        assert {p: fs.cat_file(p) for p in fs.find(root)} == before
+        if index is None:  # the prefix holds only its dataset again: replaced as before
+            fs.rm_file(f"{root}/notes.txt")
+            convert_fn(_row, list(range(5)), url, overwrite=True, num_workers=1, progress_bar=False)
+    finally:
+        fs.rm(root, recursive=True)
+
+
+def test_stage_of_a_dataset_into_itself_is_refused(tmp_path: Path, sources: Path) -> None:
+    """``stage SRC SRC`` (or through a link to it) adopted the source as its destination; with
+    one shard file damaged, it removed the source's own index.json before its copy failed."""
+    (tmp_path / "link").symlink_to(sources, target_is_directory=True)
+    shard = next(p for p in sorted(sources.iterdir()) if p.name.startswith("shard-"))
+    shard.write_bytes(b"\0" + shard.read_bytes()[1:])
+    before = _snapshot(sources)
+    for src in (sources, tmp_path / "link"):
+        with pytest.raises(DatasetError, match="is the source dataset itself"):
+            stage(src, sources, progress=False)
+    assert _snapshot(sources) == before

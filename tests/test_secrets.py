@@ -157,6 +157,24 @@ def test_userinfo_quoted_without_its_scheme_is_redacted(message: str) -> None:
     leaks.exception(DatasetError(message))
 
 
+@pytest.mark.parametrize(
+    "shown",
+    [
+        "GET https://h/b/x?X-Amz-Date=1&q=wJal%2FrXUtn%2BFEMI%3DK7MDENG",
+        "bad credentials wJal%2frXUtn%2bFEMI%3dK7MDENG",
+        "form body v=wJal%2FrXUtn%2BFEMI%3DK7MDENG (wJal/rXUtn%2BFEMI%3DK7MDENG)",
+        "tokens ['TokenOne1234', 'TokenTwo5678']",
+    ],
+)
+def test_a_secret_shown_url_encoded_or_in_a_list_is_redacted(shown: str) -> None:
+    """An AWS secret key holds "/" and "+": a library that puts it in a URL or a form shows
+    it percent-encoded, and the plain ``replace`` of the option's value missed it. A secret
+    option given as a list (several tokens) was not redacted at all."""
+    opts = {"secret": "wJal/rXUtn+FEMI=K7MDENG", "token": ["TokenOne1234", "TokenTwo5678"]}
+    out = _remote.redact(shown, opts)
+    LeakCheck("rXUtn", "TokenOne", "TokenTwo").text("redact", out)
+
+
 def test_plain_paths_are_left_alone() -> None:
     for text in (
         "s3://b/ds/year=2024/key=3/part-0",
@@ -351,3 +369,22 @@ def test_memmap_dataset_repr_of_a_presigned_url_hides_the_signature() -> None:
     )
     leaks.text("redact", _remote.redact(url))
     leaks.raises(ValueError, lambda: _remote.resolve("s4://me:" + sig + "@host/ds"))
+
+
+def test_a_long_input_url_is_redacted_before_it_is_cut(tmp_path: Path) -> None:
+    """convert(fn) names a failing input by its repr cut to 80 characters: cut first, a long
+    token in the URL's userinfo lost its "@" and was shown."""
+    from feedpipe.datasets.convert_fn import convert_fn
+
+    token = "gldt-" + "Zq9" * 22
+    url = f"https://deploy-token-user:{token}@gitlab.example.com/group/data/shard-0.tar"
+    leaks = LeakCheck(token[:12], "Zq9Zq9")
+    exc = leaks.raises(
+        DatasetError,
+        lambda: convert_fn(_fails, [url], tmp_path / "o", num_workers=1, progress_bar=False),
+    )
+    assert "failed on input 0 ('https://***@gitlab.example.com" in str(exc)
+
+
+def _fails(item: object) -> None:
+    raise ValueError("cannot fetch")

@@ -66,6 +66,13 @@ def test_brace_patterns_expand_like_webdataset(tmp_path: Path) -> None:
         expand_shards("x-{5..1}.tar")
 
 
+def test_a_brace_pattern_with_a_mistyped_bound_is_refused_at_once() -> None:
+    """``{0000..9999999999}`` built a list of 10**10 names (all the RAM) before any error."""
+    with pytest.raises(ValueError, match=r"more than 1,000,000 shards"):
+        expand_shards("s-{0..1000}-{0..999}.tar")  # 1,001,000 (checked before any list)
+    assert len(expand_shards("s-{0..99}-{0..9}.tar")) == 1000
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_loader_with_shuffle_and_transform_reads_every_sample_once(
     tmp_path: Path, workers: int

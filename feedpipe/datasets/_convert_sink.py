@@ -169,7 +169,7 @@ class Sink:
 
     def _check_fresh(self, overwrite: bool) -> None:
         if self.remote:
-            check_remote_destination(self.output, self.options, overwrite=overwrite)
+            check_remote_destination(self.output, self.options, overwrite=overwrite, also=_ours)
             if self._read(INDEX_NAME) is not None:  # replaced: no reader sees old over new
                 self._remove(INDEX_NAME)
             return

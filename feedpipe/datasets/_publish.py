@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from feedpipe.datasets.format import INDEX_NAME, parse_index, read_index
+from feedpipe.datasets.writer import is_writer_file
 from feedpipe.errors import DatasetError
 from feedpipe.remote import transfer as _remote
 
@@ -30,26 +31,51 @@ def _listing(fs: Any, root: str) -> list[str]:
 
 
 def check_remote_destination(
-    url: str, storage_options: Mapping[str, Any], *, overwrite: bool
+    url: str,
+    storage_options: Mapping[str, Any],
+    *,
+    overwrite: bool,
+    also: Callable[[str], bool] = is_writer_file,
 ) -> None:
-    """Refuse ``url`` unless it is empty, absent, or (with ``overwrite``) a dataset."""
+    """Refuse ``url`` unless it is empty, absent, or (with ``overwrite``) a feedpipe dataset
+    holding only its own files: the rule of local destinations
+    (:func:`feedpipe.datasets.destination.check_convert_destination`). An ``index.json`` that is
+    not a feedpipe index, and any entry that index does not list (other than names ``also``
+    accepts: a writer's or a conversion's own), is refused by name, even with ``overwrite``."""
     safe = _remote.redact(url, storage_options)
     try:
         fs, root = _remote.resolve(url, storage_options)
-        has_index = fs.exists(_remote.join(root, INDEX_NAME))
-        entries = [] if has_index else _listing(fs, root)
+        entries = _listing(fs, root)
+        names = sorted({e.rsplit("/", 1)[-1] for e in entries})
+        raw = fs.cat_file(_remote.join(root, INDEX_NAME)) if INDEX_NAME in names else None
     except DatasetError:
         raise
     except Exception as exc:
         detail = _remote.redact(f"{type(exc).__name__}: {exc}", storage_options)
         raise DatasetError(f"{safe}: cannot check the destination: {detail}") from None
-    if has_index and not overwrite:
-        raise DatasetError(f"{safe}: a dataset already exists here (pass overwrite=True)")
-    if entries:
+    if raw is None:
+        if entries:
+            raise DatasetError(
+                f"{safe}: destination is not empty and is not a feedpipe dataset; refusing to "
+                f"write into it, even with overwrite ({', '.join(map(repr, names[:10]))})"
+            )
+        return
+    try:
+        index = parse_index(raw, _remote.join(safe, INDEX_NAME))
+    except DatasetError as exc:
+        raise DatasetError(f"{exc}; refusing to write there, even with overwrite") from None
+    listed = {rel.split("/", 1)[0] for _s, rel, _n, _c in index.files()}
+    foreign = [n for n in names if n != INDEX_NAME and n not in listed and not also(n)]
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:10])
+        more = f" and {len(foreign) - 10} more" if len(foreign) > 10 else ""
         raise DatasetError(
-            f"{safe}: destination is not empty and is not a feedpipe dataset; refusing to write "
-            "into it, even with overwrite"
+            f"{safe}: refusing to write a dataset here: it holds {len(foreign)} entr"
+            f"{'y' if len(foreign) == 1 else 'ies'} that its dataset did not write ({shown}"
+            f"{more}); choose an empty prefix, or move them away"
         )
+    if not overwrite:
+        raise DatasetError(f"{safe}: a dataset already exists here (pass overwrite=True)")
 
 
 def publish(local: str, url: str, storage_options: Mapping[str, Any], *, overwrite: bool) -> None:

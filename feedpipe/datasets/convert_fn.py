@@ -35,6 +35,7 @@ import os
 import pickle
 import queue as queue_mod
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -56,6 +57,7 @@ from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter
 from feedpipe.errors import DatasetError
 from feedpipe.io.progress import progress
 from feedpipe.io.reaper import end_processes
+from feedpipe.io.remote import redact
 
 __all__ = ["convert_fn", "load_function"]
 
@@ -63,6 +65,7 @@ SHARDS_PER_PART = 100_000  # shard ids of part p: p * SHARDS_PER_PART + k
 _MAX_PARTS = 256  # default inputs_per_part: at most this many parts
 _FLUSH = 256  # records buffered per append_batch
 _QUEUE: Any = None  # a worker's progress queue
+_POOL_END_S = 2.0  # how long a broken pool's error waits for the pool to end its workers
 _SEAT: Any = None  # a pool worker's (board, index) where it posts its current input number
 
 
@@ -245,11 +248,25 @@ class _Board:
     def initargs(self, q: Any) -> tuple[Any, ...]:
         return (q, self.board, self.seats)
 
-    def error(self, fn: Callable[[Any], Any], tasks: Sequence[_Task]) -> DatasetError:
+    def error(
+        self, fn: Callable[[Any], Any], tasks: Sequence[_Task], procs: Sequence[Any] = ()
+    ) -> DatasetError:
         """The error for a pool broken by a worker that died (killed, out of memory, a crash
-        in native code): it names the function and the input(s) that worker was on."""
+        in native code): it names the function and the input(s) that worker was on.
+
+        The pool ends its other workers with SIGTERM once one dies: those (``procs`` tells
+        their exit codes, after a bounded wait for them to end) are not named when another
+        worker died otherwise."""
+        end = time.monotonic() + _POOL_END_S
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        codes = {p.pid: p.exitcode for p in procs}
         posted = {int(self.board[i]): int(self.board[i + 1]) for i in range(0, len(self.board), 2)}
-        numbers = [n for pid, n in posted.items() if pid > 0 and n >= 0 and not _alive(pid)]
+        dead = {pid: n for pid, n in posted.items() if pid > 0 and n >= 0 and not _alive(pid)}
+        ended = (None, -signal.SIGTERM)  # the pool's own SIGTERM, or unknown
+        numbers = [n for pid, n in dead.items() if codes.get(pid) not in ended] or list(
+            dead.values()
+        )
         if not numbers:  # every worker still alive or idle: name what was in flight
             numbers = [n for pid, n in posted.items() if pid > 0 and n >= 0]
         shown = [_input(tasks, n) for n in sorted(numbers)] or ["an unknown input"]
@@ -508,7 +525,9 @@ def _write_part(fn: Callable[[Any], Any], task: _Task, sink: Sink, shard_bytes: 
 
 
 def _short(item: Any) -> str:
-    text = repr(item)
+    """An input as an error shows it: redacted whole, then cut (a cut first could leave a
+    URL's password without the "@" that marks it)."""
+    text = redact(repr(item))
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -555,7 +574,7 @@ def _run(  # noqa: PLR0917
                 try:
                     results[futures[fut].part] = _as_index(fut.result())
                 except BrokenProcessPool:  # not a bare error: name the function and input
-                    raise board.error(fn, todo) from None
+                    raise board.error(fn, todo, procs) from None
     except BaseException:
         # a failed part (or Ctrl-C) while others run: the pool's own shutdown would wait for
         # every running fn, forever for one that hangs; end them within the reaper's bound

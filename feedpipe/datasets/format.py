@@ -36,6 +36,7 @@ import numpy as np
 
 from feedpipe.errors import DatasetError
 from feedpipe.io.fsutil import atomic_write
+from feedpipe.io.ownership import is_marker_name
 
 __all__ = [
     "FORMAT",
@@ -406,10 +407,11 @@ def _parse_shard(doc: Any, shard_id: int, source: str) -> Shard:
         parts = path.split("/")
         if path.startswith("/") or "\\" in path or ".." in parts or ":" in parts[0]:
             raise DatasetError(f"{source}: shard {shard_id} file path {path!r} escapes the dataset")
-        if path == INDEX_NAME or any(p in ("", ".") for p in parts):
+        if path == INDEX_NAME or any(p in ("", ".") or is_marker_name(p) for p in parts):
             raise DatasetError(
                 f"{source}: shard {shard_id} file path {path!r} is not a valid dataset file name "
-                f"(an empty or '.' component, or {INDEX_NAME!r})"
+                f"(an empty or '.' component, {INDEX_NAME!r}, or an ownership marker's name "
+                "'.TOOL-owner.json', which stage, convert and the cache keep for their own)"
             )
         crc = f["crc32c"]
         if not isinstance(crc, str) or not _HEX8.match(crc.lower()):

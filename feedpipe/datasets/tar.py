@@ -39,6 +39,7 @@ from feedpipe.remote.transfer import call, resolve
 __all__ = ["INDEX_BLOCK", "TarDataset", "expand_shards"]
 
 _BRACES = re.compile(r"\{(\d+)\.\.(\d+)\}")
+_MAX_SHARDS = 1_000_000  # shards a brace pattern may name
 #: fsspec read-ahead while a remote shard is indexed: few requests for shards of small members,
 #: and at most this much of each larger member read (s3fs's default block is 50 MiB)
 INDEX_BLOCK = 8 << 20
@@ -54,6 +55,14 @@ def expand_shards(spec: str | os.PathLike[str] | Sequence[str]) -> list[str]:
     m = _BRACES.search(spec)
     if m is None:
         return [spec]
+    total = 1
+    for b in _BRACES.finditer(spec):  # before any list is built: a typo must not eat the RAM
+        total *= max(0, int(b.group(2)) - int(b.group(1)) + 1)
+        if total > _MAX_SHARDS:
+            raise ValueError(
+                f"shard pattern {spec!r} names more than {_MAX_SHARDS:,} shards; is a bound "
+                "mistyped?"
+            )
     lo, hi = int(m.group(1)), int(m.group(2))
     if hi < lo:
         raise ValueError(f"shard pattern {spec!r}: {{{lo}..{hi}}} is empty")

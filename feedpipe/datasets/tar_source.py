@@ -80,7 +80,10 @@ def _decode(spec: Any, raw: bytes, field: str, sample: Mapping[str, Any]) -> Any
             encode("json", "uint8", (), value, where)  # what would not read back equal
             return value
         if spec == "int64":
-            return int(raw.decode("ascii").strip())
+            value = int(raw.decode("ascii").strip())
+            if not -(2**63) <= value < 2**63:
+                raise ValueError("out of the int64 range")
+            return value
     except UnicodeDecodeError as exc:
         raise DatasetError(
             f"{where} is not valid UTF-8 ({exc.reason} at byte {exc.start})"

@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["byte_size", "non_negative_int", "positive_int"]
+__all__ = ["byte_size", "milliseconds", "non_negative_int", "positive_int"]
 
+_DAY_MS = 86_400_000
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -35,6 +36,22 @@ def non_negative_int(text: str) -> int:
     value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def milliseconds(text: str) -> float:
+    """A time in milliseconds: finite, 0 to one day (``nan``, ``inf``, ``-5`` and ``1e308``,
+    which no sleep can take, are refused)."""
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of milliseconds, got {text!r}"
+        ) from None
+    if not 0 <= value <= _DAY_MS:  # False for nan
+        raise argparse.ArgumentTypeError(
+            f"must be a number of milliseconds from 0 to {_DAY_MS} (a day), got {text!r}"
+        )
     return value
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import time
 from collections.abc import Callable, Mapping
@@ -35,11 +36,13 @@ __all__ = [
     "ForeignEntriesError",
     "claim",
     "foreign_entries",
+    "is_marker_name",
     "marker_name",
     "owner_record",
     "owns",
 ]
 
+_MARKER = re.compile(r"\.[A-Za-z0-9-]+-owner\.json")
 _SHOWN = 10  # foreign entries named in an error; the rest are counted
 
 
@@ -64,6 +67,12 @@ def marker_name(tool: str) -> str:
     if not tool or not tool.replace("-", "").isalnum():
         raise ValueError(f"tool must be a short alphanumeric name, got {tool!r}")
     return f".{tool}-owner.json"
+
+
+def is_marker_name(name: str) -> bool:
+    """Whether ``name`` has the form of some tool's marker (``.TOOL-owner.json``): a name no
+    dataset file may have, so that copying a dataset never writes over a marker."""
+    return _MARKER.fullmatch(name) is not None
 
 
 def owner_record(root: str | os.PathLike[str], tool: str) -> dict[str, Any] | None:

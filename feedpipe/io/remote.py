@@ -211,14 +211,24 @@ def join(root: str, relpath: str) -> str:
     return f"{root.rstrip('/')}/{relpath.lstrip('/')}"
 
 
+def _encoded(secret: str) -> set[str]:
+    """``secret`` as it is written and as a URL or a form writes it (AWS secret keys hold
+    ``/`` and ``+``: a signed URL or a library's message shows ``%2F``, ``%2B``)."""
+    from urllib.parse import quote, quote_plus
+
+    forms = {secret, quote(secret, safe=""), quote(secret), quote_plus(secret)}
+    return forms | {re.sub(r"%[0-9A-F]{2}", lambda m: m.group().lower(), f) for f in forms}
+
+
 def _secret_values(options: Mapping[str, Any] | None) -> Iterator[str]:
     if not options:
         return
     for key, value in options.items():
         if isinstance(value, Mapping):
             yield from _secret_values(value)
-        elif isinstance(value, str) and len(value) >= 4 and _SECRET_KEYS.search(str(key)):
-            yield value
+        elif _SECRET_KEYS.search(str(key)):
+            values = value if isinstance(value, (list, tuple)) else [value]
+            yield from (v for v in values if isinstance(v, str) and len(v) >= 4)
     # the standard environment credentials are secrets too
     for name in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID"):
         value = os.environ.get(name, "")
@@ -234,7 +244,8 @@ def redact(text: str, storage_options: Mapping[str, Any] | None = None) -> str:
     (``DatasetError`` applies it to its own message).
     """
     text = str(text)
-    for secret in sorted(set(_secret_values(storage_options)), key=len, reverse=True):
+    secrets = {form for s in _secret_values(storage_options) for form in _encoded(s)}
+    for secret in sorted(secrets, key=len, reverse=True):
         text = text.replace(secret, "***")
     text = _URL_USERINFO_RAW.sub(lambda m: m.group("scheme") + "***@", text)
     text = _URL_USERINFO.sub(lambda m: m.group("scheme") + "***@", text)

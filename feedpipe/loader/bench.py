@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from feedpipe.io.cliargs import non_negative_int, positive_int
+from feedpipe.io.cliargs import milliseconds, non_negative_int, positive_int
 
 __all__ = ["BenchResult", "SyntheticDataset", "add_arguments", "run", "run_one"]
 
@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--sample-shape", default="3,32,32", help="synthetic sample shape")
     parser.add_argument(
-        "--sample-delay-ms", type=float, default=0.0, help="synthetic per-sample read delay"
+        "--sample-delay-ms", type=milliseconds, default=0.0, help="synthetic per-sample read delay"
     )
     parser.add_argument("--batch-size", type=positive_int, default=256)
     parser.add_argument("--workers", default="0,2,4", help="comma-separated num_workers sweep")
@@ -102,9 +102,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-type", choices=("process", "thread"), default="process")
     parser.add_argument("--pin-memory", action="store_true")
     parser.add_argument(
-        "--step-ms", type=float, default=0.0, help="simulated step time (0: only the alone run)"
+        "--step-ms",
+        type=milliseconds,
+        default=0.0,
+        help="simulated step time (0: only the alone run)",
     )
-    parser.add_argument("--batches", type=int, default=100, help="measured batches per run")
+    parser.add_argument(
+        "--batches", type=positive_int, default=100, help="measured batches per run"
+    )
     parser.add_argument(
         "--warmup", type=non_negative_int, default=5, help="batches dropped before measuring"
     )

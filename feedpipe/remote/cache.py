@@ -747,9 +747,20 @@ def _mode(path: Path) -> int | None:
 
 
 def _is_version_dir(path: Path) -> bool:
-    """A cache version folder (``cache_dir/<16 hex digits>``), a real directory."""
+    """A cache version folder: ``cache_dir/<16 hex digits>``, a real directory holding the
+    cache's ``.locks`` directory (made with it), or empty (a crash between the two). The name
+    alone is no proof: a user's folder named by a commit hash or run id is not the cache's."""
     mode = _mode(path)
-    return _VERSION.fullmatch(path.name) is not None and mode is not None and stat.S_ISDIR(mode)
+    if _VERSION.fullmatch(path.name) is None or mode is None or not stat.S_ISDIR(mode):
+        return False
+    locks = _mode(path / _LOCKS)
+    if locks is not None:
+        return stat.S_ISDIR(locks)
+    try:
+        with os.scandir(path) as it:
+            return next(it, None) is None
+    except FileNotFoundError:
+        return True  # gone meanwhile
 
 
 def _is_cache_entry(path: Path) -> bool:

@@ -116,6 +116,10 @@ def stage(
         raise ValueError(f"workers must be >= 1, got {workers}")
     url = os.fspath(src)
     dst = os.path.abspath(local_file_path(dst))  # file:///abs: /abs, never ./file:/abs
+    if not _remote.is_remote(url) and os.path.realpath(local_file_path(url)) == os.path.realpath(
+        dst
+    ):  # a restage would remove the source's own index before it copies a file onto itself
+        raise DatasetError(f"{dst}: is the source dataset itself; stage it into another folder")
     fs, root = _remote.resolve(url, _pooled(url, storage_options, workers), deadline_s)
     policy = _remote.RetryPolicy(deadline_s=deadline_s)
     t0 = time.perf_counter()
