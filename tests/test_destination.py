@@ -123,6 +123,18 @@ def test_the_tools_own_previous_output_is_resumed_or_replaced(
     assert (dst / "notes.txt").read_text() == "mine, added later"
 
 
+def test_stage_never_takes_over_a_dataset_it_did_not_write(tmp_path: Path, sources: Path) -> None:
+    """A dataset that convert (or a user) wrote holds no stage marker and no stage lock: stage
+    refuses it by name rather than replacing its shards, even when it is a copy of the source."""
+    dst = tmp_path / "dst"
+    _run_convert(sources, dst)
+    before = {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()}
+    with pytest.raises(DatasetError, match=r"index\.json"):
+        _run_stage(sources, dst)
+    assert {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()} == before
+    assert not owns(dst, "stage")
+
+
 def test_a_restage_of_fewer_shards_after_an_interrupted_one_resumes(tmp_path: Path) -> None:
     """v1 (3 shards) staged; a stage of v2 (2 shards) removed the index and was killed: v1's
     third shard is listed nowhere now, but in stage's marked folder it is stage's own."""

@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from feedpipe.datasets.destination import claim_dataset_folder, dataset_entries
@@ -227,7 +228,8 @@ def _claim(dst: str, entries: list[FileEntry], *, adopt: bool = True) -> None:
     it may hold only a dataset's own files (the source's, or those of the feedpipe index
     there), stage's temps and lock, and stage's marker; anything else (a user's own
     ``index.json``, their files, a symlink) is refused by name before anything is written.
-    ``adopt=False`` checks only. In a folder stage has marked, shard files of an older version
+    An unmarked folder counts as stage's earlier output only when it holds stage's lock file;
+    any other dataset there (one ``convert`` wrote) is refused. ``adopt=False`` checks only. In a folder stage has marked, shard files of an older version
     whose index an interrupted restage removed are stage's too (named as feedpipe writes them).
     A ``dst`` that is a symlink to a folder stages into that folder, as before."""
     real = os.path.realpath(dst)
@@ -242,7 +244,16 @@ def _claim(dst: str, entries: list[FileEntry], *, adopt: bool = True) -> None:
     def also(name: str) -> bool:
         return name == lock or _remote.is_temp(name) or (marked and is_writer_file(name))
 
-    ours = dataset_entries(real, [e.relpath for e in entries], also=also)
+    # an unmarked folder is stage's earlier output only if an earlier stage left its lock file
+    # there (every version did); a dataset that convert or a user wrote is not stage's to replace
+    earlier = marked or os.path.lexists(os.path.join(real, lock))
+    if earlier:
+        ours = dataset_entries(real, [e.relpath for e in entries], also=also)
+    else:
+
+        def ours(path: Path) -> bool:
+            return also(path.name)
+
     claim_dataset_folder(real, "stage", ours, adopt=adopt)
 
 
