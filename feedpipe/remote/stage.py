@@ -229,8 +229,9 @@ def _claim(dst: str, entries: list[FileEntry], *, adopt: bool = True) -> None:
     there), stage's temps and lock, and stage's marker; anything else (a user's own
     ``index.json``, their files, a symlink) is refused by name before anything is written.
     An unmarked folder counts as stage's earlier output only when it holds stage's lock file;
-    any other dataset there (one ``convert`` wrote) is refused. ``adopt=False`` checks only. In a folder stage has marked, shard files of an older version
-    whose index an interrupted restage removed are stage's too (named as feedpipe writes them).
+    any other dataset there (one ``convert`` wrote) is refused. ``adopt=False`` checks only.
+    In a folder stage has marked, shard files of an older version whose index an interrupted
+    restage removed are stage's too (named as feedpipe writes them).
     A ``dst`` that is a symlink to a folder stages into that folder, as before."""
     real = os.path.realpath(dst)
     lock = os.path.basename(_lock_path(dst))
