@@ -225,11 +225,19 @@ def list_remote(fs: Any, root: str) -> dict[int, RemoteListing]:
 
 
 def read_status(directory: str | os.PathLike[str]) -> dict[int, dict]:
-    """The upload status mirrored in ``DIR/upload-status.json`` (empty if none)."""
+    """The upload status mirrored in ``DIR/upload-status.json`` (empty if none). Only a regular
+    file is read (never a symlink; a FIFO never blocks); what is not ckpt's status (not JSON,
+    nested too deeply, a step's entry that is not an object) reads as no upload finished."""
+    path = Path(directory) / STATUS_FILE
     try:
-        doc = json.loads((Path(directory) / STATUS_FILE).read_text())
-        return {int(k): v for k, v in doc.get("steps", {}).items()}
-    except (FileNotFoundError, ValueError, AttributeError):
+        fd = fmt.open_regular(path)
+    except (OSError, CheckpointError):
+        return {}
+    try:
+        with os.fdopen(fd, "rb") as f:
+            doc = json.loads(f.read())
+        return {int(k): v for k, v in doc.get("steps", {}).items() if isinstance(v, dict)}
+    except (OSError, ValueError, RecursionError, AttributeError, TypeError):
         return {}
 
 

@@ -140,3 +140,32 @@ def test_ls_of_an_unreachable_or_missing_root_fails_naming_it(
     err = capsys.readouterr().err
     assert named.format(tmp=tmp_path) in err and "SECRET" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    ("command", "status"), [("ls", "fifo"), ("gc", "fifo"), ("gc", '{"steps": {"1": "done"}}')]
+)
+def test_a_hostile_upload_status_mirror_neither_hangs_nor_crashes(
+    tmp_path: Path, capsys: pytest.CaptureFixture, command: str, status: str
+) -> None:
+    """``upload-status.json`` as a FIFO hung ``ckpt ls`` and ``ckpt gc`` in ``open``; valid JSON
+    whose step entry is not an object was an ``AttributeError`` traceback. Both now read as "no
+    upload finished": gc keeps every step the remote guard would keep."""
+    import json
+    import os
+
+    with CheckpointManager(tmp_path, keep_last=1) as m:
+        m.evict_guards.append(lambda step: False)
+        for step in (1, 2, 3):
+            m.save(step, {"w": torch.ones(4) * step}).result(30)
+    target = tmp_path / "upload-status.json"
+    if status == "fifo":
+        os.mkfifo(target)
+    else:
+        json.loads(status)
+        target.write_text(status)
+    assert cli.main([command, str(tmp_path)]) == 0
+    if command == "gc":
+        assert "kept step 1 (upload not finished)" in capsys.readouterr().out
+    assert _steps(tmp_path) == [1, 2, 3]

@@ -317,3 +317,20 @@ def test_an_upload_never_overwrites_another_tool_s_remote_step(tmp_path: Path) -
         _save(m, 1)
         m.wait(uploads=True)
     assert fs.cat_file(f"{url}/step-1/manifest.json") == theirs
+
+
+@pytest.mark.parametrize("name", ["retention.json", "upload-status.json", ".ckpt-owner.json"])
+def test_json_nested_too_deeply_under_a_ckpt_name_is_refused_by_name(
+    tmp_path: Path, name: str
+) -> None:
+    """A JSON file nested past the parser's recursion limit under one of ckpt's names was a
+    ``RecursionError`` traceback from every claim, ``ckpt ls``/``gc`` and ``foreign``; it is
+    another tool's file (or a malformed marker), named."""
+    (tmp_path / name).write_text("[" * 100_000 + "]" * 100_000)
+    if name.startswith(".ckpt"):
+        with pytest.raises(ValueError, match=r"\.ckpt-owner\.json: .*nested too deeply"):
+            _owner.owned(tmp_path)
+        return
+    assert _owner.foreign(tmp_path) == [name]
+    with pytest.raises(FileExistsError, match=name.replace(".", r"\.")):
+        _owner.claim_root(tmp_path)
