@@ -79,7 +79,7 @@ class RestorePlan:
     direct: dict[int, torch.Tensor] = field(default_factory=dict)  # entry -> tensor of into
     copies: list[_Copy] = field(default_factory=list)
     loads: list[tuple[Any, dict[str, Any], str]] = field(default_factory=list)
-    modules: list[tuple[torch.nn.Module, dict[str, Any]]] = field(default_factory=list)
+    modules: list[tuple[torch.nn.Module, dict[str, Any], str]] = field(default_factory=list)
     sets: list[tuple[Any, Any, dict[str, Any]]] = field(default_factory=list)
     rng: dict[str, Any] | None = None
     missing: list[str] = field(default_factory=list)
@@ -147,8 +147,15 @@ class RestorePlan:
                     np.copyto(c.target, value, casting="same_kind")
                 elif value is not c.target:
                     c.target.copy_(value)
-        for module, node in self.modules:
-            module.load_state_dict(unflatten(node, arrays), strict=False)
+        for module, node, where in self.modules:
+            try:  # a module's own set_extra_state or load hooks may still refuse
+                module.load_state_dict(unflatten(node, arrays), strict=False)
+            except Exception as exc:
+                raise CheckpointError(
+                    f"{self.path}: {where}: the {type(module).__name__} refused its saved state "
+                    f"({type(exc).__name__}: {exc}); the restore is incomplete: tensors and "
+                    "modules before it were already written"
+                ) from exc
         for container, key, node in self.sets:
             container[key] = unflatten(node, arrays)
         if self.rng is not None:
@@ -238,7 +245,7 @@ class _Walk:
                 if v["t"] != "tensor":
                     self.plan.fail(f"{where}[{k!r}]", f"cannot load a saved {v['t']} into a tensor")
                 self.check(v, t, f"{where}[{k!r}]")
-        self.plan.modules.append((target, node))
+        self.plan.modules.append((target, node, where))
 
     def copy(self, node: dict[str, Any], target: Any, where: str) -> None:
         self.check(node, target, where)
