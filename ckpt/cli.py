@@ -214,6 +214,7 @@ def _gc(root: Path, given: Policy | object | None, dry_run: bool) -> int:
             is_restorable=is_restorable,
             may_evict=may_evict,
             metrics=metrics,
+            latest=_commit.read_latest(root),
         )
         for step, reason in sorted(decision.keep.items()):
             detail = f": {why_bad[step]}" if step in why_bad else ""

@@ -169,3 +169,20 @@ def test_a_hostile_upload_status_mirror_neither_hangs_nor_crashes(
     if command == "gc":
         assert "kept step 1 (upload not finished)" in capsys.readouterr().out
     assert _steps(tmp_path) == [1, 2, 3]
+
+
+def test_retention_never_deletes_the_step_latest_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Resuming from an earlier step (a loss spike) and saving step 5 after step 20 with
+    ``keep_last=1``: retention deleted step 5 right after its commit (the handle said it was
+    saved), leaving ``latest`` naming a step that no longer existed. The step ``latest`` names is
+    kept, by the manager and by ``ckpt gc``."""
+    with CheckpointManager(tmp_path, keep_last=1) as m:
+        for step in (10, 20, 5):
+            m.save(step, {"w": torch.ones(3) * step}).result(30)
+    assert (tmp_path / "latest").read_text() == "step-5\n"
+    assert _steps(tmp_path) == [5, 20]
+    assert cli.main(["gc", str(tmp_path)]) == 0
+    assert "kept step 5 (named by latest" in capsys.readouterr().out
+    assert _steps(tmp_path) == [5, 20]
