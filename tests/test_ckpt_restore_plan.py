@@ -232,14 +232,23 @@ def test_a_nested_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
 
 def test_metrics_take_numpy_scalars_and_0_dim_tensors(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, keep_last=None) as m:
-        metrics = {"loss": np.float32(0.5), "n": np.int64(3), "acc": torch.tensor(0.25)}
+        metrics = {
+            "loss": np.float32(0.5),
+            "n": np.int64(3),
+            "acc": torch.tensor(0.25),
+            "ld": np.longdouble(1.5),  # was refused: its item() is a longdouble
+            "bf": torch.tensor(0.5, dtype=torch.bfloat16),
+            "h": np.float16(2.0),
+        }
         m.save(1, {"w": torch.ones(1)}, metrics=metrics).result()
-        assert m.metrics(1) == {"loss": 0.5, "n": 3, "acc": 0.25}
+        assert m.metrics(1) == {"loss": 0.5, "n": 3, "acc": 0.25, "ld": 1.5, "bf": 0.5, "h": 2.0}
         bads: list[tuple[dict[str, Any], str]] = [
             ({"loss": np.float32("nan")}, "finite number"),
             ({"loss": torch.tensor(float("inf"))}, "finite number"),
             ({"loss": torch.ones(2)}, "finite number"),
             ({"loss": "low"}, "finite number"),
+            ({"loss": torch.tensor(1.0, device="meta")}, "finite number"),  # was a RuntimeError
+            ({"loss": np.bool_(True)}, "finite number"),
         ]
         for bad, why in bads:
             with pytest.raises(ValueError, match=rf"metrics\['loss'\]: expected a {why}"):
