@@ -180,7 +180,8 @@ def _gc(root: Path, given: Policy | object | None, dry_run: bool) -> int:
     if not dry_run:
         _owner.claim_root(root)
     lock = _commit.WriterLock(root)
-    lock.acquire()
+    if not dry_run or os.path.lexists(root / _layout.LOCK):  # a dry run creates no file
+        lock.acquire()
     try:
         if dry_run:
             for path in _commit.leftovers(root):

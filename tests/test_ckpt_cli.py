@@ -186,3 +186,12 @@ def test_retention_never_deletes_the_step_latest_names(
     assert cli.main(["gc", str(tmp_path)]) == 0
     assert "kept step 5 (named by latest" in capsys.readouterr().out
     assert _steps(tmp_path) == [5, 20]
+
+
+def test_gc_dry_run_writes_nothing_into_a_directory(tmp_path: Path) -> None:
+    """``ckpt gc --dry-run`` on a directory that ckpt never claimed created ``.lock`` in it."""
+    import os
+
+    (tmp_path / "step-1.tmp-1-abcdef12").mkdir()  # a leftover's name: ckpt's, nothing to lose
+    assert cli.main(["gc", str(tmp_path), "--keep-last", "1", "--dry-run"]) == 0
+    assert os.listdir(tmp_path) == ["step-1.tmp-1-abcdef12"]
