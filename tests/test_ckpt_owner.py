@@ -334,3 +334,22 @@ def test_json_nested_too_deeply_under_a_ckpt_name_is_refused_by_name(
     assert _owner.foreign(tmp_path) == [name]
     with pytest.raises(FileExistsError, match=name.replace(".", r"\.")):
         _owner.claim_root(tmp_path)
+
+
+def test_ckpt_save_never_replaces_a_user_folder_of_a_data_bin(tmp_path: Path) -> None:
+    """``ckpt.save(PATH)`` replaced a folder holding only the user's ``data.bin`` (a data file's
+    name, no manifest): ckpt.save never leaves PATH without its manifest, so that folder is not
+    ckpt's. An empty folder and an earlier checkpoint are still replaced."""
+    from ckpt.errors import CheckpointError
+
+    theirs = tmp_path / "weights"
+    theirs.mkdir()
+    (theirs / "data.bin").write_bytes(b"the user's weights")
+    with pytest.raises(CheckpointError, match=r"weights: exists and is not a checkpoint"):
+        ckpt.save(theirs, {"w": torch.ones(2)})
+    assert os.listdir(theirs) == ["data.bin"]
+    assert (theirs / "data.bin").read_bytes() == b"the user's weights"
+    (tmp_path / "empty").mkdir()
+    for _ in range(2):  # an empty folder, then the checkpoint written there
+        ckpt.save(tmp_path / "empty", {"w": torch.ones(2)})
+    assert torch.equal(ckpt.load(tmp_path / "empty")["w"], torch.ones(2))
