@@ -168,8 +168,12 @@ def _gc(root: Path, given: Policy | object | None, dry_run: bool) -> int:
     from ckpt.remote import STATUS_FILE, read_status
     from feedpipe.io.ownership import ForeignEntriesError
 
+    try:
+        owned = _owner.owned(root)
+    except ValueError as exc:  # a malformed marker (a directory, a FIFO, another tool's JSON)
+        raise CheckpointError(str(exc)) from None
     foreign = _owner.foreign(root)
-    if foreign and not _owner.owned(root):
+    if foreign and not owned:
         for name in foreign:
             print(f"{'would refuse' if dry_run else 'refused'}: {name} (not written by ckpt)")
         raise ForeignEntriesError(root, _owner.TOOL, foreign)

@@ -195,3 +195,18 @@ def test_gc_dry_run_writes_nothing_into_a_directory(tmp_path: Path) -> None:
     (tmp_path / "step-1.tmp-1-abcdef12").mkdir()  # a leftover's name: ckpt's, nothing to lose
     assert cli.main(["gc", str(tmp_path), "--keep-last", "1", "--dry-run"]) == 0
     assert os.listdir(tmp_path) == ["step-1.tmp-1-abcdef12"]
+
+
+def test_gc_of_a_malformed_marker_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A ``.ckpt-owner.json`` that is a directory or another tool's JSON was a ``ValueError``
+    traceback out of ``ckpt gc``; it is an error line naming the marker, and nothing is
+    deleted."""
+    _populate(tmp_path)
+    marker = tmp_path / ".ckpt-owner.json"
+    marker.unlink()
+    marker.mkdir()
+    assert cli.main(["gc", str(tmp_path), "--keep-last", "1"]) == 1
+    assert ".ckpt-owner.json: the ownership marker is not a regular file" in capsys.readouterr().err
+    assert _steps(tmp_path) == [10, 20, 30]
