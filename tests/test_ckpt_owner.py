@@ -353,3 +353,27 @@ def test_ckpt_save_never_replaces_a_user_folder_of_a_data_bin(tmp_path: Path) ->
     for _ in range(2):  # an empty folder, then the checkpoint written there
         ckpt.save(tmp_path / "empty", {"w": torch.ones(2)})
     assert torch.equal(ckpt.load(tmp_path / "empty")["w"], torch.ones(2))
+
+
+def test_the_upload_status_mirror_never_writes_through_a_symlink(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The status mirror's temporary name (pid and thread id: predictable) was opened with
+    ``write_text``, following a symlink planted there and overwriting its target outside."""
+    import uuid
+
+    from ckpt import _layout
+    from ckpt.remote import RemoteOptions
+
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"someone else's file")
+    root = tmp_path / "run"
+    name = ".upload-status.json.tmp-1-1"
+    monkeypatch.setattr(_layout, "status_tmp_name", lambda: name)
+    _owner.claim_root(root)
+    (root / name).symlink_to(outside)  # planted in ckpt's directory: not ckpt's entry
+    with CheckpointManager(root, remote=RemoteOptions(f"memory://{uuid.uuid4().hex}/run")) as m:
+        _save(m, 1)
+        m.wait(uploads=True)
+    assert outside.read_bytes() == b"someone else's file"
+    assert (root / name).is_symlink()  # not ckpt's: left where it is
