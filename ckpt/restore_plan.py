@@ -362,5 +362,14 @@ def _check_rng(state: Any, plan: RestorePlan) -> None:
             np.random.RandomState().set_state(tuple(state["numpy"]))
         if "torch" in state:
             torch.Generator().set_state(torch.as_tensor(state["torch"]).cpu().clone())
+        if "cuda" in state and torch.cuda.is_available():
+            cuda = state["cuda"]
+            if not isinstance(cuda, (list, tuple)):
+                raise TypeError(f"the CUDA states are a {type(cuda).__name__}, not a list")
+            # tried on new generators only where CUDA is up already (set_rng_state's are lazy)
+            devices = torch.cuda.device_count() if torch.cuda.is_initialized() else 0
+            for i, s in enumerate(cuda[:devices]):
+                gen = torch.Generator(device=f"cuda:{i}")
+                gen.set_state(torch.as_tensor(s).cpu().clone())
     except (TypeError, ValueError, RuntimeError) as exc:
         plan.fail(f"state[{RNG_KEY!r}]", f"the saved RNG states cannot be set: {exc}")

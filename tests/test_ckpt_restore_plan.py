@@ -325,3 +325,40 @@ def test_a_module_refusing_its_extra_state_is_named_with_the_step(tmp_path: Path
 def test_a_module_refusing_its_extra_state_leaves_the_other_targets(tmp_path: Path) -> None:
     into, _ = _restore_into_a_newer_module(tmp_path)
     assert torch.equal(into["w"], torch.zeros(3))
+
+
+@pytest.mark.gpu
+def test_gpu_rng_saved_on_more_devices_restores_on_fewer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saved where the process saw more GPUs than at restore (an elastic restart on a smaller
+    node): ``torch.cuda.set_rng_state_all`` raised ``IndexError`` in ``finish``, after every
+    target had been written. A CUDA state that cannot be set is refused before any write."""
+    from ckpt import _flatten, manager
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.zeros(1, device="cuda")  # CUDA is up, as in a training process
+    real = _flatten.rng_state
+
+    def more_devices() -> dict[str, Any]:
+        state = real()
+        state["cuda"] = [*state["cuda"], *state["cuda"]]
+        state["cuda"] += [state["cuda"][0]] * torch.cuda.device_count()
+        return state
+
+    monkeypatch.setattr(manager, "rng_state", more_devices)
+    torch.cuda.manual_seed_all(7)
+    expected = torch.rand(4, device="cuda")
+    torch.cuda.manual_seed_all(7)
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        m.save(1, {"w": torch.ones(2)}, rng=True).result()
+        into = {"w": torch.zeros(2)}
+        m.restore(into=into)
+        assert torch.equal(into["w"], torch.ones(2))
+        assert torch.equal(torch.rand(4, device="cuda"), expected)
+        monkeypatch.setattr(manager, "rng_state", lambda: {**real(), "cuda": [torch.ones(3)]})
+        m.save(2, {"w": torch.full((2,), 2.0)}, rng=True).result()
+        with pytest.raises(CheckpointError, match=r"RNG states cannot be set.*nothing was loaded"):
+            m.restore(into=into)
+        assert torch.equal(into["w"], torch.ones(2))
