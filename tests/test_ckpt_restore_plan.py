@@ -362,3 +362,32 @@ def test_gpu_rng_saved_on_more_devices_restores_on_fewer(
         with pytest.raises(CheckpointError, match=r"RNG states cannot be set.*nothing was loaded"):
             m.restore(into=into)
         assert torch.equal(into["w"], torch.ones(2))
+
+
+def test_rng_saved_on_more_devices_sets_those_the_process_has(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU half of the test above: three saved CUDA states, a process that sees one device
+    (``torch.cuda`` stood in for, raising like ``set_rng_state_all`` past the last device)."""
+    from ckpt import _flatten, manager
+
+    real = _flatten.rng_state
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in range(3)]
+    monkeypatch.setattr(manager, "rng_state", lambda: {**real(), "cuda": states})
+    got: list[list[torch.Tensor]] = []
+
+    def set_all(new: list[torch.Tensor]) -> None:
+        if len(new) > 1:
+            raise IndexError("list index out of range")  # torch.cuda.default_generators[i]
+        got.append(new)
+
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        m.save(1, {"w": torch.ones(2)}, rng=True).result()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_all)
+        into = {"w": torch.zeros(2)}
+        m.restore(into=into)
+    assert torch.equal(into["w"], torch.ones(2))
+    assert len(got) == 1 and len(got[0]) == 1 and torch.equal(got[0][0], states[0])
