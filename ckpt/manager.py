@@ -296,8 +296,7 @@ class CheckpointManager:
         a JSON-able dict and ``metrics`` a dict of finite numbers (``ckpt.format.check_metrics``,
         what ``keep_best`` ranks by), both stored in the manifest. Bad ``metrics`` or
         ``metadata`` raise ``ValueError`` before anything is staged."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        step = _step(step, "save: step")  # should_save's bounds: a NumPy int too, <= 2**53
         if metrics is not None:
             metrics = fmt.check_metrics(metrics)
         if metadata is not None:
