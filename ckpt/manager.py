@@ -296,7 +296,13 @@ class CheckpointManager:
         a JSON-able dict and ``metrics`` a dict of finite numbers (``ckpt.format.check_metrics``,
         what ``keep_best`` ranks by), both stored in the manifest. Bad ``metrics`` or
         ``metadata`` raise ``ValueError`` before anything is staged."""
-        step = _step(step, "save: step")  # should_save's bounds: a NumPy int too, <= 2**53
+        index = _index(step)  # should_save's steps: a NumPy int too, nothing beyond 2**53
+        if index is None or not 0 <= index <= _MAX_STEP:
+            kind = type(step).__name__
+            raise ValueError(
+                f"save: step must be a non-negative int up to 2**53, got {step!r} ({kind})"
+            )
+        step = index
         if metrics is not None:
             metrics = fmt.check_metrics(metrics)
         if metadata is not None:
