@@ -42,6 +42,7 @@ expanded target, or a missing key leaves every target and the global RNG as they
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -180,6 +181,8 @@ class _Walk:
 
     def __init__(self, plan: RestorePlan, body: dict[str, Any]) -> None:
         self.plan, self.body = plan, body
+        self._maps: list[tuple[int, int, bool]] | None = None  # /proc/self/maps, read once
+        self._starts: list[int] = []
 
     def node(self, node: dict[str, Any], target: Any, key: str, where: str) -> None:
         while node["t"] == "state":
@@ -272,6 +275,13 @@ class _Walk:
                 self.plan.fail(where, f"a saved {src_t} cannot be cast safely to {target.dtype}")
             if target.is_inference() or target.device.type == "meta":
                 self.plan.fail(where, "the tensor cannot be written (an inference or meta tensor)")
+            span = _memory(target) if target.device.type == "cpu" else None
+            if span is not None and not self.writable(span[1], span[2]):
+                self.plan.fail(
+                    where,
+                    "its memory is read-only (a tensor over a read-only mmap or a non-writable "
+                    "NumPy array: writing it would crash the process); give a writable tensor",
+                )
             size = 1
         strides = [s // size for s in target.strides] if size > 1 else list(target.stride())
         if _overlapping(list(target.shape), strides):
@@ -280,6 +290,41 @@ class _Walk:
                 "its elements overlap in memory (an expand()-ed or stride-0 view); "
                 "give a tensor or array of its own",
             )
+
+
+    def writable(self, lo: int, hi: int) -> bool:
+        """Whether the host bytes ``[lo, hi)`` lie in writable mappings (``/proc/self/maps``;
+        ``True`` where there is no such file)."""
+        if self._maps is None:
+            self._maps = _host_maps()
+            self._starts = [m[0] for m in self._maps]
+        if not self._maps:
+            return True
+        first = max(0, bisect.bisect_right(self._starts, lo) - 1)
+        for start, end, can_write in self._maps[first:]:  # sorted by start
+            if end <= lo:
+                continue
+            if start > lo or not can_write:
+                return False
+            lo = end
+            if lo >= hi:
+                return True
+        return False
+
+
+def _host_maps() -> list[tuple[int, int, bool]]:
+    """This process's mappings (start, end, writable), from ``/proc/self/maps`` ([] without)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        span, perms = line.split(b" ", 2)[:2]
+        start, end = span.split(b"-")
+        out.append((int(start, 16), int(end, 16), perms[1:2] == b"w"))
+    return sorted(out)
 
 
 def _array_kind(obj: Any) -> str | None:

@@ -391,3 +391,27 @@ def test_rng_saved_on_more_devices_sets_those_the_process_has(
         m.restore(into=into)
     assert torch.equal(into["w"], torch.ones(2))
     assert len(got) == 1 and len(got[0]) == 1 and torch.equal(got[0][0], states[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # direct fill, then copy_
+def test_a_tensor_over_read_only_memory_is_refused_not_a_crash(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """``torch.from_numpy(np.load(..., mmap_mode="r"))`` in ``into`` (torch only warns): the
+    restore wrote into the read-only mapping and the process died of SIGSEGV. The plan refuses
+    it, naming the key, before anything is written."""
+    import warnings
+
+    np.save(tmp_path / "x.npy", np.zeros(4, dtype=np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+        frozen = torch.from_numpy(np.load(tmp_path / "x.npy", mmap_mode="r"))
+    with CheckpointManager(tmp_path / "ck", keep_last=None) as m:
+        m.save(1, {"w": torch.ones(4, dtype=dtype), "z": torch.ones(2)}).result()
+        into = {"w": frozen, "z": torch.zeros(2)}
+        with pytest.raises(CheckpointError, match=r"\['w'\]: its memory is read-only"):
+            m.restore(into=into)
+        assert torch.equal(into["z"], torch.zeros(2))
+        into["w"] = frozen.clone()  # a tensor of its own: restores
+        m.restore(into=into)
+    assert torch.equal(into["w"], torch.ones(4)) and torch.equal(into["z"], torch.ones(2))
