@@ -353,4 +353,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     if "torch" in state:
         torch.set_rng_state(torch.as_tensor(state["torch"]).cpu().clone())  # a view segfaults
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.as_tensor(s).cpu().clone() for s in state["cuda"]])
+        # one state per device saved; a process that sees fewer devices (restored on a smaller
+        # node) sets those it has: set_rng_state_all raised IndexError past the last one
+        saved = list(state["cuda"])[: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all([torch.as_tensor(s).cpu().clone() for s in saved])

@@ -139,7 +139,7 @@ def _is_json_of(path: Path, check: str) -> bool:
         return False
     try:
         doc = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deeply (not ckpt's)
         return False
     if not isinstance(doc, dict):
         return False

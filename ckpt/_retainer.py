@@ -65,6 +65,7 @@ class Retainer:
                 is_restorable=self.is_restorable,
                 may_evict=lambda s: all(guard(s) for guard in self.evict_guards),
                 metrics=self.step_metrics,
+                latest=_commit.read_latest(self.directory),
             )
             for step in decision.delete:
                 if _commit.evict(self.directory, step):

@@ -2,7 +2,10 @@
 
 ``plan`` applies a ``ckpt.policy`` object (``KeepLast``, ``KeepEvery``, ``KeepBest``, or any
 ``AnyOf`` of them) to the committed steps. Only restorable steps count (the policies'
-rules are in ``ckpt.policy``); the newest restorable step is kept whatever the policy. A step no
+rules are in ``ckpt.policy``); the newest restorable step is kept whatever the
+policy, and so is the step ``latest`` names (the last one saved, which is not the newest after
+a save of a lower step, e.g. resuming from an earlier step after a loss spike: it was deleted
+right after its commit, leaving ``latest`` dangling). A step no
 policy keeps is deleted only if every guard allows it (the upload guard: never delete a local
 step whose upload has not finished). With no policy (``None``) nothing is deleted.
 
@@ -52,11 +55,13 @@ def plan(
     is_restorable: Callable[[int], bool],
     may_evict: Callable[[int], bool],
     metrics: Callable[[int], Mapping[str, float]] | None = None,
+    latest: int | None = None,
 ) -> Plan:
     """Decide which of the committed ``steps`` to keep and which to delete (module docstring).
 
     ``is_restorable`` is asked only about steps a policy would keep; ``metrics`` (a step's saved
     metrics) only by ``KeepBest``; ``may_evict`` about each step that would be deleted.
+    ``latest``: the step the directory's ``latest`` names (kept).
     """
     out = Plan()
     if policy is None:
@@ -64,6 +69,8 @@ def plan(
         return out
     view = StepView(steps, is_restorable, metrics)
     out.keep = AnyOf(policy, KeepLast(1)).select(view)
+    if latest is not None and latest in view.newest_first and latest not in out.keep:
+        out.keep[latest] = "named by latest (the last step saved)"
     for step in view.newest_first:
         if step in out.keep:
             continue

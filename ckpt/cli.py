@@ -168,8 +168,12 @@ def _gc(root: Path, given: Policy | object | None, dry_run: bool) -> int:
     from ckpt.remote import STATUS_FILE, read_status
     from feedpipe.io.ownership import ForeignEntriesError
 
+    try:
+        owned = _owner.owned(root)
+    except ValueError as exc:  # a malformed marker (a directory, a FIFO, another tool's JSON)
+        raise CheckpointError(str(exc)) from None
     foreign = _owner.foreign(root)
-    if foreign and not _owner.owned(root):
+    if foreign and not owned:
         for name in foreign:
             print(f"{'would refuse' if dry_run else 'refused'}: {name} (not written by ckpt)")
         raise ForeignEntriesError(root, _owner.TOOL, foreign)
@@ -180,7 +184,8 @@ def _gc(root: Path, given: Policy | object | None, dry_run: bool) -> int:
     if not dry_run:
         _owner.claim_root(root)
     lock = _commit.WriterLock(root)
-    lock.acquire()
+    if not dry_run or os.path.lexists(root / _layout.LOCK):  # a dry run creates no file
+        lock.acquire()
     try:
         if dry_run:
             for path in _commit.leftovers(root):
@@ -214,6 +219,7 @@ def _gc(root: Path, given: Policy | object | None, dry_run: bool) -> int:
             is_restorable=is_restorable,
             may_evict=may_evict,
             metrics=metrics,
+            latest=_commit.read_latest(root),
         )
         for step, reason in sorted(decision.keep.items()):
             detail = f": {why_bad[step]}" if step in why_bad else ""

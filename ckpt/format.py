@@ -279,12 +279,15 @@ def check_metrics(metrics: Any) -> dict:
 def _number(value: Any) -> Any:
     """A NumPy integer or float scalar, or a 0-dim integer or float tensor, as a Python number
     (anything else unchanged, for ``_metrics_problem`` to judge)."""
-    if isinstance(value, (np.integer, np.floating)):
-        return value.item()
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):  # float(): a longdouble's item() stays a longdouble
+        return float(value)
     if (
         isinstance(value, torch.Tensor)
         and value.dim() == 0
         and not (value.dtype == torch.bool or value.is_complex())
+        and value.device.type != "meta"  # no value to read: refused as not a number
     ):
         return value.item()
     return value

@@ -296,8 +296,13 @@ class CheckpointManager:
         a JSON-able dict and ``metrics`` a dict of finite numbers (``ckpt.format.check_metrics``,
         what ``keep_best`` ranks by), both stored in the manifest. Bad ``metrics`` or
         ``metadata`` raise ``ValueError`` before anything is staged."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        index = _index(step)  # should_save's steps: a NumPy int too, nothing beyond 2**53
+        if index is None or not 0 <= index <= _MAX_STEP:
+            kind = type(step).__name__
+            raise ValueError(
+                f"save: step must be a non-negative int up to 2**53, got {step!r} ({kind})"
+            )
+        step = index
         if metrics is not None:
             metrics = fmt.check_metrics(metrics)
         if metadata is not None:

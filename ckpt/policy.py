@@ -20,7 +20,8 @@ The rules every policy follows:
   tie the newer step wins. **A step without that metric is not ranked**: ``KeepBest`` never keeps
   it, and the other policies decide its fate.
 - Whatever the policy, ``ckpt._retention.plan`` also keeps the newest restorable step, so a
-  policy can never delete the last good checkpoint.
+  policy can never delete the last good checkpoint, and locally the step ``latest`` names (the
+  last one saved, even when a lower step was saved after a higher one).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import itertools
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -225,11 +226,19 @@ def list_remote(fs: Any, root: str) -> dict[int, RemoteListing]:
 
 
 def read_status(directory: str | os.PathLike[str]) -> dict[int, dict]:
-    """The upload status mirrored in ``DIR/upload-status.json`` (empty if none)."""
+    """The upload status mirrored in ``DIR/upload-status.json`` (empty if none). Only a regular
+    file is read (never a symlink; a FIFO never blocks); what is not ckpt's status (not JSON,
+    nested too deeply, a step's entry that is not an object) reads as no upload finished."""
+    path = Path(directory) / STATUS_FILE
     try:
-        doc = json.loads((Path(directory) / STATUS_FILE).read_text())
-        return {int(k): v for k, v in doc.get("steps", {}).items()}
-    except (FileNotFoundError, ValueError, AttributeError):
+        fd = fmt.open_regular(path)
+    except (OSError, CheckpointError):
+        return {}
+    try:
+        with os.fdopen(fd, "rb") as f:
+            doc = json.loads(f.read())
+        return {int(k): v for k, v in doc.get("steps", {}).items() if isinstance(v, dict)}
+    except (OSError, ValueError, RecursionError, AttributeError, TypeError):
         return {}
 
 
@@ -812,9 +821,26 @@ class RemoteTier:
         except ValueError:  # a malformed marker: the writer refuses it (ckpt._owner)
             return
         tmp = self.directory / _layout.status_tmp_name()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:  # never through a symlink planted under the temp's name, never blocked by a FIFO
+            fd = os.open(tmp, flags, 0o644)
+        except OSError as exc:
+            log.warning("ckpt: cannot write %s (leaving %s alone): %s", target, tmp, exc)
+            return
         try:
-            tmp.write_text(json.dumps(doc))
-            os.replace(tmp, self.directory / STATUS_FILE)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                log.warning("ckpt: cannot write %s: %s is not a regular file", target, tmp)
+                return
+            with os.fdopen(os.dup(fd), "w") as f:
+                f.write(json.dumps(doc))
         except OSError as exc:  # the status mirror is informational; never fail an upload for it
-            log.warning("ckpt: cannot write %s: %s", self.directory / STATUS_FILE, exc)
+            log.warning("ckpt: cannot write %s: %s", target, exc)
+            _commit.remove_path(tmp)
+            return
+        finally:
+            os.close(fd)
+        try:
+            os.replace(tmp, target)
+        except OSError as exc:
+            log.warning("ckpt: cannot write %s: %s", target, exc)
             _commit.remove_path(tmp)

@@ -42,6 +42,7 @@ expanded target, or a missing key leaves every target and the global RNG as they
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -79,7 +80,7 @@ class RestorePlan:
     direct: dict[int, torch.Tensor] = field(default_factory=dict)  # entry -> tensor of into
     copies: list[_Copy] = field(default_factory=list)
     loads: list[tuple[Any, dict[str, Any], str]] = field(default_factory=list)
-    modules: list[tuple[torch.nn.Module, dict[str, Any]]] = field(default_factory=list)
+    modules: list[tuple[torch.nn.Module, dict[str, Any], str]] = field(default_factory=list)
     sets: list[tuple[Any, Any, dict[str, Any]]] = field(default_factory=list)
     rng: dict[str, Any] | None = None
     missing: list[str] = field(default_factory=list)
@@ -147,8 +148,15 @@ class RestorePlan:
                     np.copyto(c.target, value, casting="same_kind")
                 elif value is not c.target:
                     c.target.copy_(value)
-        for module, node in self.modules:
-            module.load_state_dict(unflatten(node, arrays), strict=False)
+        for module, node, where in self.modules:
+            try:  # a module's own set_extra_state or load hooks may still refuse
+                module.load_state_dict(unflatten(node, arrays), strict=False)
+            except Exception as exc:
+                raise CheckpointError(
+                    f"{self.path}: {where}: the {type(module).__name__} refused its saved state "
+                    f"({type(exc).__name__}: {exc}); the restore is incomplete: tensors and "
+                    "modules before it were already written"
+                ) from exc
         for container, key, node in self.sets:
             container[key] = unflatten(node, arrays)
         if self.rng is not None:
@@ -173,6 +181,8 @@ class _Walk:
 
     def __init__(self, plan: RestorePlan, body: dict[str, Any]) -> None:
         self.plan, self.body = plan, body
+        self._maps: list[tuple[int, int, bool]] | None = None  # /proc/self/maps, read once
+        self._starts: list[int] = []
 
     def node(self, node: dict[str, Any], target: Any, key: str, where: str) -> None:
         while node["t"] == "state":
@@ -238,7 +248,7 @@ class _Walk:
                 if v["t"] != "tensor":
                     self.plan.fail(f"{where}[{k!r}]", f"cannot load a saved {v['t']} into a tensor")
                 self.check(v, t, f"{where}[{k!r}]")
-        self.plan.modules.append((target, node))
+        self.plan.modules.append((target, node, where))
 
     def copy(self, node: dict[str, Any], target: Any, where: str) -> None:
         self.check(node, target, where)
@@ -265,6 +275,13 @@ class _Walk:
                 self.plan.fail(where, f"a saved {src_t} cannot be cast safely to {target.dtype}")
             if target.is_inference() or target.device.type == "meta":
                 self.plan.fail(where, "the tensor cannot be written (an inference or meta tensor)")
+            span = _memory(target) if target.device.type == "cpu" else None
+            if span is not None and not self.writable(span[1], span[2]):
+                self.plan.fail(
+                    where,
+                    "its memory is read-only (a tensor over a read-only mmap or a non-writable "
+                    "NumPy array: writing it would crash the process); give a writable tensor",
+                )
             size = 1
         strides = [s // size for s in target.strides] if size > 1 else list(target.stride())
         if _overlapping(list(target.shape), strides):
@@ -273,6 +290,41 @@ class _Walk:
                 "its elements overlap in memory (an expand()-ed or stride-0 view); "
                 "give a tensor or array of its own",
             )
+
+
+    def writable(self, lo: int, hi: int) -> bool:
+        """Whether the host bytes ``[lo, hi)`` lie in writable mappings (``/proc/self/maps``;
+        ``True`` where there is no such file)."""
+        if self._maps is None:
+            self._maps = _host_maps()
+            self._starts = [m[0] for m in self._maps]
+        if not self._maps:
+            return True
+        first = max(0, bisect.bisect_right(self._starts, lo) - 1)
+        for start, end, can_write in self._maps[first:]:  # sorted by start
+            if end <= lo:
+                continue
+            if start > lo or not can_write:
+                return False
+            lo = end
+            if lo >= hi:
+                return True
+        return False
+
+
+def _host_maps() -> list[tuple[int, int, bool]]:
+    """This process's mappings (start, end, writable), from ``/proc/self/maps`` ([] without)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        span, perms = line.split(b" ", 2)[:2]
+        start, end = span.split(b"-")
+        out.append((int(start, 16), int(end, 16), perms[1:2] == b"w"))
+    return sorted(out)
 
 
 def _array_kind(obj: Any) -> str | None:
@@ -355,5 +407,14 @@ def _check_rng(state: Any, plan: RestorePlan) -> None:
             np.random.RandomState().set_state(tuple(state["numpy"]))
         if "torch" in state:
             torch.Generator().set_state(torch.as_tensor(state["torch"]).cpu().clone())
+        if "cuda" in state and torch.cuda.is_available():
+            cuda = state["cuda"]
+            if not isinstance(cuda, (list, tuple)):
+                raise TypeError(f"the CUDA states are a {type(cuda).__name__}, not a list")
+            # tried on new generators only where CUDA is up already (set_rng_state's are lazy)
+            devices = torch.cuda.device_count() if torch.cuda.is_initialized() else 0
+            for i, s in enumerate(cuda[:devices]):
+                gen = torch.Generator(device=f"cuda:{i}")
+                gen.set_state(torch.as_tensor(s).cpu().clone())
     except (TypeError, ValueError, RuntimeError) as exc:
         plan.fail(f"state[{RNG_KEY!r}]", f"the saved RNG states cannot be set: {exc}")

@@ -58,7 +58,11 @@ def _check_replaceable(path: Path) -> None:
     """Refuse to replace anything at ``path`` but a checkpoint or an empty directory."""
     if os.path.islink(path):
         raise CheckpointError(f"{path}: is a symlink; ckpt.save never replaces one")
-    if not os.path.lexists(path) or _owner.is_ckpt_dir(path):
+    if not os.path.lexists(path):
+        return
+    if _owner.is_ckpt_dir(path) and (_commit.is_complete(path) or not os.listdir(path)):
+        # a ckpt.save never leaves PATH holding data files without a manifest (it is complete
+        # at every instant): such a directory (a user's data.bin) is not ckpt's to replace
         return
     raise CheckpointError(
         f"{path}: exists and is not a checkpoint directory that ckpt wrote; ckpt.save replaces "

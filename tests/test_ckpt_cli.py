@@ -151,3 +151,73 @@ def test_verify_step_that_means_nothing_is_an_argparse_error(
         cli.main(["verify", str(tmp_path), "--step", step])
     assert info.value.code == 2
     assert "argument --step: " in capsys.readouterr().err
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    ("command", "status"), [("ls", "fifo"), ("gc", "fifo"), ("gc", '{"steps": {"1": "done"}}')]
+)
+def test_a_hostile_upload_status_mirror_neither_hangs_nor_crashes(
+    tmp_path: Path, capsys: pytest.CaptureFixture, command: str, status: str
+) -> None:
+    """``upload-status.json`` as a FIFO hung ``ckpt ls`` and ``ckpt gc`` in ``open``; valid JSON
+    whose step entry is not an object was an ``AttributeError`` traceback. Both now read as "no
+    upload finished": gc keeps every step the remote guard would keep."""
+    import json
+    import os
+
+    with CheckpointManager(tmp_path, keep_last=1) as m:
+        m.evict_guards.append(lambda step: False)
+        for step in (1, 2, 3):
+            m.save(step, {"w": torch.ones(4) * step}).result(30)
+    target = tmp_path / "upload-status.json"
+    if status == "fifo":
+        os.mkfifo(target)
+    else:
+        json.loads(status)
+        target.write_text(status)
+    assert cli.main([command, str(tmp_path)]) == 0
+    if command == "gc":
+        assert "kept step 1 (upload not finished)" in capsys.readouterr().out
+    assert _steps(tmp_path) == [1, 2, 3]
+
+
+def test_retention_never_deletes_the_step_latest_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Resuming from an earlier step (a loss spike) and saving step 5 after step 20 with
+    ``keep_last=1``: retention deleted step 5 right after its commit (the handle said it was
+    saved), leaving ``latest`` naming a step that no longer existed. The step ``latest`` names is
+    kept, by the manager and by ``ckpt gc``."""
+    with CheckpointManager(tmp_path, keep_last=1) as m:
+        for step in (10, 20, 5):
+            m.save(step, {"w": torch.ones(3) * step}).result(30)
+    assert (tmp_path / "latest").read_text() == "step-5\n"
+    assert _steps(tmp_path) == [5, 20]
+    assert cli.main(["gc", str(tmp_path)]) == 0
+    assert "kept step 5 (named by latest" in capsys.readouterr().out
+    assert _steps(tmp_path) == [5, 20]
+
+
+def test_gc_dry_run_writes_nothing_into_a_directory(tmp_path: Path) -> None:
+    """``ckpt gc --dry-run`` on a directory that ckpt never claimed created ``.lock`` in it."""
+    import os
+
+    (tmp_path / "step-1.tmp-1-abcdef12").mkdir()  # a leftover's name: ckpt's, nothing to lose
+    assert cli.main(["gc", str(tmp_path), "--keep-last", "1", "--dry-run"]) == 0
+    assert os.listdir(tmp_path) == ["step-1.tmp-1-abcdef12"]
+
+
+def test_gc_of_a_malformed_marker_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A ``.ckpt-owner.json`` that is a directory or another tool's JSON was a ``ValueError``
+    traceback out of ``ckpt gc``; it is an error line naming the marker, and nothing is
+    deleted."""
+    _populate(tmp_path)
+    marker = tmp_path / ".ckpt-owner.json"
+    marker.unlink()
+    marker.mkdir()
+    assert cli.main(["gc", str(tmp_path), "--keep-last", "1"]) == 1
+    assert ".ckpt-owner.json: the ownership marker is not a regular file" in capsys.readouterr().err
+    assert _steps(tmp_path) == [10, 20, 30]

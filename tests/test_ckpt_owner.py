@@ -317,3 +317,63 @@ def test_an_upload_never_overwrites_another_tool_s_remote_step(tmp_path: Path) -
         _save(m, 1)
         m.wait(uploads=True)
     assert fs.cat_file(f"{url}/step-1/manifest.json") == theirs
+
+
+@pytest.mark.parametrize("name", ["retention.json", "upload-status.json", ".ckpt-owner.json"])
+def test_json_nested_too_deeply_under_a_ckpt_name_is_refused_by_name(
+    tmp_path: Path, name: str
+) -> None:
+    """A JSON file nested past the parser's recursion limit under one of ckpt's names was a
+    ``RecursionError`` traceback from every claim, ``ckpt ls``/``gc`` and ``foreign``; it is
+    another tool's file (or a malformed marker), named."""
+    (tmp_path / name).write_text("[" * 100_000 + "]" * 100_000)
+    if name.startswith(".ckpt"):
+        with pytest.raises(ValueError, match=r"\.ckpt-owner\.json: .*nested too deeply"):
+            _owner.owned(tmp_path)
+        return
+    assert _owner.foreign(tmp_path) == [name]
+    with pytest.raises(FileExistsError, match=name.replace(".", r"\.")):
+        _owner.claim_root(tmp_path)
+
+
+def test_ckpt_save_never_replaces_a_user_folder_of_a_data_bin(tmp_path: Path) -> None:
+    """``ckpt.save(PATH)`` replaced a folder holding only the user's ``data.bin`` (a data file's
+    name, no manifest): ckpt.save never leaves PATH without its manifest, so that folder is not
+    ckpt's. An empty folder and an earlier checkpoint are still replaced."""
+    from ckpt.errors import CheckpointError
+
+    theirs = tmp_path / "weights"
+    theirs.mkdir()
+    (theirs / "data.bin").write_bytes(b"the user's weights")
+    with pytest.raises(CheckpointError, match=r"weights: exists and is not a checkpoint"):
+        ckpt.save(theirs, {"w": torch.ones(2)})
+    assert os.listdir(theirs) == ["data.bin"]
+    assert (theirs / "data.bin").read_bytes() == b"the user's weights"
+    (tmp_path / "empty").mkdir()
+    for _ in range(2):  # an empty folder, then the checkpoint written there
+        ckpt.save(tmp_path / "empty", {"w": torch.ones(2)})
+    assert torch.equal(ckpt.load(tmp_path / "empty")["w"], torch.ones(2))
+
+
+def test_the_upload_status_mirror_never_writes_through_a_symlink(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The status mirror's temporary name (pid and thread id: predictable) was opened with
+    ``write_text``, following a symlink planted there and overwriting its target outside."""
+    import uuid
+
+    from ckpt import _layout
+    from ckpt.remote import RemoteOptions
+
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"someone else's file")
+    root = tmp_path / "run"
+    name = ".upload-status.json.tmp-1-1"
+    monkeypatch.setattr(_layout, "status_tmp_name", lambda: name)
+    _owner.claim_root(root)
+    (root / name).symlink_to(outside)  # planted in ckpt's directory: not ckpt's entry
+    with CheckpointManager(root, remote=RemoteOptions(f"memory://{uuid.uuid4().hex}/run")) as m:
+        _save(m, 1)
+        m.wait(uploads=True)
+    assert outside.read_bytes() == b"someone else's file"
+    assert (root / name).is_symlink()  # not ckpt's: left where it is

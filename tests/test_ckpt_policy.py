@@ -166,6 +166,21 @@ def test_should_save_refuses_steps_and_intervals_that_mean_nothing(
                 CheckpointManager(tmp_path, save_on_steps=[bad])
 
 
+def test_save_takes_the_steps_should_save_takes(tmp_path: Path) -> None:
+    """``should_save(np.int64(10))`` said yes and ``save(np.int64(10), ...)`` then refused it;
+    ``save`` took 10**22, which ``should_save`` refuses (beyond what JSON readers hold)."""
+    import numpy as np
+
+    with CheckpointManager(tmp_path, save_interval_steps=10, keep_last=None) as m:
+        step = np.int64(10)
+        assert m.should_save(step)
+        assert m.save(step, {"w": torch.ones(1)}).result(30).name == "step-10"
+        for bad in (10**22, -1, 10.0, True):
+            with pytest.raises(ValueError, match=rf"save: step must be a non-negative .*{bad!r}"):
+                m.save(bad, {"w": torch.ones(1)})
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-10"]
+
+
 def test_the_retention_record_round_trips_every_policy() -> None:
     from ckpt.policy import Policy, from_record, to_record
 

@@ -232,14 +232,23 @@ def test_a_nested_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
 
 def test_metrics_take_numpy_scalars_and_0_dim_tensors(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, keep_last=None) as m:
-        metrics = {"loss": np.float32(0.5), "n": np.int64(3), "acc": torch.tensor(0.25)}
+        metrics = {
+            "loss": np.float32(0.5),
+            "n": np.int64(3),
+            "acc": torch.tensor(0.25),
+            "ld": np.longdouble(1.5),  # was refused: its item() is a longdouble
+            "bf": torch.tensor(0.5, dtype=torch.bfloat16),
+            "h": np.float16(2.0),
+        }
         m.save(1, {"w": torch.ones(1)}, metrics=metrics).result()
-        assert m.metrics(1) == {"loss": 0.5, "n": 3, "acc": 0.25}
+        assert m.metrics(1) == {"loss": 0.5, "n": 3, "acc": 0.25, "ld": 1.5, "bf": 0.5, "h": 2.0}
         bads: list[tuple[dict[str, Any], str]] = [
             ({"loss": np.float32("nan")}, "finite number"),
             ({"loss": torch.tensor(float("inf"))}, "finite number"),
             ({"loss": torch.ones(2)}, "finite number"),
             ({"loss": "low"}, "finite number"),
+            ({"loss": torch.tensor(1.0, device="meta")}, "finite number"),  # was a RuntimeError
+            ({"loss": np.bool_(True)}, "finite number"),
         ]
         for bad, why in bads:
             with pytest.raises(ValueError, match=rf"metrics\['loss'\]: expected a {why}"):
@@ -272,3 +281,137 @@ def test_gpu_a_refusal_leaves_cuda_targets_as_they_were(
         assert m.stats.last_restore is not None
         assert m.stats.last_restore.passes == (1 if room else 2)
     assert torch.equal(target, weights)
+
+
+class _Versioned(torch.nn.Module):
+    """A module whose extra state refuses another version (torch's ``set_extra_state`` idiom)."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.version = version
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"version": self.version}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        if state["version"] != self.version:
+            raise ValueError(f"saved version {state['version']}, this is {self.version}")
+
+
+def _restore_into_a_newer_module(root: Path) -> tuple[dict[str, Any], Any]:
+    with CheckpointManager(root, keep_last=None) as m:
+        m.save(1, {"w": torch.ones(3), "model": _Versioned(1)}).result()
+        into = {"w": torch.zeros(3), "model": _Versioned(2)}
+        with pytest.raises(CheckpointError) as caught:
+            m.restore(into=into)
+    return into, caught
+
+
+def test_a_module_refusing_its_extra_state_is_named_with_the_step(tmp_path: Path) -> None:
+    """A module's ``set_extra_state`` refusing was a bare ``ValueError`` naming neither the
+    checkpoint nor the key."""
+    _, caught = _restore_into_a_newer_module(tmp_path)
+    assert str(tmp_path / "step-1") in str(caught.value)
+    assert "['model']" in str(caught.value) and "saved version 1, this is 2" in str(caught.value)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="modules load in finish(), after the direct targets were filled: a module's own "
+    "set_extra_state/load hook refusing leaves earlier targets written (undo would need a copy "
+    "of the module's tensors)",
+)
+def test_a_module_refusing_its_extra_state_leaves_the_other_targets(tmp_path: Path) -> None:
+    into, _ = _restore_into_a_newer_module(tmp_path)
+    assert torch.equal(into["w"], torch.zeros(3))
+
+
+@pytest.mark.gpu
+def test_gpu_rng_saved_on_more_devices_restores_on_fewer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saved where the process saw more GPUs than at restore (an elastic restart on a smaller
+    node): ``torch.cuda.set_rng_state_all`` raised ``IndexError`` in ``finish``, after every
+    target had been written. A CUDA state that cannot be set is refused before any write."""
+    from ckpt import _flatten, manager
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.zeros(1, device="cuda")  # CUDA is up, as in a training process
+    real = _flatten.rng_state
+
+    def more_devices() -> dict[str, Any]:
+        state = real()
+        state["cuda"] = [*state["cuda"], *state["cuda"]]
+        state["cuda"] += [state["cuda"][0]] * torch.cuda.device_count()
+        return state
+
+    monkeypatch.setattr(manager, "rng_state", more_devices)
+    torch.cuda.manual_seed_all(7)
+    expected = torch.rand(4, device="cuda")
+    torch.cuda.manual_seed_all(7)
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        m.save(1, {"w": torch.ones(2)}, rng=True).result()
+        into = {"w": torch.zeros(2)}
+        m.restore(into=into)
+        assert torch.equal(into["w"], torch.ones(2))
+        assert torch.equal(torch.rand(4, device="cuda"), expected)
+        monkeypatch.setattr(manager, "rng_state", lambda: {**real(), "cuda": [torch.ones(3)]})
+        m.save(2, {"w": torch.full((2,), 2.0)}, rng=True).result()
+        with pytest.raises(CheckpointError, match=r"RNG states cannot be set.*nothing was loaded"):
+            m.restore(into=into)
+        assert torch.equal(into["w"], torch.ones(2))
+
+
+def test_rng_saved_on_more_devices_sets_those_the_process_has(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU half of the test above: three saved CUDA states, a process that sees one device
+    (``torch.cuda`` stood in for, raising like ``set_rng_state_all`` past the last device)."""
+    from ckpt import _flatten, manager
+
+    real = _flatten.rng_state
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in range(3)]
+    monkeypatch.setattr(manager, "rng_state", lambda: {**real(), "cuda": states})
+    got: list[list[torch.Tensor]] = []
+
+    def set_all(new: list[torch.Tensor]) -> None:
+        if len(new) > 1:
+            raise IndexError("list index out of range")  # torch.cuda.default_generators[i]
+        got.append(new)
+
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        m.save(1, {"w": torch.ones(2)}, rng=True).result()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_all)
+        into = {"w": torch.zeros(2)}
+        m.restore(into=into)
+    assert torch.equal(into["w"], torch.ones(2))
+    assert len(got) == 1 and len(got[0]) == 1 and torch.equal(got[0][0], states[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # direct fill, then copy_
+def test_a_tensor_over_read_only_memory_is_refused_not_a_crash(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """``torch.from_numpy(np.load(..., mmap_mode="r"))`` in ``into`` (torch only warns): the
+    restore wrote into the read-only mapping and the process died of SIGSEGV. The plan refuses
+    it, naming the key, before anything is written."""
+    import warnings
+
+    np.save(tmp_path / "x.npy", np.zeros(4, dtype=np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+        frozen = torch.from_numpy(np.load(tmp_path / "x.npy", mmap_mode="r"))
+    with CheckpointManager(tmp_path / "ck", keep_last=None) as m:
+        m.save(1, {"w": torch.ones(4, dtype=dtype), "z": torch.ones(2)}).result()
+        into = {"w": frozen, "z": torch.zeros(2)}
+        with pytest.raises(CheckpointError, match=r"\['w'\]: its memory is read-only"):
+            m.restore(into=into)
+        assert torch.equal(into["z"], torch.zeros(2))
+        into["w"] = frozen.clone()  # a tensor of its own: restores
+        m.restore(into=into)
+    assert torch.equal(into["w"], torch.ones(4)) and torch.equal(into["z"], torch.ones(2))

@@ -89,8 +89,9 @@ def owner_record(root: str | os.PathLike[str], tool: str) -> dict[str, Any] | No
         raise ValueError(f"{path}: the ownership marker is not a regular file; refusing it")
     try:
         record = json.loads(path.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: the ownership marker is unreadable: {exc}") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise ValueError(f"{path}: the ownership marker is unreadable: {why}") from None
     if not isinstance(record, dict) or record.get("tool") != tool:
         raise ValueError(f"{path}: the ownership marker is not {tool}'s")
     return record
