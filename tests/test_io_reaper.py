@@ -165,3 +165,40 @@ def test_a_forked_child_leaves_its_parents_workers_alone() -> None:
     assert p.is_alive()  # untouched by the child
     workers.end()
     assert p.exitcode == -signal.SIGTERM
+
+
+def _hang_with_children(deaf: bool, pids: Any, ready: Any) -> None:
+    """A worker that ran a subprocess, whose own child runs one too (a grandchild), then hangs."""
+    if deaf:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; "
+            "p = subprocess.Popen(['sleep', '1000']); print(p.pid, flush=True); time.sleep(1e9)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    pids[0], pids[1] = child.pid, int(child.stdout.readline())
+    ready.set()
+    child.wait()
+
+
+@pytest.mark.parametrize("deaf", [False, True])
+def test_a_killed_worker_takes_its_own_children_with_it(deaf: bool) -> None:
+    """A worker that started processes of its own (a decoder subprocess, a pool): terminating
+    or killing it leaves no orphan, however deep (they were reparented to init, running)."""
+    ctx = mp.get_context("fork")
+    pids, ready = ctx.Array("i", 2), ctx.Event()
+    p = ctx.Process(target=_hang_with_children, args=(deaf, pids, ready), name="decoder")
+    p.start()
+    try:
+        assert ready.wait(20)
+        assert end_processes([p], "test worker", bound=FAST) == []
+        assert wait_gone(list(pids), 5.0) == []
+    finally:
+        for pid in alive(list(pids)):
+            os.kill(pid, signal.SIGKILL)

@@ -12,6 +12,14 @@ ends them through it, at ``close()``, at garbage collection and at interpreter e
 4. **kill** (SIGKILL) the rest and wait up to ``Bound.kill`` seconds;
 5. **reap**: join each exited worker, so that no zombie is left.
 
+A worker that has to be terminated takes its own descendants with it (Linux, a ``/proc`` walk
+made just before each signal, each one held by a pidfd so that a reused pid is never signalled):
+a dataset that ran a subprocess, or a pool of its own, leaves no orphan when its worker is
+killed. torch's ``torch_shm_manager`` and ``multiprocessing``'s helper processes are left to end
+by themselves (they outlive their client only until its last segment is released). A descendant
+orphaned before its worker was signalled (a worker that exits by itself, a double fork) is out
+of reach.
+
 So ``end()`` returns within ``grace + term + kill`` seconds (``DEFAULT_BOUND``: 2 + 2 + 2 s). A
 worker still alive after SIGKILL is in uninterruptible sleep (a stuck NFS read, a hung device):
 it is reported by name and pid with a :class:`StuckWorkerWarning` and returned, never silently
@@ -27,7 +35,10 @@ Standard library only: ckpt uses it too.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import select
+import signal
 import threading
 import time
 import warnings
@@ -113,6 +124,93 @@ def _signal(procs: list[ProcessLike], kill: bool) -> None:
             pass
 
 
+# descendants that end by themselves once their client is gone (killing torch's manager would
+# leave the segments it tracks in /dev/shm)
+_SELF_ENDING = (
+    b"torch_shm_manager",
+    b"multiprocessing.resource_tracker",
+    b"multiprocessing.forkserver",
+)
+
+
+class _Descendant:
+    """A process descended from a worker, held by a pidfd (never a reused pid)."""
+
+    __slots__ = ("fd", "name", "pid")
+
+    def __init__(self, pid: int, fd: int, name: str) -> None:
+        self.pid, self.fd, self.name = pid, fd, name
+
+    @property
+    def sentinel(self) -> int:
+        return self.fd  # readable once the process has exited
+
+    def is_alive(self) -> bool:
+        if self.fd < 0:
+            return False
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        return not poller.poll(0)
+
+    def _send(self, sig: int) -> None:
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(self.fd, sig)
+
+    def terminate(self) -> None:
+        self._send(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._send(signal.SIGKILL)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Not our child: its new parent reaps it."""
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ")
+    except OSError:
+        return b""
+
+
+def _descendants(procs: list[ProcessLike], known: dict[int, _Descendant]) -> None:
+    """Add to ``known`` the live descendants of ``procs`` (a /proc walk; Linux with pidfds only)."""
+    if not hasattr(os, "pidfd_open") or not os.path.isdir("/proc"):
+        return
+    roots = {p.pid for p in procs if p.pid is not None}
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                text = f.read()
+        except OSError:
+            continue
+        fields = text[text.rfind(b")") + 2 :].split()
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    todo = [c for r in roots for c in children.get(r, [])]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        if pid in known:
+            continue
+        cmd = _cmdline(pid)
+        if any(h in cmd for h in _SELF_ENDING):
+            continue
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # gone meanwhile
+            continue
+        known[pid] = _Descendant(pid, fd, cmd.decode(errors="replace").strip()[:80] or "?")
+
+
 def end_processes(
     procs: Iterable[ProcessLike],
     what: str,
@@ -132,12 +230,22 @@ def end_processes(
         except Exception:  # a broken channel: the signals below still end the workers
             pass
     alive = _wait(procs, bound.grace)
-    if alive:
-        _signal(alive, kill=False)
-        alive = _wait(alive, bound.term)
-    if alive:
-        _signal(alive, kill=True)
-        alive = _wait(alive, bound.kill)
+    family: dict[int, _Descendant] = {}  # the descendants of the workers that are signalled
+    try:
+        if alive:
+            _descendants(alive, family)
+            alive = alive + list(family.values())
+            _signal(alive, kill=False)
+            alive = _wait(alive, bound.term)
+        if alive:
+            before = set(family)
+            _descendants([p for p in alive if not isinstance(p, _Descendant)], family)
+            alive += [d for pid, d in family.items() if pid not in before]
+            _signal(alive, kill=True)
+            alive = _wait(alive, bound.kill)
+    finally:
+        for d in family.values():
+            d.close()
     for p in procs:
         if p not in alive:
             try:
@@ -145,8 +253,9 @@ def end_processes(
             except (AssertionError, ValueError):  # not our child, or closed: nothing to reap
                 pass
     for p in alive:
+        kind = f"{what}'s child" if isinstance(p, _Descendant) else what
         warnings.warn(
-            f"{what} {p.name} (pid {p.pid}) is still running {bound.total:g} s after it was "
+            f"{kind} {p.name} (pid {p.pid}) is still running {bound.total:g} s after it was "
             "asked to stop, terminated and killed (stuck in uninterruptible I/O?): it is left "
             "behind",
             StuckWorkerWarning,
