@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -202,3 +203,52 @@ def test_a_killed_worker_takes_its_own_children_with_it(deaf: bool) -> None:
     finally:
         for pid in alive(list(pids)):
             os.kill(pid, signal.SIGKILL)
+
+
+_ORPHAN_TEST = textwrap.dedent(
+    """
+    import subprocess, sys
+
+    def test_orphan():
+        # a child that starts a process and exits at once: the process is orphaned
+        subprocess.run(
+            [sys.executable, "-c", "import subprocess; subprocess.Popen(['sleep', '60'])"],
+            check=True,
+        )
+    """
+)
+
+
+def test_the_leftover_check_catches_an_orphaned_grandchild(tmp_path: Path) -> None:
+    """tests/conftest.py's session check walks the processes descended from pytest: an orphan
+    (its parent exited) is still found, and named with the test that made it."""
+    tests = Path(__file__).resolve().parent
+    for name in ("conftest.py", "_procs.py"):
+        (tmp_path / name).write_text((tests / name).read_text())
+    (tmp_path / "test_orphan.py").write_text(_ORPHAN_TEST)
+    (tmp_path / "torch.py").write_text("raise ImportError('not needed here')\n")  # saves seconds
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "0",
+            "-q",
+            "-p",
+            "no:hypothesispytest",
+            str(tmp_path / "test_orphan.py"),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "FEEDPIPE_TEST_LEFTOVER_GRACE_S": "0.5"},
+    )
+    for pid in re.findall(r"pid (\d+) \(sleep 60\)", proc.stdout + proc.stderr):
+        os.kill(int(pid), signal.SIGKILL)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert re.search(r"pid \d+ \(sleep 60\), left by test_orphan.py::test_orphan", proc.stdout)
