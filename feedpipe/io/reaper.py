@@ -25,6 +25,10 @@ worker still alive after SIGKILL is in uninterruptible sleep (a stuck NFS read, 
 it is reported by name and pid with a :class:`StuckWorkerWarning` and returned, never silently
 forgotten.
 
+The owner itself may die without running any of this (the OOM killer, ``kill -9``): a worker
+process calls :func:`die_with_parent` first, and ends (with its own descendants) as soon as its
+parent is gone, even while it is stuck in the dataset.
+
 Threads cannot be killed. :func:`join_threads` gives them the same bounded wait and reports each
 one still running by name and native id; its caller's ``close()`` then returns anyway (the bound
 for thread workers is "close returns and reports"; daemon threads never block interpreter exit).
@@ -55,6 +59,7 @@ __all__ = [
     "StuckWorkerWarning",
     "Workers",
     "at_exit",
+    "die_with_parent",
     "end_processes",
     "join_threads",
 ]
@@ -179,11 +184,11 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def _descendants(procs: list[ProcessLike], known: dict[int, _Descendant]) -> None:
-    """Add to ``known`` the live descendants of ``procs`` (a /proc walk; Linux with pidfds only)."""
+def _descendants(roots: set[int], known: dict[int, _Descendant]) -> None:
+    """Add to ``known`` the live descendants of the pids ``roots`` (a /proc walk; Linux with
+    pidfds only)."""
     if not hasattr(os, "pidfd_open") or not os.path.isdir("/proc"):
         return
-    roots = {p.pid for p in procs if p.pid is not None}
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -233,13 +238,16 @@ def end_processes(
     family: dict[int, _Descendant] = {}  # the descendants of the workers that are signalled
     try:
         if alive:
-            _descendants(alive, family)
+            _descendants({p.pid for p in alive if p.pid is not None}, family)
             alive = alive + list(family.values())
             _signal(alive, kill=False)
             alive = _wait(alive, bound.term)
         if alive:
             before = set(family)
-            _descendants([p for p in alive if not isinstance(p, _Descendant)], family)
+            _descendants(
+                {p.pid for p in alive if p.pid is not None and not isinstance(p, _Descendant)},
+                family,
+            )
             alive += [d for pid, d in family.items() if pid not in before]
             _signal(alive, kill=True)
             alive = _wait(alive, bound.kill)
@@ -373,3 +381,33 @@ def _end_all(pid: int) -> None:
                 warnings.warn(
                     f"ending workers at exit failed: {exc!r}", StuckWorkerWarning, stacklevel=1
                 )
+
+
+def die_with_parent() -> None:
+    """Called first in a worker process: end it, and the processes it started, as soon as its
+    parent process is gone (Linux, a pidfd of the parent watched by a daemon thread). An owner
+    that was SIGKILLed (the OOM killer) runs no finalizer, and a worker stuck in the dataset
+    never looks at its parent: without this it would run on as an orphan, forever."""
+    if not hasattr(os, "pidfd_open"):
+        return
+    parent = os.getppid()
+    try:
+        fd = os.pidfd_open(parent)
+    except OSError:  # already gone (or no pidfds)
+        fd = -1
+    if fd < 0 or os.getppid() != parent:  # the parent died before the watch began
+        _die()
+
+    def watch() -> None:
+        select.select([fd], [], [])  # readable once the parent has exited
+        _die()
+
+    threading.Thread(target=watch, name="feedpipe-parent-watch", daemon=True).start()
+
+
+def _die() -> None:
+    family: dict[int, _Descendant] = {}
+    _descendants({os.getpid()}, family)
+    for d in family.values():
+        d.kill()
+    os._exit(1)

@@ -23,6 +23,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from feedpipe.errors import WorkerError
 from feedpipe.io import trace
+from feedpipe.io.reaper import die_with_parent
 from feedpipe.loader import _torch_compat
 from feedpipe.loader.slots import collate_into
 
@@ -461,6 +462,7 @@ class WorkerInit:
         self.user_fn = user_fn
 
     def __call__(self, worker: int) -> None:
+        die_with_parent()  # an owner killed by the OOM killer takes its (hung) workers along
         _torch_compat.unwrap_worker_dataset((MapProxy, IterProxy))
         if self.user_fn is not None:
             try:
