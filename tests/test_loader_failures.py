@@ -232,7 +232,7 @@ class Hung(Dataset):
 
 
 if __name__ == "__main__":
-    it = iter(DataLoader(Hung(), batch_size=2, num_workers=2, multiprocessing_context="fork"))
+    it = iter(DataLoader(Hung(), batch_size=2, num_workers=2, multiprocessing_context={ctx!r}))
     next(it)
     while len(descendants()) < 4:  # two workers, each with its sleep
         time.sleep(0.02)
@@ -241,12 +241,17 @@ if __name__ == "__main__":
 """
 
 
-def test_workers_stuck_in_the_dataset_end_when_their_owner_is_sigkilled(tmp_path: Any) -> None:
+@pytest.mark.parametrize("ctx", ["fork", "forkserver"])
+def test_workers_stuck_in_the_dataset_end_when_their_owner_is_sigkilled(
+    ctx: str, tmp_path: Any
+) -> None:
     """Found: the owner killed by the OOM killer left its hung workers (and their children)
-    running as orphans for good (torch's watchdog is only read between batches)."""
+    running as orphans for good (torch's watchdog is only read between batches); a forkserver's
+    workers keep the forkserver alive too, so watching the parent alone is not enough. (The
+    leftover check did not even see a forkserver's workers: they carry its command line.)"""
     tests = os.path.dirname(__file__)
     script, out = tmp_path / "killed.py", tmp_path / "pids"
-    script.write_text(_KILLED_OWNER_SCRIPT.format(tests=tests))
+    script.write_text(_KILLED_OWNER_SCRIPT.format(tests=tests, ctx=ctx))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), tests])}
     with open(out, "w") as f:  # a file, not a pipe: orphans would hold a pipe open
         code = subprocess.run(

@@ -383,23 +383,26 @@ def _end_all(pid: int) -> None:
                 )
 
 
-def die_with_parent() -> None:
+def die_with_parent(owner: int | None = None) -> None:
     """Called first in a worker process: end it, and the processes it started, as soon as its
-    parent process is gone (Linux, a pidfd of the parent watched by a daemon thread). An owner
+    parent process is gone, or ``owner`` (the process that asked for the worker, where that is
+    not the parent: a forkserver's child) (Linux, pidfds watched by a daemon thread). An owner
     that was SIGKILLed (the OOM killer) runs no finalizer, and a worker stuck in the dataset
     never looks at its parent: without this it would run on as an orphan, forever."""
     if not hasattr(os, "pidfd_open"):
         return
     parent = os.getppid()
-    try:
-        fd = os.pidfd_open(parent)
-    except OSError:  # already gone (or no pidfds)
-        fd = -1
-    if fd < 0 or os.getppid() != parent:  # the parent died before the watch began
+    fds = []
+    for pid in {parent, owner or parent}:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except OSError:  # already gone
+            _die()
+    if os.getppid() != parent:  # the parent died before the watch began
         _die()
 
     def watch() -> None:
-        select.select([fd], [], [])  # readable once the parent has exited
+        select.select(fds, [], [])  # one is readable once its process has exited
         _die()
 
     threading.Thread(target=watch, name="feedpipe-parent-watch", daemon=True).start()
