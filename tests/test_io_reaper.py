@@ -252,3 +252,41 @@ def test_the_leftover_check_catches_an_orphaned_grandchild(tmp_path: Path) -> No
         os.kill(int(pid), signal.SIGKILL)
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert re.search(r"pid \d+ \(sleep 60\), left by test_orphan.py::test_orphan", proc.stdout)
+
+
+_KEEP: list[Any] = []
+
+
+def _rank(pid: Any) -> None:
+    """A multiprocessing child (a rank) whose workers' owner is still referenced when it
+    returns: multiprocessing then runs no atexit hook, only its own finalizers."""
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    workers = Workers("test worker", owner, bound=FAST)
+    p = _start(deaf=True)
+    workers.add([p])
+    pid.value = p.pid
+    _KEEP.append(owner)  # held by a trainer object, a global, a cycle...
+
+
+def test_a_multiprocessing_child_ends_its_workers_when_it_exits() -> None:
+    """Found: in a process started by multiprocessing (torch.multiprocessing.spawn's ranks),
+    the exit hook never ran (no atexit there): multiprocessing terminated the daemonic worker
+    and joined it without a timeout, so a worker deaf to SIGTERM held the rank forever."""
+    ctx = mp.get_context("fork")
+    pid = ctx.Value("i", 0)
+    rank = ctx.Process(target=_rank, args=(pid,))
+    rank.start()
+    try:
+        rank.join(20)
+        assert rank.exitcode == 0, "the rank hung at exit"
+        assert wait_gone([pid.value], 5.0) == []
+    finally:
+        if rank.is_alive():
+            rank.kill()
+            rank.join()
+        for left in alive([pid.value]):
+            os.kill(left, signal.SIGKILL)

@@ -50,6 +50,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing import connection
+from multiprocessing import util as mp_util
 from typing import Any, Protocol
 
 __all__ = [
@@ -345,34 +346,40 @@ class Workers:
         return end_processes(procs, self.what, ask=ask or self._ask, bound=self.bound)
 
 
-_AT_EXIT: list[tuple[weakref.ref[Any], Callable[[Any], Any]]] = []
+_AT_EXIT: list[tuple[int, weakref.ref[Any], Callable[[Any], Any]]] = []  # (pid, owner, end)
 _AT_EXIT_LOCK = threading.Lock()
-_HOOKED = False
+_HOOKED = 0  # the pid whose exit hooks are in place (a forked child needs its own)
 
 
 def at_exit(owner: object, end: Callable[[Any], Any]) -> None:
     """Call ``end(owner)`` at interpreter exit if ``owner`` is still alive then (it is held
     weakly), before ``multiprocessing`` joins its children without a timeout and before torch
-    stops cleaning up.
+    stops cleaning up, also in a ``multiprocessing`` child (a rank started by
+    ``torch.multiprocessing.spawn``), which runs no ``atexit`` hook at all.
 
     ``atexit`` runs its hooks last-registered first: ours is registered at the first call, which
-    comes after the workers were started (so after ``multiprocessing``'s own hook).
+    comes after the workers were started (so after ``multiprocessing``'s own hook). A
+    ``multiprocessing.util.Finalize`` of positive exit priority runs first in either exit path,
+    before ``multiprocessing`` terminates and joins its daemonic children.
     """
     global _HOOKED
+    pid = os.getpid()
     with _AT_EXIT_LOCK:
-        _AT_EXIT[:] = [e for e in _AT_EXIT if e[0]() is not None and e[0]() is not owner]
-        _AT_EXIT.append((weakref.ref(owner), end))
-        if not _HOOKED:
-            atexit.register(_end_all, os.getpid())
-            _HOOKED = True
+        _AT_EXIT[:] = [e for e in _AT_EXIT if e[1]() is not None and e[1]() is not owner]
+        _AT_EXIT.append((pid, weakref.ref(owner), end))
+        if pid != _HOOKED:
+            atexit.register(_end_all, pid)
+            mp_util.Finalize(None, _end_all, args=(pid,), exitpriority=100)
+            _HOOKED = pid
 
 
 def _end_all(pid: int) -> None:
     if os.getpid() != pid:  # a forked child exiting: the workers are its parent's
         return
     with _AT_EXIT_LOCK:
-        entries, _AT_EXIT[:] = list(_AT_EXIT), []
-    for ref, end in reversed(entries):
+        entries = [e for e in _AT_EXIT if e[0] == pid]
+        _AT_EXIT[:] = []
+    for _, ref, end in reversed(entries):
         owner = ref()
         if owner is not None:
             try:
