@@ -199,9 +199,9 @@ def test_a_killed_worker_takes_its_own_children_with_it(deaf: bool) -> None:
     try:
         assert ready.wait(20)
         assert end_processes([p], "test worker", bound=FAST) == []
-        assert wait_gone(list(pids), 5.0) == []
+        assert wait_gone(pids[:], 5.0) == []
     finally:
-        for pid in alive(list(pids)):
+        for pid in alive(pids[:]):
             os.kill(pid, signal.SIGKILL)
 
 
