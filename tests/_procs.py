@@ -54,7 +54,8 @@ def proc_listing() -> frozenset[str]:
 
 def descendants(root: int | None = None, helpers: bool = False) -> dict[int, str]:
     """``{pid: state}`` of the live processes descended from ``root`` (default: this one);
-    zombies included (state ``Z``), multiprocessing's helpers left out unless ``helpers``."""
+    zombies included (state ``Z``), multiprocessing's helpers left out unless ``helpers`` (not
+    the workers a forkserver forks, though they carry its command line)."""
     if not sys.platform.startswith("linux"):
         return {}
     root = os.getpid() if root is None else root
@@ -73,8 +74,9 @@ def descendants(root: int | None = None, helpers: bool = False) -> dict[int, str
         pid = todo.pop()
         out[pid] = parent[pid][1]
         todo.extend(children.get(pid, []))
-    if not helpers:
-        for pid in [p for p in out if any(h in cmdline(p) for h in HELPERS)]:
+    if not helpers:  # a helper's forked child (a forkserver's worker) shares its command line
+        is_helper = {p: any(h in cmdline(p) for h in HELPERS) for p in out}
+        for pid in [p for p, h in is_helper.items() if h and not is_helper.get(parent[p][0])]:
             del out[pid]
     return out
 

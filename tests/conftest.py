@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 from _procs import alive, descendants, describe, proc_listing, shm_entries, wait_gone
 
-LEFTOVER_GRACE_S = 5.0  # processes still exiting get this long before they count as left behind
+# processes still exiting get this long before they count as left behind (a test of the check
+# itself shortens it)
+LEFTOVER_GRACE_S = float(os.environ.get("FEEDPIPE_TEST_LEFTOVER_GRACE_S", "5.0"))
 
 
 def _cuda_available() -> bool:
@@ -180,10 +182,27 @@ def _no_leftovers_per_test(request: pytest.FixtureRequest) -> Iterator[None]:
             pytest.fail(f"{request.node.nodeid} left behind:\n{_report(left, shm)}", False)
 
 
+def _adopt_orphans() -> None:
+    """Make this process the child subreaper of its descendants (Linux): a process orphaned
+    under it (a killed worker's own child, a double fork) is reparented here, not to init, so
+    the walk below still finds it. The flag is not inherited by children."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_child_subreaper = 36
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - no prctl: orphans go to init
+        pass
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_leftovers_per_session() -> Iterator[None]:
     """Fail the session (an error at the teardown of its last test) when a process descended
-    from this one, or a /dev/shm entry of ours, outlives every test by LEFTOVER_GRACE_S."""
+    from this one (orphans included: :func:`_adopt_orphans`), or a /dev/shm entry of ours,
+    outlives every test by LEFTOVER_GRACE_S."""
+    _adopt_orphans()
     yield
     _record("no test (session teardown)")
     left, shm = _leftovers(list(descendants()))

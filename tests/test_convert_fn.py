@@ -364,3 +364,29 @@ def test_a_hung_fn_is_ended_when_another_input_fails(tmp_path: Path) -> None:
     lines = {k: v for k, _, v in (ln.partition(" ") for ln in proc.stdout.splitlines())}
     assert "RAISED" in lines, proc.stdout + proc.stderr[-2000:]  # the failed input, named
     assert lines["AFTER"] == "", proc.stdout
+
+
+def test_workers_end_when_only_the_owner_is_sigkilled(tmp_path: Path) -> None:
+    """Found: the OOM killer takes the main process alone; its pool workers ran on as orphans
+    (and could still be writing parts while the user reran the command)."""
+    from _procs import alive, descendants, wait_gone
+
+    dest = tmp_path / "ds"
+    state = Path(f"{dest}.partial") / STATE_DIR
+    items = [str(i) for i in range(400)]
+    args = ["--fn", "_convert_fns:slow_tokens", *items, str(dest), "--workers", "2",
+            "--inputs-per-part", "4", "--shard-size", "256", "--no-progress"]  # fmt: skip
+    proc = _cli(args, {"FEEDPIPE_TEST_SLEEP": "0.05"})
+    workers: list[int] = []
+    try:
+        _wait_for(lambda: len(list(state.glob("part-*.json"))) >= 1, 30, "a part done")
+        workers = list(descendants(proc.pid))
+        assert len(workers) == 2
+        proc.kill()  # the main process only, not its group
+        proc.wait(10)
+        assert wait_gone(workers, 5.0) == []
+    finally:
+        for pid in alive(workers):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

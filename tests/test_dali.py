@@ -9,6 +9,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -407,3 +409,36 @@ def test_memmap_dataset_bad_record_names_shard(images: list[bytes], tmp_path: ob
     sid = int(np.searchsorted(starts, 10, side="right") - 1)
     assert f"{path}" in str(info.value) and f"shard {sid}" in str(info.value)
     assert f"record {10 - starts[sid]}" in str(info.value) and "truncated" in str(info.value)
+
+
+_KILLED_SCRIPT = _EXIT_SCRIPT.replace(
+    "    t = time.monotonic()\n",
+    "    os.kill(os.getpid(), 9)  # the OOM killer: no close, no exit hook\n",
+)
+
+
+def test_hung_worker_gone_when_the_owner_is_sigkilled(images: list[bytes], tmp_path: Path) -> None:
+    """Found: the loader's process killed outright (OOM) left its source worker, hung in the
+    dataset, running as an orphan for good."""
+    for i, rec in enumerate(images[:8]):
+        (tmp_path / f"{i}.jpg").write_bytes(rec)
+    script, out = tmp_path / "killed.py", tmp_path / "out"
+    tests = str(Path(__file__).parent)
+    script.write_text(_KILLED_SCRIPT.format(tests=tests, tmp=str(tmp_path)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tests).parent), tests])}
+    with open(out, "w") as f:  # a file, not a pipe: an orphan would hold a pipe open
+        subprocess.run(
+            [sys.executable, str(script)], check=False, stdout=f, stderr=subprocess.DEVNULL,
+            env=env, timeout=90,
+        )  # fmt: skip
+    lines = {k: v for k, _, v in (ln.partition(" ") for ln in out.read_text().splitlines())}
+    pid, *workers = (int(p) for p in lines["WORKERS"].split())
+    try:
+        assert workers, "the hung DALI worker was not seen"
+        assert wait_gone(workers, 5.0) == []
+    finally:
+        for left in alive(workers):
+            os.kill(left, signal.SIGKILL)
+        for name in os.listdir("/dev/shm"):  # the plan a killed process could not remove
+            if name.startswith(f"feedpipe-dali-{pid}-"):
+                shutil.rmtree(f"/dev/shm/{name}", ignore_errors=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -165,3 +166,127 @@ def test_a_forked_child_leaves_its_parents_workers_alone() -> None:
     assert p.is_alive()  # untouched by the child
     workers.end()
     assert p.exitcode == -signal.SIGTERM
+
+
+def _hang_with_children(deaf: bool, pids: Any, ready: Any) -> None:
+    """A worker that ran a subprocess, whose own child runs one too (a grandchild), then hangs."""
+    if deaf:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; "
+            "p = subprocess.Popen(['sleep', '1000']); print(p.pid, flush=True); time.sleep(1e9)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    pids[0], pids[1] = child.pid, int(child.stdout.readline())
+    ready.set()
+    child.wait()
+
+
+@pytest.mark.parametrize("deaf", [False, True])
+def test_a_killed_worker_takes_its_own_children_with_it(deaf: bool) -> None:
+    """A worker that started processes of its own (a decoder subprocess, a pool): terminating
+    or killing it leaves no orphan, however deep (they were reparented to init, running)."""
+    ctx = mp.get_context("fork")
+    pids, ready = ctx.Array("i", 2), ctx.Event()
+    p = ctx.Process(target=_hang_with_children, args=(deaf, pids, ready), name="decoder")
+    p.start()
+    try:
+        assert ready.wait(20)
+        assert end_processes([p], "test worker", bound=FAST) == []
+        assert wait_gone(pids[:], 5.0) == []
+    finally:
+        for pid in alive(pids[:]):
+            os.kill(pid, signal.SIGKILL)
+
+
+_ORPHAN_TEST = textwrap.dedent(
+    """
+    import subprocess, sys
+
+    def test_orphan():
+        # a child that starts a process and exits at once: the process is orphaned
+        subprocess.run(
+            [sys.executable, "-c", "import subprocess; subprocess.Popen(['sleep', '60'])"],
+            check=True,
+        )
+    """
+)
+
+
+def test_the_leftover_check_catches_an_orphaned_grandchild(tmp_path: Path) -> None:
+    """tests/conftest.py's session check walks the processes descended from pytest: an orphan
+    (its parent exited) is still found, and named with the test that made it."""
+    tests = Path(__file__).resolve().parent
+    for name in ("conftest.py", "_procs.py"):
+        (tmp_path / name).write_text((tests / name).read_text())
+    (tmp_path / "test_orphan.py").write_text(_ORPHAN_TEST)
+    (tmp_path / "torch.py").write_text("raise ImportError('not needed here')\n")  # saves seconds
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "0",
+            "-q",
+            "-p",
+            "no:hypothesispytest",
+            str(tmp_path / "test_orphan.py"),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "FEEDPIPE_TEST_LEFTOVER_GRACE_S": "0.5"},
+    )
+    for pid in re.findall(r"pid (\d+) \(sleep 60\)", proc.stdout + proc.stderr):
+        os.kill(int(pid), signal.SIGKILL)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert re.search(r"pid \d+ \(sleep 60\), left by test_orphan.py::test_orphan", proc.stdout)
+
+
+_KEEP: list[Any] = []
+
+
+def _rank(pid: Any) -> None:
+    """A multiprocessing child (a rank) whose workers' owner is still referenced when it
+    returns: multiprocessing then runs no atexit hook, only its own finalizers."""
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    workers = Workers("test worker", owner, bound=FAST)
+    p = _start(deaf=True)
+    workers.add([p])
+    pid.value = p.pid
+    _KEEP.append(owner)  # held by a trainer object, a global, a cycle...
+
+
+def test_a_multiprocessing_child_ends_its_workers_when_it_exits() -> None:
+    """Found: in a process started by multiprocessing (torch.multiprocessing.spawn's ranks),
+    the exit hook never ran (no atexit there): multiprocessing terminated the daemonic worker
+    and joined it without a timeout, so a worker deaf to SIGTERM held the rank forever."""
+    ctx = mp.get_context("fork")
+    pid = ctx.Value("i", 0)
+    rank = ctx.Process(target=_rank, args=(pid,))
+    rank.start()
+    try:
+        rank.join(20)
+        assert rank.exitcode == 0, "the rank hung at exit"
+        assert wait_gone([pid.value], 5.0) == []
+    finally:
+        if rank.is_alive():
+            rank.kill()
+            rank.join()
+        for left in alive([pid.value]):
+            os.kill(left, signal.SIGKILL)

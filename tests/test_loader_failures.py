@@ -210,3 +210,62 @@ def test_hung_process_worker_is_ended(context: str, persistent: bool, tmp_path: 
     assert lines["AFTER"] == "", proc.stdout  # ended and reaped when dropped
     assert wait_gone(workers, 2.0) == []
     assert shm_entries([int(lines["PID"]), *workers]) == set()  # no slot memory left named
+
+
+_KILLED_OWNER_SCRIPT = """
+import os, signal, subprocess, sys, time
+sys.path[:0] = [{tests!r}]
+import torch
+from torch.utils.data import Dataset
+from _procs import descendants
+from feedpipe import DataLoader
+
+
+class Hung(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if i >= 4:  # stuck for good, after starting a process of its own
+            subprocess.Popen(["sleep", "1000"]).wait()
+        return torch.tensor(i)
+
+
+if __name__ == "__main__":
+    it = iter(DataLoader(Hung(), batch_size=2, num_workers=2, multiprocessing_context={ctx!r}))
+    next(it)
+    while len(descendants()) < 4:  # two workers, each with its sleep
+        time.sleep(0.02)
+    print(*descendants(), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer: no finalizer, no exit hook runs
+"""
+
+
+@pytest.mark.parametrize("ctx", ["fork", "forkserver"])
+def test_workers_stuck_in_the_dataset_end_when_their_owner_is_sigkilled(
+    ctx: str, tmp_path: Any
+) -> None:
+    """Found: the owner killed by the OOM killer left its hung workers (and their children)
+    running as orphans for good (torch's watchdog is only read between batches); a forkserver's
+    workers keep the forkserver alive too, so watching the parent alone is not enough. (The
+    leftover check did not even see a forkserver's workers: they carry its command line.)"""
+    tests = os.path.dirname(__file__)
+    script, out = tmp_path / "killed.py", tmp_path / "pids"
+    script.write_text(_KILLED_OWNER_SCRIPT.format(tests=tests, ctx=ctx))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), tests])}
+    with open(out, "w") as f:  # a file, not a pipe: orphans would hold a pipe open
+        code = subprocess.run(
+            [sys.executable, str(script)],
+            check=False,
+            stdout=f,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            timeout=50,
+        ).returncode
+    pids = [int(p) for p in out.read_text().split()]
+    try:
+        assert code == -signal.SIGKILL and len(pids) == 4, out.read_text()
+        assert wait_gone(pids, 5.0) == []
+    finally:
+        for pid in wait_gone(pids, 0):
+            os.kill(pid, signal.SIGKILL)

@@ -56,7 +56,7 @@ from feedpipe.datasets.format import Index
 from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter
 from feedpipe.errors import DatasetError
 from feedpipe.io.progress import progress
-from feedpipe.io.reaper import end_processes
+from feedpipe.io.reaper import die_with_parent, end_processes
 from feedpipe.io.remote import redact
 
 __all__ = ["convert_fn", "load_function"]
@@ -227,6 +227,7 @@ def _init_worker(q: Any, board: Any = None, seats: Any = None) -> None:
     """A pool worker's start: its progress queue, and a seat on the board (see
     :class:`_Board`) where it posts the input it is converting."""
     global _QUEUE, _SEAT
+    die_with_parent()  # an owner killed outright (OOM) must not leave its workers converting
     _QUEUE = q
     if board is not None:
         with seats.get_lock():

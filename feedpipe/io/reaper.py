@@ -12,10 +12,22 @@ ends them through it, at ``close()``, at garbage collection and at interpreter e
 4. **kill** (SIGKILL) the rest and wait up to ``Bound.kill`` seconds;
 5. **reap**: join each exited worker, so that no zombie is left.
 
+A worker that has to be terminated takes its own descendants with it (Linux, a ``/proc`` walk
+made just before each signal, each one held by a pidfd so that a reused pid is never signalled):
+a dataset that ran a subprocess, or a pool of its own, leaves no orphan when its worker is
+killed. torch's ``torch_shm_manager`` and ``multiprocessing``'s helper processes are left to end
+by themselves (they outlive their client only until its last segment is released). A descendant
+orphaned before its worker was signalled (a worker that exits by itself, a double fork) is out
+of reach.
+
 So ``end()`` returns within ``grace + term + kill`` seconds (``DEFAULT_BOUND``: 2 + 2 + 2 s). A
 worker still alive after SIGKILL is in uninterruptible sleep (a stuck NFS read, a hung device):
 it is reported by name and pid with a :class:`StuckWorkerWarning` and returned, never silently
 forgotten.
+
+The owner itself may die without running any of this (the OOM killer, ``kill -9``): a worker
+process calls :func:`die_with_parent` first, and ends (with its own descendants) as soon as its
+parent is gone, even while it is stuck in the dataset.
 
 Threads cannot be killed. :func:`join_threads` gives them the same bounded wait and reports each
 one still running by name and native id; its caller's ``close()`` then returns anyway (the bound
@@ -27,7 +39,10 @@ Standard library only: ckpt uses it too.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import select
+import signal
 import threading
 import time
 import warnings
@@ -35,6 +50,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing import connection
+from multiprocessing import util as mp_util
 from typing import Any, Protocol
 
 __all__ = [
@@ -44,6 +60,7 @@ __all__ = [
     "StuckWorkerWarning",
     "Workers",
     "at_exit",
+    "die_with_parent",
     "end_processes",
     "join_threads",
 ]
@@ -113,6 +130,93 @@ def _signal(procs: list[ProcessLike], kill: bool) -> None:
             pass
 
 
+# descendants that end by themselves once their client is gone (killing torch's manager would
+# leave the segments it tracks in /dev/shm)
+_SELF_ENDING = (
+    b"torch_shm_manager",
+    b"multiprocessing.resource_tracker",
+    b"multiprocessing.forkserver",
+)
+
+
+class _Descendant:
+    """A process descended from a worker, held by a pidfd (never a reused pid)."""
+
+    __slots__ = ("fd", "name", "pid")
+
+    def __init__(self, pid: int, fd: int, name: str) -> None:
+        self.pid, self.fd, self.name = pid, fd, name
+
+    @property
+    def sentinel(self) -> int:
+        return self.fd  # readable once the process has exited
+
+    def is_alive(self) -> bool:
+        if self.fd < 0:
+            return False
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        return not poller.poll(0)
+
+    def _send(self, sig: int) -> None:
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(self.fd, sig)
+
+    def terminate(self) -> None:
+        self._send(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._send(signal.SIGKILL)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Not our child: its new parent reaps it."""
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ")
+    except OSError:
+        return b""
+
+
+def _descendants(roots: set[int], known: dict[int, _Descendant]) -> None:
+    """Add to ``known`` the live descendants of the pids ``roots`` (a /proc walk; Linux with
+    pidfds only)."""
+    if not hasattr(os, "pidfd_open") or not os.path.isdir("/proc"):
+        return
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                text = f.read()
+        except OSError:
+            continue
+        fields = text[text.rfind(b")") + 2 :].split()
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    todo = [c for r in roots for c in children.get(r, [])]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        if pid in known:
+            continue
+        cmd = _cmdline(pid)
+        if any(h in cmd for h in _SELF_ENDING):
+            continue
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # gone meanwhile
+            continue
+        known[pid] = _Descendant(pid, fd, cmd.decode(errors="replace").strip()[:80] or "?")
+
+
 def end_processes(
     procs: Iterable[ProcessLike],
     what: str,
@@ -132,12 +236,25 @@ def end_processes(
         except Exception:  # a broken channel: the signals below still end the workers
             pass
     alive = _wait(procs, bound.grace)
-    if alive:
-        _signal(alive, kill=False)
-        alive = _wait(alive, bound.term)
-    if alive:
-        _signal(alive, kill=True)
-        alive = _wait(alive, bound.kill)
+    family: dict[int, _Descendant] = {}  # the descendants of the workers that are signalled
+    try:
+        if alive:
+            _descendants({p.pid for p in alive if p.pid is not None}, family)
+            alive = alive + list(family.values())
+            _signal(alive, kill=False)
+            alive = _wait(alive, bound.term)
+        if alive:
+            before = set(family)
+            _descendants(
+                {p.pid for p in alive if p.pid is not None and not isinstance(p, _Descendant)},
+                family,
+            )
+            alive += [d for pid, d in family.items() if pid not in before]
+            _signal(alive, kill=True)
+            alive = _wait(alive, bound.kill)
+    finally:
+        for d in family.values():
+            d.close()
     for p in procs:
         if p not in alive:
             try:
@@ -145,8 +262,9 @@ def end_processes(
             except (AssertionError, ValueError):  # not our child, or closed: nothing to reap
                 pass
     for p in alive:
+        kind = f"{what}'s child" if isinstance(p, _Descendant) else what
         warnings.warn(
-            f"{what} {p.name} (pid {p.pid}) is still running {bound.total:g} s after it was "
+            f"{kind} {p.name} (pid {p.pid}) is still running {bound.total:g} s after it was "
             "asked to stop, terminated and killed (stuck in uninterruptible I/O?): it is left "
             "behind",
             StuckWorkerWarning,
@@ -228,34 +346,40 @@ class Workers:
         return end_processes(procs, self.what, ask=ask or self._ask, bound=self.bound)
 
 
-_AT_EXIT: list[tuple[weakref.ref[Any], Callable[[Any], Any]]] = []
+_AT_EXIT: list[tuple[int, weakref.ref[Any], Callable[[Any], Any]]] = []  # (pid, owner, end)
 _AT_EXIT_LOCK = threading.Lock()
-_HOOKED = False
+_HOOKED = 0  # the pid whose exit hooks are in place (a forked child needs its own)
 
 
 def at_exit(owner: object, end: Callable[[Any], Any]) -> None:
     """Call ``end(owner)`` at interpreter exit if ``owner`` is still alive then (it is held
     weakly), before ``multiprocessing`` joins its children without a timeout and before torch
-    stops cleaning up.
+    stops cleaning up, also in a ``multiprocessing`` child (a rank started by
+    ``torch.multiprocessing.spawn``), which runs no ``atexit`` hook at all.
 
     ``atexit`` runs its hooks last-registered first: ours is registered at the first call, which
-    comes after the workers were started (so after ``multiprocessing``'s own hook).
+    comes after the workers were started (so after ``multiprocessing``'s own hook). A
+    ``multiprocessing.util.Finalize`` of positive exit priority runs first in either exit path,
+    before ``multiprocessing`` terminates and joins its daemonic children.
     """
     global _HOOKED
+    pid = os.getpid()
     with _AT_EXIT_LOCK:
-        _AT_EXIT[:] = [e for e in _AT_EXIT if e[0]() is not None and e[0]() is not owner]
-        _AT_EXIT.append((weakref.ref(owner), end))
-        if not _HOOKED:
-            atexit.register(_end_all, os.getpid())
-            _HOOKED = True
+        _AT_EXIT[:] = [e for e in _AT_EXIT if e[1]() is not None and e[1]() is not owner]
+        _AT_EXIT.append((pid, weakref.ref(owner), end))
+        if pid != _HOOKED:
+            atexit.register(_end_all, pid)
+            mp_util.Finalize(None, _end_all, args=(pid,), exitpriority=100)
+            _HOOKED = pid
 
 
 def _end_all(pid: int) -> None:
     if os.getpid() != pid:  # a forked child exiting: the workers are its parent's
         return
     with _AT_EXIT_LOCK:
-        entries, _AT_EXIT[:] = list(_AT_EXIT), []
-    for ref, end in reversed(entries):
+        entries = [e for e in _AT_EXIT if e[0] == pid]
+        _AT_EXIT[:] = []
+    for _, ref, end in reversed(entries):
         owner = ref()
         if owner is not None:
             try:
@@ -264,3 +388,36 @@ def _end_all(pid: int) -> None:
                 warnings.warn(
                     f"ending workers at exit failed: {exc!r}", StuckWorkerWarning, stacklevel=1
                 )
+
+
+def die_with_parent(owner: int | None = None) -> None:
+    """Called first in a worker process: end it, and the processes it started, as soon as its
+    parent process is gone, or ``owner`` (the process that asked for the worker, where that is
+    not the parent: a forkserver's child) (Linux, pidfds watched by a daemon thread). An owner
+    that was SIGKILLed (the OOM killer) runs no finalizer, and a worker stuck in the dataset
+    never looks at its parent: without this it would run on as an orphan, forever."""
+    if not hasattr(os, "pidfd_open"):
+        return
+    parent = os.getppid()
+    fds = []
+    for pid in {parent, owner or parent}:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except OSError:  # already gone
+            _die()
+    if os.getppid() != parent:  # the parent died before the watch began
+        _die()
+
+    def watch() -> None:
+        select.select(fds, [], [])  # one is readable once its process has exited
+        _die()
+
+    threading.Thread(target=watch, name="feedpipe-parent-watch", daemon=True).start()
+
+
+def _die() -> None:
+    family: dict[int, _Descendant] = {}
+    _descendants({os.getpid()}, family)
+    for d in family.values():
+        d.kill()
+    os._exit(1)

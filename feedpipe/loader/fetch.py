@@ -11,6 +11,7 @@ the worker and the sample indices, re-raised in the main process with the origin
 from __future__ import annotations
 
 import enum
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -23,6 +24,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from feedpipe.errors import WorkerError
 from feedpipe.io import trace
+from feedpipe.io.reaper import die_with_parent
 from feedpipe.loader import _torch_compat
 from feedpipe.loader.slots import collate_into
 
@@ -459,8 +461,15 @@ class WorkerInit:
 
     def __init__(self, user_fn: Callable[[int], None] | None) -> None:
         self.user_fn = user_fn
+        self.owner: int | None = None  # set when pickled to a worker: the process starting it
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a forkserver worker's parent is the forkserver, which outlives a killed owner (each
+        # worker holds its alive pipe): the worker also watches the process that pickled this
+        return {**self.__dict__, "owner": os.getpid()}
 
     def __call__(self, worker: int) -> None:
+        die_with_parent(self.owner)  # an owner killed by the OOM killer takes its hung workers
         _torch_compat.unwrap_worker_dataset((MapProxy, IterProxy))
         if self.user_fn is not None:
             try:
