@@ -110,17 +110,16 @@ def s3_options(endpoint: str) -> dict[str, Any]:
 @pytest.fixture
 def s3_bucket(s3_server: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """A fresh, empty bucket on the local S3 server: yields ``(bucket_name, storage_options)``."""
-    import boto3
+    import s3fs
 
     opts = s3_options(s3_server)
     name = f"test-{uuid.uuid4().hex[:12]}"
-    boto3.client(
-        "s3",
-        endpoint_url=s3_server,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    ).create_bucket(Bucket=name)
+    # made through s3fs, the client stack the tests use: a boto3 create_bucket here was seen
+    # answered 200 without reaching the server (no request logged), then a 404 for the test
+    fs = s3fs.S3FileSystem(**opts)
+    fs.call_s3("create_bucket", Bucket=name)
+    fs.invalidate_cache()
+    assert fs.exists(name), f"bucket {name} not visible on {s3_server}"
     yield name, opts
 
 
