@@ -14,6 +14,7 @@ from ckpt._paths import local_path
 from ckpt._pool import Buffer
 from ckpt._reader import MapLocation, read_checkpoint
 from ckpt.errors import CheckpointError
+from feedpipe.io.reaper import pid_alive
 
 __all__ = ["load", "save"]
 
@@ -85,18 +86,8 @@ def _settle(path: Path, tmps: bool = True) -> None:
     for n in names if tmps else ():
         pid = _layout.tmp_pid(n, path.name)
         tmp = path.parent / n
-        if pid is not None and not _alive(pid) and _owner.is_ckpt_dir(tmp, scratch=True):
+        if pid is not None and not pid_alive(pid) and _owner.is_ckpt_dir(tmp, scratch=True):
             _commit.remove_path(tmp)  # a dead save's temp that holds only ckpt files
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def load(

@@ -56,7 +56,7 @@ from feedpipe.datasets.format import Index
 from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter
 from feedpipe.errors import DatasetError
 from feedpipe.io.progress import progress
-from feedpipe.io.reaper import die_with_parent, end_processes
+from feedpipe.io.reaper import die_with_parent, end_processes, pid_alive
 from feedpipe.io.remote import redact
 
 __all__ = ["convert_fn", "load_function"]
@@ -263,7 +263,7 @@ class _Board:
             p.join(max(0.0, end - time.monotonic()))
         codes = {p.pid: p.exitcode for p in procs}
         posted = {int(self.board[i]): int(self.board[i + 1]) for i in range(0, len(self.board), 2)}
-        dead = {pid: n for pid, n in posted.items() if pid > 0 and n >= 0 and not _alive(pid)}
+        dead = {pid: n for pid, n in posted.items() if pid > 0 and n >= 0 and not pid_alive(pid)}
         ended = (None, -signal.SIGTERM)  # the pool's own SIGTERM, or unknown
         numbers = [n for pid, n in dead.items() if codes.get(pid) not in ended] or list(
             dead.values()
@@ -282,21 +282,6 @@ def _input(tasks: Sequence[_Task], number: int) -> str:
         if t.first <= number < t.first + len(t.items):
             return f"input {number} ({_short(t.items[number - t.first])})"
     return f"input {number}"
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
 
 
 def _records(produced: Any) -> Iterable[Any]:

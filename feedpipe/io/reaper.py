@@ -63,6 +63,7 @@ __all__ = [
     "die_with_parent",
     "end_processes",
     "join_threads",
+    "pid_alive",
 ]
 
 
@@ -421,3 +422,19 @@ def _die() -> None:
     for d in family.values():
         d.kill()
     os._exit(1)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: a zombie (dead, not yet reaped) does not; a process of
+    another user (``EPERM``) does."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True

@@ -46,7 +46,7 @@ from feedpipe.errors import DatasetError
 from feedpipe.io.cliargs import positive_int
 from feedpipe.io.fsutil import atomic_write, fsync_dir
 from feedpipe.io.ownership import owns
-from feedpipe.io.reaper import join_threads
+from feedpipe.io.reaper import join_threads, pid_alive
 from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
 from feedpipe.remote.transfer import INDEX_NAME, FileEntry
@@ -396,21 +396,11 @@ def _clean_stale_temps(root: str) -> None:
             target = _remote.temp_target(name)
             if target is None:
                 continue
-            if not _pid_alive(target[2]):
+            if not pid_alive(target[2]):
                 try:
                     os.unlink(os.path.join(dirpath, name))
                 except FileNotFoundError:
                     pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
