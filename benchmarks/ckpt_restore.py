@@ -31,9 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._report import machine, write_section
-from ckpt import _reader
 from ckpt import format as fmt
 from ckpt.manager import CheckpointManager
+from ckpt.restoring import reader
 
 _TENSOR_BYTES = 64 << 20
 
@@ -196,19 +196,19 @@ def run(root: Path, state: dict, size: int, dev: str, repeats: int) -> list[str]
     step = root / "ckpt" / "step-0"
 
     def two_passes() -> None:  # as without room on the device: verify first, then read again
-        with _patched(_reader, "DEVICE_SCRATCH_SHARE", 0.0):
+        with _patched(reader, "DEVICE_SCRATCH_SHARE", 0.0):
             manager.restore(0, into=state)
 
     def first_pass() -> None:  # read + CRC of every chunk, nothing kept
         body = fmt.read_manifest(step)
-        _reader._verify_files(step, body, None, _reader.RestoreStats())
+        reader._verify_files(step, body, None, reader.RestoreStats())
 
     def second_pass() -> None:  # read + CRC + copy into the tensors, without the first pass
         with (
-            _patched(_reader, "DEVICE_SCRATCH_SHARE", 0.0),
-            _patched(_reader, "_verify_files", lambda *a: None),
+            _patched(reader, "DEVICE_SCRATCH_SHARE", 0.0),
+            _patched(reader, "_verify_files", lambda *a: None),
         ):
-            _reader.read_checkpoint(step, into=state)
+            reader.read_checkpoint(step, into=state)
 
     methods: dict[str, Callable[[], None]] = {
         "ckpt restore(into=) existing tensors": ckpt_into,

@@ -40,11 +40,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._report import DOC, machine, write_section
-from ckpt import _pool
 from ckpt import format as fmt
-from ckpt._flatten import flatten
-from ckpt._pool import pinned_empty
 from ckpt.manager import CheckpointManager
+from ckpt.saving import pool
+from ckpt.saving.flatten import flatten
+from ckpt.saving.pool import pinned_empty
 
 _TENSOR_BYTES = 64 << 20
 
@@ -289,7 +289,7 @@ def _per_tensor_stage(state: dict, buf: object) -> float:
 
 
 def _background(nbytes: int) -> tuple[torch.Tensor, object]:
-    buf = _pool.Buffer(nbytes, True, background=True)
+    buf = pool.Buffer(nbytes, True, background=True)
     buf.wait_all()
     return buf.tensor, buf
 
@@ -306,10 +306,10 @@ def pinned_alloc(nbytes: int) -> list[str]:
         ),
         ("registered, 1 thread", lambda: pinned_empty(nbytes, 1)),
         ("registered, 8 threads", lambda: pinned_empty(nbytes, 8)),
-        (f"registered, {_pool._threads()} threads (one per core)",
-         lambda: pinned_empty(nbytes, _pool._threads())),
-        (f"registered in {_pool.REGISTER_BYTES >> 20} MiB pieces in the background, "
-         f"{_pool._threads()} threads (a first save's buffer), until all are ready",
+        (f"registered, {pool._threads()} threads (one per core)",
+         lambda: pinned_empty(nbytes, pool._threads())),
+        (f"registered in {pool.REGISTER_BYTES >> 20} MiB pieces in the background, "
+         f"{pool._threads()} threads (a first save's buffer), until all are ready",
          lambda: _background(nbytes)),
     ):  # fmt: skip
         t0 = time.perf_counter()
@@ -414,15 +414,15 @@ def many_tensors(counts: list[int], saves: int, root: Path) -> str:
 
 
 def _plan_rows(leaves: list, gather: bool, best: Any) -> list[tuple[str, float]]:
-    from ckpt import _staging
-    from ckpt._pool import Buffer
+    from ckpt.saving import plan as saveplan
+    from ckpt.saving.pool import Buffer
 
-    stager = _staging.Stager(gather_host=gather)
+    stager = saveplan.Stager(gather_host=gather)
     plan = stager.plan(leaves)
     buf = Buffer(plan.nbytes, False)
     plan.stage(leaves, buf)
     name = "gathered runs (the CUDA path's plan)" if gather else "host path"
-    fresh = best(lambda: _staging.Plan(leaves, gather).stage(leaves, Buffer(plan.nbytes, False)))
+    fresh = best(lambda: saveplan.Plan(leaves, gather).stage(leaves, Buffer(plan.nbytes, False)))
     return [
         (f"cached plan, {name}: a new plan (first save, or the state changed)", fresh),
         (f"cached plan, {name}: signature check only", best(lambda: stager.plan(leaves))),
@@ -438,7 +438,7 @@ def plan_overhead(tensors: int, repeats: int = 20) -> str:
     shaped: the parameter, two moments and a 0-dim step each): the per-tensor staging of
     earlier versions against the cached plan, best of ``repeats``. ``gather_host`` runs the
     CUDA path's plan (runs gathered into a storage resized per save) on the host tensors."""
-    from ckpt._pool import Buffer
+    from ckpt.saving.pool import Buffer
 
     params = max(1, tensors // 4)
     g = torch.Generator().manual_seed(0)

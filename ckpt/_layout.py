@@ -5,7 +5,7 @@ A checkpoint directory ``DIR`` holds:
 - ``step-N/``: a committed step (``N`` in ASCII digits, no leading zero) holding ``manifest.json``
   and its data files (``data.bin``; ``rank-RRRRR.bin`` per rank for a DCP save);
 - ``step-N.tmp-[KIND-]PID-RAND/``: a save (``KIND`` empty), a DCP save (``dcp``) or a download
-  (``remote``) in progress; ``step-N.del-RAND/``: a copy being retired (``ckpt._commit``);
+  (``remote``) in progress; ``step-N.del-RAND/``: a copy being retired (``ckpt.saving.commit``);
 - ``latest``: a regular file holding ``step-N`` and a newline, replaced by rename from
   ``latest.tmp-PID-RAND``;
 - ``.lock``: the writer lock; ``upload-status.json``: the remote tier's status mirror, replaced

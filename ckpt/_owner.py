@@ -18,7 +18,7 @@ root (``ckpt._layout`` spells every name):
   ``retention.json``: ckpt's JSON; their temporary files and the marker's: regular files.
 
 A symlink is never ours. Even inside a claimed root, every deleting path (leftover cleanup,
-``ckpt._commit.settle``, eviction, replacing ``step-N`` or ``latest``, ``ckpt gc``, the siblings
+``ckpt.saving.commit.settle``, eviction, replacing ``step-N`` or ``latest``, ``ckpt gc``, the siblings
 of ``ckpt.save(PATH)``, the remote tier's retention) asks this module first and leaves what it
 does not accept where it is. Reading a manifest here checks only that ckpt wrote it (its
 canonical head and ``"format":"ckpt"``), not that it is intact: a corrupt ckpt step is still

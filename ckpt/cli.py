@@ -7,7 +7,7 @@ output of ``ckpt.save``, a Lightning checkpoint written by ``CkptCheckpointIO``)
 to ``save``; with ``--metrics`` the ``metrics`` too) and leftovers without reading data;
 ``verify`` checks that each step restores: every data file's CRC32C and the tree, entries and
 types, as ``restore`` checks them. Both exit with status 1 if any step is bad. ``gc`` removes
-leftovers of interrupted saves and applies the manager's retention rule (``ckpt._retention``
+leftovers of interrupted saves and applies the manager's retention rule (``ckpt.retention.rules``
 with the ``ckpt.policy`` objects of ``--keep-last N``, ``--keep-every N`` and
 ``--keep-best METRIC:K:min|max``; a step is kept if any keeps it) under the directory's writer
 lock: only restorable steps count, and a step whose upload has not finished is never deleted.
@@ -33,11 +33,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ckpt import _commit, _layout, _owner, _retention
+from ckpt import _layout, _owner
 from ckpt import format as fmt
 from ckpt._paths import local_path
 from ckpt.errors import CheckpointError
 from ckpt.policy import Policy, from_options
+from ckpt.retention import rules
+from ckpt.saving import commit
 
 __all__ = ["main"]
 
@@ -53,7 +55,7 @@ def _size(n: float) -> str:
 def _verify(path: Path) -> tuple[bool, str, int]:
     """Whether the checkpoint in ``path`` restores (every checksum, the tree, entries, types)."""
     t0 = time.perf_counter()
-    why = _retention.restorable(path)
+    why = rules.restorable(path)
     if why is not None:
         return False, why, 0
     try:
@@ -110,7 +112,7 @@ def _ls(root: Path, metrics: bool = False) -> int:
     from ckpt.remote import read_status
 
     targets, single = _targets(root)
-    latest = None if single else _commit.read_latest(root)
+    latest = None if single else commit.read_latest(root)
     uploads = {} if single else read_status(root)
     print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'created':<19}  {'upload':<9}  status")
     bad = 0
@@ -131,7 +133,7 @@ def _ls(root: Path, metrics: bool = False) -> int:
             mark += f" (upload: {up['reason']})"
         print(_row(name, body, mark, str(up.get("state", "-")), metrics))
     if not single:
-        for path in _commit.leftovers(root):
+        for path in commit.leftovers(root):
             what = "leftover" if _owner.is_ours(path) else "not written by ckpt, kept"
             print(f"{'-':>10}  {'':>10}  {'':>5}  {'':<19}  {'':<9}  {what}: {path.name}")
     return 1 if bad else 0
@@ -179,27 +181,27 @@ def _gc(root: Path, given: Policy | object | None, dry_run: bool) -> int:
         raise ForeignEntriesError(root, _owner.TOOL, foreign)
     for name in foreign:
         print(f"{'would skip' if dry_run else 'skipped'} {name} (not written by ckpt)")
-    policy = _retention.recorded(root) if given is _NO_FLAGS else given
+    policy = rules.recorded(root) if given is _NO_FLAGS else given
     assert policy is None or isinstance(policy, Policy)
     if not dry_run:
         _owner.claim_root(root)
-    lock = _commit.WriterLock(root)
+    lock = commit.WriterLock(root)
     if not dry_run or os.path.lexists(root / _layout.LOCK):  # a dry run creates no file
         lock.acquire()
     try:
         if dry_run:
-            for path in _commit.leftovers(root):
+            for path in commit.leftovers(root):
                 if path.name not in foreign:
                     print(f"would remove leftover {path.name}")
         else:
-            for path in _commit.remove_leftovers(root):
+            for path in commit.remove_leftovers(root):
                 print(f"removed leftover {path.name}")
         remote = (root / STATUS_FILE).exists()  # a remote tier: keep what is not uploaded
         uploads = read_status(root)
         why_bad: dict[int, str] = {}
 
         def is_restorable(step: int) -> bool:
-            why = _retention.restorable(_layout.step_dir(root, step))
+            why = rules.restorable(_layout.step_dir(root, step))
             if why is not None:
                 why_bad[step] = why
             return why is None
@@ -209,17 +211,17 @@ def _gc(root: Path, given: Policy | object | None, dry_run: bool) -> int:
 
         def metrics(step: int) -> dict:
             try:
-                return _retention.metrics(_layout.step_dir(root, step))
+                return rules.metrics(_layout.step_dir(root, step))
             except (CheckpointError, FileNotFoundError):  # corrupt or gone: not ranked
                 return {}
 
-        decision = _retention.plan(
-            [s for s in _commit.steps(root) if _layout.step_name(s) not in foreign],
+        decision = rules.plan(
+            [s for s in commit.steps(root) if _layout.step_name(s) not in foreign],
             policy,
             is_restorable=is_restorable,
             may_evict=may_evict,
             metrics=metrics,
-            latest=_commit.read_latest(root),
+            latest=commit.read_latest(root),
         )
         for step, reason in sorted(decision.keep.items()):
             detail = f": {why_bad[step]}" if step in why_bad else ""
@@ -227,7 +229,7 @@ def _gc(root: Path, given: Policy | object | None, dry_run: bool) -> int:
         for step in decision.delete:
             if dry_run:
                 print(f"would delete step {step}")
-            elif _commit.evict(root, step):
+            elif commit.evict(root, step):
                 print(f"deleted step {step}")
             else:
                 print(f"kept step {step} (being read)")

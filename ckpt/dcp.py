@@ -61,11 +61,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckpt import _commit, _layout, _owner
+from ckpt import _layout, _owner
 from ckpt import format as fmt
-from ckpt._flatten import torch_dtype
-from ckpt._pool import Buffer, PinnedPool, PoolOptions
 from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.saving import commit
+from ckpt.saving.flatten import torch_dtype
+from ckpt.saving.pool import Buffer, PinnedPool, PoolOptions
 from feedpipe.io import crc32c, to_hex
 
 if TYPE_CHECKING:
@@ -374,8 +375,8 @@ class CkptStorageWriter(StorageWriter):
             metadata={"dcp": encode_metadata(metadata)},
         )
         fmt.write_manifest(tmp, body)
-        self.committed = _commit.publish(tmp, self.directory, self.step)
-        _commit.write_latest(self.directory, self.step)
+        self.committed = commit.publish(tmp, self.directory, self.step)
+        commit.write_latest(self.directory, self.step)
         if self.manager is not None:
             self.manager.adopt(self.step)
 
@@ -483,7 +484,7 @@ class CkptStorageReader(StorageReader):
         """The step directory being read."""
         if self.directory is None:
             raise CheckpointError("CkptStorageReader needs a directory (and a step)")
-        latest = _commit.steps(self.directory)  # also recovers a re-save a crash cut in two
+        latest = commit.steps(self.directory)  # also recovers a re-save a crash cut in two
         if self.step is None:
             if not latest:
                 raise CheckpointError(f"{self.directory}: no committed checkpoints")

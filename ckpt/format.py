@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from ckpt import _faults
-from ckpt._flatten import ALIGN, MAX_DEPTH, Leaf, torch_dtype
 from ckpt._layout import DATA_FILE, MANIFEST
-from ckpt._pool import Buffer
 from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.saving.flatten import ALIGN, MAX_DEPTH, Leaf, torch_dtype
+from ckpt.saving.pool import Buffer
 from feedpipe.io import crc32c, to_hex
 from feedpipe.io.trace import span
 

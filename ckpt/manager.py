@@ -10,7 +10,7 @@ Extension points: ``on_commit`` listeners ``(step, path)`` run in the background
 commit; ``evict_guards`` ``(step) -> bool`` may veto the eviction of a step (e.g. until uploaded).
 With ``remote=`` (``ckpt.remote``), committed steps are uploaded in the background, local steps
 are kept until uploaded, ``steps``/``latest_step`` list the remote steps too, and ``restore``
-falls back to the remote copy. Retention is ``ckpt._retention.plan`` with a ``ckpt.policy``
+falls back to the remote copy. Retention is ``ckpt.retention.rules.plan`` with a ``ckpt.policy``
 object built from ``keep_last``/``keep_every``/``keep_best`` (the rule ``ckpt gc`` uses).
 
 Save policy: ``should_save(step)`` (``save_interval_steps``, ``save_on_steps``, preemption).
@@ -33,13 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ckpt import _commit, _faults, _layout, _owner, _retention, _staging
+from ckpt import _faults, _layout, _owner
 from ckpt import format as fmt
-from ckpt._flatten import RNG_KEY, Leaf, flatten, rng_state
 from ckpt._paths import local_path
-from ckpt._pool import Buffer, PinnedPool, PoolOptions
-from ckpt._reader import MapLocation, RestoreStats, read_checkpoint
-from ckpt._retainer import Retainer
 from ckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -49,6 +45,13 @@ from ckpt.errors import (
 )
 from ckpt.policy import KeepBest, Policy, from_options
 from ckpt.preemption import PREEMPTED_EXIT_CODE, Preemption, PreemptionOptions
+from ckpt.restoring.reader import MapLocation, RestoreStats, read_checkpoint
+from ckpt.retention import rules
+from ckpt.retention.retainer import Retainer
+from ckpt.saving import commit
+from ckpt.saving import plan as saveplan
+from ckpt.saving.flatten import RNG_KEY, Leaf, flatten, rng_state
+from ckpt.saving.pool import Buffer, PinnedPool, PoolOptions
 from feedpipe.io.trace import span
 
 if TYPE_CHECKING:
@@ -194,11 +197,11 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.write_options = write or WriteOptions()
         self.pool = PinnedPool(pool)
-        self._stager = _staging.Stager()
+        self._stager = saveplan.Stager()
         self.stats = ManagerStats()
         self.on_commit: list[Callable[[int, Path], None]] = []
         self.evict_guards: list[Callable[[int], bool]] = []
-        self._lock = _commit.WriterLock(self.directory)
+        self._lock = commit.WriterLock(self.directory)
         self._mutex = threading.Lock()
         self._jobs: collections.deque[_Job] = collections.deque()
         self._inflight: list[SaveHandle] = []
@@ -257,11 +260,11 @@ class CheckpointManager:
             _owner.claim_root(self.directory)
             self._lock.acquire(self.write_options.lock_timeout_s)
             try:
-                _retention.record(self.directory, self.policy)
+                rules.record(self.directory, self.policy)
             except BaseException:
                 self._lock.release()
                 raise
-            removed = _commit.remove_leftovers(self.directory)
+            removed = commit.remove_leftovers(self.directory)
             if removed:
                 log.info(
                     "ckpt: removed %d leftovers of interrupted saves in %s",
@@ -377,7 +380,7 @@ class CheckpointManager:
                     self.write_options.threads, thread_name_prefix="ckpt-write"
                 )
             w0 = time.perf_counter()
-            tmp = _commit.make_tmp(self.directory, step)
+            tmp = commit.make_tmp(self.directory, step)
             data = job.buf.view()[: job.body["nbytes"]]
             rec = fmt.write_file(
                 tmp / _layout.DATA_FILE, data, self._executor, self.write_options.chunk_bytes
@@ -389,9 +392,9 @@ class CheckpointManager:
             job.body["files"] = [rec]
             fmt.write_manifest(tmp, job.body)
             with span("ckpt/commit"):
-                handle.path = _commit.publish(tmp, self.directory, step)
+                handle.path = commit.publish(tmp, self.directory, step)
             tmp = None
-            _commit.write_latest(self.directory, step)
+            commit.write_latest(self.directory, step)
             stats.commit_s = time.perf_counter() - c0
             stats.durable_s = time.perf_counter() - job.t0
             self._newest_verified = max(step, self._newest_verified or step)
@@ -417,7 +420,7 @@ class CheckpointManager:
             if not released:
                 self.pool.release(job.buf)
             if tmp is not None:
-                _commit.remove_path(tmp)
+                commit.remove_path(tmp)
             with self._mutex:
                 if handle in self._inflight:
                     self._inflight.remove(handle)
@@ -442,7 +445,7 @@ class CheckpointManager:
 
     # ---- retention ----------------------------------------------------------------------
     def _retain(self, strict: bool = False) -> None:
-        """Apply retention (``ckpt._retainer.Retainer.retain``) with the current policy."""
+        """Apply retention (``ckpt.retention.retainer.Retainer.retain``) with the current policy."""
         self._retainer.retain(self.policy, strict)
 
     def _mark_good(self, step: int, path: Path) -> None:
@@ -477,7 +480,7 @@ class CheckpointManager:
         """Committed steps, ascending: the local ``step-N`` directories and, with a remote tier,
         the steps committed there (listing only; ``restore`` verifies). Raises
         ``CheckpointError`` if the remote cannot be listed: a step there may be the newest."""
-        return sorted(set(_commit.steps(self.directory)) | self._remote_steps(strict=True))
+        return sorted(set(commit.steps(self.directory)) | self._remote_steps(strict=True))
 
     def latest_step(self) -> int | None:
         """The newest committed step, local or remote (see ``steps``), or ``None``."""
@@ -501,7 +504,7 @@ class CheckpointManager:
         if not (path / fmt.MANIFEST).is_file() and step in self._remote_steps():
             assert self.remote is not None
             return self.remote.read_manifest(step)
-        with _commit.reading(path):
+        with commit.reading(path):
             return fmt.read_manifest(path)
 
     # ---- save policy and preemption -------------------------------------------------------
@@ -598,7 +601,7 @@ class CheckpointManager:
         # before this reader can open it, _RELISTS times in a row, makes this give up
         for _attempt in range(_RELISTS):
             vanished = False
-            local = set(_commit.steps(self.directory))
+            local = set(commit.steps(self.directory))
             candidates = [step] if step is not None else sorted(local | remote, reverse=True)
             for s in candidates:
                 if any(s == done for done, _ in skipped):
@@ -611,7 +614,7 @@ class CheckpointManager:
                         )
                     else:
                         try:
-                            with _commit.reading(path):
+                            with commit.reading(path):
                                 state, _, stats = read_checkpoint(
                                     path,
                                     map_location=map_location,
@@ -684,7 +687,7 @@ class CheckpointManager:
         checkpoints read by other means, such as ``ckpt.dcp.CkptStorageReader``."""
         path = _layout.step_dir(self.directory, step)
         try:
-            with _commit.reading(path):
+            with commit.reading(path):
                 for rec in fmt.read_manifest(path)["files"]:
                     fmt.verify_file(path, rec)
             return path
@@ -699,7 +702,7 @@ class CheckpointManager:
                 fmt.verify_file(tmp, rec)
             self._publish_download(tmp, step)
         finally:
-            _commit.remove_path(tmp)
+            commit.remove_path(tmp)
         return path
 
     def _download(self, step: int, error: type[CheckpointError]) -> Path:
@@ -723,9 +726,9 @@ class CheckpointManager:
     def _publish_download(self, tmp: Path, step: int) -> None:
         """Commit a verified download as local ``step-N``, known uploaded (writer lock held)."""
         assert self.remote is not None
-        _commit.publish(tmp, self.directory, step)
-        if step >= max(_commit.steps(self.directory), default=step):
-            _commit.write_latest(self.directory, step)
+        commit.publish(tmp, self.directory, step)
+        if step >= max(commit.steps(self.directory), default=step):
+            commit.write_latest(self.directory, step)
         with self._mutex:
             self.remote.stats.uploads.setdefault(step, _done_status(step))
 
@@ -752,7 +755,7 @@ class CheckpointManager:
             if self._lock.held:
                 self._publish_download(tmp, step)
         finally:
-            _commit.remove_path(tmp)
+            commit.remove_path(tmp)
         return state, stats
 
     # ---- lifecycle ----------------------------------------------------------------------

@@ -9,7 +9,7 @@ keeps it. One policy object drives all three users: ``CheckpointManager`` (built
 
 The rules every policy follows:
 
-- Only restorable steps count (every checksum verified, ``ckpt._retention.restorable``). A
+- Only restorable steps count (every checksum verified, ``ckpt.retention.rules.restorable``). A
   policy asks ``view.restorable(step)`` only about the steps it would keep, newest or best first.
 - ``KeepLast(n)``: the newest ``n`` restorable steps; a step that is not restorable and is newer
   than the oldest of them is kept too (not counted, never displacing a good step).
@@ -19,7 +19,7 @@ The rules every policy follows:
   highest (``"max"``) value of ``metric``, as saved with ``save(step, state, metrics=...)``; on a
   tie the newer step wins. **A step without that metric is not ranked**: ``KeepBest`` never keeps
   it, and the other policies decide its fate.
-- Whatever the policy, ``ckpt._retention.plan`` also keeps the newest restorable step, so a
+- Whatever the policy, ``ckpt.retention.rules.plan`` also keeps the newest restorable step, so a
   policy can never delete the last good checkpoint, and locally the step ``latest`` names (the
   last one saved, even when a lower step was saved after a higher one).
 """

@@ -11,7 +11,7 @@ its manifest first. Verification (``RemoteOptions.verify``):
   CRC32Cs as they are sent (a file changed since its commit fails the upload). Every part
   goes with its ``Content-MD5`` (S3 rejects a body that does not match) and the store's ETags,
   its MD5s of the bytes it received, must equal the MD5s of the bytes sent, with the stored
-  size (:mod:`ckpt._s3put`): the store vouches for every byte without a second transfer.
+  size (:mod:`ckpt.tiers.s3put`): the store vouches for every byte without a second transfer.
   Where it cannot (not S3, or ETags that are not MD5s, as with SSE-KMS), the file is read
   back as with ``"readback"``.
 - ``"readback"``: every chunk is read back from the store and its CRC32C compared with the
@@ -44,10 +44,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt import _commit, _faults, _layout, _owner, _retention, _s3put
+from ckpt import _faults, _layout, _owner
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError, RemoteCheckpointError
 from ckpt.policy import KeepLast, Policy
+from ckpt.retention import rules
+from ckpt.saving import commit
+from ckpt.tiers import s3put
 from feedpipe.io import RetryPolicy, call, crc32c, redact, resolve, to_hex
 from feedpipe.io.reaper import join_threads
 from feedpipe.io.trace import span
@@ -173,7 +176,7 @@ def _client_options(options: RemoteOptions) -> dict[str, Any]:
     """``options.storage_options``; for S3 (the caller's values win): a connection pool with
     room for every part and file request in flight (botocore's default of 10 would cap them),
     and no request checksum computed by botocore: every data file goes with its ``Content-MD5``
-    (:mod:`ckpt._s3put`), the manifest is read back, and botocore's checksum would cost the
+    (:mod:`ckpt.tiers.s3put`), the manifest is read back, and botocore's checksum would cost the
     event loop thread that carries every transfer a pass over each part."""
     out = dict(options.storage_options or {})
     if options.url.startswith(("s3://", "s3a://")):
@@ -189,7 +192,7 @@ def _part_bytes(size: int, block_bytes: int, threads: int) -> int:
     enough that the file has ``threads`` parts to send at once, but never under S3's 5 MiB, and
     large enough that the file has at most S3's 10,000 parts."""
     part = max(_MIN_PART, min(block_bytes, -(-size // max(1, threads))))
-    return max(part, -(-size // _s3put.MAX_PARTS))
+    return max(part, -(-size // s3put.MAX_PARTS))
 
 
 def _mtime(info: Mapping[str, Any]) -> float:
@@ -283,7 +286,7 @@ class RemoteTier:
         # multipart parts (and local checks) of every file: their own pool, so a file's thread
         # that waits for its parts never holds a worker its parts need
         self._parts = ThreadPoolExecutor(options.threads, thread_name_prefix=f"{self._names}-part")
-        self._s3 = _s3put.is_s3(self.fs)
+        self._s3 = s3put.is_s3(self.fs)
         self._kick()  # reconcile with the remote (uploads committed steps never uploaded)
 
     # ---- queue --------------------------------------------------------------------------
@@ -292,7 +295,7 @@ class RemoteTier:
         ``on_error="warn"``, also queue again every step whose upload failed and whose local copy
         is still there."""
         warn = self.options.on_error == "warn"
-        local = set(_commit.steps(self.directory)) if warn else set()
+        local = set(commit.steps(self.directory)) if warn else set()
         with self._cond:
             retry = [
                 s
@@ -392,7 +395,7 @@ class RemoteTier:
                         step = self._queue.popleft()
                     self._upload_one(step)
             except Exception as exc:  # never let the thread die silently: report and go on
-                for failed in [step] if step >= 0 else _commit.steps(self.directory):
+                for failed in [step] if step >= 0 else commit.steps(self.directory):
                     self._fail(failed, exc)
             except BaseException:
                 with self._cond:
@@ -423,7 +426,7 @@ class RemoteTier:
 
     def _reconcile(self) -> None:
         """On start: mark steps already committed remotely as done, queue the others."""
-        local = _commit.steps(self.directory)
+        local = commit.steps(self.directory)
         try:
             remote = _transfer(
                 lambda: list_remote(self.fs, self.root),
@@ -498,7 +501,7 @@ class RemoteTier:
         self._metrics.pop(step, None)  # a step saved again may carry other metrics
         self._write_status()
         try:
-            with _commit.reading(path):  # a shared lock: local retention cannot take it meanwhile
+            with commit.reading(path):  # a shared lock: local retention cannot take it meanwhile
                 raw = (path / fmt.MANIFEST).read_bytes()
                 body = fmt.read_manifest(path)
                 existing = self._remote_manifest(step)
@@ -563,7 +566,7 @@ class RemoteTier:
                 _faults.pause("upload")
                 self._verify_remote(step, rec, vouched)
                 return
-            except _s3put.LocalMismatchError:  # the local file itself: sending again cannot help
+            except s3put.LocalMismatchError:  # the local file itself: sending again cannot help
                 raise
             except CorruptCheckpointError:
                 if attempt == 2:
@@ -581,8 +584,8 @@ class RemoteTier:
         if self._s3:
             # the store vouches only for the bytes sent: those very bytes, as read for the
             # upload, are checked against the manifest's CRC32Cs before they go
-            check = _s3put.ChunkCheck(rec, str(local)) if self.options.verify == "auto" else None
-            return _s3put.put_file(
+            check = s3put.ChunkCheck(rec, str(local)) if self.options.verify == "auto" else None
+            return s3put.put_file(
                 self.fs, local, rpath, size=rec["size"], part_bytes=part, pool=self._parts,
                 call=lambda fn, what: self._call(fn, step, name, what), check=check,
             )  # fmt: skip
@@ -654,7 +657,7 @@ class RemoteTier:
         self._call(rm_rest, step, "", "delete")
 
     def _retain_remote(self) -> None:
-        """Remote retention is ``ckpt._retention.plan``, the rule of the local tier, with every
+        """Remote retention is ``ckpt.retention.rules.plan``, the rule of the local tier, with every
         remote step counted as restorable: a remote manifest is written only after each data
         file verified, and checking more would download the step. The newest verified upload and
         steps still queued or uploading are never deleted (the evict guard)."""
@@ -671,7 +674,7 @@ class RemoteTier:
                 )  # fmt: skip
         listing = {s: e for s, e in listing.items() if not e.foreign}
         committed = sorted(s for s, e in listing.items() if e.committed)
-        decision = _retention.plan(
+        decision = rules.plan(
             committed,
             self.policy,
             is_restorable=lambda s: True,
@@ -708,7 +711,7 @@ class RemoteTier:
 
     def _abort_stale_uploads(self, before: float, active: set[int]) -> None:
         """Abort the multipart uploads of steps not active here, begun before ``before``."""
-        stale = self._call(lambda: _s3put.stale_uploads(self.fs, self.root, before), 0, "", "list")
+        stale = self._call(lambda: s3put.stale_uploads(self.fs, self.root, before), 0, "", "list")
         bucket = self.fs.split_path(self.root)[0]
         for rel, key, upload_id in stale:
             head, _, tail = rel.partition("/")
@@ -798,7 +801,7 @@ class RemoteTier:
 
                 self._call(fetch, step, rec["name"], "download")
         except BaseException:
-            _commit.remove_path(tmp)
+            commit.remove_path(tmp)
             raise
         return tmp
 
@@ -835,7 +838,7 @@ class RemoteTier:
                 f.write(json.dumps(doc))
         except OSError as exc:  # the status mirror is informational; never fail an upload for it
             log.warning("ckpt: cannot write %s: %s", target, exc)
-            _commit.remove_path(tmp)
+            commit.remove_path(tmp)
             return
         finally:
             os.close(fd)
@@ -843,4 +846,4 @@ class RemoteTier:
             os.replace(tmp, target)
         except OSError as exc:
             log.warning("ckpt: cannot write %s: %s", target, exc)
-            _commit.remove_path(tmp)
+            commit.remove_path(tmp)

@@ -21,7 +21,7 @@ Keys follow ``torch.nn.Module.load_state_dict``: with ``strict=True`` (the defau
 ``CheckpointError`` listing them all; with ``strict=False`` they are skipped (an unexpected key is
 not added to ``into``) and reported as ``IncompatibleKeys`` in ``RestoreStats.incompatible_keys``.
 
-Order of a restore (``ckpt._reader.read_checkpoint`` runs it), each step only after the one
+Order of a restore (``ckpt.restoring.reader.read_checkpoint`` runs it), each step only after the one
 before succeeded:
 
 1. ``RestorePlan.build``: keys, shapes, dtypes, writability (no read-only array, no inference
@@ -52,8 +52,8 @@ import numpy as np
 import torch
 
 from ckpt import format as fmt
-from ckpt._flatten import RNG_KEY, set_rng_state, torch_dtype, unflatten
 from ckpt.errors import CheckpointError
+from ckpt.saving.flatten import RNG_KEY, set_rng_state, torch_dtype, unflatten
 
 __all__ = ["IncompatibleKeys", "RestorePlan"]
 

@@ -7,13 +7,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ckpt import _commit, _layout, _owner
+from ckpt import _layout, _owner
 from ckpt import format as fmt
-from ckpt._flatten import Leaf, flatten
 from ckpt._paths import local_path
-from ckpt._pool import Buffer
-from ckpt._reader import MapLocation, read_checkpoint
 from ckpt.errors import CheckpointError
+from ckpt.restoring.reader import MapLocation, read_checkpoint
+from ckpt.saving import commit
+from ckpt.saving.flatten import Leaf, flatten
+from ckpt.saving.pool import Buffer
 from feedpipe.io.reaper import pid_alive
 
 __all__ = ["load", "save"]
@@ -46,11 +47,11 @@ def save(path: str | os.PathLike[str], state: Any, *, metadata: dict | None = No
             step=None, nbytes=nbytes, tree=tree, entries=entries, files=[rec], metadata=metadata
         )
         fmt.write_manifest(tmp, body)
-        _commit.fsync_dir(tmp)
+        commit.fsync_dir(tmp)
         retired = path.with_name(_layout.del_name(path.name))
-        _commit.replace_dir(tmp, path, retired)
+        commit.replace_dir(tmp, path, retired)
     except BaseException:
-        _commit.remove_path(tmp)  # the new copy, or after the exchange the old one
+        commit.remove_path(tmp)  # the new copy, or after the exchange the old one
         raise
     return path
 
@@ -61,7 +62,7 @@ def _check_replaceable(path: Path) -> None:
         raise CheckpointError(f"{path}: is a symlink; ckpt.save never replaces one")
     if not os.path.lexists(path):
         return
-    if _owner.is_ckpt_dir(path) and (_commit.is_complete(path) or not os.listdir(path)):
+    if _owner.is_ckpt_dir(path) and (commit.is_complete(path) or not os.listdir(path)):
         # a ckpt.save never leaves PATH holding data files without a manifest (it is complete
         # at every instant): such a directory (a user's data.bin) is not ckpt's to replace
         return
@@ -82,12 +83,12 @@ def _settle(path: Path, tmps: bool = True) -> None:
         return
     retired = [path.parent / n for n in names if _layout.is_retired(n, path.name)]
     if retired:
-        _commit.settle(path, retired)
+        commit.settle(path, retired)
     for n in names if tmps else ():
         pid = _layout.tmp_pid(n, path.name)
         tmp = path.parent / n
         if pid is not None and not pid_alive(pid) and _owner.is_ckpt_dir(tmp, scratch=True):
-            _commit.remove_path(tmp)  # a dead save's temp that holds only ckpt files
+            commit.remove_path(tmp)  # a dead save's temp that holds only ckpt files
 
 
 def load(

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt import _reader
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError
 from ckpt.manager import CheckpointManager, WriteOptions
+from ckpt.restoring import reader
 
 
 def _state(fill: float) -> dict[str, torch.Tensor]:
@@ -35,7 +35,7 @@ def _two_steps(tmp_path: Path) -> tuple[CheckpointManager, Path, Path]:
 def _swap_after(
     monkeypatch: pytest.MonkeyPatch, name: str, old: Path, new: Path, fired: list[int]
 ) -> None:
-    """After ``_reader.<name>`` (or ``fmt.verify_file``) returns, replace ``old``'s data file by
+    """After ``reader.<name>`` (or ``fmt.verify_file``) returns, replace ``old``'s data file by
     ``new``'s (a rename, as an overwriting writer would): same size, other bytes."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -50,7 +50,7 @@ def _swap_after(
 
         return hooked
 
-    monkeypatch.setattr(_reader, name, wrap(getattr(_reader, name)))
+    monkeypatch.setattr(reader, name, wrap(getattr(reader, name)))
     monkeypatch.setattr(fmt, "verify_file", wrap(fmt.verify_file))
 
 
@@ -61,7 +61,7 @@ def test_file_replaced_between_the_verify_pass_and_the_copy_pass_writes_nothing_
     """restore(into=host tensors, or CUDA ones without device room) verifies first, then reads
     again: both passes must read the same file (it was half-written into the caller's tensors,
     then failed its checksum)."""
-    monkeypatch.setattr(_reader, "DEVICE_SCRATCH_SHARE", 0.0)  # CUDA: the two-pass path
+    monkeypatch.setattr(reader, "DEVICE_SCRATCH_SHARE", 0.0)  # CUDA: the two-pass path
     m, one, two = _two_steps(tmp_path)
     fired: list[int] = []
     _swap_after(monkeypatch, "_verify_files", one, two, fired)
@@ -102,9 +102,9 @@ def test_padding_stays_zero_when_two_plans_take_turns_on_one_buffer(gather_host:
     """Two saves at once (two threads, one manager) hold two plans; a buffer written by one
     then staged by the other again kept the first one's bytes in its padding (a plan zeroed the
     padding once per buffer, assuming no other plan wrote there since)."""
-    from ckpt import _staging
-    from ckpt._flatten import flatten
-    from ckpt._pool import Buffer
+    from ckpt.saving import plan as saveplan
+    from ckpt.saving.flatten import flatten
+    from ckpt.saving.pool import Buffer
 
     def leaves(state: dict) -> list:
         out: list = []
@@ -113,13 +113,13 @@ def test_padding_stays_zero_when_two_plans_take_turns_on_one_buffer(gather_host:
 
     odd = leaves({"a": torch.ones(3, dtype=torch.int8), "b": torch.ones(5, dtype=torch.int8)})
     full = leaves({"a": torch.full((130,), 0x5A, dtype=torch.uint8)})
-    stager = _staging.Stager(gather_host=gather_host)
+    stager = saveplan.Stager(gather_host=gather_host)
     first = stager.plan(odd)
     buf = Buffer(256, False)
     first.stage(odd, buf)
     stager.plan(full).stage(full, buf)  # the other save, into the same buffer
     first.stage(odd, buf)  # the first thread's next save, with the plan it holds
-    entries, nbytes = _staging.layout(odd)
+    entries, nbytes = saveplan.layout(odd)
     want = torch.zeros(nbytes, dtype=torch.uint8)
     for e in entries:
         want[e["offset"] : e["offset"] + e["nbytes"]] = 1
@@ -172,16 +172,16 @@ def test_a_staging_buffer_that_cannot_be_allocated_is_a_clear_error_and_loses_no
 
 _PIN_CHILD = r"""
 import os, signal, sys, torch
-from ckpt import _pool
+from ckpt.saving import pool
 from ckpt.manager import CheckpointManager
 m = CheckpointManager(sys.argv[1])
 m.save(1, {"w": torch.ones(1000, device="cuda")}).result()
-pin = _pool.Pinning._pin
+pin = pool.Pinning._pin
 def killed(self, k, keep):
     pin(self, k, keep)
     if k == 2:  # pieces 0-2 registered, the rest still being faulted in
         os.kill(os.getpid(), signal.SIGKILL)
-_pool.Pinning._pin = killed
+pool.Pinning._pin = killed
 g = torch.Generator(device="cuda").manual_seed(0)
 m.save(2, {"w": torch.randn(64 << 20, device="cuda", generator=g)}).result()
 print("NOT KILLED")
@@ -193,7 +193,7 @@ def test_gpu_sigkill_while_the_first_buffer_is_pinned_in_the_background_loses_no
     tmp_path: Path,
 ) -> None:
     """A real process SIGKILLed while its first save of a larger state still faults in and
-    registers its buffer (``ckpt._pool.Pinning``): step 1 restores, no step 2 half-exists, and
+    registers its buffer (``ckpt.saving.pool.Pinning``): step 1 restores, no step 2 half-exists, and
     a new manager saves and restores step 2 (again through a buffer pinned in the background)."""
     import subprocess
     import sys
@@ -241,7 +241,7 @@ def test_mutating_every_tensor_right_after_save_returns_changes_no_step(
     storage, 0-dim, empty, non-contiguous, channels_last, numpy), three saves on one plan."""
     import numpy as np
 
-    from ckpt import _staging
+    from ckpt.saving import plan as saveplan
 
     base = torch.arange(64, dtype=torch.float32)
     state: dict[str, Any] = {
@@ -256,7 +256,7 @@ def test_mutating_every_tensor_right_after_save_returns_changes_no_step(
     }
     snapshots = []
     with CheckpointManager(tmp_path / "ck") as m:
-        m._stager = _staging.Stager(gather_host=gather_host)  # the CUDA path's runs, on the CPU
+        m._stager = saveplan.Stager(gather_host=gather_host)  # the CUDA path's runs, on the CPU
         for step in range(3):
             snapshots.append(
                 {
@@ -288,9 +288,9 @@ def test_a_resave_of_the_step_during_its_restore_loads_the_verified_copy(
     directory = tmp_path / "ck"
     with CheckpointManager(directory) as first:
         first.save(1, _state(1.0)).result()
-    reader = CheckpointManager(directory)
+    mgr = CheckpointManager(directory)
     writer = CheckpointManager(directory)
-    verify = _reader._verify_files
+    verify = reader._verify_files
     fired: list[int] = []
 
     def resave_after(*args: Any, **kwargs: Any) -> None:
@@ -299,20 +299,20 @@ def test_a_resave_of_the_step_during_its_restore_loads_the_verified_copy(
             fired.append(1)
             writer.save(1, _state(100.0)).result()
 
-    monkeypatch.setattr(_reader, "_verify_files", resave_after)
+    monkeypatch.setattr(reader, "_verify_files", resave_after)
     into = {k: torch.full_like(v, -7.0) for k, v in _state(0.0).items()}
     try:
         if mmap:
-            got = reader.restore(1, mmap=True)
+            got = mgr.restore(1, mmap=True)
         else:
-            got = reader.restore(1, into=into)
+            got = mgr.restore(1, into=into)
             assert all(torch.equal(into[k], v) for k, v in _state(1.0).items())
         assert all(torch.equal(got[k], v) for k, v in _state(1.0).items())
         assert fired
-        assert torch.equal(reader.restore(1)["w0"], _state(100.0)["w0"])  # the new copy now
+        assert torch.equal(mgr.restore(1)["w0"], _state(100.0)["w0"])  # the new copy now
     finally:
         writer.close()
-        reader.close()
+        mgr.close()
 
 
 def test_a_resave_between_reading_the_manifest_and_opening_the_data_is_no_corruption(
@@ -324,7 +324,7 @@ def test_a_resave_between_reading_the_manifest_and_opening_the_data_is_no_corrup
     directory = tmp_path / "ck"
     with CheckpointManager(directory) as first:
         first.save(1, _state(1.0)).result()
-    reader = CheckpointManager(directory)
+    mgr = CheckpointManager(directory)
     writer = CheckpointManager(directory)
     read_manifest = fmt.read_manifest
     fired: list[int] = []
@@ -338,12 +338,12 @@ def test_a_resave_between_reading_the_manifest_and_opening_the_data_is_no_corrup
 
     monkeypatch.setattr(fmt, "read_manifest", resave_after)
     try:
-        got = reader.restore(1)
+        got = mgr.restore(1)
         assert fired
         assert all(torch.equal(got[k], v) for k, v in _state(100.0).items())
     finally:
         writer.close()
-        reader.close()
+        mgr.close()
 
 
 _FILES_CHILD = r"""
@@ -351,7 +351,7 @@ import resource, sys
 from pathlib import Path
 import torch
 from ckpt import format as fmt
-from ckpt._reader import read_checkpoint
+from ckpt.restoring.reader import read_checkpoint
 from ckpt.errors import CheckpointError
 from ckpt.manager import CheckpointManager
 from feedpipe.io import crc32c, to_hex

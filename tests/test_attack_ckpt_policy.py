@@ -132,7 +132,8 @@ def test_a_transient_read_error_does_not_unrank_the_best_step(tmp_path, monkeypa
 
     import torch
 
-    from ckpt import CheckpointManager, _retention
+    from ckpt import CheckpointManager
+    from ckpt.retention import rules as _retention
 
     state = {"w": torch.zeros(2)}
     with CheckpointManager(tmp_path, keep_last=1, keep_best=("loss", 1, "min")) as m:
@@ -251,7 +252,8 @@ def test_a_transient_error_verifying_a_keep_every_step_does_not_delete_it(  # ty
 
     import torch
 
-    from ckpt import CheckpointManager, _reader
+    from ckpt import CheckpointManager
+    from ckpt.restoring import reader as _reader
 
     state = {"w": torch.zeros(2)}
     with CheckpointManager(tmp_path, keep_last=None) as m:

@@ -1,4 +1,4 @@
-"""Adversarial review of ckpt's S3 upload path (``ckpt._s3put``, ``RemoteOptions.verify="auto"``):
+"""Adversarial review of ckpt's S3 upload path (``ckpt.tiers.s3put``, ``RemoteOptions.verify="auto"``):
 an attacker and a careless user against the real moto S3 server of ``conftest.py``, with
 ``_faultproxy.FaultProxy`` in front of it where a request or reply must be altered.
 
@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _faultproxy import FaultProxy
 
-from ckpt import _s3put
 from ckpt.format import CHUNK_BYTES
 from ckpt.manager import CheckpointManager
 from ckpt.remote import RemoteOptions, _part_bytes
+from ckpt.tiers import s3put
 from feedpipe.io import crc32c, to_hex
 
 MIB = 1 << 20
@@ -132,13 +132,13 @@ def test_chunk_check_combines_chunks_cut_by_part_boundaries() -> None:
     }
     for part in (333, 1000, 1500, 4321):
         offsets = list(range(0, size, part))[::-1]  # last part first
-        check = _s3put.ChunkCheck(rec, "f")
+        check = s3put.ChunkCheck(rec, "f")
         for off in offsets:
             check(off, bytes(data[off : off + part]))
         for flip in (0, 999, 1000, 2500, size - 1):
             bad = bytearray(data)
             bad[flip] ^= 0x80
-            check = _s3put.ChunkCheck(rec, "f")
+            check = s3put.ChunkCheck(rec, "f")
             with pytest.raises(Exception, match=f"checksum mismatch in chunk {flip // chunk}"):
                 for off in offsets:
                     check(off, bytes(bad[off : off + part]))
@@ -151,7 +151,7 @@ def test_no_file_is_cut_into_more_parts_than_s3_takes(threads: int) -> None:
     than S3's 10,000 parts: the upload failed at part 10,001, after sending 160 GB."""
     for size in (1, 5 * MIB, 160 << 30, (160 << 30) + 1, 1 << 40, 40 << 40):
         part = _part_bytes(size, 16 * MIB, threads)
-        assert -(-size // part) <= _s3put.MAX_PARTS, (size, part)
+        assert -(-size // part) <= s3put.MAX_PARTS, (size, part)
         assert part >= 5 * MIB
 
 
@@ -198,9 +198,9 @@ def test_a_lost_completion_reply_over_other_bytes_is_not_taken(
     )  # fmt: skip
     client.put_object(Bucket=bucket, Key="k", Body=b"old bytes")
     fs = _fs(s3_server)
-    assert _s3put._completed(fs, bucket, "k", "0" * 32 + "-3") is None
+    assert s3put._completed(fs, bucket, "k", "0" * 32 + "-3") is None
     etag = client.head_object(Bucket=bucket, Key="k")["ETag"].strip('"')
-    assert _s3put._completed(fs, bucket, "k", etag) is not None
+    assert s3put._completed(fs, bucket, "k", etag) is not None
 
 
 # ---- 4. symlinks and empty files -----------------------------------------------------------------
@@ -274,9 +274,9 @@ def test_a_file_at_exactly_one_part_and_one_byte_over(tmp_path: Path, s3_server:
                 "crc32c": [to_hex(crc32c(body[i : i + CHUNK_BYTES]))
                            for i in range(0, size, CHUNK_BYTES)],
             }  # fmt: skip
-            vouched = _s3put.put_file(
+            vouched = s3put.put_file(
                 fs, local, f"{bucket}/f{size}", size=size, part_bytes=part, pool=pool,
-                call=lambda fn, what: fn(), check=_s3put.ChunkCheck(rec, str(local)),
+                call=lambda fn, what: fn(), check=s3put.ChunkCheck(rec, str(local)),
             )  # fmt: skip
             assert vouched
             assert fs.cat_file(f"{bucket}/f{size}") == body
@@ -309,8 +309,8 @@ def test_stale_multipart_uploads_are_aborted_after_grace(
         uid = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
         client.upload_part(Bucket=bucket, Key=key, UploadId=uid, PartNumber=1, Body=b"x" * 100)
     # moto dates every upload's Initiated in 2010: the age filter is checked on the listing
-    assert _s3put.stale_uploads(_fs(s3_server), f"{bucket}/run", before=0.0) == []
-    listed = _s3put.stale_uploads(_fs(s3_server), f"{bucket}/run", before=time.time() + 60)
+    assert s3put.stale_uploads(_fs(s3_server), f"{bucket}/run", before=0.0) == []
+    listed = s3put.stale_uploads(_fs(s3_server), f"{bucket}/run", before=time.time() + 60)
     assert sorted(rel for rel, _, _ in listed) == ["notes/x.bin", "step-7/data.bin"]
     with CheckpointManager(tmp_path, remote=_remote(bucket, s3_server, grace_s=0.0)) as m:
         m.remote.gc()  # type: ignore[union-attr]

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import _commit
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.manager import CheckpointManager, PoolOptions
+from ckpt.saving import commit
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
@@ -150,7 +150,7 @@ def test_unsupported_leaves_are_named(tmp_path: Path) -> None:
             m.save(0, {(1, 2): 3})
         with pytest.raises(ValueError, match="non-negative"):
             m.save(-1, {})
-    assert _commit.leftovers(tmp_path) == [] and m.steps() == []
+    assert commit.leftovers(tmp_path) == [] and m.steps() == []
 
 
 def test_backpressure_waits_for_a_buffer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,7 +208,7 @@ def test_background_error_is_raised_by_next_call(
     monkeypatch.undo()
     m.save(3, {"w": torch.ones(3)}).result()  # training continues
     m.close()
-    assert m.steps() == [0, 3] and _commit.leftovers(tmp_path) == []
+    assert m.steps() == [0, 3] and commit.leftovers(tmp_path) == []
 
 
 def test_retention_keeps_last_and_respects_guards_and_readers(tmp_path: Path) -> None:
@@ -221,7 +221,7 @@ def test_retention_keeps_last_and_respects_guards_and_readers(tmp_path: Path) ->
     assert committed == [0, 1, 2, 3, 4]
     assert m.steps() == [1, 3, 4]
     m.evict_guards.clear()
-    with _commit.reading(tmp_path / "step-1"):  # a reader holds step 1: never evicted under it
+    with commit.reading(tmp_path / "step-1"):  # a reader holds step 1: never evicted under it
         assert m.gc() == []
         assert m.steps() == [1, 3, 4]
     assert m.gc() == [1]

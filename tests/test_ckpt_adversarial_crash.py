@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import _commit
 from ckpt.manager import CheckpointManager
+from ckpt.saving import commit
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -56,7 +56,7 @@ def _check_manager(root: Path, k: int, steps: int) -> dict[int, str]:
     for s in (4, 5):
         if s not in found:
             assert len([t for t in found if t > s]) >= 2, f"k={k}: step {s} lost: {found}"
-    latest = _commit.read_latest(root)
+    latest = commit.read_latest(root)
     assert latest in found, f"k={k}: latest={latest} is not a committed step {sorted(found)}"
     assert latest == newest or latest == newest - 1, (k, latest, found)
     assert reader.restore()["step"] == newest
@@ -114,7 +114,7 @@ def _harness(tmp_path: Path, mode: str, no_exchange: bool, steps: int) -> dict[s
         if mode == "dcp":  # no writer lock: the reader's listing recovers
             seen["cut"] += not (root / "step-5").exists()
             seen[_same(_dcp_load(root), 5)] += 1
-            assert _commit.read_latest(root) == 5 and _commit.steps(root) == [5], k
+            assert commit.read_latest(root) == 5 and commit.steps(root) == [5], k
         elif mode == "simple":
             seen["cut"] += not (root / "model").exists()
             got = ckpt.load(root / "model")
@@ -124,13 +124,13 @@ def _harness(tmp_path: Path, mode: str, no_exchange: bool, steps: int) -> dict[s
             assert sorted(p.name for p in root.iterdir()) == ["model"], k
             assert _same(ckpt.load(root / "model"), 5) == "new"
         else:
-            seen["cut"] += not (root / "step-5").exists() and (4 in _commit.steps(root))
+            seen["cut"] += not (root / "step-5").exists() and (4 in commit.steps(root))
             before = _check_manager(root, k, steps)
             if 5 in before:
                 seen[before[5]] += 1
             with CheckpointManager(root, keep_last=None) as writer:
                 writer.gc()  # takes the writer lock: recovery and leftover removal
-            assert _commit.leftovers(root) == [], f"k={k}: {_commit.leftovers(root)}"
+            assert commit.leftovers(root) == [], f"k={k}: {commit.leftovers(root)}"
             assert _check_manager(root, k, steps) == before, f"k={k}: recovery changed steps"
         shutil.rmtree(root)
     return seen
@@ -183,7 +183,7 @@ def test_recovery_never_deletes_the_only_complete_copy(tmp_path: Path) -> None:
         writer.save(6, worker.state(6, "new")).result(30)
         assert writer.steps() == [4, 5, 6]
         assert _same(writer.restore(5), 5) == "old"
-    assert _commit.leftovers(tmp_path) == []
+    assert commit.leftovers(tmp_path) == []
     # the same for ckpt.save(path): load and the next save put the old copy back
     model = tmp_path / "model"
     ckpt.save(model, worker.state(5, "old"))

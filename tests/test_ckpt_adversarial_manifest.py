@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 import ckpt
 from ckpt import cli
 from ckpt import format as fmt
-from ckpt._reader import read_checkpoint, verify_step
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.manager import CheckpointManager
+from ckpt.restoring.reader import read_checkpoint, verify_step
 from feedpipe._crc import crc32c, to_hex
 
 

@@ -19,9 +19,9 @@ import torch
 import ckpt
 from ckpt import cli
 from ckpt import format as fmt
-from ckpt._reader import verify_step
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.manager import CheckpointManager
+from ckpt.restoring.reader import verify_step
 from tests.test_ckpt_adversarial_manifest import write_raw
 
 

@@ -215,9 +215,9 @@ def _recover_manager(root: str) -> None:
 
 
 def _recover_reader(root: str) -> None:
-    from ckpt import _commit
+    from ckpt.saving import commit
 
-    _commit.steps(Path(root))
+    commit.steps(Path(root))
 
 
 def _recover_simple(root: str) -> None:
@@ -357,7 +357,8 @@ def test_eviction_never_unlinks_through_a_swapped_step(
     """``step-N`` swapped for a symlink after eviction opened and locked it (at the
     ``retention`` fault point): the manifest it removes is the locked step's, never one that
     the symlink reaches."""
-    from ckpt import _commit, _faults
+    from ckpt import _faults
+    from ckpt.saving import commit
 
     root = _run(tmp_path / "run")
     victim = tmp_path / "victim"
@@ -372,7 +373,7 @@ def test_eviction_never_unlinks_through_a_swapped_step(
         real(point)
 
     monkeypatch.setattr(_faults, "pause", swap)
-    _commit.evict(root, 1)
+    commit.evict(root, 1)
     assert (victim / "manifest.json").read_text() == "precious\n"
     assert not (tmp_path / "moved" / "manifest.json").exists()  # the locked step lost it
 

@@ -1,5 +1,5 @@
-"""Batched staging (``ckpt._staging``), parallel verified reads (``ckpt._readinto``) and the
-parallel-registered pinned pool (``ckpt._pool.pinned_empty``): bitwise round trips of states of
+"""Batched staging (``ckpt.saving.plan``), parallel verified reads (``ckpt.restoring.read_into``) and the
+parallel-registered pinned pool (``ckpt.saving.pool.pinned_empty``): bitwise round trips of states of
 thousands of mixed tensors, and no write into the caller's tensors when a chunk is corrupt.
 The CUDA paths are ``gpu`` tests (they run on a machine with a GPU)."""
 
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt import _readinto
 from ckpt import format as fmt
-from ckpt._readinto import read_into
 from ckpt.errors import CorruptCheckpointError
 from ckpt.manager import CheckpointManager, WriteOptions
+from ckpt.restoring import read_into as read_into_mod
+from ckpt.restoring.read_into import read_into
 
 DTYPES = [
     torch.float32, torch.bfloat16, torch.bool, torch.int64, torch.float16, torch.uint8,
@@ -135,7 +135,7 @@ def test_reads_run_on_several_threads(tmp_path: Path, monkeypatch: pytest.Monkey
     rec = fmt.read_manifest(path)["files"][0]
     assert len(rec["crc32c"]) >= 32
     seen: set[int] = set()
-    original = _readinto._Job.chunk
+    original = read_into_mod._Job.chunk
     gate = threading.Barrier(3, timeout=10)
 
     def chunk(self: Any, i: int) -> float:
@@ -144,7 +144,7 @@ def test_reads_run_on_several_threads(tmp_path: Path, monkeypatch: pytest.Monkey
             gate.wait()  # three chunks in flight at once, or this times out
         return original(self, i)
 
-    monkeypatch.setattr(_readinto._Job, "chunk", chunk)
+    monkeypatch.setattr(read_into_mod._Job, "chunk", chunk)
     out = torch.empty(rec["size"], dtype=torch.uint8)
     with ThreadPoolExecutor(4) as pool:
         read_into(path, rec, [(0, out)], True, pool)
@@ -155,7 +155,7 @@ def test_reads_run_on_several_threads(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_read_into_memory_is_bounded_by_the_read_size(tmp_path: Path) -> None:
     """A manifest claiming one huge chunk still reads in READ_BYTES pieces (one scratch)."""
     data = tmp_path / "data.bin"
-    payload = np.random.default_rng(0).integers(0, 255, 3 * _readinto.READ_BYTES + 5, np.uint8)
+    payload = np.random.default_rng(0).integers(0, 255, 3 * read_into_mod.READ_BYTES + 5, np.uint8)
     data.write_bytes(payload.tobytes())
     from feedpipe.io import crc32c, to_hex
 
@@ -173,16 +173,16 @@ def test_read_into_memory_is_bounded_by_the_read_size(tmp_path: Path) -> None:
 def test_gathered_runs_land_at_their_planned_offsets() -> None:
     """The batched path (here on CPU tensors): a run's bytes land exactly at their planned
     offsets, size-1 dims with odd strides included."""
-    from ckpt import _staging
-    from ckpt._flatten import flatten
-    from ckpt._pool import Buffer
+    from ckpt.saving import plan as saveplan
+    from ckpt.saving.flatten import flatten
+    from ckpt.saving.pool import Buffer
 
     state = {f"t{k}": _tensor(k, "cpu") for k in range(200)}
     state = {k: v.contiguous() if not v.is_contiguous() else v for k, v in state.items()}
     state["odd"] = torch.arange(9.0)[::3][:1]  # shape (1,), stride (3,): contiguous
     leaves: list = []
     flatten(state, leaves)
-    plan = _staging.Plan(leaves, gather_host=True)  # the CUDA path's runs, on host tensors
+    plan = saveplan.Plan(leaves, gather_host=True)  # the CUDA path's runs, on host tensors
     want = Buffer(plan.nbytes, False)
     want.tensor.zero_()
     fmt.stage(leaves, plan.entries, want)
@@ -278,7 +278,7 @@ def test_gpu_many_tensor_save_benchmark_runs(tmp_path: Path, capsys: pytest.Capt
 
 @pytest.mark.gpu
 def test_gpu_pinned_empty_is_pinned_and_unregistered_when_collected() -> None:
-    from ckpt._pool import pinned_empty
+    from ckpt.saving.pool import pinned_empty
 
     t, keep = pinned_empty(200 << 20, 4)
     assert keep is not None and t.is_pinned() and t.numel() == 200 << 20

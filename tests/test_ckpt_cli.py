@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt import _commit, cli
+from ckpt import cli
 from ckpt.manager import CheckpointManager
+from ckpt.saving import commit
 
 
 def _populate(root: Path) -> None:
@@ -54,11 +55,11 @@ def test_gc(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     _populate(tmp_path)
     assert cli.main(["gc", str(tmp_path), "--keep-last", "1", "--dry-run"]) == 0
     assert "would delete step 10" in capsys.readouterr().out
-    assert _commit.steps(tmp_path) == [10, 20, 30]
+    assert commit.steps(tmp_path) == [10, 20, 30]
     assert cli.main(["gc", str(tmp_path), "--keep-last", "1"]) == 0
     out = capsys.readouterr().out
     assert "removed leftover step-40.tmp-1-dead" in out and "deleted step 20" in out
-    assert _commit.steps(tmp_path) == [30] and _commit.leftovers(tmp_path) == []
+    assert commit.steps(tmp_path) == [30] and commit.leftovers(tmp_path) == []
 
 
 def test_gc_keeps_newest_valid(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -66,7 +67,7 @@ def test_gc_keeps_newest_valid(tmp_path: Path, capsys: pytest.CaptureFixture) ->
     (tmp_path / "step-30" / "data.bin").write_bytes(b"garbage")
     assert cli.main(["gc", str(tmp_path), "--keep-last", "1"]) == 0
     assert "kept step 20 (newest valid checkpoint)" in capsys.readouterr().out
-    assert _commit.steps(tmp_path) == [20, 30]
+    assert commit.steps(tmp_path) == [20, 30]
 
 
 def test_missing_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -86,7 +87,7 @@ def _run_with_retention_held(root: Path) -> CheckpointManager:
 
 
 def _steps(root: Path) -> list[int]:
-    return _commit.steps(root)
+    return commit.steps(root)
 
 
 def test_gc_without_flags_applies_the_policy_the_manager_recorded(

@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt import _commit, cli
+from ckpt import cli
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError
 from ckpt.manager import CheckpointManager
 from ckpt.remote import RemoteOptions, read_status
+from ckpt.saving import commit
 
 
 def _populate(root: Path, steps: tuple[int, ...] = (10, 20, 30), **kw: Any) -> None:
@@ -38,7 +39,7 @@ def test_gc_keep_last_counts_only_restorable_steps(tmp_path: Path, capsys: Any) 
     out = capsys.readouterr().out
     assert "kept step 20 (newest valid checkpoint)" in out
     assert "kept step 30 (not restorable" in out and "deleted step 10" in out
-    assert _commit.steps(tmp_path) == [20, 30]
+    assert commit.steps(tmp_path) == [20, 30]
 
 
 def test_manager_retention_counts_only_restorable_steps(tmp_path: Path) -> None:
@@ -68,13 +69,13 @@ def test_gc_keeps_steps_whose_upload_is_pending(
     assert cli.main(["gc", str(tmp_path), "--keep-last", "1"]) == 0
     out = capsys.readouterr().out
     assert "kept step 10 (upload not finished)" in out and "deleted" not in out
-    assert _commit.steps(tmp_path) == [10, 20, 30]
+    assert commit.steps(tmp_path) == [10, 20, 30]
     # once uploaded (a manager with the right bucket reconciles), gc may delete them
     good = RemoteOptions(f"s3://{bucket}/run", storage_options=opts, deadline_s=10)
     with CheckpointManager(tmp_path, keep_last=None, remote=good) as m:
         m.wait(uploads=True)
     assert cli.main(["gc", str(tmp_path), "--keep-last", "1"]) == 0
-    assert _commit.steps(tmp_path) == [30]
+    assert commit.steps(tmp_path) == [30]
     status = json.loads((tmp_path / "upload-status.json").read_text())
     assert status["steps"]["30"]["state"] == "done"
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt import _commit, cli
+from ckpt import cli
 from ckpt.errors import LockedError
 from ckpt.manager import CheckpointManager, WriteOptions
+from ckpt.saving import commit
 
 
 def _state(step: int) -> dict:
@@ -33,7 +34,7 @@ def test_two_managers_one_directory_fail_loudly(tmp_path: Path) -> None:
 
 
 def test_writer_waits_for_a_short_gc(tmp_path: Path) -> None:
-    gc_lock = _commit.WriterLock(tmp_path)
+    gc_lock = commit.WriterLock(tmp_path)
     gc_lock.acquire()
     timer = threading.Timer(0.2, gc_lock.release)
     timer.start()
@@ -81,4 +82,4 @@ def test_save_while_another_manager_restores(tmp_path: Path) -> None:
     writer.close()
     assert not errors, errors
     assert len(seen) > 1 and seen == sorted(seen)
-    assert writer.steps() == [39] and _commit.leftovers(tmp_path) == []
+    assert writer.steps() == [39] and commit.leftovers(tmp_path) == []

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt import _commit
 from ckpt.manager import CheckpointManager
+from ckpt.saving import commit
 
 
 def _same(state: dict, ref: dict) -> bool:
@@ -61,7 +61,7 @@ def _crash_loop(root: Path, kills: int, seed: int) -> collections.Counter[str]:
         committed = reader.steps()
         # the newest K steps, plus one just committed whose retention pass the kill interrupted
         assert len(committed) <= worker.KEEP_LAST + 1, f"kill {i}: retention behind: {committed}"
-        assert len(_commit.leftovers(root)) <= 3, f"kill {i}: {_commit.leftovers(root)}"
+        assert len(commit.leftovers(root)) <= 3, f"kill {i}: {commit.leftovers(root)}"
         if not committed:
             continue
         state = reader.restore()
@@ -75,7 +75,7 @@ def _crash_loop(root: Path, kills: int, seed: int) -> collections.Counter[str]:
     # one clean save after all the crashes: leftovers gone, retention caught up
     with CheckpointManager(root, keep_last=worker.KEEP_LAST) as final:
         final.save(last + 1, worker.expected(last + 1)).result(60)
-    assert _commit.leftovers(root) == []
+    assert commit.leftovers(root) == []
     assert reader.steps()[-1] == last + 1 and len(reader.steps()) == worker.KEEP_LAST
     return phases
 

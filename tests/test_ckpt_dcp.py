@@ -11,9 +11,9 @@ import pytest
 import torch
 from _dist import run_ranks
 
-from ckpt import _commit
 from ckpt import format as fmt
 from ckpt.errors import CorruptCheckpointError
+from ckpt.saving import commit
 
 ROWS, COLS = 10, 6  # 10 rows shard unevenly over 3 and 4 ranks
 
@@ -125,7 +125,7 @@ def test_sharded_save_reshard_load_and_parity(
     assert files == ["manifest.json", "rank-00000.bin", "rank-00001.bin"]  # one file per rank
     assert pooled > 0 and saved[1][1] > 0  # async_save staged through each rank's pool
     assert uploads == {1: "done", 2: "done"}
-    assert _commit.steps(Path(root)) == [1, 2] and _commit.read_latest(Path(root)) == 2
+    assert commit.steps(Path(root)) == [1, 2] and commit.read_latest(Path(root)) == 2
     loaded = run_ranks(_load, 3, root, fsdir, timeout=150)
     for rank_out in loaded:
         for name, scale in (("ckpt1", 1.0), ("ckpt2", 2.0), ("fs", 1.0)):

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt import _commit
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError
 from ckpt.manager import CheckpointManager
+from ckpt.saving import commit
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def _check_full_then_continue(root: Path, m: CheckpointManager) -> None:
         handle.result(60)
     with pytest.raises(CheckpointError, match=r"background save of step 2 failed: .*No space left"):
         m.save(3, small)  # the next call reports it
-    assert m.steps() == [1] and _commit.leftovers(root) == []
+    assert m.steps() == [1] and commit.leftovers(root) == []
     assert torch.equal(m.restore()["w"], small["w"])  # earlier checkpoint intact and verified
     m.save(4, {"w": torch.full((100_000,), 4.0)}).result(60)  # training continues
     assert m.steps() == [1, 4] and torch.equal(m.restore()["w"], torch.full((100_000,), 4.0))

@@ -111,12 +111,12 @@ def _calls(path: Path, module: str, name: str) -> int:
     )
 
 
-@pytest.mark.parametrize("module", ["_retainer.py", "cli.py", "remote.py"])
+@pytest.mark.parametrize("module", ["retention/retainer.py", "cli.py", "remote.py"])
 def test_one_retention_rule(module: str) -> None:
-    """The manager (its ``ckpt._retainer``), ``ckpt gc`` and the remote tier's
-    ``keep_last_remote`` all decide through ``ckpt._retention.plan``; none slices its own list
+    """The manager (its ``ckpt.retention.retainer``), ``ckpt gc`` and the remote tier's
+    ``keep_last_remote`` all decide through ``ckpt.retention.rules.plan``; none slices its own list
     of steps to keep."""
-    assert _calls(CKPT / module, "_retention", "plan") >= 1
+    assert _calls(CKPT / module, "rules", "plan") >= 1
 
 
 def _format_dicts(path: Path) -> list[int]:

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import _commit
 from ckpt.errors import CheckpointError
 from ckpt.manager import CheckpointManager
 from ckpt.remote import RemoteOptions
+from ckpt.saving import commit
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -57,7 +57,7 @@ def test_remote_end_to_end(tmp_path: Path, remote: RemoteOptions) -> None:
             2: "done",
             3: "done",
         }
-        assert _commit.steps(tmp_path / "a") == [3]  # uploaded local steps were freed
+        assert commit.steps(tmp_path / "a") == [3]  # uploaded local steps were freed
     fresh = CheckpointManager(tmp_path / "b", remote=remote)
     try:
         state = fresh.restore()
@@ -80,7 +80,7 @@ def test_readme_resume_idiom_on_a_fresh_node(tmp_path: Path, remote: RemoteOptio
         if manager.latest_step() is not None:  # the README idiom
             manager.restore(into=state)
         assert torch.equal(state["w"], _state(100)["w"])
-        assert _commit.steps(tmp_path / "new-node") == [100]  # the download is kept locally
+        assert commit.steps(tmp_path / "new-node") == [100]  # the download is kept locally
     finally:
         manager.close()
 
@@ -125,7 +125,7 @@ def test_file_url_is_a_local_directory(tmp_path: Path) -> None:
     assert torch.equal(ckpt.load(f"file://{tmp_path}/one")["w"], torch.ones(2))
     with CheckpointManager(f"file://{tmp_path}/run") as m:
         m.save(1, {"w": torch.ones(2)}).result()
-    assert _commit.steps(tmp_path / "run") == [1]
+    assert commit.steps(tmp_path / "run") == [1]
 
 
 # ---- 14: RemoteOptions(on_error="warn"): an upload failure does not stop training ----------------
@@ -152,17 +152,17 @@ def test_on_error_warn_keeps_training_and_retries(
         m.save(2, _state(2))
         m.wait(uploads=True)  # no error: "warn"
         assert ups[2].state == "failed" and "upload of step 2" in caplog.text
-        assert _commit.steps(tmp_path) == [2]  # step 1 was uploaded, so keep_last freed it
+        assert commit.steps(tmp_path) == [2]  # step 1 was uploaded, so keep_last freed it
         m.save(3, _state(3))  # training goes on; step 2 is tried again and fails again
         m.wait(uploads=True)
         assert (ups[2].state, ups[3].state) == ("failed", "done")
-        assert _commit.steps(tmp_path) == [2, 3]  # 2 kept until uploaded, 3 is the newest
+        assert commit.steps(tmp_path) == [2, 3]  # 2 kept until uploaded, 3 is the newest
         proxy.clear()
         m.save(4, _state(4))  # the remote is back: step 2 goes up with step 4
         m.wait(uploads=True)
         m.close()
         assert {s: u.state for s, u in ups.items()} == {s: "done" for s in (1, 2, 3, 4)}
-        assert _commit.steps(tmp_path) == [4]  # every uploaded local step was freed
+        assert commit.steps(tmp_path) == [4]  # every uploaded local step was freed
         assert m.stats.remote.failed >= 2  # type: ignore[union-attr]
     import s3fs
 

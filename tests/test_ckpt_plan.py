@@ -1,4 +1,4 @@
-"""The staging plan cached across saves (``ckpt._staging.Stager``), the first save's pool, and the
+"""The staging plan cached across saves (``ckpt.saving.plan.Stager``), the first save's pool, and the
 restore's two passes (issue 18, section 3).
 
 A plan is reused only for leaves of the same signature, and the bytes it stages are always the
@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt import _staging
 from ckpt import format as fmt
-from ckpt._flatten import flatten
-from ckpt._pool import Buffer
 from ckpt.manager import CheckpointManager, PoolOptions
+from ckpt.restoring import reader
+from ckpt.saving import plan as saveplan
+from ckpt.saving import pool
+from ckpt.saving.flatten import flatten
+from ckpt.saving.pool import Buffer
 
 
 def _leaves(state: Any) -> list:
@@ -33,14 +35,14 @@ def _leaves(state: Any) -> list:
 def _want(leaves: list, layout_of: list | None = None) -> torch.Tensor:
     """The reference: a fresh layout (of ``layout_of``, default ``leaves``: CUDA leaves go
     first), one copy per leaf into a zeroed buffer."""
-    entries, nbytes = _staging.layout(leaves if layout_of is None else layout_of)
+    entries, nbytes = saveplan.layout(leaves if layout_of is None else layout_of)
     buf = Buffer(nbytes, False)
     buf.tensor.zero_()
     fmt.stage(leaves, entries, buf)
     return buf.tensor
 
 
-def _staged(stager: _staging.Stager, state: Any, buf: Buffer | None = None) -> torch.Tensor:
+def _staged(stager: saveplan.Stager, state: Any, buf: Buffer | None = None) -> torch.Tensor:
     leaves = _leaves(state)
     plan = stager.plan(leaves)
     if buf is None or buf.nbytes < plan.nbytes:
@@ -176,7 +178,7 @@ def array_change(s: dict) -> bool:
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_a_plan_is_reused_only_for_the_same_signature(name: str, gather_host: bool) -> None:
     state = _state()
-    stager = _staging.Stager(gather_host=gather_host)
+    stager = saveplan.Stager(gather_host=gather_host)
     _staged(stager, state)
     _staged(stager, state)
     assert (stager.planned, stager.reused) == (1, 1)
@@ -192,7 +194,7 @@ def test_a_plan_holds_no_reference_to_the_callers_tensors() -> None:
     import weakref
 
     state = _state()
-    stager = _staging.Stager(gather_host=True)
+    stager = saveplan.Stager(gather_host=True)
     _staged(stager, state)
     refs = [weakref.ref(v) for v in state.values() if isinstance(v, torch.Tensor)]
     del state
@@ -205,7 +207,7 @@ def test_buffer_views_die_with_their_buffer() -> None:
     import weakref
 
     state = _state()
-    stager = _staging.Stager()
+    stager = saveplan.Stager()
     leaves = _leaves(state)
     plan = stager.plan(leaves)
     buf = Buffer(plan.nbytes, False)
@@ -227,7 +229,7 @@ def test_cuda_leaves_are_laid_out_first() -> None:
             self.kind, self.dtype, self.shape = "tensor", "float32", [nbytes // 4]
 
     leaves = [L("cuda:0", 40), L("cpu", 4), L("cuda:1", 8), L("cuda:0", 64), L("cpu", 4)]
-    entries, nbytes = _staging.layout(leaves)  # type: ignore[arg-type]
+    entries, nbytes = saveplan.layout(leaves)  # type: ignore[arg-type]
     offs = [e["offset"] for e in entries]
     assert offs[0] < offs[3] < offs[2] < offs[1] < offs[4]
     assert [e["nbytes"] for e in entries] == [40, 4, 8, 64, 4]
@@ -300,7 +302,7 @@ def test_gpu_a_plan_is_reused_only_for_the_same_signature(name: str) -> None:
     state = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _state().items()}
     state["cpu_step"] = torch.tensor(5.0)  # a host leaf among device ones
     state["big"] = torch.randn(3 << 20, device="cuda")  # beyond SMALL_BYTES: a direct copy
-    stager = _staging.Stager()
+    stager = saveplan.Stager()
 
     def staged() -> None:
         leaves = _leaves(state)
@@ -340,9 +342,9 @@ def test_gpu_plan_holds_no_device_memory_between_saves(tmp_path: Path) -> None:
         assert torch.cuda.memory_allocated() == before
         plan = m._stager.plan(_leaves(state))
         assert m._stager.reused >= 2
-        runs = [s for _, s in plan.device_steps if isinstance(s, _staging._Run)]
+        runs = [s for _, s in plan.device_steps if isinstance(s, saveplan._Run)]
         nbytes = sum(v.numel() * 4 for v in state.values())
-        assert len(runs) <= nbytes // _staging.RUN_BYTES + 1
+        assert len(runs) <= nbytes // saveplan.RUN_BYTES + 1
         assert torch.equal(m.restore(1)["p7"], state["p7"])
 
 
@@ -398,7 +400,7 @@ def test_the_verify_pass_reads_small_pieces_on_every_core(
     import os
     import threading
 
-    from ckpt import _reader, _readinto
+    from ckpt.restoring import read_into
 
     m, state, _ = _saved_state(tmp_path)
     sizes: dict[str, list[int]] = {}
@@ -413,14 +415,14 @@ def test_the_verify_pass_reads_small_pieces_on_every_core(
         return real(fd, buffers, pos)
 
     monkeypatch.setattr(os, "preadv", preadv)
-    monkeypatch.setattr(_reader, "verify_threads", lambda: 3)
+    monkeypatch.setattr(reader, "verify_threads", lambda: 3)
     into = {k: torch.zeros_like(v) for k, v in state.items()}
     m.restore(1, into=into)
     m.close()
     assert all(torch.equal(into[k], v) for k, v in state.items())
     assert m.stats.last_restore is not None and m.stats.last_restore.passes == 2
-    assert max(sizes["ckpt-verify"]) <= _readinto.VERIFY_BYTES < _readinto.READ_BYTES
-    assert max(sizes["ckpt-read"]) > _readinto.VERIFY_BYTES
+    assert max(sizes["ckpt-verify"]) <= read_into.VERIFY_BYTES < read_into.READ_BYTES
+    assert max(sizes["ckpt-read"]) > read_into.VERIFY_BYTES
     assert 1 <= len(verifiers) <= 3  # the verify pass's own threads
 
 
@@ -455,10 +457,9 @@ def test_gpu_restore_into_cuda_reads_once_and_is_bitwise(tmp_path: Path) -> None
 def test_gpu_restore_into_cuda_without_room_verifies_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckpt import _reader
     from ckpt.errors import CorruptCheckpointError
 
-    monkeypatch.setattr(_reader, "DEVICE_SCRATCH_SHARE", 0.0)
+    monkeypatch.setattr(reader, "DEVICE_SCRATCH_SHARE", 0.0)
     m, state, path = _saved_state(tmp_path, "cuda")
     into = {k: torch.zeros_like(v) for k, v in state.items()}
     m.restore(1, into=into)
@@ -529,15 +530,14 @@ def test_copies_wait_for_their_piece_of_a_buffer_made_in_the_background(
     (so its first copy waits, whatever the machine's load; the test asserts no timing)."""
     import threading
 
-    from ckpt import _pool
 
-    monkeypatch.setattr(_pool, "REGISTER_BYTES", 1 << 20)
-    monkeypatch.setattr(_pool, "_threads", lambda: 2)
+    monkeypatch.setattr(pool, "REGISTER_BYTES", 1 << 20)
+    monkeypatch.setattr(pool, "_threads", lambda: 2)
     gate = threading.Event()
     register, done = _slow_register(0.02, gate=gate)
     state = _big_state()
     leaves = _leaves(state)
-    plan = _staging.Stager(gather_host=gather_host).plan(leaves)
+    plan = saveplan.Stager(gather_host=gather_host).plan(leaves)
     buf = Buffer(plan.nbytes, True, background=True, register=register)
     assert buf.pieces == 1 << 20 and not done  # still pinning: the gate is shut
     opener = threading.Timer(0.05, gate.set)
@@ -551,13 +551,12 @@ def test_copies_wait_for_their_piece_of_a_buffer_made_in_the_background(
 def test_a_piece_that_cannot_be_registered_stays_pageable_and_is_named(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from ckpt import _pool
 
-    monkeypatch.setattr(_pool, "REGISTER_BYTES", 1 << 20)
+    monkeypatch.setattr(pool, "REGISTER_BYTES", 1 << 20)
     register, _ = _slow_register(0.0, fail=2)
     state = _big_state()
     leaves = _leaves(state)
-    plan = _staging.Stager(gather_host=True).plan(leaves)
+    plan = saveplan.Stager(gather_host=True).plan(leaves)
     buf = Buffer(plan.nbytes, True, background=True, register=register)
     with caplog.at_level("WARNING", logger="ckpt"):
         plan.stage(leaves, buf)
@@ -568,10 +567,9 @@ def test_a_piece_that_cannot_be_registered_stays_pageable_and_is_named(
 def test_a_stuck_piece_times_out_naming_the_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    from ckpt import _pool
     from ckpt.errors import CheckpointError
 
-    monkeypatch.setattr(_pool, "REGISTER_BYTES", 1 << 20)
+    monkeypatch.setattr(pool, "REGISTER_BYTES", 1 << 20)
     release = threading.Event()
 
     def stuck(ptr: int, size: int) -> int:
@@ -613,7 +611,7 @@ def test_saves_from_two_threads_share_one_plan_safely(tmp_path: Path) -> None:
 
     state = _big_state()
     leaves = _leaves(state)
-    plan = _staging.Stager(gather_host=True).plan(leaves)
+    plan = saveplan.Stager(gather_host=True).plan(leaves)
     bufs = [Buffer(plan.nbytes, False) for _ in range(2)]
     want = _want(leaves)
     errors: list[BaseException] = []
@@ -638,7 +636,7 @@ def test_saves_from_two_threads_share_one_plan_safely(tmp_path: Path) -> None:
 def test_gpu_every_dtype_in_runs_and_restored_into_in_one_pass(tmp_path: Path) -> None:
     """Dtypes outside ``BATCHED_DTYPES`` (float8, float4, complex32, uint16...) are copied one
     by one inside their run, and into the caller's tensors one by one after a restore."""
-    from ckpt._flatten import TORCH_DTYPES
+    from ckpt.saving.flatten import TORCH_DTYPES
 
     g = torch.Generator().manual_seed(3)
     state = {}

@@ -382,7 +382,7 @@ def test_the_preemption_guide_loop_is_the_tested_worker() -> None:
 def test_a_metrics_read_failure_stops_the_pass_before_any_delete() -> None:
     """The remote tier lets a transient failure to read a step's metrics propagate: the whole
     plan fails, so no step is deleted because its metric could not be read this time."""
-    from ckpt import _retention
+    from ckpt.retention import rules
 
     def flaky(step: int) -> dict:
         if step == 2:
@@ -390,7 +390,7 @@ def test_a_metrics_read_failure_stops_the_pass_before_any_delete() -> None:
         return {"l": float(step)}
 
     with pytest.raises(OSError, match="connection reset"):
-        _retention.plan(
+        rules.plan(
             range(6),
             KeepLast(1) | KeepBest("l", 1, "min"),
             is_restorable=lambda s: True,

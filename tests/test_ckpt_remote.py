@@ -15,10 +15,11 @@ import pytest
 import torch
 from _faultproxy import FaultProxy
 
-from ckpt import _commit, cli
+from ckpt import cli
 from ckpt.errors import CheckpointError
 from ckpt.manager import CheckpointManager
 from ckpt.remote import STATUS_FILE, RemoteOptions, list_remote, read_status
+from ckpt.saving import commit
 from feedpipe.io.reaper import StuckWorkerWarning
 
 pytest.importorskip("s3fs")
@@ -101,7 +102,7 @@ def test_restore_pulls_remote_when_local_missing_or_corrupt(
         got = m.restore()
         assert got["step"] == 6 and torch.equal(got["w"], _state(6)["w"])
         assert m.stats.last_restore is not None and "s3://" in m.stats.last_restore.path
-        assert _commit.steps(tmp_path / "b") == [6]  # kept locally
+        assert commit.steps(tmp_path / "b") == [6]  # kept locally
         assert m.steps() == [5, 6]  # steps() lists the remote tier too
         assert torch.equal(m.restore(step=5)["w"], _state(5)["w"])
     # local copy corrupt: the same step comes back from the remote
@@ -145,7 +146,7 @@ def test_remote_retention_and_tier_aware_local_retention(
         for step in range(1, 5):
             m.save(step, _state(step))
             m.wait(uploads=True)
-        assert _commit.steps(tmp_path) == [4]
+        assert commit.steps(tmp_path) == [4]
         assert m.steps() == [3, 4]  # local and remote
         assert m.stats.remote.remote_evicted == [1, 2]  # type: ignore[union-attr]
     listing = list_remote(_fs(s3_server), f"{bucket}/run")
@@ -307,5 +308,5 @@ def test_training_never_blocks_on_a_stalled_remote(
         assert m2.stats.remote.uploads[1].state == "done"  # type: ignore[union-attr]
         # uploaded, so local retention proceeds; step 1 stays only while the first manager's
         # abandoned (still stalled) upload holds its reader lock
-        local = _commit.steps(tmp_path)  # m2.steps() lists the remote copies as well
+        local = commit.steps(tmp_path)  # m2.steps() lists the remote copies as well
         assert 2 not in local and 3 in local

@@ -16,6 +16,7 @@ import feedpipe
 from ckpt import CheckpointManager
 from ckpt.errors import CheckpointError
 from ckpt.restore_plan import IncompatibleKeys
+from ckpt.restoring import reader
 
 
 def _rng_now() -> tuple[torch.Tensor, Any, Any]:
@@ -262,10 +263,9 @@ def test_gpu_a_refusal_leaves_cuda_targets_as_they_were(
 ) -> None:
     """CUDA targets are read through device scratch (room) or a second pass (no room): either
     way, a loader that refuses its state comes before the first byte reaches them."""
-    from ckpt import _reader
 
     if not room:
-        monkeypatch.setattr(_reader, "DEVICE_SCRATCH_SHARE", 0.0)
+        monkeypatch.setattr(reader, "DEVICE_SCRATCH_SHARE", 0.0)
     weights = torch.arange(1 << 16, dtype=torch.float32, device="cuda")
     target = torch.full((1 << 16,), -1.0, device="cuda")
     saved: dict[str, Any] = {"w": weights, "loader": _loader(4)}
@@ -334,12 +334,13 @@ def test_gpu_rng_saved_on_more_devices_restores_on_fewer(
     """Saved where the process saw more GPUs than at restore (an elastic restart on a smaller
     node): ``torch.cuda.set_rng_state_all`` raised ``IndexError`` in ``finish``, after every
     target had been written. A CUDA state that cannot be set is refused before any write."""
-    from ckpt import _flatten, manager
+    from ckpt import manager
+    from ckpt.saving import flatten
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     torch.zeros(1, device="cuda")  # CUDA is up, as in a training process
-    real = _flatten.rng_state
+    real = flatten.rng_state
 
     def more_devices() -> dict[str, Any]:
         state = real()
@@ -369,9 +370,10 @@ def test_rng_saved_on_more_devices_sets_those_the_process_has(
 ) -> None:
     """The CPU half of the test above: three saved CUDA states, a process that sees one device
     (``torch.cuda`` stood in for, raising like ``set_rng_state_all`` past the last device)."""
-    from ckpt import _flatten, manager
+    from ckpt import manager
+    from ckpt.saving import flatten
 
-    real = _flatten.rng_state
+    real = flatten.rng_state
     states = [torch.full((16,), i, dtype=torch.uint8) for i in range(3)]
     monkeypatch.setattr(manager, "rng_state", lambda: {**real(), "cuda": states})
     got: list[list[torch.Tensor]] = []

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckpt import _commit
+from ckpt.saving import commit
 from feedpipe.datasets.format import INDEX_NAME, read_index, write_index
 from feedpipe.io import atomic_write, fsync_dir
 from feedpipe.io.remote import TEMP_PREFIX
 
-BOTH = [fsync_dir, _commit.fsync_dir]
+BOTH = [fsync_dir, commit.fsync_dir]
 
 
 @pytest.mark.parametrize("sync", BOTH, ids=["feedpipe.io", "ckpt"])

@@ -17,7 +17,7 @@ REQUIRED = {"stage", "fetch", "pin", "direct", "index", "lease", "preadv", "down
 # meaning only in some packages, the parameter may appear only there.
 PARAMETER_HOMES: dict[str, tuple[str, ...]] = {
     "direct": ("feedpipe/loader/", "feedpipe/device/", "feedpipe/datasets/zarr.py"),  # zarr: alias
-    "pin": ("feedpipe/loader/", "feedpipe/device/", "ckpt/_pool.py"),  # page-locked memory
+    "pin": ("feedpipe/loader/", "feedpipe/device/", "ckpt/saving/pool.py"),  # page-locked memory
     "preadv": ("feedpipe/datasets/",),
 }
 # Today's exceptions: (file, parameter) -> why. The list may only shrink.

@@ -345,7 +345,7 @@ def test_rule5_pattern_leaves_settings_and_arithmetic(text: str) -> None:
 
 
 # Rule 6: the docs name public paths only. A dotted path of feedpipe or ckpt with a component
-# that starts with "_" (``ckpt._pool.PoolOptions``) is private; docs/architecture.md, the map of
+# that starts with "_" (``ckpt._layout.MANIFEST``) is private; docs/architecture.md, the map of
 # the modules, names private modules on purpose and is not scanned.
 PRIVATE_PATH = re.compile(r"\b(?:feedpipe|ckpt)(?:\.\w+)*\._(?!_)\w+")  # not a __dunder__
 PATH_RULE_EXEMPT = {"docs/architecture.md"}
@@ -369,7 +369,7 @@ def test_rule6_docs_reference_public_paths_only() -> None:
 @pytest.mark.parametrize(
     ("text", "private"),
     [
-        ("::: ckpt._pool.PoolOptions", True),
+        ("::: ckpt._layout.MANIFEST", True),
         ("`feedpipe._memmap_writer.MemmapWriter`", True),
         ("feedpipe.loader._torch_compat", True),
         ("::: ckpt.manager.PoolOptions", False),

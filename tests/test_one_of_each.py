@@ -20,7 +20,7 @@ HOMES: dict[str, set[str]] = {
     "NullBar": {"feedpipe/io/progress.py"},
     "atomic_write": {"feedpipe/io/fsutil.py"},
     # ckpt's adds only the fault-injection point of its crash tests (checked below)
-    "fsync_dir": {"feedpipe/io/fsutil.py", "ckpt/_commit.py"},
+    "fsync_dir": {"feedpipe/io/fsutil.py", "ckpt/saving/commit.py"},
 }
 
 
@@ -46,7 +46,7 @@ def test_each_helper_is_defined_only_in_its_home() -> None:
 
 def test_ckpt_fsync_dir_delegates_to_feedpipe_io() -> None:
     """ckpt's ``fsync_dir`` opens and syncs nothing itself: one error rule for both packages."""
-    tree = ast.parse((ROOT / "ckpt" / "_commit.py").read_text())
+    tree = ast.parse((ROOT / "ckpt" / "saving" / "commit.py").read_text())
     (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "fsync_dir"]
     calls = {ast.unparse(n.func) for n in ast.walk(fn) if isinstance(n, ast.Call)}
     assert "io_fsync_dir" in calls

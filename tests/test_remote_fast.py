@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _faultproxy import FaultProxy
 
-from ckpt import _s3put
 from ckpt.errors import CorruptCheckpointError
 from ckpt.manager import CheckpointManager
 from ckpt.remote import RemoteOptions
+from ckpt.tiers import s3put
 
 MIB = 1 << 20
 
@@ -172,7 +172,7 @@ def test_a_corrupt_or_incomplete_upload_never_commits(
 def test_put_file_reports_what_the_store_vouched_for(
     tmp_path: Path, s3_bucket: tuple[str, dict], proxy: FaultProxy
 ) -> None:
-    """``_s3put.put_file`` returns True only when every ETag matched the bytes sent: a part
+    """``s3put.put_file`` returns True only when every ETag matched the bytes sent: a part
     altered in flight, or a single-request body altered, makes it False (the caller then reads
     the object back); a part left out of the object fails the size check."""
     bucket, _ = s3_bucket
@@ -184,7 +184,7 @@ def test_put_file_reports_what_the_store_vouched_for(
     def put(key: str, part: int) -> bool:
         path = big if part == 5 * MIB else small
         with ThreadPoolExecutor(4) as pool:
-            return _s3put.put_file(
+            return s3put.put_file(
                 fs, path, f"{bucket}/{key}", size=path.stat().st_size, part_bytes=part,
                 pool=pool, call=lambda fn, what: fn(),
             )  # fmt: skip

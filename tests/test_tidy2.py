@@ -257,10 +257,11 @@ def test_dcp_coordinator_becomes_the_writer(tmp_path: Path) -> None:
 
 
 def _gc_steps(root: Path, *flags: str) -> tuple[int, list[int]]:
-    from ckpt import _commit, cli
+    from ckpt import cli
+    from ckpt.saving import commit
 
     rc = cli.main(["gc", str(root), *flags])
-    return rc, sorted(_commit.steps(root))
+    return rc, sorted(commit.steps(root))
 
 
 @pytest.fixture
@@ -449,12 +450,12 @@ def test_restore_when_the_listed_step_is_evicted_during_the_listing(
     lists ``step-0``; before it checks that step's manifest, the writer publishes ``step-1``
     and evicts ``step-0``. The listing held no complete step, and restore raised "no committed
     steps" although the directory always held one."""
-    from ckpt import _commit
     from ckpt.manager import CheckpointManager
+    from ckpt.saving import commit
 
     writer = _racing_writer(tmp_path)
     reader = CheckpointManager(tmp_path)
-    real, me, fired = _commit.is_complete, threading.get_ident(), []
+    real, me, fired = commit.is_complete, threading.get_ident(), []
 
     def racing(path: Path) -> bool:
         if threading.get_ident() == me and not fired and path.name == "step-0":
@@ -462,7 +463,7 @@ def test_restore_when_the_listed_step_is_evicted_during_the_listing(
             _commit_next(writer, path)
         return real(path)
 
-    monkeypatch.setattr(_commit, "is_complete", racing)
+    monkeypatch.setattr(commit, "is_complete", racing)
     state = reader.restore()
     assert fired and state["step"] == 1 and torch.equal(state["w"], _ckpt_state(1)["w"])
     writer.close()
@@ -473,12 +474,12 @@ def test_restore_when_listed_steps_keep_vanishing(
 ) -> None:
     """Each listed step is evicted before the reader opens it, 5 times in a row: the reader
     re-lists and gets the newest complete, verified step (it gave up after 3)."""
-    from ckpt import _commit
     from ckpt.manager import CheckpointManager
+    from ckpt.saving import commit
 
     writer = _racing_writer(tmp_path)
     reader = CheckpointManager(tmp_path)
-    real, me, fired = _commit.reading, threading.get_ident(), []
+    real, me, fired = commit.reading, threading.get_ident(), []
 
     def racing(path: Path) -> Any:
         if threading.get_ident() == me and len(fired) < 5:
@@ -486,7 +487,7 @@ def test_restore_when_listed_steps_keep_vanishing(
             _commit_next(writer, path)
         return real(path)
 
-    monkeypatch.setattr(_commit, "reading", racing)
+    monkeypatch.setattr(commit, "reading", racing)
     state = reader.restore()
     assert fired == [f"step-{i}" for i in range(5)]
     assert state["step"] == 5 and torch.equal(state["w"], _ckpt_state(5)["w"])
@@ -498,20 +499,20 @@ def test_restore_gives_up_with_a_clear_error(
 ) -> None:
     """A writer that evicts every listed step before the reader opens it: a clear error, never
     "no committed steps" and never another kind of failure."""
-    from ckpt import _commit
     from ckpt.errors import CheckpointError
     from ckpt.manager import CheckpointManager
+    from ckpt.saving import commit
 
     writer = _racing_writer(tmp_path)
     reader = CheckpointManager(tmp_path)
-    real, me = _commit.reading, threading.get_ident()
+    real, me = commit.reading, threading.get_ident()
 
     def racing(path: Path) -> Any:
         if threading.get_ident() == me:
             _commit_next(writer, path)
         return real(path)
 
-    monkeypatch.setattr(_commit, "reading", racing)
+    monkeypatch.setattr(commit, "reading", racing)
     with pytest.raises(CheckpointError, match="deleted before it could be opened"):
         reader.restore()
     writer.close()
@@ -522,18 +523,18 @@ def test_a_stable_incomplete_step_costs_one_more_listing(
 ) -> None:
     """A crash's leftover ``step-N`` without a manifest, newer than every committed step, costs
     one more listing (unchanged: nothing is checked again), and is never listed as committed."""
-    from ckpt import _commit
+    from ckpt.saving import commit
 
     writer = _racing_writer(tmp_path)
     writer.close()
     (tmp_path / "step-9").mkdir()
-    real, checks = _commit.is_complete, []
+    real, checks = commit.is_complete, []
 
     def counting(path: Path) -> bool:
         checks.append(path.name)
         return real(path)
 
-    monkeypatch.setattr(_commit, "is_complete", counting)
-    assert _commit.steps(tmp_path) == [0]
+    monkeypatch.setattr(commit, "is_complete", counting)
+    assert commit.steps(tmp_path) == [0]
     assert sorted(checks) == ["step-0", "step-9"]  # the second listing was the same: no checks
-    assert _commit.steps(tmp_path / "missing") == []
+    assert commit.steps(tmp_path / "missing") == []

@@ -1,6 +1,6 @@
 """The manager's retention pass and what it remembers between passes.
 
-``Retainer.retain`` applies ``ckpt._retention.plan`` (the rule ``ckpt gc`` uses) to the local
+``Retainer.retain`` applies ``ckpt.retention.rules.plan`` (the rule ``ckpt gc`` uses) to the local
 steps with the manager's evict guards, and deletes what the plan drops. Two caches, keyed by
 the step directory's inode (a step replaced under the same name is read again), keep a pass
 from re-reading steps: whether a step is restorable (the steps this manager committed or
@@ -15,9 +15,11 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ckpt import _commit, _layout, _retention
+from ckpt import _layout
 from ckpt.errors import CheckpointError
 from ckpt.policy import AnyOf, KeepLast, Policy
+from ckpt.retention import rules
+from ckpt.saving import commit
 
 __all__ = ["Retainer"]
 
@@ -38,7 +40,7 @@ class Retainer:
         self.metric_cache: dict[int, tuple[int, dict]] = {}  # step -> (dir inode, metrics)
 
     def retain(self, policy: Policy | None, strict: bool = False) -> None:
-        """Apply ``ckpt._retention.plan`` (the rule ``ckpt gc`` uses) with the evict guards.
+        """Apply ``ckpt.retention.rules.plan`` (the rule ``ckpt gc`` uses) with the evict guards.
 
         A step that cannot be read for a reason other than its content (EIO, EMFILE, EACCES)
         stops the pass before anything is deleted: raised with ``strict`` (``gc()``), else
@@ -55,20 +57,20 @@ class Retainer:
         if policy is None:
             return
         with self.lock:  # the persist and upload threads may both apply retention
-            committed = _commit.steps(self.directory)
+            committed = commit.steps(self.directory)
             parts = policy.policies if isinstance(policy, AnyOf) else (policy,)
             if any(isinstance(p, KeepLast) and len(committed) <= p.n for p in parts):
                 return  # KeepLast(n) keeps all of at most n steps: nothing to verify
-            decision = _retention.plan(
+            decision = rules.plan(
                 committed,
                 policy,
                 is_restorable=self.is_restorable,
                 may_evict=lambda s: all(guard(s) for guard in self.evict_guards),
                 metrics=self.step_metrics,
-                latest=_commit.read_latest(self.directory),
+                latest=commit.read_latest(self.directory),
             )
             for step in decision.delete:
-                if _commit.evict(self.directory, step):
+                if commit.evict(self.directory, step):
                     self.evicted.append(step)
                     self.checked.pop(step, None)
                     self.metric_cache.pop(step, None)
@@ -83,7 +85,7 @@ class Retainer:
         known = self.metric_cache.get(step)
         if known is None or known[0] != ino:
             try:
-                known = (ino, _retention.metrics(path))
+                known = (ino, rules.metrics(path))
             except (CheckpointError, FileNotFoundError) as exc:  # corrupt or gone: not ranked
                 # (another OSError, e.g. EIO, propagates: the pass stops and deletes nothing)
                 log.warning("ckpt: retention cannot read the metrics of step %d: %s", step, exc)
@@ -93,7 +95,7 @@ class Retainer:
 
     def is_restorable(self, step: int) -> bool:
         """Steps this manager committed or restored verified count as restorable; any other step
-        is checked once (``ckpt._retention.restorable``), keyed by its directory's inode."""
+        is checked once (``ckpt.retention.rules.restorable``), keyed by its directory's inode."""
         path = _layout.step_dir(self.directory, step)
         try:
             ino = os.stat(path).st_ino
@@ -102,7 +104,7 @@ class Retainer:
         known = self.checked.get(step)
         if known is not None and known[0] == ino:
             return known[1]
-        why = _retention.restorable(path)
+        why = rules.restorable(path)
         if why is not None:
             log.warning("ckpt: retention does not count step %d (not restorable): %s", step, why)
         self.checked[step] = (ino, why is None)

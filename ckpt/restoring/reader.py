@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from ckpt import format as fmt
-from ckpt._flatten import torch_dtype, unflatten
-from ckpt._readinto import read_into, reader_threads, verify_threads
-from ckpt._staging import BATCHED_DTYPES, foreach_copy_exact
 from ckpt.errors import CheckpointError, CorruptCheckpointError, DcpCheckpointError
 from ckpt.restore_plan import IncompatibleKeys, RestorePlan
+from ckpt.restoring.read_into import read_into, reader_threads, verify_threads
+from ckpt.saving.flatten import torch_dtype, unflatten
+from ckpt.saving.plan import BATCHED_DTYPES, foreach_copy_exact
 
 __all__ = [
     "DEVICE_SCRATCH_SHARE",
@@ -109,7 +109,7 @@ def read_checkpoint(
     """Load the checkpoint in directory ``path``; returns (state, manifest body, stats).
 
     Memory: each tensor is allocated once, on its final device, and filled piece by piece by
-    ``reader_threads()`` threads reading in parallel (``ckpt._readinto``); the extra host memory
+    ``reader_threads()`` threads reading in parallel (``ckpt.restoring.read_into``); the extra host memory
     is one ``READ_BYTES`` buffer per thread, plus two pinned ``READ_BYTES`` slots per thread when
     tensors go to CUDA.
 

@@ -12,7 +12,7 @@ step whose upload has not finished). With no policy (``None``) nothing is delete
 The remote tier applies the same ``plan`` to its committed remote steps, each counted as
 restorable (its manifest is written only after every data file verified).
 
-``restorable(path)`` is the check both local callers use: ``ckpt._reader.verify_step``, which
+``restorable(path)`` is the check both local callers use: ``ckpt.restoring.reader.verify_step``, which
 runs the validator a restore runs (tree, entries, types, sizes) and checks every file size and
 chunk checksum, without building a tensor. A step written through DCP is checked the same way (DCP's
 planner, not ckpt, rebuilds its tree). ``metrics(path)`` reads the metrics a step was saved with
@@ -84,10 +84,10 @@ def plan(
 
 def metrics(path: Path) -> dict[str, float]:
     """The metrics ``step`` was saved with (validated manifest); ``{}`` if it has none."""
-    from ckpt import _commit
     from ckpt import format as fmt
+    from ckpt.saving import commit
 
-    with _commit.reading(path):
+    with commit.reading(path):
         found = fmt.read_manifest(path).get("metrics")
     return dict(found) if isinstance(found, dict) else {}
 
@@ -97,12 +97,12 @@ def restorable(path: Path) -> str | None:
 
     Data files are read once for their checksums; no tensor is built and nothing touches a device.
     """
-    from ckpt import _commit
-    from ckpt._reader import verify_step
     from ckpt.errors import CheckpointError
+    from ckpt.restoring.reader import verify_step
+    from ckpt.saving import commit
 
     try:
-        with _commit.reading(path):
+        with commit.reading(path):
             verify_step(path)
     except CheckpointError as exc:  # corrupt, incomplete or hostile: cannot be restored
         return str(exc)

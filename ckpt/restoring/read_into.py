@@ -12,7 +12,7 @@ caller's current stream (work queued on the targets finishes first), and ``read_
 only after every copy is complete. A chunk whose checksum fails raises
 ``CorruptCheckpointError``; the pieces before it may already be in the targets (the caller that
 must not write into tensors it does not own verifies the file first with ``targets=[]``, or
-reads into tensors of its own first: ``ckpt._reader``). A verify-only read (``targets=[]``)
+reads into tensors of its own first: ``ckpt.restoring.reader``). A verify-only read (``targets=[]``)
 reads ``VERIFY_BYTES`` pieces into one such buffer per thread.
 """
 

@@ -25,7 +25,7 @@ where it is now; what the plan fixes (where its bytes go, as what dtype, shape a
 which kind of copy) depends only on the signature, and a different signature makes a new plan.
 
 A buffer that the first save allocates is made while the save copies into it
-(``ckpt._pool.Pinning``): each copy waits for the piece of the buffer it writes and stays
+(``ckpt.saving.pool.Pinning``): each copy waits for the piece of the buffer it writes and stays
 inside it, and the host copies wait for the whole buffer.
 
 Ordering: per device, all copies run on one side stream that first waits for the current
@@ -47,8 +47,8 @@ from typing import Any
 import torch
 
 from ckpt import format as fmt
-from ckpt._flatten import Leaf
-from ckpt._pool import Buffer
+from ckpt.saving.flatten import Leaf
+from ckpt.saving.pool import Buffer
 
 __all__ = [
     "BATCHED_DTYPES",

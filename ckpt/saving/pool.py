@@ -280,7 +280,7 @@ class Buffer:
         self._keep: Any = None
         self._pinning: Pinning | None = None
         self.pieces: int | None = None  # separately registered pieces: copies stay inside one
-        self.zeroed_for: Any = None  # ckpt._staging: the plan whose padding is zero here (weak)
+        self.zeroed_for: Any = None  # ckpt.saving.plan: the plan whose padding is zero here (weak)
         if pin and background and nbytes >= REGISTER_BYTES:
             try:
                 self._pinning = Pinning(nbytes, _threads(), register)

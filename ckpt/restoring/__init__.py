@@ -1,0 +1,1 @@
+"""Restoring a checkpoint: the restore plan, the reader, reading into existing tensors."""

@@ -1,0 +1,1 @@
+"""Which steps are kept: the retention rule and the manager's retention pass."""

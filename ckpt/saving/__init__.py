@@ -1,0 +1,1 @@
+"""Saving a checkpoint: flatten the state, plan the copy, the pinned pool, the atomic commit."""

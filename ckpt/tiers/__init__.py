@@ -1,0 +1,1 @@
+"""Storage tiers beyond the local disk: the remote tier and its S3 uploader."""
