@@ -306,9 +306,10 @@ class Dies(Dataset):  # type: ignore[type-arg]
         return torch.tensor(i)
 
 
-@pytest.mark.parametrize("how", ["sigkill", "exit3", "exit0", "segfault", "systemexit"])
-@pytest.mark.parametrize("pin", [False, True])
-def test_every_process_worker_death_is_a_worker_error(how: str, pin: bool) -> None:
+def _death_is_a_worker_error(how: str, pin: bool) -> float:
+    """Iterate twice over a dataset whose worker 1 dies ``how``; each pass must end in a
+    ``WorkerError`` naming worker 1, after at most 3 batches. Returns the slower pass's seconds."""
+    slowest = 0.0
     for _ in range(2):
         loader = DataLoader(Dies(how), batch_size=4, num_workers=2, pin_memory=pin)
         got = 0
@@ -318,10 +319,26 @@ def test_every_process_worker_death_is_a_worker_error(how: str, pin: bool) -> No
             with pytest.raises(WorkerError) as err:
                 for _b in loader:
                     got += 1
-        assert time.monotonic() - t0 < 10
+        slowest = max(slowest, time.monotonic() - t0)
         assert "worker 1" in str(err.value), str(err.value)
         assert got <= 3
         del loader, err
+    return slowest
+
+
+@pytest.mark.timeout(120)  # a hang fails here; the time bound is the serial test's below
+@pytest.mark.parametrize("how", ["sigkill", "exit3", "exit0", "segfault", "systemexit"])
+@pytest.mark.parametrize("pin", [False, True])
+def test_every_process_worker_death_is_a_worker_error(how: str, pin: bool) -> None:
+    _death_is_a_worker_error(how, pin)
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("how", ["sigkill", "exit0", "segfault"])
+def test_a_process_worker_death_is_reported_within_10_s(how: str) -> None:
+    """The bound (torch checks its workers every 5 s) holds on a machine not shared with
+    another run: it is a wall-time bound, so it runs in the serial phase."""
+    assert _death_is_a_worker_error(how, pin=False) < 10
 
 
 @pytest.mark.parametrize("how", ["systemexit"])
