@@ -10,7 +10,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from feedpipe._compat import MovedFinder as _MovedFinder
+
 __version__ = "0.1.0"
+
+# The old flat paths (feedpipe.memmap, feedpipe.convert, ...) import through one finder that
+# answers for those eight names only and warns once each (feedpipe._compat). It must be on
+# sys.meta_path before ``import feedpipe.memmap`` looks for the submodule, so it is installed
+# here: the one thing importing feedpipe does besides defining names.
+_MovedFinder.install()
 
 # public name -> submodule that defines it
 _EXPORTS: dict[str, str] = {
@@ -55,7 +63,6 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
-    from feedpipe.cache import ShardCache
     from feedpipe.dali import ImageLoader
     from feedpipe.datasets.convert import convert
     from feedpipe.datasets.memmap import MemmapDataset, MemmapWriter
@@ -66,8 +73,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from feedpipe.device.feed import GPUFeed
     from feedpipe.errors import DatasetError
     from feedpipe.loader import DataLoader, get_worker_info
+    from feedpipe.remote.cache import ShardCache
+    from feedpipe.remote.stage import stage
     from feedpipe.sampler import DistributedSampler
-    from feedpipe.stage import stage
     from feedpipe.stall import StallMeter, StallStats
 
 

@@ -39,7 +39,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "feedpipe.remote.stage",
         "copy a dataset from any fsspec URL to a local dir, verified",
     ),
-    "bench": ("feedpipe.bench", "measure a loader alone and against a simulated step"),
+    "bench": ("feedpipe.loader.bench", "measure a loader alone and against a simulated step"),
 }
 
 
