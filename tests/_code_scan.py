@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import ast
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+
+import _code_metrics as metrics  # tests/ is on sys.path (pytest, and metrics.allow_lists)
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("feedpipe", "ckpt")
@@ -38,14 +40,11 @@ __all__ = [
 
 
 def source_files(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> list[Path]:
-    return sorted(p for pkg in packages for p in (root / pkg).rglob("*.py"))
+    return metrics.source_files(tuple(packages), root)
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+    return metrics.module_name(path, root)
 
 
 def is_module(name: str, root: Path = ROOT) -> bool:
@@ -233,19 +232,25 @@ def private_attributes_of(source: str) -> list[str]:
     return scan.found
 
 
+def _count(
+    scan: Callable[[str], list[str]], root: Path, packages: Iterable[str], exempt: Iterable[str]
+) -> dict[str, int]:
+    """``"module: hit"`` -> how many times ``scan`` finds it, over every module but ``exempt``."""
+    skip = {root / e for e in exempt}
+    found: Counter[str] = Counter()
+    for path in source_files(root, packages):
+        if path not in skip:
+            me = module_name(path, root)
+            found.update(f"{me}: {hit}" for hit in scan(path.read_text("utf-8")))
+    return dict(sorted(found.items()))
+
+
 def private_attributes(
     root: Path = ROOT, packages: Iterable[str] = PACKAGES, exempt: Iterable[str] = TORCH_COMPAT
 ) -> dict[str, int]:
     """``"module: obj._x"`` -> how many times, for every module of ``packages`` but the torch
     compat modules (``exempt``, paths relative to ``root``): they touch torch's private API."""
-    skip = {root / e for e in exempt}
-    found: Counter[str] = Counter()
-    for path in source_files(root, packages):
-        if path in skip:
-            continue
-        me = module_name(path, root)
-        found.update(f"{me}: {hit}" for hit in private_attributes_of(path.read_text("utf-8")))
-    return dict(sorted(found.items()))
+    return _count(private_attributes_of, root, packages, exempt)
 
 
 # --- torch's private API ---------------------------------------------------------------------
@@ -335,11 +340,4 @@ def torch_private_touches(
     root: Path = ROOT, packages: Iterable[str] = PACKAGES, exempt: Iterable[str] = TORCH_COMPAT
 ) -> dict[str, int]:
     """``"module: touch"`` -> how many times, outside the torch compat modules."""
-    skip = {root / e for e in exempt}
-    found: Counter[str] = Counter()
-    for path in source_files(root, packages):
-        if path in skip:
-            continue
-        me = module_name(path, root)
-        found.update(f"{me}: {hit}" for hit in torch_private_touches_of(path.read_text("utf-8")))
-    return dict(sorted(found.items()))
+    return _count(torch_private_touches_of, root, packages, exempt)

@@ -83,38 +83,13 @@ LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {}
 PRIVATE_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _is_module(name: str) -> bool:
-    rel = Path(*name.split("."))
-    return (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file()
-
-
-def _imports(path: Path) -> list[tuple[str, str | None]]:
-    """Every import of ``path`` (top level, inside functions, under TYPE_CHECKING) as
-    ``(module, name)``: ``name`` is None for ``import module``."""
-    me = _module_name(path)
-    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
-    out: list[tuple[str, str | None]] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out.extend((alias.name, None) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*up, base] if base else up)
-            out.extend((base, alias.name) for alias in node.names)
-    return out
+_module_name = scan.module_name
+_is_module = scan.is_module
+_imports = scan.imports
 
 
 def _sources(package: str) -> list[Path]:
-    return sorted((ROOT / package).rglob("*.py"))
+    return scan.source_files(ROOT, (package,))
 
 
 def _target(module: str, name: str | None) -> str:
@@ -264,7 +239,7 @@ def test_rule4_scan_leaves_public_torch(source: str) -> None:
 
 
 def test_rule4_scan_skips_only_the_compat_modules(tmp_path: Path) -> None:
-    _tree(
+    _write_tree(
         tmp_path,
         {
             "pkg/__init__.py": "",
@@ -462,14 +437,14 @@ def limit_problems(
     return out
 
 
-def _tree(root: Path, files: dict[str, str]) -> Path:
+def _write_tree(root: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
     return root
 
 
-def _report(rule: str, problems: list[str]) -> str:
+def _problems_text(rule: str, problems: list[str]) -> str:
     return f"{rule}:\n  " + "\n  ".join(problems)
 
 
@@ -478,12 +453,12 @@ def _report(rule: str, problems: list[str]) -> str:
 
 def test_rule7_no_import_cycles() -> None:
     problems = cycle_problems(scan.cycles(), allow.IMPORT_CYCLES)
-    assert problems == [], _report("import cycles", problems)
+    assert problems == [], _problems_text("import cycles", problems)
 
 
 def test_rule7_no_cycles_between_rooms() -> None:
     problems = cycle_problems(scan.room_cycles(), allow.ROOM_CYCLES)
-    assert problems == [], _report("cycles between rooms", problems)
+    assert problems == [], _problems_text("cycles between rooms", problems)
 
 
 _CYCLE_TREE = {
@@ -498,7 +473,7 @@ _CYCLE_TREE = {
 
 
 def test_rule7_scan_counts_type_checking_and_function_imports(tmp_path: Path) -> None:
-    root = _tree(tmp_path, _CYCLE_TREE)
+    root = _write_tree(tmp_path, _CYCLE_TREE)
     graph = scan.import_graph(root, ("pkg",))
     assert graph["pkg"] == {"pkg.a"}  # `from pkg import a` of a submodule: an edge to it
     assert graph["pkg.a"] == {"pkg.b"}  # under TYPE_CHECKING
@@ -517,7 +492,7 @@ def test_rule7_scan_counts_type_checking_and_function_imports(tmp_path: Path) ->
 
 
 def test_rule7_scan_finds_a_cycle_between_rooms(tmp_path: Path) -> None:
-    root = _tree(
+    root = _write_tree(
         tmp_path,
         {
             "pkg/__init__.py": "",
@@ -537,7 +512,7 @@ def test_rule7_scan_finds_a_cycle_between_rooms(tmp_path: Path) -> None:
 
 def test_rule8_no_private_attributes_of_other_objects() -> None:
     problems = count_problems(scan.private_attributes(), allow.PRIVATE_ATTRIBUTES)
-    assert problems == [], _report(
+    assert problems == [], _problems_text(
         "obj._x where obj is not self/cls (give the other object a public method or property)",
         problems,
     )
@@ -581,7 +556,7 @@ def test_rule8_scan_leaves_own_and_public_attributes(source: str) -> None:
 
 
 def test_rule8_counts_and_shrink_only(tmp_path: Path) -> None:
-    root = _tree(
+    root = _write_tree(
         tmp_path,
         {
             "pkg/__init__.py": "",
@@ -626,7 +601,7 @@ def _over_limits(
 def test_rule9_limits_hold_outside_the_listed_exceptions(which: int) -> None:
     name, allowed, limits = _LIMITS[which]
     problems = limit_problems(_over_limits()[which], allowed, limits)
-    assert problems == [], _report(f"{name} over the limits {limits}", problems)
+    assert problems == [], _problems_text(f"{name} over the limits {limits}", problems)
 
 
 def _function(name: str, lines: int = 3, branches: int = 0) -> str:
@@ -637,7 +612,7 @@ def _function(name: str, lines: int = 3, branches: int = 0) -> str:
 
 def test_rule9_measures_and_fails_on_growth(tmp_path: Path) -> None:
     long_class = "class Big:\n" + "    x = 1\n" * 405
-    root = _tree(
+    root = _write_tree(
         tmp_path,
         {
             "pkg/__init__.py": "",
@@ -663,9 +638,9 @@ def test_rule9_measures_and_fails_on_growth(tmp_path: Path) -> None:
     assert limit_problems(modules, {}, (metrics.MODULE_LINES,))[0].startswith("new")
 
 
-def test_rule9_allow_lists_regenerate_from_the_tree(tmp_path: Path) -> None:
+def test_rule9_allow_lists_regenerate_from_the_write_tree(tmp_path: Path) -> None:
     """``--allow-lists`` prints a module that lists what the rules find, as it stands."""
-    root = _tree(
+    root = _write_tree(
         tmp_path,
         {
             **{f"feedpipe/{k.removeprefix('pkg/')}": v for k, v in _CYCLE_TREE.items()},

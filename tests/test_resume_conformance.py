@@ -74,16 +74,18 @@ WORKERS: dict[str, dict[str, Any]] = {
 }
 
 
-def _loader(ds: Any, kind: Kind, workers: str) -> DataLoader:
+def _seeded_loader(ds: Any, kind: Kind, workers: str) -> DataLoader:
     gen = torch.Generator().manual_seed(SEED)
     return DataLoader(
         ds, batch_size=BATCH, shuffle=True, generator=gen, **dict(kind.kwargs), **WORKERS[workers]
     )
 
 
-def _record(ds: Any, kind: Kind, workers: str) -> tuple[list[Any], dict[int, dict[str, Any]]]:
+def _pass_and_states(
+    ds: Any, kind: Kind, workers: str
+) -> tuple[list[Any], dict[int, dict[str, Any]]]:
     """Every batch of one pass, and the state (through JSON) after each of ``STOPS`` batches."""
-    loader = _loader(ds, kind, workers)
+    loader = _seeded_loader(ds, kind, workers)
     batches, states = [], {}
     for batch in loader:
         batches.append(copy_batch(batch))
@@ -105,11 +107,11 @@ def test_resume_gives_the_rest_of_the_pass(
     if kind.name not in _BUILT:
         _BUILT[kind.name] = kind.make(tmp_path_factory.mktemp(kind.name) / kind.name)
     ds = _BUILT[kind.name]
-    batches, states = _record(ds, kind, workers)
+    batches, states = _pass_and_states(ds, kind, workers)
     assert len(batches) > max(STOPS), f"{len(batches)} batches: the dataset is too small"
     assert sorted(states) == list(STOPS)
     for stop, state in states.items():
-        resumed = _loader(ds, kind, workers)
+        resumed = _seeded_loader(ds, kind, workers)
         resumed.load_state_dict(state)
         rest = [copy_batch(b) for b in resumed]
         assert len(rest) == len(batches) - stop, f"resumed after {stop}: {len(rest)} batches"
