@@ -2,20 +2,30 @@
 
 - tiny datasets of every kind (``fixed_memmap``, ``columns_memmap``, ``bytes_memmap``,
   ``token_windows``, ``zarr_group``, ``mixed``, ``tar_shards``);
-- ``copy_batch``: a batch with every tensor copied to the CPU (nothing keeps a worker slot).
+- ``copy_batch``: a batch with every tensor copied to the CPU (nothing keeps a worker slot);
+- S3 against the moto server (``s3_options``, ``s3_fs``, ``remote_options``), the
+  states ckpt tests save (``big_state``, ``small_state``, ``save_two_steps``);
+- small things: ``tree_bytes``, ``json_paths``, ``rng_warnings``, ``QuietHandler``,
+  ``fresh_worker_slots`` (a fixture: import it into a test module to use it).
 """
 
 from __future__ import annotations
 
+import http.server
 import io
 import tarfile
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from feedpipe import MemmapDataset, MemmapWriter, MixedDataset, TokenWindows
+
+MIB = 1 << 20
 
 
 def copy_batch(batch: Any) -> Any:
@@ -124,3 +134,96 @@ def tar_shards(path: Path, shards: int = 3, per: int = 8) -> list[str]:
         write_tar(path / f"shard-{s:03d}.tar", members)
         out.append(str(path / f"shard-{s:03d}.tar"))
     return out
+
+
+# ------------------------------------------------------------------ S3 and ckpt states
+def s3_options(endpoint: str) -> dict[str, Any]:
+    """fsspec storage_options for s3fs against a local endpoint (conftest's ``s3_server``)."""
+    return {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        "skip_instance_cache": True,
+    }
+
+
+def s3_fs(endpoint: str) -> Any:
+    """An ``s3fs.S3FileSystem`` on the moto server at ``endpoint``."""
+    import s3fs
+
+    return s3fs.S3FileSystem(**s3_options(endpoint))
+
+
+def remote_options(bucket: str, endpoint: str, **kw: Any) -> Any:
+    """ckpt ``RemoteOptions`` for ``s3://bucket/run`` with short test defaults (20 s deadline,
+    4 threads, 5 MiB blocks) unless ``kw`` says otherwise."""
+    from ckpt.remote import RemoteOptions
+
+    kw.setdefault("deadline_s", 20.0)
+    kw.setdefault("threads", 4)
+    kw.setdefault("block_bytes", 5 * MIB)
+    return RemoteOptions(f"s3://{bucket}/run", storage_options=s3_options(endpoint), **kw)
+
+
+def big_state(step: int) -> dict[str, Any]:
+    """An 11 MiB state (three 5 MiB upload parts), different for each step."""
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(11 * MIB // 4, generator=g), "step": step}
+
+
+def small_state(step: int) -> dict[str, Any]:
+    """A 4 kB state that says its step."""
+    return {"w": torch.full((1000,), float(step)), "step": step}
+
+
+def save_two_steps(root: Path) -> Path:
+    """A checkpoint directory at ``root`` with steps 1 and 2 of ``small_state``."""
+    from ckpt.manager import CheckpointManager
+
+    with CheckpointManager(root, keep_last=None) as m:
+        for s in (1, 2):
+            m.save(s, small_state(s)).result(30)
+    return root
+
+
+# --------------------------------------------------------------------------- small things
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    """Every file under ``root``: relative path -> contents."""
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def json_paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """The path (keys and indices) of every node of a JSON document, the root first."""
+    out = [prefix]
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += json_paths(v, (*prefix, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out += json_paths(v, (*prefix, i))
+    return out
+
+
+def rng_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    """The recorded warnings about the global RNG."""
+    return [str(w.message) for w in record if "global RNG" in str(w.message)]
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    """A static file handler that logs nothing."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def fresh_worker_slots() -> Iterator[None]:
+    """The process's worker slot registry is empty before and after each test of a module that
+    imports this fixture (autouse there only: this is not a conftest)."""
+    from feedpipe.loader import slots as slots_mod
+
+    slots_mod._WORKER.clear()
+    yield
+    slots_mod._WORKER.clear()

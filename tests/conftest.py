@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _faultproxy import FaultProxy
+from _helpers import s3_options
 from _procs import alive, descendants, describe, proc_listing, shm_entries, wait_gone
 
 # processes still exiting get this long before they count as left behind (a test of the check
@@ -97,14 +99,11 @@ def s3_server() -> Iterator[str]:
         server.stop()
 
 
-def s3_options(endpoint: str) -> dict[str, Any]:
-    """fsspec storage_options for s3fs against a local endpoint."""
-    return {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-        "skip_instance_cache": True,
-    }
+@pytest.fixture
+def proxy(s3_server: str) -> Iterator[FaultProxy]:
+    """A ``FaultProxy`` in front of the S3 server (inject faults with ``proxy.inject``)."""
+    with FaultProxy(s3_server) as p:
+        yield p
 
 
 @pytest.fixture

@@ -17,9 +17,9 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from _helpers import QuietHandler as _Quiet
 from _secrets import LeakCheck
 from test_stage import make_dataset
 
@@ -229,11 +229,6 @@ def test_a_directory_swapped_for_a_symlink_during_the_stage_is_not_written_throu
 
 
 # ------------------------------------------------------------------ 12: secrets
-
-
-class _Quiet(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
 
 
 @pytest.fixture

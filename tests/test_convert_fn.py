@@ -24,14 +24,9 @@ from feedpipe.errors import DatasetError
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _convert_fns as fns  # the worker functions live in an importable module
+from _helpers import tree_bytes as _files
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _files(root: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
-    }
 
 
 def _convert(fn: Any, out: Any, n: int = 60, **kw: Any) -> Any:

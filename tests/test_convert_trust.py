@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _helpers import json_paths as _paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -266,17 +267,6 @@ _JSON = st.recursive(
     ),
     max_leaves=12,
 ) | st.sampled_from([float("inf"), float("-inf"), -1, 2**64, 1.5, True, "", "x", [], {}, [-1]])
-
-
-def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            out += _paths(v, (*prefix, i))
-    return out
 
 
 @pytest.fixture(scope="module")
