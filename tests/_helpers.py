@@ -227,3 +227,16 @@ def fresh_worker_slots() -> Iterator[None]:
     slots_mod._WORKER.clear()
     yield
     slots_mod._WORKER.clear()
+
+
+class FakeClock:
+    """A deterministic perf_counter: tests advance it explicitly."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt

@@ -204,8 +204,10 @@ def test_rule4_only_torch_compat_touches_torch_privates() -> None:
     assert problems == [], "torch's private API outside the _torch_compat modules:\n" + "\n".join(
         problems
     )
-    compat = ROOT / "feedpipe" / "loader" / "_torch_compat.py"
-    assert scan.torch_private_touches_of(compat.read_text()), "the scan must see compat's touches"
+    for rel in scan.TORCH_COMPAT:  # ckpt's compat module may not exist yet
+        compat = ROOT / rel
+        if compat.is_file() or rel.startswith("feedpipe"):
+            assert scan.torch_private_touches_of(compat.read_text()), f"no touch seen in {rel}"
 
 
 @pytest.mark.parametrize(
