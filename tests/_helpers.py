@@ -5,8 +5,9 @@
 - ``copy_batch``: a batch with every tensor copied to the CPU (nothing keeps a worker slot);
 - S3 against the moto server (``s3_options``, ``s3_fs``, ``remote_options``), the
   states ckpt tests save (``big_state``, ``small_state``, ``save_two_steps``);
-- small things: ``tree_bytes``, ``json_paths``, ``rng_warnings``, ``QuietHandler``,
-  ``fresh_worker_slots`` (a fixture: import it into a test module to use it).
+- small things: ``tree_bytes``, ``json_paths``, ``json_values`` (a hypothesis strategy),
+  ``rng_warnings``, ``QuietHandler``, ``FakeClock`` (conftest's ``clock`` fixture installs one),
+  ``fresh_worker_slots`` (an autouse fixture for the test modules that import it).
 """
 
 from __future__ import annotations
@@ -204,6 +205,24 @@ def json_paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         for i, v in enumerate(doc):
             out += json_paths(v, (*prefix, i))
     return out
+
+
+def json_values() -> Any:
+    """A hypothesis strategy for JSON documents, and the values that break naive parsers
+    (infinities, 2**64, -1, empty containers)."""
+    from hypothesis import strategies as st
+
+    return st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(min_value=-(2**70), max_value=2**70)
+        | st.floats(allow_nan=True, allow_infinity=True)
+        | st.text(max_size=8),
+        lambda inner: (
+            st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+        ),
+        max_leaves=12,
+    ) | st.sampled_from([float("inf"), float("-inf"), -1, 2**64, 1.5, True, "", "x", [], {}, [-1]])
 
 
 def rng_warnings(record: list[warnings.WarningMessage]) -> list[str]:
