@@ -1,7 +1,7 @@
 """Helpers shared by several test files: one definition each (issue 26 item 7).
 
 - tiny datasets of every kind (``fixed_memmap``, ``columns_memmap``, ``bytes_memmap``,
-  ``token_windows``, ``zarr_group``, ``mixed``, ``tar_shards``);
+  ``token_windows``, ``zarr_group``, ``mixed``, ``tar_shard(s)``);
 - ``copy_batch``: a batch with every tensor copied to the CPU (nothing keeps a worker slot);
 - S3 against the moto server (``s3_options``, ``s3_fs``, ``remote_options``), the
   states ckpt tests save (``big_state``, ``small_state``, ``save_two_steps``);
@@ -119,6 +119,15 @@ def write_tar(path: Path, members: list[tuple[str, bytes]]) -> None:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
+
+
+def tar_shard(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> Path:
+    """A webdataset tar shard at ``path``: for each ``(key, {ext: bytes})`` a ``key.ext``
+    member per field, in order."""
+    write_tar(
+        path, [(f"{key}.{ext}", data) for key, fields in samples for ext, data in fields.items()]
+    )
+    return path
 
 
 def tar_shards(path: Path, shards: int = 3, per: int = 8) -> list[str]:

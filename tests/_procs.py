@@ -1,7 +1,8 @@
 """Processes and /dev/shm entries a test leaves behind (a /proc walk; psutil is not a test
 dependency), used by tests/conftest.py's leftover check and by the hung-worker tests; and the
 child-process harness of the kill tests: ``child_env``, ``python_child`` (a child that is
-SIGKILLed and reaped on the way out), ``read_marker``, ``stop``, ``run_python``, ``key_lines``."""
+SIGKILLed and reaped on the way out), ``read_marker``, ``stop``, ``run_python``, ``run_cli``,
+``key_lines``."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ __all__ = [
     "proc_listing",
     "python_child",
     "read_marker",
+    "run_cli",
     "run_python",
     "shm_entries",
     "stop",
@@ -196,6 +198,22 @@ def run_python(
         text=True,
         timeout=timeout,
         env=child_env() if env is None else env,
+    )
+
+
+def run_cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m feedpipe.cli *args`` in ``cwd`` (the environment plus ``env``), output
+    captured as text, two minutes at most; its exit status is the caller's to check."""
+    return subprocess.run(
+        [sys.executable, "-m", "feedpipe.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **(env or {})},
     )
 
 

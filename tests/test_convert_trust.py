@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,23 +12,13 @@ import numpy as np
 import pytest
 from _helpers import json_paths as _paths
 from _helpers import json_values
+from _procs import run_cli as _cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from feedpipe import DatasetError, MemmapDataset
 from feedpipe.convert import convert
 from feedpipe.datasets.writer import MemmapWriter
-
-
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "feedpipe.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def _tree(root: Path) -> dict[str, bytes]:

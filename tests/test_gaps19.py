@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import io
 import json
 import sys
-import tarfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from _helpers import tar_shard as _shard
 from _helpers import tree_bytes as _files
 
 import feedpipe
 from feedpipe import DatasetError, MemmapDataset
-
-
-def _shard(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> Path:
-    with tarfile.open(path, "w") as tar:
-        for key, fields in samples:
-            for ext, data in fields.items():
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return path
 
 
 def _sample(i: int) -> dict[str, bytes]:
