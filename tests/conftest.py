@@ -1,5 +1,7 @@
-"""Shared fixtures: GPU skipping, a real S3 API server (moto in server mode) on localhost, and
-the leftover check: no test may leave a process or a /dev/shm entry of ours behind."""
+"""Shared fixtures: GPU skipping, a real S3 API server (moto in server mode) on localhost with a
+``proxy`` to inject faults in front of it, the stall meter's fake ``clock``, and the leftover
+check: no test may leave a process or a /dev/shm entry of ours behind. Helper functions shared
+by several test files live in tests/_helpers.py (data, states) and tests/_procs.py (processes)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,14 @@ import socket
 import sys
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from _procs import alive, descendants, describe, proc_listing, shm_entries, wait_gone
+
+if TYPE_CHECKING:  # the helpers import torch and feedpipe: only fixtures that use them do
+    from _faultproxy import FaultProxy
+    from _helpers import FakeClock
 
 # processes still exiting get this long before they count as left behind (a test of the check
 # itself shortens it)
@@ -97,20 +103,32 @@ def s3_server() -> Iterator[str]:
         server.stop()
 
 
-def s3_options(endpoint: str) -> dict[str, Any]:
-    """fsspec storage_options for s3fs against a local endpoint."""
-    return {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-        "skip_instance_cache": True,
-    }
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """The stall meter's clock, replaced by a ``FakeClock`` that the test advances."""
+    from _helpers import FakeClock
+
+    from feedpipe.stall import meter as stall_mod
+
+    c = FakeClock()
+    monkeypatch.setattr(stall_mod, "_perf", c)
+    return c
+
+
+@pytest.fixture
+def proxy(s3_server: str) -> Iterator[FaultProxy]:
+    """A ``FaultProxy`` in front of the S3 server (inject faults with ``proxy.inject``)."""
+    from _faultproxy import FaultProxy
+
+    with FaultProxy(s3_server) as p:
+        yield p
 
 
 @pytest.fixture
 def s3_bucket(s3_server: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """A fresh, empty bucket on the local S3 server: yields ``(bucket_name, storage_options)``."""
     import s3fs
+    from _helpers import s3_options
 
     opts = s3_options(s3_server)
     name = f"test-{uuid.uuid4().hex[:12]}"

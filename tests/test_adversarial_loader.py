@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
+from _helpers import rng_warnings as _rng_warnings
 from torch.utils.data import Dataset, IterableDataset
 
 from feedpipe import DataLoader
@@ -59,10 +60,6 @@ def test_torch_process_workers_forked_from_a_thread_worker_see_their_own_info() 
 
 
 # ------------------------------------------------- global-RNG warnings blame the right thread
-def _rng_warnings(record: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in record if "global RNG" in str(w.message)]
-
-
 class _Items(Dataset):  # type: ignore[type-arg]
     """Leaves every global RNG alone; items 2, 3 (worker 1's first batch) are slow."""
 

@@ -17,9 +17,10 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from _helpers import QuietHandler as _Quiet
+from _procs import child_env as _env
 from _secrets import LeakCheck
 from test_stage import make_dataset
 
@@ -30,13 +31,6 @@ from feedpipe.stage import stage
 
 ROOT = Path(__file__).resolve().parent.parent
 _CLI = "import sys; from feedpipe.cli import main; sys.exit(main(sys.argv[1:]))"
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    code = os.environ.get("PYTHONPATH") or str(ROOT)
-    env["PYTHONPATH"] = os.pathsep.join([code, str(ROOT / "tests")])
-    return env
 
 
 def test_no_verify_existing_never_serves_v2_index_over_v1_shards(tmp_path: Path) -> None:
@@ -229,11 +223,6 @@ def test_a_directory_swapped_for_a_symlink_during_the_stage_is_not_written_throu
 
 
 # ------------------------------------------------------------------ 12: secrets
-
-
-class _Quiet(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
 
 
 @pytest.fixture

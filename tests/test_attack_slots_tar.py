@@ -16,17 +16,11 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
+from _helpers import fresh_worker_slots as _fresh_worker_slots  # noqa: F401
 from torch.utils.data import default_collate
 
 from feedpipe import DataLoader, DatasetError, TarDataset
 from feedpipe.loader import slots as slots_mod
-
-
-@pytest.fixture(autouse=True)
-def _fresh_worker_slots() -> Any:
-    slots_mod._WORKER.clear()
-    yield
-    slots_mod._WORKER.clear()
 
 
 # ------------------------------------------------------------------------------ worker slots

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 from _faultproxy import FaultProxy
+from _procs import python_child, read_marker, stop
 from test_stage import make_dataset, upload
 
 from feedpipe.cache import ShardCache
@@ -242,13 +242,8 @@ def test_sigkilled_downloader_leaves_nothing_complete(
     with FaultProxy(s3_server) as proxy:
         proxy.inject("stall", match="shard-00002.data", method="GET")
         popts = dict(opts, client_kwargs=dict(opts["client_kwargs"], endpoint_url=proxy.url))
-        child = subprocess.Popen(
-            [sys.executable, "-c", _KILLED, url, str(cache_dir), json.dumps(popts)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        with python_child(url, str(cache_dir), json.dumps(popts), code=_KILLED) as child:
+            read_marker(child, "ready")
             deadline = time.monotonic() + 60
             parts: list[Path] = []
             while time.monotonic() < deadline and not any(_size(p) > 0 for p in parts):
@@ -256,12 +251,7 @@ def test_sigkilled_downloader_leaves_nothing_complete(
                 time.sleep(0.02)
             parts = [p for p in parts if _size(p) > 0]  # a retried attempt may remove its temp
             assert parts, "download never started"
-            os.kill(child.pid, signal.SIGKILL)
-            child.wait(timeout=30)
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait(timeout=30)
+            stop(child, signal.SIGKILL)
     (ds_dir,) = [p for p in cache_dir.iterdir() if p.is_dir()]
     assert not (ds_dir / "shard-00002.data").exists()  # nothing that looks complete
     assert 0 < parts[0].stat().st_size < len(contents["shard-00002.data"])

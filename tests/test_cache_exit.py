@@ -7,7 +7,6 @@ import fcntl
 import json
 import os
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from _procs import python_child
 from test_stage import make_dataset, upload
 
 from feedpipe import MemmapDataset
@@ -60,25 +60,13 @@ _BLOCKED_CHILD = textwrap.dedent(
 
 def _run_child(code: str, *args: str) -> float:
     """Run ``code`` in a fresh interpreter; return seconds from its last line to its exit."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        assert proc.stdout is not None
+    with python_child(*args, code=code, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
         line = proc.stdout.readline()
         mark = time.monotonic()
         proc.wait(timeout=CHILD_LIMIT_S)
         took = time.monotonic() - mark
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    _, err = proc.communicate()
+        err = proc.stderr.read()
     assert line.strip() == "EXITING", err[-3000:]
     assert proc.returncode == 0, err[-3000:]
     return took

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers import save_two_steps as _run
+from _helpers import small_state as _state
 
 import ckpt
 from ckpt.cli import main as ckpt_main
@@ -22,17 +24,6 @@ from ckpt.errors import CheckpointError
 from ckpt.manager import CheckpointManager
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-def _state(step: int) -> dict:
-    return {"w": torch.full((1000,), float(step)), "step": step}
-
-
-def _run(root: Path) -> Path:
-    with CheckpointManager(root, keep_last=None) as m:
-        for s in (1, 2):
-            m.save(s, _state(s)).result(30)
-    return root
 
 
 def _no_hang(fn: Callable[[], Any], fifos: list[Path], timeout_s: float = 5.0) -> Any:

@@ -7,7 +7,6 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +40,6 @@ def _opts(endpoint: str) -> dict[str, Any]:
         "config_kwargs": {"retries": {"max_attempts": 1}},  # our retry loop, not botocore's
         "skip_instance_cache": True,
     }
-
-
-@pytest.fixture
-def proxy(s3_server: str) -> Iterator[FaultProxy]:
-    with FaultProxy(s3_server) as p:
-        yield p
 
 
 def _remote(bucket: str, endpoint: str, **kw: Any) -> RemoteOptions:

@@ -3,17 +3,17 @@ half-uploaded checkpoint is ever restorable (a real process, the real moto S3 se
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
 import torch
 from _ckpt_upload_worker import options, state_for
+from _procs import child_env, python_child, read_marker, stop
 
 from ckpt.errors import CheckpointError
 from ckpt.manager import CheckpointManager
@@ -25,13 +25,8 @@ pytest.importorskip("moto")
 WORKER = str(Path(__file__).with_name("_ckpt_upload_worker.py"))
 
 
-def _spawn(args: list[str], pause: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, CKPT_TEST_PAUSE=pause)
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    return subprocess.Popen(
-        [sys.executable, WORKER, *args], stdout=subprocess.PIPE, text=True, env=env
-    )
+def _spawn(args: list[str], pause: str) -> AbstractContextManager[subprocess.Popen[str]]:
+    return python_child(WORKER, *args, env=child_env(CKPT_TEST_PAUSE=pause))
 
 
 def _check_remote(bucket: str, endpoint: str, scratch: Path) -> list[int]:
@@ -55,33 +50,24 @@ def test_sigkill_mid_upload_then_restart_completes(
     kills_mid_upload = 0
     for rnd in range(rounds):
         first, last = 3 * rnd + 1, 3 * rnd + 3
-        proc = _spawn(
+        with _spawn(
             [str(directory), bucket, s3_server, "save", str(first), str(last)],
             "upload:0.6,upload_manifest:0.6",
-        )
-        try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()  # the first local commit of this round
-            assert line.startswith("committed"), line
+        ) as proc:
+            read_marker(proc, "committed")  # the first local commit of this round
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:  # until an upload is in progress
                 if any(s["state"] == "uploading" for s in read_status(directory).values()):
                     break
                 time.sleep(0.01)
             time.sleep(rng.uniform(0.0, 0.4))
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-        assert proc.returncode == -signal.SIGKILL
+            assert stop(proc, signal.SIGKILL) == -signal.SIGKILL
         states = {s: v["state"] for s, v in read_status(directory).items()}
         kills_mid_upload += any(v in ("uploading", "pending") for v in states.values())
         _check_remote(bucket, s3_server, tmp_path / f"scratch-{rnd}")
         # restart: the new process uploads every committed local step that is not remote yet
-        proc = _spawn([str(directory), bucket, s3_server, "resume"], "")
-        out, _ = proc.communicate(timeout=120)
+        with _spawn([str(directory), bucket, s3_server, "resume"], "") as proc:
+            out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0 and "uploaded" in out, out
         local = [int(p.name[5:]) for p in directory.glob("step-*") if p.name[5:].isdigit()]
         committed = _check_remote(bucket, s3_server, tmp_path / f"scratch-r{rnd}")

@@ -13,23 +13,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _procs import run_cli as _cli
 
 from feedpipe.datasets.writer import MemmapWriter
 from feedpipe.io.progress import NullBar, progress
-
-
-def _cli(
-    *args: str, cwd: Path, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "feedpipe.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def _one_line_error(res: subprocess.CompletedProcess[str], *needles: str) -> None:

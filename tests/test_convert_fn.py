@@ -24,14 +24,10 @@ from feedpipe.errors import DatasetError
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _convert_fns as fns  # the worker functions live in an importable module
+from _helpers import tree_bytes as _files
+from _procs import key_lines, run_python
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _files(root: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
-    }
 
 
 def _convert(fn: Any, out: Any, n: int = 60, **kw: Any) -> Any:
@@ -351,17 +347,9 @@ def test_a_hung_fn_is_ended_when_another_input_fails(tmp_path: Path) -> None:
     tests = str(Path(__file__).parent)
     script = tmp_path / "hung.py"
     script.write_text(_HUNG_SCRIPT.format(tests=tests, out=str(tmp_path / "out")))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), tests])}
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
+    proc = run_python(script, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = {k: v for k, _, v in (ln.partition(" ") for ln in proc.stdout.splitlines())}
+    lines = key_lines(proc.stdout)
     assert "RAISED" in lines, proc.stdout + proc.stderr[-2000:]  # the failed input, named
     assert lines["AFTER"] == "", proc.stdout
 

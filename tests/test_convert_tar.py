@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import io
-import tarfile
 from pathlib import Path
 
 import pytest
+from _helpers import tar_shard as _shard
 
 import feedpipe
 from feedpipe import DatasetError, MemmapDataset
 from feedpipe.cli import main as cli_main
-
-
-def _shard(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> None:
-    with tarfile.open(path, "w") as tar:
-        for key, fields in samples:
-            for ext, data in fields.items():
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
 
 
 def _image(i: int) -> bytes:

@@ -5,30 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from _helpers import json_paths as _paths
+from _helpers import json_values
+from _procs import run_cli as _cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from feedpipe import DatasetError, MemmapDataset
 from feedpipe.convert import convert
 from feedpipe.datasets.writer import MemmapWriter
-
-
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "feedpipe.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -255,28 +245,7 @@ def test_open_refuses_unreadable_index(tmp_path: Path, n: int, changes: dict[str
 
 
 # ---------------------------------------------------------------------- point 9
-_JSON = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=8),
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
-    ),
-    max_leaves=12,
-) | st.sampled_from([float("inf"), float("-inf"), -1, 2**64, 1.5, True, "", "x", [], {}, [-1]])
-
-
-def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            out += _paths(v, (*prefix, i))
-    return out
+_JSON = json_values()
 
 
 @pytest.fixture(scope="module")

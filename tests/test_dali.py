@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("nvidia.dali")
 Image = pytest.importorskip("PIL.Image")
 
-from _procs import alive, descendants, wait_gone  # noqa: E402
+from _procs import alive, descendants, key_lines, run_python, wait_gone  # noqa: E402
 from test_dali_datasets import BytesDataset, ExplodingDataset, HangingDataset  # noqa: E402
 
 from feedpipe.dali import ImageLoader  # noqa: E402
@@ -357,17 +357,9 @@ def test_hung_worker_gone_after_close_and_exit(images: list[bytes], tmp_path: Pa
     script = tmp_path / "hang.py"
     tests = str(Path(__file__).parent)
     script.write_text(_EXIT_SCRIPT.format(tests=tests, tmp=str(tmp_path)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tests).parent), tests])}
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env=env,
-    )
+    proc = run_python(script, timeout=90)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = {k: v for k, _, v in (ln.partition(" ") for ln in proc.stdout.splitlines())}
+    lines = key_lines(proc.stdout)
     pid, *workers = (int(p) for p in lines["WORKERS"].split())
     assert workers, "the hung DALI worker was not seen"
     assert lines["AFTER"] == ""  # close() ended the stuck worker

@@ -109,7 +109,7 @@ def remote_fixed(s3_server: str) -> tuple[str, dict[str, Any]]:
     import uuid
 
     import boto3
-    from conftest import s3_options
+    from _helpers import s3_options
 
     opts = s3_options(s3_server)
     bucket = f"contract-{uuid.uuid4().hex[:12]}"

@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import io
 import json
 import sys
-import tarfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from _helpers import tar_shard as _shard
+from _helpers import tree_bytes as _files
 
 import feedpipe
 from feedpipe import DatasetError, MemmapDataset
-
-
-def _shard(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> Path:
-    with tarfile.open(path, "w") as tar:
-        for key, fields in samples:
-            for ext, data in fields.items():
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return path
 
 
 def _sample(i: int) -> dict[str, bytes]:
@@ -102,12 +92,6 @@ def _run(fn: Any, out: Path, n: int = 12, **kw: Any) -> Any:
     kw.setdefault("inputs_per_part", 3)
     kw.setdefault("shard_bytes", 512)
     return feedpipe.convert(fn, list(range(n)), output=str(out), **kw)
-
-
-def _files(root: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
-    }
 
 
 def test_fn_dicts_without_data_store_str_json_and_ragged_columns(tmp_path: Path) -> None:

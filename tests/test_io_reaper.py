@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _procs import alive, wait_gone
+from _procs import alive, run_python, wait_gone
 
 from feedpipe.io.reaper import Bound, StuckWorkerWarning, Workers, end_processes, join_threads
 
@@ -136,15 +136,7 @@ def test_interpreter_exit_ends_a_deaf_hung_worker(tmp_path: Path) -> None:
     SIGTERM would hold the interpreter forever; the reaper's exit hook runs first."""
     script = tmp_path / "exit.py"
     script.write_text(_EXIT_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=env,
-    )
+    proc = run_python(script, timeout=30)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert wait_gone([int(proc.stdout.split()[0])], 2.0) == []
 

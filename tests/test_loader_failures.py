@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from _procs import shm_entries, wait_gone
+from _procs import key_lines, run_python, shm_entries, wait_gone
 from torch.utils.data import Dataset, IterableDataset
 
 from feedpipe import DataLoader
@@ -194,17 +194,9 @@ def test_hung_process_worker_is_ended(context: str, persistent: bool, tmp_path: 
             tests=tests, marker=str(tmp_path / "hung"), context=context, persistent=persistent
         )
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), tests])}
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=50,
-        env=env,
-    )
+    proc = run_python(script, timeout=50)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = {k: v for k, _, v in (ln.partition(" ") for ln in proc.stdout.splitlines())}
+    lines = key_lines(proc.stdout)
     workers = [int(p) for p in lines["WORKERS"].split()]
     assert workers, proc.stdout
     assert lines["AFTER"] == "", proc.stdout  # ended and reaped when dropped

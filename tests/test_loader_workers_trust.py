@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data
+from _helpers import rng_warnings as _rng_warnings
 from torch.utils.data import Dataset, IterableDataset
 from torch.utils.data import get_worker_info as torch_get_worker_info  # bound before feedpipe runs
 
@@ -129,10 +130,6 @@ def test_thread_worker_info_seeds_match_torch_rule() -> None:
     loader = DataLoader(Seeds(), batch_size=2, num_workers=2, worker_type="thread", generator=g)
     list(loader)
     assert seeds == {0: base, 1: base + 1}
-
-
-def _rng_warnings(record: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in record if "global RNG" in str(w.message)]
 
 
 class Plain(Dataset):  # type: ignore[type-arg]

@@ -35,8 +35,9 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
+from _helpers import columns_memmap, copy_batch, fixed_memmap, mixed, token_windows
 
-from feedpipe import DataLoader, MemmapDataset, MemmapWriter, MixedDataset, TokenWindows
+from feedpipe import DataLoader, TokenWindows
 from feedpipe.testing import assert_batches_equal
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,45 +59,10 @@ class Plain(tud.Dataset):  # type: ignore[type-arg]
         return {"x": torch.arange(3, dtype=torch.float32) + i, "i": i, "w": np.float32(i) / 7}
 
 
-def _fixed(path: Path, base: int = 0, n: int = N) -> MemmapDataset:
-    x = (base + np.arange(n, dtype=np.int64))[:, None] * np.ones((1, 3), np.int64)
-    with MemmapWriter(
-        path, shape=(3,), dtype="int64", fields={"label": "int32"}, shard_bytes=200
-    ) as w:
-        w.append_batch(x, label=np.arange(n, dtype=np.int32) % 5)
-    return MemmapDataset(path)
-
-
-def _columns(path: Path) -> MemmapDataset:
-    rng = np.random.default_rng(0)
-    spec = {"tokens": ("int32", (None,)), "text": "str", "meta": "json", "label": "int64"}
-    with MemmapWriter(path, shape=(None,), dtype="int16", fields=spec, shard_bytes=120) as w:
-        for i in range(N):
-            k = int(rng.integers(0, 7))
-            w.append(
-                np.arange(i % 5, dtype=np.int16),
-                tokens=rng.integers(-5, 1000, k).astype(np.int32),
-                text="é" * k + f"-{i}",
-                meta={"i": i, "tags": ["x"] * (k % 3)},
-                label=i * 3,
-            )
-    return MemmapDataset(path)
-
-
 def _tokens(path: Path) -> TokenWindows:
-    rng = np.random.default_rng(1)
-    fields = {"tokens": ("int32", (None,))}
-    with MemmapWriter(path, records=False, fields=fields, shard_bytes=160) as w:
-        for k in rng.integers(0, 20, 12):
-            w.append(tokens=rng.integers(0, 50_000, k).astype(np.int32))
-    windows = TokenWindows(path, block_size=5)
+    windows = token_windows(path)
     assert len(windows) > BATCH * (K + 1), len(windows)
     return windows
-
-
-def _mixed(path: Path) -> MixedDataset:
-    members = {"a": _fixed(path / "a", 1000, 13), "b": _fixed(path / "b", 2000, 5)}
-    return MixedDataset(members, weights={"a": 2, "b": 1}, seed=3, epoch_samples=N)
 
 
 @dataclass(frozen=True)
@@ -110,11 +76,11 @@ class Layout:
 
 
 LAYOUTS = [
-    Layout("fixed", lambda d: _fixed(d / "fixed")),
-    Layout("columns", lambda d: _columns(d / "columns"), torch=False),  # ragged, str, json
+    Layout("fixed", lambda d: fixed_memmap(d / "fixed", n=N)),
+    Layout("columns", lambda d: columns_memmap(d / "columns", n=N), torch=False),  # ragged, str
     Layout("tokens", lambda d: _tokens(d / "tokens")),
     Layout("plain", lambda d: Plain()),
-    Layout("mixed", lambda d: _mixed(d / "mixed")),
+    Layout("mixed", lambda d: mixed(d / "mixed", n=N)),
 ]
 
 
@@ -154,17 +120,6 @@ CASES = [
 
 
 # ------------------------------------------------------------------------------ the runs
-def _copy(batch: Any) -> Any:
-    """A batch with every tensor copied to the CPU (nothing keeps a worker slot or the GPU)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.detach().to("cpu", copy=True)
-    if isinstance(batch, dict):
-        return {k: _copy(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
-        return type(batch)(_copy(v) for v in batch)
-    return batch
-
-
 def _loader(ds: Any, **kwargs: Any) -> DataLoader:
     gen = torch.Generator().manual_seed(SEED)
     return DataLoader(ds, batch_size=BATCH, shuffle=True, generator=gen, **kwargs)
@@ -185,24 +140,24 @@ def _reference(layout: Layout, ds: Any) -> list[Any]:
         if layout.torch:
             gen = torch.Generator().manual_seed(SEED)
             torch_loader = tud.DataLoader(ds, batch_size=BATCH, shuffle=True, generator=gen)
-            _WANT[layout.name] = [_copy(b) for b in torch_loader]
+            _WANT[layout.name] = [copy_batch(b) for b in torch_loader]
         else:
-            _WANT[layout.name] = [_copy(b) for b in _loader(ds)]
+            _WANT[layout.name] = [copy_batch(b) for b in _loader(ds)]
     return _WANT[layout.name]
 
 
 def _run(ds: Any, resume: str, kwargs: dict[str, Any]) -> list[Any]:
     """One pass, or ``K`` batches, a saved state (through JSON) and the rest in a new loader."""
     if resume == "fresh":
-        return [_copy(b) for b in _loader(ds, **kwargs)]
+        return [copy_batch(b) for b in _loader(ds, **kwargs)]
     first = _loader(ds, **kwargs)
     it = iter(first)
-    head = [_copy(next(it)) for _ in range(K)]
+    head = [copy_batch(next(it)) for _ in range(K)]
     state = json.loads(json.dumps(first.state_dict()))
     del it, first
     second = _loader(ds, **kwargs)
     second.load_state_dict(state)
-    return head + [_copy(b) for b in second]
+    return head + [copy_batch(b) for b in second]
 
 
 @pytest.mark.parametrize("device", DEVICES)

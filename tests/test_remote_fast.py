@@ -13,7 +13,6 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _faultproxy import FaultProxy
+from _helpers import big_state as _big
+from _helpers import remote_options as _remote
+from _helpers import s3_fs as _fs
 
 from ckpt.errors import CorruptCheckpointError
 from ckpt.manager import CheckpointManager
@@ -31,39 +33,6 @@ from ckpt.remote import RemoteOptions
 from ckpt.tiers import s3put
 
 MIB = 1 << 20
-
-
-def _opts(endpoint: str) -> dict[str, Any]:
-    return {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-        "skip_instance_cache": True,
-    }
-
-
-def _fs(endpoint: str) -> Any:
-    import s3fs
-
-    return s3fs.S3FileSystem(**_opts(endpoint))
-
-
-@pytest.fixture
-def proxy(s3_server: str) -> Iterator[FaultProxy]:
-    with FaultProxy(s3_server) as p:
-        yield p
-
-
-def _remote(bucket: str, endpoint: str, **kw: Any) -> RemoteOptions:
-    kw.setdefault("deadline_s", 20.0)
-    kw.setdefault("threads", 4)
-    kw.setdefault("block_bytes", 5 * MIB)
-    return RemoteOptions(f"s3://{bucket}/run", storage_options=_opts(endpoint), **kw)
-
-
-def _big(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(11 * MIB // 4, generator=g), "step": step}  # 11 MiB: 3 parts
 
 
 class _Counting(FaultProxy):

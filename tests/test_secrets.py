@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _helpers import QuietHandler as _Quiet
 from _secrets import LeakCheck
 from conftest import free_port
 from hypothesis import HealthCheck, assume, given, settings
@@ -187,11 +188,6 @@ def test_plain_paths_are_left_alone() -> None:
 
 
 # ------------------------------------------------------------------ a real HTTP server
-
-
-class _Quiet(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _faultproxy import FaultProxy
+from _procs import child_env as _env
 from conftest import free_port
 from test_stage import make_dataset, upload
 
@@ -32,13 +33,6 @@ from feedpipe.remote import transfer as _remote
 from feedpipe.stage import stage
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    code = os.environ.get("PYTHONPATH") or str(ROOT)  # PYTHONPATH=/other/checkout runs that code
-    env["PYTHONPATH"] = os.pathsep.join([code, str(ROOT / "tests")])
-    return env
 
 
 def _proxy_opts(opts: dict[str, Any], endpoint: str) -> dict[str, Any]:

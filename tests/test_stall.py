@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+from _helpers import FakeClock
 
 import feedpipe
 from feedpipe.stall import (
@@ -21,26 +22,6 @@ from feedpipe.stall import (
     gather_stats,
 )
 from feedpipe.stall import meter as stall_mod
-
-
-class FakeClock:
-    """A deterministic perf_counter: tests advance it explicitly."""
-
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    c = FakeClock()
-    monkeypatch.setattr(stall_mod, "_perf", c)
-    return c
 
 
 def _loop(meter: StallMeter, clock: FakeClock, waits: list[float], step: float) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import FakeClock
 
 from feedpipe import DataLoader
 from feedpipe.stall import (
@@ -27,7 +28,6 @@ from feedpipe.stall import (
     StallStats,
     TensorBoardSink,
 )
-from feedpipe.stall import meter as stall_mod
 from feedpipe.stall.report import CPU_BOUND, MIN_BATCHES, hint
 
 FETCH = 0.040  # per batch (one sample per batch)
@@ -59,24 +59,6 @@ class BusyDataset(SlowDataset):
         while time.thread_time() < end:
             x += 1
         return torch.full((4,), i, dtype=torch.int64)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    c = FakeClock()
-    monkeypatch.setattr(stall_mod, "_perf", c)
-    return c
 
 
 def _loop(meter: StallMeter, clock: FakeClock, n: int, wait: float, step: float) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
+from _helpers import fresh_worker_slots as _fresh_worker_slots  # noqa: F401
 from torch.utils.data import default_collate
 
 from feedpipe import DataLoader
@@ -56,13 +57,6 @@ CASES: dict[str, Any] = {
     "nested": lambda i, mm: {"a": [torch.zeros(2, dtype=torch.int8) + i, {"b": i}], "c": (i,)},
     "empty rows": lambda i, mm: torch.zeros(0, 3),
 }
-
-
-@pytest.fixture(autouse=True)
-def _fresh_worker_slots() -> Any:
-    slots_mod._WORKER.clear()
-    yield
-    slots_mod._WORKER.clear()
 
 
 @pytest.mark.parametrize("case", list(CASES))

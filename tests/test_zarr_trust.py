@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _helpers import json_paths as _paths
+from _helpers import json_values
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -102,28 +104,7 @@ def test_remote_zarr_missing_chunk_is_an_error(
 
 
 # ---------------------------------------------------------------------- malformed metadata
-_JSON = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=8),
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
-    ),
-    max_leaves=12,
-) | st.sampled_from([float("inf"), float("-inf"), -1, 2**64, 1.5, True, "", "x", [], {}, [-1]])
-
-
-def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            out += _paths(v, (*prefix, i))
-    return out
+_JSON = json_values()
 
 
 def _mutate(doc: Any, path: tuple[Any, ...], value: Any, delete: bool) -> Any:
