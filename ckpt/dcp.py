@@ -38,7 +38,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -66,21 +66,31 @@ from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.saving import commit
 from ckpt.saving.flatten import torch_dtype
+from ckpt.saving.plan import pack
 from ckpt.saving.pool import Buffer, PinnedPool, PoolOptions
 from feedpipe.io import crc32c, to_hex
-
-if TYPE_CHECKING:
-    from ckpt.manager import CheckpointManager
 
 __all__ = [
     "CkptStorageReader",
     "CkptStorageWriter",
+    "CommitOwner",
     "check_bytes_items",
     "checkpoint_group",
     "decode_metadata",
     "encode_metadata",
     "load_bytes_item",
 ]
+
+
+class CommitOwner(Protocol):
+    """What ``CkptStorageWriter(manager=)`` needs of its manager (a ``CheckpointManager``):
+    take the directory's writer lock before any rank writes, and run the post-commit path
+    (upload, retention) for a step committed by the coordinator."""
+
+    def ensure_writer(self) -> None: ...
+
+    def adopt(self, step: int) -> None: ...
+
 
 _group: Any = None
 _group_lock = threading.Lock()
@@ -159,7 +169,7 @@ def _keys(value: Any, what: str) -> list[Any]:
     return list(value)
 
 
-def encode_metadata(md: Metadata) -> dict:
+def encode_metadata(md: Metadata) -> dict[str, Any]:
     """DCP ``Metadata`` as a JSON-able dict (tensor/bytes entries, planner mappings, locations)."""
     entries: dict[str, Any] = {}
     for fqn, item in md.state_dict_metadata.items():
@@ -188,7 +198,7 @@ def encode_metadata(md: Metadata) -> dict:
     }
 
 
-def decode_metadata(doc: dict, where: str = "") -> Metadata:
+def decode_metadata(doc: dict[str, Any], where: str = "") -> Metadata:
     """The inverse of :func:`encode_metadata`; a ``CorruptCheckpointError`` names ``where``."""
     try:
         sd: dict[str, Any] = {}
@@ -240,7 +250,7 @@ class CkptStorageWriter(StorageWriter):
         directory: str | os.PathLike[str] | None = None,
         step: int | None = None,
         *,
-        manager: CheckpointManager | None = None,
+        manager: CommitOwner | None = None,
         pool: PoolOptions | None = None,
         chunk_bytes: int = fmt.CHUNK_BYTES,
     ) -> None:
@@ -391,11 +401,7 @@ class CkptStorageWriter(StorageWriter):
         return the same structure over that copy (training may mutate the original at once)."""
         tensors: list[torch.Tensor] = []
         _collect(state_dict, tensors)
-        offsets, total = [], 0
-        for t in tensors:
-            total = -(-total // fmt.ALIGN) * fmt.ALIGN
-            offsets.append(total)
-            total += t.numel() * t.element_size()
+        offsets, total = pack(t.numel() * t.element_size() for t in tensors)
         buf, _ = self.pool.acquire(total)
         self._staged.append(buf)
         staged = []
@@ -476,8 +482,9 @@ class CkptStorageReader(StorageReader):
         if step is None and directory is not None and (Path(directory) / fmt.MANIFEST).exists():
             self.directory, self.step = _split_id(directory)  # type: ignore[misc]
         self.verify = verify
-        self.storage_data: dict[MetadataIndex, dict] = {}
-        self._files: dict[str, dict] = {}
+        self.storage_data: dict[MetadataIndex, dict[str, Any]] = {}
+        self.files: dict[str, dict[str, Any]] = {}
+        """The data files' records of the manifest, by name (set by ``read_metadata``)."""
 
     @property
     def path(self) -> Path:
@@ -509,13 +516,13 @@ class CkptStorageReader(StorageReader):
         doc = body.get("metadata", {}).get("dcp")
         if not isinstance(doc, dict):
             raise CorruptCheckpointError(f"{path}: not a DCP checkpoint (no DCP metadata)")
-        self._files = {rec["name"]: rec for rec in body["files"]}
+        self.files = {rec["name"]: rec for rec in body["files"]}
         return decode_metadata(doc, str(path))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, **kw: Any) -> None:
         """Keep the item locations."""
         self.storage_data = dict(metadata.storage_data or {})
-        if not self._files:
+        if not self.files:
             self.read_metadata()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -533,13 +540,13 @@ class CkptStorageReader(StorageReader):
             loc = self.storage_data[req.storage_index]
             per_file.setdefault(fmt.safe_relpath(loc["file"]), []).append(req)
         for name, reqs in per_file.items():
-            rec = self._files.get(name)
+            rec = self.files.get(name)
             if rec is None:
                 raise CorruptCheckpointError(f"{self.path}: {name} is not in the manifest")
             locs = [self.storage_data[r.storage_index] for r in reqs]
             lo = min(loc["offset"] for loc in locs)
             hi = max(loc["offset"] + loc["nbytes"] for loc in locs)
-            base, data = self._read_chunks(rec, lo, hi)
+            base, data = self.read_chunks(rec, lo, hi)
             for req, loc in zip(reqs, locs, strict=True):
                 raw = data[loc["offset"] - base : loc["offset"] - base + loc["nbytes"]]
                 if req.type == LoadItemType.BYTE_IO:
@@ -563,7 +570,7 @@ class CkptStorageReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _read_chunks(self, rec: dict, lo: int, hi: int) -> tuple[int, torch.Tensor]:
+    def read_chunks(self, rec: dict[str, Any], lo: int, hi: int) -> tuple[int, torch.Tensor]:
         """Bytes ``[lo, hi)`` of a data file, widened to whole chunks, each verified."""
         path = fmt.inside(self.path, rec["name"])
         chunk = rec["chunk_bytes"]
@@ -615,11 +622,11 @@ def check_bytes_items(path: str | os.PathLike[str]) -> int:
         if loc.get("kind") != "bytes":
             continue
         name = fmt.safe_relpath(loc["file"])
-        rec = reader._files.get(name)
+        rec = reader.files.get(name)
         if rec is None:
             raise CorruptCheckpointError(f"{reader.path}: {name} is not in the manifest")
         off, n = int(loc["offset"]), int(loc["nbytes"])
-        base, data = reader._read_chunks(rec, off, off + n)
+        base, data = reader.read_chunks(rec, off, off + n)
         load_bytes_item(
             data[off - base : off - base + n].numpy().data,
             f"{reader.path}/{name}: item {index.fqn!r}",

@@ -217,7 +217,7 @@ class _Walk:
                 self.item((target, k), v, target[k], _join(key, k), f"{where}[{k!r}]")
         self.plan.missing.extend(_join(key, k) for k in target if k not in saved)
 
-    def item(self, slot: tuple[Any, Any], v: dict, t: Any, key: str, where: str) -> None:
+    def item(self, slot: tuple[Any, Any], v: dict[str, Any], t: Any, key: str, where: str) -> None:
         """A saved value ``v`` for the item ``t`` of ``into``: loaded into it, or replacing it."""
         saved = v
         while saved["t"] == "state":
@@ -290,7 +290,6 @@ class _Walk:
                 "its elements overlap in memory (an expand()-ed or stride-0 view); "
                 "give a tensor or array of its own",
             )
-
 
     def writable(self, lo: int, hi: int) -> bool:
         """Whether the host bytes ``[lo, hi)`` lie in writable mappings (``/proc/self/maps``;
@@ -412,7 +411,7 @@ def _check_rng(state: Any, plan: RestorePlan) -> None:
             if not isinstance(cuda, (list, tuple)):
                 raise TypeError(f"the CUDA states are a {type(cuda).__name__}, not a list")
             # tried on new generators only where CUDA is up already (set_rng_state's are lazy)
-            devices = torch.cuda.device_count() if torch.cuda.is_initialized() else 0
+            devices = torch.cuda.device_count() if torch.cuda.is_initialized() else 0  # type: ignore[no-untyped-call]
             for i, s in enumerate(cuda[:devices]):
                 gen = torch.Generator(device=f"cuda:{i}")
                 gen.set_state(torch.as_tensor(s).cpu().clone())

@@ -56,7 +56,9 @@ class RestoreStats:
     """Keys a ``restore(into=, strict=False)`` skipped (``ckpt.restore_plan``)."""
 
 
-def _device(entry: dict, map_location: MapLocation, path: Path, moved: set[str]) -> torch.device:
+def _device(
+    entry: dict[str, Any], map_location: MapLocation, path: Path, moved: set[str]
+) -> torch.device:
     """Where an entry goes: ``map_location`` if given; else where it was saved, or (when that
     device does not exist here) the current CUDA device or the CPU, noted in ``moved``."""
     if map_location is not None:
@@ -105,13 +107,13 @@ def read_checkpoint(
     executor: Executor | None = None,
     into: Any = None,
     strict: bool = True,
-) -> tuple[Any, dict, RestoreStats]:
+) -> tuple[Any, dict[str, Any], RestoreStats]:
     """Load the checkpoint in directory ``path``; returns (state, manifest body, stats).
 
     Memory: each tensor is allocated once, on its final device, and filled piece by piece by
-    ``reader_threads()`` threads reading in parallel (``ckpt.restoring.read_into``); the extra host memory
-    is one ``READ_BYTES`` buffer per thread, plus two pinned ``READ_BYTES`` slots per thread when
-    tensors go to CUDA.
+    ``reader_threads()`` threads reading in parallel (``ckpt.restoring.read_into``); the extra
+    host memory is one ``READ_BYTES`` buffer per thread, plus two pinned ``READ_BYTES`` slots per
+    thread when tensors go to CUDA.
 
     With ``into``, a ``RestorePlan`` (``ckpt.restore_plan``) is built first and refuses a
     mismatch (keys per ``strict``, shapes, dtypes, writability) before anything is read; the
@@ -163,14 +165,16 @@ class _Step:
     """One step directory being read: its manifest, open files, readers and stats."""
 
     path: Path
-    body: dict
+    body: dict[str, Any]
     fds: dict[str, int]
     pool: Executor
     executor: Executor | None
     stats: RestoreStats
     verify: bool
 
-    def read(self, plan: RestorePlan | None, map_location: MapLocation, moved: set[str]) -> list:
+    def read(
+        self, plan: RestorePlan | None, map_location: MapLocation, moved: set[str]
+    ) -> list[Any]:
         """Read every entry; with a ``plan``, run it (``_execute``), filling its direct targets
         (``plan.direct``) last: from device scratch tensors read in the one pass when they fit,
         else by a second pass over the files."""
@@ -218,7 +222,7 @@ def _execute(plan: RestorePlan, arrays: list[Any], fill: Any) -> None:
         raise
 
 
-def _split(body: dict, found: dict[int, torch.Tensor]) -> dict[str, list[fmt.Target]]:
+def _split(body: dict[str, Any], found: dict[int, torch.Tensor]) -> dict[str, list[fmt.Target]]:
     """Per data file, the byte ranges of the direct targets ``found`` (the second pass)."""
     later: dict[str, list[fmt.Target]] = {}
     if not found:
@@ -244,7 +248,7 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _open_step(path: Path) -> tuple[dict, dict[str, int]]:
+def _open_step(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     """The manifest of step directory ``path`` and its data files, opened (sizes checked before
     anything is allocated), all from one directory: a re-save swaps in a new directory, and a
     manifest read from the old one with data files opened in the new one would fail its
@@ -296,7 +300,7 @@ def _close(fds: dict[str, int]) -> None:
 
 def _verify_files(
     path: Path,
-    body: dict,
+    body: dict[str, Any],
     executor: Executor | None,
     stats: RestoreStats,
     fds: dict[str, int] | None = None,
@@ -357,7 +361,7 @@ def _copy_into(
 
 def _read_mmap(
     path: Path,
-    body: dict,
+    body: dict[str, Any],
     verify: bool,
     stats: RestoreStats,
     *,
@@ -376,7 +380,7 @@ def _read_mmap(
 
 
 def _allocate(
-    body: dict,
+    body: dict[str, Any],
     scratch: dict[int, torch.Tensor],
     found: dict[int, torch.Tensor],
     map_location: MapLocation,
@@ -413,7 +417,7 @@ def _allocate(
 
 
 def _new(
-    e: dict, map_location: MapLocation, path: Path, moved: set[str]
+    e: dict[str, Any], map_location: MapLocation, path: Path, moved: set[str]
 ) -> tuple[Any, torch.Tensor]:
     """A new array for entry ``e`` on its final device, and a uint8 tensor of its bytes."""
     if e["kind"] == "tensor":
@@ -439,7 +443,7 @@ def _mmap(file: Path, size: int, fd: int) -> torch.Tensor:
     return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
-def verify_step(path: str | os.PathLike[str]) -> dict:
+def verify_step(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Check that the checkpoint directory ``path`` is restorable, without reading tensors
     beyond their checksums: the manifest (its CRC32C and the whole body, tree and entries
     included, by the same ``validate_manifest`` a restore runs), each data file's size and every
