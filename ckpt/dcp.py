@@ -38,17 +38,13 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -64,23 +60,40 @@ from torch.futures import Future
 from ckpt import _layout, _owner
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.restoring.dcp_items import (
+    decode_metadata,
+    dtype_name,
+    encode_metadata,
+    load_bytes_item,
+    safe_bytes,
+)
 from ckpt.saving import commit
 from ckpt.saving.flatten import torch_dtype
+from ckpt.saving.plan import pack
 from ckpt.saving.pool import Buffer, PinnedPool, PoolOptions
 from feedpipe.io import crc32c, to_hex
-
-if TYPE_CHECKING:
-    from ckpt.manager import CheckpointManager
 
 __all__ = [
     "CkptStorageReader",
     "CkptStorageWriter",
+    "CommitOwner",
     "check_bytes_items",
     "checkpoint_group",
     "decode_metadata",
     "encode_metadata",
     "load_bytes_item",
 ]
+
+
+class CommitOwner(Protocol):
+    """What ``CkptStorageWriter(manager=)`` needs of its manager (a ``CheckpointManager``):
+    take the directory's writer lock before any rank writes, and run the post-commit path
+    (upload, retention) for a step committed by the coordinator."""
+
+    def ensure_writer(self) -> None: ...
+
+    def adopt(self, step: int) -> None: ...
+
 
 _group: Any = None
 _group_lock = threading.Lock()
@@ -103,117 +116,6 @@ def _split_id(checkpoint_id: str | os.PathLike[str] | None) -> tuple[Path, int] 
     if step is None:
         raise CheckpointError(f"checkpoint_id {checkpoint_id!r} must name a DIR/step-N directory")
     return path.parent, step
-
-
-def load_bytes_item(raw: bytes | memoryview, where: str) -> Any:
-    """Load one stored byte item with ``torch.load(weights_only=True)`` (never runs code);
-    anything outside the allow-list is a ``CorruptCheckpointError`` naming ``where``. Only the
-    zip archive ``torch.save`` writes, with stored (uncompressed) entries, is accepted: a loaded
-    item never takes more memory than its stored bytes (no zip bomb, no legacy-format sizes)."""
-    _check_archive(raw, where)
-    try:
-        return torch.load(io.BytesIO(bytes(raw)), weights_only=True, map_location="cpu")
-    except Exception as exc:
-        lines = str(exc).splitlines() or [repr(exc)]
-        why = next((ln for ln in lines if "WeightsUnpickler error" in ln), lines[0]).strip()
-        raise CorruptCheckpointError(
-            f"{where}: byte item cannot be loaded safely (torch.load(weights_only=True) refused "
-            f"it; ckpt never unpickles arbitrary objects): {why}"
-        ) from None
-
-
-def _check_archive(raw: bytes | memoryview, where: str) -> None:
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
-            infos = archive.infolist()
-    except (zipfile.BadZipFile, ValueError, OSError) as exc:
-        raise CorruptCheckpointError(
-            f"{where}: byte item is not a torch.save zip archive ({exc})"
-        ) from None
-    for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(raw):
-            raise CorruptCheckpointError(
-                f"{where}: byte item entry {info.filename!r} is compressed or larger than the "
-                "item (torch.save stores entries uncompressed; refused to bound memory)"
-            )
-
-
-def _safe_bytes(obj: Any) -> io.BytesIO:
-    """A fresh ``torch.save`` of an object that ``load_bytes_item`` produced, for the planner."""
-    out = io.BytesIO()
-    torch.save(obj, out)
-    out.seek(0)
-    return out
-
-
-# ---- metadata as JSON (DCP pickles its .metadata; ckpt never unpickles) ----------------------
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _keys(value: Any, what: str) -> list[Any]:
-    if not isinstance(value, (tuple, list)) or not all(isinstance(k, (str, int)) for k in value):
-        raise CheckpointError(f"DCP planner data {what} is not a tuple of str/int keys")
-    return list(value)
-
-
-def encode_metadata(md: Metadata) -> dict:
-    """DCP ``Metadata`` as a JSON-able dict (tensor/bytes entries, planner mappings, locations)."""
-    entries: dict[str, Any] = {}
-    for fqn, item in md.state_dict_metadata.items():
-        if isinstance(item, BytesStorageMetadata):
-            entries[fqn] = {"type": "bytes"}
-        else:
-            entries[fqn] = {
-                "type": "tensor",
-                "dtype": _dtype_name(item.properties.dtype),
-                "requires_grad": bool(item.properties.requires_grad),
-                "size": list(item.size),
-                "chunks": [[list(c.offsets), list(c.sizes)] for c in item.chunks],
-            }
-    planner = md.planner_data
-    if planner is not None and not isinstance(planner, dict):
-        raise CheckpointError("DCP planner data must be a dict of fqn -> key path to store it")
-    storage = [
-        [i.fqn, None if i.offset is None else list(i.offset), i.index, loc]
-        for i, loc in (md.storage_data or {}).items()
-    ]
-    return {
-        "entries": entries,
-        "planner_data": {k: _keys(v, k) for k, v in (planner or {}).items()},
-        "storage_data": storage,
-        "version": getattr(md, "version", None),
-    }
-
-
-def decode_metadata(doc: dict, where: str = "") -> Metadata:
-    """The inverse of :func:`encode_metadata`; a ``CorruptCheckpointError`` names ``where``."""
-    try:
-        sd: dict[str, Any] = {}
-        for fqn, e in doc["entries"].items():
-            if e["type"] == "bytes":
-                sd[fqn] = BytesStorageMetadata()
-                continue
-            sd[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(
-                    dtype=torch_dtype(e["dtype"]), requires_grad=bool(e["requires_grad"])
-                ),
-                size=torch.Size(int(d) for d in e["size"]),
-                chunks=[ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in e["chunks"]],
-            )
-        storage = {
-            MetadataIndex(fqn, None if off is None else torch.Size(off), idx): dict(loc)
-            for fqn, off, idx, loc in doc["storage_data"]
-        }
-        planner = {k: tuple(v) for k, v in doc["planner_data"].items()}
-        md = Metadata(state_dict_metadata=sd, planner_data=planner, storage_data=storage)
-        if doc.get("version") is not None:
-            md.version = doc["version"]
-        return md
-    except (KeyError, TypeError, ValueError, CheckpointError) as exc:
-        raise CorruptCheckpointError(f"{where}: DCP metadata is malformed: {exc!r}") from None
 
 
 # ---- writing -------------------------------------------------------------------------------
@@ -240,7 +142,7 @@ class CkptStorageWriter(StorageWriter):
         directory: str | os.PathLike[str] | None = None,
         step: int | None = None,
         *,
-        manager: CheckpointManager | None = None,
+        manager: CommitOwner | None = None,
         pool: PoolOptions | None = None,
         chunk_bytes: int = fmt.CHUNK_BYTES,
     ) -> None:
@@ -345,7 +247,7 @@ class CkptStorageWriter(StorageWriter):
                 else:
                     assert isinstance(data, torch.Tensor)
                     out.write(_raw(data))
-                    loc.update(kind="tensor", dtype=_dtype_name(data.dtype), shape=list(data.shape))
+                    loc.update(kind="tensor", dtype=dtype_name(data.dtype), shape=list(data.shape))
                 loc["nbytes"] = out.size - offset
                 results.append(WriteResult(item.index, loc["nbytes"], loc))
         finally:
@@ -391,11 +293,7 @@ class CkptStorageWriter(StorageWriter):
         return the same structure over that copy (training may mutate the original at once)."""
         tensors: list[torch.Tensor] = []
         _collect(state_dict, tensors)
-        offsets, total = [], 0
-        for t in tensors:
-            total = -(-total // fmt.ALIGN) * fmt.ALIGN
-            offsets.append(total)
-            total += t.numel() * t.element_size()
+        offsets, total = pack(t.numel() * t.element_size() for t in tensors)
         buf, _ = self.pool.acquire(total)
         self._staged.append(buf)
         staged = []
@@ -476,8 +374,9 @@ class CkptStorageReader(StorageReader):
         if step is None and directory is not None and (Path(directory) / fmt.MANIFEST).exists():
             self.directory, self.step = _split_id(directory)  # type: ignore[misc]
         self.verify = verify
-        self.storage_data: dict[MetadataIndex, dict] = {}
-        self._files: dict[str, dict] = {}
+        self.storage_data: dict[MetadataIndex, dict[str, Any]] = {}
+        self.files: dict[str, dict[str, Any]] = {}
+        """The data files' records of the manifest, by name (set by ``read_metadata``)."""
 
     @property
     def path(self) -> Path:
@@ -509,13 +408,13 @@ class CkptStorageReader(StorageReader):
         doc = body.get("metadata", {}).get("dcp")
         if not isinstance(doc, dict):
             raise CorruptCheckpointError(f"{path}: not a DCP checkpoint (no DCP metadata)")
-        self._files = {rec["name"]: rec for rec in body["files"]}
+        self.files = {rec["name"]: rec for rec in body["files"]}
         return decode_metadata(doc, str(path))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, **kw: Any) -> None:
         """Keep the item locations."""
         self.storage_data = dict(metadata.storage_data or {})
-        if not self._files:
+        if not self.files:
             self.read_metadata()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -533,18 +432,18 @@ class CkptStorageReader(StorageReader):
             loc = self.storage_data[req.storage_index]
             per_file.setdefault(fmt.safe_relpath(loc["file"]), []).append(req)
         for name, reqs in per_file.items():
-            rec = self._files.get(name)
+            rec = self.files.get(name)
             if rec is None:
                 raise CorruptCheckpointError(f"{self.path}: {name} is not in the manifest")
             locs = [self.storage_data[r.storage_index] for r in reqs]
             lo = min(loc["offset"] for loc in locs)
             hi = max(loc["offset"] + loc["nbytes"] for loc in locs)
-            base, data = self._read_chunks(rec, lo, hi)
+            base, data = self.read_chunks(rec, lo, hi)
             for req, loc in zip(reqs, locs, strict=True):
                 raw = data[loc["offset"] - base : loc["offset"] - base + loc["nbytes"]]
                 if req.type == LoadItemType.BYTE_IO:
                     where = f"{self.path}/{name}: item {req.storage_index.fqn!r}"
-                    planner.load_bytes(req, _safe_bytes(load_bytes_item(raw.numpy().data, where)))
+                    planner.load_bytes(req, safe_bytes(load_bytes_item(raw.numpy().data, where)))
                     continue
                 shape = [int(d) for d in loc["shape"]]
                 src = raw.view(torch_dtype(loc["dtype"])).view(shape) if raw.numel() else (
@@ -563,7 +462,7 @@ class CkptStorageReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _read_chunks(self, rec: dict, lo: int, hi: int) -> tuple[int, torch.Tensor]:
+    def read_chunks(self, rec: dict[str, Any], lo: int, hi: int) -> tuple[int, torch.Tensor]:
         """Bytes ``[lo, hi)`` of a data file, widened to whole chunks, each verified."""
         path = fmt.inside(self.path, rec["name"])
         chunk = rec["chunk_bytes"]
@@ -615,11 +514,11 @@ def check_bytes_items(path: str | os.PathLike[str]) -> int:
         if loc.get("kind") != "bytes":
             continue
         name = fmt.safe_relpath(loc["file"])
-        rec = reader._files.get(name)
+        rec = reader.files.get(name)
         if rec is None:
             raise CorruptCheckpointError(f"{reader.path}: {name} is not in the manifest")
         off, n = int(loc["offset"]), int(loc["nbytes"])
-        base, data = reader._read_chunks(rec, off, off + n)
+        base, data = reader.read_chunks(rec, off, off + n)
         load_bytes_item(
             data[off - base : off - base + n].numpy().data,
             f"{reader.path}/{name}: item {index.fqn!r}",

@@ -6,6 +6,11 @@ CRC32C, writes the manifest, commits ``step-N`` atomically, updates ``latest``, 
 ``on_commit`` listeners and applies retention. Background errors are re-raised by the next
 ``save``/``wait``.
 
+The manager owns one object per concern: the save pipeline (``ckpt.saving.pipeline``: staging,
+background write and commit), the restorer (``ckpt.restoring.restorer``: which step, from which
+tier), the retention pass (``ckpt.retention.retainer``) and, with ``save_on_preemption``, the
+preemption hook (``ckpt.preemption``).
+
 Extension points: ``on_commit`` listeners ``(step, path)`` run in the background after each local
 commit; ``evict_guards`` ``(step) -> bool`` may veto the eviction of a step (e.g. until uploaded).
 With ``remote=`` (``ckpt.remote``), committed steps are uploaded in the background, local steps
@@ -20,7 +25,6 @@ Preemption (``save_on_preemption=True``, ``ckpt.preemption``): ``preempted``,
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import operator
@@ -28,31 +32,25 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ckpt import _faults, _layout, _owner
+from ckpt import _layout, _owner
 from ckpt import format as fmt
 from ckpt._paths import local_path
-from ckpt.errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    DcpCheckpointError,
-    LockedError,
-    RemoteCheckpointError,
-)
+from ckpt.errors import CheckpointError
 from ckpt.policy import KeepBest, Policy, from_options
 from ckpt.preemption import PREEMPTED_EXIT_CODE, Preemption, PreemptionOptions
-from ckpt.restoring.reader import MapLocation, RestoreStats, read_checkpoint
+from ckpt.restoring.reader import MapLocation, RestoreStats
+from ckpt.restoring.restorer import Restorer, RestoreRequest
 from ckpt.retention import rules
 from ckpt.retention.retainer import Retainer
 from ckpt.saving import commit
-from ckpt.saving import plan as saveplan
-from ckpt.saving.flatten import RNG_KEY, Leaf, flatten, rng_state
-from ckpt.saving.pool import Buffer, PinnedPool, PoolOptions
-from feedpipe.io.trace import span
+from ckpt.saving.flatten import RNG_KEY, rng_state
+from ckpt.saving.pipeline import SaveHandle, SavePipeline, SaveStats, WriteOptions
+from ckpt.saving.plan import Stager
+from ckpt.saving.pool import PinnedPool, PoolOptions
 
 if TYPE_CHECKING:
     from ckpt.remote import RemoteOptions, RemoteStats, RemoteTier
@@ -68,31 +66,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("ckpt")
-_RELISTS = 20  # restore: listings tried while the steps listed vanish (concurrent retention)
-
-
-@dataclass(frozen=True)
-class WriteOptions:
-    """How the background phase writes: writer threads, checksum chunk size, lock wait."""
-
-    threads: int = 2
-    chunk_bytes: int = fmt.CHUNK_BYTES
-    lock_timeout_s: float = 10.0
-
-
-@dataclass
-class SaveStats:
-    """Timings of one save. ``blocked_s`` is what the training loop paid; ``durable_s`` runs from
-    the ``save`` call to the committed, fsynced ``step-N``."""
-
-    step: int
-    nbytes: int = 0
-    blocked_s: float = 0.0
-    backpressure_s: float = 0.0
-    stage_s: float = 0.0
-    write_s: float = 0.0
-    commit_s: float = 0.0
-    durable_s: float = 0.0
 
 
 @dataclass
@@ -107,38 +80,6 @@ class ManagerStats:
     last_save: SaveStats | None = None
     last_restore: RestoreStats | None = None
     remote: RemoteStats | None = None
-
-
-class SaveHandle:
-    """A save in flight: ``done()``, ``result(timeout)`` (the committed path, or the error)."""
-
-    def __init__(self, step: int, stats: SaveStats) -> None:
-        self.step = step
-        self.stats = stats
-        self.path: Path | None = None
-        self.error: BaseException | None = None
-        self._event = threading.Event()
-
-    def done(self) -> bool:
-        """Whether the save has committed or failed."""
-        return self._event.is_set()
-
-    def result(self, timeout: float | None = None) -> Path:
-        """Wait until committed; return the step directory or raise the background error."""
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"save of step {self.step} still running after {timeout} s")
-        if self.error is not None:
-            raise CheckpointError(f"save of step {self.step} failed: {self.error}") from self.error
-        assert self.path is not None
-        return self.path
-
-
-@dataclass
-class _Job:
-    handle: SaveHandle
-    buf: Buffer
-    body: dict
-    t0: float
 
 
 class CheckpointManager:
@@ -197,45 +138,61 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.write_options = write or WriteOptions()
         self.pool = PinnedPool(pool)
-        self._stager = saveplan.Stager()
         self.stats = ManagerStats()
         self.on_commit: list[Callable[[int, Path], None]] = []
         self.evict_guards: list[Callable[[int], bool]] = []
         self._lock = commit.WriterLock(self.directory)
         self._mutex = threading.Lock()
-        self._jobs: collections.deque[_Job] = collections.deque()
-        self._inflight: list[SaveHandle] = []
-        self._thread: threading.Thread | None = None
-        self._error: tuple[int, BaseException] | None = None
-        self._executor: ThreadPoolExecutor | None = None
         self._newest_verified: int | None = None
         self._retainer = Retainer(self.directory, self.evict_guards, self.stats.evicted)
         self._checked = self._retainer.checked  # step -> (dir inode, restorable)
-        self._last_saved: SaveHandle | None = None  # the newest save asked for
+        self._saves = SavePipeline(
+            self.directory, self.pool, self.write_options, self.stats, self._committed
+        )
         self._preemption: Preemption | None = None
         self.remote: RemoteTier | None = None
         if remote is not None:
-            from ckpt.remote import RemoteOptions, RemoteTier
-
-            options = RemoteOptions(remote) if isinstance(remote, str) else remote
-            self.remote = RemoteTier(
-                self.directory, options, keep_last_remote, retain_local=self._retain_if_writer
-            )
-            self.stats.remote = self.remote.stats
-            self.on_commit.append(self.remote.enqueue)
-            self.evict_guards.append(self.remote.may_evict)
+            self.remote = self._attach_remote(remote, keep_last_remote)
+        self._restorer = Restorer(
+            self.directory, self.remote, self._lock, self.ensure_writer, self._downloaded
+        )
         if pool is not None and pool.budget_bytes is not None:
             self.pool.reserve(self.pool.buffer_bytes)
         if save_on_preemption:  # last: nothing after it may fail and leave handlers installed
-            given = save_on_preemption
-            try:
-                self._preemption = Preemption(
-                    given if isinstance(given, PreemptionOptions) else None
-                )
-            except BaseException:
-                if self.remote is not None:
-                    self.remote.close()
-                raise
+            self._preemption = self._hook_preemption(save_on_preemption)
+
+    def _attach_remote(
+        self, remote: str | RemoteOptions, keep_last_remote: int | Policy | None
+    ) -> RemoteTier:
+        """The remote tier: uploads each commit, vetoes evicting a step not uploaded yet."""
+        from ckpt.remote import RemoteOptions, RemoteTier
+
+        options = RemoteOptions(remote) if isinstance(remote, str) else remote
+        tier = RemoteTier(
+            self.directory, options, keep_last_remote, retain_local=self._retain_if_writer
+        )
+        self.stats.remote = tier.stats
+        self.on_commit.append(tier.enqueue)
+        self.evict_guards.append(tier.may_evict)
+        return tier
+
+    def _hook_preemption(self, given: bool | PreemptionOptions) -> Preemption:
+        """Install the preemption signal handlers (the remote tier stops if that fails)."""
+        try:
+            return Preemption(given if isinstance(given, PreemptionOptions) else None)
+        except BaseException:
+            if self.remote is not None:
+                self.remote.close()
+            raise
+
+    @property
+    def _stager(self) -> Stager:
+        """The save plans' keeper (``SavePipeline.stager``)."""
+        return self._saves.stager
+
+    @_stager.setter
+    def _stager(self, stager: Stager) -> None:
+        self._saves.stager = stager
 
     # ---- saving -------------------------------------------------------------------------
     def reserve(self, state_or_nbytes: Any) -> int:
@@ -243,9 +200,7 @@ class CheckpointManager:
         if isinstance(state_or_nbytes, int):
             nbytes = state_or_nbytes
         else:
-            leaves: list[Leaf] = []
-            flatten(state_or_nbytes, leaves)
-            nbytes = self._stager.plan(leaves).nbytes
+            nbytes = self._saves.plan(state_or_nbytes).nbytes
         self.pool.reserve(nbytes)
         return nbytes
 
@@ -275,13 +230,7 @@ class CheckpointManager:
                 self._retain()  # catch up on retention interrupted by a crash, before adding
 
     def _raise_pending(self) -> None:
-        with self._mutex:
-            pending, self._error = self._error, None
-        if pending is not None:
-            step, exc = pending
-            raise CheckpointError(
-                f"{self.directory}: background save of step {step} failed: {exc}"
-            ) from exc
+        self._saves.raise_pending()
         if self.remote is not None:
             self.remote.raise_pending()
 
@@ -291,7 +240,7 @@ class CheckpointManager:
         state: Any,
         *,
         rng: bool = False,
-        metadata: dict | None = None,
+        metadata: dict[str, Any] | None = None,
         metrics: dict[str, Any] | None = None,
     ) -> SaveHandle:
         """Snapshot ``state`` (blocking only for the copy into the staging pool) and persist it
@@ -305,139 +254,31 @@ class CheckpointManager:
             raise ValueError(
                 f"save: step must be a non-negative int up to 2**53, got {step!r} ({kind})"
             )
-        step = index
         if metrics is not None:
             metrics = fmt.check_metrics(metrics)
         if metadata is not None:
             _check_json(metadata)
         self._raise_pending()
         self.ensure_writer()
-        t0 = time.perf_counter()
-        stats = SaveStats(step)
-        leaves: list[Leaf] = []
         if rng:
             if not isinstance(state, dict):
                 raise ValueError("rng=True needs a dict state (RNG states go under '__rng__')")
             state = {**state, RNG_KEY: rng_state()}
-        tree = flatten(state, leaves)
-        plan = self._stager.plan(leaves)  # the last save's plan when the leaves match it
-        entries, nbytes = list(plan.entries), plan.nbytes  # entries are never modified
-        buf, stats.backpressure_s = self.pool.acquire(nbytes)
-        try:
-            s0 = time.perf_counter()
-            _faults.pause("stage")
-            with span("ckpt/stage"):
-                plan.stage(leaves, buf)
-            stats.stage_s = time.perf_counter() - s0
-        except BaseException:
-            self.pool.release(buf)
-            raise
-        stats.nbytes = nbytes
-        stats.blocked_s = time.perf_counter() - t0
-        body = fmt.new_manifest(
-            step=step,
-            created=time.time(),
-            nbytes=nbytes,
-            tree=tree,
-            entries=entries,
-            files=[],
-            metadata=metadata,
-            metrics=metrics,
-        )
-        handle = SaveHandle(step, stats)
-        with self._mutex:
-            self.stats.saves += 1
-            if stats.backpressure_s:
-                self.stats.backpressure_waits += 1
-                self.stats.backpressure_s += stats.backpressure_s
-            self.stats.last_save = stats
-            self._jobs.append(_Job(handle, buf, body, t0))
-            self._inflight.append(handle)
-            self._last_saved = handle
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._persist_loop, name="ckpt-persist", daemon=False
-                )
-                self._thread.start()
-        return handle
+        return self._saves.submit(index, state, metadata, metrics)
 
-    def _persist_loop(self) -> None:
-        while True:
-            with self._mutex:
-                if not self._jobs:
-                    self._thread = None
-                    return
-                job = self._jobs.popleft()
-            self._persist(job)
-
-    def _persist(self, job: _Job) -> None:
-        handle, stats, step = job.handle, job.handle.stats, job.handle.step
-        released = False
-        tmp: Path | None = None
-        try:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    self.write_options.threads, thread_name_prefix="ckpt-write"
-                )
-            w0 = time.perf_counter()
-            tmp = commit.make_tmp(self.directory, step)
-            data = job.buf.view()[: job.body["nbytes"]]
-            rec = fmt.write_file(
-                tmp / _layout.DATA_FILE, data, self._executor, self.write_options.chunk_bytes
-            )
-            self.pool.release(job.buf)
-            released = True
-            stats.write_s = time.perf_counter() - w0
-            c0 = time.perf_counter()
-            job.body["files"] = [rec]
-            fmt.write_manifest(tmp, job.body)
-            with span("ckpt/commit"):
-                handle.path = commit.publish(tmp, self.directory, step)
-            tmp = None
-            commit.write_latest(self.directory, step)
-            stats.commit_s = time.perf_counter() - c0
-            stats.durable_s = time.perf_counter() - job.t0
-            self._newest_verified = max(step, self._newest_verified or step)
-            self._mark_good(step, handle.path)
-            for listener in list(self.on_commit):
-                listener(step, handle.path)
-            self._retain()
-        except BaseException as failure:
-            exc: BaseException = failure
-            if handle.path is not None:  # committed; an on_commit listener or retention failed
-                exc = CheckpointError(
-                    f"step {step} was committed to {handle.path}, but a post-commit action "
-                    f"failed: {failure!r}"
-                )
-                exc.__cause__ = failure
-            handle.error = exc
-            with self._mutex:
-                self.stats.failed += 1
-                if self._error is None:
-                    self._error = (step, exc)
-            log.error("ckpt: save of step %d in %s failed: %s", step, self.directory, exc)
-        finally:
-            if not released:
-                self.pool.release(job.buf)
-            if tmp is not None:
-                commit.remove_path(tmp)
-            with self._mutex:
-                if handle in self._inflight:
-                    self._inflight.remove(handle)
-            handle._event.set()
+    def _committed(self, step: int, path: Path) -> None:
+        """After a commit (of this manager's save, or adopted): known good, listeners, retention."""
+        self._newest_verified = max(step, self._newest_verified or step)
+        self._retainer.mark_good(step, path)
+        for listener in list(self.on_commit):
+            listener(step, path)
+        self._retain()
 
     def wait(self, timeout: float | None = None, *, uploads: bool = False) -> None:
         """Wait for every save in flight (and, with ``uploads=True``, every upload); re-raise the
         first background error."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._mutex:
-                pending = list(self._inflight)
-            if not pending:
-                break
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not pending[0]._event.wait(left):
-                raise TimeoutError(f"{self.directory}: saves still running after {timeout} s")
+        self._saves.wait(timeout)
         if uploads and self.remote is not None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             self.remote.wait(left)
@@ -447,9 +288,6 @@ class CheckpointManager:
     def _retain(self, strict: bool = False) -> None:
         """Apply retention (``ckpt.retention.retainer.Retainer.retain``) with the current policy."""
         self._retainer.retain(self.policy, strict)
-
-    def _mark_good(self, step: int, path: Path) -> None:
-        self._retainer.mark_good(step, path)
 
     def _retain_if_writer(self) -> None:
         if self._lock.held:
@@ -462,11 +300,7 @@ class CheckpointManager:
         path = _layout.step_dir(self.directory, step)
         if not (path / fmt.MANIFEST).is_file():
             raise CheckpointError(f"{path}: not a committed checkpoint")
-        self._newest_verified = max(step, self._newest_verified or step)
-        self._mark_good(step, path)
-        for listener in list(self.on_commit):
-            listener(step, path)
-        self._retain()
+        self._committed(step, path)
 
     def gc(self) -> list[int]:
         """Apply retention now (taking the writer lock); returns the steps evicted."""
@@ -480,32 +314,25 @@ class CheckpointManager:
         """Committed steps, ascending: the local ``step-N`` directories and, with a remote tier,
         the steps committed there (listing only; ``restore`` verifies). Raises
         ``CheckpointError`` if the remote cannot be listed: a step there may be the newest."""
-        return sorted(set(commit.steps(self.directory)) | self._remote_steps(strict=True))
+        local = set(commit.steps(self.directory))
+        return sorted(local | self._restorer.remote_steps(strict=True))
 
     def latest_step(self) -> int | None:
         """The newest committed step, local or remote (see ``steps``), or ``None``."""
         found = self.steps()
         return found[-1] if found else None
 
-    def metadata(self, step: int) -> dict:
+    def metadata(self, step: int) -> dict[str, Any]:
         """The ``metadata`` dict given to ``save`` for ``step`` (read from the local manifest,
         else from the remote's); raises ``CheckpointError`` if the step is not found."""
-        meta = self._manifest(step).get("metadata")
+        meta = self._restorer.manifest(step).get("metadata")
         return dict(meta) if isinstance(meta, dict) else {}
 
     def metrics(self, step: int) -> dict[str, float]:
         """The ``metrics`` given to ``save`` for ``step`` (``{}`` if none), read like
         ``metadata``: from the validated local manifest, else from the remote's."""
-        found = self._manifest(step).get("metrics")
+        found = self._restorer.manifest(step).get("metrics")
         return dict(found) if isinstance(found, dict) else {}
-
-    def _manifest(self, step: int) -> dict:
-        path = _layout.step_dir(self.directory, step)
-        if not (path / fmt.MANIFEST).is_file() and step in self._remote_steps():
-            assert self.remote is not None
-            return self.remote.read_manifest(step)
-        with commit.reading(path):
-            return fmt.read_manifest(path)
 
     # ---- save policy and preemption -------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -545,7 +372,7 @@ class CheckpointManager:
         state: Any,
         *,
         rng: bool = False,
-        metadata: dict | None = None,
+        metadata: dict[str, Any] | None = None,
         metrics: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> NoReturn:
@@ -559,7 +386,7 @@ class CheckpointManager:
         if not 0 < limit < float("inf"):  # checked before saving: inf overflows the waits
             raise ValueError(f"save_and_exit: timeout must be a finite number > 0, got {limit!r}")
         deadline = time.monotonic() + limit
-        last = self._last_saved
+        last = self._saves.last_saved
         if last is None or last.step != step or last.error is not None:  # a failed save: again
             last = self.save(step, state, rng=rng, metadata=metadata, metrics=metrics)
         self.wait(max(0.0, deadline - time.monotonic()), uploads=True)
@@ -573,6 +400,7 @@ class CheckpointManager:
         self.close()
         raise SystemExit(options.exit_code)
 
+    # ---- restoring ------------------------------------------------------------------------
     def restore(
         self,
         step: int | None = None,
@@ -590,173 +418,31 @@ class CheckpointManager:
         not saved and saved keys ``into`` lacks are an error; with ``strict=False`` they are
         skipped and listed in ``stats.last_restore.incompatible_keys``. ``verify=False`` skips
         checksums (sizes are still checked); ``mmap=True`` maps data files lazily."""
-        with self._mutex:
-            busy = bool(self._inflight)
-        if busy:
+        if self._saves.busy:
             self.wait()
-        skipped: list[tuple[int, str]] = []
-        remote = self._remote_steps(strict=step is None)  # unlisted, a newer step would be missed
-        # re-list while a step vanishes under us: another manager's retention deleted it after
-        # the listing, so a newer step exists; only a writer that deletes every listed step
-        # before this reader can open it, _RELISTS times in a row, makes this give up
-        for _attempt in range(_RELISTS):
-            vanished = False
-            local = set(commit.steps(self.directory))
-            candidates = [step] if step is not None else sorted(local | remote, reverse=True)
-            for s in candidates:
-                if any(s == done for done, _ in skipped):
-                    continue
-                path = _layout.step_dir(self.directory, s)
-                try:
-                    if s not in local and s in remote:
-                        state, stats = self._restore_remote(
-                            s, map_location, mmap, into, strict=strict
-                        )
-                    else:
-                        try:
-                            with commit.reading(path):
-                                state, _, stats = read_checkpoint(
-                                    path,
-                                    map_location=map_location,
-                                    mmap=mmap,
-                                    verify=verify,
-                                    into=into,
-                                    strict=strict,
-                                )
-                        except CorruptCheckpointError as exc:
-                            if s not in remote:
-                                raise
-                            log.warning("ckpt: step %d: %s; fetching the remote copy", s, exc)
-                            state, stats = self._restore_remote(
-                                s, map_location, mmap, into, strict=strict
-                            )
-                except CorruptCheckpointError as exc:
-                    if step is not None:
-                        raise
-                    log.warning("ckpt: skipping step %d: %s", s, exc)
-                    skipped.append((s, str(exc)))
-                    continue
-                except DcpCheckpointError:
-                    raise  # not corrupt: never fall back to an older step because of it
-                except CheckpointError as exc:
-                    gone = not path.is_dir() if s in local else s not in self._remote_steps()
-                    if step is not None or not gone:
-                        raise  # only corruption falls back; a step deleted under us is re-listed
-                    log.warning("ckpt: step %d vanished while restoring (%s); re-listing", s, exc)
-                    vanished = True
-                    continue
-                stats.skipped = skipped
-                self.stats.last_restore = stats
-                if verify:
-                    self._newest_verified = max(s, self._newest_verified or s)
-                    self._mark_good(s, path)
-                log.info(
-                    "ckpt: restored step %d (%d bytes, read %.3f s, checksums %.3f s)",
-                    s, stats.nbytes, stats.read_s, stats.verify_s,
-                )  # fmt: skip
-                return state
-            if not vanished:
-                break
-        detail = "; ".join(f"step {s}: {why}" for s, why in skipped) or "no committed steps"
-        if vanished:
-            detail = (
-                f"every listed step was deleted before it could be opened, {_RELISTS} times in "
-                "a row: another manager's retention deletes steps faster than this reader opens "
-                "them"
-            )
-        raise CheckpointError(f"{self.directory}: no valid checkpoint to restore ({detail})")
-
-    def _remote_steps(self, strict: bool = False) -> set[int]:
-        """Steps committed on the remote; a failed listing raises if ``strict``, else it is
-        logged (the remote is then only a fallback that is unavailable)."""
-        if self.remote is None:
-            return set()
-        try:
-            return set(self.remote.committed_steps())
-        except Exception as exc:
-            if strict:
-                raise CheckpointError(
-                    f"cannot list the remote tier {self.remote.url} of {self.directory}: {exc}"
-                ) from exc
-            log.warning("ckpt: cannot list %s: %s", self.remote.url, exc)
-        return set()
+        request = RestoreRequest(into, map_location, mmap, verify, strict)
+        s, state, stats = self._restorer.restore(step, request)
+        self.stats.last_restore = stats
+        if verify:
+            self._newest_verified = max(s, self._newest_verified or s)
+            self._retainer.mark_good(s, _layout.step_dir(self.directory, s))
+        log.info(
+            "ckpt: restored step %d (%d bytes, read %.3f s, checksums %.3f s)",
+            s, stats.nbytes, stats.read_s, stats.verify_s,
+        )  # fmt: skip
+        return state
 
     def fetch(self, step: int) -> Path:
         """Make sure ``DIR/step-N`` holds a verified copy of ``step``, downloading it from the
         remote when the local copy is missing or fails verification; return its path. Meant for
         checkpoints read by other means, such as ``ckpt.dcp.CkptStorageReader``."""
-        path = _layout.step_dir(self.directory, step)
-        try:
-            with commit.reading(path):
-                for rec in fmt.read_manifest(path)["files"]:
-                    fmt.verify_file(path, rec)
-            return path
-        except CheckpointError as exc:
-            if self.remote is None:
-                raise
-            log.warning("ckpt: step %d: %s; fetching the remote copy", step, exc)
-        self.ensure_writer()  # publishing the download needs the writer lock
-        tmp = self._download(step, CheckpointError)
-        try:
-            for rec in fmt.read_manifest(tmp)["files"]:
-                fmt.verify_file(tmp, rec)
-            self._publish_download(tmp, step)
-        finally:
-            commit.remove_path(tmp)
-        return path
+        return self._restorer.fetch(step)
 
-    def _download(self, step: int, error: type[CheckpointError]) -> Path:
-        """Download remote ``step`` into a temp dir here. A failure that outlived the retries
-        (the copy may still be there) is a ``CheckpointError``, never a reason to fall back to
-        an older step; other failures (a missing or forbidden object) become ``error``."""
+    def _downloaded(self, step: int) -> None:
+        """A verified download was published as local ``step-N``: it is known uploaded."""
         assert self.remote is not None
-        try:
-            return self.remote.download(step)
-        except RemoteCheckpointError as exc:
-            if not exc.permanent:
-                raise CheckpointError(
-                    f"step {step}: cannot download the remote copy: {exc}"
-                ) from exc
-            raise error(f"step {step}: remote copy unavailable: {exc}") from exc
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise error(f"step {step}: remote copy unavailable: {exc}") from exc
-
-    def _publish_download(self, tmp: Path, step: int) -> None:
-        """Commit a verified download as local ``step-N``, known uploaded (writer lock held)."""
-        assert self.remote is not None
-        commit.publish(tmp, self.directory, step)
-        if step >= max(commit.steps(self.directory), default=step):
-            commit.write_latest(self.directory, step)
         with self._mutex:
             self.remote.stats.uploads.setdefault(step, _done_status(step))
-
-    def _restore_remote(
-        self,
-        step: int,
-        map_location: MapLocation,
-        mmap: bool,
-        into: Any = None,
-        strict: bool = True,
-    ) -> tuple[Any, RestoreStats]:
-        """Download ``step`` to a temp dir, verify every checksum, load, keep it as ``step-N``."""
-        assert self.remote is not None
-        try:
-            self.ensure_writer()  # to publish the downloaded copy; not required to restore
-        except LockedError:
-            pass
-        tmp = self._download(step, CorruptCheckpointError)
-        try:
-            state, _, stats = read_checkpoint(
-                tmp, map_location=map_location, mmap=mmap, into=into, strict=strict
-            )
-            stats.path = f"{self.remote.url}/{_layout.step_name(step)}"
-            if self._lock.held:
-                self._publish_download(tmp, step)
-        finally:
-            commit.remove_path(tmp)
-        return state, stats
 
     # ---- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
@@ -774,9 +460,7 @@ class CheckpointManager:
             if self._preemption is not None:
                 self._preemption.close()
             self._lock.release()
-            if self._executor is not None:
-                self._executor.shutdown()
-                self._executor = None
+            self._saves.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -108,6 +108,15 @@ class Preemption:
         if callable(previous):
             previous(signum, frame)
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran: the handlers chained over ours only pass signals on."""
+        return self._closed
+
+    def previous_handler(self, sig: int, default: Any = signal.SIG_DFL) -> Any:
+        """The handler of ``sig`` that ours replaced (``default`` if none was recorded)."""
+        return self._previous.get(sig, default)
+
     def notify(self, signum: int = 0) -> None:
         """Record a preemption notice from elsewhere (a cloud metadata watcher, any thread)."""
         if self.signalled is None:
@@ -157,9 +166,9 @@ class Preemption:
                 # a closed Preemption's handler (another manager closed first) is skipped
                 while isinstance(getattr(previous, "__self__", None), Preemption):
                     owner: Preemption = previous.__self__  # type: ignore[union-attr]
-                    if not owner._closed:
+                    if not owner.closed:
                         break
-                    previous = owner._previous.get(sig, signal.SIG_DFL)
+                    previous = owner.previous_handler(sig)
                 if previous in (None, signal.SIG_DFL) and exit_code is not None:
                     previous = _ExitWith(exit_code)  # exiting: a signal must not change the status
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)

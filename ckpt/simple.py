@@ -14,6 +14,7 @@ from ckpt.errors import CheckpointError
 from ckpt.restoring.reader import MapLocation, read_checkpoint
 from ckpt.saving import commit
 from ckpt.saving.flatten import Leaf, flatten
+from ckpt.saving.plan import SavePlan
 from ckpt.saving.pool import Buffer
 from feedpipe.io.reaper import pid_alive
 
@@ -22,7 +23,9 @@ __all__ = ["load", "save"]
 _REMOTE_HINT = "for remote storage use CheckpointManager('/local/dir', remote=URL)"
 
 
-def save(path: str | os.PathLike[str], state: Any, *, metadata: dict | None = None) -> Path:
+def save(
+    path: str | os.PathLike[str], state: Any, *, metadata: dict[str, Any] | None = None
+) -> Path:
     """Write ``state`` to the checkpoint directory ``path`` and return it once durable.
 
     An existing checkpoint (or an empty directory) at ``path`` is replaced; any other file or
@@ -36,9 +39,10 @@ def save(path: str | os.PathLike[str], state: Any, *, metadata: dict | None = No
     _check_replaceable(path)
     leaves: list[Leaf] = []
     tree = flatten(state, leaves)
-    entries, nbytes = fmt.plan(leaves)
+    plan = SavePlan(leaves)  # the layout and the copies, as a manager's save plans them
+    entries, nbytes = plan.entries, plan.nbytes
     buf = Buffer(nbytes, pin=False)
-    fmt.stage(leaves, entries, buf)
+    plan.stage(leaves, buf)
     tmp = path.with_name(_layout.tmp_name(path.name))
     tmp.mkdir()
     try:

@@ -47,13 +47,14 @@ def registered(name: str) -> type | None:
     return _REGISTRY.get(name)
 
 
-def make_namedtuple(name: str, fields: list[str], items: list[Any]) -> tuple:
+def make_namedtuple(name: str, fields: list[str], items: list[Any]) -> tuple[Any, ...]:
     """Rebuild a namedtuple: the registered class, else an equivalent one (with a warning)."""
     cls = registered(name)
     why = "is not registered" if cls is None else "has other fields now"
     if cls is not None and _is_namedtuple(cls) and list(cls._fields) == fields:  # type: ignore[attr-defined]
         try:
-            return cls(*items)
+            rebuilt: tuple[Any, ...] = cls(*items)
+            return rebuilt
         except Exception as exc:  # its constructor refuses the saved values
             why = f"refused the saved values ({exc!r:.200})"
     warnings.warn(
@@ -62,7 +63,8 @@ def make_namedtuple(name: str, fields: list[str], items: list[Any]) -> tuple:
         UserWarning,
         stacklevel=2,
     )
-    return _equivalent(name, tuple(fields))(*items)
+    equivalent: tuple[Any, ...] = _equivalent(name, tuple(fields))(*items)
+    return equivalent
 
 
 @functools.lru_cache(maxsize=256)

@@ -138,7 +138,7 @@ def test_one_manifest_builder_and_one_chunked_writer() -> None:
     assert len(built["format.py"]) == 1
     assert _calls(CKPT / "dcp.py", "os", "pwrite") == 0
     assert _calls(CKPT / "dcp.py", "fmt", "ChunkedWriter") == 1
-    for module in ("manager.py", "dcp.py", "simple.py"):
+    for module in ("saving/pipeline.py", "dcp.py", "simple.py"):
         assert _calls(CKPT / module, "fmt", "new_manifest") == 1
 
 

@@ -70,7 +70,7 @@ def _snapshot(obj: Any) -> Any:
 
 def _local(path: Any) -> str:
     """A local path (``file://`` stripped); a remote URL is an error, not a local directory."""
-    key = os.fspath(path)
+    key: str = os.fspath(path)
     if key[:5].lower() == "file:":  # the rule of feedpipe.io.local_file_path
         return str(local_path(key, "CkptCheckpointIO", "checkpoint to a local path"))
     if "://" in key:

@@ -70,7 +70,9 @@ class _Local(threading.local):
 class _Job:
     """Shared state of one ``read_into`` call."""
 
-    def __init__(self, path: Path, rec: dict, targets: Sequence[fmt.Target], verify: bool) -> None:
+    def __init__(
+        self, path: Path, rec: dict[str, Any], targets: Sequence[fmt.Target], verify: bool
+    ) -> None:
         self.path, self.rec, self.verify = path, rec, verify
         self.piece = READ_BYTES if targets else VERIFY_BYTES
         self.order = sorted((t for t in targets if t[1].numel()), key=lambda t: t[0])
@@ -78,7 +80,7 @@ class _Job:
         self.ready: dict[torch.device, Any] = {}  # device -> event on the caller's stream
         for _, dst in self.order:
             if dst.is_cuda and dst.device not in self.ready:
-                event = torch.cuda.Event()
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(torch.cuda.current_stream(dst.device))
                 self.ready[dst.device] = event
         self.local = _Local()
@@ -101,7 +103,7 @@ class _Job:
         local = self.local
         stream = local.streams.get(device)
         if stream is None:
-            stream = local.streams[device] = torch.cuda.Stream(device)
+            stream = local.streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             stream.wait_event(self.ready[device])
             with self.lock:
                 self.streams.append(stream)
@@ -153,7 +155,14 @@ class _Job:
             )
         return crc_s
 
-    def place(self, hits: list, host: torch.Tensor, pos: int, end: int, cuda: bool) -> None:
+    def place(
+        self,
+        hits: list[tuple[int, torch.Tensor]],
+        host: torch.Tensor,
+        pos: int,
+        end: int,
+        cuda: bool,
+    ) -> None:
         """Copy the piece ``host`` (file bytes ``[pos, end)``) into the targets it overlaps."""
         used: set[Any] = set()
         for off, dst in hits:
@@ -170,7 +179,7 @@ class _Job:
             assert local.slots is not None
             events = []
             for stream in used:  # the slot is free again once every copy out of it is done
-                event = torch.cuda.Event()
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(stream)
                 events.append(event)
             local.slots[local.turn % 2] = (local.slots[local.turn % 2][0], events)
@@ -189,7 +198,7 @@ class _Job:
 
 def read_into(
     directory: Path,
-    rec: dict,
+    rec: dict[str, Any],
     targets: Sequence[fmt.Target],
     verify: bool,
     executor: Executor | None,
@@ -222,7 +231,7 @@ def read_into(
 def _run(executor: Executor, job: _Job, chunks: range) -> float:
     """``job.chunk`` over ``chunks`` on ``executor``, at most ``WINDOW`` in flight; the first
     error stops the submitting, and every read is over before this returns or raises."""
-    pending: set[Future] = set()
+    pending: set[Future[float]] = set()
     total, error = 0.0, None
     try:
         for i in chunks:
@@ -244,7 +253,7 @@ def _run(executor: Executor, job: _Job, chunks: range) -> float:
     return total + _collect(done)
 
 
-def _collect(done: set[Future]) -> float:
+def _collect(done: set[Future[float]]) -> float:
     """The checksum seconds of finished chunks; re-raises the first chunk's error."""
     total = 0.0
     for f in done:

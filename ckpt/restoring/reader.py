@@ -17,7 +17,7 @@ import torch
 
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError, DcpCheckpointError
-from ckpt.restore_plan import IncompatibleKeys, RestorePlan
+from ckpt.restoring.plan import IncompatibleKeys, RestorePlan
 from ckpt.restoring.read_into import read_into, reader_threads, verify_threads
 from ckpt.saving.flatten import torch_dtype, unflatten
 from ckpt.saving.plan import BATCHED_DTYPES, foreach_copy_exact
@@ -56,7 +56,9 @@ class RestoreStats:
     """Keys a ``restore(into=, strict=False)`` skipped (``ckpt.restore_plan``)."""
 
 
-def _device(entry: dict, map_location: MapLocation, path: Path, moved: set[str]) -> torch.device:
+def _device(
+    entry: dict[str, Any], map_location: MapLocation, path: Path, moved: set[str]
+) -> torch.device:
     """Where an entry goes: ``map_location`` if given; else where it was saved, or (when that
     device does not exist here) the current CUDA device or the CPU, noted in ``moved``."""
     if map_location is not None:
@@ -86,6 +88,15 @@ def _place(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     return value if device.type == "cpu" else value.to(device)
 
 
+def _place_all(
+    arrays: list[Any], body: dict[str, Any], map_location: MapLocation, path: Path, moved: set[str]
+) -> None:
+    """Move the mapped tensors to their devices (``_device``)."""
+    for i, entry in enumerate(body["entries"]):
+        if entry["kind"] == "tensor":
+            arrays[i] = _place(arrays[i], _device(entry, map_location, path, moved))
+
+
 def _warn_moved(path: Path, moved: set[str]) -> None:
     if moved:
         msg = (
@@ -105,25 +116,22 @@ def read_checkpoint(
     executor: Executor | None = None,
     into: Any = None,
     strict: bool = True,
-) -> tuple[Any, dict, RestoreStats]:
+) -> tuple[Any, dict[str, Any], RestoreStats]:
     """Load the checkpoint in directory ``path``; returns (state, manifest body, stats).
 
     Memory: each tensor is allocated once, on its final device, and filled piece by piece by
-    ``reader_threads()`` threads reading in parallel (``ckpt.restoring.read_into``); the extra host memory
-    is one ``READ_BYTES`` buffer per thread, plus two pinned ``READ_BYTES`` slots per thread when
-    tensors go to CUDA.
+    ``reader_threads()`` threads reading in parallel (``ckpt.restoring.read_into``); the extra
+    host memory is one ``READ_BYTES`` buffer per thread, plus two pinned ``READ_BYTES`` slots per
+    thread when tensors go to CUDA.
 
     With ``into``, a ``RestorePlan`` (``ckpt.restore_plan``) is built first and refuses a
-    mismatch (keys per ``strict``, shapes, dtypes, writability) before anything is read; the
-    files are then read (and checked) into new tensors, except the plan's direct targets; the
-    loaded objects check and load their states; only then are the direct targets filled (a
-    second pass, which checks every chunk again), or, when every direct target is a CUDA tensor
-    and they fit in ``DEVICE_SCRATCH_SHARE`` of their devices' free memory, copied on the device
-    from new tensors read in the first pass (the bytes copied are the bytes checked); then the
-    plan's copies, module loads, replaced items and RNG states. Returned in the state.
-    Raises ``CorruptCheckpointError`` naming the file if the manifest or a data file is bad, and
-    ``CheckpointError`` (before anything is written) if the state does not fit ``into``.
-    """
+    mismatch (keys per ``strict``, shapes, dtypes, writability) before anything is read; then
+    the files are read (and checked) into new tensors, except the plan's direct targets; the
+    plan checks and loads; the direct targets are filled (``_Step.fill``: a second pass that
+    checks every chunk again, or a device copy of tensors read in the first pass when they fit
+    in ``DEVICE_SCRATCH_SHARE`` of their devices' free memory); the plan finishes. Raises
+    ``CorruptCheckpointError`` naming the file if the manifest or a data file is bad, and
+    ``CheckpointError`` (before anything is written) if the state does not fit ``into``."""
     path = Path(path)
     t0 = time.perf_counter()
     body, fds = _open_step(path)  # every pass reads (and a mapping maps) the files opened here
@@ -135,16 +143,19 @@ def read_checkpoint(
         stats.nbytes = sum(rec["size"] for rec in body["files"])
         pool = executor or ThreadPoolExecutor(reader_threads(), thread_name_prefix="ckpt-read")
         plan = RestorePlan.build(body, into, str(path), strict) if into is not None else None
+        step: _Step | None = None
         if mmap:
             arrays = _read_mmap(path, body, verify, stats, fds=fds, executor=executor)
-            for i, entry in enumerate(body["entries"]):
-                if entry["kind"] == "tensor":
-                    arrays[i] = _place(arrays[i], _device(entry, map_location, path, moved))
-            if plan is not None:
-                _execute(plan, arrays, lambda: None)
+            _place_all(arrays, body, map_location, path, moved)
         else:
             step = _Step(path, body, fds, pool, executor, stats, verify)
             arrays = step.read(plan, map_location, moved)
+        if plan is not None:  # the writes, once every file was read and checked
+            plan.check(arrays)
+            with plan.loading(arrays):  # undone if a later step fails
+                if step is not None:
+                    step.fill(arrays)  # the direct targets
+                plan.finish(arrays)
     finally:
         if own and pool is not None:
             pool.shutdown()
@@ -163,37 +174,42 @@ class _Step:
     """One step directory being read: its manifest, open files, readers and stats."""
 
     path: Path
-    body: dict
+    body: dict[str, Any]
     fds: dict[str, int]
     pool: Executor
     executor: Executor | None
     stats: RestoreStats
     verify: bool
+    found: dict[int, torch.Tensor] = field(default_factory=dict)  # the direct targets
+    scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # read into first, on device
+    later: dict[str, list[fmt.Target]] = field(default_factory=dict)  # the second pass
 
-    def read(self, plan: RestorePlan | None, map_location: MapLocation, moved: set[str]) -> list:
-        """Read every entry; with a ``plan``, run it (``_execute``), filling its direct targets
-        (``plan.direct``) last: from device scratch tensors read in the one pass when they fit,
-        else by a second pass over the files."""
+    def read(
+        self, plan: RestorePlan | None, map_location: MapLocation, moved: set[str]
+    ) -> list[Any]:
+        """Read every entry, except the ``plan``'s direct targets (``plan.direct``): those are
+        read by ``fill`` after the plan's checks and loads, from device scratch tensors read in
+        this pass when they fit, else by a second pass over the files."""
         body, stats = self.body, self.stats
-        found = plan.direct if plan is not None else {}
-        scratch = _device_scratch(found) if self.verify else {}
-        arrays, dests = _allocate(body, scratch, found, map_location, path=self.path, moved=moved)
-        later = {} if scratch else _split(body, found)
-        stats.passes = 2 if later else 1
-        if later and self.verify and not any(dests.values()):  # the first pass only checks
+        self.found = plan.direct if plan is not None else {}
+        self.scratch = _device_scratch(self.found) if self.verify else {}
+        arrays, dests = _allocate(
+            body, self.scratch, self.found, map_location, path=self.path, moved=moved
+        )
+        self.later = {} if self.scratch or plan is None else plan.direct_ranges(body)
+        stats.passes = 2 if self.later else 1
+        if self.later and self.verify and not any(dests.values()):  # the first pass only checks
             _verify_files(self.path, body, self.executor, stats, self.fds)
         else:
             self.files(dests)
-
-        def fill() -> None:  # into the caller's tensors: after every check and load
-            self.files(later)
-            _copy_into(found if scratch else {}, scratch, arrays)
-            for i, t in found.items():
-                arrays[i] = t
-
-        if plan is not None:
-            _execute(plan, arrays, fill)
         return arrays
+
+    def fill(self, arrays: list[Any]) -> None:
+        """Fill the direct targets (the caller's tensors: after every check and load)."""
+        self.files(self.later)
+        _copy_into(self.found if self.scratch else {}, self.scratch, arrays)
+        for i, t in self.found.items():
+            arrays[i] = t
 
     def files(self, dests: dict[str, list[fmt.Target]]) -> None:
         """Read the files into the byte ranges ``dests`` (checking every chunk if ``verify``)."""
@@ -203,32 +219,6 @@ class _Step:
                 self.stats.verify_s += read_into(
                     self.path, rec, dests[name], self.verify, self.pool, fd=self.fds[name]
                 )
-
-
-def _execute(plan: RestorePlan, arrays: list[Any], fill: Any) -> None:
-    """The writes of ``plan`` once every file was read and checked: checks, loads (undone if a
-    later step fails), the direct targets (``fill``), the rest."""
-    plan.check(arrays)
-    try:
-        plan.load(arrays)
-        fill()
-        plan.finish(arrays)
-    except BaseException:
-        plan.undo()
-        raise
-
-
-def _split(body: dict, found: dict[int, torch.Tensor]) -> dict[str, list[fmt.Target]]:
-    """Per data file, the byte ranges of the direct targets ``found`` (the second pass)."""
-    later: dict[str, list[fmt.Target]] = {}
-    if not found:
-        return later
-    for i, t in found.items():
-        e = body["entries"][i]
-        # as_strided: a contiguous tensor's size-1 dims may keep any stride, which reshape keeps
-        raw = torch.as_strided(t.detach(), (t.numel(),), (1,)).view(torch.uint8)
-        later.setdefault(e["file"], []).append((e["offset"], raw))
-    return later
 
 
 STEP_REREADS = 5
@@ -244,7 +234,7 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _open_step(path: Path) -> tuple[dict, dict[str, int]]:
+def _open_step(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     """The manifest of step directory ``path`` and its data files, opened (sizes checked before
     anything is allocated), all from one directory: a re-save swaps in a new directory, and a
     manifest read from the old one with data files opened in the new one would fail its
@@ -296,7 +286,7 @@ def _close(fds: dict[str, int]) -> None:
 
 def _verify_files(
     path: Path,
-    body: dict,
+    body: dict[str, Any],
     executor: Executor | None,
     stats: RestoreStats,
     fds: dict[str, int] | None = None,
@@ -357,7 +347,7 @@ def _copy_into(
 
 def _read_mmap(
     path: Path,
-    body: dict,
+    body: dict[str, Any],
     verify: bool,
     stats: RestoreStats,
     *,
@@ -376,7 +366,7 @@ def _read_mmap(
 
 
 def _allocate(
-    body: dict,
+    body: dict[str, Any],
     scratch: dict[int, torch.Tensor],
     found: dict[int, torch.Tensor],
     map_location: MapLocation,
@@ -413,7 +403,7 @@ def _allocate(
 
 
 def _new(
-    e: dict, map_location: MapLocation, path: Path, moved: set[str]
+    e: dict[str, Any], map_location: MapLocation, path: Path, moved: set[str]
 ) -> tuple[Any, torch.Tensor]:
     """A new array for entry ``e`` on its final device, and a uint8 tensor of its bytes."""
     if e["kind"] == "tensor":
@@ -439,7 +429,7 @@ def _mmap(file: Path, size: int, fd: int) -> torch.Tensor:
     return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
-def verify_step(path: str | os.PathLike[str]) -> dict:
+def verify_step(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Check that the checkpoint directory ``path`` is restorable, without reading tensors
     beyond their checksums: the manifest (its CRC32C and the whole body, tree and entries
     included, by the same ``validate_manifest`` a restore runs), each data file's size and every

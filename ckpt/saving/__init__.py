@@ -1,1 +1,2 @@
-"""Saving a checkpoint: flatten the state, plan the copy, the pinned pool, the atomic commit."""
+"""Saving a checkpoint: flatten the state, plan the copy (``SavePlan``), the pinned pool, the
+save pipeline (stage, write, commit in the background), the atomic commit."""

@@ -13,13 +13,14 @@ import enum
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from ckpt._torch_compat import is_parameter
 from ckpt.errors import CheckpointError
 from ckpt.types import make_enum, make_namedtuple, type_name
 
@@ -116,6 +117,10 @@ def _array_leaf(a: np.ndarray, path: str) -> Leaf:
     return Leaf(a, "ndarray", a.dtype.str, list(a.shape), int(a.nbytes), path, "cpu", a.strides)
 
 
+Node = dict[str, Any]
+_Pending = tuple[Node, Any, str]  # an array node waiting for its entry, its value and path
+
+
 def flatten(state: Any, leaves: list[Leaf] | None = None, path: str = "state") -> dict[str, Any]:
     """Return the JSON tree of ``state``, appending its array leaves to ``leaves``.
 
@@ -124,87 +129,120 @@ def flatten(state: Any, leaves: list[Leaf] | None = None, path: str = "state") -
     is no larger than the tensors' own bytes together; otherwise each is stored as a copy."""
     if leaves is None:
         leaves = []
-    tensors: list[tuple[dict[str, Any], torch.Tensor, str]] = []
-    tree = _flatten(state, leaves, tensors, path, 0)
-    _tensor_entries(tensors, leaves)
+    walk = _Flattener()
+    tree = walk.node(state, path, 0)
+    _tensor_entries(walk.tensors, leaves)
     return tree
 
 
-def _flatten(obj: Any, leaves: list[Leaf], tensors: list, path: str, depth: int) -> dict[str, Any]:
-    if depth > MAX_DEPTH:
-        raise CheckpointError(f"{path}: the state is nested deeper than {MAX_DEPTH} levels")
-    if isinstance(obj, torch.Tensor):  # the common leaf first
+class _Flattener:
+    """One walk of a state: a node per value, by the first rule of ``RULES`` its type matches
+    (order matters: a bool is an int, an ``IntEnum`` an int, a ``torch.Size`` a tuple); array
+    values are collected in ``tensors`` for their entries."""
+
+    def __init__(self) -> None:
+        self.tensors: list[_Pending] = []
+
+    def node(self, obj: Any, path: str, depth: int) -> Node:
+        if depth > MAX_DEPTH:
+            raise CheckpointError(f"{path}: the state is nested deeper than {MAX_DEPTH} levels")
+        for types, rule in _RULES:
+            if isinstance(obj, types):
+                return rule(self, obj, path, depth)
+        if callable(getattr(obj, "state_dict", None)):
+            value = self.node(obj.state_dict(), path, depth + 1)
+            return {"t": "state", "cls": type_name(type(obj)), "v": value}
+        raise CheckpointError(
+            f"{path}: cannot save a {type(obj).__name__} (use tensors, arrays, scalars, strings, "
+            "dicts/lists or objects with state_dict())"
+        )
+
+    def tensor(self, obj: torch.Tensor, path: str, depth: int) -> Node:
         if obj.is_nested:
             raise CheckpointError(
                 f"{path}: cannot save a nested tensor (no dense strided storage); save its "
                 "components instead, e.g. list(t.unbind())"
             )
-        node: dict[str, Any] = {"t": "tensor"}
+        node: Node = {"t": "tensor"}
         if obj.requires_grad:
             node["rg"] = True
-        if _is_parameter(obj):
+        if is_parameter(obj):
             node["param"] = True
-        tensors.append((node, obj, path))
+        self.tensors.append((node, obj, path))
         return node
-    if obj is None or isinstance(obj, bool):
+
+    def value(self, obj: Any, path: str, depth: int) -> Node:
         return {"t": "v", "v": obj}
-    if isinstance(obj, enum.Enum):
+
+    def enum(self, obj: enum.Enum, path: str, depth: int) -> Node:
         if type(obj.value) not in (int, str):
             raise CheckpointError(f"{path}: cannot save {obj!r} (enum values must be int or str)")
         return {"t": "enum", "cls": type_name(type(obj)), "v": obj.value}
-    if isinstance(obj, str):
+
+    def string(self, obj: str, path: str, depth: int) -> Node:
         return {"t": "v", "v": str(obj)}
-    if isinstance(obj, int) and not isinstance(obj, np.generic):
+
+    def integer(self, obj: int, path: str, depth: int) -> Node:
+        if isinstance(obj, np.generic):
+            return self.numpy(obj, path, depth)
         return {"t": "v", "v": int(obj)}
-    if isinstance(obj, float):
+
+    def real(self, obj: float, path: str, depth: int) -> Node:
         return {"t": "v", "v": obj} if math.isfinite(obj) else {"t": "float", "v": repr(obj)}
-    if isinstance(obj, (np.ndarray, np.generic)):
-        node = {"t": "ndarray" if isinstance(obj, np.ndarray) else "npscalar"}
-        tensors.append((node, np.asarray(obj), path))
+
+    def numpy(self, obj: np.ndarray | np.generic, path: str, depth: int) -> Node:
+        node: Node = {"t": "ndarray" if isinstance(obj, np.ndarray) else "npscalar"}
+        self.tensors.append((node, np.asarray(obj), path))
         return node
-    if isinstance(obj, (bytes, bytearray)):
+
+    def raw(self, obj: bytes | bytearray, path: str, depth: int) -> Node:
         kind = "bytearray" if isinstance(obj, bytearray) else "bytes"
         return {"t": kind, "v": base64.b64encode(bytes(obj)).decode("ascii")}
-    if isinstance(obj, torch.dtype):
+
+    def dtype(self, obj: torch.dtype, path: str, depth: int) -> Node:
         return {"t": "dtype", "v": str(obj).removeprefix("torch.")}
-    if isinstance(obj, torch.device):
+
+    def device(self, obj: torch.device, path: str, depth: int) -> Node:
         return {"t": "device", "v": str(obj)}
-    if isinstance(obj, Mapping):
+
+    def mapping(self, obj: Mapping[Any, Any], path: str, depth: int) -> Node:
         items = []
         for key, value in obj.items():
             if isinstance(key, bool) or not isinstance(key, (str, int)):
                 raise CheckpointError(f"{path}: dict key {key!r} must be str or int")
             key = str(key) if isinstance(key, str) else int(key)
-            items.append([key, _flatten(value, leaves, tensors, f"{path}[{key!r}]", depth + 1)])
+            items.append([key, self.node(value, f"{path}[{key!r}]", depth + 1)])
         return {"t": "odict" if isinstance(obj, OrderedDict) else "dict", "items": items}
-    if isinstance(obj, torch.Size):
+
+    def size(self, obj: torch.Size, path: str, depth: int) -> Node:
         return {"t": "size", "items": [int(d) for d in obj]}
-    if isinstance(obj, (list, tuple)):
-        elems = [_flatten(v, leaves, tensors, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj)]
+
+    def sequence(self, obj: list[Any] | tuple[Any, ...], path: str, depth: int) -> Node:
+        elems = [self.node(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj)]
         fields = getattr(type(obj), "_fields", None)
         if isinstance(obj, tuple) and isinstance(fields, tuple):
-            return {
-                "t": "namedtuple",
-                "cls": type_name(type(obj)),
-                "fields": list(fields),
-                "items": elems,
-            }
+            cls = type_name(type(obj))
+            return {"t": "namedtuple", "cls": cls, "fields": list(fields), "items": elems}
         return {"t": "list" if isinstance(obj, list) else "tuple", "items": elems}
-    if callable(getattr(obj, "state_dict", None)):
-        cls = type_name(type(obj))
-        value = _flatten(obj.state_dict(), leaves, tensors, path, depth + 1)
-        return {"t": "state", "cls": cls, "v": value}
-    raise CheckpointError(
-        f"{path}: cannot save a {type(obj).__name__} (use tensors, arrays, scalars, strings, "
-        "dicts/lists or objects with state_dict())"
-    )
 
 
-def _is_parameter(t: torch.Tensor) -> bool:
-    """``isinstance(t, nn.Parameter)``, without the metaclass hook's cost for plain tensors."""
-    if type(t) is torch.Tensor:  # what Parameter's __instancecheck__ does for a plain tensor
-        return bool(getattr(t, "_is_param", False))
-    return isinstance(t, torch.nn.Parameter)
+_Rule = Callable[[_Flattener, Any, str, int], Node]
+_RULES: tuple[tuple[type | tuple[type, ...], _Rule], ...] = (
+    (torch.Tensor, _Flattener.tensor),  # the common leaf first
+    ((type(None), bool), _Flattener.value),
+    (enum.Enum, _Flattener.enum),
+    (str, _Flattener.string),
+    (int, _Flattener.integer),
+    (float, _Flattener.real),
+    ((np.ndarray, np.generic), _Flattener.numpy),
+    ((bytes, bytearray), _Flattener.raw),
+    (torch.dtype, _Flattener.dtype),
+    (torch.device, _Flattener.device),
+    (Mapping, _Flattener.mapping),
+    (torch.Size, _Flattener.size),
+    ((list, tuple), _Flattener.sequence),
+)
+"""Which node a value becomes: the first rule whose types it is an instance of."""
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
@@ -220,9 +258,26 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
         return None
 
 
-def _tensor_entries(tensors: list[tuple[dict, Any, str]], leaves: list[Leaf]) -> None:
+def _tensor_entries(tensors: list[_Pending], leaves: list[Leaf]) -> None:
     """Give every array node its entry, in tree order: a storage shared by tensors is one uint8
     entry (at its first tensor) that each of them views."""
+    shared = _shared_groups(tensors)
+    done: set[int] = set()
+    for k, (node, value, path) in enumerate(tensors):
+        if k in done:
+            continue
+        if k in shared:
+            _shared_entry([tensors[j] for j in shared[k]], leaves)
+            done.update(shared[k])
+            continue
+        make = _tensor_leaf if isinstance(value, torch.Tensor) else _array_leaf
+        leaves.append(make(value, path))
+        node["i"] = len(leaves) - 1
+
+
+def _shared_groups(tensors: list[_Pending]) -> dict[int, list[int]]:
+    """The tensors stored as views of one shared entry: first member -> members, for each
+    storage viewed by several tensors whose span is no larger than their bytes together."""
     groups: dict[Any, list[int]] = {}
     for k, (_, t, _) in enumerate(tensors):
         key = _storage_key(t) if isinstance(t, torch.Tensor) else None
@@ -235,23 +290,11 @@ def _tensor_entries(tensors: list[tuple[dict, Any, str]], leaves: list[Leaf]) ->
         lo, hi = min(a for a, _ in spans) // ALIGN * ALIGN, max(b for _, b in spans)
         if hi - lo <= sum(b - a for a, b in spans):
             shared[members[0]] = members
-    done: set[int] = set()
-    for k, (node, value, path) in enumerate(tensors):
-        if k in done:
-            continue
-        if k in shared:
-            _shared_entry([tensors[j] for j in shared[k]], leaves)
-            done.update(shared[k])
-        elif isinstance(value, torch.Tensor):
-            leaves.append(_tensor_leaf(value, path))
-            node["i"] = len(leaves) - 1
-        else:
-            leaves.append(_array_leaf(value, path))
-            node["i"] = len(leaves) - 1
+    return shared
 
 
-def _shared_entry(members: list[tuple[dict, torch.Tensor, str]], leaves: list[Leaf]) -> None:
-    ts = [t for _, t, _ in members]
+def _shared_entry(members: list[_Pending], leaves: list[Leaf]) -> None:
+    ts: list[torch.Tensor] = [t for _, t, _ in members]
     spans = [_byte_span(t) for t in ts]
     lo, hi = min(a for a, _ in spans) // ALIGN * ALIGN, max(b for _, b in spans)
     with torch.no_grad():
@@ -282,41 +325,48 @@ def unflatten(tree: Any, arrays: list[Any], path: str = "state") -> Any:
     if not isinstance(tree, dict) or "t" not in tree:
         raise CheckpointError(f"manifest tree node at {path} is malformed")
     kind = tree["t"]
-    if kind == "v":
-        return tree["v"]
-    if kind == "float":
-        return float(tree["v"])
-    if kind == "tensor":
-        return _tensor(tree, arrays[tree["i"]])
-    if kind == "ndarray":
-        return arrays[tree["i"]]
-    if kind == "npscalar":
-        return arrays[tree["i"]][()]
-    if kind in ("bytes", "bytearray"):
-        raw = base64.b64decode(tree["v"])
-        return raw if kind == "bytes" else bytearray(raw)
-    if kind == "dtype":
-        return torch_dtype(tree["v"])
-    if kind == "device":
-        return torch.device(tree["v"])
-    if kind in ("dict", "odict"):
-        pairs = [(k, unflatten(v, arrays, f"{path}[{k!r}]")) for k, v in tree["items"]]
-        return dict(pairs) if kind == "dict" else OrderedDict(pairs)
-    if kind == "size":
-        return torch.Size(tree["items"])
-    if kind == "enum":
-        return make_enum(tree["cls"], tree["v"])
-    if kind in ("list", "tuple", "namedtuple"):
-        items = [unflatten(v, arrays, f"{path}[{i}]") for i, v in enumerate(tree["items"])]
-        if kind == "namedtuple":
-            return make_namedtuple(tree["cls"], tree["fields"], items)
-        return items if kind == "list" else tuple(items)
-    if kind == "state":
-        return unflatten(tree["v"], arrays, path)
-    raise CheckpointError(f"manifest tree node at {path} has unknown type {kind!r}")
+    build = _BUILDERS.get(kind)
+    if build is None:
+        raise CheckpointError(f"manifest tree node at {path} has unknown type {kind!r}")
+    return build(tree, arrays, path)
 
 
-def _tensor(node: dict, value: torch.Tensor) -> torch.Tensor:
+def _items(tree: Node, arrays: list[Any], path: str) -> list[Any]:
+    return [unflatten(v, arrays, f"{path}[{i}]") for i, v in enumerate(tree["items"])]
+
+
+def _pairs(tree: Node, arrays: list[Any], path: str) -> list[tuple[Any, Any]]:
+    return [(k, unflatten(v, arrays, f"{path}[{k!r}]")) for k, v in tree["items"]]
+
+
+def _namedtuple(tree: Node, arrays: list[Any], path: str) -> Any:
+    return make_namedtuple(tree["cls"], tree["fields"], _items(tree, arrays, path))
+
+
+_Builder = Callable[[Node, list[Any], str], Any]
+_BUILDERS: dict[str, _Builder] = {
+    "v": lambda tree, arrays, path: tree["v"],
+    "float": lambda tree, arrays, path: float(tree["v"]),
+    "tensor": lambda tree, arrays, path: _tensor(tree, arrays[tree["i"]]),
+    "ndarray": lambda tree, arrays, path: arrays[tree["i"]],
+    "npscalar": lambda tree, arrays, path: arrays[tree["i"]][()],
+    "bytes": lambda tree, arrays, path: base64.b64decode(tree["v"]),
+    "bytearray": lambda tree, arrays, path: bytearray(base64.b64decode(tree["v"])),
+    "dtype": lambda tree, arrays, path: torch_dtype(tree["v"]),
+    "device": lambda tree, arrays, path: torch.device(tree["v"]),
+    "dict": lambda tree, arrays, path: dict(_pairs(tree, arrays, path)),
+    "odict": lambda tree, arrays, path: OrderedDict(_pairs(tree, arrays, path)),
+    "size": lambda tree, arrays, path: torch.Size(tree["items"]),
+    "enum": lambda tree, arrays, path: make_enum(tree["cls"], tree["v"]),
+    "list": _items,
+    "tuple": lambda tree, arrays, path: tuple(_items(tree, arrays, path)),
+    "namedtuple": _namedtuple,
+    "state": lambda tree, arrays, path: unflatten(tree["v"], arrays, path),
+}
+"""How each kind of manifest tree node becomes a value again (``unflatten``)."""
+
+
+def _tensor(node: Node, value: torch.Tensor) -> torch.Tensor:
     view = node.get("view")
     if view is not None:
         dtype = torch_dtype(view["dtype"])
@@ -338,7 +388,7 @@ def rng_state() -> dict[str, Any]:
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

@@ -12,11 +12,11 @@ compared as one list). The plan is a pure function of the signature:
   at most ``RUN_BYTES`` per run. A run owns a device storage and, built once, one view of it
   per leaf (the leaf's dtype and shape, its strides where it is contiguous), grouped by dtype.
   A save grows the storage (``UntypedStorage.resize_``: the views follow it), gathers each
-  group with one ``torch._foreach_copy_`` (a device-to-device copy, far faster than the link to
-  the host), moves the run to the host in one copy and shrinks the storage back to nothing, so
+  group with one batched copy (``foreach_copy``; device to device, far faster than the link
+  to the host), moves the run to the host in one copy and shrinks the storage back to nothing, so
   no device memory is held between saves;
 - larger CUDA leaves are copied directly, each in one copy;
-- host tensors are copied by one ``torch._foreach_copy_`` into views of the buffer, made once
+- host tensors are copied by one batched copy (``foreach_copy``) into views of the buffer, made once
   per staging buffer (and dropped with it); numpy arrays are copied one by one.
 
 Soundness: a plan holds no reference to the caller's tensors. Each save reads every source
@@ -39,15 +39,16 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from operator import attrgetter, itemgetter
 from typing import Any
 
 import torch
 
-from ckpt import format as fmt
-from ckpt.saving.flatten import Leaf
+from ckpt import _layout
+from ckpt._torch_compat import foreach_copy
+from ckpt.saving.flatten import ALIGN, Leaf
 from ckpt.saving.pool import Buffer
 
 __all__ = [
@@ -56,9 +57,12 @@ __all__ = [
     "RUN_BYTES",
     "SMALL_BYTES",
     "Plan",
+    "SavePlan",
     "Stager",
     "foreach_copy_exact",
     "layout",
+    "leaf_order",
+    "pack",
     "signature",
 ]
 
@@ -77,51 +81,89 @@ BATCHED_DTYPES = frozenset(
      torch.complex128, torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
      torch.int64)
 )  # fmt: skip
-"""The dtypes gathered by one ``_foreach_copy_`` (its device kernel's dtypes); leaves of other
+"""The dtypes gathered by one ``foreach_copy`` (its device kernel's dtypes); leaves of other
 dtypes (float8, float4, complex32, wide unsigned) are copied one by one within their run."""
 
 
 BIT_EXACT = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
-"""Dtypes that ``_foreach_copy_``'s device kernel computes in float32 and converts back, which
+"""Dtypes that ``foreach_copy``'s device kernel computes in float32 and converts back, which
 turns every NaN into one canonical NaN (its payload and sign lost): batched copies move them
 as same-sized integers, so the bytes arrive exactly."""
 
 
 def foreach_copy_exact(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """``torch._foreach_copy_(dsts, srcs)`` bit for bit (pairs of one dtype, any strides)."""
+    """``foreach_copy(dsts, srcs)`` bit for bit (pairs of one dtype, any strides)."""
     if any(d.dtype in BIT_EXACT for d in dsts):
         dsts = [d.view(BIT_EXACT.get(d.dtype, d.dtype)) for d in dsts]
         srcs = [s.view(BIT_EXACT.get(s.dtype, s.dtype)) for s in srcs]
-    torch._foreach_copy_(list(dsts), list(srcs))
+    foreach_copy(dsts, srcs)
 
 
-def signature(leaves: Sequence[Leaf]) -> list[tuple]:
+def signature(leaves: Sequence[Leaf]) -> list[tuple[Any, ...]]:
     """What a plan depends on, per leaf: kind, dtype, device, bytes, shape, strides."""
     return list(map(_SIGNATURE, leaves))
 
 
-def layout(leaves: Sequence[Leaf]) -> tuple[list[dict], int]:
-    """The manifest entries (in leaf order) and the file size: CUDA leaves first, grouped by
-    device in order of appearance, then the others, in leaf order within each group."""
+def pack(sizes: Iterable[int], start: int = 0) -> tuple[list[int], int]:
+    """The pool and file layout of byte blocks: each block's offset (at the next multiple of
+    ``ALIGN``, so any dtype can be viewed in place) and the end of the last one."""
+    offsets, offset = [], start
+    for nbytes in sizes:
+        offset = -(-offset // ALIGN) * ALIGN
+        offsets.append(offset)
+        offset += nbytes
+    return offsets, offset
+
+
+def _entry(leaf: Leaf, offset: int, file: str) -> dict[str, Any]:
+    return {
+        "kind": leaf.kind,
+        "dtype": leaf.dtype,
+        "shape": leaf.shape,
+        "file": file,
+        "offset": offset,
+        "nbytes": leaf.nbytes,
+        "device": leaf.device,
+    }
+
+
+def leaf_order(leaves: Sequence[Leaf]) -> list[int]:
+    """The order of the leaves in the file: CUDA leaves first, grouped by device in order of
+    appearance, then the others, in leaf order within each group."""
     rank: dict[str, int] = {}
     for leaf in leaves:
         if leaf.device.startswith("cuda") and leaf.device not in rank:
             rank[leaf.device] = len(rank)
-    if not rank or (all(leaf.device in rank for leaf in leaves) and len(rank) == 1):
-        return fmt.plan(leaves)
     last = len(rank)
-    order = sorted(range(len(leaves)), key=lambda i: rank.get(leaves[i].device, last))
-    placed, nbytes = fmt.plan([leaves[i] for i in order])
-    entries: list[dict] = [{}] * len(leaves)
-    for i, entry in zip(order, placed, strict=True):
-        entries[i] = entry
+    return sorted(range(len(leaves)), key=lambda i: rank.get(leaves[i].device, last))
+
+
+def layout(
+    leaves: Sequence[Leaf], file: str = _layout.DATA_FILE
+) -> tuple[list[dict[str, Any]], int]:
+    """The manifest entries (in leaf order) and the file size, in ``leaf_order``."""
+    order = leaf_order(leaves)
+    offsets, nbytes = pack(leaves[i].nbytes for i in order)
+    entries: list[dict[str, Any]] = [{}] * len(leaves)
+    for i, offset in zip(order, offsets, strict=True):
+        entries[i] = _entry(leaves[i], offset, file)
     return entries, nbytes
+
+
+def _gaps(entries: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
+    """The padding between ``entries`` (sorted by offset), as ``(start, end)`` byte ranges."""
+    gaps, end = [], 0
+    for entry in entries:
+        if entry["offset"] > end:
+            gaps.append((end, entry["offset"]))
+        end = max(end, entry["offset"] + entry["nbytes"])
+    return gaps
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     stream = _streams.get(device)
     if stream is None:
-        stream = _streams[device] = torch.cuda.Stream(device)
+        stream = _streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     return stream
 
 
@@ -165,6 +207,9 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
     return strides[::-1]
 
 
+_Group = tuple[Callable[[Sequence[Any]], Any], list[torch.Tensor], bool, "torch.dtype | None"]
+
+
 class _Run:
     """Consecutive small leaves of one device, gathered into one storage and copied at once."""
 
@@ -172,9 +217,17 @@ class _Run:
         self.device, self.start, self.end = device, start, start
         self.members: list[tuple[int, int]] = []  # (leaf index, offset)
         # (pick, views, batched, bits): ``bits`` reinterprets the sources (see ``BIT_EXACT``)
-        self.groups: list[tuple[Callable, list[torch.Tensor], bool, torch.dtype | None]] = []
+        self.groups: list[_Group] = []
         self.storage: Any = None
         self.bounce: torch.Tensor | None = None
+
+    def takes(self, device: torch.device, offset: int, nbytes: int) -> bool:
+        """Whether the next leaf (gathered, at ``offset``) may join this run."""
+        return (
+            nbytes <= SMALL_BYTES
+            and device == self.device
+            and offset + nbytes - self.start <= RUN_BYTES
+        )
 
     def add(self, index: int, offset: int, nbytes: int) -> None:
         self.members.append((index, offset))
@@ -222,7 +275,7 @@ class _Run:
                 if bits is not None:
                     srcs = [src.view(bits) for src in srcs]
                 if batched:
-                    torch._foreach_copy_(views, srcs)
+                    foreach_copy(views, srcs)
                 else:
                     for view, src in zip(views, srcs, strict=True):
                         view.copy_(src)
@@ -232,8 +285,9 @@ class _Run:
             self.storage.resize_(0)
 
 
-class Plan:
-    """How to stage leaves of one signature (see the module docstring)."""
+class SavePlan:
+    """How to stage leaves of one signature (see the module docstring): the one owner of a
+    save's leaf order, layout (manifest entries, size) and copies (runs by device and dtype)."""
 
     def __init__(self, leaves: Sequence[Leaf], gather_host: bool = False) -> None:
         """``gather_host``: gather host tensors in runs too (the CUDA path's logic, on the CPU;
@@ -246,7 +300,7 @@ class Plan:
         self.host: list[int] = []
         self.arrays: list[int] = []
         self.gaps: list[tuple[int, int]] = []  # padding between entries, zeroed once per buffer
-        self._pick_host: Callable | None = None
+        self._pick_host: Callable[[Sequence[Any]], Any] | None = None
         self._host_views: weakref.WeakKeyDictionary[Buffer, list[torch.Tensor]] = (
             weakref.WeakKeyDictionary()
         )
@@ -255,43 +309,30 @@ class Plan:
     def _build(self, leaves: Sequence[Leaf]) -> None:
         """Plan the copies: runs, direct copies, host copies. Done by the first ``stage``, after
         the save asked for its buffer, so that it overlaps a buffer made in the background."""
-        gather_host = self.gather_host
-        self.device_steps, self.arrays, self.gaps = [], [], []
-        host: list[int] = []
+        self.device_steps, self.arrays, host = [], [], []
         run: _Run | None = None
         order = sorted(range(len(leaves)), key=lambda i: self.entries[i]["offset"])
-        end = 0
+        self.gaps = _gaps([self.entries[i] for i in order])
         for i in order:
-            off = self.entries[i]["offset"]
-            if off > end:
-                self.gaps.append((end, off))
-            end = max(end, off + self.entries[i]["nbytes"])
-        for i in order:
-            leaf, entry = leaves[i], self.entries[i]
-            off, n, src = entry["offset"], entry["nbytes"], leaf.value
+            off, n, src = self.entries[i]["offset"], self.entries[i]["nbytes"], leaves[i].value
             if n == 0:
                 continue
             if not isinstance(src, torch.Tensor):
                 self.arrays.append(i)
                 continue
-            gathered = src.is_cuda or gather_host
-            if run is not None and not (
-                gathered
-                and n <= SMALL_BYTES
-                and src.device == run.device
-                and off + n - run.start <= RUN_BYTES
-            ):  # a run holds only consecutive leaves: anything else ends it
-                run.build(leaves)
+            gathered = src.is_cuda or self.gather_host
+            if run is not None and not (gathered and run.takes(src.device, off, n)):
+                run.build(leaves)  # a run holds only consecutive leaves: anything else ends it
                 run = None
             if not gathered:
                 host.append(i)
-            elif n <= SMALL_BYTES:
+            elif n > SMALL_BYTES:
+                self.device_steps.append((src.device, i))
+            else:
                 if run is None:
                     run = _Run(src.device, off)
                     self.device_steps.append((src.device, run))
                 run.add(i, off, n)
-            else:
-                self.device_steps.append((src.device, i))
         if run is not None:
             run.build(leaves)
         self.host = host
@@ -350,7 +391,7 @@ class Plan:
                 views = self._views(buf, leaves)
                 if self._pick_host is not None:  # host copies overlap the device's
                     # host tensors: the CPU kernel copies each pair as is (exact for every dtype)
-                    torch._foreach_copy_(views, self._pick_host(values))
+                    foreach_copy(views, self._pick_host(values))
                 for i in self.arrays:
                     e, src = self.entries[i], values[i]
                     off, n = e["offset"], e["nbytes"]
@@ -365,17 +406,21 @@ class Stager:
 
     def __init__(self, gather_host: bool = False) -> None:
         self.gather_host = gather_host  # see ``Plan``
-        self._plan: Plan | None = None
+        self._plan: SavePlan | None = None
         self.planned = 0
         self.reused = 0
 
-    def plan(self, leaves: Sequence[Leaf]) -> Plan:
+    def plan(self, leaves: Sequence[Leaf]) -> SavePlan:
         """The plan for ``leaves``: the last one if their signature matches, else a new one."""
         plan = self._plan
         if plan is not None and plan.matches(leaves):
             self.reused += 1
             return plan
         self._plan = None  # drop the old plan (and its device storages' views) first
-        plan = self._plan = Plan(leaves, self.gather_host)
+        plan = self._plan = SavePlan(leaves, self.gather_host)
         self.planned += 1
         return plan
+
+
+Plan = SavePlan
+"""The earlier name of ``SavePlan``."""
