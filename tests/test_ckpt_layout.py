@@ -134,8 +134,8 @@ def test_one_manifest_builder_and_one_chunked_writer() -> None:
     """Manifest bodies are built by ``format.new_manifest`` only, and dcp writes its data files
     through ``format.ChunkedWriter`` (no pwrite of its own)."""
     built = {f.name: _format_dicts(f) for f in sorted(CKPT.rglob("*.py"))}
-    assert {k: v for k, v in built.items() if v} == {"format.py": built["format.py"]}
-    assert len(built["format.py"]) == 1
+    assert {k: v for k, v in built.items() if v} == {"manifest.py": built["manifest.py"]}
+    assert len(built["manifest.py"]) == 1
     assert _calls(CKPT / "dcp.py", "os", "pwrite") == 0
     assert _calls(CKPT / "dcp.py", "fmt", "ChunkedWriter") == 1
     for module in ("manager.py", "dcp.py", "simple.py"):
