@@ -111,7 +111,7 @@ def _calls(path: Path, module: str, name: str) -> int:
     )
 
 
-@pytest.mark.parametrize("module", ["retention/retainer.py", "cli.py", "remote.py"])
+@pytest.mark.parametrize("module", ["retention/retainer.py", "cli.py", "tiers/remote_retention.py"])
 def test_one_retention_rule(module: str) -> None:
     """The manager (its ``ckpt.retention.retainer``), ``ckpt gc`` and the remote tier's
     ``keep_last_remote`` all decide through ``ckpt.retention.rules.plan``; none slices its own list
