@@ -5,21 +5,46 @@ out of the loaded file."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from ckpt._layout import DATA_FILE
+from ckpt.format.dtypes import torch_dtype
 from ckpt.format.limits import ALIGN
-from ckpt.saving.flatten import Leaf, torch_dtype
-from ckpt.saving.pool import Buffer
 
-__all__ = ["load_arrays", "plan", "stage"]
+__all__ = ["ArrayLeaf", "StagingBuffer", "load_arrays", "plan", "stage"]
+
+
+class ArrayLeaf(Protocol):
+    """What the layout needs of one array leaf (``ckpt.saving.flatten.Leaf`` is one)."""
+
+    @property
+    def value(self) -> torch.Tensor | np.ndarray[Any, Any]: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> list[int]: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def device(self) -> str: ...
+
+
+class StagingBuffer(Protocol):
+    """A flat uint8 buffer seen as a tensor and an array (``ckpt.saving.pool.Buffer`` is one)."""
+
+    @property
+    def tensor(self) -> torch.Tensor: ...
+    @property
+    def array(self) -> np.ndarray[Any, Any]: ...
 
 
 def plan(
-    leaves: Sequence[Leaf], file: str = DATA_FILE, start: int = 0
+    leaves: Sequence[ArrayLeaf], file: str = DATA_FILE, start: int = 0
 ) -> tuple[list[dict[str, Any]], int]:
     """Lay ``leaves`` out in one data file; returns the manifest entries and the file size."""
     entries: list[dict[str, Any]] = []
@@ -41,7 +66,9 @@ def plan(
     return entries, offset
 
 
-def stage(leaves: Sequence[Leaf], entries: Sequence[dict[str, Any]], buf: Buffer) -> None:
+def stage(
+    leaves: Sequence[ArrayLeaf], entries: Sequence[dict[str, Any]], buf: StagingBuffer
+) -> None:
     """Copy every leaf into ``buf`` at its planned offset; CUDA copies are synchronized."""
     devices = set()
     for leaf, entry in zip(leaves, entries, strict=True):

@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.format.dtypes import torch_dtype
 from ckpt.format.limits import MAX_BYTES, MAX_NDIM
-from ckpt.saving.flatten import torch_dtype
 
 __all__ = [
     "MAX_NDIM",

@@ -5,8 +5,6 @@ Every module of ``ckpt.format`` takes its constants from here, so a bound is spe
 
 from __future__ import annotations
 
-from ckpt.saving.flatten import ALIGN, MAX_DEPTH
-
 __all__ = [
     "ALIGN",
     "CHUNK_BYTES",
@@ -20,6 +18,9 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+ALIGN = 64  # every entry starts at a multiple of 64 bytes (any dtype can be viewed in place)
+MAX_DEPTH = 100
+"""How deeply a state may nest (the root is depth 0); deeper trees are refused on save and load."""
 CHUNK_BYTES = 16 << 20  # one CRC32C per 16 MiB of each data file
 IO_BYTES = 16 << 20  # the largest single read of a restore: its buffer per reader thread
 MAX_MANIFEST_BYTES = 1 << 30  # a manifest is read whole: bounded, whatever its file claims

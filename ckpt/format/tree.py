@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from ckpt.errors import CorruptCheckpointError
+from ckpt.format.dtypes import torch_dtype
 from ckpt.format.fields import bounded_int, extent, qualname, shape, torch_itemsize, typed
-from ckpt.saving.flatten import torch_dtype
 
 __all__ = ["NODES", "Child", "NodeCheck", "check_node"]
 
