@@ -18,9 +18,9 @@ root (``ckpt._layout`` spells every name):
   ``retention.json``: ckpt's JSON; their temporary files and the marker's: regular files.
 
 A symlink is never ours. Even inside a claimed root, every deleting path (leftover cleanup,
-``ckpt.saving.commit.settle``, eviction, replacing ``step-N`` or ``latest``, ``ckpt gc``, the siblings
-of ``ckpt.save(PATH)``, the remote tier's retention) asks this module first and leaves what it
-does not accept where it is. Reading a manifest here checks only that ckpt wrote it (its
+``ckpt.saving.commit.settle``, eviction, replacing ``step-N`` or ``latest``, ``ckpt gc``, the
+siblings of ``ckpt.save(PATH)``, the remote tier's retention) asks this module first and leaves
+what it does not accept where it is. Reading a manifest here checks only that ckpt wrote it (its
 canonical head and ``"format":"ckpt"``), not that it is intact: a corrupt ckpt step is still
 ckpt's to delete.
 """
@@ -32,7 +32,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -160,33 +160,55 @@ def is_ours(path: Path) -> bool:
     return _is_ours(path) or not os.path.lexists(path)
 
 
+def _is_latest(path: Path) -> bool:
+    """``latest``: ``step-N``; its temporary: the same, or nothing (cut before its write)."""
+    raw = _read(path, limit=_SMALL)
+    if raw is None:
+        return False
+    if raw == b"" and path.name != _layout.LATEST:  # a temp cut before its write
+        return True
+    try:
+        return _layout.latest_step(raw) is not None
+    except UnicodeDecodeError:
+        return False
+
+
+def _is_lock(path: Path) -> bool:
+    raw = _read(path, limit=_SMALL)
+    return raw is not None and _LOCK.match(raw.strip()) is not None
+
+
+def _is_atomic_temp(path: Path) -> bool:
+    """``feedpipe.io.atomic_write``'s temp of the marker or the policy: a regular file."""
+    found = temp_target(path.name)
+    return (
+        found is not None
+        and found[0] in (marker_name(TOOL), _layout.RETENTION_FILE)
+        and (_is_regular(path))
+    )
+
+
+_FILES: dict[str, Callable[[Path], bool]] = {
+    _layout.LATEST: _is_latest,
+    _layout.LOCK: _is_lock,
+    _layout.STATUS_FILE: lambda path: _is_json_of(path, "steps"),
+    _layout.RETENTION_FILE: lambda path: _is_json_of(path, "tool"),
+}
+"""The check of each file of a root that ckpt names exactly."""
+
+
 def _is_ours(path: Path) -> bool:
     name = path.name
     if _layout.is_step_name(name) or _layout.is_step_scratch(name):
         return is_ckpt_dir(path, scratch=_layout.is_step_scratch(name))
-    if name == _layout.LATEST or _layout.is_latest_tmp(name):
-        raw = _read(path, limit=_SMALL)
-        if raw is None:
-            return False
-        if raw == b"" and name != _layout.LATEST:  # a temp cut before its write
-            return True
-        try:
-            return _layout.latest_step(raw) is not None
-        except UnicodeDecodeError:
-            return False
-    if name == _layout.LOCK:
-        raw = _read(path, limit=_SMALL)
-        return raw is not None and _LOCK.match(raw.strip()) is not None
-    if name == _layout.STATUS_FILE:
-        return _is_json_of(path, "steps")
-    if name == _layout.RETENTION_FILE:
-        return _is_json_of(path, "tool")
+    check = _FILES.get(name)
+    if check is not None:
+        return check(path)
+    if _layout.is_latest_tmp(name):
+        return _is_latest(path)
     if _layout.is_status_tmp(name):
         return _is_regular(path)
-    found = temp_target(name)  # feedpipe.io.atomic_write's temp of the marker or the policy
-    if found is not None and found[0] in (marker_name(TOOL), _layout.RETENTION_FILE):
-        return _is_regular(path)
-    return False
+    return _is_atomic_temp(path)
 
 
 def claim_root(root: str | os.PathLike[str], record: Mapping[str, Any] | None = None) -> bool:

@@ -38,7 +38,7 @@ from ckpt import format as fmt
 from ckpt._paths import local_path
 from ckpt.errors import CheckpointError
 from ckpt.policy import Policy, from_options
-from ckpt.retention import rules
+from ckpt.retention import checks, rules
 from ckpt.saving import commit
 
 __all__ = ["main"]
@@ -55,7 +55,7 @@ def _size(n: float) -> str:
 def _verify(path: Path) -> tuple[bool, str, int]:
     """Whether the checkpoint in ``path`` restores (every checksum, the tree, entries, types)."""
     t0 = time.perf_counter()
-    why = rules.restorable(path)
+    why = checks.restorable(path)
     if why is not None:
         return False, why, 0
     try:
@@ -85,10 +85,13 @@ def _targets(root: Path) -> tuple[list[tuple[str, Path]], bool]:
     return [(f"step {n}", path) for n, path in _step_names(root)], False
 
 
+_HEADER = f"{'step':>10}  {'size':>10}  {'files':>5}  {'created':<19}  {'upload':<9}  status"
 _SHOWN_CHARS = 200  # metadata longer than this is cut in ``ls`` (``metadata(step)`` has it all)
 
 
-def _row(label: str, body: dict | None, mark: str, upload: str = "-", metrics: bool = False) -> str:
+def _row(
+    label: str, body: dict[str, Any] | None, mark: str, upload: str = "-", metrics: bool = False
+) -> str:
     if body is None:
         return f"{label:>10}  {'?':>10}  {'?':>5}  {'?':<19}  {upload:<9}  {mark}"
     size = sum(rec["size"] for rec in body["files"])
@@ -108,34 +111,53 @@ def _row(label: str, body: dict | None, mark: str, upload: str = "-", metrics: b
     return f"{label:>10}  {_size(size):>10}  {files:>5}  {when:<19}  {upload:<9}  {mark}{extra}"
 
 
+def _ls_step(
+    label: str,
+    path: Path,
+    *,
+    step: int | None,
+    latest: int | None,
+    uploads: dict[int, dict[str, Any]],
+    metrics: bool,
+) -> bool:
+    """Print the row of one checkpoint of ``ckpt ls DIR``; ``False`` if it is bad."""
+    name = "-" if step is None else str(step)
+    try:
+        body = fmt.read_manifest(path)
+    except (CheckpointError, OSError) as exc:
+        print(_row(name, None, f"BAD: {_reason(exc, path)}"))
+        return False
+    if step is None:
+        mark = f"checkpoint {label}"
+    else:
+        mark = "committed" + (", latest" if step == latest else "")
+    up = uploads.get(step, {}) if step is not None else {}
+    if up.get("reason"):
+        mark += f" (upload: {up['reason']})"
+    print(_row(name, body, mark, str(up.get("state", "-")), metrics))
+    return True
+
+
+def _ls_leftovers(root: Path) -> None:
+    for path in commit.leftovers(root):
+        what = "leftover" if _owner.is_ours(path) else "not written by ckpt, kept"
+        print(f"{'-':>10}  {'':>10}  {'':>5}  {'':<19}  {'':<9}  {what}: {path.name}")
+
+
 def _ls(root: Path, metrics: bool = False) -> int:
+    """``ckpt ls DIR``: a row per step (or the one checkpoint), then the leftovers."""
     from ckpt.remote import read_status
 
     targets, single = _targets(root)
     latest = None if single else commit.read_latest(root)
     uploads = {} if single else read_status(root)
-    print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'created':<19}  {'upload':<9}  status")
+    print(_HEADER)
     bad = 0
     for label, path in targets:
         step = None if single else int(path.name[5:])
-        name = "-" if single else str(step)
-        try:
-            body = fmt.read_manifest(path)
-        except (CheckpointError, OSError) as exc:
-            bad += 1
-            print(_row(name, None, f"BAD: {_reason(exc, path)}"))
-            continue
-        mark = "committed" + (", latest" if step is not None and step == latest else "")
-        if single:
-            mark = f"checkpoint {label}"
-        up = uploads.get(step, {}) if step is not None else {}
-        if up.get("reason"):
-            mark += f" (upload: {up['reason']})"
-        print(_row(name, body, mark, str(up.get("state", "-")), metrics))
+        bad += not _ls_step(label, path, step=step, latest=latest, uploads=uploads, metrics=metrics)
     if not single:
-        for path in commit.leftovers(root):
-            what = "leftover" if _owner.is_ours(path) else "not written by ckpt, kept"
-            print(f"{'-':>10}  {'':>10}  {'':>5}  {'':<19}  {'':<9}  {what}: {path.name}")
+        _ls_leftovers(root)
     return 1 if bad else 0
 
 
@@ -166,8 +188,38 @@ def _verify_cmd(root: Path, only: int | None) -> int:
 _NO_FLAGS = object()  # gc without retention flags: apply the policy the manager recorded
 
 
-def _gc(root: Path, given: Policy | object | None, dry_run: bool) -> int:
-    from ckpt.remote import STATUS_FILE, read_status
+class _GcSteps:
+    """What ``ckpt gc``'s retention asks about the local steps of ``root``: whether each one
+    restores (why not is kept for the report), whether its upload finished (where the directory
+    has a remote tier), the metrics it was saved with."""
+
+    def __init__(self, root: Path) -> None:
+        from ckpt.remote import STATUS_FILE, read_status
+
+        self.root = root
+        self.remote = (root / STATUS_FILE).exists()  # a remote tier: keep what is not uploaded
+        self.uploads = read_status(root)
+        self.why_bad: dict[int, str] = {}
+
+    def is_restorable(self, step: int) -> bool:
+        why = checks.restorable(_layout.step_dir(self.root, step))
+        if why is not None:
+            self.why_bad[step] = why
+        return why is None
+
+    def may_evict(self, step: int) -> bool:
+        return not self.remote or self.uploads.get(step, {}).get("state") == "done"
+
+    def metrics(self, step: int) -> dict[str, float]:
+        try:
+            return checks.metrics(_layout.step_dir(self.root, step))
+        except (CheckpointError, FileNotFoundError):  # corrupt or gone: not ranked
+            return {}
+
+
+def _gc_foreign(root: Path, dry_run: bool) -> list[str]:
+    """The entries of ``root`` that ckpt did not write (skipped); raises ``ForeignEntriesError``
+    when there are any and ``root`` has no ckpt marker."""
     from feedpipe.io.ownership import ForeignEntriesError
 
     try:
@@ -181,6 +233,36 @@ def _gc(root: Path, given: Policy | object | None, dry_run: bool) -> int:
         raise ForeignEntriesError(root, _owner.TOOL, foreign)
     for name in foreign:
         print(f"{'would skip' if dry_run else 'skipped'} {name} (not written by ckpt)")
+    return foreign
+
+
+def _gc_leftovers(root: Path, foreign: list[str], dry_run: bool) -> None:
+    if dry_run:
+        for path in commit.leftovers(root):
+            if path.name not in foreign:
+                print(f"would remove leftover {path.name}")
+    else:
+        for path in commit.remove_leftovers(root):
+            print(f"removed leftover {path.name}")
+
+
+def _gc_apply(root: Path, decision: rules.Plan, why_bad: dict[int, str], dry_run: bool) -> None:
+    for step, reason in sorted(decision.keep.items()):
+        detail = f": {why_bad[step]}" if step in why_bad else ""
+        print(f"kept step {step} ({reason}{detail})")
+    for step in decision.delete:
+        if dry_run:
+            print(f"would delete step {step}")
+        elif commit.evict(root, step):
+            print(f"deleted step {step}")
+        else:
+            print(f"kept step {step} (being read)")
+
+
+def _gc(root: Path, given: Policy | object | None, dry_run: bool) -> int:
+    """``ckpt gc DIR``: refuse a foreign directory, remove leftovers, then apply retention
+    (``ckpt.retention.rules.plan``) under the writer lock."""
+    foreign = _gc_foreign(root, dry_run)
     policy = rules.recorded(root) if given is _NO_FLAGS else given
     assert policy is None or isinstance(policy, Policy)
     if not dry_run:
@@ -189,50 +271,17 @@ def _gc(root: Path, given: Policy | object | None, dry_run: bool) -> int:
     if not dry_run or os.path.lexists(root / _layout.LOCK):  # a dry run creates no file
         lock.acquire()
     try:
-        if dry_run:
-            for path in commit.leftovers(root):
-                if path.name not in foreign:
-                    print(f"would remove leftover {path.name}")
-        else:
-            for path in commit.remove_leftovers(root):
-                print(f"removed leftover {path.name}")
-        remote = (root / STATUS_FILE).exists()  # a remote tier: keep what is not uploaded
-        uploads = read_status(root)
-        why_bad: dict[int, str] = {}
-
-        def is_restorable(step: int) -> bool:
-            why = rules.restorable(_layout.step_dir(root, step))
-            if why is not None:
-                why_bad[step] = why
-            return why is None
-
-        def may_evict(step: int) -> bool:
-            return not remote or uploads.get(step, {}).get("state") == "done"
-
-        def metrics(step: int) -> dict:
-            try:
-                return rules.metrics(_layout.step_dir(root, step))
-            except (CheckpointError, FileNotFoundError):  # corrupt or gone: not ranked
-                return {}
-
+        _gc_leftovers(root, foreign, dry_run)
+        steps = _GcSteps(root)
         decision = rules.plan(
             [s for s in commit.steps(root) if _layout.step_name(s) not in foreign],
             policy,
-            is_restorable=is_restorable,
-            may_evict=may_evict,
-            metrics=metrics,
+            is_restorable=steps.is_restorable,
+            may_evict=steps.may_evict,
+            metrics=steps.metrics,
             latest=commit.read_latest(root),
         )
-        for step, reason in sorted(decision.keep.items()):
-            detail = f": {why_bad[step]}" if step in why_bad else ""
-            print(f"kept step {step} ({reason}{detail})")
-        for step in decision.delete:
-            if dry_run:
-                print(f"would delete step {step}")
-            elif commit.evict(root, step):
-                print(f"deleted step {step}")
-            else:
-                print(f"kept step {step} (being read)")
+        _gc_apply(root, decision, steps.why_bad, dry_run)
     finally:
         lock.release()
     return 0
@@ -249,66 +298,90 @@ def _fetch(fs: Any, rpath: str, into: Path, *, data: bool) -> None:
             fs.get_file(f"{rpath}/{rec['name']}", str(dest))
 
 
+_RemoteTarget = tuple[str, str, bool]
+"""One remote checkpoint of ``ckpt ls|verify URL``: its label, its path, whether committed."""
+
+
+def _remote_targets(fs: Any, root: str, shown: str, only: int | None) -> list[_RemoteTarget] | None:
+    """The checkpoints under the remote ``root`` (itself, if it is one); ``None`` (reported) if
+    there is no such remote directory."""
+    from ckpt.remote import list_remote
+
+    if fs.exists(f"{root}/{fmt.MANIFEST}"):
+        return [(shown, root, True)]
+    listing = list_remote(fs, root)
+    if not listing:  # nothing listed: an empty root, or one that is missing or unreachable
+        try:
+            fs.ls(root)  # raises what the listing swallowed (a refused connection, DNS...)
+        except FileNotFoundError:
+            print(f"ckpt: {shown}: no such remote directory", file=sys.stderr)
+            return None
+    chosen = sorted(listing) if only is None else [only]
+    return [
+        (f"step {n}", f"{root}/{_layout.step_name(n)}", n in listing and listing[n].committed)
+        for n in chosen
+    ]
+
+
+def _remote_check(
+    command: str, fs: Any, rpath: str, where: str
+) -> tuple[bool, str, dict[str, Any] | None]:
+    """Fetch one committed remote checkpoint into a temporary directory and read (``ls``) or
+    verify it: ``(ok, message, manifest body for ls)``, the temporary path replaced by
+    ``where`` in the message."""
+    with tempfile.TemporaryDirectory(prefix="ckpt-cli-") as tmp:
+        try:
+            _fetch(fs, rpath, Path(tmp), data=command == "verify")
+            if command == "ls":
+                return True, "", fmt.read_manifest(tmp)
+            ok, msg, _ = _verify(Path(tmp))
+        except (CheckpointError, OSError) as exc:
+            ok, msg = False, str(exc)
+        return ok, msg.replace(tmp, where), None
+
+
+def _remote_one(command: str, fs: Any, target: _RemoteTarget, shown: str, metrics: bool) -> bool:
+    """Print the line of one remote checkpoint; ``False`` if it is bad."""
+    label, rpath, committed = target
+    where = shown if label == shown else f"{shown}/{label.replace(' ', '-')}"
+    name = "-" if label == shown else label[5:]
+    if not committed:
+        if command == "verify":
+            print(f"{label}: FAILED: {where}: no manifest (not a checkpoint)")
+            return False
+        print(_row(name, None, "partial upload (no manifest, not a checkpoint)"))
+        return True
+    ok, msg, body = _remote_check(command, fs, rpath, where)
+    if body is not None:
+        print(_row(name, body, f"committed ({where})", metrics=metrics))
+    elif command == "ls":
+        print(_row(name, None, f"BAD: {msg}"))
+    else:
+        print(f"{label}: {'OK' if ok else 'FAILED'}: {msg}")
+    return ok
+
+
 def _remote_cmd(
-    command: str, url: str, options: dict, only: int | None, metrics: bool = False
+    command: str, url: str, options: dict[str, Any], only: int | None, metrics: bool = False
 ) -> int:
     """``ckpt ls|verify URL``: a remote root of ``step-N`` prefixes, or one remote checkpoint."""
-    from ckpt.remote import list_remote
     from feedpipe.io import redact, resolve
 
     fs, root = resolve(url, options or None)
     shown = redact(url, options).rstrip("/")
-    if fs.exists(f"{root}/{fmt.MANIFEST}"):
-        targets = [(shown, root, True)]
-    else:
-        listing = list_remote(fs, root)
-        if not listing:  # nothing listed: an empty root, or one that is missing or unreachable
-            try:
-                fs.ls(root)  # raises what the listing swallowed (a refused connection, DNS...)
-            except FileNotFoundError:
-                print(f"ckpt: {shown}: no such remote directory", file=sys.stderr)
-                return 2
-        chosen = sorted(listing) if only is None else [only]
-        targets = [
-            (f"step {n}", f"{root}/{_layout.step_name(n)}", n in listing and listing[n].committed)
-            for n in chosen
-        ]
+    targets = _remote_targets(fs, root, shown, only)
+    if targets is None:
+        return 2
     if command == "ls":
-        print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'created':<19}  {'upload':<9}  status")
+        print(_HEADER)
     elif not targets:
         print(f"{shown}: no committed checkpoints")
         return 1
-    bad = 0
-    for label, rpath, committed in targets:
-        where = shown if label == shown else f"{shown}/{label.replace(' ', '-')}"
-        name = "-" if label == shown else label[5:]
-        if not committed:
-            if command == "verify":
-                bad += 1
-                print(f"{label}: FAILED: {where}: no manifest (not a checkpoint)")
-            else:
-                print(_row(name, None, "partial upload (no manifest, not a checkpoint)"))
-            continue
-        with tempfile.TemporaryDirectory(prefix="ckpt-cli-") as tmp:
-            try:
-                _fetch(fs, rpath, Path(tmp), data=command == "verify")
-                if command == "ls":
-                    body = fmt.read_manifest(tmp)
-                    print(_row(name, body, f"committed ({where})", metrics=metrics))
-                    continue
-                ok, msg, _ = _verify(Path(tmp))
-            except (CheckpointError, OSError) as exc:
-                ok, msg = False, str(exc)
-            msg = msg.replace(tmp, where)
-            bad += not ok
-            if command == "ls":
-                print(_row(name, None, f"BAD: {msg}"))
-            else:
-                print(f"{label}: {'OK' if ok else 'FAILED'}: {msg}")
+    bad = sum(not _remote_one(command, fs, target, shown, metrics) for target in targets)
     return 1 if bad else 0
 
 
-def _storage_options(args: argparse.Namespace) -> dict:
+def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if args.endpoint_url:
         options["client_kwargs"] = {"endpoint_url": args.endpoint_url}
@@ -317,9 +390,10 @@ def _storage_options(args: argparse.Namespace) -> dict:
     return options
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``ckpt`` command."""
-    parser = argparse.ArgumentParser(prog="ckpt", description=__doc__.splitlines()[0])
+def _parser() -> argparse.ArgumentParser:
+    from feedpipe.io.cliargs import non_negative_int
+
+    parser = argparse.ArgumentParser(prog="ckpt", description=(__doc__ or "").splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     where = "a checkpoint directory (DIR of step-N, or one checkpoint) or a URL (s3://...)"
     p_ls = sub.add_parser("ls", help="list steps, sizes, status and metadata")
@@ -327,13 +401,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_ls.add_argument("--metrics", action="store_true", help="also show each step's metrics")
     p_verify = sub.add_parser("verify", help="check that every step restores (all checksums)")
     p_verify.add_argument("directory", help=where)
-    from feedpipe.io.cliargs import non_negative_int
-
     p_verify.add_argument("--step", type=non_negative_int, default=None, help="only this step")
     for p in (p_ls, p_verify):
         p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for a URL")
         p.add_argument("--anon", action="store_true", help="anonymous (unsigned) S3 access")
-    p_gc = sub.add_parser("gc", help="remove leftovers and old steps")
+    _gc_arguments(sub.add_parser("gc", help="remove leftovers and old steps"))
+    return parser
+
+
+def _gc_arguments(p_gc: argparse.ArgumentParser) -> None:
     p_gc.add_argument("directory", help="a local checkpoint directory")
     p_gc.add_argument(
         "--keep-last",
@@ -349,45 +425,64 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--keep-best", default=None, metavar="METRIC:K:min|max", help="keep the K best by METRIC"
     )
     p_gc.add_argument("--dry-run", action="store_true")
+
+
+def _gc_policy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Policy | object | None:
+    """The policy of ``gc``'s flags; ``_NO_FLAGS`` without any (the recorded one applies)."""
+    if args.command != "gc" or (args.keep_last, args.keep_every, args.keep_best) == (None,) * 3:
+        return _NO_FLAGS
+    keep_last = None if args.keep_last == _NONE else args.keep_last
+    try:
+        return from_options(keep_last, args.keep_every, _keep_best(args.keep_best))
+    except ValueError as exc:
+        parser.error(str(exc).replace("KeepLast.n", "--keep-last").replace(
+            "KeepEvery.n", "--keep-every"))  # fmt: skip
+
+
+def _run_remote(args: argparse.Namespace, text: str) -> int:
+    """``ls``/``verify`` of a URL; the client's own errors (botocore, aiohttp) as one line."""
+    if args.command == "gc":
+        print(f"ckpt: gc works on a local directory, not {_scrub(text, text)!r}", file=sys.stderr)
+        return 2
+    only = args.step if args.command == "verify" else None
+    metrics = args.command == "ls" and args.metrics
+    try:
+        return _remote_cmd(args.command, text, _storage_options(args), only, metrics)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        print(f"ckpt: {_scrub(text, text)}: {type(exc).__name__}: {_scrub(str(exc), text)}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+
+
+def _run_local(args: argparse.Namespace, text: str, policy: Policy | object | None) -> int:
+    """``ls``/``verify``/``gc`` of a local directory."""
+    try:
+        root = local_path(text, "ckpt", "give the URL of a remote checkpoint as it is")
+    except ValueError as exc:
+        print(f"ckpt: {exc}", file=sys.stderr)
+        return 2
+    if not root.is_dir():
+        print(f"ckpt: {_scrub(text, text)}: no such directory", file=sys.stderr)
+        return 2
+    if args.command == "ls":
+        return _ls(root, args.metrics)
+    if args.command == "verify":
+        return _verify_cmd(root, args.step)
+    return _gc(root, policy, args.dry_run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ckpt`` command."""
+    parser = _parser()
     args = parser.parse_args(argv)
-    policy: Policy | object | None = _NO_FLAGS
-    if args.command == "gc" and (args.keep_last, args.keep_every, args.keep_best) != (None,) * 3:
-        keep_last = None if args.keep_last == _NONE else args.keep_last
-        try:
-            policy = from_options(keep_last, args.keep_every, _keep_best(args.keep_best))
-        except ValueError as exc:
-            parser.error(str(exc).replace("KeepLast.n", "--keep-last").replace(
-                "KeepEvery.n", "--keep-every"))  # fmt: skip
+    policy = _gc_policy(args, parser)
     text: str = args.directory
     try:
         if "://" in text and text[:5].lower() != "file:":
-            if args.command == "gc":
-                print(f"ckpt: gc works on a local directory, not {_scrub(text, text)!r}",
-                      file=sys.stderr)  # fmt: skip
-                return 2
-            try:
-                return _remote_cmd(args.command, text, _storage_options(args), args.step
-                                   if args.command == "verify" else None,
-                                   args.command == "ls" and args.metrics)  # fmt: skip
-            except CheckpointError:
-                raise
-            except Exception as exc:  # the client's own errors (botocore, aiohttp): one line
-                print(f"ckpt: {_scrub(text, text)}: {type(exc).__name__}: {_scrub(str(exc), text)}",
-                      file=sys.stderr)  # fmt: skip
-                return 1
-        try:
-            root = local_path(text, "ckpt", "give the URL of a remote checkpoint as it is")
-        except ValueError as exc:
-            print(f"ckpt: {exc}", file=sys.stderr)
-            return 2
-        if not root.is_dir():
-            print(f"ckpt: {_scrub(text, text)}: no such directory", file=sys.stderr)
-            return 2
-        if args.command == "ls":
-            return _ls(root, args.metrics)
-        if args.command == "verify":
-            return _verify_cmd(root, args.step)
-        return _gc(root, policy, args.dry_run)
+            return _run_remote(args, text)
+        return _run_local(args, text, policy)
     except (CheckpointError, OSError) as exc:
         print(f"ckpt: {_scrub(str(exc), text)}", file=sys.stderr)
         return 1

@@ -9,7 +9,7 @@ keeps it. One policy object drives all three users: ``CheckpointManager`` (built
 
 The rules every policy follows:
 
-- Only restorable steps count (every checksum verified, ``ckpt.retention.rules.restorable``). A
+- Only restorable steps count (every checksum verified, ``ckpt.retention.checks.restorable``). A
   policy asks ``view.restorable(step)`` only about the steps it would keep, newest or best first.
 - ``KeepLast(n)``: the newest ``n`` restorable steps; a step that is not restorable and is newer
   than the oldest of them is kept too (not counted, never displacing a good step).
@@ -225,11 +225,11 @@ def _positive(n: object, name: str) -> None:
         raise ValueError(f"{name} must be an int >= 1, got {n!r}")
 
 
-def to_record(policy: Policy | None) -> list[dict] | None:
+def to_record(policy: Policy | None) -> list[dict[str, object]] | None:
     """``policy`` as JSON-able data (``[]`` for ``None``: keep every step), or ``None`` if it is
     not made of the policies of this module (a custom ``Policy`` cannot be written down)."""
     parts = () if policy is None else policy.policies if isinstance(policy, AnyOf) else (policy,)
-    out: list[dict] = []
+    out: list[dict[str, object]] = []
     for p in parts:
         if type(p) is KeepLast:
             out.append({"keep_last": p.n})

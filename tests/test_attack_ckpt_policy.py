@@ -133,7 +133,7 @@ def test_a_transient_read_error_does_not_unrank_the_best_step(tmp_path, monkeypa
     import torch
 
     from ckpt import CheckpointManager
-    from ckpt.retention import rules as _retention
+    from ckpt.retention import checks as _retention
 
     state = {"w": torch.zeros(2)}
     with CheckpointManager(tmp_path, keep_last=1, keep_best=("loss", 1, "min")) as m:
@@ -191,7 +191,7 @@ def test_close_after_a_failed_save_still_stops_the_remote_tier(tmp_path, s3_buck
     m.save(0, {"w": torch.zeros(2)})
     with pytest.raises(CheckpointError, match="listener failed"):
         m.close()
-    assert m.remote is not None and m.remote._closed
+    assert m.remote is not None and m.remote.closed
     assert signal.getsignal(signal.SIGTERM) == before
     assert not m._lock.held
 

@@ -28,7 +28,7 @@ from _helpers import s3_options as _opts
 
 from ckpt.format import CHUNK_BYTES
 from ckpt.manager import CheckpointManager
-from ckpt.remote import RemoteOptions, _part_bytes
+from ckpt.remote import RemoteOptions
 from ckpt.tiers import s3put
 from feedpipe.io import crc32c, to_hex
 
@@ -119,7 +119,7 @@ def test_no_file_is_cut_into_more_parts_than_s3_takes(threads: int) -> None:
     """A file over 10,000 x ``block_bytes`` (160 GB at the default 16 MiB) was cut into more
     than S3's 10,000 parts: the upload failed at part 10,001, after sending 160 GB."""
     for size in (1, 5 * MIB, 160 << 30, (160 << 30) + 1, 1 << 40, 40 << 40):
-        part = _part_bytes(size, 16 * MIB, threads)
+        part = s3put.part_bytes(size, 16 * MIB, threads)
         assert -(-size // part) <= s3put.MAX_PARTS, (size, part)
         assert part >= 5 * MIB
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt import format as fmt
 from ckpt.errors import CheckpointError
+from ckpt.format import writer
 from ckpt.manager import CheckpointManager
 from ckpt.saving import commit
 
@@ -53,13 +53,13 @@ def test_disk_full_tmpfs(small_fs: Path) -> None:
 
 
 def test_disk_full_injected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = fmt._pwrite_all
+    real = writer.pwrite_all
 
     def limited(fd: int, view: memoryview, offset: int) -> None:
         if offset + len(view) > 4 << 20:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd, view, offset)
 
-    monkeypatch.setattr(fmt, "_pwrite_all", limited)
+    monkeypatch.setattr(writer, "pwrite_all", limited)
     with CheckpointManager(tmp_path, keep_last=3) as m:
         _check_full_then_continue(tmp_path, m)

@@ -111,7 +111,7 @@ def _calls(path: Path, module: str, name: str) -> int:
     )
 
 
-@pytest.mark.parametrize("module", ["retention/retainer.py", "cli.py", "remote.py"])
+@pytest.mark.parametrize("module", ["retention/retainer.py", "cli.py", "tiers/remote_retention.py"])
 def test_one_retention_rule(module: str) -> None:
     """The manager (its ``ckpt.retention.retainer``), ``ckpt gc`` and the remote tier's
     ``keep_last_remote`` all decide through ``ckpt.retention.rules.plan``; none slices its own list
@@ -134,8 +134,8 @@ def test_one_manifest_builder_and_one_chunked_writer() -> None:
     """Manifest bodies are built by ``format.new_manifest`` only, and dcp writes its data files
     through ``format.ChunkedWriter`` (no pwrite of its own)."""
     built = {f.name: _format_dicts(f) for f in sorted(CKPT.rglob("*.py"))}
-    assert {k: v for k, v in built.items() if v} == {"format.py": built["format.py"]}
-    assert len(built["format.py"]) == 1
+    assert {k: v for k, v in built.items() if v} == {"manifest.py": built["manifest.py"]}
+    assert len(built["manifest.py"]) == 1
     assert _calls(CKPT / "dcp.py", "os", "pwrite") == 0
     assert _calls(CKPT / "dcp.py", "fmt", "ChunkedWriter") == 1
     for module in ("saving/pipeline.py", "dcp.py", "simple.py"):

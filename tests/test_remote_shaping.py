@@ -86,7 +86,7 @@ def test_proxy_holds_each_connection_to_its_rtt_and_bandwidth(server: str) -> No
 
 
 def test_uploader_cuts_one_large_file_into_a_part_per_thread() -> None:
-    from ckpt.remote import _part_bytes
+    from ckpt.tiers.s3put import part_bytes as _part_bytes
 
     block = RemoteOptions("s3://b/r").block_bytes
     threads = RemoteOptions("s3://b/r").threads

@@ -18,7 +18,7 @@ from pathlib import Path
 from ckpt import _layout
 from ckpt.errors import CheckpointError
 from ckpt.policy import AnyOf, KeepLast, Policy
-from ckpt.retention import rules
+from ckpt.retention import checks, rules
 from ckpt.saving import commit
 
 __all__ = ["Retainer"]
@@ -37,7 +37,8 @@ class Retainer:
         self.evicted = evicted
         self.lock = threading.Lock()
         self.checked: dict[int, tuple[int, bool]] = {}  # step -> (dir inode, restorable)
-        self.metric_cache: dict[int, tuple[int, dict]] = {}  # step -> (dir inode, metrics)
+        # step -> (dir inode, metrics)
+        self.metric_cache: dict[int, tuple[int, dict[str, float]]] = {}
 
     def retain(self, policy: Policy | None, strict: bool = False) -> None:
         """Apply ``ckpt.retention.rules.plan`` (the rule ``ckpt gc`` uses) with the evict guards.
@@ -75,7 +76,7 @@ class Retainer:
                     self.checked.pop(step, None)
                     self.metric_cache.pop(step, None)
 
-    def step_metrics(self, step: int) -> dict:
+    def step_metrics(self, step: int) -> dict[str, float]:
         """The metrics of local ``step`` (its validated manifest), cached by directory inode."""
         path = _layout.step_dir(self.directory, step)
         try:
@@ -85,7 +86,7 @@ class Retainer:
         known = self.metric_cache.get(step)
         if known is None or known[0] != ino:
             try:
-                known = (ino, rules.metrics(path))
+                known = (ino, checks.metrics(path))
             except (CheckpointError, FileNotFoundError) as exc:  # corrupt or gone: not ranked
                 # (another OSError, e.g. EIO, propagates: the pass stops and deletes nothing)
                 log.warning("ckpt: retention cannot read the metrics of step %d: %s", step, exc)
@@ -95,7 +96,7 @@ class Retainer:
 
     def is_restorable(self, step: int) -> bool:
         """Steps this manager committed or restored verified count as restorable; any other step
-        is checked once (``ckpt.retention.rules.restorable``), keyed by its directory's inode."""
+        is checked once (``ckpt.retention.checks.restorable``), keyed by its directory's inode."""
         path = _layout.step_dir(self.directory, step)
         try:
             ino = os.stat(path).st_ino
@@ -104,7 +105,7 @@ class Retainer:
         known = self.checked.get(step)
         if known is not None and known[0] == ino:
             return known[1]
-        why = rules.restorable(path)
+        why = checks.restorable(path)
         if why is not None:
             log.warning("ckpt: retention does not count step %d (not restorable): %s", step, why)
         self.checked[step] = (ino, why is None)

@@ -12,11 +12,9 @@ step whose upload has not finished). With no policy (``None``) nothing is delete
 The remote tier applies the same ``plan`` to its committed remote steps, each counted as
 restorable (its manifest is written only after every data file verified).
 
-``restorable(path)`` is the check both local callers use: ``ckpt.restoring.reader.verify_step``, which
-runs the validator a restore runs (tree, entries, types, sizes) and checks every file size and
-chunk checksum, without building a tensor. A step written through DCP is checked the same way (DCP's
-planner, not ckpt, rebuilds its tree). ``metrics(path)`` reads the metrics a step was saved with
-from its validated manifest.
+Whether a local step is restorable and the metrics it was saved with are read from disk by
+``ckpt.retention.checks`` (the callers pass them in): this rule reads nothing, so the remote tier
+applies it without importing the restore path.
 
 ``record(root, policy)`` writes the manager's policy to ``DIR/retention.json`` (under the writer
 lock, when it becomes the writer), and ``recorded(root)`` reads it back: ``ckpt gc`` without
@@ -37,7 +35,7 @@ from ckpt.errors import CheckpointError
 from ckpt.policy import AnyOf, KeepLast, Policy, StepView, from_record, to_record
 from feedpipe.io import atomic_write
 
-__all__ = ["Plan", "metrics", "plan", "record", "recorded", "restorable"]
+__all__ = ["Plan", "plan", "record", "recorded"]
 
 
 @dataclass
@@ -82,48 +80,13 @@ def plan(
     return out
 
 
-def metrics(path: Path) -> dict[str, float]:
-    """The metrics ``step`` was saved with (validated manifest); ``{}`` if it has none."""
-    from ckpt import format as fmt
-    from ckpt.saving import commit
-
-    with commit.reading(path):
-        found = fmt.read_manifest(path).get("metrics")
-    return dict(found) if isinstance(found, dict) else {}
-
-
-def restorable(path: Path) -> str | None:
-    """``None`` if the step in ``path`` restores with every checksum verified, else why not.
-
-    Data files are read once for their checksums; no tensor is built and nothing touches a device.
-    """
-    from ckpt.errors import CheckpointError
-    from ckpt.restoring.reader import verify_step
-    from ckpt.saving import commit
-
-    try:
-        with commit.reading(path):
-            verify_step(path)
-    except CheckpointError as exc:  # corrupt, incomplete or hostile: cannot be restored
-        return str(exc)
-    except (FileNotFoundError, NotADirectoryError) as exc:  # gone
-        return f"{type(exc).__name__}: {exc}"
-    except OSError:
-        # EIO, EMFILE, EACCES...: not a verdict on the step. The pass stops and deletes nothing
-        # (a step is never deleted because it could not be read once)
-        raise
-    except Exception as exc:  # any other failure means "cannot be restored"
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def record(root: Path, policy: Policy | None) -> None:
     """Write ``policy`` to ``root/retention.json`` unless it holds that already (call under the
     writer lock). A custom ``Policy`` is recorded as such: ``ckpt gc`` then needs flags. A file
     of that name that ckpt did not write is a ``CheckpointError``, never overwritten."""
     path = root / _layout.RETENTION_FILE
     rules = to_record(policy)
-    body: dict = {"tool": _owner.TOOL, "version": 1, "policy": rules}
+    body: dict[str, object] = {"tool": _owner.TOOL, "version": 1, "policy": rules}
     if rules is None:
         body["custom"] = repr(policy)[:200]
     text = json.dumps(body, sort_keys=True).encode() + b"\n"

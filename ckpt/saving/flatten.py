@@ -22,6 +22,8 @@ import torch
 
 from ckpt._torch_compat import is_parameter
 from ckpt.errors import CheckpointError
+from ckpt.format.dtypes import TORCH_DTYPES, torch_dtype
+from ckpt.format.limits import ALIGN, MAX_DEPTH
 from ckpt.types import make_enum, make_namedtuple, type_name
 
 __all__ = [
@@ -37,9 +39,6 @@ __all__ = [
 ]
 
 RNG_KEY = "__rng__"
-ALIGN = 64  # every entry starts at a multiple of 64 bytes (any dtype can be viewed in place)
-MAX_DEPTH = 100
-"""How deeply a state may nest (the root is depth 0); deeper trees are refused on save and load."""
 
 
 @dataclass
@@ -54,23 +53,6 @@ class Leaf:
     path: str
     device: str = "cpu"
     stride: tuple[int, ...] = ()  # a tensor's strides (elements), an array's (bytes)
-
-
-TORCH_DTYPES = (
-    "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
-    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-    "float4_e2m1fn_x2",
-)  # fmt: skip
-"""The dtypes a checkpoint may hold: every dense dtype whose raw bytes round-trip."""
-
-
-def torch_dtype(name: Any) -> torch.dtype:
-    """Map a manifest dtype name to a supported ``torch.dtype`` (never evaluates anything)."""
-    value = getattr(torch, name, None) if name in TORCH_DTYPES else None
-    if not isinstance(value, torch.dtype):
-        raise CheckpointError(f"unknown torch dtype {name!r} in manifest")
-    return value
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}

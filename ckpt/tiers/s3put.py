@@ -43,16 +43,21 @@ from ckpt.errors import CorruptCheckpointError
 from feedpipe.io import crc32c, to_hex
 
 __all__ = [
+    "MAX_PART",
     "MAX_PARTS",
+    "MIN_PART",
     "Call",
     "ChunkCheck",
     "LocalMismatchError",
     "is_s3",
+    "part_bytes",
     "put_file",
     "stale_uploads",
 ]
 
 MAX_PARTS = 10_000  # S3's most parts in one multipart upload
+MIN_PART = 5 << 20  # S3's smallest multipart part (all but the last)
+MAX_PART = 5 << 30  # S3's largest part, and largest single PutObject
 
 Call = Callable[[Callable[[], Any], str], Any]
 """Runs one remote request with the caller's retries: ``call(fn, what)``."""
@@ -62,6 +67,14 @@ def is_s3(fs: Any) -> bool:
     """True for an s3fs filesystem (the only one whose client this module drives)."""
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return "s3" in protocols and callable(getattr(fs, "call_s3", None))
+
+
+def part_bytes(size: int, block_bytes: int, threads: int) -> int:
+    """The multipart part size for a file of ``size`` bytes: at most ``block_bytes``, and small
+    enough that the file has ``threads`` parts to send at once, but never under S3's 5 MiB, and
+    large enough that the file has at most S3's 10,000 parts."""
+    part = max(MIN_PART, min(block_bytes, -(-size // max(1, threads))))
+    return max(part, -(-size // MAX_PARTS))
 
 
 class LocalMismatchError(CorruptCheckpointError):
@@ -113,7 +126,7 @@ class ChunkCheck:
     ``check(offset, data)`` for each part, in any order and from any thread; a chunk cut by a
     part boundary is checked once all its pieces were seen (their CRC32Cs combined)."""
 
-    def __init__(self, rec: dict, where: str) -> None:
+    def __init__(self, rec: dict[str, Any], where: str) -> None:
         self._chunk, self._size, self._crcs = rec["chunk_bytes"], rec["size"], rec["crc32c"]
         self._where = where
         self._pieces: dict[int, dict[int, tuple[int, int]]] = {}
@@ -153,7 +166,7 @@ class ChunkCheck:
             i += 1
 
 
-def _etag(response: dict) -> str:
+def _etag(response: dict[str, Any]) -> str:
     return str(response.get("ETag", "")).strip('"').lower()
 
 
@@ -179,7 +192,7 @@ def _bad_digest(exc: BaseException | None) -> bool:
     return False
 
 
-def _send(call: Call, send: Callable[[], dict], where: str) -> dict:
+def _send(call: Call, send: Callable[[], dict[str, Any]], where: str) -> dict[str, Any]:
     """One request whose body carries a ``Content-MD5``; a ``BadDigest`` answer (the body was
     altered on the way) is sent once more, then raised as ``CorruptCheckpointError``."""
     try:
@@ -195,6 +208,135 @@ def _send(call: Call, send: Callable[[], dict], where: str) -> dict:
         raise CorruptCheckpointError(
             f"{where}: the store rejected the body twice (its Content-MD5 did not match)"
         ) from exc
+
+
+class _Source:
+    """The local file of one upload, open at ``fd``: each part is read whole and shown to
+    ``check`` before it is sent."""
+
+    def __init__(self, fd: int, local: Path, check: Callable[[int, bytes], None] | None) -> None:
+        self.fd, self.local, self.check = fd, local, check
+
+    def read(self, offset: int, size: int) -> bytes:
+        data = _read(self.fd, offset, size, self.local)
+        if self.check is not None:
+            self.check(offset, data)
+        return data
+
+
+def _open_local(local: Path, size: int) -> int:
+    """``local`` opened for reading (never through a symlink: nothing in a checkpoint directory
+    is followed out of it), once it is ``size`` bytes."""
+    try:
+        fd = os.open(local, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{local}: cannot open for upload: {exc.strerror}") from None
+    if os.fstat(fd).st_size != size:
+        found = os.fstat(fd).st_size
+        os.close(fd)
+        raise CorruptCheckpointError(f"{local}: {found} bytes, the manifest says {size}")
+    return fd
+
+
+def _md5(data: bytes) -> bytes:
+    return hashlib.md5(data, usedforsecurity=False).digest()
+
+
+class _ObjectUpload:
+    """The requests that store one object at ``rpath`` through the caller's retrying ``call``;
+    each upload returns the ETag it expects and whether the store's ETags matched so far."""
+
+    def __init__(self, fs: Any, rpath: str, call: Call, local: Path) -> None:
+        self.fs, self.rpath, self.call, self.local = fs, rpath, call, local
+        self.bucket, self.key, _ = fs.split_path(rpath)
+        self.where = f"{rpath} ({local.name})"
+
+    def _s3(self, method: str, **kwargs: Any) -> Callable[[], dict[str, Any]]:
+        return lambda: dict(self.fs.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs))
+
+    def put(self, data: bytes) -> tuple[str, bool]:
+        """One ``PutObject`` with its ``Content-MD5``."""
+        digest = _md5(data)
+        md5 = base64.b64encode(digest).decode()
+        out = _send(self.call, self._s3("put_object", Body=data, ContentMD5=md5), self.where)
+        return digest.hex(), _etag(out) == digest.hex()
+
+    def multipart(
+        self, source: _Source, size: int, part_bytes: int, pool: Executor
+    ) -> tuple[str, bool]:
+        """Every part at once on ``pool``, then the completion; any failure aborts the upload
+        (no parts left billed) and is raised."""
+        upload_id = dict(self.call(self._s3("create_multipart_upload"), "upload"))["UploadId"]
+        try:
+            results = self._parts(upload_id, source, size, part_bytes, pool)
+            whole = hashlib.md5(b"".join(d for d, _ in results), usedforsecurity=False)
+            expected = f"{whole.hexdigest()}-{len(results)}"
+            out = self._complete(upload_id, results, expected)
+        except BaseException:
+            with contextlib.suppress(Exception):  # leave no parts billed; the error is the news
+                self._s3("abort_multipart_upload", UploadId=upload_id)()
+            raise
+        vouched = all(etag == d.hex() for d, etag in results) and _etag(out) == expected
+        return expected, vouched
+
+    def _parts(
+        self, upload_id: str, source: _Source, size: int, part_bytes: int, pool: Executor
+    ) -> list[tuple[bytes, str]]:
+        """Send every part; ``(MD5 sent, ETag stored)`` each. After a failed part no more are
+        sent, and every read is over before this returns (the caller closes the file)."""
+
+        def one(number: int, offset: int) -> tuple[bytes, str]:
+            data = source.read(offset, min(part_bytes, size - offset))
+            digest = _md5(data)
+            send = self._s3(
+                "upload_part", UploadId=upload_id, PartNumber=number, Body=data,
+                ContentMD5=base64.b64encode(digest).decode(),
+            )  # fmt: skip
+            out = _send(
+                self.call, send, f"{self.bucket}/{self.key} part {number} ({self.local.name})"
+            )
+            return digest, _etag(out)
+
+        futures: list[Future[tuple[bytes, str]]] = [
+            pool.submit(one, n, off) for n, off in enumerate(range(0, size, part_bytes), start=1)
+        ]
+        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in pending:
+            f.cancel()
+        wait(futures)
+        for f in futures:
+            error = None if f.cancelled() else f.exception()
+            if error is not None:
+                raise error
+        return [f.result() for f in futures]
+
+    def _complete(
+        self, upload_id: str, results: list[tuple[bytes, str]], expected: str
+    ) -> dict[str, Any]:
+        parts = [{"PartNumber": n, "ETag": etag} for n, (_, etag) in enumerate(results, 1)]
+        complete = self._s3(
+            "complete_multipart_upload", UploadId=upload_id, MultipartUpload={"Parts": parts}
+        )
+        try:
+            return dict(self.call(complete, "upload"))
+        except Exception:
+            # the completion may have been done by the store and only its reply lost (a retry
+            # then finds no such upload): the object's ETag tells whether it is exactly these
+            # parts; otherwise the error stands
+            found = _completed(self.fs, self.bucket, self.key, expected)
+            if found is None:
+                raise
+            return found
+
+    def stored(self, size: int) -> dict[str, Any]:
+        """The object's ``HeadObject``, once its stored size is ``size``."""
+        self.fs.invalidate_cache(self.rpath)
+        head = dict(self.call(self._s3("head_object"), "stat"))
+        if int(head.get("ContentLength", -1)) != size:
+            raise CorruptCheckpointError(
+                f"{self.where}: stored size {head.get('ContentLength')} != {size} bytes"
+            )
+        return head
 
 
 def put_file(
@@ -215,125 +357,25 @@ def put_file(
     Raises ``CorruptCheckpointError`` if the local file is not ``size`` bytes or the stored size
     differs. Returns whether the store's ETags vouch for every byte (module docstring);
     ``False`` means they could not, and the object must be read back to be verified."""
-    bucket, key, _ = fs.split_path(rpath)
-    where = f"{rpath} ({local.name})"
+    upload = _ObjectUpload(fs, rpath, call, local)
     if -(-size // part_bytes) > MAX_PARTS:
         raise ValueError(
-            f"{where}: {size} bytes in parts of {part_bytes} is over S3's {MAX_PARTS} parts"
+            f"{upload.where}: {size} bytes in parts of {part_bytes} is over S3's {MAX_PARTS} parts"
         )
-    try:  # never through a symlink: nothing in a checkpoint directory is followed out of it
-        fd = os.open(local, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise CorruptCheckpointError(f"{local}: cannot open for upload: {exc.strerror}") from None
+    fd = _open_local(local, size)
     try:
-        if os.fstat(fd).st_size != size:
-            raise CorruptCheckpointError(
-                f"{local}: {os.fstat(fd).st_size} bytes, the manifest says {size}"
-            )
+        source = _Source(fd, local, check)
         if size <= part_bytes:
-            data = _read(fd, 0, size, local)
-            if check is not None:
-                check(0, data)
-            digest = hashlib.md5(data, usedforsecurity=False).digest()
-            out = _send(call, lambda: fs.call_s3(
-                "put_object", Bucket=bucket, Key=key, Body=data,
-                ContentMD5=base64.b64encode(digest).decode(),
-            ), where)  # fmt: skip
-            del data
-            expected = digest.hex()
-            vouched = _etag(out) == expected
+            expected, vouched = upload.put(source.read(0, size))
         else:
-            expected, vouched = _multipart(
-                fs,
-                fd,
-                local,
-                bucket=bucket,
-                key=key,
-                size=size,
-                part_bytes=part_bytes,
-                pool=pool,
-                call=call,
-                check=check,
-            )
+            expected, vouched = upload.multipart(source, size, part_bytes, pool)
     finally:
         os.close(fd)
-    fs.invalidate_cache(rpath)
-    head = dict(call(lambda: fs.call_s3("head_object", Bucket=bucket, Key=key), "stat"))
-    if int(head.get("ContentLength", -1)) != size:
-        raise CorruptCheckpointError(
-            f"{where}: stored size {head.get('ContentLength')} != {size} bytes"
-        )
+    head = upload.stored(size)  # always: the stored size is checked whatever the ETags say
     return vouched and _etag(head) == expected
 
 
-def _multipart(
-    fs: Any,
-    fd: int,
-    local: Path,
-    *,
-    bucket: str,
-    key: str,
-    size: int,
-    part_bytes: int,
-    pool: Executor,
-    call: Call,
-    check: Callable[[int, bytes], None] | None,
-) -> tuple[str, bool]:
-    """The multipart upload of :func:`put_file`; returns the expected ETag and whether every
-    part's ETag and the object's matched the MD5s of what was read."""
-    mpu = dict(call(lambda: fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key),
-                    "upload"))  # fmt: skip
-    upload_id = mpu["UploadId"]
-
-    def one(number: int, offset: int) -> tuple[bytes, str]:
-        data = _read(fd, offset, min(part_bytes, size - offset), local)
-        if check is not None:
-            check(offset, data)
-        digest = hashlib.md5(data, usedforsecurity=False).digest()
-        out = _send(call, lambda: fs.call_s3(
-            "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number,
-            Body=data, ContentMD5=base64.b64encode(digest).decode(),
-        ), f"{bucket}/{key} part {number} ({local.name})")  # fmt: skip
-        return digest, _etag(out)
-
-    try:
-        futures: list[Future[tuple[bytes, str]]] = [
-            pool.submit(one, n, off) for n, off in enumerate(range(0, size, part_bytes), start=1)
-        ]
-        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in pending:  # after a failed part, send no more
-            f.cancel()
-        wait(futures)  # every read is over before the caller closes fd
-        for f in futures:
-            error = None if f.cancelled() else f.exception()
-            if error is not None:
-                raise error
-        results = [f.result() for f in futures]
-        whole = hashlib.md5(b"".join(d for d, _ in results), usedforsecurity=False).hexdigest()
-        expected = f"{whole}-{len(results)}"
-        parts = [{"PartNumber": n, "ETag": etag} for n, (_, etag) in enumerate(results, 1)]
-        try:
-            out = dict(call(lambda: fs.call_s3(
-                "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
-                MultipartUpload={"Parts": parts},
-            ), "upload"))  # fmt: skip
-        except Exception:
-            # the completion may have been done by the store and only its reply lost (a retry
-            # then finds no such upload): the object's ETag tells whether it is exactly these
-            # parts; otherwise the error stands
-            found = _completed(fs, bucket, key, expected)
-            if found is None:
-                raise
-            out = found
-    except BaseException:
-        with contextlib.suppress(Exception):  # leave no parts billed; the error is the news
-            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-        raise
-    vouched = all(etag == d.hex() for d, etag in results) and _etag(out) == expected
-    return expected, vouched
-
-
-def _completed(fs: Any, bucket: str, key: str, expected: str) -> dict | None:
+def _completed(fs: Any, bucket: str, key: str, expected: str) -> dict[str, Any] | None:
     """The ``HeadObject`` of ``key`` if its ETag is ``expected`` (the multipart ETag of the
     parts just sent), else ``None``."""
     try:
