@@ -30,7 +30,7 @@ import torch
 import torch.utils.data as tud
 from torch.utils.data import default_collate, default_convert
 
-from feedpipe.device import direct as _direct
+from feedpipe.device import direct as direct_path
 from feedpipe.device.direct import DirectReader
 from feedpipe.device.feed import GPUFeed
 from feedpipe.loader import _torch_compat
@@ -223,16 +223,16 @@ def _choose_direct(
     elif worker_type == "process" and loader.num_workers and loader.worker_init_fn:
         reason = "process workers with a worker_init_fn (the direct path uses threads)"
     else:
-        reason = _direct.blocker(loader.dataset, feed.device, auto=direct is None)
+        reason = direct_path.blocker(loader.dataset, feed.device, auto=direct is None)
     if not feed.on_gpu:
         return None  # the CPU fallback warned already
     if direct and reason is not None:
         raise ValueError(f"direct=True, but the direct DMA path cannot be used: {reason}")
-    _direct.describe(loader.dataset, feed.device, reason)
+    direct_path.describe(loader.dataset, feed.device, reason)
     if reason is not None:
         return None
     note = feed.note_copy if meter.enabled else None
-    return _direct.DirectReader(loader.dataset, feed.device, feed.copy_stream, note)
+    return direct_path.DirectReader(loader.dataset, feed.device, feed.copy_stream, note)
 
 
 def _takes_arrays(dataset: Any) -> bool:
