@@ -364,7 +364,8 @@ class MapProxy(Dataset):  # type: ignore[type-arg]
     def __repr__(self) -> str:
         return repr(self.dataset)
 
-    def _read(self, indices: Any, samples: int) -> Fetched:
+    def read_timed(self, indices: Any, samples: int) -> Fetched:
+        """Read ``indices`` (``samples`` of them), timed; a failure as a ``Failed`` record."""
         t0 = time.perf_counter()
         try:
             with trace.span("feedpipe/fetch"):  # in the worker process (nsys follows children)
@@ -374,10 +375,10 @@ class MapProxy(Dataset):  # type: ignore[type-arg]
         return Fetched(data, time.perf_counter() - t0, samples, indices)
 
     def __getitems__(self, indices: Sequence[int]) -> Fetched:
-        return self._read(indices, len(indices))
+        return self.read_timed(indices, len(indices))
 
     def __getitem__(self, index: Any) -> Fetched:
-        return self._read(index, 1)
+        return self.read_timed(index, 1)
 
 
 class IterProxy(IterableDataset):  # type: ignore[type-arg]

@@ -148,17 +148,17 @@ class _SkipFetched(Fetched):
 class SkipMapProxy(MapProxy):
     """``MapProxy`` with the skip rule: the read samples plus the dropped indices."""
 
-    def _read(self, indices: Any, samples: int) -> Fetched:
+    def read_timed(self, indices: Any, samples: int) -> Fetched:
         if _empty(indices):
             return _SkipFetched(None, 0.0, 0, indices, [])
-        first = super()._read(indices, samples)
+        first = super().read_timed(indices, samples)
         if first.failed is None or not isinstance(first.failed.exc, Exception):
             return first
         t0 = time.perf_counter()
         try:
             good, bad, items = read_each(self.dataset, indices, self.mode)
             if not bad and self.mode is Mode.READ_BATCH:  # no sample fails alone: read again,
-                return super()._read(indices, samples)  # raising what the batch raises
+                return super().read_timed(indices, samples)  # raising what the batch raises
             if not good:
                 return _SkipFetched(None, 0.0, 0, indices, bad)
             sub = _take(indices, good)
