@@ -135,7 +135,12 @@ class Fetch:
         """``(device batch or None, shipped record)``; a failure of the workers explained."""
         if self._feed is not None:  # `prefetch` later batches keep copying meanwhile
             return next(self._feed)  # the feed's pull (for_feed) explained a failure already
-        return None, self.host()
+        try:  # host(), inlined: the per-batch path
+            return None, self._next()
+        except StopIteration:
+            raise
+        except Exception as exc:
+            raise self._explain(exc) from exc
 
     def host(self) -> Any:
         """The next record from the workers (``StopIteration`` at the end of the pass)."""
