@@ -57,7 +57,8 @@ def _fmix(x: np.ndarray) -> np.ndarray:
     x = x * _C1
     x = x ^ (x >> np.uint64(33))
     x = x * _C2
-    return x ^ (x >> np.uint64(33))
+    out: np.ndarray = x ^ (x >> np.uint64(33))
+    return out
 
 
 class Permutation(Protocol):
@@ -103,7 +104,8 @@ def _network(x: np.ndarray, keys: list[np.ndarray], half: int, decrypt: bool) ->
     else:
         for key in keys:
             left, right = right, left ^ (_fmix(right ^ key) & mask)
-    return (left << h) | right
+    out: np.ndarray = (left << h) | right
+    return out
 
 
 def _cycle_walk(
@@ -214,4 +216,5 @@ class BlockPermutation:
             local = (pos[sel] - w_start[sel]).astype(np.uint64)
             q[sel] = _cycle_walk(local, m, keys, _half_bits(m)).astype(np.int64) + w_start[sel]
         slot = self._slot_of(q)  # shuffled position inside the window -> (slot, offset)
-        return self._order(slot) * self._bs + (q - self._slot_start(slot))
+        out: np.ndarray = self._order(slot) * self._bs + (q - self._slot_start(slot))
+        return out

@@ -51,6 +51,19 @@ class _Plan:
     equal_batches: bool
     batch: int
 
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> _Plan:
+        """The plan a sampler state was saved under."""
+        return cls(
+            start=int(state["segment_start"]),
+            world=int(state["num_replicas"]),
+            base=int(state["consumed_base"]),
+            pad=bool(state["pad"]),
+            drop_last=bool(state["drop_last"]),
+            equal_batches=bool(state["equal_batches"]),
+            batch=int(state["batch_size"]),
+        )
+
     def remaining(self, n: int) -> int:
         return n - self.start
 
@@ -78,6 +91,62 @@ class _Plan:
         """
         steps = -(-local // self.batch) * self.batch
         return min(steps * self.world, self.length(n))
+
+
+def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """The world size and rank, from the initialised ``torch.distributed`` group where not given."""
+    if num_replicas is None or rank is None:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            raise RuntimeError("Requires distributed package to be available")
+        if num_replicas is None:
+            num_replicas = dist.get_world_size()
+        if rank is None:
+            rank = dist.get_rank()
+    return num_replicas, rank
+
+
+def _check_args(
+    num_replicas: int,
+    rank: int,
+    *,
+    seed: int,
+    shuffle_mode: str,
+    permutation: str,
+    block: tuple[int, int],
+    batch_size: int | None,
+) -> None:
+    """Raise ``ValueError`` for arguments the sampler refuses (torch's messages first)."""
+    if num_replicas < 1:
+        raise ValueError(f"Invalid num_replicas {num_replicas}, it should be >= 1")
+    if rank >= num_replicas or rank < 0:
+        raise ValueError(
+            f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"
+        )
+    if seed < 0:
+        raise ValueError(f"Invalid seed {seed}, it should be >= 0")
+    if shuffle_mode not in ("global", "block"):
+        raise ValueError(f"shuffle_mode must be 'global' or 'block', got {shuffle_mode!r}")
+    if permutation not in ("auto", "torch", "feistel"):
+        raise ValueError(f"permutation must be 'auto', 'torch' or 'feistel', got {permutation!r}")
+    if shuffle_mode == "block" and permutation == "torch":
+        raise ValueError("shuffle_mode='block' is not available with permutation='torch'")
+    if block[0] < 1 or block[1] < 1:
+        raise ValueError(f"block_size and block_window must be >= 1, got {block[0]}, {block[1]}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+
+
+def _permutation_kind(shuffle: bool, shuffle_mode: str, permutation: str, pad: bool) -> str:
+    """The permutation an epoch uses: ``"none"``, ``"block"``, ``"torch"`` or ``"feistel"``."""
+    if not shuffle:
+        return "none"
+    if shuffle_mode == "block":
+        return "block"
+    if permutation == "auto":
+        return "torch" if pad else "feistel"
+    return permutation
 
 
 class DistributedSampler(torch.utils.data.DistributedSampler[int]):
@@ -124,37 +193,16 @@ class DistributedSampler(torch.utils.data.DistributedSampler[int]):
         permutation: str = "auto",
         batch_size: int | None = None,
     ) -> None:
-        if num_replicas is None or rank is None:
-            import torch.distributed as dist
-
-            if not dist.is_available():
-                raise RuntimeError("Requires distributed package to be available")
-            if num_replicas is None:
-                num_replicas = dist.get_world_size()
-            if rank is None:
-                rank = dist.get_rank()
-        if num_replicas < 1:
-            raise ValueError(f"Invalid num_replicas {num_replicas}, it should be >= 1")
-        if rank >= num_replicas or rank < 0:
-            raise ValueError(
-                f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"
-            )
-        if seed < 0:
-            raise ValueError(f"Invalid seed {seed}, it should be >= 0")
-        if shuffle_mode not in ("global", "block"):
-            raise ValueError(f"shuffle_mode must be 'global' or 'block', got {shuffle_mode!r}")
-        if permutation not in ("auto", "torch", "feistel"):
-            raise ValueError(
-                f"permutation must be 'auto', 'torch' or 'feistel', got {permutation!r}"
-            )
-        if shuffle_mode == "block" and permutation == "torch":
-            raise ValueError("shuffle_mode='block' is not available with permutation='torch'")
-        if block_size < 1 or block_window < 1:
-            raise ValueError(
-                f"block_size and block_window must be >= 1, got {block_size}, {block_window}"
-            )
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        num_replicas, rank = _world(num_replicas, rank)
+        _check_args(
+            num_replicas,
+            rank,
+            seed=seed,
+            shuffle_mode=shuffle_mode,
+            permutation=permutation,
+            block=(block_size, block_window),
+            batch_size=batch_size,
+        )
         self.dataset = dataset  # type: ignore[assignment]  # torch annotates Dataset
         self.num_replicas = num_replicas
         self.rank = rank
@@ -168,14 +216,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler[int]):
         self.block_window = block_window
         self.batch_size = batch_size
         self.epoch = 0
-        if not shuffle:
-            self.permutation = "none"
-        elif shuffle_mode == "block":
-            self.permutation = "block"
-        elif permutation == "auto":
-            self.permutation = "torch" if pad else "feistel"
-        else:
-            self.permutation = permutation
+        self.permutation = _permutation_kind(shuffle, shuffle_mode, permutation, pad)
         self._plan = self._fresh_plan()
         # torch's attributes: samples per rank, and stream length, in a full epoch
         self.num_samples = self._plan.count(self._n, rank)
@@ -239,28 +280,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler[int]):
         dealt afresh, each exactly once (``pad=True`` may repeat a few of them, never a consumed
         one). The epoch after the resumed one starts fresh.
         """
-        missing = [k for k in self.state_dict() if k not in state]
-        if missing:
-            raise ValueError(f"sampler state is missing keys {missing}")
-        if state["version"] != _STATE_VERSION:
-            raise ValueError(f"unsupported sampler state version {state['version']!r}")
-        ours = self.state_dict()
-        for key in _IDENTITY_KEYS:
-            if state.get(key) != ours[key]:
-                raise ValueError(
-                    f"sampler state does not match this sampler: {key} is {state.get(key)!r} in "
-                    f"the state but {ours[key]!r} here (a state only resumes the same dataset "
-                    "with the same seed and shuffle)"
-                )
-        saved = _Plan(
-            start=int(state["segment_start"]),
-            world=int(state["num_replicas"]),
-            base=int(state["consumed_base"]),
-            pad=bool(state["pad"]),
-            drop_last=bool(state["drop_last"]),
-            equal_batches=bool(state["equal_batches"]),
-            batch=int(state["batch_size"]),
-        )
+        self._check_state(state)
+        saved = _Plan.from_state(state)
         n, consumed = self._n, int(state["consumed"])
         local = consumed - saved.base
         if saved.world < 1 or not 0 <= saved.start <= n:
@@ -272,33 +293,21 @@ class DistributedSampler(torch.utils.data.DistributedSampler[int]):
                 "samples of the whole epoch, including those before an earlier resume)"
             )
         self.epoch = int(state["epoch"])
-        mine = self._fresh_plan()
-        same_rules = (saved.pad, saved.drop_last, saved.equal_batches, saved.batch) == (
-            mine.pad,
-            mine.drop_last,
-            mine.equal_batches,
-            mine.batch,
+        self._pending = self._resume_plan(
+            saved, local, consumed, own=state.get("rank") == self.rank
         )
-        if saved.world == self.num_replicas and same_rules:
-            count = saved.count(n, self.rank)
-            if state.get("rank") == self.rank:
-                start = min(local, count)  # our own state: exact
-            else:
-                done = saved.consumed_positions(n, local)
-                start = min(max(0, -(-(done - self.rank) // saved.world)), count)
-            self._pending = (saved, start)
-        else:
-            done = min(saved.consumed_positions(n, local), saved.remaining(n))
-            plan = _Plan(
-                start=saved.start + done,
-                world=self.num_replicas,
-                base=consumed,
-                pad=mine.pad,
-                drop_last=mine.drop_last,
-                equal_batches=mine.equal_batches,
-                batch=mine.batch,
-            )
-            self._pending = (plan, 0)
+
+    # ------------------------------------------------------------------ the index stream's view
+    def chunks(self) -> Iterator[np.ndarray]:
+        """This rank's indices of the pass ``iter()`` started, from its position on, as int64
+        arrays (``_CHUNK`` positions at a time); report what is handed out with :meth:`advance`.
+
+        The vectorised path of ``feedpipe.loader.index_stream`` reads the sampler this way."""
+        return self._chunks(self._plan, self._local)
+
+    def advance(self, samples: int) -> None:
+        """Count ``samples`` more taken from the current pass (the position a state saves)."""
+        self._local += samples
 
     # ---------------------------------------------------------------------------- internals
     @property
@@ -315,6 +324,51 @@ class DistributedSampler(torch.utils.data.DistributedSampler[int]):
             equal_batches=self.equal_batches,
             batch=self.batch_size or 1,
         )
+
+    def _check_state(self, state: dict[str, Any]) -> None:
+        """Refuse a state with missing keys, another version, or another dataset/seed/shuffle."""
+        missing = [k for k in self.state_dict() if k not in state]
+        if missing:
+            raise ValueError(f"sampler state is missing keys {missing}")
+        if state["version"] != _STATE_VERSION:
+            raise ValueError(f"unsupported sampler state version {state['version']!r}")
+        ours = self.state_dict()
+        for key in _IDENTITY_KEYS:
+            if state.get(key) != ours[key]:
+                raise ValueError(
+                    f"sampler state does not match this sampler: {key} is {state.get(key)!r} in "
+                    f"the state but {ours[key]!r} here (a state only resumes the same dataset "
+                    "with the same seed and shuffle)"
+                )
+
+    def _resume_plan(self, saved: _Plan, local: int, consumed: int, own: bool) -> tuple[_Plan, int]:
+        """``(plan, local start)`` continuing ``saved`` after ``local`` samples of its rank:
+        exact at the saved world size and rules (``own``: the state is this rank's), else the
+        positions no rank consumed, dealt afresh to this world."""
+        n, mine = self._n, self._fresh_plan()
+        same_rules = (saved.pad, saved.drop_last, saved.equal_batches, saved.batch) == (
+            mine.pad,
+            mine.drop_last,
+            mine.equal_batches,
+            mine.batch,
+        )
+        if saved.world == self.num_replicas and same_rules:
+            count = saved.count(n, self.rank)
+            if own:
+                return saved, min(local, count)  # our own state: exact
+            done = saved.consumed_positions(n, local)
+            return saved, min(max(0, -(-(done - self.rank) // saved.world)), count)
+        done = min(saved.consumed_positions(n, local), saved.remaining(n))
+        plan = _Plan(
+            start=saved.start + done,
+            world=self.num_replicas,
+            base=consumed,
+            pad=mine.pad,
+            drop_last=mine.drop_last,
+            equal_batches=mine.equal_batches,
+            batch=mine.batch,
+        )
+        return plan, 0
 
     def _permutation(self) -> Permutation:
         if self._perm_cache is not None and self._perm_cache[0] == self.epoch:

@@ -334,3 +334,19 @@ def len_called(loader: Any) -> Any:
 def set_len_called(loader: Any, value: Any) -> None:
     """Hand the outer loader's ``len()`` record to the inner loader (:func:`len_called`)."""
     loader._IterableDataset_len_called = value
+
+
+# ------------------------------------------- 6. other private names (added for the loader's files)
+def random_sampler_num_samples(sampler: Any) -> Any:
+    """A ``RandomSampler``'s ``num_samples`` as given (``_num_samples``; None: len(data))."""
+    return sampler._num_samples
+
+
+def infinite_constant_sampler() -> type[Any]:
+    """torch's ``_InfiniteConstantSampler``, an ``IterableDataset``'s placeholder sampler."""
+    return _dataloader._InfiniteConstantSampler  # type: ignore[no-any-return]
+
+
+def has_worker_processes(source: Any) -> bool:
+    """Whether ``source`` (torch's process iterator) started worker processes (``_workers``)."""
+    return bool(getattr(source, "_workers", None))

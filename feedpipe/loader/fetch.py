@@ -126,7 +126,9 @@ class Failed:
     def __init__(self, exc: BaseException, worker: int | None, indices: Any) -> None:
         self.worker, self.indices = worker, indices
         self.exc: BaseException | None = exc
-        self.wrapper = _torch_compat.ExceptionWrapper((type(exc), exc, exc.__traceback__), "")
+        self.wrapper = _torch_compat.ExceptionWrapper(  # type: ignore[no-untyped-call]  # torch's
+            (type(exc), exc, exc.__traceback__), ""
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -144,7 +146,7 @@ class Failed:
         if exc is None:  # from a process: re-create the type, like torch
             self.wrapper.where = context
             try:
-                self.wrapper.reraise()
+                self.wrapper.reraise()  # type: ignore[no-untyped-call]  # torch's, untyped
             except BaseException as made:
                 exc = made.with_traceback(None)  # no frames: no reference cycle
             assert exc is not None
@@ -197,7 +199,7 @@ def nbytes_of(batch: Any) -> int:
 
 def pin_batch(batch: Any) -> Any:
     """Page-lock a batch (torch's recursive pin), the hook a device feed extends."""
-    return _torch_compat.pin_memory(batch)
+    return _torch_compat.pin_memory(batch)  # type: ignore[no-untyped-call]  # torch's, untyped
 
 
 def read_indices(dataset: Any, indices: Any, mode: Mode, out: Any = None) -> Any:
@@ -337,7 +339,9 @@ class Fetched:
 
     __slots__ = ("data", "failed", "fetch_s", "indices", "samples")
 
-    def __init__(self, data: Any, fetch_s: float, samples: int, indices: Any, failed: Any = None):
+    def __init__(
+        self, data: Any, fetch_s: float, samples: int, indices: Any, failed: Failed | None = None
+    ) -> None:
         self.data, self.fetch_s, self.samples = data, fetch_s, samples
         self.indices, self.failed = indices, failed
 
@@ -360,7 +364,8 @@ class MapProxy(Dataset):  # type: ignore[type-arg]
     def __repr__(self) -> str:
         return repr(self.dataset)
 
-    def _read(self, indices: Any, samples: int) -> Fetched:
+    def read_timed(self, indices: Any, samples: int) -> Fetched:
+        """Read ``indices`` (``samples`` of them), timed; a failure as a ``Failed`` record."""
         t0 = time.perf_counter()
         try:
             with trace.span("feedpipe/fetch"):  # in the worker process (nsys follows children)
@@ -370,10 +375,10 @@ class MapProxy(Dataset):  # type: ignore[type-arg]
         return Fetched(data, time.perf_counter() - t0, samples, indices)
 
     def __getitems__(self, indices: Sequence[int]) -> Fetched:
-        return self._read(indices, len(indices))
+        return self.read_timed(indices, len(indices))
 
     def __getitem__(self, index: Any) -> Fetched:
-        return self._read(index, 1)
+        return self.read_timed(index, 1)
 
 
 class IterProxy(IterableDataset):  # type: ignore[type-arg]

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
+from feedpipe.loader import _torch_compat
 from feedpipe.loader.skip import drop_known
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ def index_batches(batch_sampler: Any, arrays: bool = False) -> Iterator[Any]:
         if (
             type(sampler) is RandomSampler
             and sampler.replacement is False
-            and sampler._num_samples is None
+            and _torch_compat.random_sampler_num_samples(sampler) is None
         ):
             return _random(sampler, size, drop, arrays)
         from feedpipe.sampler import DistributedSampler
@@ -101,25 +102,24 @@ def _random(sampler: RandomSampler, size: int, drop: bool, arrays: bool) -> Iter
 
 
 def _distributed(sampler: Any, size: int, drop: bool) -> Iterator[list[int]]:
-    """feedpipe's ``DistributedSampler``: its ``_generate`` in chunks, ``_local`` per batch.
+    """feedpipe's ``DistributedSampler``: its indices in chunks (``chunks()``), sliced per batch.
 
-    The plan is taken at ``iter()``, as in ``DistributedSampler.__iter__``; the indices come
-    from the sampler's own ``_chunks`` (what its ``_generate`` flattens); ``_local`` (the resume
-    counter) advances by the samples handed out, including the dropped tail that
+    The plan is taken at ``iter()``, as in ``DistributedSampler.__iter__``; the sampler's resume
+    counter advances (``advance``) by the samples handed out, including the dropped tail that
     ``BatchSampler(drop_last=True)`` pulls before it stops.
     """
     iter(sampler)  # sets the plan and the starting count, as torch's BatchSampler does here
     pending: list[int] = []
-    for array in sampler._chunks(sampler._plan, sampler._local):
+    for array in sampler.chunks():
         chunk = array.tolist()
         if pending:
             chunk = pending + chunk
         stop = len(chunk) - len(chunk) % size
         for i in range(0, stop, size):
-            sampler._local += size
+            sampler.advance(size)
             yield chunk[i : i + size]
         pending = chunk[stop:]
-    sampler._local += len(pending)
+    sampler.advance(len(pending))
     if pending and not drop:
         yield pending
 

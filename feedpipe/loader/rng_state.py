@@ -62,7 +62,7 @@ _KNOWN_ITERS = {
         tud.WeightedRandomSampler,
         tud.BatchSampler,
         tud.DistributedSampler,
-        tud.dataloader._InfiniteConstantSampler,  # an IterableDataset's placeholder
+        _torch_compat.infinite_constant_sampler(),  # an IterableDataset's placeholder
         list,
         tuple,
         range,

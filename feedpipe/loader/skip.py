@@ -46,6 +46,7 @@ from feedpipe.loader.fetch import (
 __all__ = [
     "ON_ERROR",
     "SKIP_LIMIT",
+    "SkipLedger",
     "SkipMapProxy",
     "SkipTimedCollate",
     "drop_known",
@@ -147,17 +148,17 @@ class _SkipFetched(Fetched):
 class SkipMapProxy(MapProxy):
     """``MapProxy`` with the skip rule: the read samples plus the dropped indices."""
 
-    def _read(self, indices: Any, samples: int) -> Fetched:
+    def read_timed(self, indices: Any, samples: int) -> Fetched:
         if _empty(indices):
             return _SkipFetched(None, 0.0, 0, indices, [])
-        first = super()._read(indices, samples)
+        first = super().read_timed(indices, samples)
         if first.failed is None or not isinstance(first.failed.exc, Exception):
             return first
         t0 = time.perf_counter()
         try:
             good, bad, items = read_each(self.dataset, indices, self.mode)
             if not bad and self.mode is Mode.READ_BATCH:  # no sample fails alone: read again,
-                return super()._read(indices, samples)  # raising what the batch raises
+                return super().read_timed(indices, samples)  # raising what the batch raises
             if not good:
                 return _SkipFetched(None, 0.0, 0, indices, bad)
             sub = _take(indices, good)
@@ -192,3 +193,45 @@ def drop_known(index: Any, known: frozenset[int]) -> tuple[Any, int]:
         kept = [i for i in index if i not in known]
         return (index, 0) if len(kept) == len(index) else (kept, len(index) - len(kept))
     return ([], 1) if index in known else (index, 0)
+
+
+class SkipLedger:
+    """The samples ``on_error="skip"`` dropped, across epochs (the rule's step 4).
+
+    ``known``: skipped before the current epoch, dropped unread by the index stream (frozen per
+    epoch); ``seen``: every index skipped, bounded by the caller's limit."""
+
+    def __init__(self) -> None:
+        self.known: set[int] = set()
+        self.seen: set[int] = set()
+
+    def add(self, indices: list[int], limit: int) -> bool:
+        """Note skipped ``indices``; whether a new one took the distinct count over ``limit``."""
+        seen = self.seen
+        for i in indices:
+            if i not in seen:
+                seen.add(i)
+                if len(seen) > limit:
+                    return True
+        return False
+
+    def begin_epoch(self, last: list[int], state: dict[str, Any] | None) -> frozenset[int]:
+        """A new epoch: the last one's skips become known bad, or a loaded ``state``'s part
+        replaces them; the known-bad set the index stream drops this epoch."""
+        self.known.update(last)
+        if state is not None and "skipped" in state:
+            known, now = state["skipped"]["known"], state["skipped"]["epoch"]
+            self.known = set(known) if state["in_epoch"] else set(known).union(now)
+            self.seen = self.known.union(now)
+        return frozenset(self.known)
+
+    def state(self, active: bool, epoch: list[int]) -> dict[str, list[int]]:
+        """The loader state's part: ``known`` (sorted indices skipped before this epoch) and
+        ``epoch`` (skipped so far this epoch, in delivery order; ``epoch``: that list)."""
+        if active:
+            return {"known": sorted(self.known), "epoch": list(epoch)}
+        return {"known": sorted(self.known.union(epoch)), "epoch": []}
+
+    def seen_sample(self, n: int) -> list[int]:
+        """The ``n`` smallest indices skipped so far (for messages)."""
+        return sorted(self.seen)[:n]

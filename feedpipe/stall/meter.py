@@ -760,6 +760,11 @@ class StallMeter:
         self._range = (rf,)
         self.fold_at = 0
 
+    def close_range(self) -> None:
+        """Close the current wait's profiler range, if one is open (a wait with no batch)."""
+        if self._range is not None:
+            self._close_range()
+
     def _close_range(self) -> None:
         (rf,), self._range = self._range, None
         if rf is not None:
