@@ -53,7 +53,7 @@ class Sink:
             self.output = local_file_path(self.output)
         self.root = self.output if self.remote else self.output + ".partial"
         self.shown = _remote.redact(self.output, self.options)
-        self._fs: Any = None
+        self._fs: tuple[Any, str] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fs": None}

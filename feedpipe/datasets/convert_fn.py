@@ -50,7 +50,7 @@ import numpy as np
 
 from feedpipe.datasets._convert_sink import Sink
 from feedpipe.datasets.columns import encode
-from feedpipe.datasets.convert import ConvertResult
+from feedpipe.datasets.convert_result import ConvertResult
 from feedpipe.datasets.convert_sources import infer_column, is_variable
 from feedpipe.datasets.format import Index
 from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter
