@@ -60,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from feedpipe.datasets.record_source import Source
 from feedpipe.errors import DatasetError, require
 from feedpipe.io.remote import local_file_path, redact
 
@@ -397,7 +398,7 @@ def _features(schema: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- sources
-class _TableSource:
+class _TableSource(Source):
     """The ``convert`` source protocol over Arrow tables: ``kind``, ``shape``, ``dtype``,
     ``fields``, ``extra``, ``length``, ``est_bytes``, ``fingerprint()``, ``read(a, b)``."""
 

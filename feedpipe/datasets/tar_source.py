@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from feedpipe.datasets.columns import encode, loads_json
+from feedpipe.datasets.record_source import Source
 from feedpipe.datasets.tar import TarDataset, expand_shards
 from feedpipe.errors import DatasetError
 
@@ -94,12 +95,12 @@ def _decode(spec: Any, raw: bytes, field: str, sample: Mapping[str, Any]) -> Any
     return raw
 
 
-class TarSource:
+class TarSource(Source):
     """The ``convert`` source protocol over ``TarDataset`` (see the module docstring)."""
 
     kind = "tar"
     records = True  # the data field's bytes are the records
-    shape: tuple[int, ...] | None = None  # the bytes layout
+    shape = None  # the bytes layout
     dtype = "uint8"
 
     def __init__(
