@@ -15,7 +15,7 @@ import shutil
 from typing import Any
 
 from feedpipe.datasets.format import FileInfo, Index, Shard, read_index, write_index
-from feedpipe.datasets.writer import shard_name
+from feedpipe.datasets.shard_names import shard_name
 from feedpipe.errors import DatasetError
 
 __all__ = ["PLAN_NAME", "WorkFolder"]

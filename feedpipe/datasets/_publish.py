@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from feedpipe.datasets.format import INDEX_NAME, parse_index, read_index
-from feedpipe.datasets.writer import is_writer_file
+from feedpipe.datasets.shard_names import is_writer_file
 from feedpipe.errors import DatasetError
 from feedpipe.remote import transfer as _remote
 
