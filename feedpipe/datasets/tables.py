@@ -388,6 +388,7 @@ class HFSource(_TableSource):
         return lambda j: f"{self.name}: record {first + j}"
 
     def fingerprint(self) -> Any:
+        # third-party private: datasets.Dataset has no public fingerprint of its content
         return ["hf", getattr(self.dataset, "_fingerprint", None), self.length, self.key]
 
     def read(self, a: int, b: int) -> tuple[Any, dict[str, Any]]:
