@@ -95,6 +95,15 @@ def _decode(spec: Any, raw: bytes, field: str, sample: Mapping[str, Any]) -> Any
     return raw
 
 
+def _check_side_name(first: Mapping[str, Any], name: str) -> None:
+    if not name.isidentifier() or name in ("data", "offsets"):
+        raise DatasetError(
+            f"{first['__url__']}: member {first['__key__'] + '.' + name!r}: field "
+            f"{name!r} cannot name a side field (a Python identifier other than "
+            "'data' and 'offsets'): choose it as the records field with data_key"
+        )
+
+
 class SampleFields:
     """The fields every sample holds, decided by the first: the records field (``key``) and
     the typed side fields (``side``, their specs in ``specs`` with :data:`KEY_FIELD`)."""
@@ -107,12 +116,7 @@ class SampleFields:
             raise DatasetError(f"sample {first['__key__']!r} has no field {key!r} ({names})")
         self.key, self.side = key, [n for n in names if n != key]
         for name in self.side:
-            if not name.isidentifier() or name in ("data", "offsets"):
-                raise DatasetError(
-                    f"{first['__url__']}: member {first['__key__'] + '.' + name!r}: field "
-                    f"{name!r} cannot name a side field (a Python identifier other than "
-                    "'data' and 'offsets'): choose it as the records field with data_key"
-                )
+            _check_side_name(first, name)
         self.specs: dict[str, Any] = {KEY_FIELD: "str", **{n: _spec(n) for n in self.side}}
         for name in self.side:
             _decode(self.specs[name], first[name], name, first)
