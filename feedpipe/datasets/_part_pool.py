@@ -10,12 +10,13 @@ is updated per finished part instead.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue as queue_mod
 import sys
 from multiprocessing.context import BaseContext
 from typing import Any
 
-__all__ = ["drain", "pool_context", "report", "set_queue"]
+__all__ = ["drain", "pool_context", "report", "set_queue", "worker_count"]
 
 _QUEUE: Any = None  # this worker's progress queue (None: in the parent)
 
@@ -30,6 +31,12 @@ def report(amount: int) -> None:
     """From a part being written in a worker: ``amount`` more is done (the parent's bar)."""
     if _QUEUE is not None:
         _QUEUE.put(amount)
+
+
+def worker_count(requested: int | None) -> int:
+    """The worker processes of a conversion: as requested (at least 1), else up to 4, one
+    per CPU."""
+    return max(1, requested if requested is not None else min(4, os.cpu_count() or 1))
 
 
 def pool_context() -> BaseContext:

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from feedpipe.datasets._convert_work import WorkFolder
-from feedpipe.datasets._part_pool import drain, pool_context, report, set_queue
+from feedpipe.datasets._part_pool import drain, pool_context, report, set_queue, worker_count
 from feedpipe.datasets._publish import check_remote_destination, publish
 from feedpipe.datasets.columns import parse_field
 from feedpipe.datasets.convert_result import ConvertResult
@@ -122,7 +122,7 @@ class ConvertOptions:
     @property
     def processes(self) -> int:
         """The worker processes to use."""
-        return max(1, self.workers if self.workers is not None else min(4, os.cpu_count() or 1))
+        return worker_count(self.workers)
 
 
 class ConvertJob:

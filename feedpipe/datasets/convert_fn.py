@@ -39,6 +39,7 @@ from feedpipe.datasets._convert_sink import Sink
 from feedpipe.datasets._fn_part import SHARDS_PER_PART
 from feedpipe.datasets._fn_pool import PartRunner
 from feedpipe.datasets._fn_task import Task, fn_name, unwrap
+from feedpipe.datasets._part_pool import worker_count
 from feedpipe.datasets.convert_result import ConvertResult
 from feedpipe.datasets.format import Index
 from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES
@@ -123,8 +124,9 @@ def convert_fn(
 
 
 class FnJob:
-    """One ``convert(fn, ...)``: its inputs cut into parts and its plan (what a resumed run
-    must match), resolved once; :meth:`run` writes the parts missing at the sink and the index."""
+    """One ``convert(fn, ...)``: its inputs cut into parts, resolved once; :meth:`run` writes
+    the parts missing at the sink (those of an interrupted run of the same :meth:`plan` are
+    kept) and then the index."""
 
     def __init__(
         self,
@@ -149,29 +151,32 @@ class FnJob:
         self.tasks = [
             Task(k, lo, items[lo : lo + per]) for k, lo in enumerate(range(0, len(items), per))
         ]
-        self.workers = max(
-            1, num_workers if num_workers is not None else min(4, os.cpu_count() or 1)
-        )
+        self.workers = worker_count(num_workers)
+        self.per = per
         if self.workers > 1 and len(self.tasks) > 1:
             _check_picklable(fn)
-        self.plan = {
+
+    def plan(self) -> dict[str, Any]:
+        """What a resumed run must match: the function, its inputs and how they are cut."""
+        return {
             "version": 1,
-            "fn": fn_name(fn),
-            "fingerprint": _fingerprint(fn, items),
-            "inputs": len(items),
-            "inputs_per_part": per,
+            "fn": fn_name(self.fn),
+            "fingerprint": _fingerprint(self.fn, self.items),
+            "inputs": len(self.items),
+            "inputs_per_part": self.per,
             "shard_bytes": self.shard_bytes,
         }
 
     def run(
         self, sink: Sink, overwrite: bool, progress_bar: bool | None, start: float
     ) -> ConvertResult:
-        finished = None if overwrite else sink.converted(self.plan)
+        plan = self.plan()
+        finished = None if overwrite else sink.converted(plan)
         if finished is not None:  # killed after the final rename, before the state was removed
             return ConvertResult.of(
                 sink.output, finished, time.monotonic() - start, len(self.tasks)
             )
-        done = sink.start(self.plan, overwrite=overwrite)
+        done = sink.start(plan, overwrite=overwrite)
         todo = [t for t in self.tasks if t.part not in done]
         name = os.path.basename(sink.output.rstrip("/")) or sink.output
         bar = progress(len(self.items), f"convert {name}", unit="input", enabled=progress_bar)
