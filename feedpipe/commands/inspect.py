@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from feedpipe.datasets.format import Index, read_index
+from feedpipe.datasets.format import FieldSpec, Index, read_index
 from feedpipe.errors import DatasetError
 from feedpipe.io.cliargs import non_negative_int
 from feedpipe.io.crc import crc32c, to_hex
@@ -32,7 +32,7 @@ def _size(n: float) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def _field(f: Any) -> str:
+def _field(f: FieldSpec) -> str:
     if f.kind in ("str", "json"):
         return f.kind
     if f.kind == "ragged":

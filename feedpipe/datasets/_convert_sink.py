@@ -23,7 +23,7 @@ from typing import Any
 from feedpipe.datasets._publish import check_remote_destination
 from feedpipe.datasets.destination import check_convert_destination, replace_dataset
 from feedpipe.datasets.format import INDEX_NAME, Index, parse_index, write_index
-from feedpipe.datasets.writer import is_writer_file
+from feedpipe.datasets.shard_names import is_writer_file
 from feedpipe.errors import DatasetError
 from feedpipe.io.fsutil import atomic_write
 from feedpipe.io.remote import local_file_path
@@ -53,7 +53,7 @@ class Sink:
             self.output = local_file_path(self.output)
         self.root = self.output if self.remote else self.output + ".partial"
         self.shown = _remote.redact(self.output, self.options)
-        self._fs: Any = None
+        self._fs: tuple[Any, str] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fs": None}

@@ -15,12 +15,12 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from feedpipe.datasets.format import INDEX_NAME, parse_index, read_index
-from feedpipe.datasets.writer import is_writer_file
+from feedpipe.datasets.format import INDEX_NAME, Index, parse_index, read_index
+from feedpipe.datasets.shard_names import is_writer_file
 from feedpipe.errors import DatasetError
 from feedpipe.remote import transfer as _remote
 
-__all__ = ["check_remote_destination", "publish"]
+__all__ = ["RemoteFolder", "check_remote_destination", "publish"]
 
 
 def _listing(fs: Any, root: str) -> list[str]:
@@ -28,6 +28,39 @@ def _listing(fs: Any, root: str) -> list[str]:
         return [p.rstrip("/") for p in fs.ls(root, detail=False) if p.rstrip("/") != root]
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+class RemoteFolder:
+    """What a destination prefix holds: its entries' names, and its ``index.json`` if any."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any]) -> None:
+        self.safe = _remote.redact(url, storage_options)
+        try:
+            fs, root = _remote.resolve(url, storage_options)
+            self.entries = _listing(fs, root)
+            self.names = sorted({e.rsplit("/", 1)[-1] for e in self.entries})
+            has_index = INDEX_NAME in self.names
+            self.raw_index: bytes | None = (
+                fs.cat_file(_remote.join(root, INDEX_NAME)) if has_index else None
+            )
+        except DatasetError:
+            raise
+        except Exception as exc:
+            detail = _remote.redact(f"{type(exc).__name__}: {exc}", storage_options)
+            raise DatasetError(f"{self.safe}: cannot check the destination: {detail}") from None
+
+    def index(self) -> Index:
+        """The prefix's index; one that is not a feedpipe index is refused."""
+        assert self.raw_index is not None, "index() of a prefix without index.json"
+        try:
+            return parse_index(self.raw_index, _remote.join(self.safe, INDEX_NAME))
+        except DatasetError as exc:
+            raise DatasetError(f"{exc}; refusing to write there, even with overwrite") from None
+
+    def foreign(self, index: Index, also: Callable[[str], bool]) -> list[str]:
+        """Entries that ``index`` does not list and ``also`` does not accept."""
+        listed = {rel.split("/", 1)[0] for _s, rel, _n, _c in index.files()}
+        return [n for n in self.names if n != INDEX_NAME and n not in listed and not also(n)]
 
 
 def check_remote_destination(
@@ -42,30 +75,16 @@ def check_remote_destination(
     (:func:`feedpipe.datasets.destination.check_convert_destination`). An ``index.json`` that is
     not a feedpipe index, and any entry that index does not list (other than names ``also``
     accepts: a writer's or a conversion's own), is refused by name, even with ``overwrite``."""
-    safe = _remote.redact(url, storage_options)
-    try:
-        fs, root = _remote.resolve(url, storage_options)
-        entries = _listing(fs, root)
-        names = sorted({e.rsplit("/", 1)[-1] for e in entries})
-        raw = fs.cat_file(_remote.join(root, INDEX_NAME)) if INDEX_NAME in names else None
-    except DatasetError:
-        raise
-    except Exception as exc:
-        detail = _remote.redact(f"{type(exc).__name__}: {exc}", storage_options)
-        raise DatasetError(f"{safe}: cannot check the destination: {detail}") from None
-    if raw is None:
-        if entries:
+    folder = RemoteFolder(url, storage_options)
+    safe = folder.safe
+    if folder.raw_index is None:
+        if folder.entries:
             raise DatasetError(
                 f"{safe}: destination is not empty and is not a feedpipe dataset; refusing to "
-                f"write into it, even with overwrite ({', '.join(map(repr, names[:10]))})"
+                f"write into it, even with overwrite ({', '.join(map(repr, folder.names[:10]))})"
             )
         return
-    try:
-        index = parse_index(raw, _remote.join(safe, INDEX_NAME))
-    except DatasetError as exc:
-        raise DatasetError(f"{exc}; refusing to write there, even with overwrite") from None
-    listed = {rel.split("/", 1)[0] for _s, rel, _n, _c in index.files()}
-    foreign = [n for n in names if n != INDEX_NAME and n not in listed and not also(n)]
+    foreign = folder.foreign(folder.index(), also)
     if foreign:
         shown = ", ".join(repr(n) for n in foreign[:10])
         more = f" and {len(foreign) - 10} more" if len(foreign) > 10 else ""

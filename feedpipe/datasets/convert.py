@@ -32,10 +32,7 @@ count changes the speed, not one byte of the output.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import math
-import multiprocessing as mp
 import os
 import shutil
 import sys
@@ -43,27 +40,20 @@ import tempfile
 import time
 from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from feedpipe.datasets._convert_work import WorkFolder
+from feedpipe.datasets._part_pool import drain, pool_context, report, set_queue, worker_count
 from feedpipe.datasets._publish import check_remote_destination, publish
 from feedpipe.datasets.columns import parse_field
+from feedpipe.datasets.convert_result import ConvertResult
 from feedpipe.datasets.convert_sources import Source, infer_column, is_variable, make_source
 from feedpipe.datasets.destination import check_convert_destination, replace_dataset
-from feedpipe.datasets.format import (
-    FileInfo,
-    Index,
-    Layout,
-    Shard,
-    check_dtype,
-    check_field_names,
-    check_shape,
-    read_index,
-    write_index,
-)
-from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter, shard_name
+from feedpipe.datasets.format import Layout, check_dtype, check_field_names, check_shape
+from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter
 from feedpipe.errors import DatasetError
 from feedpipe.io.cliargs import byte_size, positive_int
 from feedpipe.io.progress import progress
@@ -73,96 +63,6 @@ from feedpipe.remote import transfer as _remote
 __all__ = ["ConvertResult", "add_arguments", "convert", "infer_column", "plan_parts", "run"]
 
 _CHUNK = 512  # records read and appended at a time
-_PLAN = "plan.json"
-
-
-@dataclass(frozen=True)
-class ConvertResult:
-    """What a conversion produced."""
-
-    path: str
-    records: int
-    bytes: int
-    shards: int
-    seconds: float
-    resumed_parts: int
-
-    def summary(self) -> str:
-        mib = self.bytes / (1 << 20)
-        rate = mib / self.seconds if self.seconds > 0 else float("inf")
-        return (
-            f"{self.path}: {self.records} records, {mib:.1f} MiB in {self.shards} shards, "
-            f"{self.seconds:.1f} s ({rate:.0f} MiB/s)"
-            + (f", {self.resumed_parts} parts resumed" if self.resumed_parts else "")
-        )
-
-
-# ---------------------------------------------------------------------- parts
-_QUEUE: Any = None
-
-
-def _init_worker(queue: Any) -> None:
-    global _QUEUE
-    _QUEUE = queue
-
-
-def _write_part(src: Source, part_dir: str, a: int, b: int, shard_bytes: int) -> int:
-    """Write records ``a..b-1`` as a small dataset in ``part_dir``; return records written."""
-    if os.path.exists(part_dir):
-        shutil.rmtree(part_dir)  # an incomplete part from an interrupted run
-    with MemmapWriter(
-        part_dir,
-        shape=src.shape,
-        dtype=src.dtype,
-        fields=src.fields,
-        shard_bytes=shard_bytes,
-        records=src.records,
-        first_record=a,
-    ) as w:
-        for lo in range(a, b, _CHUNK):
-            hi = min(b, lo + _CHUNK)
-            try:
-                records, fields = src.read(lo, hi)
-                w.append_batch(records, **fields)
-            except DatasetError as exc:  # the part's temp folder means nothing to the user
-                why = str(exc).removeprefix(f"{part_dir}: ")
-                raise DatasetError(f"converting records {lo}..{hi - 1}: {why}") from None
-            if _QUEUE is not None:
-                _QUEUE.put(src.est_bytes * (hi - lo) // max(src.length, 1))
-    return b - a
-
-
-def _part_complete(part_dir: str) -> bool:
-    try:
-        read_index(part_dir)
-    except DatasetError:
-        return False
-    return True
-
-
-def _merge(work: str, parts: list[str], extra: dict[str, Any]) -> Index:
-    """Hard-link the parts' shard files into ``work`` with global shard numbers; write the index."""
-    shards: list[Shard] = []
-    layout, fields = None, None
-    for part in parts:
-        idx = read_index(part)
-        layout, fields = idx.layout, idx.fields
-        for shard in idx.shards:
-            sid = len(shards)
-            files = {}
-            for role, info in shard.files.items():
-                suffix = info.path.split(".", 1)[1]
-                rel = shard_name(sid, suffix)
-                dst = os.path.join(work, rel)
-                if os.path.exists(dst):
-                    os.unlink(dst)
-                os.link(os.path.join(part, info.path), dst)
-                files[role] = FileInfo(rel, info.bytes, info.crc32c)
-            shards.append(Shard(shard.records, files))
-    assert layout is not None and fields is not None
-    index = Index(layout, fields, shards, extra)
-    write_index(work, index)
-    return index
 
 
 def convert(
@@ -201,71 +101,83 @@ def convert(
         raise TypeError(f"convert() got unexpected keyword arguments {sorted(fn_options)}")
     if dest is None:
         raise TypeError("convert() missing the destination argument 'dest'")
-    start = time.monotonic()
-    dest = os.fspath(dest).rstrip("/")
-    options = dict(storage_options or {})
-    if _remote.is_remote(dest):  # convert into a local temp folder, then publish (index last)
-        check_remote_destination(dest, options, overwrite=overwrite)
-        with tempfile.TemporaryDirectory(prefix="feedpipe-convert-") as tmp:
-            local = convert(
-                source,
-                os.path.join(tmp, "dataset"),
-                kind=kind,
-                data_key=data_key,
-                shard_bytes=shard_bytes,
-                workers=workers,
-                progress_bar=progress_bar,
-                storage_options=options,
-            )
-            publish(local.path, dest, options, overwrite=overwrite)
-        return dataclasses.replace(local, path=dest, seconds=time.monotonic() - start)
-    dest = local_file_path(dest)
-    if not dest or dest == ".":
-        raise DatasetError(f"{dest!r}: not a usable destination (name a new folder)")
-    _check_not_a_source(source, dest)
-    check_convert_destination(dest, overwrite=overwrite)
-    src = make_source(source, kind, data_key, options)
-    _check_layout(src)
-    workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
-    n = src.length
-    bounds = plan_parts(src, shard_bytes)
-    nparts = len(bounds) - 1
-    work = dest + ".partial"
-    plan = {"fingerprint": src.fingerprint(), "bounds": bounds, "shard_bytes": shard_bytes}
-    plan = json.loads(json.dumps(plan))
-    plan_path = os.path.join(work, _PLAN)
-    old_plan = _read_plan(work, plan_path)
-    if old_plan != plan and os.path.exists(work):
-        shutil.rmtree(work)  # a different conversion of ours was interrupted here: start over
-    os.makedirs(work, exist_ok=True)
-    if old_plan != plan:
-        with open(plan_path + ".tmp", "w") as f:
-            json.dump(plan, f)
-        os.replace(plan_path + ".tmp", plan_path)
-    parts = [os.path.join(work, f"part-{k:05d}") for k in range(nparts)]
-    done = [k for k in range(nparts) if _part_complete(parts[k])]
-    todo = [k for k in range(nparts) if k not in set(done)]
-    bar = progress(src.est_bytes, f"convert {os.path.basename(dest)}", enabled=progress_bar)
-    for k in done:
-        bar.update(src.est_bytes * (bounds[k + 1] - bounds[k]) // max(n, 1))
-    try:
-        if todo:
-            _run_parts(src, parts, bounds, todo, shard_bytes, workers, bar)
-    finally:
-        bar.close()
-    index = _merge(work, parts, src.extra)
-    for part in parts:
-        shutil.rmtree(part)
-    os.unlink(plan_path)
-    replace_dataset(work, dest, overwrite=overwrite)  # re-checked: only our dataset is replaced
-    return ConvertResult(
-        dest,
-        index.num_records,
-        index.total_bytes,
-        len(index.shards),
-        time.monotonic() - start,
-        len(done),
+    options = ConvertOptions(
+        kind, data_key, shard_bytes, workers, overwrite, progress_bar, dict(storage_options or {})
     )
+    return ConvertJob(source, os.fspath(dest).rstrip("/"), options).run()
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """How to convert, as :func:`convert` was called (``workers`` None: up to 4, one per CPU)."""
+
+    kind: str = "auto"
+    data_key: str | None = None
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    workers: int | None = None
+    overwrite: bool = False
+    progress_bar: bool | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def processes(self) -> int:
+        """The worker processes to use."""
+        return worker_count(self.workers)
+
+
+class ConvertJob:
+    """One conversion of ``source`` into a dataset at ``dest``: a remote ``dest`` is converted
+    into a local temporary folder and then published (index last); a local one is built in
+    its work folder (:class:`~feedpipe.datasets._convert_work.WorkFolder`) from parts written
+    in parallel, then renamed into place."""
+
+    def __init__(self, source: Any, dest: str, options: ConvertOptions) -> None:
+        self.source, self.dest, self.options = source, dest, options
+        self.start = time.monotonic()
+
+    def run(self) -> ConvertResult:
+        if _remote.is_remote(self.dest):
+            return self._run_remote()
+        return self._run_local(self._local_dest())
+
+    def _run_remote(self) -> ConvertResult:
+        opts = self.options
+        check_remote_destination(self.dest, opts.storage_options, overwrite=opts.overwrite)
+        with tempfile.TemporaryDirectory(prefix="feedpipe-convert-") as tmp:
+            local_opts = replace(opts, overwrite=False)
+            local = ConvertJob(self.source, os.path.join(tmp, "dataset"), local_opts).run()
+            publish(local.path, self.dest, opts.storage_options, overwrite=opts.overwrite)
+        return replace(local, path=self.dest, seconds=time.monotonic() - self.start)
+
+    def _local_dest(self) -> str:
+        dest = local_file_path(self.dest)
+        if not dest or dest == ".":
+            raise DatasetError(f"{dest!r}: not a usable destination (name a new folder)")
+        _check_not_a_source(self.source, dest)
+        check_convert_destination(dest, overwrite=self.options.overwrite)
+        return dest
+
+    def _run_local(self, dest: str) -> ConvertResult:
+        opts = self.options
+        src = make_source(self.source, opts.kind, opts.data_key, opts.storage_options)
+        _check_layout(src)
+        parts = Parts(src, plan_parts(src, opts.shard_bytes), opts.shard_bytes)
+        work = WorkFolder(dest + ".partial", parts.count)
+        done = work.open(parts.plan())
+        todo = [k for k in range(parts.count) if k not in set(done)]
+        bar = progress(
+            src.est_bytes, f"convert {os.path.basename(dest)}", enabled=opts.progress_bar
+        )
+        for k in done:
+            bar.update(parts.est_bytes(k))
+        try:
+            if todo:
+                parts.run(work.parts, todo, opts.processes, bar)
+        finally:
+            bar.close()
+        index = work.merge(src.extra)
+        replace_dataset(work.path, dest, overwrite=opts.overwrite)  # only our dataset is replaced
+        return ConvertResult.of(dest, index, time.monotonic() - self.start, len(done))
 
 
 def plan_parts(src: Source, shard_bytes: int) -> list[int]:
@@ -284,23 +196,79 @@ def plan_parts(src: Source, shard_bytes: int) -> list[int]:
     return [n * k // nparts for k in range(nparts + 1)]
 
 
-def _read_plan(work: str, plan_path: str) -> Any:
-    """The plan of an interrupted conversion in ``work``; refuse a ``work`` that is not ours."""
-    if not os.path.lexists(work):
-        return None
-    if os.path.islink(work) or not os.path.isdir(work):
-        raise DatasetError(f"{work}: exists and is not a feedpipe conversion folder; move it away")
-    try:
-        with open(plan_path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        if os.listdir(work):
-            raise DatasetError(
-                f"{work}: exists and is not a feedpipe conversion folder (no {_PLAN}); move it away"
-            ) from None
-        return None
-    except (ValueError, RecursionError):
-        return {}  # our plan, damaged: start over
+class Parts:
+    """The parts of one conversion: record ranges of ``src`` cut at ``bounds``, each written as
+    a small dataset, in this process or in a pool of worker processes."""
+
+    def __init__(self, src: Source, bounds: list[int], shard_bytes: int) -> None:
+        self.src, self.bounds, self.shard_bytes = src, bounds, shard_bytes
+        self.count = len(bounds) - 1
+
+    def plan(self) -> dict[str, Any]:
+        """What the work folder's plan records: the conversion is resumed only if it matches."""
+        return {
+            "fingerprint": self.src.fingerprint(),
+            "bounds": self.bounds,
+            "shard_bytes": self.shard_bytes,
+        }
+
+    def est_bytes(self, k: int) -> int:
+        """The estimated bytes of part ``k`` (its share of the progress bar)."""
+        return self.src.est_bytes * (self.bounds[k + 1] - self.bounds[k]) // max(self.src.length, 1)
+
+    def run(self, paths: list[str], todo: list[int], workers: int, bar: Any) -> None:
+        """Write the parts ``todo`` into ``paths``; a worker's error is re-raised here."""
+        args = [
+            (self.src, paths[k], self.bounds[k], self.bounds[k + 1], self.shard_bytes) for k in todo
+        ]
+        if workers == 1 or len(todo) == 1:
+            set_queue(None)
+            for k, a in zip(todo, args, strict=True):
+                _write_part(*a)
+                bar.update(self.est_bytes(k))
+            return
+        ctx = pool_context()
+        queue = ctx.Queue()
+        with ProcessPoolExecutor(
+            workers, mp_context=ctx, initializer=set_queue, initargs=(queue,)
+        ) as pool:
+            pending: set[Future[int]] = {pool.submit(_write_part, *a) for a in args}
+            try:
+                while pending:
+                    finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                    drain(queue, bar)
+                    for fut in finished:
+                        fut.result()  # re-raises a worker's error
+            except BaseException:
+                for fut in pending:
+                    fut.cancel()
+                raise
+            drain(queue, bar)
+
+
+def _write_part(src: Source, part_dir: str, a: int, b: int, shard_bytes: int) -> int:
+    """Write records ``a..b-1`` as a small dataset in ``part_dir``; return records written."""
+    if os.path.exists(part_dir):
+        shutil.rmtree(part_dir)  # an incomplete part from an interrupted run
+    with MemmapWriter(
+        part_dir,
+        shape=src.shape,
+        dtype=src.dtype,
+        fields=src.fields,
+        shard_bytes=shard_bytes,
+        records=src.records,
+        first_record=a,
+    ) as w:
+        for lo in range(a, b, _CHUNK):
+            hi = min(b, lo + _CHUNK)
+            try:
+                records, fields = src.read(lo, hi)
+                w.append_batch(records, **fields)
+            except DatasetError as exc:  # the part's temp folder means nothing to the user
+                why = str(exc).removeprefix(f"{part_dir}: ")
+                raise DatasetError(f"converting records {lo}..{hi - 1}: {why}") from None
+            report(src.est_bytes * (hi - lo) // max(src.length, 1))
+    return b - a
 
 
 def _check_not_a_source(source: Any, dest: str) -> None:
@@ -347,54 +315,6 @@ def _describe(src: Source) -> str:
     return str(
         where.get("path") or (", ".join(paths) if paths else "") or where.get("type") or src.kind
     )
-
-
-def _run_parts(  # noqa: PLR0917
-    src: Source,
-    parts: list[str],
-    bounds: list[int],
-    todo: list[int],
-    shard_bytes: int,
-    workers: int,
-    bar: Any,
-) -> None:
-    if workers == 1 or len(todo) == 1:
-        global _QUEUE
-        _QUEUE = None
-        for k in todo:
-            _write_part(src, parts[k], bounds[k], bounds[k + 1], shard_bytes)
-            bar.update(src.est_bytes * (bounds[k + 1] - bounds[k]) // max(src.length, 1))
-        return
-    ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
-    queue = ctx.Queue()
-    with ProcessPoolExecutor(
-        workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,)
-    ) as pool:
-        pending: set[Future[int]] = {
-            pool.submit(_write_part, src, parts[k], bounds[k], bounds[k + 1], shard_bytes)
-            for k in todo
-        }
-        try:
-            while pending:
-                finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                _drain(queue, bar)
-                for fut in finished:
-                    fut.result()  # re-raises a worker's error
-        except BaseException:
-            for fut in pending:
-                fut.cancel()
-            raise
-        _drain(queue, bar)
-
-
-def _drain(queue: Any, bar: Any) -> None:
-    import queue as queue_mod
-
-    while True:
-        try:
-            bar.update(queue.get_nowait())
-        except queue_mod.Empty:
-            return
 
 
 # ---------------------------------------------------------------------- CLI

@@ -9,7 +9,7 @@ from __future__ import annotations
 import glob
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ import numpy as np
 from feedpipe.datasets.format import (
     check_dtype,
 )
+from feedpipe.datasets.record_source import Source
 from feedpipe.datasets.tables import HFSource, ParquetSource, is_hf_dataset, parquet_paths
 from feedpipe.datasets.tar_source import TarSource, is_tar_source, tar_shards
 from feedpipe.errors import DatasetError
@@ -24,37 +25,19 @@ from feedpipe.io.remote import local_file_path
 
 __all__ = [
     "IMAGE_EXTENSIONS",
+    "SOURCE_KINDS",
     "ArraySource",
     "ImageSource",
     "Source",
     "TorchSource",
     "ZarrSource",
+    "detect_kind",
     "infer_column",
     "is_variable",
     "make_source",
 ]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
-
-class Source:
-    """A picklable record source: layout, side fields, and records by range."""
-
-    kind = ""
-    shape: tuple[int | None, ...] | None = None  # None: bytes layout; (None, ...): ragged
-    dtype = "uint8"
-    records = True  # False: no records column (dict samples without "data")
-    fields: dict[str, Any]
-    extra: dict[str, Any]
-    length = 0
-    est_bytes = 0
-
-    def fingerprint(self) -> Any:
-        raise NotImplementedError
-
-    def read(self, a: int, b: int) -> tuple[Any, dict[str, np.ndarray]]:
-        """Records ``a..b-1``: an array (fixed) or a list of bytes, plus side-field columns."""
-        raise NotImplementedError
 
 
 class ImageSource(Source):
@@ -386,57 +369,93 @@ def _all_paths(source: Any) -> bool:
     return bool(source) and all(isinstance(p, (str, os.PathLike)) for p in source)
 
 
-def make_source(
-    source: Any, kind: str, data_key: str | None, storage_options: Mapping[str, Any]
-) -> Source:
-    if kind == "auto":
-        if not isinstance(source, (str, os.PathLike, list, tuple)) or not _all_paths(source):
-            # a list of samples (dicts, arrays, tuples) is an indexable dataset like any other
-            kind = "hf" if is_hf_dataset(source) else "torch"
-        else:
-            first = local_file_path(source[0] if isinstance(source, (list, tuple)) else source)
-            if is_tar_source(first):
-                kind = "tar"
-            elif first.endswith(".parquet") or (
-                os.path.isdir(first) and glob.glob(os.path.join(first, "*.parquet"))
-            ):
-                kind = "parquet"
-            elif first.endswith((".npy", ".npz")):
-                kind = "npy"
-            elif "://" in first or os.path.exists(os.path.join(first, "zarr.json")):
-                kind = "zarr"
-            elif os.path.isdir(first) and glob.glob(os.path.join(glob.escape(first), "*.np[yz]")):
-                raise DatasetError(
-                    f"{first}: a folder of .npy/.npz files; name the files in the order to "
-                    f"concatenate them (e.g. {os.path.join(first, '*.npy')})"
-                )
-            elif os.path.isdir(first):
-                kind = "images"
-            elif not os.path.lexists(first):
-                raise DatasetError(f"{first}: source does not exist")
-            else:
-                raise DatasetError(f"{first}: cannot tell the source kind (pass kind=...)")
-    if kind == "torch":
-        return TorchSource(source)
-    if kind == "hf":
-        return HFSource(source, data_key)  # type: ignore[return-value]
-    items = source if isinstance(source, (list, tuple)) else [source]
-    paths = [local_file_path(p) for p in items]
-    if kind == "parquet":
-        return ParquetSource(  # type: ignore[return-value]
-            parquet_paths(paths, storage_options), data_key, storage_options
+def _is_parquet(first: str) -> bool:
+    return first.endswith(".parquet") or bool(
+        os.path.isdir(first) and glob.glob(os.path.join(first, "*.parquet"))
+    )
+
+
+def _is_zarr(first: str) -> bool:
+    return "://" in first or os.path.exists(os.path.join(first, "zarr.json"))
+
+
+# what a source path is, tried in this order (the first that holds decides)
+_PATH_KINDS: tuple[tuple[Callable[[str], bool], str], ...] = (
+    (is_tar_source, "tar"),
+    (_is_parquet, "parquet"),
+    (lambda first: first.endswith((".npy", ".npz")), "npy"),
+    (_is_zarr, "zarr"),
+)
+
+
+def detect_kind(source: Any) -> str:
+    """The kind of ``source`` for ``kind="auto"``: its first path's, else ``hf`` or ``torch``
+    (a list of samples is an indexable dataset like any other)."""
+    if not isinstance(source, (str, os.PathLike, list, tuple)) or not _all_paths(source):
+        return "hf" if is_hf_dataset(source) else "torch"
+    first = local_file_path(source[0] if isinstance(source, (list, tuple)) else source)
+    for test, kind in _PATH_KINDS:
+        if test(first):
+            return kind
+    if os.path.isdir(first) and glob.glob(os.path.join(glob.escape(first), "*.np[yz]")):
+        raise DatasetError(
+            f"{first}: a folder of .npy/.npz files; name the files in the order to "
+            f"concatenate them (e.g. {os.path.join(first, '*.npy')})"
         )
-    if kind == "tar":
-        return TarSource(tar_shards(paths), data_key, storage_options)  # type: ignore[return-value]
+    if os.path.isdir(first):
+        return "images"
+    if not os.path.lexists(first):
+        raise DatasetError(f"{first}: source does not exist")
+    raise DatasetError(f"{first}: cannot tell the source kind (pass kind=...)")
+
+
+def _paths(source: Any) -> list[str]:
+    items = source if isinstance(source, (list, tuple)) else [source]
+    return [local_file_path(p) for p in items]
+
+
+def _existing(source: Any) -> list[str]:
+    paths = _paths(source)
     for p in paths:
         if "://" not in p and not os.path.exists(p):
             raise DatasetError(f"{p}: source does not exist")
-    if kind == "npy":
-        return ArraySource(paths, data_key)
+    return paths
+
+
+def _one(kind: str, source: Any) -> str:
+    paths = _existing(source)
     if len(paths) != 1:
         raise DatasetError(f"{kind} conversion takes one source path, got {len(paths)}")
-    if kind == "zarr":
-        return ZarrSource(paths[0], data_key, storage_options)
-    if kind == "images":
-        return ImageSource(paths[0])
-    raise ValueError(f"unknown kind {kind!r} (auto, images, npy, zarr, parquet, tar, hf, torch)")
+    return paths[0]
+
+
+SourceFactory = Callable[[Any, "str | None", Mapping[str, Any]], Source]
+
+#: The source kinds ``convert`` takes, by name: ``factory(source, data_key, storage_options)``.
+SOURCE_KINDS: dict[str, SourceFactory] = {
+    "torch": lambda source, key, opts: TorchSource(source),
+    "hf": lambda source, key, opts: HFSource(source, key),
+    "parquet": lambda source, key, opts: ParquetSource(
+        parquet_paths(_paths(source), opts), key, opts
+    ),
+    "tar": lambda source, key, opts: TarSource(tar_shards(_paths(source)), key, opts),
+    "npy": lambda source, key, opts: ArraySource(_existing(source), key),
+    "zarr": lambda source, key, opts: ZarrSource(_one("zarr", source), key, opts),
+    "images": lambda source, key, opts: ImageSource(_one("images", source)),
+}
+
+
+def make_source(
+    source: Any, kind: str, data_key: str | None, storage_options: Mapping[str, Any]
+) -> Source:
+    """The source of ``kind`` (``"auto"``: :func:`detect_kind`) over ``source``."""
+    if kind == "auto":
+        kind = detect_kind(source)
+    factory = SOURCE_KINDS.get(kind)
+    if factory is None:
+        if _all_paths(source):
+            _one(kind, source)  # a missing path is named first, as for any path kind
+        raise ValueError(
+            f"unknown kind {kind!r} (auto, images, npy, zarr, parquet, tar, hf, torch)"
+        )
+    return factory(source, data_key, storage_options)

@@ -55,11 +55,18 @@ import glob
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from feedpipe.datasets.arrow_columns import (
+    ArrowColumn,
+    TablePlan,
+    column_values,
+    plan_column,
+    require_pyarrow,
+)
+from feedpipe.datasets.record_source import Source
 from feedpipe.errors import DatasetError, require
 from feedpipe.io.remote import local_file_path, redact
 
@@ -74,7 +81,6 @@ __all__ = [
 ]
 
 _SAMPLE_ROWS = 64  # rows read up front to estimate the output size
-_BYTES_FEATURES = ("Image", "Audio")  # Hugging Face structs {bytes, path}: stored as the bytes
 
 
 def is_hf_dataset(obj: Any) -> bool:
@@ -86,7 +92,7 @@ def is_hf_dataset(obj: Any) -> bool:
 
 
 def _pa() -> Any:
-    return require("pyarrow", "parquet")
+    return require_pyarrow()
 
 
 def _fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
@@ -125,253 +131,6 @@ def parquet_paths(
     return paths
 
 
-# ---------------------------------------------------------------------- column types
-@dataclass(frozen=True)
-class ArrowColumn:
-    """How one Arrow column is stored: ``kind`` is ``fixed``, ``ragged`` (first dimension
-    varies; ``shape`` holds the others), ``bytes`` (records only), ``str`` or ``json``."""
-
-    name: str
-    arrow: str  # the Arrow type as read, kept in the index
-    kind: str
-    dtype: str = "uint8"
-    shape: tuple[int, ...] = ()
-    member: str = ""  # a struct's child holding the value (``bytes`` of an HF Image)
-
-    @property
-    def spec(self) -> Any:
-        """The ``MemmapWriter`` field spec (side fields)."""
-        if self.kind in ("str", "json"):
-            return self.kind
-        if self.kind == "ragged":
-            return (self.dtype, (None, *self.shape))
-        return (self.dtype, self.shape)
-
-
-def _numeric(pa: Any, t: Any) -> bool:
-    return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t))
-
-
-def _temporal(pa: Any, t: Any) -> bool:
-    return bool(pa.types.is_temporal(t)) and not pa.types.is_interval(t)
-
-
-def _string(pa: Any, t: Any) -> bool:
-    view = getattr(pa.types, "is_string_view", lambda _: False)
-    return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or view(t))
-
-
-def _binary(pa: Any, t: Any) -> bool:
-    view = getattr(pa.types, "is_binary_view", lambda _: False)
-    return bool(
-        pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-        or pa.types.is_fixed_size_binary(t)
-        or view(t)
-    )
-
-
-def _list(pa: Any, t: Any) -> bool:
-    return bool(pa.types.is_list(t) or pa.types.is_large_list(t))
-
-
-def _fixed_lists(pa: Any, t: Any) -> tuple[Any, tuple[int, ...]]:
-    """The element type under nested fixed-size lists, and their sizes."""
-    shape: list[int] = []
-    while pa.types.is_fixed_size_list(t):
-        shape.append(t.list_size)
-        t = t.value_type
-    return t, tuple(shape)
-
-
-def _dtype(t: Any) -> str:
-    return str(np.dtype(t.to_pandas_dtype()))
-
-
-def _jsonable(pa: Any, t: Any) -> bool:
-    """Whether every value of Arrow type ``t`` reads back equal as JSON."""
-    if pa.types.is_dictionary(t):
-        t = t.value_type
-    if pa.types.is_null(t) or _numeric(pa, t) or _string(pa, t):
-        return True
-    if _list(pa, t) or pa.types.is_fixed_size_list(t):
-        return _jsonable(pa, t.value_type)
-    if pa.types.is_struct(t):
-        return all(_jsonable(pa, t.field(i).type) for i in range(t.num_fields))
-    if pa.types.is_map(t):
-        return _string(pa, t.key_type) and _jsonable(pa, t.item_type)
-    return False
-
-
-def _bytes_struct(pa: Any, t: Any) -> bool:
-    """Whether ``t`` is a struct with a binary ``bytes`` child (an HF ``Image``/``Audio``)."""
-    return bool(pa.types.is_struct(t)) and (
-        t.get_field_index("bytes") >= 0 and _binary(pa, t.field("bytes").type)
-    )
-
-
-def _array_feature(pa: Any, t: Any, feature: dict[str, Any]) -> tuple[str, tuple[int, ...]] | None:
-    """(dtype, shape) of a Hugging Face ``Array2D``..``Array5D`` column stored as nested lists
-    (an extension type in memory, plain lists in its Parquet files), or None when the Arrow
-    type does not match the feature's fixed shape. Each list's length is checked on reading."""
-    shape = feature.get("shape")
-    if not isinstance(shape, (list, tuple)) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape
-    ):
-        return None
-    depth = 0
-    while _list(pa, t) or pa.types.is_fixed_size_list(t):
-        t, depth = t.value_type, depth + 1
-    if depth != len(shape) or not _numeric(pa, t):
-        return None
-    return _dtype(t), tuple(shape)
-
-
-def plan_column(name: str, typ: Any, feature: Any, *, records: bool) -> ArrowColumn:
-    """How column ``name`` of Arrow type ``typ`` (Hugging Face ``feature``: its ``to_dict()``
-    form, or None) is stored (see the module docstring); ``ValueError`` for what cannot be."""
-    pa = _pa()
-    arrow = str(typ)
-    hf = feature.get("_type", "") if isinstance(feature, dict) else ""
-    hf = hf if isinstance(hf, str) else ""  # valid JSON that lies: not a feature
-    t = typ.value_type if pa.types.is_dictionary(typ) else typ
-    if hf in _BYTES_FEATURES and _bytes_struct(pa, t):
-        return ArrowColumn(name, arrow, "bytes" if records else "ragged", member="bytes")
-    if isinstance(t, pa.ExtensionType):
-        t = t.storage_type
-    if hf.startswith("Array"):
-        fixed = _array_feature(pa, t, feature)
-        if fixed is not None:
-            return ArrowColumn(name, arrow, "fixed", *fixed)
-    inner, shape = _fixed_lists(pa, t)
-    if _numeric(pa, inner):
-        return ArrowColumn(name, arrow, "fixed", _dtype(inner), shape)
-    if _temporal(pa, t):
-        return ArrowColumn(name, arrow, "fixed", "int64")
-    if _string(pa, t):
-        return ArrowColumn(name, arrow, "bytes" if records else "str")
-    if _binary(pa, t):
-        return ArrowColumn(name, arrow, "bytes" if records else "ragged")
-    if _list(pa, t):
-        inner, shape = _fixed_lists(pa, t.value_type)
-        if _numeric(pa, inner):
-            return ArrowColumn(name, arrow, "ragged", _dtype(inner), shape)
-    if _jsonable(pa, t) and not (_numeric(pa, t) or _string(pa, t) or pa.types.is_null(t)):
-        if records:
-            raise ValueError(
-                "the records column holds numbers, arrays, strings or bytes; this column can "
-                "be a JSON side field: choose another records column with data_key/--data-key"
-            )
-        return ArrowColumn(name, arrow, "json")
-    hint = " (cast it to float64 or string first)" if pa.types.is_decimal(t) else ""
-    raise ValueError(f"no feedpipe column type holds Arrow {arrow}{hint}")
-
-
-# ---------------------------------------------------------------------- column values
-def _first_null(arr: Any) -> int:
-    return int(np.argmax(np.asarray(arr.is_null().to_numpy(zero_copy_only=False))))
-
-
-def _no_nulls(col: ArrowColumn, arr: Any, where: Callable[[int], str], what: str = "") -> None:
-    if arr.null_count:
-        raise DatasetError(
-            f"{where(_first_null(arr))}: column {col.name!r} ({col.arrow}) is null{what}; nulls "
-            "are refused except in JSON columns (fill them first, e.g. pyarrow.compute.fill_null)"
-        )
-
-
-def _inner_nulls(col: ArrowColumn, values: Any, owner: Callable[[int], int], where: Any) -> None:
-    """Refuse a null element inside a list value, naming the row (``owner`` maps an element
-    position to its row)."""
-    if values.null_count:
-        raise DatasetError(
-            f"{where(owner(_first_null(values)))}: column {col.name!r} ({col.arrow}) holds a "
-            "null element; nulls are refused except in JSON columns"
-        )
-
-
-def _row_of(per: int) -> Callable[[int], int]:
-    """The row of an element of a flattened fixed-size list of ``per`` elements a row."""
-    return lambda i: i // per
-
-
-def _fixed_values(pa: Any, col: ArrowColumn, arr: Any, where: Callable[[int], str]) -> np.ndarray:
-    n = len(arr)
-    if _temporal(pa, arr.type):
-        if pa.types.is_date32(arr.type) or pa.types.is_time32(arr.type):
-            arr = arr.cast(pa.int32())
-        return np.asarray(arr.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)
-    if isinstance(arr.type, pa.ExtensionType):
-        arr = arr.storage
-    per = 1
-    for size in col.shape:  # fixed-size or (HF ArrayND) variable lists of the expected sizes
-        if _list(pa, arr.type):
-            lengths = np.diff(np.asarray(arr.offsets.to_numpy(zero_copy_only=False)))
-            bad = np.flatnonzero(lengths != size)
-            if len(bad):
-                row = int(bad[0]) // per
-                raise DatasetError(
-                    f"{where(row)}: column {col.name!r} holds a list of {int(lengths[bad[0]])} "
-                    f"where its shape {col.shape} needs {size}"
-                )
-        per *= size
-        arr = arr.flatten()
-        _inner_nulls(col, arr, _row_of(per), where)
-    values = arr.to_numpy(zero_copy_only=False)
-    return np.asarray(values, dtype=col.dtype).reshape((n, *col.shape))
-
-
-def _ragged_values(pa: Any, col: ArrowColumn, arr: Any, where: Callable[[int], str]) -> list[Any]:
-    if pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type) or col.member:
-        return [bytes(v) for v in arr.to_pylist()]
-    if not _list(pa, arr.type):  # fixed-size or view binary
-        return [bytes(v) for v in arr.to_pylist()]
-    off = np.asarray(arr.offsets.to_numpy(zero_copy_only=False), dtype=np.int64)
-    starts = off - off[0]
-
-    def owner(per: int) -> Callable[[int], int]:
-        return lambda i: int(np.searchsorted(starts, i // per, "right")) - 1
-
-    flat = arr.flatten()
-    _inner_nulls(col, flat, owner(1), where)
-    per = 1
-    for size in col.shape:
-        per *= size
-        flat = flat.flatten()
-        _inner_nulls(col, flat, owner(per), where)
-    values = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=col.dtype)
-    values = values.reshape((-1, *col.shape))
-    return np.split(values, (off[1:-1] - off[0]).tolist())
-
-
-def column_values(col: ArrowColumn, data: Any, where: Callable[[int], str]) -> Any:
-    """A table column as the writer takes it: an ``(n, *shape)`` array (``fixed``), a list of
-    arrays or bytes (``ragged``/``bytes``), of ``str`` or of JSON values. ``where(j)`` names
-    row ``j`` (file and row) in an error."""
-    pa = _pa()
-    if pa.types.is_dictionary(data.type):
-        data = data.cast(data.type.value_type)  # decoded, whatever each chunk's dictionary
-    arr = data.combine_chunks() if hasattr(data, "combine_chunks") else data
-    if col.kind == "json":
-        try:
-            return arr.to_pylist(maps_as_pydicts="strict")
-        except (pa.ArrowException, KeyError, ValueError) as exc:
-            raise DatasetError(
-                f"{where(0)}..: column {col.name!r} ({col.arrow}): not JSON: {exc}"
-            ) from None
-    _no_nulls(col, arr, where)
-    if col.member:
-        arr = arr.field(col.member)
-        _no_nulls(col, arr, where, f" (its {col.member!r}: stored by path only?)")
-    if col.kind == "fixed":
-        return _fixed_values(pa, col, arr, where)
-    if col.kind == "ragged":
-        return _ragged_values(pa, col, arr, where)
-    if col.kind == "str":
-        return arr.cast(pa.large_string()).to_pylist()
-    return [v.encode() if isinstance(v, str) else bytes(v) for v in arr.to_pylist()]
-
-
 def _nbytes(values: Any) -> int:
     if isinstance(values, np.ndarray):
         return values.nbytes
@@ -386,18 +145,8 @@ def _nbytes(values: Any) -> int:
     return total
 
 
-def _features(schema: Any) -> dict[str, Any]:
-    """The Hugging Face features of a table, from its ``huggingface`` schema metadata."""
-    raw = (schema.metadata or {}).get(b"huggingface")
-    try:
-        features = json.loads(raw)["info"]["features"] if raw else {}
-    except (ValueError, KeyError, TypeError):
-        return {}
-    return features if isinstance(features, dict) else {}
-
-
 # ---------------------------------------------------------------------- sources
-class _TableSource:
+class _TableSource(Source):
     """The ``convert`` source protocol over Arrow tables: ``kind``, ``shape``, ``dtype``,
     ``fields``, ``extra``, ``length``, ``est_bytes``, ``fingerprint()``, ``read(a, b)``."""
 
@@ -410,53 +159,12 @@ class _TableSource:
     extra: dict[str, Any]
 
     def _plan(self, schema: Any, data_key: str | None, where: str) -> None:
-        names = list(schema.names)
-        if not names:
-            raise DatasetError(f"{where}: the table has no columns")
-        if len(set(names)) != len(names):
-            raise DatasetError(f"{where}: duplicate column names {names}")
-        key = data_key or ("data" if "data" in names else names[0])
-        if key not in names:
-            raise DatasetError(f"{where}: no column {key!r} (columns: {names})")
-        features = _features(schema)
-        self.columns: dict[str, ArrowColumn] = {}
-        for name in names:
-            typ = schema.field(name).type
-            try:
-                col = plan_column(name, typ, features.get(name), records=name == key)
-            except ValueError as exc:
-                role = "the records column" if name == key else "column"
-                raise DatasetError(f"{where}: {role} {name!r} ({typ}): {exc}") from None
-            self.columns[name] = col
-        self.key = key
-        rec = self.columns.pop(key)
-        self.record_column = rec
-        if rec.kind == "fixed":
-            self.dtype, self.shape = rec.dtype, rec.shape
-        elif rec.kind == "ragged":
-            self.dtype, self.shape = rec.dtype, (None, *rec.shape)
-        self.fields = {n: c.spec for n, c in self.columns.items()}
-        self.extra = {"source": {"kind": self.kind, "columns": {n: str(schema.field(n).type)
-                                                                  for n in names}}}  # fmt: skip
-        labels = {
-            n: f["names"]
-            for n, f in features.items()
-            if n in names
-            and _pa().types.is_integer(self._label_type(schema.field(n).type))
-            and isinstance(f, dict)
-            and f.get("_type") == "ClassLabel"
-            and isinstance(f.get("names"), list)
-            and all(isinstance(c, str) for c in f["names"])
-        }
-        if labels:
-            self.extra["class_labels"] = labels
-            if len(labels) == 1:
-                self.extra["classes"] = next(iter(labels.values()))
-
-    @staticmethod
-    def _label_type(t: Any) -> Any:
-        """The value type of a (dictionary-encoded) column: a ClassLabel holds integers."""
-        return t.value_type if _pa().types.is_dictionary(t) else t
+        """Plan every column from ``schema`` (see :class:`TablePlan`)."""
+        plan = TablePlan.of(schema, data_key, where)
+        self.key, self.record_column, self.columns = plan.key, plan.record_column, plan.columns
+        self.dtype, self.shape = plan.records_layout((self.dtype, self.shape))
+        self.fields = plan.fields
+        self.extra = plan.extra(self.kind)
 
     def _estimate(self, sample: Any, where: Callable[[int], str]) -> None:
         records, fields = self._convert(sample, where)
@@ -680,6 +388,7 @@ class HFSource(_TableSource):
         return lambda j: f"{self.name}: record {first + j}"
 
     def fingerprint(self) -> Any:
+        # third-party private: datasets.Dataset has no public fingerprint of its content
         return ["hf", getattr(self.dataset, "_fingerprint", None), self.length, self.key]
 
     def read(self, a: int, b: int) -> tuple[Any, dict[str, Any]]:

@@ -112,6 +112,79 @@ class _Capped:
         return int(self._f.tell())
 
 
+def _read_headers(f: Any, shard: str) -> tuple[list[tarfile.TarInfo], int]:
+    """The members of the open shard ``f`` and its length; ``DatasetError`` for a compressed,
+    truncated or hostile tar."""
+    head = f.read(4)
+    f.seek(0)
+    if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head == b"\xfd7zX":
+        raise DatasetError(
+            f"{shard} is a compressed tar: its members cannot be read in place; "
+            "decompress it (or convert it with `feedpipe convert`)"
+        )
+    f.seek(0, os.SEEK_END)
+    length = int(f.tell())
+    f.seek(0)
+    try:
+        # capped reads: a hostile pax or long-name header claiming terabytes would make
+        # tarfile ask for a buffer of that size (a MemoryError, or the OOM killer)
+        capped: Any = _Capped(f, length)
+        tar = tarfile.open(fileobj=capped, mode="r:")  # noqa: SIM115
+        members = tar.getmembers()
+    except (tarfile.TarError, EOFError, OSError, ValueError, OverflowError, MemoryError) as exc:
+        # hostile headers (a negative or huge pax size) make tarfile seek out of range
+        raise DatasetError(f"{shard} is truncated or not a tar: {exc}") from exc
+    if length - tar.offset < 2 * tarfile.BLOCKSIZE:
+        raise DatasetError(
+            f"{shard} ends without the tar end-of-archive marker after member "
+            f"{members[-1].name if members else '(none)'!r}: the shard is truncated"
+        )
+    return members, length
+
+
+def _member_span(m: tarfile.TarInfo, shard: str, length: int) -> tuple[str, str, int, int] | None:
+    """``(key, field, offset, size)`` of a member, None for one WebDataset skips; a sparse or
+    truncated member is a ``DatasetError``."""
+    split = _split(m.name)
+    if not m.isreg() or split is None:
+        return None
+    if m.issparse() or m.size < 0:  # a sparse member's bytes are not its data
+        raise DatasetError(
+            f"{shard}: member {m.name!r} is "
+            f"{'sparse' if m.issparse() else f'of negative size {m.size}'}: "
+            "TarDataset reads members in place and cannot hold it"
+        )
+    if m.offset_data + m.size > length:
+        raise DatasetError(
+            f"{shard}: member {m.name!r} ends at byte {m.offset_data + m.size}, past "
+            f"the end of the shard ({length} B): the shard is truncated"
+        )
+    return split[0], split[1], m.offset_data, m.size
+
+
+class _SampleRun:
+    """Groups a shard's consecutive members that share a key into samples, appended to
+    ``samples`` as ``(shard number, key, ((field, offset, size), ...))``."""
+
+    def __init__(self, number: int, shard: str, samples: list[Any]) -> None:
+        self.number, self.shard, self.samples = number, shard, samples
+        self.key: str | None = None
+        self.fields: dict[str, tuple[int, int]] = {}
+
+    def add(self, key: str, field: str, offset: int, size: int) -> None:
+        if key != self.key:
+            self.flush()
+            self.key, self.fields = key, {}
+        if field in self.fields:
+            raise DatasetError(f"{self.shard}: sample {key!r} has two {field!r} members")
+        self.fields[field] = (offset, size)
+
+    def flush(self) -> None:
+        if self.key is not None and self.fields:
+            spans = tuple((f, off, size) for f, (off, size) in self.fields.items())
+            self.samples.append((self.number, self.key, spans))
+
+
 class TarDataset:
     """Map-style dataset over WebDataset ``.tar`` shards (local paths or fsspec URLs).
 
@@ -163,67 +236,13 @@ class TarDataset:
 
     def _index(self, number: int, shard: str) -> None:
         with self._open(number, shard) as f:
-            head = f.read(4)
-            f.seek(0)
-            if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head == b"\xfd7zX":
-                raise DatasetError(
-                    f"{shard} is a compressed tar: its members cannot be read in place; "
-                    "decompress it (or convert it with `feedpipe convert`)"
-                )
-            f.seek(0, os.SEEK_END)
-            length = f.tell()
-            f.seek(0)
-            try:
-                # capped reads: a hostile pax or long-name header claiming terabytes would make
-                # tarfile ask for a buffer of that size (a MemoryError, or the OOM killer)
-                capped: Any = _Capped(f, length)
-                tar = tarfile.open(fileobj=capped, mode="r:")  # noqa: SIM115
-                members = tar.getmembers()
-            except (
-                tarfile.TarError,
-                EOFError,
-                OSError,
-                ValueError,
-                OverflowError,
-                MemoryError,
-            ) as exc:
-                # hostile headers (a negative or huge pax size) make tarfile seek out of range
-                raise DatasetError(f"{shard} is truncated or not a tar: {exc}") from exc
-            if length - tar.offset < 2 * tarfile.BLOCKSIZE:
-                raise DatasetError(
-                    f"{shard} ends without the tar end-of-archive marker after member "
-                    f"{members[-1].name if members else '(none)'!r}: the shard is truncated"
-                )
-        key: str | None = None
-        fields: dict[str, tuple[int, int]] = {}
+            members, length = _read_headers(f, shard)
+        run = _SampleRun(number, shard, self._samples)
         for m in members:
-            split = _split(m.name)
-            if not m.isreg() or split is None:
-                continue
-            if m.issparse() or m.size < 0:  # a sparse member's bytes are not its data
-                raise DatasetError(
-                    f"{shard}: member {m.name!r} is "
-                    f"{'sparse' if m.issparse() else f'of negative size {m.size}'}: "
-                    "TarDataset reads members in place and cannot hold it"
-                )
-            if m.offset_data + m.size > length:
-                raise DatasetError(
-                    f"{shard}: member {m.name!r} ends at byte {m.offset_data + m.size}, past "
-                    f"the end of the shard ({length} B): the shard is truncated"
-                )
-            k, field = split
-            if k != key:
-                self._flush(number, key, fields)
-                key, fields = k, {}
-            if field in fields:
-                raise DatasetError(f"{shard}: sample {k!r} has two {field!r} members")
-            fields[field] = (m.offset_data, m.size)
-        self._flush(number, key, fields)
-
-    def _flush(self, number: int, key: str | None, fields: dict[str, tuple[int, int]]) -> None:
-        if key is not None and fields:
-            spans = tuple((f, off, size) for f, (off, size) in fields.items())
-            self._samples.append((number, key, spans))
+            span = _member_span(m, shard, length)
+            if span is not None:
+                run.add(*span)
+        run.flush()
 
     # ------------------------------------------------------------------ reads
     def __len__(self) -> int:

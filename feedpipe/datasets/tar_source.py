@@ -25,10 +25,11 @@ from typing import Any
 import numpy as np
 
 from feedpipe.datasets.columns import encode, loads_json
+from feedpipe.datasets.record_source import Source
 from feedpipe.datasets.tar import TarDataset, expand_shards
 from feedpipe.errors import DatasetError
 
-__all__ = ["KEY_FIELD", "TarSource", "is_tar_source", "tar_shards"]
+__all__ = ["KEY_FIELD", "SampleFields", "TarSource", "is_tar_source", "tar_shards"]
 
 #: The side field that keeps each sample's WebDataset ``__key__`` (a ``"str"`` column).
 KEY_FIELD = "__key__"
@@ -94,12 +95,48 @@ def _decode(spec: Any, raw: bytes, field: str, sample: Mapping[str, Any]) -> Any
     return raw
 
 
-class TarSource:
+def _check_side_name(first: Mapping[str, Any], name: str) -> None:
+    if not name.isidentifier() or name in ("data", "offsets"):
+        raise DatasetError(
+            f"{first['__url__']}: member {first['__key__'] + '.' + name!r}: field "
+            f"{name!r} cannot name a side field (a Python identifier other than "
+            "'data' and 'offsets'): choose it as the records field with data_key"
+        )
+
+
+class SampleFields:
+    """The fields every sample holds, decided by the first: the records field (``key``) and
+    the typed side fields (``side``, their specs in ``specs`` with :data:`KEY_FIELD`)."""
+
+    def __init__(self, first: Mapping[str, Any], data_key: str | None) -> None:
+        names = [k for k in first if not k.startswith("__")]
+        images = [n for n in names if n in _IMAGE_FIELDS]
+        key = data_key or (images[0] if images else names[0])
+        if key not in names:
+            raise DatasetError(f"sample {first['__key__']!r} has no field {key!r} ({names})")
+        self.key, self.side = key, [n for n in names if n != key]
+        for name in self.side:
+            _check_side_name(first, name)
+        self.specs: dict[str, Any] = {KEY_FIELD: "str", **{n: _spec(n) for n in self.side}}
+        for name in self.side:
+            _decode(self.specs[name], first[name], name, first)
+
+    def check(self, sample: Mapping[str, Any]) -> None:
+        """Refuse a sample whose fields are not the first sample's."""
+        have = sorted(k for k in sample if not k.startswith("__"))
+        if have != sorted([self.key, *self.side]):
+            raise DatasetError(
+                f"sample {sample['__key__']!r} in {sample['__url__']}: fields {have}, expected "
+                f"{sorted([self.key, *self.side])} like the first sample"
+            )
+
+
+class TarSource(Source):
     """The ``convert`` source protocol over ``TarDataset`` (see the module docstring)."""
 
     kind = "tar"
     records = True  # the data field's bytes are the records
-    shape: tuple[int, ...] | None = None  # the bytes layout
+    shape = None  # the bytes layout
     dtype = "uint8"
 
     def __init__(
@@ -110,23 +147,9 @@ class TarSource:
         if self.length == 0:
             raise DatasetError(f"{shards[0]}: no samples in the shards")
         first = self.dataset[0]
-        names = [k for k in first if not k.startswith("__")]
-        images = [n for n in names if n in _IMAGE_FIELDS]
-        key = data_key or (images[0] if images else names[0])
-        if key not in names:
-            raise DatasetError(f"sample {first['__key__']!r} has no field {key!r} ({names})")
-        self.key, self.side = key, [n for n in names if n != key]
-        for name in self.side:
-            if not name.isidentifier() or name in ("data", "offsets"):
-                raise DatasetError(
-                    f"{first['__url__']}: member {first['__key__'] + '.' + name!r}: field "
-                    f"{name!r} cannot name a side field (a Python identifier other than "
-                    "'data' and 'offsets'): choose it as the records field with data_key"
-                )
-        self.fields: dict[str, Any] = {KEY_FIELD: "str", **{n: _spec(n) for n in self.side}}
-        for name in self.side:
-            _decode(self.fields[name], first[name], name, first)
-        per_sample = sum(len(first[n]) for n in names) + len(first["__key__"])
+        self.layout = SampleFields(first, data_key)
+        self.key, self.side, self.fields = self.layout.key, self.layout.side, self.layout.specs
+        per_sample = sum(len(first[n]) for n in [self.key, *self.side]) + len(first["__key__"])
         self.est_bytes = max(1, per_sample * self.length)
         self.extra = {"source": {"kind": "tar", "paths": shards}}
 
@@ -138,14 +161,8 @@ class TarSource:
         cols: dict[str, list[Any]] = {n: [] for n in self.side}
         keys: list[str] = []
         for sample in self.dataset.__getitems__(range(a, b)):
-            key = sample["__key__"]
-            keys.append(key)
-            have = sorted(k for k in sample if not k.startswith("__"))
-            if have != sorted([self.key, *self.side]):
-                raise DatasetError(
-                    f"sample {key!r} in {sample['__url__']}: fields {have}, expected "
-                    f"{sorted([self.key, *self.side])} like the first sample"
-                )
+            keys.append(sample["__key__"])
+            self.layout.check(sample)
             records.append(sample[self.key])
             for name, col in cols.items():
                 col.append(_decode(self.fields[name], sample[name], name, sample))

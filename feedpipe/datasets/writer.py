@@ -7,19 +7,16 @@ last, so a crashed or interrupted write never looks like a complete dataset.
 from __future__ import annotations
 
 import os
-import re
-import shutil
-import tempfile
-import uuid
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 
+from feedpipe.datasets._shard_file import ShardFile
+from feedpipe.datasets._writer_target import WriteTarget, check_destination, prepare_destination
 from feedpipe.datasets.columns import dtype_arg, encode, parse_field
 from feedpipe.datasets.format import (
-    INDEX_NAME,
     VARIABLE_KINDS,
     FieldSpec,
     FileInfo,
@@ -29,89 +26,23 @@ from feedpipe.datasets.format import (
     check_dtype,
     check_field_names,
     check_shape,
-    read_index,
     write_index,
 )
+from feedpipe.datasets.shard_names import is_writer_file, shard_name
 from feedpipe.errors import DatasetError
-from feedpipe.io.crc import crc32c, to_hex
-from feedpipe.io.remote import local_file_path
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
     "MemmapWriter",
     "check_destination",
     "is_writer_file",
+    "parse_fields",
     "prepare_destination",
+    "records_layout",
     "shard_name",
 ]
 
 DEFAULT_SHARD_BYTES = 256 << 20
-_TMP_MARK = ".tmp-"
-# names a writer creates: shard files, their temps, and the index and its temps
-_OWN_NAME = re.compile(
-    r"^(index\.json|\.index\.json\..*\.tmp|\.?shard-\d{5,}\.[A-Za-z0-9_.]+(\.tmp-[0-9a-f]{8})?)$"
-)
-
-
-def is_writer_file(name: str) -> bool:
-    """Whether ``name`` is one a writer creates (a shard file, the index, their temps)."""
-    return _OWN_NAME.match(name) is not None
-
-
-def check_destination(path: str, *, overwrite: bool) -> bool:
-    """Refuse ``path`` unless a new dataset may be written there; True if something is there.
-
-    Absent or empty: fine. A dataset (``index.json``) holding only its own files: fine with
-    ``overwrite``, else refused. Anything else (a file, a folder holding other files, a dataset
-    with extra files) is refused even with ``overwrite``: feedpipe never deletes what it did not
-    write. Leftovers of an interrupted writer (shard files, no index) count as its own.
-    """
-    if not os.path.lexists(path):
-        return False
-    if os.path.islink(path) or not os.path.isdir(path):
-        raise DatasetError(
-            f"{path}: exists and is not a dataset folder; refusing to replace it"
-            + (" (did you forget DEST?)" if path.endswith((".npy", ".npz")) else "")
-        )
-    entries = os.listdir(path)
-    foreign = sorted(
-        e
-        for e in entries
-        if not _OWN_NAME.match(e)
-        or os.path.islink(os.path.join(path, e))
-        or os.path.isdir(os.path.join(path, e))
-    )
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-        raise DatasetError(
-            f"{path}: folder holds files feedpipe did not write ({shown}); refusing to write "
-            "into it, even with overwrite (choose a new or empty folder)"
-        )
-    if INDEX_NAME in entries:
-        listed = {rel for _sid, rel, _n, _c in read_index(path).files()}  # damaged: not ours
-        extra = sorted(e for e in entries if e[0] != "." and e != INDEX_NAME and e not in listed)
-        if extra:
-            raise DatasetError(
-                f"{path}: the dataset folder holds files its index does not list ({extra[0]}...); "
-                "refusing to replace it"
-            )
-        if not overwrite:
-            raise DatasetError(f"{path}: a dataset already exists here (pass overwrite=True)")
-    return bool(entries)
-
-
-def prepare_destination(path: str, *, overwrite: bool) -> None:
-    """:func:`check_destination`, then delete the old dataset's files (its index first)."""
-    if not check_destination(path, overwrite=overwrite):
-        return
-    entries = os.listdir(path)
-    for e in sorted(entries, key=lambda e: e == INDEX_NAME, reverse=True):
-        os.unlink(os.path.join(path, e))
-
-
-def shard_name(shard_id: int, suffix: str) -> str:
-    """Relative file name of one shard file, e.g. ``shard-00003.data``."""
-    return f"shard-{shard_id:05d}.{suffix}"
 
 
 def _nbytes(buf: Any) -> int:
@@ -124,36 +55,28 @@ def _as_array(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
-class _ShardFile:
-    """A file being written under a temp name, with its running CRC32C and size."""
+def records_layout(shape: Sequence[int | None] | None, dtype: Any, *, records: bool) -> Layout:
+    """The layout of a writer's records (see :class:`MemmapWriter`); ``ValueError`` if invalid."""
+    if not records:
+        return Layout("none")
+    if shape is None:
+        return Layout("bytes")
+    dt = check_dtype(dtype_arg(dtype), "records")
+    if len(shape) and shape[0] is None:
+        rest = check_shape(tuple(shape[1:]), np.dtype(dt).itemsize, "records")
+        return Layout("ragged", rest, dt)
+    return Layout("fixed", check_shape(tuple(shape), np.dtype(dt).itemsize, "records"), dt)
 
-    def __init__(self, directory: str, relpath: str) -> None:
-        self.relpath = relpath
-        self.final = os.path.join(directory, relpath)
-        self.tmp = os.path.join(directory, f".{relpath}{_TMP_MARK}{uuid.uuid4().hex[:8]}")
-        self.f = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish()/abort()
-        self.crc = 0
-        self.size = 0
 
-    def write(self, buf: Any) -> None:
-        mv = memoryview(buf).cast("B")
-        self.f.write(mv)
-        self.crc = crc32c(mv, self.crc)
-        self.size += mv.nbytes
-
-    def finish(self) -> FileInfo:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        os.replace(self.tmp, self.final)
-        return FileInfo(self.relpath, self.size, to_hex(self.crc))
-
-    def abort(self) -> None:
-        self.f.close()
-        try:
-            os.unlink(self.tmp)
-        except FileNotFoundError:
-            pass
+def parse_fields(fields: Mapping[str, Any], layout: Layout) -> dict[str, FieldSpec]:
+    """The side-field specs of a writer of ``layout``; ``ValueError`` for an invalid one."""
+    out: dict[str, FieldSpec] = {}
+    for name, spec in dict(fields).items():
+        if not isinstance(name, str) or not name.isidentifier() or name == "data":
+            raise ValueError(f"invalid side-field name {name!r}")
+        out[name] = parse_field(name, spec)
+    check_field_names(layout, out)
+    return out
 
 
 class MemmapWriter:
@@ -188,53 +111,26 @@ class MemmapWriter:
         records: bool = True,
         first_record: int = 0,
     ) -> None:
-        from feedpipe.remote import transfer as _remote
-
         self.path = os.fspath(path)
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
         try:
-            if not records:
-                self.layout = Layout("none")
-            elif shape is None:
-                self.layout = Layout("bytes")
-            else:
-                dt = check_dtype(dtype_arg(dtype), "records")
-                if len(shape) and shape[0] is None:
-                    rest = check_shape(tuple(shape[1:]), np.dtype(dt).itemsize, "records")
-                    self.layout = Layout("ragged", rest, dt)
-                else:
-                    dims = check_shape(tuple(shape), np.dtype(dt).itemsize, "records")
-                    self.layout = Layout("fixed", dims, dt)
-            self.fields: dict[str, FieldSpec] = {}
-            for name, spec in dict(fields or {}).items():
-                if not isinstance(name, str) or not name.isidentifier() or name == "data":
-                    raise ValueError(f"invalid side-field name {name!r}")
-                self.fields[name] = parse_field(name, spec)
-            check_field_names(self.layout, self.fields)
+            self.layout = records_layout(shape, dtype, records=records)
+            self.fields: dict[str, FieldSpec] = parse_fields(fields or {}, self.layout)
         except (ValueError, TypeError) as exc:
             raise DatasetError(f"{self.path}: {exc}") from None
         self.shard_bytes = int(shard_bytes)
         self.extra = dict(extra or {})
-        self._upload: tuple[str, dict[str, Any], bool] | None = None
-        if _remote.is_remote(self.path):  # write locally, publish on close (index last)
-            self._upload = (self.path, dict(storage_options or {}), overwrite)
-            from feedpipe.datasets._publish import check_remote_destination
-
-            check_remote_destination(self.path, self._upload[1], overwrite=overwrite)
-            self._local = tempfile.mkdtemp(prefix="feedpipe-upload-")
-        else:
-            self.path = local_file_path(self.path)
-            prepare_destination(self.path, overwrite=overwrite)
-            os.makedirs(self.path, exist_ok=True)
-            self._local = self.path
+        self._target = WriteTarget(self.path, storage_options, overwrite=overwrite)
+        self.path = self._target.path
+        self._local = self._target.local
         self._shards: list[Shard] = []
         self._first_shard = first_shard
-        self._data: _ShardFile | None = None
+        self._data: ShardFile | None = None
         self._offsets: list[int] = []
         self._columns: dict[str, list[np.ndarray]] = {}
         self._var = {n: f for n, f in self.fields.items() if f.kind in VARIABLE_KINDS}
-        self._var_files: dict[str, _ShardFile] = {}
+        self._var_files: dict[str, ShardFile] = {}
         self._var_offsets: dict[str, list[int]] = {}
         self._records = 0  # records in the open shard
         self.num_records = 0  # records appended in total
@@ -257,37 +153,39 @@ class MemmapWriter:
         ``records=False``, ``n`` is the length of the field sequences."""
         first = self.first_record + self.num_records
         if self.layout.kind == "fixed" and not self._var:
-            arr = self._check_fixed(_as_array(records), first, batch=True)
-            n = len(arr)
-            if n == 0:
-                return
-            cols = self._check_fields(fields, n, first)
-            arr = np.ascontiguousarray(arr)
-            per = self.layout.record_bytes
-            # split into pieces that respect the shard size limit
-            start = 0
-            while start < n:
-                if self._records and self._data_size() + per > self.shard_bytes:
-                    self._close_shard()
-                room = (self.shard_bytes - self._data_size()) // per if per else n
-                stop = min(n, start + max(1, room))
-                piece = {k: v[start:stop] for k, v in cols.items()}
-                self._write_block(arr[start:stop], stop - start, piece)
-                start = stop
-        else:
-            if self.layout.kind == "none":
-                n = len(next(iter(fields.values()))) if fields else 0
-                records = [None] * n
-            elif records is None:
-                raise DatasetError(f"{self.path}: records {first}...: append_batch needs records")
-            elif self.layout.kind == "fixed":
-                records = list(self._check_fixed(_as_array(records), first, batch=True))
-            bufs = [self._check_record(r, first + i) for i, r in enumerate(records)]
-            if not bufs:
-                return
-            cols = self._check_fields(fields, len(bufs), first)
-            var = self._check_var(fields, len(bufs), first, batch=True)
-            self._write_records(bufs, [_nbytes(b) for b in bufs], cols, var)
+            self._append_block(self._check_fixed(_as_array(records), first, batch=True), fields)
+            return
+        if self.layout.kind == "none":
+            n = len(next(iter(fields.values()))) if fields else 0
+            records = [None] * n
+        elif records is None:
+            raise DatasetError(f"{self.path}: records {first}...: append_batch needs records")
+        elif self.layout.kind == "fixed":
+            records = list(self._check_fixed(_as_array(records), first, batch=True))
+        bufs = [self._check_record(r, first + i) for i, r in enumerate(records)]
+        if not bufs:
+            return
+        cols = self._check_fields(fields, len(bufs), first)
+        var = self._check_var(fields, len(bufs), first, batch=True)
+        self._write_records(bufs, [_nbytes(b) for b in bufs], cols, var)
+
+    def _append_block(self, arr: np.ndarray, fields: Mapping[str, Any]) -> None:
+        """Fixed records with fixed fields: written in pieces that respect the shard size."""
+        n = len(arr)
+        if n == 0:
+            return
+        cols = self._check_fields(fields, n, self.first_record + self.num_records)
+        arr = np.ascontiguousarray(arr)
+        per = self.layout.record_bytes
+        start = 0
+        while start < n:
+            if self._records and self._data_size() + per > self.shard_bytes:
+                self._close_shard()
+            room = (self.shard_bytes - self._data_size()) // per if per else n
+            stop = min(n, start + max(1, room))
+            piece = {k: v[start:stop] for k, v in cols.items()}
+            self._write_block(arr[start:stop], stop - start, piece)
+            start = stop
 
     # ------------------------------------------------------------------ checks
     def _check_record(self, record: Any, number: int) -> Any:
@@ -419,10 +317,10 @@ class MemmapWriter:
     def _open_shard(self) -> None:
         sid = self._first_shard + len(self._shards)
         if self.layout.kind != "none":
-            self._data = _ShardFile(self._local, shard_name(sid, "data"))
+            self._data = ShardFile(self._local, shard_name(sid, "data"))
         self._offsets = [0]
         self._columns = {name: [] for name in self.fields if name not in self._var}
-        self._var_files = {n: _ShardFile(self._local, shard_name(sid, n)) for n in self._var}
+        self._var_files = {n: ShardFile(self._local, shard_name(sid, n)) for n in self._var}
         self._var_offsets = {n: [0] for n in self._var}
         self._records = 0
 
@@ -488,7 +386,7 @@ class MemmapWriter:
             col = np.concatenate(parts) if parts else np.empty((0, *spec.shape), spec.dtype)
             pending.append((f"field.{name}", name, col))
         for role, suffix, arr in pending:
-            f = _ShardFile(self._local, shard_name(sid, suffix))
+            f = ShardFile(self._local, shard_name(sid, suffix))
             try:
                 f.write(np.ascontiguousarray(arr).view(np.uint8).reshape(-1))
                 files[role] = f.finish()
@@ -511,14 +409,7 @@ class MemmapWriter:
         self._closed = True
         index = Index(self.layout, dict(self.fields), list(self._shards), dict(self.extra))
         write_index(self._local, index)
-        if self._upload is not None:
-            from feedpipe.datasets._publish import publish
-
-            url, options, overwrite = self._upload
-            try:
-                publish(self._local, url, options, overwrite=overwrite)
-            finally:
-                shutil.rmtree(self._local, ignore_errors=True)
+        self._target.publish()
         return index
 
     def abort(self) -> None:
@@ -530,8 +421,7 @@ class MemmapWriter:
             f.abort()
         self._var_files = {}
         self._closed = True
-        if self._upload is not None:
-            shutil.rmtree(self._local, ignore_errors=True)
+        self._target.discard()
 
     def __enter__(self) -> MemmapWriter:
         return self
