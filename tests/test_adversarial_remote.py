@@ -22,12 +22,12 @@ import pytest
 from _helpers import QuietHandler as _Quiet
 from _procs import child_env as _env
 from _secrets import LeakCheck
+from feedpipe.stage import stage
 from test_stage import make_dataset
 
 from feedpipe import MemmapDataset
 from feedpipe.errors import DatasetError
 from feedpipe.remote import transfer as _remote
-from feedpipe.stage import stage
 
 ROOT = Path(__file__).resolve().parent.parent
 _CLI = "import sys; from feedpipe.cli import main; sys.exit(main(sys.argv[1:]))"

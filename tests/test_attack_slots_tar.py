@@ -229,10 +229,11 @@ def _fields(batch: list[dict[str, Any]]) -> list[bytes]:
 def test_public_paths_after_the_layout_move() -> None:
     import pickle
 
+    from feedpipe.gpu import GPUFeed, GPUFeedWarning, Prefetcher, map_tensors, resolve_device
+
     import feedpipe
     import feedpipe.loader
     from feedpipe.device.feed import GPUFeed as Moved
-    from feedpipe.gpu import GPUFeed, GPUFeedWarning, Prefetcher, map_tensors, resolve_device
     from feedpipe.loader.fetch import TimedCollate
 
     assert GPUFeed is Moved and callable(map_tensors) and callable(resolve_device)

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from _faultproxy import FaultProxy
 from _procs import python_child, read_marker, stop
+from feedpipe.cache import ShardCache
 from test_stage import make_dataset, upload
 
-from feedpipe.cache import ShardCache
 from feedpipe.errors import DatasetError
 from feedpipe.remote import transfer as _remote
 

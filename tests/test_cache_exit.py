@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 from _procs import python_child
+from feedpipe._crc import crc32c, to_hex
+from feedpipe.cache import ShardCache
 from test_stage import make_dataset, upload
 
 from feedpipe import MemmapDataset
-from feedpipe._crc import crc32c, to_hex
-from feedpipe.cache import ShardCache
 from feedpipe.remote import transfer as _remote
 
 EXIT_BOUND_S = 10.0  # generous: the old behaviour waited timeout_s (60 s below) at exit

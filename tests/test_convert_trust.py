@@ -13,11 +13,11 @@ import pytest
 from _helpers import json_paths as _paths
 from _helpers import json_values
 from _procs import run_cli as _cli
+from feedpipe.convert import convert
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from feedpipe import DatasetError, MemmapDataset
-from feedpipe.convert import convert
 from feedpipe.datasets.writer import MemmapWriter
 
 

@@ -25,12 +25,12 @@ import pytest
 from _faultproxy import FaultProxy
 from _procs import child_env as _env
 from conftest import free_port
+from feedpipe.stage import stage
 from test_stage import make_dataset, upload
 
 from feedpipe import MemmapDataset
 from feedpipe.errors import DatasetError
 from feedpipe.remote import transfer as _remote
-from feedpipe.stage import stage
 
 ROOT = Path(__file__).resolve().parent.parent
 
