@@ -1,4 +1,5 @@
-"""Adversarial review of ckpt's S3 upload path (``ckpt.tiers.s3put``, ``RemoteOptions.verify="auto"``):
+"""Adversarial review of ckpt's S3 upload path (``ckpt.tiers.s3put``,
+``RemoteOptions.verify="auto"``):
 an attacker and a careless user against the real moto S3 server of ``conftest.py``, with
 ``_faultproxy.FaultProxy`` in front of it where a request or reply must be altered.
 

@@ -1,5 +1,6 @@
-"""Batched staging (``ckpt.saving.plan``), parallel verified reads (``ckpt.restoring.read_into``) and the
-parallel-registered pinned pool (``ckpt.saving.pool.pinned_empty``): bitwise round trips of states of
+"""Batched staging (``ckpt.saving.plan``), parallel verified reads
+(``ckpt.restoring.read_into``) and the parallel-registered pinned pool
+(``ckpt.saving.pool.pinned_empty``): bitwise round trips of states of
 thousands of mixed tensors, and no write into the caller's tensors when a chunk is corrupt.
 The CUDA paths are ``gpu`` tests (they run on a machine with a GPU)."""
 

@@ -1,4 +1,5 @@
-"""The staging plan cached across saves (``ckpt.saving.plan.Stager``), the first save's pool, and the
+"""The staging plan cached across saves (``ckpt.saving.plan.Stager``), the first save's pool,
+and the
 restore's two passes (issue 18, section 3).
 
 A plan is reused only for leaves of the same signature, and the bytes it stages are always the
