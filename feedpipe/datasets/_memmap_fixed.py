@@ -158,7 +158,8 @@ class FixedRecords:
         shards = np.unique(sid)
         rank = np.zeros(len(self.files.source.index.shards), np.int64)
         rank[self.files.order(shards.tolist())] = np.arange(len(shards))
-        return rank[sid]
+        keyed: np.ndarray = rank[sid]
+        return keyed
 
     def _preadv_exact(
         self, shard: OpenShard, bufs: list[Any], offset: int, record: Any, nbytes: int
