@@ -84,21 +84,29 @@ class _Collator:
         """Samples that are mappings: ragged columns batched, listed ones kept as lists, the
         rest through ``default_collate``; the keys in the first sample's order."""
         first = samples[0]
-        padded = [k for k in first if k in self.ragged and _all_rows([s.get(k) for s in samples])]
-        kept = [k for k in first if k in self.listed and _still_values(samples, k)]
-        if not padded and not kept:
+        kinds = {k: self._kind(samples, k) for k in first}
+        special = {k for k, kind in kinds.items() if kind != "rest"}
+        if not special:
             return default_collate(samples)
-        special = {*padded, *kept}
         rest = default_collate([{k: v for k, v in s.items() if k not in special} for s in samples])
         out: dict[Any, Any] = {}
-        for k in first:
-            if k in padded:
+        for k, kind in kinds.items():
+            if kind == "ragged":
                 out.update(_column(k, [s[k] for s in samples], self.mode, self.pad_value))
-            elif k in kept:
+            elif kind == "listed":
                 out[k] = [s[k] for s in samples]
             elif k in rest:
                 out[k] = rest[k]
         return out if type(first) is dict else type(first)(out)  # type: ignore[call-arg]
+
+    def _kind(self, samples: list[Mapping[Any, Any]], key: Any) -> str:
+        """How column ``key`` is batched: ``ragged`` (padded or nested), ``listed`` (a list of
+        the samples' values) or ``rest`` (``default_collate``)."""
+        if key in self.ragged and _all_rows([s.get(key) for s in samples]):
+            return "ragged"
+        if key in self.listed and _still_values(samples, key):
+            return "listed"
+        return "rest"
 
 
 def _still_values(samples: list[Mapping[Any, Any]], key: Any) -> bool:
