@@ -43,6 +43,13 @@ Transforms (``transform=`` per sample, ``batch_transform=`` per batch) run where
 ``transform`` and collated as without one (ragged columns padded or nested, ``str``/``json``
 as lists, the rest by ``default_collate``: :mod:`._ragged_batch`); ``batch_transform`` gets
 the batch.
+
+The dataset owns four objects, each with one concern: :class:`~._memmap_files.ShardSource`
+(where the shard files are, local or through the remote cache, and what each must be),
+:class:`~._memmap_open.ShardFiles` (this process's open files and maps, where a record is, in
+which order to read a batch's shards), :class:`~._memmap_fixed.FixedRecords` (the gathers of
+fixed-size records) and :class:`~._memmap_columns.ColumnReader` (bytes records, typed columns,
+side fields). Each pickles without its open files, so a worker opens its own.
 """
 
 from __future__ import annotations
