@@ -321,7 +321,7 @@ def shards_size(root: Path, rb: int, total: int, seconds: float, reps: int) -> R
     # 80 shards read the way every batch was read before (one gather per shard touched); at
     # 10,000 shards that path holds two descriptors per shard, past this machine's limit
     per_shard = MemmapDataset(root / f"s{SHARD_COUNTS[1]}-{rb}")
-    per_shard._space = False  # the per-shard path, kept for datasets over the map budget
+    per_shard._files.one_range = False  # the per-shard path, kept for datasets over the map budget
     _touch(per_shard, rb)
 
     def torch_loader(ds: Dataset[Any], workers: int) -> Callable[[], Iterable[Any]]:

@@ -14,6 +14,7 @@ import torch
 
 import feedpipe
 from feedpipe import DataLoader, DistributedSampler, MemmapDataset, MemmapWriter, TokenWindows
+from feedpipe.datasets._memmap_files import ShardSource
 from feedpipe.errors import DatasetError
 from feedpipe.testing import DatasetContractTests, assert_batches_equal
 
@@ -72,10 +73,10 @@ def test_index_reads_no_offsets_and_a_window_is_one_read(
     inside a shard, one per shard it touches when it crosses shard boundaries."""
     path, cat = corpus
 
-    def no_offsets(self: Any, sid: int, role: str) -> bytes:
+    def no_offsets(self: Any, sid: int, role: str, *_: Any) -> bytes:
         raise AssertionError(f"read the {role} file of shard {sid}")
 
-    monkeypatch.setattr(MemmapDataset, "_read_whole", no_offsets)
+    monkeypatch.setattr(ShardSource, "read_whole", no_offsets)
     ds = MemmapDataset(path)
     spans: list[tuple[int, int, int]] = []
     real = ds.read_span

@@ -1,5 +1,6 @@
-"""Files mapped read-only without keeping a descriptor (:func:`map_file`), and the C library
-calls behind every map the datasets make (:func:`libc`)."""
+"""Files mapped read-only without keeping a descriptor (:func:`map_file`), the C library
+calls behind every map the datasets make (:func:`libc`), and the one quiet close of a
+descriptor they own (:func:`close_fd`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["libc", "map_file"]
+__all__ = ["close_fd", "libc", "map_file"]
 
 _PROT_READ, _MAP_SHARED = 1, 0x01
 _libc: Any = None
@@ -33,6 +34,17 @@ def libc() -> Any:
         lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         _libc = lib
     return _libc
+
+
+def close_fd(fd: int) -> int:
+    """Close descriptor ``fd`` if it is open (``>= 0``), ignoring an error (it is gone either
+    way); returns -1, the value of a closed descriptor, for the caller to store."""
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    return -1
 
 
 def map_file(fd: int, nbytes: int) -> np.ndarray:

@@ -1,37 +1,39 @@
-"""The shard files of a :class:`~feedpipe.MemmapDataset` (a mixin): where each one is (the
-dataset folder, or the remote dataset's :class:`feedpipe.cache.ShardCache`), opening them per
-process (:mod:`._memmap_open`) or mapping every shard of a local fixed-record dataset into one
-range (:mod:`._gather`), offsets and side columns read whole. Every file of every role is
-checked by one rule, :mod:`._shard_guard` (size, the version indexed, the file stamped at open
-or its CRC32C, first-use verification, changes while open); this module builds each role's
-:class:`~._shard_guard.ShardTable` and hands a guard to whatever opens the files.
+"""Where the shard files of a :class:`~feedpipe.MemmapDataset` are, and what they must be.
+
+:class:`ShardSource` is the dataset folder (local), or the remote dataset's
+:class:`feedpipe.cache.ShardCache` (made on first use), plus the index read when the dataset was
+opened. It opens (and, remote, downloads and leases) one shard file at a time, reads small files
+(offsets, side columns) whole, and states what each role's files must be: one
+:class:`~._shard_guard.ShardTable` per role, with the stamps taken when the dataset was opened
+and the first-use flags shared with forked workers. Every file of every role is checked by one
+rule, :mod:`._shard_guard` (size, the version indexed, the file stamped at open or its CRC32C,
+first-use verification, changes while open). It is plain and picklable: a worker unpickles it
+and opens its own files (:class:`~._memmap_open.ShardFiles`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
-
-from feedpipe.datasets._gather import ShardSpace, map_budget
-from feedpipe.datasets._memmap_open import OpenShard, OpenShards
 from feedpipe.datasets._shard_guard import ShardGuard, ShardTable, SharedFlags, Stamp, stamp_of
-from feedpipe.datasets.format import INDEX_NAME, FileInfo, Index
+from feedpipe.datasets.format import INDEX_NAME, Index, parse_index, read_index
 from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c_file, to_hex
+from feedpipe.io.remote import local_file_path
+from feedpipe.remote import transfer as _remote
 
-__all__ = ["VERIFY_MODES", "ShardFiles", "verify_files"]
+__all__ = ["VERIFY_MODES", "ShardSource", "verify_files"]
 
 #: ``verify=`` of a dataset: every file checked against its CRC32C when the dataset is opened
 #: (``True``), once before its first record is served (``"first-use"``, the default), or never
 #: (``False``: a corrupted shard is then read as it is).
 VERIFY_MODES: tuple[bool | str, ...] = (True, "first-use", False)
-_PREAD_IDLE = 64  # descriptors kept open per role by read="pread" (the rest closed, LRU)
+
+Release = Callable[[], None]
 
 
 def verify_files(root: str, index: Index) -> Iterator[tuple[str, str]]:
@@ -51,44 +53,54 @@ def verify_files(root: str, index: Index) -> Iterator[tuple[str, str]]:
             yield rel, f"crc32c {to_hex(got)}, index says {crc}"
 
 
-class ShardFiles:
-    """Locating, opening, mapping and checking the shard files (see the module docstring)."""
+class ShardSource:
+    """A dataset's shard files: where they are, what they must be, one opened or read whole
+    (see the module docstring). ``verify`` as :class:`~feedpipe.MemmapDataset` takes it."""
 
-    path: str
-    index: Index
-    kind: str
-    read: str
-    fields: dict[str, Any]
-    storage_options: dict[str, Any]
-    cache_dir: str | None
-    cache_limit_bytes: int | None
-    _remote: bool
-    _shown: str
-    _index_raw: bytes | None
-    _index_id: tuple[int, int, int] | None
-    _starts: np.ndarray
-    _record_bytes: int
-    _cache: Any
-    _files: OpenShards | None
-    _space: ShardSpace | bool | None
-    _role_files: dict[str, OpenShards]
-    _offsets_of: dict[int, np.ndarray]
-    _columns: dict[str, np.ndarray]
-    _open_lock: threading.RLock
-    _stamps: dict[str, list[Stamp | None]]
-    _verified: dict[str, SharedFlags]
-    _tables: dict[str, ShardTable]
-
-    @staticmethod
-    def _index_file_id(root: str) -> tuple[int, int, int] | None:
-        """What :meth:`_check_same_version` compares with: ``index.json`` as it is now."""
-        return _file_id(os.path.join(root, INDEX_NAME))
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage_options: dict[str, Any] | None,
+        cache_dir: str | os.PathLike[str] | None,
+        cache_limit_bytes: int | None,
+        verify: bool | str,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
+        self.cache_limit_bytes = cache_limit_bytes
+        self.storage_options = dict(storage_options or {})
+        self.remote = _remote.is_remote(self.path)
+        # every message and the repr show this: the URL without its password or signature
+        self.shown = _remote.redact(self.path, self.storage_options)
+        self.index_raw: bytes | None = None
+        self.index_id: tuple[int, int, int] | None = None  # local: index.json as opened
+        self.stamps: dict[str, list[Stamp | None]] = {}  # local: every file as stat'ed at open
+        self.verified: dict[str, SharedFlags] = {}  # verify="first-use": files checked (shared)
+        self._cache: Any = None  # feedpipe.cache.ShardCache of a remote dataset
+        self._tables: dict[str, ShardTable] = {}  # per role, made on first use
+        # re-entrant: a remote table (under it) makes the cache (under it too)
+        self._lock = threading.RLock()
+        if self.remote:
+            # through the retrying path; the cache is then built from these same bytes
+            policy = _remote.DEFAULT_POLICY
+            fs, root = _remote.resolve(self.path, self.storage_options, policy.deadline_s)
+            raw, _ = _remote.read_remote_index(fs, root, self.path, self.storage_options, policy)
+            self.index_raw = raw
+            self.index = parse_index(raw, _remote.join(self.shown, INDEX_NAME))
+        else:
+            self.path = self.shown = local_file_path(self.path)
+            if not os.path.isdir(self.path):
+                raise DatasetError(f"{self.path}: not a feedpipe dataset (not a directory)")
+            # before reading it: a rewrite racing the read is then seen as one, never missed
+            self.index_id = _file_id(os.path.join(self.path, INDEX_NAME))
+            self.index = read_index(self.path)
+            self._check_local_files(verify)
 
     def _check_local_files(self, verify: bool | str) -> None:
         """Sizes of every file (and, ``verify=True``, CRC32Cs); stamps every file for the
         guard, and sets up the first-use flags (shared with forked workers)."""
         n = len(self.index.shards)
-        self._stamps = {}
         for sid, shard in enumerate(self.index.shards):
             for role, info in shard.files.items():
                 path = os.path.join(self.path, info.path)
@@ -96,239 +108,142 @@ class ShardFiles:
                     st = os.stat(path)
                 except FileNotFoundError:
                     raise DatasetError(f"{path}: shard {sid} file is missing") from None
-                self._check_size(path, info, sid, st.st_size)
-                self._stamps.setdefault(role, [None] * n)[sid] = stamp_of(st)
+                if st.st_size != info.bytes:
+                    raise DatasetError(
+                        f"{path}: shard {sid} file is {st.st_size} bytes but the index says "
+                        f"{info.bytes} (truncated or modified)"
+                    )
+                self.stamps.setdefault(role, [None] * n)[sid] = stamp_of(st)
         if verify is True:
             for rel, problem in verify_files(self.path, self.index):
                 raise DatasetError(f"{os.path.join(self.path, rel)}: checksum failed: {problem}")
         elif verify == "first-use":
-            self._verified = {role: SharedFlags(n) for role in self._stamps}
+            self.verified = {role: SharedFlags(n) for role in self.stamps}
 
-    def _table(self, role: str) -> ShardTable:
+    # ------------------------------------------------------------------ what files must be
+    @property
+    def planned(self) -> bool:
+        """Whether reads follow the loader's access plan (remote, behind a bounded cache)."""
+        return self.remote and self.cache_limit_bytes is not None and self.cache_dir is not None
+
+    def table(self, role: str) -> ShardTable:
         """What shard files of ``role`` must be (see :mod:`._shard_guard`), made once."""
         table = self._tables.get(role)
         if table is None:
             shards = self.index.shards
-            paths = [self._local_path(s, role) for s in range(len(shards))]
-            sizes = [s.files[role].bytes for s in shards]
-            crcs = [s.files[role].crc32c for s in shards]
             version = None
-            if self._index_id is not None:  # no reference back to self
-                version = functools.partial(_same_version, self.path, self._index_id)
+            if self.index_id is not None:  # no reference back to self
+                version = functools.partial(_same_version, self.path, self.index_id)
             table = ShardTable(
-                paths,
-                sizes,
-                crcs,
-                stamps=self._stamps.get(role),
-                verified=self._verified.get(role),
+                [self.local_path(s, role) for s in range(len(shards))],
+                [s.files[role].bytes for s in shards],
+                [s.files[role].crc32c for s in shards],
+                stamps=self.stamps.get(role),
+                verified=self.verified.get(role),
                 version=version,
             )
             self._tables[role] = table
         return table
 
-    def _guard(self, role: str) -> ShardGuard:
-        """A new guard (one per process and holder) over ``role``'s files."""
-        return ShardGuard(self._table(role))
-
-    def _role_opener(self, role: str) -> OpenShards:
-        """A fresh holder of ``role``'s open files for this process (see :mod:`._memmap_open`)."""
-        sizes = [s.files[role].bytes if role in s.files else 0 for s in self.index.shards]
-        limit = self.cache_limit_bytes if self._remote else None
-        pread = role == "data" and self.kind == "fixed" and self.read == "pread"
-        shards = self.index.shards
-        has = bool(shards) and role in shards[0].files  # no data files: records=False
-        return OpenShards(
-            lambda sid: self._open_data(sid, role),
-            sizes,
-            None if limit is None else limit // 3,
-            guard=self._guard(role) if has else None,
-            mapped=not pread,
-            idle_count=_PREAD_IDLE if pread else max(64, map_budget() // 8),
-        )
-
-    @staticmethod
-    def _check_size(path: str, info: FileInfo, sid: int, size: int | None = None) -> None:
-        if size is None:
-            try:
-                size = os.stat(path).st_size
-            except FileNotFoundError:
-                raise DatasetError(f"{path}: shard {sid} file is missing") from None
-        if size != info.bytes:
-            raise DatasetError(
-                f"{path}: shard {sid} file is {size} bytes but the index says {info.bytes} "
-                "(truncated or modified)"
-            )
-
-    def _local_path(self, shard_id: int, role: str) -> str:
+    def local_path(self, shard_id: int, role: str) -> str:
         """Where one shard file is (or will be, once fetched into the cache) on this machine."""
         info = self.index.shards[shard_id].files[role]
-        if self._remote:
-            return str(self._shard_cache().path(info.path))
+        if self.remote:
+            return str(self.cache().path(info.path))
         return os.path.join(self.path, info.path)
 
-    def _shard_cache(self) -> Any:
+    # ------------------------------------------------------------------ the remote cache
+    @property
+    def made_cache(self) -> Any:
+        """The cache if it was made (it may be closed), else None."""
+        return self._cache
+
+    def cache(self) -> Any:
         """The :class:`feedpipe.cache.ShardCache` of a remote dataset (made on first use)."""
         if self.cache_dir is None:
             raise NotImplementedError(
-                f"{self._shown}: reading a remote MemmapDataset needs cache_dir=... (lazy "
+                f"{self.shown}: reading a remote MemmapDataset needs cache_dir=... (lazy "
                 "mode) or the staging cache (feedpipe.stage) to a local directory first"
             )
         cache = self._cache
         if cache is not None and not cache.closed:
             return cache
-        with self._open_lock:  # thread workers' first reads: one cache, not one per thread
-            return self._make_cache()
+        with self._lock:  # thread workers' first reads: one cache, not one per thread
+            if self._cache is None or self._cache.closed:  # closed by close(): a fresh one
+                self._cache = self._make_cache()
+            return self._cache
 
     def _make_cache(self) -> Any:
-        if self._cache is None or self._cache.closed:  # closed by close(): a fresh one
-            from feedpipe.remote.cache import ShardCache
+        from feedpipe.remote.cache import ShardCache
 
-            limit = self.cache_limit_bytes
-            biggest = max((info.bytes for _s, _r, info in self._shard_files()), default=0)
-            # index-order readahead helps sequential reads; under a tight limit it only evicts
-            roomy = limit is None or limit >= 8 * biggest
-            self._cache = ShardCache(
-                self.path,
-                self.cache_dir,
-                limit,
-                self.storage_options,
-                readahead=2 if roomy else 0,
-                eager_bytes=(1 << 20) if roomy else 0,
-                index_bytes=self._index_raw,
-            )
-        return self._cache
+        limit = self.cache_limit_bytes
+        sizes = (info.bytes for s in self.index.shards for info in s.files.values())
+        biggest = max(sizes, default=0)
+        # index-order readahead helps sequential reads; under a tight limit it only evicts
+        roomy = limit is None or limit >= 8 * biggest
+        return ShardCache(
+            self.path,
+            self.cache_dir,
+            limit,
+            self.storage_options,
+            readahead=2 if roomy else 0,
+            eager_bytes=(1 << 20) if roomy else 0,
+            index_bytes=self.index_raw,
+        )
 
-    def _shard_files(self) -> Iterator[tuple[int, str, FileInfo]]:
-        for sid, shard in enumerate(self.index.shards):
-            for role, info in shard.files.items():
-                yield sid, role, info
-
-    def _open_files(self) -> OpenShards:
-        """This process's open shard data files (rebuilt after a fork or unpickling)."""
-        files = self._files
-        if files is not None and files.pid == os.getpid():
-            return files
-        with self._open_lock:
-            files = self._files
-            if files is None or files.pid != os.getpid():
-                files = self._files = self._role_opener("data")
-                self._role_files = {}
-        return files
-
-    def _shard_space(self) -> ShardSpace | None:
-        """This process's one-range map of every shard (:mod:`feedpipe.datasets._gather`), or
-        ``None`` where batches are read shard by shard (remote, ``read="pread"``, bytes layout,
-        more shards than the map budget)."""
-        space = self._space
-        if isinstance(space, ShardSpace) and space.pid == os.getpid():
-            return space
-        if space is False:
-            return None
-        with self._open_lock:
-            space = self._space
-            if isinstance(space, ShardSpace) and space.pid != os.getpid():
-                space.forget()  # a forked child: the parent's maps, no other thread here
-                space = None
-            if space is None:
-                if not self._remote and self.kind == "fixed" and self.read != "pread":
-                    guard = self._guard("data")
-                    space = ShardSpace.create(guard, self._starts, self._record_bytes)
-                self._space = space if space is not None else False
-        return space if isinstance(space, ShardSpace) else None
-
-    def _open_data(self, sid: int, role: str = "data") -> tuple[int, Any]:
-        """Open (and, remote, download and lease) shard ``sid``'s data file: ``(fd, release)``."""
+    # ------------------------------------------------------------------ one file
+    def open(self, sid: int, role: str, on_wait: Release | None = None) -> tuple[int, Release]:
+        """Open (and, remote, download and lease) shard ``sid``'s ``role`` file: ``(fd,
+        release)``; ``on_wait`` runs while a download waits for room in the cache."""
         info = self.index.shards[sid].files[role]
-        release: Any = _noop
-        if self._remote:
-            cache = self._shard_cache()
-            path = cache.acquire(info.path, on_wait=self._release_idle)
-
-            def release() -> None:
-                cache.release(info.path)
+        release: Release = _noop
+        if self.remote:
+            cache = self.cache()
+            path = cache.acquire(info.path, on_wait=on_wait)
+            release = functools.partial(cache.release, info.path)
         else:
             path = os.path.join(self.path, info.path)
         try:  # non-blocking: a FIFO planted in place of a shard must not hang the open
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             release()
-            self._check_same_version(sid)  # missing because the dataset is being rewritten?
+            self.check_same_version(sid)  # missing because the dataset is being rewritten?
             raise DatasetError(f"{path}: shard {sid} file is missing") from None
         return fd, release  # checked by the holder's guard (version, size, stamp, CRC32C)
 
-    def _release_idle(self) -> None:
-        files = self._files
-        if files is not None and files.pid == os.getpid():
-            files.release_idle()
-            for other in list(self._role_files.values()):
-                other.release_idle()
-
-    def _read_whole(self, sid: int, role: str) -> bytes:
-        """A small shard file (offsets, a side column) read whole; remote: pinned meanwhile."""
+    def read_whole(self, sid: int, role: str, on_wait: Release | None = None) -> bytes:
+        """A small shard file (offsets, a side column) read whole and checked as every other
+        read (no watch: read once, kept); remote: leased meanwhile."""
         info = self.index.shards[sid].files[role]
-        if self._remote:
-            cache = self._shard_cache()
-            with contextlib.ExitStack() as stack:
-                path = cache.acquire(info.path, on_wait=self._release_idle)
-                stack.callback(cache.release, info.path)
-                return self._read_file(path, info, sid, role)
-        return self._read_file(os.path.join(self.path, info.path), info, sid, role)
-
-    def _read_file(self, path: str, info: FileInfo, sid: int, role: str) -> bytes:
+        fd, release = self.open(sid, role, on_wait)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except FileNotFoundError:
-            self._check_same_version(sid)
-            raise DatasetError(f"{path}: shard {sid} file is missing") from None
-        try:  # one read whole is checked as every other read (no watch: read once, kept)
-            ShardGuard(self._table(role), watch=False).opened(sid, fd)
-            return _pread_exact(fd, info.bytes, 0, path)
+            ShardGuard(self.table(role), watch=False).opened(sid, fd)
+            return _pread_exact(fd, info.bytes, 0, self.local_path(sid, role))
         finally:
             os.close(fd)
+            release()
 
-    def _check_same_version(self, sid: int) -> None:
+    def check_same_version(self, sid: int) -> None:
         """Raise if ``index.json`` was replaced or removed since this dataset was opened (see
         :func:`_same_version`); remote datasets read their files through the cache."""
-        if self._index_id is not None:
-            _same_version(self.path, self._index_id, sid)
+        if self.index_id is not None:
+            _same_version(self.path, self.index_id, sid)
 
-    def _rows(self, shard: OpenShard) -> np.ndarray:
-        """The shard's data mapped read-only: ``(records, record_bytes)`` uint8 (fixed)."""
-        rb = self._record_bytes if self.kind == "fixed" else 0
-        return self._open_files().rows(shard, rb)
+    # ------------------------------------------------------------------ lifetime
+    def close(self, wait: bool) -> None:
+        """End the cache's leases and stop its prefetches (it reopens on the next read)."""
+        if self._cache is not None:
+            self._cache.close(wait=wait)
 
-    def _offsets(self, sid: int) -> np.ndarray:
-        off = self._offsets_of.get(sid)
-        if off is None:
-            shard = self.index.shards[sid]
-            raw = self._read_whole(sid, "offsets")
-            off = np.frombuffer(raw, dtype="<u8").astype(np.int64)
-            data_bytes = shard.files["data"].bytes
-            if (
-                len(off) != shard.records + 1
-                or off[0] != 0
-                or off[-1] != data_bytes
-                or np.any(np.diff(off) < 0)
-            ):
-                raise DatasetError(
-                    f"{self._local_path(sid, 'offsets')}: shard {sid} offsets are corrupt "
-                    f"(first {off[0]}, last {off[-1]}, data file {data_bytes} bytes)"
-                )
-            self._offsets_of[sid] = off
-        return off
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_tables"] = {}
+        state["_lock"] = None
+        return state
 
-    def _column(self, name: str) -> np.ndarray:
-        """A side field for all records, concatenated over shards (small; kept in memory)."""
-        col = self._columns.get(name)
-        if col is None:
-            spec = self.fields[name]
-            parts = []
-            for sid in range(len(self.index.shards)):
-                raw = self._read_whole(sid, f"field.{name}")
-                parts.append(np.frombuffer(raw, dtype=spec.dtype).reshape(-1, *spec.shape))
-            col = np.concatenate(parts) if parts else np.empty((0, *spec.shape), spec.dtype)
-            self._columns[name] = col
-        return col
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
 
 
 def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:

@@ -1,4 +1,13 @@
-"""This process's open shard data files of a :class:`~feedpipe.MemmapDataset`, in LRU order.
+"""This process's open shard files of a :class:`~feedpipe.MemmapDataset`.
+
+:class:`ShardFiles` is what the dataset reads through: one :class:`OpenShards` per file role,
+the one-range map of a local fixed-record dataset (:class:`~._gather.ShardSpace`), where a
+record is (:meth:`ShardFiles.locate`) and in which order to read a batch's shards
+(:meth:`ShardFiles.order`: remote shards fetched ahead when they fit the cache). Its files come
+from the dataset's :class:`~._memmap_files.ShardSource`; it is rebuilt in a forked child and
+dropped when pickled (a worker opens its own).
+
+:class:`OpenShards` keeps one role's open files in LRU order.
 
 A shard is *in use* while a read is inside :meth:`OpenShards.use`; in-use shards are never
 closed. Between reads a shard stays open (fd, read-only map and, for a cached remote dataset,
@@ -26,12 +35,15 @@ from typing import Any
 
 import numpy as np
 
-from feedpipe.datasets._filemap import map_file
+from feedpipe.datasets._filemap import close_fd, map_file
+from feedpipe.datasets._gather import ShardSpace, map_budget
+from feedpipe.datasets._memmap_files import ShardSource
 from feedpipe.datasets._shard_guard import ShardGuard
 
-__all__ = ["OpenShard", "OpenShards"]
+__all__ = ["OpenShard", "OpenShards", "ShardFiles"]
 
 Opener = Callable[[int], tuple[int, Callable[[], None]]]
+_PREAD_IDLE = 64  # descriptors kept open per role by read="pread" (the rest closed, LRU)
 
 
 class OpenShard:
@@ -58,12 +70,7 @@ class OpenShard:
                 dma.unlock(self)  # under the lock register takes: none in flight is missed
         finally:
             self.locked = None
-            if self.fd >= 0:
-                try:
-                    os.close(self.fd)
-                except OSError:
-                    pass
-                self.fd = -1
+            self.fd = close_fd(self.fd)
             if owner:
                 self.release()
 
@@ -207,3 +214,146 @@ class OpenShards:
             count -= 1
             out.append(s)
         return out
+
+
+class ShardFiles:
+    """This process's open files of one dataset (see the module docstring); thread-safe."""
+
+    def __init__(
+        self, source: ShardSource, *, kind: str, read: str, starts: np.ndarray, record_bytes: int
+    ) -> None:
+        self.source = source
+        self.kind, self.read, self.starts, self.record_bytes = kind, read, starts, record_bytes
+        #: False: fixed records are read shard by shard even where one range could be mapped
+        self.one_range = True
+        self._lock = threading.RLock()  # first reads may come from several threads at once
+        self._pid = -1  # the process the open files below belong to
+        self._roles: dict[str, OpenShards] = {}
+        self._space: ShardSpace | bool | None = None  # False: this dataset reads per shard
+
+    # ------------------------------------------------------------------ where a record is
+    def locate(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(shard, record within it)`` of each global index."""
+        if len(self.starts) == 2:  # one shard
+            return np.zeros(len(idx), np.int64), idx
+        sid = np.searchsorted(self.starts, idx, side="right") - 1
+        return sid, idx - self.starts[sid]
+
+    def order(self, shards: list[int]) -> list[int]:
+        """The order to read a batch's ``shards`` in; fetches remote ones ahead when they fit."""
+        source = self.source
+        if not source.remote:
+            return shards
+        cache = source.cache()
+        if cache.pressure_changed():  # a download somewhere waits for room: end idle leases
+            self.release_idle()
+        if len(shards) < 2:
+            return shards
+        limit = source.cache_limit_bytes
+        rels = [rel for s in shards for rel in cache.shard_files(s)]
+        need = sum(info.bytes for s in shards for info in source.index.shards[s].files.values())
+        if limit is None or need <= limit // 2:
+            cache.fetch(rels, on_wait=self.release_idle)  # in parallel, not one by one
+            return shards
+        # more than fits: read the open shards first, then the cached ones, fetch the rest last
+        files = self.files()
+
+        def rank(s: int) -> int:
+            if files.is_open(s):
+                return 0
+            return 1 if os.path.exists(source.local_path(s, "data")) else 2
+
+        return sorted(shards, key=rank)
+
+    # ------------------------------------------------------------------ open files
+    def files(self, role: str = "data") -> OpenShards:
+        """This process's open files of ``role`` (``data``, or a variable-length field's)."""
+        if self._pid == os.getpid():
+            files = self._roles.get(role)
+            if files is not None:
+                return files
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's files are not its own
+                self._pid, self._roles = os.getpid(), {}
+            files = self._roles.get(role)
+            if files is None:
+                files = self._roles[role] = self._opener(role)
+        return files
+
+    def _opener(self, role: str) -> OpenShards:
+        source = self.source
+        shards = source.index.shards
+        sizes = [s.files[role].bytes if role in s.files else 0 for s in shards]
+        limit = source.cache_limit_bytes if source.remote else None
+        pread = role == "data" and self.kind == "fixed" and self.read == "pread"
+        has = bool(shards) and role in shards[0].files  # no data files: records=False
+        release_idle = self.release_idle
+        return OpenShards(
+            lambda sid: source.open(sid, role, release_idle),
+            sizes,
+            None if limit is None else limit // 3,
+            guard=ShardGuard(source.table(role)) if has else None,
+            mapped=not pread,
+            idle_count=_PREAD_IDLE if pread else max(64, map_budget() // 8),
+        )
+
+    def rows(self, shard: OpenShard) -> np.ndarray:
+        """A record shard's data mapped read-only: ``(records, record_bytes)`` uint8 (fixed)."""
+        rb = self.record_bytes if self.kind == "fixed" else 0
+        return self.files().rows(shard, rb)
+
+    @contextmanager
+    def mapped(self, role: str, sid: int) -> Iterator[np.ndarray]:
+        """Shard ``sid``'s ``role`` file mapped read-only (flat uint8), open inside the block."""
+        files = self.files(role)
+        with files.use(sid) as shard:  # checked before every use (_shard_guard)
+            yield files.rows(shard, 0)
+
+    def space(self) -> ShardSpace | None:
+        """This process's one-range map of every shard (:mod:`feedpipe.datasets._gather`), or
+        ``None`` where batches are read shard by shard (remote, ``read="pread"``, not fixed
+        records, more shards than the map budget)."""
+        space = self._space
+        if isinstance(space, ShardSpace) and space.pid == os.getpid():
+            return space
+        if space is False or not self.one_range:
+            return None
+        with self._lock:
+            space = self._space
+            if isinstance(space, ShardSpace) and space.pid != os.getpid():
+                space.forget()  # a forked child: the parent's maps, no other thread here
+                space = None
+            if space is None:
+                if not self.source.remote and self.kind == "fixed" and self.read != "pread":
+                    guard = ShardGuard(self.source.table("data"))
+                    space = ShardSpace.create(guard, self.starts, self.record_bytes)
+                self._space = space if space is not None else False
+        return space if isinstance(space, ShardSpace) else None
+
+    def release_idle(self) -> None:
+        """End the idle shards' leases (a download waits for room in the cache)."""
+        if self._pid == os.getpid():
+            for files in list(self._roles.values()):
+                files.release_idle()
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self, wait: bool) -> None:
+        """Close every open file and map (``wait``: for a gather still running, a while)."""
+        space, self._space = self._space, None
+        if isinstance(space, ShardSpace):
+            if space.pid == os.getpid():
+                space.close(timeout=60.0 if wait else 0.0)
+            else:
+                space.forget()
+        roles, self._roles = self._roles, {}
+        for files in roles.values():
+            files.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_lock=None, _pid=-1, _roles={}, _space=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()

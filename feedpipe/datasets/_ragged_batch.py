@@ -17,6 +17,7 @@ Everything else in a sample goes through ``default_collate`` unchanged.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,39 +47,73 @@ def collate_ragged(
     its samples' values (unless a transform made them tensors), as the dataset's own batches
     are. With no samples: the batch of none shaped like ``example``'s (0-row tensors, padded
     columns of width 0, empty lists)."""
-    if not samples:
-        if example is None:
+    collate = _Collator(ragged, listed, mode, pad_value)
+    if samples:
+        return collate(samples)
+    if example is None:
+        return default_collate(samples)
+    return _no_rows(collate([example]))
+
+
+@dataclass(frozen=True)
+class _Collator:
+    """One way to collate samples with ragged and listed columns (see :func:`collate_ragged`):
+    a sample that is a tensor (the records), a mapping of columns, or anything else."""
+
+    ragged: Collection[str]
+    listed: Collection[str]
+    mode: str
+    pad_value: Any
+
+    def __call__(self, samples: list[Any]) -> Any:
+        first = samples[0]
+        if isinstance(first, torch.Tensor):
+            return self._records(samples)
+        if isinstance(first, Mapping) and all(isinstance(s, Mapping) for s in samples):
+            return self._columns(samples)
+        return default_collate(samples)
+
+    def _records(self, samples: list[Any]) -> Any:
+        """Samples that are the records themselves: a ragged ``data`` column, or plain."""
+        if "data" not in self.ragged or not _all_rows(samples):
             return default_collate(samples)
-        return _no_rows(collate_ragged([example], ragged, mode, pad_value, listed))
-    first = samples[0]
-    if isinstance(first, torch.Tensor):
-        if "data" in ragged and _all_rows(samples):
-            got = _column("data", samples, mode, pad_value)
-            return got["data"] if mode == "nested" else got
-        return default_collate(samples)
-    if not isinstance(first, Mapping) or not all(isinstance(s, Mapping) for s in samples):
-        return default_collate(samples)
-    names = [k for k in first if k in ragged and _all_rows([s.get(k) for s in samples])]
-    kept = [
-        k
-        for k in first
-        if k in listed
-        and all(k in s for s in samples)
-        and not all(isinstance(s[k], torch.Tensor) for s in samples)  # still a str/JSON value
-    ]
-    if not names and not kept:
-        return default_collate(samples)
-    special = {*names, *kept}
-    rest = default_collate([{k: v for k, v in s.items() if k not in special} for s in samples])
-    out: dict[Any, Any] = {}
-    for k in first:
-        if k in names:
-            out.update(_column(k, [s[k] for s in samples], mode, pad_value))
-        elif k in kept:
-            out[k] = [s[k] for s in samples]
-        elif k in rest:
-            out[k] = rest[k]
-    return out if type(first) is dict else type(first)(out)  # type: ignore[call-arg]
+        got = _column("data", samples, self.mode, self.pad_value)
+        return got["data"] if self.mode == "nested" else got
+
+    def _columns(self, samples: list[Mapping[Any, Any]]) -> Any:
+        """Samples that are mappings: ragged columns batched, listed ones kept as lists, the
+        rest through ``default_collate``; the keys in the first sample's order."""
+        first = samples[0]
+        kinds = {k: self._kind(samples, k) for k in first}
+        special = {k for k, kind in kinds.items() if kind != "rest"}
+        if not special:
+            return default_collate(samples)
+        rest = default_collate([{k: v for k, v in s.items() if k not in special} for s in samples])
+        out: dict[Any, Any] = {}
+        for k, kind in kinds.items():
+            if kind == "ragged":
+                out.update(_column(k, [s[k] for s in samples], self.mode, self.pad_value))
+            elif kind == "listed":
+                out[k] = [s[k] for s in samples]
+            elif k in rest:
+                out[k] = rest[k]
+        return out if type(first) is dict else type(first)(out)  # type: ignore[call-arg]
+
+    def _kind(self, samples: list[Mapping[Any, Any]], key: Any) -> str:
+        """How column ``key`` is batched: ``ragged`` (padded or nested), ``listed`` (a list of
+        the samples' values) or ``rest`` (``default_collate``)."""
+        if key in self.ragged and _all_rows([s.get(key) for s in samples]):
+            return "ragged"
+        if key in self.listed and _still_values(samples, key):
+            return "listed"
+        return "rest"
+
+
+def _still_values(samples: list[Mapping[Any, Any]], key: Any) -> bool:
+    """Every sample has ``key``, and not every value is a tensor (still a str/JSON value)."""
+    if not all(key in s for s in samples):
+        return False
+    return not all(isinstance(s[key], torch.Tensor) for s in samples)
 
 
 def _no_rows(batch: Any) -> Any:

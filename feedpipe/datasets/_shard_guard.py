@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from feedpipe.datasets._filemap import libc
+from feedpipe.datasets._filemap import close_fd, libc
 from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c, to_hex
 
@@ -360,12 +360,7 @@ class _Watcher:
                             dirty.append(sid)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = -1
+        self.fd = close_fd(self.fd)
 
 
 _WATCHER: _Watcher | None = None

@@ -117,7 +117,7 @@ class _StrictStore(WrapperStore[Any]):
     async def get(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
     ) -> Buffer | None:
-        buf = await self._store.get(key, prototype, byte_range)
+        buf: Buffer | None = await self._store.get(key, prototype, byte_range)
         if key.endswith(_METADATA):
             return buf
         if buf is None:

@@ -138,30 +138,40 @@ def encode(kind: str, dtype: str, shape: tuple[int, ...], value: Any, where: str
 
 
 def _ragged(dtype: str, shape: tuple[int, ...], value: Any, where: str) -> np.ndarray:
+    """One ragged record: raw bytes (a ``uint8`` column), else an array of ``(n, *shape)``
+    cast exactly to ``dtype``."""
     if isinstance(value, (bytes, bytearray, memoryview)) and dtype == "uint8" and shape == ():
         return np.frombuffer(value, np.uint8)
-    if isinstance(value, (str, bytes, dict)) or value is None:
-        raise DatasetError(f"{where}: expected an array, got {type(value).__name__}")
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().numpy()
-    arr = np.asarray(value)
+    arr = _array_of(value, where)
     want = np.dtype(dtype)
     if arr.size == 0 and arr.ndim == 1 and shape == ():
         return np.empty(0, want)
     if arr.ndim != 1 + len(shape) or arr.shape[1:] != shape:
         want_shape = f"(n, {', '.join(map(str, shape))})" if shape else "(n,)"
         raise DatasetError(f"{where}: expected shape {want_shape} with any n, got {arr.shape}")
-    if arr.dtype != want:
-        ints = arr.dtype.kind in "biu" and want.kind in "iu"  # checked below: values must fit
-        if not ints and not np.can_cast(arr.dtype, want, "same_kind"):
-            raise DatasetError(f"{where}: expected dtype {want}, got {arr.dtype}")
-        cast = arr.astype(want)
-        if not np.array_equal(cast, arr):
-            raise DatasetError(
-                f"{where}: expected dtype {want}, got {arr.dtype} with values that do not fit"
-            )
-        arr = cast
-    return arr
+    return arr if arr.dtype == want else _cast_exact(arr, want, where)
+
+
+def _array_of(value: Any, where: str) -> np.ndarray:
+    """``value`` (an array-like, a tensor) as a numpy array; never a string, mapping or None."""
+    if isinstance(value, (str, bytes, dict)) or value is None:
+        raise DatasetError(f"{where}: expected an array, got {type(value).__name__}")
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _cast_exact(arr: np.ndarray, want: np.dtype[Any], where: str) -> np.ndarray:
+    """``arr`` as ``want``: integers whose values fit, or a same-kind cast that loses nothing."""
+    ints = arr.dtype.kind in "biu" and want.kind in "iu"  # checked below: values must fit
+    if not ints and not np.can_cast(arr.dtype, want, "same_kind"):
+        raise DatasetError(f"{where}: expected dtype {want}, got {arr.dtype}")
+    cast = arr.astype(want)
+    if not np.array_equal(cast, arr):
+        raise DatasetError(
+            f"{where}: expected dtype {want}, got {arr.dtype} with values that do not fit"
+        )
+    return cast
 
 
 def _check_json(value: Any, where: str, depth: int = 0) -> None:

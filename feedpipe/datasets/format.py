@@ -249,49 +249,71 @@ class Index:
     @classmethod
     def from_json(cls, doc: Any, source: str = "index.json") -> Index:
         """Parse and validate; every problem raises :class:`DatasetError` naming ``source``."""
-        if not isinstance(doc, Mapping) or doc.get("format") != FORMAT:
-            fmt = doc.get("format") if isinstance(doc, Mapping) else None
-            raise DatasetError(f"{source}: not a feedpipe dataset index (format={fmt!r})")
-        version = doc.get("version")
-        if version not in VERSIONS or isinstance(version, bool):
-            raise DatasetError(
-                f"{source}: unsupported index version {version!r} (expected 1 or 2; "
-                "a newer feedpipe wrote it?)"
-            )
+        version = _check_header(doc, source)
         try:
-            layout = _parse_layout(doc["layout"])
-            fields = _parse_fields(doc.get("fields", {}))
-            check_field_names(layout, fields)
-            if not isinstance(doc["shards"], list):
-                raise ValueError("'shards' must be a list")
-            shards = [_parse_shard(s, i, source) for i, s in enumerate(doc["shards"])]
-            declared = _int(doc["num_records"], "num_records")
-            classes = doc.get("classes")
-            if classes is not None and not (
-                isinstance(classes, list) and all(isinstance(c, str) for c in classes)
-            ):
-                raise ValueError("'classes' must be a list of strings")
+            layout, fields, shards, declared = _parse_body(doc, source)
         except DatasetError:
             raise
         except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
             raise DatasetError(f"{source}: malformed index: {type(exc).__name__}: {exc}") from None
         extra = {k: v for k, v in doc.items() if k not in _CORE_KEYS}
         index = cls(layout, fields, shards, extra, version)
-        if index.needed_version > version:
-            raise DatasetError(
-                f"{source}: version {version} index uses typed columns (a version 2 feature)"
-            )
-        if index.num_records != declared:
-            raise DatasetError(
-                f"{source}: num_records is {declared} but the shards hold {index.num_records}"
-            )
-        for shard_id, shard in enumerate(shards):
-            needed = [*column_roles(layout, fields)]
-            for role in needed:
-                if role not in shard.files:
-                    raise DatasetError(f"{source}: shard {shard_id} lists no {role!r} file")
-            _check_sizes(index, shard_id, source)
+        _check_index(index, declared, source)
         return index
+
+
+def _check_header(doc: Any, source: str) -> int:
+    """The index's format and version, checked; returns the version."""
+    if not isinstance(doc, Mapping) or doc.get("format") != FORMAT:
+        fmt = doc.get("format") if isinstance(doc, Mapping) else None
+        raise DatasetError(f"{source}: not a feedpipe dataset index (format={fmt!r})")
+    version = doc.get("version")
+    if version not in VERSIONS or isinstance(version, bool):
+        raise DatasetError(
+            f"{source}: unsupported index version {version!r} (expected 1 or 2; "
+            "a newer feedpipe wrote it?)"
+        )
+    checked: int = version  # as written (1.0 is 1 to Python, and stays as written)
+    return checked
+
+
+def _parse_body(
+    doc: Mapping[str, Any], source: str
+) -> tuple[Layout, dict[str, FieldSpec], list[Shard], int]:
+    """Layout, fields, shards and the declared record count (``KeyError``, ``ValueError``...
+    for anything malformed)."""
+    layout = _parse_layout(doc["layout"])
+    fields = _parse_fields(doc.get("fields", {}))
+    check_field_names(layout, fields)
+    if not isinstance(doc["shards"], list):
+        raise ValueError("'shards' must be a list")
+    shards = [_parse_shard(s, i, source) for i, s in enumerate(doc["shards"])]
+    declared = _int(doc["num_records"], "num_records")
+    classes = doc.get("classes")
+    if classes is not None and not (
+        isinstance(classes, list) and all(isinstance(c, str) for c in classes)
+    ):
+        raise ValueError("'classes' must be a list of strings")
+    return layout, fields, shards, declared
+
+
+def _check_index(index: Index, declared: int, source: str) -> None:
+    """What only the whole index can tell: the version its columns need, the record count,
+    every shard's files and their sizes."""
+    if index.needed_version > index.version:
+        raise DatasetError(
+            f"{source}: version {index.version} index uses typed columns (a version 2 feature)"
+        )
+    if index.num_records != declared:
+        raise DatasetError(
+            f"{source}: num_records is {declared} but the shards hold {index.num_records}"
+        )
+    needed = [*column_roles(index.layout, index.fields)]
+    for shard_id, shard in enumerate(index.shards):
+        for role in needed:
+            if role not in shard.files:
+                raise DatasetError(f"{source}: shard {shard_id} lists no {role!r} file")
+        _check_sizes(index, shard_id, source)
 
 
 def column_roles(layout: Layout, fields: Mapping[str, FieldSpec]) -> Iterator[str]:
@@ -404,21 +426,26 @@ def _parse_shard(doc: Any, shard_id: int, source: str) -> Shard:
         if not isinstance(f, Mapping) or not isinstance(f["path"], str):
             raise ValueError(f"shard {shard_id} file {role!r} must be an object with a 'path'")
         path = f["path"]
-        parts = path.split("/")
-        if path.startswith("/") or "\\" in path or ".." in parts or ":" in parts[0]:
-            raise DatasetError(f"{source}: shard {shard_id} file path {path!r} escapes the dataset")
-        if path == INDEX_NAME or any(p in ("", ".") or is_marker_name(p) for p in parts):
-            raise DatasetError(
-                f"{source}: shard {shard_id} file path {path!r} is not a valid dataset file name "
-                f"(an empty or '.' component, {INDEX_NAME!r}, or an ownership marker's name "
-                "'.TOOL-owner.json', which stage, convert and the cache keep for their own)"
-            )
+        _check_file_path(path, shard_id, source)
         crc = f["crc32c"]
         if not isinstance(crc, str) or not _HEX8.match(crc.lower()):
             raise DatasetError(f"{source}: shard {shard_id} file {path!r} has a bad crc32c {crc!r}")
         nbytes = _int(f["bytes"], f"shard {shard_id} file {path!r} bytes")
         files[str(role)] = FileInfo(path, nbytes, crc.lower())
     return Shard(records, files)
+
+
+def _check_file_path(path: str, shard_id: int, source: str) -> None:
+    """A shard file's path: inside the dataset, and not a name the dataset keeps for itself."""
+    parts = path.split("/")
+    if path.startswith("/") or "\\" in path or ".." in parts or ":" in parts[0]:
+        raise DatasetError(f"{source}: shard {shard_id} file path {path!r} escapes the dataset")
+    if path == INDEX_NAME or any(p in ("", ".") or is_marker_name(p) for p in parts):
+        raise DatasetError(
+            f"{source}: shard {shard_id} file path {path!r} is not a valid dataset file name "
+            f"(an empty or '.' component, {INDEX_NAME!r}, or an ownership marker's name "
+            "'.TOOL-owner.json', which stage, convert and the cache keep for their own)"
+        )
 
 
 def _check_sizes(index: Index, shard_id: int, source: str) -> None:

@@ -83,6 +83,15 @@ def _count(value: Any, what: str) -> int:
     raise ValueError(f"{what} must be an integer, got {value!r}")
 
 
+def _weight(name: str, value: Any) -> float:
+    """A member's weight: a finite, non-negative real number (never a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"weight of {name!r} must be a finite number, got {value!r}")
+    if value < 0:
+        raise ValueError(f"weight of {name!r} must be >= 0, got {value!r}")
+    return float(value)
+
+
 class MixedDataset:
     """A map-style dataset over named member datasets, drawn in fixed proportions per epoch.
 
@@ -142,14 +151,7 @@ class MixedDataset:
             raise ValueError(
                 f"weights must name every member exactly: missing {missing}, unknown {unknown}"
             )
-        out: list[float] = []
-        for n in self.names:
-            w = weights[n]
-            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
-                raise ValueError(f"weight of {n!r} must be a finite number, got {w!r}")
-            if w < 0:
-                raise ValueError(f"weight of {n!r} must be >= 0, got {w!r}")
-            out.append(float(w))
+        out = [_weight(n, weights[n]) for n in self.names]
         if sum(out) <= 0:
             raise ValueError("at least one weight must be positive")
         for n, w, length in zip(self.names, out, self.lengths, strict=True):

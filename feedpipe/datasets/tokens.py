@@ -109,7 +109,8 @@ class TokenWindows(torch.utils.data.Dataset[torch.Tensor]):
             index = int(index)
         if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
             raise TypeError(f"index must be an int, got {type(index).__name__}")
-        return self.read_batch([int(index)])[0]
+        window: torch.Tensor = self.read_batch([int(index)])[0]
+        return window
 
     def __getitems__(self, indices: Sequence[int]) -> list[torch.Tensor]:
         return list(self.read_batch(indices))
