@@ -71,3 +71,17 @@ def dies_on_3_others_slow(item: Any) -> np.ndarray:
         os._exit(3)
     time.sleep(0.4)
     return np.full(3, int(item), np.int64)
+
+
+def scalars(item: Any) -> Iterator[dict[str, Any]]:
+    """``item % 4`` records of scalar fields only: no ``data`` key, no variable-length field."""
+    item = int(item)
+    for j in range(item % 4):
+        yield {"doc": item * 10 + j, "score": np.float32(item + j / 4)}
+
+
+def scalars_failing_from_env(item: Any) -> Iterator[dict[str, Any]]:
+    """``scalars``, failing on inputs >= $FEEDPIPE_TEST_FAIL_AT (unset: never)."""
+    if int(item) >= int(os.environ.get("FEEDPIPE_TEST_FAIL_AT", "1000000")):
+        raise RuntimeError("injected failure")
+    yield from scalars(item)

@@ -13,13 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from feedpipe.datasets._shard_file import ShardFile
 from feedpipe.datasets._writer_target import WriteTarget, check_destination, prepare_destination
+from feedpipe.datasets._writing_shard import WritingShard
 from feedpipe.datasets.columns import dtype_arg, encode, parse_field
 from feedpipe.datasets.format import (
     VARIABLE_KINDS,
     FieldSpec,
-    FileInfo,
     Index,
     Layout,
     Shard,
@@ -88,7 +87,8 @@ class MemmapWriter:
     ``records=False`` no records column (a record is its fields; ``append(**fields)``).
     ``fields`` maps side-field names to a dtype, ``(dtype, shape)``, ``(dtype, (None, ...))``
     (ragged), ``"str"`` (UTF-8) or ``"json"`` (see :mod:`feedpipe.datasets.columns`). A shard
-    is closed when its files would exceed ``shard_bytes``. ``extra`` adds top-level keys to the
+    is closed when its records and variable-length field files would exceed ``shard_bytes``
+    (a layout with neither counts its fixed-size fields). ``extra`` adds top-level keys to the
     index (e.g. ``classes``). ``first_record`` numbers the records in error messages (a writer
     of one part of a larger conversion).
 
@@ -126,13 +126,8 @@ class MemmapWriter:
         self._local = self._target.local
         self._shards: list[Shard] = []
         self._first_shard = first_shard
-        self._data: ShardFile | None = None
-        self._offsets: list[int] = []
-        self._columns: dict[str, list[np.ndarray]] = {}
+        self._shard: WritingShard | None = None  # the open shard, whatever the layout
         self._var = {n: f for n, f in self.fields.items() if f.kind in VARIABLE_KINDS}
-        self._var_files: dict[str, ShardFile] = {}
-        self._var_offsets: dict[str, list[int]] = {}
-        self._records = 0  # records in the open shard
         self.num_records = 0  # records appended in total
         self.first_record = first_record  # the number of the first record in error messages
         self._closed = False
@@ -177,11 +172,12 @@ class MemmapWriter:
         cols = self._check_fields(fields, n, self.first_record + self.num_records)
         arr = np.ascontiguousarray(arr)
         per = self.layout.record_bytes
+        row = sum(c.nbytes for c in cols.values()) // n  # one record's fixed-size fields
         start = 0
         while start < n:
-            if self._records and self._data_size() + per > self.shard_bytes:
+            if self._full_for(per, row):
                 self._close_shard()
-            room = (self.shard_bytes - self._data_size()) // per if per else n
+            room = (self.shard_bytes - self._size()) // per if per else n
             stop = min(n, start + max(1, room))
             piece = {k: v[start:stop] for k, v in cols.items()}
             self._write_block(arr[start:stop], stop - start, piece)
@@ -303,26 +299,22 @@ class MemmapWriter:
         return out
 
     # ------------------------------------------------------------------ shards
-    def _data_size(self) -> int:
-        """Bytes of the open shard's streamed files (records and variable-length fields)."""
-        if not self._open:
-            return 0
-        size = self._data.size if self._data is not None else 0
-        return size + sum(f.size for f in self._var_files.values())
+    def _size(self) -> int:
+        """Bytes of the open shard counted against ``shard_bytes`` (see :class:`WritingShard`)."""
+        return self._shard.size if self._shard is not None else 0
 
-    @property
-    def _open(self) -> bool:
-        return self._data is not None or bool(self._var_files)
+    def _full_for(self, streamed: int, columns: int) -> bool:
+        """Whether the open shard, holding records, would pass ``shard_bytes`` with a record
+        of ``streamed`` bytes of files and ``columns`` bytes of fixed-size fields."""
+        shard = self._shard
+        if shard is None or not shard.records:
+            return False
+        return shard.size_with(streamed, columns) > self.shard_bytes
 
-    def _open_shard(self) -> None:
+    def _open_shard(self) -> WritingShard:
         sid = self._first_shard + len(self._shards)
-        if self.layout.kind != "none":
-            self._data = ShardFile(self._local, shard_name(sid, "data"))
-        self._offsets = [0]
-        self._columns = {name: [] for name in self.fields if name not in self._var}
-        self._var_files = {n: ShardFile(self._local, shard_name(sid, n)) for n in self._var}
-        self._var_offsets = {n: [0] for n in self._var}
-        self._records = 0
+        self._shard = WritingShard(self._local, sid, self.layout, self.fields)
+        return self._shard
 
     def _write_records(
         self,
@@ -333,11 +325,12 @@ class MemmapWriter:
     ) -> None:
         var = var or {}
         for i, (buf, size) in enumerate(zip(bufs, sizes, strict=True)):
-            extra = sum(v[i].nbytes for v in var.values())
-            if self._records and self._data_size() + size + extra > self.shard_bytes:
-                self._close_shard()
+            row = {k: v[i : i + 1] for k, v in cols.items()}
             one = {k: v[i] for k, v in var.items()}
-            self._write_block(buf, 1, {k: v[i : i + 1] for k, v in cols.items()}, one)
+            streamed = size + sum(v.nbytes for v in one.values())
+            if self._full_for(streamed, sum(c.nbytes for c in row.values())):
+                self._close_shard()
+            self._write_block(buf, 1, row, one)
 
     def _write_block(
         self,
@@ -348,53 +341,14 @@ class MemmapWriter:
     ) -> None:
         if self._closed:
             raise RuntimeError(f"{self.path}: writer is closed")
-        if not self._open:
-            self._open_shard()
-        if self._data is not None:
-            self._data.write(buf)
-            if self.layout.has_offsets:
-                self._offsets.append(self._data.size)
-        for name, value in (var or {}).items():
-            f = self._var_files[name]
-            f.write(value)
-            self._var_offsets[name].append(f.size)
-        for name, col in cols.items():
-            self._columns[name].append(col)
-        self._records += n
+        shard = self._shard if self._shard is not None else self._open_shard()
+        shard.write(buf, n, cols, var or {})
         self.num_records += n
 
     def _close_shard(self) -> None:
-        if not self._open:
-            return
-        sid = self._first_shard + len(self._shards)
-        files: dict[str, FileInfo] = {}
-        if self._data is not None:
-            files["data"] = self._data.finish()
-        self._data = None
-        var_files, self._var_files = self._var_files, {}
-        pending: list[tuple[str, str, np.ndarray]] = []
-        if self.layout.has_offsets:
-            pending.append(("offsets", "offsets", np.asarray(self._offsets, dtype="<u8")))
-        for name, f in var_files.items():
-            files[f"field.{name}"] = f.finish()
-            offsets = np.asarray(self._var_offsets[name], dtype="<u8")
-            pending.append((f"field.{name}.offsets", f"{name}.offsets", offsets))
-        for name, spec in self.fields.items():
-            if name in self._var:
-                continue
-            parts = self._columns[name]
-            col = np.concatenate(parts) if parts else np.empty((0, *spec.shape), spec.dtype)
-            pending.append((f"field.{name}", name, col))
-        for role, suffix, arr in pending:
-            f = ShardFile(self._local, shard_name(sid, suffix))
-            try:
-                f.write(np.ascontiguousarray(arr).view(np.uint8).reshape(-1))
-                files[role] = f.finish()
-            except BaseException:
-                f.abort()
-                raise
-        self._shards.append(Shard(self._records, files))
-        self._records = 0
+        shard, self._shard = self._shard, None
+        if shard is not None:
+            self._shards.append(shard.finish())
 
     @property
     def shards(self) -> list[Shard]:
@@ -414,12 +368,9 @@ class MemmapWriter:
 
     def abort(self) -> None:
         """Discard the open shard; no index is written, so the directory is not a dataset."""
-        if self._data is not None:
-            self._data.abort()
-            self._data = None
-        for f in self._var_files.values():
-            f.abort()
-        self._var_files = {}
+        shard, self._shard = self._shard, None
+        if shard is not None:
+            shard.abort()
         self._closed = True
         self._target.discard()
 
