@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,7 @@ from feedpipe.device import hostreg
 __all__ = [
     "ENV",
     "SHM_DIR",
+    "SlotLayout",
     "SlotRef",
     "Slots",
     "allocate",
@@ -137,9 +139,11 @@ def allocate(nbytes: int, workers: int) -> torch.Tensor | None:
     if free is not None and 2 * max(1, workers) * nbytes > free:
         return None
     try:
-        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        buffer.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
     except (RuntimeError, MemoryError, OSError):
         return None
+    return buffer
 
 
 def _workers() -> int:
@@ -149,39 +153,101 @@ def _workers() -> int:
 
 
 # ------------------------------------------------------------------------------- the layout
-# spec: ("leaf", i) | ("dict", keys, children) | ("list", children) | ("named", type, children)
 class _UnsupportedError(Exception):
     """The samples hold something ``collate_into`` leaves to ``default_collate``."""
 
 
-def _leaf_of(samples: list[Any]) -> tuple[torch.dtype, tuple[int, ...], str]:
-    """dtype, per-sample shape and kind of one leaf position, as ``default_collate`` makes it."""
+@dataclass(frozen=True)
+class _Leaf:
+    """One leaf position of the samples: its column, and the dtype, per-sample shape and kind
+    (``"tensor"``, ``"array"``, ``"npscalar"`` or ``"py"``) ``default_collate`` gives it."""
+
+    column: list[Any]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    kind: str
+
+    def nbytes(self, n: int) -> int:
+        """Bytes of the collated column for ``n`` samples."""
+        return n * int(np.prod(self.shape)) * self.dtype.itemsize
+
+    def write(self, out: torch.Tensor) -> None:
+        """Stack the column into ``out`` (``n`` rows of ``shape``)."""
+        if self.kind == "tensor":
+            torch.stack(self.column, 0, out=out)
+        elif self.kind == "array":
+            np.stack(self.column, axis=0, out=out.numpy())
+        else:  # Python or numpy scalars
+            out.numpy()[...] = self.column
+
+
+def _same(samples: list[Any], attr: str) -> bool:
+    """Whether every sample has the first one's ``shape`` or ``dtype``."""
+    first = getattr(samples[0], attr)
+    return all(getattr(s, attr) == first for s in samples)
+
+
+def _tensor_leaf(samples: list[Any]) -> _Leaf:
     elem = samples[0]
-    kind = type(elem)
+    if elem.is_sparse or elem.device.type != "cpu" or elem.requires_grad:
+        raise _UnsupportedError
+    if not _same(samples, "shape") or not _same(samples, "dtype"):
+        raise _UnsupportedError  # default_collate raises its own error for a shape mismatch
+    return _Leaf(samples, elem.dtype, tuple(elem.shape), "tensor")
+
+
+def _array_leaf(samples: list[Any]) -> _Leaf:
+    """numpy arrays and memmaps (``default_collate`` treats both the same)."""
+    elem = samples[0]
+    if elem.dtype.kind not in "biufc" or elem.dtype.byteorder == ">":
+        raise _UnsupportedError
+    size = elem.dtype.itemsize  # torch.as_tensor refuses negative or partial strides
+    if any(st < 0 or st % size for s in samples for st in s.strides):
+        raise _UnsupportedError
+    dtype = _torch_dtype(elem)
+    if not _same(samples, "shape") or not _same(samples, "dtype"):
+        raise _UnsupportedError
+    return _Leaf(samples, dtype, tuple(elem.shape), "array")
+
+
+def _npscalar_leaf(samples: list[Any]) -> _Leaf:
+    if samples[0].dtype.kind not in "biufc":
+        raise _UnsupportedError
+    dtype = _torch_dtype(samples[0])
+    if not _same(samples, "dtype"):
+        raise _UnsupportedError
+    return _Leaf(samples, dtype, (), "npscalar")
+
+
+_PY_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
+
+
+def _py_leaf(samples: list[Any]) -> _Leaf:
+    return _Leaf(samples, _PY_DTYPES[type(samples[0])], (), "py")
+
+
+# the leaf kinds by the samples' exact type (numpy scalars: any np.generic but np.object_)
+_LEAF_KINDS: dict[type, Callable[[list[Any]], _Leaf]] = {
+    torch.Tensor: _tensor_leaf,
+    np.ndarray: _array_leaf,
+    np.memmap: _array_leaf,
+    bool: _py_leaf,
+    int: _py_leaf,
+    float: _py_leaf,
+}
+
+
+def _leaf_of(samples: list[Any]) -> _Leaf:
+    """One leaf position, as ``default_collate`` makes it (all samples of one exact type)."""
+    kind = type(samples[0])
     if any(type(s) is not kind for s in samples):
         raise _UnsupportedError
-    if kind is torch.Tensor:
-        if elem.is_sparse or elem.device.type != "cpu" or elem.requires_grad:
-            raise _UnsupportedError
-        return elem.dtype, tuple(elem.shape), "tensor"
-    if kind is np.ndarray or kind is np.memmap:  # default_collate treats both the same
-        if elem.dtype.kind not in "biufc" or elem.dtype.byteorder == ">":
-            raise _UnsupportedError
-        size = elem.dtype.itemsize  # torch.as_tensor refuses negative or partial strides
-        if any(st < 0 or st % size for s in samples for st in s.strides):
-            raise _UnsupportedError
-        return _torch_dtype(elem), elem.shape, "array"
-    if isinstance(elem, np.generic) and kind is not np.object_:
-        if elem.dtype.kind not in "biufc":
-            raise _UnsupportedError
-        return _torch_dtype(elem), (), "npscalar"
-    if kind is bool:
-        return torch.bool, (), "py"
-    if kind is int:
-        return torch.int64, (), "py"
-    if kind is float:
-        return torch.float64, (), "py"
-    raise _UnsupportedError
+    make = _LEAF_KINDS.get(kind)
+    if make is None and isinstance(samples[0], np.generic) and kind is not np.object_:
+        make = _npscalar_leaf
+    if make is None:
+        raise _UnsupportedError
+    return make(samples)
 
 
 def _torch_dtype(elem: Any) -> torch.dtype:
@@ -192,36 +258,60 @@ def _torch_dtype(elem: Any) -> torch.dtype:
         raise _UnsupportedError from None
 
 
-def _plan(samples: list[Any], leaves: list[tuple[Any, ...]]) -> Any:
-    """The batch's structure (``spec``); appends ``(samples, dtype, shape, kind)`` per leaf."""
-    elem = samples[0]
-    kind = type(elem)
-    if kind is dict:
-        keys = list(elem)
-        if any(type(s) is not dict or list(s) != keys for s in samples):
+class SlotLayout:
+    """What ``default_collate(samples)`` would build, planned before any byte is written.
+
+    ``spec`` is the batch's structure (``("leaf", i)``, ``("dict", keys, children)``,
+    ``("list", children)`` or ``("named", type, children)``), travelling with the
+    :class:`SlotRef`; ``leaves`` are its leaf columns in order. Raises ``_UnsupportedError`` for
+    anything ``collate_into`` leaves to ``default_collate``.
+    """
+
+    def __init__(self, samples: list[Any]) -> None:
+        self.leaves: list[_Leaf] = []
+        self.spec = self._node(samples)
+
+    def _node(self, samples: list[Any]) -> Any:
+        elem = samples[0]
+        kind = type(elem)
+        if kind is dict:
+            keys = list(elem)
+            if any(type(s) is not dict or list(s) != keys for s in samples):
+                raise _UnsupportedError
+            return ("dict", keys, [self._node([s[k] for s in samples]) for k in keys])
+        if kind is tuple and hasattr(elem, "_fields"):
+            raise _UnsupportedError  # a subclass of tuple that is not exactly a namedtuple
+        if isinstance(elem, tuple) and hasattr(kind, "_fields"):
+            return ("named", kind, self._columns(samples))
+        if kind is list or kind is tuple:  # default_collate: a list of the collated columns
+            return ("list", self._columns(samples))
+        if isinstance(elem, (Mapping, Sequence)) and not isinstance(elem, (str, bytes)):
+            raise _UnsupportedError  # other containers: default_collate's own rules
+        self.leaves.append(_leaf_of(samples))
+        return ("leaf", len(self.leaves) - 1)
+
+    def _columns(self, samples: list[Any]) -> list[Any]:
+        """The nodes of a sequence's columns (all samples of one type and length)."""
+        kind, length = type(samples[0]), len(samples[0])
+        if any(type(s) is not kind or len(s) != length for s in samples):
             raise _UnsupportedError
-        return ("dict", keys, [_plan([s[k] for s in samples], leaves) for k in keys])
-    if kind is tuple and hasattr(elem, "_fields"):
-        raise _UnsupportedError  # a subclass of tuple that is not exactly a namedtuple: below
-    if isinstance(elem, tuple) and hasattr(type(elem), "_fields"):
-        if any(type(s) is not kind or len(s) != len(elem) for s in samples):
-            raise _UnsupportedError
-        return ("named", kind, [_plan(list(col), leaves) for col in zip(*samples, strict=True)])
-    if kind is list or kind is tuple:  # default_collate: a list of the collated columns
-        if any(type(s) is not kind or len(s) != len(elem) for s in samples):
-            raise _UnsupportedError
-        return ("list", [_plan(list(col), leaves) for col in zip(*samples, strict=True)])
-    if isinstance(elem, (Mapping, Sequence)) and not isinstance(elem, (str, bytes)):
-        raise _UnsupportedError  # other containers: default_collate's own rules
-    dtype, shape, how = _leaf_of(samples)
-    if how in ("tensor", "array") and any(tuple(s.shape) != shape for s in samples):
-        raise _UnsupportedError  # default_collate raises its own error for this
-    if how == "tensor" and any(s.dtype != dtype for s in samples):
-        raise _UnsupportedError
-    if how in ("array", "npscalar") and any(s.dtype != samples[0].dtype for s in samples):
-        raise _UnsupportedError
-    leaves.append((samples, dtype, shape, how))
-    return ("leaf", len(leaves) - 1)
+        return [self._node(list(col)) for col in zip(*samples, strict=True)]
+
+    def sizes(self, n: int) -> list[int]:
+        """Each leaf's aligned bytes for ``n`` samples."""
+        return [_align(leaf.nbytes(n)) for leaf in self.leaves]
+
+    def write(self, buffer: torch.Tensor, base: int, n: int) -> list[tuple[Any, ...]]:
+        """Write every leaf into ``buffer`` from byte ``base`` on; ``(offset, dtype, shape)``
+        of each, as :meth:`Slots.resolve` reads them back."""
+        placed: list[tuple[Any, ...]] = []
+        offset = base
+        for leaf, size in zip(self.leaves, self.sizes(n), strict=True):
+            out = buffer[offset : offset + leaf.nbytes(n)].view(leaf.dtype).view(n, *leaf.shape)
+            leaf.write(out)
+            placed.append((offset, leaf.dtype, (n, *leaf.shape)))
+            offset += size
+        return placed
 
 
 def _rebuild(spec: Any, tensors: list[torch.Tensor]) -> Any:
@@ -344,51 +434,45 @@ def collate_into(samples: Any, k: int, rows: int | None) -> SlotRef | None:
     """
     if not isinstance(samples, list) or not samples:
         return None
-    leaves: list[tuple[Any, ...]] = []
     try:
-        spec = _plan(samples, leaves)
+        layout = SlotLayout(samples)
     except _UnsupportedError:
         return None
-    if not leaves:  # empty containers only ([], {}, ()): nothing to hold
+    if not layout.leaves:  # empty containers only ([], {}, ()): nothing to hold
         return None
     n = len(samples)
-    sizes = [_align(n * int(np.prod(shape)) * dtype.itemsize) for _, dtype, shape, _ in leaves]
+    sizes = layout.sizes(n)
+    first = _align(int(sum(sizes) * (max(n, rows or n) / n)) + _ALIGN * len(sizes))
+    ws = _slots_for(k, sum(sizes), first)
+    slot = ws.claim() if ws is not None else None
+    if ws is None or slot is None:
+        return None
+    try:
+        placed = layout.write(ws.buffer, ws.header + slot * ws.slot_bytes, n)
+    except Exception:  # e.g. an int beyond int64: default_collate raises torch's own error
+        ws.flags[slot] = 0
+        return None
+    return SlotRef(ws.token, ws.k, slot, layout.spec, placed, buffer=None if ws.seen else ws.buffer)
+
+
+def _slots_for(k: int, need: int, first: int) -> _WorkerSlots | None:
+    """This worker's slots if a batch of ``need`` bytes fits one: made with slots of ``first``
+    bytes on the first batch (never again once refused), grown at the next safe point once a
+    batch did not fit."""
     ws: _WorkerSlots | None = _WORKER.get("slots")
     if ws is None:
         if _WORKER.get("refused"):
             return None
-        scale = max(n, rows or n) / n
-        ws = _WorkerSlots.create(k, _align(int(sum(sizes) * scale) + _ALIGN * len(sizes)))
+        ws = _WorkerSlots.create(k, first)
         if ws is None:
             _WORKER["refused"] = True
             return None
         _WORKER["slots"] = ws
-    if sum(sizes) > ws.slot_bytes or ws.wanted > ws.slot_bytes:  # grow at the next safe point
-        ws = _WORKER["slots"] = ws.grow(sum(sizes))
-        if sum(sizes) > ws.slot_bytes:
+    if need > ws.slot_bytes or ws.wanted > ws.slot_bytes:  # grow at the next safe point
+        ws = _WORKER["slots"] = ws.grow(need)
+        if need > ws.slot_bytes:
             return None
-    slot = ws.claim()
-    if slot is None:
-        return None
-    base = ws.header + slot * ws.slot_bytes
-    layout = []
-    offset = base
-    try:
-        for (column, dtype, shape, how), size in zip(leaves, sizes, strict=True):
-            nbytes = n * int(np.prod(shape)) * dtype.itemsize
-            out = ws.buffer[offset : offset + nbytes].view(dtype).view(n, *shape)
-            if how == "tensor":
-                torch.stack(column, 0, out=out)
-            elif how == "array":
-                np.stack(column, axis=0, out=out.numpy())
-            else:  # Python or numpy scalars
-                out.numpy()[...] = column
-            layout.append((offset, dtype, (n, *shape)))
-            offset += size
-    except Exception:  # e.g. an int beyond int64: default_collate raises torch's own error
-        ws.flags[slot] = 0
-        return None
-    return SlotRef(ws.token, ws.k, slot, spec, layout, buffer=None if ws.seen else ws.buffer)
+    return ws
 
 
 # --------------------------------------------------------------------------------- main side
