@@ -236,7 +236,8 @@ def adopt_workers(source: Any) -> None:
         try:
             from torch.utils.data._utils import signal_handling
 
-            signal_handling._remove_worker_pids(id(source))
+            # private and not re-exported: the one way to unregister the pids torch set
+            signal_handling._remove_worker_pids(id(source))  # type: ignore[attr-defined]
         except (ImportError, RuntimeError):  # pragma: no cover - not registered after all
             pass
         source._worker_pids_set = False
