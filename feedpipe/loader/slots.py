@@ -34,9 +34,10 @@ arrives), at most ``MAX_GROWTHS`` times per worker:
    has (nothing, or its old buffer) and sends what does not fit torch's way: with too little
    shared memory the loader runs exactly as torch's does, for every start method.
 
-The layout of what :func:`collate_into` builds is ``default_collate``'s for the types it handles
-(tensors, numeric numpy arrays and scalars, Python ``int``/``float``/``bool``, ``dict``,
-``list``, ``tuple`` and namedtuples); anything else goes through ``default_collate`` itself.
+The layout of what :func:`collate_into` builds (:mod:`feedpipe.loader.slot_layout`) is
+``default_collate``'s for the types it handles (tensors, numeric numpy arrays and scalars,
+Python ``int``/``float``/``bool``, ``dict``, ``list``, ``tuple`` and namedtuples); anything
+else goes through ``default_collate`` itself.
 tests/test_worker_slots.py checks the equality bit for bit.
 """
 
@@ -44,8 +45,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,7 @@ import torch
 import torch.utils.data as tud
 
 from feedpipe.device import hostreg
+from feedpipe.loader.slot_layout import ALIGN, SlotLayout, UnsupportedLayoutError, align, rebuild
 
 __all__ = [
     "ENV",
@@ -68,7 +69,6 @@ __all__ = [
     "worker_slots",
 ]
 
-_ALIGN = 64
 _HEADER = 4096  # flags (one byte per slot), then the "seen" byte; slots start page-aligned
 
 
@@ -96,10 +96,6 @@ def enabled(environ: Mapping[str, str] = os.environ) -> bool:
     raise ValueError(
         f"{ENV}={raw!r}: expected one of {', '.join(_OFF)} (slots off) or {', '.join(_ON)} (on)"
     )
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 # ------------------------------------------------------------------------------- the room
@@ -150,179 +146,6 @@ def _workers() -> int:
     """How many worker processes share this loader's ``/dev/shm`` (1 outside a worker)."""
     info = tud.get_worker_info()
     return 1 if info is None else int(info.num_workers)
-
-
-# ------------------------------------------------------------------------------- the layout
-class _UnsupportedError(Exception):
-    """The samples hold something ``collate_into`` leaves to ``default_collate``."""
-
-
-@dataclass(frozen=True)
-class _Leaf:
-    """One leaf position of the samples: its column, and the dtype, per-sample shape and kind
-    (``"tensor"``, ``"array"``, ``"npscalar"`` or ``"py"``) ``default_collate`` gives it."""
-
-    column: list[Any]
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    kind: str
-
-    def nbytes(self, n: int) -> int:
-        """Bytes of the collated column for ``n`` samples."""
-        return n * int(np.prod(self.shape)) * self.dtype.itemsize
-
-    def write(self, out: torch.Tensor) -> None:
-        """Stack the column into ``out`` (``n`` rows of ``shape``)."""
-        if self.kind == "tensor":
-            torch.stack(self.column, 0, out=out)
-        elif self.kind == "array":
-            np.stack(self.column, axis=0, out=out.numpy())
-        else:  # Python or numpy scalars
-            out.numpy()[...] = self.column
-
-
-def _same(samples: list[Any], attr: str) -> bool:
-    """Whether every sample has the first one's ``shape`` or ``dtype``."""
-    first = getattr(samples[0], attr)
-    return all(getattr(s, attr) == first for s in samples)
-
-
-def _tensor_leaf(samples: list[Any]) -> _Leaf:
-    elem = samples[0]
-    if elem.is_sparse or elem.device.type != "cpu" or elem.requires_grad:
-        raise _UnsupportedError
-    if not _same(samples, "shape") or not _same(samples, "dtype"):
-        raise _UnsupportedError  # default_collate raises its own error for a shape mismatch
-    return _Leaf(samples, elem.dtype, tuple(elem.shape), "tensor")
-
-
-def _array_leaf(samples: list[Any]) -> _Leaf:
-    """numpy arrays and memmaps (``default_collate`` treats both the same)."""
-    elem = samples[0]
-    if elem.dtype.kind not in "biufc" or elem.dtype.byteorder == ">":
-        raise _UnsupportedError
-    size = elem.dtype.itemsize  # torch.as_tensor refuses negative or partial strides
-    if any(st < 0 or st % size for s in samples for st in s.strides):
-        raise _UnsupportedError
-    dtype = _torch_dtype(elem)
-    if not _same(samples, "shape") or not _same(samples, "dtype"):
-        raise _UnsupportedError
-    return _Leaf(samples, dtype, tuple(elem.shape), "array")
-
-
-def _npscalar_leaf(samples: list[Any]) -> _Leaf:
-    if samples[0].dtype.kind not in "biufc":
-        raise _UnsupportedError
-    dtype = _torch_dtype(samples[0])
-    if not _same(samples, "dtype"):
-        raise _UnsupportedError
-    return _Leaf(samples, dtype, (), "npscalar")
-
-
-_PY_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
-
-
-def _py_leaf(samples: list[Any]) -> _Leaf:
-    return _Leaf(samples, _PY_DTYPES[type(samples[0])], (), "py")
-
-
-# the leaf kinds by the samples' exact type (numpy scalars: any np.generic but np.object_)
-_LEAF_KINDS: dict[type, Callable[[list[Any]], _Leaf]] = {
-    torch.Tensor: _tensor_leaf,
-    np.ndarray: _array_leaf,
-    np.memmap: _array_leaf,
-    bool: _py_leaf,
-    int: _py_leaf,
-    float: _py_leaf,
-}
-
-
-def _leaf_of(samples: list[Any]) -> _Leaf:
-    """One leaf position, as ``default_collate`` makes it (all samples of one exact type)."""
-    kind = type(samples[0])
-    if any(type(s) is not kind for s in samples):
-        raise _UnsupportedError
-    make = _LEAF_KINDS.get(kind)
-    if make is None and isinstance(samples[0], np.generic) and kind is not np.object_:
-        make = _npscalar_leaf
-    if make is None:
-        raise _UnsupportedError
-    return make(samples)
-
-
-def _torch_dtype(elem: Any) -> torch.dtype:
-    """The dtype ``torch.as_tensor`` gives a numpy leaf; one it refuses is left to torch."""
-    try:
-        return torch.as_tensor(elem.reshape(-1)[:0] if isinstance(elem, np.ndarray) else elem).dtype
-    except (TypeError, ValueError, RuntimeError):  # np.uint64 scalars, np.longdouble, ...
-        raise _UnsupportedError from None
-
-
-class SlotLayout:
-    """What ``default_collate(samples)`` would build, planned before any byte is written.
-
-    ``spec`` is the batch's structure (``("leaf", i)``, ``("dict", keys, children)``,
-    ``("list", children)`` or ``("named", type, children)``), travelling with the
-    :class:`SlotRef`; ``leaves`` are its leaf columns in order. Raises ``_UnsupportedError`` for
-    anything ``collate_into`` leaves to ``default_collate``.
-    """
-
-    def __init__(self, samples: list[Any]) -> None:
-        self.leaves: list[_Leaf] = []
-        self.spec = self._node(samples)
-
-    def _node(self, samples: list[Any]) -> Any:
-        elem = samples[0]
-        kind = type(elem)
-        if kind is dict:
-            keys = list(elem)
-            if any(type(s) is not dict or list(s) != keys for s in samples):
-                raise _UnsupportedError
-            return ("dict", keys, [self._node([s[k] for s in samples]) for k in keys])
-        if kind is tuple and hasattr(elem, "_fields"):
-            raise _UnsupportedError  # a subclass of tuple that is not exactly a namedtuple
-        if isinstance(elem, tuple) and hasattr(kind, "_fields"):
-            return ("named", kind, self._columns(samples))
-        if kind is list or kind is tuple:  # default_collate: a list of the collated columns
-            return ("list", self._columns(samples))
-        if isinstance(elem, (Mapping, Sequence)) and not isinstance(elem, (str, bytes)):
-            raise _UnsupportedError  # other containers: default_collate's own rules
-        self.leaves.append(_leaf_of(samples))
-        return ("leaf", len(self.leaves) - 1)
-
-    def _columns(self, samples: list[Any]) -> list[Any]:
-        """The nodes of a sequence's columns (all samples of one type and length)."""
-        kind, length = type(samples[0]), len(samples[0])
-        if any(type(s) is not kind or len(s) != length for s in samples):
-            raise _UnsupportedError
-        return [self._node(list(col)) for col in zip(*samples, strict=True)]
-
-    def sizes(self, n: int) -> list[int]:
-        """Each leaf's aligned bytes for ``n`` samples."""
-        return [_align(leaf.nbytes(n)) for leaf in self.leaves]
-
-    def write(self, buffer: torch.Tensor, base: int, n: int) -> list[tuple[Any, ...]]:
-        """Write every leaf into ``buffer`` from byte ``base`` on; ``(offset, dtype, shape)``
-        of each, as :meth:`Slots.resolve` reads them back."""
-        placed: list[tuple[Any, ...]] = []
-        offset = base
-        for leaf, size in zip(self.leaves, self.sizes(n), strict=True):
-            out = buffer[offset : offset + leaf.nbytes(n)].view(leaf.dtype).view(n, *leaf.shape)
-            leaf.write(out)
-            placed.append((offset, leaf.dtype, (n, *leaf.shape)))
-            offset += size
-        return placed
-
-
-def _rebuild(spec: Any, tensors: list[torch.Tensor]) -> Any:
-    tag = spec[0]
-    if tag == "leaf":
-        return tensors[spec[1]]
-    if tag == "dict":
-        return {k: _rebuild(c, tensors) for k, c in zip(spec[1], spec[2], strict=True)}
-    if tag == "named":
-        return spec[1](*(_rebuild(c, tensors) for c in spec[2]))
-    return [_rebuild(c, tensors) for c in spec[1]]
 
 
 # ------------------------------------------------------------------------------- worker side
@@ -407,7 +230,7 @@ class _WorkerSlots:
         self.wanted = max(self.wanted, need)
         if self.wanted <= self.slot_bytes or self.grown >= MAX_GROWTHS or not self.idle():
             return self
-        size = _align(max(self.wanted, 2 * self.slot_bytes))
+        size = align(max(self.wanted, 2 * self.slot_bytes))
         bigger = _WorkerSlots.create(self.k, size, self.grown + 1)
         if bigger is None:
             self.grown = MAX_GROWTHS
@@ -436,13 +259,13 @@ def collate_into(samples: Any, k: int, rows: int | None) -> SlotRef | None:
         return None
     try:
         layout = SlotLayout(samples)
-    except _UnsupportedError:
+    except UnsupportedLayoutError:
         return None
     if not layout.leaves:  # empty containers only ([], {}, ()): nothing to hold
         return None
     n = len(samples)
     sizes = layout.sizes(n)
-    first = _align(int(sum(sizes) * (max(n, rows or n) / n)) + _ALIGN * len(sizes))
+    first = align(int(sum(sizes) * (max(n, rows or n) / n)) + ALIGN * len(sizes))
     ws = _slots_for(k, sum(sizes), first)
     slot = ws.claim() if ws is not None else None
     if ws is None or slot is None:
@@ -559,7 +382,7 @@ class Slots:
             raw = torch.from_numpy(region[off - lo : off - lo + nbytes])
             tensors.append(raw.view(dtype).view(shape))
         self.resolved += 1
-        return _rebuild(ref.spec, tensors), buf.registered
+        return rebuild(ref.spec, tensors), buf.registered
 
     def forget(self) -> None:
         """A new pass: drop the buffers of workers that are gone (live views keep theirs
