@@ -325,7 +325,7 @@ class DatasetContractTests:
             assert isinstance(reason, str) and reason
             pytest.skip(f"dma_blocker(): {reason}")
         device = torch.device("cuda", torch.cuda.current_device())
-        stream = torch.cuda.Stream(device)
+        stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # unannotated in torch
         for name, indices in self.index_batches(len(dataset)).items():
             want = self.want(dataset, indices)
             with torch.cuda.stream(stream):  # as the direct path calls it (step 4b)

@@ -1,6 +1,6 @@
 """The DALI side of :mod:`feedpipe.dali`: record validation and the parallel external source.
 
-:class:`_BatchSource` runs inside DALI's Python worker processes (``external_source`` with
+:class:`BatchSource` runs inside DALI's Python worker processes (``external_source`` with
 ``parallel=True, batch=True, batch_info=True``). It must be picklable, so it carries only the
 dataset and the directory where the loader publishes *segments*. The pipeline runs as one endless
 DALI epoch (it is never reset); DALI's iteration counter ``g`` numbers every batch it ever asks
@@ -30,7 +30,7 @@ import numpy as np
 
 from feedpipe.io.fsutil import atomic_write
 
-__all__: list[str] = []
+__all__ = ["META_COLS", "BatchSource", "read_valid", "write_segment"]
 
 OK, EMPTY, BAD_HEADER, TRUNCATED, READ_ERROR, KNOWN_BAD, DECODE_ERROR = range(7)
 REASONS = {
@@ -42,7 +42,7 @@ REASONS = {
     KNOWN_BAD: "listed as bad in the loader state",
     DECODE_ERROR: "DALI could not decode the image",
 }
-_META_COLS = 6
+META_COLS = 6
 _PNG_SIG = b"\x89PNG\r\n\x1a\n"
 _PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"
 _OTHER_MAGIC = (b"BM", b"II*\x00", b"MM\x00*", b"\x00\x00\x00\x0cjP  ", b"\xff\x4f\xff\x51")
@@ -135,7 +135,7 @@ class _Segment:
         self.batches = n // batch_size if drop_last else -(-n // batch_size)
 
 
-class _BatchSource:
+class BatchSource:
     """Batch-mode source callable for DALI's parallel external source (runs in its workers)."""
 
     def __init__(
@@ -195,7 +195,7 @@ class _BatchSource:
         hi = min(lo + self.batch_size, len(seg.indices))
         images: list[np.ndarray] = []
         labels = np.empty(hi - lo, dtype=np.int64)
-        meta = np.empty((hi - lo, _META_COLS), dtype=np.int64)
+        meta = np.empty((hi - lo, META_COLS), dtype=np.int64)
         for k, index in enumerate(seg.indices[lo:hi].tolist()):
             buf, labels[k], meta[k] = read_valid(self.dataset, index, seg.skip)
             images.append(buf)

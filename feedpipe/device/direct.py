@@ -108,8 +108,8 @@ class DirectReader:
             dest = ds.device_out(len(indices), self.device)
             if note is None:
                 return ds.read_batch(indices, out=dest)
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # unannotated in torch
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # unannotated in torch
             start.record()
             batch = ds.read_batch(indices, out=dest)
             end.record()

@@ -122,16 +122,33 @@ class _InFlight:
     nbytes: int
 
 
+class _Range:
+    """An NVTX range of ``rec`` around a ``with`` block (nothing while ranges are off)."""
+
+    __slots__ = ("name", "rec")
+
+    def __init__(self, rec: trace.Recorder | None, name: str) -> None:
+        self.rec, self.name = rec, name
+
+    def __enter__(self) -> None:
+        if self.rec is not None:
+            self.rec.push(self.name)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.rec is not None:
+            self.rec.pop()
+
+
 class _CudaCopier:
     """Issues slot -> device copies on a dedicated stream and hands them to the consumer."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device)
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # unannotated in torch
 
     def copy(self, views: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any, Any]:
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # unannotated in torch
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # unannotated in torch
         with torch.cuda.stream(self.stream):  # device tensors are allocated on the copy stream
             start.record(self.stream)
             outs = [v.to(self.device, non_blocking=True) for v in views]
@@ -282,34 +299,31 @@ class GPUFeed:
         ring = self._ring
         if ring.layout is None:
             ring.allocate(host_leaves, rebuild if len(host) == len(leaves) else None)
-        rec = self._trace  # NVTX ranges in the thread that fills the slot and issues the copy
         t0 = time.perf_counter()
-        if rec is not None:
-            rec.push("feedpipe/pin")
-        try:
+        # NVTX ranges in the thread that fills the slot and issues the copy
+        with _Range(self._trace, "feedpipe/pin"):
             slot, views, copied = ring.fill(seq, host_leaves)
-        finally:
-            if rec is not None:
-                rec.pop()
         if copied and self.meter is not None:
             self.meter.add_stage("pin", time.perf_counter() - t0, copied)
-        if rec is not None:
-            rec.push("feedpipe/h2d")
-        try:
+        with _Range(self._trace, "feedpipe/h2d"):
             outs, start, end = self._copier.copy(views)
-        finally:
-            if rec is not None:
-                rec.pop()
         nbytes = sum(v.numel() * v.element_size() for v in views)
         self._note_copy(slot, seq, start, end, nbytes)
-        result: list[Any] = list(leaves)
-        for i, out in zip(host, outs, strict=True):
-            result[i] = out
-        for i, t in enumerate(leaves):  # leaves already on a device: moved only if elsewhere
-            if t.device.type != "cpu" and t.device != self.device:
-                result[i] = t.to(self.device)
         self._seq += 1
-        return _InFlight(seq, result, rebuild, end, nbytes)
+        return _InFlight(
+            seq, self._on_device(leaves, dict(zip(host, outs, strict=True))), rebuild, end, nbytes
+        )
+
+    def _on_device(self, leaves: list[torch.Tensor], copies: dict[int, torch.Tensor]) -> list[Any]:
+        """The batch's leaves on the device: host leaves replaced by their ``copies`` (by leaf
+        number), leaves already on a device moved only if elsewhere."""
+        result: list[Any] = list(leaves)
+        for i, t in enumerate(leaves):
+            if i in copies:
+                result[i] = copies[i]
+            elif t.device.type != "cpu" and t.device != self.device:
+                result[i] = t.to(self.device)
+        return result
 
     def _submit_pinned(self, pinned: PinnedBatch) -> _InFlight:
         """Copy a page-locked batch straight to the device; keep its sources until the copy is

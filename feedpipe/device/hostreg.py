@@ -108,12 +108,14 @@ class _TorchRuntime:
     def register(self, ptr: int, nbytes: int, flags: int) -> int:
         import torch
 
-        return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, flags))
+        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
+        return int(cudart.cudaHostRegister(ptr, nbytes, flags))
 
     def unregister(self, ptr: int) -> int:
         import torch
 
-        return int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
+        return int(cudart.cudaHostUnregister(ptr))
 
     def synchronize(self) -> None:
         import torch

@@ -18,8 +18,8 @@ degrades to doing nothing (or to torch's own behaviour) when the internal it nee
    feedpipe's own handler (:func:`_on_sigchld`) raises only while the main thread is inside the
    loader's ``next()`` (the pass is over then anyway), and leaves a note that every loader's
    next ``next()`` reads (a death seen inside another loader's ``next()`` counts too).
-   :func:`waiting_on`, :func:`tasks_of` and :func:`stop_workers` read and stop torch's
-   iterator for ``WorkerError`` messages.
+   :func:`waiting_on`, :func:`tasks_of`, :func:`has_workers` and :func:`stop_workers` read
+   and stop torch's iterator for ``WorkerError`` messages.
 4. Shutdown. :func:`end_workers` ends a torch iterator's worker processes within
    :data:`feedpipe.io.reaper.DEFAULT_BOUND` (ask through torch's ``_workers_done_event`` and
    ``_index_queues``, wait, terminate, kill, reap), then calls its ``_shutdown_workers()`` for
@@ -62,6 +62,7 @@ __all__ = [
     "auto_collation",
     "dead_workers",
     "end_workers",
+    "has_workers",
     "index_sampler",
     "install_worker_info_shim",
     "len_called",
@@ -207,6 +208,12 @@ def dead_workers(
     return active if active_only else active + let_go
 
 
+def has_workers(source: Any) -> bool:
+    """Whether ``source`` is a torch multi-process iterator with worker processes
+    (``_workers``; False for a thread pool or an inline source)."""
+    return bool(getattr(source, "_workers", None))
+
+
 class WorkerDiedError(RuntimeError):
     """Raised by feedpipe's SIGCHLD handler inside ``next()``: a process worker is gone."""
 
@@ -236,7 +243,8 @@ def adopt_workers(source: Any) -> None:
         try:
             from torch.utils.data._utils import signal_handling
 
-            signal_handling._remove_worker_pids(id(source))
+            # private and not re-exported: the one way to unregister the pids torch set
+            signal_handling._remove_worker_pids(id(source))  # type: ignore[attr-defined]
         except (ImportError, RuntimeError):  # pragma: no cover - not registered after all
             pass
         source._worker_pids_set = False
@@ -345,8 +353,3 @@ def random_sampler_num_samples(sampler: Any) -> Any:
 def infinite_constant_sampler() -> type[Any]:
     """torch's ``_InfiniteConstantSampler``, an ``IterableDataset``'s placeholder sampler."""
     return _dataloader._InfiniteConstantSampler  # type: ignore[no-any-return]
-
-
-def has_worker_processes(source: Any) -> bool:
-    """Whether ``source`` (torch's process iterator) started worker processes (``_workers``)."""
-    return bool(getattr(source, "_workers", None))

@@ -26,7 +26,7 @@ import dataclasses
 import json
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from feedpipe.io.cliargs import milliseconds, non_negative_int, positive_int
@@ -265,17 +265,32 @@ def _plot(results: list[BenchResult], path: str) -> None:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    timed = [r for r in results if r.step_ms] or results
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    ax = axes[0]
-    for i, r in enumerate(timed):
+    for ax, panel in zip(axes, _PANELS, strict=True):
+        panel(ax, results)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _timed(results: list[BenchResult]) -> list[BenchResult]:
+    """The runs with a simulated step (all runs when none had one)."""
+    return [r for r in results if r.step_ms] or results
+
+
+def _plot_waits(ax: Any, results: list[BenchResult]) -> None:
+    """Wait (solid) and step (dotted) time of each batch, per run."""
+    for i, r in enumerate(_timed(results)):
         color = f"C{i % 10}"
         ax.plot([w * 1e3 for w in r.waits], color=color, label=f"{r.label} wait")
         ax.plot(range(1, len(r.steps) + 1), [s * 1e3 for s in r.steps], color=color, ls=":")
     ax.set(xlabel="step", ylabel="ms", title="wait (solid) and step (dotted) per batch")
-    ax.legend(fontsize=7)
 
-    ax = axes[1]
+
+def _plot_stages(ax: Any, results: list[BenchResult]) -> None:
+    """Stacked per-stage time per batch, with the mean wait and step of each run."""
+    timed = _timed(results)
     labels = [r.label for r in timed]
     names = sorted({n for r in timed for n in r.stats["stages"]})
     bottom = [0.0] * len(timed)
@@ -286,9 +301,10 @@ def _plot(results: list[BenchResult], path: str) -> None:
     ax.plot(labels, [r.stats["wait_mean_s"] * 1e3 for r in timed], "kv", label="mean wait")
     ax.plot(labels, [r.stats["step_mean_s"] * 1e3 for r in timed], "k_", ms=20, label="step")
     ax.set(ylabel="ms per batch", title="per-stage time (effective, per batch)")
-    ax.legend(fontsize=7)
 
-    ax = axes[2]
+
+def _plot_throughput(ax: Any, results: list[BenchResult]) -> None:
+    """Samples per second of each loader alone, and with the simulated step."""
     alone = {r.label: r.stats["samples_per_s"] for r in results if not r.step_ms}
     stepped = {r.label: r.stats["samples_per_s"] for r in results if r.step_ms}
     xs = list(alone)
@@ -299,10 +315,13 @@ def _plot(results: list[BenchResult], path: str) -> None:
         ax.bar([i + width / 2 for i in range(len(xs))], vals, width, label="with step")
     ax.set_xticks(range(len(xs)), xs)
     ax.set(ylabel="samples/s", title="throughput")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+
+
+_PANELS: tuple[Callable[[Any, list[BenchResult]], None], ...] = (
+    _plot_waits,
+    _plot_stages,
+    _plot_throughput,
+)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -109,7 +109,7 @@ def dead_workers(source: Any, wait: bool = False) -> list[tuple[int, int | None,
     """Dead process workers of ``source``; ``wait``: give a dying one up to ``_DEATH_WAIT_S``
     to be reaped (its pipe closes before the kernel reports it dead)."""
     dead = _torch_compat.dead_workers(source)
-    if dead or not wait or not _torch_compat.has_worker_processes(source):
+    if dead or not wait or not _torch_compat.has_workers(source):
         return dead
     deadline = time.monotonic() + _DEATH_WAIT_S
     while not dead and time.monotonic() < deadline:

@@ -34,9 +34,10 @@ arrives), at most ``MAX_GROWTHS`` times per worker:
    has (nothing, or its old buffer) and sends what does not fit torch's way: with too little
    shared memory the loader runs exactly as torch's does, for every start method.
 
-The layout of what :func:`collate_into` builds is ``default_collate``'s for the types it handles
-(tensors, numeric numpy arrays and scalars, Python ``int``/``float``/``bool``, ``dict``,
-``list``, ``tuple`` and namedtuples); anything else goes through ``default_collate`` itself.
+The layout of what :func:`collate_into` builds (:mod:`feedpipe.loader.slot_layout`) is
+``default_collate``'s for the types it handles (tensors, numeric numpy arrays and scalars,
+Python ``int``/``float``/``bool``, ``dict``, ``list``, ``tuple`` and namedtuples); anything
+else goes through ``default_collate`` itself.
 tests/test_worker_slots.py checks the equality bit for bit.
 """
 
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -52,10 +53,12 @@ import torch
 import torch.utils.data as tud
 
 from feedpipe.device import hostreg
+from feedpipe.loader.slot_layout import ALIGN, SlotLayout, UnsupportedLayoutError, align, rebuild
 
 __all__ = [
     "ENV",
     "SHM_DIR",
+    "SlotLayout",
     "SlotRef",
     "Slots",
     "allocate",
@@ -66,7 +69,6 @@ __all__ = [
     "worker_slots",
 ]
 
-_ALIGN = 64
 _HEADER = 4096  # flags (one byte per slot), then the "seen" byte; slots start page-aligned
 
 
@@ -94,10 +96,6 @@ def enabled(environ: Mapping[str, str] = os.environ) -> bool:
     raise ValueError(
         f"{ENV}={raw!r}: expected one of {', '.join(_OFF)} (slots off) or {', '.join(_ON)} (on)"
     )
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 # ------------------------------------------------------------------------------- the room
@@ -137,102 +135,17 @@ def allocate(nbytes: int, workers: int) -> torch.Tensor | None:
     if free is not None and 2 * max(1, workers) * nbytes > free:
         return None
     try:
-        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        buffer.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
     except (RuntimeError, MemoryError, OSError):
         return None
+    return buffer
 
 
 def _workers() -> int:
     """How many worker processes share this loader's ``/dev/shm`` (1 outside a worker)."""
     info = tud.get_worker_info()
     return 1 if info is None else int(info.num_workers)
-
-
-# ------------------------------------------------------------------------------- the layout
-# spec: ("leaf", i) | ("dict", keys, children) | ("list", children) | ("named", type, children)
-class _UnsupportedError(Exception):
-    """The samples hold something ``collate_into`` leaves to ``default_collate``."""
-
-
-def _leaf_of(samples: list[Any]) -> tuple[torch.dtype, tuple[int, ...], str]:
-    """dtype, per-sample shape and kind of one leaf position, as ``default_collate`` makes it."""
-    elem = samples[0]
-    kind = type(elem)
-    if any(type(s) is not kind for s in samples):
-        raise _UnsupportedError
-    if kind is torch.Tensor:
-        if elem.is_sparse or elem.device.type != "cpu" or elem.requires_grad:
-            raise _UnsupportedError
-        return elem.dtype, tuple(elem.shape), "tensor"
-    if kind is np.ndarray or kind is np.memmap:  # default_collate treats both the same
-        if elem.dtype.kind not in "biufc" or elem.dtype.byteorder == ">":
-            raise _UnsupportedError
-        size = elem.dtype.itemsize  # torch.as_tensor refuses negative or partial strides
-        if any(st < 0 or st % size for s in samples for st in s.strides):
-            raise _UnsupportedError
-        return _torch_dtype(elem), elem.shape, "array"
-    if isinstance(elem, np.generic) and kind is not np.object_:
-        if elem.dtype.kind not in "biufc":
-            raise _UnsupportedError
-        return _torch_dtype(elem), (), "npscalar"
-    if kind is bool:
-        return torch.bool, (), "py"
-    if kind is int:
-        return torch.int64, (), "py"
-    if kind is float:
-        return torch.float64, (), "py"
-    raise _UnsupportedError
-
-
-def _torch_dtype(elem: Any) -> torch.dtype:
-    """The dtype ``torch.as_tensor`` gives a numpy leaf; one it refuses is left to torch."""
-    try:
-        return torch.as_tensor(elem.reshape(-1)[:0] if isinstance(elem, np.ndarray) else elem).dtype
-    except (TypeError, ValueError, RuntimeError):  # np.uint64 scalars, np.longdouble, ...
-        raise _UnsupportedError from None
-
-
-def _plan(samples: list[Any], leaves: list[tuple[Any, ...]]) -> Any:
-    """The batch's structure (``spec``); appends ``(samples, dtype, shape, kind)`` per leaf."""
-    elem = samples[0]
-    kind = type(elem)
-    if kind is dict:
-        keys = list(elem)
-        if any(type(s) is not dict or list(s) != keys for s in samples):
-            raise _UnsupportedError
-        return ("dict", keys, [_plan([s[k] for s in samples], leaves) for k in keys])
-    if kind is tuple and hasattr(elem, "_fields"):
-        raise _UnsupportedError  # a subclass of tuple that is not exactly a namedtuple: below
-    if isinstance(elem, tuple) and hasattr(type(elem), "_fields"):
-        if any(type(s) is not kind or len(s) != len(elem) for s in samples):
-            raise _UnsupportedError
-        return ("named", kind, [_plan(list(col), leaves) for col in zip(*samples, strict=True)])
-    if kind is list or kind is tuple:  # default_collate: a list of the collated columns
-        if any(type(s) is not kind or len(s) != len(elem) for s in samples):
-            raise _UnsupportedError
-        return ("list", [_plan(list(col), leaves) for col in zip(*samples, strict=True)])
-    if isinstance(elem, (Mapping, Sequence)) and not isinstance(elem, (str, bytes)):
-        raise _UnsupportedError  # other containers: default_collate's own rules
-    dtype, shape, how = _leaf_of(samples)
-    if how in ("tensor", "array") and any(tuple(s.shape) != shape for s in samples):
-        raise _UnsupportedError  # default_collate raises its own error for this
-    if how == "tensor" and any(s.dtype != dtype for s in samples):
-        raise _UnsupportedError
-    if how in ("array", "npscalar") and any(s.dtype != samples[0].dtype for s in samples):
-        raise _UnsupportedError
-    leaves.append((samples, dtype, shape, how))
-    return ("leaf", len(leaves) - 1)
-
-
-def _rebuild(spec: Any, tensors: list[torch.Tensor]) -> Any:
-    tag = spec[0]
-    if tag == "leaf":
-        return tensors[spec[1]]
-    if tag == "dict":
-        return {k: _rebuild(c, tensors) for k, c in zip(spec[1], spec[2], strict=True)}
-    if tag == "named":
-        return spec[1](*(_rebuild(c, tensors) for c in spec[2]))
-    return [_rebuild(c, tensors) for c in spec[1]]
 
 
 # ------------------------------------------------------------------------------- worker side
@@ -317,7 +230,7 @@ class _WorkerSlots:
         self.wanted = max(self.wanted, need)
         if self.wanted <= self.slot_bytes or self.grown >= MAX_GROWTHS or not self.idle():
             return self
-        size = _align(max(self.wanted, 2 * self.slot_bytes))
+        size = align(max(self.wanted, 2 * self.slot_bytes))
         bigger = _WorkerSlots.create(self.k, size, self.grown + 1)
         if bigger is None:
             self.grown = MAX_GROWTHS
@@ -344,51 +257,45 @@ def collate_into(samples: Any, k: int, rows: int | None) -> SlotRef | None:
     """
     if not isinstance(samples, list) or not samples:
         return None
-    leaves: list[tuple[Any, ...]] = []
     try:
-        spec = _plan(samples, leaves)
-    except _UnsupportedError:
+        layout = SlotLayout(samples)
+    except UnsupportedLayoutError:
         return None
-    if not leaves:  # empty containers only ([], {}, ()): nothing to hold
+    if not layout.leaves:  # empty containers only ([], {}, ()): nothing to hold
         return None
     n = len(samples)
-    sizes = [_align(n * int(np.prod(shape)) * dtype.itemsize) for _, dtype, shape, _ in leaves]
+    sizes = layout.sizes(n)
+    first = align(int(sum(sizes) * (max(n, rows or n) / n)) + ALIGN * len(sizes))
+    ws = _slots_for(k, sum(sizes), first)
+    slot = ws.claim() if ws is not None else None
+    if ws is None or slot is None:
+        return None
+    try:
+        placed = layout.write(ws.buffer, ws.header + slot * ws.slot_bytes, n)
+    except Exception:  # e.g. an int beyond int64: default_collate raises torch's own error
+        ws.flags[slot] = 0
+        return None
+    return SlotRef(ws.token, ws.k, slot, layout.spec, placed, buffer=None if ws.seen else ws.buffer)
+
+
+def _slots_for(k: int, need: int, first: int) -> _WorkerSlots | None:
+    """This worker's slots if a batch of ``need`` bytes fits one: made with slots of ``first``
+    bytes on the first batch (never again once refused), grown at the next safe point once a
+    batch did not fit."""
     ws: _WorkerSlots | None = _WORKER.get("slots")
     if ws is None:
         if _WORKER.get("refused"):
             return None
-        scale = max(n, rows or n) / n
-        ws = _WorkerSlots.create(k, _align(int(sum(sizes) * scale) + _ALIGN * len(sizes)))
+        ws = _WorkerSlots.create(k, first)
         if ws is None:
             _WORKER["refused"] = True
             return None
         _WORKER["slots"] = ws
-    if sum(sizes) > ws.slot_bytes or ws.wanted > ws.slot_bytes:  # grow at the next safe point
-        ws = _WORKER["slots"] = ws.grow(sum(sizes))
-        if sum(sizes) > ws.slot_bytes:
+    if need > ws.slot_bytes or ws.wanted > ws.slot_bytes:  # grow at the next safe point
+        ws = _WORKER["slots"] = ws.grow(need)
+        if need > ws.slot_bytes:
             return None
-    slot = ws.claim()
-    if slot is None:
-        return None
-    base = ws.header + slot * ws.slot_bytes
-    layout = []
-    offset = base
-    try:
-        for (column, dtype, shape, how), size in zip(leaves, sizes, strict=True):
-            nbytes = n * int(np.prod(shape)) * dtype.itemsize
-            out = ws.buffer[offset : offset + nbytes].view(dtype).view(n, *shape)
-            if how == "tensor":
-                torch.stack(column, 0, out=out)
-            elif how == "array":
-                np.stack(column, axis=0, out=out.numpy())
-            else:  # Python or numpy scalars
-                out.numpy()[...] = column
-            layout.append((offset, dtype, (n, *shape)))
-            offset += size
-    except Exception:  # e.g. an int beyond int64: default_collate raises torch's own error
-        ws.flags[slot] = 0
-        return None
-    return SlotRef(ws.token, ws.k, slot, spec, layout, buffer=None if ws.seen else ws.buffer)
+    return ws
 
 
 # --------------------------------------------------------------------------------- main side
@@ -475,7 +382,7 @@ class Slots:
             raw = torch.from_numpy(region[off - lo : off - lo + nbytes])
             tensors.append(raw.view(dtype).view(shape))
         self.resolved += 1
-        return _rebuild(ref.spec, tensors), buf.registered
+        return rebuild(ref.spec, tensors), buf.registered
 
     def forget(self) -> None:
         """A new pass: drop the buffers of workers that are gone (live views keep theirs

@@ -1,0 +1,277 @@
+"""One DALI pipeline that serves every epoch of an :class:`~feedpipe.dali.ImageLoader`.
+
+The pipeline persists across epochs as one endless stream (see :mod:`feedpipe.dali.source`):
+each epoch is a *segment* of DALI iterations; the next epoch's order is predicted and published
+ahead, so DALI reads and decodes across the epoch boundary without a pause. A failed batch, a
+timeout or ``close()`` ends the pipeline's *generation*: the plan directory is removed, the
+source workers are ended, and the next epoch builds a new pipeline.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import queue
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from feedpipe.dali.options import ImageLoaderOptions
+from feedpipe.dali.pipeline import Transform, build_fed, build_main, worker_processes
+from feedpipe.dali.records import describe
+from feedpipe.dali.source import BatchSource, write_segment
+from feedpipe.errors import WorkerError
+from feedpipe.io.reaper import Workers
+
+__all__ = ["PIPE_DEPTH", "Caller", "PipelineStream"]
+
+PIPE_DEPTH = 2  # DALI's prefetch_queue_depth: run() feeds one batch ahead of what it returns
+
+
+class PipelineStream:
+    """The DALI pipeline of one loader, its published segments and its position.
+
+    ``pos`` is the DALI iteration of the next ``pipe.run()`` output; ``seg_id`` the segment of
+    the epoch being iterated. :meth:`start` makes DALI produce an epoch's indices next (building
+    the pipeline when there is none), :meth:`next` returns the next output, :meth:`decode_alone`
+    decodes a batch of encoded records fed from here (a repaired batch).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        drop_last: bool,
+        transform: Transform,
+        options: ImageLoaderOptions,
+        *,
+        device_id: int | None,
+        seed: int,
+        workers: Workers,
+    ) -> None:
+        self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
+        self.transform, self.options = transform, options
+        self.device_id, self.seed = device_id, seed
+        self.prefetch = options.readahead
+        self.timeout = options.timeout  # seconds for one pipe.run()
+        # DALI's source worker processes: ended at close(), at a new pipeline, at the loader's
+        # garbage collection and at interpreter exit, within feedpipe.io.reaper.DEFAULT_BOUND
+        self.workers = workers
+        self.plan_dir: str | None = None
+        self.pipe: Any = None
+        self.fed: Any = None  # decodes repaired batches
+        self.caller: Caller | None = None
+        self.pos = 0  # DALI iteration of the next pipe.run() output
+        self.segs = 0  # segments published (the next one's id)
+        self.seg_id = -1  # the segment of the epoch being iterated
+        self.last_end = 0  # the iteration after the last published segment
+        self.spec: tuple[int, int, np.ndarray, list[int]] | None = None  # id, start, plan, skip
+        self.speculate = True  # off once a prediction was wrong
+        self.tainted = False  # DALI failed on a batch of the current pipeline
+
+    def n_batches(self, n: int) -> int:
+        """Batches of ``n`` indices."""
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def new_generation(self) -> None:
+        """Drop the pipeline and its plans, and end its workers; the next epoch builds anew.
+
+        Asking: the removed plan directory ends a worker's wait for a plan, and dropping the
+        last reference to the pipeline closes DALI's pool; a worker still busy after that (a
+        read that hangs, or a pipeline the stuck DALI thread still holds) is terminated, then
+        killed (:class:`~feedpipe.io.reaper.Workers`).
+        """
+        if self.plan_dir is not None:
+            shutil.rmtree(self.plan_dir, ignore_errors=True)
+            self.plan_dir = None
+        self.pipe, self.tainted, self.spec = None, False, None
+        self.pos = self.segs = self.last_end = 0
+        self.workers.end()
+
+    def close(self) -> None:
+        """End this generation and stop the caller thread."""
+        self.new_generation()  # the plan directory first: workers waiting on it return
+        self.fed = None
+        if self.caller is not None:
+            self.caller.stop()
+            self.caller = None
+
+    def publish(self, indices: np.ndarray, start: int, skip: list[int]) -> int:
+        """Write the next segment (``indices`` from DALI iteration ``start`` on); its id."""
+        assert self.plan_dir is not None
+        seg = self.segs
+        write_segment(Path(self.plan_dir), seg, start, indices, skip)
+        self.segs += 1
+        self.last_end = start + self.n_batches(len(indices))
+        return seg
+
+    def start(self, indices: np.ndarray, skip: list[int], sampler: Any) -> int:
+        """Make DALI produce ``indices`` next; returns the iteration of their first batch. Then
+        publish what ``sampler`` will give after ``set_epoch(epoch + 1)``, if knowable."""
+        if self.tainted:  # a batch failed in the last epoch: start a new pipeline
+            self.new_generation()
+        spec, self.spec = self.spec, None
+        if self.pipe is None:
+            start = self._build(indices, skip)
+        elif (
+            spec is not None
+            and spec[1] == self.pos
+            and np.array_equal(spec[2], indices)
+            and spec[3] == skip
+        ):  # predicted right: DALI is already on it
+            self.seg_id, start = spec[0], spec[1]
+        else:
+            if spec is not None and spec[1] == self.pos:
+                self.speculate = False  # this sampler's next order is not predictable
+            if spec is None and self.pos == self.last_end:
+                start = self.pos + PIPE_DEPTH  # workers answer fillers up to here, then wait
+            else:  # override iterations DALI may have asked for already (pipeline + prefetch)
+                start = self.pos + PIPE_DEPTH + self.prefetch + 2
+            self.seg_id = self.publish(indices, start, skip)
+        if self.speculate:
+            self._predict_next(sampler, skip)
+        return start
+
+    def _build(self, indices: np.ndarray, skip: list[int]) -> int:
+        """A new pipeline whose first segment is ``indices``, from iteration 0."""
+        # the pid in the name tells whose plans these are (tests/conftest.py's leftover check)
+        self.plan_dir = tempfile.mkdtemp(prefix=f"feedpipe-dali-{os.getpid()}-", dir=_shm_dir())
+        source = BatchSource(
+            self.dataset, self.plan_dir, self.batch_size, self.drop_last, gap=PIPE_DEPTH
+        )
+        self.pos = self.segs = 0
+        self.seg_id = self.publish(indices, 0, skip)
+        opts = self.options
+        self.pipe = build_main(
+            source,
+            self.transform,
+            batch_size=self.batch_size,
+            num_threads=opts.num_threads,
+            device_id=self.device_id,
+            seed=self.seed,
+            py_num_workers=opts.py_num_workers,
+            py_start_method=opts.py_start_method,
+            prefetch=self.prefetch,
+            prefetch_queue_depth=PIPE_DEPTH,
+            hw_decoder_load=opts.hw_decoder_load,
+        )
+        self.workers.add(worker_processes(self.pipe))
+        return 0
+
+    def _predict_next(self, sampler: Any, skip: list[int]) -> None:
+        """Publish the order ``sampler`` will give after ``set_epoch(epoch + 1)``, if knowable."""
+        epoch = getattr(sampler, "epoch", None)
+        if (
+            not hasattr(sampler, "set_epoch")
+            or not isinstance(epoch, int)
+            or getattr(sampler, "generator", None) is not None  # a shared RNG: never touch it
+        ):
+            self.speculate = False
+            return
+        try:
+            twin = copy.copy(sampler)
+            twin.set_epoch(epoch + 1)
+            indices = np.fromiter((int(i) for i in twin), dtype=np.int64)
+        except Exception:
+            self.speculate = False
+            return
+        if self.n_batches(len(indices)) > 0:
+            start = self.last_end
+            self.spec = (self.publish(indices, start, skip), start, indices, skip)
+
+    def run(self, pipe: Any, what: str) -> Any:
+        """``pipe.run()`` with a timeout; a hung or dead worker raises WorkerError."""
+        if self.caller is None:
+            self.caller = Caller()
+        try:
+            return self.caller.call(pipe.run, self.timeout)
+        except TimeoutError:
+            # its thread is stuck in DALI until the workers are ended below; a daemon, it
+            # cannot block exit, and stop() lets it end once the stuck call returns
+            self.caller.stop()
+            self.caller = None
+            self.new_generation()
+            raise WorkerError(
+                f"DALI pipeline produced no {what} within {self.timeout} s "
+                f"(dataset {describe(self.dataset)})"
+            ) from None
+
+    def next(self, what: str) -> Any:
+        """The next DALI output (advances the stream position, also when DALI raises)."""
+        try:
+            return self.run(self.pipe, what)
+        except StopIteration:
+            raise WorkerError(f"DALI pipeline ended before {what}") from None
+        finally:
+            self.pos += 1
+
+    def discard_until(self, start: int) -> None:
+        """Drop the outputs of fillers and of overridden batches before iteration ``start``."""
+        while self.pos < start:
+            try:
+                self.next("a discarded batch")
+            except (WorkerError, KeyboardInterrupt):
+                raise
+            except Exception:
+                self.tainted = True
+
+    def decode_alone(self, bufs: list[np.ndarray]) -> Any:
+        """Decode and transform ``bufs`` (one batch of encoded records) in the fed pipeline."""
+        if self.fed is None:
+            opts = self.options
+            self.fed = build_fed(
+                self.transform,
+                batch_size=self.batch_size,
+                num_threads=opts.num_threads,
+                device_id=self.device_id,
+                seed=self.seed + 1,
+                hw_decoder_load=opts.hw_decoder_load,
+            )
+        self.fed.feed_input("encoded", bufs)
+        (images,) = self.run(self.fed, "repaired batch")
+        return images
+
+
+class Caller:
+    """Runs calls on one daemon thread so the caller can wait with a timeout.
+
+    A daemon thread (unlike ``concurrent.futures`` workers, which are joined at interpreter exit)
+    never keeps the process alive when DALI hangs.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="feedpipe-dali", daemon=True).start()
+
+    def _loop(self) -> None:
+        while (fn := self._tasks.get()) is not None:
+            try:
+                self._results.put((True, fn()))
+            except BaseException as exc:
+                self._results.put((False, exc))
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """``fn()`` on the thread; ``TimeoutError`` after ``timeout`` seconds."""
+        self._tasks.put(fn)
+        try:
+            ok, value = self._results.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError from None
+        if ok:
+            return value
+        raise value
+
+    def stop(self) -> None:
+        """The thread ends after the call it runs now."""
+        self._tasks.put(None)
+
+
+def _shm_dir() -> str | None:
+    return "/dev/shm" if Path("/dev/shm").is_dir() else None
