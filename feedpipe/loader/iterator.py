@@ -47,7 +47,7 @@ class LoaderIter:
         self._timed = meter.enabled  # off: the sources read no clock either
         # the meter's batch log, bound once per pass: record_batch's body, inlined below
         self._put, self._pack, self._log = meter.batch_log()
-        self._profiler = meter._profiler  # its _is_profiler_enabled flag: one read per batch
+        self._profiler = meter.profiler_check  # whether waits are profiler ranges: per batch
         # device idle for input: CUDA events at hand-off (device="cuda" with counters on)
         self._clock = meter.device_clock if feed is not None and self._timed else None
         # an in-process source that ships a mid-clock instead of stage times (fetch_mid)
@@ -76,7 +76,7 @@ class LoaderIter:
         # (while a profiler records: wait_begin/wait_end, so the wait is a profiler range).
         # Counters off: no clock at all.
         timed = self._timed
-        traced = timed and self._profiler._is_profiler_enabled
+        traced = timed and self._profiler()
         if traced:
             self._meter.wait_begin()
         t0 = _perf() if timed else 0.0
@@ -125,8 +125,8 @@ class LoaderIter:
         if type(shipped) is Skipped:  # on_error="skip" (feedpipe.loader.skip)
             shipped = self._skips(shipped)
             if shipped is ALL_BAD:  # no batch: the caller waits on (a new wait, no count)
-                if traced and self._meter._range is not None:
-                    self._meter._close_range()
+                if traced and self._meter.range_open:
+                    self._meter.close_range()
                 return shipped
         batch, samples, nbytes, fetch_s, collate_s = shipped
         if self._shared:  # fetch_s is the clock between read and collate (or -1.0: no collate)
