@@ -21,6 +21,11 @@ class PassClock:
     for ``wait_start`` and ``first_begin``, which the loop's thread sets on the hot path)."""
 
     def __init__(self) -> None:
+        self.passes = 0  # passes in progress (iterators alive)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every instant and total (passes in progress stay)."""
         self.wait_start: float | None = None  # begin of a wait in progress (None: stepping)
         self.first_begin: float | None = None
         self.last: tuple[float, float] | None = None  # (begin, end) of the latest folded wait
@@ -32,7 +37,6 @@ class PassClock:
         self.stall_offset = 0.0
         self.step_offset = 0.0
         self.outside_offset = 0.0
-        self.passes = 0  # passes in progress (iterators alive)
 
     def restore(self, stall_s: float, step_s: float, outside_s: float) -> None:
         """Start from a saved meter's totals."""

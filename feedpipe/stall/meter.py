@@ -61,23 +61,21 @@ may be called from any thread.
 from __future__ import annotations
 
 import array
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, TypeVar
 
-from feedpipe.stall.clock import PassClock
-from feedpipe.stall.device import DeviceClock, DeviceIdle
+from feedpipe.stall.counters import Counters
+from feedpipe.stall.device import DeviceClock
 from feedpipe.stall.distributed import DistributedSink, DistributedSummary, gather_stats
 from feedpipe.stall.profiler import WaitRanges
-from feedpipe.stall.records import FIELDS, RECORD, fold
+from feedpipe.stall.records import FIELDS, RECORD
 from feedpipe.stall.report import format_report, format_summary
 from feedpipe.stall.sinks import JsonlSink, LoggingSink, Sink, SinkSet, TensorBoardSink
-from feedpipe.stall.stages import WORKER_STAGES, StageTotals
+from feedpipe.stall.stages import WORKER_STAGES
 from feedpipe.stall.stats import StageStats, StallStats
-from feedpipe.stall.totals import WaitTotals
 
 __all__ = [
     "WORKER_STAGES",
@@ -120,10 +118,9 @@ class StallMeter:
         ``open_range(name)`` / ``close_range()`` and :attr:`range_open` for a loader that opens
         the wait's profiler range itself.
 
-    It owns four objects: the folded waits (:class:`~feedpipe.stall.totals.WaitTotals`), the
-    pass clock (:class:`~feedpipe.stall.clock.PassClock`: stall, step, outside), the per-stage
-    totals (:class:`~feedpipe.stall.stages.StageTotals`) and the profiler ranges
-    (:class:`~feedpipe.stall.profiler.WaitRanges`).
+    It owns its counters (:class:`~feedpipe.stall.counters.Counters`: the batch log and what it
+    is folded into), its profiler ranges (:class:`~feedpipe.stall.profiler.WaitRanges`) and its
+    sinks (:class:`~feedpipe.stall.sinks.SinkSet`).
 
     Args:
         enabled: ``False`` returns a meter whose methods do nothing (counters off).
@@ -135,12 +132,6 @@ class StallMeter:
     enabled = True
     _FIELDS = FIELDS  # numbers per batch record in _waits
     _FOLD = FIELDS * 4096  # pending record numbers (4096 batches) folded at a time
-    _waits: array.array[float]  # pending records: begin, end, samples, nbytes, fetch, collate
-    _clock: PassClock
-    _cpu0: tuple[float, float, int] | None  # process CPU, loop-thread CPU, loop thread id
-    _totals: WaitTotals
-    region_s: defaultdict[str, float]
-    depth: dict[str, int]
 
     def __new__(cls, enabled: bool = True, trace: bool | Literal["auto"] = "auto") -> StallMeter:
         if not enabled and cls is StallMeter:
@@ -148,34 +139,29 @@ class StallMeter:
         return super().__new__(cls)
 
     def __init__(self, enabled: bool = True, trace: bool | Literal["auto"] = "auto") -> None:
-        self._lock = threading.Lock()
+        self._counters = Counters()
+        self._lock = self._counters.lock
+        self._clock = self._counters.clock  # the same object for the meter's life
         self._sinks = SinkSet()
         self._ranges = WaitRanges(trace)
         #: the flag loaders call once per batch: whether waits are profiler ranges right now
         self.profiler_check: Callable[[], bool] = self._ranges.active
-        self._stages = StageTotals(self._lock)
-        self._device = DeviceIdle()  # CUDA events at hand-off (watch_device)
         # a record is followed by after_batch() once len(_waits) reaches fold_at: _FOLD normally,
         # 0 while sinks are attached or a profiler range is open (one comparison per batch)
         self.fold_at = self._FOLD
         self.workers = 0
         self.worker_type: str | None = None
-        self._clock = PassClock()
         # the batch log: its object never changes (loaders bind it, and its frombytes, per pass)
-        self._waits = array.array("d")
+        self._waits: array.array[float] = self._counters.log
         self._put = self._waits.frombytes
-        self.reset()
 
     # ------------------------------------------------------------------ hot path
     # The hot path only appends: each batch packs six doubles (begin, end, samples, nbytes,
     # fetch_s, collate_s; a negative stage time means "no such stage") into the array
-    # ``_waits`` in one C call (feedpipe.stall.records), folded into the totals, maximum and
-    # histogram 4096 batches at a time, vectorised, or when the counters are read. A loader
-    # reads the clock itself around the blocking part of ``next()`` and appends the same
-    # record (``batch_log``); ``wait_begin``/``wait_end`` are the same record split in two,
-    # for other callers. Other stages go to the stage totals (``add_stage`` takes no lock).
-    # The step total is derived: waits and steps alternate, so
-    # step = (last end - first begin) - stall.
+    # ``_waits`` in one C call (feedpipe.stall.records), folded by the counters 4096 batches at
+    # a time, vectorised, or when they are read. A loader reads the clock itself around the
+    # blocking part of ``next()`` and appends the same record (``batch_log``);
+    # ``wait_begin``/``wait_end`` are the same record split in two, for other callers.
     def record_batch(  # noqa: PLR0917 - positional on the hot path
         self,
         begin: float,
@@ -235,11 +221,11 @@ class StallMeter:
 
     def add_skipped(self, n: int) -> None:
         """Count ``n`` samples dropped by ``DataLoader(on_error="skip")`` (not on the hot path)."""
-        self.skipped += n
+        self._counters.skipped += n
 
     def add_stage(self, name: str, seconds: float, nbytes: int = 0) -> None:
         """Add ``seconds`` (and ``nbytes``) to stage ``name``; callable from any thread."""
-        self._stages.add(name, seconds, nbytes)
+        self._counters.stages.add(name, seconds, nbytes)
 
     @property
     def tracing(self) -> bool:
@@ -253,7 +239,7 @@ class StallMeter:
 
     def set_depth(self, name: str, n: int) -> None:
         """Record the current depth of queue ``name`` (e.g. "ready", "prefetch")."""
-        self.depth[name] = n
+        self._counters.depth[name] = n
 
     def set_workers(self, n: int, worker_type: str | None = None) -> None:
         """Number of loader workers running :data:`WORKER_STAGES` in parallel (0 = in-process)
@@ -288,12 +274,7 @@ class StallMeter:
         Call from the training loop's thread. Ends the time *outside* iteration, if no pass was
         active; from ``at`` to the pass's first wait (workers starting) is the loader's: stall.
         """
-        now = _perf() if at is None else at
-        self._fold()
-        with self._lock:
-            if self._cpu0 is None or self._cpu0[2] != threading.get_ident():
-                self._cpu0 = _cpu_now()  # measured from the loop's thread
-            self._clock.pass_begin(now)
+        self._counters.pass_begin(_perf() if at is None else at)
 
     def pass_end(self) -> None:
         """A pass ended: its iterator raised ``StopIteration`` or was dropped (``break``).
@@ -305,9 +286,7 @@ class StallMeter:
         if self.range_open:  # the wait that ended the pass delivered no batch
             self.close_range()
             self._set_fold_at()
-        self._fold()
-        with self._lock:
-            self._clock.pass_end(now)
+        self._counters.pass_end(now)
 
     @contextmanager
     def region(self, name: str) -> Iterator[None]:
@@ -318,9 +297,7 @@ class StallMeter:
             try:
                 yield
             finally:
-                dt = _perf() - t0
-                with self._lock:
-                    self.region_s[name] += dt
+                self._counters.add_region(name, _perf() - t0)
 
     def watch_device(self, device: Any) -> DeviceClock | None:
         """Measure *device idle for input* on ``device`` (CUDA only; else returns ``None``).
@@ -328,12 +305,12 @@ class StallMeter:
         The loader calls it for ``device="cuda"``; it then calls ``device_clock.begin()`` when
         ``next()`` starts and ``device_clock.end(a)`` after the hand-off (see
         :mod:`feedpipe.stall.device`). Idempotent for one device."""
-        return self._device.watch(device)
+        return self._counters.device.watch(device)
 
     @property
     def device_clock(self) -> DeviceClock | None:
         """The CUDA events at hand-off, once :meth:`watch_device` found a CUDA device."""
-        return self._device.clock
+        return self._counters.device.clock
 
     def metered_pass(self, batches: Iterable[_T]) -> Iterator[_T]:
         """Iterate ``batches`` as one pass: ``pass_begin`` first, ``pass_end`` when it is
@@ -344,61 +321,50 @@ class StallMeter:
         finally:
             self.pass_end()
 
-    # ------------------------------------------------------------------ folding
+    # ------------------------------------------------------------------ readings
     def _fold(self) -> None:
-        """Fold pending batch records into the totals, maximum and histogram (any thread)."""
-        if not self._waits:
-            return
-        with self._lock:
-            waits, f = self._waits, self._FIELDS
-            k = len(waits) - len(waits) % f  # whole records (each is appended in one call)
-            if not k:
-                return
-            block = fold(waits[:k])
-            del waits[:k]  # records appended meanwhile stay for the next fold
-            self._clock.fold(block)
-            self._totals.add(block)
-            self._stages.add_folded(block.stages)
+        """Fold pending batch records into the totals (any thread)."""
+        self._counters.fold()
 
     @property
     def _hist(self) -> Any:
         """The wait histogram (numpy int64 counts) of the folded records."""
-        return self._totals.hist
+        return self._counters.totals.hist
 
     @property
     def wait_max_s(self) -> float:
         """The longest folded wait, in seconds."""
-        return self._totals.wait_max_s
+        return self._counters.totals.wait_max_s
 
     @property
     def stall_s(self) -> float:
         """Seconds the loop spent waiting in ``next()`` (including the ``next()`` that raised
         ``StopIteration``) and, for every pass after the first, in ``iter()``."""
         self._fold()
-        return self._clock.stall_s(self._totals.stall_s)
+        return self._clock.stall_s(self._counters.totals.stall_s)
 
     @property
     def batches(self) -> int:
         """Batches delivered (completed waits)."""
-        return self._totals.batches + len(self._waits) // self._FIELDS
+        return self._counters.batches()
 
     @property
     def samples(self) -> int:
         """Samples delivered."""
         self._fold()
-        return self._totals.samples
+        return self._counters.totals.samples
 
     @property
     def bytes(self) -> int:
         """Bytes delivered."""
         self._fold()
-        return self._totals.bytes
+        return self._counters.totals.bytes
 
     @property
     def step_s(self) -> float:
         """Seconds between each ``wait_end`` and the next ``wait_begin`` inside a pass."""
         self._fold()
-        return self._clock.step_s(self._totals.stall_s)
+        return self._clock.step_s(self._counters.totals.stall_s)
 
     @property
     def outside_s(self) -> float:
@@ -416,105 +382,51 @@ class StallMeter:
     @property
     def last_wait(self) -> tuple[float, float]:
         """``(begin, end)`` perf_counter times of the latest completed wait (0, 0 if none)."""
-        waits, f = self._waits, self._FIELDS
-        k = len(waits) - len(waits) % f
-        if k:
-            try:
-                return (waits[k - f], waits[k - f + 1])
-            except IndexError:  # folded meanwhile by another thread
-                pass
-        last = self._clock.last
-        return last if last is not None else (0.0, 0.0)
+        return self._counters.last_wait()
 
     @property
     def stage_s(self) -> dict[str, float]:
-        return self._stages.seconds()
+        return self._counters.stages.seconds()
 
     @property
     def stage_bytes(self) -> dict[str, int]:
-        return self._stages.nbytes()
+        return self._counters.stages.nbytes()
 
     @property
     def stage_calls(self) -> dict[str, int]:
-        return self._stages.calls()
+        return self._counters.stages.calls()
+
+    @property
+    def region_s(self) -> defaultdict[str, float]:
+        """Seconds per user region (:meth:`region`)."""
+        return self._counters.region_s
+
+    @property
+    def depth(self) -> dict[str, int]:
+        """The latest depth of each queue (:meth:`set_depth`)."""
+        return self._counters.depth
+
+    @property
+    def skipped(self) -> int:
+        """Samples dropped by ``DataLoader(on_error="skip")``."""
+        return self._counters.skipped
 
     # ------------------------------------------------------------------ snapshots
     def reset(self) -> None:
         """Zero every counter (sinks, workers and trace settings are kept)."""
-        with self._lock:
-            passes, self._clock = self._clock.passes, PassClock()
-            self._clock.passes = passes  # iterators still alive
-            del self._waits[:]
-            self._totals = WaitTotals()
-            self.skipped = 0  # samples dropped by DataLoader(on_error="skip")
-            self._cpu0 = _cpu_now()
-            self._stages.reset()
-            self.region_s = defaultdict(float)
-            self.depth = {}
-            self._device.reset()
-            self._sinks.restart(_perf())
+        self._counters.reset()
+        self._sinks.restart(_perf())
 
     def quantile(self, q: float) -> float:
         """Wait time (seconds) at quantile ``q`` in [0, 1], from the log-bucket histogram."""
         if not 0.0 <= q <= 1.0:
             raise ValueError(f"quantile must be in [0, 1], got {q}")
         self._fold()
-        return self._totals.quantile(q)
+        return self._counters.totals.quantile(q)
 
     def stats(self) -> StallStats:
         """A consistent, JSON-able snapshot of the counters and the rates derived from them."""
-        self._fold()
-        stages = self._stages.snapshot(self.workers)
-        with self._lock:
-            regions = dict(self.region_s)
-        stall, step, batches, steps = self.stall_s, self.step_s, self.batches, self.steps
-        wall = stall + step
-        worker_s = sum(s.seconds for n, s in stages.items() if n in WORKER_STAGES)
-        busy = min(1.0, worker_s / (max(1, self.workers) * wall)) if worker_s and wall > 0 else None
-
-        def rate(x: float) -> float:
-            return x / wall if wall > 0 else 0.0
-
-        idle_s, idle_batches = self._device.totals()
-        return StallStats(
-            wall_s=wall,
-            stall_s=stall,
-            step_s=step,
-            outside_s=self.outside_s,
-            stall_fraction=rate(stall),
-            batches=batches,
-            samples=self.samples,
-            bytes=self.bytes,
-            batches_per_s=rate(batches),
-            samples_per_s=rate(self.samples),
-            bytes_per_s=rate(self.bytes),
-            wait_mean_s=stall / batches if batches else 0.0,
-            wait_p50_s=self.quantile(0.5),
-            wait_p99_s=self.quantile(0.99),
-            wait_max_s=self.wait_max_s,
-            step_mean_s=step / steps if steps else 0.0,
-            workers=self.workers,
-            worker_type=self.worker_type,
-            input_cpu_s=self._input_cpu(),
-            input_busy=busy,
-            slowest_stage=max(stages, key=lambda n: stages[n].effective_s) if stages else None,
-            stages=stages,
-            regions=regions,
-            depths=dict(self.depth),
-            device_idle_s=idle_s,
-            device_idle_fraction=None if idle_s is None else rate(idle_s),
-            device_batches=idle_batches,
-            skipped=self.skipped,
-        )
-
-    def _input_cpu(self) -> float | None:
-        """CPU seconds of threads other than the loop's since the clock began (thread workers
-        only; ``None`` for process workers, in-process loading or a call from another thread)."""
-        cpu0 = self._cpu0
-        if self.worker_type != "thread" or cpu0 is None or cpu0[2] != threading.get_ident():
-            return None
-        proc, loop, _ = _cpu_now()
-        return max(0.0, (proc - cpu0[0]) - (loop - cpu0[1]))
+        return self._counters.stats(self.workers, self.worker_type)
 
     def summary(self) -> str:
         """One line: stall %, p50/p99 wait, throughput, slowest stage."""
@@ -528,44 +440,14 @@ class StallMeter:
         """Collective: gather every rank's stats over ``group`` (default: the world)."""
         return gather_stats(self.stats(), group)
 
-    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Counters as a small JSON-able dict, so totals survive a resume."""
-        self._fold()
-        stages = self._stages.state()
-        with self._lock:
-            regions = dict(self.region_s)
-        idle_s, idle_batches = self._device.totals()
-        waits = self._totals.state()
-        return {
-            "stall_s": self.stall_s,
-            "step_s": self.step_s,
-            "outside_s": self.outside_s,
-            "wait_max_s": waits["wait_max_s"],
-            "batches": self.batches,
-            "samples": self.samples,
-            "bytes": self.bytes,
-            "hist": waits["hist"],
-            **stages,
-            "region_s": regions,
-            "device_idle_s": idle_s or 0.0,
-            "device_batches": idle_batches,
-            "skipped": self.skipped,
-        }
+        return self._counters.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counters saved by :meth:`state_dict` (the wait/step clocks restart)."""
         self.reset()
-        with self._lock:
-            self._totals.load(state)
-            outside = float(state.get("outside_s", 0.0))  # older states lack it
-            self._clock.restore(self._totals.stall_s, float(state["step_s"]), outside)
-            self._stages.load(state)
-            self.region_s.update(state["region_s"])
-            # older states lack the device counters
-            idle = (float(state.get("device_idle_s", 0.0)), int(state.get("device_batches", 0)))
-            self._device.reset(idle)
-            self.skipped = int(state.get("skipped", 0))  # older states lack it
+        self._counters.load_state_dict(state)
 
     # ------------------------------------------------------------------ sinks
     def add_sink(self, sink: Sink) -> Sink:
@@ -647,8 +529,3 @@ class NullMeter(StallMeter):
 
     def watch_device(self, device: Any) -> None:
         return None
-
-
-def _cpu_now() -> tuple[float, float, int]:
-    """(process CPU seconds, this thread's CPU seconds, this thread's id)."""
-    return time.process_time(), time.thread_time(), threading.get_ident()

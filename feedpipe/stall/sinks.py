@@ -13,8 +13,8 @@ import logging
 import math
 import os
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from feedpipe.errors import MissingExtraError

@@ -98,7 +98,11 @@ class StageTotals:
 
     def state(self) -> dict[str, Any]:
         """``stage_s``, ``stage_bytes`` and ``stage_calls`` of a meter's state dict."""
-        return {"stage_s": self.seconds(), "stage_bytes": self.nbytes(), "stage_calls": self.calls()}
+        return {
+            "stage_s": self.seconds(),
+            "stage_bytes": self.nbytes(),
+            "stage_calls": self.calls(),
+        }
 
     def load(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state` (under the lock, after a reset)."""
