@@ -45,7 +45,10 @@ class DeviceClock:
 
     def _event(self) -> Any:
         free = self._free
-        return free.pop() if free else self._torch.cuda.Event(enable_timing=True)
+        if free:
+            return free.pop()
+        # torch's stubs leave cuda.Event's constructor untyped
+        return self._torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
 
     def begin(self, stream: Any = None) -> Any:
         """``next()`` starts: record A on ``stream`` (default: the current stream); returns it."""
