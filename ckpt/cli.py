@@ -40,16 +40,10 @@ from ckpt.errors import CheckpointError
 from ckpt.policy import Policy, from_options
 from ckpt.retention import rules
 from ckpt.saving import commit
+from feedpipe.io.cliargs import add_storage_arguments, format_bytes, storage_options
+from feedpipe.io.remote import is_url
 
 __all__ = ["main"]
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def _verify(path: Path) -> tuple[bool, str, int]:
@@ -64,7 +58,7 @@ def _verify(path: Path) -> tuple[bool, str, int]:
         return False, str(exc), 0
     dt = time.perf_counter() - t0
     rate = nbytes / max(dt, 1e-9) / 1e9
-    return True, f"ok ({_size(nbytes)} in {dt:.2f} s, {rate:.2f} GB/s)", nbytes
+    return True, f"ok ({format_bytes(nbytes, 'GiB')} in {dt:.2f} s, {rate:.2f} GB/s)", nbytes
 
 
 def _step_names(root: Path) -> list[tuple[int, Path]]:
@@ -105,7 +99,8 @@ def _row(label: str, body: dict | None, mark: str, upload: str = "-", metrics: b
     if metrics:
         extra = f"  metrics={json.dumps(body.get('metrics', {}), sort_keys=True)}{extra}"
     files = len(body["files"])
-    return f"{label:>10}  {_size(size):>10}  {files:>5}  {when:<19}  {upload:<9}  {mark}{extra}"
+    shown_size = format_bytes(size, "GiB")
+    return f"{label:>10}  {shown_size:>10}  {files:>5}  {when:<19}  {upload:<9}  {mark}{extra}"
 
 
 def _ls(root: Path, metrics: bool = False) -> int:
@@ -308,15 +303,6 @@ def _remote_cmd(
     return 1 if bad else 0
 
 
-def _storage_options(args: argparse.Namespace) -> dict:
-    options: dict[str, Any] = {}
-    if args.endpoint_url:
-        options["client_kwargs"] = {"endpoint_url": args.endpoint_url}
-    if args.anon:
-        options["anon"] = True
-    return options
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ckpt`` command."""
     parser = argparse.ArgumentParser(prog="ckpt", description=__doc__.splitlines()[0])
@@ -331,8 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p_verify.add_argument("--step", type=non_negative_int, default=None, help="only this step")
     for p in (p_ls, p_verify):
-        p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for a URL")
-        p.add_argument("--anon", action="store_true", help="anonymous (unsigned) S3 access")
+        add_storage_arguments(p, endpoint_help="S3-compatible endpoint for a URL", anon=True)
     p_gc = sub.add_parser("gc", help="remove leftovers and old steps")
     p_gc.add_argument("directory", help="a local checkpoint directory")
     p_gc.add_argument(
@@ -360,13 +345,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "KeepEvery.n", "--keep-every"))  # fmt: skip
     text: str = args.directory
     try:
-        if "://" in text and text[:5].lower() != "file:":
+        if is_url(text) and text[:5].lower() != "file:":
             if args.command == "gc":
                 print(f"ckpt: gc works on a local directory, not {_scrub(text, text)!r}",
                       file=sys.stderr)  # fmt: skip
                 return 2
             try:
-                return _remote_cmd(args.command, text, _storage_options(args), args.step
+                return _remote_cmd(args.command, text, storage_options(args), args.step
                                    if args.command == "verify" else None,
                                    args.command == "ls" and args.metrics)  # fmt: skip
             except CheckpointError:

@@ -33,7 +33,7 @@ from ckpt._layout import DATA_FILE, MANIFEST
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.saving.flatten import ALIGN, MAX_DEPTH, Leaf, torch_dtype
 from ckpt.saving.pool import Buffer
-from feedpipe.io import crc32c, to_hex
+from feedpipe.io import crc32c, readinto_exactly, to_hex
 from feedpipe.io.trace import span
 
 __all__ = [
@@ -760,12 +760,9 @@ def stream_file(
 
 
 def _read_exact(fd: int, piece: memoryview, pos: int, path: Path) -> None:
-    got = 0
-    while got < len(piece):
-        n = os.preadv(fd, [piece[got:]], pos + got)
-        if n == 0:
-            raise CorruptCheckpointError(f"{path}: unexpected end of file at byte {pos + got}")
-        got += n
+    got = readinto_exactly(fd, [piece], pos, len(piece))
+    if got < len(piece):
+        raise CorruptCheckpointError(f"{path}: unexpected end of file at byte {pos + got}")
 
 
 def _scatter(order: list[Target], starts: list[int], pos: int, piece: memoryview) -> None:

@@ -24,6 +24,7 @@ from feedpipe.datasets._shard_guard import ShardGuard, ShardTable, SharedFlags, 
 from feedpipe.datasets.format import INDEX_NAME, FileInfo, Index
 from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c_file, to_hex
+from feedpipe.io.fsutil import read_exactly
 
 __all__ = ["VERIFY_MODES", "ShardFiles", "verify_files"]
 
@@ -332,7 +333,7 @@ class ShardFiles:
 
 
 def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:
-    data = os.pread(fd, nbytes, offset)
+    data = read_exactly(fd, nbytes, offset)
     if len(data) != nbytes:
         raise DatasetError(f"{path}: short read (got {len(data)} of {nbytes} bytes)")
     return data

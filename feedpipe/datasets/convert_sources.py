@@ -20,7 +20,7 @@ from feedpipe.datasets.format import (
 from feedpipe.datasets.tables import HFSource, ParquetSource, is_hf_dataset, parquet_paths
 from feedpipe.datasets.tar_source import TarSource, is_tar_source, tar_shards
 from feedpipe.errors import DatasetError
-from feedpipe.io.remote import local_file_path
+from feedpipe.io.remote import is_url, local_file_path
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -403,7 +403,7 @@ def make_source(
                 kind = "parquet"
             elif first.endswith((".npy", ".npz")):
                 kind = "npy"
-            elif "://" in first or os.path.exists(os.path.join(first, "zarr.json")):
+            elif is_url(first) or os.path.exists(os.path.join(first, "zarr.json")):
                 kind = "zarr"
             elif os.path.isdir(first) and glob.glob(os.path.join(glob.escape(first), "*.np[yz]")):
                 raise DatasetError(

@@ -71,6 +71,7 @@ from feedpipe.datasets.columns import RAGGED_MODES, gather, variable_columns
 from feedpipe.datasets.format import INDEX_NAME, parse_index, read_index
 from feedpipe.datasets.writer import MemmapWriter
 from feedpipe.errors import DatasetError
+from feedpipe.io.fsutil import readinto_exactly
 from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
 
@@ -564,7 +565,7 @@ class MemmapDataset(ShardFiles, TypedColumns, torch.utils.data.Dataset[Any]):
     def _preadv_exact(
         self, shard: OpenShard, bufs: list[Any], offset: int, record: Any, nbytes: int
     ) -> None:
-        got = os.preadv(shard.fd, bufs, offset) if nbytes else 0
+        got = readinto_exactly(shard.fd, bufs, offset, nbytes)
         if got != nbytes:  # a short read means the file changed under us: never return it
             raise DatasetError(
                 f"{self._local_path(shard.sid, 'data')}: short read at record {record} "

@@ -24,6 +24,7 @@ import torch
 from feedpipe.datasets._gather import ROW_COPY_MIN, indices_array, inverse, scratch
 from feedpipe.datasets.format import check_dtype, check_shape
 from feedpipe.errors import DatasetError, require
+from feedpipe.io.fsutil import readinto_exactly
 from feedpipe.io.remote import is_remote, local_file_path, redact
 
 __all__ = ["ZarrDataset"]
@@ -570,7 +571,7 @@ class _PreadvReader:
         fd = self._fd(k)
         dest = range(len(addr)) if at is None else at.tolist()
         for j, (p, offset) in enumerate(zip(dest, addr.tolist(), strict=True)):
-            got = os.preadv(fd, [out[p]], offset)
+            got = readinto_exactly(fd, [out[p]], offset, self.row)
             if got != self.row:
                 raise DatasetError(
                     f"{where}/{self._key(k)}: short read at record {int(idx[j])} "

@@ -424,17 +424,19 @@ def _die() -> None:
     os._exit(1)
 
 
-def pid_alive(pid: int) -> bool:
+def pid_alive(pid: int, *, same_user: bool = False) -> bool:
     """Whether process ``pid`` runs: a zombie (dead, not yet reaped) does not; a process of
-    another user (``EPERM``) does."""
+    another user (``EPERM``) does, unless ``same_user`` (then the pid was reused by another
+    user's process: the one asked about is gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+            running = f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+        return running and (not same_user or os.stat(f"/proc/{pid}").st_uid == os.getuid())
     except (OSError, IndexError):
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:
-            return True
+            return not same_user
         return True

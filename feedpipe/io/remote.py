@@ -32,8 +32,10 @@ __all__ = [
     "call",
     "classify",
     "is_remote",
+    "is_s3",
     "is_temp",
     "is_unreachable",
+    "is_url",
     "join",
     "local_file_path",
     "redact",
@@ -113,10 +115,20 @@ class RemoteIOError(OSError):
         return (type(self), (str(self), self.url), {"permanent": self.permanent})
 
 
+def is_url(text: str | os.PathLike[str]) -> bool:
+    """True for a URL of any protocol (``s3://``, ``file://``...): text with ``://`` in it."""
+    return "://" in os.fspath(text)
+
+
+def is_s3(url: str | os.PathLike[str]) -> bool:
+    """True for an S3 URL (``s3://`` or ``s3a://``)."""
+    return os.fspath(url).startswith(("s3://", "s3a://"))
+
+
 def is_remote(url: str | os.PathLike[str]) -> bool:
     """True for a URL with a non-local protocol (``s3://``, ``gs://``, ``http://``...)."""
     text = os.fspath(url)
-    if "://" not in text:
+    if not is_url(text):
         return False
     return text.split("://", 1)[0].lower() not in _LOCAL_PROTOCOLS
 
@@ -171,7 +183,7 @@ def resolve(
         text = os.path.abspath(text)  # (fsspec would read it as ./name)
     options = dict(storage_options or {})
     _redact_library_logs()
-    if text.startswith(("s3://", "s3a://")):
+    if is_s3(text):
         _require("s3fs", "s3")
         # every file is verified end to end against the index's CRC32C, so botocore's own
         # response checksum (pure Python without awscrt) is redundant, and slow: see the

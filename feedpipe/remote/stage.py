@@ -43,11 +43,11 @@ from typing import Any
 from feedpipe.datasets.destination import claim_dataset_folder, dataset_entries
 from feedpipe.datasets.writer import is_writer_file
 from feedpipe.errors import DatasetError
-from feedpipe.io.cliargs import positive_int
+from feedpipe.io.cliargs import add_storage_arguments, positive_int, storage_options
 from feedpipe.io.fsutil import atomic_write, fsync_dir
 from feedpipe.io.ownership import owns
 from feedpipe.io.reaper import join_threads, pid_alive
-from feedpipe.io.remote import local_file_path
+from feedpipe.io.remote import is_s3, local_file_path
 from feedpipe.remote import transfer as _remote
 from feedpipe.remote.transfer import INDEX_NAME, FileEntry
 
@@ -267,7 +267,7 @@ def _pooled(
 ) -> Mapping[str, Any] | None:
     """For S3, a connection pool with room for every worker: botocore's default of 10
     connections would otherwise cap ``workers`` transfers at 10 (the caller's value wins)."""
-    if not url.startswith(("s3://", "s3a://")):
+    if not is_s3(url):
         return storage_options
     out = dict(storage_options or {})
     config = dict(out.get("config_kwargs") or {})
@@ -418,21 +418,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="trust sizes of files already there (only when DST already has this index)",
     )
-    parser.add_argument(
-        "--endpoint-url", default=None, help="S3-compatible endpoint (e.g. a MinIO or local server)"
-    )
-    parser.add_argument("--anon", action="store_true", help="anonymous (unsigned) S3 access")
+    add_storage_arguments(parser, anon=True)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``feedpipe stage``; credentials come from the usual environment/config of the backend."""
     import sys
 
-    options: dict[str, Any] = {}
-    if args.endpoint_url:
-        options["client_kwargs"] = {"endpoint_url": args.endpoint_url}
-    if args.anon:
-        options["anon"] = True
+    options = storage_options(args)
     try:
         result = stage(
             args.src,

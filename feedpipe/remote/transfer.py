@@ -28,6 +28,7 @@ from feedpipe.io.remote import (
     RetryPolicy,
     classify,
     is_remote,
+    is_s3,
     is_temp,
     join,
     redact,
@@ -70,7 +71,7 @@ def resolve(
     deadline_s: float | None = None,
 ) -> tuple[Any, str]:
     """:func:`feedpipe.io.remote.resolve`; a missing ``s3fs`` is a ``MissingExtraError``."""
-    if os.fspath(url).startswith(("s3://", "s3a://")):
+    if is_s3(url):
         require("s3fs", "s3")
     return _io_resolve(url, storage_options, deadline_s)
 
