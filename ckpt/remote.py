@@ -51,7 +51,7 @@ from ckpt.policy import KeepLast, Policy
 from ckpt.retention import rules
 from ckpt.saving import commit
 from ckpt.tiers import s3put
-from feedpipe.io import RetryPolicy, call, crc32c, is_s3, redact, resolve, to_hex
+from feedpipe.io import RetryPolicy, call, crc32c, is_s3_url, redact, resolve, to_hex
 from feedpipe.io.reaper import join_threads
 from feedpipe.io.trace import span
 
@@ -179,7 +179,7 @@ def _client_options(options: RemoteOptions) -> dict[str, Any]:
     (:mod:`ckpt.tiers.s3put`), the manifest is read back, and botocore's checksum would cost the
     event loop thread that carries every transfer a pass over each part."""
     out = dict(options.storage_options or {})
-    if is_s3(options.url):
+    if is_s3_url(options.url):
         config = dict(out.get("config_kwargs") or {})
         config.setdefault("request_checksum_calculation", "when_required")
         config.setdefault("max_pool_connections", max(10, 2 * options.threads + 2))

@@ -429,7 +429,7 @@ def make_source(
     if kind == "tar":
         return TarSource(tar_shards(paths), data_key, storage_options)  # type: ignore[return-value]
     for p in paths:
-        if "://" not in p and not os.path.exists(p):
+        if not is_url(p) and not os.path.exists(p):
             raise DatasetError(f"{p}: source does not exist")
     if kind == "npy":
         return ArraySource(paths, data_key)

@@ -32,7 +32,7 @@ __all__ = [
     "call",
     "classify",
     "is_remote",
-    "is_s3",
+    "is_s3_url",
     "is_temp",
     "is_unreachable",
     "is_url",
@@ -120,7 +120,7 @@ def is_url(text: str | os.PathLike[str]) -> bool:
     return "://" in os.fspath(text)
 
 
-def is_s3(url: str | os.PathLike[str]) -> bool:
+def is_s3_url(url: str | os.PathLike[str]) -> bool:
     """True for an S3 URL (``s3://`` or ``s3a://``)."""
     return os.fspath(url).startswith(("s3://", "s3a://"))
 
@@ -183,7 +183,7 @@ def resolve(
         text = os.path.abspath(text)  # (fsspec would read it as ./name)
     options = dict(storage_options or {})
     _redact_library_logs()
-    if is_s3(text):
+    if is_s3_url(text):
         _require("s3fs", "s3")
         # every file is verified end to end against the index's CRC32C, so botocore's own
         # response checksum (pure Python without awscrt) is redundant, and slow: see the

@@ -47,7 +47,7 @@ from feedpipe.io.cliargs import add_storage_arguments, positive_int, storage_opt
 from feedpipe.io.fsutil import atomic_write, fsync_dir
 from feedpipe.io.ownership import owns
 from feedpipe.io.reaper import join_threads, pid_alive
-from feedpipe.io.remote import is_s3, local_file_path
+from feedpipe.io.remote import is_s3_url, local_file_path
 from feedpipe.remote import transfer as _remote
 from feedpipe.remote.transfer import INDEX_NAME, FileEntry
 
@@ -267,7 +267,7 @@ def _pooled(
 ) -> Mapping[str, Any] | None:
     """For S3, a connection pool with room for every worker: botocore's default of 10
     connections would otherwise cap ``workers`` transfers at 10 (the caller's value wins)."""
-    if not is_s3(url):
+    if not is_s3_url(url):
         return storage_options
     out = dict(storage_options or {})
     config = dict(out.get("config_kwargs") or {})

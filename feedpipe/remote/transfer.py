@@ -28,7 +28,7 @@ from feedpipe.io.remote import (
     RetryPolicy,
     classify,
     is_remote,
-    is_s3,
+    is_s3_url,
     is_temp,
     join,
     redact,
@@ -71,7 +71,7 @@ def resolve(
     deadline_s: float | None = None,
 ) -> tuple[Any, str]:
     """:func:`feedpipe.io.remote.resolve`; a missing ``s3fs`` is a ``MissingExtraError``."""
-    if is_s3(url):
+    if is_s3_url(url):
         require("s3fs", "s3")
     return _io_resolve(url, storage_options, deadline_s)
 
