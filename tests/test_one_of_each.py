@@ -157,11 +157,11 @@ def test_read_exactly_joins_short_reads(monkeypatch: pytest.MonkeyPatch, tmp_pat
     def pread(fd: int, n: int, off: int) -> bytes:
         return real_pread(fd, min(n, 3), off)
 
-    def preadv(fd: int, bufs: list, off: int) -> int:  # type: ignore[type-arg]
+    def preadv(fd: int, bufs: list[bytearray | memoryview], off: int) -> int:
         return real_preadv(fd, [memoryview(bufs[0]).cast("B")[:3]], off)
 
-    monkeypatch.setattr(fsutil.os, "pread", pread)
-    monkeypatch.setattr(fsutil.os, "preadv", preadv)
+    monkeypatch.setattr(os, "pread", pread)
+    monkeypatch.setattr(os, "preadv", preadv)
     fd = os.open(path, os.O_RDONLY)
     try:
         assert fsutil.read_exactly(fd, 20, 1) == bytes(range(1, 21))
