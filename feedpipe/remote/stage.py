@@ -180,47 +180,69 @@ def _stage_locked(
         _invalidate(index_path)  # before any shard is touched: never v1's index over v2's shards
     total = sum(e.nbytes for e in todo)
     bar = _Bar(total, progress, desc=f"stage {_remote.redact(url, storage_options)}")
-    cancel = threading.Event()
-    temps: set[str] = set()
-    temps_lock = threading.Lock()
-
-    def _one(e: FileEntry) -> None:
-        final = os.path.join(dst, e.relpath)
-        tmp = _remote.temp_name(final, e.nbytes)
-        with temps_lock:
-            temps.add(tmp)
-        try:
-            _remote.fetch_verified(
-                fs,
-                _remote.join(root, e.relpath),
-                _remote.join(url, e.relpath),
-                final,
-                e,
-                storage_options=storage_options,
-                progress=bar,
-                policy=policy,
-                tmp=tmp,
-                cancel=cancel,
-            )
-        finally:
-            with temps_lock:
-                temps.discard(tmp)
-
     try:
         # largest first keeps the pool busy at the end of the run
-        _run_all(sorted(todo, key=lambda e: -e.nbytes), _one, workers, cancel)
-    except BaseException:
-        cancel.set()
-        with temps_lock:
-            left = list(temps)
-        for tmp in left:  # transfers still in flight write to an unlinked file, then stop
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        raise
+        transfers = _Transfers(fs, root, url, dst, storage_options, policy, bar)
+        transfers.run(sorted(todo, key=lambda e: -e.nbytes), workers)
     finally:
         bar.close()
     atomic_write(index_path, raw_index)
     return StageResult(len(todo), len(entries) - len(todo), total, time.perf_counter() - t0)
+
+
+class _Transfers:
+    """The verified downloads of one stage into ``dst``, on ``workers`` threads: on a failure
+    (or an interrupt) the others are cancelled and the temps still in flight removed."""
+
+    def __init__(  # noqa: PLR0917 - stage's own values, passed on
+        self,
+        fs: Any,
+        root: str,
+        url: str,
+        dst: str,
+        storage_options: Mapping[str, Any] | None,
+        policy: _remote.RetryPolicy,
+        bar: _Bar,
+    ) -> None:
+        self.fs, self.root, self.url, self.dst = fs, root, url, dst
+        self.options, self.policy, self.bar = storage_options, policy, bar
+        self.cancel = threading.Event()
+        self._temps: set[str] = set()
+        self._lock = threading.Lock()
+
+    def run(self, todo: list[FileEntry], workers: int) -> None:
+        try:
+            _run_all(todo, self.one, workers, self.cancel)
+        except BaseException:
+            self.cancel.set()
+            with self._lock:
+                left = list(self._temps)
+            for tmp in left:  # transfers still in flight write to an unlinked file, then stop
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            raise
+
+    def one(self, e: FileEntry) -> None:
+        final = os.path.join(self.dst, e.relpath)
+        tmp = _remote.temp_name(final, e.nbytes)
+        with self._lock:
+            self._temps.add(tmp)
+        try:
+            _remote.fetch_verified(
+                self.fs,
+                _remote.join(self.root, e.relpath),
+                _remote.join(self.url, e.relpath),
+                final,
+                e,
+                storage_options=self.options,
+                progress=self.bar,
+                policy=self.policy,
+                tmp=tmp,
+                cancel=self.cancel,
+            )
+        finally:
+            with self._lock:
+                self._temps.discard(tmp)
 
 
 def _claim(dst: str, entries: list[FileEntry], *, adopt: bool = True) -> None:
