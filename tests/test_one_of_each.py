@@ -36,6 +36,7 @@ HOMES: dict[str, set[str]] = {
     "pid_alive": {"feedpipe/io/reaper.py"},
     "libcuda": {"feedpipe/io/cuda.py"},
     "format_bytes": {"feedpipe/io/cliargs.py"},
+    "is_writer_file": {"feedpipe/io/destination.py"},
 }
 
 # issue 26, item 5: what each helper's body spells, found outside its home = a copy came back.

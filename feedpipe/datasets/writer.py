@@ -7,7 +7,6 @@ last, so a crashed or interrupted write never looks like a complete dataset.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 import uuid
@@ -34,6 +33,7 @@ from feedpipe.datasets.format import (
 )
 from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c, to_hex
+from feedpipe.io.destination import is_writer_file
 from feedpipe.io.remote import local_file_path
 
 __all__ = [
@@ -47,15 +47,6 @@ __all__ = [
 
 DEFAULT_SHARD_BYTES = 256 << 20
 _TMP_MARK = ".tmp-"
-# names a writer creates: shard files, their temps, and the index and its temps
-_OWN_NAME = re.compile(
-    r"^(index\.json|\.index\.json\..*\.tmp|\.?shard-\d{5,}\.[A-Za-z0-9_.]+(\.tmp-[0-9a-f]{8})?)$"
-)
-
-
-def is_writer_file(name: str) -> bool:
-    """Whether ``name`` is one a writer creates (a shard file, the index, their temps)."""
-    return _OWN_NAME.match(name) is not None
 
 
 def check_destination(path: str, *, overwrite: bool) -> bool:
@@ -77,7 +68,7 @@ def check_destination(path: str, *, overwrite: bool) -> bool:
     foreign = sorted(
         e
         for e in entries
-        if not _OWN_NAME.match(e)
+        if not is_writer_file(e)
         or os.path.islink(os.path.join(path, e))
         or os.path.isdir(os.path.join(path, e))
     )

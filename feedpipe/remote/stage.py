@@ -40,10 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from feedpipe.datasets.destination import claim_dataset_folder, dataset_entries
-from feedpipe.datasets.writer import is_writer_file
 from feedpipe.errors import DatasetError
 from feedpipe.io.cliargs import add_storage_arguments, positive_int, storage_options
+from feedpipe.io.destination import DestinationError, claim_folder, folder_entries, is_writer_file
 from feedpipe.io.fsutil import atomic_write, fsync_dir
 from feedpipe.io.ownership import owns
 from feedpipe.io.reaper import join_threads, pid_alive
@@ -246,7 +245,7 @@ class _Transfers:
 
 
 def _claim(dst: str, entries: list[FileEntry], *, adopt: bool = True) -> None:
-    """Make ``dst`` stage's by the one ownership rule (:mod:`feedpipe.datasets.destination`):
+    """Make ``dst`` stage's by the one ownership rule (:mod:`feedpipe.io.destination`):
     it may hold only a dataset's own files (the source's, or those of the feedpipe index
     there), stage's temps and lock, and stage's marker; anything else (a user's own
     ``index.json``, their files, a symlink) is refused by name before anything is written.
@@ -271,13 +270,25 @@ def _claim(dst: str, entries: list[FileEntry], *, adopt: bool = True) -> None:
     # there (every version did); a dataset that convert or a user wrote is not stage's to replace
     earlier = marked or os.path.lexists(os.path.join(real, lock))
     if earlier:
-        ours = dataset_entries(real, [e.relpath for e in entries], also=also)
+        listed = [e.relpath for e in entries]
+        ours = folder_entries(real, INDEX_NAME, _index_files, listed, also)
     else:
 
         def ours(path: Path) -> bool:
             return also(path.name)
 
-    claim_dataset_folder(real, "stage", ours, adopt=adopt)
+    try:
+        claim_folder(real, "stage", ours, INDEX_NAME, adopt=adopt)
+    except DestinationError as exc:
+        raise DatasetError(str(exc)) from None
+
+
+def _index_files(raw: bytes, source: str) -> list[str] | None:
+    """The files a feedpipe index lists, or None when ``raw`` is none."""
+    try:
+        return [e.relpath for e in _remote.parse_index(raw, source)]
+    except DatasetError:
+        return None
 
 
 def _lock_path(dst: str) -> str:
