@@ -86,6 +86,11 @@ class NvtxRecorder:
     def pop(self) -> None:
         self._pop()
 
+    @property
+    def listening(self) -> bool:
+        """False on the dummy domain ``nvtx`` returns when no tool listens."""
+        return type(self._domain).__name__ != "DummyDomain"
+
 
 _UNSET: Any = object()
 _recorder: Any = _UNSET
@@ -107,7 +112,7 @@ def _decide() -> Recorder | None:
             raise ImportError(f"{ENV}=1 needs the nvtx package: pip install nvtx") from exc
         return None
     rec = NvtxRecorder(nvtx)
-    if not forced and type(rec._domain).__name__ == "DummyDomain":
+    if not forced and not rec.listening:
         return None  # nvtx says no tool listens
     return rec
 
