@@ -18,6 +18,8 @@ import random
 import signal
 import time
 
+from feedpipe.io.env import env_flag
+
 __all__ = ["exchange_allowed", "fs_op", "pause"]
 
 _points: dict[str, float] | None = None
@@ -61,4 +63,4 @@ def fs_op(what: str) -> None:
 
 def exchange_allowed() -> bool:
     """Whether ``renameat2(RENAME_EXCHANGE)`` may be used (tests can force the fallback)."""
-    return not os.environ.get("CKPT_TEST_NO_EXCHANGE")
+    return not env_flag("CKPT_TEST_NO_EXCHANGE")

@@ -40,16 +40,10 @@ from ckpt.errors import CheckpointError
 from ckpt.policy import Policy, from_options
 from ckpt.retention import checks, rules
 from ckpt.saving import commit
+from feedpipe.io.cliargs import add_storage_arguments, format_bytes, storage_options
+from feedpipe.io.remote import is_url
 
 __all__ = ["main"]
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def _verify(path: Path) -> tuple[bool, str, int]:
@@ -64,7 +58,7 @@ def _verify(path: Path) -> tuple[bool, str, int]:
         return False, str(exc), 0
     dt = time.perf_counter() - t0
     rate = nbytes / max(dt, 1e-9) / 1e9
-    return True, f"ok ({_size(nbytes)} in {dt:.2f} s, {rate:.2f} GB/s)", nbytes
+    return True, f"ok ({format_bytes(nbytes, 'GiB')} in {dt:.2f} s, {rate:.2f} GB/s)", nbytes
 
 
 def _step_names(root: Path) -> list[tuple[int, Path]]:
@@ -108,7 +102,8 @@ def _row(
     if metrics:
         extra = f"  metrics={json.dumps(body.get('metrics', {}), sort_keys=True)}{extra}"
     files = len(body["files"])
-    return f"{label:>10}  {_size(size):>10}  {files:>5}  {when:<19}  {upload:<9}  {mark}{extra}"
+    shown_size = format_bytes(size, "GiB")
+    return f"{label:>10}  {shown_size:>10}  {files:>5}  {when:<19}  {upload:<9}  {mark}{extra}"
 
 
 def _ls_step(
@@ -381,15 +376,6 @@ def _remote_cmd(
     return 1 if bad else 0
 
 
-def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    if args.endpoint_url:
-        options["client_kwargs"] = {"endpoint_url": args.endpoint_url}
-    if args.anon:
-        options["anon"] = True
-    return options
-
-
 def _parser() -> argparse.ArgumentParser:
     from feedpipe.io.cliargs import non_negative_int
 
@@ -403,8 +389,7 @@ def _parser() -> argparse.ArgumentParser:
     p_verify.add_argument("directory", help=where)
     p_verify.add_argument("--step", type=non_negative_int, default=None, help="only this step")
     for p in (p_ls, p_verify):
-        p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for a URL")
-        p.add_argument("--anon", action="store_true", help="anonymous (unsigned) S3 access")
+        add_storage_arguments(p, endpoint_help="S3-compatible endpoint for a URL", anon=True)
     _gc_arguments(sub.add_parser("gc", help="remove leftovers and old steps"))
     return parser
 
@@ -447,7 +432,7 @@ def _run_remote(args: argparse.Namespace, text: str) -> int:
     only = args.step if args.command == "verify" else None
     metrics = args.command == "ls" and args.metrics
     try:
-        return _remote_cmd(args.command, text, _storage_options(args), only, metrics)
+        return _remote_cmd(args.command, text, storage_options(args), only, metrics)
     except CheckpointError:
         raise
     except Exception as exc:
@@ -480,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     policy = _gc_policy(args, parser)
     text: str = args.directory
     try:
-        if "://" in text and text[:5].lower() != "file:":
+        if is_url(text) and text[:5].lower() != "file:":
             return _run_remote(args, text)
         return _run_local(args, text, policy)
     except (CheckpointError, OSError) as exc:

@@ -71,7 +71,7 @@ from ckpt.saving import commit
 from ckpt.saving.flatten import torch_dtype
 from ckpt.saving.plan import pack
 from ckpt.saving.pool import Buffer, PinnedPool, PoolOptions
-from feedpipe.io import crc32c, to_hex
+from feedpipe.io import crc32c, readinto_exactly, to_hex
 
 __all__ = [
     "CkptStorageReader",
@@ -476,12 +476,8 @@ class CkptStorageReader(StorageReader):
                 )
             out = torch.empty(end - start, dtype=torch.uint8)
             view = out.numpy().data.cast("B")
-            got = 0
-            while got < len(view):
-                n = os.preadv(fd, [view[got:]], start + got)
-                if n == 0:
-                    raise CorruptCheckpointError(f"{path}: unexpected end of file")
-                got += n
+            if readinto_exactly(fd, [view], start, len(view)) < len(view):
+                raise CorruptCheckpointError(f"{path}: unexpected end of file")
         finally:
             os.close(fd)
         if self.verify:

@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"feedpipe {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        if os.environ.get("FEEDPIPE_DEBUG"):
+        from feedpipe.io.env import env_flag
+
+        if env_flag("FEEDPIPE_DEBUG"):
             raise
         text = _redact(_describe(exc, args), secrets)
         print(f"feedpipe {args.command}: error: {text}", file=sys.stderr)

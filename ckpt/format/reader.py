@@ -19,7 +19,7 @@ import torch
 from ckpt.errors import CorruptCheckpointError
 from ckpt.format.limits import IO_BYTES
 from ckpt.format.paths import inside, open_data
-from feedpipe.io import crc32c, to_hex
+from feedpipe.io import crc32c, readinto_exactly, to_hex
 
 __all__ = ["ChunkStream", "Target", "check_file", "stream_file", "verify_file"]
 
@@ -45,12 +45,9 @@ def check_file(directory: Path, rec: dict[str, Any]) -> None:
 
 
 def _read_exact(fd: int, piece: memoryview, pos: int, path: Path) -> None:
-    got = 0
-    while got < len(piece):
-        n = os.preadv(fd, [piece[got:]], pos + got)
-        if n == 0:
-            raise CorruptCheckpointError(f"{path}: unexpected end of file at byte {pos + got}")
-        got += n
+    got = readinto_exactly(fd, [piece], pos, len(piece))
+    if got < len(piece):
+        raise CorruptCheckpointError(f"{path}: unexpected end of file at byte {pos + got}")
 
 
 class ChunkStream:

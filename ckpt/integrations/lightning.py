@@ -35,6 +35,7 @@ import torch
 from ckpt._paths import local_path
 from ckpt.errors import CheckpointError
 from ckpt.simple import load, save
+from feedpipe.io.remote import is_url
 
 __all__ = ["CkptCheckpointIO"]
 
@@ -73,7 +74,7 @@ def _local(path: Any) -> str:
     key: str = os.fspath(path)
     if key[:5].lower() == "file:":  # the rule of feedpipe.io.local_file_path
         return str(local_path(key, "CkptCheckpointIO", "checkpoint to a local path"))
-    if "://" in key:
+    if is_url(key):
         from feedpipe.io import redact
 
         raise ValueError(

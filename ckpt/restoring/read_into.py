@@ -31,7 +31,7 @@ import torch
 
 from ckpt import format as fmt
 from ckpt.errors import CorruptCheckpointError
-from feedpipe.io import crc32c, to_hex
+from feedpipe.io import crc32c, readinto_exactly, to_hex
 
 __all__ = ["READ_BYTES", "VERIFY_BYTES", "WINDOW", "read_into", "reader_threads", "verify_threads"]
 
@@ -186,14 +186,9 @@ class _Job:
             local.turn += 1
 
     def read(self, view: memoryview, pos: int) -> None:
-        got = 0
-        while got < len(view):
-            n = os.preadv(self.fd, [view[got:]], pos + got)
-            if n == 0:
-                raise CorruptCheckpointError(
-                    f"{self.path}: unexpected end of file at byte {pos + got}"
-                )
-            got += n
+        got = readinto_exactly(self.fd, [view], pos, len(view))
+        if got < len(view):
+            raise CorruptCheckpointError(f"{self.path}: unexpected end of file at byte {pos + got}")
 
 
 def read_into(

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ckpt.errors import CheckpointError
+from feedpipe.io.cuda import libcuda
 
 __all__ = [
     "REGISTER_BYTES",
@@ -102,7 +103,7 @@ class _Driver:
 @cache
 def _driver() -> _Driver | None:
     try:
-        return _Driver(ctypes.CDLL("libcuda.so.1"))
+        return _Driver(libcuda())
     except (OSError, AttributeError):
         return None
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt.errors import CorruptCheckpointError
-from feedpipe.io import crc32c, to_hex
+from feedpipe.io import crc32c, read_exactly, to_hex
 
 __all__ = [
     "MAX_PART",
@@ -171,14 +171,9 @@ def _etag(response: dict[str, Any]) -> str:
 
 
 def _read(fd: int, offset: int, size: int, path: Path) -> bytes:
-    data = os.pread(fd, size, offset)
-    while len(data) < size:  # a short read: go on; zero bytes: the file shrank
-        more = os.pread(fd, size - len(data), offset + len(data))
-        if not more:
-            raise CorruptCheckpointError(
-                f"{path}: ended at byte {offset + len(data)} while uploading"
-            )
-        data += more
+    data = read_exactly(fd, size, offset)  # a short read goes on
+    if len(data) < size:  # the file shrank
+        raise CorruptCheckpointError(f"{path}: ended at byte {offset + len(data)} while uploading")
     return data
 
 

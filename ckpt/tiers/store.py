@@ -20,7 +20,7 @@ from ckpt.errors import CheckpointError, CorruptCheckpointError, RemoteCheckpoin
 from ckpt.tiers import s3put
 from ckpt.tiers.listing import RemoteListing, list_remote
 from ckpt.tiers.options import RemoteOptions
-from feedpipe.io import RetryPolicy, call, redact, resolve
+from feedpipe.io import RetryPolicy, call, is_s3_url, redact, resolve
 
 __all__ = ["RemoteStore", "client_options", "transfer"]
 
@@ -49,7 +49,7 @@ def client_options(options: RemoteOptions) -> dict[str, Any]:
     (:mod:`ckpt.tiers.s3put`), the manifest is read back, and botocore's checksum would cost the
     event loop thread that carries every transfer a pass over each part."""
     out = dict(options.storage_options or {})
-    if options.url.startswith(("s3://", "s3a://")):
+    if is_s3_url(options.url):
         config = dict(out.get("config_kwargs") or {})
         config.setdefault("request_checksum_calculation", "when_required")
         config.setdefault("max_pool_connections", max(10, 2 * options.threads + 2))

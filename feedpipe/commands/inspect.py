@@ -14,7 +14,12 @@ from typing import Any, TextIO
 
 from feedpipe.datasets.format import FieldSpec, Index, read_index
 from feedpipe.errors import DatasetError
-from feedpipe.io.cliargs import non_negative_int
+from feedpipe.io.cliargs import (
+    add_storage_arguments,
+    format_bytes,
+    non_negative_int,
+    storage_options,
+)
 from feedpipe.io.crc import crc32c, to_hex
 from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
@@ -22,14 +27,6 @@ from feedpipe.remote import transfer as _remote
 __all__ = ["add_arguments", "describe", "run", "verify"]
 
 _CHUNK = 8 << 20
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def _field(f: FieldSpec) -> str:
@@ -44,7 +41,7 @@ def describe(index: Index, path: str, max_shards: int = 10) -> str:
     """A human-readable summary of an index."""
     lay = index.layout
     layout = {
-        "fixed": f"fixed {list(lay.shape)} {lay.dtype} ({_size(lay.record_bytes)}/record)",
+        "fixed": f"fixed {list(lay.shape)} {lay.dtype} ({format_bytes(lay.record_bytes)}/record)",
         "bytes": "bytes (variable-length records)",
         "ragged": f"ragged {[None, *lay.shape]} {lay.dtype} (variable-length arrays)",
         "none": "none (a record is its fields)",
@@ -55,7 +52,7 @@ def describe(index: Index, path: str, max_shards: int = 10) -> str:
         f"layout    {layout}",
         f"records   {index.num_records:,}",
         f"shards    {len(index.shards)}",
-        f"size      {_size(index.total_bytes)} in {sum(1 for _ in index.files())} files",
+        f"size      {format_bytes(index.total_bytes)} in {sum(1 for _ in index.files())} files",
     ]
     if index.fields:
         lines.append("fields    " + ", ".join(f"{n}: {_field(f)}" for n, f in index.fields.items()))
@@ -103,9 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shards", type=non_negative_int, default=10, help="shard rows to print (default 10)"
     )
-    parser.add_argument(
-        "--endpoint-url", default=None, help="S3-compatible endpoint (e.g. a MinIO or local server)"
-    )
+    add_storage_arguments(parser)
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -114,10 +109,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     fs = None
     root = path
     if _remote.is_remote(path):
-        options: dict[str, Any] = {}
-        if getattr(args, "endpoint_url", None):
-            options["client_kwargs"] = {"endpoint_url": args.endpoint_url}
-        fs, root = _remote.resolve(path, options)
+        fs, root = _remote.resolve(path, storage_options(args))
     if fs is None:
         try:
             root = path = local_file_path(path)
@@ -135,5 +127,5 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if problems:
         print(f"verify: {len(problems)} of {nfiles} files do not match the index", file=out)
         return 1
-    print(f"verify: all {nfiles} files match ({_size(index.total_bytes)})", file=out)
+    print(f"verify: all {nfiles} files match ({format_bytes(index.total_bytes)})", file=out)
     return 0

@@ -23,6 +23,7 @@ from feedpipe.datasets._shard_guard import ShardGuard, ShardTable, SharedFlags, 
 from feedpipe.datasets.format import INDEX_NAME, Index, parse_index, read_index
 from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c_file, to_hex
+from feedpipe.io.fsutil import read_exactly
 from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
 
@@ -247,7 +248,7 @@ class ShardSource:
 
 
 def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:
-    data = os.pread(fd, nbytes, offset)
+    data = read_exactly(fd, nbytes, offset)
     if len(data) != nbytes:
         raise DatasetError(f"{path}: short read (got {len(data)} of {nbytes} bytes)")
     return data

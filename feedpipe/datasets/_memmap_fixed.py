@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import threading
 from typing import Any
 
@@ -29,6 +28,7 @@ from feedpipe.datasets._gather import ROW_COPY_MIN, inverse, scratch
 from feedpipe.datasets._memmap_columns import check_out
 from feedpipe.datasets._memmap_open import OpenShard, ShardFiles
 from feedpipe.errors import DatasetError
+from feedpipe.io.fsutil import readinto_exactly
 
 __all__ = ["FixedRecords"]
 
@@ -164,7 +164,7 @@ class FixedRecords:
     def _preadv_exact(
         self, shard: OpenShard, bufs: list[Any], offset: int, record: Any, nbytes: int
     ) -> None:
-        got = os.preadv(shard.fd, bufs, offset) if nbytes else 0
+        got = readinto_exactly(shard.fd, bufs, offset, nbytes)
         if got != nbytes:  # a short read means the file changed under us: never return it
             raise DatasetError(
                 f"{self.files.source.local_path(shard.sid, 'data')}: short read at record "

@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from feedpipe.datasets.format import INDEX_NAME, Index, parse_index, read_index
-from feedpipe.datasets.shard_names import is_writer_file
 from feedpipe.errors import DatasetError
+from feedpipe.io.destination import is_writer_file
 from feedpipe.remote import transfer as _remote
 
 __all__ = ["RemoteFolder", "check_remote_destination", "publish"]

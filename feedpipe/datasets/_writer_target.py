@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from feedpipe.datasets.format import INDEX_NAME, read_index
-from feedpipe.datasets.shard_names import is_writer_file
 from feedpipe.errors import DatasetError
+from feedpipe.io.destination import is_writer_file
 from feedpipe.io.remote import local_file_path
 
 __all__ = ["WriteTarget", "check_destination", "prepare_destination"]

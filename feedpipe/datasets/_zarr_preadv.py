@@ -20,6 +20,7 @@ import numpy as np
 
 from feedpipe.datasets._gather import ROW_COPY_MIN, inverse, scratch
 from feedpipe.errors import DatasetError
+from feedpipe.io.fsutil import readinto_exactly
 
 __all__ = ["PreadvReader"]
 
@@ -207,7 +208,7 @@ class PreadvReader:
         fd = self._fd(k)
         dest = range(len(addr)) if at is None else at.tolist()
         for j, (p, offset) in enumerate(zip(dest, addr.tolist(), strict=True)):
-            got = os.preadv(fd, [out[p]], offset)
+            got = readinto_exactly(fd, [out[p]], offset, self.row)
             if got != self.row:
                 raise DatasetError(
                     f"{where}/{self._key(k)}: short read at record {int(idx[j])} "

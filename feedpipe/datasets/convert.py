@@ -55,9 +55,9 @@ from feedpipe.datasets.destination import check_convert_destination, replace_dat
 from feedpipe.datasets.format import Layout, check_dtype, check_field_names, check_shape
 from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter
 from feedpipe.errors import DatasetError
-from feedpipe.io.cliargs import byte_size, positive_int
+from feedpipe.io.cliargs import add_storage_arguments, byte_size, positive_int, storage_options
 from feedpipe.io.progress import progress
-from feedpipe.io.remote import local_file_path
+from feedpipe.io.remote import is_url, local_file_path
 from feedpipe.remote import transfer as _remote
 
 __all__ = ["ConvertResult", "add_arguments", "convert", "infer_column", "plan_parts", "run"]
@@ -280,7 +280,7 @@ def _check_not_a_source(source: Any, dest: str) -> None:
         if not isinstance(item, (str, os.PathLike)):
             return  # a list of samples, not of paths
         p = os.fspath(item)
-        if "://" in p:
+        if is_url(p):
             continue
         r = os.path.realpath(p)
         if d == r or d.startswith(r.rstrip("/") + "/") or r.startswith(d.rstrip("/") + "/"):
@@ -337,7 +337,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an existing dataset (datasets only)"
     )
-    parser.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for DEST")
+    add_storage_arguments(parser, endpoint_help="S3-compatible endpoint for DEST")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--fn",
@@ -353,7 +353,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``feedpipe convert``; errors go to the CLI's one handler (one redacted line)."""
-    options = {"client_kwargs": {"endpoint_url": args.endpoint_url}} if args.endpoint_url else None
+    options = storage_options(args) or None
     bar = False if args.no_progress else None
     fn = getattr(args, "fn", None)
     if fn:

@@ -21,7 +21,7 @@ from feedpipe.datasets.record_source import Source
 from feedpipe.datasets.tables import HFSource, ParquetSource, is_hf_dataset, parquet_paths
 from feedpipe.datasets.tar_source import TarSource, is_tar_source, tar_shards
 from feedpipe.errors import DatasetError
-from feedpipe.io.remote import local_file_path
+from feedpipe.io.remote import is_url, local_file_path
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -376,7 +376,7 @@ def _is_parquet(first: str) -> bool:
 
 
 def _is_zarr(first: str) -> bool:
-    return "://" in first or os.path.exists(os.path.join(first, "zarr.json"))
+    return is_url(first) or os.path.exists(os.path.join(first, "zarr.json"))
 
 
 # what a source path is, tried in this order (the first that holds decides)
@@ -417,7 +417,7 @@ def _paths(source: Any) -> list[str]:
 def _existing(source: Any) -> list[str]:
     paths = _paths(source)
     for p in paths:
-        if "://" not in p and not os.path.exists(p):
+        if not is_url(p) and not os.path.exists(p):
             raise DatasetError(f"{p}: source does not exist")
     return paths
 

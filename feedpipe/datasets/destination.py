@@ -7,27 +7,20 @@ into its folder, so it claims it (:func:`claim_dataset_folder`, a ``.stage-owner
 ``convert`` builds elsewhere and replaces its destination whole, so it runs the same check
 without a marker (:func:`check_convert_destination`), keeping a dataset's bytes a function of
 its source alone.
-What a dataset folder may hold as its own (:func:`dataset_entries`):
-
-- ``index.json`` when it parses as a feedpipe index (a user's own ``index.json`` is not ours);
-- every file that index lists, and every file the caller lists (the source's index for
-  ``stage``), as a regular file: a symlink is never ours;
-- a directory on such a file's path, when everything inside it is ours too;
-- names the caller recognises as its own temporaries (``also``).
+What a dataset folder may hold as its own is the rule of :mod:`feedpipe.io.destination`
+(:func:`dataset_entries` gives it this package's index parser; ``stage`` uses the rule there).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from feedpipe.datasets.format import INDEX_NAME, parse_index
-from feedpipe.datasets.writer import is_writer_file
 from feedpipe.errors import DatasetError
-from feedpipe.io.ownership import ForeignEntriesError, claim, foreign_entries
+from feedpipe.io.destination import DestinationError, claim_folder, folder_entries, is_writer_file
 
 __all__ = [
     "CONVERT",
@@ -45,72 +38,29 @@ def dataset_entries(
     listed: Iterable[str] = (),
     also: Callable[[str], bool] = lambda name: False,
 ) -> Callable[[Path], bool]:
-    """The ``is_ours`` predicate of a dataset folder (see the module docstring)."""
-    base = Path(root)
-    names = set(listed)
-    index_ok = False
-    raw = _regular_bytes(base / INDEX_NAME)
-    if raw is not None:
-        try:
-            names.update(rel for _sid, rel, _n, _c in parse_index(raw, str(base)).files())
-            index_ok = True
-        except DatasetError:
-            pass
-    dirs = {rel.rsplit("/", i)[0] for rel in names for i in range(1, rel.count("/") + 1)}
+    """The ``is_ours`` predicate of a dataset folder (:func:`feedpipe.io.destination.folder_entries`
+    with this package's index parser)."""
+    return folder_entries(root, INDEX_NAME, _index_files, listed, also)
 
-    def is_ours(path: Path) -> bool:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return True  # gone meanwhile
-        rel = path.relative_to(base).as_posix()
-        if stat.S_ISDIR(st.st_mode):
-            if also(path.name):
-                return True
-            if rel not in dirs:
-                return False
-            with os.scandir(path) as it:
-                return all(is_ours(Path(e.path)) for e in it)
-        if not stat.S_ISREG(st.st_mode):
-            return False  # a symlink, a fifo...: never ours
-        if rel == INDEX_NAME:
-            return index_ok
-        return rel in names or also(path.name)
 
-    return is_ours
+def _index_files(raw: bytes, source: str) -> list[str] | None:
+    """The files the index ``raw`` lists, or None when it is no feedpipe index."""
+    try:
+        return [rel for _sid, rel, _n, _c in parse_index(raw, source).files()]
+    except DatasetError:
+        return None
 
 
 def claim_dataset_folder(
     path: str, tool: str, is_ours: Callable[[Path], bool], *, adopt: bool = True
 ) -> bool:
-    """Claim ``path`` for ``tool`` by the one ownership rule, and refuse it if it holds entries
-    that are not ``is_ours`` even when it carries ``tool``'s marker (a marker says "my
-    directory", not "everything in it is mine"). Returns whether ``path`` holds a dataset
-    (``index.json``). ``DatasetError`` names the path and the foreign entries; nothing is
-    written then. ``adopt=False`` only checks: no marker is written."""
+    """Claim ``path`` for ``tool`` by the one ownership rule
+    (:func:`feedpipe.io.destination.claim_folder`); a refusal is a ``DatasetError`` naming the
+    path and the foreign entries. Returns whether ``path`` holds a dataset (``index.json``)."""
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        st = None
-    if st is not None and not stat.S_ISDIR(st.st_mode):
-        raise DatasetError(
-            f"{path}: exists and is not a dataset folder; refusing to use it for {tool}"
-            + (" (did you forget DEST?)" if path.endswith((".npy", ".npz")) else "")
-        )
-    try:
-        if adopt:
-            claim(path, tool, is_ours)
-        foreign = foreign_entries(path, tool, is_ours) if st is not None else []
-    except ForeignEntriesError as exc:
-        foreign = exc.entries
-    except ValueError as exc:  # a malformed marker
+        return claim_folder(path, tool, is_ours, INDEX_NAME, adopt=adopt)
+    except DestinationError as exc:
         raise DatasetError(str(exc)) from None
-    if foreign:
-        shown = [
-            f"{n} (a symlink)" if os.path.islink(os.path.join(path, n)) else n for n in foreign
-        ]
-        raise DatasetError(str(ForeignEntriesError(Path(path), tool, shown)))
-    return os.path.lexists(os.path.join(path, INDEX_NAME))
 
 
 def check_convert_destination(
@@ -144,18 +94,3 @@ def replace_dataset(
         shutil.rmtree(old)
     else:
         os.replace(work, dest)
-
-
-def _regular_bytes(path: Path) -> bytes | None:
-    """The bytes of a regular file (never through a symlink), or None."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read()
-    finally:
-        os.close(fd)

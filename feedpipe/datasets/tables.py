@@ -68,7 +68,7 @@ from feedpipe.datasets.arrow_columns import (
 )
 from feedpipe.datasets.record_source import Source
 from feedpipe.errors import DatasetError, require
-from feedpipe.io.remote import local_file_path, redact
+from feedpipe.io.remote import is_url, local_file_path, redact
 
 __all__ = [
     "ArrowColumn",
@@ -110,7 +110,7 @@ def parquet_paths(
     paths: list[str] = []
     for item in items:
         item = local_file_path(item)  # file:///abs by the one rule; file://host is refused
-        if "://" in item:
+        if is_url(item):
             fs, root = _fs(item, storage_options)
             if any(c in root for c in "*?["):
                 found = sorted(fs.glob(root))
@@ -246,7 +246,7 @@ class ParquetSource(_TableSource):
         pq: Any = require("pyarrow.parquet", "parquet")
         what = "not a readable Parquet file" if group is None else f"row group {group} unreadable"
         try:
-            if "://" in path:
+            if is_url(path):
                 fs, root = _fs(path, self.storage_options)
                 with fs.open(root, "rb") as fh:
                     pf = pq.ParquetFile(fh, page_checksum_verification=True)
@@ -316,7 +316,7 @@ class ParquetSource(_TableSource):
     def fingerprint(self) -> Any:
         sizes = []
         for p in self.paths:
-            if "://" in p:
+            if is_url(p):
                 fs, root = _fs(p, self.storage_options)
                 info = fs.info(root)
                 stamp = info.get("ETag") or info.get("LastModified") or info.get("mtime")

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from feedpipe.errors import DatasetError
+from feedpipe.io.fsutil import read_exactly
 from feedpipe.io.remote import is_remote, local_file_path
 from feedpipe.remote.transfer import call, resolve
 
@@ -341,7 +342,7 @@ class TarDataset:
                 raise self._changed(number, f"{self._stamps.get(number)} -> (replaced)")
             data: bytes = got
         else:
-            data = os.pread(self._fd(number), size, offset)
+            data = read_exactly(self._fd(number), size, offset)
         if len(data) != size:
             raise DatasetError(
                 f"{shard}: short read at byte {offset} ({len(data)} of {size} B): the shard "

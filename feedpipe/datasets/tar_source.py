@@ -28,6 +28,7 @@ from feedpipe.datasets.columns import encode, loads_json
 from feedpipe.datasets.record_source import Source
 from feedpipe.datasets.tar import TarDataset, expand_shards
 from feedpipe.errors import DatasetError
+from feedpipe.io.remote import is_url
 
 __all__ = ["KEY_FIELD", "SampleFields", "TarSource", "is_tar_source", "tar_shards"]
 
@@ -51,7 +52,7 @@ def tar_shards(paths: Sequence[str]) -> list[str]:
     """The shards of paths, brace patterns and folders (their ``*.tar``, sorted)."""
     shards: list[str] = []
     for p in paths:
-        if "://" not in p and os.path.isdir(p):
+        if not is_url(p) and os.path.isdir(p):
             shards += sorted(glob.glob(os.path.join(p, "*.tar")))
         else:
             shards += expand_shards(p)

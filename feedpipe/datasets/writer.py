@@ -27,8 +27,9 @@ from feedpipe.datasets.format import (
     check_shape,
     write_index,
 )
-from feedpipe.datasets.shard_names import is_writer_file, shard_name
+from feedpipe.datasets.shard_names import shard_name
 from feedpipe.errors import DatasetError
+from feedpipe.io.destination import is_writer_file
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from feedpipe.device import hostreg
+from feedpipe.io.cuda import libcuda
 
 __all__ = [
     "batch_copy_available",
@@ -113,7 +114,7 @@ class _Driver:
 def _driver() -> _Driver | None:
     """libcuda through ctypes, or None (no driver: the loader never gets here then)."""
     try:
-        return _Driver(ctypes.CDLL("libcuda.so.1"))
+        return _Driver(libcuda())
     except (OSError, AttributeError):
         return None
 

@@ -1,4 +1,7 @@
-"""Local file helpers shared by feedpipe's writers and ckpt: directory fsync and atomic replace.
+"""Local file helpers shared by feedpipe's writers and readers and ckpt: directory fsync, atomic
+replace, and positioned reads of exactly ``n`` bytes (:func:`read_exactly`,
+:func:`readinto_exactly`: a short read goes on; only the end of the file stops it, and the
+caller names the error).
 
 One durability rule for both packages (docs/architecture.md, "Durability"): a file is durable
 once its own ``fsync`` and then an ``fsync`` of its directory have returned. :func:`fsync_dir`
@@ -13,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from collections.abc import Sequence
+from typing import Any
 
 from feedpipe.io.remote import temp_name
 
-__all__ = ["atomic_write", "fsync_dir"]
+__all__ = ["atomic_write", "fsync_dir", "read_exactly", "readinto_exactly"]
 
 # fsync(2) on a directory fd: "EINVAL: fd is bound to a special file which does not support
 # synchronization" (some FUSE, CIFS and 9p mounts); ENOTSUP/EOPNOTSUPP on others.
@@ -65,3 +70,43 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, *, durable: bool = T
         raise
     if durable:
         fsync_dir(os.path.dirname(target))
+
+
+def read_exactly(fd: int, nbytes: int, offset: int) -> bytes:
+    """``nbytes`` bytes of ``fd`` from ``offset`` (``pread``, going on after a short read); fewer
+    only when the file ends first (the caller says what that means)."""
+    data = os.pread(fd, nbytes, offset)
+    while len(data) < nbytes:
+        more = os.pread(fd, nbytes - len(data), offset + len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
+def readinto_exactly(fd: int, buffers: Sequence[Any], offset: int, nbytes: int) -> int:
+    """Fill ``buffers`` (``nbytes`` bytes in all) from ``fd`` at ``offset`` (``preadv``, going on
+    after a short read); returns the bytes read, fewer than ``nbytes`` only at the end of the
+    file."""
+    if not nbytes:
+        return 0
+    got = os.preadv(fd, buffers, offset)
+    while 0 < got < nbytes:
+        n = os.preadv(fd, _after(buffers, got), offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _after(buffers: Sequence[Any], skip: int) -> list[memoryview]:
+    """The parts of ``buffers`` after their first ``skip`` bytes."""
+    out: list[memoryview] = []
+    for buf in buffers:
+        view = memoryview(buf).cast("B")
+        if skip >= len(view):
+            skip -= len(view)
+            continue
+        out.append(view[skip:])
+        skip = 0
+    return out

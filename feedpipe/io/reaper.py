@@ -218,25 +218,19 @@ def _descendants(roots: set[int], known: dict[int, _Descendant]) -> None:
         known[pid] = _Descendant(pid, fd, cmd.decode(errors="replace").strip()[:80] or "?")
 
 
-def end_processes(
-    procs: Iterable[ProcessLike],
-    what: str,
-    *,
-    ask: Callable[[], None] | None = None,
-    bound: Bound = DEFAULT_BOUND,
-) -> list[ProcessLike]:
-    """End ``procs`` within ``bound.total`` seconds: ``ask()``, wait, SIGTERM, SIGKILL, reap.
+def _ask(ask: Callable[[], None] | None) -> None:
+    """Ask the workers to exit; a broken channel is no reason to stop (signals follow)."""
+    if ask is None:
+        return
+    try:
+        ask()
+    except Exception:  # a broken channel: the signals below still end the workers
+        pass
 
-    ``what`` names the kind of worker in the warning about one that outlived SIGKILL
-    (:class:`StuckWorkerWarning`, with its name and pid). Returns those still alive.
-    """
-    procs = [p for p in procs if p.pid is not None]
-    if ask is not None:
-        try:
-            ask()
-        except Exception:  # a broken channel: the signals below still end the workers
-            pass
-    alive = _wait(procs, bound.grace)
+
+def _escalate(alive: list[ProcessLike], bound: Bound) -> list[ProcessLike]:
+    """SIGTERM, wait, SIGKILL, wait: the processes still ``alive`` after their grace, and
+    their descendants; returns those that outlived it all."""
     family: dict[int, _Descendant] = {}  # the descendants of the workers that are signalled
     try:
         if alive:
@@ -256,12 +250,33 @@ def end_processes(
     finally:
         for d in family.values():
             d.close()
-    for p in procs:
-        if p not in alive:
-            try:
-                p.join(0)  # reap: no zombie
-            except (AssertionError, ValueError):  # not our child, or closed: nothing to reap
-                pass
+    return alive
+
+
+def _reap(ended: list[ProcessLike]) -> None:
+    for p in ended:
+        try:
+            p.join(0)  # reap: no zombie
+        except (AssertionError, ValueError):  # not our child, or closed: nothing to reap
+            pass
+
+
+def end_processes(
+    procs: Iterable[ProcessLike],
+    what: str,
+    *,
+    ask: Callable[[], None] | None = None,
+    bound: Bound = DEFAULT_BOUND,
+) -> list[ProcessLike]:
+    """End ``procs`` within ``bound.total`` seconds: ``ask()``, wait, SIGTERM, SIGKILL, reap.
+
+    ``what`` names the kind of worker in the warning about one that outlived SIGKILL
+    (:class:`StuckWorkerWarning`, with its name and pid). Returns those still alive.
+    """
+    procs = [p for p in procs if p.pid is not None]
+    _ask(ask)
+    alive = _escalate(_wait(procs, bound.grace), bound)
+    _reap([p for p in procs if p not in alive])
     for p in alive:
         kind = f"{what}'s child" if isinstance(p, _Descendant) else what
         warnings.warn(
@@ -424,17 +439,19 @@ def _die() -> None:
     os._exit(1)
 
 
-def pid_alive(pid: int) -> bool:
+def pid_alive(pid: int, *, same_user: bool = False) -> bool:
     """Whether process ``pid`` runs: a zombie (dead, not yet reaped) does not; a process of
-    another user (``EPERM``) does."""
+    another user (``EPERM``) does, unless ``same_user`` (then the pid was reused by another
+    user's process: the one asked about is gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+            running = f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+        return running and (not same_user or os.stat(f"/proc/{pid}").st_uid == os.getuid())
     except (OSError, IndexError):
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:
-            return True
+            return not same_user
         return True

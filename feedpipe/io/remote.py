@@ -32,8 +32,10 @@ __all__ = [
     "call",
     "classify",
     "is_remote",
+    "is_s3_url",
     "is_temp",
     "is_unreachable",
+    "is_url",
     "join",
     "local_file_path",
     "redact",
@@ -113,10 +115,20 @@ class RemoteIOError(OSError):
         return (type(self), (str(self), self.url), {"permanent": self.permanent})
 
 
+def is_url(text: str | os.PathLike[str]) -> bool:
+    """True for a URL of any protocol (``s3://``, ``file://``...): text with ``://`` in it."""
+    return "://" in os.fspath(text)
+
+
+def is_s3_url(url: str | os.PathLike[str]) -> bool:
+    """True for an S3 URL (``s3://`` or ``s3a://``)."""
+    return os.fspath(url).startswith(("s3://", "s3a://"))
+
+
 def is_remote(url: str | os.PathLike[str]) -> bool:
     """True for a URL with a non-local protocol (``s3://``, ``gs://``, ``http://``...)."""
     text = os.fspath(url)
-    if "://" not in text:
+    if not is_url(text):
         return False
     return text.split("://", 1)[0].lower() not in _LOCAL_PROTOCOLS
 
@@ -171,7 +183,7 @@ def resolve(
         text = os.path.abspath(text)  # (fsspec would read it as ./name)
     options = dict(storage_options or {})
     _redact_library_logs()
-    if text.startswith(("s3://", "s3a://")):
+    if is_s3_url(text):
         _require("s3fs", "s3")
         # every file is verified end to end against the index's CRC32C, so botocore's own
         # response checksum (pure Python without awscrt) is redundant, and slow: see the
@@ -386,6 +398,78 @@ class RetryPolicy:
 DEFAULT_POLICY = RetryPolicy()
 
 
+class _Attempts:
+    """The attempts of one :func:`call`: each failure is given up on (raising ``error``) or
+    paused after, until the policy's deadline."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        what: str,
+        policy: RetryPolicy,
+        storage_options: Mapping[str, Any] | None,
+        error: type[RemoteIOError],
+        cancel: threading.Event | None,
+    ) -> None:
+        self.url, self.what, self.policy = url, what, policy
+        self.options, self.error, self.cancel = storage_options, error, cancel
+        self.start = time.monotonic()
+        self.attempt = 0
+
+    def begin(self) -> None:
+        """The next attempt starts (unless cancelled: :class:`CancelledError`)."""
+        self.attempt += 1
+        if self.cancel is not None and self.cancel.is_set():
+            raise CancelledError(redact(self.url, self.options))
+
+    def failed(self, exc: Exception) -> float:
+        """The attempt raised ``exc``: raise the error to give up with, or return the pause
+        before the next attempt."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise CancelledError(redact(self.url, self.options)) from None
+        kind = classify(exc)
+        detail = redact(f"{type(exc).__name__}: {exc}", self.options)
+        safe_url = redact(self.url, self.options)
+        head = f"cannot {self.what} {safe_url}"
+        if kind == "transient" and not self.policy.retry_unreachable and is_unreachable(exc):
+            raise self.error(
+                f"{head}: the host is unreachable: {detail}", safe_url, permanent=False
+            ) from None
+        if kind != "transient":
+            reason = "permanent error" if kind == "permanent" else "error"
+            raise self.error(
+                f"{head}: {reason}: {detail}", safe_url, permanent=kind == "permanent"
+            ) from None
+        elapsed = time.monotonic() - self.start
+        pause = self.policy.sleep_for(self.attempt)
+        if elapsed + pause > self.policy.deadline_s:
+            raise self.error(
+                f"{head}: still failing after {self.attempt} attempts in {elapsed:.1f} s "
+                f"(deadline {self.policy.deadline_s:g} s): {detail}",
+                safe_url,
+                permanent=False,
+            ) from None
+        # one warning per call, at its first retry; the rest at DEBUG (a dead endpoint
+        # would otherwise print a line per attempt until the deadline)
+        log.log(
+            logging.WARNING if self.attempt == 1 else logging.DEBUG,
+            "transient error on %s (attempt %d), retrying in %.2f s until the %g s deadline: %s",
+            safe_url,
+            self.attempt,
+            pause,
+            self.policy.deadline_s,
+            detail,
+        )
+        return pause
+
+    def pause(self, seconds: float) -> None:
+        if self.cancel is not None:
+            self.cancel.wait(seconds)
+        else:
+            time.sleep(seconds)
+
+
 def call(
     fn: Callable[[], T],
     url: str,
@@ -404,63 +488,25 @@ def call(
     ``on_retry`` runs before each retry (e.g. to roll back a progress bar or remove a partial file).
     ``cancel``, once set, stops the retries (and the pause between them): :class:`CancelledError`.
     """
-    policy = policy or DEFAULT_POLICY
-    start = time.monotonic()
-    attempt = 0
+    attempts = _Attempts(
+        url,
+        what=what,
+        policy=policy or DEFAULT_POLICY,
+        storage_options=storage_options,
+        error=error,
+        cancel=cancel,
+    )
     while True:
-        attempt += 1
-        if cancel is not None and cancel.is_set():
-            raise CancelledError(redact(url, storage_options))
+        attempts.begin()
         try:
             return fn()
         except CancelledError:
             raise
         except Exception as exc:
-            if cancel is not None and cancel.is_set():
-                raise CancelledError(redact(url, storage_options)) from None
-            kind = classify(exc)
-            detail = redact(f"{type(exc).__name__}: {exc}", storage_options)
-            safe_url = redact(url, storage_options)
-            if kind == "transient" and not policy.retry_unreachable and is_unreachable(exc):
-                raise error(
-                    f"cannot {what} {safe_url}: the host is unreachable: {detail}",
-                    safe_url,
-                    permanent=False,
-                ) from None
-            if kind != "transient":
-                reason = "permanent error" if kind == "permanent" else "error"
-                raise error(
-                    f"cannot {what} {safe_url}: {reason}: {detail}",
-                    safe_url,
-                    permanent=kind == "permanent",
-                ) from None
-            elapsed = time.monotonic() - start
-            pause = policy.sleep_for(attempt)
-            if elapsed + pause > policy.deadline_s:
-                raise error(
-                    f"cannot {what} {safe_url}: still failing after {attempt} attempts in "
-                    f"{elapsed:.1f} s (deadline {policy.deadline_s:g} s): {detail}",
-                    safe_url,
-                    permanent=False,
-                ) from None
-            # one warning per call, at its first retry; the rest at DEBUG (a dead endpoint
-            # would otherwise print a line per attempt until the deadline)
-            log.log(
-                logging.WARNING if attempt == 1 else logging.DEBUG,
-                "transient error on %s (attempt %d), retrying in %.2f s until the %g s "
-                "deadline: %s",
-                safe_url,
-                attempt,
-                pause,
-                policy.deadline_s,
-                detail,
-            )
-            if on_retry is not None:
-                on_retry()
-            if cancel is not None:
-                cancel.wait(pause)
-            else:
-                time.sleep(pause)
+            pause = attempts.failed(exc)
+        if on_retry is not None:
+            on_retry()
+        attempts.pause(pause)
 
 
 # Temp files are named TEMP_PREFIX + "BYTES.PID.RAND." + final name. No dataset file may start

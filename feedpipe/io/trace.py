@@ -34,6 +34,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Protocol
 
+from feedpipe.io.env import env_flag
+
 __all__ = ["ENV", "NAMES", "Recorder", "active", "recorder", "reset", "set_recorder", "span"]
 
 #: Environment variable that forces ranges on (``1``) or off (``0``).
@@ -84,6 +86,11 @@ class NvtxRecorder:
     def pop(self) -> None:
         self._pop()
 
+    @property
+    def listening(self) -> bool:
+        """False on the dummy domain ``nvtx`` returns when no tool listens."""
+        return type(self._domain).__name__ != "DummyDomain"
+
 
 _UNSET: Any = object()
 _recorder: Any = _UNSET
@@ -92,10 +99,10 @@ _lock = threading.Lock()
 
 def _decide() -> Recorder | None:
     """The recorder the environment asks for (see the module docstring)."""
-    setting = os.environ.get(ENV, "").strip().lower()
-    if setting in {"0", "false", "no", "off"}:
+    setting = env_flag(ENV, None)  # unset or another word: decide by the profiler
+    if setting is False:
         return None
-    forced = setting in {"1", "true", "yes", "on"}
+    forced = setting is True
     if not forced and not any(os.environ.get(v) for v in _INJECTION_VARS):
         return None  # no NVTX tool injected into this process: do not even import nvtx
     try:
@@ -105,7 +112,7 @@ def _decide() -> Recorder | None:
             raise ImportError(f"{ENV}=1 needs the nvtx package: pip install nvtx") from exc
         return None
     rec = NvtxRecorder(nvtx)
-    if not forced and type(rec._domain).__name__ == "DummyDomain":
+    if not forced and not rec.listening:
         return None  # nvtx says no tool listens
     return rec
 

@@ -29,7 +29,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from feedpipe.io.cliargs import milliseconds, non_negative_int, positive_int
+from feedpipe.io.cliargs import (
+    add_storage_arguments,
+    milliseconds,
+    non_negative_int,
+    positive_int,
+    storage_options,
+)
 
 __all__ = ["BenchResult", "SyntheticDataset", "add_arguments", "run", "run_one"]
 
@@ -81,9 +87,7 @@ class BenchResult:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", nargs="?", help="a feedpipe dataset directory or URL")
-    parser.add_argument(
-        "--endpoint-url", default=None, help="S3-compatible endpoint (e.g. a MinIO or local server)"
-    )
+    add_storage_arguments(parser)
     parser.add_argument(
         "--cache-dir",
         default=None,
@@ -142,9 +146,7 @@ def _dataset(args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
 
     if not _remote.is_remote(args.path):
         return MemmapDataset(args.path)
-    options: dict[str, Any] = {}
-    if getattr(args, "endpoint_url", None):
-        options["client_kwargs"] = {"endpoint_url": args.endpoint_url}
+    options = storage_options(args)
     cache = getattr(args, "cache_dir", None)
     if cache is None:
         cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="feedpipe-bench-"))

@@ -195,6 +195,7 @@ class Timing:
         self._meter = meter
         self.timed = meter.enabled
         self.traced = False  # this wait is a profiler range (decided at begin)
+        self._profiler = meter.profiler_check  # whether waits are profiler ranges: per batch
         # an in-process source that ships a mid-clock instead of stage times (fetch_mid)
         self._shared = shared
         # the meter's batch log, bound once per pass: record_batch's body, inlined in record()
@@ -204,7 +205,7 @@ class Timing:
         """A wait starts: its clock (0.0 when off)."""
         if not self.timed:
             return 0.0
-        self.traced = traced = self._meter.tracing
+        self.traced = traced = self._profiler()
         if traced:
             self._meter.wait_begin()
         return _perf()

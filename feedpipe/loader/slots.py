@@ -53,6 +53,8 @@ import torch
 import torch.utils.data as tud
 
 from feedpipe.device import hostreg
+from feedpipe.io.env import env_flag
+from feedpipe.io.reaper import pid_alive
 from feedpipe.loader.slot_layout import ALIGN, SlotLayout, UnsupportedLayoutError, align, rebuild
 
 __all__ = [
@@ -79,23 +81,13 @@ def _header(k: int) -> int:
 
 
 ENV = "FEEDPIPE_WORKER_SLOTS"  # the switch: on unless set to an "off" word
-_ON = ("1", "true", "yes", "on")
-_OFF = ("0", "false", "no", "off")
 
 
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether ``FEEDPIPE_WORKER_SLOTS`` lets slots on (unset: on). ``0``/``false``/``no``/``off``
     turn them off and ``1``/``true``/``yes``/``on`` on (any case, surrounding spaces ignored);
     any other value is a ``ValueError`` naming the variable and the value."""
-    raw = environ.get(ENV)
-    if raw is None:
-        return True
-    word = raw.strip().lower()
-    if word in _ON or word in _OFF:
-        return word in _ON
-    raise ValueError(
-        f"{ENV}={raw!r}: expected one of {', '.join(_OFF)} (slots off) or {', '.join(_ON)} (on)"
-    )
+    return bool(env_flag(ENV, True, strict=True, meaning=("slots off", "on"), environ=environ))
 
 
 # ------------------------------------------------------------------------------- the room
@@ -396,13 +388,7 @@ class Slots:
 
 def _alive(token: str) -> bool:
     """Whether the worker process that made ``token`` (``"<pid>-<random>"``) still runs."""
-    try:
-        os.kill(int(token.split("-", 1)[0]), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a pid reused by another user's process: our worker is gone
-        return False
-    return True
+    return pid_alive(int(token.split("-", 1)[0]), same_user=True)
 
 
 _REGISTRY: dict[str, _Buffer] = {}  # token -> buffer, for refs dropped unresolved

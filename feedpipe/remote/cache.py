@@ -39,39 +39,28 @@ remote dataset never mixes with stale files.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
-import hashlib
 import logging
 import os
-import re
-import stat
 import threading
-import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from feedpipe.errors import DatasetError
-from feedpipe.io.crc import crc32c, to_hex
-from feedpipe.io.ownership import ForeignEntriesError, claim
 from feedpipe.remote import transfer as _remote
+from feedpipe.remote.cache_index import CacheIndex
+from feedpipe.remote.cache_space import LOCKS, CacheSpace, claim_cache_dir, open_version
+from feedpipe.remote.leases import Leases
+from feedpipe.remote.locks import WaitCancelledError, flock_wait, open_lock
 from feedpipe.remote.plan import AccessPlan
-from feedpipe.remote.prefetch_pool import DaemonPool
-from feedpipe.remote.transfer import INDEX_NAME, FileEntry
+from feedpipe.remote.prefetch_pool import Prefetcher
+from feedpipe.remote.transfer import FileEntry
 
 __all__ = ["CacheStats", "ShardCache"]
 
 log = logging.getLogger("feedpipe.cache")
-
-_LOCKS = ".locks"
-_CACHE_LOCK = ".cache.lock"
-_PRESSURE = ".pressure"
-_VERSION = re.compile(r"[0-9a-f]{16}")  # a version folder: the key of (url, index CRC)
-_POLL_S = 0.01
 
 
 @dataclass
@@ -83,58 +72,6 @@ class CacheStats:
     bytes_downloaded: int = 0
     evictions: int = 0
     stale_temps_removed: int = 0
-
-
-class _CancelledError(Exception):
-    """A background prefetch stopped because its cache was closed or the interpreter exits."""
-
-
-def _flock(
-    fd: int,
-    op: int,
-    timeout_s: float,
-    what: str,
-    *,
-    cancel: threading.Event | None = None,
-    moot: Callable[[], bool] | None = None,
-) -> bool:
-    """``flock`` with a timeout (polls without blocking); :class:`TimeoutError` names ``what``.
-
-    Returns True once locked. With ``cancel``, the wait stops (:class:`_CancelledError`) as
-    soon as the event is set; with ``moot``, it stops (returning False) once ``moot()`` is true.
-    """
-    deadline = time.monotonic() + timeout_s
-    pause = _POLL_S
-    while True:
-        try:
-            fcntl.flock(fd, op | fcntl.LOCK_NB)
-            return True
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise
-        if moot is not None and moot():
-            return False
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for the lock on {what}")
-        if cancel is None:
-            time.sleep(pause)
-        elif cancel.wait(pause):
-            raise _CancelledError(what)
-        pause = min(pause * 1.5, 0.2)
-
-
-def _try_exclusive(lock_path: str) -> int | None:
-    """Open ``lock_path`` and take an exclusive lock without waiting; return the fd or None."""
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
 
 
 class ShardCache:
@@ -189,15 +126,13 @@ class ShardCache:
     def _setup(self, raw_index: bytes | None) -> None:
         a = self._args
         self.url: str = a["url"]
-        cache_dir, limit_bytes = a["cache_dir"], a["limit_bytes"]
         self.stats = CacheStats()
-        self.limit_bytes = limit_bytes
+        self.limit_bytes: int | None = a["limit_bytes"]
         self.timeout_s: float = a["timeout_s"]
         self.room_timeout_s: float = a["room_timeout_s"]
         self.readahead: int = a["readahead"]
         self._options: dict[str, Any] = a["options"]
         self._policy = _remote.RetryPolicy(deadline_s=a["deadline_s"])
-        self._prefetch_workers: int = a["prefetch_workers"]
         self._reset_process_state()
         self.is_local = not _remote.is_remote(self.url)
         self._fs, self._root = _remote.resolve(self.url, self._options, a["deadline_s"])
@@ -205,82 +140,61 @@ class ShardCache:
             self.dir = self._root
             self._entries: dict[str, FileEntry] = {}
             return
+        self._open_remote(a["cache_dir"], raw_index)
+        self._space.scan(0, self.dir, self.plan)  # removes temps left by crashed downloaders
+        eager = self._index.eager(a["eager_bytes"], self.limit_bytes)
+        if eager:
+            self.prefetch(eager)
+
+    def _open_remote(self, cache_dir: str | None, raw_index: bytes | None) -> None:
+        """The index, the cache directory (claimed), its space and this version's folder."""
         if cache_dir is None:
             raise ValueError(
                 f"{_remote.redact(self.url, self._options)}: a remote dataset needs cache_dir"
             )
-        if limit_bytes is not None and limit_bytes <= 0:
-            raise ValueError(f"limit_bytes must be positive, got {limit_bytes}")
+        if self.limit_bytes is not None and self.limit_bytes <= 0:
+            raise ValueError(f"limit_bytes must be positive, got {self.limit_bytes}")
         self.cache_dir = os.path.abspath(cache_dir)
-        _claim_cache_dir(self.cache_dir)
-        if raw_index is None:
-            raw_index, entries = _remote.read_remote_index(
-                self._fs, self._root, self.url, self._options, self._policy
-            )
-        else:
-            entries = _remote.parse_index(raw_index, _remote.join(self.url, INDEX_NAME))
-        raw = raw_index
-        self.index_bytes = raw
-        for e in entries:  # the cache's own lock directory sits beside the files
-            if e.relpath.split("/", 1)[0] == _LOCKS:
-                url = _remote.join(_remote.redact(self.url, self._options), INDEX_NAME)
-                raise DatasetError(f"{url}: file path {e.relpath!r} is reserved by the cache")
-        self._entries = {e.relpath: e for e in entries}
-        self._by_shard: dict[int, list[str]] = {}
-        for e in entries:
-            self._by_shard.setdefault(e.shard, []).append(e.relpath)
-        self._main = {
-            max(rels, key=lambda rel: self._entries[rel].nbytes) for rels in self._by_shard.values()
-        }
-        key = hashlib.sha1(f"{self.url}\0{to_hex(crc32c(raw))}".encode()).hexdigest()[:16]
-        self.dir = os.path.join(self.cache_dir, key)
-        os.makedirs(os.path.join(self.dir, _LOCKS), exist_ok=True)
-        index_path = os.path.join(self.dir, INDEX_NAME)
-        if not os.path.exists(index_path):
-            # under the index's own lock, as a download holds its file's: another cache's scan
-            # (a thread or process opening the same version) takes an unlocked temp for a dead one
-            lock_path = os.path.join(self.dir, _LOCKS, INDEX_NAME + ".lock")
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                _flock(fd, fcntl.LOCK_EX, self.timeout_s, index_path)
-                if not os.path.exists(index_path):
-                    tmp = _remote.temp_name(index_path, len(raw))
-                    with open(tmp, "wb") as f:
-                        f.write(raw)
-                    os.replace(tmp, index_path)
-            finally:
-                os.close(fd)
-        self._scan(need=0)  # removes temps left by crashed downloaders
-        # side files only, and only when they take a small part of the limit: eager fetches
-        # that do not fit would evict each other (and the shards in use) before their first use
-        eager = [e for e in entries if e.nbytes <= a["eager_bytes"] and e.relpath not in self._main]
-        if eager and (limit_bytes is None or sum(e.nbytes for e in eager) <= limit_bytes // 4):
-            self.prefetch(e.relpath for e in eager)
+        claim_cache_dir(self.cache_dir)
+        self._index = CacheIndex.load(
+            self._fs,
+            self._root,
+            self.url,
+            self._options,
+            self._policy,
+            raw=raw_index,
+            reserved=LOCKS,
+        )
+        self.index_bytes = self._index.raw
+        self._entries = self._index.entries
+        self._space = CacheSpace(
+            self.cache_dir, self.limit_bytes, self.timeout_s, self.room_timeout_s, self._count
+        )
+        self.dir = open_version(self.cache_dir, self.url, self.index_bytes, self.timeout_s)
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
-        self._leases: dict[str, list[int]] = {}
+        self._leases = Leases()
         #: the reads to come (empty: least-recently-used eviction); per process
         self.plan = AccessPlan()
         self._lock = threading.Lock()
-        self._pool: DaemonPool | None = None
-        self._pending: dict[str, Future[None]] = {}
-        self._closed = False
+        self._prefetcher = Prefetcher(self._args["prefetch_workers"], self._prefetch_one)
         self._pressure_ns = 0
 
     def _check_process(self) -> None:
         """After a fork: drop the parent's leases (its own fds keep its locks), thread pool and
         plan."""
         if self._pid != os.getpid():
-            for fds in self._leases.values():
-                for fd in fds:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
+            self._leases.forget()
             self._reset_process_state()
             if not self.is_local:  # s3fs and other async filesystems are not fork-safe
                 self._fs, self._root = _remote.resolve(
                     self.url, self._options, self._policy.deadline_s
                 )
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self.stats, name, getattr(self.stats, name) + n)
 
     # ---------------------------------------------------------------- public API
     def path(self, relpath: str) -> str:
@@ -299,12 +213,9 @@ class ShardCache:
         self._check_process()
         fd = self._ensure(relpath, lease=True, on_wait=on_wait)
         assert fd is not None
-        with self._lock:
-            self._leases.setdefault(relpath, []).append(fd)
-        if self.readahead > 0 and relpath in self._main and not self.plan:  # index order
-            shard = self._entries[relpath].shard
-            ahead = range(shard + 1, shard + 1 + self.readahead)
-            self.prefetch(rel for k in ahead for rel in self._by_shard.get(k, ()))
+        self._leases.add(relpath, fd)
+        if self.readahead > 0 and relpath in self._index.main and not self.plan:  # index order
+            self.prefetch(self._index.ahead(relpath, self.readahead))
         return self.path(relpath)
 
     def release(self, relpath: str) -> None:
@@ -312,13 +223,7 @@ class ShardCache:
         if self.is_local:
             return
         self._check_process()
-        with self._lock:
-            fds = self._leases.get(relpath)
-            if not fds:
-                raise ValueError(f"{relpath!r} is not acquired")
-            fd = fds.pop()
-            if not fds:
-                del self._leases[relpath]
+        fd = self._leases.pop(relpath)
         with contextlib.suppress(OSError):  # still leased here: cannot have been evicted
             os.utime(self.path(relpath))
         os.close(fd)  # closing the only fd of this open file drops its shared lock
@@ -326,11 +231,7 @@ class ShardCache:
     def release_all(self) -> None:
         """End every lease of this object."""
         self._check_process()
-        with self._lock:
-            leases, self._leases = self._leases, {}
-        for fds in leases.values():
-            for fd in fds:
-                os.close(fd)
+        self._leases.end_all()
 
     @contextlib.contextmanager
     def leased(self, relpath: str) -> Iterator[str]:
@@ -348,7 +249,7 @@ class ShardCache:
 
     def shard_files(self, shard: int) -> list[str]:
         """The files the index lists for ``shard`` (remote datasets only)."""
-        return list(self._by_shard.get(shard, ()))
+        return self._index.shard_files(shard)
 
     def prefetch(self, relpaths: Iterable[str]) -> list[Future[None]]:
         """Fetch ``relpaths`` in the background (not leased); returns futures (errors stay there:
@@ -356,24 +257,8 @@ class ShardCache:
         if self.is_local:
             return []
         self._check_process()
-        out: list[Future[None]] = []
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("ShardCache is closed")
-            if self._pool is None:
-                self._pool = DaemonPool(self._prefetch_workers, threading.Event())
-                # garbage collection or interpreter exit (atexit) stops it: never waited for
-                weakref.finalize(self, self._pool.shutdown)
-            for rel in relpaths:
-                self._entry(rel)
-                fut = self._pending.get(rel)
-                if fut is None or fut.done():
-                    if os.path.exists(self.path(rel)):
-                        continue
-                    fut = self._pool.submit(self._prefetch_one, rel)
-                    self._pending[rel] = fut
-                out.append(fut)
-        return out
+        listed = (self._index.entry(rel).relpath for rel in relpaths)
+        return self._prefetcher.submit(listed, lambda rel: os.path.exists(self.path(rel)))
 
     def fetch(self, relpaths: Iterable[str], on_wait: Callable[[], None] | None = None) -> None:
         """Make ``relpaths`` local now, in parallel on the prefetch threads (not leased); raises
@@ -398,17 +283,15 @@ class ShardCache:
         """
         if self.is_local or self.limit_bytes is None:
             return False
-        try:
-            ns = os.stat(os.path.join(self.cache_dir, _PRESSURE)).st_mtime_ns
-        except FileNotFoundError:
+        ns = self._space.pressure_ns()
+        if ns is None:
             return False
         changed, self._pressure_ns = ns != self._pressure_ns, ns
         return changed
 
     def leased_files(self) -> list[str]:
         """Relative paths this object currently leases."""
-        with self._lock:
-            return sorted(self._leases)
+        return self._leases.files()
 
     def pinned_files(self) -> list[str]:
         """Deprecated name of :meth:`leased_files`."""
@@ -418,7 +301,7 @@ class ShardCache:
     @property
     def closed(self) -> bool:
         """True after :meth:`close` (no more prefetches; leases may still be taken)."""
-        return self._closed
+        return self._prefetcher.closed
 
     def close(self, *, wait: bool = True) -> None:
         """Stop prefetching and end every lease of this object.
@@ -428,15 +311,8 @@ class ShardCache:
         thread writes into the cache directory after this returns.
         """
         self._check_process()
-        with self._lock:
-            self._closed = True
-            pool, self._pool = self._pool, None
-            leases, self._leases = self._leases, {}
-        if pool is not None:
-            pool.shutdown(timeout_s=self._policy.deadline_s if wait else 0.0)
-        for fds in leases.values():
-            for fd in fds:
-                os.close(fd)
+        self._prefetcher.close(self._policy.deadline_s if wait else 0.0)
+        self._leases.end_all()
 
     def __enter__(self) -> ShardCache:
         return self
@@ -453,20 +329,13 @@ class ShardCache:
         self._setup(state["index"])
 
     # ---------------------------------------------------------------- internals
-    def _entry(self, relpath: str) -> FileEntry:
-        try:
-            return self._entries[relpath]
-        except KeyError:
-            url = _remote.join(_remote.redact(self.url, self._options), relpath)
-            raise DatasetError(f"{url}: not listed in the index") from None
-
     def _lock_path(self, relpath: str) -> str:
-        return os.path.join(self.dir, _LOCKS, relpath + ".lock")
+        return os.path.join(self.dir, LOCKS, relpath + ".lock")
 
     def _prefetch_one(self, relpath: str, cancel: threading.Event) -> None:
         try:
             self._ensure(relpath, lease=False, wait_room=False, cancel=cancel)
-        except _CancelledError:
+        except WaitCancelledError:
             log.debug("prefetch of %s cancelled", relpath)
             raise
         except Exception as exc:
@@ -486,68 +355,82 @@ class ShardCache:
 
         ``cancel`` (background prefetches) stops the lock waits and any further download.
         """
-        entry = self._entry(relpath)
+        entry = self._index.entry(relpath)
         final = self.path(relpath)
         lock_path = self._lock_path(relpath)
         os.makedirs(os.path.dirname(lock_path), exist_ok=True)
-        what = _remote.join(_remote.redact(self.url, self._options), relpath)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        what = self._index.name(relpath)
+        fd = open_lock(lock_path)
         try:
-            _flock(fd, fcntl.LOCK_SH, self.timeout_s, what, cancel=cancel)
+            flock_wait(fd, fcntl.LOCK_SH, self.timeout_s, what, cancel=cancel)
             downloaded = False
-
-            def present() -> bool:
-                try:
-                    return os.stat(final).st_size == entry.nbytes
-                except FileNotFoundError:
-                    return False
-
-            while True:
-                if present():
-                    os.utime(final)  # least-recently-used order = mtime order
-                    if not downloaded:
-                        with self._lock:
-                            self.stats.hits += 1
-                    if lease:
-                        return fd
-                    os.close(fd)
-                    return None
+            while not self._present(entry, final):
                 # not there: take the exclusive lock (never upgrade while holding shared: two
                 # upgraders would wait for each other) and download unless someone beat us to it
                 fcntl.flock(fd, fcntl.LOCK_UN)
-                with self._lock:  # our own lease blocks the exclusive lock: waiting cannot help
-                    ours = relpath in self._leases
-                if ours:
+                if self._leases.holds(relpath):  # our own lease blocks the exclusive lock
                     raise DatasetError(
                         f"{what}: its cached copy {final} is missing or changed while this "
                         "process has it leased (was the cache directory cleaned under a reader?)"
                     )
-                # another thread or process may download it and lease it meanwhile: its shared
-                # lock would block us until it releases, so stop waiting once the file is there
-                locked = _flock(
-                    fd, fcntl.LOCK_EX, self.timeout_s, what, cancel=cancel, moot=present
-                )
-                if locked and not present():  # a wrong-sized copy is replaced, never reused
-                    if cancel is not None and cancel.is_set():
-                        raise _CancelledError(what)
-                    self._download(entry, final, on_wait, wait_room, cancel)
-                    downloaded = True
+                downloaded |= self._download_locked(fd, entry, final, on_wait, wait_room, cancel)
                 # then re-check: evicted meanwhile?
-                _flock(fd, fcntl.LOCK_SH, self.timeout_s, what, cancel=cancel)
+                flock_wait(fd, fcntl.LOCK_SH, self.timeout_s, what, cancel=cancel)
+            os.utime(final)  # least-recently-used order = mtime order
         except BaseException:
             os.close(fd)
             raise
+        if not downloaded:
+            self._count("hits")
+        if lease:
+            return fd
+        os.close(fd)
+        return None
 
-    def _download(
+    @staticmethod
+    def _present(entry: FileEntry, final: str) -> bool:
+        try:
+            return os.stat(final).st_size == entry.nbytes
+        except FileNotFoundError:
+            return False
+
+    def _download_locked(  # noqa: PLR0917 - _ensure's own arguments, passed on
         self,
+        fd: int,
         entry: FileEntry,
         final: str,
         on_wait: Callable[[], None] | None,
         wait_room: bool,
-        cancel: threading.Event | None = None,
-    ) -> None:
+        cancel: threading.Event | None,
+    ) -> bool:
+        """Take ``fd``'s exclusive lock and download ``entry`` unless it appeared meanwhile;
+        True when this call downloaded it."""
+        what = self._index.name(entry.relpath)
+        # another thread or process may download it and lease it meanwhile: its shared
+        # lock would block us until it releases, so stop waiting once the file is there
+        locked = flock_wait(
+            fd,
+            fcntl.LOCK_EX,
+            self.timeout_s,
+            what,
+            cancel=cancel,
+            moot=lambda: self._present(entry, final),
+        )
+        if not locked or self._present(entry, final):  # a wrong-sized copy is replaced
+            return False
+        if cancel is not None and cancel.is_set():
+            raise WaitCancelledError(what)
         os.makedirs(os.path.dirname(final), exist_ok=True)
-        tmp = self._reserve(entry, final, on_wait, wait_room, cancel)
+        tmp = self._space.reserve(
+            entry,
+            final,
+            self.dir,
+            what,
+            self.plan,
+            on_wait=on_wait,
+            wait_room=wait_room,
+            cancel=cancel,
+        )
         url = _remote.join(self.url, entry.relpath)
         _remote.fetch_verified(
             self._fs,
@@ -563,170 +446,7 @@ class ShardCache:
             self.stats.downloads += 1
             self.stats.bytes_downloaded += entry.nbytes
         log.debug("cached %s (%d bytes)", _remote.redact(url, self._options), entry.nbytes)
-
-    def _reserve(
-        self,
-        entry: FileEntry,
-        final: str,
-        on_wait: Callable[[], None] | None = None,
-        wait_room: bool = True,
-        cancel: threading.Event | None = None,
-    ) -> str:
-        """Make room for ``entry`` under the cache-wide lock; create its (reserving) temp file."""
-        if self.limit_bytes is not None and entry.nbytes > self.limit_bytes:
-            raise DatasetError(
-                f"{_remote.join(_remote.redact(self.url, self._options), entry.relpath)}: file of "
-                f"{entry.nbytes} bytes does not fit the cache limit of {self.limit_bytes} bytes"
-            )
-        start = time.monotonic()
-        rounds = 0
-        while True:
-            rounds += 1
-            fd = os.open(os.path.join(self.cache_dir, _CACHE_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                _flock(fd, fcntl.LOCK_EX, self.timeout_s, self.cache_dir, cancel=cancel)
-                # a prefetch evicts only files needed later than itself (Belady); a read waiting
-                # for its file evicts whatever the order puts first
-                short = self._scan(entry.nbytes, None if wait_room else entry.relpath)
-                if short <= 0:
-                    tmp = _remote.temp_name(final, entry.nbytes)
-                    open(tmp, "wb").close()
-                    return tmp
-            finally:
-                os.close(fd)
-            waited = time.monotonic() - start
-            if not wait_room or waited >= self.room_timeout_s:
-                raise DatasetError(
-                    f"cache {self.cache_dir}: cannot make room for "
-                    f"{_remote.join(_remote.redact(self.url, self._options), entry.relpath)} "
-                    f"({entry.nbytes} bytes) under the limit of {self.limit_bytes} bytes: the "
-                    f"rest is leased by readers (still {short} bytes short after "
-                    f"{waited:.1f} s)"
-                )
-            self._signal_pressure()
-            if on_wait is not None:
-                on_wait()
-            if rounds > 1 or on_wait is None:  # right after on_wait, look again at once
-                time.sleep(0.05)
-
-    def _signal_pressure(self) -> None:
-        """Tell readers in every process that a download waits for room (see the docstring)."""
-        path = os.path.join(self.cache_dir, _PRESSURE)
-        try:
-            os.utime(path)
-        except FileNotFoundError:
-            with contextlib.suppress(OSError):
-                open(path, "ab").close()
-
-    def _scan(self, need: int, incoming: str | None = None) -> int:
-        """Remove dead temps; evict files not leased until ``need`` more bytes fit the limit
-        (in :meth:`_eviction_order`; for a prefetch of ``incoming``, only files its plan needs
-        later than ``incoming``, or not at all when ``incoming`` is not planned either).
-
-        Returns how many bytes are still missing (<= 0: it fits). Call under the cache-wide lock
-        (or with ``need=0``, which only removes dead temps and evicts nothing).
-        """
-        complete: list[tuple[float, int, str, str]] = []  # (mtime, size, path, lock path)
-        used = 0
-        for key in _listdir(self.cache_dir):
-            top = os.path.join(self.cache_dir, key)
-            if not _is_version_dir(Path(top)):
-                continue  # evict only from the cache's own version folders
-            for dirpath, dirnames, files in os.walk(top):
-                if dirpath == top and _LOCKS in dirnames:
-                    dirnames.remove(_LOCKS)
-                for name in files:
-                    path = os.path.join(dirpath, name)
-                    rel = os.path.relpath(path, top)
-                    target = _remote.temp_target(name)
-                    if target is not None:
-                        used += self._stale_or_reserved(top, dirpath, target, path)
-                        continue
-                    if rel == INDEX_NAME:
-                        continue
-                    try:
-                        st = os.stat(path)
-                    except FileNotFoundError:
-                        continue
-                    used += st.st_size
-                    complete.append(
-                        (st.st_mtime, st.st_size, path, os.path.join(top, _LOCKS, rel + ".lock"))
-                    )
-        if self.limit_bytes is None:
-            return 0
-        short = used + need - self.limit_bytes
-        if need == 0:
-            return short
-        for _mtime, size, path, lock_path in self._eviction_order(complete, incoming):
-            if short <= 0:
-                break
-            fd = _try_exclusive(lock_path)
-            if fd is None:
-                continue  # leased by a reader or being (re)downloaded
-            try:
-                os.unlink(path)
-                short -= size
-                with self._lock:
-                    self.stats.evictions += 1
-                log.debug("evicted %s (%d bytes)", path, size)
-            except FileNotFoundError:
-                pass
-            finally:
-                os.close(fd)
-        return short
-
-    def _eviction_order(
-        self, complete: list[tuple[float, int, str, str]], incoming: str | None = None
-    ) -> list[tuple[float, int, str, str]]:
-        """Complete files, first to evict first: those no planned read uses (this cache's
-        :attr:`plan`; every file of other caches), least recently used first; then planned
-        ones, the next use farthest away first (Belady). Without a plan: LRU. For a prefetch
-        of ``incoming``, only the files needed later than it."""
-        if not self.plan:
-            return sorted(complete)
-        mine = self.dir + os.sep
-        rels = {c[2]: os.path.relpath(c[2], self.dir) for c in complete if c[2].startswith(mine)}
-        ranks = self.plan.ranks([*rels.values(), *([incoming] if incoming else [])])
-
-        def key(c: tuple[float, int, str, str]) -> tuple[int, float]:
-            rel = rels.get(c[2])
-            nxt = None if rel is None else ranks[rel]
-            return (0, c[0]) if nxt is None else (1, -nxt)
-
-        order = sorted(complete, key=key)
-        if incoming is None:
-            return order
-        mine_next = ranks[incoming]  # None: not planned, so only unplanned files may go
-
-        def later(c: tuple[float, int, str, str]) -> bool:
-            rel = rels.get(c[2])
-            nxt = None if rel is None else ranks[rel]
-            return nxt is None or (mine_next is not None and nxt > mine_next)
-
-        return [c for c in order if later(c)]
-
-    def _stale_or_reserved(
-        self, top: str, dirpath: str, target: tuple[str, int, int], path: str
-    ) -> int:
-        """Bytes reserved by a live download's temp file; a dead downloader's temp is removed."""
-        final_name, declared, _pid = target
-        rel = os.path.relpath(os.path.join(dirpath, final_name), top)
-        fd = _try_exclusive(os.path.join(top, _LOCKS, rel + ".lock"))
-        if fd is None:  # its downloader is alive and holds the lock
-            try:
-                return max(declared, os.path.getsize(path))
-            except FileNotFoundError:
-                return 0
-        try:
-            os.unlink(path)
-            with self._lock:
-                self.stats.stale_temps_removed += 1
-            log.info("removed %s left by an interrupted download", path)
-        except FileNotFoundError:
-            pass
-        finally:
-            os.close(fd)
-        return 0
+        return True
 
 
 def _deprecated(old: str, new: str) -> None:
@@ -737,54 +457,3 @@ def _deprecated(old: str, new: str) -> None:
         DeprecationWarning,
         stacklevel=3,
     )
-
-
-def _mode(path: Path) -> int | None:
-    try:
-        return os.lstat(path).st_mode
-    except FileNotFoundError:
-        return None
-
-
-def _is_version_dir(path: Path) -> bool:
-    """A cache version folder: ``cache_dir/<16 hex digits>``, a real directory holding the
-    cache's ``.locks`` directory (made with it), or empty (a crash between the two). The name
-    alone is no proof: a user's folder named by a commit hash or run id is not the cache's."""
-    mode = _mode(path)
-    if _VERSION.fullmatch(path.name) is None or mode is None or not stat.S_ISDIR(mode):
-        return False
-    locks = _mode(path / _LOCKS)
-    if locks is not None:
-        return stat.S_ISDIR(locks)
-    try:
-        with os.scandir(path) as it:
-            return next(it, None) is None
-    except FileNotFoundError:
-        return True  # gone meanwhile
-
-
-def _is_cache_entry(path: Path) -> bool:
-    """What a cache writes at the top of its ``cache_dir``: version folders, its lock and
-    pressure files, temps (of the ownership marker); an entry gone meanwhile."""
-    mode = _mode(path)
-    if mode is None:
-        return True
-    if path.name in (_CACHE_LOCK, _PRESSURE) or _remote.is_temp(path.name):
-        return stat.S_ISREG(mode)
-    return _is_version_dir(path)
-
-
-def _claim_cache_dir(cache_dir: str) -> None:
-    """The one ownership rule (:func:`feedpipe.io.ownership.claim`): a ``cache_dir`` holding
-    anything a cache did not write is refused by name, since eviction deletes files there."""
-    try:  # a cache_dir that is a link to a folder (/scratch -> /mnt/nvme) claims that folder
-        claim(os.path.realpath(cache_dir), "cache", _is_cache_entry)
-    except (ForeignEntriesError, NotADirectoryError, ValueError) as exc:  # ValueError: marker
-        raise DatasetError(str(exc)) from None
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except FileNotFoundError:
-        return []

@@ -11,12 +11,13 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from feedpipe.io.reaper import join_threads
 
-__all__ = ["DaemonPool"]
+__all__ = ["DaemonPool", "Prefetcher"]
 
 Job = tuple[Future[None], Callable[[str, threading.Event], None], str]
 
@@ -89,3 +90,44 @@ class DaemonPool:
         # a download stuck past the bound is reported by thread name and id (threads cannot
         # be killed; daemons, they never hold the interpreter's exit)
         join_threads(threads, "ShardCache prefetch", timeout_s)
+
+
+class Prefetcher:
+    """A cache's background prefetches: the pool (started on first use), the pending future
+    per file, and the closed state. ``fetch(relpath, cancel)`` runs on the pool's threads."""
+
+    def __init__(self, workers: int, fetch: Callable[[str, threading.Event], None]) -> None:
+        self._workers = workers
+        self._fetch = fetch
+        self._lock = threading.Lock()
+        self._pool: DaemonPool | None = None
+        self._pending: dict[str, Future[None]] = {}
+        self.closed = False
+
+    def submit(self, relpaths: Iterable[str], present: Callable[[str], bool]) -> list[Future[None]]:
+        """Queue each of ``relpaths`` not ``present`` and not already pending; the futures."""
+        out: list[Future[None]] = []
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("ShardCache is closed")
+            if self._pool is None:
+                self._pool = DaemonPool(self._workers, threading.Event())
+                # garbage collection or interpreter exit (atexit) stops it: never waited for
+                weakref.finalize(self, self._pool.shutdown)
+            for rel in relpaths:
+                fut = self._pending.get(rel)
+                if fut is None or fut.done():
+                    if present(rel):
+                        continue
+                    fut = self._pool.submit(self._fetch, rel)
+                    self._pending[rel] = fut
+                out.append(fut)
+        return out
+
+    def close(self, timeout_s: float) -> None:
+        """No more prefetches; queued ones are cancelled, running ones get ``timeout_s``."""
+        with self._lock:
+            self.closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(timeout_s=timeout_s)

@@ -40,14 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from feedpipe.datasets.destination import claim_dataset_folder, dataset_entries
-from feedpipe.datasets.writer import is_writer_file
 from feedpipe.errors import DatasetError
-from feedpipe.io.cliargs import positive_int
+from feedpipe.io.cliargs import add_storage_arguments, positive_int, storage_options
+from feedpipe.io.destination import DestinationError, claim_folder, folder_entries, is_writer_file
 from feedpipe.io.fsutil import atomic_write, fsync_dir
 from feedpipe.io.ownership import owns
 from feedpipe.io.reaper import join_threads, pid_alive
-from feedpipe.io.remote import local_file_path
+from feedpipe.io.remote import is_s3_url, local_file_path
 from feedpipe.remote import transfer as _remote
 from feedpipe.remote.transfer import INDEX_NAME, FileEntry
 
@@ -180,51 +179,73 @@ def _stage_locked(
         _invalidate(index_path)  # before any shard is touched: never v1's index over v2's shards
     total = sum(e.nbytes for e in todo)
     bar = _Bar(total, progress, desc=f"stage {_remote.redact(url, storage_options)}")
-    cancel = threading.Event()
-    temps: set[str] = set()
-    temps_lock = threading.Lock()
-
-    def _one(e: FileEntry) -> None:
-        final = os.path.join(dst, e.relpath)
-        tmp = _remote.temp_name(final, e.nbytes)
-        with temps_lock:
-            temps.add(tmp)
-        try:
-            _remote.fetch_verified(
-                fs,
-                _remote.join(root, e.relpath),
-                _remote.join(url, e.relpath),
-                final,
-                e,
-                storage_options=storage_options,
-                progress=bar,
-                policy=policy,
-                tmp=tmp,
-                cancel=cancel,
-            )
-        finally:
-            with temps_lock:
-                temps.discard(tmp)
-
     try:
         # largest first keeps the pool busy at the end of the run
-        _run_all(sorted(todo, key=lambda e: -e.nbytes), _one, workers, cancel)
-    except BaseException:
-        cancel.set()
-        with temps_lock:
-            left = list(temps)
-        for tmp in left:  # transfers still in flight write to an unlinked file, then stop
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        raise
+        transfers = _Transfers(fs, root, url, dst, storage_options, policy, bar)
+        transfers.run(sorted(todo, key=lambda e: -e.nbytes), workers)
     finally:
         bar.close()
     atomic_write(index_path, raw_index)
     return StageResult(len(todo), len(entries) - len(todo), total, time.perf_counter() - t0)
 
 
+class _Transfers:
+    """The verified downloads of one stage into ``dst``, on ``workers`` threads: on a failure
+    (or an interrupt) the others are cancelled and the temps still in flight removed."""
+
+    def __init__(  # noqa: PLR0917 - stage's own values, passed on
+        self,
+        fs: Any,
+        root: str,
+        url: str,
+        dst: str,
+        storage_options: Mapping[str, Any] | None,
+        policy: _remote.RetryPolicy,
+        bar: _Bar,
+    ) -> None:
+        self.fs, self.root, self.url, self.dst = fs, root, url, dst
+        self.options, self.policy, self.bar = storage_options, policy, bar
+        self.cancel = threading.Event()
+        self._temps: set[str] = set()
+        self._lock = threading.Lock()
+
+    def run(self, todo: list[FileEntry], workers: int) -> None:
+        try:
+            _run_all(todo, self.one, workers, self.cancel)
+        except BaseException:
+            self.cancel.set()
+            with self._lock:
+                left = list(self._temps)
+            for tmp in left:  # transfers still in flight write to an unlinked file, then stop
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            raise
+
+    def one(self, e: FileEntry) -> None:
+        final = os.path.join(self.dst, e.relpath)
+        tmp = _remote.temp_name(final, e.nbytes)
+        with self._lock:
+            self._temps.add(tmp)
+        try:
+            _remote.fetch_verified(
+                self.fs,
+                _remote.join(self.root, e.relpath),
+                _remote.join(self.url, e.relpath),
+                final,
+                e,
+                storage_options=self.options,
+                progress=self.bar,
+                policy=self.policy,
+                tmp=tmp,
+                cancel=self.cancel,
+            )
+        finally:
+            with self._lock:
+                self._temps.discard(tmp)
+
+
 def _claim(dst: str, entries: list[FileEntry], *, adopt: bool = True) -> None:
-    """Make ``dst`` stage's by the one ownership rule (:mod:`feedpipe.datasets.destination`):
+    """Make ``dst`` stage's by the one ownership rule (:mod:`feedpipe.io.destination`):
     it may hold only a dataset's own files (the source's, or those of the feedpipe index
     there), stage's temps and lock, and stage's marker; anything else (a user's own
     ``index.json``, their files, a symlink) is refused by name before anything is written.
@@ -249,13 +270,25 @@ def _claim(dst: str, entries: list[FileEntry], *, adopt: bool = True) -> None:
     # there (every version did); a dataset that convert or a user wrote is not stage's to replace
     earlier = marked or os.path.lexists(os.path.join(real, lock))
     if earlier:
-        ours = dataset_entries(real, [e.relpath for e in entries], also=also)
+        listed = [e.relpath for e in entries]
+        ours = folder_entries(real, INDEX_NAME, _index_files, listed, also)
     else:
 
         def ours(path: Path) -> bool:
             return also(path.name)
 
-    claim_dataset_folder(real, "stage", ours, adopt=adopt)
+    try:
+        claim_folder(real, "stage", ours, INDEX_NAME, adopt=adopt)
+    except DestinationError as exc:
+        raise DatasetError(str(exc)) from None
+
+
+def _index_files(raw: bytes, source: str) -> list[str] | None:
+    """The files a feedpipe index lists, or None when ``raw`` is none."""
+    try:
+        return [e.relpath for e in _remote.parse_index(raw, source)]
+    except DatasetError:
+        return None
 
 
 def _lock_path(dst: str) -> str:
@@ -267,7 +300,7 @@ def _pooled(
 ) -> Mapping[str, Any] | None:
     """For S3, a connection pool with room for every worker: botocore's default of 10
     connections would otherwise cap ``workers`` transfers at 10 (the caller's value wins)."""
-    if not url.startswith(("s3://", "s3a://")):
+    if not is_s3_url(url):
         return storage_options
     out = dict(storage_options or {})
     config = dict(out.get("config_kwargs") or {})
@@ -418,21 +451,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="trust sizes of files already there (only when DST already has this index)",
     )
-    parser.add_argument(
-        "--endpoint-url", default=None, help="S3-compatible endpoint (e.g. a MinIO or local server)"
-    )
-    parser.add_argument("--anon", action="store_true", help="anonymous (unsigned) S3 access")
+    add_storage_arguments(parser, anon=True)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``feedpipe stage``; credentials come from the usual environment/config of the backend."""
     import sys
 
-    options: dict[str, Any] = {}
-    if args.endpoint_url:
-        options["client_kwargs"] = {"endpoint_url": args.endpoint_url}
-    if args.anon:
-        options["anon"] = True
+    options = storage_options(args)
     try:
         result = stage(
             args.src,

@@ -28,6 +28,7 @@ from feedpipe.io.remote import (
     RetryPolicy,
     classify,
     is_remote,
+    is_s3_url,
     is_temp,
     join,
     redact,
@@ -70,7 +71,7 @@ def resolve(
     deadline_s: float | None = None,
 ) -> tuple[Any, str]:
     """:func:`feedpipe.io.remote.resolve`; a missing ``s3fs`` is a ``MissingExtraError``."""
-    if os.fspath(url).startswith(("s3://", "s3a://")):
+    if is_s3_url(url):
         require("s3fs", "s3")
     return _io_resolve(url, storage_options, deadline_s)
 
@@ -209,45 +210,18 @@ def fetch_verified(
     Transient errors are retried (a partial download is discarded and its progress rolled back);
     a checksum mismatch is retried once, then raises :class:`DatasetError` naming the URL.
     """
-    from fsspec.callbacks import Callback
-
     os.makedirs(os.path.dirname(final) or ".", exist_ok=True)
     tmp = tmp or temp_name(final, entry.nbytes)
-    done = [0]
-
-    class _Progress(Callback):  # type: ignore[misc]
-        def relative_update(self, inc: int = 1) -> None:
-            if cancel is not None and cancel.is_set():
-                raise CancelledError(url)
-            done[0] += inc
-            if progress is not None:
-                progress(inc)
-
-        def call(self, *args: Any, **kwargs: Any) -> None:
-            return None
-
-    def _rollback() -> None:
-        if progress is not None and done[0]:
-            progress(-done[0])
-        done[0] = 0
-        _unlink(tmp)
-
-    def _get() -> None:
-        fs.get_file(rpath, tmp, callback=_Progress())
-        if done[0] == 0 and progress is not None:  # filesystems that do not report progress
-            size = os.path.getsize(tmp)
-            done[0] = size
-            progress(size)
-
+    download = _Download(fs, rpath, url, tmp, progress=progress, cancel=cancel)
     try:
         for attempt in (1, 2):
             call(
-                _get,
+                download.get,
                 url,
                 what="download",
                 storage_options=storage_options,
                 policy=policy,
-                on_retry=_rollback,
+                on_retry=download.rollback,
                 cancel=cancel,
             )
             crc, size = crc32c_file(tmp)
@@ -256,7 +230,7 @@ def fetch_verified(
             if size == entry.nbytes and to_hex(crc) == entry.crc32c:
                 os.replace(tmp, final)
                 return
-            _rollback()
+            download.rollback()
             if attempt == 2:
                 raise DatasetError(
                     f"{redact(url, storage_options)}: downloaded file does not match the index "
@@ -265,6 +239,56 @@ def fetch_verified(
                 )
     finally:
         _unlink(tmp)
+
+
+class _Download:
+    """One file's download into ``tmp``: the bytes it reported to ``progress`` (rolled back with
+    the partial file before a retry), and the check of ``cancel`` at each chunk."""
+
+    def __init__(
+        self,
+        fs: Any,
+        rpath: str,
+        url: str,
+        tmp: str,
+        *,
+        progress: Callable[[int], None] | None,
+        cancel: threading.Event | None,
+    ) -> None:
+        self.fs, self.rpath, self.url, self.tmp = fs, rpath, url, tmp
+        self.progress, self.cancel = progress, cancel
+        self.done = 0
+
+    def advance(self, inc: int) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise CancelledError(self.url)
+        self.done += inc
+        if self.progress is not None:
+            self.progress(inc)
+
+    def rollback(self) -> None:
+        if self.progress is not None and self.done:
+            self.progress(-self.done)
+        self.done = 0
+        _unlink(self.tmp)
+
+    def get(self) -> None:
+        from fsspec.callbacks import Callback
+
+        advance = self.advance
+
+        class _Progress(Callback):  # type: ignore[misc]
+            def relative_update(self, inc: int = 1) -> None:
+                advance(inc)
+
+            def call(self, *args: Any, **kwargs: Any) -> None:
+                return None
+
+        self.fs.get_file(self.rpath, self.tmp, callback=_Progress())
+        if self.done == 0 and self.progress is not None:  # filesystems that report no progress
+            size = os.path.getsize(self.tmp)
+            self.done = size
+            self.progress(size)
 
 
 def _unlink(path: str) -> None:

@@ -26,7 +26,7 @@ import threading
 from collections import deque
 from typing import Any
 
-__all__ = ["DeviceClock"]
+__all__ = ["DeviceClock", "DeviceIdle"]
 
 
 class DeviceClock:
@@ -45,7 +45,10 @@ class DeviceClock:
 
     def _event(self) -> Any:
         free = self._free
-        return free.pop() if free else self._torch.cuda.Event(enable_timing=True)
+        if free:
+            return free.pop()
+        # torch's stubs leave cuda.Event's constructor untyped
+        return self._torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
 
     def begin(self, stream: Any = None) -> Any:
         """``next()`` starts: record A on ``stream`` (default: the current stream); returns it."""
@@ -91,3 +94,37 @@ class DeviceClock:
             self._pending.clear()
             self.idle_s = 0.0
             self.batches = 0
+
+
+class DeviceIdle:
+    """A meter's *device idle for input*: its :class:`DeviceClock` (``clock``, once a CUDA
+    device is watched) and the totals a restored state brought (``offset``)."""
+
+    def __init__(self) -> None:
+        self.clock: DeviceClock | None = None
+        self.offset: tuple[float, int] = (0.0, 0)  # idle seconds and batches restored
+
+    def watch(self, device: Any) -> DeviceClock | None:
+        """The clock of ``device`` (CUDA only; else ``None``); idempotent for one device."""
+        import torch
+
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            return None
+        if self.clock is None or self.clock.device != dev:
+            self.clock = DeviceClock(dev)
+        return self.clock
+
+    def reset(self, offset: tuple[float, int] = (0.0, 0)) -> None:
+        """Zero the clock's totals and start from ``offset``."""
+        self.offset = offset
+        if self.clock is not None:
+            self.clock.reset()
+
+    def totals(self) -> tuple[float | None, int]:
+        """(device idle seconds, batches measured), ``None`` seconds when never measured."""
+        clock, (off_s, off_n) = self.clock, self.offset
+        if clock is None:
+            return (off_s if off_n else None), off_n
+        clock.poll()
+        return off_s + clock.idle_s, off_n + clock.batches

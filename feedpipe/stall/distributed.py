@@ -176,7 +176,8 @@ def gather_stats(stats: StallStats, group: Any = None) -> DistributedSummary:
     )
     mine = torch.frombuffer(bytearray(_pack(stats)), dtype=torch.uint8).to(device)
     out = torch.empty(world * RECORD_BYTES, dtype=torch.uint8, device=device)
-    dist.all_gather(list(out.split(RECORD_BYTES)), mine, group=group)
+    chunks = list(out.split(RECORD_BYTES))  # type: ignore[no-untyped-call]  # untyped in torch
+    dist.all_gather(chunks, mine, group=group)
     raw = out.cpu().numpy().tobytes()
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
     all_stats = [

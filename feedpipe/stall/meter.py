@@ -61,22 +61,20 @@ may be called from any thread.
 from __future__ import annotations
 
 import array
-import math
-import operator
-import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, TypeVar
 
-from feedpipe.io import trace as _trace
+from feedpipe.stall.counters import Counters
 from feedpipe.stall.device import DeviceClock
 from feedpipe.stall.distributed import DistributedSink, DistributedSummary, gather_stats
-from feedpipe.stall.profiler import AlwaysOn, record_function, torch_flag
-from feedpipe.stall.records import FIELDS, NBUCKETS, RECORD, bucket_value, fold
+from feedpipe.stall.profiler import WaitRanges
+from feedpipe.stall.records import FIELDS, RECORD
 from feedpipe.stall.report import format_report, format_summary
-from feedpipe.stall.sinks import JsonlSink, LoggingSink, Sink, TensorBoardSink
+from feedpipe.stall.sinks import JsonlSink, LoggingSink, Sink, SinkSet, TensorBoardSink
+from feedpipe.stall.stages import WORKER_STAGES
 from feedpipe.stall.stats import StageStats, StallStats
 
 __all__ = [
@@ -85,6 +83,7 @@ __all__ = [
     "DistributedSummary",
     "JsonlSink",
     "LoggingSink",
+    "NullMeter",
     "Sink",
     "StageStats",
     "StallMeter",
@@ -93,14 +92,9 @@ __all__ = [
     "gather_stats",
 ]
 
-#: Stages that run inside loader workers and therefore in parallel, ``workers`` at a time.
-WORKER_STAGES = frozenset({"fetch", "decode", "collate"})
-
 _T = TypeVar("_T")
 _perf = time.perf_counter
 _pack = RECORD.pack
-_first = operator.itemgetter(0)
-_second = operator.itemgetter(1)
 
 
 class StallMeter:
@@ -120,6 +114,13 @@ class StallMeter:
         worker count and kind ("thread" or "process").
       - ``pass_begin(at)`` when ``iter()`` starts a pass, ``pass_end()`` when it ends or is
         dropped; the time from the last pass end to the next ``iter()`` is *outside*.
+      - ``profiler_check`` (bound once per pass, called per batch) or :attr:`profiler_active`;
+        ``open_range(name)`` / ``close_range()`` and :attr:`range_open` for a loader that opens
+        the wait's profiler range itself.
+
+    It owns its counters (:class:`~feedpipe.stall.counters.Counters`: the batch log and what it
+    is folded into), its profiler ranges (:class:`~feedpipe.stall.profiler.WaitRanges`) and its
+    sinks (:class:`~feedpipe.stall.sinks.SinkSet`).
 
     Args:
         enabled: ``False`` returns a meter whose methods do nothing (counters off).
@@ -131,75 +132,36 @@ class StallMeter:
     enabled = True
     _FIELDS = FIELDS  # numbers per batch record in _waits
     _FOLD = FIELDS * 4096  # pending record numbers (4096 batches) folded at a time
-    _STAGE_FOLD = 4096  # pending add_stage records folded at a time
-    _wait_start: float | None  # begin of a wait in progress (None: the loop is stepping)
-    _last: tuple[float, float] | None  # (begin, end) of the latest folded wait
-    _first_begin: float | None
-    _waits: array.array[float]  # pending records: begin, end, samples, nbytes, fetch, collate
-    _stall_folded: float
-    _batches_folded: int
-    _samples_folded: int
-    _bytes_folded: int
-    _stall_offset: float
-    _step_offset: float
-    _outside_folded: float  # closed gaps between passes
-    _outside_offset: float
-    _gap: float | None  # start of the open gap (no pass active since then), or None
-    _setup: float | None  # iter() of a later pass, until its first wait (stall), or None
-    _stall_extra: float
-    _passes: int  # passes in progress (iterators alive)
-    _cpu0: tuple[float, float, int] | None  # process CPU, loop-thread CPU, loop thread id
-    _hist: Any  # numpy int64 array of NBUCKETS counts
-    _stage_logs: dict[str, list[tuple[float, int]]]
-    _stage_s: dict[str, float]
-    _stage_bytes: dict[str, int]
-    _stage_calls: dict[str, int]
-    _device_offset: tuple[float, int]  # device idle seconds and batches from load_state_dict
-    wait_max_s: float
-    region_s: dict[str, float]
-    depth: dict[str, int]
 
     def __new__(cls, enabled: bool = True, trace: bool | Literal["auto"] = "auto") -> StallMeter:
         if not enabled and cls is StallMeter:
-            from feedpipe.stall.null import NullMeter  # a subclass: imported when first needed
-
             return super().__new__(NullMeter)
         return super().__new__(cls)
 
     def __init__(self, enabled: bool = True, trace: bool | Literal["auto"] = "auto") -> None:
-        self._lock = threading.Lock()
-        self._sinks: list[Sink] = []
-        # ``_torch_prof._is_profiler_enabled`` says whether to open record_function ranges:
-        # torch.autograd.profiler (its flag follows torch.profiler) in "auto" mode, or stand-ins
-        # whose flag is always on (trace=True) or always off (trace=False).
-        self._torch_prof: Any = torch_flag(trace)
-        # NVTX ranges: the recorder of feedpipe.io.trace when one is active (trace != False)
-        self._nvtx = _trace.recorder() if trace is not False else None
-        # the flag loaders read once per batch: on while either kind of range is wanted
-        self._profiler: Any = AlwaysOn if self._nvtx is not None else self._torch_prof
-        self._range: Any = None  # the open range(s) of the current wait (None: none open)
-        self.device_clock: DeviceClock | None = None  # CUDA events at hand-off (watch_device)
+        self._counters = Counters()
+        self._lock = self._counters.lock
+        self._clock = self._counters.clock  # the same object for the meter's life
+        self._sinks = SinkSet()
+        self._ranges = WaitRanges(trace)
+        #: the flag loaders call once per batch: whether waits are profiler ranges right now
+        self.profiler_check: Callable[[], bool] = self._ranges.active
         # a record is followed by after_batch() once len(_waits) reaches fold_at: _FOLD normally,
         # 0 while sinks are attached or a profiler range is open (one comparison per batch)
         self.fold_at = self._FOLD
         self.workers = 0
         self.worker_type: str | None = None
-        self._passes = 0
         # the batch log: its object never changes (loaders bind it, and its frombytes, per pass)
-        self._waits = array.array("d")
+        self._waits: array.array[float] = self._counters.log
         self._put = self._waits.frombytes
-        self.reset()
 
     # ------------------------------------------------------------------ hot path
     # The hot path only appends: each batch packs six doubles (begin, end, samples, nbytes,
     # fetch_s, collate_s; a negative stage time means "no such stage") into the array
-    # ``_waits`` in one C call (feedpipe.stall.records), folded into the totals, maximum and
-    # histogram 4096 batches at a time, vectorised, or when the counters are read. A loader
-    # reads the clock itself around the blocking part of ``next()`` and appends the same
-    # record (``batch_log``); ``wait_begin``/``wait_end`` are the same record split in two,
-    # for other callers. Other stages go to ``_stage_logs[name]`` (list.append is atomic, so
-    # ``add_stage`` takes no lock). The step total is derived: waits and steps alternate, so
-    # step = (last end - first begin) - stall.
+    # ``_waits`` in one C call (feedpipe.stall.records), folded by the counters 4096 batches at
+    # a time, vectorised, or when they are read. A loader reads the clock itself around the
+    # blocking part of ``next()`` and appends the same record (``batch_log``);
+    # ``wait_begin``/``wait_end`` are the same record split in two, for other callers.
     def record_batch(  # noqa: PLR0917 - positional on the hot path
         self,
         begin: float,
@@ -228,18 +190,19 @@ class StallMeter:
 
     def wait_begin(self) -> None:
         """The loop starts waiting for a batch; the time since the last ``wait_end`` is step."""
-        now = self._wait_start = _perf()
-        if self._first_begin is None and not self._waits:
-            self._first_begin = now
-        if self._profiler._is_profiler_enabled:
-            if self._range is not None:  # the previous wait raised instead of delivering
-                self._close_range()
-            self._open_range("feedpipe.wait")
+        clock = self._clock
+        now = clock.wait_start = _perf()
+        if clock.first_begin is None and not self._waits:
+            clock.first_begin = now
+        if self.profiler_check():
+            self.close_range()  # the previous wait raised instead of delivering
+            self.open_range("feedpipe.wait")
 
     def wait_end(self, samples: int = 0, nbytes: int = 0) -> None:
         """The batch arrived: add the wait, count the batch, its samples and bytes."""
         now = _perf()
-        begin, self._wait_start = self._wait_start, None
+        clock = self._clock
+        begin, clock.wait_start = clock.wait_start, None
         if begin is None:
             raise RuntimeError("StallMeter.wait_end() without a matching wait_begin()")
         self._put(_pack(begin, now, samples, nbytes, -1.0, -1.0))
@@ -251,39 +214,58 @@ class StallMeter:
 
         The step before it counts; what ``wait_begin`` does, for callers that read the clock.
         """
-        self._wait_start = begin
-        if self._first_begin is None and not self._waits:
-            self._first_begin = begin
+        clock = self._clock
+        clock.wait_start = begin
+        if clock.first_begin is None and not self._waits:
+            clock.first_begin = begin
 
     def add_skipped(self, n: int) -> None:
         """Count ``n`` samples dropped by ``DataLoader(on_error="skip")`` (not on the hot path)."""
-        self.skipped += n
+        self._counters.skipped += n
 
     def add_stage(self, name: str, seconds: float, nbytes: int = 0) -> None:
         """Add ``seconds`` (and ``nbytes``) to stage ``name``; callable from any thread."""
-        try:
-            log = self._stage_logs[name]
-        except KeyError:
-            with self._lock:
-                log = self._stage_logs.setdefault(name, [])
-        log.append((seconds, nbytes))
-        if len(log) >= self._STAGE_FOLD:
-            self._fold_stages()
+        self._counters.stages.add(name, seconds, nbytes)
 
     @property
     def tracing(self) -> bool:
         """Whether waits are profiler ranges right now (then use ``wait_begin``/``wait_end``)."""
-        return bool(self._profiler._is_profiler_enabled)
+        return bool(self.profiler_check())
+
+    @property
+    def profiler_active(self) -> bool:
+        """The same as :attr:`tracing`: a profiler (torch's or an NVTX tool) wants ranges."""
+        return bool(self.profiler_check())
 
     def set_depth(self, name: str, n: int) -> None:
         """Record the current depth of queue ``name`` (e.g. "ready", "prefetch")."""
-        self.depth[name] = n
+        self._counters.depth[name] = n
 
     def set_workers(self, n: int, worker_type: str | None = None) -> None:
         """Number of loader workers running :data:`WORKER_STAGES` in parallel (0 = in-process)
         and their kind, ``"thread"`` or ``"process"`` (``None``: unknown or in-process)."""
         self.workers = int(n)
         self.worker_type = worker_type if n else None
+
+    # ------------------------------------------------------------------ profiler ranges
+    @property
+    def range_open(self) -> bool:
+        """Whether the current wait's profiler range is open."""
+        return self._ranges.is_open
+
+    @property
+    def _range(self) -> tuple[Any] | None:
+        return self._ranges.current
+
+    def open_range(self, name: str) -> None:
+        """Open the wait's ranges: NVTX "feedpipe/wait" and, while torch's profiler records,
+        ``record_function(name)``; the next batch record closes them (:meth:`after_batch`)."""
+        self._ranges.open(name)
+        self.fold_at = 0
+
+    def close_range(self) -> None:
+        """Close the wait's ranges, if open (a wait that raised instead of delivering)."""
+        self._ranges.close()
 
     # ------------------------------------------------------------------ passes
     def pass_begin(self, at: float | None = None) -> None:
@@ -292,17 +274,7 @@ class StallMeter:
         Call from the training loop's thread. Ends the time *outside* iteration, if no pass was
         active; from ``at`` to the pass's first wait (workers starting) is the loader's: stall.
         """
-        now = _perf() if at is None else at
-        self._fold()
-        with self._lock:
-            self._passes += 1
-            if self._cpu0 is None or self._cpu0[2] != threading.get_ident():
-                self._cpu0 = _cpu_now()  # measured from the loop's thread
-            gap = self._gap
-            if gap is not None:
-                self._outside_folded += max(0.0, now - gap)
-                self._gap = None
-                self._setup = max(now, gap)
+        self._counters.pass_begin(_perf() if at is None else at)
 
     def pass_end(self) -> None:
         """A pass ended: its iterator raised ``StopIteration`` or was dropped (``break``).
@@ -311,43 +283,21 @@ class StallMeter:
         When no other pass is active, the time from now to the next ``pass_begin`` is *outside*.
         """
         now = _perf()
-        if self._range is not None:  # the wait that ended the pass delivered no batch
-            self._close_range()
+        if self.range_open:  # the wait that ended the pass delivered no batch
+            self.close_range()
             self._set_fold_at()
-        self._fold()
-        with self._lock:
-            self._passes = max(0, self._passes - 1)
-            last, begin = self._last, self._wait_start
-            if last is None and self._first_begin is None:
-                return  # nothing measured yet: the next wait starts the clock anyway
-            if begin is not None and (last is None or begin > last[1]) and self._gap is None:
-                self._stall_extra += max(0.0, now - begin)  # the wait that ended the pass
-                self._wait_start = now  # consumed; the step clock stands at now
-            if not self._passes and self._gap is None:
-                self._gap = max(now, last[1]) if last is not None else now
+        self._counters.pass_end(now)
 
     @contextmanager
     def region(self, name: str) -> Iterator[None]:
         """Time a user region: ``with meter.region("forward"): ...`` (also a profiler range:
         ``feedpipe.region.NAME`` for torch's profiler, ``feedpipe/region/NAME`` for NVTX)."""
-        on = self._torch_prof._is_profiler_enabled
-        rf = record_function(f"feedpipe.region.{name}") if on else None
-        nvtx = self._nvtx
-        if nvtx is not None:
-            nvtx.push(f"feedpipe/region/{name}")
-        if rf is not None:
-            rf.__enter__()
-        t0 = _perf()
-        try:
-            yield
-        finally:
-            dt = _perf() - t0
-            if rf is not None:
-                rf.__exit__(None, None, None)
-            if nvtx is not None:
-                nvtx.pop()
-            with self._lock:
-                self.region_s[name] += dt
+        with self._ranges.region(name):
+            t0 = _perf()
+            try:
+                yield
+            finally:
+                self._counters.add_region(name, _perf() - t0)
 
     def watch_device(self, device: Any) -> DeviceClock | None:
         """Measure *device idle for input* on ``device`` (CUDA only; else returns ``None``).
@@ -355,14 +305,16 @@ class StallMeter:
         The loader calls it for ``device="cuda"``; it then calls ``device_clock.begin()`` when
         ``next()`` starts and ``device_clock.end(a)`` after the hand-off (see
         :mod:`feedpipe.stall.device`). Idempotent for one device."""
-        import torch
+        return self._counters.device.watch(device)
 
-        dev = torch.device(device)
-        if dev.type != "cuda":
-            return None
-        if self.device_clock is None or self.device_clock.device != dev:
-            self.device_clock = DeviceClock(dev)
-        return self.device_clock
+    @property
+    def device_clock(self) -> DeviceClock | None:
+        """The CUDA events at hand-off, once :meth:`watch_device` found a CUDA device."""
+        return self._counters.device.clock
+
+    @device_clock.setter
+    def device_clock(self, clock: DeviceClock | None) -> None:
+        self._counters.device.clock = clock  # an attribute before: assignable, as it was
 
     def metered_pass(self, batches: Iterable[_T]) -> Iterator[_T]:
         """Iterate ``batches`` as one pass: ``pass_begin`` first, ``pass_end`` when it is
@@ -373,276 +325,112 @@ class StallMeter:
         finally:
             self.pass_end()
 
-    # ------------------------------------------------------------------ folding
+    # ------------------------------------------------------------------ readings
     def _fold(self) -> None:
-        """Fold pending batch records into the totals, maximum and histogram (any thread)."""
-        if not self._waits:
-            return
-        with self._lock:
-            waits, f = self._waits, self._FIELDS
-            k = len(waits) - len(waits) % f  # whole records (each is appended in one call)
-            if not k:
-                return
-            block = fold(waits[:k])
-            del waits[:k]  # records appended meanwhile stay for the next fold
-            begins = block.begins
-            if self._first_begin is None:
-                self._first_begin = float(begins[0])
-            gap, setup, last_begin = self._gap, self._setup, block.last[0]
-            if gap is not None and last_begin >= gap:  # a wait without pass_begin: close it
-                i = int(begins.searchsorted(gap))
-                self._outside_folded += float(begins[i]) - gap
-                self._gap = None
-            if setup is not None and last_begin >= setup:  # iter() until the first wait
-                i = int(begins.searchsorted(setup))
-                self._stall_extra += float(begins[i]) - setup
-                self._setup = None
-            self._last = block.last
-            self._hist += block.hist
-            self._stall_folded += block.stall_s
-            self._batches_folded += block.batches
-            self.wait_max_s = max(self.wait_max_s, block.wait_max_s)
-            self._samples_folded += block.samples
-            self._bytes_folded += block.bytes
-            for name, (seconds, calls, sbytes) in block.stages.items():
-                self._stage_s[name] += seconds
-                self._stage_calls[name] += calls
-                self._stage_bytes[name] += sbytes
+        """Fold pending batch records into the totals (any thread)."""
+        self._counters.fold()
 
-    def _fold_stages(self) -> None:
-        """Fold pending ``add_stage`` records into the per-stage totals (any thread)."""
-        with self._lock:
-            for name, log in list(self._stage_logs.items()):
-                n = len(log)
-                if not n:
-                    continue
-                items = log[:n]
-                del log[:n]  # records appended meanwhile stay for the next fold
-                self._stage_s[name] += math.fsum(map(_first, items))
-                self._stage_bytes[name] += sum(map(_second, items))
-                self._stage_calls[name] += n
+    @property
+    def _hist(self) -> Any:
+        """The wait histogram (numpy int64 counts) of the folded records."""
+        return self._counters.totals.hist
+
+    @property
+    def wait_max_s(self) -> float:
+        """The longest folded wait, in seconds."""
+        return self._counters.totals.wait_max_s
 
     @property
     def stall_s(self) -> float:
         """Seconds the loop spent waiting in ``next()`` (including the ``next()`` that raised
         ``StopIteration``) and, for every pass after the first, in ``iter()``."""
         self._fold()
-        return self._stall_folded + self._stall_extra + self._open_setup()
+        return self._clock.stall_s(self._counters.totals.stall_s)
 
     @property
     def batches(self) -> int:
         """Batches delivered (completed waits)."""
-        return self._batches_folded + len(self._waits) // self._FIELDS
+        return self._counters.batches()
 
     @property
     def samples(self) -> int:
         """Samples delivered."""
         self._fold()
-        return self._samples_folded
+        return self._counters.totals.samples
 
     @property
     def bytes(self) -> int:
         """Bytes delivered."""
         self._fold()
-        return self._bytes_folded
+        return self._counters.totals.bytes
 
     @property
     def step_s(self) -> float:
         """Seconds between each ``wait_end`` and the next ``wait_begin`` inside a pass."""
         self._fold()
-        first, last, begin, gap = self._first_begin, self._last, self._wait_start, self._gap
-        if first is None or last is None:
-            return self._step_offset
-        end = last[1]
-        if begin is not None and begin > end:  # a wait began (or ended in StopIteration)
-            end = begin
-        if gap is not None and gap > end:  # the pass ended (break) after its last step
-            end = gap
-        stall = self._stall_folded + self._stall_extra + self._open_setup() - self._stall_offset
-        inside = end - first - stall - self._open_outside()
-        return self._step_offset + max(0.0, inside - (self._outside_folded - self._outside_offset))
+        return self._clock.step_s(self._counters.totals.stall_s)
 
     @property
     def outside_s(self) -> float:
         """Seconds outside iteration: from each pass's end to the next pass's first wait."""
         self._fold()
-        return self._outside_folded + self._open_outside()
-
-    def _open_setup(self) -> float:
-        """``iter()`` up to a traced first wait that began after it (0 while none began)."""
-        setup, begin = self._setup, self._wait_start
-        return begin - setup if setup is not None and begin is not None and begin > setup else 0.0
-
-    def _open_outside(self) -> float:
-        """The open gap up to a traced wait that began after it (0 while no wait began)."""
-        gap, begin = self._gap, self._wait_start
-        return begin - gap if gap is not None and begin is not None and begin > gap else 0.0
+        return self._clock.outside_s()
 
     @property
     def steps(self) -> int:
         """Completed steps: one before each wait after the first, plus the one in progress when
         a wait is pending or a pass ended with ``break``."""
         self._fold()
-        last, begin, batches, gap = self._last, self._wait_start, self.batches, self._gap
-        pending = last is not None and (
-            (begin is not None and begin > last[1]) or (gap is not None and gap > last[1])
-        )
-        return max(0, batches - 1) + pending
+        return self._clock.steps(self.batches)
 
     @property
     def last_wait(self) -> tuple[float, float]:
         """``(begin, end)`` perf_counter times of the latest completed wait (0, 0 if none)."""
-        waits, f = self._waits, self._FIELDS
-        k = len(waits) - len(waits) % f
-        if k:
-            try:
-                return (waits[k - f], waits[k - f + 1])
-            except IndexError:  # folded meanwhile by another thread
-                pass
-        return self._last if self._last is not None else (0.0, 0.0)
+        return self._counters.last_wait()
 
     @property
     def stage_s(self) -> dict[str, float]:
-        self._fold_stages()
-        return dict(self._stage_s)
+        return self._counters.stages.seconds()
 
     @property
     def stage_bytes(self) -> dict[str, int]:
-        self._fold_stages()
-        return dict(self._stage_bytes)
+        return self._counters.stages.nbytes()
 
     @property
     def stage_calls(self) -> dict[str, int]:
-        self._fold_stages()
-        return dict(self._stage_calls)
+        return self._counters.stages.calls()
+
+    @property
+    def region_s(self) -> defaultdict[str, float]:
+        """Seconds per user region (:meth:`region`)."""
+        return self._counters.region_s
+
+    @property
+    def depth(self) -> dict[str, int]:
+        """The latest depth of each queue (:meth:`set_depth`)."""
+        return self._counters.depth
+
+    @property
+    def skipped(self) -> int:
+        """Samples dropped by ``DataLoader(on_error="skip")``."""
+        return self._counters.skipped
 
     # ------------------------------------------------------------------ snapshots
     def reset(self) -> None:
         """Zero every counter (sinks, workers and trace settings are kept)."""
-        import numpy as np
-
-        with self._lock:
-            self._wait_start = None
-            self._last = None
-            self._first_begin = None
-            del self._waits[:]
-            self._stall_folded = 0.0
-            self._batches_folded = 0
-            self._samples_folded = 0
-            self._bytes_folded = 0
-            self.skipped = 0  # samples dropped by DataLoader(on_error="skip")
-            # restored totals (load_state_dict): stall and step from before the clocks restarted
-            self._stall_offset = 0.0
-            self._step_offset = 0.0
-            self._outside_folded = 0.0
-            self._outside_offset = 0.0
-            self._stall_extra = 0.0  # waits that delivered no batch: StopIteration, iter()
-            self._gap = None
-            self._setup = None
-            self._cpu0 = _cpu_now()
-            self.wait_max_s = 0.0
-            self._hist = np.zeros(NBUCKETS, dtype=np.int64)
-            self._stage_logs = {}
-            self._stage_s = defaultdict(float)
-            self._stage_bytes = defaultdict(int)
-            self._stage_calls = defaultdict(int)
-            self.region_s = defaultdict(float)
-            self.depth = {}
-            self._device_offset = (0.0, 0)  # device idle seconds and batches restored
-            if self.device_clock is not None:
-                self.device_clock.reset()
-            for sink in self._sinks:
-                sink.restart(_perf(), 0)
+        self._counters.reset()
+        self._sinks.restart(_perf())
 
     def quantile(self, q: float) -> float:
         """Wait time (seconds) at quantile ``q`` in [0, 1], from the log-bucket histogram."""
         if not 0.0 <= q <= 1.0:
             raise ValueError(f"quantile must be in [0, 1], got {q}")
-        import numpy as np
-
         self._fold()
-        cum = np.cumsum(self._hist)
-        total = int(cum[-1])
-        if total == 0:
-            return 0.0
-        rank = max(1, math.ceil(q * total))
-        i = int(np.searchsorted(cum, rank))
-        if i == NBUCKETS - 1:  # the top bucket also holds clamped, longer waits
-            return self.wait_max_s
-        return min(bucket_value(i), self.wait_max_s) if i else 0.0
+        return self._counters.totals.quantile(q)
 
     def stats(self) -> StallStats:
         """A consistent, JSON-able snapshot of the counters and the rates derived from them."""
-        self._fold()
-        stage_s, stage_bytes, stage_calls = self.stage_s, self.stage_bytes, self.stage_calls
-        with self._lock:
-            regions = dict(self.region_s)
-        stall, step, batches, steps = self.stall_s, self.step_s, self.batches, self.steps
-        outside = self.outside_s
-        wall = stall + step
-        par = max(1, self.workers)
-        stages = {}
-        for name in sorted(stage_s):
-            calls = stage_calls.get(name, 0)
-            per = stage_s[name] / calls if calls else 0.0
-            eff = per / par if name in WORKER_STAGES else per
-            stages[name] = StageStats(stage_s[name], stage_bytes.get(name, 0), calls, per, eff)
-        worker_s = sum(s.seconds for n, s in stages.items() if n in WORKER_STAGES)
-        busy = min(1.0, worker_s / (par * wall)) if worker_s and wall > 0 else None
-        slowest = max(stages, key=lambda n: stages[n].effective_s) if stages else None
-
-        def rate(x: float) -> float:
-            return x / wall if wall > 0 else 0.0
-
-        idle_s, idle_batches = self._device_idle()
-
-        return StallStats(
-            wall_s=wall,
-            stall_s=stall,
-            step_s=step,
-            outside_s=outside,
-            stall_fraction=stall / wall if wall > 0 else 0.0,
-            batches=batches,
-            samples=self.samples,
-            bytes=self.bytes,
-            batches_per_s=rate(batches),
-            samples_per_s=rate(self.samples),
-            bytes_per_s=rate(self.bytes),
-            wait_mean_s=stall / batches if batches else 0.0,
-            wait_p50_s=self.quantile(0.5),
-            wait_p99_s=self.quantile(0.99),
-            wait_max_s=self.wait_max_s,
-            step_mean_s=step / steps if steps else 0.0,
-            workers=self.workers,
-            worker_type=self.worker_type,
-            input_cpu_s=self._input_cpu(),
-            input_busy=busy,
-            slowest_stage=slowest,
-            stages=stages,
-            regions=regions,
-            depths=dict(self.depth),
-            device_idle_s=idle_s,
-            device_idle_fraction=None if idle_s is None else rate(idle_s),
-            device_batches=idle_batches,
-            skipped=self.skipped,
-        )
-
-    def _device_idle(self) -> tuple[float | None, int]:
-        """(device idle seconds, batches measured), ``None`` seconds when never measured."""
-        clock, (off_s, off_n) = self.device_clock, self._device_offset
-        if clock is None:
-            return (off_s if off_n else None), off_n
-        clock.poll()
-        return off_s + clock.idle_s, off_n + clock.batches
-
-    def _input_cpu(self) -> float | None:
-        """CPU seconds of threads other than the loop's since the clock began (thread workers
-        only; ``None`` for process workers, in-process loading or a call from another thread)."""
-        cpu0 = self._cpu0
-        if self.worker_type != "thread" or cpu0 is None or cpu0[2] != threading.get_ident():
-            return None
-        proc, loop, _ = _cpu_now()
-        return max(0.0, (proc - cpu0[0]) - (loop - cpu0[1]))
+        return self._counters.stats(self.workers, self.worker_type)
 
     def summary(self) -> str:
         """One line: stall %, p50/p99 wait, throughput, slowest stage."""
@@ -656,62 +444,19 @@ class StallMeter:
         """Collective: gather every rank's stats over ``group`` (default: the world)."""
         return gather_stats(self.stats(), group)
 
-    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Counters as a small JSON-able dict, so totals survive a resume."""
-        self._fold()
-        stage_s, stage_bytes, stage_calls = self.stage_s, self.stage_bytes, self.stage_calls
-        with self._lock:
-            regions = dict(self.region_s)
-        idle_s, idle_batches = self._device_idle()
-        return {
-            "stall_s": self.stall_s,
-            "step_s": self.step_s,
-            "outside_s": self.outside_s,
-            "wait_max_s": self.wait_max_s,
-            "batches": self.batches,
-            "samples": self.samples,
-            "bytes": self.bytes,
-            "hist": {str(i): int(n) for i, n in enumerate(self._hist) if n},
-            "stage_s": stage_s,
-            "stage_bytes": stage_bytes,
-            "stage_calls": stage_calls,
-            "region_s": regions,
-            "device_idle_s": idle_s or 0.0,
-            "device_batches": idle_batches,
-            "skipped": self.skipped,
-        }
+        return self._counters.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counters saved by :meth:`state_dict` (the wait/step clocks restart)."""
         self.reset()
-        with self._lock:
-            self._stall_folded = self._stall_offset = float(state["stall_s"])
-            self._step_offset = float(state["step_s"])
-            self._outside_folded = float(state.get("outside_s", 0.0))  # older states lack it
-            self._outside_offset = self._outside_folded
-            self._batches_folded = int(state["batches"])
-            self.wait_max_s = float(state["wait_max_s"])
-            self._samples_folded = int(state["samples"])
-            self._bytes_folded = int(state["bytes"])
-            for i, n in state["hist"].items():
-                self._hist[int(i)] = int(n)
-            self._stage_s.update(state["stage_s"])
-            self._stage_bytes.update(state["stage_bytes"])
-            self._stage_calls.update(state["stage_calls"])
-            self.region_s.update(state["region_s"])
-            # older states lack the device counters
-            self._device_offset = (
-                float(state.get("device_idle_s", 0.0)),
-                int(state.get("device_batches", 0)),
-            )
-            self.skipped = int(state.get("skipped", 0))  # older states lack it
+        self._counters.load_state_dict(state)
 
     # ------------------------------------------------------------------ sinks
     def add_sink(self, sink: Sink) -> Sink:
         """Attach a sink (:class:`LoggingSink`, :class:`JsonlSink`, ...); polled in ``wait_end``."""
-        sink.restart(_perf(), self.batches)
-        self._sinks.append(sink)
+        self._sinks.add(sink, _perf(), self.batches)
         self.fold_at = 0
         return sink
 
@@ -721,58 +466,70 @@ class StallMeter:
 
     def close(self) -> None:
         """Flush and close every sink (a final emit for sinks that want one)."""
-        stats = self.stats() if self._sinks else None
-        for sink in self._sinks:
-            if stats is not None:
-                sink.close(stats)
-        self._sinks.clear()
+        self._sinks.close(self.stats)
         self._set_fold_at()
 
     def _set_fold_at(self) -> None:
-        self.fold_at = 0 if self._sinks or self._range is not None else self._FOLD
+        self.fold_at = 0 if self._sinks or self.range_open else self._FOLD
 
     def after_batch(self, now: float) -> None:
         """The rare part of a batch record (``record_batch``, ``wait_end``, a loader's inlined
         record once ``len(log) >= fold_at``): fold, close the profiler range, poll the sinks."""
         if len(self._waits) >= self._FOLD:
             self._fold()
-        if self._range is not None:
-            self._close_range()
+        self.close_range()
         self._set_fold_at()
         if self._sinks:
-            batches = self.batches
-            due = [s for s in self._sinks if s.due(now, batches)]
-            if due:
-                stats = self.stats()
-                for sink in due:
-                    sink.emit(stats, now, self)
-
-    # ------------------------------------------------------------------ profiler ranges
-    def _open_range(self, name: str) -> None:
-        """Open the wait's ranges: NVTX "feedpipe/wait" and, while torch's profiler records,
-        ``record_function(name)``."""
-        if self._nvtx is not None:
-            self._nvtx.push("feedpipe/wait")
-        rf = None
-        if self._torch_prof._is_profiler_enabled:
-            rf = record_function(name)
-            rf.__enter__()
-        self._range = (rf,)
-        self.fold_at = 0
-
-    def close_range(self) -> None:
-        """Close the current wait's profiler range, if one is open (a wait with no batch)."""
-        if self._range is not None:
-            self._close_range()
-
-    def _close_range(self) -> None:
-        (rf,), self._range = self._range, None
-        if rf is not None:
-            rf.__exit__(None, None, None)
-        if self._nvtx is not None:
-            self._nvtx.pop()
+            self._sinks.poll(now, self.batches, self.stats, self)
 
 
-def _cpu_now() -> tuple[float, float, int]:
-    """(process CPU seconds, this thread's CPU seconds, this thread's id)."""
-    return time.process_time(), time.thread_time(), threading.get_ident()
+class NullMeter(StallMeter):
+    """A meter that records nothing: what ``StallMeter(enabled=False)`` returns (beside
+    :class:`StallMeter`, whose constructor returns it: :mod:`feedpipe.stall.null` is its path)."""
+
+    enabled = False
+
+    def __init__(self, enabled: bool = False, trace: bool | Literal["auto"] = False) -> None:
+        super().__init__(True, False)
+
+    def wait_begin(self) -> None:
+        pass
+
+    def wait_end(self, samples: int = 0, nbytes: int = 0) -> None:
+        pass
+
+    def record_batch(  # noqa: PLR0917 - positional on the hot path
+        self,
+        begin: float,
+        end: float,
+        samples: int = 0,
+        nbytes: int = 0,
+        fetch_s: float = -1.0,
+        collate_s: float = -1.0,
+    ) -> None:
+        pass
+
+    def wait_pending(self, begin: float) -> None:
+        pass
+
+    def add_stage(self, name: str, seconds: float, nbytes: int = 0) -> None:
+        pass
+
+    def pass_begin(self, at: float | None = None) -> None:
+        pass
+
+    def pass_end(self) -> None:
+        pass
+
+    def set_depth(self, name: str, n: int) -> None:
+        pass
+
+    @contextmanager
+    def region(self, name: str) -> Iterator[None]:
+        yield
+
+    def add_sink(self, sink: Sink) -> Sink:
+        return sink
+
+    def watch_device(self, device: Any) -> None:
+        return None

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover
-    from feedpipe.stall.stats import StallStats
+from feedpipe.stall.figures import StallFigures as StallStats
 
 __all__ = ["CPU_BOUND", "INPUT_BOUND", "MIN_BATCHES", "format_report", "format_summary", "hint"]
 

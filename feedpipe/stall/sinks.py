@@ -13,16 +13,16 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from feedpipe.errors import MissingExtraError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from feedpipe.stall.meter import StallMeter
     from feedpipe.stall.stats import StallStats
 
-__all__ = ["JsonlSink", "LoggingSink", "Sink", "TensorBoardSink"]
+__all__ = ["JsonlSink", "LoggingSink", "Sink", "SinkSet", "TensorBoardSink"]
 
 
 class Sink:
@@ -56,7 +56,7 @@ class Sink:
             return True
         return self.every_s is not None and now - self._last_t >= self.every_s
 
-    def emit(self, stats: StallStats, now: float, meter: StallMeter | None = None) -> None:
+    def emit(self, stats: StallStats, now: float, meter: object | None = None) -> None:
         self._last_t = now
         self._last_b = stats.batches
         self.emitted += 1
@@ -184,3 +184,43 @@ class TensorBoardSink(Sink):
         self.writer.flush()
         if self._owned:
             self.writer.close()
+
+
+class SinkSet:
+    """The sinks attached to one meter: polled after a batch, restarted on reset, closed."""
+
+    def __init__(self) -> None:
+        self.sinks: list[Sink] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.sinks)
+
+    def add(self, sink: Sink, now: float, batches: int) -> None:
+        sink.restart(now, batches)
+        self.sinks.append(sink)
+
+    def remove(self, sink: Sink) -> None:
+        self.sinks.remove(sink)
+
+    def restart(self, now: float) -> None:
+        """Every sink's interval clocks start again (the meter's counters were zeroed)."""
+        for sink in self.sinks:
+            sink.restart(now, 0)
+
+    def poll(
+        self, now: float, batches: int, stats: Callable[[], StallStats], meter: object
+    ) -> None:
+        """Emit one snapshot (``stats()``, taken only when some sink is due) to the due ones."""
+        due = [s for s in self.sinks if s.due(now, batches)]
+        if due:
+            snapshot = stats()
+            for sink in due:
+                sink.emit(snapshot, now, meter)
+
+    def close(self, stats: Callable[[], StallStats]) -> None:
+        """A final snapshot to every sink, closed and detached."""
+        snapshot = stats() if self.sinks else None
+        for sink in self.sinks:
+            if snapshot is not None:
+                sink.close(snapshot)
+        self.sinks.clear()
