@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import http.server
 import io
+import json
 import tarfile
 import warnings
 from collections.abc import Iterator
@@ -24,7 +25,9 @@ import numpy as np
 import pytest
 import torch
 
+from ckpt import format as fmt
 from feedpipe import MemmapDataset, MemmapWriter, MixedDataset, TokenWindows
+from feedpipe.io.crc import crc32c, to_hex
 
 MIB = 1 << 20
 
@@ -268,3 +271,21 @@ class FakeClock:
 
     def advance(self, dt: float) -> None:
         self.t += dt
+
+
+def state_with_empties(step: int) -> dict[str, Any]:
+    return {
+        "w": torch.full((4, 3), float(step)),
+        "z": torch.empty(0, 3),
+        "a": np.full(3, step, dtype="<f4"),
+        "za": np.empty((0, 2), dtype="<f4"),
+        "size": torch.Size([2, 3]),
+        "step": step,
+    }
+
+
+def write_raw(step_dir: Path, body: Any) -> None:
+    """Write ``body`` as the manifest with a correct CRC32C, whatever it holds (NaN included)."""
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    text = b'{"crc32c":"' + to_hex(crc32c(canon)).encode() + b'","body":' + canon + b"}\n"
+    (step_dir / fmt.MANIFEST).write_bytes(text)

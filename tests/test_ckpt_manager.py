@@ -1,25 +1,136 @@
-"""The manager and its remote tier keep their promises (issue 15, points 8, 9, 10, 12, 14).
+"""The CheckpointManager and its remote tier: URLs as directories, ``file://`` URLs, remotes that
+cannot be listed or reached, ``on_error``, and the README resume idiom on a fresh node.
 
-Remotes are real: a ``file://`` directory, fsspec's ``memory://`` and S3 through the moto server.
-"""
+Remotes are real: a ``file://`` directory, fsspec's ``memory://`` and S3 through the moto server."""
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _helpers import state_with_empties as _state_with_empties
 
 import ckpt
+from ckpt import format as fmt
 from ckpt.errors import CheckpointError
 from ckpt.manager import CheckpointManager
 from ckpt.remote import RemoteOptions
 from ckpt.saving import commit
+
+
+@pytest.mark.usefixtures("_keep_handlers")
+def test_close_after_a_failed_save_still_stops_the_remote_tier(tmp_path, s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    """``close()`` re-raises a background save's error; it skipped ``remote.close()`` then,
+    leaving the upload thread running (and applying remote retention) after the writer lock
+    was released to the next manager."""
+    import torch
+
+    from ckpt import CheckpointManager
+    from ckpt.errors import CheckpointError
+    from ckpt.remote import RemoteOptions
+
+    bucket, options = s3_bucket
+    remote = RemoteOptions(f"s3://{bucket}/close", storage_options=options)
+    before = signal.getsignal(signal.SIGTERM)
+    m = CheckpointManager(tmp_path, remote=remote, save_on_preemption=True)
+
+    def boom(step, path):  # type: ignore[no-untyped-def]
+        raise RuntimeError("listener failed")
+
+    m.on_commit.append(boom)
+    m.save(0, {"w": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match="listener failed"):
+        m.close()
+    assert m.remote is not None and m.remote.closed
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert not m._lock.held
+
+
+def test_file_url_with_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``file://localhost/abs`` is ``/abs`` (RFC 8089); another host is refused. Both used to
+    create a relative local directory named after the host."""
+    monkeypatch.chdir(tmp_path)
+    target = tmp_path / "run"
+    with CheckpointManager(f"file://localhost{target}") as m:
+        assert m.directory == target
+    with pytest.raises(ValueError, match="file://"):
+        CheckpointManager(f"file://otherhost{target}")
+    with pytest.raises(ValueError, match="file://"):
+        ckpt.save(f"file://otherhost{tmp_path}/x", {"a": 1})
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_remote_garbage_manifest_newer_than_local(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A remote step-N whose manifest is garbage: listed (listing only), but restore falls back
+    to the newest good step with a logged reason; verify=True semantics hold."""
+    remote = tmp_path / "remote"
+    with CheckpointManager(tmp_path / "a", keep_last=None, remote=f"file://{remote}") as m:
+        m.save(1, _state_with_empties(1)).result()
+        m.wait(uploads=True)
+    (remote / "step-9").mkdir()
+    (remote / "step-9" / fmt.MANIFEST).write_bytes(b'{"crc32c":"00000000","body":{}}\n')
+    with CheckpointManager(tmp_path / "b", keep_last=None, remote=f"file://{remote}") as m2:
+        assert m2.latest_step() == 9
+        with caplog.at_level(logging.WARNING, logger="ckpt"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = m2.restore()
+        assert state["step"] == 1
+        assert "skipping step 9" in caplog.text
+        assert not (tmp_path / "b" / "step-9").exists()
+
+
+def test_unreachable_remote_never_makes_restore_return_an_older_local_step(
+    tmp_path: Path, s3_bucket: tuple[str, dict], s3_server: str
+) -> None:
+    """Local step 50, remote step 100. A remote that cannot be listed (or whose newer copy cannot
+    be downloaded, retries exhausted) made ``restore()`` return step 50 with only a log line;
+    only corruption may cause a fallback, so it is a ``CheckpointError`` naming the remote."""
+    pytest.importorskip("s3fs")
+    import shutil
+
+    from _faultproxy import FaultProxy
+
+    from ckpt.remote import RemoteOptions
+
+    bucket, opts = s3_bucket
+    with CheckpointManager(tmp_path / "a", remote=RemoteOptions(f"s3://{bucket}/run",
+                           storage_options=opts)) as m:  # fmt: skip
+        m.save(50, _state_with_empties(50)).result()
+        m.save(100, _state_with_empties(100)).result()
+        m.wait(uploads=True)
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a" / "step-50", tmp_path / "b" / "step-50")
+    with FaultProxy(s3_server) as proxy:
+        proxied = {
+            **opts,
+            "client_kwargs": {**opts["client_kwargs"], "endpoint_url": proxy.url},
+            "config_kwargs": {"retries": {"max_attempts": 1}},  # ckpt's deadline decides
+        }
+        options = RemoteOptions(
+            f"s3://{bucket}/run", storage_options=proxied, deadline_s=1, on_error="warn"
+        )
+        with CheckpointManager(tmp_path / "b", remote=options) as m2:
+            m2.wait(uploads=True)  # the start-up reconciliation with the remote is over
+            proxy.inject("403", times=10_000, method="GET")
+            with pytest.raises(CheckpointError, match="cannot list the remote tier"):
+                m2.restore()
+            proxy.clear()
+            proxy.inject("drop", times=10_000, match="step-100/data.bin")
+            with pytest.raises(CheckpointError, match="cannot download the remote copy"):
+                m2.restore()
+            proxy.clear()
+            assert m2.restore()["step"] == 100
+            assert m2.restore(step=50)["step"] == 50
 
 
 def _state(seed: int) -> dict[str, Any]:
