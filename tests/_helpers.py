@@ -16,6 +16,7 @@ import http.server
 import io
 import json
 import tarfile
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import Dataset
 
 from ckpt import format as fmt
 from feedpipe import MemmapDataset, MemmapWriter, MixedDataset, TokenWindows
@@ -289,3 +291,57 @@ def write_raw(step_dir: Path, body: Any) -> None:
     canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     text = b'{"crc32c":"' + to_hex(crc32c(canon)).encode() + b'","body":' + canon + b"}\n"
     (step_dir / fmt.MANIFEST).write_bytes(text)
+
+
+# ------------------------------------------------- global-RNG warnings blame the right thread
+class RngFreeItems(Dataset):  # type: ignore[type-arg]
+    """Leaves every global RNG alone; items 2, 3 (worker 1's first batch) are slow."""
+
+    def __init__(self, slow_s: float = 0.0) -> None:
+        self.slow_s = slow_s
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> Any:
+        if i in {2, 3}:
+            time.sleep(self.slow_s)
+        return i
+
+
+def fail_on_5(sample: Any) -> Any:
+    if int(np.asarray(sample).reshape(-1)[0]) == 5:
+        raise ValueError("cannot decode sample 5")
+    return sample
+
+
+class Squares(torch.utils.data.Dataset[int]):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> int:
+        return i * i
+
+
+# ---------------------------------------------------------------------- 2: one file:// rule
+def file_url_fixtures(root: Path) -> dict[str, Path]:
+    """A memmap dataset, a Zarr array, a tar shard and a folder of .npy files under ``root``."""
+    import tarfile
+
+    import zarr
+
+    from feedpipe import MemmapWriter
+
+    mm = root / "mm"
+    with MemmapWriter(mm, dtype="int64", shape=(2,)) as w:
+        for i in range(3):
+            w.append(np.array([i, -i]))
+    zarr.create_array(root / "z.zarr", shape=(3, 2), dtype="int64", chunks=(2, 2))[:] = 7
+    tar = root / "a b.tar"
+    with tarfile.open(tar, "w") as t:
+        for i in range(2):
+            info = tarfile.TarInfo(f"{i:03d}.txt")
+            info.size = 1
+            t.addfile(info, io.BytesIO(str(i).encode()))
+    np.save(root / "x.npy", np.arange(6).reshape(3, 2))
+    return {"mm": mm, "zarr": root / "z.zarr", "tar": tar, "npy": root / "x.npy"}

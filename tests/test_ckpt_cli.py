@@ -427,3 +427,54 @@ def test_os_errors_are_messages_not_tracebacks(tmp_path: Path, capsys: Any) -> N
     assert cli.main(["gc", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("ckpt: ") and ".lock" in err and "Traceback" not in err
+
+
+def _gc_steps(root: Path, *flags: str) -> tuple[int, list[int]]:
+    from ckpt import cli
+    from ckpt.saving import commit
+
+    rc = cli.main(["gc", str(root), *flags])
+    return rc, sorted(commit.steps(root))
+
+
+@pytest.fixture
+def ten_steps(tmp_path: Path) -> Path:
+    from ckpt import CheckpointManager
+
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=None) as m:
+        for step in range(0, 10):
+            m.save(step, {"w": torch.full((2,), float(step))})
+    return root
+
+
+def test_gc_keep_last_none_turns_the_count_limit_off(
+    ten_steps: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckpt import _layout
+
+    leftover = ten_steps / _layout.tmp_name(_layout.step_name(10), "x")
+    leftover.mkdir()
+    for flag in ("none", "NONE", " None "):
+        assert _gc_steps(ten_steps, "--keep-last", flag) == (0, list(range(10)))
+    assert not leftover.exists()  # leftovers still go
+    out = capsys.readouterr().out
+    assert "deleted" not in out and "removed leftover" in out
+    # with another flag, that flag alone decides (plus the newest restorable step)
+    assert _gc_steps(ten_steps, "--keep-last", "none", "--keep-every", "4") == (0, [0, 4, 8, 9])
+    # without flags: the manager's recorded policy (keep_last=None keeps every step), never a
+    # default of gc's own (issue 25 item 2; this asserted "the default is still 3")
+    assert _gc_steps(ten_steps) == (0, [0, 4, 8, 9])
+    assert _gc_steps(ten_steps, "--keep-last", "2") == (0, [8, 9])
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two", "1.5", "", "nan"])
+def test_gc_keep_last_refuses_garbage(
+    tmp_path: Path, bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckpt import cli
+
+    with pytest.raises(SystemExit) as err:
+        cli.main(["gc", str(tmp_path), "--keep-last", bad])
+    assert err.value.code == 2
+    assert "--keep-last" in capsys.readouterr().err

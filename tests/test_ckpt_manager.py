@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -287,3 +288,121 @@ def test_on_error_warn_keeps_training_and_retries(
 def test_on_error_is_validated() -> None:
     with pytest.raises(ValueError, match="on_error must be 'raise' or 'warn'"):
         RemoteOptions("s3://b/x", on_error="ignore")
+
+
+def _ckpt_state(step: int) -> dict[str, Any]:
+    return {"w": torch.full((1000,), float(step)), "step": step}
+
+
+def _racing_writer(tmp_path: Path) -> Any:
+    from ckpt.manager import CheckpointManager
+
+    writer = CheckpointManager(tmp_path, keep_last=1)
+    writer.save(0, _ckpt_state(0)).result()
+    writer.wait(30)
+    return writer
+
+
+def _commit_next(writer: Any, evicted: Path) -> None:
+    """The other manager publishes its next step; its retention evicts ``evicted``."""
+    step = max(writer.steps()) + 1
+    writer.save(step, _ckpt_state(step)).result()
+    writer.wait(30)
+    assert not evicted.exists()
+
+
+def test_restore_when_the_listed_step_is_evicted_during_the_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flake of test_save_while_another_manager_restores, made deterministic: the reader
+    lists ``step-0``; before it checks that step's manifest, the writer publishes ``step-1``
+    and evicts ``step-0``. The listing held no complete step, and restore raised "no committed
+    steps" although the directory always held one."""
+    from ckpt.manager import CheckpointManager
+    from ckpt.saving import commit
+
+    writer = _racing_writer(tmp_path)
+    reader = CheckpointManager(tmp_path)
+    real, me, fired = commit.is_complete, threading.get_ident(), []
+
+    def racing(path: Path) -> bool:
+        if threading.get_ident() == me and not fired and path.name == "step-0":
+            fired.append(path)
+            _commit_next(writer, path)
+        return real(path)
+
+    monkeypatch.setattr(commit, "is_complete", racing)
+    state = reader.restore()
+    assert fired and state["step"] == 1 and torch.equal(state["w"], _ckpt_state(1)["w"])
+    writer.close()
+
+
+def test_restore_when_listed_steps_keep_vanishing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each listed step is evicted before the reader opens it, 5 times in a row: the reader
+    re-lists and gets the newest complete, verified step (it gave up after 3)."""
+    from ckpt.manager import CheckpointManager
+    from ckpt.saving import commit
+
+    writer = _racing_writer(tmp_path)
+    reader = CheckpointManager(tmp_path)
+    real, me, fired = commit.reading, threading.get_ident(), []
+
+    def racing(path: Path) -> Any:
+        if threading.get_ident() == me and len(fired) < 5:
+            fired.append(path.name)
+            _commit_next(writer, path)
+        return real(path)
+
+    monkeypatch.setattr(commit, "reading", racing)
+    state = reader.restore()
+    assert fired == [f"step-{i}" for i in range(5)]
+    assert state["step"] == 5 and torch.equal(state["w"], _ckpt_state(5)["w"])
+    writer.close()
+
+
+def test_restore_gives_up_with_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer that evicts every listed step before the reader opens it: a clear error, never
+    "no committed steps" and never another kind of failure."""
+    from ckpt.errors import CheckpointError
+    from ckpt.manager import CheckpointManager
+    from ckpt.saving import commit
+
+    writer = _racing_writer(tmp_path)
+    reader = CheckpointManager(tmp_path)
+    real, me = commit.reading, threading.get_ident()
+
+    def racing(path: Path) -> Any:
+        if threading.get_ident() == me:
+            _commit_next(writer, path)
+        return real(path)
+
+    monkeypatch.setattr(commit, "reading", racing)
+    with pytest.raises(CheckpointError, match="deleted before it could be opened"):
+        reader.restore()
+    writer.close()
+
+
+def test_a_stable_incomplete_step_costs_one_more_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash's leftover ``step-N`` without a manifest, newer than every committed step, costs
+    one more listing (unchanged: nothing is checked again), and is never listed as committed."""
+    from ckpt.saving import commit
+
+    writer = _racing_writer(tmp_path)
+    writer.close()
+    (tmp_path / "step-9").mkdir()
+    real, checks = commit.is_complete, []
+
+    def counting(path: Path) -> bool:
+        checks.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(commit, "is_complete", counting)
+    assert commit.steps(tmp_path) == [0]
+    assert sorted(checks) == ["step-0", "step-9"]  # the second listing was the same: no checks
+    assert commit.steps(tmp_path / "missing") == []

@@ -9,10 +9,12 @@ from typing import Any
 import numpy as np
 import pytest
 from _faultproxy import FaultProxy
+from _helpers import file_url_fixtures as _fixtures
+from feedpipe.stage import stage
 
+from feedpipe import MemmapDataset
 from feedpipe.errors import DatasetError
 from feedpipe.remote import transfer as _remote
-from feedpipe.stage import stage
 
 SECRET_KEY = "AKIAFEEDPIPETESTKEY1"
 SECRET = "s3cr3t/FeedpipeTestSecretValue+xyz"
@@ -269,3 +271,13 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert_same(tmp_path / "dst", contents)
     assert main(["stage", str(tmp_path / "missing"), str(tmp_path / "dst2"), "--no-progress"]) == 1
     assert "missing/index.json" in capsys.readouterr().err
+
+
+def test_feedpipe_stage_stays_callable_after_its_module_is_imported(tmp_path: Path) -> None:
+    """``from feedpipe.stage import stage`` (a public path) bound the module over the function:
+    ``feedpipe.stage(src, dst)`` was then "'module' object is not callable"."""
+    import feedpipe.stage
+
+    paths = _fixtures(tmp_path)
+    feedpipe.stage(paths["mm"], tmp_path / "staged")
+    assert len(MemmapDataset(tmp_path / "staged")) == 3

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers import RngFreeItems as _Items
 
 from feedpipe.stall import StallMeter, StallStats
 
@@ -205,3 +206,16 @@ def test_sinks_are_polled_from_the_loader(caplog: pytest.LogCaptureFixture) -> N
         assert sum(1 for _ in loader) == 4
     assert len([r for r in caplog.records if "stall" in r.getMessage()]) == 2
     assert meter.stats().batches == 4
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.serial  # bounds wall time: alone, after the parallel phase
+def test_first_pass_wait_for_the_checked_batches_is_stall() -> None:
+    """The RNG check waits for each worker's first batch inside the first ``next()`` (counted as
+    stall), never inside ``iter()`` (before the first pass's clock starts)."""
+    loader = DataLoader(_Items(0.15), batch_size=2, num_workers=2, worker_type="thread")
+    t0 = time.perf_counter()
+    it = iter(loader)
+    assert time.perf_counter() - t0 < 0.1
+    assert len(list(it)) == 8
+    assert loader.stats.stall_s >= 0.25  # worker 1's first batch: two 0.15 s items

@@ -157,3 +157,142 @@ def test_s3_shards_read_through_fsspec(
         assert a["jpg"] == b["jpg"] and a["cls"] == b["cls"] and a["__key__"] == b["__key__"]
     loader = DataLoader(ds, batch_size=5, num_workers=2, collate_fn=lambda b: [s["cls"] for s in b])
     assert sorted(x for b in loader for x in b) == sorted(ref[i]["cls"] for i in range(10))
+
+
+# ------------------------------------------------------------------------------ TarDataset
+def _reg(name: str, data: bytes, **pax: str) -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.pax_headers = pax
+    return info, data
+
+
+def _tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> str:
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in members:
+            tar.addfile(info, None if data is None else io.BytesIO(data))
+    return str(path)
+
+
+def test_negative_pax_size_names_shard_and_member(tmp_path: Path) -> None:
+    """Found: a pax ``size=-5`` indexed fine, then every read was a bare OSError(EINVAL)."""
+    shard = _tar(tmp_path / "neg.tar", [_reg("a.txt", b"hello", size="-5"), _reg("b.txt", b"y")])
+    with pytest.raises(DatasetError, match=r"neg\.tar.*'a\.txt'.*negative size"):
+        TarDataset(shard)
+
+
+def test_huge_pax_size_names_the_shard(tmp_path: Path) -> None:
+    """Found: a pax size beyond a file offset raised a bare ValueError from tarfile's seek."""
+    shard = _tar(tmp_path / "huge.tar", [_reg("a.txt", b"hello", size=str(10**30))])
+    with pytest.raises(DatasetError, match=r"huge\.tar"):
+        TarDataset(shard)
+
+
+def test_sparse_members_are_refused_naming_shard_and_member(tmp_path: Path) -> None:
+    """Found: a GNU sparse member read as b"" (silently wrong bytes); a pax sparse member was
+    reported as a truncated shard."""
+    info = tarfile.TarInfo("g.bin")
+    info.size, info.type = 4, tarfile.GNUTYPE_SPARSE
+    raw = info.tobuf(format=tarfile.GNU_FORMAT) + b"abcd".ljust(512, b"\0") + b"\0" * 1024
+    gnu = tmp_path / "gnu.tar"
+    gnu.write_bytes(raw)
+    with pytest.raises(DatasetError, match=r"gnu\.tar.*'g\.bin' is sparse"):
+        TarDataset(str(gnu))
+    sp, _ = _reg("s.bin", b"abcd")
+    sp.pax_headers = {"GNU.sparse.size": "100000", "GNU.sparse.map": "0,4"}
+    sp.pax_headers |= {"GNU.sparse.numblocks": "1", "GNU.sparse.offset": "0"}
+    shard = _tar(tmp_path / "pax.tar", [(sp, b"abcd"), _reg("t.txt", b"zz")])
+    with pytest.raises(DatasetError, match=r"pax\.tar.*'s\.bin' is sparse"):
+        TarDataset(shard)
+
+
+def test_shard_replaced_after_indexing_is_an_error_naming_it(tmp_path: Path) -> None:
+    """Found: a shard rewritten with different bytes of the same length after indexing gave
+    other members' bytes, silently."""
+    path = tmp_path / "s.tar"
+    _tar(path, [_reg("a.txt", b"A" * 100), _reg("b.txt", b"B" * 50)])
+    ds = TarDataset(str(path))
+    st = path.stat()
+    _tar(path, [_reg("a.txt", b"A" * 50), _reg("b.txt", b"B" * 100)])  # same length
+    assert path.stat().st_size == st.st_size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(DatasetError, match=r"s\.tar changed after it was indexed"):
+        ds[1]
+
+
+def test_odd_but_valid_tars(tmp_path: Path) -> None:
+    """Guards: dots in folder names, 0-byte members, an empty tar, only directories,
+    non-adjacent duplicate keys (two samples, as WebDataset), a symlinked shard."""
+    d = tarfile.TarInfo("dir")
+    d.type = tarfile.DIRTYPE
+    main = _tar(
+        tmp_path / "m.tar",
+        [
+            _reg("a.b/c.jpg", b"x"),
+            _reg("a.b/c.cls", b""),
+            _reg("k.txt", b"1"),
+            _reg("z.txt", b"2"),
+            _reg("k.txt", b"3"),
+        ],
+    )
+    link = tmp_path / "link.tar"
+    link.symlink_to(main)
+    empty, dirs = _tar(tmp_path / "e.tar", []), _tar(tmp_path / "d.tar", [(d, None)])
+    ds = TarDataset([str(link), empty, dirs])
+    assert ds.keys() == ["a.b/c", "k", "z", "k"]
+    assert ds[0]["jpg"] == b"x" and ds[0]["cls"] == b"" and ds[3]["txt"] == b"3"
+    assert ds[0]["__url__"] == str(link)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_tar_in_process_workers(tmp_path: Path, ctx: str) -> None:
+    shard = _tar(tmp_path / "w.tar", [_reg(f"{i:03d}.cls", str(i).encode()) for i in range(20)])
+    loader = DataLoader(
+        TarDataset(shard),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context=ctx,
+        collate_fn=_fields,
+    )
+    got = [x for b in loader for x in b]
+    assert got == [str(i).encode() for i in range(20)]
+
+
+def _fields(batch: list[dict[str, Any]]) -> list[bytes]:
+    return [s["cls"] for s in batch]
+
+
+def test_hostile_s3_shards_name_their_url(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    import fsspec
+
+    bucket, opts = s3_bucket
+    fs = fsspec.filesystem("s3", **opts)
+    neg = _tar(tmp_path / "neg.tar", [_reg("a.txt", b"hello", size="-5")])
+    huge = _tar(tmp_path / "huge.tar", [_reg("a.txt", b"hello", size=str(10**30))])
+    for local in (neg, huge):
+        url = f"s3://{bucket}/bad/{Path(local).name}"
+        fs.put(local, url)
+        with pytest.raises(DatasetError, match=rf"{url}"):
+            TarDataset(url, storage_options=opts)
+
+
+def test_members_webdataset_skips_are_skipped(tmp_path: Path) -> None:
+    """Found: a member without an extension (``README``) or a macOS ``._`` dot file became a
+    sample with field ``""`` (or an extra field), where WebDataset skips it."""
+    shard = _tar(
+        tmp_path / "mac.tar",
+        [
+            _reg("README", b"r"),
+            _reg("._0001.jpg", b"junk"),
+            _reg("d/LICENSE", b"l"),
+            _reg("0001.jpg", b"J"),
+            _reg("0001.cls", b"1"),
+            _reg("x/y.seg.png", b"P"),
+        ],
+    )
+    ds = TarDataset(shard)
+    assert ds.keys() == ["0001", "x/y"]
+    assert ds[0]["jpg"] == b"J" and ds[1]["seg.png"] == b"P"
