@@ -345,3 +345,12 @@ def file_url_fixtures(root: Path) -> dict[str, Path]:
             t.addfile(info, io.BytesIO(str(i).encode()))
     np.save(root / "x.npy", np.arange(6).reshape(3, 2))
     return {"mm": mm, "zarr": root / "z.zarr", "tar": tar, "npy": root / "x.npy"}
+
+
+# ------------------------------------------------------------------------------ batch indices
+def fixed_int32_dataset(path: Path, n: int = 20, shard_bytes: int = 8192) -> np.ndarray:
+    """A fixed-layout dataset of ``n`` records of 1024 int32 (2 records per shard)."""
+    x = np.repeat(np.arange(n, dtype=np.int32)[:, None], 1024, axis=1)
+    with MemmapWriter(path, shape=(1024,), dtype="int32", shard_bytes=shard_bytes) as w:
+        w.append_batch(x)
+    return x
