@@ -15,6 +15,7 @@ from __future__ import annotations
 import http.server
 import io
 import json
+import os
 import tarfile
 import time
 import warnings
@@ -354,3 +355,17 @@ def fixed_int32_dataset(path: Path, n: int = 20, shard_bytes: int = 8192) -> np.
     with MemmapWriter(path, shape=(1024,), dtype="int32", shard_bytes=shard_bytes) as w:
         w.append_batch(x)
     return x
+
+
+def relocate_dataset(root: Path, renames: dict[str, str]) -> dict[str, str]:
+    """Rename dataset files (into subdirectories too) and rewrite index.json to match."""
+    doc = json.loads((root / "index.json").read_text())
+    for shard in doc["shards"]:
+        for info in shard["files"].values():
+            new = renames.get(info["path"])
+            if new is not None:
+                (root / new).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(root / info["path"], root / new)
+                info["path"] = new
+    (root / "index.json").write_text(json.dumps(doc))
+    return renames
