@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import http.server
 import io
+import json
+import os
 import tarfile
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +26,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import Dataset
 
+from ckpt import format as fmt
 from feedpipe import MemmapDataset, MemmapWriter, MixedDataset, TokenWindows
+from feedpipe.io.crc import crc32c, to_hex
 
 MIB = 1 << 20
 
@@ -268,3 +274,98 @@ class FakeClock:
 
     def advance(self, dt: float) -> None:
         self.t += dt
+
+
+def state_with_empties(step: int) -> dict[str, Any]:
+    return {
+        "w": torch.full((4, 3), float(step)),
+        "z": torch.empty(0, 3),
+        "a": np.full(3, step, dtype="<f4"),
+        "za": np.empty((0, 2), dtype="<f4"),
+        "size": torch.Size([2, 3]),
+        "step": step,
+    }
+
+
+def write_raw(step_dir: Path, body: Any) -> None:
+    """Write ``body`` as the manifest with a correct CRC32C, whatever it holds (NaN included)."""
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    text = b'{"crc32c":"' + to_hex(crc32c(canon)).encode() + b'","body":' + canon + b"}\n"
+    (step_dir / fmt.MANIFEST).write_bytes(text)
+
+
+# ------------------------------------------------- global-RNG warnings blame the right thread
+class RngFreeItems(Dataset):  # type: ignore[type-arg]
+    """Leaves every global RNG alone; items 2, 3 (worker 1's first batch) are slow."""
+
+    def __init__(self, slow_s: float = 0.0) -> None:
+        self.slow_s = slow_s
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> Any:
+        if i in {2, 3}:
+            time.sleep(self.slow_s)
+        return i
+
+
+def fail_on_5(sample: Any) -> Any:
+    if int(np.asarray(sample).reshape(-1)[0]) == 5:
+        raise ValueError("cannot decode sample 5")
+    return sample
+
+
+class Squares(torch.utils.data.Dataset[int]):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> int:
+        return i * i
+
+
+# ---------------------------------------------------------------------- 2: one file:// rule
+def file_url_fixtures(root: Path) -> dict[str, Path]:
+    """A memmap dataset, a Zarr array, a tar shard and a folder of .npy files under ``root``."""
+    import tarfile
+
+    import zarr
+
+    from feedpipe import MemmapWriter
+
+    mm = root / "mm"
+    with MemmapWriter(mm, dtype="int64", shape=(2,)) as w:
+        for i in range(3):
+            w.append(np.array([i, -i]))
+    zarr.create_array(root / "z.zarr", shape=(3, 2), dtype="int64", chunks=(2, 2))[:] = 7
+    tar = root / "a b.tar"
+    with tarfile.open(tar, "w") as t:
+        for i in range(2):
+            info = tarfile.TarInfo(f"{i:03d}.txt")
+            info.size = 1
+            t.addfile(info, io.BytesIO(str(i).encode()))
+    np.save(root / "x.npy", np.arange(6).reshape(3, 2))
+    return {"mm": mm, "zarr": root / "z.zarr", "tar": tar, "npy": root / "x.npy"}
+
+
+# ------------------------------------------------------------------------------ batch indices
+def fixed_int32_dataset(path: Path, n: int = 20, shard_bytes: int = 8192) -> np.ndarray:
+    """A fixed-layout dataset of ``n`` records of 1024 int32 (2 records per shard)."""
+    x = np.repeat(np.arange(n, dtype=np.int32)[:, None], 1024, axis=1)
+    with MemmapWriter(path, shape=(1024,), dtype="int32", shard_bytes=shard_bytes) as w:
+        w.append_batch(x)
+    return x
+
+
+def relocate_dataset(root: Path, renames: dict[str, str]) -> dict[str, str]:
+    """Rename dataset files (into subdirectories too) and rewrite index.json to match."""
+    doc = json.loads((root / "index.json").read_text())
+    for shard in doc["shards"]:
+        for info in shard["files"].values():
+            new = renames.get(info["path"])
+            if new is not None:
+                (root / new).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(root / info["path"], root / new)
+                info["path"] = new
+    (root / "index.json").write_text(json.dumps(doc))
+    return renames

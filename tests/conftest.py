@@ -227,3 +227,13 @@ def _no_leftovers_per_session() -> Iterator[None]:
         msg = f"processes/shared memory left behind when the session ended:\n{_report(left, shm)}"
         print(msg, file=sys.stderr)
         pytest.fail(msg, False)
+
+
+@pytest.fixture
+def _keep_handlers():  # type: ignore[no-untyped-def]
+    """Each test leaves SIGTERM/SIGUSR1 as it found them: a ``save_and_exit`` whose
+    ``SystemExit`` a test catches leaves its exiting handler installed (ckpt.preemption)."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for s, h in before.items():
+        signal.signal(s, h)

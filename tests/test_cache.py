@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 from _faultproxy import FaultProxy
+from _helpers import relocate_dataset as _relocate
 from _procs import python_child, read_marker, stop
 from feedpipe.cache import ShardCache
 from test_stage import make_dataset, upload
@@ -337,3 +339,34 @@ def test_close_reports_a_prefetch_stuck_in_a_read(
             time.sleep(0.02)
         with pytest.warns(StuckWorkerWarning, match=r"ShardCache prefetch thread feedpipe-"):
             cache.close()
+
+
+def test_cache_never_takes_a_part_named_shard_for_a_temp(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    from feedpipe.cache import ShardCache
+
+    bucket, opts = s3_bucket
+    make_dataset(tmp_path / "src", shards=2, nbytes=5000)
+    odd = "img.part.4194303.data"
+    _relocate(tmp_path / "src", {"shard-00001.data": odd})
+    url = upload(tmp_path / "src", bucket, opts)
+    with ShardCache(url, tmp_path / "cache", 10**6, opts) as cache, cache.leased(odd):
+        pass
+    with ShardCache(url, tmp_path / "cache", 10**6, opts) as cache:  # rescans the directory
+        with cache.leased(odd) as path:
+            assert os.path.getsize(path) == 5000
+        assert cache.stats.downloads == 0 and cache.stats.hits == 1
+
+
+def test_cache_refuses_an_index_listing_its_lock_directory(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    from feedpipe.cache import ShardCache
+
+    bucket, opts = s3_bucket
+    make_dataset(tmp_path / "src", shards=1, nbytes=5000)
+    _relocate(tmp_path / "src", {"shard-00000.data": ".locks/shard-00000.data.lock"})
+    url = upload(tmp_path / "src", bucket, opts)
+    with pytest.raises(DatasetError, match="reserved"):
+        ShardCache(url, tmp_path / "cache", None, opts)

@@ -13,9 +13,11 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 import torch
+from _helpers import fail_on_5 as _fail_on_5
+from feedpipe.cache import ShardCache
 
 from feedpipe import DataLoader, DistributedSampler, MemmapDataset, MemmapWriter
-from feedpipe.cache import ShardCache
+from feedpipe.errors import DatasetError
 from feedpipe.protocols import AccessPlanDataset
 from feedpipe.remote.plan import AccessPlan
 
@@ -304,3 +306,60 @@ def test_a_prefetch_evicts_only_files_needed_later_than_itself(
         fut.result(timeout=30)
     assert sorted(p.name for p in Path(cache.dir).glob("*.data")) == present
     cache.close()
+
+
+# ====================================================================== the Belady plan
+def _remote(tmp_path: Path) -> str:
+    """A 64-record dataset (16 KiB shards, record ``i`` holds ``i``) behind a real fsspec
+    filesystem of a remote protocol (the local one, as ``attackfile://``)."""
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    class AttackFileSystem(LocalFileSystem):  # type: ignore[misc]
+        protocol = ("attackfile",)
+        root_marker = "/"
+
+        @classmethod
+        def _strip_protocol(cls, path: Any) -> str:
+            text = str(path).removeprefix("attackfile://")
+            return str(super()._strip_protocol(text))
+
+    fsspec.register_implementation("attackfile", AttackFileSystem, clobber=True)
+    with MemmapWriter(tmp_path / "src", shape=(512,), dtype="int64", shard_bytes=4 * 4096) as w:
+        w.append_batch(np.repeat(np.arange(64, dtype=np.int64)[:, None], 512, axis=1))
+    return f"attackfile://{tmp_path / 'src'}"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_plan_holds_the_batches_read_after_known_bad_samples_drop(
+    tmp_path: Path, workers: int
+) -> None:
+    """on_error="skip": the plan was told each batch before the known-bad samples were dropped
+    from it, so the read (of the smaller batch) never matched it and its files stayed planned
+    "soon" for the rest of the pass. Now every planned read is started, and the data is right."""
+    url = _remote(tmp_path)
+    ds = MemmapDataset(
+        url, cache_dir=tmp_path / "c", cache_limit_bytes=20_000, transform=_fail_on_5
+    )
+    gen = torch.Generator().manual_seed(0)
+    loader = DataLoader(
+        ds, batch_size=4, shuffle=True, generator=gen, num_workers=workers,
+        worker_type="thread", on_error="skip",
+    )  # fmt: skip
+    for _epoch in range(2):
+        got = sorted(int(x) for b in loader for x in b[:, 0])
+        assert got == [i for i in range(64) if i != 5]
+        assert len(ds._shard_cache().plan) == 0  # nothing planned is left unread
+    ds.close()
+
+
+def test_cache_limit_below_one_shard_is_a_clear_error(tmp_path: Path) -> None:
+    """A limit smaller than a shard: a DatasetError naming the file and the limit, not a wait;
+    under on_error="skip" every read fails, which is now an error too (not an empty epoch)."""
+    url = _remote(tmp_path)
+    ds = MemmapDataset(url, cache_dir=tmp_path / "c", cache_limit_bytes=1000)
+    with pytest.raises(DatasetError, match=r"shard-00000\.data: file of 16384 bytes does not fit"):
+        next(iter(DataLoader(ds, batch_size=4)))
+    with pytest.raises(DatasetError, match="every sample of the epoch failed"):
+        list(DataLoader(ds, batch_size=4, on_error="skip"))
+    ds.close()

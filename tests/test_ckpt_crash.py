@@ -95,3 +95,49 @@ def test_crash_consistency_30_kills(tmp_path: Path) -> None:
 def test_crash_consistency_300_kills(tmp_path: Path) -> None:
     phases = _crash_loop(tmp_path, 300, seed=2)
     _report(phases, 300)
+
+
+_PIN_CHILD = r"""
+import os, signal, sys, torch
+from ckpt.saving import pool
+from ckpt.manager import CheckpointManager
+m = CheckpointManager(sys.argv[1])
+m.save(1, {"w": torch.ones(1000, device="cuda")}).result()
+pin = pool.Pinning._pin
+def killed(self, k, keep):
+    pin(self, k, keep)
+    if k == 2:  # pieces 0-2 registered, the rest still being faulted in
+        os.kill(os.getpid(), signal.SIGKILL)
+pool.Pinning._pin = killed
+g = torch.Generator(device="cuda").manual_seed(0)
+m.save(2, {"w": torch.randn(64 << 20, device="cuda", generator=g)}).result()
+print("NOT KILLED")
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_sigkill_while_the_first_buffer_is_pinned_in_the_background_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """A real process SIGKILLed while its first save of a larger state still faults in and
+    registers its buffer (``ckpt.saving.pool.Pinning``): step 1 restores, no step 2 half-exists, and
+    a new manager saves and restores step 2 (again through a buffer pinned in the background)."""
+    import subprocess
+    import sys
+
+    directory = tmp_path / "ck"
+    proc = subprocess.run(
+        [sys.executable, "-c", _PIN_CHILD, str(directory)],
+        check=False, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == -9, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    with CheckpointManager(directory) as m:
+        assert m.steps() == [1]
+        assert torch.equal(m.restore()["w"].cpu(), torch.ones(1000))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        want = torch.randn(64 << 20, device="cuda", generator=g)
+        m.save(2, {"w": want}).result()
+        assert torch.equal(m.restore(2)["w"], want)
+        assert sorted(p.name for p in directory.iterdir() if p.name.startswith("step-")) == [
+            "step-1", "step-2",
+        ]  # fmt: skip

@@ -198,3 +198,22 @@ def test_metadata_roundtrip_and_bad_ids(tmp_path: Path) -> None:
 
     with pytest.raises(CheckpointError, match="step-N"):
         CkptStorageWriter().reset(tmp_path / "not-a-step")
+
+
+def test_dcp_coordinator_becomes_the_writer(tmp_path: Path) -> None:
+    """The DCP coordinator takes the writer lock and clears leftovers before any rank writes."""
+    from ckpt import _layout
+    from ckpt.dcp import CkptStorageWriter
+    from ckpt.errors import CheckpointError
+    from ckpt.manager import CheckpointManager, WriteOptions
+
+    leftover = tmp_path / _layout.tmp_name(_layout.step_name(9), "dcp")
+    leftover.mkdir()
+    with CheckpointManager(tmp_path) as m:
+        assert leftover.exists()  # nothing removed until a writer is needed
+        CkptStorageWriter(tmp_path, 1, manager=m).set_up_storage_writer(True, rank=0)
+        assert not leftover.exists()
+        other = CheckpointManager(tmp_path, write=WriteOptions(lock_timeout_s=0.2))
+        with pytest.raises((CheckpointError, TimeoutError)):
+            other.ensure_writer()
+        other.close()

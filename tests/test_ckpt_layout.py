@@ -172,3 +172,22 @@ def test_new_manifest_round_trips(tmp_path: Path) -> None:
         assert ("created" in body) is (created is not None) and body["metadata"] == {}
         fmt.write_manifest(tmp_path, body)
         assert fmt.read_manifest(tmp_path) == body
+
+
+def test_no_ckpt_module_reaches_into_a_manager() -> None:
+    """Outside ``ckpt/manager.py`` no module touches a manager's private attributes
+    (``manager._ensure_writer()`` in ``ckpt.dcp`` did): tests/test_layers.py rule 3 in spirit."""
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for path in sorted(root.glob("ckpt/**/*.py")):
+        if path.name == "manager.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and "manager" in ast.unparse(node.value)
+            ):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []

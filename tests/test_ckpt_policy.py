@@ -397,3 +397,105 @@ def test_a_metrics_read_failure_stops_the_pass_before_any_delete() -> None:
             may_evict=lambda s: True,
             metrics=flaky,
         )
+
+
+@pytest.mark.usefixtures("_keep_handlers")
+def test_metric_name_with_trailing_newline_is_rejected() -> None:
+    """``$`` in the name pattern matched before a trailing newline: ``"loss\\n"`` passed."""
+    with pytest.raises(ValueError, match="bad metric name"):
+        fmt.check_metrics({"loss\n": 1.0})
+
+
+@pytest.mark.usefixtures("_keep_handlers")
+def test_save_on_steps_takes_numpy_integers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``save_on_steps=np.arange(...)`` (a careless but natural spelling) was refused."""
+    np = pytest.importorskip("numpy")
+    from ckpt import CheckpointManager
+
+    with CheckpointManager(
+        tmp_path, save_on_steps=np.array([5, 5, 20]), save_interval_steps=np.int64(7)
+    ) as manager:
+        assert [s for s in range(25) if manager.should_save(s)] == [0, 5, 7, 14, 20, 21]
+    with pytest.raises(ValueError, match="save_on_steps"):
+        CheckpointManager(tmp_path, save_on_steps=[np.int64(-1)])
+    with pytest.raises(ValueError, match="save_on_steps"):
+        CheckpointManager(tmp_path, save_on_steps=[1.5])
+
+
+@pytest.mark.usefixtures("_keep_handlers")
+def test_a_transient_read_error_does_not_unrank_the_best_step(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An ``OSError`` reading the best step's manifest (EIO, EMFILE) made it 'unranked', and
+    the same retention pass deleted it: the remote tier stops the pass instead, so must this."""
+    import errno
+
+    import torch
+
+    from ckpt import CheckpointManager
+    from ckpt.retention import checks as _retention
+
+    state = {"w": torch.zeros(2)}
+    with CheckpointManager(tmp_path, keep_last=1, keep_best=("loss", 1, "min")) as m:
+        for step, loss in [(0, 0.1), (1, 0.5), (2, 0.9), (3, 0.8)]:
+            m.save(step, state, metrics={"loss": loss})
+            m.wait()
+        assert m.steps() == [0, 3]
+    real = _retention.metrics
+
+    def flaky(path):  # type: ignore[no-untyped-def]
+        if path.name.endswith("0"):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real(path)
+
+    monkeypatch.setattr(_retention, "metrics", flaky)
+    with CheckpointManager(tmp_path, keep_last=1, keep_best=("loss", 1, "min")) as m:
+        with pytest.raises(OSError):
+            m.gc()
+        assert m.steps() == [0, 3]
+    monkeypatch.setattr(_retention, "metrics", real)
+    with CheckpointManager(tmp_path, keep_last=1, keep_best=("loss", 1, "min")) as m:
+        assert m.gc() == [] and m.steps() == [0, 3]
+
+
+@pytest.mark.usefixtures("_keep_handlers")
+def test_keep_best_ranks_large_int_metrics_exactly() -> None:
+    """Int metrics (up to 2**63 are accepted) were ranked as floats: 2**62 and 2**62 + 1 tied,
+    so "max" kept the newer, smaller one."""
+    from ckpt.policy import KeepBest, StepView
+
+    saved = {0: {"n": 2**62 + 1}, 1: {"n": 2**62}}
+    view = StepView(saved, lambda s: True, lambda s: saved[s])
+    assert list(KeepBest("n", 1, "max").select(view)) == [0]
+    assert list(KeepBest("n", 1, "min").select(view)) == [1]
+
+
+@pytest.mark.usefixtures("_keep_handlers")
+def test_a_transient_error_verifying_a_keep_every_step_does_not_delete_it(  # type: ignore[no-untyped-def]
+    tmp_path, monkeypatch
+) -> None:
+    import errno
+
+    import torch
+
+    from ckpt import CheckpointManager
+    from ckpt.restoring import reader as _reader
+
+    state = {"w": torch.zeros(2)}
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        for step in (0, 5, 10, 11, 12):
+            m.save(step, state)
+        m.wait()
+    real = _reader.verify_step
+
+    def flaky(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if path.name == "step-10":
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(_reader, "verify_step", flaky)
+    with CheckpointManager(tmp_path, keep_last=1, keep_every=10) as m:  # its pass only warns
+        with pytest.raises(OSError, match="Too many open files"):
+            m.gc()  # an explicit gc says why it stopped
+        assert 10 in m.steps()
+        m.save(13, state)
+        m.wait()  # retention after a save skips the pass too; the save itself is fine
+        assert 10 in m.steps() and 13 in m.steps()

@@ -4,10 +4,12 @@ is bitwise identical to a run that was never interrupted."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -379,3 +381,164 @@ def test_multi_rank_preempted_resume_is_bitwise_identical(tmp_path: Path) -> Non
     assert [p.wait(120) for p, _ in resumed] == [0] * world
     for r in range(world):
         _same(tmp_path / f"clean{r}.out", tmp_path / f"run{r}.out")
+
+
+@pytest.mark.usefixtures("_keep_handlers")
+def test_two_managers_closed_in_creation_order_leave_sigterm_fatal() -> None:
+    """Two managers with save_on_preemption, closed A then B: B put back A's (closed) handler,
+    which swallowed every later SIGTERM, so the process could no longer be terminated."""
+    code = textwrap.dedent(
+        """
+        import os, signal, sys, tempfile, time
+        from ckpt import CheckpointManager
+        d = tempfile.mkdtemp()
+        a = CheckpointManager(os.path.join(d, "a"), save_on_preemption=True)
+        b = CheckpointManager(os.path.join(d, "b"), save_on_preemption=True)
+        a.close()
+        b.close()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, signal.getsignal(signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        sys.exit(3)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+
+
+@pytest.mark.usefixtures("_keep_handlers")
+def test_closed_preemption_forwards_to_the_handler_before_it() -> None:
+    """A user handler chained over a closed Preemption still reaches the original handler, and
+    the closed one records nothing."""
+    seen: list[int] = []
+    before = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+    try:
+        a = Preemption()
+        b = Preemption()
+        a.close()
+        b.close()
+        assert signal.getsignal(signal.SIGUSR1) is not None
+        signal.raise_signal(signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1]
+        assert a.signalled is None and b.signalled is None
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
+@pytest.mark.usefixtures("_keep_handlers")
+def test_notify_is_logged_as_a_local_notice(caplog: pytest.LogCaptureFixture) -> None:
+    """``notify()`` (signum 0) was logged as 'another rank'; an unknown number raised."""
+    p = Preemption()
+    try:
+        p.notify()
+        with caplog.at_level(logging.WARNING, logger="ckpt"):
+            assert p.reached(7)
+        assert "another rank" not in caplog.text
+        q = Preemption()
+        try:
+            q.notify(12345)
+            assert q.reached(1)
+        finally:
+            q.close()
+    finally:
+        p.close()
+
+
+@pytest.mark.usefixtures("_keep_handlers")
+def test_a_signal_that_cannot_be_handled_installs_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``signals=(SIGTERM, SIGKILL)``: SIGKILL cannot be caught, and the SIGTERM handler
+    installed before it was left behind, owned by nobody, swallowing every later SIGTERM."""
+    from ckpt import CheckpointManager
+    from ckpt.preemption import PreemptionOptions
+
+    before = signal.getsignal(signal.SIGTERM)
+    options = PreemptionOptions(signals=(signal.SIGTERM, signal.SIGKILL))
+    with pytest.raises((OSError, ValueError)):
+        CheckpointManager(tmp_path, save_on_preemption=options)
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.usefixtures("_keep_handlers")
+def test_save_and_exit_retried_after_a_failed_save_saves_again(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``save_and_exit`` skipped the save when ``step`` was the last step *asked* to be saved,
+    even if that save had failed: a retry after 'disk full' exited 75, 'committed', with
+    nothing saved."""
+    import errno
+
+    import torch
+
+    from ckpt import CheckpointManager
+    from ckpt import format as fmt
+    from ckpt.errors import CheckpointError
+
+    state = {"w": torch.zeros(2)}
+    m = CheckpointManager(tmp_path, save_on_preemption=True)
+    try:
+        m.save(0, state)
+        m.wait()
+        real = fmt.write_file
+
+        def full(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(fmt, "write_file", full)
+        with pytest.raises(CheckpointError, match="No space left"):
+            m.save_and_exit(1, state, timeout=10)
+        assert m.steps() == [0]
+        with pytest.raises(CheckpointError, match="No space left"):  # still full: no exit 75
+            m.save_and_exit(1, state, timeout=10)
+        monkeypatch.setattr(fmt, "write_file", real)
+        with pytest.raises(SystemExit) as exited:
+            m.save_and_exit(1, state, timeout=10)
+        assert exited.value.code == CheckpointManager.PREEMPTED_EXIT_CODE
+        assert m.steps() == [0, 1]
+    finally:
+        m.close()
+
+
+@pytest.mark.usefixtures("_keep_handlers")
+def test_a_signal_listed_twice_is_handled_once() -> None:
+    """``signals=(SIGTERM, SIGTERM)`` chained our handler to itself: the signal raised
+    ``RecursionError`` wherever the main thread was, and ``close()`` left the handler in."""
+    from ckpt.preemption import PreemptionOptions
+
+    before = signal.getsignal(signal.SIGTERM)
+    p = Preemption(PreemptionOptions(signals=(signal.SIGTERM, signal.SIGTERM)))
+    try:
+        signal.raise_signal(signal.SIGTERM)
+        assert p.signalled == signal.SIGTERM
+    finally:
+        p.close()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.usefixtures("_keep_handlers")
+def test_an_infinite_deadline_is_refused_up_front() -> None:
+    """``deadline_s=inf`` was accepted, then ``save_and_exit`` died of ``OverflowError`` in its
+    wait, with the save still in flight."""
+    from ckpt.preemption import PreemptionOptions
+
+    with pytest.raises(ValueError, match="deadline_s"):
+        PreemptionOptions(deadline_s=float("inf"))
+    with pytest.raises(ValueError, match="deadline_s"):
+        PreemptionOptions(deadline_s=float("nan"))
+
+
+@pytest.mark.usefixtures("_keep_handlers")
+def test_save_and_exit_refuses_an_infinite_timeout_before_saving(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from ckpt import CheckpointManager
+
+    with CheckpointManager(tmp_path) as m:
+        with pytest.raises(ValueError, match="timeout"):
+            m.save_and_exit(0, {"w": torch.zeros(1)}, timeout=float("inf"))
+        assert m.steps() == []

@@ -686,3 +686,54 @@ def test_a_json_number_out_of_float_range_is_refused_on_read_as_on_write(tmp_pat
     assert ds[0]["m"] == {"x": 1.0}
     with pytest.raises(DatasetError, match=rf"{rel}.*record 1.*'m'.*1e\+999 is out of a float"):
         ds[1]
+
+
+def test_layout_and_field_share_one_column_type() -> None:
+    """``Layout`` and ``FieldSpec`` are one column type (shared sizes and JSON), not two copies."""
+    from feedpipe.datasets.format import FieldSpec, Layout
+
+    for name in ("record_bytes", "row_bytes", "to_json"):
+        assert getattr(Layout, name) is getattr(FieldSpec, name), name
+
+
+@pytest.mark.parametrize(
+    ("spec", "doc", "record", "row"),
+    [
+        (
+            ("L", "fixed", (2, 3), "int32"),
+            {"kind": "fixed", "shape": [2, 3], "dtype": "int32"},
+            24,
+            24,
+        ),
+        (("L", "bytes"), {"kind": "bytes"}, 0, 1),
+        (("L", "none"), {"kind": "none"}, 0, 1),
+        (
+            ("L", "ragged", (4,), "float16"),
+            {"kind": "ragged", "shape": [None, 4], "dtype": "float16"},
+            0,
+            8,
+        ),
+        (("F", "int64"), {"dtype": "int64", "shape": []}, 8, 8),
+        (("F", "uint8", (5,)), {"dtype": "uint8", "shape": [5]}, 5, 5),
+        (
+            ("F", "int32", (2,), "ragged"),
+            {"kind": "ragged", "dtype": "int32", "shape": [None, 2]},
+            0,
+            8,
+        ),
+        (("F", "uint8", (), "str"), {"kind": "str"}, 0, 1),
+        (("F", "uint8", (), "json"), {"kind": "json"}, 0, 1),
+    ],
+)
+def test_column_json_and_sizes_are_unchanged(
+    spec: tuple[object, ...], doc: dict[str, object], record: int, row: int
+) -> None:
+    """The exact JSON (key order included, so index.json bytes do not change) and sizes."""
+    from feedpipe.datasets.format import FieldSpec, Layout, _parse_fields, _parse_layout
+
+    cls = Layout if spec[0] == "L" else FieldSpec
+    col = cls(*spec[1:])  # type: ignore[arg-type]
+    assert list(col.to_json().items()) == list(doc.items())
+    assert (col.record_bytes, col.row_bytes) == (record, row)
+    back = _parse_layout(doc) if cls is Layout else _parse_fields({"f": doc})["f"]
+    assert back == col

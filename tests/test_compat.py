@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from torch.utils.data import default_collate
 
 from feedpipe._compat import MOVED
 
@@ -95,3 +96,21 @@ def test_no_shim_file_is_left_on_the_top_floor() -> None:
     for old in MOVED:
         leaf = old.split(".", 1)[1]
         assert not (top / f"{leaf}.py").exists(), f"{leaf}.py: the old path is served by _compat"
+
+
+# ------------------------------------------------------------------------------ layout move
+def test_public_paths_after_the_layout_move() -> None:
+    import pickle
+
+    from feedpipe.gpu import GPUFeed, GPUFeedWarning, Prefetcher, map_tensors, resolve_device
+
+    import feedpipe
+    import feedpipe.loader
+    from feedpipe.device.feed import GPUFeed as Moved
+    from feedpipe.loader.fetch import TimedCollate
+
+    assert GPUFeed is Moved and callable(map_tensors) and callable(resolve_device)
+    assert issubclass(GPUFeedWarning, Warning) and Prefetcher is not None
+    assert feedpipe.loader.DataLoader is feedpipe.DataLoader
+    back = pickle.loads(pickle.dumps(TimedCollate(default_collate, None)))  # type: ignore[arg-type]
+    assert type(back) is TimedCollate and back.collate_fn is default_collate

@@ -7,7 +7,10 @@ the ``--fn package.module:function`` CLI, and errors that name the input.
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +22,9 @@ import numpy as np
 import pytest
 
 import feedpipe
+from feedpipe import MemmapDataset
 from feedpipe.datasets._convert_sink import STATE_DIR
+from feedpipe.datasets.convert_fn import load_function
 from feedpipe.errors import DatasetError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -378,3 +383,254 @@ def test_workers_end_when_only_the_owner_is_sigkilled(tmp_path: Path) -> None:
             os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+# ====================================================================== convert(fn, ...)
+def _scalar(item: int) -> Any:
+    """A numpy scalar (0-d record) for even inputs, a Python int for odd ones."""
+    return np.int64(item) if item % 2 == 0 else int(item)
+
+
+def _yields_none(item: int) -> Any:
+    yield np.zeros(2, np.int64)
+    yield None
+
+
+def _yields_str(item: int) -> Any:
+    yield "text"
+
+
+def _exits(item: int) -> Any:
+    if item == 3:
+        sys.exit(3)
+    return np.zeros(2, np.int64)
+
+
+def test_convert_unpicklable_fn_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """A lambda or closure with worker processes failed inside the pool with "Can't pickle
+    local object", after the output's state folder was created."""
+    k = 3
+    for fn in (lambda x: np.full(2, x), lambda x: np.full(2, k)):
+        out = tmp_path / "ds"
+        with pytest.raises(ValueError, match=r"cannot be sent to worker processes.*num_workers=1"):
+            feedpipe.convert(fn, range(8), output=str(out), num_workers=2, inputs_per_part=2)
+        assert not out.exists() and not Path(f"{out}.partial").exists()
+    done = feedpipe.convert(  # in this process, a closure is fine
+        lambda x: np.full(2, k), range(8), output=str(tmp_path / "one"), num_workers=1
+    )
+    assert done.records == 8
+
+
+def test_convert_dotted_path_errors_are_value_errors() -> None:
+    """A relative module name raised TypeError from importlib, not the documented ValueError."""
+    for spec in (".:x", "..x", ".mod:f"):
+        with pytest.raises(ValueError, match="cannot import"):
+            load_function(spec)
+    for spec in ("os:sep", "no_such_module_attackl:f", "os:path.no_such_attr"):
+        with pytest.raises(ValueError, match=re.escape(spec)):
+            load_function(spec)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_convert_records_scalars_none_str_and_exit(tmp_path: Path, workers: int) -> None:
+    """A scalar record (numpy or Python) raised "object is not iterable"; a yielded None or str
+    gave a dtype error naming a temporary folder; sys.exit() in fn ended the whole command."""
+    kw: dict[str, Any] = {"num_workers": workers, "inputs_per_part": 2, "progress_bar": False}
+    res = feedpipe.convert(_scalar, range(6), output=str(tmp_path / "s"), **kw)
+    assert res.records == 6
+    assert [int(x) for x in feedpipe.MemmapDataset(tmp_path / "s")] == list(range(6))
+    for fn, match in (
+        (_yields_none, r"_yields_none on input \d \(\d\): a None record"),
+        (_yields_str, r"_yields_str on input \d \(\d\): a str record"),
+        (_exits, r"_exits failed on input 3 \(3\): SystemExit: 3"),
+    ):
+        with pytest.raises(DatasetError, match=match):
+            feedpipe.convert(fn, range(6), output=str(tmp_path / fn.__name__), **kw)
+
+
+def _rows(item: int) -> list[np.ndarray]:
+    return [np.full(4, item * 10 + j, np.int32) for j in range(item % 3)]
+
+
+_CONVERT_KW: dict[str, Any] = {"inputs_per_part": 4, "shard_bytes": 64, "progress_bar": False}
+
+
+def _convert_then_die_at_state_removal(dest: str) -> None:
+    """In a forked child: convert, SIGKILLed just after the final rename (at the state's
+    removal)."""
+    from feedpipe.datasets import _convert_sink
+
+    real = shutil.rmtree
+
+    def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        if str(path).endswith(STATE_DIR):
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(path, *args, **kwargs)
+
+    _convert_sink.shutil.rmtree = rmtree  # type: ignore[assignment]
+    feedpipe.convert(_rows, range(16), output=dest, num_workers=1, **_CONVERT_KW)
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_convert_killed_after_the_final_rename_reruns_to_the_same_bytes(tmp_path: Path) -> None:
+    """SIGKILL between renaming ``OUTPUT.partial`` to ``OUTPUT`` and removing the state in it:
+    the rerun of the same call said "a dataset already exists here" and the output kept a
+    stray ``.feedpipe-convert/``. Now the rerun finishes it: the uninterrupted run's bytes."""
+    import multiprocessing as mp
+
+    dest = tmp_path / "ds"
+    child = mp.get_context("fork").Process(
+        target=_convert_then_die_at_state_removal, args=(str(dest),)
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    assert (dest / "index.json").exists() and (dest / STATE_DIR / "plan.json").exists()
+    again = feedpipe.convert(_rows, range(16), output=str(dest), num_workers=1, **_CONVERT_KW)
+    clean = feedpipe.convert(_rows, range(16), output=str(tmp_path / "clean"), **_CONVERT_KW)
+    assert _tree(dest) == _tree(tmp_path / "clean")
+    assert (again.records, again.shards, again.resumed_parts) == (clean.records, clean.shards, 4)
+    with pytest.raises(DatasetError, match="already exists"):  # finished: a second rerun
+        feedpipe.convert(_rows, range(16), output=str(dest), **_CONVERT_KW)
+    other = feedpipe.convert(_rows, range(16), output=str(dest), overwrite=True, **_CONVERT_KW)
+    assert other.resumed_parts == 0 and _tree(dest) == _tree(tmp_path / "clean")
+
+
+@pytest.mark.parametrize("per", [0, -1, 2.5, True])
+def test_convert_inputs_per_part_must_be_a_positive_int(tmp_path: Path, per: Any) -> None:
+    """inputs_per_part=0 silently meant "the default"; 2.5 failed inside range()."""
+    with pytest.raises(ValueError, match="inputs_per_part must be >= 1"):
+        feedpipe.convert(_scalar, range(4), output=str(tmp_path / "x"), inputs_per_part=per)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
+
+
+@pytest.mark.slow
+def test_convert_sigkill_at_random_moments_then_rerun_gives_the_same_bytes(tmp_path: Path) -> None:
+    """The real CLI process group SIGKILLed at seeded random moments of a run (parts, shard
+    moves, manifests, index, rename, exit); the rerun of the same command gives the bytes of an
+    uninterrupted run. A kill after the run finished leaves the finished dataset (a rerun then
+    says it exists, as for any finished conversion)."""
+    import random
+    import subprocess
+    import time
+
+    here = Path(__file__).parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{here.parent}{os.pathsep}{here}",
+        "FEEDPIPE_TEST_SLEEP": "0",
+    }
+    items = [str(i) for i in range(24)]
+
+    def cli(dest: Path) -> subprocess.Popen[bytes]:
+        args = ["--fn", "_convert_fns:slow_tokens", *items, str(dest), "--workers", "2",
+                "--inputs-per-part", "3", "--shard-size", "256", "--no-progress"]  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, "-m", "feedpipe.cli", "convert", *args], cwd=here.parent, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        )  # fmt: skip
+
+    t0 = time.monotonic()
+    clean = cli(tmp_path / "clean")
+    assert clean.wait(120) == 0
+    took = time.monotonic() - t0
+    want = _tree(tmp_path / "clean")
+    rng = random.Random(20261201)
+    for k in range(6):
+        dest = tmp_path / f"d{k}"
+        proc = cli(dest)
+        time.sleep(rng.uniform(0.2, 1.0) * took)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        rerun = cli(dest)
+        _out, err = rerun.communicate(timeout=120)
+        if rerun.returncode != 0:  # only when the killed run had finished
+            assert b"a dataset already exists here" in err, err.decode()
+        assert _tree(dest) == want, f"kill {k}"
+        assert not Path(f"{dest}.partial").exists()
+
+
+def _rows_unless(marker: str, item: int) -> list[np.ndarray]:
+    """``_rows``, failing on inputs >= 8 while the file ``marker`` exists."""
+    if item >= 8 and os.path.exists(marker):
+        raise RuntimeError("injected failure")
+    return _rows(item)
+
+
+@pytest.mark.slow
+def test_convert_to_s3_failed_run_is_no_dataset_and_overwrite_leaves_nothing_stale(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    """Through the S3 server: a run that fails half way leaves no index.json (no reader can
+    open half a dataset); the rerun resumes to the local bytes; an overwrite by a conversion
+    with fewer shards leaves none of the old ones behind."""
+    import functools
+
+    import s3fs
+
+    bucket, opts = s3_bucket
+    fs = s3fs.S3FileSystem(**opts)
+    url = f"s3://{bucket}/ds"
+    marker = tmp_path / "fail"
+    marker.touch()
+    fn = functools.partial(_rows_unless, str(marker))
+    kw = {**_CONVERT_KW, "storage_options": opts, "num_workers": 2}
+    with pytest.raises(DatasetError, match="injected failure"):
+        feedpipe.convert(fn, range(16), output=url, **kw)
+    fs.invalidate_cache()
+    assert fs.ls(f"{bucket}/ds") and not fs.exists(f"{bucket}/ds/index.json")
+    with pytest.raises((DatasetError, FileNotFoundError)):
+        MemmapDataset(url, storage_options=opts, cache_dir=tmp_path / "c0")
+    marker.unlink()
+    resumed = feedpipe.convert(fn, range(16), output=url, **kw)
+    assert resumed.resumed_parts == 2
+    feedpipe.convert(fn, range(16), output=str(tmp_path / "clean"), **_CONVERT_KW)
+
+    def remote_tree() -> dict[str, bytes]:
+        fs.invalidate_cache()
+        return {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in fs.ls(f"{bucket}/ds")}
+
+    assert remote_tree() == _tree(tmp_path / "clean")
+    with pytest.raises(DatasetError, match="exists"):
+        feedpipe.convert(_rows, range(4), output=url, **kw)
+    feedpipe.convert(_rows, range(4), output=url, overwrite=True, **kw)
+    feedpipe.convert(_rows, range(4), output=str(tmp_path / "small"), **_CONVERT_KW)
+    assert remote_tree() == _tree(tmp_path / "small")
+    ds = MemmapDataset(url, storage_options=opts, cache_dir=tmp_path / "c1")
+    assert [int(x[0]) for x in ds] == [int(r[0]) for i in range(4) for r in _rows(i)]
+
+
+def _rows_times(k: int, item: int) -> list[np.ndarray]:
+    return [r * k for r in _rows(item)]
+
+
+def test_convert_rerun_with_other_partial_arguments_starts_over(tmp_path: Path) -> None:
+    """The plan's fingerprint took a partial's name ("functools:partial") and no code or
+    arguments: a run of partial(f, 1) interrupted, then partial(f, 2) (or of another function)
+    "resumed" the parts of the first, a silently mixed dataset."""
+    import functools
+
+    marker = tmp_path / "fail"
+    marker.touch()
+    first = functools.partial(_rows_unless, str(marker))
+    with pytest.raises(DatasetError, match="partial\\(test_convert_fn:_rows_unless\\)"):
+        feedpipe.convert(first, range(16), output=str(tmp_path / "ds"), **_CONVERT_KW)
+    second = functools.partial(_rows_times, 2)
+    res = feedpipe.convert(second, range(16), output=str(tmp_path / "ds"), **_CONVERT_KW)
+    assert res.resumed_parts == 0
+    feedpipe.convert(second, range(16), output=str(tmp_path / "clean"), **_CONVERT_KW)
+    assert _tree(tmp_path / "ds") == _tree(tmp_path / "clean")
+    index = json.loads((tmp_path / "ds" / "index.json").read_text())
+    assert index["source"]["fn"] == "partial(test_convert_fn:_rows_times)"
+    marker.touch()  # the same partial, other arguments
+    with pytest.raises(DatasetError):
+        feedpipe.convert(functools.partial(_rows_unless, str(marker)), range(16),
+                         output=str(tmp_path / "p"), **_CONVERT_KW)  # fmt: skip
+    other = functools.partial(_rows_unless, str(tmp_path / "no-such-marker"))
+    res = feedpipe.convert(other, range(16), output=str(tmp_path / "p"), **_CONVERT_KW)
+    assert res.resumed_parts == 0

@@ -3,6 +3,9 @@ every Arrow type: tests/test_tables_real.py."""
 
 from __future__ import annotations
 
+import io
+import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -96,3 +99,106 @@ def test_missing_pyarrow_names_the_extra(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(MissingExtraError, match=r"feedpipe\[parquet\]"):
         feedpipe.convert(tmp_path / "pq", tmp_path / "o")
+
+
+def _hf_meta(table: Any, features: dict[str, Any]) -> Any:
+    raw = json.dumps({"info": {"features": features}}).encode()
+    return table.replace_schema_metadata({b"huggingface": raw})
+
+
+# ---------------------------------------------------------------------- 1: Parquet / HF
+@pytest.mark.parametrize("lie", [5, ["Image"], {"x": 1}, None])
+def test_hf_metadata_whose_type_is_not_a_string_is_ignored(tmp_path: Path, lie: Any) -> None:
+    """Valid JSON whose ``_type`` is not a string was an AttributeError; it is no feature."""
+    table = _hf_meta(pa.table({"data": np.arange(4), "x": np.arange(4) * 2}),
+                     {"data": {"_type": lie}, "x": {"_type": lie, "shape": [2]}})  # fmt: skip
+    pq.write_table(table, tmp_path / "t.parquet")
+    feedpipe.convert(tmp_path / "t.parquet", tmp_path / "o", workers=1)
+    batch = MemmapDataset(tmp_path / "o").read_batch([1, 3])
+    assert batch["data"].tolist() == [1, 3] and batch["x"].tolist() == [2, 6]
+
+
+def test_classlabel_metadata_on_a_non_integer_column_is_ignored(tmp_path: Path) -> None:
+    """A ``ClassLabel`` claimed for a string column names no classes (its values are no
+    label numbers); on an integer column it does."""
+    table = pa.table({"data": np.arange(4), "s": ["p", "q", "r", "s"], "y": np.arange(4) % 2})
+    feats = {"s": {"_type": "ClassLabel", "names": ["a", "b"]},
+             "y": {"_type": "ClassLabel", "names": ["neg", "pos"]}}  # fmt: skip
+    pq.write_table(_hf_meta(table, feats), tmp_path / "t.parquet")
+    feedpipe.convert(tmp_path / "t.parquet", tmp_path / "o", workers=1)
+    ds = MemmapDataset(tmp_path / "o")
+    assert ds.index.extra["class_labels"] == {"y": ["neg", "pos"]}
+    assert ds.classes == ["neg", "pos"]
+
+
+def test_parquet_file_urls_follow_the_one_rule(tmp_path: Path) -> None:
+    """``file://localhost/abs`` and ``FILE:///abs`` are ``/abs``; ``file://host/abs`` is refused
+    naming the URL (it was read as the relative path ``host/abs``)."""
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"data": np.arange(5)}), path)
+    for i, url in enumerate([f"file://localhost{path}", f"FILE://{path}", f"file://{path}"]):
+        feedpipe.convert(url, tmp_path / f"o{i}", workers=1)
+        assert MemmapDataset(tmp_path / f"o{i}").read_batch([4]).tolist() == [4]
+        assert MemmapDataset(tmp_path / f"o{i}").index.extra["source"]["paths"] == [str(path)]
+    with pytest.raises(ValueError, match="names another host") as err:
+        feedpipe.convert(f"file://host{path}", tmp_path / "ox", workers=1)
+    assert f"file://host{path}" in str(err.value)
+    assert not (tmp_path / "ox").exists()
+
+
+def _two_groups(path: Any, scale: int, schema_int: bool = True) -> None:
+    col = np.arange(8) * scale if schema_int else (np.arange(8) * scale).astype(np.float32)
+    pq.write_table(pa.table({"data": col}), path, row_group_size=4)
+
+
+@pytest.mark.parametrize("same_schema", [True, False])
+def test_local_parquet_replaced_mid_conversion_is_named(tmp_path: Path, same_schema: bool) -> None:
+    """Row group 0 is read, then the file is replaced (same row counts; same or another
+    schema): reading row group 1 is an error naming the file, never rows of two versions."""
+    from feedpipe.datasets.tables import ParquetSource
+
+    path = tmp_path / "t.parquet"
+    _two_groups(path, 1)
+    src = ParquetSource([str(path)], None)
+    assert src.read(0, 4)[0].tolist() == [0, 1, 2, 3]
+    _two_groups(tmp_path / "new.parquet", 100, schema_int=same_schema)
+    os.replace(tmp_path / "new.parquet", path)
+    with pytest.raises(DatasetError, match="changed while it was converted") as err:
+        src.read(4, 8)
+    assert str(path) in str(err.value)
+
+
+def test_s3_parquet_replaced_mid_conversion_is_named(
+    s3_bucket: tuple[str, dict[str, Any]],
+) -> None:
+    import fsspec
+
+    from feedpipe.datasets.tables import ParquetSource
+
+    bucket, opts = s3_bucket
+    fs = fsspec.filesystem("s3", **opts)
+    url = f"s3://{bucket}/pq/t.parquet"
+    for scale in (1, 100):
+        buf = io.BytesIO()
+        _two_groups(buf, scale)
+        if scale == 1:
+            fs.pipe(url, buf.getvalue())
+            src = ParquetSource([url], None, opts)
+            assert src.read(0, 4)[0].tolist() == [0, 1, 2, 3]
+        else:
+            fs.pipe(url, buf.getvalue())
+    with pytest.raises(DatasetError, match="changed while it was converted") as err:
+        src.read(4, 8)
+    assert url in str(err.value)
+
+
+def test_nulls_without_statistics_in_a_late_row_group_publish_nothing(tmp_path: Path) -> None:
+    """No statistics (a footer that says nothing of nulls): the null is found when its row
+    group is converted, after other parts were written; nothing appears at DEST."""
+    path = tmp_path / "t.parquet"
+    vals = pa.array([float(i) if i != 3001 else None for i in range(3200)])
+    table = pa.table({"data": np.arange(3200), "v": vals})
+    pq.write_table(table, path, row_group_size=200, write_statistics=False)
+    with pytest.raises(DatasetError, match="row 3001 \\(record 3001\\): column 'v'"):
+        feedpipe.convert(path, tmp_path / "o", workers=1, shard_bytes=4096)
+    assert not (tmp_path / "o").exists()

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _helpers import fixed_int32_dataset as _fixed
 
 from feedpipe import DatasetError, MemmapDataset, MemmapWriter, TokenWindows
 from feedpipe.datasets.format import Index, Shard, read_index, write_index
@@ -336,3 +337,176 @@ def test_without_inotify_a_changed_shard_is_found_by_stat(
     CHANGES[change](file)
     with pytest.raises(DatasetError, match=re.escape(str(file)) + r": shard 0 file"):
         layout.read(ds, idx)
+
+
+# ------------------------------------------------------------------------------ ShardSpace
+def _no_watch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ShardSpace checks with stat per batch, as when out of inotify watches."""
+    from feedpipe.datasets._gather import ShardSpace
+
+    real = ShardSpace.create.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(
+        ShardSpace, "create", classmethod(lambda cls, *a: real(cls, *a, watch=False))
+    )
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_mapped_shard_rewritten_in_place_with_the_same_size_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watch: bool
+) -> None:
+    """Found: only sizes were checked, so a mapped shard overwritten in place with other bytes
+    of the same size (``cp`` over it), or truncated and extended back (a hole of zeros), was
+    read silently: wrong records. Now a change seen on a mapped shard whose size still matches
+    is checked against the index's CRC32C; a restore of the indexed bytes reads again."""
+    if not watch:
+        _no_watch(monkeypatch)
+    x = _fixed(tmp_path / "d")
+    ds = MemmapDataset(tmp_path / "d")
+    assert ds._shard_space() is not None
+    assert torch.equal(ds.read_batch([0, 3, 19]), torch.from_numpy(x[[0, 3, 19]]))
+    shard = tmp_path / "d" / "shard-00000.data"
+    good = shard.read_bytes()
+    st = shard.stat()
+    with open(shard, "r+b") as f:  # other bytes, same size
+        f.write(np.full(2048, 77, np.int32).tobytes())
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # coarse-mtime filesystems
+    with pytest.raises(DatasetError, match=r"shard-00000\.data: shard 0 file was rewritten"):
+        ds.read_batch([5, 1])
+    assert torch.equal(ds.read_batch([5, 19]), torch.from_numpy(x[[5, 19]]))  # other shards
+    shard.write_bytes(good)  # restored: accepted again
+    assert torch.equal(ds.read_batch([1, 0]), torch.from_numpy(x[[1, 0]]))
+    with open(shard, "ab") as f:  # extended (a writer appending): the index no longer holds
+        f.write(b"\0" * 4096)
+    with pytest.raises(DatasetError, match=r"shard-00000\.data: shard 0 file is now 12288"):
+        ds[1]
+    os.truncate(shard, len(good))
+    assert torch.equal(ds.read_batch([1, 0]), torch.from_numpy(x[[1, 0]]))
+    os.truncate(shard, 0)  # truncated, then extended back: zeros where the records were
+    os.truncate(shard, len(good))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
+    with pytest.raises(DatasetError, match=r"shard-00000\.data: shard 0 file was rewritten"):
+        ds[0]
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_mapped_shard_renamed_over_keeps_reading_the_old_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watch: bool
+) -> None:
+    """docs/concepts/staging.md: a shard replaced by rename leaves a running reader on the old
+    file's bytes until it reopens the dataset. Found: without inotify (out of watches), the
+    stat per batch looked at the new file and refused every batch of that shard."""
+    if not watch:
+        _no_watch(monkeypatch)
+    x = _fixed(tmp_path / "d")
+    ds = MemmapDataset(tmp_path / "d")
+    assert torch.equal(ds.read_batch([2, 3]), torch.from_numpy(x[[2, 3]]))
+    shard = tmp_path / "d" / "shard-00001.data"
+    new = tmp_path / "d" / "new"
+    new.write_bytes(b"\1" * 100)
+    os.replace(new, shard)
+    assert torch.equal(ds.read_batch([3, 2, 0]), torch.from_numpy(x[[3, 2, 0]]))
+    ds.close()  # reopened: the new file is seen, and refused by size
+    with pytest.raises(DatasetError, match=r"shard-00001\.data: shard 1 file is 100 bytes"):
+        ds.read_batch([2])
+
+
+def test_at_the_inotify_watch_limit_the_rest_are_checked_by_stat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of inotify watches (``inotify_add_watch`` fails, ENOSPC) part way through the shards:
+    the watched ones and the rest (stat per batch) both name a truncated shard."""
+    from feedpipe.datasets import _shard_guard
+
+    x = _fixed(tmp_path / "d")
+    watcher = _shard_guard.watcher()
+    real = watcher.add
+    left = [2]
+
+    def add(path: str, dirty: list[int], sid: int) -> int:
+        left[0] -= 1
+        return real(path, dirty, sid) if left[0] >= 0 else -1
+
+    monkeypatch.setattr(watcher, "add", add)
+    ds = MemmapDataset(tmp_path / "d")
+    assert torch.equal(ds.read_batch(np.arange(20)), torch.from_numpy(x))  # 10 shards mapped
+    space = ds._shard_space()
+    guard = space.guard if space is not None else None
+    assert guard is not None and guard._unwatched.sum() == 8 and len(guard._wds) == 2
+    for sid in (0, 9):  # the first shard mapped is watched, the last is not
+        os.truncate(tmp_path / "d" / f"shard-{sid:05d}.data", 4096)
+        with pytest.raises(DatasetError, match=rf"shard-{sid:05d}\.data: shard {sid} file is now"):
+            ds.read_batch([2 * sid + 1])
+    assert torch.equal(ds.read_batch([5, 7]), torch.from_numpy(x[[5, 7]]))
+
+
+def _swap_then_truncate_old(root: str, q: Any) -> None:
+    ds = MemmapDataset(root)
+    ds.read_batch([2, 3])  # shard 1 mapped (and watched)
+    shard = os.path.join(root, "shard-00001.data")
+    os.rename(shard, shard + ".old")
+    with open(shard + ".new", "wb") as f:
+        f.write(b"\0" * os.path.getsize(shard + ".old"))  # same size as the index says
+    os.rename(shard + ".new", shard)
+    os.truncate(shard + ".old", 0)  # the file still mapped loses its pages
+    try:
+        ds.read_batch([2, 3])
+        q.put("read")
+    except DatasetError as exc:
+        q.put(str(exc))
+
+
+def test_mapped_file_truncated_after_its_path_was_swapped_is_an_error_not_sigbus(
+    tmp_path: Path,
+) -> None:
+    """Found: the watch's event led to a stat of the path, which named a new file of the right
+    size, so the truncated file still mapped was read: SIGBUS killed the process. Now the
+    watch is on the mapped file itself and a change to it that cannot be checked is an error."""
+    _fixed(tmp_path / "d")
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=_swap_then_truncate_old, args=(str(tmp_path / "d"), q))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0, f"the reader died (exit code {child.exitcode}; -7 is SIGBUS)"
+    got = q.get(timeout=10)
+    assert "shard-00001.data: shard 1 file was modified while mapped" in got
+
+
+def _version(path: Path, base: int, n: int, overwrite: bool) -> None:
+    """A dataset of ``n`` records (1024 int32 of ``base + i``, and a str field), 2 per shard."""
+    with MemmapWriter(
+        path,
+        shape=(1024,),
+        dtype="int32",
+        shard_bytes=8192,
+        fields={"s": "str"},
+        overwrite=overwrite,
+    ) as w:
+        for i in range(n):
+            w.append(np.full(1024, base + i, np.int32), s=f"r{base + i:04d}")
+
+
+@pytest.mark.parametrize("read", ["auto", "pread"])
+def test_a_dataset_rewritten_under_an_open_reader_is_never_mixed_with_the_old_index(
+    tmp_path: Path, read: str
+) -> None:
+    """Found: a dataset rewritten in place (``MemmapWriter(overwrite=True)``, shards of the same
+    sizes) under an open MemmapDataset: the shards it had not opened yet were the new version's,
+    read with the old index: new records under old indices, silently. Now opening a shard
+    checks that ``index.json`` is still the file the dataset was opened with; the shards it
+    already holds keep their old bytes (the writer unlinks them), and reopening reads the new
+    version."""
+    root = tmp_path / "d"
+    _version(root, 0, 20, overwrite=False)
+    old = MemmapDataset(root, read=read)
+    first = old.read_batch([0, 1])
+    assert first["data"][:, 0].tolist() == [0, 1] and first["s"] == ["r0000", "r0001"]
+    _version(root, 100, 30, overwrite=True)
+    got = old.read_batch([1, 0])
+    assert got["data"][:, 0].tolist() == [1, 0] and got["s"] == ["r0001", "r0000"]
+    with pytest.raises(DatasetError, match=r"rewritten since it was opened.*shard 5 cannot"):
+        old.read_batch([5])
+    with pytest.raises(DatasetError, match=r"rewritten since it was opened"):
+        old[7]
+    new = MemmapDataset(root, read=read)
+    assert new.read_batch([5])["s"] == ["r0105"] and len(new) == 30

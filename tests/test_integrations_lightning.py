@@ -204,3 +204,12 @@ def test_stall_monitor_explicit_meter_and_bad_args() -> None:
     assert set(m) >= {"in/stall_fraction", "in/stall_ms_per_batch", "in/wait_p99_ms"}
     with pytest.raises(ValueError, match="every_n_steps"):
         StallMonitor(every_n_steps=0)
+
+
+def test_lightning_url_error_is_redacted(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    from ckpt.integrations.lightning import CkptCheckpointIO
+
+    with pytest.raises(ValueError, match="CkptCheckpointIO") as info:
+        CkptCheckpointIO().save_checkpoint({"w": torch.ones(1)}, "s3://AKIA:TOPSECRET@b/x.ckpt")
+    assert "TOPSECRET" not in str(info.value)

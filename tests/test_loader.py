@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ from torch.utils.data._utils.collate import default_collate
 
 import feedpipe
 from feedpipe import DataLoader
+from feedpipe.errors import WorkerError
 from feedpipe.stall import StallMeter
 
 WORKER_TYPES = ["process", "thread"]
@@ -458,3 +460,46 @@ def test_a_thread_iterator_alive_at_exit_does_not_delay_the_interpreter() -> Non
     assert proc.returncode == 0, proc.stderr
     took = ended - float(proc.stdout.split()[-1])  # CLOCK_MONOTONIC: one clock per machine
     assert took < 5.0, f"the interpreter took {took:.1f} s to exit after the last batch"
+
+
+class _StuckAt2(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        if i == 2:
+            time.sleep(1.5)
+        return i
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.serial  # bounds wall time: alone, after the parallel phase
+def test_thread_timeout_is_not_doubled_by_the_first_round() -> None:
+    loader = DataLoader(_StuckAt2(), batch_size=2, num_workers=2, worker_type="thread", timeout=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"timed out after 0\.3 s"):
+        list(loader)
+    assert time.monotonic() - t0 < 0.5
+
+
+@pytest.mark.timeout(60)
+def test_explicit_default_convert_with_a_batch_size_gives_torchs_list() -> None:
+    """Found by the dataset contract suite: collate_fn=default_convert with batch_size set was
+    taken as the default collation, so a read_batch dataset returned a stacked batch where torch
+    returns a list of converted samples."""
+    import tempfile
+
+    from torch.utils.data import DataLoader as TorchLoader
+    from torch.utils.data._utils.collate import default_convert
+
+    from feedpipe import MemmapDataset, MemmapWriter
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with MemmapWriter(tmp, shape=(3,), dtype="float32") as w:
+            w.append_batch(np.arange(24, dtype=np.float32).reshape(8, 3))
+        ds = MemmapDataset(tmp)
+        ours = list(DataLoader(ds, batch_size=4, collate_fn=default_convert))
+        theirs = list(TorchLoader(ds, batch_size=4, collate_fn=default_convert))
+        assert [type(b) for b in ours] == [type(b) for b in theirs] == [list, list]
+        for a, b in zip(ours, theirs, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -6,11 +6,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from typing import Any
 
 import pytest
 import torch
+import torch.utils.data as tud
+from _helpers import rng_warnings as _rng_warnings
 from _procs import key_lines, run_python, shm_entries, wait_gone
 from torch.utils.data import Dataset, IterableDataset
 
@@ -261,3 +265,91 @@ def test_workers_stuck_in_the_dataset_end_when_their_owner_is_sigkilled(
     finally:
         for pid in wait_gone(pids, 0):
             os.kill(pid, signal.SIGKILL)
+
+
+# --------------------------------------------- a worker that finished its stream did not die
+class _Uneven(IterableDataset):  # type: ignore[type-arg]
+    """Worker 0 streams 2 samples at once; worker 1 streams 12, slowly."""
+
+    def __iter__(self) -> Any:
+        info = tud.get_worker_info()
+        if info is None or info.id == 0:
+            yield from range(2)
+            return
+        for i in range(100, 112):
+            time.sleep(0.02)
+            yield i
+
+
+def test_a_process_worker_done_with_its_stream_is_not_a_death() -> None:
+    """torch ends a worker whose IterableDataset is exhausted (exit code 0) while the others go
+    on: its SIGCHLD, arriving inside ``next()``, must not become a ``WorkerError``."""
+    for _ in range(3):
+        loader = DataLoader(_Uneven(), batch_size=2, num_workers=2)
+        got = sorted(int(x) for b in loader for x in b)
+        assert got == [0, 1, *range(100, 112)]
+
+
+class _SlowItems(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> Any:
+        time.sleep(0.15)
+        return i
+
+
+class _ExitsAt4(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> Any:
+        if i == 4:
+            os._exit(3)
+        return i
+
+
+@pytest.mark.serial  # bounds wall time: alone, after the parallel phase
+def test_worker_death_of_one_loader_while_inside_another_loaders_next() -> None:
+    """``zip(loader_a, loader_b)``: b's worker dies while the main thread waits in a's
+    ``next()``; b's next ``next()`` reports it at once (not after torch's 5 s status poll)."""
+    a = DataLoader(_SlowItems(), batch_size=2, num_workers=1)
+    b = DataLoader(_ExitsAt4(), batch_size=2, num_workers=2)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="exit code 3"):
+        for _pair in zip(a, b, strict=True):
+            pass
+    assert time.monotonic() - t0 < 4.0
+
+
+class _SlowPlain(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        time.sleep(0.15)
+        return i
+
+
+@pytest.mark.serial
+def test_ctrl_c_while_waiting_for_the_first_batches_is_prompt_and_blames_no_one() -> None:
+    """Ctrl-C while the first ``next()`` waits for the workers' first batches: raised at once;
+    the training loop's RNG draws after it are not blamed on the abandoned workers."""
+    loader = DataLoader(_SlowPlain(), batch_size=2, num_workers=2, worker_type="thread")
+    timer = threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT))
+    t0 = time.monotonic()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                for _batch in loader:
+                    pass
+            assert time.monotonic() - t0 < 0.25
+            for _ in range(20):  # the loop goes on (say, saves a checkpoint): draws meanwhile
+                torch.rand(3)
+                time.sleep(0.02)
+        finally:
+            timer.cancel()
+        assert sorted(int(x) for b in loader for x in b) == list(range(8))  # usable again
+    assert _rng_warnings(record) == []

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from _helpers import fixed_int32_dataset as _fixed
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
-from feedpipe import DataLoader, DistributedSampler
+from feedpipe import DataLoader, DistributedSampler, MemmapDataset, MemmapWriter, TokenWindows
 from feedpipe.loader.index_stream import index_batches
 
 SIZES = [1, 2, 7, 10, 31, 64, 100]
@@ -229,3 +232,31 @@ def test_own_datasets_get_index_arrays_and_others_lists(tmp_path: Any) -> None:
     seen.clear()
     assert len(list(DataLoader(UserDataset(), batch_size=8, num_workers=0))) == 3
     assert set(seen) == {list}
+
+
+def _tokens(path: Path) -> None:
+    with MemmapWriter(path, records=False, fields={"tokens": ("int32", (None,))}) as w:
+        for doc in ([1, 2, 3], [], [4, 5, 6, 7, 8, 9]):
+            w.append(tokens=doc)
+
+
+@pytest.mark.parametrize("kind", ["memmap", "tokens"])
+def test_batch_indices_refuse_bool_masks_and_uint64_beyond_int64(tmp_path: Path, kind: str) -> None:
+    """Found: MemmapDataset.read_batch took a bool mask as indices 1 and 0 (while ds[True] is a
+    TypeError), and a uint64 index of 2**64-1 wrapped to -1 and read the last record, silently
+    (TokenWindows too)."""
+    if kind == "memmap":
+        _fixed(tmp_path / "d")
+        ds: Any = MemmapDataset(tmp_path / "d")
+    else:
+        _tokens(tmp_path / "d")
+        ds = TokenWindows(tmp_path / "d", block_size=2)
+    n = len(ds)
+    for mask in ([True, False, True], np.array([True, False]), torch.tensor([False, True])):
+        with pytest.raises(TypeError, match="integers, got bool"):
+            ds.read_batch(mask)
+    for big in (np.array([0, 2**64 - 1], np.uint64), [2**63], np.array([2**63], np.uint64)):
+        with pytest.raises(IndexError, match=str(int(np.asarray(big)[-1]))):
+            ds.read_batch(big)
+    assert torch.equal(ds.read_batch(np.array([n - 1], np.uint64)), ds.read_batch([-1]))
+    assert torch.equal(ds.read_batch(np.array([-1, 0], np.int8)), ds.read_batch([n - 1, 0]))

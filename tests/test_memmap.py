@@ -9,10 +9,16 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from _helpers import json_paths as _paths
+from _helpers import json_values
+from _procs import run_cli as _cli
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader, default_collate
 
 from feedpipe import DatasetError, MemmapDataset, MemmapWriter
@@ -351,3 +357,162 @@ def test_concurrent_first_reads_from_many_threads(
         for idx, got in zip(batches, results, strict=True):
             assert [bytes(t.numpy()) for t in got] == [records[i] for i in idx]
         ds.close()
+
+
+def test_memmap_writer_to_s3(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bucket, opts = s3_bucket
+    monkeypatch.chdir(tmp_path)
+    url = f"s3://{bucket}/w"
+    with MemmapWriter(url, shape=(3,), dtype="float32", storage_options=opts) as w:
+        w.append_batch(np.ones((5, 3), np.float32))
+    assert os.listdir(tmp_path) == []
+    ds = MemmapDataset(url, storage_options=opts, cache_dir=tmp_path / "c")
+    assert ds.read_batch([0, 4]).sum().item() == 6.0
+    # an aborted writer publishes nothing
+    with (
+        pytest.raises(RuntimeError),
+        MemmapWriter(
+            f"s3://{bucket}/aborted", shape=(3,), dtype="float32", storage_options=opts
+        ) as w,
+    ):
+        w.append_batch(np.ones((5, 3), np.float32))
+        raise RuntimeError("boom")
+    import fsspec
+
+    assert not fsspec.filesystem("s3", **opts).exists(f"{bucket}/aborted/index.json")
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+# ---------------------------------------------------------------------- point 8
+def test_string_side_field_is_refused_at_write_time(tmp_path: Path) -> None:
+    np.savez(tmp_path / "s.npz", data=np.zeros((6, 2), np.float32), name=np.array(["ab"] * 6))
+    res = _cli("convert", "s.npz", "out", "--no-progress", cwd=tmp_path)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert "'name'" in res.stderr and "<U2" in res.stderr
+    assert sorted(os.listdir(tmp_path)) == ["s.npz"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"shape": (2,), "dtype": object}, "object"),
+        ({"shape": (2,), "dtype": "U4"}, "<U4"),
+        ({"shape": (2**32, 2**32), "dtype": "uint8"}, "too large"),
+        ({"shape": (-1,), "dtype": "uint8"}, "negative"),
+        ({"shape": (2,), "dtype": ">i4"}, "byte order"),
+        ({"shape": None, "fields": {"f": ("int64", (-2,))}}, "negative"),
+        ({"shape": None, "fields": {"f": "S3"}}, "S3"),
+        ({"shape": None, "fields": {"f": ("float32", (2**40, 2**40))}}, "too large"),
+    ],
+)
+def test_writer_refuses_unreadable_layouts(
+    tmp_path: Path, kwargs: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(DatasetError, match=match):
+        MemmapWriter(tmp_path / "w", **kwargs)
+    assert not (tmp_path / "w").exists()
+
+
+def _index(tmp_path: Path, n: int, **changes: Any) -> Path:
+    with MemmapWriter(tmp_path / "ds", shape=(2,), dtype="int32", fields={"y": "int64"}) as w:
+        w.append_batch(np.zeros((n, 2), np.int32), y=np.arange(n))
+    doc = json.loads((tmp_path / "ds" / "index.json").read_text())
+    for path, value in changes.items():
+        node = doc
+        keys = path.split("__")
+        for k in keys[:-1]:
+            node = node[int(k)] if isinstance(node, list) else node[k]
+        node[keys[-1]] = value
+    (tmp_path / "ds" / "index.json").write_text(json.dumps(doc))
+    return tmp_path / "ds"
+
+
+@pytest.mark.parametrize(
+    ("n", "changes"),
+    [
+        (0, {"layout__dtype": "object"}),  # an empty dataset: no size check can catch these
+        (0, {"layout__dtype": "<U3"}),
+        (0, {"layout__shape": [2**32, 2**32]}),
+        (0, {"fields__y__shape": [-1]}),
+        (0, {"fields__y__dtype": "<U3"}),
+        (3, {"shards__0__files__data__path": "."}),
+        (3, {"shards__0__files__data__path": "a/./b"}),
+        (3, {"shards__0__files__data__path": "index.json"}),
+        (3, {"shards__0__records": 3.0}),
+        (3, {"num_records": 3.0}),
+    ],
+)
+def test_open_refuses_unreadable_index(tmp_path: Path, n: int, changes: dict[str, Any]) -> None:
+    ds = _index(tmp_path, n, **changes)
+    with pytest.raises(DatasetError, match=r"index\.json"):
+        MemmapDataset(ds)
+
+
+# ---------------------------------------------------------------------- point 9
+_JSON = json_values()
+
+
+@pytest.fixture(scope="module")
+def dataset_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tpl") / "ds"
+    with MemmapWriter(root, shape=None, fields={"y": ("int16", (2,))}, shard_bytes=64) as w:
+        for i in range(12):
+            w.append(bytes([i]) * (i + 1), y=[i, -i])
+    return root
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_malformed_index_raises_only_dataset_error(dataset_template: Path, data: Any) -> None:
+    """Any mutation of a valid index: open and read give a result or a DatasetError naming it."""
+    import tempfile
+
+    good = json.loads((dataset_template / "index.json").read_text())
+    path = data.draw(st.sampled_from(_paths(good)))
+    value = data.draw(_JSON)
+    doc = json.loads(json.dumps(good))
+    if path:
+        node = doc
+        for k in path[:-1]:
+            node = node[k]
+        if data.draw(st.booleans()) and isinstance(node, dict):
+            del node[path[-1]]
+        else:
+            node[path[-1]] = value
+    else:
+        doc = value
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "ds"
+        root.mkdir()
+        for f in dataset_template.iterdir():
+            if f.name != "index.json":
+                os.symlink(f, root / f.name)
+        (root / "index.json").write_text(json.dumps(doc))  # Infinity/NaN included
+        try:
+            ds = MemmapDataset(root)
+            ds.read_batch(np.arange(len(ds)))
+        except DatasetError as exc:
+            assert str(root) in str(exc)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "[" * 100_000 + "]" * 100_000,
+        '{"format": "feedpipe.memmap", "version": 1, "layout": {"kind": "bytes"}, '
+        '"fields": {}, "num_records": Infinity, "shards": []}',
+        '{"format": "feedpipe.memmap", "version": 1, "layout": {"kind": "fixed", "shape": '
+        '[1e999], "dtype": "uint8"}, "fields": {}, "num_records": 0, "shards": []}',
+    ],
+)
+def test_hostile_index_text(tmp_path: Path, raw: str) -> None:
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "index.json").write_text(raw)
+    with pytest.raises(DatasetError, match=r"ds/index\.json"):
+        MemmapDataset(tmp_path / "ds")
+    res = _cli("inspect", "ds", cwd=tmp_path)
+    assert res.returncode == 1 and "Traceback" not in res.stderr and "index.json" in res.stderr

@@ -4,6 +4,7 @@ exact and elastic resume through the loader and feedpipe.DistributedSampler, wei
 from __future__ import annotations
 
 import json
+import warnings
 from collections import Counter
 from fractions import Fraction
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.utils.data as tud
 
 import feedpipe
 from feedpipe import DataLoader, DistributedSampler, MemmapDataset, MemmapWriter, MixedDataset
@@ -446,3 +448,232 @@ def test_corrupt_states_are_refused(members: dict[str, Any], bad: dict[str, Any]
     ds = MixedDataset(members, weights=WEIGHTS, seed=7, epoch_samples=N_TOTAL)
     with pytest.raises(ValueError):
         ds.load_state_dict({**ds.state_dict(), **bad})
+
+
+# ====================================================================== MixedDataset
+class _Member:
+    """A map-style member whose sample ``i`` is ``[base + i]``."""
+
+    def __init__(self, n: int, base: int) -> None:
+        self.n, self.base = n, base
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return torch.tensor([self.base + i])
+
+
+def _mix(**kwargs: Any) -> MixedDataset:
+    members = {"a": _Member(7, 0), "b": _Member(30, 100), "c": _Member(3, 1000)}
+    args: dict[str, Any] = {"weights": {"a": 0.5, "b": 0.3, "c": 0.2}, "seed": 5}
+    args["epoch_samples"] = 41
+    args.update(kwargs)
+    return MixedDataset(members, **args)
+
+
+def _flat(batches: Any) -> list[int]:
+    return [int(x) for b in batches for x in b.reshape(-1)]
+
+
+def test_mixed_numpy_weights_are_numbers() -> None:
+    """Weights read from a numpy array (np.float32, np.int64) were refused as 'not a number'."""
+    members = {"a": _Member(3, 0), "b": _Member(5, 100)}
+    for w in (np.float32(0.5), np.int64(1), np.float64(2.0)):
+        ds = MixedDataset(members, weights={"a": w, "b": w}, epoch_samples=8)
+        assert ds.counts == [4, 4]
+    with pytest.raises(ValueError, match="finite"):
+        MixedDataset(members, weights={"a": np.float32("inf"), "b": 1})
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"epoch_samples": 2.7}, "epoch_samples must be an integer"),  # was truncated to 2
+        ({"epoch_samples": "5"}, "epoch_samples must be an integer"),  # was int("5")
+        ({"epoch_samples": True}, "epoch_samples must be an integer"),
+        ({"epoch_samples": 2**63}, r"2\*\*63"),  # was an OverflowError in len()
+        ({"seed": 1.5}, "seed must be an integer"),  # was truncated to 1
+    ],
+)
+def test_mixed_counts_are_integers_in_range(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _mix(**kwargs)
+
+
+def test_mixed_largest_epoch_and_numpy_integers() -> None:
+    ds = _mix(epoch_samples=np.int64(2**63 - 1), seed=np.int64(3))
+    assert len(ds) == 2**63 - 1
+    got = ds.read_batch(np.array([0, 2**62, 2**63 - 2]))
+    assert got.shape == (3, 1)
+    with pytest.raises(ValueError, match="epoch must be an integer"):
+        ds.set_epoch(1.5)  # type: ignore[arg-type]
+
+
+def test_mixed_member_names_with_any_characters() -> None:
+    """A lone surrogate (a name decoded from bytes with surrogateescape) raised
+    UnicodeEncodeError; names with NUL, slashes and newlines are ordinary keys."""
+    members = {"\udcff": _Member(2, 7), "a\x00/../b\n": _Member(5, 100), "é": _Member(3, 50)}
+    ds = MixedDataset(members)
+    assert sorted(_flat([ds.read_batch(np.arange(10))])) == [7, 8, 50, 51, 52, *range(100, 105)]
+    state = json.loads(json.dumps(ds.state_dict()))
+    MixedDataset(members).load_state_dict(state)
+    renamed = dict(zip(["\udcfe", "a\x00/../b\n", "é"], members.values(), strict=True))
+    with pytest.raises(ValueError, match="another layout"):
+        MixedDataset(renamed).load_state_dict(state)
+
+
+def test_mixed_empty_member_with_zero_weight_is_left_out() -> None:
+    members = {"empty": _Member(0, 0), "b": _Member(5, 100)}
+    ds = MixedDataset(members, weights={"empty": 0, "b": 1}, epoch_samples=4)
+    assert ds.counts == [0, 4]
+    assert len(set(_flat([ds.read_batch(np.arange(4))]))) == 4
+    assert MixedDataset(members).counts == [0, 5]  # weights=None: by length
+    with pytest.raises(ValueError, match="'empty' is empty"):
+        MixedDataset(members, weights={"empty": 1, "b": 1})
+
+
+def test_mixed_persistent_worker_processes_refuse_a_new_epoch() -> None:
+    """Persistent worker processes keep the dataset copy of the epoch they started with: after
+    ``set_epoch`` they served the old epoch's subset without a word. Now it is a clear error,
+    and thread workers (which share the dataset) follow ``set_epoch``."""
+    ds = _mix()
+    loader = DataLoader(ds, batch_size=10, num_workers=1, persistent_workers=True)
+    assert sorted(_flat(loader)) == sorted(_flat([ds.read_batch(np.arange(41))]))
+    assert sorted(_flat(loader)) == sorted(_flat([ds.read_batch(np.arange(41))]))  # same epoch
+    ds.set_epoch(1)
+    with pytest.raises(ValueError, match=r"set_epoch\(1\).*persistent worker processes"):
+        iter(loader)
+    threads = DataLoader(
+        ds, batch_size=10, num_workers=2, worker_type="thread", persistent_workers=True
+    )
+    for epoch in (1, 2):
+        ds.set_epoch(epoch)
+        assert sorted(_flat(threads)) == sorted(_flat([ds.read_batch(np.arange(41))]))
+
+
+def test_mixed_padding_sampler_adds_repeats_pad_false_is_exact() -> None:
+    """The docs' note: torch's sampler with drop_last=False pads; pad=False is exact."""
+    ds = _mix()
+    padded: Counter[int] = Counter()
+    exact: Counter[int] = Counter()
+    for rank in range(3):
+        torch_s = tud.DistributedSampler(ds, num_replicas=3, rank=rank, drop_last=False)
+        padded.update(_flat(DataLoader(ds, batch_size=4, sampler=torch_s)))
+        ours = DistributedSampler(ds, 3, rank, pad=False, batch_size=4)
+        exact.update(_flat(DataLoader(ds, batch_size=4, sampler=ours)))
+    assert exact == Counter(_flat([ds.read_batch(np.arange(41))]))
+    assert sum(padded.values()) == 42 and padded != exact
+
+
+def _rank(world: int, rank: int, epoch: int = 1) -> tuple[DataLoader, MixedDataset, Any]:
+    ds = _mix()
+    sampler = DistributedSampler(ds, world, rank, seed=3, pad=False, batch_size=2)
+    sampler.set_epoch(epoch)
+    ds.set_epoch(epoch)
+    return DataLoader(ds, batch_size=2, sampler=sampler), ds, sampler
+
+
+def _save(loader: DataLoader, ds: MixedDataset) -> Any:
+    return json.loads(json.dumps({"loader": loader.state_dict(), "mix": ds.state_dict()}))
+
+
+def _load(world: int, rank: int, state: Any) -> DataLoader:
+    loader, ds, sampler = _rank(world, rank)
+    loader.load_state_dict(state["loader"])
+    ds.load_state_dict(state["mix"])
+    sampler.set_epoch(state["mix"]["epoch"])
+    ds.set_epoch(state["mix"]["epoch"])
+    return loader
+
+
+def test_mixed_elastic_resume_one_then_three_then_two_ranks() -> None:
+    """A resumed run resumed again at a third world size still delivers the exact epoch."""
+    full = Counter(_flat(_rank(1, 0)[0]))
+    assert sum(full.values()) == 41
+    got: Counter[int] = Counter()
+    loader, ds, _ = _rank(1, 0)
+    it = iter(loader)
+    for _ in range(3):
+        got.update(_flat([next(it)]))
+    state = _save(loader, ds)
+    states = []
+    for rank in range(3):
+        loader = _load(3, rank, state)
+        it = iter(loader)
+        for _ in range(2):
+            got.update(_flat([next(it)]))
+        states.append(_save(loader, loader.dataset))  # type: ignore[arg-type]
+    for rank in range(2):
+        got.update(_flat(_load(2, rank, states[rank])))
+    assert got == full
+
+
+def test_mixed_state_is_the_same_on_every_rank_and_strictly_typed() -> None:
+    states = []
+    for rank in range(3):
+        loader, ds, _ = _rank(3, rank)
+        next(iter(loader))
+        states.append(json.dumps(ds.state_dict(), sort_keys=True))
+    assert len(set(states)) == 1  # "the same on every rank"
+    state = json.loads(states[0])
+    for key, bad in (("seed", 5.0), ("members", True), ("epoch_samples", 41.0), ("seed", "5")):
+        with pytest.raises(ValueError, match=key):
+            _mix().load_state_dict({**state, key: bad})
+    with pytest.raises(ValueError, match="epoch_samples"):  # "must stay the same"
+        _mix(epoch_samples=40).load_state_dict(state)
+
+
+def test_mixed_forgotten_set_epoch_warns_once() -> None:
+    """sampler.set_epoch(e) without mixed.set_epoch(e): every epoch drew the same subset of
+    the down-sampled member, silently."""
+    ds = _mix()
+    sampler = DistributedSampler(ds, 1, 0, pad=False)
+    loader = DataLoader(ds, batch_size=8, sampler=sampler)
+    list(loader)  # epoch 0 both: no warning
+    sampler.set_epoch(1)
+    with pytest.warns(
+        RuntimeWarning, match=r"sampler is at epoch 1 but the MixedDataset at epoch 0"
+    ):
+        list(loader)
+    sampler.set_epoch(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(loader)  # once per loader
+        ds.set_epoch(2)
+        list(DataLoader(ds, batch_size=8, sampler=sampler))  # in step: no warning
+
+
+class _Dicts:
+    """A member whose batches are dicts with the keys in another order than MemmapDataset's."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def read_batch(self, indices: Any, out: Any = None) -> dict[str, torch.Tensor]:
+        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+        return {"label": (idx % 7).to(torch.int32), "data": (500 + idx)[:, None].repeat(1, 3)}
+
+
+def test_mixed_members_may_order_their_keys_differently(tmp_path: Path) -> None:
+    """{"data", "label"} and {"label", "data"} were refused as "different batches"; torch's
+    default_collate takes the keys by name, so does the mix now (in the first member's order)."""
+    with MemmapWriter(tmp_path / "m", shape=(3,), dtype="int64", fields={"label": "int32"}) as w:
+        w.append_batch(np.arange(6)[:, None].repeat(3, 1), label=np.arange(6, dtype=np.int32))
+    ds = MixedDataset({"m": MemmapDataset(tmp_path / "m"), "d": _Dicts(4)})
+    batch = ds.read_batch(np.arange(10))
+    assert list(batch) == ["data", "label"]
+    assert batch["data"][:, 0].tolist() == [0, 1, 2, 3, 4, 5, 500, 501, 502, 503]
+    assert batch["label"].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]
+    with pytest.raises(DatasetError, match="keys"):  # other keys still refused
+
+        class Other(_Dicts):
+            def read_batch(self, indices: Any, out: Any = None) -> dict[str, torch.Tensor]:
+                return {"data": super().read_batch(indices)["data"]}
+
+        MixedDataset({"m": MemmapDataset(tmp_path / "m"), "o": Other(4)}).read_batch(np.arange(10))

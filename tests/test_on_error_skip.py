@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+import torch.utils.data as tud
+from _helpers import fail_on_5 as _fail_on_5
 from torch.utils.data import Dataset, IterableDataset
 
 import feedpipe
+from feedpipe import DataLoader, MemmapDataset, MemmapWriter
+from feedpipe.errors import DatasetError, WorkerError
 from feedpipe.loader.skip import SKIP_LIMIT
 
 BAD = {5, 8, 9, 10, 11}  # batch 2 (indices 8..11) is all bad
@@ -136,7 +143,7 @@ def test_all_bad_batch_keeps_numbering_and_resume(workers: int, kind: str) -> No
 def test_every_batch_bad() -> None:
     loader = feedpipe.DataLoader(PerSample(bad=set(range(8)), n=8), batch_size=4, on_error="skip")
     with pytest.raises(feedpipe.DatasetError, match="every sample of the epoch failed"):
-        list(loader)  # an epoch of nothing is an error (tests/test_attack_loader2.py)
+        list(loader)  # an epoch of nothing is an error (test_skip_every_sample_failing_is_an_error)
     assert loader.stats.skipped == 8
 
 
@@ -219,3 +226,145 @@ def test_counters_with_all_bad_batches(trace: bool) -> None:
     assert [b.tolist() for b in loader] == EXPECTED
     stats = loader.stats
     assert (stats.batches, stats.samples, stats.skipped) == (4, 15, 5)
+
+
+# ====================================================================== on_error="skip"
+SKIP_WORKERS = [(0, "process"), (2, "thread"), (2, "process")]
+
+
+class _Flaky(tud.Dataset):  # type: ignore[type-arg]
+    """Sample 5 fails on its 1st and 3rd reads (a transient error; count in a file, so it
+    holds across worker processes): the batch read fails, the read alone succeeds."""
+
+    def __init__(self, counter: Path) -> None:
+        self.counter = counter
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 5:
+            count = int(self.counter.read_text()) if self.counter.exists() else 0
+            self.counter.write_text(str(count + 1))
+            if count % 2 == 0:
+                raise OSError("transient read error on 5")
+        return torch.tensor(i)
+
+
+@pytest.mark.parametrize(("workers", "kind"), SKIP_WORKERS)
+def test_skip_transient_error_keeps_the_sample(tmp_path: Path, workers: int, kind: str) -> None:
+    """The batch read failed, sample 5 alone read fine, then the batch was read a third time
+    and failed again: the loader raised OSError although on_error="skip". Now the samples
+    just read form the batch."""
+    loader = DataLoader(
+        _Flaky(tmp_path / "n"), batch_size=4, num_workers=workers, worker_type=kind,
+        on_error="skip",
+    )  # fmt: skip
+    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert loader.stats.skipped == 0
+    assert int((tmp_path / "n").read_text()) == 2  # the batch read and the read alone
+
+
+class _AllBad(tud.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        raise FileNotFoundError(f"/data/{i}.jpg")
+
+
+@pytest.mark.parametrize(("workers", "kind"), SKIP_WORKERS)
+@pytest.mark.parametrize("batch_size", [4, None])
+def test_skip_every_sample_failing_is_an_error(
+    workers: int, kind: str, batch_size: int | None
+) -> None:
+    """Every read failing (a wrong path) gave empty epochs forever, without a word."""
+    loader = DataLoader(
+        _AllBad(), batch_size=batch_size, num_workers=workers, worker_type=kind, on_error="skip"
+    )
+    for _ in range(2):  # the second epoch drops them all unread: still an error
+        with pytest.raises(DatasetError, match=r"every sample of the epoch failed \(8 skipped"):
+            list(loader)
+
+
+def test_skip_resumed_tail_of_bad_samples_is_no_error() -> None:
+    """Resumed mid-epoch before a last, all-bad batch: the epoch delivered batches before."""
+    ds = _Bad({4, 5, 6, 7})
+    loader = DataLoader(ds, batch_size=4, on_error="skip")
+    it = iter(loader)
+    assert next(it).tolist() == [0, 1, 2, 3]
+    state = loader.state_dict()
+    again = DataLoader(ds, batch_size=4, on_error="skip")
+    again.load_state_dict(state)
+    assert list(again) == []
+
+
+class _Bad(tud.Dataset):  # type: ignore[type-arg]
+    """Samples ``bad`` raise ``exc``; the others are ``tensor(i)``."""
+
+    def __init__(self, bad: set[int], exc: BaseException | None = None, n: int = 8) -> None:
+        self.bad, self.exc, self.n = bad, exc, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i in self.bad:
+            raise self.exc if self.exc is not None else ValueError(f"bad {i}")
+        return torch.tensor(i)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize(("workers", "kind"), SKIP_WORKERS)
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_skip_never_swallows_interrupts(workers: int, kind: str, exc: type) -> None:
+    loader = DataLoader(
+        _Bad({5}, exc()), batch_size=4, num_workers=workers, worker_type=kind, on_error="skip"
+    )
+    # in this process the interrupt itself; from a worker the loader's WorkerError, as without
+    # on_error="skip"
+    with pytest.raises(exc if workers == 0 else WorkerError):
+        list(loader)
+    assert loader.stats.skipped == 0
+
+
+def _sigkill_at_5(i: int) -> torch.Tensor:
+    if i == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return torch.tensor(i)
+
+
+class _Killer(tud.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return _sigkill_at_5(i)
+
+
+def test_skip_a_killed_worker_process_is_not_a_skip() -> None:
+    loader = DataLoader(_Killer(), batch_size=4, num_workers=2, on_error="skip", timeout=30)
+    with pytest.raises(WorkerError, match="exit code -9"):
+        list(loader)
+    assert loader.stats.skipped == 0
+
+
+@pytest.mark.parametrize(("workers", "kind"), SKIP_WORKERS)
+def test_skip_a_transform_error_like_a_read_error(tmp_path: Path, workers: int, kind: str) -> None:
+    """MemmapDataset(transform=) raising for one sample drops that sample, on read_batch's
+    path (one gather per batch) as on the per-sample path, and a resume drops it again."""
+    with MemmapWriter(tmp_path / "ds", shape=(2,), dtype="int64") as w:
+        w.append_batch(np.repeat(np.arange(12, dtype=np.int64)[:, None], 2, axis=1))
+    ds = MemmapDataset(tmp_path / "ds", transform=_fail_on_5)
+    loader = DataLoader(ds, batch_size=4, num_workers=workers, worker_type=kind, on_error="skip")
+    got = [b[:, 0].tolist() for b in loader]
+    assert got == [[0, 1, 2, 3], [4, 6, 7], [8, 9, 10, 11]]
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    assert state["skipped"] == {"known": [5], "epoch": []}
+    del it
+    again = DataLoader(ds, batch_size=4, num_workers=workers, worker_type=kind, on_error="skip")
+    again.load_state_dict(state)
+    assert [b[:, 0].tolist() for b in again] == got[1:]
+    assert again.stats.skipped == 1  # the known-bad sample, dropped unread

@@ -384,3 +384,42 @@ def test_a_long_input_url_is_redacted_before_it_is_cut(tmp_path: Path) -> None:
 
 def _fails(item: object) -> None:
     raise ValueError("cannot fetch")
+
+
+@pytest.fixture
+def http_ds(tmp_path: Path) -> Iterator[str]:
+    """A static HTTP server over a directory holding the dataset ``ds``; yields host:port."""
+    make_dataset(tmp_path / "www" / "ds", shards=2, nbytes=5000)
+    handler = functools.partial(_Quiet, directory=str(tmp_path / "www"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("password", ["S3cret/99x", "S3cret#99x", "S3cret?99x", "S3c@ret/99x"])
+def test_a_password_with_a_raw_slash_or_hash_is_redacted(
+    tmp_path: Path, http_ds: str, password: str
+) -> None:
+    """Unencoded '/', '#' or '?' in a password ended the userinfo match: the error showed it."""
+    assert "99x" not in _remote.redact(f"http://me:{password}@h/x")
+    leaks = LeakCheck(password, "99x")
+    leaks.raises(
+        DatasetError,
+        lambda: stage(f"http://me:{password}@{http_ds}/ds", tmp_path / "d", deadline_s=2),
+    )
+
+
+def test_third_party_debug_logs_never_show_the_password(
+    tmp_path: Path, http_ds: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """fsspec logs every HTTP URL it opens at DEBUG, userinfo included."""
+    leaks = LeakCheck("Pw0rdSecret")
+    caplog.set_level(logging.DEBUG)  # the root logger: every library
+    stage(f"http://me:Pw0rdSecret@{http_ds}/ds", tmp_path / "d", progress=False)
+    MemmapDataset(f"http://me:Pw0rdSecret@{http_ds}/ds", cache_dir=tmp_path / "c")[0]
+    assert any(r.name.startswith("fsspec") for r in caplog.records)
+    leaks.logs(caplog)

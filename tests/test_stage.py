@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from _faultproxy import FaultProxy
+from _helpers import file_url_fixtures as _fixtures
+from conftest import free_port
+from feedpipe.stage import stage
 
+from feedpipe import MemmapDataset
 from feedpipe.errors import DatasetError
 from feedpipe.remote import transfer as _remote
-from feedpipe.stage import stage
 
 SECRET_KEY = "AKIAFEEDPIPETESTKEY1"
 SECRET = "s3cr3t/FeedpipeTestSecretValue+xyz"
@@ -269,3 +274,97 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert_same(tmp_path / "dst", contents)
     assert main(["stage", str(tmp_path / "missing"), str(tmp_path / "dst2"), "--no-progress"]) == 1
     assert "missing/index.json" in capsys.readouterr().err
+
+
+def test_feedpipe_stage_stays_callable_after_its_module_is_imported(tmp_path: Path) -> None:
+    """``from feedpipe.stage import stage`` (a public path) bound the module over the function:
+    ``feedpipe.stage(src, dst)`` was then "'module' object is not callable"."""
+    import feedpipe.stage
+
+    paths = _fixtures(tmp_path)
+    feedpipe.stage(paths["mm"], tmp_path / "staged")
+    assert len(MemmapDataset(tmp_path / "staged")) == 3
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_restage_same_version_keeps_the_index_when_nothing_is_fetched(tmp_path: Path) -> None:
+    make_dataset(tmp_path / "src", shards=2, nbytes=5000)
+    dst = tmp_path / "dst"
+    stage(tmp_path / "src", dst, progress=False)
+    result = stage(tmp_path / "src", dst, progress=False)
+    assert result.copied == 0
+    assert (dst / "index.json").read_bytes() == (tmp_path / "src" / "index.json").read_bytes()
+    assert len(MemmapDataset(dst, verify=True)) == 10
+
+
+def test_stage_from_an_unreachable_host_fails_at_once_in_one_line(tmp_path: Path) -> None:
+    """It printed a warning per retry (37 lines over 2 minutes) before its one-line error."""
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "feedpipe.cli", "stage", "--no-progress"),
+            *(f"http://127.0.0.1:{free_port()}/ds", str(tmp_path / "dst")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,  # the old retries ran to the 120 s deadline
+        check=False,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 1, proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unreachable" in lines[0], proc.stderr
+    assert not (tmp_path / "dst").exists()
+
+
+def test_retries_warn_once_per_call(caplog: pytest.LogCaptureFixture) -> None:
+    """Transient errors are still retried, but only the first retry of a call is a warning."""
+    import logging
+
+    failures = iter(range(4))
+
+    def flaky() -> str:
+        if next(failures, None) is not None:
+            raise ConnectionResetError("reset by peer")
+        return "ok"
+
+    policy = _remote.RetryPolicy(deadline_s=30, base_s=0.001, max_sleep_s=0.002)
+    with caplog.at_level(logging.DEBUG, logger="feedpipe.remote"):
+        assert _remote.call(flaky, "http://h/x", policy=policy) == "ok"
+    retries = [r for r in caplog.records if "transient error" in r.getMessage()]
+    assert [r.levelno for r in retries] == [logging.WARNING] + [logging.DEBUG] * 3
+
+
+def test_no_verify_existing_never_serves_v2_index_over_v1_shards(tmp_path: Path) -> None:
+    """v1 and v2 have shards of the same sizes: trusting sizes over another version's files
+    wrote v2's index over v1's bytes, and the default open served them."""
+    make_dataset(tmp_path / "v1", shards=2, nbytes=5000, seed=1)
+    v2 = make_dataset(tmp_path / "v2", shards=2, nbytes=5000, seed=2)
+    dst = tmp_path / "dst"
+    stage(tmp_path / "v1", dst, progress=False)
+    stage(tmp_path / "v2", dst, progress=False, verify_existing=False)
+    for name, data in v2.items():
+        assert (dst / name).read_bytes() == data, name
+    assert len(MemmapDataset(dst, verify=True)) > 0
+
+
+def test_no_verify_existing_after_an_interruption_rechecks_crcs(tmp_path: Path) -> None:
+    """No index in dst (an interrupted stage): leftovers of the same size are not trusted."""
+    make_dataset(tmp_path / "v1", shards=2, nbytes=5000, seed=1)
+    v2 = make_dataset(tmp_path / "v2", shards=2, nbytes=5000, seed=2)
+    dst = tmp_path / "dst"
+    stage(tmp_path / "v1", dst, progress=False)
+    (dst / "index.json").unlink()  # what a stage of v2 killed after its first step leaves
+    stage(tmp_path / "v2", dst, progress=False, verify_existing=False)
+    for name, data in v2.items():
+        assert (dst / name).read_bytes() == data, name
+    MemmapDataset(dst, verify=True)
+
+
+def test_no_verify_existing_still_skips_a_complete_same_version(tmp_path: Path) -> None:
+    make_dataset(tmp_path / "v1", shards=2, nbytes=5000, seed=1)
+    dst = tmp_path / "dst"
+    stage(tmp_path / "v1", dst, progress=False)
+    result = stage(tmp_path / "v1", dst, progress=False, verify_existing=False)
+    assert result.copied == 0 and result.skipped > 0

@@ -242,3 +242,67 @@ def test_remote_corpus_through_the_cache(
     for j, i in enumerate(order.tolist()):
         assert np.array_equal(got[j].numpy(), cat[i * 23 : (i + 1) * 23])
     tw.close()
+
+
+# ------------------------------------------------------------------------------ TokenWindows
+class TestPaddedTokenWindowsContract(DatasetContractTests):
+    """The dataset contract with ``drop_last=False`` (a padded last window), empty documents
+    and shards, and windows crossing shards: only ``drop_last=True`` was run through it."""
+
+    def make_dataset(self, tmp_path: Path) -> Any:
+        rng = np.random.default_rng(7)
+        with MemmapWriter(
+            tmp_path / "c", records=False, fields={"tokens": ("int16", (None,))}, shard_bytes=30
+        ) as w:
+            for k in (5, 0, 0, 13, 1, 0, 22, 3):
+                w.append(tokens=rng.integers(-(2**15), 2**15, k).astype(np.int16))
+        tw = TokenWindows(tmp_path / "c", block_size=7, drop_last=False, pad_value=-1)
+        assert tw.num_tokens % 7 and len(tw) == -(-tw.num_tokens // 7)
+        return tw
+
+
+def _window_loader(tw: TokenWindows, world: int, rank: int) -> DataLoader:
+    sampler = DistributedSampler(tw, world, rank, seed=3, batch_size=2, pad=False)
+    loader = DataLoader(tw, batch_size=2, sampler=sampler, num_workers=2, worker_type="thread")
+    loader.sampler.set_epoch(2)
+    return loader
+
+
+def test_padded_windows_resume_exactly_and_elastically(tmp_path: Path) -> None:
+    """drop_last=False through the loader + sampler state (as tests/test_token_windows.py for
+    drop_last=True): the same world resumes batch for batch; 3 ranks stopped, 2 finish the
+    epoch, and every window, the padded last one included, is read exactly once."""
+    rng = np.random.default_rng(1)
+    with MemmapWriter(
+        tmp_path / "c", records=False, fields={"tokens": ("int32", (None,))}, shard_bytes=64
+    ) as w:
+        for k in rng.integers(0, 12, 30):
+            w.append(tokens=np.arange(k, dtype=np.int32) + 1000 * len(w.shards))
+    tw = TokenWindows(tmp_path / "c", block_size=7, drop_last=False, pad_value=-7)
+    assert tw.num_tokens % 7 and (tw[len(tw) - 1] == -7).any()
+    window_of = {bytes(tw[i].numpy()): i for i in range(len(tw))}
+    assert len(window_of) == len(tw)
+    taken: list[int] = []
+    state: dict[str, Any] = {}
+    for rank in range(3):
+        full = list(_window_loader(tw, 3, rank))
+        loader = _window_loader(tw, 3, rank)
+        it = iter(loader)
+        first = [next(it) for _ in range(2)]
+        taken += [window_of[bytes(r.numpy())] for b in first for r in b]
+        state = json.loads(json.dumps(loader.state_dict()))
+        del it
+        again = _window_loader(tw, 3, rank)
+        again.load_state_dict(state)
+        again.sampler.set_epoch(2)
+        got = first + list(again)
+        assert len(got) == len(full)
+        for g, want in zip(got, full, strict=True):
+            assert torch.equal(g, want)
+    rest: list[int] = []
+    for rank in range(2):
+        loader = _window_loader(tw, 2, rank)
+        loader.load_state_dict(state)
+        loader.sampler.set_epoch(2)
+        rest += [window_of[bytes(r.numpy())] for b in loader for r in b]
+    assert sorted(taken + rest) == list(range(len(tw)))

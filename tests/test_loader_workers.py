@@ -1,15 +1,16 @@
 """Thread workers behave as torch's docs promise, and workers go away promptly and cleanly.
 
-Issue 16, points 3 and 4: torch's ``get_worker_info()`` inside thread workers (sharded
-``IterableDataset``, ``worker_init_fn``), warnings for what threads cannot do (per-worker global
-RNGs), no "worker processes" warning for threads; prompt shutdown without the cyclic GC, every
-worker death as ``WorkerError`` raised in ``next()`` only, and a clean interpreter exit after an
-early ``break`` on every path (the ``gpu`` test covers the device paths).
-"""
+Torch's ``get_worker_info()`` inside thread workers (sharded ``IterableDataset``,
+``worker_init_fn``), warnings for what threads cannot do (per-worker global RNGs) that never
+blame the training loop, the sampler or another ``iter()``, no "worker processes" warning for
+threads; prompt shutdown without the cyclic GC, every worker death as ``WorkerError`` raised in
+``next()`` only, and a clean interpreter exit after an early ``break`` on every path."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import inspect
 import math
 import os
 import random
@@ -26,16 +27,150 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.utils.data
+import torch.utils.data as tud
+from _helpers import RngFreeItems as _Items
+from _helpers import Squares as _Squares
 from _helpers import rng_warnings as _rng_warnings
 from torch.utils.data import Dataset, IterableDataset
-from torch.utils.data import get_worker_info as torch_get_worker_info  # bound before feedpipe runs
+from torch.utils.data import get_worker_info as torch_get_worker_info
 
 import feedpipe
 from feedpipe import DataLoader
 from feedpipe.errors import WorkerError
+from feedpipe.loader import threads
 
-pytestmark = pytest.mark.timeout(60)
+
+# ------------------------------------------------------------ get_worker_info() patch leaks
+class _WhoAmI(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, i: int) -> Any:
+        info = tud.get_worker_info()
+        return torch.tensor([info.id, info.num_workers])
+
+
+class _RunsATorchLoader(Dataset):  # type: ignore[type-arg]
+    """A dataset that runs a plain torch process-worker loader in each of its items."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> Any:
+        inner = tud.DataLoader(
+            _WhoAmI(), batch_size=None, num_workers=3, multiprocessing_context="fork"
+        )
+        return torch.stack(list(inner))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::RuntimeWarning")
+def test_torch_process_workers_forked_from_a_thread_worker_see_their_own_info() -> None:
+    """A process forked from a feedpipe worker thread must not inherit the thread's info."""
+    loader = DataLoader(_RunsATorchLoader(), batch_size=None, num_workers=2, worker_type="thread")
+    for got in loader:
+        assert got.tolist() == [[0, 3], [1, 3], [2, 3]]
+
+
+@pytest.mark.timeout(60)
+def test_no_rng_warning_for_draws_of_the_training_loop() -> None:
+    """Dropout on CPU or a numpy mixup in the loop is not the dataset drawing in a worker."""
+    loader = DataLoader(_Items(0.1), batch_size=2, num_workers=2, worker_type="thread")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for _batch in loader:
+                torch.rand(3)
+                np.random.rand()
+    assert _rng_warnings(record) == []
+
+
+@pytest.mark.timeout(60)
+def test_no_rng_warning_for_zip_of_two_thread_loaders() -> None:
+    """torch's idiom ``zip(loader_a, loader_b)``: b's ``iter()`` draws its base seed from the
+    global torch RNG while a's workers read."""
+    a = DataLoader(_Items(0.1), batch_size=2, num_workers=2, worker_type="thread")
+    b = DataLoader(_Items(), batch_size=4, num_workers=2, worker_type="thread")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert len(list(zip(a, b, strict=False))) == 4
+        it1, it2 = iter(a), iter(b)  # two iterators alive at once
+        assert len(list(zip(it1, it2, strict=False))) == 4
+    assert _rng_warnings(record) == []
+
+
+class _NumpySampler:
+    """A custom sampler drawing from numpy's global RNG lazily, one index at a time."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __iter__(self) -> Any:
+        for _ in range(16):
+            yield int(np.random.randint(16))
+
+
+@pytest.mark.timeout(60)
+def test_no_rng_warning_for_a_sampler_drawing_from_the_global_rng() -> None:
+    def init(wid: int) -> None:  # opens a file, say: no RNG
+        time.sleep(0.05)
+
+    loader = DataLoader(_Items(0.05), batch_size=2, sampler=_NumpySampler(), num_workers=2,
+                        worker_type="thread", worker_init_fn=init)  # fmt: skip
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert len(list(loader)) == 8
+    assert _rng_warnings(record) == []
+
+
+class _Draws(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> Any:
+        return i + int(np.random.rand() * 0)  # a numpy augmentation (adds 0)
+
+
+@pytest.mark.timeout(60)
+def test_rng_warning_still_fires_for_a_drawing_dataset_in_zip() -> None:
+    a = DataLoader(_Items(), batch_size=2, num_workers=2, worker_type="thread")
+    b = DataLoader(_Draws(), batch_size=2, num_workers=2, worker_type="thread")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = [int(x) for _, batch in zip(a, b, strict=True) for x in batch]
+    assert got == list(range(16))
+    msgs = _rng_warnings(record)
+    assert len(msgs) == 1 and "dataset drew from the global RNG of numpy.random" in msgs[0]
+
+
+# ------------------------------------------------ persistent_workers keeps thread workers' state
+class _EpochAware(IterableDataset):  # type: ignore[type-arg]
+    """Each worker's copy counts its own passes (state a persistent worker keeps)."""
+
+    def __init__(self) -> None:
+        self.passes = 0
+        self.opened = -1
+
+    def __iter__(self) -> Any:
+        info = tud.get_worker_info()
+        self.passes += 1
+        yield torch.tensor([info.id, self.passes, self.opened])
+
+
+def _open_per_worker(wid: int) -> None:
+    tud.get_worker_info().dataset.opened = wid  # torch's docs: configure this worker's copy
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("persistent", [True, False])
+def test_persistent_thread_workers_keep_their_dataset_and_init_once(persistent: bool) -> None:
+    def run(**kw: Any) -> list[list[list[int]]]:
+        kw.update(persistent_workers=persistent, worker_init_fn=_open_per_worker)
+        loader = DataLoader(_EpochAware(), batch_size=None, num_workers=2, **kw)
+        return [sorted(b.tolist() for b in loader) for _ in range(3)]
+
+    want = run(multiprocessing_context="fork")  # torch's process workers
+    assert run(worker_type="thread") == want
 
 
 # ------------------------------------------------------------------- 3. thread workers + torch
@@ -56,6 +191,7 @@ class Sharded(IterableDataset):  # type: ignore[type-arg]
         return iter(range(lo, hi))
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("bound", [False, True], ids=["attribute", "imported-name"])
 @pytest.mark.parametrize("batch_size", [None, 3])
 def test_sharded_iterable_in_thread_workers(bound: bool, batch_size: int | None) -> None:
@@ -68,6 +204,7 @@ def test_sharded_iterable_in_thread_workers(bound: bool, batch_size: int | None)
     assert feedpipe.get_worker_info() is None
 
 
+@pytest.mark.timeout(60)
 def test_worker_init_fn_sees_torch_worker_info() -> None:
     seen: list[tuple[int, int, int, bool]] = []
 
@@ -83,6 +220,7 @@ def test_worker_init_fn_sees_torch_worker_info() -> None:
     assert sorted(seen) == [(0, 0, 2, True), (1, 1, 2, True)]
 
 
+@pytest.mark.timeout(60)
 def test_torch_docs_worker_init_fn_split_in_threads() -> None:
     """torch's IterableDataset example 2: worker_init_fn narrows ``info.dataset`` (this
     thread's own copy) to its share."""
@@ -108,6 +246,7 @@ class _Range(IterableDataset):  # type: ignore[type-arg]
         return iter(range(self.start, self.end))
 
 
+@pytest.mark.timeout(60)
 def test_thread_worker_info_seeds_match_torch_rule() -> None:
     seeds: dict[int, int] = {}
 
@@ -147,6 +286,7 @@ class Plain(Dataset):  # type: ignore[type-arg]
         return i
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "seed_fn",
     [
@@ -178,6 +318,7 @@ def test_seeding_in_thread_worker_init_fn_warns_once(seed_fn: Any) -> None:
         torch.set_rng_state(state[2])
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("draw", ["torch", "numpy"])
 def test_augmentation_from_global_rng_in_threads_warns_once(draw: str) -> None:
     loader = DataLoader(Plain(draw), batch_size=2, num_workers=2, worker_type="thread")
@@ -191,6 +332,7 @@ def test_augmentation_from_global_rng_in_threads_warns_once(draw: str) -> None:
     assert "feedpipe.get_worker_info()" in msgs[0] and 'worker_type="process"' in msgs[0]
 
 
+@pytest.mark.timeout(60)
 def test_no_rng_warning_when_threads_leave_the_global_rng_alone() -> None:
     def init(wid: int) -> None:
         info = feedpipe.get_worker_info()
@@ -204,6 +346,7 @@ def test_no_rng_warning_when_threads_leave_the_global_rng_alone() -> None:
     assert _rng_warnings(record) == []
 
 
+@pytest.mark.timeout(60)
 def test_no_worker_process_warning_for_threads() -> None:
     many = (os.cpu_count() or 1) + 6
     with warnings.catch_warnings(record=True) as record:
@@ -240,6 +383,7 @@ def _wait_dead(procs: list[Any], limit_s: float) -> bool:
     return False
 
 
+@pytest.mark.timeout(60)
 def test_persistent_workers_go_with_the_loader_without_gc() -> None:
     loader = DataLoader(Numbers(), batch_size=4, num_workers=2, persistent_workers=True)
     for _batch in loader:
@@ -255,6 +399,7 @@ def test_persistent_workers_go_with_the_loader_without_gc() -> None:
         gc.enable()
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("worker_type", ["process", "thread"])
 @pytest.mark.serial
 def test_gc_of_a_loader_in_a_cycle_does_not_block(worker_type: str) -> None:
@@ -323,6 +468,7 @@ def _death_is_a_worker_error(how: str, pin: bool) -> float:
     return slowest
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.timeout(120)  # a hang fails here; the time bound is the serial test's below
 @pytest.mark.parametrize("how", ["sigkill", "exit3", "exit0", "segfault", "systemexit"])
 @pytest.mark.parametrize("pin", [False, True])
@@ -330,6 +476,7 @@ def test_every_process_worker_death_is_a_worker_error(how: str, pin: bool) -> No
     _death_is_a_worker_error(how, pin)
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.serial
 @pytest.mark.parametrize("how", ["sigkill", "exit0", "segfault"])
 def test_a_process_worker_death_is_reported_within_10_s(how: str) -> None:
@@ -338,6 +485,7 @@ def test_a_process_worker_death_is_reported_within_10_s(how: str) -> None:
     assert _death_is_a_worker_error(how, pin=False) < 10
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["systemexit"])
 def test_systemexit_in_a_thread_worker_is_a_worker_error(how: str) -> None:
     loader = DataLoader(Dies(how), batch_size=4, num_workers=2, worker_type="thread")
@@ -350,6 +498,7 @@ class _Fatal(BaseException):
     """Not an Exception: it ends the thread that raises it."""
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_thread_worker_that_dies_is_a_worker_error() -> None:
     class Fatal(Dataset):  # type: ignore[type-arg]
@@ -366,6 +515,7 @@ def test_a_thread_worker_that_dies_is_a_worker_error() -> None:
         list(loader)
 
 
+@pytest.mark.timeout(60)
 def test_systemexit_in_worker_init_fn_is_a_worker_error() -> None:
     def init(wid: int) -> None:
         raise SystemExit(1)
@@ -377,6 +527,7 @@ def test_systemexit_in_worker_init_fn_is_a_worker_error() -> None:
             list(loader)
 
 
+@pytest.mark.timeout(60)
 def test_no_error_arrives_asynchronously_after_a_worker_death() -> None:
     """The other workers stop (SIGCHLD) while the user handles the error: nothing is raised in
     the user's except block (torch's handler raised RuntimeError wherever the loop was)."""
@@ -417,6 +568,7 @@ print("done", flush=True)
 """
 
 
+@pytest.mark.timeout(60)
 def test_clean_exit_after_break(tmp_path: Path) -> None:
     """One interpreter, every CPU path broken out of (and one pass left mid-way), then exit."""
     script = tmp_path / "exit.py"
@@ -446,6 +598,7 @@ print("done", flush=True)
 """
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", ["auto", "ring"])
@@ -468,3 +621,58 @@ def test_gpu_clean_exit_after_break(tmp_path: Path, worker_type: str, path: str)
         assert proc.returncode == 0, f"run {run}: rc {proc.returncode}\n{proc.stderr}"
         assert "done" in proc.stdout
         assert "terminate called" not in proc.stderr, f"run {run}:\n{proc.stderr}"
+
+
+class WhoAmI(tud.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        import feedpipe
+
+        info = feedpipe.get_worker_info()
+        return -1 if info is None else info.id
+
+
+def test_get_worker_info_in_thread_workers_and_auto_type() -> None:
+    ids = list(DataLoader(WhoAmI(), batch_size=4, num_workers=2, worker_type="thread"))
+    assert sorted(int(b[0]) for b in ids) == [0, 1]
+    auto = DataLoader(WhoAmI(), batch_size=4, num_workers=2, worker_type="auto")
+    assert auto.worker_type == "process"  # a per-sample __getitem__
+
+
+def test_thread_worker_takes_one_frozen_options_object() -> None:
+    """``_worker_loop`` and ``_worker_body`` take (wid, dataset, inbox, options): the shared
+    settings travel in one frozen dataclass instead of a 17-parameter signature."""
+    for fn in (threads._worker_loop, threads._worker_body):
+        params = list(inspect.signature(fn).parameters)
+        assert params == ["wid", "dataset", "inbox", "opts"], fn.__name__
+    opts_type = threads._WorkerOptions
+    assert dataclasses.is_dataclass(opts_type)
+    assert opts_type.__dataclass_params__.frozen  # type: ignore[attr-defined]
+
+
+def _seen_seed(_: int) -> None:
+    info = feedpipe.get_worker_info()
+    assert info is not None
+    _SEEDS.append((info.id, info.num_workers, info.seed))
+
+
+_SEEDS: list[tuple[int, int, int]] = []
+
+
+def test_thread_workers_behave_as_before() -> None:
+    """Same batches, order, worker info and init hook as torch's process workers would give."""
+    _SEEDS.clear()
+    loader = feedpipe.DataLoader(
+        _Squares(), batch_size=4, num_workers=3, worker_type="thread", worker_init_fn=_seen_seed,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    out = torch.cat(list(loader))
+    assert out.tolist() == [i * i for i in range(40)]
+    assert sorted(s[:2] for s in _SEEDS) == [(0, 3), (1, 3), (2, 3)]
+    seeds = sorted(s[2] for s in _SEEDS)
+    assert seeds == [seeds[0], seeds[0] + 1, seeds[0] + 2]
+    with pytest.raises(ZeroDivisionError):
+        list(feedpipe.DataLoader(_Squares(), num_workers=2, worker_type="thread",
+                                 worker_init_fn=lambda w: 1 // 0))  # fmt: skip

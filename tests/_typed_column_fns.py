@@ -1,4 +1,4 @@
-"""Functions for tests/test_gaps19.py: importable by worker processes."""
+"""Functions for tests/test_convert_fn_columns.py: importable by worker processes."""
 
 from __future__ import annotations
 

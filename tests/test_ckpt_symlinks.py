@@ -17,7 +17,34 @@ from ckpt.cli import main as ckpt_main
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.manager import CheckpointManager
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_eviction_never_unlinks_through_a_swapped_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``step-N`` swapped for a symlink after eviction opened and locked it (at the
+    ``retention`` fault point): the manifest it removes is the locked step's, never one that
+    the symlink reaches."""
+    from ckpt import _faults
+    from ckpt.saving import commit
+
+    root = _run(tmp_path / "run")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "manifest.json").write_text("precious\n")
+    real = _faults.pause
+
+    def swap(point: str) -> None:
+        if point == "retention":
+            (root / "step-1").rename(tmp_path / "moved")
+            (root / "step-1").symlink_to(victim)
+        real(point)
+
+    monkeypatch.setattr(_faults, "pause", swap)
+    commit.evict(root, 1)
+    assert (victim / "manifest.json").read_text() == "precious\n"
+    assert not (tmp_path / "moved" / "manifest.json").exists()  # the locked step lost it
+
 
 VICTIM = b"precious data outside the checkpoint directory\n"
 
@@ -37,6 +64,7 @@ def _writers_refuse(root: Path, name: str, capsys: pytest.CaptureFixture[str]) -
         assert f"{name}: is a symlink" in capsys.readouterr().err
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 @pytest.mark.parametrize("name", [".lock", "latest"])
 def test_lock_and_latest_symlinks(
     tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
@@ -54,6 +82,7 @@ def test_lock_and_latest_symlinks(
     assert sorted(p.name for p in root.glob("step-*")) == ["step-1", "step-2"]
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_step_dir_symlink(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A ``step-N`` symlink to a valid checkpoint elsewhere is neither loaded nor deleted."""
     root = _run(tmp_path / "run")
@@ -73,6 +102,7 @@ def test_step_dir_symlink(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert (outside / "manifest.json").is_file() and (outside / "data.bin").is_file()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_data_file_symlink(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A data file replaced by a symlink to an identical file elsewhere (so every CRC matches)
     is corrupt: never read, whatever the read mode; restore falls back past it."""
@@ -97,6 +127,7 @@ def test_data_file_symlink(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         ckpt.load(single)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_dcp_rank_file_symlink(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -119,6 +150,7 @@ def test_dcp_rank_file_symlink(tmp_path: Path) -> None:
     assert "rank-00000.bin: data file is a symlink" in str(info.value)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_manifest_symlink(tmp_path: Path) -> None:
     """A manifest that is a symlink to a valid manifest elsewhere is refused, not read."""
     root = _run(tmp_path / "run")
@@ -131,6 +163,7 @@ def test_manifest_symlink(tmp_path: Path) -> None:
         ckpt.load(root / "step-2")
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_the_directory_itself_may_be_a_symlink(tmp_path: Path) -> None:
     """Only entries inside the checkpoint directory are refused; ``DIR`` itself (e.g. a link to
     a fast disk) and a ``ckpt.save`` path's parent may be symlinks."""
@@ -149,6 +182,7 @@ def test_the_directory_itself_may_be_a_symlink(tmp_path: Path) -> None:
     assert ckpt.load(link / "single")["step"] == 4
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_data_file_under_a_symlinked_subdirectory(tmp_path: Path) -> None:
     """A manifest (CRC-valid) naming ``sub/data.bin`` where ``sub`` links out of the step."""
     from ckpt import format as fmt

@@ -15,6 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _helpers import save_two_steps as _run
+from _helpers import write_raw
+from feedpipe._crc import crc32c, to_hex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +27,6 @@ from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.manager import CheckpointManager
 from ckpt.restoring.reader import read_checkpoint, verify_step
-from feedpipe._crc import crc32c, to_hex
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -36,13 +38,6 @@ def _state(step: int) -> dict[str, Any]:
         "nest": {"x": [1, (2.5, "s")], "f": float("inf"), "raw": b"\x00\x01"},
         "step": step,
     }
-
-
-def write_raw(step_dir: Path, body: Any) -> None:
-    """Write ``body`` as the manifest with a correct CRC32C, whatever it holds (NaN included)."""
-    canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    text = b'{"crc32c":"' + to_hex(crc32c(canon)).encode() + b'","body":' + canon + b"}\n"
-    (step_dir / fmt.MANIFEST).write_bytes(text)
 
 
 def _body(step_dir: Path) -> dict:
@@ -211,8 +206,6 @@ def test_saving_a_too_deep_state_is_refused(tmp_path: Path) -> None:
     assert ckpt.load(ckpt.save(tmp_path / "d", {"s": ok}))["s"] == ok
 
 
-# ---- generated hostile manifests --------------------------------------------------------------
-
 _JSON = st.recursive(
     st.none()
     | st.booleans()
@@ -300,4 +293,63 @@ def _generated(max_examples: int) -> Callable[[], None]:
 
 
 test_generated_hostile_manifests = _generated(150)
+
+
+test_generated_hostile_manifests = _generated(150)
 test_generated_hostile_manifests_many = pytest.mark.slow(_generated(3000))
+
+
+def _deflated(obj: Any) -> bytes:
+    """``torch.save(obj)`` re-zipped with deflate: a few KiB that expand to the full size."""
+    import io
+    import zipfile
+
+    plain = io.BytesIO()
+    torch.save(obj, plain)
+    out = io.BytesIO()
+    with (
+        zipfile.ZipFile(io.BytesIO(plain.getvalue())) as zin,
+        zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zout,
+    ):
+        for name in zin.namelist():
+            zout.writestr(name, zin.read(name))
+    return out.getvalue()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_byte_item_bomb_is_refused() -> None:
+    """A DCP byte item is loaded with ``weights_only=True``, which also inflates deflated zip
+    entries: a 50 KiB item would allocate 50 MB (GBs for a larger one). Only what torch.save
+    writes (stored entries, the zip format) is accepted, so memory is bounded by the item."""
+    import io
+
+    from ckpt.dcp import load_bytes_item
+
+    bomb = _deflated(torch.zeros(50_000_000, dtype=torch.uint8))
+    assert len(bomb) < 1_000_000
+    with pytest.raises(CheckpointError, match=r"item 'x'.*compressed"):
+        load_bytes_item(bomb, "item 'x'")
+    legacy = io.BytesIO()
+    torch.save({"a": 1}, legacy, _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointError, match=r"item 'y'.*not a torch\.save zip"):
+        load_bytes_item(legacy.getvalue(), "item 'y'")
+    plain = io.BytesIO()
+    torch.save({"a": torch.arange(3), "b": "text"}, plain)
+    got = load_bytes_item(plain.getvalue(), "item 'z'")
+    assert got["b"] == "text" and torch.equal(got["a"], torch.arange(3))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_giant_sparse_manifest_is_refused_unread(tmp_path: Path) -> None:
+    """A sparse manifest larger than ``MAX_MANIFEST_BYTES`` is a CorruptCheckpointError before
+    any of it is read (it is read whole otherwise), and restore falls back."""
+    from ckpt import format as fmt
+    from ckpt.errors import CorruptCheckpointError
+
+    root = _run(tmp_path / "run")
+    with open(root / "step-2" / "manifest.json", "r+b") as f:
+        f.truncate(fmt.MAX_MANIFEST_BYTES + 4096)
+    with pytest.raises(CorruptCheckpointError, match=r"manifest\.json: manifest is .* limit"):
+        ckpt.load(root / "step-2")
+    with CheckpointManager(root) as m:
+        assert m.restore()["step"] == 1

@@ -1,5 +1,5 @@
-"""The feedpipe CLI prints no tracebacks, reads URLs where its help says so, and draws no
-progress bar into a pipe (issue 16, point 14)."""
+"""The feedpipe CLI prints no tracebacks, reads URLs where its help says so, draws no progress bar
+into a pipe, never prints a secret of a URL, and refuses numbers that mean nothing."""
 
 from __future__ import annotations
 
@@ -172,6 +172,8 @@ def test_progress_helper_draws_only_on_a_terminal_in_binary_units(
 
 # ------------------------------------------------------------------ issue 25 item 16
 _KEY, _SECRET = "AKIAKEYID12345678", "SUPERSECRETvalue42"
+
+
 _URL = f"s3://{_KEY}:{_SECRET}@bucket/ds"
 
 

@@ -1,12 +1,8 @@
-"""Adversarial review of ckpt's S3 upload path (``ckpt.tiers.s3put``,
-``RemoteOptions.verify="auto"``):
-an attacker and a careless user against the real moto S3 server of ``conftest.py``, with
-``_faultproxy.FaultProxy`` in front of it where a request or reply must be altered.
-
-The promises under attack: an upload reported verified is byte-identical to the committed local
-step; a corrupted, incomplete or partial upload never commits; nothing committed is lost; a flaky
-network gets retries and a clear error, never a hang.
-"""
+"""ckpt's S3 upload path (``ckpt.tiers.s3put``, ``RemoteOptions.verify="auto"``) against the
+real moto S3 server of ``conftest.py``, with ``_faultproxy.FaultProxy`` in front of it where a
+request or reply must be altered: an upload reported verified is byte-identical to the committed
+local step; a corrupted, incomplete or partial upload never commits; nothing committed is lost;
+a flaky network gets retries and a clear error, never a hang."""
 
 from __future__ import annotations
 
@@ -18,9 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
 from _faultproxy import FaultProxy
 from _helpers import big_state as _big
 from _helpers import remote_options as _remote

@@ -1,19 +1,12 @@
-"""Kill between every pair of filesystem operations of the commit protocol.
-
-A worker re-saves a step that already exists (the case where the old copy must be retired) and,
-for the manager, saves further steps so retention evicts. It is SIGKILLed right after its k-th
-filesystem operation (``CKPT_TEST_KILL_AFTER``), for every k until it finishes on its own. After
-each kill another process (this one) opens the directory: every committed step the protocol may
-not have deleted yet must be reachable, verified, and hold its old or its new content; ``latest``
-names a committed step. Then a writer recovers the directory: no leftovers remain and nothing
-reachable changed. Both protocols run: the atomic exchange, and the two-rename fallback for
-filesystems without ``renameat2(RENAME_EXCHANGE)`` (forced by ``CKPT_TEST_NO_EXCHANGE``).
-"""
+"""The commit protocol survives a kill between any two of its filesystem operations, and recovery
+of a killed writer's directory is idempotent and never deletes the only complete copy."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +17,6 @@ import torch
 import ckpt
 from ckpt.manager import CheckpointManager
 from ckpt.saving import commit
-
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
 def _ctx() -> Any:
@@ -144,6 +135,7 @@ _CASES = [
 ]
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("mode", "no_exchange"), _CASES)
 def test_kill_after_every_fs_operation(tmp_path: Path, mode: str, no_exchange: bool) -> None:
@@ -158,6 +150,7 @@ def test_kill_after_every_fs_operation(tmp_path: Path, mode: str, no_exchange: b
         assert seen["cut"] == 0, seen  # the exchange has no such window
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("no_exchange", [False, True], ids=["exchange", "fallback"])
@@ -167,6 +160,7 @@ def test_kill_after_every_fs_operation_long(tmp_path: Path, mode: str, no_exchan
     assert seen["kills"] >= 15 and seen["new"], seen
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_recovery_never_deletes_the_only_complete_copy(tmp_path: Path) -> None:
     """The state a two-rename re-save leaves when killed between its renames: ``step-5`` gone,
     the old copy under ``step-5.del-*``, the new one under ``step-5.tmp-*``. Readers still see
@@ -195,3 +189,90 @@ def test_recovery_never_deletes_the_only_complete_copy(tmp_path: Path) -> None:
     ckpt.save(model, worker.state(5, "new"))
     assert not (tmp_path / "model.del-abcd").exists()
     assert _same(ckpt.load(model), 5) == "new"
+
+
+def _cut_run(base: Path) -> None:
+    """A directory as crashed writers leave it: step 5 only under a complete ``.del-`` name, a
+    half-deleted ``.del-`` copy, a dead save's temporary directory, an eviction cut after its
+    manifest went, and a stray ``latest.tmp-``."""
+    import shutil
+
+    from _ckpt_commit_worker import state
+
+    with CheckpointManager(base, keep_last=None) as m:
+        for s in (4, 5, 6):
+            m.save(s, state(s, "old")).result(30)
+    shutil.copytree(base / "step-5", base / "step-5.tmp-1-abcd")
+    shutil.copytree(base / "step-5", base / "step-5.del-bbbb")
+    (base / "step-5.del-bbbb" / "manifest.json").unlink()
+    (base / "step-5").rename(base / "step-5.del-aaaa")
+    (base / "step-6" / "manifest.json").unlink()
+    (base / "latest.tmp-1-abcd").write_text("step-6\n")
+
+
+def _recover_manager(root: str) -> None:
+    with CheckpointManager(root, keep_last=None) as m:
+        m.gc()  # takes the writer lock: recovery and leftover removal
+
+
+def _recover_reader(root: str) -> None:
+    from ckpt.saving import commit
+
+    commit.steps(Path(root))
+
+
+def _recover_simple(root: str) -> None:
+    ckpt.load(Path(root) / "model")
+
+
+def _killed(fn: Callable[[str], None], root: Path, k: int) -> int | None:
+    import multiprocessing as mp
+
+    def body() -> None:
+        os.environ["CKPT_TEST_KILL_AFTER"] = str(k)
+        fn(str(root))
+
+    proc = mp.get_context("fork").Process(target=body)
+    proc.start()
+    proc.join(30)
+    return proc.exitcode
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.parametrize("mode", ["manager", "reader", "simple"])
+def test_recovery_is_idempotent_under_kills(tmp_path: Path, mode: str) -> None:
+    """Recovery itself killed after its k-th operation, then killed again after its first, then
+    run to the end: the only complete copy of step 5 is never lost."""
+    import shutil
+
+    from _ckpt_commit_worker import state
+
+    base = tmp_path / "base"
+    if mode == "simple":
+        base.mkdir()
+        ckpt.save(base / "model", state(5, "old"))
+        shutil.copytree(base / "model", base / "model.del-bbbb")
+        (base / "model.del-bbbb" / "manifest.json").unlink()
+        (base / "model").rename(base / "model.del-aaaa")
+    else:
+        _cut_run(base)
+    fn = {"manager": _recover_manager, "reader": _recover_reader, "simple": _recover_simple}[mode]
+    for kills, k in enumerate(range(1, 40)):
+        root = tmp_path / f"k{k}"
+        shutil.copytree(base, root)
+        code = _killed(fn, root, k)
+        assert code in (0, -9), code
+        assert _killed(fn, root, 1) in (0, -9)
+        if mode == "simple":
+            got = ckpt.load(root / "model")
+        else:
+            _recover_manager(str(root))
+            with CheckpointManager(root) as m:
+                assert m.steps() == [4, 5], k
+                got = m.restore(5)
+        assert got["tag"] == "old" and torch.equal(got["w"], state(5, "old")["w"]), k
+        shutil.rmtree(root)
+        if code == 0:
+            assert kills >= (1 if mode == "reader" else 3), kills  # the harness did kill it
+            return
+    pytest.fail("recovery never finished")
