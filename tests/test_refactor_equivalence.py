@@ -166,3 +166,26 @@ def test_python_dash_m_on_an_old_path_does_not_crash(old_path: str) -> None:
     )
     assert "get_code" not in proc.stderr
     assert proc.returncode == 0, proc.stderr[-500:]
+
+
+# ---- a change for the better, pinned (passes on the new code) -------------------------------
+
+
+def test_simple_save_zeroes_the_padding_between_entries(tmp_path: object) -> None:
+    # old: ckpt.save staged into a fresh Buffer and never wrote the alignment gaps, so data.bin
+    # carried whatever memory held (not reproducible; CRCs differed between identical saves);
+    # new: ckpt.save goes through SavePlan, which zeroes the gaps as the manager always did
+    import json
+    from pathlib import Path
+
+    import ckpt
+
+    path = Path(str(tmp_path)) / "s"
+    state = {"x": torch.ones(3, dtype=torch.int8), "y": torch.ones(5, dtype=torch.int8)}
+    ckpt.save(path, state)
+    body = json.loads((path / "manifest.json").read_text())["body"]
+    data = (path / "data.bin").read_bytes()
+    covered: set[int] = set()
+    for entry in body["entries"]:
+        covered |= set(range(entry["offset"], entry["offset"] + entry["nbytes"]))
+    assert [i for i, b in enumerate(data) if i not in covered and b] == []
