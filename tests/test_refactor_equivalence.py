@@ -189,3 +189,31 @@ def test_simple_save_zeroes_the_padding_between_entries(tmp_path: object) -> Non
     for entry in body["entries"]:
         covered |= set(range(entry["offset"], entry["offset"] + entry["nbytes"]))
     assert [i for i, b in enumerate(data) if i not in covered and b] == []
+
+
+# ---- pre-existing (old and new alike), named by issue 26 as a target ------------------------
+
+
+@pytest.mark.parametrize("value", ["0", "false", "no", "off"])
+def test_feedpipe_debug_off_values_do_not_turn_debugging_on(value: str) -> None:
+    # issue 26 item 5: "one parser; 0/false/no/off are false everywhere" (it names
+    # "FEEDPIPE_DEBUG=0 turns debugging on"); feedpipe/cli.py still tests
+    # os.environ.get("FEEDPIPE_DEBUG") for truth, so FEEDPIPE_DEBUG=0 re-raises the error as a
+    # traceback instead of printing "feedpipe inspect: error: ..." (old and new alike)
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "FEEDPIPE_DEBUG": value}
+    code = "import sys; from feedpipe.cli import main; sys.exit(main())"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "inspect", "/nonexistent-feedpipe-dataset"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "feedpipe inspect: error:" in proc.stderr
