@@ -217,3 +217,16 @@ def test_feedpipe_debug_off_values_do_not_turn_debugging_on(value: str) -> None:
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert "feedpipe inspect: error:" in proc.stderr
+
+
+def test_dataloader_pickles_and_deepcopies_like_torch() -> None:
+    # torch's DataLoader(list(range(10)), batch_size=3) survives pickle and copy.deepcopy; the
+    # drop-in feedpipe.DataLoader raises TypeError: cannot pickle '_thread.lock' object on both
+    # (old and new alike: pre-existing)
+    import copy
+    import pickle
+
+    loader = DataLoader(list(range(10)), batch_size=3)
+    again = pickle.loads(pickle.dumps(loader))
+    assert [b.tolist() for b in again] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert next(b.tolist() for b in copy.deepcopy(loader)) == [0, 1, 2]
