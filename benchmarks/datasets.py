@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._report import machine, write_section
 from feedpipe import DataLoader, MemmapDataset, MemmapWriter, ZarrDataset
-from feedpipe.datasets.format import FileInfo, Index, Layout, Shard, write_index
+from feedpipe.format import FileInfo, Index, Layout, Shard, write_index
 from feedpipe.io.crc import crc32c_file, to_hex
 
 SIZES = {512: 256, 8192: 256, 262144: 32}  # record bytes -> batch size

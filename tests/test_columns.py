@@ -690,7 +690,7 @@ def test_a_json_number_out_of_float_range_is_refused_on_read_as_on_write(tmp_pat
 
 def test_layout_and_field_share_one_column_type() -> None:
     """``Layout`` and ``FieldSpec`` are one column type (shared sizes and JSON), not two copies."""
-    from feedpipe.datasets.format import FieldSpec, Layout
+    from feedpipe.format import FieldSpec, Layout
 
     for name in ("record_bytes", "row_bytes", "to_json"):
         assert getattr(Layout, name) is getattr(FieldSpec, name), name
@@ -729,7 +729,7 @@ def test_column_json_and_sizes_are_unchanged(
     spec: tuple[object, ...], doc: dict[str, object], record: int, row: int
 ) -> None:
     """The exact JSON (key order included, so index.json bytes do not change) and sizes."""
-    from feedpipe.datasets.format import FieldSpec, Layout, _parse_fields, _parse_layout
+    from feedpipe.format import FieldSpec, Layout, _parse_fields, _parse_layout
 
     cls = Layout if spec[0] == "L" else FieldSpec
     col = cls(*spec[1:])  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ import torch
 from _helpers import fixed_int32_dataset as _fixed
 
 from feedpipe import DatasetError, MemmapDataset, MemmapWriter, TokenWindows
-from feedpipe.datasets.format import Index, Shard, read_index, write_index
+from feedpipe.format import Index, Shard, read_index, write_index
 
 ROOT = Path(__file__).resolve().parent.parent
 N = 24  # records per dataset; shard_bytes makes 2+ shards of each layout

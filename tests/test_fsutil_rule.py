@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ckpt.saving import commit
-from feedpipe.datasets.format import INDEX_NAME, read_index, write_index
+from feedpipe.format import INDEX_NAME, read_index, write_index
 from feedpipe.io import atomic_write, fsync_dir
 from feedpipe.io.remote import TEMP_PREFIX
 

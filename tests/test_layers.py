@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: dict[str, int] = {
     # 1: errors, the shared I/O layer, the contract
     "feedpipe.errors": 1,
+    "feedpipe.format": 1,  # the on-disk format of a dataset (index.json), below datasets and remote
     "feedpipe.io": 1,
     "feedpipe.protocols": 1,
     "feedpipe._crc": 1,  # shim of feedpipe.io.crc

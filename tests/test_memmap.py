@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, default_collate
 
 from feedpipe import DatasetError, MemmapDataset, MemmapWriter
-from feedpipe.datasets.format import Index, read_index
+from feedpipe.format import Index, read_index
 
 RNG = np.random.default_rng(0)
 

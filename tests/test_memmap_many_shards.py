@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from feedpipe import DatasetError, MemmapDataset
-from feedpipe.datasets.format import FieldSpec, FileInfo, Index, Layout, Shard, write_index
+from feedpipe.format import FieldSpec, FileInfo, Index, Layout, Shard, write_index
 from feedpipe.io.crc import crc32c, to_hex
 
 SHAPE = (5,)  # 20-byte records: shards land at page- and row-aligned places with gaps between

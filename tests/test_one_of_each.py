@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 HOMES: dict[str, set[str]] = {
     "is_remote": {"feedpipe/io/remote.py"},
-    "INDEX_NAME": {"feedpipe/datasets/format.py"},
+    "INDEX_NAME": {"feedpipe/format.py"},
     "scratch": {"feedpipe/datasets/_gather.py"},
     "inverse": {"feedpipe/datasets/_gather.py"},
     "ROW_COPY_MIN": {"feedpipe/datasets/_gather.py"},

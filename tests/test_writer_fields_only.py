@@ -18,8 +18,8 @@ import torch
 
 import feedpipe
 from feedpipe import MemmapDataset, MemmapWriter
-from feedpipe.datasets.format import read_index
 from feedpipe.errors import DatasetError
+from feedpipe.format import read_index
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _convert_fns as fns  # the worker functions live in an importable module

@@ -12,8 +12,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from feedpipe.datasets.format import FieldSpec, Index, read_index
 from feedpipe.errors import DatasetError
+from feedpipe.format import FieldSpec, Index, read_index
 from feedpipe.io.cliargs import (
     add_storage_arguments,
     format_bytes,

@@ -22,8 +22,8 @@ from typing import Any
 
 from feedpipe.datasets._publish import check_remote_destination
 from feedpipe.datasets.destination import check_convert_destination, replace_dataset
-from feedpipe.datasets.format import INDEX_NAME, Index, parse_index, write_index
 from feedpipe.errors import DatasetError
+from feedpipe.format import INDEX_NAME, Index, parse_index, write_index
 from feedpipe.io.destination import is_writer_file
 from feedpipe.io.fsutil import atomic_write
 from feedpipe.io.remote import local_file_path

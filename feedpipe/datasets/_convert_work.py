@@ -14,9 +14,9 @@ import os
 import shutil
 from typing import Any
 
-from feedpipe.datasets.format import FileInfo, Index, Shard, read_index, write_index
 from feedpipe.datasets.shard_names import shard_name
 from feedpipe.errors import DatasetError
+from feedpipe.format import FileInfo, Index, Shard, read_index, write_index
 
 __all__ = ["PLAN_NAME", "WorkFolder"]
 

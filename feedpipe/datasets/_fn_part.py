@@ -18,9 +18,9 @@ from feedpipe.datasets._fn_records import NO_DATA, conform, records_of, split_re
 from feedpipe.datasets._fn_task import Task, fn_name, short
 from feedpipe.datasets._part_pool import report
 from feedpipe.datasets.convert_sources import infer_column, is_variable
-from feedpipe.datasets.format import Index, Layout
 from feedpipe.datasets.writer import MemmapWriter
 from feedpipe.errors import DatasetError
+from feedpipe.format import Index, Layout
 
 __all__ = ["SHARDS_PER_PART", "PartWriter", "write_part"]
 

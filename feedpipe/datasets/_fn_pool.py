@@ -19,7 +19,7 @@ from feedpipe.datasets._fn_board import WorkerBoard, take_seat
 from feedpipe.datasets._fn_part import write_part
 from feedpipe.datasets._fn_task import Task
 from feedpipe.datasets._part_pool import drain, pool_context, set_queue
-from feedpipe.datasets.format import Index
+from feedpipe.format import Index
 from feedpipe.io.reaper import die_with_parent, end_processes
 
 __all__ = ["PartRunner"]

@@ -17,8 +17,8 @@ import torch
 
 from feedpipe.datasets._memmap_open import ShardFiles
 from feedpipe.datasets.columns import Column, assemble, check_offsets, gather, read_variable
-from feedpipe.datasets.format import FieldSpec
 from feedpipe.errors import DatasetError
+from feedpipe.format import FieldSpec
 
 __all__ = ["ColumnReader", "check_out"]
 

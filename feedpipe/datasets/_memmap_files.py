@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from feedpipe.datasets._shard_guard import ShardGuard, ShardTable, SharedFlags, Stamp, stamp_of
-from feedpipe.datasets.format import INDEX_NAME, Index, parse_index, read_index
 from feedpipe.errors import DatasetError
+from feedpipe.format import INDEX_NAME, Index, parse_index, read_index
 from feedpipe.io.crc import crc32c_file, to_hex
 from feedpipe.io.fsutil import read_exactly
 from feedpipe.io.remote import local_file_path

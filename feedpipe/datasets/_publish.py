@@ -15,8 +15,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from feedpipe.datasets.format import INDEX_NAME, Index, parse_index, read_index
 from feedpipe.errors import DatasetError
+from feedpipe.format import INDEX_NAME, Index, parse_index, read_index
 from feedpipe.io.destination import is_writer_file
 from feedpipe.remote import transfer as _remote
 

@@ -6,8 +6,8 @@ import os
 import uuid
 from typing import Any
 
-from feedpipe.datasets.format import FileInfo
 from feedpipe.datasets.shard_names import TMP_MARK
+from feedpipe.format import FileInfo
 from feedpipe.io.crc import crc32c, to_hex
 
 __all__ = ["ShardFile"]

@@ -11,8 +11,8 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from feedpipe.datasets.format import INDEX_NAME, read_index
 from feedpipe.errors import DatasetError
+from feedpipe.format import INDEX_NAME, read_index
 from feedpipe.io.destination import is_writer_file
 from feedpipe.io.remote import local_file_path
 

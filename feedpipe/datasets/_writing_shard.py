@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from feedpipe.datasets._shard_file import ShardFile
-from feedpipe.datasets.format import VARIABLE_KINDS, FieldSpec, FileInfo, Layout, Shard
 from feedpipe.datasets.shard_names import shard_name
+from feedpipe.format import VARIABLE_KINDS, FieldSpec, FileInfo, Layout, Shard
 
 __all__ = ["WritingShard"]
 

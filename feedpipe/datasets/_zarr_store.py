@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from feedpipe.datasets.format import check_dtype, check_shape
 from feedpipe.errors import DatasetError
+from feedpipe.format import check_dtype, check_shape
 from feedpipe.io.remote import is_remote, local_file_path, redact
 
 __all__ = ["ZarrTree", "array_meta"]

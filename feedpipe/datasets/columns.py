@@ -31,14 +31,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from feedpipe.datasets.format import (
+from feedpipe.errors import DatasetError
+from feedpipe.format import (
     VARIABLE_KINDS,
     FieldSpec,
     Layout,
     check_dtype,
     check_shape,
 )
-from feedpipe.errors import DatasetError
 
 __all__ = [
     "RAGGED_MODES",
@@ -88,7 +88,7 @@ def variable_columns(layout: Layout, fields: dict[str, FieldSpec]) -> dict[str, 
 
 # ---------------------------------------------------------------------- writing
 def dtype_arg(value: Any) -> Any:
-    """A dtype argument as :func:`~feedpipe.datasets.format.check_dtype` takes it
+    """A dtype argument as :func:`~feedpipe.format.check_dtype` takes it
     (``np.int32``, ``torch.int32``, a string)."""
     if isinstance(value, (str, np.dtype)) or (
         isinstance(value, type) and issubclass(value, np.generic)

@@ -52,9 +52,9 @@ from feedpipe.datasets.columns import parse_field
 from feedpipe.datasets.convert_result import ConvertResult
 from feedpipe.datasets.convert_sources import Source, infer_column, is_variable, make_source
 from feedpipe.datasets.destination import check_convert_destination, replace_dataset
-from feedpipe.datasets.format import Layout, check_dtype, check_field_names, check_shape
 from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES, MemmapWriter
 from feedpipe.errors import DatasetError
+from feedpipe.format import Layout, check_dtype, check_field_names, check_shape
 from feedpipe.io.cliargs import add_storage_arguments, byte_size, positive_int, storage_options
 from feedpipe.io.progress import progress
 from feedpipe.io.remote import is_url, local_file_path

@@ -41,9 +41,9 @@ from feedpipe.datasets._fn_pool import PartRunner
 from feedpipe.datasets._fn_task import Task, fn_name, unwrap
 from feedpipe.datasets._part_pool import worker_count
 from feedpipe.datasets.convert_result import ConvertResult
-from feedpipe.datasets.format import Index
 from feedpipe.datasets.writer import DEFAULT_SHARD_BYTES
 from feedpipe.errors import DatasetError
+from feedpipe.format import Index
 from feedpipe.io.progress import progress
 
 __all__ = ["FnJob", "convert_fn", "load_function"]

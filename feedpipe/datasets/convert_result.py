@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from feedpipe.datasets.format import Index
+from feedpipe.format import Index
 
 __all__ = ["ConvertResult"]
 

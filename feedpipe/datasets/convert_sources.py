@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from feedpipe.datasets.format import (
-    check_dtype,
-)
 from feedpipe.datasets.record_source import Source
 from feedpipe.datasets.tables import HFSource, ParquetSource, is_hf_dataset, parquet_paths
 from feedpipe.datasets.tar_source import TarSource, is_tar_source, tar_shards
 from feedpipe.errors import DatasetError
+from feedpipe.format import (
+    check_dtype,
+)
 from feedpipe.io.remote import is_url, local_file_path
 
 __all__ = [

@@ -18,8 +18,8 @@ import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from feedpipe.datasets.format import INDEX_NAME, parse_index
 from feedpipe.errors import DatasetError
+from feedpipe.format import INDEX_NAME, parse_index
 from feedpipe.io.destination import DestinationError, claim_folder, folder_entries, is_writer_file
 
 __all__ = [

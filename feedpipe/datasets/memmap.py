@@ -1,6 +1,6 @@
 """``MemmapDataset``: a map-style torch dataset over a sharded memmap directory, with batched reads.
 
-The format is described in :mod:`feedpipe.datasets.format`; :class:`MemmapWriter` writes it.
+The format is described in :mod:`feedpipe.format`; :class:`MemmapWriter` writes it.
 
 Batched reads (:meth:`MemmapDataset.read_batch`, ``__getitems__``) turn a batch of indices into
 one vectorised gather with the GIL released. Fixed-size records are read one of two ways

@@ -1,4 +1,4 @@
-"""``MemmapWriter``: write a sharded memmap dataset (format: :mod:`feedpipe.datasets.format`).
+"""``MemmapWriter``: write a sharded memmap dataset (format: :mod:`feedpipe.format`).
 
 Each shard is written under a temporary name and renamed when complete; ``index.json`` is written
 last, so a crashed or interrupted write never looks like a complete dataset.
@@ -16,7 +16,9 @@ import numpy as np
 from feedpipe.datasets._writer_target import WriteTarget, check_destination, prepare_destination
 from feedpipe.datasets._writing_shard import WritingShard
 from feedpipe.datasets.columns import dtype_arg, encode, parse_field
-from feedpipe.datasets.format import (
+from feedpipe.datasets.shard_names import shard_name
+from feedpipe.errors import DatasetError
+from feedpipe.format import (
     VARIABLE_KINDS,
     FieldSpec,
     Index,
@@ -27,8 +29,6 @@ from feedpipe.datasets.format import (
     check_shape,
     write_index,
 )
-from feedpipe.datasets.shard_names import shard_name
-from feedpipe.errors import DatasetError
 from feedpipe.io.destination import is_writer_file
 
 __all__ = [

@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from feedpipe.datasets.format import INDEX_NAME
 from feedpipe.errors import DatasetError, RemoteError, require
+from feedpipe.format import INDEX_NAME
 from feedpipe.io.crc import crc32c_file, to_hex
 from feedpipe.io.remote import (
     DEFAULT_POLICY,
@@ -115,7 +115,7 @@ class FileEntry:
 
 
 def _entries_from_index(doc: Any, url: str) -> list[FileEntry]:
-    from feedpipe.datasets.format import Index
+    from feedpipe.format import Index
 
     out: list[FileEntry] = []
     for shard_id, rel, nbytes, crc in Index.from_json(doc, url).files():
