@@ -441,7 +441,9 @@ def verify_step(path: str | os.PathLike[str]) -> dict[str, Any]:
         fmt.verify_file(path, rec)
     meta = body.get("metadata")
     if isinstance(meta, dict) and "dcp" in meta and not body["entries"]:  # a DCP step
-        from ckpt.dcp import check_bytes_items  # byte items load as dcp.load would, safely
+        from ckpt.restoring.dcp_reader import (
+            check_bytes_items,  # byte items load as dcp.load would, safely
+        )
 
         check_bytes_items(path)
     return body

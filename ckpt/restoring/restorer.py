@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ckpt import _layout
 from ckpt import format as fmt
@@ -27,10 +27,22 @@ from ckpt.errors import (
 from ckpt.restoring.reader import MapLocation, RestoreStats, read_checkpoint
 from ckpt.saving import commit
 
-if TYPE_CHECKING:
-    from ckpt.remote import RemoteTier
 
-__all__ = ["RELISTS", "RestoreRequest", "Restorer"]
+class RemoteSource(Protocol):
+    """What a restore needs of the remote tier (``ckpt.tiers.remote.RemoteTier`` is one): the
+    restore room names this interface instead of importing the tier, which retains through the
+    retention room, which reads steps through this room."""
+
+    url: str
+
+    def committed_steps(self) -> list[int]: ...
+
+    def read_manifest(self, step: int) -> dict[str, Any]: ...
+
+    def download(self, step: int) -> Path: ...
+
+
+__all__ = ["RELISTS", "RemoteSource", "RestoreRequest", "Restorer"]
 
 log = logging.getLogger("ckpt")
 
@@ -62,7 +74,7 @@ class Restorer:
     def __init__(
         self,
         directory: Path,
-        remote: RemoteTier | None,
+        remote: RemoteSource | None,
         lock: commit.WriterLock,
         ensure_writer: Callable[[], None],
         on_download: Callable[[int], None],
