@@ -41,9 +41,39 @@ from feedpipe.loader.slots import enabled as slots_enabled
 from feedpipe.protocols import AccessPlanDataset, BatchDataset, IndexArrayDataset
 from feedpipe.stall import StallMeter
 
-__all__ = ["WORKER_TYPES", "DevicePath", "LoaderPlan", "auto_worker_type", "resolve_plan"]
+__all__ = [
+    "TORCH_SETTINGS",
+    "WORKER_TYPES",
+    "DevicePath",
+    "LoaderOptions",
+    "LoaderPlan",
+    "auto_worker_type",
+    "resolve_plan",
+    "settings_of",
+]
 
 WORKER_TYPES = ("process", "thread")
+
+#: torch's arguments that a user may assign after construction (torch's ``__setattr__`` locks
+#: only the dataset, sampler, batch sampler, batch size, drop_last and persistent_workers) and
+#: that a plan or its worker sources read: a change makes the next ``iter()`` re-resolve them.
+#: ``generator`` is not one: every pass reads it anew (``RngChain``, the workers' base seed).
+TORCH_SETTINGS = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "prefetch_factor",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+def settings_of(loader: Any) -> tuple[Any, ...]:
+    """The values of :data:`TORCH_SETTINGS` that ``loader`` holds now."""
+    return tuple(getattr(loader, name) for name in TORCH_SETTINGS)
 
 
 def auto_worker_type(dataset: Any, collate_fn: Any, worker_init_fn: Any) -> str:
@@ -147,6 +177,22 @@ class DevicePath:
     device: str | torch.device | None = None
     prefetch: int = 2
     direct: bool | None = None
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """feedpipe's own arguments of ``DataLoader``, as last given or assigned (a plan resolves
+    from them; ``worker_type`` is never ``"auto"`` here)."""
+
+    worker_type: str = "process"
+    on_error: str = "raise"
+    device: str | torch.device | None = None
+    prefetch: int = 2
+    direct: bool | None = None
+
+    def path(self) -> DevicePath:
+        """The device arguments, as ``resolve_plan`` takes them."""
+        return DevicePath(self.device, self.prefetch, self.direct)
 
 
 def resolve_plan(
