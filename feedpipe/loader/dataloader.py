@@ -440,7 +440,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         epoch.active = True
         if stream is not None:
             stream.skip = resume.skip
-            stream.drop = resume.drop
+            # known-bad samples are dropped only while skipping: "raise" reads (and raises) them
+            stream.drop = resume.drop if self._plan.skip else frozenset()
 
     def _seed_generator(self) -> torch.Generator | None:
         """The generator this pass draws the workers' base seed from (torch: ``generator=``)."""

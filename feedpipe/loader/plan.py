@@ -6,8 +6,11 @@ The loader is three objects (docs/architecture.md, "the path of a batch"):
    whether the direct DMA path turns process workers into one thread), the collation path
    (:class:`~feedpipe.loader.fetch.Mode`), the device path (the ``GPUFeed`` and its direct
    reader), the sampler chain as the workers see it (the ``IndexStream``, None for an
-   ``IterableDataset``) and the failure policy (``on_error``). What may change between passes
-   is read at ``iter()``, not frozen here: torch's own attributes (``collate_fn``,
+   ``IterableDataset``) and the failure policy (``on_error``). A plan is never changed: when a
+   setting it was resolved from is assigned (``worker_type``, ``on_error``, ``device``, or one of
+   torch's :data:`TORCH_SETTINGS`), the loader resolves a fresh plan, at once for feedpipe's
+   (checked as the constructor checks them) or at the next ``iter()`` for torch's. What may
+   change between passes is read at ``iter()``, not frozen here: torch's own attributes (``collate_fn``,
    ``pin_memory``, ``prefetch_factor``), the RNGs along the sampler chain (a sampler's
    ``.generator`` may be replaced: ``feedpipe.loader.rng_state.RngChain`` reads them at each
    use) and the shared-slot switch (an environment variable).
