@@ -9,11 +9,11 @@ The loader is three objects (docs/architecture.md, "the path of a batch"):
    ``IterableDataset``) and the failure policy (``on_error``). A plan is never changed: when a
    setting it was resolved from is assigned (``worker_type``, ``on_error``, ``device``, or one of
    torch's :data:`TORCH_SETTINGS`), the loader resolves a fresh plan, at once for feedpipe's
-   (checked as the constructor checks them) or at the next ``iter()`` for torch's. What may
-   change between passes is read at ``iter()``, not frozen here: torch's own attributes (``collate_fn``,
-   ``pin_memory``, ``prefetch_factor``), the RNGs along the sampler chain (a sampler's
-   ``.generator`` may be replaced: ``feedpipe.loader.rng_state.RngChain`` reads them at each
-   use) and the shared-slot switch (an environment variable).
+   (checked as the constructor checks them) or at the next ``iter()`` for torch's. Read at each
+   ``iter()``, not frozen here: torch's own attributes (``collate_fn``, ``pin_memory``,
+   ``prefetch_factor``), the RNGs along the sampler chain (a sampler's ``.generator`` may be
+   replaced: ``feedpipe.loader.rng_state.RngChain`` reads them at each use) and the shared-slot
+   switch (an environment variable).
 2. a :class:`~feedpipe.loader.loader_pass.Pass` per ``iter()`` (``feedpipe.loader.loader_pass``):
    the epoch it counts into, its worker handles and the index batches in flight.
 3. the per-batch pipeline (``feedpipe.loader.pipeline``) that ``LoaderIter.__next__`` runs:
