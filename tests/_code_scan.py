@@ -18,7 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("feedpipe", "ckpt")
 
 # The modules allowed to touch torch's private API (each touch named there).
-TORCH_COMPAT = ("feedpipe/loader/_torch_compat.py", "ckpt/_torch_compat.py")
+TORCH_COMPAT = (
+    "feedpipe/loader/_torch_compat.py",
+    "feedpipe/stall/_torch_compat.py",
+    "ckpt/_torch_compat.py",
+)
 
 __all__ = [
     "PACKAGES",

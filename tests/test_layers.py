@@ -4,8 +4,9 @@ Rule 1 (strict): ``feedpipe.io`` imports nothing else from feedpipe; ckpt import
 ``feedpipe.io`` from feedpipe; feedpipe never imports ckpt.
 Rule 2: a feedpipe module imports only from its own layer or the layers below.
 Rule 3: no private name (``_name`` that is not a module) is imported from another module.
-Rule 4: only ``feedpipe/loader/_torch_compat.py`` and ``ckpt/_torch_compat.py`` touch torch's
-private API (imports, ``torch._x`` attributes, private members of torch objects).
+Rule 4: only ``feedpipe/loader/_torch_compat.py``, ``feedpipe/stall/_torch_compat.py`` and
+``ckpt/_torch_compat.py`` touch torch's private API (imports, ``torch._x`` attributes, private
+members of torch objects).
 Rule 5: no measured figure (throughput, ratio, measured cost) in a docstring or comment of
 feedpipe or ckpt: the decision is stated and docs/benchmarks.md holds the numbers.
 Rule 6: the docs name public paths only.

@@ -68,7 +68,6 @@ __all__ = [
     "len_called",
     "make_worker_info",
     "pin_memory",
-    "profiler_enabled",
     "set_len_called",
     "set_thread_worker_info",
     "shutdown_iterator",
@@ -81,16 +80,6 @@ __all__ = [
 ]
 
 _LOCAL = threading.local()
-
-
-# ------------------------------------------------------------------------------ 0. profiler flag
-def profiler_enabled() -> bool:
-    """Whether torch's autograd profiler records now (``torch.profiler`` sets the same flag):
-    ``torch.autograd.profiler._is_profiler_enabled``, a module global; False if torch lacks it."""
-    try:
-        return bool(torch.autograd.profiler._is_profiler_enabled)
-    except AttributeError:  # pragma: no cover - every torch feedpipe supports has it
-        return False
 
 
 # ------------------------------------------------------------------------------ 1. worker info

@@ -33,6 +33,7 @@ batch, then ``collate_fn``, as in torch.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 import weakref
@@ -48,7 +49,13 @@ from feedpipe.loader import _torch_compat
 from feedpipe.loader.fetch import get_worker_info
 from feedpipe.loader.iterator import LoaderIter
 from feedpipe.loader.loader_pass import Epoch, Pass
-from feedpipe.loader.plan import DevicePath, LoaderPlan, auto_worker_type, resolve_plan
+from feedpipe.loader.plan import (
+    LoaderOptions,
+    LoaderPlan,
+    auto_worker_type,
+    resolve_plan,
+    settings_of,
+)
 from feedpipe.loader.resume import (
     Resume,
     rng_now,
@@ -68,6 +75,10 @@ from feedpipe.stall import StallMeter, StallStats
 __all__ = ["DataLoader", "auto_worker_type", "get_worker_info"]
 
 _perf = time.perf_counter
+
+#: what a copy or pickle leaves out (``DataLoader.__getstate__``): made anew from the arguments
+_LIVE = frozenset({"meter", "_plan", "_sources", "_settings"})
+_METER_ON = "_meter_enabled"
 
 
 class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
@@ -137,7 +148,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     ) -> None:
         if worker_type == "auto":
             worker_type = auto_worker_type(dataset, collate_fn, worker_init_fn)
-        self.worker_type = worker_type  # before torch's checks: threads are not processes
+        # before torch's checks: threads are not processes
+        self._options = LoaderOptions(worker_type, on_error, device, prefetch, direct)
         super().__init__(
             dataset,
             batch_size,
@@ -158,16 +170,76 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             in_order=in_order,
         )
         self.meter = meter if meter is not None else StallMeter()
-        self._plan = resolve_plan(
-            self, worker_type, on_error, self.meter, DevicePath(device, prefetch, direct)
-        )
-        self.worker_type, self.on_error = worker_type, on_error
-        if self._plan.stream is not None:
-            self._plan.stream.on_start = weakref.WeakMethod(self._at_sampler_start)
-        self._sources = WorkerSources(self._plan)
         self._resume = Resume()
         self._epoch = Epoch()  # where the current epoch stands (a fresh one per iter())
         self._epochs_warned = False
+        self._replan(self._options)
+
+    # ------------------------------------------------------------- settings (assignable)
+    @property
+    def worker_type(self) -> str:
+        """``"process"`` or ``"thread"``; assigning one (or ``"auto"``) applies from the next
+        ``iter()``, as torch's assignable attributes do (checked now, as in the constructor)."""
+        return self._options.worker_type
+
+    @worker_type.setter
+    def worker_type(self, value: str) -> None:
+        if value == "auto":
+            value = auto_worker_type(self.dataset, self.collate_fn, self.worker_init_fn)
+        self._assign(worker_type=value)
+
+    @property
+    def on_error(self) -> str:
+        """The failure policy, ``"raise"`` or ``"skip"``; assignable (as ``worker_type``)."""
+        return self._options.on_error
+
+    @on_error.setter
+    def on_error(self, value: str) -> None:
+        self._assign(on_error=value)
+
+    @property
+    def device(self) -> str | torch.device | None:
+        """Where batches arrive (``device`` argument); assignable (as ``worker_type``)."""
+        return self._options.device
+
+    @device.setter
+    def device(self, value: str | torch.device | None) -> None:
+        self._assign(device=value)
+
+    def _assign(self, **change: Any) -> None:
+        """Assign feedpipe arguments: re-resolve the plan now (raising as the constructor
+        does, the loader left as it was), used from the next ``iter()``."""
+        options = dataclasses.replace(self._options, **change)
+        if options != self._options:
+            self._replan(options)
+
+    def _replan(self, options: LoaderOptions) -> None:
+        """Resolve ``options`` and torch's settings into a fresh plan and worker sources."""
+        plan = resolve_plan(self, options.worker_type, options.on_error, self.meter, options.path())
+        if plan.stream is not None:
+            plan.stream.on_start = weakref.WeakMethod(self._at_sampler_start)
+        old: WorkerSources | None = vars(self).get("_sources")
+        if old is not None:
+            old.close()  # persistent workers of the old plan
+        self._options, self._plan = options, plan
+        self._sources = WorkerSources(plan)
+        self._settings = settings_of(self)
+
+    # ------------------------------------------------------------------- copy and pickle
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy or pickle holds: arguments and resume state; not the meter's locks, the
+        plan or live workers (``__setstate__`` makes them anew)."""
+        state = {k: v for k, v in vars(self).items() if k not in _LIVE}
+        state["_iterator"] = None  # torch's own (persistent workers): not copied either
+        state[_METER_ON] = self.meter.enabled
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        enabled = state.pop(_METER_ON)
+        vars(self).update(state)
+        vars(self)["meter"] = StallMeter(enabled=enabled)
+        self._replan(self._options)
 
     # ------------------------------------------------------------------------------ public
     @property
@@ -182,7 +254,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
 
     def check_worker_number_rationality(self) -> None:
         """torch's warning about too many worker *processes*; thread workers are not processes."""
-        if getattr(self, "worker_type", "process") != "thread":
+        if self.worker_type != "thread":
             super().check_worker_number_rationality()
 
     @property
@@ -224,6 +296,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         # for the meter: starting a later pass's workers is input time (no clock when off)
         started = _perf() if self.meter.enabled else None
         note_iter()  # seed draws follow: thread workers' RNG checks must not blame them
+        if settings_of(self) != self._settings:  # torch's settings assigned since the last plan
+            self._replan(self._options)
         plan = self._plan
         self._sources.check_epoch(self)
         self._warn_epochs()
@@ -366,7 +440,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         epoch.active = True
         if stream is not None:
             stream.skip = resume.skip
-            stream.drop = resume.drop
+            # known-bad samples are dropped only while skipping: "raise" reads (and raises) them
+            stream.drop = resume.drop if self._plan.skip else frozenset()
 
     def _seed_generator(self) -> torch.Generator | None:
         """The generator this pass draws the workers' base seed from (torch: ``generator=``)."""

@@ -6,11 +6,14 @@ The loader is three objects (docs/architecture.md, "the path of a batch"):
    whether the direct DMA path turns process workers into one thread), the collation path
    (:class:`~feedpipe.loader.fetch.Mode`), the device path (the ``GPUFeed`` and its direct
    reader), the sampler chain as the workers see it (the ``IndexStream``, None for an
-   ``IterableDataset``) and the failure policy (``on_error``). What may change between passes
-   is read at ``iter()``, not frozen here: torch's own attributes (``collate_fn``,
-   ``pin_memory``, ``prefetch_factor``), the RNGs along the sampler chain (a sampler's
-   ``.generator`` may be replaced: ``feedpipe.loader.rng_state.RngChain`` reads them at each
-   use) and the shared-slot switch (an environment variable).
+   ``IterableDataset``) and the failure policy (``on_error``). A plan is never changed: when a
+   setting it was resolved from is assigned (``worker_type``, ``on_error``, ``device``, or one of
+   torch's :data:`TORCH_SETTINGS`), the loader resolves a fresh plan, at once for feedpipe's
+   (checked as the constructor checks them) or at the next ``iter()`` for torch's. Read at each
+   ``iter()``, not frozen here: torch's own attributes (``collate_fn``, ``pin_memory``,
+   ``prefetch_factor``), the RNGs along the sampler chain (a sampler's ``.generator`` may be
+   replaced: ``feedpipe.loader.rng_state.RngChain`` reads them at each use) and the shared-slot
+   switch (an environment variable).
 2. a :class:`~feedpipe.loader.loader_pass.Pass` per ``iter()`` (``feedpipe.loader.loader_pass``):
    the epoch it counts into, its worker handles and the index batches in flight.
 3. the per-batch pipeline (``feedpipe.loader.pipeline``) that ``LoaderIter.__next__`` runs:
@@ -41,9 +44,39 @@ from feedpipe.loader.slots import enabled as slots_enabled
 from feedpipe.protocols import AccessPlanDataset, BatchDataset, IndexArrayDataset
 from feedpipe.stall import StallMeter
 
-__all__ = ["WORKER_TYPES", "DevicePath", "LoaderPlan", "auto_worker_type", "resolve_plan"]
+__all__ = [
+    "TORCH_SETTINGS",
+    "WORKER_TYPES",
+    "DevicePath",
+    "LoaderOptions",
+    "LoaderPlan",
+    "auto_worker_type",
+    "resolve_plan",
+    "settings_of",
+]
 
 WORKER_TYPES = ("process", "thread")
+
+#: torch's arguments that a user may assign after construction (torch's ``__setattr__`` locks
+#: only the dataset, sampler, batch sampler, batch size, drop_last and persistent_workers) and
+#: that a plan or its worker sources read: a change makes the next ``iter()`` re-resolve them.
+#: ``generator`` is not one: every pass reads it anew (``RngChain``, the workers' base seed).
+TORCH_SETTINGS = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "prefetch_factor",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+def settings_of(loader: Any) -> tuple[Any, ...]:
+    """The values of :data:`TORCH_SETTINGS` that ``loader`` holds now."""
+    return tuple(getattr(loader, name) for name in TORCH_SETTINGS)
 
 
 def auto_worker_type(dataset: Any, collate_fn: Any, worker_init_fn: Any) -> str:
@@ -147,6 +180,22 @@ class DevicePath:
     device: str | torch.device | None = None
     prefetch: int = 2
     direct: bool | None = None
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """feedpipe's own arguments of ``DataLoader``, as last given or assigned (a plan resolves
+    from them; ``worker_type`` is never ``"auto"`` here)."""
+
+    worker_type: str = "process"
+    on_error: str = "raise"
+    device: str | torch.device | None = None
+    prefetch: int = 2
+    direct: bool | None = None
+
+    def path(self) -> DevicePath:
+        """The device arguments, as ``resolve_plan`` takes them."""
+        return DevicePath(self.device, self.prefetch, self.direct)
 
 
 def resolve_plan(

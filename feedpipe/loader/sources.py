@@ -59,6 +59,7 @@ class WorkerSources:
         self._thread_base_seed = 0
         self._kept: tuple[list[Any], list[int]] | None = None  # persistent threads' datasets
         self._rng_watch: RNGWatch | None = None
+        self._end_workers: weakref.finalize[Any, Any] | None = None  # stops persistent workers
 
     def open(self, loader: Any, feed: Prefetcher | None, seeds: SeedSource) -> Any:
         """This pass's source, started (``seeds``: the generator of the base seed, if drawn)."""
@@ -67,6 +68,12 @@ class WorkerSources:
         if self._plan.threads:
             return self._threads(loader, feed, seeds)
         return self._processes(loader, seeds)
+
+    def close(self) -> None:
+        """Stop the persistent worker processes now (the loader's settings changed: the next
+        pass starts from a fresh plan and fresh workers)."""
+        if self._end_workers is not None:
+            self._end_workers()
 
     def reuses_workers(self, loader: Any) -> bool:
         """Whether the next ``iter()`` reuses persistent workers (and so draws no base seed)."""
@@ -160,7 +167,9 @@ class WorkerSources:
             self.inner = self._make_inner(loader)
             # Persistent workers go when the loader goes, by refcount or by the cyclic GC (the
             # finalizer holds the inner loader, so torch's queues are intact when it runs).
-            weakref.finalize(loader, _torch_compat.shutdown_iterator, self.inner)
+            self._end_workers = weakref.finalize(
+                loader, _torch_compat.shutdown_iterator, self.inner
+            )
         inner = self.inner
         if self.slots is not None and not loader.persistent_workers:
             self.slots.forget()  # the last pass's workers are gone; live views keep their slots

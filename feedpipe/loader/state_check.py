@@ -33,6 +33,11 @@ def check_state(
     whose order draws from ``generators`` (sorted names), whose sampler holds its own state
     (``has_sampler_state``), whose dataset is iterable, whose epoch has ``epoch_batches()``
     batches (None: unknown) and whose order-deciding arguments are ``current_order``."""
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            "a DataLoader state must be the dict that DataLoader.state_dict() returned, got "
+            f"{type(state).__name__}"
+        )
     if state.get("version") != STATE_VERSION:
         raise ValueError(f"unsupported DataLoader state version {state.get('version')!r}")
     missing = [k for k in ("in_epoch", "batches", "samples", "rng") if k not in state]

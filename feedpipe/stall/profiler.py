@@ -1,7 +1,7 @@
 """Profiler ranges of a stall meter: whether waits are ranges, and the ranges themselves.
 
 A meter asks one flag per batch, :attr:`WaitRanges.active` (a function): torch's profiler flag
-(``feedpipe.loader._torch_compat.profiler_enabled``, which follows ``torch.profiler``) in
+(``feedpipe.stall._torch_compat.profiler_enabled``, which follows ``torch.profiler``) in
 ``trace="auto"`` mode, always on for ``trace=True`` (or while an NVTX recorder is active) and
 always off for ``trace=False``. :class:`WaitRanges` opens and closes the ranges of a wait and
 of a user region: NVTX (:mod:`feedpipe.io.trace`) and torch's ``record_function``.
@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 from feedpipe.io import trace as _trace
+from feedpipe.stall import _torch_compat
 
 __all__ = ["WaitRanges", "always_on", "never_on", "record_function", "torch_flag"]
 
@@ -35,8 +36,6 @@ def torch_flag(trace: bool | Literal["auto"]) -> Callable[[], bool]:
         return always_on
     if trace != "auto":
         return never_on
-    from feedpipe.loader import _torch_compat  # here: the loader package imports the meter
-
     return _torch_compat.profiler_enabled
 
 
