@@ -248,12 +248,7 @@ class CheckpointManager:
         a JSON-able dict and ``metrics`` a dict of finite numbers (``ckpt.format.check_metrics``,
         what ``keep_best`` ranks by), both stored in the manifest. Bad ``metrics`` or
         ``metadata`` raise ``ValueError`` before anything is staged."""
-        index = _index(step)  # should_save's steps: a NumPy int too, nothing beyond 2**53
-        if index is None or not 0 <= index <= _MAX_STEP:
-            kind = type(step).__name__
-            raise ValueError(
-                f"save: step must be a non-negative int up to 2**53, got {step!r} ({kind})"
-            )
+        index = _step(step, "save: step")  # should_save's steps: a NumPy int too
         if metrics is not None:
             metrics = fmt.check_metrics(metrics)
         if metadata is not None:
@@ -418,6 +413,8 @@ class CheckpointManager:
         not saved and saved keys ``into`` lacks are an error; with ``strict=False`` they are
         skipped and listed in ``stats.last_restore.incompatible_keys``. ``verify=False`` skips
         checksums (sizes are still checked); ``mmap=True`` maps data files lazily."""
+        if step is not None:
+            step = _step(step, "restore: step")  # the steps save accepts
         if self._saves.busy:
             self.wait()
         request = RestoreRequest(into, map_location, mmap, verify, strict)
@@ -436,7 +433,7 @@ class CheckpointManager:
         """Make sure ``DIR/step-N`` holds a verified copy of ``step``, downloading it from the
         remote when the local copy is missing or fails verification; return its path. Meant for
         checkpoints read by other means, such as ``ckpt.dcp.CkptStorageReader``."""
-        return self._restorer.fetch(step)
+        return self._restorer.fetch(_step(step, "fetch: step"))
 
     def _downloaded(self, step: int) -> None:
         """A verified download was published as local ``step-N``: it is known uploaded."""

@@ -117,11 +117,13 @@ def _redact(text: str, secrets: Sequence[str]) -> str:
 
 def _describe(exc: BaseException, args: argparse.Namespace) -> str:
     """One line for an error: the message (redacted), with the type for unexpected errors."""
-    from feedpipe.errors import DatasetError, MissingExtraError
+    from feedpipe.errors import DatasetError, DatasetExistsError, MissingExtraError
     from feedpipe.remote import transfer as _remote
 
     text = str(exc)
-    if isinstance(exc, ValueError) and text.startswith("Protocol not known: "):
+    if isinstance(exc, DatasetExistsError):
+        text = exc.with_hint("--overwrite")  # the flag, not the Python argument
+    elif isinstance(exc, ValueError) and text.startswith("Protocol not known: "):
         url = getattr(args, "path", None) or getattr(args, "url", None)
         where = f"{url}: " if isinstance(url, str) else ""
         text = f"{where}unknown URL scheme {text.split(': ', 1)[1]!r} (no fsspec filesystem for it)"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from feedpipe.io.remote import RemoteIOError, redact
 
-__all__ = ["DatasetError", "MissingExtraError", "RemoteError", "WorkerError"]
+__all__ = ["DatasetError", "DatasetExistsError", "MissingExtraError", "RemoteError", "WorkerError"]
 
 
 class DatasetError(Exception):
@@ -18,6 +18,24 @@ class DatasetError(Exception):
         if args and isinstance(args[0], str):
             args = (redact(args[0]), *args[1:])
         super().__init__(*args)
+
+
+class DatasetExistsError(DatasetError):
+    """A dataset is already at the destination and replacing it was not asked for.
+
+    The message names the place and how to ask: ``overwrite=True`` (the Python API), or the
+    ``hint`` given to :meth:`with_hint` (the CLI names its ``--overwrite`` flag).
+    """
+
+    def __init__(self, where: str, hint: str = "overwrite=True") -> None:
+        super().__init__(where, hint)  # (where, hint): pickles back to the same error
+
+    def with_hint(self, hint: str) -> str:
+        """The message, naming ``hint`` as the way to replace the dataset."""
+        return f"{self.args[0]}: a dataset already exists here (pass {hint})"
+
+    def __str__(self) -> str:
+        return self.with_hint(str(self.args[1]))
 
 
 class RemoteError(DatasetError, RemoteIOError):

@@ -176,7 +176,7 @@ def test_save_takes_the_steps_should_save_takes(tmp_path: Path) -> None:
         assert m.should_save(step)
         assert m.save(step, {"w": torch.ones(1)}).result(30).name == "step-10"
         for bad in (10**22, -1, 10.0, True):
-            with pytest.raises(ValueError, match=rf"save: step must be a non-negative .*{bad!r}"):
+            with pytest.raises(ValueError, match=rf"save: step must be an int from 0 .*{bad!r}"):
                 m.save(bad, {"w": torch.ones(1)})
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-10"]
 
@@ -499,3 +499,23 @@ def test_a_transient_error_verifying_a_keep_every_step_does_not_delete_it(  # ty
         m.save(13, state)
         m.wait()  # retention after a save skips the pass too; the save itself is fine
         assert 10 in m.steps() and 13 in m.steps()
+
+
+def test_rules_keeps_restorable_and_metrics_without_importing_the_restore_path() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from ckpt.retention import rules\n"
+        "assert 'ckpt.retention.checks' not in sys.modules\n"
+        "assert 'ckpt.restoring.reader' not in sys.modules\n"
+        "from ckpt.retention import checks\n"
+        "assert rules.restorable is checks.restorable and rules.metrics is checks.metrics\n"
+        "assert {'restorable', 'metrics'} <= set(rules.__all__)\n"
+        "assert not hasattr(rules, 'no_such_name')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr

@@ -296,3 +296,16 @@ def test_into_module_with_missing_keys_writes_nothing(tmp_path: Path) -> None:
         with pytest.raises(CheckpointError):
             m.restore(into={"model": dst})
         assert torch.equal(dst.weight.detach(), before)
+
+
+@pytest.mark.parametrize("bad", ["3", -1, 3.0, True, 2**60])
+def test_restore_of_a_step_that_is_not_one_names_the_accepted_steps(
+    tmp_path: Path, bad: object
+) -> None:
+    # "3" was a raw TypeError and -1 a missing path "step--1": the rule save applies
+    with CheckpointManager(tmp_path / "ck") as m:
+        m.save(3, {"w": torch.ones(1)}).result()
+        for call in (m.restore, m.fetch):
+            with pytest.raises(ValueError, match=r"step must be an int from 0 to 2\*\*53"):
+                call(bad)  # type: ignore[arg-type]
+        assert m.restore(3)["w"].tolist() == [1.0]

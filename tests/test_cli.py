@@ -279,3 +279,24 @@ def test_bench_plot_checks_for_matplotlib_before_the_sweep(
     out, err = capsys.readouterr()
     _one_line(rc, err, "matplotlib", "feedpipe[bench]")
     assert out == ""  # no sweep, no table: the old check came after them
+
+
+def test_an_existing_dataset_is_refused_naming_the_cli_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the CLI said "(pass overwrite=True)", the Python argument, where its flag is --overwrite
+    import pickle
+
+    import feedpipe
+    from feedpipe.errors import DatasetError
+
+    np.save(tmp_path / "a.npy", np.arange(8, dtype=np.int64))
+    src, dest = str(tmp_path / "a.npy"), str(tmp_path / "out")
+    assert _main(capsys, "convert", src, dest, "--no-progress")[0] == 0
+    rc, _, err = _main(capsys, "convert", src, dest, "--no-progress")
+    _one_line(rc, err, dest, "already exists", "--overwrite")
+    assert "overwrite=True" not in err
+    assert _main(capsys, "convert", src, dest, "--no-progress", "--overwrite")[0] == 0
+    with pytest.raises(DatasetError, match=r"already exists here \(pass overwrite=True\)") as info:
+        feedpipe.convert(src, dest, progress_bar=False)  # the Python API names its argument
+    assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)

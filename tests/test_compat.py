@@ -114,3 +114,20 @@ def test_public_paths_after_the_layout_move() -> None:
     assert feedpipe.loader.DataLoader is feedpipe.DataLoader
     back = pickle.loads(pickle.dumps(TimedCollate(default_collate, None)))  # type: ignore[arg-type]
     assert type(back) is TimedCollate and back.collate_fn is default_collate
+
+
+def test_old_paths_import_though_pkgutil_does_not_list_them() -> None:
+    # decided: the old paths are deprecated aliases with no file, not submodules, so
+    # pkgutil.iter_modules (which lists files) does not list them; each still imports
+    import pkgutil
+
+    import feedpipe
+
+    listed = {m.name for m in pkgutil.iter_modules(feedpipe.__path__)}
+    leaves = {old.split(".", 1)[1] for old in MOVED}
+    assert not leaves & listed
+    code = "import warnings; warnings.simplefilter('ignore')\n" + "".join(
+        f"import {old}\n" for old in sorted(MOVED)
+    )
+    out = _run(code)
+    assert out.returncode == 0, out.stderr

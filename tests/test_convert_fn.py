@@ -634,3 +634,20 @@ def test_convert_rerun_with_other_partial_arguments_starts_over(tmp_path: Path) 
     other = functools.partial(_rows_unless, str(tmp_path / "no-such-marker"))
     res = feedpipe.convert(other, range(16), output=str(tmp_path / "p"), **_CONVERT_KW)
     assert res.resumed_parts == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 0, 1.5, True, "2"])
+def test_a_worker_count_below_one_or_not_a_whole_number_is_refused(
+    tmp_path: Path, bad: Any
+) -> None:
+    # num_workers=-1 (and 0) were taken as 1 without a word
+    with pytest.raises(ValueError, match=rf"num_workers must be a whole number >= 1.*{bad!r}"):
+        feedpipe.convert(fns.tokens, range(4), output=tmp_path / "a", num_workers=bad)
+    with pytest.raises(ValueError, match=rf"num_workers must be a whole number >= 1.*{bad!r}"):
+        feedpipe.convert(fns.tokens, range(4), output=tmp_path / "b", workers=bad)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    src = tmp_path / "x.npy"
+    np.save(src, np.arange(4))
+    with pytest.raises(ValueError, match=rf"workers must be a whole number >= 1.*{bad!r}"):
+        feedpipe.convert(src, tmp_path / "c", workers=bad)
+    assert not (tmp_path / "c").exists()

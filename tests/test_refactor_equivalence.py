@@ -136,17 +136,6 @@ def test_vars_of_an_old_path_lists_its_names() -> None:
     assert public == ["CacheStats", "ShardCache"]
 
 
-def test_old_paths_are_listed_as_submodules() -> None:
-    # old: pkgutil.iter_modules(feedpipe.__path__) listed the eight shim modules (tools that
-    # walk the package, e.g. mkdocstrings/pdoc/sphinx autosummary, found them); new: none
-    import pkgutil
-
-    import feedpipe
-
-    names = {m.name for m in pkgutil.iter_modules(feedpipe.__path__)}
-    assert {"memmap", "convert", "stage", "cache", "gpu", "bench", "zarr_dataset", "_crc"} <= names
-
-
 @pytest.mark.parametrize("old_path", ["feedpipe.bench", "feedpipe.convert", "feedpipe.memmap"])
 def test_python_dash_m_on_an_old_path_does_not_crash(old_path: str) -> None:
     # old: ``python -m feedpipe.bench`` ran the shim (a no-op, exit 0); new: runpy fails with

@@ -29,13 +29,30 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckpt import _layout, _owner
 from ckpt.errors import CheckpointError
 from ckpt.policy import AnyOf, KeepLast, Policy, StepView, from_record, to_record
 from feedpipe.io import atomic_write
 
-__all__ = ["Plan", "plan", "record", "recorded"]
+if TYPE_CHECKING:  # at run time from __getattr__, on first use
+    from ckpt.retention.checks import metrics, restorable
+
+__all__ = ["Plan", "metrics", "plan", "record", "recorded", "restorable"]
+
+_CHECKS = ("metrics", "restorable")
+
+
+def __getattr__(name: str) -> Callable[[Path], object]:
+    """``restorable`` and ``metrics`` live in ``ckpt.retention.checks`` (they read the step on
+    disk); they stay reachable here, imported on first use so this rule imports no restore path."""
+    if name not in _CHECKS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from ckpt.retention import checks
+
+    found: Callable[[Path], object] = getattr(checks, name)
+    return found
 
 
 @dataclass

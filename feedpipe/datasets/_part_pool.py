@@ -10,6 +10,7 @@ is updated per finished part instead.
 from __future__ import annotations
 
 import multiprocessing as mp
+import operator
 import os
 import queue as queue_mod
 import sys
@@ -33,10 +34,22 @@ def report(amount: int) -> None:
         _QUEUE.put(amount)
 
 
-def worker_count(requested: int | None) -> int:
-    """The worker processes of a conversion: as requested (at least 1), else up to 4, one
-    per CPU."""
-    return max(1, requested if requested is not None else min(4, os.cpu_count() or 1))
+def worker_count(requested: int | None, what: str = "num_workers") -> int:
+    """The worker processes of a conversion: as requested, else (None) up to 4, one per CPU.
+
+    Anything but a whole number >= 1 (a NumPy integer too, not a bool) is a ``ValueError``
+    naming ``what`` and the value."""
+    if requested is None:
+        return min(4, os.cpu_count() or 1)
+    try:
+        count = None if isinstance(requested, bool) else operator.index(requested)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
+        raise ValueError(
+            f"{what} must be a whole number >= 1 (None: up to 4, one per CPU), got {requested!r}"
+        )
+    return count
 
 
 def pool_context() -> BaseContext:

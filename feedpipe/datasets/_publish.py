@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from feedpipe.errors import DatasetError
+from feedpipe.errors import DatasetError, DatasetExistsError
 from feedpipe.format import INDEX_NAME, Index, parse_index, read_index
 from feedpipe.io.destination import is_writer_file
 from feedpipe.remote import transfer as _remote
@@ -94,7 +94,7 @@ def check_remote_destination(
             f"{more}); choose an empty prefix, or move them away"
         )
     if not overwrite:
-        raise DatasetError(f"{safe}: a dataset already exists here (pass overwrite=True)")
+        raise DatasetExistsError(safe)
 
 
 def publish(local: str, url: str, storage_options: Mapping[str, Any], *, overwrite: bool) -> None:

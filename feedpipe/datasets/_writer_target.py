@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from feedpipe.errors import DatasetError
+from feedpipe.errors import DatasetError, DatasetExistsError
 from feedpipe.format import INDEX_NAME, read_index
 from feedpipe.io.destination import is_writer_file
 from feedpipe.io.remote import local_file_path
@@ -50,7 +50,7 @@ def check_destination(path: str, *, overwrite: bool) -> bool:
                 "refusing to replace it"
             )
         if not overwrite:
-            raise DatasetError(f"{path}: a dataset already exists here (pass overwrite=True)")
+            raise DatasetExistsError(path)
     return bool(folder.entries)
 
 

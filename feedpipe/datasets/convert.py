@@ -119,10 +119,13 @@ class ConvertOptions:
     progress_bar: bool | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        worker_count(self.workers, "workers")  # a bad count fails before any work
+
     @property
     def processes(self) -> int:
         """The worker processes to use."""
-        return worker_count(self.workers)
+        return worker_count(self.workers, "workers")
 
 
 class ConvertJob:

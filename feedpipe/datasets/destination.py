@@ -18,7 +18,7 @@ import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from feedpipe.errors import DatasetError
+from feedpipe.errors import DatasetError, DatasetExistsError
 from feedpipe.format import INDEX_NAME, parse_index
 from feedpipe.io.destination import DestinationError, claim_folder, folder_entries, is_writer_file
 
@@ -73,7 +73,7 @@ def check_convert_destination(
     entries = dataset_entries(dest, also=also)
     has = claim_dataset_folder(dest, CONVERT, entries, adopt=False)
     if has and not overwrite:
-        raise DatasetError(f"{dest}: a dataset already exists here (pass overwrite=True)")
+        raise DatasetExistsError(dest)
     return has
 
 
