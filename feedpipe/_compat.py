@@ -43,6 +43,7 @@ MOVED: dict[str, tuple[str, str]] = {
     "feedpipe.gpu": ("feedpipe.device.feed", ""),
     "feedpipe.bench": ("feedpipe.loader.bench", ""),
     "feedpipe._crc": ("feedpipe.io.crc", ""),
+    "feedpipe.datasets.format": ("feedpipe.format", ""),
 }
 
 

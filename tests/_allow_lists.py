@@ -12,10 +12,6 @@ IMPORT_CYCLES: dict[tuple[str, ...], str] = {
 
 # cycles between rooms (subpackages)
 ROOM_CYCLES: dict[tuple[str, ...], str] = {
-    ("feedpipe.loader", "feedpipe.stall"): (
-        "stall.profiler reads torch's profiler flag through loader._torch_compat (being moved to "
-        "stall._torch_compat)"
-    ),
 }
 
 

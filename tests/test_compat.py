@@ -20,6 +20,7 @@ NAMES = {
     "feedpipe.gpu": "GPUFeed",
     "feedpipe.bench": "BenchResult",
     "feedpipe._crc": "crc32c",
+    "feedpipe.datasets.format": "Index",
 }
 
 
