@@ -157,7 +157,7 @@ def run_bare_dali(files: list[str], args: argparse.Namespace, device_id: int | N
 
 # ------------------------------------------------------------- (c) feedpipe ImageLoader
 def write_dataset(files: list[str], path: Path) -> Any:
-    from feedpipe.memmap import MemmapDataset, MemmapWriter
+    from feedpipe.datasets.memmap import MemmapDataset, MemmapWriter
 
     with MemmapWriter(path, fields={"label": "int64"}) as w:
         for i, f in enumerate(files):

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import machine, write_section
 
 import feedpipe
-from feedpipe.gpu import GPUFeedWarning
+from feedpipe.device.feed import GPUFeedWarning
 
 _GB = 1e9
 

@@ -494,7 +494,8 @@ def _step(n: Any, what: str, low: int = 0) -> int:
     step = _index(n)
     if step is None or not low <= step <= _MAX_STEP:
         kind = type(n).__name__
-        raise ValueError(f"{what} must be an int from {low} to 2**53, got {n!r} ({kind})")
+        sign = " (non-negative)" if low == 0 else ""
+        raise ValueError(f"{what} must be an int from {low} to 2**53{sign}, got {n!r} ({kind})")
     return step
 
 

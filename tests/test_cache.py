@@ -15,11 +15,11 @@ import pytest
 from _faultproxy import FaultProxy
 from _helpers import relocate_dataset as _relocate
 from _procs import python_child, read_marker, stop
-from feedpipe.cache import ShardCache
 from test_stage import make_dataset, upload
 
 from feedpipe.errors import DatasetError
 from feedpipe.remote import transfer as _remote
+from feedpipe.remote.cache import ShardCache
 
 HERE = Path(__file__).resolve().parent
 DATA = [f"shard-{i:05d}.data" for i in range(4)]
@@ -174,7 +174,7 @@ def test_a_user_folder_named_like_a_version_is_not_the_caches(
 
 _WORKER = """
 import json, random, sys
-from feedpipe.cache import ShardCache
+from feedpipe.remote.cache import ShardCache
 url, cache_dir, seed = sys.argv[1], sys.argv[2], int(sys.argv[5])
 opts, files = json.loads(sys.argv[3]), json.loads(sys.argv[4])
 random.Random(seed).shuffle(files)
@@ -222,7 +222,7 @@ def test_processes_share_one_cache_and_download_once(
 
 _KILLED = """
 import sys, json
-from feedpipe.cache import ShardCache
+from feedpipe.remote.cache import ShardCache
 cache = ShardCache(sys.argv[1], sys.argv[2], None, json.loads(sys.argv[3]), timeout_s=60)
 print("ready", flush=True)
 cache.acquire("shard-00002.data")
@@ -344,7 +344,7 @@ def test_close_reports_a_prefetch_stuck_in_a_read(
 def test_cache_never_takes_a_part_named_shard_for_a_temp(
     tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
 ) -> None:
-    from feedpipe.cache import ShardCache
+    from feedpipe.remote.cache import ShardCache
 
     bucket, opts = s3_bucket
     make_dataset(tmp_path / "src", shards=2, nbytes=5000)
@@ -362,7 +362,7 @@ def test_cache_never_takes_a_part_named_shard_for_a_temp(
 def test_cache_refuses_an_index_listing_its_lock_directory(
     tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
 ) -> None:
-    from feedpipe.cache import ShardCache
+    from feedpipe.remote.cache import ShardCache
 
     bucket, opts = s3_bucket
     make_dataset(tmp_path / "src", shards=1, nbytes=5000)

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 from _helpers import fail_on_5 as _fail_on_5
-from feedpipe.cache import ShardCache
 
 from feedpipe import DataLoader, DistributedSampler, MemmapDataset, MemmapWriter
 from feedpipe.errors import DatasetError
 from feedpipe.protocols import AccessPlanDataset
+from feedpipe.remote.cache import ShardCache
 from feedpipe.remote.plan import AccessPlan
 
 SHARDS, RECORDS, RECORD = 40, 16, 4096  # 64 KiB shards, 2.5 MiB in all

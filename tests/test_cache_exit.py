@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 from _procs import python_child
-from feedpipe._crc import crc32c, to_hex
-from feedpipe.cache import ShardCache
 from test_stage import make_dataset, upload
 
 from feedpipe import MemmapDataset
+from feedpipe.io.crc import crc32c, to_hex
 from feedpipe.remote import transfer as _remote
+from feedpipe.remote.cache import ShardCache
 
 EXIT_BOUND_S = 10.0  # generous: the old behaviour waited timeout_s (60 s below) at exit
 CHILD_LIMIT_S = 45.0
@@ -45,7 +45,7 @@ _MEMMAP_CHILD = textwrap.dedent(
 _BLOCKED_CHILD = textwrap.dedent(
     """
     import fcntl, json, os, sys
-    from feedpipe.cache import ShardCache
+    from feedpipe.remote.cache import ShardCache
     url, cache, opts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     c = ShardCache(url, cache, storage_options=opts, prefetch_workers=1, timeout_s=60)
     rels = sorted(c._entries)

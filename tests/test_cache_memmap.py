@@ -120,8 +120,8 @@ def test_idle_shards_are_unpinned_when_a_download_waits_for_room(
     tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
 ) -> None:
     """A download that waits for room (any process) makes readers drop idle pins next read."""
-    from feedpipe.cache import ShardCache
     from feedpipe.errors import DatasetError
+    from feedpipe.remote.cache import ShardCache
 
     bucket, opts = s3_bucket
     make_dataset(tmp_path / "src", shards=4, nbytes=16_000)

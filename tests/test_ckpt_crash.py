@@ -86,6 +86,8 @@ def _report(phases: collections.Counter[str], kills: int) -> None:
     assert len(set(phases) & {"stage", "write", "fsync", "rename", "latest", "retention"}) >= 3
 
 
+@pytest.mark.serial  # "retention keeps up" is a bound on background progress between kills: it
+# failed when another make test shared the two cores (issue 25 item 17), so it runs alone
 def test_crash_consistency_30_kills(tmp_path: Path) -> None:
     phases = _crash_loop(tmp_path, 30, seed=1)
     _report(phases, 30)

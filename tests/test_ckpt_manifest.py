@@ -17,7 +17,6 @@ import pytest
 import torch
 from _helpers import save_two_steps as _run
 from _helpers import write_raw
-from feedpipe._crc import crc32c, to_hex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,6 +26,7 @@ from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.manager import CheckpointManager
 from ckpt.restoring.reader import read_checkpoint, verify_step
+from feedpipe.io.crc import crc32c, to_hex
 
 
 def _state(step: int) -> dict[str, Any]:

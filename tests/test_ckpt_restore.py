@@ -306,6 +306,6 @@ def test_restore_of_a_step_that_is_not_one_names_the_accepted_steps(
     with CheckpointManager(tmp_path / "ck") as m:
         m.save(3, {"w": torch.ones(1)}).result()
         for call in (m.restore, m.fetch):
-            with pytest.raises(ValueError, match=r"step must be an int from 0 to 2\*\*53"):
+            with pytest.raises(ValueError, match=r"must be an int from 0 to 2\*\*53 \(non-neg"):
                 call(bad)  # type: ignore[arg-type]
         assert m.restore(3)["w"].tolist() == [1.0]

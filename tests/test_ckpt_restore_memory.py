@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckpt import format as fmt
-from feedpipe._crc import crc32c, to_hex
+from feedpipe.io.crc import crc32c, to_hex
 
 CHUNK = 16 << 20
 NBYTES = 512 << 20  # the data file (mostly a hole); an up-front buffer of it breaks the limit

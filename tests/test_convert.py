@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 from _procs import run_cli as _cli
-from feedpipe.convert import convert
 
 import feedpipe
 from feedpipe import DatasetError, MemmapDataset
 from feedpipe.cli import main as cli_main
+from feedpipe.datasets.convert import convert
 from feedpipe.datasets.writer import MemmapWriter
 
 
@@ -127,7 +127,7 @@ def test_torch_dataset_bad_record_is_named(tmp_path: Path) -> None:
 _KILLED = """
 import os, sys, numpy as np, torch
 sys.path.insert(0, {tests!r})
-from feedpipe.convert import convert
+from feedpipe.datasets.convert import convert
 
 class Slow(torch.utils.data.Dataset):
     def __len__(self):

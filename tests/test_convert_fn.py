@@ -636,18 +636,27 @@ def test_convert_rerun_with_other_partial_arguments_starts_over(tmp_path: Path) 
     assert res.resumed_parts == 0
 
 
-@pytest.mark.parametrize("bad", [-1, 0, 1.5, True, "2"])
-def test_a_worker_count_below_one_or_not_a_whole_number_is_refused(
+@pytest.mark.parametrize("bad", [-1, -4, 1.5, True, "2"])
+def test_a_negative_worker_count_or_not_a_whole_number_is_refused(
     tmp_path: Path, bad: Any
 ) -> None:
-    # num_workers=-1 (and 0) were taken as 1 without a word
-    with pytest.raises(ValueError, match=rf"num_workers must be a whole number >= 1.*{bad!r}"):
+    # num_workers=-1 was taken as 1 without a word (0 is torch's "in this process": see below)
+    with pytest.raises(ValueError, match=rf"num_workers must be a whole number >= 0.*{bad!r}"):
         feedpipe.convert(fns.tokens, range(4), output=tmp_path / "a", num_workers=bad)
-    with pytest.raises(ValueError, match=rf"num_workers must be a whole number >= 1.*{bad!r}"):
+    with pytest.raises(ValueError, match=rf"num_workers must be a whole number >= 0.*{bad!r}"):
         feedpipe.convert(fns.tokens, range(4), output=tmp_path / "b", workers=bad)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     src = tmp_path / "x.npy"
     np.save(src, np.arange(4))
-    with pytest.raises(ValueError, match=rf"workers must be a whole number >= 1.*{bad!r}"):
+    with pytest.raises(ValueError, match=rf"workers must be a whole number >= 0.*{bad!r}"):
         feedpipe.convert(src, tmp_path / "c", workers=bad)
     assert not (tmp_path / "c").exists()
+
+
+def test_zero_workers_converts_in_this_process(tmp_path: Path) -> None:
+    """num_workers=0 is torch's idiom for "no worker processes": the same bytes as 1 worker."""
+    a = feedpipe.convert(fns.tokens, range(4), output=tmp_path / "a", num_workers=0)
+    b = feedpipe.convert(fns.tokens, range(4), output=tmp_path / "b", num_workers=1)
+    assert a.records == b.records > 0
+    for f in sorted(p.name for p in (tmp_path / "b").iterdir()):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f

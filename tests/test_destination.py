@@ -19,10 +19,10 @@ from test_stage import make_dataset
 
 import feedpipe
 from feedpipe import MemmapDataset
-from feedpipe.convert import convert
+from feedpipe.datasets.convert import convert
 from feedpipe.errors import DatasetError
 from feedpipe.io.ownership import owns
-from feedpipe.stage import stage
+from feedpipe.remote.stage import stage
 
 
 def _snapshot(root: Path) -> dict[str, object]:

@@ -18,7 +18,7 @@ import torch
 import feedpipe
 from feedpipe.device import direct as _direct
 from feedpipe.device import dma as _memmap_dma
-from feedpipe.gpu import GPUFeedWarning
+from feedpipe.device.feed import GPUFeedWarning
 from feedpipe.stall import StallMeter
 
 N, DIM = 301, 40  # 160 B records, 7 shards (the last one short), 301 = a short last batch

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from feedpipe.device.feed import GPUFeed, GPUFeedWarning, resolve_device
 from feedpipe.device.ring import Ring, flatten, map_tensors
-from feedpipe.gpu import GPUFeed, GPUFeedWarning, resolve_device
 from feedpipe.stall import StallMeter
 
 Pair = namedtuple("Pair", ["a", "b"])

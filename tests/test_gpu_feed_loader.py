@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import feedpipe
-from feedpipe.gpu import GPUFeedWarning
+from feedpipe.device.feed import GPUFeedWarning
 from feedpipe.stall import StallMeter
 
 N, DIM = 200, 16

@@ -212,6 +212,7 @@ def test_bad_verify_option_names_the_choices() -> None:
         RemoteOptions("s3://b/x", verify="")
 
 
+@pytest.mark.serial  # a peak of concurrent downloads is a timing bound: not beside another run
 def test_stage_keeps_every_worker_transferring(
     tmp_path: Path, s3_bucket: tuple[str, dict], s3_server: str
 ) -> None:

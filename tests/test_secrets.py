@@ -25,7 +25,6 @@ import pytest
 from _helpers import QuietHandler as _Quiet
 from _secrets import LeakCheck
 from conftest import free_port
-from feedpipe.stage import stage
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from test_stage import make_dataset
@@ -33,6 +32,7 @@ from test_stage import make_dataset
 from feedpipe import MemmapDataset
 from feedpipe.errors import DatasetError
 from feedpipe.remote import transfer as _remote
+from feedpipe.remote.stage import stage
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,11 +13,11 @@ import pytest
 from _faultproxy import FaultProxy
 from _helpers import file_url_fixtures as _fixtures
 from conftest import free_port
-from feedpipe.stage import stage
 
 from feedpipe import MemmapDataset
 from feedpipe.errors import DatasetError
 from feedpipe.remote import transfer as _remote
+from feedpipe.remote.stage import stage
 
 SECRET_KEY = "AKIAFEEDPIPETESTKEY1"
 SECRET = "s3cr3t/FeedpipeTestSecretValue+xyz"

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from _helpers import relocate_dataset as _relocate
 from _procs import child_env as _env
-from feedpipe.stage import stage
 from test_stage import make_dataset, upload
 
 from feedpipe import MemmapDataset
 from feedpipe.errors import DatasetError
 from feedpipe.remote import transfer as _remote
+from feedpipe.remote.stage import stage
 
 
 def test_symlinked_directory_in_destination_is_refused(tmp_path: Path) -> None:

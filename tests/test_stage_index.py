@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 from _helpers import relocate_dataset as _relocate
-from feedpipe.stage import stage
 from test_stage import make_dataset
 
 from feedpipe import MemmapDataset
 from feedpipe.errors import DatasetError
 from feedpipe.remote import transfer as _remote
+from feedpipe.remote.stage import stage
 
 
 def test_an_index_listing_a_temp_prefixed_file_is_refused(tmp_path: Path) -> None:

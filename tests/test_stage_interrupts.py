@@ -20,12 +20,12 @@ import pytest
 from _faultproxy import FaultProxy
 from _procs import child_env as _env
 from conftest import free_port
-from feedpipe.stage import stage
 from test_stage import make_dataset, upload
 
 from feedpipe import MemmapDataset
 from feedpipe.errors import DatasetError
 from feedpipe.remote import transfer as _remote
+from feedpipe.remote.stage import stage
 
 
 def _proxy_opts(opts: dict[str, Any], endpoint: str) -> dict[str, Any]:
@@ -53,7 +53,7 @@ def _temps(root: Path) -> list[Path]:
 _CHILD_STAGE = textwrap.dedent(
     """
     import sys
-    from feedpipe.stage import stage
+    from feedpipe.remote.stage import stage
     url, dst, endpoint = sys.argv[1:4]
     opts = {"key": "testing", "secret": "testing", "skip_instance_cache": True,
             "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import feedpipe
-from feedpipe.gpu import GPUFeedWarning
+from feedpipe.device.feed import GPUFeedWarning
 from feedpipe.io import trace
 
 ROOT = Path(__file__).resolve().parents[1]

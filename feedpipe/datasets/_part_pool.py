@@ -35,9 +35,10 @@ def report(amount: int) -> None:
 
 
 def worker_count(requested: int | None, what: str = "num_workers") -> int:
-    """The worker processes of a conversion: as requested, else (None) up to 4, one per CPU.
+    """The worker processes of a conversion: as requested, else (None) up to 4, one per CPU;
+    0 means in this process, as 1 does (torch's ``num_workers=0`` idiom).
 
-    Anything but a whole number >= 1 (a NumPy integer too, not a bool) is a ``ValueError``
+    Anything but a whole number >= 0 (a NumPy integer too, not a bool) is a ``ValueError``
     naming ``what`` and the value."""
     if requested is None:
         return min(4, os.cpu_count() or 1)
@@ -45,11 +46,12 @@ def worker_count(requested: int | None, what: str = "num_workers") -> int:
         count = None if isinstance(requested, bool) else operator.index(requested)
     except TypeError:
         count = None
-    if count is None or count < 1:
+    if count is None or count < 0:
         raise ValueError(
-            f"{what} must be a whole number >= 1 (None: up to 4, one per CPU), got {requested!r}"
+            f"{what} must be a whole number >= 0 (0 or 1: in this process; None: up to 4, one "
+            f"per CPU), got {requested!r}"
         )
-    return count
+    return max(count, 1)
 
 
 def pool_context() -> BaseContext:

@@ -110,7 +110,8 @@ def convert_fn(
             ``functools.partial`` of one).
         inputs: the items (paths, URLs, ids...); picklable.
         output: a new or empty local folder, or an fsspec URL (``s3://bucket/ds``).
-        num_workers: processes (default: up to 4, one per CPU). Changes speed only.
+        num_workers: processes (default: up to 4, one per CPU; 0 or 1: in this process).
+            Changes speed only.
         inputs_per_part: consecutive inputs per part (default: enough for at most 256 parts).
             Parts are the unit of parallelism and of resume; each has its own shards.
         shard_bytes: a shard is closed before its data file would exceed this.
