@@ -56,6 +56,7 @@ from torch.futures import Future
 from ckpt import _layout, _owner
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.format.entries import pack
 from ckpt.restoring.dcp_items import (
     decode_metadata,
     dtype_name,
@@ -64,7 +65,6 @@ from ckpt.restoring.dcp_items import (
 )
 from ckpt.restoring.dcp_reader import CkptStorageReader, check_bytes_items, split_id
 from ckpt.saving import commit
-from ckpt.saving.plan import pack
 from ckpt.saving.pool import Buffer, PinnedPool, PoolOptions
 
 __all__ = [

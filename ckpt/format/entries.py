@@ -4,7 +4,7 @@ out of the loaded file."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -14,7 +14,7 @@ from ckpt._layout import DATA_FILE
 from ckpt.format.dtypes import torch_dtype
 from ckpt.format.limits import ALIGN
 
-__all__ = ["ArrayLeaf", "StagingBuffer", "load_arrays", "plan", "stage"]
+__all__ = ["ArrayLeaf", "StagingBuffer", "entry", "load_arrays", "pack", "plan", "stage"]
 
 
 class ArrayLeaf(Protocol):
@@ -43,27 +43,38 @@ class StagingBuffer(Protocol):
     def array(self) -> np.ndarray[Any, Any]: ...
 
 
+def pack(sizes: Iterable[int], start: int = 0) -> tuple[list[int], int]:
+    """The layout of byte blocks in a data file (and in the staging pool that mirrors it): each
+    block's offset, at the next multiple of ``ALIGN`` so any dtype can be viewed in place, and the
+    end of the last one."""
+    offsets, offset = [], start
+    for nbytes in sizes:
+        offset = -(-offset // ALIGN) * ALIGN
+        offsets.append(offset)
+        offset += nbytes
+    return offsets, offset
+
+
+def entry(leaf: ArrayLeaf, offset: int, file: str) -> dict[str, Any]:
+    """The manifest entry of ``leaf`` stored at ``offset`` of ``file``."""
+    return {
+        "kind": leaf.kind,
+        "dtype": leaf.dtype,
+        "shape": leaf.shape,
+        "file": file,
+        "offset": offset,
+        "nbytes": leaf.nbytes,
+        "device": leaf.device,
+    }
+
+
 def plan(
     leaves: Sequence[ArrayLeaf], file: str = DATA_FILE, start: int = 0
 ) -> tuple[list[dict[str, Any]], int]:
-    """Lay ``leaves`` out in one data file; returns the manifest entries and the file size."""
-    entries: list[dict[str, Any]] = []
-    offset = start
-    for leaf in leaves:
-        offset = -(-offset // ALIGN) * ALIGN
-        entries.append(
-            {
-                "kind": leaf.kind,
-                "dtype": leaf.dtype,
-                "shape": leaf.shape,
-                "file": file,
-                "offset": offset,
-                "nbytes": leaf.nbytes,
-                "device": leaf.device,
-            }
-        )
-        offset += leaf.nbytes
-    return entries, offset
+    """Lay ``leaves`` out in one data file, in their order; returns the manifest entries and the
+    file size (``ckpt.saving.plan.SavePlan`` uses ``pack`` and ``entry`` in its own leaf order)."""
+    offsets, size = pack((leaf.nbytes for leaf in leaves), start)
+    return [entry(leaf, off, file) for leaf, off in zip(leaves, offsets, strict=True)], size
 
 
 def stage(

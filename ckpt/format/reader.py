@@ -10,7 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_EXCEPTION, Executor, wait
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from ckpt.errors import CorruptCheckpointError
 from ckpt.format.limits import IO_BYTES
 from ckpt.format.paths import inside, open_data
 from feedpipe.io import crc32c, readinto_exactly, to_hex
+from feedpipe.io.futures import results_or_first_error
 
 __all__ = ["ChunkStream", "Target", "check_file", "stream_file", "verify_file"]
 
@@ -116,16 +117,7 @@ class ChunkStream:
 def _read_all(stream: ChunkStream, executor: Executor) -> float:
     """Every chunk of ``stream`` on ``executor``; after a bad chunk, none further is read, and
     every read is over before this returns (the fd is then closed and its number reused)."""
-    futures = [executor.submit(stream.read, i) for i in stream.chunks]
-    _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-    for f in pending:
-        f.cancel()
-    wait(futures)
-    for f in futures:
-        error = None if f.cancelled() else f.exception()
-        if error is not None:
-            raise error
-    return sum(f.result() for f in futures)
+    return sum(results_or_first_error([executor.submit(stream.read, i) for i in stream.chunks]))
 
 
 def stream_file(

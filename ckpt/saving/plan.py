@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from operator import attrgetter, itemgetter
 from typing import Any
@@ -48,7 +48,8 @@ import torch
 
 from ckpt import _layout
 from ckpt._torch_compat import foreach_copy
-from ckpt.saving.flatten import ALIGN, Leaf
+from ckpt.format.entries import entry, pack
+from ckpt.saving.flatten import Leaf
 from ckpt.saving.pool import Buffer
 
 __all__ = [
@@ -104,29 +105,6 @@ def signature(leaves: Sequence[Leaf]) -> list[tuple[Any, ...]]:
     return list(map(_SIGNATURE, leaves))
 
 
-def pack(sizes: Iterable[int], start: int = 0) -> tuple[list[int], int]:
-    """The pool and file layout of byte blocks: each block's offset (at the next multiple of
-    ``ALIGN``, so any dtype can be viewed in place) and the end of the last one."""
-    offsets, offset = [], start
-    for nbytes in sizes:
-        offset = -(-offset // ALIGN) * ALIGN
-        offsets.append(offset)
-        offset += nbytes
-    return offsets, offset
-
-
-def _entry(leaf: Leaf, offset: int, file: str) -> dict[str, Any]:
-    return {
-        "kind": leaf.kind,
-        "dtype": leaf.dtype,
-        "shape": leaf.shape,
-        "file": file,
-        "offset": offset,
-        "nbytes": leaf.nbytes,
-        "device": leaf.device,
-    }
-
-
 def leaf_order(leaves: Sequence[Leaf]) -> list[int]:
     """The order of the leaves in the file: CUDA leaves first, grouped by device in order of
     appearance, then the others, in leaf order within each group."""
@@ -146,17 +124,17 @@ def layout(
     offsets, nbytes = pack(leaves[i].nbytes for i in order)
     entries: list[dict[str, Any]] = [{}] * len(leaves)
     for i, offset in zip(order, offsets, strict=True):
-        entries[i] = _entry(leaves[i], offset, file)
+        entries[i] = entry(leaves[i], offset, file)
     return entries, nbytes
 
 
 def _gaps(entries: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
     """The padding between ``entries`` (sorted by offset), as ``(start, end)`` byte ranges."""
     gaps, end = [], 0
-    for entry in entries:
-        if entry["offset"] > end:
-            gaps.append((end, entry["offset"]))
-        end = max(end, entry["offset"] + entry["nbytes"])
+    for e in entries:
+        if e["offset"] > end:
+            gaps.append((end, e["offset"]))
+        end = max(end, e["offset"] + e["nbytes"])
     return gaps
 
 

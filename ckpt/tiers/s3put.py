@@ -35,12 +35,13 @@ import hashlib
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
 from ckpt.errors import CorruptCheckpointError
 from feedpipe.io import crc32c, read_exactly, to_hex
+from feedpipe.io.futures import results_or_first_error
 
 __all__ = [
     "MAX_PART",
@@ -292,18 +293,9 @@ class _ObjectUpload:
             )
             return digest, _etag(out)
 
-        futures: list[Future[tuple[bytes, str]]] = [
-            pool.submit(one, n, off) for n, off in enumerate(range(0, size, part_bytes), start=1)
-        ]
-        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in pending:
-            f.cancel()
-        wait(futures)
-        for f in futures:
-            error = None if f.cancelled() else f.exception()
-            if error is not None:
-                raise error
-        return [f.result() for f in futures]
+        return results_or_first_error(
+            [pool.submit(one, n, off) for n, off in enumerate(range(0, size, part_bytes), start=1)]
+        )
 
     def _complete(
         self, upload_id: str, results: list[tuple[bytes, str]], expected: str
