@@ -226,8 +226,10 @@ class CheckpointManager:
                     len(removed),
                     self.directory,
                 )
-            if self._newest_verified is not None:
-                self._retain()  # catch up on retention interrupted by a crash, before adding
+            if self._newest_verified is not None:  # finish a commit a crash interrupted:
+                if self._newest_verified == max(commit.steps(self.directory), default=-1):
+                    commit.roll_latest_forward(self.directory, self._newest_verified)
+                self._retain()  # catch up on retention, before adding
 
     def _raise_pending(self) -> None:
         self._saves.raise_pending()

@@ -68,6 +68,7 @@ __all__ = [
     "remove_leftovers",
     "remove_path",
     "replace_dir",
+    "roll_latest_forward",
     "settle",
     "steps",
     "write_latest",
@@ -379,6 +380,19 @@ def publish(tmp: Path, root: Path, step: int) -> Path:
     _faults.pause("rename")
     replace_dir(tmp, final, root / _layout.del_name(final.name))
     return final
+
+
+def roll_latest_forward(root: Path, step: int) -> bool:
+    """Finish a commit that a crash interrupted between its rename and its ``latest`` update:
+    when ``latest`` names a step older than ``step`` (the newest committed step, verified by the
+    caller) or is missing, point it at ``step``. Call under the writer lock. Returns whether
+    ``latest`` was written. Retention keeps the step ``latest`` names, so a stale one would keep
+    an old step alive past the policy."""
+    named = read_latest(root)
+    if named is not None and named >= step:
+        return False
+    write_latest(root, step)
+    return True
 
 
 def write_latest(root: Path, step: int) -> None:
