@@ -1,0 +1,250 @@
+"""``feedpipe.headspace`` and ``feedpipe bench --headspace``: the share of step time the input
+costs (cached batches vs the live loader), the answer naming the slowest stage, the loader left
+where it stood, and clear errors for a failing step and a bad ``SCRIPT:FN``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections import namedtuple
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import feedpipe
+from feedpipe.cli import main
+from feedpipe.commands.headspace import load_step
+from feedpipe.stall.headspace import STAGE_NAMES, HeadspaceError, HeadspaceResult
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Sleepy(torch.utils.data.Dataset[torch.Tensor]):
+    """Sample ``i`` is ``[i, i]``; every read sleeps ``read_s`` (a known input cost)."""
+
+    def __init__(self, n: int, read_s: float = 0.0) -> None:
+        self.n, self.read_s = n, read_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.read_s:
+            time.sleep(self.read_s)
+        return torch.tensor([i, i])
+
+
+def _sleep_step(seconds: float) -> Any:
+    def train_step(batch: Any) -> None:
+        time.sleep(seconds)
+
+    return train_step
+
+
+@pytest.mark.serial
+def test_reports_a_known_input_cost_within_5_percent() -> None:
+    read_s, step_s = 0.030, 0.045  # one sample per batch, read in the loop: 40% of the step
+    loader = feedpipe.DataLoader(Sleepy(64, read_s), batch_size=1)
+    r = feedpipe.headspace(_sleep_step(step_s), loader, steps=8, warmup=1, cache=2)
+    expected = read_s / (read_s + step_s)
+    assert r.input_share == pytest.approx(expected, rel=0.05)
+    assert r.cached_step_s == pytest.approx(step_s, rel=0.05)
+    assert r.live_step_s == pytest.approx(read_s + step_s, rel=0.05)
+    assert r.slowest_stage == "fetch" and r.stats is not None
+    assert r.stats.batches == 8  # the live run's counters: the measured steps, not the warm-up
+    assert r.answer().startswith(f"input costs {100 * r.input_share:.0f}% of step time")
+
+
+@pytest.mark.serial
+def test_no_input_cost_reads_about_zero() -> None:
+    loader = feedpipe.DataLoader(Sleepy(64), batch_size=4)
+    r = feedpipe.headspace(_sleep_step(0.02), loader, steps=8, warmup=1, cache=2)
+    assert 0.0 <= r.input_share < 0.05
+    assert r.cached_step_s == pytest.approx(0.02, rel=0.2)
+
+
+def test_answer_names_the_slowest_stage_and_the_table_follows() -> None:
+    loader = feedpipe.DataLoader(Sleepy(32, 0.005), batch_size=2)
+    r = feedpipe.headspace(_sleep_step(0.0), loader, steps=4, warmup=1, cache=2)
+    assert r.slowest_stage == "fetch"
+    line, *table = str(r).splitlines()
+    assert line == r.answer()
+    assert line.endswith("; the dataset's read (fetch) is the slowest stage")
+    assert any("fetch" in row and "<- slowest" in row for row in table)
+    assert any(row.split()[:2] == ["stall", "(meter)"] for row in table)
+    assert (r.steps, r.cached_batches) == (4, 2)
+
+
+def test_answer_without_a_meter_or_stage_times() -> None:
+    batches = [torch.ones(2), torch.zeros(2)]  # any iterable of batches: no stall counters
+    r = feedpipe.headspace(_sleep_step(0.0), batches, steps=3, warmup=0, cache=5)
+    assert r.stats is None and r.slowest_stage is None and r.cached_batches == 2
+    assert r.answer().endswith("; no stall counters (the loader has no feedpipe meter)")
+    stats = feedpipe.StallMeter().stats()
+    bare = HeadspaceResult(0.01, 0.02, 0.5, None, stats, 3, 1)
+    assert bare.answer() == (
+        "input costs 50% of step time (20 ms per step live, 10 ms on cached batches); "
+        "no stage times were reported"
+    )
+    assert set(STAGE_NAMES) == {"fetch", "decode", "collate", "pin", "h2d"}
+
+
+def test_cached_batches_are_copies_with_their_structure() -> None:
+    Pair = namedtuple("Pair", "x y")
+    originals = [Pair(torch.full((3,), float(i)), {"id": torch.tensor([i])}) for i in range(2)]
+    seen: list[Any] = []
+    r = feedpipe.headspace(seen.append, originals, steps=2, warmup=0, cache=2)
+    cached, live = seen[:2], seen[2:]
+    assert [type(b) for b in cached] == [Pair, Pair] and r.cached_batches == 2
+    for got, orig in zip(cached, originals, strict=True):
+        assert torch.equal(got.x, orig.x) and torch.equal(got.y["id"], orig.y["id"])
+        assert got.x.data_ptr() != orig.x.data_ptr()  # no buffer of the loader is held
+    assert live == originals  # the live run gets the loader's own batches
+
+
+def _loader(workers: int, generator: bool) -> feedpipe.DataLoader:
+    kwargs: dict[str, Any] = {"num_workers": workers}
+    if workers:
+        kwargs["worker_type"] = "thread"
+    if generator:
+        kwargs["generator"] = torch.Generator().manual_seed(3)
+    return feedpipe.DataLoader(Sleepy(12), batch_size=4, shuffle=True, **kwargs)
+
+
+@pytest.mark.parametrize(("workers", "generator"), [(0, True), (0, False), (2, True)])
+def test_the_loader_is_left_where_it_stood(workers: int, generator: bool) -> None:
+    """After one epoch, headspace (whose live run crosses an epoch), then the second epoch: the
+    same batches as a twin loader's second epoch, and the meter's counters as before."""
+    torch.manual_seed(11)
+    twin = _loader(workers, generator)
+    list(twin)
+    expected = [b.tolist() for b in twin]
+    torch.manual_seed(11)
+    loader = _loader(workers, generator)
+    list(loader)
+    before = loader.meter.state_dict()
+    r = feedpipe.headspace(_sleep_step(0.0), loader, steps=4, warmup=1, cache=2)
+    assert r.stats is not None and r.stats.batches == 4
+    assert loader.meter.state_dict()["batches"] == before["batches"] == 3
+    assert [b.tolist() for b in loader] == expected
+
+
+def test_a_failing_step_names_the_step_and_the_run() -> None:
+    calls = []
+
+    def train_step(batch: Any) -> None:
+        calls.append(batch)
+        if len(calls) == 3:
+            raise ValueError("loss is nan")
+
+    loader = feedpipe.DataLoader(Sleepy(8), batch_size=2)
+    with pytest.raises(HeadspaceError) as info:
+        feedpipe.headspace(train_step, loader, steps=4, warmup=1)
+    text = str(info.value)
+    assert "train_step" in text and "step 3 of the cached run" in text
+    assert "ValueError: loss is nan" in text
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_bad_arguments_and_an_empty_loader() -> None:
+    with pytest.raises(HeadspaceError, match="steps >= 1"):
+        feedpipe.headspace(_sleep_step(0.0), [torch.ones(1)], steps=0)
+    with pytest.raises(HeadspaceError, match="gave no batch"):
+        feedpipe.headspace(_sleep_step(0.0), [], steps=1)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def test_cli_runs_the_example_script_end_to_end() -> None:
+    argv = ["bench", "--headspace", "examples/headspace.py:make", "--batches", "4"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "feedpipe.cli", *argv, "--warmup", "1"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == (
+        "feedpipe bench --headspace examples/headspace.py:make: 4 steps per run after 1 warm-up"
+    )
+    assert lines[1].startswith("input costs ") and "% of step time" in lines[1]
+    assert lines[1].endswith("; the dataset's read (fetch) is the slowest stage")
+    assert proc.stderr == ""
+
+
+_GOOD = "import torch\ndef make():\n    return (lambda b: None), [torch.ones(2)]\n"
+
+
+@pytest.mark.parametrize(
+    ("body", "fn", "message"),
+    [
+        (None, "make", "{script}: no such file"),
+        (_GOOD, "build", "{script}: no function 'build' in it"),
+        ("make = 3\n", "make", "{script}: make is a int, not a function"),
+        ("def make():\n    return [1, 2]\n", "make", "{script}: make() must return (step_fn, "),
+        ("def make():\n    return None\n", "make", "make() must return (step_fn, loader); it "),
+        ("def make():\n    return print, 5\n", "make", "its loader is a int, not an iterable"),
+        ("def make():\n    return 1, []\n", "make", "its step_fn is a int, not callable"),
+        ("def make():\n    raise OSError('no data')\n", "make", "make() raised OSError: no data"),
+        ("import no_such_module_hs\n", "make", "{script}: running the script raised Module"),
+    ],
+)
+def test_cli_bad_script_fn_is_one_clear_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], body: str | None, fn: str, message: str
+) -> None:
+    script = tmp_path / f"hs_{abs(hash((body, fn)))}.py"
+    if body is not None:
+        script.write_text(body)
+    assert main(["bench", "--headspace", f"{script}:{fn}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("feedpipe bench: error: HeadspaceError: ") and err.count("\n") == 1
+    assert message.format(script=script) in err
+
+
+def test_load_step_returns_the_pair_and_refuses_a_spec_without_fn(tmp_path: Path) -> None:
+    script = tmp_path / "hs_good_pair.py"
+    script.write_text(_GOOD)
+    step, loader = load_step(f"{script}:make")
+    assert callable(step) and [t.tolist() for t in loader] == [[1.0, 1.0]]
+    with pytest.raises(HeadspaceError, match="wants SCRIPT:FN"):
+        load_step(str(script))
+
+
+def test_cli_headspace_refuses_a_dataset_path(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="give no PATH or --synthetic"):
+        main(["bench", "--synthetic", "--headspace", "x.py:make"])
+
+
+@pytest.mark.gpu
+def test_cuda_step_is_synchronised_and_batches_cached_on_the_device() -> None:
+    """The cached run keeps batches on the device, and its clock waits for the queued kernels:
+    without the sync the step would read as its launch time only."""
+    x = torch.randn(2048, 2048, device="cuda")
+    devices: list[str] = []
+
+    def train_step(batch: torch.Tensor) -> None:
+        devices.append(batch.device.type)
+        y = batch.to("cuda", non_blocking=True).float().sum() + x
+        for _ in range(20):
+            y = y @ x
+
+    loader = feedpipe.DataLoader(Sleepy(64), batch_size=4)
+    r = feedpipe.headspace(train_step, loader, steps=5, warmup=2, cache=2, device="cuda")
+    assert devices[:7] == ["cuda"] * 7 and devices[7:] == ["cpu"] * 7
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        train_step(torch.zeros(4, 2, device="cuda"))
+    torch.cuda.synchronize()
+    synced = (time.perf_counter() - start) / 5
+    assert r.cached_step_s == pytest.approx(synced, rel=0.5)
