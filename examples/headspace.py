@@ -52,9 +52,8 @@ def make(workers: int = 0) -> tuple[Callable[[Any], None], feedpipe.DataLoader]:
     torch.set_num_threads(1)  # a small model: one thread, no pool woken after each wait
     model = nn.Sequential(nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, CLASSES))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    kind = {"worker_type": "thread"} if workers else {}
     loader = feedpipe.DataLoader(
-        SlowReads(), batch_size=BATCH, shuffle=True, num_workers=workers, **kind
+        SlowReads(), batch_size=BATCH, shuffle=True, num_workers=workers, worker_type="thread"
     )
 
     def train_step(batch: Any) -> None:

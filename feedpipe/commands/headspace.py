@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.batches < 1 or args.warmup < 0 or args.headspace_cache < 1:
         raise SystemExit(
-            "feedpipe bench: --headspace needs --batches >= 1, --warmup >= 0, --headspace-cache >= 1"
+            "feedpipe bench: --headspace needs --batches >= 1, --warmup >= 0 "
+            "and --headspace-cache >= 1"
         )
     step_fn, loader = load_step(args.headspace)
     result = headspace(
@@ -88,7 +89,7 @@ def load_step(spec: str) -> tuple[Callable[[Any], Any], Any]:
     missing or non-callable ``FN``, an ``FN`` that raises or returns something else."""
     script, sep, name = spec.rpartition(":")
     if not sep or not script or not name:
-        raise HeadspaceError(f"--headspace wants SCRIPT:FN (a .py file and a function), got {spec!r}")
+        raise HeadspaceError(f"--headspace wants SCRIPT:FN (a .py file, a function): {spec!r}")
     path = Path(script)
     if not path.is_file():
         raise HeadspaceError(f"{script}: no such file (the SCRIPT of --headspace {spec})")
@@ -121,7 +122,8 @@ def _import(path: Path) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[mod_name]
-        raise HeadspaceError(f"{path}: running the script raised {type(exc).__name__}: {exc}") from exc
+        why = f"{type(exc).__name__}: {exc}"
+        raise HeadspaceError(f"{path}: running the script raised {why}") from exc
     return module
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -134,11 +134,11 @@ def headspace(
     with _loader_kept(loader, meter):
         batches = _first_batches(loader, cache, device)
         n_cached = len(batches)
-        cached = _run(step_fn, _cycle_list(batches), steps, warmup, "cached", None)
+        cached = _run(step_fn, _cycle_list(batches), steps=steps, warmup=warmup, phase="cached")
         del batches
         epochs = _epochs(loader)
         try:
-            live = _run(step_fn, epochs, steps, warmup, "live", meter)
+            live = _run(step_fn, epochs, steps=steps, warmup=warmup, phase="live", meter=meter)
             stats = meter.stats() if meter is not None else None
         finally:
             epochs.close()
@@ -158,10 +158,11 @@ def _step_name(step_fn: Callable[[Any], Any]) -> str:
 def _run(
     step_fn: Callable[[Any], Any],
     batches: Iterator[Any],
+    *,
     steps: int,
     warmup: int,
     phase: str,
-    meter: Any,
+    meter: Any = None,
 ) -> float:
     """Seconds for ``steps`` steps after ``warmup``, the clock read after a device sync."""
     start = 0.0
@@ -188,7 +189,7 @@ def _sync() -> None:
     """Wait for queued CUDA work, where CUDA is in use (never initialises it)."""
     import torch
 
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         torch.cuda.synchronize()
 
 
@@ -230,7 +231,7 @@ def _cycle_list(batches: list[Any]) -> Iterator[Any]:
         yield from batches
 
 
-def _epochs(loader: Iterable[Any]) -> Iterator[Any]:
+def _epochs(loader: Iterable[Any]) -> Generator[Any, None, None]:
     """Batches of fresh passes over ``loader``, one epoch after another."""
     while True:
         empty = True
