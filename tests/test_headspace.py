@@ -5,6 +5,7 @@ where it stood, and clear errors for a failing step and a bad ``SCRIPT:FN``."""
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -271,6 +272,37 @@ def test_load_step_returns_the_pair_and_refuses_a_spec_without_fn(tmp_path: Path
     assert callable(step) and [t.tolist() for t in loader] == [[1.0, 1.0]]
     with pytest.raises(HeadspaceError, match="wants SCRIPT:FN"):
         load_step(str(script))
+
+
+def test_load_step_imports_the_script_as_a_module_named_after_it(tmp_path: Path) -> None:
+    """Its folder is on sys.path (a sibling import works), its classes pickle by the module's
+    name, and its ``if __name__ == "__main__":`` block does not run."""
+    (tmp_path / "hs_sibling_helper.py").write_text("SCALE = 3\n")
+    script = tmp_path / "hs_named_script.py"
+    script.write_text(
+        "import torch\nfrom hs_sibling_helper import SCALE\n"
+        "class Step:\n    def __call__(self, batch):\n        return batch * SCALE\n"
+        "def make():\n    return Step(), [torch.ones(1)]\n"
+        "if __name__ == '__main__':\n    raise SystemExit('the main block ran')\n"
+    )
+    step, _loader = load_step(f"{script}:make")
+    assert type(step).__module__ == "hs_named_script"
+    again = pickle.loads(pickle.dumps(step))
+    assert again(torch.ones(1)).item() == 3.0
+
+
+def test_a_slower_cached_run_reads_as_no_input_cost() -> None:
+    """A live run faster than the cached one (noise, a cold first run) is no input cost: 0%."""
+    calls: list[int] = []
+
+    def train_step(batch: Any) -> None:
+        calls.append(1)
+        if len(calls) <= 4:  # the cached run's steps only
+            time.sleep(0.02)
+
+    r = feedpipe.headspace(train_step, [torch.ones(1)] * 4, steps=3, warmup=1)
+    assert r.cached_step_s > r.live_step_s and r.input_share == 0.0
+    assert r.answer().startswith("input costs 0% of step time")
 
 
 def test_cli_headspace_refuses_a_dataset_path(capsys: pytest.CaptureFixture[str]) -> None:

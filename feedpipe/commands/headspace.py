@@ -4,8 +4,9 @@ The contract of ``SCRIPT:FN``: ``SCRIPT`` is the path of a Python file and ``FN`
 function defined in it that takes no arguments and returns ``(step_fn, loader)``: the training
 step (called with one batch) and the loader it trains from (a ``feedpipe.DataLoader`` for the
 stall counters). The command runs the user's code: it imports ``SCRIPT`` as a module named after
-the file (its folder first on ``sys.path``, so its own imports and process workers find it;
-``if __name__ == "__main__":`` blocks do not run), calls ``FN()``, then
+the file (its folder first on ``sys.path``, so its own imports work; the module is registered under
+that name, so its classes pickle; ``if __name__ == "__main__":`` blocks do not run), calls
+``FN()``, then
 :func:`feedpipe.stall.headspace.headspace` with ``--batches`` steps after ``--warmup`` warm-up
 steps in each run, and prints the one-line answer and its table.
 """
