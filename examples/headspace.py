@@ -25,7 +25,7 @@ from torch import nn
 
 import feedpipe
 
-FEATURES, CLASSES, SAMPLES, BATCH = 64, 10, 1024, 32
+FEATURES, HIDDEN, CLASSES, SAMPLES, BATCH = 512, 2048, 10, 1024, 32
 READ_MS = 0.2
 
 
@@ -50,7 +50,7 @@ def make(workers: int = 0) -> tuple[Callable[[Any], None], feedpipe.DataLoader]:
     """The training step and its loader (``feedpipe bench --headspace`` calls ``make()``)."""
     torch.manual_seed(0)
     torch.set_num_threads(1)  # a small model: one thread, no pool woken after each wait
-    model = nn.Sequential(nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, CLASSES))
+    model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     loader = feedpipe.DataLoader(
         SlowReads(), batch_size=BATCH, shuffle=True, num_workers=workers, worker_type="thread"

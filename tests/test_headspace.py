@@ -187,6 +187,17 @@ def test_the_loader_is_left_where_it_stood(workers: int, generator: bool) -> Non
     assert [b.tolist() for b in loader] == expected
 
 
+def test_a_loader_without_a_saved_position_still_gives_whole_epochs() -> None:
+    """Out-of-order delivery cannot save its position: the next pass is a new epoch, whole."""
+    loader = feedpipe.DataLoader(
+        Sleepy(12), batch_size=4, num_workers=2, worker_type="thread", in_order=False
+    )
+    r = feedpipe.headspace(_sleep_step(0.0), loader, steps=4, warmup=1, cache=2)
+    assert r.stats is not None and r.stats.batches == 4
+    seen = sorted(i for b in loader for i in b[:, 0].tolist())
+    assert seen == list(range(12))
+
+
 def test_a_failing_step_names_the_step_and_the_run() -> None:
     calls = []
 
@@ -217,6 +228,7 @@ def _env() -> dict[str, str]:
 
 def test_cli_runs_the_example_script_end_to_end() -> None:
     argv = ["bench", "--headspace", "examples/headspace.py:make", "--batches", "4"]
+    argv += ["--headspace-cache", "3"]
     proc = subprocess.run(
         [sys.executable, "-m", "feedpipe.cli", *argv, "--warmup", "1"],
         cwd=ROOT,
@@ -233,6 +245,7 @@ def test_cli_runs_the_example_script_end_to_end() -> None:
     )
     assert lines[1].startswith("input costs ") and "% of step time" in lines[1]
     assert lines[1].endswith("; the dataset's read (fetch) is the slowest stage")
+    assert "  steps           4 per run after warm-up, 3 cached" in lines
     assert proc.stderr == ""
 
 

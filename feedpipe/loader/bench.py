@@ -16,6 +16,9 @@ Example::
     feedpipe bench /data/imagenet-fp --batch-size 256 --workers 0,2,4 --prefetch 2,4 \\
         --worker-type thread --step-ms 5 --plot out.png
     feedpipe bench --synthetic --sample-delay-ms 0.2 --workers 0,2 --step-ms 5
+
+``--headspace SCRIPT:FN`` runs the user's own step and loader instead
+(:mod:`feedpipe.commands.headspace`).
 """
 
 from __future__ import annotations
