@@ -160,31 +160,51 @@ def test_cached_batches_are_copies_with_their_structure() -> None:
     assert live == originals  # the live run gets the loader's own batches
 
 
-def _loader(workers: int, generator: bool) -> feedpipe.DataLoader:
+def _loader(workers: int, generator: bool, kind: str = "thread") -> feedpipe.DataLoader:
     kwargs: dict[str, Any] = {"num_workers": workers}
     if workers:
-        kwargs["worker_type"] = "thread"
+        kwargs["worker_type"] = kind
+        kwargs["persistent_workers"] = kind == "process"
     if generator:
         kwargs["generator"] = torch.Generator().manual_seed(3)
     return feedpipe.DataLoader(Sleepy(12), batch_size=4, shuffle=True, **kwargs)
 
 
-@pytest.mark.parametrize(("workers", "generator"), [(0, True), (0, False), (2, True)])
-def test_the_loader_is_left_where_it_stood(workers: int, generator: bool) -> None:
+@pytest.mark.parametrize(
+    ("workers", "generator", "kind"),
+    [(0, True, "thread"), (0, False, "thread"), (2, True, "thread"), (2, True, "process")],
+)
+def test_the_loader_is_left_where_it_stood(workers: int, generator: bool, kind: str) -> None:
     """After one epoch, headspace (whose live run crosses an epoch), then the second epoch: the
-    same batches as a twin loader's second epoch, and the meter's counters as before."""
+    same batches as a twin loader's second epoch, and the meter's counters as before. (Process
+    workers here are persistent: started by the first epoch, reused by headspace's passes.)"""
     torch.manual_seed(11)
-    twin = _loader(workers, generator)
+    twin = _loader(workers, generator, kind)
     list(twin)
     expected = [b.tolist() for b in twin]
     torch.manual_seed(11)
-    loader = _loader(workers, generator)
+    loader = _loader(workers, generator, kind)
     list(loader)
     before = loader.meter.state_dict()
     r = feedpipe.headspace(_sleep_step(0.0), loader, steps=4, warmup=1, cache=2)
     assert r.stats is not None and r.stats.batches == 4
     assert loader.meter.state_dict()["batches"] == before["batches"] == 3
     assert [b.tolist() for b in loader] == expected
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="feedpipe.DataLoader: a state saved before persistent workers started, loaded after "
+    "a pass started them, gives another order (the workers' base seed is not drawn again); "
+    "the same without headspace: state_dict(), list(loader), load_state_dict(), list(loader)",
+)
+def test_persistent_workers_started_by_headspace_keep_the_first_epoch() -> None:
+    expected = [b.tolist() for b in _loader(2, True, "process")]
+    loader = _loader(2, True, "process")
+    feedpipe.headspace(_sleep_step(0.0), loader, steps=4, warmup=1, cache=2)
+    got = [b.tolist() for b in loader]
+    del loader  # its persistent workers end here, not with the failure's traceback
+    assert got == expected
 
 
 def test_a_loader_without_a_saved_position_still_gives_whole_epochs() -> None:
