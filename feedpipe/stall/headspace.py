@@ -127,7 +127,7 @@ def headspace(
     """
     if steps < 1 or warmup < 0 or cache < 1:
         raise HeadspaceError(
-            f"headspace: need steps >= 1, warmup >= 0 and cache >= 1; "
+            f"need steps >= 1, warmup >= 0 and cache >= 1; "
             f"got steps={steps}, warmup={warmup}, cache={cache}"
         )
     meter = getattr(loader, "meter", None)
@@ -178,7 +178,7 @@ def _run(
         except Exception as exc:
             when = "warm-up step" if i < warmup else "step"
             raise HeadspaceError(
-                f"headspace: step_fn {_step_name(step_fn)} raised on {when} {i + 1} of the "
+                f"step_fn {_step_name(step_fn)} raised on {when} {i + 1} of the "
                 f"{phase} run ({type(exc).__name__}: {exc})"
             ) from exc
     _sync()
@@ -203,7 +203,7 @@ def _first_batches(loader: Iterable[Any], k: int, device: Any) -> list[Any]:
             break
     del it
     if not out:
-        raise HeadspaceError(f"headspace: the loader ({type(loader).__name__}) gave no batch")
+        raise HeadspaceError(f"the loader ({type(loader).__name__}) gave no batch")
     return out
 
 
@@ -239,7 +239,7 @@ def _epochs(loader: Iterable[Any]) -> Generator[Any, None, None]:
             empty = False
             yield batch
         if empty:
-            raise HeadspaceError(f"headspace: the loader ({type(loader).__name__}) gave no batch")
+            raise HeadspaceError(f"the loader ({type(loader).__name__}) gave no batch")
 
 
 @contextmanager
