@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import runpy
 import subprocess
 import sys
 import time
@@ -267,6 +268,23 @@ def test_cli_runs_the_example_script_end_to_end() -> None:
     assert lines[1].endswith("; the dataset's read (fetch) is the slowest stage")
     assert "  steps           4 per run after warm-up, 3 cached" in lines
     assert proc.stderr == ""
+
+
+def test_the_example_script_runs_and_leaves_the_loader_whole(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python examples/headspace.py``, in this process (the CLI test above runs a subprocess)."""
+    argv = ["examples/headspace.py", "--workers", "2", "--steps", "3", "--warmup", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    threads = torch.get_num_threads()
+    try:
+        runpy.run_path(str(ROOT / "examples" / "headspace.py"), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)  # the example's make() sets one thread
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "--- 2 thread workers"
+    assert lines[1].startswith("input costs ") and "is the slowest stage" in lines[1]
+    assert lines[-1] == "next epoch: 32 batches of 32"
 
 
 _GOOD = "import torch\ndef make():\n    return (lambda b: None), [torch.ones(2)]\n"
