@@ -39,6 +39,7 @@ _EXPORTS: dict[str, str] = {
     "DatasetError": "feedpipe.errors",
     "GPUFeed": "feedpipe.device.feed",
     "ImageLoader": "feedpipe.dali.loader",
+    "headspace": "feedpipe.stall.headspace",
 }
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "__version__",
     "convert",
     "get_worker_info",
+    "headspace",
     "stage",
 ]
 
@@ -77,6 +79,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from feedpipe.remote.stage import stage
     from feedpipe.sampler import DistributedSampler
     from feedpipe.stall import StallMeter, StallStats
+    from feedpipe.stall.headspace import headspace
 
 
 def __getattr__(name: str) -> Any:

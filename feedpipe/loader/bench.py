@@ -16,6 +16,9 @@ Example::
     feedpipe bench /data/imagenet-fp --batch-size 256 --workers 0,2,4 --prefetch 2,4 \\
         --worker-type thread --step-ms 5 --plot out.png
     feedpipe bench --synthetic --sample-delay-ms 0.2 --workers 0,2 --step-ms 5
+
+``--headspace SCRIPT:FN`` runs the user's own step and loader instead
+(:mod:`feedpipe.commands.headspace`).
 """
 
 from __future__ import annotations
@@ -120,6 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     parser.add_argument("--json", help="write every run's stats and timelines here")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    from feedpipe.commands.headspace import add_arguments as add_headspace_arguments
+
+    add_headspace_arguments(parser)
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -328,6 +334,10 @@ _PANELS: tuple[Callable[[Any, list[BenchResult]], None], ...] = (
 
 def run(args: argparse.Namespace) -> int:
     """Run the sweep, print the table, write the plot/JSON; returns the exit status."""
+    if getattr(args, "headspace", None):
+        from feedpipe.commands.headspace import run as run_headspace
+
+        return run_headspace(args)
     workers = _ints(args.workers, "--workers")
     prefetch = _ints(args.prefetch, "--prefetch")
     if min(prefetch) < 1:

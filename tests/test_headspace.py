@@ -1,0 +1,386 @@
+"""``feedpipe.headspace`` and ``feedpipe bench --headspace``: the share of step time the input
+costs (cached batches vs the live loader), the answer naming the slowest stage, the loader left
+where it stood, and clear errors for a failing step and a bad ``SCRIPT:FN``."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import runpy
+import subprocess
+import sys
+import time
+from collections import namedtuple
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import feedpipe
+from feedpipe.cli import main
+from feedpipe.commands.headspace import load_step
+from feedpipe.stall.headspace import STAGE_NAMES, HeadspaceError, HeadspaceResult
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Sleepy(torch.utils.data.Dataset[torch.Tensor]):
+    """Sample ``i`` is ``[i, i]``; every read sleeps ``read_s`` (a known input cost)."""
+
+    def __init__(self, n: int, read_s: float = 0.0) -> None:
+        self.n, self.read_s = n, read_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.read_s:
+            time.sleep(self.read_s)
+        return torch.tensor([i, i])
+
+
+def _sleep_step(seconds: float) -> Any:
+    def train_step(batch: Any) -> None:
+        time.sleep(seconds)
+
+    return train_step
+
+
+class Injected(torch.utils.data.Dataset[torch.Tensor]):
+    """Reads that sleep ``read_s`` (sample 0, the first of each pass: ``slow_s`` more), each
+    read's real duration recorded: the injected input cost as the loop incurred it."""
+
+    def __init__(self, read_s: float, slow_s: float) -> None:
+        self.read_s, self.slow_s = read_s, slow_s
+        self.reads: list[float] = []
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start = time.perf_counter()
+        time.sleep(self.read_s + (self.slow_s if i == 0 else 0.0))
+        self.reads.append(time.perf_counter() - start)
+        return torch.tensor([i])
+
+
+class TimedStep:
+    """A step that sleeps ``step_s`` (``slow_s`` more on the given calls) and records how long
+    each call really took: the step's own time, told apart from the loop's."""
+
+    def __init__(self, step_s: float, slow_s: float = 0.0, slow_calls: tuple[int, ...] = ()):
+        self.step_s, self.slow_s, self.slow_calls = step_s, slow_s, slow_calls
+        self.took: list[float] = []
+
+    def __call__(self, batch: Any) -> None:
+        start = time.perf_counter()
+        slow = len(self.took) + 1 in self.slow_calls
+        time.sleep(self.step_s + (self.slow_s if slow else 0.0))
+        self.took.append(time.perf_counter() - start)
+
+    def means(self, warmup: int, steps: int) -> tuple[float, float]:
+        """Mean real step time of the cached run's and the live run's measured steps."""
+        assert len(self.took) == 2 * (warmup + steps)
+        cached, live = self.took[warmup : warmup + steps], self.took[2 * warmup + steps :]
+        return sum(cached) / steps, sum(live) / steps
+
+
+@pytest.mark.serial
+def test_reports_a_known_input_cost_within_5_percent() -> None:
+    """One sample per batch, read in the loop (num_workers=0): a live step is a read plus the
+    step. The injected cost is the reads' real time (a sleep overshoots on a loaded machine), and
+    the step's own real time in each run is taken out of the comparison: what is left is what
+    headspace adds or misses. The first step of each run and the first read of each pass are
+    slow: the warm-up must leave them out, or the figure would be far off."""
+    read_s, step_s, slow_s, steps = 0.05, 0.05, 0.3, 12
+    step = TimedStep(step_s, slow_s, slow_calls=(1, steps + 2))
+    ds = Injected(read_s, slow_s)
+    loader = feedpipe.DataLoader(ds, batch_size=1)
+    r = feedpipe.headspace(step, loader, steps=steps, warmup=1, cache=2)
+    assert len(ds.reads) == 2 + 1 + steps  # the cache pass, the live warm-up, the live steps
+    injected = sum(ds.reads[-steps:]) / steps  # the reads of the live run's measured steps
+    step_cached, step_live = step.means(1, steps)
+    # live - cached = injected input + (the step's own drift between the runs)
+    measured = r.live_step_s - r.cached_step_s - (step_live - step_cached)
+    assert measured == pytest.approx(injected, rel=0.05)
+    assert r.input_share == pytest.approx(1.0 - r.cached_step_s / r.live_step_s)
+    assert r.slowest_stage == "fetch" and r.stats is not None
+    assert r.stats.batches == steps  # the live run's counters: the measured steps, not warm-up
+    assert r.answer().startswith(f"input costs {100 * r.input_share:.0f}% of step time")
+
+
+@pytest.mark.serial
+def test_no_input_cost_reads_about_zero() -> None:
+    """Free input: the live run is slower only by the step's own drift between the runs."""
+    step = TimedStep(0.03)
+    loader = feedpipe.DataLoader(Sleepy(64), batch_size=4)
+    r = feedpipe.headspace(step, loader, steps=10, warmup=1, cache=2)
+    step_cached, step_live = step.means(1, 10)
+    drift = max(0.0, 1.0 - step_cached / step_live)  # the share the step alone explains
+    assert r.input_share == pytest.approx(drift, abs=0.05)
+    assert r.live_step_s - step_live < 0.05 * r.live_step_s  # the loop around the step is cheap
+
+
+def test_answer_names_the_slowest_stage_and_the_table_follows() -> None:
+    loader = feedpipe.DataLoader(Sleepy(32, 0.005), batch_size=2)
+    r = feedpipe.headspace(_sleep_step(0.0), loader, steps=4, warmup=1, cache=2)
+    assert r.slowest_stage == "fetch"
+    line, *table = str(r).splitlines()
+    assert line == r.answer()
+    assert line.endswith("; the dataset's read (fetch) is the slowest stage")
+    assert any("fetch" in row and "<- slowest" in row for row in table)
+    assert any(row.split()[:2] == ["stall", "(meter)"] for row in table)
+    assert (r.steps, r.cached_batches) == (4, 2)
+
+
+def test_answer_without_a_meter_or_stage_times() -> None:
+    batches = [torch.ones(2), torch.zeros(2)]  # any iterable of batches: no stall counters
+    r = feedpipe.headspace(_sleep_step(0.0), batches, steps=3, warmup=0, cache=5)
+    assert r.stats is None and r.slowest_stage is None and r.cached_batches == 2
+    assert r.answer().endswith("; no stall counters (the loader has no feedpipe meter)")
+    stats = feedpipe.StallMeter().stats()
+    bare = HeadspaceResult(0.01, 0.02, 0.5, None, stats, 3, 1)
+    assert bare.answer() == (
+        "input costs 50% of step time (20 ms per step live, 10 ms on cached batches); "
+        "no stage times were reported"
+    )
+    assert set(STAGE_NAMES) == {"fetch", "decode", "collate", "pin", "h2d"}
+
+
+def test_cached_batches_are_copies_with_their_structure() -> None:
+    Pair = namedtuple("Pair", "x y")
+    originals = [Pair(torch.full((3,), float(i)), {"id": torch.tensor([i])}) for i in range(2)]
+    seen: list[Any] = []
+    r = feedpipe.headspace(seen.append, originals, steps=2, warmup=0, cache=2)
+    cached, live = seen[:2], seen[2:]
+    assert [type(b) for b in cached] == [Pair, Pair] and r.cached_batches == 2
+    for got, orig in zip(cached, originals, strict=True):
+        assert torch.equal(got.x, orig.x) and torch.equal(got.y["id"], orig.y["id"])
+        assert got.x.data_ptr() != orig.x.data_ptr()  # no buffer of the loader is held
+    assert live == originals  # the live run gets the loader's own batches
+
+
+def _loader(workers: int, generator: bool, kind: str = "thread") -> feedpipe.DataLoader:
+    kwargs: dict[str, Any] = {"num_workers": workers}
+    if workers:
+        kwargs["worker_type"] = kind
+        kwargs["persistent_workers"] = kind == "process"
+    if generator:
+        kwargs["generator"] = torch.Generator().manual_seed(3)
+    return feedpipe.DataLoader(Sleepy(12), batch_size=4, shuffle=True, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("workers", "generator", "kind"),
+    [(0, True, "thread"), (0, False, "thread"), (2, True, "thread"), (2, True, "process")],
+)
+def test_the_loader_is_left_where_it_stood(workers: int, generator: bool, kind: str) -> None:
+    """After one epoch, headspace (whose live run crosses an epoch), then the second epoch: the
+    same batches as a twin loader's second epoch, and the meter's counters as before. (Process
+    workers here are persistent: started by the first epoch, reused by headspace's passes.)"""
+    torch.manual_seed(11)
+    twin = _loader(workers, generator, kind)
+    list(twin)
+    expected = [b.tolist() for b in twin]
+    torch.manual_seed(11)
+    loader = _loader(workers, generator, kind)
+    list(loader)
+    before = loader.meter.state_dict()
+    r = feedpipe.headspace(_sleep_step(0.0), loader, steps=4, warmup=1, cache=2)
+    assert r.stats is not None and r.stats.batches == 4
+    assert loader.meter.state_dict()["batches"] == before["batches"] == 3
+    assert [b.tolist() for b in loader] == expected
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="feedpipe.DataLoader: a state saved before persistent workers started, loaded after "
+    "a pass started them, gives another order (the workers' base seed is not drawn again); "
+    "the same without headspace: state_dict(), list(loader), load_state_dict(), list(loader)",
+)
+def test_persistent_workers_started_by_headspace_keep_the_first_epoch() -> None:
+    expected = [b.tolist() for b in _loader(2, True, "process")]
+    loader = _loader(2, True, "process")
+    feedpipe.headspace(_sleep_step(0.0), loader, steps=4, warmup=1, cache=2)
+    got = [b.tolist() for b in loader]
+    del loader  # its persistent workers end here, not with the failure's traceback
+    assert got == expected
+
+
+def test_a_loader_without_a_saved_position_still_gives_whole_epochs() -> None:
+    """Out-of-order delivery cannot save its position: the next pass is a new epoch, whole."""
+    loader = feedpipe.DataLoader(
+        Sleepy(12), batch_size=4, num_workers=2, worker_type="thread", in_order=False
+    )
+    r = feedpipe.headspace(_sleep_step(0.0), loader, steps=4, warmup=1, cache=2)
+    assert r.stats is not None and r.stats.batches == 4
+    seen = sorted(i for b in loader for i in b[:, 0].tolist())
+    assert seen == list(range(12))
+
+
+def test_a_failing_step_names_the_step_and_the_run() -> None:
+    calls = []
+
+    def train_step(batch: Any) -> None:
+        calls.append(batch)
+        if len(calls) == 3:
+            raise ValueError("loss is nan")
+
+    loader = feedpipe.DataLoader(Sleepy(8), batch_size=2)
+    with pytest.raises(HeadspaceError) as info:
+        feedpipe.headspace(train_step, loader, steps=4, warmup=1)
+    text = str(info.value)
+    assert "train_step" in text and "step 3 of the cached run" in text
+    assert "ValueError: loss is nan" in text
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_bad_arguments_and_an_empty_loader() -> None:
+    with pytest.raises(HeadspaceError, match="steps >= 1"):
+        feedpipe.headspace(_sleep_step(0.0), [torch.ones(1)], steps=0)
+    with pytest.raises(HeadspaceError, match="gave no batch"):
+        feedpipe.headspace(_sleep_step(0.0), [], steps=1)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def test_cli_runs_the_example_script_end_to_end() -> None:
+    argv = ["bench", "--headspace", "examples/headspace.py:make", "--batches", "4"]
+    argv += ["--headspace-cache", "3"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "feedpipe.cli", *argv, "--warmup", "1"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == (
+        "feedpipe bench --headspace examples/headspace.py:make: 4 steps per run after 1 warm-up"
+    )
+    assert lines[1].startswith("input costs ") and "% of step time" in lines[1]
+    assert lines[1].endswith("; the dataset's read (fetch) is the slowest stage")
+    assert "  steps           4 per run after warm-up, 3 cached" in lines
+    assert proc.stderr == ""
+
+
+def test_the_example_script_runs_and_leaves_the_loader_whole(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python examples/headspace.py``, in this process (the CLI test above runs a subprocess)."""
+    argv = ["examples/headspace.py", "--workers", "2", "--steps", "3", "--warmup", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    threads = torch.get_num_threads()
+    try:
+        runpy.run_path(str(ROOT / "examples" / "headspace.py"), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)  # the example's make() sets one thread
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "--- 2 thread workers"
+    assert lines[1].startswith("input costs ") and "is the slowest stage" in lines[1]
+    assert lines[-1] == "next epoch: 32 batches of 32"
+
+
+_GOOD = "import torch\ndef make():\n    return (lambda b: None), [torch.ones(2)]\n"
+
+
+@pytest.mark.parametrize(
+    ("body", "fn", "message"),
+    [
+        (None, "make", "{script}: no such file"),
+        (_GOOD, "build", "{script}: no function 'build' in it"),
+        ("make = 3\n", "make", "{script}: make is a int, not a function"),
+        ("def make():\n    return [1, 2]\n", "make", "{script}: make() must return (step_fn, "),
+        ("def make():\n    return None\n", "make", "make() must return (step_fn, loader); it "),
+        ("def make():\n    return print, 5\n", "make", "its loader is a int, not an iterable"),
+        ("def make():\n    return 1, []\n", "make", "its step_fn is a int, not callable"),
+        ("def make():\n    raise OSError('no data')\n", "make", "make() raised OSError: no data"),
+        ("import no_such_module_hs\n", "make", "{script}: running the script raised Module"),
+    ],
+)
+def test_cli_bad_script_fn_is_one_clear_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], body: str | None, fn: str, message: str
+) -> None:
+    script = tmp_path / f"hs_{abs(hash((body, fn)))}.py"
+    if body is not None:
+        script.write_text(body)
+    assert main(["bench", "--headspace", f"{script}:{fn}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("feedpipe bench: error: HeadspaceError: ") and err.count("\n") == 1
+    assert message.format(script=script) in err
+
+
+def test_load_step_returns_the_pair_and_refuses_a_spec_without_fn(tmp_path: Path) -> None:
+    script = tmp_path / "hs_good_pair.py"
+    script.write_text(_GOOD)
+    step, loader = load_step(f"{script}:make")
+    assert callable(step) and [t.tolist() for t in loader] == [[1.0, 1.0]]
+    with pytest.raises(HeadspaceError, match="wants SCRIPT:FN"):
+        load_step(str(script))
+
+
+def test_load_step_imports_the_script_as_a_module_named_after_it(tmp_path: Path) -> None:
+    """Its folder is on sys.path (a sibling import works), its classes pickle by the module's
+    name, and its ``if __name__ == "__main__":`` block does not run."""
+    (tmp_path / "hs_sibling_helper.py").write_text("SCALE = 3\n")
+    script = tmp_path / "hs_named_script.py"
+    script.write_text(
+        "import torch\nfrom hs_sibling_helper import SCALE\n"
+        "class Step:\n    def __call__(self, batch):\n        return batch * SCALE\n"
+        "def make():\n    return Step(), [torch.ones(1)]\n"
+        "if __name__ == '__main__':\n    raise SystemExit('the main block ran')\n"
+    )
+    step, _loader = load_step(f"{script}:make")
+    assert type(step).__module__ == "hs_named_script"
+    again = pickle.loads(pickle.dumps(step))
+    assert again(torch.ones(1)).item() == 3.0
+
+
+def test_a_slower_cached_run_reads_as_no_input_cost() -> None:
+    """A live run faster than the cached one (noise, a cold first run) is no input cost: 0%."""
+    calls: list[int] = []
+
+    def train_step(batch: Any) -> None:
+        calls.append(1)
+        if len(calls) <= 4:  # the cached run's steps only
+            time.sleep(0.02)
+
+    r = feedpipe.headspace(train_step, [torch.ones(1)] * 4, steps=3, warmup=1)
+    assert r.cached_step_s > r.live_step_s and r.input_share == 0.0
+    assert r.answer().startswith("input costs 0% of step time")
+
+
+def test_cli_headspace_refuses_a_dataset_path(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="give no PATH or --synthetic"):
+        main(["bench", "--synthetic", "--headspace", "x.py:make"])
+
+
+@pytest.mark.gpu
+def test_cuda_step_is_synchronised_and_batches_cached_on_the_device() -> None:
+    """The cached run keeps batches on the device, and its clock waits for the queued kernels:
+    without the sync the step would read as its launch time only."""
+    x = torch.randn(2048, 2048, device="cuda")
+    devices: list[str] = []
+
+    def train_step(batch: torch.Tensor) -> None:
+        devices.append(batch.device.type)
+        y = batch.to("cuda", non_blocking=True).float().sum() + x
+        for _ in range(20):
+            y = y @ x
+
+    loader = feedpipe.DataLoader(Sleepy(64), batch_size=4)
+    r = feedpipe.headspace(train_step, loader, steps=5, warmup=2, cache=2, device="cuda")
+    assert devices[:7] == ["cuda"] * 7 and devices[7:] == ["cpu"] * 7
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        train_step(torch.zeros(4, 2, device="cuda"))
+    torch.cuda.synchronize()
+    synced = (time.perf_counter() - start) / 5
+    assert r.cached_step_s == pytest.approx(synced, rel=0.5)
