@@ -15,7 +15,9 @@ Extension points: ``on_commit`` listeners ``(step, path)`` run in the background
 commit; ``evict_guards`` ``(step) -> bool`` may veto the eviction of a step (e.g. until uploaded).
 With ``remote=`` (``ckpt.remote``), committed steps are uploaded in the background, local steps
 are kept until uploaded, ``steps``/``latest_step`` list the remote steps too, and ``restore``
-falls back to the remote copy. Retention is ``ckpt.retention.rules.plan`` with a ``ckpt.policy``
+falls back to the remote copy. With ``memory=`` (``ckpt.tiers.memory``), every save lands in a
+tier in shared memory that outlives the process, every Nth is persisted from it to the directory,
+and ``restore`` reads the memory tier first. Retention is ``ckpt.retention.rules.plan`` with a ``ckpt.policy``
 object built from ``keep_last``/``keep_every``/``keep_best`` (the rule ``ckpt gc`` uses).
 
 Save policy: ``should_save(step)`` (``save_interval_steps``, ``save_on_steps``, preemption).
@@ -54,6 +56,8 @@ from ckpt.saving.pool import PinnedPool, PoolOptions
 
 if TYPE_CHECKING:
     from ckpt.remote import RemoteOptions, RemoteStats, RemoteTier
+    from ckpt.tiers.memory import MemoryStats, MemoryTier
+    from ckpt.tiers.memory_options import MemoryOptions
 
 __all__ = [
     "CheckpointManager",
@@ -80,6 +84,7 @@ class ManagerStats:
     last_save: SaveStats | None = None
     last_restore: RestoreStats | None = None
     remote: RemoteStats | None = None
+    memory: MemoryStats | None = None
 
 
 class CheckpointManager:
@@ -101,7 +106,8 @@ class CheckpointManager:
 
     ``save_interval_steps``/``save_on_steps``: what ``should_save`` answers.
     ``save_on_preemption``: ``True`` or ``PreemptionOptions`` to handle SIGTERM and SIGUSR1
-    (``ckpt.preemption``).
+    (``ckpt.preemption``). ``memory``: ``True`` or ``MemoryOptions`` (``ckpt.tiers.memory_options``)
+    for a tier in shared memory that every save lands in (docs/tiers.md).
     """
 
     PREEMPTED_EXIT_CODE = PREEMPTED_EXIT_CODE
@@ -120,6 +126,7 @@ class CheckpointManager:
         save_interval_steps: int | None = None,
         save_on_steps: Any = (),
         save_on_preemption: bool | PreemptionOptions = False,
+        memory: bool | MemoryOptions | None = None,
     ) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
             raise ValueError("keep_last must be >= 1 or None")
@@ -146,15 +153,25 @@ class CheckpointManager:
         self._newest_verified: int | None = None
         self._retainer = Retainer(self.directory, self.evict_guards, self.stats.evicted)
         self._checked = self._retainer.checked  # step -> (dir inode, restorable)
+        self.memory: MemoryTier | None = self._attach_memory(memory)
         self._saves = SavePipeline(
-            self.directory, self.pool, self.write_options, self.stats, self._committed
+            self.memory.directory if self.memory is not None else self.directory,
+            self.pool,
+            self.write_options,
+            self.stats,
+            self.memory.committed if self.memory is not None else self._committed,
         )
         self._preemption: Preemption | None = None
         self.remote: RemoteTier | None = None
         if remote is not None:
             self.remote = self._attach_remote(remote, keep_last_remote)
         self._restorer = Restorer(
-            self.directory, self.remote, self._lock, self.ensure_writer, self._downloaded
+            self.directory,
+            self.remote,
+            self._lock,
+            self.ensure_writer,
+            self._downloaded,
+            memory=self.memory.directory if self.memory is not None else None,
         )
         if pool is not None and pool.budget_bytes is not None:
             self.pool.reserve(self.pool.buffer_bytes)
@@ -172,8 +189,23 @@ class CheckpointManager:
             self.directory, options, keep_last_remote, retain_local=self._retain_if_writer
         )
         self.stats.remote = tier.stats
-        self.on_commit.append(tier.enqueue)
-        self.evict_guards.append(tier.may_evict)
+        enqueue, guard = tier.enqueue, tier.may_evict
+        if self.memory is not None:  # only the steps of every remote_every-th save go up
+            enqueue, guard = self.memory.remote_filter(enqueue, guard)
+        self.on_commit.append(enqueue)
+        self.evict_guards.append(guard)
+        return tier
+
+    def _attach_memory(self, given: bool | MemoryOptions | None) -> MemoryTier | None:
+        """The memory tier (``ckpt.tiers.memory``): saves land there, persisted to the disk."""
+        from ckpt.tiers.memory import MemoryTier
+        from ckpt.tiers.memory_options import memory_options
+
+        options = memory_options(given)
+        if options is None:
+            return None
+        tier = MemoryTier(self.directory, options, self._committed)
+        self.stats.memory = tier.stats
         return tier
 
     def _hook_preemption(self, given: bool | PreemptionOptions) -> Preemption:
@@ -259,6 +291,10 @@ class CheckpointManager:
             if not isinstance(state, dict):
                 raise ValueError("rng=True needs a dict state (RNG states go under '__rng__')")
             state = {**state, RNG_KEY: rng_state()}
+        if self.memory is not None:  # its lock; the first save's size against the tmpfs
+            self.memory.prepare(
+                lambda: self._saves.plan(state).nbytes, self.write_options.lock_timeout_s
+            )
         return self._saves.submit(index, state, metadata, metrics)
 
     def _committed(self, step: int, path: Path) -> None:
@@ -274,6 +310,8 @@ class CheckpointManager:
         first background error."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._saves.wait(timeout)
+        if self.memory is not None:  # the persists to disk they started
+            self.memory.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if uploads and self.remote is not None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             self.remote.wait(left)
@@ -309,7 +347,7 @@ class CheckpointManager:
         """Committed steps, ascending: the local ``step-N`` directories and, with a remote tier,
         the steps committed there (listing only; ``restore`` verifies). Raises
         ``CheckpointError`` if the remote cannot be listed: a step there may be the newest."""
-        local = set(commit.steps(self.directory))
+        local = set(commit.steps(self.directory)) | self._restorer.memory_steps()
         return sorted(local | self._restorer.remote_steps(strict=True))
 
     def latest_step(self) -> int | None:
@@ -444,10 +482,14 @@ class CheckpointManager:
     # ---- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
         """Wait for saves in flight (and uploads, up to ``RemoteOptions.close_timeout_s``),
-        release the writer lock and the writer threads."""
+        release the writer lock and the writer threads. With a memory tier this manager wrote,
+        its newest snapshot is persisted if the disk lacks it and the tier is freed (kept, with
+        the error raised, if a save or persist failed)."""
         try:
             try:
                 self.wait()
+                if self.memory is not None:
+                    self.memory.close()
             finally:  # a failed save is raised, but the upload threads stop all the same
                 if self.remote is not None:
                     self.remote.close()
@@ -457,6 +499,8 @@ class CheckpointManager:
             if self._preemption is not None:
                 self._preemption.close()
             self._lock.release()
+            if self.memory is not None:
+                self.memory.lock.release()
             self._saves.close()
 
     def __enter__(self) -> CheckpointManager:
