@@ -17,8 +17,8 @@ With ``remote=`` (``ckpt.remote``), committed steps are uploaded in the backgrou
 are kept until uploaded, ``steps``/``latest_step`` list the remote steps too, and ``restore``
 falls back to the remote copy. With ``memory=`` (``ckpt.tiers.memory``), every save lands in a
 tier in shared memory that outlives the process, every Nth is persisted from it to the directory,
-and ``restore`` reads the memory tier first. Retention is ``ckpt.retention.rules.plan`` with a ``ckpt.policy``
-object built from ``keep_last``/``keep_every``/``keep_best`` (the rule ``ckpt gc`` uses).
+and ``restore`` reads the memory tier first. Retention is ``ckpt.retention.rules.plan`` with a
+``ckpt.policy`` object built from ``keep_last``/``keep_every``/``keep_best`` (``ckpt gc``'s rule).
 
 Save policy: ``should_save(step)`` (``save_interval_steps``, ``save_on_steps``, preemption).
 Preemption (``save_on_preemption=True``, ``ckpt.preemption``): ``preempted``,
@@ -189,7 +189,8 @@ class CheckpointManager:
             self.directory, options, keep_last_remote, retain_local=self._retain_if_writer
         )
         self.stats.remote = tier.stats
-        enqueue, guard = tier.enqueue, tier.may_evict
+        enqueue: Callable[[int, Path], None] = tier.enqueue
+        guard: Callable[[int], bool] = tier.may_evict
         if self.memory is not None:  # only the steps of every remote_every-th save go up
             enqueue, guard = self.memory.remote_filter(enqueue, guard)
         self.on_commit.append(enqueue)

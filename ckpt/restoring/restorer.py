@@ -80,6 +80,7 @@ class Restorer:
         lock: commit.WriterLock,
         ensure_writer: Callable[[], None],
         on_download: Callable[[int], None],
+        *,
         memory: Path | None = None,
     ) -> None:
         self.directory = directory
@@ -180,10 +181,9 @@ class Restorer:
         may be tried (noted in ``skipped``); ``_VanishedError`` if it was deleted under us."""
         path = _layout.step_dir(self.directory, s)
         try:
-            if s in memory:
-                found = self._restore_memory(s, s in local or s in remote, request)
-                if found is not None:
-                    return found
+            found = self._restore_memory(s, s in local or s in remote, request, memory)
+            if found is not None:
+                return found
             if s not in local and s in remote:
                 return self._restore_remote(s, request)
             return self._restore_local(s, path, s in remote, request)
@@ -206,11 +206,12 @@ class Restorer:
             raise _VanishedError from exc
 
     def _restore_memory(
-        self, s: int, elsewhere: bool, request: RestoreRequest
+        self, s: int, elsewhere: bool, request: RestoreRequest, memory: set[int]
     ) -> tuple[Any, RestoreStats] | None:
-        """Load ``s`` from the memory tier; ``None`` if that copy is corrupt or gone and the
-        disk or the remote has one (logged), else the error."""
-        assert self.memory is not None
+        """Load ``s`` from the memory tier; ``None`` if it is not listed there, or if that copy
+        is corrupt or gone and the disk or the remote has one (logged), else the error."""
+        if s not in memory or self.memory is None:
+            return None
         try:
             return self._restore_local(s, _layout.step_dir(self.memory, s), False, request)
         except CheckpointError as exc:

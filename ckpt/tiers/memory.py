@@ -31,7 +31,7 @@ from ckpt.policy import KeepLast
 from ckpt.retention.retainer import Retainer
 from ckpt.saving import commit
 from ckpt.tiers.memory_options import MemoryOptions, tier_dir
-from ckpt.tiers.memory_persist import PersistStats, Persister
+from ckpt.tiers.memory_persist import Persister, PersistStats
 from feedpipe.io.ownership import marker_name
 
 __all__ = ["MemoryStats", "MemoryTier", "check_capacity"]
@@ -131,7 +131,9 @@ class MemoryTier:
         self.lock.acquire(timeout_s)
         removed = commit.remove_leftovers(self.directory)
         if removed:
-            log.info("ckpt: removed %d leftovers in the memory tier %s", len(removed), self.directory)
+            log.info(
+                "ckpt: removed %d leftovers in the memory tier %s", len(removed), self.directory
+            )
 
     def committed(self, step: int, path: Path) -> None:
         """A snapshot was committed to the tier (the save pipeline's callback): queue every
