@@ -125,7 +125,8 @@ class MemoryTier:
 
     def acquire(self, timeout_s: float = 0.0) -> None:
         """Claim the tier as ckpt's (recording its disk directory), take its writer lock
-        (``LockedError`` if a live writer holds it) and remove leftovers of interrupted saves."""
+        (``LockedError`` if a live writer holds it), remove leftovers of interrupted saves and
+        apply the tier's retention (a crash may have cut the last pass)."""
         Path(self.options.root).mkdir(parents=True, exist_ok=True)
         _owner.claim_root(self.directory, {"memory_of": os.path.realpath(self.disk)})
         self.lock.acquire(timeout_s)
@@ -134,6 +135,7 @@ class MemoryTier:
             log.info(
                 "ckpt: removed %d leftovers in the memory tier %s", len(removed), self.directory
             )
+        self._retainer.retain(self._policy)  # catch up on a pass a crash cut, before adding
 
     def committed(self, step: int, path: Path) -> None:
         """A snapshot was committed to the tier (the save pipeline's callback): queue every
