@@ -37,12 +37,12 @@ def _copy_file(src: Path, dst: Path) -> None:
     try:
         fd_out = commit.open_nofollow(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            left = os.fstat(fd_in).st_size
-            while left > 0:
-                done = os.copy_file_range(fd_in, fd_out, min(left, 1 << 30))
+            size, pos = os.fstat(fd_in).st_size, 0
+            while pos < size:  # in the kernel, tmpfs to any filesystem (copy_file_range is not)
+                done = os.sendfile(fd_out, fd_in, pos, min(size - pos, 1 << 30))
                 if done == 0:
                     raise CheckpointError(f"{src}: shrank while being persisted")
-                left -= done
+                pos += done
             _faults.pause("persist")
             os.fsync(fd_out)
         finally:
