@@ -232,3 +232,17 @@ def test_gpu_restore_from_the_memory_tier_into_cuda(tmp_path: Path) -> None:
         m.save(1, {"w": torch.arange(1 << 20, device="cuda", dtype=torch.float32)}).result(60)
         state = m.restore(map_location="cuda")
         assert state["w"].is_cuda and torch.equal(state["w"].cpu(), torch.arange(1 << 20).float())
+
+
+def test_the_default_tier_on_dev_shm_persists_across_filesystems(tmp_path: Path) -> None:
+    """``memory=True``: the tier under /dev/shm (a tmpfs), persisted to a disk directory on
+    another filesystem (the copy runs in the kernel across filesystems), freed by ``close``."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    with CheckpointManager(tmp_path / "d", memory=True) as m:
+        assert m.memory is not None and str(m.memory.directory).startswith("/dev/shm/ckpt-mem-")
+        m.save(1, _state(1)).result(30)
+        where = m.memory.directory
+    assert commit.steps(tmp_path / "d") == [1] and not where.exists()
+    with CheckpointManager(tmp_path / "d") as plain:
+        assert torch.equal(plain.restore()["w"], _state(1)["w"])
