@@ -456,6 +456,8 @@ class CheckpointManager:
             step = _step(step, "restore: step")  # the steps save accepts
         if self._saves.busy:
             self.wait()
+        if self.memory is not None:  # with a peer replica: the collective exchange
+            self.memory.before_restore()
         request = RestoreRequest(into, map_location, mmap, verify, strict)
         s, state, stats = self._restorer.restore(step, request)
         self.stats.last_restore = stats

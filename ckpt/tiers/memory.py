@@ -24,15 +24,19 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckpt import _layout, _owner
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.policy import KeepLast
 from ckpt.retention.retainer import Retainer
 from ckpt.saving import commit
+from ckpt.tiers.memory_free import free_root
 from ckpt.tiers.memory_options import MemoryOptions, tier_dir
 from ckpt.tiers.memory_persist import Persister, PersistStats
-from feedpipe.io.ownership import marker_name
+
+if TYPE_CHECKING:
+    from ckpt.tiers.replica import PeerReplica
 
 __all__ = ["MemoryStats", "MemoryTier", "check_capacity"]
 
@@ -101,6 +105,11 @@ class MemoryTier:
         self._policy = KeepLast(options.keep)
         self._admitted = False
         self.upload_steps: set[int] = set()  # persisted steps the remote tier is to upload
+        self.replica: PeerReplica | None = None
+        if options.replica:
+            from ckpt.tiers.replica import PeerReplica
+
+            self.replica = PeerReplica(self.directory)
 
     def steps(self) -> list[int]:
         """The snapshots in the tier, ascending (``[]`` if it does not exist)."""
@@ -148,6 +157,13 @@ class MemoryTier:
                 self.upload_steps.add(step)
             self.persister.submit(step)
         self._retainer.retain(self._policy)
+        if self.replica is not None:
+            self.replica.committed(step, path)
+
+    def before_restore(self) -> None:
+        """With a replica: the collective exchange that brings back a lost node's snapshot."""
+        if self.replica is not None:
+            self.replica.restore_exchange()
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the persists in flight, then raise a failure among them."""
@@ -196,24 +212,7 @@ class MemoryTier:
         self.free()
 
     def free(self) -> list[str]:
-        """Delete the tier (lock held): its snapshots, then its files, then the directory. What
-        ckpt did not write is left and returned (the directory then stays)."""
-        for step in self.steps():
-            commit.evict(self.directory, step)
-        commit.remove_leftovers(self.directory)
-        for name in (_layout.LATEST, _layout.RETENTION_FILE):
-            path = self.directory / name
-            if os.path.lexists(path) and _owner.is_ours(path):
-                commit.remove_path(path)
-        left = sorted(n for n in os.listdir(self.directory) if n != _layout.LOCK)
-        if left == [marker_name(_owner.TOOL)] and _owner.owned(self.directory):
-            commit.remove_path(self.directory / left[0])  # ckpt's marker, last
-        left = sorted(n for n in os.listdir(self.directory) if n != _layout.LOCK)
-        if not left:
-            commit.remove_path(self.directory / _layout.LOCK)
-        self.lock.release()
-        if left:
-            log.warning("ckpt: memory tier %s kept: it holds %s", self.directory, left)
-            return left
-        os.rmdir(self.directory)
-        return []
+        """Delete the tier (lock held) and the replica it holds (``free_root``)."""
+        if self.replica is not None:
+            self.replica.free()
+        return free_root(self.directory, self.lock)

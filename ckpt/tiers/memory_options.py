@@ -33,6 +33,9 @@ class MemoryOptions:
     are uploaded to ``remote=`` (``None``: every persisted step; a multiple of
     ``persist_every``). ``persist_on_close``: ``close()`` persists the newest snapshot if the
     disk lacks it, then frees the tier.
+    ``replica``: also keep the newest snapshot of rank ``(r + 1) mod W`` on rank ``r``, sent over
+    ``torch.distributed`` (``ckpt.tiers.replica``; build the manager on every rank after
+    ``init_process_group``; ``restore`` is then collective).
     """
 
     root: str | os.PathLike[str] = DEFAULT_ROOT
@@ -40,6 +43,7 @@ class MemoryOptions:
     persist_every: int = 10
     remote_every: int | None = None
     persist_on_close: bool = True
+    replica: bool = False
 
     def __post_init__(self) -> None:
         for name in ("keep", "persist_every"):
