@@ -53,10 +53,11 @@ from ckpt.saving.flatten import RNG_KEY, rng_state
 from ckpt.saving.pipeline import SaveHandle, SavePipeline, SaveStats, WriteOptions
 from ckpt.saving.plan import Stager
 from ckpt.saving.pool import PinnedPool, PoolOptions
+from ckpt.tiers.memory import MemoryTier, remote_hooks
 
 if TYPE_CHECKING:
     from ckpt.remote import RemoteOptions, RemoteStats, RemoteTier
-    from ckpt.tiers.memory import MemoryStats, MemoryTier
+    from ckpt.tiers.memory import MemoryStats
     from ckpt.tiers.memory_options import MemoryOptions
 
 __all__ = [
@@ -106,8 +107,7 @@ class CheckpointManager:
 
     ``save_interval_steps``/``save_on_steps``: what ``should_save`` answers.
     ``save_on_preemption``: ``True`` or ``PreemptionOptions`` to handle SIGTERM and SIGUSR1
-    (``ckpt.preemption``). ``memory``: ``True`` or ``MemoryOptions`` (``ckpt.tiers.memory_options``)
-    for a tier in shared memory that every save lands in (docs/tiers.md).
+    (``ckpt.preemption``). ``memory``: ``True`` or ``MemoryOptions`` (docs/tiers.md).
     """
 
     PREEMPTED_EXIT_CODE = PREEMPTED_EXIT_CODE
@@ -153,25 +153,16 @@ class CheckpointManager:
         self._newest_verified: int | None = None
         self._retainer = Retainer(self.directory, self.evict_guards, self.stats.evicted)
         self._checked = self._retainer.checked  # step -> (dir inode, restorable)
-        self.memory: MemoryTier | None = self._attach_memory(memory)
-        self._saves = SavePipeline(
-            self.memory.directory if self.memory is not None else self.directory,
-            self.pool,
-            self.write_options,
-            self.stats,
-            self.memory.committed if self.memory is not None else self._committed,
-        )
+        self.memory = MemoryTier.attach(self.directory, memory, self._committed, self.stats)
+        saves_to, saved = self.memory.route() if self.memory else (self.directory, self._committed)
+        self._saves = SavePipeline(saves_to, self.pool, self.write_options, self.stats, saved)
         self._preemption: Preemption | None = None
         self.remote: RemoteTier | None = None
         if remote is not None:
             self.remote = self._attach_remote(remote, keep_last_remote)
+        mem = self.memory.directory if self.memory else None
         self._restorer = Restorer(
-            self.directory,
-            self.remote,
-            self._lock,
-            self.ensure_writer,
-            self._downloaded,
-            memory=self.memory.directory if self.memory is not None else None,
+            self.directory, self.remote, self._lock, self.ensure_writer, self._downloaded, shm=mem
         )
         if pool is not None and pool.budget_bytes is not None:
             self.pool.reserve(self.pool.buffer_bytes)
@@ -189,24 +180,9 @@ class CheckpointManager:
             self.directory, options, keep_last_remote, retain_local=self._retain_if_writer
         )
         self.stats.remote = tier.stats
-        enqueue: Callable[[int, Path], None] = tier.enqueue
-        guard: Callable[[int], bool] = tier.may_evict
-        if self.memory is not None:  # only the steps of every remote_every-th save go up
-            enqueue, guard = self.memory.remote_filter(enqueue, guard)
+        enqueue, guard = remote_hooks(self.memory, tier.enqueue, tier.may_evict)  # remote_every
         self.on_commit.append(enqueue)
         self.evict_guards.append(guard)
-        return tier
-
-    def _attach_memory(self, given: bool | MemoryOptions | None) -> MemoryTier | None:
-        """The memory tier (``ckpt.tiers.memory``): saves land there, persisted to the disk."""
-        from ckpt.tiers.memory import MemoryTier
-        from ckpt.tiers.memory_options import memory_options
-
-        options = memory_options(given)
-        if options is None:
-            return None
-        tier = MemoryTier(self.directory, options, self._committed)
-        self.stats.memory = tier.stats
         return tier
 
     def _hook_preemption(self, given: bool | PreemptionOptions) -> Preemption:
@@ -293,9 +269,7 @@ class CheckpointManager:
                 raise ValueError("rng=True needs a dict state (RNG states go under '__rng__')")
             state = {**state, RNG_KEY: rng_state()}
         if self.memory is not None:  # its lock; the first save's size against the tmpfs
-            self.memory.prepare(
-                lambda: self._saves.plan(state).nbytes, self.write_options.lock_timeout_s
-            )
+            self.memory.prepare(lambda: self._saves.plan(state).nbytes, self.write_options)
         return self._saves.submit(index, state, metadata, metrics)
 
     def _committed(self, step: int, path: Path) -> None:
@@ -485,9 +459,7 @@ class CheckpointManager:
     # ---- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
         """Wait for saves in flight (and uploads, up to ``RemoteOptions.close_timeout_s``),
-        release the writer lock and the writer threads. With a memory tier this manager wrote,
-        its newest snapshot is persisted if the disk lacks it and the tier is freed (kept, with
-        the error raised, if a save or persist failed)."""
+        release the writer lock, the writer threads and the memory tier (``MemoryTier.close``)."""
         try:
             try:
                 self.wait()

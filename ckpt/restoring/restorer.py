@@ -71,7 +71,8 @@ class Restorer:
     """Loads the steps of one directory and its remote tier (see the module docstring).
 
     ``lock``: the directory's writer lock (a download is published only while it is held);
-    ``ensure_writer``: takes it; ``on_download(step)``: records a published download."""
+    ``ensure_writer``: takes it; ``on_download(step)``: records a published download; ``shm``:
+    the memory tier's root, whose steps are read first."""
 
     def __init__(
         self,
@@ -81,10 +82,10 @@ class Restorer:
         ensure_writer: Callable[[], None],
         on_download: Callable[[int], None],
         *,
-        memory: Path | None = None,
+        shm: Path | None = None,
     ) -> None:
         self.directory = directory
-        self.memory = memory
+        self.memory = shm  # the memory tier's root (ckpt.tiers.memory), read first
         self.remote = remote
         self.lock = lock
         self.ensure_writer = ensure_writer

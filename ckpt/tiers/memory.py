@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckpt import _layout, _owner
 from ckpt.errors import CheckpointError, CorruptCheckpointError
@@ -32,13 +32,14 @@ from ckpt.policy import KeepLast
 from ckpt.retention.retainer import Retainer
 from ckpt.saving import commit
 from ckpt.tiers.memory_free import free_root
-from ckpt.tiers.memory_options import MemoryOptions, tier_dir
+from ckpt.tiers.memory_options import MemoryOptions, memory_options, tier_dir
 from ckpt.tiers.memory_persist import Persister, PersistStats
 
 if TYPE_CHECKING:
+    from ckpt.saving.pipeline import WriteOptions
     from ckpt.tiers.replica import PeerReplica
 
-__all__ = ["MemoryStats", "MemoryTier", "check_capacity"]
+__all__ = ["MemoryStats", "MemoryTier", "check_capacity", "remote_hooks"]
 
 log = logging.getLogger("ckpt")
 
@@ -80,6 +81,10 @@ def _held_bytes(directory: Path) -> int:
     return total
 
 
+class _HasMemoryStats(Protocol):
+    memory: MemoryStats | None
+
+
 class MemoryTier:
     """The memory tier of the checkpoint directory ``disk`` (module docstring).
 
@@ -111,17 +116,38 @@ class MemoryTier:
 
             self.replica = PeerReplica(self.directory)
 
+    @classmethod
+    def attach(
+        cls,
+        disk: Path,
+        given: bool | MemoryOptions | None,
+        on_persisted: Callable[[int, Path], None],
+        stats: _HasMemoryStats,
+    ) -> MemoryTier | None:
+        """The tier of ``memory=given`` (``None`` without one); its counters go to
+        ``stats.memory`` (``ckpt.manager.ManagerStats``)."""
+        options = memory_options(given)
+        if options is None:
+            return None
+        tier = cls(disk, options, on_persisted)
+        stats.memory = tier.stats
+        return tier
+
+    def route(self) -> tuple[Path, Callable[[int, Path], None]]:
+        """Where the save pipeline writes (this tier) and what it calls after each commit."""
+        return self.directory, self.committed
+
     def steps(self) -> list[int]:
         """The snapshots in the tier, ascending (``[]`` if it does not exist)."""
         return commit.steps(self.directory)
 
     # ---- saving -------------------------------------------------------------------------
-    def prepare(self, nbytes: Callable[[], int], lock_timeout_s: float) -> None:
+    def prepare(self, nbytes: Callable[[], int], write: WriteOptions | float) -> None:
         """Before a save: raise a persist failure; claim and lock the tier (once); on the first
         save, refuse a snapshot the tmpfs cannot hold ``keep + 1`` times (``nbytes()``)."""
         self.persister.raise_pending()
         if not self.lock.held:
-            self.acquire(lock_timeout_s)
+            self.acquire(write if isinstance(write, float) else write.lock_timeout_s)
         if not self._admitted:
             check_capacity(
                 self.directory,
@@ -172,8 +198,8 @@ class MemoryTier:
 
     # ---- the remote tier ------------------------------------------------------------------
     def remote_filter(
-        self, enqueue: Callable[[int, Path], None], may_evict: Callable[[int], bool]
-    ) -> tuple[Callable[[int, Path], None], Callable[[int], bool]]:
+        self, enqueue: Callable[[int, Path], Any], may_evict: Callable[[int], bool]
+    ) -> tuple[Callable[[int, Path], Any], Callable[[int], bool]]:
         """The remote tier's listener and evict guard, limited to ``remote_every``'s steps."""
         if self.options.remote_every is None:
             return enqueue, may_evict
@@ -216,3 +242,13 @@ class MemoryTier:
         if self.replica is not None:
             self.replica.free()
         return free_root(self.directory, self.lock)
+
+
+def remote_hooks(
+    tier: MemoryTier | None,
+    enqueue: Callable[[int, Path], Any],
+    may_evict: Callable[[int], bool],
+) -> tuple[Callable[[int, Path], Any], Callable[[int], bool]]:
+    """The remote tier's commit listener and evict guard, limited by ``tier``'s
+    ``remote_every`` (unchanged without a memory tier)."""
+    return (enqueue, may_evict) if tier is None else tier.remote_filter(enqueue, may_evict)
