@@ -246,3 +246,55 @@ def test_the_default_tier_on_dev_shm_persists_across_filesystems(tmp_path: Path)
     assert commit.steps(tmp_path / "d") == [1] and not where.exists()
     with CheckpointManager(tmp_path / "d") as plain:
         assert torch.equal(plain.restore()["w"], _state(1)["w"])
+
+
+def test_a_persist_waiting_behind_a_slow_one_is_replaced_by_the_newer_step(tmp_path: Path) -> None:
+    """Saves never wait for the disk: while one persist runs, a newer due step replaces the one
+    waiting (counted in ``superseded``)."""
+    import threading
+
+    from ckpt.tiers.memory_persist import Persister
+
+    src, disk = tmp_path / "mem", tmp_path / "disk"
+    with CheckpointManager(src, keep_last=None) as m:
+        for step in (3, 6, 9):
+            m.save(step, _state(step)).result(30)
+    disk.mkdir()
+    started, release, done = threading.Event(), threading.Event(), []
+
+    def persisted(step: int, path: Path) -> None:
+        done.append(step)
+        started.set()
+        assert release.wait(30)
+
+    persister = Persister(src, disk, persisted)
+    persister.submit(3)
+    assert started.wait(30)  # step 3 copied, its post-persist action held
+    persister.submit(6)
+    persister.submit(9)  # replaces 6, still waiting
+    assert persister.holds(9) and not persister.holds(6)
+    release.set()
+    persister.wait(30)
+    persister.raise_pending()
+    assert done == [3, 9] and commit.steps(disk) == [3, 9]
+    assert persister.stats.superseded == 1 and persister.stats.persisted == 2
+
+
+def test_a_failed_persist_is_raised_and_close_keeps_the_tier(tmp_path: Path) -> None:
+    opts = _opts(tmp_path, keep=2, persist_every=2)
+    disk = tmp_path / "disk"
+    m = CheckpointManager(disk, memory=opts)
+    m.save(1, _state(1)).result(30)
+    (disk / "step-2").write_text("not a checkpoint")  # the disk refuses to replace it
+    m.save(2, _state(2)).result(30)  # committed in memory; its persist fails
+    with pytest.raises(CheckpointError, match="persisting step 2 from the memory tier"):
+        m.wait()
+    assert m.memory is not None
+    where = m.memory.directory
+    with pytest.raises(CheckpointError):
+        m.close()  # the newest snapshot cannot be persisted: the tier stays
+    assert commit.steps(where) == [1, 2]
+    assert (disk / "step-2").read_text() == "not a checkpoint"
+    with CheckpointManager(disk, memory=opts) as again:
+        assert again.restore()["step"] == 2  # from the memory tier that was kept
+    (disk / "step-2").unlink()
