@@ -147,7 +147,7 @@ def bench_restore(work: Path, args: argparse.Namespace) -> None:
     print("  " + "; ".join(clear_stale(disk, args.shm, dry_run=False)))  # the killed run's tier
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--size-mb", type=int, default=256)
     p.add_argument("--saves", type=int, default=10)
@@ -156,7 +156,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--shm", default="/dev/shm", help="the tmpfs of the memory tier")
     p.add_argument("--dir", default=None, help="the disk directory (default: a temp dir)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.nbytes = args.size_mb << 20
     print(machine())
     print(f"state: {args.size_mb} MiB of float32 on {args.device}")
@@ -164,7 +164,8 @@ def main() -> None:
         work = Path(tmp)
         bench_save(work, make_state(args.nbytes, args.device), args)
         bench_restore(work, args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

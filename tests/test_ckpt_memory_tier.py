@@ -174,6 +174,7 @@ def test_remote_every_uploads_only_those_steps(tmp_path: Path) -> None:
                            memory=opts) as m:  # fmt: skip
         for step in range(1, 10):
             m.save(step, _state(step))
+            m.wait()  # each persist done before the next is due: none is replaced
         m.wait(uploads=True)
         assert commit.steps(tmp_path / "d") == [2, 4, 6, 8]
         assert sorted(int(p.name[5:]) for p in remote.iterdir()) == [4, 8]
@@ -298,3 +299,24 @@ def test_a_failed_persist_is_raised_and_close_keeps_the_tier(tmp_path: Path) -> 
     with CheckpointManager(disk, memory=opts) as again:
         assert again.restore()["step"] == 2  # from the memory tier that was kept
     (disk / "step-2").unlink()
+
+
+@pytest.mark.slow  # a child process and two managers: about 15 s on a loaded 2-core machine
+def test_the_memory_tier_benchmark_runs_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """benchmarks/ckpt_memory_tier.py on a tiny state (no timing asserted): both comparisons
+    print their ratio, and it leaves nothing behind."""
+    import runpy
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "ckpt_memory_tier.py"
+    bench = runpy.run_path(str(script), run_name="ckpt_memory_tier_bench")
+    (tmp_path / "shm").mkdir()
+    (tmp_path / "work").mkdir()
+    argv = ["--size-mb", "1", "--saves", "2", "--repeats", "1", "--persist-every", "2",
+            "--shm", str(tmp_path / "shm"), "--dir", str(tmp_path / "work")]  # fmt: skip
+    assert bench["main"](argv) == 0
+    out = capsys.readouterr().out
+    assert "ratio disk/memory" in out and "ratio memory/disk cold" in out
+    assert "freed stale memory tier" in out
+    assert list((tmp_path / "shm").iterdir()) == [] and list((tmp_path / "work").iterdir()) == []

@@ -102,7 +102,8 @@ class MemoryTier:
         self.directory = tier_dir(disk, options.root)
         self.stats = MemoryStats()
         self.lock = commit.WriterLock(self.directory)
-        self.persister = Persister(self.directory, disk, on_persisted)
+        self.on_persisted = on_persisted
+        self.persister = Persister(self.directory, disk, self._persisted)
         self.stats.persist = self.persister.stats
         self._retainer = Retainer(
             self.directory, [lambda s: not self.persister.holds(s)], self.stats.evicted
@@ -185,6 +186,12 @@ class MemoryTier:
         self._retainer.retain(self._policy)
         if self.replica is not None:
             self.replica.committed(step, path)
+
+    def _persisted(self, step: int, path: Path) -> None:
+        """After a persist (on the persist thread): the manager's actions on the disk, then the
+        tier's retention again, as the copy's read lock kept the step from a pass."""
+        self.on_persisted(step, path)
+        self._retainer.retain(self._policy)
 
     def before_restore(self) -> None:
         """With a replica: the collective exchange that brings back a lost node's snapshot."""

@@ -157,7 +157,8 @@ class PeerReplica:
 
     def restore_exchange(self) -> int | None:
         """Send the held replica back to its owner; receive this rank's own and commit it into
-        the memory tier if that lacks the step; returns the step so committed, or ``None``."""
+        the memory tier if that holds no step as new; returns the step so committed, or
+        ``None``."""
         if self.world == 1:
             return None
         held = commit.steps(self.directory)
@@ -165,7 +166,7 @@ class PeerReplica:
         if held:
             step, blob = _pack(_layout.step_dir(self.directory, held[-1]))
         mine, data = self._exchange(step, blob, self.right, self.left)
-        if mine == _NONE or mine in commit.steps(self.tier_dir):
+        if mine == _NONE or mine <= max(commit.steps(self.tier_dir), default=_NONE):
             return None
         try:
             _publish(data, self.tier_dir, mine)
