@@ -146,10 +146,10 @@ def test_a_memory_tier_larger_than_the_tmpfs_is_refused_with_the_figures(tmp_pat
     root.mkdir()
     st = os.statvfs(root)
     free = st.f_bavail * st.f_frsize
-    with pytest.raises(CheckpointError, match=r"2 \+ 1 snapshots of .* GiB need .* can hold"):
+    with pytest.raises(CheckpointError, match=r"2 \+ 2 snapshots of .* GiB need .* can hold"):
         check_capacity(root / "t", root, 2, free // 2, 0)
-    check_capacity(root / "t", root, 2, free // 4, 0)  # fits
-    check_capacity(root / "t", root, 2, free // 2, free)  # fits: its own snapshots are replaced
+    check_capacity(root / "t", root, 2, free // 6, 0)  # fits
+    check_capacity(root / "t", root, 2, free // 2, 2 * free)  # fits: its own snapshots are replaced
     tier = MemoryTier(tmp_path / "disk", MemoryOptions(root=root), lambda s, p: None)
     with pytest.raises(CheckpointError, match=r"lower MemoryOptions\.keep"):
         tier.prepare(lambda: free, 0.0)
@@ -273,12 +273,27 @@ def test_a_persist_waiting_behind_a_slow_one_is_replaced_by_the_newer_step(tmp_p
     assert started.wait(30)  # step 3 copied, its post-persist action held
     persister.submit(6)
     persister.submit(9)  # replaces 6, still waiting
-    assert persister.holds(9) and not persister.holds(6)
+    assert persister.holds(3) and not persister.holds(9)  # only the step being copied
     release.set()
     persister.wait(30)
     persister.raise_pending()
     assert done == [3, 9] and commit.steps(disk) == [3, 9]
     assert persister.stats.superseded == 1 and persister.stats.persisted == 2
+    # a waiting step that retention evicted from memory before its copy began is dropped too
+    started.clear()
+    release.clear()
+    with CheckpointManager(src, keep_last=None) as m:
+        for step in (12, 15):
+            m.save(step, _state(step)).result(30)
+    persister.submit(12)
+    assert started.wait(30)
+    persister.submit(15)
+    assert commit.evict(src, 15)
+    release.set()
+    persister.wait(30)
+    persister.raise_pending()  # not a failure
+    assert done == [3, 9, 12] and persister.stats.superseded == 2
+    assert persister.stats.failed == 0
 
 
 def test_a_failed_persist_is_raised_and_close_keeps_the_tier(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ verified reader restores from it and a persist is a verified copy (``ckpt.tiers.
 
 Double buffering is the commit protocol plus retention: a save writes ``step-N.tmp-*`` and
 renames it; the older snapshots are evicted only after that, down to ``keep``. A SIGKILL at any
-instant leaves every committed snapshot whole, and the tier never holds more than ``keep + 1``.
+instant leaves every committed snapshot whole. The tier holds at most ``keep + 2`` snapshots: the
+newest ``keep``, one being written and one older being copied to the disk.
 
 Lifecycle: ``prepare`` (before each save: the tier claimed and locked, leftovers removed, the
 first save's size admitted against the tmpfs, a persist failure raised); ``committed`` (after each
@@ -54,16 +55,16 @@ class MemoryStats:
 
 
 def check_capacity(directory: Path, root: Path, keep: int, nbytes: int, held: int) -> None:
-    """Refuse (``CheckpointError`` with the figures) ``keep + 1`` snapshots of ``nbytes`` that
+    """Refuse (``CheckpointError`` with the figures) ``keep + 2`` snapshots of ``nbytes`` that
     the filesystem of ``root`` cannot hold: its free space plus the ``held`` bytes of this tier's
     snapshots (they are replaced, not added to)."""
     st = os.statvfs(root)
     free = st.f_bavail * st.f_frsize
-    need = (keep + 1) * nbytes
+    need = (keep + 2) * nbytes
     if need > free + held:
         gib = 1 << 30
         raise CheckpointError(
-            f"memory tier {directory}: {keep} + 1 snapshots of {nbytes / gib:.2f} GiB need "
+            f"memory tier {directory}: {keep} + 2 snapshots of {nbytes / gib:.2f} GiB need "
             f"{need / gib:.2f} GiB, but {root} can hold {(free + held) / gib:.2f} GiB "
             f"({free / gib:.2f} GiB free + {held / gib:.2f} GiB held by this tier; size "
             f"{st.f_blocks * st.f_frsize / gib:.2f} GiB): lower MemoryOptions.keep, give a "
@@ -145,7 +146,7 @@ class MemoryTier:
     # ---- saving -------------------------------------------------------------------------
     def prepare(self, nbytes: Callable[[], int], write: WriteOptions | float) -> None:
         """Before a save: raise a persist failure; claim and lock the tier (once); on the first
-        save, refuse a snapshot the tmpfs cannot hold ``keep + 1`` times (``nbytes()``)."""
+        save, refuse a snapshot the tmpfs cannot hold ``keep + 2`` times (``nbytes()``)."""
         self.persister.raise_pending()
         if not self.lock.held:
             self.acquire(write if isinstance(write, float) else write.lock_timeout_s)

@@ -26,7 +26,8 @@ class MemoryOptions:
 
     ``root``: the tmpfs directory holding the tier (default ``/dev/shm``; any directory works,
     but only a tmpfs is memory). ``keep``: snapshots kept in memory (the newest ``keep``; one
-    more exists while a save is being written, so the tier holds at most ``keep + 1``).
+    more while a save is being written and one while it is copied to the disk: at most
+    ``keep + 2``, the figure checked against the tmpfs).
     ``persist_every``: every Nth save (counted from this manager's first) is copied, verified,
     to the disk directory; a persist still waiting when the next one is due is replaced by it
     (training never waits for the disk). ``remote_every``: of those, the steps of every Mth save

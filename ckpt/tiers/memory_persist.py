@@ -8,7 +8,9 @@ at worst, a ``.tmp-`` leftover that the next writer removes. The source step is 
 shared lock, so the memory tier's retention never deletes it mid-copy.
 
 ``Persister`` runs those copies on one thread (``ckpt-mem-persist``) so that saves into memory
-never wait for the disk: it holds at most one waiting step, and a newer one replaces it.
+never wait for the disk: it holds at most one waiting step, and a newer one replaces it. A waiting
+step that the memory tier's retention evicted before its copy began is dropped the same way
+(counted as superseded): only the step being copied is kept from eviction.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ def copy_step(source: Path, root: Path, step: int) -> Path:
     return final
 
 
+class _EvictedError(Exception):
+    """The waiting step left the memory tier before its copy began."""
+
+
 @dataclass
 class PersistStats:
     """Counters of the persists: done, replaced by a newer one before starting, failed; the
@@ -93,8 +99,8 @@ class Persister:
 
     ``submit(step)`` returns at once; ``on_persisted(step, path)`` runs on the thread after each
     copy (the manager's post-commit actions on the disk tier). A failure is kept and raised by
-    the next ``raise_pending``. ``holds(step)``: whether ``step`` waits or is being copied (the
-    memory tier's retention keeps it)."""
+    the next ``raise_pending``. ``holds(step)``: whether ``step`` is being copied (the memory
+    tier's retention keeps it)."""
 
     def __init__(
         self, source: Path, target: Path, on_persisted: Callable[[int, Path], None]
@@ -123,9 +129,9 @@ class Persister:
                 self._thread.start()
 
     def holds(self, step: int) -> bool:
-        """Whether ``step`` is waiting or being persisted."""
+        """Whether ``step`` is being persisted."""
         with self._cond:
-            return step in (self._pending, self._running)
+            return step == self._running
 
     def _loop(self) -> None:
         while True:
@@ -136,8 +142,15 @@ class Persister:
                     return
                 step, self._pending, self._running = self._pending, None, self._pending
             try:
+                if not _layout.step_dir(self.source, step).is_dir():
+                    raise _EvictedError
                 self.persist(step)
+            except _EvictedError:
+                self._evicted(step)
             except BaseException as exc:  # kept for the caller; the thread goes on
+                if self._vanished(step, exc):
+                    self._evicted(step)
+                    continue
                 with self._cond:
                     self.stats.failed += 1
                     self._error = self._error or (step, exc)
@@ -145,6 +158,20 @@ class Persister:
             finally:
                 with self._cond:
                     self._running = None
+
+    def _vanished(self, step: int, exc: BaseException) -> bool:
+        """Whether ``exc`` came from ``step`` leaving the memory tier after the check and
+        before its copy was opened (nothing published on the disk)."""
+        return (
+            isinstance(exc, CheckpointError)
+            and not _layout.step_dir(self.source, step).is_dir()
+            and not _layout.step_dir(self.target, step).is_dir()
+        )
+
+    def _evicted(self, step: int) -> None:
+        with self._cond:
+            self.stats.superseded += 1
+        log.info("ckpt: persist of step %d dropped: evicted from memory before its copy", step)
 
     def persist(self, step: int) -> Path:
         """Copy ``step`` now, on the calling thread, then run ``on_persisted``."""
