@@ -17,7 +17,7 @@ import torch
 
 from ckpt import cli
 from ckpt.errors import CheckpointError, CorruptCheckpointError
-from ckpt.manager import CheckpointManager
+from ckpt.manager import CheckpointManager, WriteOptions
 from ckpt.saving import commit
 from ckpt.tiers.memory import MemoryTier, check_capacity
 from ckpt.tiers.memory_options import MemoryOptions, memory_options, tier_dir
@@ -77,7 +77,7 @@ def test_restore_after_sigkill_in_a_new_process_takes_the_newest_that_verifies(
     disk = tmp_path / "disk"
     child = textwrap.dedent(f"""
         import os, signal, torch
-        from ckpt.manager import CheckpointManager
+        from ckpt.manager import CheckpointManager, WriteOptions
         from ckpt.tiers.memory_options import MemoryOptions
         m = CheckpointManager({str(disk)!r}, memory=MemoryOptions(root={str(opts.root)!r},
                               keep=3, persist_every=4))
@@ -116,7 +116,7 @@ def test_restore_after_sigkill_resumes_saving_into_the_same_tier(tmp_path: Path)
     for step in range(3):
         first.save(step, _state(step)).result(30)
     first.wait()
-    second = CheckpointManager(disk, memory=opts, write=first.write_options)
+    second = CheckpointManager(disk, memory=opts, write=WriteOptions(lock_timeout_s=0.1))
     with pytest.raises(CheckpointError, match="another writer holds"):
         second.save(9, _state(9))  # a live writer's tier is never shared
     assert first.memory is not None
@@ -185,7 +185,7 @@ def test_remote_every_uploads_only_those_steps(tmp_path: Path) -> None:
 def _killed_run(disk: Path, root: Path) -> None:
     child = textwrap.dedent(f"""
         import os, signal, torch
-        from ckpt.manager import CheckpointManager
+        from ckpt.manager import CheckpointManager, WriteOptions
         from ckpt.tiers.memory_options import MemoryOptions
         m = CheckpointManager({str(disk)!r}, memory=MemoryOptions(root={str(root)!r},
                               persist_every=100))
