@@ -18,6 +18,10 @@ Without any of those flags ``gc`` applies the policy that the directory's manage
 ``gc`` deletes only what ckpt wrote (``ckpt._owner``): a directory without ckpt's marker that
 holds anything else is refused, naming those entries; in a directory that has the marker they
 are listed as skipped. ``--dry-run`` prints the same decisions and changes nothing.
+``ls DIR`` also lists the snapshots of ``DIR``'s memory tier (``--memory-root``, default
+``/dev/shm``: ``ckpt.tiers.memory_options``), and ``gc DIR`` frees that tier when it is stale (no
+live writer), persisting its newest verified snapshot first if ``DIR`` has none as new
+(``ckpt.tiers.memory_gc``).
 """
 
 from __future__ import annotations
@@ -139,7 +143,23 @@ def _ls_leftovers(root: Path) -> None:
         print(f"{'-':>10}  {'':>10}  {'':>5}  {'':<19}  {'':<9}  {what}: {path.name}")
 
 
-def _ls(root: Path, metrics: bool = False) -> int:
+def _ls_memory(root: Path, memory_root: str, metrics: bool) -> int:
+    """The rows of ``root``'s memory tier (``ckpt ls DIR``); the number of bad ones."""
+    from ckpt.tiers.memory_options import tier_dir
+
+    where = tier_dir(root, memory_root)
+    if root.is_dir() and where.is_dir() and _owner.owned(where):
+        print(f"memory tier {where}:")
+        latest = commit.read_latest(where)
+        return sum(
+            not _ls_step(str(s), _layout.step_dir(where, s), step=s, latest=latest, uploads={},
+                         metrics=metrics)
+            for s in commit.steps(where)
+        )  # fmt: skip
+    return 0
+
+
+def _ls(root: Path, metrics: bool = False, memory_root: str = "/dev/shm") -> int:
     """``ckpt ls DIR``: a row per step (or the one checkpoint), then the leftovers."""
     from ckpt.remote import read_status
 
@@ -153,6 +173,7 @@ def _ls(root: Path, metrics: bool = False) -> int:
         bad += not _ls_step(label, path, step=step, latest=latest, uploads=uploads, metrics=metrics)
     if not single:
         _ls_leftovers(root)
+        bad += _ls_memory(root, memory_root, metrics)
     return 1 if bad else 0
 
 
@@ -254,7 +275,9 @@ def _gc_apply(root: Path, decision: rules.Plan, why_bad: dict[int, str], dry_run
             print(f"kept step {step} (being read)")
 
 
-def _gc(root: Path, given: Policy | object | None, dry_run: bool) -> int:
+def _gc(
+    root: Path, given: Policy | object | None, dry_run: bool, memory_root: str = "/dev/shm"
+) -> int:
     """``ckpt gc DIR``: refuse a foreign directory, remove leftovers, then apply retention
     (``ckpt.retention.rules.plan``) under the writer lock."""
     foreign = _gc_foreign(root, dry_run)
@@ -267,6 +290,10 @@ def _gc(root: Path, given: Policy | object | None, dry_run: bool) -> int:
         lock.acquire()
     try:
         _gc_leftovers(root, foreign, dry_run)
+        from ckpt.tiers.memory_gc import clear_stale
+
+        for line in clear_stale(root, memory_root, dry_run):
+            print(line)
         steps = _GcSteps(root)
         decision = rules.plan(
             [s for s in commit.steps(root) if _layout.step_name(s) not in foreign],
@@ -385,6 +412,7 @@ def _parser() -> argparse.ArgumentParser:
     p_ls = sub.add_parser("ls", help="list steps, sizes, status and metadata")
     p_ls.add_argument("directory", help=where)
     p_ls.add_argument("--metrics", action="store_true", help="also show each step's metrics")
+    p_ls.add_argument("--memory-root", default="/dev/shm", help="where the memory tier lives")
     p_verify = sub.add_parser("verify", help="check that every step restores (all checksums)")
     p_verify.add_argument("directory", help=where)
     p_verify.add_argument("--step", type=non_negative_int, default=None, help="only this step")
@@ -410,6 +438,7 @@ def _gc_arguments(p_gc: argparse.ArgumentParser) -> None:
         "--keep-best", default=None, metavar="METRIC:K:min|max", help="keep the K best by METRIC"
     )
     p_gc.add_argument("--dry-run", action="store_true")
+    p_gc.add_argument("--memory-root", default="/dev/shm", help="where the memory tier lives")
 
 
 def _gc_policy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Policy | object | None:
@@ -452,10 +481,10 @@ def _run_local(args: argparse.Namespace, text: str, policy: Policy | object | No
         print(f"ckpt: {_scrub(text, text)}: no such directory", file=sys.stderr)
         return 2
     if args.command == "ls":
-        return _ls(root, args.metrics)
+        return _ls(root, args.metrics, args.memory_root)
     if args.command == "verify":
         return _verify_cmd(root, args.step)
-    return _gc(root, policy, args.dry_run)
+    return _gc(root, policy, args.dry_run, args.memory_root)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

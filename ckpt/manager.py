@@ -15,8 +15,10 @@ Extension points: ``on_commit`` listeners ``(step, path)`` run in the background
 commit; ``evict_guards`` ``(step) -> bool`` may veto the eviction of a step (e.g. until uploaded).
 With ``remote=`` (``ckpt.remote``), committed steps are uploaded in the background, local steps
 are kept until uploaded, ``steps``/``latest_step`` list the remote steps too, and ``restore``
-falls back to the remote copy. Retention is ``ckpt.retention.rules.plan`` with a ``ckpt.policy``
-object built from ``keep_last``/``keep_every``/``keep_best`` (the rule ``ckpt gc`` uses).
+falls back to the remote copy. With ``memory=`` (``ckpt.tiers.memory``), every save lands in a
+tier in shared memory that outlives the process, every Nth is persisted from it to the directory,
+and ``restore`` reads the memory tier first. Retention is ``ckpt.retention.rules.plan`` with a
+``ckpt.policy`` object built from ``keep_last``/``keep_every``/``keep_best`` (``ckpt gc``'s rule).
 
 Save policy: ``should_save(step)`` (``save_interval_steps``, ``save_on_steps``, preemption).
 Preemption (``save_on_preemption=True``, ``ckpt.preemption``): ``preempted``,
@@ -51,9 +53,12 @@ from ckpt.saving.flatten import RNG_KEY, rng_state
 from ckpt.saving.pipeline import SaveHandle, SavePipeline, SaveStats, WriteOptions
 from ckpt.saving.plan import Stager
 from ckpt.saving.pool import PinnedPool, PoolOptions
+from ckpt.tiers.memory import MemoryTier, remote_hooks
 
 if TYPE_CHECKING:
     from ckpt.remote import RemoteOptions, RemoteStats, RemoteTier
+    from ckpt.tiers.memory import MemoryStats
+    from ckpt.tiers.memory_options import MemoryOptions
 
 __all__ = [
     "CheckpointManager",
@@ -80,6 +85,7 @@ class ManagerStats:
     last_save: SaveStats | None = None
     last_restore: RestoreStats | None = None
     remote: RemoteStats | None = None
+    memory: MemoryStats | None = None
 
 
 class CheckpointManager:
@@ -101,7 +107,7 @@ class CheckpointManager:
 
     ``save_interval_steps``/``save_on_steps``: what ``should_save`` answers.
     ``save_on_preemption``: ``True`` or ``PreemptionOptions`` to handle SIGTERM and SIGUSR1
-    (``ckpt.preemption``).
+    (``ckpt.preemption``). ``memory``: ``True`` or ``MemoryOptions`` (docs/tiers.md).
     """
 
     PREEMPTED_EXIT_CODE = PREEMPTED_EXIT_CODE
@@ -120,6 +126,7 @@ class CheckpointManager:
         save_interval_steps: int | None = None,
         save_on_steps: Any = (),
         save_on_preemption: bool | PreemptionOptions = False,
+        memory: bool | MemoryOptions | None = None,
     ) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
             raise ValueError("keep_last must be >= 1 or None")
@@ -146,15 +153,16 @@ class CheckpointManager:
         self._newest_verified: int | None = None
         self._retainer = Retainer(self.directory, self.evict_guards, self.stats.evicted)
         self._checked = self._retainer.checked  # step -> (dir inode, restorable)
-        self._saves = SavePipeline(
-            self.directory, self.pool, self.write_options, self.stats, self._committed
-        )
+        self.memory = MemoryTier.attach(self.directory, memory, self._committed, self.stats)
+        saves_to, saved = self.memory.route() if self.memory else (self.directory, self._committed)
+        self._saves = SavePipeline(saves_to, self.pool, self.write_options, self.stats, saved)
         self._preemption: Preemption | None = None
         self.remote: RemoteTier | None = None
         if remote is not None:
             self.remote = self._attach_remote(remote, keep_last_remote)
+        mem = self.memory.directory if self.memory else None
         self._restorer = Restorer(
-            self.directory, self.remote, self._lock, self.ensure_writer, self._downloaded
+            self.directory, self.remote, self._lock, self.ensure_writer, self._downloaded, shm=mem
         )
         if pool is not None and pool.budget_bytes is not None:
             self.pool.reserve(self.pool.buffer_bytes)
@@ -172,8 +180,9 @@ class CheckpointManager:
             self.directory, options, keep_last_remote, retain_local=self._retain_if_writer
         )
         self.stats.remote = tier.stats
-        self.on_commit.append(tier.enqueue)
-        self.evict_guards.append(tier.may_evict)
+        enqueue, guard = remote_hooks(self.memory, tier.enqueue, tier.may_evict)  # remote_every
+        self.on_commit.append(enqueue)
+        self.evict_guards.append(guard)
         return tier
 
     def _hook_preemption(self, given: bool | PreemptionOptions) -> Preemption:
@@ -261,6 +270,8 @@ class CheckpointManager:
             if not isinstance(state, dict):
                 raise ValueError("rng=True needs a dict state (RNG states go under '__rng__')")
             state = {**state, RNG_KEY: rng_state()}
+        if self.memory is not None:  # its lock; the first save's size against the tmpfs
+            self.memory.prepare(lambda: self._saves.plan(state).nbytes, self.write_options)
         return self._saves.submit(index, state, metadata, metrics)
 
     def _committed(self, step: int, path: Path) -> None:
@@ -276,6 +287,8 @@ class CheckpointManager:
         first background error."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._saves.wait(timeout)
+        if self.memory is not None:  # the persists to disk they started
+            self.memory.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if uploads and self.remote is not None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             self.remote.wait(left)
@@ -311,7 +324,7 @@ class CheckpointManager:
         """Committed steps, ascending: the local ``step-N`` directories and, with a remote tier,
         the steps committed there (listing only; ``restore`` verifies). Raises
         ``CheckpointError`` if the remote cannot be listed: a step there may be the newest."""
-        local = set(commit.steps(self.directory))
+        local = set(commit.steps(self.directory)) | self._restorer.memory_steps()
         return sorted(local | self._restorer.remote_steps(strict=True))
 
     def latest_step(self) -> int | None:
@@ -419,6 +432,8 @@ class CheckpointManager:
             step = _step(step, "restore: step")  # the steps save accepts
         if self._saves.busy:
             self.wait()
+        if self.memory is not None:  # with a peer replica: the collective exchange
+            self.memory.before_restore()
         request = RestoreRequest(into, map_location, mmap, verify, strict)
         s, state, stats = self._restorer.restore(step, request)
         self.stats.last_restore = stats
@@ -446,10 +461,12 @@ class CheckpointManager:
     # ---- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
         """Wait for saves in flight (and uploads, up to ``RemoteOptions.close_timeout_s``),
-        release the writer lock and the writer threads."""
+        release the writer lock, the writer threads and the memory tier (``MemoryTier.close``)."""
         try:
             try:
                 self.wait()
+                if self.memory is not None:
+                    self.memory.close()
             finally:  # a failed save is raised, but the upload threads stop all the same
                 if self.remote is not None:
                     self.remote.close()
@@ -459,6 +476,8 @@ class CheckpointManager:
             if self._preemption is not None:
                 self._preemption.close()
             self._lock.release()
+            if self.memory is not None:
+                self.memory.lock.release()
             self._saves.close()
 
     def __enter__(self) -> CheckpointManager:

@@ -1,7 +1,9 @@
 """The restore side of a ``CheckpointManager``: which step to load, from which tier.
 
 ``Restorer.restore`` picks the step (the one asked for, or the newest that verifies, falling
-back past corrupt ones with a warning), reads it locally (``ckpt.restoring.reader``) or from the
+back past corrupt ones with a warning), reads it from the memory tier when it holds the step
+(``memory``: its ckpt root on a tmpfs; a corrupt or vanished copy there falls back to the disk's,
+then the remote's), locally (``ckpt.restoring.reader``) or from the
 remote tier (downloaded into a temp dir, verified, kept as ``step-N`` when this manager is the
 writer), and re-lists while steps vanish under a concurrent writer's retention. The manager's
 post-restore actions (``on_restored``) run for the step restored.
@@ -69,7 +71,8 @@ class Restorer:
     """Loads the steps of one directory and its remote tier (see the module docstring).
 
     ``lock``: the directory's writer lock (a download is published only while it is held);
-    ``ensure_writer``: takes it; ``on_download(step)``: records a published download."""
+    ``ensure_writer``: takes it; ``on_download(step)``: records a published download; ``shm``:
+    the memory tier's root, whose steps are read first."""
 
     def __init__(
         self,
@@ -78,8 +81,11 @@ class Restorer:
         lock: commit.WriterLock,
         ensure_writer: Callable[[], None],
         on_download: Callable[[int], None],
+        *,
+        shm: Path | None = None,
     ) -> None:
         self.directory = directory
+        self.memory = shm  # the memory tier's root (ckpt.tiers.memory), read first
         self.remote = remote
         self.lock = lock
         self.ensure_writer = ensure_writer
@@ -101,9 +107,16 @@ class Restorer:
             log.warning("ckpt: cannot list %s: %s", self.remote.url, exc)
         return set()
 
+    def memory_steps(self) -> set[int]:
+        """Steps in the memory tier (none without one)."""
+        return set(commit.steps(self.memory)) if self.memory is not None else set()
+
     def manifest(self, step: int) -> dict[str, Any]:
-        """The manifest of ``step``: the local one, else the remote's."""
+        """The manifest of ``step``: the local one, else the memory tier's, else the remote's."""
         path = _layout.step_dir(self.directory, step)
+        if not (path / fmt.MANIFEST).is_file() and step in self.memory_steps():
+            assert self.memory is not None
+            path = _layout.step_dir(self.memory, step)
         if not (path / fmt.MANIFEST).is_file() and step in self.remote_steps():
             assert self.remote is not None
             return self.remote.read_manifest(step)
@@ -120,7 +133,9 @@ class Restorer:
         # before this reader can open it, RELISTS times in a row, makes this give up
         for _attempt in range(RELISTS):
             local = set(commit.steps(self.directory))
-            candidates = [step] if step is not None else sorted(local | remote, reverse=True)
+            memory = self.memory_steps()
+            listed = local | remote | memory
+            candidates = [step] if step is not None else sorted(listed, reverse=True)
             vanished = False
             for s in candidates:
                 if any(s == done for done, _ in skipped):
@@ -133,6 +148,7 @@ class Restorer:
                         remote=remote,
                         request=request,
                         skipped=skipped,
+                        memory=memory,
                     )
                 except _VanishedError:
                     vanished = True  # try the older ones, then list again
@@ -160,11 +176,15 @@ class Restorer:
         remote: set[int],
         request: RestoreRequest,
         skipped: list[tuple[int, str]],
+        memory: set[int],
     ) -> tuple[Any, RestoreStats] | None:
-        """Load step ``s``; ``None`` if it is corrupt and another may be tried (noted in
-        ``skipped``); ``_VanishedError`` if it was deleted under us."""
+        """Load step ``s`` (from the memory tier first); ``None`` if it is corrupt and another
+        may be tried (noted in ``skipped``); ``_VanishedError`` if it was deleted under us."""
         path = _layout.step_dir(self.directory, s)
         try:
+            found = self._restore_memory(s, s in local or s in remote, request, memory)
+            if found is not None:
+                return found
             if s not in local and s in remote:
                 return self._restore_remote(s, request)
             return self._restore_local(s, path, s in remote, request)
@@ -177,11 +197,29 @@ class Restorer:
         except DcpCheckpointError:
             raise  # not corrupt: never fall back to an older step because of it
         except CheckpointError as exc:
+            if not asked and s not in local and s not in remote:  # in the memory tier only
+                log.warning("ckpt: step %d left the memory tier (%s); re-listing", s, exc)
+                raise _VanishedError from exc
             gone = not path.is_dir() if s in local else s not in self.remote_steps()
             if asked or not gone:
                 raise  # only corruption falls back; a step deleted under us is re-listed
             log.warning("ckpt: step %d vanished while restoring (%s); re-listing", s, exc)
             raise _VanishedError from exc
+
+    def _restore_memory(
+        self, s: int, elsewhere: bool, request: RestoreRequest, memory: set[int]
+    ) -> tuple[Any, RestoreStats] | None:
+        """Load ``s`` from the memory tier; ``None`` if it is not listed there, or if that copy
+        is corrupt or gone and the disk or the remote has one (logged), else the error."""
+        if s not in memory or self.memory is None:
+            return None
+        try:
+            return self._restore_local(s, _layout.step_dir(self.memory, s), False, request)
+        except CheckpointError as exc:
+            if not elsewhere or isinstance(exc, DcpCheckpointError):
+                raise
+            log.warning("ckpt: step %d in the memory tier: %s; reading another tier's copy", s, exc)
+        return None
 
     def _restore_local(
         self, s: int, path: Path, in_remote: bool, request: RestoreRequest
