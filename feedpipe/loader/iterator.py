@@ -51,6 +51,7 @@ class LoaderIter:
             pass_.feed.pull = lambda: pull()()  # type: ignore[misc]  # noqa: PLW0108
         self._policy = self._make_policy(loader)
         meter = self._meter = loader.meter
+        meter.set_settings(loader.persistent_workers, loader.prefetch_factor)  # for the hint
         self._timing = Timing(meter, shared=bool(getattr(pass_.source, "shared_clock", False)))
         self._handoff = Handoff(meter, pass_.feed)
         self._finalise = Finalise(pass_.slots)
