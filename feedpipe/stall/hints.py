@@ -8,7 +8,7 @@ Rules (each case has a test in ``tests/test_stall_hints.py``):
   and more than one pass was measured (time outside iteration: workers restart per pass);
   a larger ``prefetch_factor`` only when it is below :data:`DEEP_PREFETCH` (or unknown).
 - A GIL-bound stage (:func:`gil_bound`: thread workers over per-sample Python reads whose
-  threads, together, used about one core while busy) gets the process-worker note
+  threads took turns on about one core) gets the process-worker note
   (``worker_type="process"``) instead of "try more workers", with 1 worker or more.
 """
 
@@ -24,7 +24,7 @@ __all__ = [
     "MIN_BATCHES",
     "gil_bound",
     "hint",
-    "worker_cores",
+    "thread_cpu",
 ]
 
 #: Typical stall fraction from which a run is called input-bound.
@@ -34,9 +34,8 @@ INPUT_BOUND = 0.05
 #: workers' start-up and the first reads, so one batch always "waited 100%".
 MIN_BATCHES = 5
 
-#: CPU cores the thread workers used while in their stages (CPU seconds over the stages'
-#: seconds per worker) from which a thread-worker fetch is called CPU-bound (an I/O-bound read
-#: mostly sleeps in the kernel).
+#: Share of a thread worker's stage time on a CPU (times the worker count, see :func:`gil_bound`)
+#: from which its fetch is called CPU-bound (an I/O-bound read mostly sleeps in the kernel).
 CPU_BOUND = 0.5
 
 #: At most this many cores between them: the threads ran one at a time (the GIL); more of
@@ -70,22 +69,33 @@ def _worker_s(s: StallFigures) -> float:
     return sum(st.seconds for n, st in s.stages.items() if n in ("fetch", "decode", "collate"))
 
 
-def worker_cores(s: StallFigures) -> float | None:
-    """Cores the thread workers used while in their stages: their CPU seconds over the stage
-    seconds of one worker (``None`` without thread-worker CPU figures or stage times)."""
+def thread_cpu(s: StallFigures) -> tuple[float, float] | None:
+    """``(on_cpu, cores)`` of thread workers: the share of each thread's stage time spent on a
+    CPU (CPU seconds over the stages' seconds; 1/W when W threads take turns) and the cores
+    they used between them while busy (CPU seconds over the shorter of the iteration's wall
+    time and the stages' seconds). ``None`` without thread-worker CPU figures or stage times."""
     worker_s = _worker_s(s)
     if s.worker_type != "thread" or s.input_cpu_s is None or worker_s <= 0:
         return None
-    return s.input_cpu_s / (worker_s / max(1, s.workers))
+    busy = min(worker_s, s.wall_s) if s.wall_s > 0 else worker_s
+    return s.input_cpu_s / worker_s, s.input_cpu_s / busy
 
 
 def gil_bound(s: StallFigures) -> bool:
-    """Thread workers over per-sample reads (a "collate" stage ran) whose stage time is CPU
-    time (at least :data:`CPU_BOUND` cores while busy) on at most :data:`GIL_CORES` cores
-    between them, however many threads: the reads hold the GIL. A batched ``read_batch``
-    without collation is the GIL-releasing path thread workers are meant for (memmap, Zarr)."""
-    cores = worker_cores(s)
-    return cores is not None and "collate" in s.stages and CPU_BOUND <= cores <= GIL_CORES
+    """Thread workers over per-sample reads (a "collate" stage ran) that are CPU-bound Python.
+
+    With W threads: their stage time is CPU time (``on_cpu * W`` at least :data:`CPU_BOUND`),
+    on at most :data:`GIL_CORES` cores between them, and, for W > 1, they waited for each
+    other (``on_cpu`` below 3/4): the threads ran one at a time, so more of them cannot help.
+    A batched ``read_batch`` without collation is the GIL-releasing path thread workers are
+    meant for (memmap, Zarr) and is never called GIL-bound.
+    """
+    cpu = thread_cpu(s)
+    if cpu is None or "collate" not in s.stages:
+        return False
+    on_cpu, cores = cpu
+    w = max(1, s.workers)
+    return on_cpu * w >= CPU_BOUND and cores <= GIL_CORES and (w == 1 or on_cpu < 0.75)
 
 
 def _stall(s: StallFigures) -> float:
@@ -155,10 +165,15 @@ def _input_bound(s: StallFigures, head: str, gil: bool) -> str:
     name, st = s.slowest_stage, s.stages[s.slowest_stage]
     timing = f"{_ms(st.effective_s)} per batch vs {_ms(s.step_mean_s)} step"
     if s.workers > 0 and st.effective_s < s.step_mean_s:
+        head += (
+            f", yet every stage delivers a batch faster than the step (slowest {name}: "
+            f"{timing}), so no stage is to blame"
+        )
+        if gil:  # the step itself is inflated by the workers' turns on the GIL
+            return f"{head}: {_gil_note(s)}"
         return (
-            f"{head}, yet every stage delivers a batch faster than the step "
-            f"(slowest {name}: {timing}), so no stage is to blame: the waits come from "
-            f"worker start-up, uneven batch times or a shallow prefetch{_settings_advice(s)}"
+            f"{head}: the waits come from worker start-up, uneven batch times or a shallow "
+            f"prefetch{_settings_advice(s)}"
         )
     if gil and name in ("fetch", "collate"):
         return f"{head}; {name} is the slowest stage ({timing}): {_gil_note(s)}"
@@ -185,12 +200,11 @@ def _settings_advice(s: StallFigures) -> str:
 
 def _gil_note(s: StallFigures) -> str:
     """Thread workers holding the GIL: more of them will not help; processes will."""
-    cores = worker_cores(s) or 0.0
-    worker_s = _worker_s(s)
+    on_cpu, cores = thread_cpu(s) or (0.0, 0.0)
     return (
         f"the {s.workers} thread worker{'s' if s.workers != 1 else ''} used "
-        f"{s.input_cpu_s or 0.0:.3g} CPU-s in {worker_s:.3g} s of fetch ({cores:.2f} cores "
-        "while busy), so fetch is CPU-bound Python that holds the GIL: more threads run one at "
+        f"{s.input_cpu_s or 0.0:.3g} CPU-s in {_worker_s(s):.3g} s of fetch ({cores:.2f} cores "
+        "between them), so fetch is CPU-bound Python that holds the GIL: more threads run one at "
         "a time, and this also slows the loop and inflates the step time; "
         'try worker_type="process"'
     )
