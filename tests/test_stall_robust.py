@@ -7,6 +7,7 @@ The rule is ``feedpipe.stall.robust``: the verdict's stall share leaves out the 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ class InMemory(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
+    def __getitem__(self, i: int) -> Any:
         if i in self.stall:
             time.sleep(self.stall_s)
         return self.items[i]

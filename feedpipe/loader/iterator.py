@@ -53,8 +53,11 @@ class LoaderIter:
         meter = self._meter = loader.meter
         meter.set_settings(loader.persistent_workers, loader.prefetch_factor)  # for the hint
         self._timing = Timing(meter, shared=bool(getattr(pass_.source, "shared_clock", False)))
-        self._handoff = Handoff(meter, pass_.feed)
-        self._finalise = Finalise(pass_.slots)
+        # steps that do nothing this pass are skipped (None): no device clock, no shared slots
+        handoff = Handoff(meter, pass_.feed)
+        self._handoff = handoff if handoff.active else None
+        finalise = Finalise(pass_.slots)
+        self._finalise = finalise.host if pass_.slots is not None else None
         self._in_pass = True  # until StopIteration or drop: the meter's clock is not "outside"
         meter.pass_begin(started)
         # torch's iterator warns when an IterableDataset yields more than its len(); ours too
@@ -73,21 +76,24 @@ class LoaderIter:
     def __next__(self) -> Any:
         timing, handoff = self._timing, self._handoff
         t0 = timing.begin()
-        mark = handoff.begin()  # the stream's previous work ends
+        mark = handoff.begin() if handoff is not None else None  # the stream's work ends
         try:
             on_device, shipped = self._fetch()
         except StopIteration:
-            handoff.cancel(mark)
+            if handoff is not None:
+                handoff.cancel(mark)
             self._pass.end()
             timing.unfinished(t0)  # the step before this wait still counts
             self._end_pass()
             raise
         except Exception:
-            handoff.cancel(mark)
+            if handoff is not None:
+                handoff.cancel(mark)
             timing.unfinished(t0)
             raise
         t1 = timing.now()
-        handoff.end(mark, on_device)
+        if handoff is not None:
+            handoff.end(mark, on_device)
         if type(shipped) is Failed:
             timing.unfinished(t0)
             error: BaseException | None = self._policy.failure(shipped)
@@ -106,7 +112,10 @@ class LoaderIter:
         self._pass.count(samples)
         if self._len_called is not None:
             self._check_len()
-        return self._finalise.host(batch) if self._feed is None else on_device
+        if self._feed is not None:
+            return on_device
+        finalise = self._finalise
+        return batch if finalise is None else finalise(batch)
 
     def _check_len(self) -> None:
         """torch's warning: an IterableDataset yielded more than its reported ``len()``."""

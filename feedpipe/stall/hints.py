@@ -200,7 +200,7 @@ def _settings_advice(s: StallFigures) -> str:
 
 def _gil_note(s: StallFigures) -> str:
     """Thread workers holding the GIL: more of them will not help; processes will."""
-    on_cpu, cores = thread_cpu(s) or (0.0, 0.0)
+    cores = (thread_cpu(s) or (0.0, 0.0))[1]
     return (
         f"the {s.workers} thread worker{'s' if s.workers != 1 else ''} used "
         f"{s.input_cpu_s or 0.0:.3g} CPU-s in {_worker_s(s):.3g} s of fetch ({cores:.2f} cores "
