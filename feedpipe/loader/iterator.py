@@ -75,8 +75,10 @@ class LoaderIter:
 
     def __next__(self) -> Any:
         timing, handoff = self._timing, self._handoff
+        # device idle for input spans all of next(): from here (the stream's work so far ends)
+        # to the hand-off at the end (feedpipe.stall.device)
+        mark = handoff.begin() if handoff is not None else None
         t0 = timing.begin()
-        mark = handoff.begin() if handoff is not None else None  # the stream's work ends
         try:
             on_device, shipped = self._fetch()
         except StopIteration:
@@ -92,9 +94,8 @@ class LoaderIter:
             timing.unfinished(t0)
             raise
         t1 = timing.now()
-        if handoff is not None:
-            handoff.end(mark, on_device)
         if type(shipped) is Failed:
+            self._cancel(mark)
             timing.unfinished(t0)
             error: BaseException | None = self._policy.failure(shipped)
             shipped = None
@@ -106,6 +107,7 @@ class LoaderIter:
         if type(shipped) is Skipped:  # on_error="skip" (feedpipe.loader.skip_iter)
             shipped = self._policy.skipped(shipped)
             if shipped is ALL_BAD:  # no batch: the caller waits on (a new wait, no count)
+                self._cancel(mark)
                 timing.no_batch()
                 return shipped
         batch, samples = timing.record(shipped, t0, t1)
@@ -113,9 +115,16 @@ class LoaderIter:
         if self._len_called is not None:
             self._check_len()
         if self._feed is not None:
+            if handoff is not None:  # the last thing next() does: the batch is the caller's
+                handoff.end(mark, on_device)
             return on_device
         finalise = self._finalise
         return batch if finalise is None else finalise(batch)
+
+    def _cancel(self, mark: Any) -> None:
+        """No batch for the device: give the hand-off's first event back (if any)."""
+        if self._handoff is not None:
+            self._handoff.cancel(mark)
 
     def _check_len(self) -> None:
         """torch's warning: an IterableDataset yielded more than its reported ``len()``."""
