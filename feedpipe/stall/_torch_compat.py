@@ -20,6 +20,8 @@ __all__ = ["profiler_enabled"]
 #: ``torch.autograd.profiler._is_profiler_enabled``, a module global that torch offers no public
 #: reader of, and the meter asks once per batch. A C-level ``getattr`` bound once (no Python frame
 #: per call: the hot path's cost); False if torch lacks the flag.
-profiler_enabled: Callable[[], bool] = functools.partial(
-    getattr, torch.autograd.profiler, "_is_profiler_enabled", False
+profiler_enabled: Callable[[], bool] = (
+    functools.partial(getattr, torch.autograd.profiler, "_is_profiler_enabled")
+    if hasattr(torch.autograd.profiler, "_is_profiler_enabled")
+    else bool  # bool() is False: every torch feedpipe supports has the flag
 )
