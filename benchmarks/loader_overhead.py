@@ -111,6 +111,53 @@ def run(repeats: int, mib: int) -> list[dict[str, Any]]:
     return rows
 
 
+class Trivial(Dataset):
+    """``n`` one-element int64 tensors made once and returned as they are: the loader's own cost."""
+
+    def __init__(self, n: int) -> None:
+        self.items = list(torch.arange(n, dtype=torch.int64).view(n, 1))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.items[i]
+
+
+def per_batch(n: int, repeats: int) -> list[tuple[str, float, float]]:
+    """The loader's own cost per batch (``num_workers=0``, batch 1, a trivial dataset): best
+    µs per batch of torch's DataLoader and feedpipe's (stall counters on, the default, and off),
+    interleaved; ``(loader, µs per batch, paired median ratio to torch)``."""
+    from feedpipe.stall import StallMeter
+
+    ds = Trivial(n)
+    makers: dict[str, Any] = {
+        "torch": partial(TorchLoader, ds, batch_size=1),
+        "feedpipe (meter on)": partial(DataLoader, ds, batch_size=1),
+        "feedpipe (meter off)": lambda: DataLoader(
+            ds, batch_size=1, meter=StallMeter(enabled=False)
+        ),
+    }
+    runs: dict[str, list[float]] = {name: [] for name in makers}
+    for r in range(repeats):
+        for name, make in makers.items() if r % 2 == 0 else reversed(makers.items()):
+            loader = make()
+            t0 = time.perf_counter()
+            for _ in loader:
+                pass
+            runs[name].append((time.perf_counter() - t0) / n * 1e6)
+    out = []
+    for name, us in runs.items():
+        paired = statistics.median(a / b for a, b in zip(us, runs["torch"], strict=True))
+        out.append((name, min(us), paired))
+        print(
+            f"per batch, num_workers=0, batch 1: {name:<22} {min(us):7.2f} µs  "
+            f"x{paired:.3f} torch's time (paired median)",
+            flush=True,
+        )
+    return out
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| record | num_workers | loader | samples/s | GB/s | vs torch (best) "
@@ -130,7 +177,22 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7, help="epochs per loader (best kept)")
     parser.add_argument("--mib", type=int, default=128, help="dataset size per record size, MiB")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--batches", type=int, default=100_000, help="per-batch rows: batches")
+    parser.add_argument(
+        "--per-batch-only", action="store_true", help="only the per-batch rows (no memmap table)"
+    )
     args = parser.parse_args()
+    costs = per_batch(args.batches, args.repeats)
+    cost_md = "\n".join(
+        [
+            "| loader (num_workers=0, batch 1, trivial dataset) | µs per batch (best) "
+            "| time vs torch (paired median) |",
+            "|---|---|---|",
+            *(f"| {name} | {us:.2f} | {ratio:.3f}x |" for name, us, ratio in costs),
+        ]
+    )
+    if args.per_batch_only:
+        return 0
     rows = run(args.repeats, args.mib)
     command = f"python benchmarks/loader_overhead.py --repeats {args.repeats} --mib {args.mib}"
     md = (
@@ -143,7 +205,10 @@ def main() -> int:
         "epochs run back to back, which load drift on a shared machine disturbs less. "
         "With process workers feedpipe runs torch's own iterator plus a few microseconds per "
         "batch, so those ratios are 1.0 up to run-to-run noise (about +-5% on a shared VM); "
-        "thread workers skip pickling and shared-memory copies.\n\n" + table(rows)
+        "thread workers skip pickling and shared-memory copies.\n\n" + table(rows) + "\n\n"
+        "The loader's own cost per batch, in the same run: one-sample batches of a dataset "
+        "that returns tensors made once (lower is better; a time ratio below 1 is faster "
+        f"than torch; {args.batches:,} batches per epoch, best of {args.repeats}).\n\n" + cost_md
     )
     print("\n" + md)
     if not args.no_write:

@@ -41,3 +41,5 @@ def test_demo_trains_checkpoints_restores_and_reports() -> None:
     # the stall report closes the run: totals, the per-stage table and a hint
     assert re.search(r"^feedpipe stall report: 384 batches, 49152 samples", out, re.M), out
     assert re.search(r"^  fetch\s+\d", out, re.M) and re.search(r"^  hint: ", out, re.M), out
+    # the demo sets persistent_workers=True: its hint never suggests it (issue 28)
+    assert "persistent_workers=True" not in out.split("  hint: ")[1].splitlines()[0], out

@@ -151,3 +151,40 @@ def test_device_idle_near_zero_when_the_gpu_is_the_bottleneck() -> None:
     assert stats.device_idle_s <= 0.02 + idle
     assert idle / span < 0.05
     assert "device idle for input" in stats.summary()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("workers", "step_s"), [(0, 0.00005), (1, 0.00005), (1, 0.002)])
+def test_device_idle_within_3_points_of_event_gaps(workers: int, step_s: float) -> None:
+    """Issue 28: device idle within 3 points of CUDA events around each step (events made
+    before the loop, so the reference does not count its own creation as idle), also for steps
+    of 0.05 ms where the host's time between steps is a large share of each gap."""
+    cycles = max(1, int(step_s * _cycles_per_s()))
+    steps = 200
+    pool = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(steps)
+    ]
+    for e0, e1 in pool:  # created on the device now, not in the loop
+        e0.record()
+        e1.record()
+    kw = {"num_workers": workers, "worker_type": "thread"} if workers else {}
+    loader = feedpipe.DataLoader(_Slow(4 * (steps + 1), 0.0), batch_size=4, device="cuda", **kw)
+    it = iter(loader)
+    next(it)
+    torch.cuda.synchronize()
+    loader.meter.reset()
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for (e0, e1), b in zip(pool, it, strict=False):
+        e0.record()
+        torch.cuda._sleep(cycles)
+        b.view(-1)[:1].sum()
+        e1.record()
+    torch.cuda.synchronize()
+    span = start.elapsed_time(pool[-1][1]) / 1000
+    busy = sum(e0.elapsed_time(e1) for e0, e1 in pool) / 1000
+    loader.meter.device_clock.poll(wait=True)  # type: ignore[union-attr]
+    meter_idle = loader.meter.stats().device_idle_s
+    assert meter_idle is not None
+    assert abs(meter_idle - (span - busy)) <= 0.03 * span, (meter_idle, span - busy, span)

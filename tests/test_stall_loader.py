@@ -36,6 +36,7 @@ from feedpipe.stall import (
     StallStats,
     TensorBoardSink,
 )
+from feedpipe.stall.hints import gil_bound
 from feedpipe.stall.report import CPU_BOUND, MIN_BATCHES, hint
 
 loader_mod = pytest.importorskip(
@@ -536,14 +537,17 @@ def test_hint_in_process_blames_fetch_even_if_faster_than_step(clock: FakeClock)
 
 def test_hint_gil_note_only_for_cpu_bound_thread_fetch(clock: FakeClock) -> None:
     s = _stats(clock, 2, "thread", fetch=0.039, collate=0.001)  # 0.4 s of worker stages
-    busy = dataclasses.replace(s, input_cpu_s=0.39)
+    # 2 threads busy 0.2 s each: 0.19 CPU-s is one core between them (the GIL)
+    busy = dataclasses.replace(s, input_cpu_s=0.19)
     idle = dataclasses.replace(s, input_cpu_s=0.01)
+    parallel = dataclasses.replace(s, input_cpu_s=0.39)  # two cores: the reads release the GIL
     assert "holds the GIL" in hint(busy) and 'worker_type="process"' in hint(busy)
     assert "inflates the step" in hint(busy)
     assert "holds the GIL" not in hint(idle)
+    assert "holds the GIL" not in hint(parallel)
     assert "holds the GIL" not in hint(dataclasses.replace(busy, worker_type="process"))
     batched = _stats(clock, 2, "thread", fetch=0.040)  # read_batch: no collate, GIL-free gather
-    assert "holds the GIL" not in hint(dataclasses.replace(batched, input_cpu_s=0.39))
+    assert "holds the GIL" not in hint(dataclasses.replace(batched, input_cpu_s=0.19))
 
 
 @pytest.mark.parametrize(("dataset", "cpu_bound"), [(BusyDataset, True), (SlowDataset, False)])
@@ -559,7 +563,8 @@ def test_thread_workers_measure_fetch_cpu(dataset: type[SlowDataset], cpu_bound:
         assert s.input_cpu_s >= 0.9 * 2 * N * 0.010
     else:  # sleeping reads cost (almost) no CPU
         assert s.input_cpu_s < 0.25 * fetch_s
-    assert ("holds the GIL" in hint(s)) == (s.input_cpu_s >= CPU_BOUND * fetch_s)
+    assert ("holds the GIL" in hint(s)) == gil_bound(s) == cpu_bound
+    assert (s.input_cpu_s >= CPU_BOUND * fetch_s / 2) == cpu_bound  # cores while busy
 
 
 def test_process_workers_report_no_thread_cpu() -> None:

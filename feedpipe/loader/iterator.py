@@ -51,9 +51,13 @@ class LoaderIter:
             pass_.feed.pull = lambda: pull()()  # type: ignore[misc]  # noqa: PLW0108
         self._policy = self._make_policy(loader)
         meter = self._meter = loader.meter
+        meter.set_settings(loader.persistent_workers, loader.prefetch_factor)  # for the hint
         self._timing = Timing(meter, shared=bool(getattr(pass_.source, "shared_clock", False)))
-        self._handoff = Handoff(meter, pass_.feed)
-        self._finalise = Finalise(pass_.slots)
+        # steps that do nothing this pass are skipped (None): no device clock, no shared slots
+        handoff = Handoff(meter, pass_.feed)
+        self._handoff = handoff if handoff.active else None
+        finalise = Finalise(pass_.slots)
+        self._finalise = finalise.host if pass_.slots is not None else None
         self._in_pass = True  # until StopIteration or drop: the meter's clock is not "outside"
         meter.pass_begin(started)
         # torch's iterator warns when an IterableDataset yields more than its len(); ours too
@@ -71,23 +75,27 @@ class LoaderIter:
 
     def __next__(self) -> Any:
         timing, handoff = self._timing, self._handoff
+        # device idle for input spans all of next(): from here (the stream's work so far ends)
+        # to the hand-off at the end (feedpipe.stall.device)
+        mark = handoff.begin() if handoff is not None else None
         t0 = timing.begin()
-        mark = handoff.begin()  # the stream's previous work ends
         try:
             on_device, shipped = self._fetch()
         except StopIteration:
-            handoff.cancel(mark)
+            if handoff is not None:
+                handoff.cancel(mark)
             self._pass.end()
             timing.unfinished(t0)  # the step before this wait still counts
             self._end_pass()
             raise
         except Exception:
-            handoff.cancel(mark)
+            if handoff is not None:
+                handoff.cancel(mark)
             timing.unfinished(t0)
             raise
         t1 = timing.now()
-        handoff.end(mark, on_device)
         if type(shipped) is Failed:
+            self._cancel(mark)
             timing.unfinished(t0)
             error: BaseException | None = self._policy.failure(shipped)
             shipped = None
@@ -99,13 +107,24 @@ class LoaderIter:
         if type(shipped) is Skipped:  # on_error="skip" (feedpipe.loader.skip_iter)
             shipped = self._policy.skipped(shipped)
             if shipped is ALL_BAD:  # no batch: the caller waits on (a new wait, no count)
+                self._cancel(mark)
                 timing.no_batch()
                 return shipped
         batch, samples = timing.record(shipped, t0, t1)
         self._pass.count(samples)
         if self._len_called is not None:
             self._check_len()
-        return self._finalise.host(batch) if self._feed is None else on_device
+        if self._feed is not None:
+            if handoff is not None:  # the last thing next() does: the batch is the caller's
+                handoff.end(mark, on_device)
+            return on_device
+        finalise = self._finalise
+        return batch if finalise is None else finalise(batch)
+
+    def _cancel(self, mark: Any) -> None:
+        """No batch for the device: give the hand-off's first event back (if any)."""
+        if self._handoff is not None:
+            self._handoff.cancel(mark)
 
     def _check_len(self) -> None:
         """torch's warning: an IterableDataset yielded more than its reported ``len()``."""

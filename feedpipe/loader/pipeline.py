@@ -189,7 +189,19 @@ class Timing:
 
     Counters on: two clock reads around the blocking part of ``next()`` and one record per
     batch (while a profiler records: ``wait_begin``/``wait_end``, so the wait is a profiler
-    range). Counters off: no clock at all."""
+    range). Counters off: no clock at all.
+
+    The per-batch cost is one Python call: :attr:`begin` and :attr:`now` are ``perf_counter``
+    itself (``float``, which returns 0.0, when off), and whether the next wait is a profiler
+    range is asked once per batch at the end of :meth:`record` (and when the pass starts), which
+    then points :attr:`begin` at the traced begin. A profiler started during a step therefore
+    sees ranges from the wait after next.
+    """
+
+    #: a wait starts: its clock (0.0 when off); ``perf_counter`` unless the wait is traced
+    begin: Callable[[], float]
+    #: the clock now (0.0 when off): ``perf_counter`` or ``float``
+    now: Callable[[], float]
 
     def __init__(self, meter: StallMeter, shared: bool) -> None:
         self._meter = meter
@@ -200,47 +212,62 @@ class Timing:
         self._shared = shared
         # the meter's batch log, bound once per pass: record_batch's body, inlined in record()
         self._put, self._pack, self._log = meter.batch_log()
+        self.now = _perf if self.timed else float
+        self.begin = float
+        if self.timed:
+            self._arm()
 
-    def begin(self) -> float:
-        """A wait starts: its clock (0.0 when off)."""
-        if not self.timed:
-            return 0.0
-        self.traced = traced = self._profiler()
-        if traced:
-            self._meter.wait_begin()
+    def _arm(self) -> None:
+        """Choose how the next wait begins: a profiler range, or the bare clock."""
+        self.begin = self._begin_traced if self._profiler() else _perf
+
+    def _begin_traced(self) -> float:
+        """A wait that is a profiler range: the meter's ``wait_begin`` opens it."""
+        self.traced = True
+        self.begin = _perf  # record() arms the next one
+        self._meter.wait_begin()
         return _perf()
-
-    def now(self) -> float:
-        return _perf() if self.timed else 0.0
 
     def unfinished(self, t0: float) -> None:
         """The wait begun at ``t0`` delivered no batch: the step before it still counts."""
-        if self.timed and not self.traced:
+        if not self.timed:
+            return
+        if not self.traced:
             self._meter.wait_pending(t0)
+        self.traced = False
+        self._arm()
 
     def no_batch(self) -> None:
         """The wait ended with no batch to return (every sample skipped): close its range."""
         if self.traced:
             self._meter.close_range()
+            self.traced = False
+        if self.timed:
+            self._arm()
 
     def record(self, shipped: Any, t0: float, t1: float) -> tuple[Any, int]:
         """Record a delivered batch's wait and stage times; ``(batch, samples)``."""
         batch, samples, nbytes, fetch_s, collate_s = shipped
+        if not self.timed:
+            return batch, samples
         if self._shared:  # fetch_s is the clock between read and collate (or -1.0: no collate)
             if fetch_s >= 0.0:
                 fetch_s, collate_s = fetch_s - t0, t1 - fetch_s
             else:
                 fetch_s = t1 - t0
         if self.traced:
+            self.traced = False
             meter = self._meter
             meter.add_stage("fetch", fetch_s, nbytes)
             if collate_s >= 0.0:
                 meter.add_stage("collate", collate_s, nbytes)
             meter.wait_end(samples=samples, nbytes=nbytes)
-        elif self.timed:  # meter.record_batch(t0, t1, ...), inlined (StallMeter.batch_log)
+        else:  # meter.record_batch(t0, t1, ...), inlined (StallMeter.batch_log)
             self._put(self._pack(t0, t1, samples, nbytes, fetch_s, collate_s))
             if len(self._log) >= self._meter.fold_at:
                 self._meter.after_batch(t1)
+        if self._profiler():  # the next wait is a profiler range
+            self.begin = self._begin_traced
         return batch, samples
 
 
@@ -250,6 +277,11 @@ class Handoff:
 
     def __init__(self, meter: StallMeter, feed: Prefetcher | None) -> None:
         self._clock = meter.device_clock if feed is not None and meter.enabled else None
+
+    @property
+    def active(self) -> bool:
+        """Whether there is a device clock (else every call is a no-op the iterator skips)."""
+        return self._clock is not None
 
     def begin(self) -> Any:
         """The stream's previous work ends here: a mark (None without a clock)."""

@@ -7,17 +7,21 @@ The stall package reads one private flag of torch; it lives here, not in
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
+import torch.autograd.profiler
 
 __all__ = ["profiler_enabled"]
 
 
-def profiler_enabled() -> bool:
-    """Whether torch's autograd profiler records now (``torch.profiler`` sets the same flag):
-    ``torch.autograd.profiler._is_profiler_enabled``, a module global that torch offers no public
-    reader of, and the meter asks once per batch (a cheap read, no call into the profiler);
-    False if torch lacks it."""
-    try:
-        return bool(torch.autograd.profiler._is_profiler_enabled)
-    except AttributeError:  # pragma: no cover - every torch feedpipe supports has it
-        return False
+#: Whether torch's autograd profiler records now (``torch.profiler`` sets the same flag):
+#: ``torch.autograd.profiler._is_profiler_enabled``, a module global that torch offers no public
+#: reader of, and the meter asks once per batch. A C-level ``getattr`` bound once (no Python frame
+#: per call: the hot path's cost); False if torch lacks the flag.
+profiler_enabled: Callable[[], bool] = (
+    functools.partial(getattr, torch.autograd.profiler, "_is_profiler_enabled")
+    if hasattr(torch.autograd.profiler, "_is_profiler_enabled")
+    else bool  # bool() is False: every torch feedpipe supports has the flag
+)

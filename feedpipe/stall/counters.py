@@ -20,6 +20,7 @@ from typing import Any
 from feedpipe.stall.clock import PassClock
 from feedpipe.stall.device import DeviceIdle
 from feedpipe.stall.records import FIELDS, fold
+from feedpipe.stall.robust import outliers, typical_fraction
 from feedpipe.stall.stages import WORKER_STAGES, StageTotals
 from feedpipe.stall.stats import StallStats
 from feedpipe.stall.totals import WaitTotals
@@ -113,8 +114,14 @@ class Counters:
         proc, loop, _ = _cpu_now()
         return max(0.0, (proc - cpu0[0]) - (loop - cpu0[1]))
 
-    def stats(self, workers: int, worker_type: str | None) -> StallStats:
-        """A consistent snapshot of the counters and the rates derived from them."""
+    def stats(
+        self,
+        workers: int,
+        worker_type: str | None,
+        settings: tuple[bool | None, int | None] = (None, None),
+    ) -> StallStats:
+        """A consistent snapshot of the counters and the rates derived from them;
+        ``settings``: the loader's ``(persistent_workers, prefetch_factor)``, for the hint."""
         self.fold()
         stages = self.stages.snapshot(workers)
         with self.lock:
@@ -159,7 +166,20 @@ class Counters:
             device_idle_fraction=None if idle_s is None else rate(idle_s),
             device_batches=idle_batches,
             skipped=self.skipped,
+            **self._robust(stall, wall, batches),
+            persistent_workers=settings[0],
+            prefetch_factor=settings[1],
         )
+
+    def _robust(self, stall: float, wall: float, batches: int) -> dict[str, Any]:
+        """The typical stall share and the outlier waits it leaves out (feedpipe.stall.robust)."""
+        k = min(outliers(batches), self.totals.batches)
+        top = self.totals.top_sum(k)
+        return {
+            "typical_stall_fraction": typical_fraction(stall, wall, top),
+            "outlier_waits": k,
+            "outlier_s": top,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """The counters as a small JSON-able dict, so totals survive a resume."""

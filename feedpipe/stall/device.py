@@ -5,16 +5,20 @@ GPU is still busy with the last step (no harm done), or return at once while the
 behind a late copy. A :class:`DeviceClock` asks the GPU itself. Per batch it records two events
 on the consumer's stream:
 
-- **A**, when ``next()`` starts (before the host waits for the batch). The stream reaches A when
-  it has finished the work queued before it: the previous step's compute.
-- **B**, at hand-off, after the consumer stream was made to wait for the batch's copy. The
-  stream reaches B when the input is there.
+- **A**, the first thing ``next()`` does (before the host waits for the batch). The stream
+  reaches A when it has finished the work queued before it: the previous step's compute.
+- **B**, the last thing ``next()`` does, after the consumer stream was made to wait for the
+  batch's copy (the hand-off) and the loader's bookkeeping. The stream reaches B when the
+  input is there and the loader has let go of the host thread.
 
 ``B - A`` (GPU clock) is the time the stream sat between its last step and its next input:
 *device idle for input*. When compute is the bottleneck the copy finished long before, so
 ``B - A`` is about zero; when input is late (a slow worker, a slow copy) the stream has drained
 and waits. Time the GPU idles because the *host* is slow elsewhere (the user's own Python
-between steps) is not counted: A is then reached as soon as it is queued.
+between steps) is not counted: A is then reached as soon as it is queued. So the figure is
+lower than the gaps between CUDA events around each step by the host's own time between
+``next()`` and the step's first launch (a few microseconds per step; see
+``docs/concepts/stall-counters.md``).
 
 Events are reused from a small pool and read without blocking (``query``): a pair counts once
 its B has completed, oldest first. Only for CUDA devices; torch is imported by the caller.

@@ -60,6 +60,11 @@ class StallFigures:
     device_idle_fraction: float | None = None
     device_batches: int = 0
     skipped: int = 0
+    typical_stall_fraction: float | None = None
+    outlier_waits: int = 0
+    outlier_s: float = 0.0
+    persistent_workers: bool | None = None
+    prefetch_factor: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict, ready for ``json.dumps``."""

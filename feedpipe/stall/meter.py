@@ -151,6 +151,7 @@ class StallMeter:
         self.fold_at = self._FOLD
         self.workers = 0
         self.worker_type: str | None = None
+        self.settings: tuple[bool | None, int | None] = (None, None)  # set_settings
         # the batch log: its object never changes (loaders bind it, and its frombytes, per pass)
         self._waits: array.array[float] = self._counters.log
         self._put = self._waits.frombytes
@@ -246,6 +247,12 @@ class StallMeter:
         and their kind, ``"thread"`` or ``"process"`` (``None``: unknown or in-process)."""
         self.workers = int(n)
         self.worker_type = worker_type if n else None
+
+    def set_settings(self, persistent_workers: bool | None, prefetch_factor: Any = None) -> None:
+        """The loader's ``persistent_workers`` and ``prefetch_factor`` (an int, else unknown),
+        so the hint never suggests a setting already in force (``feedpipe.stall.hints``)."""
+        prefetch = prefetch_factor if isinstance(prefetch_factor, int) else None
+        self.settings = (persistent_workers, prefetch)
 
     # ------------------------------------------------------------------ profiler ranges
     @property
@@ -430,7 +437,7 @@ class StallMeter:
 
     def stats(self) -> StallStats:
         """A consistent, JSON-able snapshot of the counters and the rates derived from them."""
-        return self._counters.stats(self.workers, self.worker_type)
+        return self._counters.stats(self.workers, self.worker_type, self.settings)
 
     def summary(self) -> str:
         """One line: stall %, p50/p99 wait, throughput, slowest stage."""

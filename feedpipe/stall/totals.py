@@ -48,6 +48,25 @@ class WaitTotals:
             return self.wait_max_s
         return min(bucket_value(i), self.wait_max_s) if i else 0.0
 
+    def top_sum(self, k: int) -> float:
+        """Seconds of the ``k`` longest waits, from the histogram (bucket midpoints, the longest
+        exact); 0.0 for ``k <= 0``."""
+        import numpy as np
+
+        if k <= 0 or self.batches <= 0:
+            return 0.0
+        nonzero = np.flatnonzero(self.hist)[::-1]
+        total, left = self.wait_max_s, k - 1  # the longest is known exactly
+        taken = 1
+        for i in nonzero:
+            n = min(left, int(self.hist[i]) - taken)
+            total += n * min(bucket_value(int(i)), self.wait_max_s)
+            left -= n
+            taken = 0
+            if not left:
+                break
+        return total
+
     def state(self) -> dict[str, Any]:
         """The histogram and longest wait of a meter's state dict (the meter adds the rest)."""
         return {
