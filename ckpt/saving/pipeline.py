@@ -1,6 +1,7 @@
 """The save pipeline of a ``CheckpointManager``: stage now, write and commit in the background.
 
-``SavePipeline.submit`` flattens a state, asks its ``SavePlan`` (``ckpt.saving.plan``) for the
+``SavePipeline.submit`` flattens a state (``ckpt.saving.flatten_cache``: the last save's
+entries reused while its keys match), asks its ``SavePlan`` (``ckpt.saving.plan``) for the
 layout, copies the leaves into a buffer of the staging pool (the only blocking work) and queues
 the job; one background thread (``ckpt-persist``) writes each job's data file with per-chunk
 CRC32C on the writer threads, writes the manifest, commits ``step-N``, updates ``latest`` and
@@ -23,7 +24,8 @@ from ckpt import _faults, _layout
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError
 from ckpt.saving import commit
-from ckpt.saving.flatten import Leaf, flatten
+from ckpt.saving.flatten import Leaf
+from ckpt.saving.flatten_cache import FlattenCache
 from ckpt.saving.plan import SavePlan, Stager
 from ckpt.saving.pool import Buffer, PinnedPool
 from feedpipe.io.trace import span
@@ -127,6 +129,7 @@ class SavePipeline:
         self.counters = counters
         self.on_committed = on_committed
         self.stager = Stager()
+        self.flattener = FlattenCache()  # entries reused while the state's keys match
         self.last_saved: SaveHandle | None = None  # the newest save asked for
         self._mutex = threading.Lock()
         self._jobs: collections.deque[_Job] = collections.deque()
@@ -138,7 +141,7 @@ class SavePipeline:
     def plan(self, state: Any) -> SavePlan:
         """The plan of ``state`` (the last save's when its leaves match): its layout and size."""
         leaves: list[Leaf] = []
-        flatten(state, leaves)
+        self.flattener.flatten(state, leaves)
         return self.stager.plan(leaves)
 
     @property
@@ -158,7 +161,7 @@ class SavePipeline:
         t0 = time.perf_counter()
         stats = SaveStats(step)
         leaves: list[Leaf] = []
-        tree = flatten(state, leaves)
+        tree = self.flattener.flatten(state, leaves)
         plan = self.stager.plan(leaves)  # the last save's plan when the leaves match it
         buf, stats.backpressure_s = self.pool.acquire(plan.nbytes)
         try:
