@@ -32,6 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -48,6 +49,7 @@ from ckpt.retention import rules
 from ckpt.retention.retainer import Retainer
 from ckpt.saving import commit
 from ckpt.saving.flatten import RNG_KEY, rng_state
+from ckpt.saving.overlap import Overlap
 from ckpt.saving.pipeline import SaveHandle, SavePipeline, SaveStats, WriteOptions
 from ckpt.saving.plan import Stager
 from ckpt.saving.pool import PinnedPool, PoolOptions
@@ -102,6 +104,10 @@ class CheckpointManager:
     ``save_interval_steps``/``save_on_steps``: what ``should_save`` answers.
     ``save_on_preemption``: ``True`` or ``PreemptionOptions`` to handle SIGTERM and SIGUSR1
     (``ckpt.preemption``).
+
+    ``overlap=True``: ``save`` returns once the device-to-host copies are queued; the next
+    optimizer step (or forward changing a large buffer) waits for them on the GPU
+    (``ckpt.saving.overlap``, docs/overlap.md); edit saved tensors by hand inside ``editing()``.
     """
 
     PREEMPTED_EXIT_CODE = PREEMPTED_EXIT_CODE
@@ -120,6 +126,7 @@ class CheckpointManager:
         save_interval_steps: int | None = None,
         save_on_steps: Any = (),
         save_on_preemption: bool | PreemptionOptions = False,
+        overlap: bool = False,
     ) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
             raise ValueError("keep_last must be >= 1 or None")
@@ -149,6 +156,8 @@ class CheckpointManager:
         self._saves = SavePipeline(
             self.directory, self.pool, self.write_options, self.stats, self._committed
         )
+        self.overlap = overlap
+        self._overlap = Overlap()
         self._preemption: Preemption | None = None
         self.remote: RemoteTier | None = None
         if remote is not None:
@@ -259,7 +268,19 @@ class CheckpointManager:
             if not isinstance(state, dict):
                 raise ValueError("rng=True needs a dict state (RNG states go under '__rng__')")
             state = {**state, RNG_KEY: rng_state()}
-        return self._saves.submit(index, state, metadata, metrics)
+        overlap = self._overlap if self.overlap else None
+        return self._saves.submit(index, state, metadata, metrics, overlap)
+
+    def wait_for_snapshot(self, *, host: bool = False) -> None:
+        """Make the current CUDA stream (``host=True``: the host) wait for the copies of the
+        overlapped saves in flight: call it before changing saved tensors in place outside an
+        optimizer step or a forward (docs/overlap.md). Returns at once without overlap."""
+        self._overlap.wait_for_snapshot(host)
+
+    def editing(self) -> AbstractContextManager[None]:
+        """``with manager.editing(): p.mul_(0.5)``: ``wait_for_snapshot()`` first, so in-place
+        edits inside come after the copies of every save taken so far."""
+        return self._overlap.editing()
 
     def _committed(self, step: int, path: Path) -> None:
         """After a commit (of this manager's save, or adopted): known good, listeners, retention."""
@@ -456,6 +477,7 @@ class CheckpointManager:
         finally:
             if self._preemption is not None:
                 self._preemption.close()
+            self._overlap.close()
             self._lock.release()
             self._saves.close()
 

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,6 +26,7 @@ from ckpt.errors import CheckpointError
 from ckpt.saving import commit
 from ckpt.saving.flatten import Leaf
 from ckpt.saving.flatten_cache import FlattenCache
+from ckpt.saving.overlap import CudaEvent, Overlap, SnapshotEvent
 from ckpt.saving.plan import SavePlan, Stager
 from ckpt.saving.pool import Buffer, PinnedPool
 from feedpipe.io.trace import span
@@ -107,6 +108,8 @@ class _Job:
     buf: Buffer
     body: dict[str, Any]
     t0: float
+    copies: list[SnapshotEvent] = field(default_factory=list)  # overlap: wait before writing
+    sources: list[Any] | None = None  # overlap: what the copies read, alive until they are done
 
 
 class SavePipeline:
@@ -156,19 +159,24 @@ class SavePipeline:
         state: Any,
         metadata: dict[str, Any] | None,
         metrics: dict[str, Any] | None,
+        overlap: Overlap | None = None,
     ) -> SaveHandle:
-        """Stage ``state`` into a pool buffer (blocking) and queue its write as ``step-N``."""
+        """Stage ``state`` into a pool buffer (blocking; with ``overlap``, only until the device
+        copies are queued: ``ckpt.saving.overlap``) and queue its write as ``step-N``."""
         t0 = time.perf_counter()
         stats = SaveStats(step)
         leaves: list[Leaf] = []
         tree = self.flattener.flatten(state, leaves)
         plan = self.stager.plan(leaves)  # the last save's plan when the leaves match it
         buf, stats.backpressure_s = self.pool.acquire(plan.nbytes)
+        events: dict[Any, SnapshotEvent] = {}
         try:
             s0 = time.perf_counter()
             _faults.pause("stage")
+            sources = overlap.prepare(leaves) if overlap is not None else None
             with span("ckpt/stage"):
-                plan.stage(leaves, buf)
+                raw = plan.stage(leaves, buf, sync=overlap is None)
+            events = {device: CudaEvent(event, device) for device, event in raw.items()}
             stats.stage_s = time.perf_counter() - s0
         except BaseException:
             self.pool.release(buf)
@@ -186,7 +194,10 @@ class SavePipeline:
             metrics=metrics,
         )
         handle = SaveHandle(step, stats)
-        self._queue(_Job(handle, buf, body, t0))
+        if overlap is not None:
+            overlap.arm(state, events)
+        job = _Job(handle, buf, body, t0, list(events.values()), sources if events else None)
+        self._queue(job)
         return handle
 
     def _queue(self, job: _Job) -> None:
@@ -224,6 +235,9 @@ class SavePipeline:
                 self._executor = ThreadPoolExecutor(
                     self.write_options.threads, thread_name_prefix="ckpt-write"
                 )
+            for event in job.copies:  # an overlapped save: its bytes land in the buffer now
+                event.synchronize()
+            job.sources = None
             w0 = time.perf_counter()
             tmp = commit.make_tmp(self.directory, step)
             data = job.buf.view()[: job.body["nbytes"]]
