@@ -20,7 +20,8 @@ DIAG = BENCH / "diagnostics"
 
 # Files that still name a script by its old path: (file, path named) -> why. These are the
 # loader/device files the lead owns; the list may only shrink.
-STALE_PATH_EXCEPTIONS: dict[tuple[str, str], str] = {}
+STALE_PATH_EXCEPTIONS: dict[tuple[str, str], str] = {
+}
 
 
 def _run_all() -> Any:

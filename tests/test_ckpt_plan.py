@@ -531,6 +531,7 @@ def test_copies_wait_for_their_piece_of_a_buffer_made_in_the_background(
     (so its first copy waits, whatever the machine's load; the test asserts no timing)."""
     import threading
 
+
     monkeypatch.setattr(pool, "REGISTER_BYTES", 1 << 20)
     monkeypatch.setattr(pool, "_threads", lambda: 2)
     gate = threading.Event()

@@ -637,7 +637,9 @@ def test_convert_rerun_with_other_partial_arguments_starts_over(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("bad", [-1, -4, 1.5, True, "2"])
-def test_a_negative_worker_count_or_not_a_whole_number_is_refused(tmp_path: Path, bad: Any) -> None:
+def test_a_negative_worker_count_or_not_a_whole_number_is_refused(
+    tmp_path: Path, bad: Any
+) -> None:
     # num_workers=-1 was taken as 1 without a word (0 is torch's "in this process": see below)
     with pytest.raises(ValueError, match=rf"num_workers must be a whole number >= 0.*{bad!r}"):
         feedpipe.convert(fns.tokens, range(4), output=tmp_path / "a", num_workers=bad)

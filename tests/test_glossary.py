@@ -21,7 +21,8 @@ PARAMETER_HOMES: dict[str, tuple[str, ...]] = {
     "preadv": ("feedpipe/datasets/",),
 }
 # Today's exceptions: (file, parameter) -> why. The list may only shrink.
-PARAMETER_EXCEPTIONS: dict[tuple[str, str], str] = {}
+PARAMETER_EXCEPTIONS: dict[tuple[str, str], str] = {
+}
 
 
 def _rows(text: str, heading: str) -> list[list[str]]:
@@ -86,7 +87,9 @@ def _parameters() -> set[tuple[str, str]]:
 
 
 def test_parameters_named_after_a_glossary_word_live_where_the_word_means_that() -> None:
-    bad = {(f, w) for f, w in _parameters() if not any(f.startswith(h) for h in PARAMETER_HOMES[w])}
+    bad = {
+        (f, w) for f, w in _parameters() if not any(f.startswith(h) for h in PARAMETER_HOMES[w])
+    }
     assert sorted(bad - set(PARAMETER_EXCEPTIONS)) == []
     stale = sorted(set(PARAMETER_EXCEPTIONS) - bad)
     assert stale == [], f"these exceptions are gone, remove them from the list: {stale}"
