@@ -211,7 +211,11 @@ class _Flattener:
 
     def mapping(self, obj: Mapping[Any, Any], path: str, depth: int) -> Node:
         items = []
+        node, deeper = self.node, depth + 1
         for key, value in obj.items():
+            if type(key) is str:  # the common key: checked and converted below otherwise
+                items.append([key, node(value, f"{path}[{key!r}]", deeper)])
+                continue
             if isinstance(key, bool) or not isinstance(key, (str, int)):
                 raise CheckpointError(f"{path}: dict key {key!r} must be str or int")
             key = str(key) if isinstance(key, str) else int(key)

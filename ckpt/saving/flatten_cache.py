@@ -25,7 +25,6 @@ save.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
@@ -36,19 +35,12 @@ from ckpt.saving.flatten import Leaf, Node, Pending, assign_entries, storage_byt
 __all__ = ["FlattenCache"]
 
 
-@dataclass(frozen=True)
-class _Slot:
-    """How to remake one leaf: from pending node ``source``, its own value or (``start`` set)
-    ``nbytes`` of its storage from byte ``start``; the rest of the ``Leaf`` as last time."""
-
-    source: int
-    start: int | None
-    kind: str
-    dtype: str
-    shape: list[int]
-    nbytes: int
-    device: str
-    stride: tuple[int, ...]
+_Slot = tuple[int, int, int, str, str, list[int], int, str, tuple[int, ...]]
+"""How to remake one leaf: ``(source, how, start, kind, dtype, shape, nbytes, device,
+stride)``: the value of pending node ``source`` as is (``how`` 0), as ``flatten`` stores a
+tensor with ``requires_grad`` or a conjugate/negative bit (1), or ``nbytes`` of its storage
+from byte ``start`` (2, a shared entry); the rest of the ``Leaf`` as last time."""
+_AS_IS, _OWN, _SHARED = 0, 1, 2
 
 
 _ATTRS = attrgetter("dtype", "shape", "device", "requires_grad", "layout")
@@ -125,23 +117,25 @@ class FlattenCache:
             self._nodes.append((index, dict(view) if view is not None else None))
             first.setdefault(index, k)
         for j, leaf in enumerate(made):
-            k, start = first[j], None
+            k, start, how = first[j], 0, _AS_IS
+            value = pending[k][1]
             if pending[k][0].get("view") is not None and isinstance(leaf.value, torch.Tensor):
-                start = int(leaf.value.storage_offset())  # the shared entry's first byte
-            shape, stride = leaf.shape, leaf.stride
-            slot = _Slot(k, start, leaf.kind, leaf.dtype, shape, leaf.nbytes, leaf.device, stride)
-            self._slots.append(slot)
+                start, how = int(leaf.value.storage_offset()), _SHARED  # the entry's first byte
+            elif isinstance(value, torch.Tensor):
+                how = _OWN if value.requires_grad or value.is_conj() or value.is_neg() else how
+            rest = (leaf.kind, leaf.dtype, leaf.shape, leaf.nbytes, leaf.device, leaf.stride)
+            self._slots.append((k, how, start, *rest))
 
     def _reuse(self, pending: list[Pending], leaves: list[Leaf]) -> None:
         base = len(leaves)
-        for s in self._slots:
-            value = pending[s.source][1]
-            if s.start is not None:
-                value = storage_bytes(value, s.start, s.nbytes)
-            elif s.kind == "tensor":
+        append = leaves.append
+        for k, how, start, kind, dtype, shape, nbytes, device, stride in self._slots:
+            _, value, path = pending[k]
+            if how == _OWN:
                 value = _own(value)
-            path = pending[s.source][2]
-            leaves.append(Leaf(value, s.kind, s.dtype, s.shape, s.nbytes, path, s.device, s.stride))
+            elif how == _SHARED:
+                value = storage_bytes(value, start, nbytes)
+            append(Leaf(value, kind, dtype, shape, nbytes, path, device, stride))
         for (node, _, _), (index, view) in zip(pending, self._nodes, strict=True):
             node["i"] = base + index
             if view is not None:
