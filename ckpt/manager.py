@@ -104,10 +104,8 @@ class CheckpointManager:
     ``save_interval_steps``/``save_on_steps``: what ``should_save`` answers.
     ``save_on_preemption``: ``True`` or ``PreemptionOptions`` to handle SIGTERM and SIGUSR1
     (``ckpt.preemption``).
-
-    ``overlap=True``: ``save`` returns once the device-to-host copies are queued; the next
-    optimizer step (or forward changing a large buffer) waits for them on the GPU
-    (``ckpt.saving.overlap``, docs/overlap.md); edit saved tensors by hand inside ``editing()``.
+    ``overlap=True``: ``save`` returns with the device-to-host copies queued; what waits for
+    them, and ``editing()`` for edits by hand: ``ckpt.saving.overlap``, docs/overlap.md.
     """
 
     PREEMPTED_EXIT_CODE = PREEMPTED_EXIT_CODE
@@ -156,8 +154,7 @@ class CheckpointManager:
         self._saves = SavePipeline(
             self.directory, self.pool, self.write_options, self.stats, self._committed
         )
-        self.overlap = overlap
-        self._overlap = Overlap()
+        self._overlap = Overlap(enabled=overlap)
         self._preemption: Preemption | None = None
         self.remote: RemoteTier | None = None
         if remote is not None:
@@ -268,18 +265,15 @@ class CheckpointManager:
             if not isinstance(state, dict):
                 raise ValueError("rng=True needs a dict state (RNG states go under '__rng__')")
             state = {**state, RNG_KEY: rng_state()}
-        overlap = self._overlap if self.overlap else None
-        return self._saves.submit(index, state, metadata, metrics, overlap)
+        return self._saves.submit(index, state, metadata, metrics, self._overlap)
 
     def wait_for_snapshot(self, *, host: bool = False) -> None:
         """Make the current CUDA stream (``host=True``: the host) wait for the copies of the
-        overlapped saves in flight: call it before changing saved tensors in place outside an
-        optimizer step or a forward (docs/overlap.md). Returns at once without overlap."""
+        overlapped saves in flight (docs/overlap.md); returns at once without overlap."""
         self._overlap.wait_for_snapshot(host)
 
     def editing(self) -> AbstractContextManager[None]:
-        """``with manager.editing(): p.mul_(0.5)``: ``wait_for_snapshot()`` first, so in-place
-        edits inside come after the copies of every save taken so far."""
+        """``with manager.editing(): p.mul_(0.5)``: in-place edits after ``wait_for_snapshot()``."""
         return self._overlap.editing()
 
     def _committed(self, step: int, path: Path) -> None:

@@ -210,7 +210,7 @@ class _Flattener:
         return {"t": "device", "v": str(obj)}
 
     def mapping(self, obj: Mapping[Any, Any], path: str, depth: int) -> Node:
-        items = []
+        items: list[list[Any]] = []
         node, deeper = self.node, depth + 1
         for key, value in obj.items():
             if type(key) is str:  # the common key: checked and converted below otherwise

@@ -131,10 +131,11 @@ def _hooked_modules(module: torch.nn.Module, devices: frozenset[str]) -> list[to
 class Overlap:
     """The events of the saves in flight and the one-shot hooks that wait for them (module
     docstring). ``armed`` is the number of hooks registered now. ``devices``: the device types
-    whose tensors the copies read asynchronously (``cuda``; tests name ``cpu``)."""
+    whose tensors the copies read asynchronously (``cuda``; tests name ``cpu``). ``enabled``:
+    whether saves overlap (``CheckpointManager(overlap=)``); the waits work either way."""
 
-    def __init__(self, devices: frozenset[str] = frozenset({"cuda"})) -> None:
-        self.devices = devices
+    def __init__(self, devices: frozenset[str] = frozenset({"cuda"}), enabled: bool = True) -> None:
+        self.devices, self.enabled = devices, enabled
         self._events: dict[Any, SnapshotEvent] = {}  # per device: the newest save's event
         self._hooks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self._mutex = threading.Lock()

@@ -164,6 +164,7 @@ class SavePipeline:
         """Stage ``state`` into a pool buffer (blocking; with ``overlap``, only until the device
         copies are queued: ``ckpt.saving.overlap``) and queue its write as ``step-N``."""
         t0 = time.perf_counter()
+        overlap = overlap if overlap is not None and overlap.enabled else None
         stats = SaveStats(step)
         leaves: list[Leaf] = []
         tree = self.flattener.flatten(state, leaves)
