@@ -67,52 +67,75 @@ def _step(net: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.step()
 
 
-def test_hooks_fire_once_wait_on_the_gpu_and_remove_themselves() -> None:
-    net, opt = _trained()
-    ov, event = Overlap(CPU), Counted()
-    ov.arm({"model": net, "optim": opt}, {"cpu": event})
-    assert ov.armed == 2  # the optimizer and the module holding the large buffer
-    _step(net, opt)  # the forward pre-hook and the step pre-hook both fire
-    assert ov.armed == 0
-    assert (event.waits, event.syncs) == (2, 0)  # the GPU waited, the host never did
-    _step(net, opt)
-    assert event.waits == 2  # removed after firing
-
-
-def test_hooks_are_registered_once_and_a_second_save_before_the_step_is_waited_for() -> None:
-    net, opt = _trained()
-    ov, first, second = Overlap(CPU), Counted(), Counted()
-    state = {"model": net, "optim": opt}
-    ov.arm(state, {"cpu": first})
-    ov.arm(state, {"cpu": second})  # a second save before the step
-    assert ov.armed == 2
-    opt.step()
-    assert (first.waits, second.waits) == (0, 1)  # the newest copies (same side stream) only
-    assert ov.armed == 1
-
-
-def test_nothing_is_hooked_without_device_copies() -> None:
-    net, opt = _trained()
+@pytest.fixture
+def overlap() -> Any:
+    """An ``Overlap`` of CPU copies, closed after the test (its global hook removed)."""
     ov = Overlap(CPU)
-    ov.arm({"model": net, "optim": opt}, {})
-    assert ov.armed == 0
+    yield ov
+    ov.close()
+
+
+def test_hooks_fire_once_wait_on_the_gpu_and_remove_themselves(overlap: Overlap) -> None:
+    net, opt = _trained()
+    event = Counted()
+    overlap.arm({"model": net, "optim": opt}, {"cpu": event})
+    # the optimizer, the module holding the large buffer, every optimizer's step (global)
+    assert overlap.armed == 3
+    _step(net, opt)  # the forward pre-hook, the step pre-hook and the global hook fire
+    assert (event.waits, event.syncs) == (3, 0)  # the GPU waited, the host never did
+    assert overlap.armed == 1  # the one-shot hooks are gone; the global one waits on
+    _step(net, opt)
+    assert event.waits == 4  # only the global hook: the copies have not passed
+    event.passed = True
+    _step(net, opt)  # passed: no wait, and the global hook removes itself
+    assert (event.waits, overlap.armed) == (4, 0)
+
+
+def test_an_optimizer_not_in_the_state_waits_too(overlap: Overlap) -> None:
+    net, opt = _trained()
+    event = Counted()
+    overlap.arm({"weights": net.state_dict()}, {"cpu": event})  # tensors only: no owner
+    assert overlap.armed == 1
+    _step(net, opt)
+    assert event.waits == 1
+
+
+def test_hooks_are_registered_once_and_a_second_save_before_the_step_is_waited_for(
+    overlap: Overlap,
+) -> None:
+    net, opt = _trained()
+    first, second = Counted(), Counted()
+    state = {"model": net, "optim": opt}
+    overlap.arm(state, {"cpu": first})
+    overlap.arm(state, {"cpu": second})  # a second save before the step
+    assert overlap.armed == 3
+    opt.step()
+    assert (first.waits, second.waits) == (0, 2)  # the newest copies (same side stream) only
+    assert overlap.armed == 2  # the module's hook and the global one
+
+
+def test_nothing_is_hooked_without_device_copies(overlap: Overlap) -> None:
+    net, opt = _trained()
+    overlap.arm({"model": net, "optim": opt}, {})
+    assert overlap.armed == 0
 
 
 def test_close_removes_every_hook_and_waits_on_the_host() -> None:
     net, opt = _trained()
     ov, event = Overlap(CPU), Counted()
     ov.arm([net, (opt,)], {"cpu": event})
-    assert ov.armed == 2
+    assert ov.armed == 3
     ov.close()
     assert ov.armed == 0 and event.syncs == 1
+    event.passed = False
     _step(net, opt)
     assert event.waits == 0
 
 
-def test_the_optimizer_state_dict_and_pickling_are_unaffected() -> None:
+def test_the_optimizer_state_dict_and_pickling_are_unaffected(overlap: Overlap) -> None:
     net, opt = _trained()
     _, twin_opt = _trained()
-    ov = Overlap(CPU)
+    ov = overlap
     ov.arm({"model": net, "optim": opt}, {"cpu": Counted()})
     armed, plain = opt.state_dict(), twin_opt.state_dict()
     assert armed["param_groups"] == plain["param_groups"]
@@ -124,11 +147,11 @@ def test_the_optimizer_state_dict_and_pickling_are_unaffected() -> None:
     clone = copy.deepcopy(net)  # a module armed with a forward pre-hook: the copy's is inert
     clone(torch.randn(8, 4))
     pickle.loads(pickle.dumps(net))(torch.randn(8, 4))
-    assert ov.armed == 2  # the copies' hooks are not ours: the originals are still armed
+    assert ov.armed == 3  # the copies' hooks are not ours: the originals are still armed
 
 
-def test_wait_for_snapshot_and_editing() -> None:
-    ov, event = Overlap(CPU), Counted()
+def test_wait_for_snapshot_and_editing(overlap: Overlap) -> None:
+    ov, event = overlap, Counted()
     net, _ = _trained()
     ov.arm(net, {"cpu": event})
     with ov.editing():

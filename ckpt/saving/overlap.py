@@ -13,7 +13,10 @@ for what (docs/overlap.md):
 - every optimizer in the state gets a one-shot step pre-hook (``register_step_pre_hook``) that
   makes the current stream wait for the events (on the GPU; the host never blocks) and then
   removes itself; so does every module in the state that holds a larger buffer (a forward
-  pre-hook), which covers buffers changed by a forward;
+  pre-hook), which covers buffers changed by a forward. An optimizer not in the state (a state
+  of ``model.state_dict()``) is covered by a step pre-hook of every optimizer
+  (``register_optimizer_step_pre_hook``) that waits the same way and removes itself once a
+  step finds every copy done;
 - a ``GradScaler``'s ``state_dict`` reads its scale with ``.item()`` (a host sync, torch's own):
   its values are host numbers when ``save`` returns, so its ``update`` needs no wait, and its
   ``step`` runs the optimizer's step, which waits;
@@ -36,6 +39,7 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ckpt.saving.flatten import Leaf
 
@@ -138,13 +142,14 @@ class Overlap:
         self.devices, self.enabled = devices, enabled
         self._events: dict[Any, SnapshotEvent] = {}  # per device: the newest save's event
         self._hooks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._global: Any = None  # the step pre-hook of every optimizer, while copies run
         self._mutex = threading.Lock()
 
     @property
     def armed(self) -> int:
         """How many hooks are registered now."""
         with self._mutex:
-            return len(self._hooks)
+            return len(self._hooks) + (self._global is not None)
 
     def prepare(self, leaves: Sequence[Leaf]) -> list[Any]:
         """Clone the small CUDA leaves on the caller's stream (their values become the
@@ -166,12 +171,25 @@ class Overlap:
             return
         with self._mutex:
             self._events.update(events)
+            if self._global is None:
+                self._global = register_optimizer_step_pre_hook(self._any_step)
         for owner in owners(state):
             if isinstance(owner, torch.optim.Optimizer):
                 self._hook(owner, owner.register_step_pre_hook)
             else:
                 for module in _hooked_modules(owner, self.devices):
                     self._hook(module, module.register_forward_pre_hook)
+
+    def _any_step(self, *args: Any) -> None:
+        """Before any optimizer's step (one not in the state too): wait for the copies; once
+        they have all passed, this hook removes itself."""
+        self.wait_for_snapshot()
+        with self._mutex:
+            handle = self._global if not self._events else None
+            if handle is not None:
+                self._global = None
+        if handle is not None:
+            handle.remove()
 
     def _hook(self, target: Any, register: Callable[[Any], Any]) -> None:
         ref = weakref.ref(target)
@@ -213,6 +231,8 @@ class Overlap:
         """Wait (host) for the copies in flight and remove every hook."""
         self.wait_for_snapshot(host=True)
         with self._mutex:
-            targets = list(self._hooks)
+            targets, handle, self._global = list(self._hooks), self._global, None
         for target in targets:
             self._unhook(weakref.ref(target))
+        if handle is not None:
+            handle.remove()
