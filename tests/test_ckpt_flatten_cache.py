@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import runpy
 import weakref
 from pathlib import Path
 from typing import Any
@@ -195,3 +196,15 @@ def test_a_tensor_moved_to_another_device_misses() -> None:
     state["model"].cuda()
     _same(state, cache)
     assert cache.misses == 3
+
+
+def test_the_many_tensor_cpu_benchmark_row_runs(tmp_path: Path) -> None:
+    """``benchmarks/ckpt_save.py --cpu-tensors`` end to end on a tiny state (no timing
+    asserted): a ratio of the save to its ceiling, and the steady saves counted."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "_ckpt_many_cpu.py"
+    bench = runpy.run_path(str(script), run_name="ckpt_many_cpu_bench")
+    row = bench["_row"]("tiny", bench["_small_state"](40), lambda: None, 2, tmp_path)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == "tiny" and cells[1] == "40"
+    assert cells[5].endswith("x**") and cells[-1] == "2"
+    assert list(tmp_path.iterdir()) == []
