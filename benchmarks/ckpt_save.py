@@ -16,6 +16,9 @@ pool allocation) and then in steady state, against the ceiling measured in the s
 copy of the same number of bytes from one device tensor into one preallocated pinned buffer.
 The per-tensor staging of earlier versions (``ckpt.format.stage``) runs in the same rounds.
 
+``--cpu-tensors N`` (CPU, ``benchmarks/_ckpt_many_cpu.py``): a save of about ``N`` small
+tensors against a bare copy of the same tensors in the same run, cached and uncached flattening.
+
 ``--plan-overhead N`` (CPU) measures the Python part of staging ``N`` small tensors: the
 per-tensor staging of earlier versions against the plan cached across saves (its signature
 check, and the check with the copies).
@@ -494,9 +497,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
     p.add_argument("--tensors", type=int, nargs="*", default=None, help="many-tensor states")
     p.add_argument("--plan-overhead", type=int, default=None, help="CPU: staging's Python part")
+    p.add_argument("--cpu-tensors", type=int, default=None, help="CPU: many small tensors")
     args = p.parse_args(argv)
     if args.plan_overhead:
         print(plan_overhead(args.plan_overhead))
+        return 0
+    if args.cpu_tensors:
+        from benchmarks import _ckpt_many_cpu
+
+        root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
+        try:
+            text = _ckpt_many_cpu.report(
+                args.cpu_tensors, args.saves, root, machine(), (make_model, _step)
+            )
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        print(text)
+        if not args.no_doc:
+            write_section("ckpt_save_many_cpu", text)
         return 0
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     if args.tensors:

@@ -63,6 +63,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("--device", "cpu", "--size-gb", "0.5", "--saves", "3"),
         ("--device", "cpu", "--size-gb", "2.0", "--saves", "3"),
     ),
+    Benchmark("ckpt_save", ("--cpu-tensors", "3000", "--saves", "3")),  # many small tensors
     Benchmark("ckpt_remote", ("--size-mb", "64", "--repeats", "1")),
     Benchmark("gpu_feed", ("--gb", "1", "--seconds", "2"), (), gpu=True),
     Benchmark(

@@ -34,6 +34,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -50,6 +51,7 @@ from ckpt.retention import rules
 from ckpt.retention.retainer import Retainer
 from ckpt.saving import commit
 from ckpt.saving.flatten import RNG_KEY, rng_state
+from ckpt.saving.overlap import Overlap
 from ckpt.saving.pipeline import SaveHandle, SavePipeline, SaveStats, WriteOptions
 from ckpt.saving.plan import Stager
 from ckpt.saving.pool import PinnedPool, PoolOptions
@@ -108,6 +110,8 @@ class CheckpointManager:
     ``save_interval_steps``/``save_on_steps``: what ``should_save`` answers.
     ``save_on_preemption``: ``True`` or ``PreemptionOptions`` to handle SIGTERM and SIGUSR1
     (``ckpt.preemption``). ``memory``: ``True`` or ``MemoryOptions`` (docs/tiers.md).
+    ``overlap=True``: ``save`` returns with the device-to-host copies queued; what waits for
+    them, and ``editing()`` for edits by hand: ``ckpt.saving.overlap``, docs/overlap.md.
     """
 
     PREEMPTED_EXIT_CODE = PREEMPTED_EXIT_CODE
@@ -127,6 +131,7 @@ class CheckpointManager:
         save_on_steps: Any = (),
         save_on_preemption: bool | PreemptionOptions = False,
         memory: bool | MemoryOptions | None = None,
+        overlap: bool = False,
     ) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
             raise ValueError("keep_last must be >= 1 or None")
@@ -156,6 +161,7 @@ class CheckpointManager:
         self.memory = MemoryTier.attach(self.directory, memory, self._committed, self.stats)
         saves_to, saved = self.memory.route() if self.memory else (self.directory, self._committed)
         self._saves = SavePipeline(saves_to, self.pool, self.write_options, self.stats, saved)
+        self._overlap = Overlap(enabled=overlap)
         self._preemption: Preemption | None = None
         self.remote: RemoteTier | None = None
         if remote is not None:
@@ -272,7 +278,16 @@ class CheckpointManager:
             state = {**state, RNG_KEY: rng_state()}
         if self.memory is not None:  # its lock; the first save's size against the tmpfs
             self.memory.prepare(lambda: self._saves.plan(state).nbytes, self.write_options)
-        return self._saves.submit(index, state, metadata, metrics)
+        return self._saves.submit(index, state, metadata, metrics, self._overlap)
+
+    def wait_for_snapshot(self, *, host: bool = False) -> None:
+        """Make the current CUDA stream (``host=True``: the host) wait for the copies of the
+        overlapped saves in flight (docs/overlap.md); returns at once without overlap."""
+        self._overlap.wait_for_snapshot(host)
+
+    def editing(self) -> AbstractContextManager[None]:
+        """``with manager.editing(): p.mul_(0.5)``: in-place edits after ``wait_for_snapshot()``."""
+        return self._overlap.editing()
 
     def _committed(self, step: int, path: Path) -> None:
         """After a commit (of this manager's save, or adopted): known good, listeners, retention."""
@@ -475,6 +490,7 @@ class CheckpointManager:
         finally:
             if self._preemption is not None:
                 self._preemption.close()
+            self._overlap.close()
             self._lock.release()
             if self.memory is not None:
                 self.memory.lock.release()

@@ -31,11 +31,15 @@ __all__ = [
     "MAX_DEPTH",
     "TORCH_DTYPES",
     "Leaf",
+    "Pending",
+    "assign_entries",
     "flatten",
     "rng_state",
     "set_rng_state",
+    "storage_bytes",
     "torch_dtype",
     "unflatten",
+    "walk",
 ]
 
 RNG_KEY = "__rng__"
@@ -100,7 +104,9 @@ def _array_leaf(a: np.ndarray, path: str) -> Leaf:
 
 
 Node = dict[str, Any]
-_Pending = tuple[Node, Any, str]  # an array node waiting for its entry, its value and path
+Pending = tuple[Node, Any, str]
+"""An array node waiting for its entry (``"i"``, ``"view"``), its value and its path."""
+_Pending = Pending
 
 
 def flatten(state: Any, leaves: list[Leaf] | None = None, path: str = "state") -> dict[str, Any]:
@@ -111,10 +117,22 @@ def flatten(state: Any, leaves: list[Leaf] | None = None, path: str = "state") -
     is no larger than the tensors' own bytes together; otherwise each is stored as a copy."""
     if leaves is None:
         leaves = []
-    walk = _Flattener()
-    tree = walk.node(state, path, 0)
-    _tensor_entries(walk.tensors, leaves)
+    tree, pending = walk(state, path)
+    assign_entries(pending, leaves)
     return tree
+
+
+def walk(state: Any, path: str = "state") -> tuple[Node, list[Pending]]:
+    """The JSON tree of ``state`` and its array nodes, in tree order, before their entries are
+    assigned (``assign_entries``); ``flatten`` is the two in a row."""
+    walker = _Flattener()
+    return walker.node(state, path, 0), walker.tensors
+
+
+def assign_entries(pending: list[Pending], leaves: list[Leaf]) -> None:
+    """Give every array node of ``pending`` its entry, appending the leaves to ``leaves``: a
+    storage shared by tensors is one uint8 entry (at its first tensor) that each of them views."""
+    _tensor_entries(pending, leaves)
 
 
 class _Flattener:
@@ -128,8 +146,12 @@ class _Flattener:
     def node(self, obj: Any, path: str, depth: int) -> Node:
         if depth > MAX_DEPTH:
             raise CheckpointError(f"{path}: the state is nested deeper than {MAX_DEPTH} levels")
+        rule = _BY_TYPE.get(type(obj))
+        if rule is not None:
+            return rule(self, obj, path, depth)
         for types, rule in _RULES:
             if isinstance(obj, types):
+                _BY_TYPE[type(obj)] = rule
                 return rule(self, obj, path, depth)
         if callable(getattr(obj, "state_dict", None)):
             value = self.node(obj.state_dict(), path, depth + 1)
@@ -188,8 +210,12 @@ class _Flattener:
         return {"t": "device", "v": str(obj)}
 
     def mapping(self, obj: Mapping[Any, Any], path: str, depth: int) -> Node:
-        items = []
+        items: list[list[Any]] = []
+        node, deeper = self.node, depth + 1
         for key, value in obj.items():
+            if type(key) is str:  # the common key: checked and converted below otherwise
+                items.append([key, node(value, f"{path}[{key!r}]", deeper)])
+                continue
             if isinstance(key, bool) or not isinstance(key, (str, int)):
                 raise CheckpointError(f"{path}: dict key {key!r} must be str or int")
             key = str(key) if isinstance(key, str) else int(key)
@@ -225,6 +251,9 @@ _RULES: tuple[tuple[type | tuple[type, ...], _Rule], ...] = (
     ((list, tuple), _Flattener.sequence),
 )
 """Which node a value becomes: the first rule whose types it is an instance of."""
+_BY_TYPE: dict[type, _Rule] = {}
+"""The rule each type met so far resolved to (the same for every instance of a type): one
+dict lookup per node instead of a walk down ``_RULES``."""
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
@@ -279,9 +308,7 @@ def _shared_entry(members: list[_Pending], leaves: list[Leaf]) -> None:
     ts: list[torch.Tensor] = [t for _, t, _ in members]
     spans = [_byte_span(t) for t in ts]
     lo, hi = min(a for a, _ in spans) // ALIGN * ALIGN, max(b for _, b in spans)
-    with torch.no_grad():
-        base = torch.empty(0, dtype=torch.uint8, device=ts[0].device)
-        base.set_(ts[0].untyped_storage(), lo, (hi - lo,), (1,))
+    base = storage_bytes(ts[0], lo, hi - lo)
     leaves.append(
         Leaf(base, "tensor", "uint8", [hi - lo], hi - lo, members[0][2], str(base.device), (1,))
     )
@@ -293,6 +320,14 @@ def _shared_entry(members: list[_Pending], leaves: list[Leaf]) -> None:
             "stride": list(t.stride()),
             "offset": t.storage_offset() * t.element_size() - lo,
         }
+
+
+def storage_bytes(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
+    """Bytes ``[start, start + nbytes)`` of the storage ``t`` views, as a flat uint8 tensor."""
+    with torch.no_grad():
+        base = torch.empty(0, dtype=torch.uint8, device=t.device)
+        base.set_(t.untyped_storage(), start, (nbytes,), (1,))
+    return base
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """The save pipeline of a ``CheckpointManager``: stage now, write and commit in the background.
 
-``SavePipeline.submit`` flattens a state, asks its ``SavePlan`` (``ckpt.saving.plan``) for the
+``SavePipeline.submit`` flattens a state (``ckpt.saving.flatten_cache``: the last save's
+entries reused while its keys match), asks its ``SavePlan`` (``ckpt.saving.plan``) for the
 layout, copies the leaves into a buffer of the staging pool (the only blocking work) and queues
 the job; one background thread (``ckpt-persist``) writes each job's data file with per-chunk
 CRC32C on the writer threads, writes the manifest, commits ``step-N``, updates ``latest`` and
@@ -15,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,7 +24,9 @@ from ckpt import _faults, _layout
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError
 from ckpt.saving import commit
-from ckpt.saving.flatten import Leaf, flatten
+from ckpt.saving.flatten import Leaf
+from ckpt.saving.flatten_cache import FlattenCache
+from ckpt.saving.overlap import CudaEvent, Overlap, SnapshotEvent
 from ckpt.saving.plan import SavePlan, Stager
 from ckpt.saving.pool import Buffer, PinnedPool
 from feedpipe.io.trace import span
@@ -105,6 +108,8 @@ class _Job:
     buf: Buffer
     body: dict[str, Any]
     t0: float
+    copies: list[SnapshotEvent] = field(default_factory=list)  # overlap: wait before writing
+    sources: list[Any] | None = None  # overlap: what the copies read, alive until they are done
 
 
 class SavePipeline:
@@ -127,6 +132,7 @@ class SavePipeline:
         self.counters = counters
         self.on_committed = on_committed
         self.stager = Stager()
+        self.flattener = FlattenCache()  # entries reused while the state's keys match
         self.last_saved: SaveHandle | None = None  # the newest save asked for
         self._mutex = threading.Lock()
         self._jobs: collections.deque[_Job] = collections.deque()
@@ -138,7 +144,7 @@ class SavePipeline:
     def plan(self, state: Any) -> SavePlan:
         """The plan of ``state`` (the last save's when its leaves match): its layout and size."""
         leaves: list[Leaf] = []
-        flatten(state, leaves)
+        self.flattener.flatten(state, leaves)
         return self.stager.plan(leaves)
 
     @property
@@ -153,19 +159,25 @@ class SavePipeline:
         state: Any,
         metadata: dict[str, Any] | None,
         metrics: dict[str, Any] | None,
+        overlap: Overlap | None = None,
     ) -> SaveHandle:
-        """Stage ``state`` into a pool buffer (blocking) and queue its write as ``step-N``."""
+        """Stage ``state`` into a pool buffer (blocking; with ``overlap``, only until the device
+        copies are queued: ``ckpt.saving.overlap``) and queue its write as ``step-N``."""
         t0 = time.perf_counter()
+        overlap = overlap if overlap is not None and overlap.enabled else None
         stats = SaveStats(step)
         leaves: list[Leaf] = []
-        tree = flatten(state, leaves)
+        tree = self.flattener.flatten(state, leaves)
         plan = self.stager.plan(leaves)  # the last save's plan when the leaves match it
         buf, stats.backpressure_s = self.pool.acquire(plan.nbytes)
+        events: dict[Any, SnapshotEvent] = {}
         try:
             s0 = time.perf_counter()
             _faults.pause("stage")
+            sources = overlap.prepare(leaves) if overlap is not None else None
             with span("ckpt/stage"):
-                plan.stage(leaves, buf)
+                raw = plan.stage(leaves, buf, sync=overlap is None)
+            events = {device: CudaEvent(event, device) for device, event in raw.items()}
             stats.stage_s = time.perf_counter() - s0
         except BaseException:
             self.pool.release(buf)
@@ -183,7 +195,10 @@ class SavePipeline:
             metrics=metrics,
         )
         handle = SaveHandle(step, stats)
-        self._queue(_Job(handle, buf, body, t0))
+        if overlap is not None:
+            overlap.arm(state, events)
+        job = _Job(handle, buf, body, t0, list(events.values()), sources if events else None)
+        self._queue(job)
         return handle
 
     def _queue(self, job: _Job) -> None:
@@ -221,6 +236,9 @@ class SavePipeline:
                 self._executor = ThreadPoolExecutor(
                     self.write_options.threads, thread_name_prefix="ckpt-write"
                 )
+            for event in job.copies:  # an overlapped save: its bytes land in the buffer now
+                event.synchronize()
+            job.sources = None
             w0 = time.perf_counter()
             tmp = commit.make_tmp(self.directory, step)
             data = job.buf.view()[: job.body["nbytes"]]

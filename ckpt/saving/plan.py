@@ -30,7 +30,8 @@ inside it, and the host copies wait for the whole buffer.
 
 Ordering: per device, all copies run on one side stream that first waits for the current
 stream (so they see every write the training loop queued); the save then waits for that stream
-only, not for the whole device. ``Plan.stage`` returns once every byte is in the buffer (also
+only, not for the whole device (or, with ``stage(sync=False)``, not at all: it returns an event
+per device, ``ckpt.saving.overlap``). ``Plan.stage`` returns once every byte is in the buffer (also
 when it raises, so a buffer is never released with copies into it in flight). The bytes in the
 buffer are the leaves' bytes exactly (dtype-agnostic), padding zeroed.
 """
@@ -342,17 +343,23 @@ class SavePlan:
             self._host_views[buf] = views
         return views
 
-    def stage(self, leaves: Sequence[Leaf], buf: Buffer) -> None:
+    def stage(
+        self, leaves: Sequence[Leaf], buf: Buffer, sync: bool = True
+    ) -> dict[torch.device, Any]:
         """Copy every leaf (of this plan's signature) into ``buf``; returns once every byte is
-        there."""
+        there. ``sync=False`` (``ckpt.saving.overlap``): returns once the host copies are done
+        and the device copies are queued, with a ``torch.cuda.Event`` per device recorded after
+        them (device -> event; the bytes are in ``buf`` once each has completed); on an error
+        it still waits for every copy."""
         with self._lock:  # the runs' storages are the plan's: one save at a time
             if not self.built:
                 self._build(leaves)
-            self._stage(leaves, buf)
+            return self._stage(leaves, buf, sync)
 
-    def _stage(self, leaves: Sequence[Leaf], buf: Buffer) -> None:
+    def _stage(self, leaves: Sequence[Leaf], buf: Buffer, sync: bool) -> dict[torch.device, Any]:
         values = list(map(_VALUE, leaves))
         streams: dict[torch.device, Any] = {}
+        done = False
         try:
             with torch.no_grad():
                 for device, step in self.device_steps:
@@ -374,9 +381,12 @@ class SavePlan:
                     e, src = self.entries[i], values[i]
                     off, n = e["offset"], e["nbytes"]
                     buf.array[off : off + n].view(src.dtype).reshape(src.shape)[...] = src
+            done = True
         finally:
-            for stream in streams.values():
-                stream.synchronize()
+            if sync or not done:
+                for stream in streams.values():
+                    stream.synchronize()
+        return {} if sync else {d: s.record_event() for d, s in streams.items()}
 
 
 class Stager:

@@ -1,0 +1,142 @@
+"""The flattening of a state, cached across saves of the same structure.
+
+``flatten`` (``ckpt.saving.flatten``) walks the state and then gives every array node its
+entry: which leaf it is, whether tensors share one storage (tied weights, views) and become
+views of one entry. The second part costs several tensor attribute reads and a dataclass per
+leaf; for a state of thousands of small tensors it is most of the Python a save pays.
+
+``FlattenCache.flatten`` walks the state every save (the tree must carry the current scalars,
+keys and order) and then compares one *key* per array node with the last save's: for a
+tensor its type, dtype, shape, strides, storage offset, address, device, layout,
+``requires_grad`` and conjugate/negative bits; for an array its dtype, shape and strides; and
+the node's path. When every
+key matches, the entries and sharing are the last save's, and only the leaves' values are
+taken afresh from this walk; otherwise the entries are assigned as ``flatten`` does and
+remembered. A changed structure, shape, dtype or device, a tensor replaced by another object
+(another storage), a dict reordered, a tie made or broken: each changes a key.
+
+Soundness: the cache holds no reference to the caller's tensors (only the keys: numbers,
+dtypes, shapes, devices, paths); every value comes from this save's walk. Keys are remembered
+only after ``flatten``'s own assignment succeeded (an unsupported leaf raises there, every
+save); a tensor whose address cannot be read (no plain storage) disables the cache for that
+save.
+"""
+
+from __future__ import annotations
+
+import threading
+from operator import attrgetter
+from typing import Any
+
+import torch
+
+from ckpt.saving.flatten import Leaf, Node, Pending, assign_entries, storage_bytes, walk
+
+__all__ = ["FlattenCache"]
+
+
+_Slot = tuple[int, int, int, str, str, list[int], int, str, tuple[int, ...]]
+"""How to remake one leaf: ``(source, how, start, kind, dtype, shape, nbytes, device,
+stride)``: the value of pending node ``source`` as is (``how`` 0), as ``flatten`` stores a
+tensor with ``requires_grad`` or a conjugate/negative bit (1), or ``nbytes`` of its storage
+from byte ``start`` (2, a shared entry); the rest of the ``Leaf`` as last time."""
+_AS_IS, _OWN, _SHARED = 0, 1, 2
+
+
+_ATTRS = attrgetter("dtype", "shape", "device", "requires_grad", "layout")
+
+
+def _key(value: Any, path: str) -> tuple[Any, ...]:
+    """What a node's entry depends on. A tensor's storage address is its ``data_ptr`` less its
+    offset (both in the key, with the dtype), so ties made or broken change the key."""
+    if isinstance(value, torch.Tensor):
+        return (path, type(value), *_ATTRS(value), value.stride(), value.storage_offset(),
+                value.data_ptr(), value.is_conj(), value.is_neg())  # fmt: skip
+    return (path, value.dtype.str, value.shape, value.strides)
+
+
+def _keys(pending: list[Pending]) -> list[tuple[Any, ...]] | None:
+    """The keys of ``pending`` (``None`` where one cannot be read: do not cache)."""
+    try:
+        return [_key(value, path) for _, value, path in pending]
+    except (RuntimeError, NotImplementedError, AttributeError):  # no plain storage
+        return None
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """The value ``flatten`` stores for a tensor of its own entry (``_tensor_leaf``)."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t
+
+
+class FlattenCache:
+    """``flatten`` with its entries and sharing remembered from the last save (module
+    docstring). ``hits``/``misses`` count the saves that reused them or not."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple[Any, ...]] | None = None
+        self._slots: list[_Slot] = []
+        self._nodes: list[tuple[int, dict[str, Any] | None]] = []  # per pending: leaf, view
+        self.hits = 0
+        self.misses = 0
+        self._lock = threading.Lock()  # saves from several threads: one reads or updates
+
+    def clear(self) -> None:
+        """Forget the last save's entries (the next ``flatten`` assigns them afresh)."""
+        self._keys, self._slots, self._nodes = None, [], []
+
+    def flatten(self, state: Any, leaves: list[Leaf], path: str = "state") -> Node:
+        """The JSON tree of ``state``, its array leaves appended to ``leaves``: what
+        ``ckpt.saving.flatten.flatten`` returns, byte for byte."""
+        tree, pending = walk(state, path)
+        keys = _keys(pending)
+        with self._lock:
+            if keys is not None and keys == self._keys:
+                self._reuse(pending, leaves)
+                self.hits += 1
+                return tree
+            self.clear()
+            base = len(leaves)
+            assign_entries(pending, leaves)
+            if keys is not None:
+                self._remember(pending, leaves[base:], base)
+                self._keys = keys
+            self.misses += 1
+        return tree
+
+    def _remember(self, pending: list[Pending], made: list[Leaf], base: int) -> None:
+        first: dict[int, int] = {}
+        for k, (node, _, _) in enumerate(pending):
+            index = node["i"] - base
+            view = node.get("view")
+            self._nodes.append((index, dict(view) if view is not None else None))
+            first.setdefault(index, k)
+        for j, leaf in enumerate(made):
+            k, start, how = first[j], 0, _AS_IS
+            value = pending[k][1]
+            if pending[k][0].get("view") is not None and isinstance(leaf.value, torch.Tensor):
+                start, how = int(leaf.value.storage_offset()), _SHARED  # the entry's first byte
+            elif isinstance(value, torch.Tensor):
+                how = _OWN if value.requires_grad or value.is_conj() or value.is_neg() else how
+            rest = (leaf.kind, leaf.dtype, leaf.shape, leaf.nbytes, leaf.device, leaf.stride)
+            self._slots.append((k, how, start, *rest))
+
+    def _reuse(self, pending: list[Pending], leaves: list[Leaf]) -> None:
+        base = len(leaves)
+        append = leaves.append
+        for k, how, start, kind, dtype, shape, nbytes, device, stride in self._slots:
+            _, value, path = pending[k]
+            if how == _OWN:
+                value = _own(value)
+            elif how == _SHARED:
+                value = storage_bytes(value, start, nbytes)
+            append(Leaf(value, kind, dtype, shape, nbytes, path, device, stride))
+        for (node, _, _), (index, view) in zip(pending, self._nodes, strict=True):
+            node["i"] = base + index
+            if view is not None:
+                node["view"] = dict(view)

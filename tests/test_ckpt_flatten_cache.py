@@ -1,0 +1,210 @@
+"""The flattening cached across saves (``ckpt.saving.flatten_cache.FlattenCache``, issue 27
+item 5): a cached flatten is the uncached one byte for byte, and every change that would make
+a stale cache wrong (structure, shape, dtype, a tensor replaced, a tie made or broken, a dict
+reordered) is seen. Each test flattens with a warm cache after the change and compares the
+tree and every leaf (its record and bytes) with a fresh ``flatten`` of the same state."""
+
+from __future__ import annotations
+
+import gc
+import json
+import runpy
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ckpt.format.manifest import read_manifest
+from ckpt.manager import CheckpointManager
+from ckpt.saving.flatten import Leaf, flatten
+from ckpt.saving.flatten_cache import FlattenCache
+
+
+def _bytes(leaf: Leaf) -> bytes:
+    v = leaf.value
+    if isinstance(v, np.ndarray):
+        return np.ascontiguousarray(v).tobytes()
+    return v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _snap(state: Any, cache: FlattenCache | None = None) -> tuple[str, list[Any]]:
+    leaves: list[Leaf] = []
+    tree = cache.flatten(state, leaves) if cache is not None else flatten(state, leaves)
+    records = [
+        (x.kind, x.dtype, x.shape, x.nbytes, x.path, x.device, tuple(x.stride), _bytes(x))
+        for x in leaves
+    ]
+    return json.dumps(tree, sort_keys=True), records
+
+
+def _same(state: Any, cache: FlattenCache) -> None:
+    assert _snap(state, cache) == _snap(state)
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(6, 4)
+        self.out = torch.nn.Linear(4, 6, bias=False)
+        self.out.weight = self.emb.weight  # tied
+        self.bn = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.bn(self.emb(x).flatten(0, 1)))
+
+
+def _state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Tied()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()
+    return {
+        "model": model,
+        "optim": opt,
+        "arr": np.arange(5, dtype=np.int16),
+        "half": torch.arange(6, dtype=torch.bfloat16)[::2],  # a strided view
+        "lr": 0.5,
+    }
+
+
+def test_a_warm_cache_is_hit_and_gives_the_uncached_snapshot() -> None:
+    state, cache = _state(), FlattenCache()
+    _same(state, cache)
+    assert (cache.hits, cache.misses) == (0, 1)
+    for value in (0.25, 0.125):  # scalars change between saves: the tree carries the new ones
+        state["lr"] = value
+        state["model"].emb.weight.data.add_(1.0)  # in place: same keys
+        _same(state, cache)
+    assert (cache.hits, cache.misses) == (2, 1)
+
+
+def test_a_changed_structure_misses() -> None:
+    state, cache = _state(), FlattenCache()
+    _same(state, cache)
+    state["extra"] = torch.ones(3)
+    _same(state, cache)
+    del state["arr"]
+    _same(state, cache)
+    assert cache.misses == 3
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: s.__setitem__("half", torch.arange(6, dtype=torch.bfloat16)[:3]),  # strides
+        lambda s: s.__setitem__("half", torch.arange(3, dtype=torch.float16)),  # dtype
+        lambda s: s.__setitem__("half", torch.arange(4, dtype=torch.bfloat16)),  # shape
+        lambda s: s["model"].bn.running_mean.set_(torch.zeros(5)),  # storage swapped in place
+        lambda s: s.__setitem__("arr", np.arange(5, dtype=np.int32)),  # array dtype
+    ],
+    ids=["strides", "dtype", "shape", "set_", "array"],
+)
+def test_a_changed_shape_dtype_or_strides_misses(change: Any) -> None:
+    state, cache = _state(), FlattenCache()
+    _same(state, cache)
+    change(state)
+    _same(state, cache)
+    assert (cache.hits, cache.misses) == (0, 2)
+
+
+def test_a_tensor_replaced_by_another_object_with_the_same_key() -> None:
+    state, cache = _state(), FlattenCache()
+    model = state["model"]
+    _same(state, cache)
+    # the tie is broken by a new Parameter of the same shape, dtype and device: a stale cache
+    # would still store "out.weight" as a view of the embedding's entry
+    model.out.weight = torch.nn.Parameter(model.emb.weight.detach() * 2)
+    tree, _ = _snap(state, cache)
+    assert tree == _snap(state)[0] and '"view"' not in tree
+    assert cache.misses == 2
+    model.out.weight = model.emb.weight  # tied again
+    tree, _ = _snap(state, cache)
+    assert tree == _snap(state)[0] and '"view"' in tree
+    state["half"] = state["half"].clone()  # same key but for the address: a copy, not a view
+    _same(state, cache)
+    assert cache.misses == 4
+
+
+def test_a_dict_with_the_same_keys_in_another_order() -> None:
+    cache = FlattenCache()
+    a, b = torch.arange(4.0), torch.arange(4.0) + 10
+    _same({"a": a, "b": b}, cache)
+    swapped = {"b": b, "a": a}
+    assert _snap(swapped, cache) == _snap(swapped)
+    assert _snap(swapped)[1][0][-1] == b.numpy().tobytes()  # b's bytes first now
+    views = {"x": a[:2], "y": a[2:]}  # two views of one storage: one shared entry
+    _same(views, cache)
+    _same({"y": views["y"], "x": views["x"]}, cache)
+    assert cache.hits == 0
+
+
+def test_conjugate_and_negative_views_are_resolved_on_a_hit() -> None:
+    cache = FlattenCache()
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    state = {"conj": z.conj(), "plain": z}
+    _same(state, cache)
+    z.mul_(2)
+    _same(state, cache)
+    assert cache.hits == 1
+
+
+def test_the_cache_holds_no_reference_to_the_state() -> None:
+    cache = FlattenCache()
+    t = torch.ones(1000)
+    ref = weakref.ref(t)
+    _same({"t": t, "u": t[:10]}, cache)
+    del t
+    gc.collect()
+    assert ref() is None
+
+
+def test_manager_saves_with_a_warm_cache_equal_a_fresh_managers(tmp_path: Path) -> None:
+    state = _state()
+    with CheckpointManager(tmp_path / "warm", keep_last=None) as warm:
+        warm.save(0, state).result(30)
+        state["model"].out.weight = torch.nn.Parameter(torch.zeros(6, 4))  # untied
+        state["model"].emb.weight.data.add_(1.0)
+        warm.save(1, state).result(30)
+        got = warm.restore(1)
+    with CheckpointManager(tmp_path / "cold", keep_last=None) as cold:
+        cold.save(1, state).result(30)
+    for name in ("data.bin", "manifest.json"):
+        w, c = (tmp_path / d / "step-1" for d in ("warm", "cold"))
+        if name == "manifest.json":
+            keep = ("tree", "entries", "nbytes")
+            wj, cj = (read_manifest(p) for p in (w, c))
+            assert {k: wj[k] for k in keep} == {k: cj[k] for k in keep}
+        else:
+            assert (w / name).read_bytes() == (c / name).read_bytes()
+    weights = got["model"]
+    assert torch.equal(weights["out.weight"], torch.zeros(6, 4))
+    assert weights["out.weight"].untyped_storage().data_ptr() != (
+        weights["emb.weight"].untyped_storage().data_ptr()
+    )
+
+
+@pytest.mark.gpu
+def test_a_tensor_moved_to_another_device_misses() -> None:
+    state, cache = _state(), FlattenCache()
+    _same(state, cache)
+    state["half"] = state["half"].cuda()
+    _same(state, cache)
+    state["model"].cuda()
+    _same(state, cache)
+    assert cache.misses == 3
+
+
+def test_the_many_tensor_cpu_benchmark_row_runs(tmp_path: Path) -> None:
+    """``benchmarks/ckpt_save.py --cpu-tensors`` end to end on a tiny state (no timing
+    asserted): a ratio of the save to its ceiling, and the steady saves counted."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "_ckpt_many_cpu.py"
+    bench = runpy.run_path(str(script), run_name="ckpt_many_cpu_bench")
+    row = bench["_row"]("tiny", bench["_small_state"](40), lambda: None, 2, tmp_path)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == "tiny" and cells[1] == "40"
+    assert cells[5].endswith("x**") and cells[-1] == "2"
+    assert list(tmp_path.iterdir()) == []
