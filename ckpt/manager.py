@@ -18,7 +18,8 @@ are kept until uploaded, ``steps``/``latest_step`` list the remote steps too, an
 falls back to the remote copy. Retention is ``ckpt.retention.rules.plan`` with a ``ckpt.policy``
 object built from ``keep_last``/``keep_every``/``keep_best`` (the rule ``ckpt gc`` uses).
 
-Save policy: ``should_save(step)`` (``save_interval_steps``, ``save_on_steps``, preemption).
+Save policy: ``should_save(step)`` (``save_interval_steps``, ``save_on_steps``, preemption);
+``save_interval_steps="auto"`` chooses the interval (``ckpt.interval``, docs/interval.md).
 Preemption (``save_on_preemption=True``, ``ckpt.preemption``): ``preempted``,
 ``reached_preemption(step)`` and ``save_and_exit(step, state)``; see docs/guides/preemption.md.
 """
@@ -40,6 +41,7 @@ from ckpt import _layout, _owner
 from ckpt import format as fmt
 from ckpt._paths import local_path
 from ckpt.errors import CheckpointError
+from ckpt.interval import AutoInterval, IntervalReport, IntervalRule, parse
 from ckpt.policy import KeepBest, Policy, from_options
 from ckpt.preemption import PREEMPTED_EXIT_CODE, Preemption, PreemptionOptions
 from ckpt.restoring.reader import MapLocation, RestoreStats
@@ -99,7 +101,9 @@ class CheckpointManager:
     or ``RemoteOptions`` to upload every committed step to; ``keep_last_remote``: the remote
     tier's retention, an int (that many newest steps), a ``ckpt.policy`` object or ``None``.
 
-    ``save_interval_steps``/``save_on_steps``: what ``should_save`` answers.
+    ``save_interval_steps``/``save_on_steps``: what ``should_save`` answers; ``"auto"`` (or a
+    ``ckpt.interval.AutoInterval``) chooses the interval by Young-Daly, with ``mtbf`` (seconds)
+    or the failures seen across restarts (``interval()`` reports it).
     ``save_on_preemption``: ``True`` or ``PreemptionOptions`` to handle SIGTERM and SIGUSR1
     (``ckpt.preemption``).
     """
@@ -117,16 +121,17 @@ class CheckpointManager:
         keep_last_remote: int | Policy | None = 10,
         keep_every: int | None = None,
         keep_best: KeepBest | tuple[str, int, str] | None = None,
-        save_interval_steps: int | None = None,
+        save_interval_steps: int | str | AutoInterval | None = None,
         save_on_steps: Any = (),
         save_on_preemption: bool | PreemptionOptions = False,
+        mtbf: float | None = None,
     ) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
             raise ValueError("keep_last must be >= 1 or None")
         self.policy: Policy | None = from_options(keep_last, keep_every, keep_best)
-        if save_interval_steps is not None:
-            save_interval_steps = _step(save_interval_steps, "save_interval_steps", low=1)
-        self.save_interval_steps = save_interval_steps
+        auto = parse(save_interval_steps, mtbf)  # "auto", an AutoInterval, else None
+        fixed = None if auto is not None else save_interval_steps
+        self.save_interval_steps = None if fixed is None else _step(fixed, "save_interval_steps", 1)
         self.save_on_steps = frozenset(_step_list(save_on_steps))
         self.directory = local_path(
             directory,
@@ -141,6 +146,9 @@ class CheckpointManager:
         self.stats = ManagerStats()
         self.on_commit: list[Callable[[int, Path], None]] = []
         self.evict_guards: list[Callable[[int], bool]] = []
+        self._auto = None if auto is None else IntervalRule(auto, self.directory)
+        if self._auto is not None:
+            self.on_commit.append(self._auto.committed)
         self._lock = commit.WriterLock(self.directory)
         self._mutex = threading.Lock()
         self._newest_verified: int | None = None
@@ -216,6 +224,8 @@ class CheckpointManager:
             self._lock.acquire(self.write_options.lock_timeout_s)
             try:
                 rules.record(self.directory, self.policy)
+                if self._auto is not None:
+                    self._auto.begin()  # counts an unclean end of the previous run
             except BaseException:
                 self._lock.release()
                 raise
@@ -331,16 +341,24 @@ class CheckpointManager:
 
     # ---- save policy and preemption -------------------------------------------------------
     def should_save(self, step: int) -> bool:
-        """Whether to save ``step``: a multiple of ``save_interval_steps``, one of
+        """Whether to save ``step``: a multiple of ``save_interval_steps`` (with ``"auto"``: due
+        by ``ckpt.interval``; call it once per step, it measures the step time), one of
         ``save_on_steps``, or the step a preemption was agreed on (``reached_preemption``; with
         several ranks, call it on every rank for the same steps). ``step`` is an int from 0 to
         ``2**53`` (``ValueError`` otherwise)."""
         step = _step(step, "should_save: step")
         if self.reached_preemption(step):
             return True
+        if self._auto is not None:
+            return self._auto.should_save(step, self.stats) or step in self.save_on_steps
         if self.save_interval_steps is not None and step % self.save_interval_steps == 0:
             return True
         return step in self.save_on_steps
+
+    def interval(self) -> IntervalReport | None:
+        """The automatic save interval now (steps, seconds, the cost, the MTBF and its source;
+        ``ckpt.interval.IntervalReport``), ``None`` without ``save_interval_steps="auto"``."""
+        return None if self._auto is None else self._auto.report()
 
     @property
     def preempted(self) -> bool:
@@ -456,6 +474,8 @@ class CheckpointManager:
         finally:
             if self._preemption is not None:
                 self._preemption.close()
+            if self._auto is not None:
+                self._auto.end()  # a clean end of the run (ckpt.runlog)
             self._lock.release()
             self._saves.close()
 
@@ -463,6 +483,8 @@ class CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._auto is not None and isinstance(exc[1], Exception):
+            self._auto.fail()  # an error leaves the run: a failure (not SystemExit, Ctrl-C)
         self.close()
 
 
