@@ -15,7 +15,8 @@ root (``ckpt._layout`` spells every name):
   bytes: what is there must be ckpt's head);
 - ``latest`` and ``latest.tmp-*``: a regular file holding ``step-N`` (or, for the temp, nothing);
 - ``.lock``: a regular file holding nothing or ``pid N``; ``upload-status.json``,
-  ``retention.json``, ``runs.json``: ckpt's JSON; their temporary files and the marker's: regular files.
+  ``retention.json``, ``runs.json``: ckpt's JSON; their temporary files and the marker's:
+  regular files.
 
 A symlink is never ours. Even inside a claimed root, every deleting path (leftover cleanup,
 ``ckpt.saving.commit.settle``, eviction, replacing ``step-N`` or ``latest``, ``ckpt gc``, the

@@ -49,7 +49,8 @@ class Loop:
     def __init__(self, rule: IntervalRule, step_s: float = 1.0, cost_s: float = 0.5) -> None:
         self.rule, self.step_s, self.cost_s, self.persist_s = rule, step_s, cost_s, 0.1
         self.stats = SimpleNamespace(last_save=None, remote=None)
-        self.now, self.saved, self.step = 0.0, [], 0
+        self.now, self.step = 0.0, 0
+        self.saved: list[int] = []
 
     def run(self, steps: int) -> list[int]:
         for _ in range(steps):
@@ -103,12 +104,13 @@ def test_interval_follows_a_changed_cost(tmp_path: Path) -> None:
 
 
 def test_interval_changes_with_mtbf_and_step_time(tmp_path: Path) -> None:
-    steps = {}
+    steps: dict[tuple[int, float], int] = {}
     for mtbf, step_s in ((900, 1.0), (3600, 1.0), (14400, 1.0), (3600, 0.25)):
         r = rule(tmp_path / f"{mtbf}-{step_s}", mtbf_s=mtbf)
         Loop(r, step_s=step_s, cost_s=0.5).run(3)
-        steps[mtbf, step_s] = r.report().steps
-        assert steps[mtbf, step_s] == round(daly(0.5, mtbf) / step_s)
+        got = r.report().steps
+        assert got == round(daly(0.5, mtbf) / step_s)
+        steps[mtbf, step_s] = got
     assert steps[900, 1.0] < steps[3600, 1.0] < steps[14400, 1.0]  # ~ sqrt(M)
     assert steps[3600, 0.25] == round(daly(0.5, 3600) * 4)
 
@@ -192,15 +194,18 @@ def test_manager_auto_interval_with_a_real_state(tmp_path: Path) -> None:
                     saved.append(step)
             rep = m.interval()
             assert rep is not None and saved == [0]  # measured once; the rule says later
-            assert rep.cost_s == m.stats.last_save.blocked_s and rep.runs == 1
+            last = m.stats.last_save
+            assert last is not None and rep.cost_s == last.blocked_s and rep.runs == 1
             assert rep.steps is not None and rep.steps > 3 and "disk" in rep.persist_s
             found[name] = rep
         log = json.loads((root / "runs.json").read_text())
         assert log["open"] is None and log["runs"] == 1 and log["failures"] == 0
         assert log["measured"]["cost_s"] == rep.cost_s
         assert log["interval"] == AutoInterval(mtbf_s=3600).to_record()
-    assert found["big"].cost_s > found["small"].cost_s
-    assert found["big"].optimum_s > found["small"].optimum_s  # type: ignore[operator]
+    big, small = found["big"], found["small"]
+    assert big.cost_s is not None and small.cost_s is not None and big.cost_s > small.cost_s
+    assert big.optimum_s is not None and small.optimum_s is not None
+    assert big.optimum_s > small.optimum_s
 
     with CheckpointManager(tmp_path / "big", save_interval_steps="auto", mtbf=3600) as m:
         rep = m.interval()
@@ -261,15 +266,19 @@ def test_failures_across_restarts_counted_from_a_killed_process(tmp_path: Path) 
 
 def test_an_exception_leaving_the_run_is_a_failure_but_exit_is_not(tmp_path: Path) -> None:
     state = {"w": np.zeros(4, np.float32)}
-    with pytest.raises(RuntimeError):
-        with CheckpointManager(tmp_path, save_interval_steps="auto") as m:
-            m.save(0, state)
-            raise RuntimeError("NaN loss")
+    with (
+        pytest.raises(RuntimeError),
+        CheckpointManager(tmp_path, save_interval_steps="auto") as m,
+    ):
+        m.save(0, state)
+        raise RuntimeError("NaN loss")
     for stop_exc in (SystemExit(0), KeyboardInterrupt()):
-        with pytest.raises(type(stop_exc)):
-            with CheckpointManager(tmp_path, save_interval_steps="auto") as m:
-                m.save(1, state)
-                raise stop_exc
+        with (
+            pytest.raises(type(stop_exc)),
+            CheckpointManager(tmp_path, save_interval_steps="auto") as m,
+        ):
+            m.save(1, state)
+            raise stop_exc
     log = json.loads((tmp_path / "runs.json").read_text())
     assert log["failures"] == 1 and log["runs"] == 3 and log["open"] is None
 
@@ -285,7 +294,7 @@ def test_default_mtbf_without_failures(tmp_path: Path) -> None:
 # ---- bad input -----------------------------------------------------------------------------
 @pytest.mark.parametrize("mtbf", [0, -1.0, math.nan, math.inf, "1h", True])
 def test_bad_mtbf_is_refused(tmp_path: Path, mtbf: Any) -> None:
-    with pytest.raises(ValueError, match="mtbf must be a .*number of seconds > 0"):
+    with pytest.raises(ValueError, match=r"mtbf must be a .*number of seconds > 0"):
         CheckpointManager(tmp_path, save_interval_steps="auto", mtbf=mtbf)
 
 
@@ -296,11 +305,11 @@ def test_bad_interval_options_are_refused(tmp_path: Path) -> None:
         CheckpointManager(tmp_path, save_interval_steps=10, mtbf=3600)
     with pytest.raises(ValueError, match="save_interval_steps must be an int from 1"):
         CheckpointManager(tmp_path, save_interval_steps=0)
-    with pytest.raises(ValueError, match="max_steps .* < min_steps"):
+    with pytest.raises(ValueError, match=r"max_steps .* < min_steps"):
         AutoInterval(min_steps=10, max_steps=5)
-    with pytest.raises(ValueError, match="AutoInterval.window must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"AutoInterval.window must be an int >= 1"):
         AutoInterval(window=0)
-    with pytest.raises(ValueError, match="AutoInterval.max_s must be a finite"):
+    with pytest.raises(ValueError, match=r"AutoInterval.max_s must be a finite"):
         AutoInterval(max_s=math.inf)
     assert parse(AutoInterval(max_s=60), 10.0) == AutoInterval(mtbf_s=10.0, max_s=60)
     record = AutoInterval(mtbf_s=5.0).to_record()
