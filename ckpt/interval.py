@@ -32,6 +32,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,10 +42,12 @@ from ckpt.runlog import RunLog
 __all__ = [
     "DEFAULT_MTBF_S",
     "AutoInterval",
+    "FixedInterval",
     "IntervalReport",
     "IntervalRule",
     "daly",
     "parse",
+    "schedule",
     "young",
 ]
 
@@ -264,6 +267,12 @@ class IntervalRule:
         """Count this run as a failure when it ends (an exception is leaving the run)."""
         self.runs.fail()
 
+    def exit(self, error: object) -> None:
+        """The manager's ``with`` block is left with ``error``: an ``Exception`` is a failure
+        (``SystemExit`` and ``KeyboardInterrupt`` are deliberate stops, ``None`` a clean end)."""
+        if isinstance(error, Exception):
+            self.fail()
+
     def end(self) -> None:
         """Close the run log: a clean end (unless ``fail`` was called)."""
         with self._lock:
@@ -394,3 +403,43 @@ def _warn(path: Path, exc: BaseException) -> None:
     import logging
 
     logging.getLogger("ckpt").warning("ckpt: could not update %s: %s", path, exc)
+
+
+class FixedInterval:
+    """``save_interval_steps=N``: the multiples of ``N`` (``None``: no step); the same calls as
+    an ``IntervalRule``, which do nothing here."""
+
+    def __init__(self, every: int | None) -> None:
+        self.every = every
+
+    def should_save(self, step: int, stats: SaveSource, now: float | None = None) -> bool:
+        """Whether ``step`` is a multiple of ``every``."""
+        return self.every is not None and step % self.every == 0
+
+    def begin(self) -> None:
+        """Nothing: no run log without ``"auto"``."""
+
+    def end(self) -> None:
+        """Nothing: no run log without ``"auto"``."""
+
+    def exit(self, error: object) -> None:
+        """Nothing: no run log without ``"auto"``."""
+
+    def report(self) -> IntervalReport | None:
+        """``None``: the interval is fixed."""
+        return None
+
+
+def schedule(
+    auto: AutoInterval | None,
+    every: int | None,
+    root: Path,
+    on_commit: list[Callable[[int, Path], None]],
+) -> IntervalRule | FixedInterval:
+    """The manager's save interval: an ``IntervalRule`` for ``auto`` (its ``committed``
+    listener appended to ``on_commit``), else a ``FixedInterval`` of ``every`` steps."""
+    if auto is None:
+        return FixedInterval(every)
+    rule = IntervalRule(auto, root)
+    on_commit.append(rule.committed)
+    return rule

@@ -18,8 +18,8 @@ are kept until uploaded, ``steps``/``latest_step`` list the remote steps too, an
 falls back to the remote copy. Retention is ``ckpt.retention.rules.plan`` with a ``ckpt.policy``
 object built from ``keep_last``/``keep_every``/``keep_best`` (the rule ``ckpt gc`` uses).
 
-Save policy: ``should_save(step)`` (``save_interval_steps``, ``save_on_steps``, preemption);
-``save_interval_steps="auto"`` chooses the interval (``ckpt.interval``, docs/interval.md).
+Save policy: ``should_save(step)`` (``save_interval_steps``, ``"auto"``: ``ckpt.interval``,
+``save_on_steps``, preemption).
 Preemption (``save_on_preemption=True``, ``ckpt.preemption``): ``preempted``,
 ``reached_preemption(step)`` and ``save_and_exit(step, state)``; see docs/guides/preemption.md.
 """
@@ -41,7 +41,7 @@ from ckpt import _layout, _owner
 from ckpt import format as fmt
 from ckpt._paths import local_path
 from ckpt.errors import CheckpointError
-from ckpt.interval import AutoInterval, IntervalReport, IntervalRule, parse
+from ckpt.interval import AutoInterval, IntervalReport, parse, schedule
 from ckpt.policy import KeepBest, Policy, from_options
 from ckpt.preemption import PREEMPTED_EXIT_CODE, Preemption, PreemptionOptions
 from ckpt.restoring.reader import MapLocation, RestoreStats
@@ -101,9 +101,8 @@ class CheckpointManager:
     or ``RemoteOptions`` to upload every committed step to; ``keep_last_remote``: the remote
     tier's retention, an int (that many newest steps), a ``ckpt.policy`` object or ``None``.
 
-    ``save_interval_steps``/``save_on_steps``: what ``should_save`` answers; ``"auto"`` (or a
-    ``ckpt.interval.AutoInterval``) chooses the interval by Young-Daly, with ``mtbf`` (seconds)
-    or the failures seen across restarts (``interval()`` reports it).
+    ``save_interval_steps``/``save_on_steps``: what ``should_save`` answers (``"auto"`` and
+    ``mtbf`` seconds: Young-Daly, ``ckpt.interval``, reported by ``interval()``).
     ``save_on_preemption``: ``True`` or ``PreemptionOptions`` to handle SIGTERM and SIGUSR1
     (``ckpt.preemption``).
     """
@@ -146,9 +145,7 @@ class CheckpointManager:
         self.stats = ManagerStats()
         self.on_commit: list[Callable[[int, Path], None]] = []
         self.evict_guards: list[Callable[[int], bool]] = []
-        self._auto = None if auto is None else IntervalRule(auto, self.directory)
-        if self._auto is not None:
-            self.on_commit.append(self._auto.committed)
+        self._every = schedule(auto, self.save_interval_steps, self.directory, self.on_commit)
         self._lock = commit.WriterLock(self.directory)
         self._mutex = threading.Lock()
         self._newest_verified: int | None = None
@@ -224,8 +221,7 @@ class CheckpointManager:
             self._lock.acquire(self.write_options.lock_timeout_s)
             try:
                 rules.record(self.directory, self.policy)
-                if self._auto is not None:
-                    self._auto.begin()  # counts an unclean end of the previous run
+                self._every.begin()  # "auto": counts an unclean end of the previous run
             except BaseException:
                 self._lock.release()
                 raise
@@ -341,24 +337,18 @@ class CheckpointManager:
 
     # ---- save policy and preemption -------------------------------------------------------
     def should_save(self, step: int) -> bool:
-        """Whether to save ``step``: a multiple of ``save_interval_steps`` (with ``"auto"``: due
-        by ``ckpt.interval``; call it once per step, it measures the step time), one of
-        ``save_on_steps``, or the step a preemption was agreed on (``reached_preemption``; with
-        several ranks, call it on every rank for the same steps). ``step`` is an int from 0 to
-        ``2**53`` (``ValueError`` otherwise)."""
+        """Whether to save ``step``: a multiple of ``save_interval_steps`` (``"auto"``: call it
+        each step, ``ckpt.interval``), one of ``save_on_steps``, or the step a preemption was
+        agreed on (``reached_preemption``; with several ranks, call it on every rank for the
+        same steps). ``step`` is an int from 0 to ``2**53`` (``ValueError`` otherwise)."""
         step = _step(step, "should_save: step")
         if self.reached_preemption(step):
             return True
-        if self._auto is not None:
-            return self._auto.should_save(step, self.stats) or step in self.save_on_steps
-        if self.save_interval_steps is not None and step % self.save_interval_steps == 0:
-            return True
-        return step in self.save_on_steps
+        return self._every.should_save(step, self.stats) or step in self.save_on_steps
 
     def interval(self) -> IntervalReport | None:
-        """The automatic save interval now (steps, seconds, the cost, the MTBF and its source;
-        ``ckpt.interval.IntervalReport``), ``None`` without ``save_interval_steps="auto"``."""
-        return None if self._auto is None else self._auto.report()
+        """The ``"auto"`` interval now and its inputs (``ckpt.interval.IntervalReport``)."""
+        return self._every.report()
 
     @property
     def preempted(self) -> bool:
@@ -474,8 +464,7 @@ class CheckpointManager:
         finally:
             if self._preemption is not None:
                 self._preemption.close()
-            if self._auto is not None:
-                self._auto.end()  # a clean end of the run (ckpt.runlog)
+            self._every.end()  # "auto": a clean end of the run (ckpt.runlog)
             self._lock.release()
             self._saves.close()
 
@@ -483,8 +472,7 @@ class CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._auto is not None and isinstance(exc[1], Exception):
-            self._auto.fail()  # an error leaves the run: a failure (not SystemExit, Ctrl-C)
+        self._every.exit(exc[1])  # "auto": an Exception leaving the run is a failure
         self.close()
 
 
