@@ -3,11 +3,11 @@
 ``CheckpointManager(DIR, save_interval_steps="auto", mtbf=...)`` answers ``should_save(step)``
 with an ``IntervalRule``. Its inputs are measured, its output is a number of steps:
 
-- ``C``, the **blocking cost** of a save: the median ``SaveStats.blocked_s`` of the recent saves
-  (what the training loop paid);
+- ``C``, the **blocking cost** of a save: the mean ``SaveStats.blocked_s`` of the recent saves
+  (what the training loop paid, back-pressure included: the expected cost the rule needs);
 - the **persist time** of each tier that takes every save (the local disk: ``write_s +
-  commit_s``; the remote tier: the upload's seconds): the interval is never shorter than the
-  slowest, or saves back up behind it;
+  commit_s``; the remote tier: the upload's seconds; the mean of the recent ones): the interval
+  is never shorter than the slowest, or saves back up behind it;
 - ``M``, the **mean time between failures**: ``mtbf=`` if given; else the failures the run log
   saw across restarts (``ckpt.runlog``), ``M = alive seconds / failures``; with none seen,
   ``DEFAULT_MTBF_S`` or the seconds the runs were alive without a failure, whichever is longer;
@@ -87,7 +87,7 @@ def _count(value: object, name: str) -> int:
 class AutoInterval:
     """Options of the automatic interval: ``mtbf_s`` (``None``: from the failures seen);
     ``max_s``: the longest interval, in seconds of compute; ``min_steps``/``max_steps``: the
-    bounds in steps; ``window``: how many recent measurements each median takes."""
+    bounds in steps; ``window``: how many recent measurements each estimate takes."""
 
     mtbf_s: float | None = None
     max_s: float = 3600.0
@@ -171,7 +171,9 @@ class SaveSource(Protocol):
 
 @dataclass
 class _Measured:
-    """Recent measurements (seconds), each a bounded window whose median the rule uses."""
+    """Recent measurements (seconds) in bounded windows: the rule takes the mean cost and
+    persist time (expected values; a queue backs up when the mean write outlasts the interval)
+    and the median step time (a rare slow step, an evaluation, is not the step time)."""
 
     window: int
     cost: deque[float] = field(default_factory=deque)
@@ -187,10 +189,10 @@ class _Measured:
         self.add(self.persist.setdefault(tier, deque()), seconds)
 
     def record(self) -> dict[str, Any]:
-        """The medians, JSON-able (what the run log keeps for the next run)."""
-        out: dict[str, Any] = {"persist_s": {t: _median(v) for t, v in self.persist.items() if v}}
+        """The estimates, JSON-able (what the run log keeps for the next run)."""
+        out: dict[str, Any] = {"persist_s": {t: _mean(v) for t, v in self.persist.items() if v}}
         if self.cost:
-            out["cost_s"] = _median(self.cost)
+            out["cost_s"] = _mean(self.cost)
         if self.step:
             out["step_s"] = _median(self.step)
         return out
@@ -210,6 +212,10 @@ class _Measured:
 
 def _median(values: deque[float]) -> float:
     return float(statistics.median(values))
+
+
+def _mean(values: deque[float]) -> float:
+    return float(statistics.fmean(values))
 
 
 def _is_seconds(value: object) -> bool:
@@ -344,15 +350,15 @@ class IntervalRule:
         """``(seconds, bound, optimum, young, floor)``, or ``None`` before a cost is known."""
         if not self._m.cost:
             return None
-        cost, (mtbf, _) = _median(self._m.cost), self._mtbf()
+        cost, (mtbf, _) = _mean(self._m.cost), self._mtbf()
         optimum = daly(cost, mtbf)
         seconds, bound = optimum, "Young-Daly (Daly's higher order)"
         if seconds > self.options.max_s:
             seconds, bound = self.options.max_s, f"max_s ({self.options.max_s:g} s)"
         floor, slowest = 0.0, ""
         for tier, values in self._m.persist.items():
-            if values and _median(values) > floor:
-                floor, slowest = _median(values), tier
+            if values and _mean(values) > floor:
+                floor, slowest = _mean(values), tier
         if seconds < floor:
             seconds, bound = floor, f"persist floor ({slowest} tier)"
         return seconds, bound, optimum, young(cost, mtbf), floor
@@ -379,8 +385,8 @@ class IntervalRule:
         with self._lock:
             plan, mtbf = self._plan(), self._mtbf()
             step_s = _median(self._m.step) if self._m.step else None
-            persist = {t: _median(v) for t, v in self._m.persist.items() if v}
-            cost = _median(self._m.cost) if self._m.cost else None
+            persist = {t: _mean(v) for t, v in self._m.persist.items() if v}
+            cost = _mean(self._m.cost) if self._m.cost else None
         h = self.runs.history() if self.runs.is_open else self._history
         steps = seconds = None
         bound = "measuring: the next step saves to measure the cost of a save"
