@@ -26,12 +26,14 @@ parts, and the ratio of each fixed policy's overhead to auto's (above 1: auto lo
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,18 +105,38 @@ def _committed(handles: dict[int, Any]) -> int | None:
     return max(done) if done else None
 
 
-def _fail(m: CheckpointManager, trainer: Trainer, handles: dict[int, Any], out: Outcome) -> int:
-    """A failure now: roll back to the last committed step (restored for real, timed); the
-    step the run goes on from."""
+def _manager(root: Path, every: int | str, mtbf: float) -> CheckpointManager:
+    extra: dict[str, Any] = {"mtbf": mtbf} if every == "auto" else {}
+    # keep_last=8: the step a failure rolls back to should outlive the saves in flight, which
+    # commit while the failed manager closes (else the run rolls back further: _fail)
+    return CheckpointManager(root, keep_last=8, save_interval_steps=every, **extra)
+
+
+def _fail(
+    m: CheckpointManager,
+    make: Callable[[], CheckpointManager],
+    trainer: Trainer,
+    handles: dict[int, Any],
+    out: Outcome,
+) -> tuple[CheckpointManager, int]:
+    """A failure now: the run restarts with a new manager (an ``"auto"`` one starts from the
+    costs its run log recorded) from the last committed step, restored for real (timed).
+    Returns the new manager and the step the run goes on from."""
     last = _committed(handles)
-    m.wait()  # the saves in flight (a real crash loses them): the sim's bookkeeping
+    m.close()  # waits for the saves in flight: the sim's bookkeeping, not counted
+    for n in m.steps():  # what a real crash loses: the saves that were still in flight
+        if last is None or n > last:
+            shutil.rmtree(m.directory / f"step-{n}")
+    left = m.steps()  # retention may have evicted ``last`` meanwhile: the newest kept, then
+    last = left[-1] if left else None
     handles.clear()
     r0 = time.perf_counter()
+    m = make()
     if last is not None:
         m.restore(last, into=trainer.state())
     out.restore_s += time.perf_counter() - r0
     out.failures += 1
-    return 0 if last is None else last + 1
+    return m, (0 if last is None else last + 1)
 
 
 def run_policy(
@@ -123,10 +145,8 @@ def run_policy(
     """Train until ``budget`` seconds are accounted (module docstring) under failures."""
     out = Outcome(f"every={every}" if every != "auto" else "auto")
     shutil.rmtree(root, ignore_errors=True)
-    extra: dict[str, Any] = {"mtbf": mtbf} if every == "auto" else {}
-    # keep_last: the saves in flight at a failure commit during the wait and must not evict
-    # the step the run rolls back to
-    m = CheckpointManager(root, keep_last=8, save_interval_steps=every, **extra)
+    m = _manager(root, every, mtbf)
+    make = functools.partial(_manager, root, every, mtbf)
     rng = random.Random(seed)
     next_fail = rng.expovariate(1.0 / mtbf)
     handles: dict[int, Any] = {}
@@ -135,7 +155,7 @@ def run_policy(
     while clock < budget:
         if clock >= next_fail:
             lost_from, restored = step, out.restore_s
-            step = _fail(m, trainer, handles, out)
+            m, step = _fail(m, make, trainer, handles, out)
             kept = work_at.get(step - 1, 0.0)
             out.lost_steps, out.lost_s = out.lost_steps + lost_from - step, out.lost_s + work - kept
             work, work_at = kept, {s: w for s, w in work_at.items() if s < step}
