@@ -131,6 +131,14 @@ def test_bounds_persist_floor_max_s_and_steps(tmp_path: Path) -> None:
     Loop(r).run(3)
     assert r.report().steps == 120 and r.report().bound == "max_s (120 s)"
 
+    r = rule(tmp_path / "cross", mtbf_s=1e9, max_s=120)  # the floor wins over max_s
+    loop = Loop(r)
+    loop.persist_s = 200.0
+    loop.run(3)
+    assert r.report().steps == 200 and r.report().bound == "persist floor (disk tier)"
+    defaults = AutoInterval()
+    assert (defaults.max_s, defaults.min_steps, defaults.max_steps) == (3600.0, 1, 1_000_000)
+
     r = rule(tmp_path / "min", mtbf_s=1.0, min_steps=5)  # Daly: 1 s of 1 s steps
     Loop(r).run(3)
     assert r.report().steps == 5 and r.report().bound == "min_steps (5)"
