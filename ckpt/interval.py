@@ -23,6 +23,12 @@ The rule (``optimum_s``): Daly's higher-order estimate, ``T = sqrt(2CM) * (1 + s
 Before any save was measured (and no cost is recorded in the run log), ``should_save`` answers
 ``True``: the first step saves to measure. A step answered once gets the same answer again
 (never two saves in one step); a step lower than the last save (a rollback) restarts the count.
+
+**Several ranks.** The interval in steps is decided at events every rank reaches at the same
+call (its first ``should_save``, and the call after each save) and held until the next one;
+with ``torch.distributed`` initialized, the ranks agree on the smallest (``ckpt.agreement``: one
+``all_reduce`` per save), so that every rank answers ``should_save`` alike when all call it for
+the same steps and save when it says so.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from ckpt.agreement import Agreement
 from ckpt.runlog import RunLog
 
 __all__ = [
@@ -50,6 +57,8 @@ __all__ = [
     "schedule",
     "young",
 ]
+
+_MEASURE, _WAIT = -2, -1  # the agreed codes that are not an interval (IntervalRule._agree)
 
 DEFAULT_MTBF_S = 24 * 3600.0
 """The mean time between failures assumed when none is given and none was seen."""
@@ -242,6 +251,8 @@ class IntervalRule:
         self._last: tuple[int, bool] | None = None  # the last step answered, and the answer
         self._t_last: float | None = None
         self._uploaded = -1  # the newest step whose upload time was taken
+        self._agreed = _MEASURE  # the interval agreed at the last event (_agree)
+        self.agreement = Agreement()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -297,22 +308,30 @@ class IntervalRule:
             return self._last[1]
         blocked = self._observe(stats)
         if self._t_last is not None and self._last is not None and step > self._last[0]:
-            gap = max(0.0, now - self._t_last - blocked) / (step - self._last[0])
+            gap = max(0.0, now - self._t_last - (blocked or 0.0)) / (step - self._last[0])
             with self._lock:
                 self._m.add(self._m.step, gap)
         self._t_last = now
         if self._anchor is None or step < self._anchor:
             self._anchor = step  # the first call, or a rollback to an earlier step
-        steps = self._steps()
-        # no cost yet: save now to measure it; a cost but no step time yet: wait one step
-        due = not self._m.cost if steps is None else step - self._anchor >= steps
+        if self._agreed < 1 or blocked is not None:  # an event every rank reaches together
+            self._agreed = self._agree()
+        due = self._agreed == _MEASURE or step - self._anchor >= self._agreed >= 1
         self._last = (step, due)
         return due
 
-    def _observe(self, stats: SaveSource) -> float:
-        """Take the blocking cost of a new save (returned: the loop paid it since the last
-        call, not the step) and the persist times of finished ones."""
-        save, blocked = stats.last_save, 0.0
+    def _agree(self) -> int:
+        """The interval in steps all ranks use until the next save (``ckpt.agreement``: the
+        smallest), or ``_MEASURE`` if a rank has no cost yet (save now to measure it), or
+        ``_WAIT`` if a rank has a cost but no step time yet (wait one step)."""
+        steps = self._steps()
+        local = steps if steps is not None else _WAIT if self._m.cost else _MEASURE
+        return self.agreement.min(local)
+
+    def _observe(self, stats: SaveSource) -> float | None:
+        """Take the blocking cost of a new save (returned, ``None`` without one: the loop paid
+        it since the last call, not the step) and the persist times of finished ones."""
+        save, blocked = stats.last_save, None
         with self._lock:
             if save is not None and save is not self._seen:
                 self._seen = self._pending = save
@@ -397,6 +416,9 @@ class IntervalRule:
                 bound, seconds = clamp or bound, steps * step_s
             else:
                 bound = "measuring: the step time (one more step)"
+        if self._agreed >= 1:  # what should_save uses until the next save
+            steps = self._agreed
+            seconds = None if step_s is None else steps * step_s
         nxt = None if steps is None or self._anchor is None else self._anchor + steps
         return IntervalReport(
             steps, seconds, bound, cost, persist, step_s, mtbf[0], mtbf[1],

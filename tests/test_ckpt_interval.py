@@ -352,3 +352,39 @@ def test_benchmark_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "| every=4 |" in out and "| auto |" in out and "overhead / auto's" in out
     assert list(tmp_path.iterdir()) == []  # everything it wrote is removed
+
+
+RANK_WORKER = """
+import json, sys, time
+import numpy as np
+import torch.distributed as dist
+from ckpt.manager import CheckpointManager
+rank, root = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=2)
+state = {"w": np.ones((2 << 20) if rank else 1024, np.float32)}  # rank 1: a costlier save
+m = CheckpointManager(f"{root}/rank{rank}", save_interval_steps="auto", mtbf=5.0)
+saved = []
+for step in range(40):
+    time.sleep(0.004)
+    if m.should_save(step):
+        m.save(step, state)
+        saved.append(step)
+m.close()
+print(json.dumps({"saved": saved, "steps": m.interval().steps}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_agree_on_the_interval(tmp_path: Path) -> None:
+    """Two gloo ranks whose saves cost very differently save the same steps: the interval is
+    agreed (the smallest) at each save, so that no rank saves a step the other skips."""
+    with (
+        python_child("0", str(tmp_path), code=RANK_WORKER) as p0,
+        python_child("1", str(tmp_path), code=RANK_WORKER) as p1,
+    ):
+        outs = [
+            json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in (p0, p1)
+        ]
+        assert p0.returncode == 0 and p1.returncode == 0
+    assert outs[0] == outs[1]
+    assert len(outs[0]["saved"]) >= 3 and outs[0]["saved"][0] == 0
