@@ -25,10 +25,12 @@ Before any save was measured (and no cost is recorded in the run log), ``should_
 (never two saves in one step); a step lower than the last save (a rollback) restarts the count.
 
 **Several ranks.** The interval in steps is decided at events every rank reaches at the same
-call (its first ``should_save``, and the call after each save) and held until the next one;
-with ``torch.distributed`` initialized, the ranks agree on the smallest (``ckpt.agreement``: one
-``all_reduce`` per save), so that every rank answers ``should_save`` alike when all call it for
-the same steps and save when it says so.
+call (its first ``should_save``, and the call after each save) and held until the next one.
+With ``AutoInterval(agree=True)`` and ``torch.distributed`` initialized, the ranks agree on the
+smallest (``ckpt.agreement``: one ``all_reduce`` per save), so that every rank answers
+``should_save`` alike; every rank must then have a manager and call it for the same steps, and
+save when it says so. It is off by default: a manager on one rank only (``ckpt.dcp``'s
+coordinator, a rank-0 save) would wait forever for the others; decide there and broadcast.
 """
 
 from __future__ import annotations
@@ -96,13 +98,16 @@ def _count(value: object, name: str) -> int:
 class AutoInterval:
     """Options of the automatic interval: ``mtbf_s`` (``None``: from the failures seen);
     ``max_s``: the longest interval, in seconds of compute; ``min_steps``/``max_steps``: the
-    bounds in steps; ``window``: how many recent measurements each estimate takes."""
+    bounds in steps; ``window``: how many recent measurements each estimate takes; ``agree``:
+    the ranks of ``torch.distributed`` agree on the interval (every rank must then call
+    ``should_save`` for the same steps; module docstring)."""
 
     mtbf_s: float | None = None
     max_s: float = 3600.0
     min_steps: int = 1
     max_steps: int = 1_000_000
     window: int = 16
+    agree: bool = False
 
     def __post_init__(self) -> None:
         if self.mtbf_s is not None:
@@ -111,6 +116,8 @@ class AutoInterval:
         _count(self.min_steps, "AutoInterval.min_steps")
         _count(self.max_steps, "AutoInterval.max_steps")
         _count(self.window, "AutoInterval.window")
+        if not isinstance(self.agree, bool):
+            raise ValueError(f"AutoInterval.agree must be True or False, got {self.agree!r}")
         if self.max_steps < self.min_steps:
             raise ValueError(
                 f"AutoInterval.max_steps ({self.max_steps}) < min_steps ({self.min_steps})"
@@ -252,7 +259,7 @@ class IntervalRule:
         self._t_last: float | None = None
         self._uploaded = -1  # the newest step whose upload time was taken
         self._agreed = _MEASURE  # the interval agreed at the last event (_agree)
-        self.agreement = Agreement()
+        self.agreement = Agreement() if options.agree else None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -326,7 +333,7 @@ class IntervalRule:
         ``_WAIT`` if a rank has a cost but no step time yet (wait one step)."""
         steps = self._steps()
         local = steps if steps is not None else _WAIT if self._m.cost else _MEASURE
-        return self.agreement.min(local)
+        return local if self.agreement is None else self.agreement.min(local)
 
     def _observe(self, stats: SaveSource) -> float | None:
         """Take the blocking cost of a new save (returned, ``None`` without one: the loop paid

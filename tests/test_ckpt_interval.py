@@ -327,6 +327,8 @@ def test_bad_interval_options_are_refused(tmp_path: Path) -> None:
         AutoInterval(window=0)
     with pytest.raises(ValueError, match=r"AutoInterval.max_s must be a finite"):
         AutoInterval(max_s=math.inf)
+    with pytest.raises(ValueError, match=r"AutoInterval.agree must be True or False"):
+        AutoInterval(agree=1)  # type: ignore[arg-type]
     assert parse(AutoInterval(max_s=60), 10.0) == AutoInterval(mtbf_s=10.0, max_s=60)
     record = AutoInterval(mtbf_s=5.0).to_record()
     assert AutoInterval.from_record(json.loads(json.dumps(record))) == AutoInterval(mtbf_s=5.0)
@@ -358,11 +360,13 @@ RANK_WORKER = """
 import json, sys, time
 import numpy as np
 import torch.distributed as dist
+from ckpt.interval import AutoInterval
 from ckpt.manager import CheckpointManager
 rank, root = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=2)
 state = {"w": np.ones((2 << 20) if rank else 1024, np.float32)}  # rank 1: a costlier save
-m = CheckpointManager(f"{root}/rank{rank}", save_interval_steps="auto", mtbf=5.0)
+auto = AutoInterval(mtbf_s=5.0, agree=True)
+m = CheckpointManager(f"{root}/rank{rank}", save_interval_steps=auto)
 saved = []
 for step in range(40):
     time.sleep(0.004)
