@@ -441,15 +441,17 @@ def _warn(path: Path, exc: BaseException) -> None:
 
 
 class FixedInterval:
-    """``save_interval_steps=N``: the multiples of ``N`` (``None``: no step); the same calls as
+    """``save_interval_steps=N``: the multiples of ``N`` (``None``: no step), ``N`` read from
+    ``every()`` at each call (the manager's attribute, which may be changed); the same calls as
     an ``IntervalRule``, which do nothing here."""
 
-    def __init__(self, every: int | None) -> None:
+    def __init__(self, every: Callable[[], int | None]) -> None:
         self.every = every
 
     def should_save(self, step: int, stats: SaveSource, now: float | None = None) -> bool:
-        """Whether ``step`` is a multiple of ``every``."""
-        return self.every is not None and step % self.every == 0
+        """Whether ``step`` is a multiple of ``every()``."""
+        n = self.every()
+        return n is not None and step % n == 0
 
     def begin(self) -> None:
         """Nothing: no run log without ``"auto"``."""
@@ -467,12 +469,12 @@ class FixedInterval:
 
 def schedule(
     auto: AutoInterval | None,
-    every: int | None,
+    every: Callable[[], int | None],
     root: Path,
     on_commit: list[Callable[[int, Path], None]],
 ) -> IntervalRule | FixedInterval:
     """The manager's save interval: an ``IntervalRule`` for ``auto`` (its ``committed``
-    listener appended to ``on_commit``), else a ``FixedInterval`` of ``every`` steps."""
+    listener appended to ``on_commit``), else a ``FixedInterval`` of ``every()`` steps."""
     if auto is None:
         return FixedInterval(every)
     rule = IntervalRule(auto, root)

@@ -145,7 +145,8 @@ class CheckpointManager:
         self.stats = ManagerStats()
         self.on_commit: list[Callable[[int, Path], None]] = []
         self.evict_guards: list[Callable[[int], bool]] = []
-        self._every = schedule(auto, self.save_interval_steps, self.directory, self.on_commit)
+        every = schedule(auto, lambda: self.save_interval_steps, self.directory, self.on_commit)
+        self._every = every
         self._lock = commit.WriterLock(self.directory)
         self._mutex = threading.Lock()
         self._newest_verified: int | None = None

@@ -231,6 +231,8 @@ def test_manager_auto_interval_with_a_real_state(tmp_path: Path) -> None:
 def test_fixed_interval_and_save_on_steps_unchanged_beside_auto(tmp_path: Path) -> None:
     m = CheckpointManager(tmp_path / "fixed", save_interval_steps=5)
     assert m.interval() is None and [s for s in range(12) if m.should_save(s)] == [0, 5, 10]
+    m.save_interval_steps = 4  # the attribute is read at each call, as before
+    assert [s for s in range(12) if m.should_save(s)] == [0, 4, 8]
     m.close()
     assert not (tmp_path / "fixed" / "runs.json").exists()  # no run log without "auto"
     m = CheckpointManager(tmp_path / "auto", save_interval_steps="auto", save_on_steps=[3])
