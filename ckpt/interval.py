@@ -287,6 +287,12 @@ class IntervalRule:
         except OSError as exc:
             _warn(self.runs.path, exc)
 
+    def persisted(self, tier: str, seconds: float) -> None:
+        """Record that ``tier`` took ``seconds`` in the background to absorb one save (the hook
+        for a tier the rule does not read from the manager's stats; any thread)."""
+        with self._lock:
+            self._m.add_persist(tier, float(seconds))
+
     def fail(self) -> None:
         """Count this run as a failure when it ends (an exception is leaving the run)."""
         self.runs.fail()

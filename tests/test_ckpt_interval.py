@@ -156,6 +156,12 @@ def test_remote_tier_upload_time_is_a_floor(tmp_path: Path) -> None:
     rep = r.report()
     assert rep.persist_s["remote"] == 250.0
     assert rep.steps == 250 and rep.bound == "persist floor (remote tier)"
+    r.persisted("memory", 400.0)  # a tier that reports itself: the floor from the next save
+    loop.run(700)
+    assert loop.saved == [0, 250, 650]
+    rep = r.report()
+    assert rep.persist_s["memory"] == 400.0 and rep.bound == "persist floor (memory tier)"
+    assert rep.steps == 400 and loop.saved[-1] - loop.saved[-2] == 400
 
 
 def test_never_saves_twice_in_a_step_and_a_rollback_restarts_the_count(tmp_path: Path) -> None:
