@@ -12,7 +12,8 @@ A checkpoint directory ``DIR`` holds:
   from ``.upload-status.json.tmp-PID-THREAD``;
 - ``.ckpt-owner.json``: ckpt's ownership marker (``feedpipe.io.ownership``; ``ckpt._owner``
   decides which entries are ckpt's); ``retention.json``: the retention policy of the manager
-  that last wrote the directory (what ``ckpt gc`` applies).
+  that last wrote the directory (what ``ckpt gc`` applies); ``runs.json``: the run log of a
+  manager with an automatic save interval (``ckpt.runlog``: runs, failures, measured costs).
 
 A remote root holds ``step-N/`` prefixes with the same files. ``ckpt.save(PATH)`` uses the same
 ``.tmp-``/``.del-`` suffixes on ``PATH``'s own name. This module only spells and parses names; it
@@ -35,6 +36,7 @@ __all__ = [
     "MANIFEST",
     "RETENTION_FILE",
     "RETIRED",
+    "RUNS_FILE",
     "STATUS_FILE",
     "del_name",
     "is_data_name",
@@ -61,6 +63,7 @@ LATEST = "latest"
 LOCK = ".lock"
 STATUS_FILE = "upload-status.json"
 RETENTION_FILE = "retention.json"
+RUNS_FILE = "runs.json"
 
 STEP = re.compile(r"^step-(0|[1-9][0-9]*)\Z")  # ASCII, canonical: "step-05" is not step 5
 STEP_ID = re.compile(r"^step-(\d+)$")  # a DCP checkpoint_id's last component (step_id)

@@ -15,7 +15,8 @@ root (``ckpt._layout`` spells every name):
   bytes: what is there must be ckpt's head);
 - ``latest`` and ``latest.tmp-*``: a regular file holding ``step-N`` (or, for the temp, nothing);
 - ``.lock``: a regular file holding nothing or ``pid N``; ``upload-status.json``,
-  ``retention.json``: ckpt's JSON; their temporary files and the marker's: regular files.
+  ``retention.json``, ``runs.json``: ckpt's JSON; their temporary files and the marker's:
+  regular files.
 
 A symlink is never ours. Even inside a claimed root, every deleting path (leftover cleanup,
 ``ckpt.saving.commit.settle``, eviction, replacing ``step-N`` or ``latest``, ``ckpt gc``, the
@@ -183,7 +184,7 @@ def _is_atomic_temp(path: Path) -> bool:
     found = temp_target(path.name)
     return (
         found is not None
-        and found[0] in (marker_name(TOOL), _layout.RETENTION_FILE)
+        and found[0] in (marker_name(TOOL), _layout.RETENTION_FILE, _layout.RUNS_FILE)
         and (_is_regular(path))
     )
 
@@ -193,6 +194,7 @@ _FILES: dict[str, Callable[[Path], bool]] = {
     _layout.LOCK: _is_lock,
     _layout.STATUS_FILE: lambda path: _is_json_of(path, "steps"),
     _layout.RETENTION_FILE: lambda path: _is_json_of(path, "tool"),
+    _layout.RUNS_FILE: lambda path: _is_json_of(path, "tool"),
 }
 """The check of each file of a root that ckpt names exactly."""
 

@@ -20,7 +20,8 @@ tier in shared memory that outlives the process, every Nth is persisted from it 
 and ``restore`` reads the memory tier first. Retention is ``ckpt.retention.rules.plan`` with a
 ``ckpt.policy`` object built from ``keep_last``/``keep_every``/``keep_best`` (``ckpt gc``'s rule).
 
-Save policy: ``should_save(step)`` (``save_interval_steps``, ``save_on_steps``, preemption).
+Save policy: ``should_save(step)`` (``save_interval_steps``, ``"auto"``: ``ckpt.interval``,
+``save_on_steps``, preemption).
 Preemption (``save_on_preemption=True``, ``ckpt.preemption``): ``preempted``,
 ``reached_preemption(step)`` and ``save_and_exit(step, state)``; see docs/guides/preemption.md.
 """
@@ -43,6 +44,7 @@ from ckpt import _layout, _owner
 from ckpt import format as fmt
 from ckpt._paths import local_path
 from ckpt.errors import CheckpointError
+from ckpt.interval import AutoInterval, IntervalReport, parse, schedule
 from ckpt.policy import KeepBest, Policy, from_options
 from ckpt.preemption import PREEMPTED_EXIT_CODE, Preemption, PreemptionOptions
 from ckpt.restoring.reader import MapLocation, RestoreStats
@@ -107,7 +109,8 @@ class CheckpointManager:
     or ``RemoteOptions`` to upload every committed step to; ``keep_last_remote``: the remote
     tier's retention, an int (that many newest steps), a ``ckpt.policy`` object or ``None``.
 
-    ``save_interval_steps``/``save_on_steps``: what ``should_save`` answers.
+    ``save_interval_steps``/``save_on_steps``: what ``should_save`` answers (``"auto"`` and
+    ``mtbf`` seconds: Young-Daly, ``ckpt.interval``, reported by ``interval()``).
     ``save_on_preemption``: ``True`` or ``PreemptionOptions`` to handle SIGTERM and SIGUSR1
     (``ckpt.preemption``). ``memory``: ``True`` or ``MemoryOptions`` (docs/tiers.md).
     ``overlap=True``: ``save`` returns with the device-to-host copies queued; what waits for
@@ -127,18 +130,19 @@ class CheckpointManager:
         keep_last_remote: int | Policy | None = 10,
         keep_every: int | None = None,
         keep_best: KeepBest | tuple[str, int, str] | None = None,
-        save_interval_steps: int | None = None,
+        save_interval_steps: int | str | AutoInterval | None = None,
         save_on_steps: Any = (),
         save_on_preemption: bool | PreemptionOptions = False,
         memory: bool | MemoryOptions | None = None,
         overlap: bool = False,
+        mtbf: float | None = None,
     ) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
             raise ValueError("keep_last must be >= 1 or None")
         self.policy: Policy | None = from_options(keep_last, keep_every, keep_best)
-        if save_interval_steps is not None:
-            save_interval_steps = _step(save_interval_steps, "save_interval_steps", low=1)
-        self.save_interval_steps = save_interval_steps
+        auto = parse(save_interval_steps, mtbf)  # "auto", an AutoInterval, else None
+        fixed = None if auto is not None else save_interval_steps
+        self.save_interval_steps = None if fixed is None else _step(fixed, "save_interval_steps", 1)
         self.save_on_steps = frozenset(_step_list(save_on_steps))
         self.directory = local_path(
             directory,
@@ -153,6 +157,8 @@ class CheckpointManager:
         self.stats = ManagerStats()
         self.on_commit: list[Callable[[int, Path], None]] = []
         self.evict_guards: list[Callable[[int], bool]] = []
+        every = schedule(auto, lambda: self.save_interval_steps, self.directory, self.on_commit)
+        self._every = every
         self._lock = commit.WriterLock(self.directory)
         self._mutex = threading.Lock()
         self._newest_verified: int | None = None
@@ -231,6 +237,7 @@ class CheckpointManager:
             self._lock.acquire(self.write_options.lock_timeout_s)
             try:
                 rules.record(self.directory, self.policy)
+                self._every.begin()  # "auto": counts an unclean end of the previous run
             except BaseException:
                 self._lock.release()
                 raise
@@ -361,16 +368,18 @@ class CheckpointManager:
 
     # ---- save policy and preemption -------------------------------------------------------
     def should_save(self, step: int) -> bool:
-        """Whether to save ``step``: a multiple of ``save_interval_steps``, one of
-        ``save_on_steps``, or the step a preemption was agreed on (``reached_preemption``; with
-        several ranks, call it on every rank for the same steps). ``step`` is an int from 0 to
-        ``2**53`` (``ValueError`` otherwise)."""
+        """Whether to save ``step``: a multiple of ``save_interval_steps`` (``"auto"``: call it
+        each step, ``ckpt.interval``), one of ``save_on_steps``, or the step a preemption was
+        agreed on (``reached_preemption``; with several ranks, call it on every rank for the
+        same steps). ``step`` is an int from 0 to ``2**53`` (``ValueError`` otherwise)."""
         step = _step(step, "should_save: step")
         if self.reached_preemption(step):
             return True
-        if self.save_interval_steps is not None and step % self.save_interval_steps == 0:
-            return True
-        return step in self.save_on_steps
+        return self._every.should_save(step, self.stats) or step in self.save_on_steps
+
+    def interval(self) -> IntervalReport | None:
+        """The ``"auto"`` interval now and its inputs (``ckpt.interval.IntervalReport``)."""
+        return self._every.report()
 
     @property
     def preempted(self) -> bool:
@@ -491,6 +500,7 @@ class CheckpointManager:
             if self._preemption is not None:
                 self._preemption.close()
             self._overlap.close()
+            self._every.end()  # "auto": a clean end of the run (ckpt.runlog)
             self._lock.release()
             if self.memory is not None:
                 self.memory.lock.release()
@@ -500,6 +510,7 @@ class CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._every.exit(exc[1])  # "auto": an Exception leaving the run is a failure
         self.close()
 
 
