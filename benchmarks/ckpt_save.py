@@ -374,9 +374,9 @@ def many_tensors(counts: list[int], saves: int, root: Path) -> str:
         flatten(state, leaves)
         flat_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        manager._stager.plan(leaves)
+        manager._saves.stager.plan(leaves)
         check_s = time.perf_counter() - t0
-        plans = (manager._stager.planned, manager._stager.reused)
+        plans = (manager._saves.stager.planned, manager._saves.stager.reused)
         manager.close()
         shutil.rmtree(root / f"many-{count}", ignore_errors=True)
         med = statistics.median

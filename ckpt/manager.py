@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ckpt import _layout, _owner
+from ckpt import _layout
 from ckpt import format as fmt
 from ckpt._paths import local_path
 from ckpt.errors import CheckpointError
@@ -49,14 +49,13 @@ from ckpt.policy import KeepBest, Policy, from_options
 from ckpt.preemption import PREEMPTED_EXIT_CODE, Preemption, PreemptionOptions
 from ckpt.restoring.reader import MapLocation, RestoreStats
 from ckpt.restoring.restorer import Restorer, RestoreRequest
-from ckpt.retention import rules
 from ckpt.retention.retainer import Retainer
 from ckpt.saving import commit
 from ckpt.saving.flatten import RNG_KEY, rng_state
 from ckpt.saving.overlap import Overlap
 from ckpt.saving.pipeline import SaveHandle, SavePipeline, SaveStats, WriteOptions
-from ckpt.saving.plan import Stager
 from ckpt.saving.pool import PinnedPool, PoolOptions
+from ckpt.takeover import Takeover
 from ckpt.tiers.memory import MemoryTier, remote_hooks
 
 if TYPE_CHECKING:
@@ -157,29 +156,28 @@ class CheckpointManager:
         self.stats = ManagerStats()
         self.on_commit: list[Callable[[int, Path], None]] = []
         self.evict_guards: list[Callable[[int], bool]] = []
-        every = schedule(auto, lambda: self.save_interval_steps, self.directory, self.on_commit)
-        self._every = every
-        self._lock = commit.WriterLock(self.directory)
+        self._every = schedule(
+            auto, lambda: self.save_interval_steps, self.directory, self.on_commit
+        )
+        self._takeover = Takeover(self.directory, on_take=self._every.begin)
         self._mutex = threading.Lock()
         self._newest_verified: int | None = None
         self._retainer = Retainer(self.directory, self.evict_guards, self.stats.evicted)
-        self._checked = self._retainer.checked  # step -> (dir inode, restorable)
         self.memory = MemoryTier.attach(self.directory, memory, self._committed, self.stats)
         saves_to, saved = self.memory.route() if self.memory else (self.directory, self._committed)
         self._saves = SavePipeline(saves_to, self.pool, self.write_options, self.stats, saved)
         self._overlap = Overlap(enabled=overlap)
-        self._preemption: Preemption | None = None
         self.remote: RemoteTier | None = None
         if remote is not None:
             self.remote = self._attach_remote(remote, keep_last_remote)
-        mem = self.memory.directory if self.memory else None
+        writer, mem = self._takeover.lock, (self.memory.directory if self.memory else None)
         self._restorer = Restorer(
-            self.directory, self.remote, self._lock, self.ensure_writer, self._downloaded, shm=mem
+            self.directory, self.remote, writer, self.ensure_writer, self._downloaded, shm=mem
         )
         if pool is not None and pool.budget_bytes is not None:
             self.pool.reserve(self.pool.buffer_bytes)
-        if save_on_preemption:  # last: nothing after it may fail and leave handlers installed
-            self._preemption = self._hook_preemption(save_on_preemption)
+        # last: nothing after it may fail and leave handlers installed
+        self._preemption = self._hook_preemption(save_on_preemption) if save_on_preemption else None
 
     def _attach_remote(
         self, remote: str | RemoteOptions, keep_last_remote: int | Policy | None
@@ -206,15 +204,6 @@ class CheckpointManager:
                 self.remote.close()
             raise
 
-    @property
-    def _stager(self) -> Stager:
-        """The save plans' keeper (``SavePipeline.stager``)."""
-        return self._saves.stager
-
-    @_stager.setter
-    def _stager(self, stager: Stager) -> None:
-        self._saves.stager = stager
-
     # ---- saving -------------------------------------------------------------------------
     def reserve(self, state_or_nbytes: Any) -> int:
         """Allocate the staging buffers now for a state like this one (or that many bytes)."""
@@ -226,32 +215,13 @@ class CheckpointManager:
         return nbytes
 
     def ensure_writer(self) -> None:
-        """Become the directory's writer, once: claim it (``ckpt._owner.claim_root``: a directory
-        holding entries ckpt did not write is refused, naming them, and nothing is written),
-        take its writer lock, record the retention policy (``ckpt gc`` applies it), remove the
-        leftovers of interrupted saves and catch up on retention. ``save`` and a restore that
-        publishes a download call it; so does ``ckpt.dcp``'s coordinator before any rank
-        writes."""
-        if not self._lock.held:
-            _owner.claim_root(self.directory)
-            self._lock.acquire(self.write_options.lock_timeout_s)
-            try:
-                rules.record(self.directory, self.policy)
-                self._every.begin()  # "auto": counts an unclean end of the previous run
-            except BaseException:
-                self._lock.release()
-                raise
-            removed = commit.remove_leftovers(self.directory)
-            if removed:
-                log.info(
-                    "ckpt: removed %d leftovers of interrupted saves in %s",
-                    len(removed),
-                    self.directory,
-                )
-            if self._newest_verified is not None:  # finish a commit a crash interrupted:
-                if self._newest_verified == max(commit.steps(self.directory), default=-1):
-                    commit.roll_latest_forward(self.directory, self._newest_verified)
-                self._retain()  # catch up on retention, before adding
+        """Become the directory's writer, once (``ckpt.takeover``: claim it, take its writer
+        lock, record the retention policy, finish what a crashed writer left, catch up on
+        retention). ``save`` and a restore that publishes a download call it; so does
+        ``ckpt.dcp``'s coordinator before any rank writes."""
+        self._takeover.take(
+            self.policy, self.write_options.lock_timeout_s, self._newest_verified, self._retain
+        )
 
     def _raise_pending(self) -> None:
         self._saves.raise_pending()
@@ -322,7 +292,7 @@ class CheckpointManager:
         self._retainer.retain(self.policy, strict)
 
     def _retain_if_writer(self) -> None:
-        if self._lock.held:
+        if self._takeover.lock.held:
             self._retain()
 
     def adopt(self, step: int) -> None:
@@ -501,7 +471,7 @@ class CheckpointManager:
                 self._preemption.close()
             self._overlap.close()
             self._every.end()  # "auto": a clean end of the run (ckpt.runlog)
-            self._lock.release()
+            self._takeover.lock.release()
             if self.memory is not None:
                 self.memory.lock.release()
             self._saves.close()

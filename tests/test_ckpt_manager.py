@@ -52,7 +52,7 @@ def test_close_after_a_failed_save_still_stops_the_remote_tier(tmp_path, s3_buck
         m.close()
     assert m.remote is not None and m.remote.closed
     assert signal.getsignal(signal.SIGTERM) == before
-    assert not m._lock.held
+    assert not m._takeover.held
 
 
 def test_file_url_with_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

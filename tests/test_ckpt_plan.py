@@ -341,8 +341,8 @@ def test_gpu_plan_holds_no_device_memory_between_saves(tmp_path: Path) -> None:
         m.save(1, state).result()
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == before
-        plan = m._stager.plan(_leaves(state))
-        assert m._stager.reused >= 2
+        plan = m._saves.stager.plan(_leaves(state))
+        assert m._saves.stager.reused >= 2
         runs = [s for _, s in plan.device_steps if isinstance(s, saveplan._Run)]
         nbytes = sum(v.numel() * 4 for v in state.values())
         assert len(runs) <= nbytes // saveplan.RUN_BYTES + 1
@@ -363,7 +363,7 @@ def test_gpu_adamw_state_round_trips_with_its_cpu_steps(tmp_path: Path) -> None:
         opt.step()
         m.save(1, state).result()
         got = m.restore(1)
-    assert m._stager.reused == 1
+    assert m._saves.stager.reused == 1
     for k, v in model.state_dict().items():
         assert torch.equal(got["model"][k], v)
     for i, st in opt.state_dict()["state"].items():
@@ -531,7 +531,6 @@ def test_copies_wait_for_their_piece_of_a_buffer_made_in_the_background(
     (so its first copy waits, whatever the machine's load; the test asserts no timing)."""
     import threading
 
-
     monkeypatch.setattr(pool, "REGISTER_BYTES", 1 << 20)
     monkeypatch.setattr(pool, "_threads", lambda: 2)
     gate = threading.Event()
@@ -650,7 +649,7 @@ def test_gpu_every_dtype_in_runs_and_restored_into_in_one_pass(tmp_path: Path) -
     with CheckpointManager(tmp_path, keep_last=1) as m:
         m.save(0, state).result()
         m.save(1, state).result()
-        assert m._stager.reused == 1
+        assert m._saves.stager.reused == 1
         m.restore(1, into=into)
         assert m.stats.last_restore is not None and m.stats.last_restore.passes == 1
     for k, v in state.items():
@@ -676,7 +675,7 @@ def test_model_and_a_recreated_optimizer_reuse_the_plan(tmp_path: Path) -> None:
         opt.load_state_dict(opt.state_dict())  # new tensors
         step()
         m.save(1, state).result()
-        assert (m._stager.planned, m._stager.reused) == (1, 1)
+        assert (m._saves.stager.planned, m._saves.stager.reused) == (1, 1)
         got = m.restore(1)
     for k, v in model.state_dict().items():
         assert torch.equal(got["model"][k], v)

@@ -93,7 +93,7 @@ def test_only_restorable_steps_count_for_every_policy(tmp_path: Path) -> None:
         assert _steps(tmp_path) == [0, 1, 3, 4]
         _corrupt_data(tmp_path, 0)  # the best step, and a multiple of 3
         _corrupt_data(tmp_path, 3)  # a multiple of 3
-        m._checked.clear()  # as a new process would: nothing known verified
+        m._retainer.checked.clear()  # as a new process would: nothing known verified
         _save_all(m, [5, 6], lambda s: {"l": loss[s]})
     # 0 and 3 are not restorable: not kept by keep_every, not ranked by keep_best (2 takes 0's
     # place, but was deleted already, so 1 and 6 are the two best left)

@@ -113,7 +113,9 @@ def test_mutating_every_tensor_right_after_save_returns_changes_no_step(
     }
     snapshots = []
     with CheckpointManager(tmp_path / "ck") as m:
-        m._stager = saveplan.Stager(gather_host=gather_host)  # the CUDA path's runs, on the CPU
+        m._saves.stager = saveplan.Stager(
+            gather_host=gather_host
+        )  # the CUDA path's runs, on the CPU
         for step in range(3):
             snapshots.append(
                 {
@@ -125,7 +127,7 @@ def test_mutating_every_tensor_right_after_save_returns_changes_no_step(
             for v in state.values():
                 v[...] = v * 2 + 1 if v.dtype != torch.int16 else v + 1
             handle.result()
-        assert m._stager.planned == 1 and m._stager.reused == 2
+        assert m._saves.stager.planned == 1 and m._saves.stager.reused == 2
         for step, want in enumerate(snapshots):
             got = m.restore(step)
             for k, v in want.items():
