@@ -49,11 +49,13 @@ __all__ = [
     "inverse",
     "map_budget",
     "scratch",
+    "window",
 ]
 
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
 _MAX_SPAN = 1 << 44  # address space one dataset may reserve (user space is 128 TiB)
+_ZERO = np.zeros(1, np.intp)  # the shard of every record of a one-shard space
 
 
 def map_budget() -> int:
@@ -101,10 +103,12 @@ class ShardSpace:
         self._idle = threading.Condition(self._lock)
         self._active = 0
         self._closed = False
-        lib = libc()
-        base = lib.mmap(
+        # reserved one unit over, the range starts at a multiple of ``unit``: every space of
+        # this record size is then row-aligned with every other (see :func:`window`)
+        self._reserved = max(self._span, mmap.PAGESIZE) + unit
+        base = libc().mmap(
             None,
-            max(self._span, mmap.PAGESIZE),
+            self._reserved,
             _PROT_NONE,
             _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE,
             -1,
@@ -112,9 +116,13 @@ class ShardSpace:
         )
         if base is None or base == ctypes.c_void_p(-1).value:
             raise OSError(ctypes.get_errno(), "cannot reserve address space for the shards")
-        self._base = int(base)
+        self._raw = int(base)
+        self._base = -(-self._raw // unit) * unit
         rows = self._span // self._rb
         self._view = np.asarray(_Window(self._base, rows, self._rb))
+        #: row of this space's first byte counted from address 0 (see :meth:`rows`)
+        self.first_row = self._base // self._rb
+        self.end_row = self.first_row + rows
 
     @classmethod
     def create(
@@ -135,28 +143,56 @@ class ShardSpace:
             return None
 
     # ------------------------------------------------------------------ reads
-    def take(self, idx: np.ndarray, out: np.ndarray) -> None:
-        """Gather global records ``idx`` into ``out`` (``(len(idx), record_bytes)`` uint8)."""
+    @property
+    def record_bytes(self) -> int:
+        """Bytes per row of this space."""
+        return self._rb
+
+    def rows(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(sid, rows)`` of global records ``idx`` (checked by the caller), every shard they
+        touch mapped: record ``idx[j]`` is ``rows[j] * record_bytes`` bytes from address 0
+        (:func:`window` reads several spaces' rows at once). Read them only between
+        :meth:`enter` and :meth:`leave`."""
+        sid, rows = self._local(idx)
+        rows += self.first_row
+        return sid, rows
+
+    def _local(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(sid, rows of this space's view)`` of global records ``idx``, shards mapped."""
         if self._one:
-            sid = np.zeros(len(idx), np.intp)
-            rows = idx + self._delta[0]
-        else:
-            sid = np.searchsorted(self._starts, idx, side="right") - 1
-            rows = idx + self._delta[sid]
+            if not self._mapped[0]:
+                self._map(self._admit([0]))
+            return _ZERO, idx + self._delta[0]
+        sid = np.searchsorted(self._starts, idx, side="right") - 1
+        rows = idx + self._delta[sid]
         if not self._mapped[sid].all():  # checked outside the lock: threads verify in parallel
             self._map(self._admit(np.unique(sid[~self._mapped[sid]]).tolist()))
+        return sid, rows
+
+    def enter(self, sid: np.ndarray) -> None:
+        """A read of shards ``sid`` begins: raise if a file changed (the guard's one check per
+        batch) or the maps are closed; until :meth:`leave`, :meth:`close` waits."""
         with self._lock:
             if self._closed:
                 raise ValueError("the dataset's shard maps are closed")
             self.guard.check(sid)
             self._active += 1
+
+    def leave(self) -> None:
+        """The read :meth:`enter` began is over."""
+        with self._lock:
+            self._active -= 1
+            if not self._active and self._closed:  # only close() waits for it
+                self._idle.notify_all()
+
+    def take(self, idx: np.ndarray, out: np.ndarray) -> None:
+        """Gather global records ``idx`` into ``out`` (``(len(idx), record_bytes)`` uint8)."""
+        sid, rows = self._local(idx)
+        self.enter(sid)
         try:
             np.take(self._view, rows, axis=0, out=out, mode="clip")
         finally:
-            with self._lock:
-                self._active -= 1
-                if not self._active:
-                    self._idle.notify_all()
+            self.leave()
 
     def _admit(self, sids: list[int]) -> list[tuple[int, int, Stamp | None]]:
         """Open shards ``sids`` and check them (``guard.admit``, no lock held): ``(sid, fd,
@@ -226,8 +262,16 @@ class ShardSpace:
         self._closed = True
         self.guard.forget()
         if self._base:
-            libc().munmap(self._base, max(self._span, mmap.PAGESIZE))
+            libc().munmap(self._raw, self._reserved)
             self._base = 0
+
+
+def window(first_row: int, end_row: int, record_bytes: int) -> np.ndarray:
+    """Rows ``[first_row, end_row)`` of ``record_bytes`` bytes counted from address 0, as one
+    read-only ``(rows, record_bytes)`` uint8 view: the rows of several spaces of this record size
+    (:meth:`ShardSpace.rows`) at once. Only rows mapped (between :meth:`ShardSpace.enter` and
+    :meth:`ShardSpace.leave` of their space) may be read; the rest of the range is not."""
+    return np.asarray(_Window(first_row * record_bytes, end_row - first_row, record_bytes))
 
 
 class _Window:
@@ -282,7 +326,7 @@ def indices_array(indices: Any, length: int, out_of_range: Callable[[int], str])
         if huge.any():
             raise IndexError(out_of_range(int(idx[np.argmax(huge)])))
     idx = idx.astype(np.int64, copy=False)
-    if (idx.view(np.uint64) >= length).any():  # negatives look huge: look closer
+    if idx.view(np.uint64).max() >= length:  # negatives look huge: look closer
         bad = (idx < -length) | (idx >= length)
         if bad.any():
             raise IndexError(out_of_range(int(idx[np.argmax(bad)])))

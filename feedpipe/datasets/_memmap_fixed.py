@@ -66,12 +66,14 @@ class FixedRecords:
         if isinstance(out, torch.Tensor) and out.is_cuda:
             return self.dma(idx, out)
         if out is None:
-            dest = torch.from_numpy(np.empty((n, *self.shape), self.dtype))
+            arr = np.empty((n, *self.shape), self.dtype)
+            dest = torch.from_numpy(arr)
         else:
             dest = check_out(out, n, self.shape, self.dtype, "data")
+            arr = dest.numpy()
         if n == 0 or rb == 0:
             return dest
-        flat = dest.numpy().reshape(n, -1).view(np.uint8)
+        flat = arr.reshape(n, -1).view(np.uint8)
         space = self.files.space()
         if space is not None:  # every shard in one range: one gather, however many it touches
             space.take(idx, flat)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from feedpipe._permutation import FeistelPermutation, derive_key
+from feedpipe.datasets._mixed_take import one_take
 
 __all__ = ["MixedDataset", "mix_counts"]
 
@@ -62,8 +63,16 @@ def mix_counts(weights: Sequence[float], total: int) -> list[int]:
     return counts
 
 
-# (epoch, range ends, counts, per-member permutations, per-member tables of the partial pass)
-_Layout = tuple[int, np.ndarray, list[int], list[FeistelPermutation], list[np.ndarray | None]]
+# (epoch, range ends, counts, per-member permutations, per-member tables of the partial pass,
+# per-member (range starts, lengths, positions before the partial pass) as arrays)
+_Layout = tuple[
+    int,
+    np.ndarray,
+    list[int],
+    list[FeistelPermutation],
+    list[np.ndarray | None],
+    tuple[np.ndarray, np.ndarray, np.ndarray],
+]
 _MAX_SAMPLES = (1 << 63) - 1  # len() and the int64 positions hold no more
 _TABLE_MAX = 1 << 22  # a partial pass up to this many samples is tabulated once per epoch
 
@@ -172,7 +181,10 @@ class MixedDataset:
             FeistelPermutation(n, derive_key(self.seed, self.epoch, _name_key(name)))
             for name, n in zip(self.names, self.lengths, strict=True)
         ]
-        return self.epoch, ends, counts, perms, [None] * len(perms)
+        counted = np.asarray(counts, dtype=np.int64)
+        lengths = np.maximum(np.asarray(self.lengths, dtype=np.int64), 1)  # empty: never read
+        arrays = (ends - counted, lengths, counted - counted % lengths)
+        return self.epoch, ends, counts, perms, [None] * len(perms), arrays
 
     def _current(self) -> _Layout:
         layout = self._layout  # one read: thread-safe against a concurrent set_epoch
@@ -183,7 +195,8 @@ class MixedDataset:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_layout"] = (-1, *state["_layout"][1:4], [None] * len(self.names))  # re-made
+        layout = state["_layout"]
+        state["_layout"] = (-1, *layout[1:4], [None] * len(self.names), layout[5])  # re-made
         return state
 
     def set_epoch(self, epoch: int) -> None:
@@ -209,28 +222,22 @@ class MixedDataset:
         if idx.size and (idx.min() < 0 or idx.max() >= n):
             bad = idx[(idx < 0) | (idx >= n)][0]
             raise IndexError(f"index {int(bad)} is out of range for MixedDataset of length {n}")
-        _, ends, counts, perms, tables = self._current()
+        _, ends, counts, perms, tables, (starts, lengths, whole) = self._current()
         member = np.searchsorted(ends, idx, side="right")
-        local = idx - (ends[member] - np.asarray(counts, np.int64)[member])
-        sample = np.empty_like(local)
-        for k in np.unique(member).tolist():
-            sel = member == k
-            size, count = self.lengths[k], counts[k]
-            pos = local[sel]
-            if count % size == 0:  # whole passes only: every sample equally often
-                sample[sel] = pos % size
-                continue
-            partial = pos >= count - count % size  # the last, partial pass: a random subset
-            res = pos % size
-            extra = count % size
-            if extra <= _TABLE_MAX:  # one evaluation per epoch, then a lookup per batch
-                table = tables[k]
-                if table is None:
-                    table = tables[k] = perms[k](np.arange(extra, dtype=np.int64))
-                res[partial] = table[res[partial]]
-            else:
-                res[partial] = perms[k](res[partial])
-            sample[sel] = res
+        local = idx - starts[member]
+        sample = local % lengths[member]
+        partial = local >= whole[member]  # in the last, partial pass: a random subset
+        if partial.any():
+            for k in np.flatnonzero(np.bincount(member[partial])).tolist():
+                sel = partial & (member == k)
+                extra = counts[k] % self.lengths[k]
+                if extra <= _TABLE_MAX:  # one evaluation per epoch, then a lookup per batch
+                    table = tables[k]
+                    if table is None:
+                        table = tables[k] = perms[k](np.arange(extra, dtype=np.int64))
+                    sample[sel] = table[sample[sel]]
+                else:
+                    sample[sel] = perms[k](sample[sel])
         return member, sample
 
     def __getitem__(self, index: int) -> Any:
@@ -252,10 +259,14 @@ class MixedDataset:
 
     def read_batch(self, indices: Sequence[int] | np.ndarray, out: Any = None) -> Any:
         """``default_collate([self[i] for i in indices])``: one ``read_batch`` per member."""
+        member, sample = self.locate(indices)
+        present = np.flatnonzero(np.bincount(member)).tolist() if member.size else [0]
+        members = [self.datasets[name] for name in self.names]
+        fast = one_take(members, present, member, sample, out)
+        if fast is not None:  # fixed records of memmap members: one gather, no merge
+            return fast
         from feedpipe.datasets._mixed_merge import fill_out, merge_parts
 
-        member, sample = self.locate(indices)
-        present = np.unique(member).tolist() if member.size else [0]
         parts: list[tuple[np.ndarray, Any]] = []
         for k in present:
             pos = np.flatnonzero(member == k)
