@@ -99,6 +99,7 @@ class ShardSpace:
         # row of global index g is g + delta[sid(g)]
         self._delta = (self._offset // self._rb - starts[:-1]).astype(np.int64)
         self._mapped = np.zeros(len(self._paths), bool)
+        self._complete = False  # every shard mapped (none is ever unmapped but by close)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._active = 0
@@ -148,25 +149,39 @@ class ShardSpace:
         """Bytes per row of this space."""
         return self._rb
 
-    def rows(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(sid, rows)`` of global records ``idx`` (checked by the caller), every shard they
-        touch mapped: record ``idx[j]`` is ``rows[j] * record_bytes`` bytes from address 0
-        (:func:`window` reads several spaces' rows at once). Read them only between
-        :meth:`enter` and :meth:`leave`."""
-        sid, rows = self._local(idx)
-        rows += self.first_row
-        return sid, rows
+    def row_shift(self) -> np.ndarray:
+        """Per shard, what turns a global record index of it into its row counted from address
+        0 (``index + row_shift()[sid]``; record ``i`` lies at ``row * record_bytes``):
+        :func:`window` reads several spaces' rows at once, between :meth:`enter` and
+        :meth:`leave`, after :meth:`ensure`."""
+        shift: np.ndarray = self._delta + self.first_row
+        return shift
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Cumulative record counts of the shards (one more than the shards)."""
+        return self._starts
+
+    def ensure(self, sids: np.ndarray) -> None:
+        """Map (opening and checking each) shards ``sids`` not mapped yet."""
+        if self._complete:
+            return
+        if not self._mapped[sids].all():  # checked outside the lock: threads verify in parallel
+            self._map(self._admit(sids[~self._mapped[sids]].tolist()))
+        self._complete = bool(self._mapped.all())
 
     def _local(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(sid, rows of this space's view)`` of global records ``idx``, shards mapped."""
         if self._one:
-            if not self._mapped[0]:
+            if not self._complete:
                 self._map(self._admit([0]))
+                self._complete = True
             return _ZERO, idx + self._delta[0]
         sid = np.searchsorted(self._starts, idx, side="right") - 1
         rows = idx + self._delta[sid]
-        if not self._mapped[sid].all():  # checked outside the lock: threads verify in parallel
-            self._map(self._admit(np.unique(sid[~self._mapped[sid]]).tolist()))
+        if not self._complete and not self._mapped[sid].all():  # outside the lock: threads
+            self._map(self._admit(np.unique(sid[~self._mapped[sid]]).tolist()))  # verify at once
+            self._complete = bool(self._mapped.all())
         return sid, rows
 
     def enter(self, sid: np.ndarray) -> None:
@@ -237,8 +252,7 @@ class ShardSpace:
                         if got is None or got != self._base + int(self._offset[s]):
                             err = ctypes.get_errno()
                             raise DatasetError(
-                                f"{self._paths[s]}: shard {s} cannot be mapped: "
-                                f"{os.strerror(err)}"
+                                f"{self._paths[s]}: shard {s} cannot be mapped: {os.strerror(err)}"
                             )
                     self._mapped[s] = True
         finally:
@@ -269,7 +283,7 @@ class ShardSpace:
 def window(first_row: int, end_row: int, record_bytes: int) -> np.ndarray:
     """Rows ``[first_row, end_row)`` of ``record_bytes`` bytes counted from address 0, as one
     read-only ``(rows, record_bytes)`` uint8 view: the rows of several spaces of this record size
-    (:meth:`ShardSpace.rows`) at once. Only rows mapped (between :meth:`ShardSpace.enter` and
+    (:meth:`ShardSpace.row_shift`) at once. Only rows mapped (between :meth:`ShardSpace.enter` and
     :meth:`ShardSpace.leave` of their space) may be read; the rest of the range is not."""
     return np.asarray(_Window(first_row * record_bytes, end_row - first_row, record_bytes))
 
@@ -318,9 +332,7 @@ def indices_array(indices: Any, length: int, out_of_range: Callable[[int], str])
     if idx.size == 0:
         return np.empty(0, np.int64)
     if idx.dtype.kind not in "iu" or idx.ndim != 1:
-        raise TypeError(
-            f"indices must be a 1-D sequence of integers, got {idx.dtype} {idx.shape}"
-        )
+        raise TypeError(f"indices must be a 1-D sequence of integers, got {idx.dtype} {idx.shape}")
     if idx.dtype == np.uint64:
         huge = idx > np.iinfo(np.int64).max
         if huge.any():

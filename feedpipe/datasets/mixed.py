@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from feedpipe._permutation import FeistelPermutation, derive_key
+from feedpipe.datasets._mixed_layout import EpochLayout
 from feedpipe.datasets._mixed_take import one_take
 
 __all__ = ["MixedDataset", "mix_counts"]
@@ -63,18 +64,7 @@ def mix_counts(weights: Sequence[float], total: int) -> list[int]:
     return counts
 
 
-# (epoch, range ends, counts, per-member permutations, per-member tables of the partial pass,
-# per-member (range starts, lengths, positions before the partial pass) as arrays)
-_Layout = tuple[
-    int,
-    np.ndarray,
-    list[int],
-    list[FeistelPermutation],
-    list[np.ndarray | None],
-    tuple[np.ndarray, np.ndarray, np.ndarray],
-]
 _MAX_SAMPLES = (1 << 63) - 1  # len() and the int64 positions hold no more
-_TABLE_MAX = 1 << 22  # a partial pass up to this many samples is tabulated once per epoch
 
 
 def _name_key(name: str) -> int:
@@ -148,7 +138,7 @@ class MixedDataset:
         self.epoch = 0
         # a resumed epoch keeps the counts it was started with (see load_state_dict)
         self._held: tuple[int, list[int]] | None = None
-        self._layout = self._make_layout(self.counts)
+        self._layout: EpochLayout | None = self._make_layout(self.counts)
 
     # ------------------------------------------------------------------ the epoch's layout
     def _check_weights(self, weights: Mapping[str, float] | None) -> list[float]:
@@ -175,28 +165,23 @@ class MixedDataset:
             return list(self._held[1])
         return mix_counts(self.weights, self.epoch_samples)
 
-    def _make_layout(self, counts: list[int]) -> _Layout:
-        ends = np.cumsum(np.asarray(counts, dtype=np.int64))
+    def _make_layout(self, counts: list[int]) -> EpochLayout:
         perms = [
             FeistelPermutation(n, derive_key(self.seed, self.epoch, _name_key(name)))
             for name, n in zip(self.names, self.lengths, strict=True)
         ]
-        counted = np.asarray(counts, dtype=np.int64)
-        lengths = np.maximum(np.asarray(self.lengths, dtype=np.int64), 1)  # empty: never read
-        arrays = (ends - counted, lengths, counted - counted % lengths)
-        return self.epoch, ends, counts, perms, [None] * len(perms), arrays
+        return EpochLayout(self.epoch, counts, self.lengths, perms)
 
-    def _current(self) -> _Layout:
+    def _current(self) -> EpochLayout:
         layout = self._layout  # one read: thread-safe against a concurrent set_epoch
-        if layout[0] != self.epoch:
+        if layout is None or layout.epoch != self.epoch:
             layout = self._make_layout(self.counts)
             self._layout = layout
         return layout
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        layout = state["_layout"]
-        state["_layout"] = (-1, *layout[1:4], [None] * len(self.names), layout[5])  # re-made
+        state["_layout"] = None  # re-made where it is unpickled
         return state
 
     def set_epoch(self, epoch: int) -> None:
@@ -217,28 +202,16 @@ class MixedDataset:
 
     def locate(self, indices: Any) -> tuple[np.ndarray, np.ndarray]:
         """``(member, sample)`` arrays for positions ``indices`` of the current epoch."""
+        return self._current().locate(self._checked(indices))
+
+    def _checked(self, indices: Any) -> np.ndarray:
+        """``indices`` as a 1-D int64 array, each in range (else an ``IndexError``)."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         n = self.epoch_samples
-        if idx.size and (idx.min() < 0 or idx.max() >= n):
+        if idx.size and idx.view(np.uint64).max() >= n:  # negatives look huge
             bad = idx[(idx < 0) | (idx >= n)][0]
             raise IndexError(f"index {int(bad)} is out of range for MixedDataset of length {n}")
-        _, ends, counts, perms, tables, (starts, lengths, whole) = self._current()
-        member = np.searchsorted(ends, idx, side="right")
-        local = idx - starts[member]
-        sample = local % lengths[member]
-        partial = local >= whole[member]  # in the last, partial pass: a random subset
-        if partial.any():
-            for k in np.flatnonzero(np.bincount(member[partial])).tolist():
-                sel = partial & (member == k)
-                extra = counts[k] % self.lengths[k]
-                if extra <= _TABLE_MAX:  # one evaluation per epoch, then a lookup per batch
-                    table = tables[k]
-                    if table is None:
-                        table = tables[k] = perms[k](np.arange(extra, dtype=np.int64))
-                    sample[sel] = table[sample[sel]]
-                else:
-                    sample[sel] = perms[k](sample[sel])
-        return member, sample
+        return idx
 
     def __getitem__(self, index: int) -> Any:
         member, sample = self.locate([int(index)])
@@ -259,14 +232,17 @@ class MixedDataset:
 
     def read_batch(self, indices: Sequence[int] | np.ndarray, out: Any = None) -> Any:
         """``default_collate([self[i] for i in indices])``: one ``read_batch`` per member."""
-        member, sample = self.locate(indices)
-        present = np.flatnonzero(np.bincount(member)).tolist() if member.size else [0]
+        idx = self._checked(indices)
+        layout = self._current()
+        virtual = layout.virtual(idx)
         members = [self.datasets[name] for name in self.names]
-        fast = one_take(members, present, member, sample, out)
+        fast = one_take(members, layout.vbase, virtual, out)
         if fast is not None:  # fixed records of memmap members: one gather, no merge
             return fast
         from feedpipe.datasets._mixed_merge import fill_out, merge_parts
 
+        member, sample = layout.split(virtual)
+        present = np.unique(member).tolist() if member.size else [0]
         parts: list[tuple[np.ndarray, Any]] = []
         for k in present:
             pos = np.flatnonzero(member == k)
