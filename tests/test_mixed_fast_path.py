@@ -190,7 +190,9 @@ def _loader(ds: MixedDataset, workers: int = 0) -> DataLoader:
 
 
 def _start(loader: DataLoader, ds: MixedDataset, epoch: int) -> None:
-    loader.sampler.set_epoch(epoch)
+    sampler = loader.sampler
+    assert isinstance(sampler, DistributedSampler)
+    sampler.set_epoch(epoch)
     ds.set_epoch(epoch)
 
 
