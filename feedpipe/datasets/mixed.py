@@ -17,8 +17,10 @@ The order is the sampler's: the dataset is map-style, so ``shuffle=True`` or
 ``feedpipe.DistributedSampler`` mixes the members, and resume and elastic resume are the
 sampler's arithmetic on ``(seed, epoch, consumed)``. The dataset adds only which epoch it is and
 a digest of the epoch's layout to that state (:meth:`MixedDataset.state_dict`): a few hundred
-bytes whatever the number of members. ``read_batch`` calls each member's ``read_batch`` once
-per batch, with all of that member's indices, and scatters the rows into the batch.
+bytes whatever the number of members. ``read_batch`` reads a batch of fixed-record memmap
+members in one gather over all of their maps (:mod:`._mixed_take`); other members' batches are
+read with one ``read_batch`` per member, with all of that member's indices, and merged into the
+batch (:mod:`._mixed_merge`). The positions' samples: :mod:`._mixed_layout`.
 """
 
 from __future__ import annotations
@@ -231,7 +233,8 @@ class MixedDataset:
         return out
 
     def read_batch(self, indices: Sequence[int] | np.ndarray, out: Any = None) -> Any:
-        """``default_collate([self[i] for i in indices])``: one ``read_batch`` per member."""
+        """``default_collate([self[i] for i in indices])``: one gather (fixed memmap members) or
+        one ``read_batch`` per member, merged."""
         idx = self._checked(indices)
         layout = self._current()
         virtual = layout.virtual(idx)
