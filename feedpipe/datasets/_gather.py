@@ -55,7 +55,18 @@ __all__ = [
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
 _MAX_SPAN = 1 << 44  # address space one dataset may reserve (user space is 128 TiB)
+_HUGE = 2 << 20  # a PMD huge page on x86-64 and arm64 (4 KiB pages)
 _ZERO = np.zeros(1, np.intp)  # the shard of every record of a one-shard space
+
+
+def _unit(record_bytes: int, biggest: int) -> int:
+    """Where shards start in a space: a multiple of this many bytes, a whole number of records
+    and pages; of huge pages too when a shard fills one and that wastes no more than 64 MiB of
+    address space per shard, so the kernel may map its page cache with huge pages (as it aligns
+    a large ``mmap`` of its own choosing): fewer TLB misses on a shuffled gather."""
+    unit = math.lcm(record_bytes, mmap.PAGESIZE)
+    huge = math.lcm(record_bytes, _HUGE)
+    return huge if biggest >= _HUGE and huge <= 32 * _HUGE else unit
 
 
 def map_budget() -> int:
@@ -89,7 +100,7 @@ class ShardSpace:
         self._rb = int(record_bytes)
         if not watch:
             self.guard.watching = False
-        unit = math.lcm(self._rb, mmap.PAGESIZE)
+        unit = _unit(self._rb, max(self._sizes, default=0))
         size_arr = np.asarray(self._sizes, np.int64)
         padded = -(-size_arr // unit) * unit
         self._offset = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64)
@@ -135,7 +146,7 @@ class ShardSpace:
             return None
         if len(paths) > map_budget():
             return None
-        unit = math.lcm(record_bytes, mmap.PAGESIZE)
+        unit = _unit(record_bytes, max(sizes, default=0))
         if sum(-(-int(s) // unit) * unit for s in sizes) > _MAX_SPAN:
             return None
         try:
