@@ -10,6 +10,7 @@ import math
 import mmap
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -126,3 +127,36 @@ def test_a_shard_rewritten_in_place_is_refused_once_every_shard_is_mapped(
     _rewrite(tmp_path / "d" / "shard-00000.data")
     with pytest.raises(DatasetError, match=r"shard-00000\.data: shard 0 file was rewritten"):
         ds.read_batch(everything)
+
+
+def test_big_batches_reuse_memory_only_once_released(tmp_path: Path) -> None:
+    """Batches of 1 MiB or more: a released batch's memory serves a later batch (no fresh
+    pages to fault in); one still referred to (the tensor, a view, a numpy array of it) is
+    never written again."""
+    x = _write(tmp_path / "d", 64, width=4096)  # 16 KiB records: 64 of them are 1 MiB
+    ds = MemmapDataset(tmp_path / "d")
+    every = np.arange(64)
+    first = ds.read_batch(every)
+    where = first.data_ptr()
+    del first
+    again = ds.read_batch(every[::-1].copy())
+    assert again.data_ptr() == where  # reused
+    assert torch.equal(again, torch.from_numpy(x[::-1].copy()))
+    del again
+    refs: list[Any] = [
+        lambda t: t[3:9],  # a torch view
+        lambda t: t.numpy(),  # a numpy array of it
+        lambda t: t[5].numpy()[::2],  # a numpy view of a row
+    ]
+    for ref_of in refs:
+        batch = ds.read_batch(every)
+        where = batch.data_ptr()
+        ref = ref_of(batch)
+        want = torch.as_tensor(ref).clone()
+        del batch
+        newer = [ds.read_batch(np.roll(every, j)) for j in range(1, 9)]  # more than the pool
+        assert all(b.data_ptr() != where for b in newer)
+        assert torch.equal(torch.as_tensor(ref), want)
+        del newer, ref
+    small = ds.read_batch([1, 2])  # under 1 MiB: plain new memory
+    assert torch.equal(small, torch.from_numpy(x[[1, 2]]))

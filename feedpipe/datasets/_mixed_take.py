@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from feedpipe.datasets._batch_pool import BatchPool
 from feedpipe.datasets._gather import ShardSpace, window
 
 __all__ = ["one_take"]
@@ -67,6 +68,7 @@ class _Spans:
                 space.leave()
 
 
+_POOL = BatchPool()  # new batches' memory, reused once released
 _SPANS: dict[tuple[ShardSpace, ...], _Spans] = {}  # per process: the members' maps -> table
 
 
@@ -114,7 +116,7 @@ def one_take(
         return None
     first = members[0]
     if out is None:
-        arr = np.empty((n, *first.shape), first.dtype)
+        arr = _POOL.empty((n, *first.shape), first.dtype)
         dest = torch.from_numpy(arr)
     else:
         fit = _fits(out, n, first.shape, first.dtype)
