@@ -9,6 +9,9 @@ indices:
 - ``loader``: ``feedpipe.DataLoader(ds, batch_size=..., shuffle=True, num_workers=0)``, which
   reads through ``read_batch`` and draws its own shuffled order (same size and count).
 
+Every variant holds its batch until the next one is made, as a training loop does (so a new
+batch never lands in the memory the previous one just freed).
+
 The page cache is warm (every file read once first). Each repetition runs every variant for
 ``--epochs`` epochs, interleaved, and times it by wall clock and by this thread's CPU time (the
 machine may be shared: CPU time is what other tenants disturb least). Printed: samples/s,
@@ -59,23 +62,30 @@ def _variants(mm: np.memmap, ds: MemmapDataset, n: int, batch: int) -> dict[str,
     loader = DataLoader(ds, batch_size=batch, shuffle=True, num_workers=0)
 
     def take(epochs: int) -> int:
-        done = 0
+        done, batch_of = 0, None
         for _ in range(epochs):
             perm = rng.permutation(n)
             for a in range(0, n, batch):
-                done += len(torch.from_numpy(np.take(mm, perm[a : a + batch], axis=0)))
+                # held until the next one is made, as a training loop holds its batch
+                batch_of = torch.from_numpy(np.take(mm, perm[a : a + batch], axis=0))
+                done += len(batch_of)
         return done
 
     def read_batch(epochs: int) -> int:
-        done = 0
+        done, batch_of = 0, None
         for _ in range(epochs):
             perm = rng.permutation(n)
             for a in range(0, n, batch):
-                done += len(ds.read_batch(perm[a : a + batch]))
+                batch_of = ds.read_batch(perm[a : a + batch])
+                done += len(batch_of)
         return done
 
     def through_loader(epochs: int) -> int:
-        return sum(len(b) for _ in range(epochs) for b in loader)
+        done = 0
+        for _ in range(epochs):
+            for batch_of in loader:
+                done += len(batch_of)
+        return done
 
     return {"np.take": take, "read_batch": read_batch, "loader": through_loader}
 
