@@ -260,3 +260,20 @@ def test_threads_read_the_same_batches(fixed_members: dict[str, MemmapDataset]) 
     for t in threads:
         t.join(timeout=60)
     assert not errors and not any(t.is_alive() for t in threads)
+
+
+def test_resume_with_old_weights_in_the_epoch_already_selected(
+    fixed_members: dict[str, MemmapDataset],
+) -> None:
+    """Found: a dataset made with new weights, resuming a state of its current epoch (0) with
+    the old weights, reported the old counts but kept reading the new layout. Now the resumed
+    epoch reads the old weights' layout, as the reference gives it."""
+    old = {"web": 0.2, "code": 0.4, "books": 0.4}
+    state = MixedDataset(fixed_members, weights=old, seed=3, epoch_samples=TOTAL).state_dict()
+    ds = MixedDataset(fixed_members, weights=WEIGHTS, seed=3, epoch_samples=TOTAL)
+    ds.read_batch([0, 1])  # the new weights' layout is in use
+    ds.load_state_dict(state, weights=old)
+    want = _reference(SIZES, old, 3, 0, TOTAL)
+    assert ds.counts == mix_counts([old[n] for n in SIZES], TOTAL)
+    _check_fixed(ds.read_batch(np.arange(TOTAL)), fixed_members, want)
+    assert [ds.locate([i])[0][0] for i in (0, TOTAL - 1)] == [0, 2]

@@ -313,6 +313,7 @@ class MixedDataset:
             )
         self.epoch = epoch
         self._held = (epoch, old)
+        self._layout = None  # re-made with the held counts (also when the epoch is the same)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}={c}" for n, c in zip(self.names, self.counts, strict=True))
