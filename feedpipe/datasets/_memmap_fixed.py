@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from feedpipe.datasets._batch_pool import BatchPool
 from feedpipe.datasets._gather import ROW_COPY_MIN, inverse, scratch
 from feedpipe.datasets._memmap_columns import check_out
 from feedpipe.datasets._memmap_open import OpenShard, ShardFiles
@@ -51,6 +52,7 @@ class FixedRecords:
         self.files, self.shape, self.dtype = files, shape, dtype
         self.record_bytes, self.read = record_bytes, read
         self._tls = threading.local()  # per-thread scratch for gathers spanning shards
+        self._pool = BatchPool()  # new batches' memory, reused once released
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_tls": None}
@@ -66,12 +68,14 @@ class FixedRecords:
         if isinstance(out, torch.Tensor) and out.is_cuda:
             return self.dma(idx, out)
         if out is None:
-            dest = torch.from_numpy(np.empty((n, *self.shape), self.dtype))
+            arr = self._pool.empty((n, *self.shape), self.dtype)
+            dest = torch.from_numpy(arr)
         else:
             dest = check_out(out, n, self.shape, self.dtype, "data")
+            arr = dest.numpy()
         if n == 0 or rb == 0:
             return dest
-        flat = dest.numpy().reshape(n, -1).view(np.uint8)
+        flat = arr.reshape(n, -1).view(np.uint8)
         space = self.files.space()
         if space is not None:  # every shard in one range: one gather, however many it touches
             space.take(idx, flat)

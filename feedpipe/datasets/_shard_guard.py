@@ -39,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import select
 import stat
 import struct
 import threading
@@ -316,6 +317,9 @@ class _Watcher:
             self.fd = -1
         # re-entrant: a dataset collected during drain() (its __del__ closes) removes watches
         self._lock = threading.RLock()
+        self._poll = select.poll()  # used under the lock (one poll() at a time)
+        if self.fd >= 0:
+            self._poll.register(self.fd, select.POLLIN)
         self._owners: dict[int, list[tuple[list[int], int]]] = {}  # wd -> (dirty list, shard)
 
     def add(self, path: str, dirty: list[int], sid: int) -> int:
@@ -339,8 +343,11 @@ class _Watcher:
                     _lib().inotify_rm_watch(self.fd, wd)
 
     def drain(self) -> None:
-        """Read the pending events (one system call when there are none)."""
+        """Read the pending events (one ``poll`` when there are none: cheaper than a read
+        that fails)."""
         with self._lock:
+            if not self._poll.poll(0):
+                return
             while True:
                 try:
                     buf = os.read(self.fd, 64 << 10)
@@ -360,6 +367,8 @@ class _Watcher:
                             dirty.append(sid)
 
     def close(self) -> None:
+        if self.fd >= 0:
+            self._poll.unregister(self.fd)
         self.fd = close_fd(self.fd)
 
 

@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from feedpipe.datasets._gather import indices_array
+from feedpipe.datasets._gather import ShardSpace, indices_array
 from feedpipe.datasets._memmap_columns import ColumnReader
 from feedpipe.datasets._memmap_files import VERIFY_MODES, ShardSource, verify_files
 from feedpipe.datasets._memmap_fixed import FixedRecords
@@ -170,6 +170,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             source, kind=self.kind, read=read, starts=starts, record_bytes=self._record_bytes
         )
         self._columns = ColumnReader(self._files, self.fields, self._var_cols, pad_value)
+        self._plain = self.kind == "fixed" and not self.fields  # a batch is one gather
         self._fixed = FixedRecords(
             self._files,
             shape=self.shape,
@@ -287,6 +288,8 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         """
         idx = self._normalize(indices)
         self._plan_started(idx)
+        if self._plain and self.transform is None and self.batch_transform is None:
+            return self._fixed.gather(idx, out.get("data") if isinstance(out, dict) else out)
         if self.transform is not None:
             batch = self._transformed(idx)
         else:
@@ -351,6 +354,14 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         ragged = [c.name for c in cols if c.kind == "ragged"]
         listed = [c.name for c in cols if c.kind != "ragged"]
         return collate_ragged(samples, ragged, self.ragged, self.pad_value, listed, example=example)
+
+    def record_space(self) -> ShardSpace | None:
+        """The one-range map a batch is gathered from in one ``np.take``, when it is (local fixed
+        records, no side fields, no transform, ``read`` not ``"pread"``): a
+        :class:`feedpipe.MixedDataset` of such members reads a batch in one gather over theirs."""
+        if not self._plain or self.transform is not None or self.batch_transform is not None:
+            return None
+        return self._files.space()
 
     # ------------------------------------------------------------------ device feed
     def dma_blocker(self) -> str | None:

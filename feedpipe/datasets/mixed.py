@@ -17,8 +17,10 @@ The order is the sampler's: the dataset is map-style, so ``shuffle=True`` or
 ``feedpipe.DistributedSampler`` mixes the members, and resume and elastic resume are the
 sampler's arithmetic on ``(seed, epoch, consumed)``. The dataset adds only which epoch it is and
 a digest of the epoch's layout to that state (:meth:`MixedDataset.state_dict`): a few hundred
-bytes whatever the number of members. ``read_batch`` calls each member's ``read_batch`` once
-per batch, with all of that member's indices, and scatters the rows into the batch.
+bytes whatever the number of members. ``read_batch`` reads a batch of fixed-record memmap
+members in one gather over all of their maps (:mod:`._mixed_take`); other members' batches are
+read with one ``read_batch`` per member, with all of that member's indices, and merged into the
+batch (:mod:`._mixed_merge`). The positions' samples: :mod:`._mixed_layout`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from typing import Any
 import numpy as np
 
 from feedpipe._permutation import FeistelPermutation, derive_key
+from feedpipe.datasets._mixed_layout import EpochLayout
+from feedpipe.datasets._mixed_take import one_take
 
 __all__ = ["MixedDataset", "mix_counts"]
 
@@ -62,10 +66,7 @@ def mix_counts(weights: Sequence[float], total: int) -> list[int]:
     return counts
 
 
-# (epoch, range ends, counts, per-member permutations, per-member tables of the partial pass)
-_Layout = tuple[int, np.ndarray, list[int], list[FeistelPermutation], list[np.ndarray | None]]
 _MAX_SAMPLES = (1 << 63) - 1  # len() and the int64 positions hold no more
-_TABLE_MAX = 1 << 22  # a partial pass up to this many samples is tabulated once per epoch
 
 
 def _name_key(name: str) -> int:
@@ -139,7 +140,7 @@ class MixedDataset:
         self.epoch = 0
         # a resumed epoch keeps the counts it was started with (see load_state_dict)
         self._held: tuple[int, list[int]] | None = None
-        self._layout = self._make_layout(self.counts)
+        self._layout: EpochLayout | None = self._make_layout(self.counts)
 
     # ------------------------------------------------------------------ the epoch's layout
     def _check_weights(self, weights: Mapping[str, float] | None) -> list[float]:
@@ -166,24 +167,23 @@ class MixedDataset:
             return list(self._held[1])
         return mix_counts(self.weights, self.epoch_samples)
 
-    def _make_layout(self, counts: list[int]) -> _Layout:
-        ends = np.cumsum(np.asarray(counts, dtype=np.int64))
+    def _make_layout(self, counts: list[int]) -> EpochLayout:
         perms = [
             FeistelPermutation(n, derive_key(self.seed, self.epoch, _name_key(name)))
             for name, n in zip(self.names, self.lengths, strict=True)
         ]
-        return self.epoch, ends, counts, perms, [None] * len(perms)
+        return EpochLayout(self.epoch, counts, self.lengths, perms)
 
-    def _current(self) -> _Layout:
+    def _current(self) -> EpochLayout:
         layout = self._layout  # one read: thread-safe against a concurrent set_epoch
-        if layout[0] != self.epoch:
+        if layout is None or layout.epoch != self.epoch:
             layout = self._make_layout(self.counts)
             self._layout = layout
         return layout
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_layout"] = (-1, *state["_layout"][1:4], [None] * len(self.names))  # re-made
+        state["_layout"] = None  # re-made where it is unpickled
         return state
 
     def set_epoch(self, epoch: int) -> None:
@@ -204,34 +204,16 @@ class MixedDataset:
 
     def locate(self, indices: Any) -> tuple[np.ndarray, np.ndarray]:
         """``(member, sample)`` arrays for positions ``indices`` of the current epoch."""
+        return self._current().locate(self._checked(indices))
+
+    def _checked(self, indices: Any) -> np.ndarray:
+        """``indices`` as a 1-D int64 array, each in range (else an ``IndexError``)."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         n = self.epoch_samples
-        if idx.size and (idx.min() < 0 or idx.max() >= n):
+        if idx.size and idx.view(np.uint64).max() >= n:  # negatives look huge
             bad = idx[(idx < 0) | (idx >= n)][0]
             raise IndexError(f"index {int(bad)} is out of range for MixedDataset of length {n}")
-        _, ends, counts, perms, tables = self._current()
-        member = np.searchsorted(ends, idx, side="right")
-        local = idx - (ends[member] - np.asarray(counts, np.int64)[member])
-        sample = np.empty_like(local)
-        for k in np.unique(member).tolist():
-            sel = member == k
-            size, count = self.lengths[k], counts[k]
-            pos = local[sel]
-            if count % size == 0:  # whole passes only: every sample equally often
-                sample[sel] = pos % size
-                continue
-            partial = pos >= count - count % size  # the last, partial pass: a random subset
-            res = pos % size
-            extra = count % size
-            if extra <= _TABLE_MAX:  # one evaluation per epoch, then a lookup per batch
-                table = tables[k]
-                if table is None:
-                    table = tables[k] = perms[k](np.arange(extra, dtype=np.int64))
-                res[partial] = table[res[partial]]
-            else:
-                res[partial] = perms[k](res[partial])
-            sample[sel] = res
-        return member, sample
+        return idx
 
     def __getitem__(self, index: int) -> Any:
         member, sample = self.locate([int(index)])
@@ -251,10 +233,18 @@ class MixedDataset:
         return out
 
     def read_batch(self, indices: Sequence[int] | np.ndarray, out: Any = None) -> Any:
-        """``default_collate([self[i] for i in indices])``: one ``read_batch`` per member."""
+        """``default_collate([self[i] for i in indices])``: one gather (fixed memmap members) or
+        one ``read_batch`` per member, merged."""
+        idx = self._checked(indices)
+        layout = self._current()
+        virtual = layout.virtual(idx)
+        members = [self.datasets[name] for name in self.names]
+        fast = one_take(members, layout.vbase, virtual, out)
+        if fast is not None:  # fixed records of memmap members: one gather, no merge
+            return fast
         from feedpipe.datasets._mixed_merge import fill_out, merge_parts
 
-        member, sample = self.locate(indices)
+        member, sample = layout.split(virtual)
         present = np.unique(member).tolist() if member.size else [0]
         parts: list[tuple[np.ndarray, Any]] = []
         for k in present:
@@ -323,6 +313,7 @@ class MixedDataset:
             )
         self.epoch = epoch
         self._held = (epoch, old)
+        self._layout = None  # re-made with the held counts (also when the epoch is the same)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}={c}" for n, c in zip(self.names, self.counts, strict=True))

@@ -1,0 +1,128 @@
+"""One gather for a :class:`~feedpipe.datasets.mixed.MixedDataset` batch of fixed-size records.
+
+When every member is a :class:`~feedpipe.MemmapDataset` whose batch is one gather from its
+one-range map (``record_space()``: local fixed records, no side fields, no transform) and all
+have the same record shape and dtype, a batch is read with one ``np.take`` straight into the
+output, whatever the number of members and shards. Each member's records are numbered after
+the previous members' (a *virtual* index: ``member_start + sample``); the members' shards side
+by side are one table (:class:`_Spans`), so one ``searchsorted`` finds every record's shard and
+one add its row. Every map is aligned to its record size, so the rows of all of them are rows
+of one window over the address space (:func:`~._gather.window`), read in one ``np.take``: each
+record is copied once, into its row of the batch. Each member's shards touched are mapped and
+checked by its own guard first (:meth:`ShardSpace.ensure`, :meth:`ShardSpace.enter`), as its
+own ``read_batch`` does.
+
+Anything else (other layouts or members, a CUDA or an ill-fitting ``out``) returns ``None``:
+the caller reads member by member and merges (:mod:`._mixed_merge`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from feedpipe.datasets._batch_pool import BatchPool
+from feedpipe.datasets._gather import ShardSpace, window
+
+__all__ = ["one_take"]
+
+
+class _Spans:
+    """The members' maps (``spaces``, member ``k``'s records numbered from ``vbase[k]``) as one
+    table of shards, and one window over all of them."""
+
+    def __init__(self, spaces: list[ShardSpace], vbase: np.ndarray) -> None:
+        self.spaces = spaces
+        counts = [len(s.starts) - 1 for s in spaces]
+        self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.starts = np.concatenate(
+            [s.starts[:-1] + v for s, v in zip(spaces, vbase.tolist(), strict=True)]
+        )
+        self.first = min(s.first_row for s in spaces)
+        self.view = window(self.first, max(s.end_row for s in spaces), spaces[0].record_bytes)
+        self.shift = np.concatenate(
+            [s.row_shift() - v - self.first for s, v in zip(spaces, vbase.tolist(), strict=True)]
+        )
+
+    def take(self, virtual: np.ndarray, flat: np.ndarray) -> None:
+        """Records ``virtual`` into ``flat`` (``(n, record_bytes)`` uint8), in one gather."""
+        shard = np.searchsorted(self.starts, virtual, side="right")
+        shard -= 1
+        rows = virtual + self.shift[shard]
+        touched = np.zeros(int(self.offsets[-1]), bool)
+        touched[shard] = True
+        entered: list[ShardSpace] = []
+        try:
+            for k, space in enumerate(self.spaces):
+                sids = np.flatnonzero(touched[self.offsets[k] : self.offsets[k + 1]])
+                if sids.size:
+                    space.ensure(sids)
+                    space.enter(sids)
+                    entered.append(space)
+            np.take(self.view, rows, axis=0, out=flat, mode="clip")
+        finally:
+            for space in entered:
+                space.leave()
+
+
+_POOL = BatchPool()  # new batches' memory, reused once released
+_SPANS: dict[tuple[ShardSpace, ...], _Spans] = {}  # per process: the members' maps -> table
+
+
+def _spans(members: Sequence[Any], vbase: np.ndarray) -> _Spans | None:
+    """The table of the members' maps, when each has one and all hold one record type."""
+    spaces = []
+    for ds in members:
+        get = getattr(ds, "record_space", None)
+        space = get() if callable(get) else None
+        if space is None:
+            return None
+        spaces.append(space)
+    key = tuple(spaces)  # by identity; the table holds them: no id is reused meanwhile
+    spans = _SPANS.get(key)
+    if spans is None:
+        first = members[0]
+        if any(ds.shape != first.shape or ds.dtype != first.dtype for ds in members):
+            return None
+        if len(_SPANS) > 64:
+            _SPANS.clear()
+        spans = _SPANS[key] = _Spans(spaces, vbase)
+    return spans
+
+
+def _fits(out: Any, n: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> torch.Tensor | None:
+    """``out``'s first ``n`` rows when they are a contiguous CPU tensor of ``dtype`` with rows
+    of ``shape``, else None."""
+    if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or out.ndim == 0:
+        return None
+    want = torch.from_numpy(np.empty(0, dtype)).dtype
+    if out.dtype != want or tuple(out.shape[1:]) != tuple(shape):
+        return None
+    view = out[:n]
+    return view if view.shape[0] == n and view.is_contiguous() else None
+
+
+def one_take(
+    members: Sequence[Any], vbase: np.ndarray, virtual: np.ndarray, out: Any
+) -> torch.Tensor | None:
+    """The batch of records ``virtual`` (member ``k``'s sample ``i`` is ``vbase[k] + i``) in one
+    gather, into a new tensor or ``out``; None where that cannot be had."""
+    n = len(virtual)
+    spans = _spans(members, vbase) if n else None
+    if spans is None:
+        return None
+    first = members[0]
+    if out is None:
+        arr = _POOL.empty((n, *first.shape), first.dtype)
+        dest = torch.from_numpy(arr)
+    else:
+        fit = _fits(out, n, first.shape, first.dtype)
+        if fit is None:
+            return None  # the merge fills (or refuses) it, as ever
+        dest, arr = fit, fit.numpy()
+    if arr.size:
+        spans.take(virtual, arr.reshape(n, -1).view(np.uint8))
+    return dest

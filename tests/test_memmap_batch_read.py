@@ -1,0 +1,162 @@
+"""MemmapDataset's batched read of fixed records with no workers (issue 28): the short path
+(plain fixed records straight to one gather) gives what per-sample reads give for every kind of
+index and ``out``, keeps every check (bounds, a shard rewritten in place, before and after
+every shard is mapped), and a transform set after opening still applies; every one-range map
+is aligned to its record size (what lets a MixedDataset read its members in one gather)."""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from feedpipe import MemmapDataset, MemmapWriter
+from feedpipe.errors import DatasetError
+
+
+def _write(path: Path, n: int, width: int = 6, shard_bytes: int = 1 << 30) -> np.ndarray:
+    x = np.arange(n * width, dtype=np.int32).reshape(n, width) * 3 - 5
+    with MemmapWriter(path, shape=(width,), dtype="int32", shard_bytes=shard_bytes) as w:
+        w.append_batch(x)
+    return x
+
+
+@pytest.mark.parametrize("shard_bytes", [1 << 30, 200])
+def test_batches_equal_per_sample_reads_for_every_kind_of_index(
+    tmp_path: Path, shard_bytes: int
+) -> None:
+    x = _write(tmp_path / "d", 50, shard_bytes=shard_bytes)
+    ds = MemmapDataset(tmp_path / "d")
+    picks = [7, 0, 49, 7, -1, -50, 23]
+    want = torch.from_numpy(x[picks])
+    for idx in (
+        picks,
+        np.array(picks, np.int64),
+        np.array(picks, np.int32),
+        torch.tensor(picks),
+    ):
+        got = ds.read_batch(idx)
+        assert torch.equal(got, want)
+        assert torch.equal(got, torch.stack([ds[i] for i in picks]))
+    positive = np.array([p % 50 for p in picks], np.uint64)
+    assert torch.equal(ds.read_batch(positive), want)
+    assert ds.read_batch([]).shape == (0, 6)
+
+
+def test_out_tensor_and_dict_are_filled(tmp_path: Path) -> None:
+    x = _write(tmp_path / "d", 30)
+    ds = MemmapDataset(tmp_path / "d")
+    out = torch.full((8, 6), 99, dtype=torch.int32)
+    got = ds.read_batch([3, 1, 2], out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(out[:3], torch.from_numpy(x[[3, 1, 2]]))
+    assert (out[3:] == 99).all()
+    got = ds.read_batch([29, 0], out={"data": out})
+    assert torch.equal(got, torch.from_numpy(x[[29, 0]]))
+    with pytest.raises(ValueError, match="out"):
+        ds.read_batch([0, 1], out=torch.empty((2, 6), dtype=torch.float32))
+
+
+@pytest.mark.parametrize(
+    "bad", [[30], [-31], np.array([2**63 + 5], np.uint64), np.array([0, 40], np.int32)]
+)
+def test_out_of_range_indices_are_refused(tmp_path: Path, bad: object) -> None:
+    _write(tmp_path / "d", 30)
+    with pytest.raises(IndexError, match="out of range"):
+        MemmapDataset(tmp_path / "d").read_batch(bad)  # type: ignore[arg-type]
+
+
+def test_a_transform_set_after_opening_applies(tmp_path: Path) -> None:
+    x = _write(tmp_path / "d", 10)
+    ds = MemmapDataset(tmp_path / "d")
+    assert ds.record_space() is not None
+    ds.batch_transform = lambda b: b + 1
+    assert torch.equal(ds.read_batch([1, 2]), torch.from_numpy(x[[1, 2]] + 1))
+    assert ds.record_space() is None  # a MixedDataset then reads it through read_batch
+    ds.batch_transform = None
+    ds.transform = lambda s: s * 2
+    assert torch.equal(ds.read_batch([4]), torch.from_numpy(x[[4]] * 2))
+
+
+def test_record_space_only_where_a_batch_is_one_gather(tmp_path: Path) -> None:
+    _write(tmp_path / "d", 10)
+    assert MemmapDataset(tmp_path / "d").record_space() is not None
+    assert MemmapDataset(tmp_path / "d", read="pread").record_space() is None
+    with MemmapWriter(tmp_path / "f", shape=(2,), dtype="int32", fields={"y": "int64"}) as w:
+        w.append_batch(np.zeros((4, 2), np.int32), y=np.arange(4))
+    assert MemmapDataset(tmp_path / "f").record_space() is None
+
+
+@pytest.mark.parametrize("record_bytes", [12, 4096, 3 * 4096 + 4, 8192])
+def test_every_map_is_aligned_to_its_record_size(tmp_path: Path, record_bytes: int) -> None:
+    width = record_bytes // 4
+    x = _write(tmp_path / "d", 5, width=width, shard_bytes=2 * record_bytes)
+    ds = MemmapDataset(tmp_path / "d")
+    space = ds.record_space()
+    assert space is not None
+    assert torch.equal(ds.read_batch([4, 0, 2]), torch.from_numpy(x[[4, 0, 2]]))
+    assert (space.first_row * record_bytes) % math.lcm(record_bytes, mmap.PAGESIZE) == 0
+    assert space.end_row - space.first_row >= len(x)
+
+
+def _rewrite(shard: Path) -> None:
+    st = shard.stat()
+    with open(shard, "r+b") as f:  # other bytes, same size
+        f.write(b"\x7f" * 16)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # coarse-mtime filesystems
+
+
+@pytest.mark.parametrize("shard_bytes", [1 << 30, 240])
+def test_a_shard_rewritten_in_place_is_refused_once_every_shard_is_mapped(
+    tmp_path: Path, shard_bytes: int
+) -> None:
+    """Shards are mapped as batches first touch them (then no more per-batch mapping work);
+    the check of changed files still runs on every batch."""
+    x = _write(tmp_path / "d", 40, shard_bytes=shard_bytes)
+    ds = MemmapDataset(tmp_path / "d")
+    assert torch.equal(ds.read_batch([0]), torch.from_numpy(x[[0]]))  # first shard only
+    assert torch.equal(ds.read_batch([39, 20, 1]), torch.from_numpy(x[[39, 20, 1]]))
+    everything = np.arange(40)
+    assert torch.equal(ds.read_batch(everything), torch.from_numpy(x))
+    _rewrite(tmp_path / "d" / "shard-00000.data")
+    with pytest.raises(DatasetError, match=r"shard-00000\.data: shard 0 file was rewritten"):
+        ds.read_batch(everything)
+
+
+def test_big_batches_reuse_memory_only_once_released(tmp_path: Path) -> None:
+    """Batches of 1 MiB or more: a released batch's memory serves a later batch (no fresh
+    pages to fault in); one still referred to (the tensor, a view, a numpy array of it) is
+    never written again."""
+    x = _write(tmp_path / "d", 64, width=4096)  # 16 KiB records: 64 of them are 1 MiB
+    ds = MemmapDataset(tmp_path / "d")
+    every = np.arange(64)
+    first = ds.read_batch(every)
+    where = first.data_ptr()
+    del first
+    again = ds.read_batch(every[::-1].copy())
+    assert again.data_ptr() == where  # reused
+    assert torch.equal(again, torch.from_numpy(x[::-1].copy()))
+    del again
+    refs: list[Any] = [
+        lambda t: t[3:9],  # a torch view
+        lambda t: t.numpy(),  # a numpy array of it
+        lambda t: t[5].numpy()[::2],  # a numpy view of a row
+    ]
+    for ref_of in refs:
+        batch = ds.read_batch(every)
+        where = batch.data_ptr()
+        ref = ref_of(batch)
+        want = torch.as_tensor(ref).clone()
+        del batch
+        newer = [ds.read_batch(np.roll(every, j)) for j in range(1, 9)]  # more than the pool
+        assert all(b.data_ptr() != where for b in newer)
+        assert torch.equal(torch.as_tensor(ref), want)
+        del newer, ref
+    small = ds.read_batch([1, 2])  # under 1 MiB: plain new memory
+    assert torch.equal(small, torch.from_numpy(x[[1, 2]]))
