@@ -132,6 +132,8 @@ class WorkerSources:
         # keeps its dataset copy, as persistent worker processes do
         last = self._kept
         kept = last[0] if last is not None and persistent and not last[1] else None
+        if kept is not None:  # a tuned pool grew or shrank: its first num_workers datasets
+            kept = kept[: loader.num_workers] if len(kept) >= loader.num_workers else None
         if self._rng_watch is None:  # one per loader: its warnings come once per loader
             self._rng_watch = RNGWatch()
         direct = plan.direct is not None
@@ -157,6 +159,9 @@ class WorkerSources:
             skip=plan.skip,
             # in order, batch n is the feed's n-th: workers read it straight into its slot
             out_for=feed.out_for if feed is not None and loader.in_order and not direct else None,
+            # num_workers="auto" resizes the pool online (not with a device feed: its ring is
+            # sized for the pass's workers)
+            tuner=getattr(loader, "tuner", None) if feed is None and not direct else None,
         )
         if persistent:
             self._kept = (pool.datasets, pool.init_failed)

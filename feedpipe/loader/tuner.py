@@ -1,0 +1,299 @@
+"""``Tuner``: ``num_workers="auto"``, ``prefetch_factor="auto"``, ``worker_type="auto"`` decided
+by measurement (docs/autotune.md).
+
+The tuner takes readings from the loader's own stall meter (the loop's wait and step time, the
+worker stages' seconds, batches delivered) and from the CPU clocks (``time.process_time`` less
+the loop thread's ``time.thread_time`` for thread workers; ``getrusage(RUSAGE_CHILDREN)`` for
+worker processes, which count once they are joined), over windows of about
+:attr:`Tuner.window_s`, and hands each window to the pure rule of
+:mod:`feedpipe.loader.tuner_policy`. Thread workers change online (the pool asks
+:meth:`Tuner.online` between deliveries); process workers and a change of worker kind apply at
+the next ``iter()`` (:meth:`Tuner.at_epoch`). Every decision is one line of :attr:`Tuner.log`
+and of the meter's report (``StallMeter.note``), with the figures that caused it.
+
+Which samples make up which batch, and their order, never depend on the settings: the index
+stream draws the batches and the hand-off delivers them in batch order whatever the worker
+count. The tuner reads only this process's clocks and counters: no collective, so no rank waits
+for another's tuning.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch.utils.data as tud
+
+from feedpipe.loader.tuner_policy import Decision, Limits, Reading, Settings, decide
+from feedpipe.stall.stages import WORKER_STAGES
+
+__all__ = [
+    "AUTO",
+    "DEFAULT_CPU_BUDGET",
+    "Tuner",
+    "available_cores",
+    "check_budget",
+    "tuner_for",
+]
+
+AUTO = "auto"
+#: the default share of the cores the workers may use: SPDL's guidance for sharing a host with
+#: a training process and noisy neighbours is to stay under about 40%; at least one core
+DEFAULT_CPU_BUDGET = 0.4
+#: the most thread workers per core (I/O-bound reads overlap many per core)
+THREADS_PER_CORE = 4
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def check_budget(cpu_budget: Any) -> float:
+    """``cpu_budget`` as a share of the cores in (0, 1] (``None``: the default), else an error."""
+    if cpu_budget is None:
+        return DEFAULT_CPU_BUDGET
+    if isinstance(cpu_budget, bool) or not isinstance(cpu_budget, (int, float)):
+        raise TypeError(f"cpu_budget must be a share of the cores in (0, 1], got {cpu_budget!r}")
+    if not 0 < cpu_budget <= 1 or math.isnan(cpu_budget):
+        raise ValueError(
+            f"cpu_budget must be a share of the cores in (0, 1], got {cpu_budget!r} "
+            "(e.g. 0.4: the workers may use 40% of the cores)"
+        )
+    return float(cpu_budget)
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+class _Mark:
+    """The counters at the start of a window."""
+
+    __slots__ = ("at", "batches", "busy", "cpu", "stall", "step")
+
+    def __init__(self, meter: Any, kind: str) -> None:
+        self.at = time.perf_counter()
+        self.stall, self.step, self.batches = meter.stall_s, meter.step_s, meter.batches
+        stage_s = meter.stage_s
+        self.busy = sum(v for k, v in stage_s.items() if k in WORKER_STAGES)
+        self.cpu = _cpu(kind)
+
+
+def _cpu(kind: str) -> float:
+    """CPU seconds of the workers so far: threads other than the caller's, or joined children."""
+    if kind == "thread":
+        return time.process_time() - time.thread_time()
+    return _children_cpu()
+
+
+class Tuner:
+    """The auto settings of one loader, their decision log and the readings behind them."""
+
+    #: the shortest window a decision is taken over (seconds of wall time)
+    window_s = 0.25
+
+    def __init__(  # noqa: PLR0913 - the three auto flags and their starting values
+        self,
+        *,
+        workers: bool,
+        prefetch: bool,
+        kind: bool,
+        start: Settings,
+        cpu_budget: float | None = None,
+        per_sample: bool = False,
+        fixed_workers: bool = False,
+    ) -> None:
+        self.cpu_budget = check_budget(cpu_budget)
+        self.cores = available_cores()
+        self.auto = {"num_workers": workers, "prefetch_factor": prefetch, "worker_type": kind}
+        self.settings = start
+        self._pending: Settings | None = None  # a change waiting for the next epoch boundary
+        budget = self.cpu_budget * self.cores
+        self._limits = Limits(
+            # the default leaves the rest to the training process, but never less than a core
+            budget_cores=max(1.0, budget) if cpu_budget is None else budget,
+            max_workers=1,
+            workers=workers and not fixed_workers,
+            kind=kind,
+            prefetch=prefetch,
+            per_sample=per_sample,
+        )
+        self.log: list[str] = []
+        self._last_reason = ""
+        self._mark: _Mark | None = None
+        self._grew_from: float | None = None
+        self._meter: Any = None
+
+    # ----------------------------------------------------------------------------- reading
+    @property
+    def limits(self) -> Limits:
+        """The budget in cores and the most workers of the current kind."""
+        most = self.cores * (THREADS_PER_CORE if self.settings.kind == "thread" else 1)
+        return replace(self._limits, max_workers=max(1, most))
+
+    def view(self) -> dict[str, Any]:
+        """``loader.tuning``: what is auto, the current settings, the budget and the log."""
+        s = self.settings
+        return {
+            "auto": [k for k, v in self.auto.items() if v],
+            "num_workers": s.workers,
+            "worker_type": s.kind,
+            "prefetch_factor": s.prefetch,
+            "cpu_budget": self.cpu_budget,
+            "budget_cores": self.limits.budget_cores,
+            "pending": None if self._pending is None else dict(vars(self._pending)),
+            "log": list(self.log),
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(vars(self))
+        state["_mark"] = state["_meter"] = None  # a copy measures its own passes
+        return state
+
+    # ---------------------------------------------------------------------------- deciding
+    def begin(self, meter: Any) -> None:
+        """A pass starts (``iter()``): its first window starts now."""
+        self._meter = meter
+        self._mark = _Mark(meter, self.settings.kind) if meter.enabled else None
+
+    def at_epoch(self, meter: Any) -> Settings:
+        """At ``iter()``: the settings for the next pass. Process workers are judged over the
+        whole last pass here; a kind change decided online applies now."""
+        if self.settings.kind == "process" and self._mark is not None and meter is self._meter:
+            self._decide(self._read(meter), online=False)
+        if self._pending is not None:
+            self.settings, self._pending = self._pending, None
+        return self.settings
+
+    def online(self, workers: int) -> Settings | None:
+        """From the thread pool between deliveries: new settings for it now, or None.
+
+        ``workers``: the pool's own count (it may run fewer than the settings, e.g. the
+        direct path's one worker)."""
+        mark, meter = self._mark, self._meter
+        if (
+            mark is None
+            or self._pending is not None
+            or time.perf_counter() - mark.at < self.window_s
+        ):
+            return None
+        reading = self._read(meter)
+        if reading.batches < 4:
+            return None
+        before = self.settings
+        self._decide(reading, online=True)
+        now = self.settings
+        return now if (now.workers, now.prefetch) != (before.workers, before.prefetch) else None
+
+    def _read(self, meter: Any) -> Reading:
+        """The window since the last mark, and a new mark."""
+        mark = self._mark
+        assert mark is not None
+        new = _Mark(meter, self.settings.kind)
+        self._mark = new
+        if new.batches < mark.batches or new.stall < mark.stall:  # the meter was reset
+            return Reading(0.0, 0.0, 0.0, None, 0)
+        cpu = new.cpu - mark.cpu
+        busy = new.busy - mark.busy
+        reading = Reading(
+            wait_s=new.stall - mark.stall,
+            step_s=new.step - mark.step,
+            busy_s=busy,
+            # joined worker processes count in RUSAGE_CHILDREN; live (persistent) ones do not
+            cpu_s=cpu if cpu > 0.05 * busy or self.settings.kind == "thread" else None,
+            batches=new.batches - mark.batches,
+            grew_from=self._grew_from,
+        )
+        self._grew_from = None
+        return reading
+
+    def _decide(self, reading: Reading, *, online: bool) -> None:
+        """Apply :func:`decide` to ``reading``; log what changed (and a stop, once)."""
+        before = self.settings
+        decision = decide(reading, before, self.limits)
+        if decision is None:
+            return
+        now = decision.settings
+        pending = online and now.kind != before.kind
+        if pending:  # processes start at the next epoch boundary
+            self._pending, now = now, before
+        elif now.workers > before.workers:
+            self._grew_from = reading.rate
+        self._note(decision, before, pending=pending)
+        self.settings = now
+
+    def _note(self, decision: Decision, before: Settings, *, pending: bool) -> None:
+        """One log line per change; a decision that keeps the settings only once in a row."""
+        reason_kind = decision.reason.split(":", 1)[0]
+        if decision.settings == before and reason_kind == self._last_reason:
+            return
+        self._last_reason = reason_kind if decision.settings == before else ""
+        line = decision.line(before) + (" (from the next epoch)" if pending else "")
+        self.log.append(line)
+        meter = self._meter
+        if meter is not None and callable(getattr(meter, "note", None)):
+            meter.note(f"tuning: {line}")
+
+
+def _check_args(num_workers: Any, prefetch_factor: Any) -> None:
+    """Clear errors for settings that are neither a count nor ``"auto"``."""
+    if num_workers != AUTO and (isinstance(num_workers, bool) or not isinstance(num_workers, int)):
+        raise ValueError(f"num_workers must be a non-negative int or 'auto', got {num_workers!r}")
+    ok = prefetch_factor is None or prefetch_factor == AUTO
+    if not ok and (isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int)):
+        raise ValueError(
+            f"prefetch_factor must be a positive int, None or 'auto', got {prefetch_factor!r}"
+        )
+
+
+def tuner_for(  # noqa: PLR0913, PLR0917 - the loader's arguments that auto-tuning reads
+    dataset: Any,
+    num_workers: Any,
+    prefetch_factor: Any,
+    worker_type: str,
+    cpu_budget: float | None,
+    contract_kind: str,
+) -> tuple[Tuner | None, int, int | None, str]:
+    """``DataLoader``'s ``"auto"`` arguments resolved: the tuner (None: nothing is auto) and the
+    starting ``num_workers``, ``prefetch_factor`` and ``worker_type`` torch's checks see.
+
+    ``contract_kind``: what ``feedpipe.loader.plan.auto_worker_type`` picks from the dataset's
+    contract (``"process"`` means batches are read per sample in Python). With
+    ``num_workers="auto"`` a map-style dataset starts on one thread worker and moves to
+    processes only when the counters show the GIL holds it back; an ``IterableDataset`` keeps
+    one worker (it shards itself by the worker count: another count would change its batches).
+    """
+    _check_args(num_workers, prefetch_factor)
+    auto_n, auto_p = num_workers == AUTO, prefetch_factor == AUTO
+    if not (auto_n or auto_p):
+        if cpu_budget is not None:
+            raise ValueError("cpu_budget applies only with num_workers or prefetch_factor 'auto'")
+        return None, num_workers, prefetch_factor, worker_type
+    check_budget(cpu_budget)
+    iterable = isinstance(dataset, tud.IterableDataset)
+    kind = worker_type
+    if worker_type == AUTO:
+        kind = "thread" if auto_n and not iterable else contract_kind
+    workers = 1 if auto_n else int(num_workers)
+    if workers == 0:  # no workers: nothing to prefetch, nothing to tune
+        return None, 0, None, kind
+    prefetch = 2 if auto_p or prefetch_factor is None else int(prefetch_factor)
+    tuner = Tuner(
+        workers=auto_n,
+        prefetch=auto_p,
+        kind=auto_n and worker_type == AUTO and not iterable,
+        start=Settings(workers, kind, prefetch),
+        cpu_budget=cpu_budget,
+        per_sample=contract_kind == "process",
+        fixed_workers=iterable,
+    )
+    return tuner, workers, prefetch if auto_p else prefetch_factor, kind
