@@ -70,7 +70,7 @@ from feedpipe.loader.slots import Slots
 from feedpipe.loader.sources import WorkerSources, dataset_epoch
 from feedpipe.loader.state_check import STATE_VERSION, check_state
 from feedpipe.loader.threads import note_iter
-from feedpipe.loader.tuner import Tuner, tuner_for
+from feedpipe.loader.tuner import tuner_for
 from feedpipe.stall import StallMeter, StallStats
 
 __all__ = ["DataLoader", "auto_worker_type", "get_worker_info"]
@@ -85,22 +85,15 @@ _METER_ON = "_meter_enabled"
 class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     """A drop-in ``torch.utils.data.DataLoader`` (same arguments, batches and errors).
 
-    ``num_workers="auto"`` and ``prefetch_factor="auto"`` are chosen by measurement
-    (``feedpipe.loader.tuner``, docs/autotune.md): one worker to start, more while the loop
-    waits for input and the CPU budget holds them; thread workers change online, processes at
-    the next ``iter()``. Batches and their order are those of any fixed setting.
-    ``loader.tuning`` shows the settings and the decision log (also in ``meter.report()``).
-
     Extra keyword-only arguments:
       worker_type: ``"process"`` (torch's workers), ``"thread"`` (a thread pool that calls the
         dataset directly; for GIL-releasing reads) or ``"auto"`` (:func:`auto_worker_type`:
-        threads for a ``read_batch`` dataset with default collation, processes otherwise;
-        with ``num_workers="auto"``, threads until the counters show the GIL holds them back).
-      cpu_budget: with an ``"auto"`` setting, the share of the cores, in (0, 1], the workers
-        may use (default 0.4, at least one core: room for the training process).
+        threads for a ``read_batch`` dataset with default collation, processes otherwise).
         Inside thread workers torch's ``get_worker_info()`` and ``feedpipe.get_worker_info()``
         return the thread's info; there is no per-thread global RNG (``feedpipe.loader.threads``
         warns, docs/migration).
+      cpu_budget: ``num_workers``/``prefetch_factor``/``worker_type="auto"`` are measured
+        (docs/autotune.md, ``loader.tuning``) within this share of the cores (default 0.4).
       meter: a ``feedpipe.StallMeter`` to count into (one is created per loader if None);
         ``loader.meter`` and ``loader.stats`` expose it; ``StallMeter(enabled=False)`` turns
         the counters off (the loader then reads no clock at all).
@@ -157,13 +150,10 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         on_error: str = "raise",
         cpu_budget: float | None = None,
     ) -> None:
-        contract = auto_worker_type(dataset, collate_fn, worker_init_fn)
         # "auto" settings (feedpipe.loader.tuner): torch's checks see the starting values
-        self._tuner, num_workers, prefetch_factor, worker_type = tuner_for(
-            dataset, num_workers, prefetch_factor, worker_type, cpu_budget, contract
-        )
-        if worker_type == "auto":
-            worker_type = contract
+        args = (num_workers, prefetch_factor, worker_type, cpu_budget)
+        tuned = tuner_for(dataset, *args, collate_fn, worker_init_fn)
+        self.tuner, num_workers, prefetch_factor, worker_type = tuned
         # before torch's checks: threads are not processes
         self._options = LoaderOptions(worker_type, on_error, device, prefetch, direct)
         super().__init__(
@@ -274,25 +264,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             super().check_worker_number_rationality()
 
     @property
-    def tuner(self) -> Tuner | None:
-        """The tuner of ``"auto"`` settings (None when none is auto; docs/autotune.md)."""
-        return self._tuner
-
-    @property
     def tuning(self) -> dict[str, Any] | None:
-        """With ``num_workers``/``prefetch_factor="auto"``: which settings are auto, their current
-        values, the CPU budget and the decision log, each line with the figures that caused it
-        (None when none is auto)."""
-        return None if self._tuner is None else self._tuner.view()
-
-    def _apply_tuning(self, tuner: Tuner) -> None:
-        """At ``iter()``: take the tuner's settings for this pass (a change replans)."""
-        settings = tuner.at_epoch(self.meter)
-        self.num_workers = settings.workers
-        if tuner.auto["prefetch_factor"]:
-            self.prefetch_factor = settings.prefetch
-        if settings.kind != self._options.worker_type:
-            self._assign(worker_type=settings.kind)
+        """The ``"auto"`` settings now, the CPU budget and the decision log (``Tuner.view``)."""
+        return None if self.tuner is None else self.tuner.view()
 
     @property
     def stats(self) -> StallStats:
@@ -333,8 +307,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         # for the meter: starting a later pass's workers is input time (no clock when off)
         started = _perf() if self.meter.enabled else None
         note_iter()  # seed draws follow: thread workers' RNG checks must not blame them
-        if self._tuner is not None:
-            self._apply_tuning(self._tuner)
+        if self.tuner is not None:  # this pass's settings (a change replans below)
+            self.tuner.apply(self)
         if settings_of(self) != self._settings:  # torch's settings assigned since the last plan
             self._replan(self._options)
         plan = self._plan
@@ -357,8 +331,6 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             lag=0 if self.in_order else 4 * window + 4,
         )
         len_called = _torch_compat.len_called(self) if own and plan.iterable else None
-        if self._tuner is not None:
-            self._tuner.begin(self.meter)
         kind = SkippingLoaderIter if plan.skip else LoaderIter
         return kind(self, pass_, started, len_called)
 

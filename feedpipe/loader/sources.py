@@ -130,10 +130,7 @@ class WorkerSources:
             self._thread_seeded = True
         # persistent_workers: worker_init_fn runs once (again only if it raised) and each worker
         # keeps its dataset copy, as persistent worker processes do
-        last = self._kept
-        kept = last[0] if last is not None and persistent and not last[1] else None
-        if kept is not None:  # a tuned pool grew or shrank: its first num_workers datasets
-            kept = kept[: loader.num_workers] if len(kept) >= loader.num_workers else None
+        kept = self._kept_datasets(loader.num_workers) if persistent else None
         if self._rng_watch is None:  # one per loader: its warnings come once per loader
             self._rng_watch = RNGWatch()
         direct = plan.direct is not None
@@ -159,13 +156,19 @@ class WorkerSources:
             skip=plan.skip,
             # in order, batch n is the feed's n-th: workers read it straight into its slot
             out_for=feed.out_for if feed is not None and loader.in_order and not direct else None,
-            # num_workers="auto" resizes the pool online (not with a device feed: its ring is
-            # sized for the pass's workers)
-            tuner=getattr(loader, "tuner", None) if feed is None and not direct else None,
+            tuner=_pool_tuner(loader, plan, feed),
         )
         if persistent:
             self._kept = (pool.datasets, pool.init_failed)
         return pool
+
+    def _kept_datasets(self, workers: int) -> list[Any] | None:
+        """Persistent thread workers' datasets from the last pass (None: none, or a
+        ``worker_init_fn`` raised); a pool the tuner grew passes its first ``workers``."""
+        last = self._kept
+        if last is None or last[1] or len(last[0]) < workers:
+            return None
+        return last[0][:workers]
 
     def _processes(self, loader: Any, seeds: SeedSource) -> Any:
         if self.inner is None:
@@ -249,6 +252,15 @@ def pin(loader: Any, plan: LoaderPlan) -> bool:
         )
         return False
     return True
+
+
+def _pool_tuner(loader: Any, plan: LoaderPlan, feed: Prefetcher | None) -> Any:
+    """The tuner that resizes a thread pool online (``num_workers="auto"``): not with a device
+    feed (its ring is sized for the pass's workers) nor an iterable dataset (it shards itself
+    by the worker count)."""
+    if feed is not None or plan.direct is not None or plan.iterable:
+        return None
+    return getattr(loader, "tuner", None)
 
 
 def _feed_window(plan: LoaderPlan) -> int:

@@ -119,12 +119,9 @@ class ThreadWorkers:
         skip: bool = False,
         rng_watch: RNGWatch | None = None,
         datasets: list[Any] | None = None,
-        tuner: Any = None,
+        tuner: Any = None,  # num_workers="auto" (map-style): asked between deliveries (resize)
     ) -> None:
-        self._timeout = timeout
-        # num_workers="auto" (feedpipe.loader.tuner): asked between deliveries for new settings
-        self._tuner = tuner if mode is not Mode.ITERABLE else None
-        self._in_order = in_order
+        self._timeout, self._in_order, self._tuner = timeout, in_order, tuner
         self._results: queue.Queue[tuple[int, int, Any]] = queue.Queue()
         self._shutdown = False
         # the loader's first pass: the first batches' indices are drawn before any worker runs

@@ -3,7 +3,9 @@ by measurement (docs/autotune.md).
 
 The tuner takes readings from the loader's own stall meter (the loop's wait and step time, the
 worker stages' seconds, batches delivered) and from the CPU clocks (``time.process_time`` less
-the loop thread's ``time.thread_time`` for thread workers; ``getrusage(RUSAGE_CHILDREN)`` for
+the loop thread's ``time.thread_time`` for thread workers, or on Linux each worker thread's
+CPU and run-queue wait from ``/proc/self/task/*/schedstat``, so that a host short of cores does
+not pass for a light load; ``getrusage(RUSAGE_CHILDREN)`` for
 worker processes, which count once they are joined), over windows of about
 :attr:`Tuner.window_s`, and hands each window to the pure rule of
 :mod:`feedpipe.loader.tuner_policy`. Thread workers change online (the pool asks
@@ -22,12 +24,14 @@ from __future__ import annotations
 import math
 import os
 import resource
+import threading
 import time
 from dataclasses import replace
 from typing import Any
 
 import torch.utils.data as tud
 
+from feedpipe.loader.plan import auto_worker_type
 from feedpipe.loader.tuner_policy import Decision, Limits, Reading, Settings, decide
 from feedpipe.stall.stages import WORKER_STAGES
 
@@ -88,11 +92,52 @@ class _Mark:
         self.cpu = _cpu(kind)
 
 
-def _cpu(kind: str) -> float:
-    """CPU seconds of the workers so far: threads other than the caller's, or joined children."""
+_TASKS = "/proc/self/task"
+
+
+def _thread_demand() -> dict[int, tuple[float, float]] | None:
+    """Per thread other than the caller: CPU seconds plus seconds spent runnable but waiting for
+    a core (Linux ``schedstat``): what the thread asked of the CPU, which on a busy host is more
+    than it got. None where the OS does not tell."""
+    me = threading.get_native_id()
+    out: dict[int, tuple[float, float]] = {}
+    try:
+        tids = os.listdir(_TASKS)
+        for tid in tids:
+            if int(tid) == me:
+                continue
+            with open(f"{_TASKS}/{tid}/schedstat", "rb") as f:
+                run, wait = f.read().split()[:2]
+            out[int(tid)] = (int(run) / 1e9, int(wait) / 1e9)
+    except (OSError, ValueError):
+        return None
+    return out
+
+
+_Cpu = float | dict[int, tuple[float, float]]
+
+
+def _cpu(kind: str) -> _Cpu:
+    """The workers' CPU so far: per thread (other than the caller's) where the OS tells, else
+    the process's CPU less the caller's; for processes, joined children's."""
     if kind == "thread":
-        return time.process_time() - time.thread_time()
+        demand = _thread_demand()
+        return demand if demand is not None else time.process_time() - time.thread_time()
     return _children_cpu()
+
+
+def _cpu_delta(new: _Cpu, old: _Cpu) -> tuple[float, float]:
+    """(CPU seconds run, plus run-queue wait: the demand) between two readings of
+    :func:`_cpu` (threads gone since count no more)."""
+    if isinstance(new, dict) and isinstance(old, dict):
+        run = wait = 0.0
+        for tid, (r, w) in new.items():
+            r0, w0 = old.get(tid, (0.0, 0.0))
+            run, wait = run + r - r0, wait + w - w0
+        return run, run + wait
+    if isinstance(new, float) and isinstance(old, float):
+        return new - old, new - old
+    return 0.0, 0.0
 
 
 class Tuner:
@@ -101,7 +146,7 @@ class Tuner:
     #: the shortest window a decision is taken over (seconds of wall time)
     window_s = 0.25
 
-    def __init__(  # noqa: PLR0913 - the three auto flags and their starting values
+    def __init__(
         self,
         *,
         workers: bool,
@@ -165,6 +210,18 @@ class Tuner:
         self._meter = meter
         self._mark = _Mark(meter, self.settings.kind) if meter.enabled else None
 
+    def apply(self, loader: Any) -> None:
+        """At ``iter()``: set ``loader``'s ``num_workers``, ``prefetch_factor`` and
+        ``worker_type`` for the pass it starts (:meth:`at_epoch`; a change makes the loader
+        resolve a fresh plan), and start the pass's first window."""
+        settings = self.at_epoch(loader.meter)
+        loader.num_workers = settings.workers
+        if self.auto["prefetch_factor"]:
+            loader.prefetch_factor = settings.prefetch
+        if settings.kind != loader.worker_type:
+            loader.worker_type = settings.kind
+        self.begin(loader.meter)
+
     def at_epoch(self, meter: Any) -> Settings:
         """At ``iter()``: the settings for the next pass. Process workers are judged over the
         whole last pass here; a kind change decided online applies now."""
@@ -186,9 +243,9 @@ class Tuner:
             or time.perf_counter() - mark.at < self.window_s
         ):
             return None
-        reading = self._read(meter)
-        if reading.batches < 4:
+        if meter.batches - mark.batches < 4:  # too few batches to judge: the window goes on
             return None
+        reading = self._read(meter)
         before = self.settings
         self._decide(reading, online=True)
         now = self.settings
@@ -202,7 +259,7 @@ class Tuner:
         self._mark = new
         if new.batches < mark.batches or new.stall < mark.stall:  # the meter was reset
             return Reading(0.0, 0.0, 0.0, None, 0)
-        cpu = new.cpu - mark.cpu
+        run, cpu = _cpu_delta(new.cpu, mark.cpu)
         busy = new.busy - mark.busy
         reading = Reading(
             wait_s=new.stall - mark.stall,
@@ -210,6 +267,7 @@ class Tuner:
             busy_s=busy,
             # joined worker processes count in RUSAGE_CHILDREN; live (persistent) ones do not
             cpu_s=cpu if cpu > 0.05 * busy or self.settings.kind == "thread" else None,
+            run_s=run if self.settings.kind == "thread" else None,
             batches=new.batches - mark.batches,
             grew_from=self._grew_from,
         )
@@ -228,10 +286,10 @@ class Tuner:
             self._pending, now = now, before
         elif now.workers > before.workers:
             self._grew_from = reading.rate
-        self._note(decision, before, pending=pending)
+        self.log_decision(decision, before, pending=pending)
         self.settings = now
 
-    def _note(self, decision: Decision, before: Settings, *, pending: bool) -> None:
+    def log_decision(self, decision: Decision, before: Settings, *, pending: bool = False) -> None:
         """One log line per change; a decision that keeps the settings only once in a row."""
         reason_kind = decision.reason.split(":", 1)[0]
         if decision.settings == before and reason_kind == self._last_reason:
@@ -255,29 +313,37 @@ def _check_args(num_workers: Any, prefetch_factor: Any) -> None:
         )
 
 
-def tuner_for(  # noqa: PLR0913, PLR0917 - the loader's arguments that auto-tuning reads
+def tuner_for(  # noqa: PLR0917 - the loader's arguments that auto-tuning reads
     dataset: Any,
     num_workers: Any,
     prefetch_factor: Any,
     worker_type: str,
     cpu_budget: float | None,
-    contract_kind: str,
+    collate_fn: Any,
+    worker_init_fn: Any,
 ) -> tuple[Tuner | None, int, int | None, str]:
     """``DataLoader``'s ``"auto"`` arguments resolved: the tuner (None: nothing is auto) and the
     starting ``num_workers``, ``prefetch_factor`` and ``worker_type`` torch's checks see.
 
-    ``contract_kind``: what ``feedpipe.loader.plan.auto_worker_type`` picks from the dataset's
-    contract (``"process"`` means batches are read per sample in Python). With
+    ``worker_type="auto"`` alone picks by the dataset's contract
+    (``feedpipe.loader.plan.auto_worker_type``: ``"process"`` means batches are read per sample
+    in Python). With
     ``num_workers="auto"`` a map-style dataset starts on one thread worker and moves to
     processes only when the counters show the GIL holds it back; an ``IterableDataset`` keeps
     one worker (it shards itself by the worker count: another count would change its batches).
     """
     _check_args(num_workers, prefetch_factor)
+    contract_kind = auto_worker_type(dataset, collate_fn, worker_init_fn)
     auto_n, auto_p = num_workers == AUTO, prefetch_factor == AUTO
     if not (auto_n or auto_p):
         if cpu_budget is not None:
             raise ValueError("cpu_budget applies only with num_workers or prefetch_factor 'auto'")
-        return None, num_workers, prefetch_factor, worker_type
+        return (
+            None,
+            num_workers,
+            prefetch_factor,
+            contract_kind if worker_type == AUTO else (worker_type),
+        )
     check_budget(cpu_budget)
     iterable = isinstance(dataset, tud.IterableDataset)
     kind = worker_type

@@ -80,7 +80,9 @@ class Reading:
     """One window of the loader's counters (every figure a difference over the window).
 
     ``wait_s``/``step_s``: the loop's wait and compute; ``busy_s``: the worker stages' seconds
-    summed over workers; ``cpu_s``: CPU seconds the workers used (None where unknown);
+    summed over workers; ``cpu_s``: CPU seconds the workers asked for (run, plus waiting for a
+    core where the OS tells; None where unknown); ``run_s``: CPU seconds thread workers ran
+    (a thread waiting for the GIL neither runs nor waits for a core);
     ``batches``: batches delivered; ``grew_from``: the batches/s of the window before the last
     growth (None when the last decision was not a growth)."""
 
@@ -90,6 +92,7 @@ class Reading:
     cpu_s: float | None
     batches: int
     grew_from: float | None = None
+    run_s: float | None = None
 
     @property
     def wall_s(self) -> float:
@@ -149,11 +152,12 @@ def _gil_bound(r: Reading, s: Settings, limits: Limits, blocked: bool) -> bool:
     """Thread workers held by the GIL: several workers busy several cores' worth on about one
     core of CPU, with the last growth buying (almost) nothing; or, where no growth is possible
     (``blocked``), one worker reading per sample in Python whose CPU time is its busy time."""
-    if s.kind != "thread" or r.cpu_s is None or not 0.5 <= r.cores() <= GIL_CORES:
+    run = r.run_s if r.run_s is not None else r.cpu_s
+    if s.kind != "thread" or run is None or not 0.5 <= run / r.wall_s <= GIL_CORES:
         return False
-    if s.workers >= 2 and r.busy_s >= GIL_QUEUE * r.cpu_s:
-        return r.grew_from is None or r.rate < 1.15 * r.grew_from
-    return blocked and limits.per_sample and r.cpu_s >= 0.8 * r.busy_s
+    if s.workers >= 2 and r.busy_s >= GIL_QUEUE * run:
+        return r.grew_from is not None and r.rate < 1.15 * r.grew_from
+    return blocked and limits.per_sample and run >= 0.8 * r.busy_s
 
 
 def _more(r: Reading, s: Settings, limits: Limits) -> int:
@@ -174,9 +178,9 @@ def decide(r: Reading, s: Settings, limits: Limits) -> Decision | None:
         return Decision(replace(s, workers=s.workers - 1), f"over budget: {why}")
     if r.wait_share >= GROW_WAIT:
         return _input_bound(r, s, limits, why)
-    if limits.workers and s.workers > 1 and r.wait_share < SHRINK_WAIT:
-        if r.busy(s.workers) * s.workers / (s.workers - 1) < SHRINK_BUSY:
-            return Decision(replace(s, workers=s.workers - 1), f"loop-bound: {why}")
+    shrink = limits.workers and s.workers > 1 and r.wait_share < SHRINK_WAIT
+    if shrink and r.busy(s.workers) * s.workers / (s.workers - 1) < SHRINK_BUSY:
+        return Decision(replace(s, workers=s.workers - 1), f"loop-bound: {why}")
     return None
 
 
@@ -184,12 +188,12 @@ def _input_bound(r: Reading, s: Settings, limits: Limits, why: str) -> Decision 
     """Step 1 and 3 of the rule: the loop waits for input."""
     target = _more(r, s, limits) if limits.workers else s.workers
     if limits.kind and _gil_bound(r, s, limits, blocked=target <= s.workers):
-        gain = r.rate / r.grew_from if r.grew_from else 0.0
         most = max(1, min(s.workers, math.floor(limits.budget_cores)))
+        gain = f", last growth gave x{r.rate / r.grew_from:.2f}" if r.grew_from else ""
         return Decision(
             replace(s, kind="process", workers=most),
-            f"GIL-bound threads (busy {r.busy_s / r.wall_s:.2f} cores on CPU {r.cores():.2f}, "
-            f"last growth gave x{gain:.2f}): {why}",
+            f"GIL-bound threads (busy {r.busy_s / r.wall_s:.2f} cores on CPU "
+            f"{(r.run_s if r.run_s is not None else r.cpu_s or 0.0) / r.wall_s:.2f}{gain}): {why}",
         )
     if limits.prefetch and s.prefetch < MAX_PREFETCH and r.busy(s.workers) < SHRINK_BUSY:
         return Decision(replace(s, prefetch=min(MAX_PREFETCH, 2 * s.prefetch)), f"idle: {why}")
