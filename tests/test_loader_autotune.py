@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
+from _dist import run_ranks
 
 import feedpipe
 from feedpipe.loader import tuner_policy as tp
@@ -111,7 +112,7 @@ def test_growing_and_shrinking_threads_mid_epoch_keeps_order(monkeypatch: Any) -
     tuner = loader.tuner
     assert tuner is not None
 
-    def online(workers: int) -> tp.Settings | None:
+    def online(workers: int, tids: Any = None) -> tp.Settings | None:
         seen.append(workers)
         n = next(plan, None)
         return None if n is None else tp.Settings(n, "thread", 2)
@@ -361,3 +362,66 @@ def test_arrays_batches_are_the_same_with_read_batch_datasets() -> None:
     ref = feedpipe.DataLoader(Rows(), batch_size=8, shuffle=True, generator=gen())
     for _ in range(2):
         assert [b.tolist() for b in auto] == [b.tolist() for b in ref]
+
+
+def test_a_gil_bound_decision_moves_threads_to_processes_at_the_epoch_boundary(
+    monkeypatch: Any,
+) -> None:
+    """The rule's GIL-bound verdict (tested above on readings) takes effect at the next
+    ``iter()``: this pass stays on threads, the next runs processes; the batches never change."""
+    import feedpipe.loader.tuner as tuner_mod
+
+    def gil(r: tp.Reading, s: tp.Settings, limits: tp.Limits) -> tp.Decision | None:
+        if s.kind == "thread":
+            return tp.Decision(tp.Settings(1, "process", s.prefetch), "GIL-bound threads: x")
+        return None
+
+    monkeypatch.setattr(tuner_mod, "decide", gil)
+    auto = _fast(
+        _loader(
+            _Slow(48, 0.002),
+            "auto",
+            worker_type="auto",
+            shuffle=True,
+            generator=torch.Generator().manual_seed(8),
+        )
+    )
+    ref = _loader(_Slow(48, 0), 0, shuffle=True, generator=torch.Generator().manual_seed(8))
+    kinds = []
+    for _ in range(2):
+        it = iter(auto)
+        kinds.append(auto.worker_type)  # the kind this pass runs
+        assert [b.tolist() for b in it] == _batches(ref)
+    assert kinds == ["thread", "process"]
+    assert auto.tuning is not None
+    assert auto.tuning["log"] == [
+        "worker_type thread -> process: GIL-bound threads: x (from the next epoch)"
+    ]
+    assert auto.meter.report().count("worker_type thread -> process") == 1
+
+
+def _rank_tunes_alone(rank: int, world: int) -> tuple[list[list[int]], list[list[int]], list[str]]:
+    """Rank 0 reads slowly (its tuner grows the pool), rank 1 fast; every step all-reduces, as a
+    training step does: the ranks stay in step while their tuners decide apart."""
+    import torch.distributed as dist
+
+    def sampler() -> tud.DistributedSampler:  # type: ignore[type-arg]
+        return tud.DistributedSampler(_Slow(64, 0), num_replicas=world, rank=rank, seed=3)
+
+    ds = _Slow(64, 0.004 if rank == 0 else 0.0)
+    auto = _fast(_loader(ds, "auto", worker_type="thread", sampler=sampler()))
+    got = []
+    for batch in auto:
+        total = torch.tensor([1.0])
+        dist.all_reduce(total)  # a step every rank takes: no tuning decision waits on it
+        got.append(batch.tolist())
+    ref = _batches(_loader(_Slow(64, 0), 0, sampler=sampler()))
+    assert auto.tuner is not None
+    return got, ref, list(auto.tuner.log)
+
+
+def test_each_rank_tunes_on_its_own_counters_under_gloo() -> None:
+    out = run_ranks(_rank_tunes_alone, 2)
+    for got, ref, _ in out:
+        assert got == ref
+    assert any(line.startswith("workers 1 -> ") for line in out[0][2])  # the slow rank grew

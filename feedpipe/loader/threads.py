@@ -234,7 +234,7 @@ class ThreadWorkers:
     def _deliver(self, wid: int, data: ShippedTuple | Failed) -> ShippedTuple | Failed:
         self._put_task()
         if self._tuner is not None:
-            settings = self._tuner.online(self._deal.workers)
+            settings = self._tuner.online(self._deal.workers, self._crew.native_ids())
             if settings is not None:
                 self.resize(settings.workers, settings.prefetch)
         return data
@@ -377,6 +377,10 @@ class _Crew:
             self.threads.append(t)
             self.inboxes.append(inbox)
         self.retired.discard(wid)
+
+    def native_ids(self) -> set[int]:
+        """The OS thread ids of the running workers (their CPU is the pool's)."""
+        return {t.native_id for t in self.threads if t.native_id is not None and t.is_alive()}
 
     def retire(self, wid: int) -> None:
         """Worker ``wid`` exits once it has read the tasks queued before (no new ones come)."""

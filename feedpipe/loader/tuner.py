@@ -26,6 +26,7 @@ import os
 import resource
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
@@ -126,17 +127,19 @@ def _cpu(kind: str) -> _Cpu:
     return _children_cpu()
 
 
-def _cpu_delta(new: _Cpu, old: _Cpu) -> tuple[float, float]:
-    """(CPU seconds run, plus run-queue wait: the demand) between two readings of
-    :func:`_cpu` (threads gone since count no more)."""
+def _cpu_delta(new: _Cpu, old: _Cpu, tids: Collection[int] | None) -> tuple[float, float]:
+    """(CPU seconds run, seconds waiting for a core) between two readings of :func:`_cpu`,
+    over the threads ``tids`` (None: all but the caller; threads gone since count no more)."""
     if isinstance(new, dict) and isinstance(old, dict):
         run = wait = 0.0
         for tid, (r, w) in new.items():
+            if tids is not None and tid not in tids:
+                continue
             r0, w0 = old.get(tid, (0.0, 0.0))
             run, wait = run + r - r0, wait + w - w0
-        return run, run + wait
+        return run, wait
     if isinstance(new, float) and isinstance(old, float):
-        return new - old, new - old
+        return new - old, 0.0
     return 0.0, 0.0
 
 
@@ -231,11 +234,11 @@ class Tuner:
             self.settings, self._pending = self._pending, None
         return self.settings
 
-    def online(self, workers: int) -> Settings | None:
+    def online(self, workers: int, tids: Collection[int] | None = None) -> Settings | None:
         """From the thread pool between deliveries: new settings for it now, or None.
 
-        ``workers``: the pool's own count (it may run fewer than the settings, e.g. the
-        direct path's one worker)."""
+        ``workers``: the pool's own count; ``tids``: its threads' native ids, whose CPU is the
+        workers' (other threads of the process, e.g. a process group's, are not)."""
         mark, meter = self._mark, self._meter
         if (
             mark is None
@@ -245,13 +248,13 @@ class Tuner:
             return None
         if meter.batches - mark.batches < 4:  # too few batches to judge: the window goes on
             return None
-        reading = self._read(meter)
+        reading = self._read(meter, tids)
         before = self.settings
         self._decide(reading, online=True)
         now = self.settings
         return now if (now.workers, now.prefetch) != (before.workers, before.prefetch) else None
 
-    def _read(self, meter: Any) -> Reading:
+    def _read(self, meter: Any, tids: Collection[int] | None = None) -> Reading:
         """The window since the last mark, and a new mark."""
         mark = self._mark
         assert mark is not None
@@ -259,7 +262,7 @@ class Tuner:
         self._mark = new
         if new.batches < mark.batches or new.stall < mark.stall:  # the meter was reset
             return Reading(0.0, 0.0, 0.0, None, 0)
-        run, cpu = _cpu_delta(new.cpu, mark.cpu)
+        cpu, queued = _cpu_delta(new.cpu, mark.cpu, tids)
         busy = new.busy - mark.busy
         reading = Reading(
             wait_s=new.stall - mark.stall,
@@ -267,7 +270,8 @@ class Tuner:
             busy_s=busy,
             # joined worker processes count in RUSAGE_CHILDREN; live (persistent) ones do not
             cpu_s=cpu if cpu > 0.05 * busy or self.settings.kind == "thread" else None,
-            run_s=run if self.settings.kind == "thread" else None,
+            starved_s=queued / max(1, self.settings.workers),
+            span_s=new.at - mark.at if self.settings.kind == "thread" else None,
             batches=new.batches - mark.batches,
             grew_from=self._grew_from,
         )

@@ -80,9 +80,10 @@ class Reading:
     """One window of the loader's counters (every figure a difference over the window).
 
     ``wait_s``/``step_s``: the loop's wait and compute; ``busy_s``: the worker stages' seconds
-    summed over workers; ``cpu_s``: CPU seconds the workers asked for (run, plus waiting for a
-    core where the OS tells; None where unknown); ``run_s``: CPU seconds thread workers ran
-    (a thread waiting for the GIL neither runs nor waits for a core);
+    summed over workers; ``cpu_s``: CPU seconds the workers ran (None where unknown);
+    ``starved_s``: seconds an average worker was ready to run but waited for a core (a host
+    short of cores; a thread waiting for the GIL is not ready to run); ``span_s``: the window's
+    own wall time, where the CPU clocks were read (else the loop's wait and step);
     ``batches``: batches delivered; ``grew_from``: the batches/s of the window before the last
     growth (None when the last decision was not a growth)."""
 
@@ -92,7 +93,8 @@ class Reading:
     cpu_s: float | None
     batches: int
     grew_from: float | None = None
-    run_s: float | None = None
+    starved_s: float = 0.0
+    span_s: float | None = None
 
     @property
     def wall_s(self) -> float:
@@ -110,10 +112,11 @@ class Reading:
         return self.batches / wall if wall > 0 else 0.0
 
     def cores(self) -> float:
-        """CPU cores the workers used (their busy time where no CPU clock reads them)."""
-        wall = self.wall_s
+        """CPU cores the workers use while they get a core (their busy time where no CPU clock
+        reads them): on a host short of cores, what they would take with one free."""
+        wall = self.span_s if self.span_s else self.wall_s
         used = self.cpu_s if self.cpu_s is not None else self.busy_s
-        return used / wall if wall > 0 else 0.0
+        return used / max(0.1 * wall, wall - self.starved_s) if wall > 0 else 0.0
 
     def busy(self, workers: int) -> float:
         """The share of the workers' time spent in worker stages."""
@@ -152,12 +155,11 @@ def _gil_bound(r: Reading, s: Settings, limits: Limits, blocked: bool) -> bool:
     """Thread workers held by the GIL: several workers busy several cores' worth on about one
     core of CPU, with the last growth buying (almost) nothing; or, where no growth is possible
     (``blocked``), one worker reading per sample in Python whose CPU time is its busy time."""
-    run = r.run_s if r.run_s is not None else r.cpu_s
-    if s.kind != "thread" or run is None or not 0.5 <= run / r.wall_s <= GIL_CORES:
+    if s.kind != "thread" or r.cpu_s is None or not 0.5 <= r.cores() <= GIL_CORES:
         return False
-    if s.workers >= 2 and r.busy_s >= GIL_QUEUE * run:
+    if s.workers >= 2 and r.busy_s >= GIL_QUEUE * r.cpu_s:
         return r.grew_from is not None and r.rate < 1.15 * r.grew_from
-    return blocked and limits.per_sample and run >= 0.8 * r.busy_s
+    return blocked and limits.per_sample and r.cpu_s >= 0.8 * (r.busy_s - r.starved_s)
 
 
 def _more(r: Reading, s: Settings, limits: Limits) -> int:
@@ -193,7 +195,7 @@ def _input_bound(r: Reading, s: Settings, limits: Limits, why: str) -> Decision 
         return Decision(
             replace(s, kind="process", workers=most),
             f"GIL-bound threads (busy {r.busy_s / r.wall_s:.2f} cores on CPU "
-            f"{(r.run_s if r.run_s is not None else r.cpu_s or 0.0) / r.wall_s:.2f}{gain}): {why}",
+            f"{r.cores():.2f}{gain}): {why}",
         )
     if limits.prefetch and s.prefetch < MAX_PREFETCH and r.busy(s.workers) < SHRINK_BUSY:
         return Decision(replace(s, prefetch=min(MAX_PREFETCH, 2 * s.prefetch)), f"idle: {why}")
