@@ -99,13 +99,16 @@ def test_auto_threads_give_the_batches_of_fixed_settings_while_the_pool_resizes(
 
 
 def test_growing_and_shrinking_threads_mid_epoch_keeps_order(monkeypatch: Any) -> None:
-    """The pool follows whatever the tuner says, batch by batch: 1 -> 3 -> 1 -> 4 -> 2."""
+    """The pool follows whatever the tuner says, batch by batch: 1 -> 3 -> 1 -> 4 -> 2; each
+    new thread runs worker_init_fn."""
+    inited: list[int] = []
     loader = _loader(
         _Slow(delay=0.001),
         "auto",
         shuffle=True,
         generator=torch.Generator().manual_seed(5),
         worker_type="thread",
+        worker_init_fn=inited.append,
     )
     plan = iter([3, 3, 1, 1, 4, 4, 4, 2])
     seen: list[int] = []
@@ -121,6 +124,7 @@ def test_growing_and_shrinking_threads_mid_epoch_keeps_order(monkeypatch: Any) -
     ref = _loader(_Slow(delay=0), 0, shuffle=True, generator=torch.Generator().manual_seed(5))
     assert _batches(loader) == _batches(ref)
     assert seen[:9] == [1, 3, 3, 1, 1, 4, 4, 4, 2]  # the pool ran each count it was given
+    assert sorted(set(inited)) == [0, 1, 2, 3]  # workers 1-3 started mid-epoch, ran it
 
 
 def test_auto_process_workers_change_between_epochs_with_the_same_batches() -> None:
@@ -425,3 +429,24 @@ def test_each_rank_tunes_on_its_own_counters_under_gloo() -> None:
     for got, ref, _ in out:
         assert got == ref
     assert any(line.startswith("workers 1 -> ") for line in out[0][2])  # the slow rank grew
+
+
+class _Stream(tud.IterableDataset):  # type: ignore[type-arg]
+    def __iter__(self) -> Any:
+        for i in range(40):
+            time.sleep(0.002)
+            yield i
+
+
+def test_an_iterable_dataset_keeps_one_worker() -> None:
+    """It shards itself by the worker count: another count would change its batches."""
+    auto = _fast(_loader(_Stream(), "auto", worker_type="thread"))
+    for _ in range(2):
+        assert _batches(auto) == [list(range(i, i + 4)) for i in range(0, 40, 4)]
+    assert auto.num_workers == 1 and auto.tuning is not None
+    assert not any(line.startswith("workers") for line in auto.tuning["log"])
+
+
+def test_rule_never_goes_below_one_worker() -> None:
+    idle = _reading(0.0, 0.01, 0.01)
+    assert tp.decide(idle, tp.Settings(1, "thread", 2), LIMITS) is None
