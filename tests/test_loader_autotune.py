@@ -219,6 +219,8 @@ def test_rule_input_bound_grows_within_the_budget() -> None:
     d = tp.decide(_reading(0.3, 1.0, 1.9), THREADS, LIMITS)  # 0.5 core per worker, 3 free
     assert d is not None and d.settings.workers == 4  # at most doubling
     assert d.line(THREADS).startswith("workers 2 -> 4: input-bound: the loop waited 30%")
+    d = tp.decide(_reading(0.6, 0.2, 1.9), THREADS, LIMITS)  # waiting most of the time
+    assert d is not None and d.settings.workers == 8  # 4x in one step
     tight = tp.Limits(budget_cores=1.6, max_workers=16)
     d = tp.decide(_reading(0.3, 1.0, 1.9), THREADS, tight)
     assert d is not None and d.settings.workers == 3  # 1.5 cores fit, not 2
@@ -450,3 +452,12 @@ def test_an_iterable_dataset_keeps_one_worker() -> None:
 def test_rule_never_goes_below_one_worker() -> None:
     idle = _reading(0.0, 0.01, 0.01)
     assert tp.decide(idle, tp.Settings(1, "thread", 2), LIMITS) is None
+
+
+def test_with_the_counters_off_the_settings_stay_where_they_start() -> None:
+    off = feedpipe.StallMeter(enabled=False)
+    auto = _fast(_loader(_Slow(48), "auto", worker_type="thread", meter=off))
+    for _ in range(2):
+        assert _batches(auto) == [list(range(i, i + 4)) for i in range(0, 48, 4)]
+    assert auto.tuning is not None and auto.tuning["num_workers"] == 1
+    assert auto.tuning["log"] == []
