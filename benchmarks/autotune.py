@@ -12,7 +12,9 @@ CPU budget), with the same training step (a sleep: the GPU's compute, releasing 
 
 For each it prints samples/s of every point, the CPU cores the loader used, auto's rate as a
 share of the best grid point (target >= 90%) and of the best point within auto's CPU budget,
-over the last epoch (auto has tuned by then) and over the whole run (its tuning included).
+over the last epoch (auto has tuned by then) and over the whole run (its tuning included),
+each the median of ``--repeats`` runs interleaved across the points (a shared host's load
+changes hit every point alike).
 
     python benchmarks/autotune.py [--quick] [--workloads memmap,gil,remote] [--epochs 4]
 """
@@ -23,11 +25,13 @@ import argparse
 import itertools
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,7 +91,7 @@ def _cpu() -> float:
 def _run(make: Callable[[], DataLoader], epochs: int, step_s: float) -> dict[str, Any]:
     """Iterate ``epochs`` epochs with a ``step_s`` training step per batch."""
     loader = make()
-    rates, samples, t_all, cpu0 = [], 0, time.perf_counter(), _cpu()
+    rates, samples, cpu0, t_all = [], 0, _cpu(), time.perf_counter()
     for _ in range(epochs):
         t0, n = time.perf_counter(), 0
         for batch in loader:
@@ -128,26 +132,33 @@ def _workload(name: str, ds: Any, batch: int, args: argparse.Namespace) -> list[
     def auto() -> DataLoader:
         return loader("auto", "auto", "auto")
 
-    lines = [f"## {name} (batch {batch}, step {args.step_ms} ms, {args.epochs} epochs)"]
-    points = {}
-    for w, kind, p in _grid(args.quick):
-        r = _run(fixed(w, kind, p), args.epochs, args.step_ms / 1e3)
-        points[(w, kind, p)] = r
+    lines = [f"## {name} (batch {batch}, step {args.step_ms} ms, {args.epochs} epochs, "
+             f"median of {args.repeats} interleaved runs)"]  # fmt: skip
+    makers: dict[Any, Callable[[], DataLoader]] = {g: fixed(*g) for g in _grid(args.quick)}
+    makers["auto"] = auto
+    runs: dict[Any, list[dict[str, Any]]] = {k: [] for k in makers}
+    for _ in range(args.repeats):  # interleaved: a change of the host's load hits every point
+        for key, make in makers.items():
+            runs[key].append(_run(make, args.epochs, args.step_ms / 1e3))
+    med = {k: {f: statistics.median(r[f] for r in rs) for f in ("last", "all", "cores")}
+           for k, rs in runs.items()}  # fmt: skip
+    for (w, kind, p), r in ((k, v) for k, v in med.items() if k != "auto"):
         lines.append(f"  {w} {kind:<7} x{p}: {r['last']:9.0f} samples/s last epoch, "
                      f"{r['all']:9.0f} whole run, {r['cores']:.2f} cores")  # fmt: skip
-    a = _run(auto, args.epochs, args.step_ms / 1e3)
+    a = med.pop("auto")
     budget = max(1.0, 0.4 * available_cores())
-    best = max(points.items(), key=lambda kv: kv[1]["last"])
-    fits = [kv for kv in points.items() if kv[1]["cores"] <= budget * 1.05] or [best]
+    best = max(med.items(), key=lambda kv: kv[1]["last"])
+    fits = [kv for kv in med.items() if kv[1]["cores"] <= budget * 1.05] or [best]
     best_in = max(fits, key=lambda kv: kv[1]["last"])
+    settings = ", ".join(str(r["setting"]) for r in runs["auto"])
     lines += [
-        f"  auto ({a['setting']}): {a['last']:9.0f} samples/s last epoch, {a['all']:9.0f} "
+        f"  auto ({settings}): {a['last']:9.0f} samples/s last epoch, {a['all']:9.0f} "
         f"whole run, {a['cores']:.2f} cores (budget {budget:.2f})",
         f"  auto / best grid point {best[0]}: {a['last'] / best[1]['last']:.2f} last epoch, "
         f"{a['all'] / best[1]['all']:.2f} whole run (target >= 0.90)",
         f"  auto / best point within the budget {best_in[0]}: "
         f"{a['last'] / best_in[1]['last']:.2f} last epoch",
-        *(f"    tuning: {line}" for line in a["log"]),
+        *(f"    tuning (last run): {line}" for line in runs["auto"][-1]["log"]),
     ]
     return lines
 
@@ -192,8 +203,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--step-ms", type=float, default=1.0)
     parser.add_argument("--rtt-ms", type=float, default=4.0)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per point")
     args = parser.parse_args()
     args.epochs = args.epochs or (3 if args.quick else 4)
+    warnings.filterwarnings("ignore", message="This DataLoader will create")  # 4 processes
     n = 8192 if args.quick else 32768
     print(f"# autotune vs grid sweep\n{machine()}\n{' '.join(sys.argv)}")
     with tempfile.TemporaryDirectory() as tmp:

@@ -80,10 +80,54 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+_TASKS = "/proc/self/task"
+
+
+def _thread_demand() -> dict[int, tuple[float, float]] | None:
+    """Per thread other than the caller: (CPU seconds run, seconds ready to run but waiting for
+    a core), from Linux ``schedstat``; None where the OS does not tell."""
+    me = threading.get_native_id()
+    out: dict[int, tuple[float, float]] = {}
+    try:
+        tids = [int(t) for t in os.listdir(_TASKS)]
+    except (OSError, ValueError):
+        return None
+    for tid in tids:
+        try:
+            with open(f"{_TASKS}/{tid}/schedstat", "rb") as f:
+                run, wait = f.read().split()[:2]
+        except (OSError, ValueError):  # the thread ended meanwhile
+            continue
+        if tid != me:
+            out[tid] = (int(run) / 1e9, int(wait) / 1e9)
+    return out
+
+
+def _cpu(kind: str) -> float:
+    """The workers' CPU so far: the process's less the caller's thread (thread workers, ended
+    ones included), or joined children's (process workers)."""
+    if kind == "thread":
+        return time.process_time() - time.thread_time()
+    return _children_cpu()
+
+
+def _threads_delta(
+    new: dict[int, tuple[float, float]], old: dict[int, tuple[float, float]], tids: Collection[int]
+) -> tuple[float, float]:
+    """(CPU seconds run, seconds waiting for a core) of the threads ``tids`` between two
+    readings of :func:`_thread_demand` (a thread started since counts from zero)."""
+    run = wait = 0.0
+    for tid in tids:
+        if tid in new:
+            r0, w0 = old.get(tid, (0.0, 0.0))
+            run, wait = run + new[tid][0] - r0, wait + new[tid][1] - w0
+    return run, wait
+
+
 class _Mark:
     """The counters at the start of a window."""
 
-    __slots__ = ("at", "batches", "busy", "cpu", "stall", "step")
+    __slots__ = ("at", "batches", "busy", "cpu", "stall", "step", "threads")
 
     def __init__(self, meter: Any, kind: str) -> None:
         self.at = time.perf_counter()
@@ -91,56 +135,7 @@ class _Mark:
         stage_s = meter.stage_s
         self.busy = sum(v for k, v in stage_s.items() if k in WORKER_STAGES)
         self.cpu = _cpu(kind)
-
-
-_TASKS = "/proc/self/task"
-
-
-def _thread_demand() -> dict[int, tuple[float, float]] | None:
-    """Per thread other than the caller: CPU seconds plus seconds spent runnable but waiting for
-    a core (Linux ``schedstat``): what the thread asked of the CPU, which on a busy host is more
-    than it got. None where the OS does not tell."""
-    me = threading.get_native_id()
-    out: dict[int, tuple[float, float]] = {}
-    try:
-        tids = os.listdir(_TASKS)
-        for tid in tids:
-            if int(tid) == me:
-                continue
-            with open(f"{_TASKS}/{tid}/schedstat", "rb") as f:
-                run, wait = f.read().split()[:2]
-            out[int(tid)] = (int(run) / 1e9, int(wait) / 1e9)
-    except (OSError, ValueError):
-        return None
-    return out
-
-
-_Cpu = float | dict[int, tuple[float, float]]
-
-
-def _cpu(kind: str) -> _Cpu:
-    """The workers' CPU so far: per thread (other than the caller's) where the OS tells, else
-    the process's CPU less the caller's; for processes, joined children's."""
-    if kind == "thread":
-        demand = _thread_demand()
-        return demand if demand is not None else time.process_time() - time.thread_time()
-    return _children_cpu()
-
-
-def _cpu_delta(new: _Cpu, old: _Cpu, tids: Collection[int] | None) -> tuple[float, float]:
-    """(CPU seconds run, seconds waiting for a core) between two readings of :func:`_cpu`,
-    over the threads ``tids`` (None: all but the caller; threads gone since count no more)."""
-    if isinstance(new, dict) and isinstance(old, dict):
-        run = wait = 0.0
-        for tid, (r, w) in new.items():
-            if tids is not None and tid not in tids:
-                continue
-            r0, w0 = old.get(tid, (0.0, 0.0))
-            run, wait = run + r - r0, wait + w - w0
-        return run, wait
-    if isinstance(new, float) and isinstance(old, float):
-        return new - old, 0.0
-    return 0.0, 0.0
+        self.threads = _thread_demand() if kind == "thread" else None
 
 
 class Tuner:
@@ -180,6 +175,7 @@ class Tuner:
         self._mark: _Mark | None = None
         self._grew_from: float | None = None
         self._meter: Any = None
+        self._read_online = False  # whether this pass took a reading online (thread pool)
 
     # ----------------------------------------------------------------------------- reading
     @property
@@ -212,6 +208,7 @@ class Tuner:
         """A pass starts (``iter()``): its first window starts now."""
         self._meter = meter
         self._mark = _Mark(meter, self.settings.kind) if meter.enabled else None
+        self._read_online = False
 
     def apply(self, loader: Any) -> None:
         """At ``iter()``: set ``loader``'s ``num_workers``, ``prefetch_factor`` and
@@ -227,8 +224,10 @@ class Tuner:
 
     def at_epoch(self, meter: Any) -> Settings:
         """At ``iter()``: the settings for the next pass. Process workers are judged over the
-        whole last pass here; a kind change decided online applies now."""
-        if self.settings.kind == "process" and self._mark is not None and meter is self._meter:
+        whole last pass here, and so are threads that took no reading online (a pass shorter
+        than a window, or a device feed's pool); a kind change decided online applies now."""
+        judge = self.settings.kind == "process" or not self._read_online
+        if judge and self._mark is not None and meter is self._meter:
             self._decide(self._read(meter), online=False)
         if self._pending is not None:
             self.settings, self._pending = self._pending, None
@@ -249,6 +248,7 @@ class Tuner:
         if meter.batches - mark.batches < 4:  # too few batches to judge: the window goes on
             return None
         reading = self._read(meter, tids)
+        self._read_online = True
         before = self.settings
         self._decide(reading, online=True)
         now = self.settings
@@ -262,7 +262,9 @@ class Tuner:
         self._mark = new
         if new.batches < mark.batches or new.stall < mark.stall:  # the meter was reset
             return Reading(0.0, 0.0, 0.0, None, 0)
-        cpu, queued = _cpu_delta(new.cpu, mark.cpu, tids)
+        cpu, queued = new.cpu - mark.cpu, 0.0
+        if tids is not None and new.threads is not None and mark.threads is not None:
+            cpu, queued = _threads_delta(new.threads, mark.threads, tids)  # the pool's own
         busy = new.busy - mark.busy
         reading = Reading(
             wait_s=new.stall - mark.stall,
