@@ -221,7 +221,7 @@ def main() -> None:
         if "remote" in chosen:
             procs, endpoint = _remote(root, args.rtt_ms)
             try:
-                ds = Remote(endpoint, 256 if args.quick else 512)
+                ds = Remote(endpoint, 128 if args.quick else 256)
                 print("\n".join(_workload("remote", ds, 8, args)), flush=True)
             finally:
                 for p in procs:

@@ -6,8 +6,8 @@ worker, so the rule is tested alone on synthetic readings.
 The rule, for one window of batches (:class:`Reading`):
 
 1. *Input-bound* (the loop waited at least :data:`GROW_WAIT` of its time): add workers, as many
-   as the measured CPU per worker lets the budget hold (at most 4x while the loop waits half its
-   time or more, else 2x), or stop there when
+   as the measured CPU per worker lets the budget hold (at most fourfold while the loop waits
+   half its time or more, else twofold), or stop there when
    the budget is spent ("budget exhausted"). With thread workers whose CPU stays near one core
    while their busy time is several (they queue for the GIL) and whose last growth did not raise
    throughput, switch to processes instead (applied at the next epoch boundary).
@@ -40,7 +40,7 @@ __all__ = [
 
 #: the loop waited at least this share of its time: the input is what it waits for
 GROW_WAIT = 0.08
-#: at or above this share of waiting, the workers may grow 4x in one step (else 2x)
+#: at or above this share of waiting, the workers may grow fourfold in one step (else twofold)
 FAST_WAIT = 0.5
 #: below this share of waiting, the loop is the bottleneck: no more workers
 SHRINK_WAIT = 0.02
@@ -167,8 +167,8 @@ def _gil_bound(r: Reading, s: Settings, limits: Limits, blocked: bool) -> bool:
 
 
 def _more(r: Reading, s: Settings, limits: Limits) -> int:
-    """How many workers the budget holds at the measured CPU per worker: at most 4x while the
-    loop waits :data:`FAST_WAIT` of its time or more, else at most 2x."""
+    """How many workers the budget holds at the measured CPU per worker: at most fourfold
+    while the loop waits :data:`FAST_WAIT` of its time or more, else twofold."""
     per_worker = r.cores() / max(1, s.workers)
     room = limits.budget_cores - r.cores()
     step = 4 if r.wait_share >= FAST_WAIT else 2
