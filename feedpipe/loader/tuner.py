@@ -173,7 +173,8 @@ class Tuner:
         self.log: list[str] = []
         self._last_reason = ""
         self._mark: _Mark | None = None
-        self._grew_from: float | None = None
+        self._grew_from: tuple[float, int] | None = None  # (batches/s, workers) before growth
+        self._ceiling: int | None = None  # a worker count growth did not help past
         self._meter: Any = None
         self._read_online = False  # whether this pass took a reading online (thread pool)
 
@@ -182,6 +183,8 @@ class Tuner:
     def limits(self) -> Limits:
         """The budget in cores and the most workers of the current kind."""
         most = self.cores * (THREADS_PER_CORE if self.settings.kind == "thread" else 1)
+        if self._ceiling is not None:
+            most = min(most, self._ceiling)
         return replace(self._limits, max_workers=max(1, most))
 
     def view(self) -> dict[str, Any]:
@@ -229,8 +232,8 @@ class Tuner:
         judge = self.settings.kind == "process" or not self._read_online
         if judge and self._mark is not None and meter is self._meter:
             self._decide(self._read(meter), online=False)
-        if self._pending is not None:
-            self.settings, self._pending = self._pending, None
+        if self._pending is not None:  # another kind: what did not help threads may help it
+            self.settings, self._pending, self._ceiling = self._pending, None, None
         return self.settings
 
     def online(self, workers: int, tids: Collection[int] | None = None) -> Settings | None:
@@ -275,7 +278,8 @@ class Tuner:
             starved_s=queued / max(1, self.settings.workers),
             span_s=new.at - mark.at if self.settings.kind == "thread" else None,
             batches=new.batches - mark.batches,
-            grew_from=self._grew_from,
+            grew_from=None if self._grew_from is None else self._grew_from[0],
+            grew_at=None if self._grew_from is None else self._grew_from[1],
         )
         self._grew_from = None
         return reading
@@ -291,7 +295,9 @@ class Tuner:
         if pending:  # processes start at the next epoch boundary
             self._pending, now = now, before
         elif now.workers > before.workers:
-            self._grew_from = reading.rate
+            self._grew_from = (reading.rate, before.workers)
+        if decision.ceiling is not None:
+            self._ceiling = decision.ceiling
         self.log_decision(decision, before, pending=pending)
         self.settings = now
 

@@ -28,6 +28,8 @@ __all__ = [
     "FAST_WAIT",
     "GROW_WAIT",
     "MAX_PREFETCH",
+    "NO_GAIN",
+    "NO_GAIN_BATCHES",
     "OVER_BUDGET",
     "SHRINK_BUSY",
     "SHRINK_WAIT",
@@ -48,6 +50,11 @@ SHRINK_WAIT = 0.02
 SHRINK_BUSY = 0.5
 #: the most batches a worker keeps in flight under ``prefetch_factor="auto"``
 MAX_PREFETCH = 8
+#: a growth after which throughput fell below this factor of the window before is undone, and
+#: not tried again (more workers made it slower: contention; noise stays above it)
+NO_GAIN = 0.9
+#: the fewest batches in the window after a growth that may undo it
+NO_GAIN_BATCHES = 16
 #: readings above this multiple of the CPU budget shrink the workers
 OVER_BUDGET = 1.25
 #: thread workers are GIL-bound when their busy time is this multiple of their CPU time while
@@ -97,6 +104,7 @@ class Reading:
     cpu_s: float | None
     batches: int
     grew_from: float | None = None
+    grew_at: int | None = None  # the worker count before the last growth
     starved_s: float = 0.0
     span_s: float | None = None
 
@@ -134,6 +142,7 @@ class Decision:
 
     settings: Settings
     reason: str
+    ceiling: int | None = None  # a worker count not to grow past (growth bought nothing)
 
     def line(self, before: Settings) -> str:
         """``"workers 2 -> 4 (thread): the loop waited 31% ..."``: what changed, and why."""
@@ -192,6 +201,23 @@ def decide(r: Reading, s: Settings, limits: Limits) -> Decision | None:
     return None
 
 
+def _no_gain(r: Reading, s: Settings, why: str) -> Decision | None:
+    """Throughput fell below :data:`NO_GAIN` of the window before the last growth: back to the
+    count before it, which becomes the ceiling (more workers slow this input down)."""
+    if r.grew_from is None or r.grew_at is None or r.grew_at >= s.workers:
+        return None
+    if r.batches < NO_GAIN_BATCHES:  # too few batches to tell a loss from noise
+        return None
+    if r.rate >= NO_GAIN * r.grew_from:
+        return None
+    return Decision(
+        replace(s, workers=r.grew_at),
+        f"slower with {s.workers} workers (x{r.rate / max(r.grew_from, 1e-9):.2f} the batches/s "
+        f"of {r.grew_at}): {why}",
+        ceiling=r.grew_at,
+    )
+
+
 def _input_bound(r: Reading, s: Settings, limits: Limits, why: str) -> Decision | None:
     """Step 1 and 3 of the rule: the loop waits for input."""
     target = _more(r, s, limits) if limits.workers else s.workers
@@ -203,6 +229,9 @@ def _input_bound(r: Reading, s: Settings, limits: Limits, why: str) -> Decision 
             f"GIL-bound threads (busy {r.busy_s / r.wall_s:.2f} cores on CPU "
             f"{r.cores():.2f}{gain}): {why}",
         )
+    undo = _no_gain(r, s, why)
+    if undo is not None:
+        return undo
     if limits.prefetch and s.prefetch < MAX_PREFETCH and r.busy(s.workers) < SHRINK_BUSY:
         return Decision(replace(s, prefetch=min(MAX_PREFETCH, 2 * s.prefetch)), f"idle: {why}")
     if not limits.workers:
