@@ -33,7 +33,14 @@ from typing import Any
 import torch.utils.data as tud
 
 from feedpipe.loader.plan import auto_worker_type
-from feedpipe.loader.tuner_policy import Decision, Limits, Reading, Settings, decide
+from feedpipe.loader.tuner_policy import (
+    NO_GAIN_BATCHES,
+    Decision,
+    Limits,
+    Reading,
+    Settings,
+    decide,
+)
 from feedpipe.stall.stages import WORKER_STAGES
 
 __all__ = [
@@ -248,7 +255,9 @@ class Tuner:
             or time.perf_counter() - mark.at < self.window_s
         ):
             return None
-        if meter.batches - mark.batches < 4:  # too few batches to judge: the window goes on
+        # too few batches to judge: the window goes on (after a growth, until it can be judged)
+        need = 4 if self._grew_from is None else NO_GAIN_BATCHES
+        if meter.batches - mark.batches < need:
             return None
         reading = self._read(meter, tids)
         self._read_online = True
