@@ -144,6 +144,27 @@ def test_auto_process_workers_change_between_epochs_with_the_same_batches() -> N
     assert tuning is not None and tuning["worker_type"] == "process"
 
 
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_persistent_workers_keep_the_draws_of_a_fixed_persistent_loader(kind: str) -> None:
+    """Persistent workers draw their base seed once: a tuned loader must not draw again (the
+    next epoch's shuffle would differ). Threads resize in place; processes keep their count."""
+
+    def make(n: Any, delay: float) -> feedpipe.DataLoader:
+        gen = torch.Generator().manual_seed(12)
+        return _loader(_Slow(48, delay), n, worker_type=kind, shuffle=True,
+                       persistent_workers=True, generator=gen)  # fmt: skip
+
+    auto, ref = _fast(make("auto", 0.004)), make(1, 0)
+    for _ in range(3):
+        assert _batches(auto) == _batches(ref)
+    tuner = auto.tuner
+    assert tuner is not None
+    if kind == "thread":  # the pool grew, in place
+        assert tuner.settings.workers > 1
+    else:
+        assert tuner.settings.workers == 1 and auto.num_workers == 1
+
+
 def _resume_case(first: feedpipe.DataLoader, second: feedpipe.DataLoader, k: int) -> None:
     ref = _batches(
         _loader(_Slow(delay=0), 0, shuffle=True, generator=torch.Generator().manual_seed(2))

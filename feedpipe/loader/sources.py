@@ -160,6 +160,7 @@ class WorkerSources:
         )
         if persistent:
             self._kept = (pool.datasets, pool.init_failed)
+            _take_settings(pool, _pool_tuner(loader, plan, feed))
         return pool
 
     def _kept_datasets(self, workers: int) -> list[Any] | None:
@@ -261,6 +262,13 @@ def _pool_tuner(loader: Any, plan: LoaderPlan, feed: Prefetcher | None) -> Any:
     if feed is not None or plan.direct is not None or plan.iterable:
         return None
     return getattr(loader, "tuner", None)
+
+
+def _take_settings(pool: ThreadWorkers, tuner: Any) -> None:
+    """A persistent loader's pool starts at ``num_workers``; the tuner's count (a tuned pool of
+    an earlier pass) applies at once, without a new plan or a new base seed."""
+    if tuner is not None:
+        pool.resize(tuner.settings.workers, tuner.settings.prefetch)
 
 
 def _feed_window(plan: LoaderPlan) -> int:

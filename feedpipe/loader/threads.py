@@ -247,6 +247,8 @@ class ThreadWorkers:
         delivery order do not change: batch numbers come from the same index stream. Map-style
         datasets only (an iterable one shards itself by the worker count)."""
         crew, deal = self._crew, self._deal
+        if self._first is not None or self._shutdown:  # the watched first round: not now
+            return
         opts = replace(crew.opts, num_workers=workers, inited=None, first=None, rng_watch=None)
         for wid in range(workers):
             if wid >= len(self.datasets):

@@ -184,6 +184,7 @@ class Tuner:
         self._ceiling: int | None = None  # a worker count growth did not help past
         self._meter: Any = None
         self._read_online = False  # whether this pass took a reading online (thread pool)
+        self.persistent = False  # the loader's persistent_workers (apply)
 
     # ----------------------------------------------------------------------------- reading
     @property
@@ -192,7 +193,12 @@ class Tuner:
         most = self.cores * (THREADS_PER_CORE if self.settings.kind == "thread" else 1)
         if self._ceiling is not None:
             most = min(most, self._ceiling)
-        return replace(self._limits, max_workers=max(1, most))
+        limits = replace(self._limits, max_workers=max(1, most))
+        if self.persistent:  # persistent workers: threads resize, nothing else changes
+            thread = self.settings.kind == "thread"
+            limits = replace(limits, kind=False, workers=limits.workers and thread,
+                             prefetch=limits.prefetch and thread)  # fmt: skip
+        return limits
 
     def view(self) -> dict[str, Any]:
         """``loader.tuning``: what is auto, the current settings, the budget and the log."""
@@ -223,8 +229,16 @@ class Tuner:
     def apply(self, loader: Any) -> None:
         """At ``iter()``: set ``loader``'s ``num_workers``, ``prefetch_factor`` and
         ``worker_type`` for the pass it starts (:meth:`at_epoch`; a change makes the loader
-        resolve a fresh plan), and start the pass's first window."""
+        resolve a fresh plan), and start the pass's first window.
+
+        ``persistent_workers``: the loader keeps its workers and so draws no new base seed, as
+        a fixed persistent loader does: a thread pool takes the settings when it starts
+        (``WorkerSources``), process workers and the worker kind stay as they are."""
+        self.persistent = bool(loader.persistent_workers)
         settings = self.at_epoch(loader.meter)
+        if self.persistent:
+            self.begin(loader.meter)
+            return
         loader.num_workers = settings.workers
         if self.auto["prefetch_factor"]:
             loader.prefetch_factor = settings.prefetch
