@@ -172,6 +172,20 @@ def _memmap(root: Path, n: int) -> MemmapDataset:
     return MemmapDataset(root / "rows")
 
 
+#: http.server's own CLI listens with a backlog of 5: more concurrent connections than that wait
+#: for a SYN retry (1 s), which would measure the test server, not the round trips
+_SERVER = """
+import functools, http.server, sys
+class Server(http.server.ThreadingHTTPServer):
+    request_queue_size = 256
+class Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+handler = functools.partial(Quiet, directory=sys.argv[1])
+Server(("127.0.0.1", int(sys.argv[2])), handler).serve_forever()
+"""
+
+
 def _remote(root: Path, rtt_ms: float) -> tuple[list[subprocess.Popen[bytes]], str]:
     """A local HTTP server of 64 records and the shaping proxy in front of it."""
     files = root / "http"
@@ -180,7 +194,7 @@ def _remote(root: Path, rtt_ms: float) -> tuple[list[subprocess.Popen[bytes]], s
         (files / f"{i}.bin").write_bytes(os.urandom(RECORD))
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", str(files)],
+        [sys.executable, "-c", _SERVER, str(files), str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
