@@ -519,3 +519,21 @@ def test_with_the_counters_off_the_settings_stay_where_they_start() -> None:
         assert _batches(auto) == [list(range(i, i + 4)) for i in range(0, 48, 4)]
     assert auto.tuning is not None and auto.tuning["num_workers"] == 1
     assert auto.tuning["log"] == []
+
+
+@pytest.mark.gpu
+def test_auto_with_a_device_feed_gives_the_batches_of_fixed_settings() -> None:
+    """With device="cuda" the pool keeps its count within a pass (the ring is sized for it);
+    the tuner's changes apply at the next iter(). Not run here: no GPU this session."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+    def make(n: Any) -> feedpipe.DataLoader:
+        gen = torch.Generator().manual_seed(6)
+        return _loader(_Slow(48, 0.003 if n == "auto" else 0), n, worker_type="thread",
+                       shuffle=True, generator=gen, device="cuda")  # fmt: skip
+
+    auto, ref = _fast(make("auto")), make(1)
+    for _ in range(3):
+        assert [b.cpu().tolist() for b in auto] == [b.cpu().tolist() for b in ref]
+    assert auto.tuning is not None and auto.tuning["num_workers"] >= 1
