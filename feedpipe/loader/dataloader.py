@@ -386,6 +386,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             epoch_batches=self._epoch_batches,
             current_order=order(self),
         )
+        if state.get("rng_at") == "iter" and self._sources.reuses_workers(self):
+            # saved before workers started: the next iter() draws their base seed, as it did then
+            self._replan(self._options)  # so the persistent workers start anew
         # Stateful parts load now (a user's set_epoch() after this sees the loaded epoch); the
         # RNG state and the skip apply at the next iter(), where torch draws from the RNG.
         sampler = stateful_sampler(self)
