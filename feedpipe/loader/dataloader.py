@@ -387,8 +387,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             current_order=order(self),
         )
         if state.get("rng_at") == "iter" and self._sources.reuses_workers(self):
-            # saved before workers started: the next iter() draws their base seed, as it did then
-            self._replan(self._options)  # so the persistent workers start anew
+            self._replan(self._options)  # saved before the workers started: start them anew
         # Stateful parts load now (a user's set_epoch() after this sees the loaded epoch); the
         # RNG state and the skip apply at the next iter(), where torch draws from the RNG.
         sampler = stateful_sampler(self)
@@ -406,11 +405,6 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     @property
     def _direct(self) -> DirectReader | None:
         return self._plan.direct
-
-    @property
-    def _inner(self) -> tud.DataLoader | None:  # type: ignore[type-arg]
-        """Process workers' inner torch loader (None before their first pass)."""
-        return self._sources.inner
 
     def _pending_state(self) -> dict[str, Any] | None:
         """The state a pass stands at before its sampler drew: a loaded one not applied yet,
