@@ -145,10 +145,16 @@ def _ls_leftovers(root: Path) -> None:
 
 def _ls_memory(root: Path, memory_root: str, metrics: bool) -> int:
     """The rows of ``root``'s memory tier (``ckpt ls DIR``); the number of bad ones."""
+    from ckpt.tiers.memory_guard import check_tier
     from ckpt.tiers.memory_options import tier_dir
 
     where = tier_dir(root, memory_root)
-    if root.is_dir() and where.is_dir() and _owner.owned(where):
+    try:
+        safe = root.is_dir() and check_tier(where)
+    except CheckpointError as exc:  # a symlink or another user's: not listed through
+        print(f"skipped {exc}")
+        return 1
+    if safe and _owner.owned(where):
         print(f"memory tier {where}:")
         latest = commit.read_latest(where)
         return sum(

@@ -33,6 +33,7 @@ from ckpt.policy import KeepLast
 from ckpt.retention.retainer import Retainer
 from ckpt.saving import commit
 from ckpt.tiers.memory_free import free_root
+from ckpt.tiers.memory_guard import check_tier, make_tier
 from ckpt.tiers.memory_options import MemoryOptions, memory_options, tier_dir
 from ckpt.tiers.memory_persist import Persister, PersistStats
 
@@ -140,8 +141,9 @@ class MemoryTier:
         return self.directory, self.committed
 
     def steps(self) -> list[int]:
-        """The snapshots in the tier, ascending (``[]`` if it does not exist)."""
-        return commit.steps(self.directory)
+        """The snapshots in the tier, ascending (``[]`` if it does not exist); a tier that is
+        not this user's own raises (``ckpt.tiers.memory_guard``)."""
+        return commit.steps(self.directory) if check_tier(self.directory) else []
 
     # ---- saving -------------------------------------------------------------------------
     def prepare(self, nbytes: Callable[[], int], write: WriteOptions | float) -> None:
@@ -164,7 +166,7 @@ class MemoryTier:
         """Claim the tier as ckpt's (recording its disk directory), take its writer lock
         (``LockedError`` if a live writer holds it), remove leftovers of interrupted saves and
         apply the tier's retention (a crash may have cut the last pass)."""
-        Path(self.options.root).mkdir(parents=True, exist_ok=True)
+        make_tier(self.directory)  # private, never a symlink or another user's
         _owner.claim_root(self.directory, {"memory_of": os.path.realpath(self.disk)})
         self.lock.acquire(timeout_s)
         removed = commit.remove_leftovers(self.directory)

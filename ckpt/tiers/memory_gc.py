@@ -5,7 +5,8 @@ released by the kernel when its holder dies, whatever the pid in it says). A sta
 the newest state of a crashed run, so its newest snapshot that verifies is first persisted to
 ``DIR`` (a verified copy) unless ``DIR`` has a step as new; then the tier is freed, deleting only
 what ckpt wrote (``ckpt.tiers.memory.MemoryTier.free``). A tier held by a live run is never
-touched, nor a directory without ckpt's marker.
+touched, nor a directory without ckpt's marker, nor a symlink or a directory of another user
+(``ckpt.tiers.memory_guard``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import os
 from pathlib import Path
 
 from ckpt import _owner
-from ckpt.errors import LockedError
+from ckpt.errors import CheckpointError, LockedError
 from ckpt.saving import commit
 from ckpt.tiers.memory import MemoryTier
+from ckpt.tiers.memory_guard import check_tier
 from ckpt.tiers.memory_options import MemoryOptions, tier_dir
 
 __all__ = ["clear_stale"]
@@ -30,8 +32,11 @@ def clear_stale(disk: Path, root: str | os.PathLike[str], dry_run: bool) -> list
     """Clear the memory tier of ``disk`` under ``root`` if stale (module docstring); returns
     the lines ``ckpt gc`` prints. The caller holds ``disk``'s writer lock."""
     where = tier_dir(disk, root)
-    if not where.is_dir():
-        return []
+    try:
+        if not check_tier(where):
+            return []
+    except CheckpointError as exc:  # a symlink or another user's: never followed nor freed
+        return [f"skipped {exc}"]
     if not _owner.owned(where):
         return [f"skipped memory tier {where} (not written by ckpt)"]
     tier = MemoryTier(disk, MemoryOptions(root=root), _ignore)

@@ -32,6 +32,7 @@ from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.saving import commit
 from ckpt.tiers.memory_free import free_root
+from ckpt.tiers.memory_guard import check_tier, make_tier
 
 __all__ = ["PeerReplica"]
 
@@ -73,6 +74,7 @@ def _unpack(blob: torch.Tensor, into: Path) -> None:
 
 def _publish(blob: torch.Tensor, root: Path, step: int) -> Path:
     """Commit the snapshot in ``blob`` as ``root/step-N``, every CRC checked first."""
+    make_tier(root)  # private, never a symlink or another user's
     _owner.claim_root(root)
     tmp: Path | None = commit.make_tmp(root, step)
     assert tmp is not None
@@ -147,6 +149,7 @@ class PeerReplica:
         if peer_step == _NONE:
             return
         if not self.lock.held:
+            make_tier(self.directory)
             _owner.claim_root(self.directory, {"replica_of_rank": self.right})
             self.lock.acquire(0.0)
             commit.remove_leftovers(self.directory)
@@ -161,7 +164,7 @@ class PeerReplica:
         ``None``."""
         if self.world == 1:
             return None
-        held = commit.steps(self.directory)
+        held = commit.steps(self.directory) if self._safe() else []
         step, blob = _NONE, torch.empty(0, dtype=torch.uint8)
         if held:
             step, blob = _pack(_layout.step_dir(self.directory, held[-1]))
@@ -178,6 +181,15 @@ class PeerReplica:
         log.warning("ckpt: rank %d: step %d restored into the memory tier from rank %d's replica",
                     self.rank, mine, self.left)  # fmt: skip
         return mine
+
+    def _safe(self) -> bool:
+        """Whether the replica directory exists and is this user's own (else, warned: nothing
+        of it is sent; the exchange is collective, so this rank takes part all the same)."""
+        try:
+            return check_tier(self.directory)
+        except CheckpointError as exc:
+            log.warning("ckpt: rank %d: replica not sent: %s", self.rank, exc)
+            return False
 
     def free(self) -> None:
         """Delete the replica held (at the clean end of the run; lock held)."""

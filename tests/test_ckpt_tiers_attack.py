@@ -1,0 +1,140 @@
+"""Attacks on the memory tier, the run log and the new save paths of issue 27 (docs/tiers.md,
+docs/interval.md, docs/overlap.md), each a promise a hostile neighbour or a careless user could
+break: a tier planted in ``/dev/shm`` by someone else (a symlink, a directory others may write,
+another user's), a hostile ``runs.json``. Every test failed before its fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt import cli
+from ckpt.errors import CheckpointError
+from ckpt.manager import CheckpointManager
+from ckpt.tiers.memory_options import MemoryOptions, tier_dir
+
+
+def _opts(root: Path) -> MemoryOptions:
+    return MemoryOptions(root=root, persist_every=1000)
+
+
+def _run(path: Path, step: int, value: float) -> Path:
+    """A committed ckpt root at ``path`` holding ``step`` of ``{"x": [value] * 3}``."""
+    with CheckpointManager(path) as m:
+        m.save(step, {"x": torch.full((3,), value)}).result()
+    return path
+
+
+def _tree(path: Path) -> list[tuple[str, bytes]]:
+    """Every file under ``path`` and its bytes (to prove nothing changed)."""
+    return sorted(
+        (str(p.relative_to(path)), p.read_bytes()) for p in path.rglob("*") if p.is_file()
+    )
+
+
+def test_the_tier_is_created_private_to_its_user(tmp_path: Path) -> None:
+    """Snapshots in /dev/shm are readable by no other user: the tier is mode 0o700."""
+    with CheckpointManager(tmp_path / "run", memory=_opts(tmp_path / "shm")) as m:
+        m.save(1, {"x": torch.ones(3)}).result()
+        mode = stat.S_IMODE(os.stat(m.memory.directory).st_mode)  # type: ignore[union-attr]
+    assert mode == 0o700
+
+
+def test_a_symlink_planted_at_the_tiers_name_is_never_followed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: restore() loaded the planted step 100, save() wrote into the link's target and
+    close() deleted the target's steps (a symlink to another run's directory lost it)."""
+    shm, disk = tmp_path / "shm", _run(tmp_path / "run", 1, 1.0)
+    evil = _run(tmp_path / "other-run", 100, 666.0)
+    before = _tree(evil)
+    shm.mkdir()
+    os.symlink(evil, tier_dir(disk, shm))
+    m = CheckpointManager(disk, memory=_opts(shm))
+    with pytest.raises(CheckpointError, match="is a symlink"):
+        m.restore()
+    with pytest.raises(CheckpointError, match="is a symlink"):
+        m.save(2, {"x": torch.ones(3)}).result()
+    m.close()
+    assert cli.main(["gc", str(disk), "--keep-last", "5", "--memory-root", str(shm)]) == 0
+    assert "skipped memory tier" in capsys.readouterr().out
+    assert cli.main(["ls", str(disk), "--memory-root", str(shm)]) == 1
+    assert "is a symlink" in capsys.readouterr().out
+    assert _tree(evil) == before  # nothing read into the run, written or deleted there
+    assert 100 not in CheckpointManager(disk).steps()
+
+
+def test_a_tier_others_may_write_is_refused(tmp_path: Path) -> None:
+    """A planted tier (a real directory, mode 0o777) with a valid step 100 is not restored."""
+    shm, disk = tmp_path / "shm", _run(tmp_path / "run", 1, 1.0)
+    evil = _run(tmp_path / "other-run", 100, 666.0)
+    shm.mkdir()
+    planted = tier_dir(disk, shm)
+    shutil.copytree(evil, planted)
+    os.chmod(planted, 0o777)
+    m = CheckpointManager(disk, memory=_opts(shm))
+    with pytest.raises(CheckpointError, match="writable by other users"):
+        m.restore()
+    m.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another user needs root")
+def test_a_tier_of_another_user_is_refused(tmp_path: Path) -> None:
+    shm, disk = tmp_path / "shm", _run(tmp_path / "run", 1, 1.0)
+    evil = _run(tmp_path / "other-run", 100, 666.0)
+    shm.mkdir()
+    planted = tier_dir(disk, shm)
+    shutil.copytree(evil, planted)
+    os.chmod(planted, 0o700)
+    os.chown(planted, 65534, 65534)
+    m = CheckpointManager(disk, memory=_opts(shm))
+    with pytest.raises(CheckpointError, match="owned by uid 65534"):
+        m.restore()
+    with pytest.raises(CheckpointError, match="owned by uid 65534"):
+        m.save(2, {"x": torch.ones(3)}).result()
+    m.close()
+
+
+def test_an_own_tier_readable_by_others_is_made_private(tmp_path: Path) -> None:
+    """A tier of this user left 0o755 (an earlier version) is tightened, not refused."""
+    shm, disk = tmp_path / "shm", tmp_path / "run"
+    with CheckpointManager(disk, memory=MemoryOptions(root=shm, persist_on_close=False)) as m:
+        m.save(1, {"x": torch.ones(3)}).result()
+        where = m.memory.directory  # type: ignore[union-attr]
+        m.memory.lock.release()  # type: ignore[union-attr]  # a crash: the tier stays
+        m.memory = None
+    os.chmod(where, 0o755)
+    with CheckpointManager(disk, memory=_opts(shm)) as m:
+        assert torch.equal(m.restore()["x"], torch.ones(3))
+        m.save(2, {"x": torch.ones(3)}).result()
+        assert stat.S_IMODE(os.stat(where).st_mode) == 0o700
+
+
+_HOSTILE_LOGS = [
+    {"alive_s": float("nan")},  # MTBF NaN: the interval became max_steps (never a save)
+    {"alive_s": float("inf")},
+    {"open": {"pid": 1, "host": "x", "alive_s": "abc"}},  # a bare ValueError from begin()
+    {"open": {"pid": 1, "host": "x", "alive_s": float("nan")}},
+    {"open": {"pid": 1, "host": "x", "alive_s": -1e12}},  # math domain error in should_save
+]
+
+
+@pytest.mark.parametrize("bad", _HOSTILE_LOGS, ids=lambda d: repr(d)[:40])
+def test_a_hostile_run_log_is_refused_naming_the_file(
+    tmp_path: Path, bad: dict[str, object]
+) -> None:
+    doc = {"tool": "ckpt", "version": 1, "runs": 1, "failures": 0, "alive_s": 1.0, **bad}
+    tmp_path.joinpath("runs.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=r"runs\.json: unreadable run log"):
+        m = CheckpointManager(tmp_path, save_interval_steps="auto")
+        for step in range(3):
+            if m.should_save(step):
+                m.save(step, {"x": torch.zeros(3)}).result()
+        m.interval()
+        m.close()
