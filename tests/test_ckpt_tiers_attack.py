@@ -138,3 +138,29 @@ def test_a_hostile_run_log_is_refused_naming_the_file(
                 m.save(step, {"x": torch.zeros(3)}).result()
         m.interval()
         m.close()
+
+
+def test_a_state_that_grows_is_checked_against_the_tmpfs_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: only the first save's size was checked, so a first save made before the
+    optimizer's first step (AdamW's state is made there, twice the model) was admitted and
+    the larger snapshots filled the tmpfs. The tmpfs's figures are simulated: 64 KiB free."""
+    real = os.statvfs
+
+    class _Small:
+        def __init__(self, path: object) -> None:
+            st = real(path)  # type: ignore[arg-type]
+            self.f_frsize, self.f_blocks, self.f_bavail = st.f_frsize, 16, 65536 // st.f_frsize
+
+    monkeypatch.setattr(os, "statvfs", _Small)
+    model = torch.nn.Linear(40, 40)  # 6.5 KiB of parameters
+    opt = torch.optim.AdamW(model.parameters())
+    m = CheckpointManager(tmp_path / "run", memory=MemoryOptions(root=tmp_path / "shm", keep=4))
+    m.save(0, {"model": model, "optim": opt}).result()  # 6 snapshots of ~7 KiB: admitted
+    model(torch.randn(2, 40)).sum().backward()
+    opt.step()  # the optimizer's state appears: the snapshot triples
+    m.save(1, {"model": model, "optim": opt}).result()
+    with pytest.raises(CheckpointError, match=r"4 \+ 2 snapshots of .* GiB need"):
+        m.save(2, {"model": model, "optim": opt}).result()
+    m.close()

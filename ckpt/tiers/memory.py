@@ -73,14 +73,17 @@ def check_capacity(directory: Path, root: Path, keep: int, nbytes: int, held: in
         )
 
 
-def _held_bytes(directory: Path) -> int:
+def _step_bytes(path: Path) -> int:
+    """The bytes of the files of the step directory ``path``."""
     total = 0
-    for step in commit.steps(directory):
-        path = _layout.step_dir(directory, step)
-        for entry in os.scandir(path):
-            if entry.is_file(follow_symlinks=False):
-                total += entry.stat(follow_symlinks=False).st_size
+    for entry in os.scandir(path):
+        if entry.is_file(follow_symlinks=False):
+            total += entry.stat(follow_symlinks=False).st_size
     return total
+
+
+def _held_bytes(directory: Path) -> int:
+    return sum(_step_bytes(_layout.step_dir(directory, s)) for s in commit.steps(directory))
 
 
 class _HasMemoryStats(Protocol):
@@ -111,7 +114,8 @@ class MemoryTier:
             self.directory, [lambda s: not self.persister.holds(s)], self.stats.evicted
         )
         self._policy = KeepLast(options.keep)
-        self._admitted = False
+        self._admitted = 0  # the snapshot size admitted against the tmpfs (0: none yet)
+        self._grown = 0  # the largest snapshot committed (bytes on the tmpfs)
         self.upload_steps: set[int] = set()  # persisted steps the remote tier is to upload
         self.replica: PeerReplica | None = None
         if options.replica:
@@ -147,20 +151,23 @@ class MemoryTier:
 
     # ---- saving -------------------------------------------------------------------------
     def prepare(self, nbytes: Callable[[], int], write: WriteOptions | float) -> None:
-        """Before a save: raise a persist failure; claim and lock the tier (once); on the first
-        save, refuse a snapshot the tmpfs cannot hold ``keep + 2`` times (``nbytes()``)."""
+        """Before a save: raise a persist failure; claim and lock the tier (once); refuse a
+        snapshot the tmpfs cannot hold ``keep + 2`` times: on the first save (``nbytes()``), and
+        again when a committed snapshot outgrew the size admitted (a state that grows: an
+        optimizer's state made at its first step, after a save)."""
         self.persister.raise_pending()
         if not self.lock.held:
             self.acquire(write if isinstance(write, float) else write.lock_timeout_s)
-        if not self._admitted:
+        size = self._grown if self._admitted else nbytes()
+        if size > self._admitted:
             check_capacity(
                 self.directory,
                 Path(self.options.root),
                 self.options.keep,
-                nbytes(),
+                size,
                 _held_bytes(self.directory),
             )
-            self._admitted = True
+            self._admitted = size
 
     def acquire(self, timeout_s: float = 0.0) -> None:
         """Claim the tier as ckpt's (recording its disk directory), take its writer lock
@@ -180,6 +187,7 @@ class MemoryTier:
         """A snapshot was committed to the tier (the save pipeline's callback): queue every
         ``persist_every``-th for the disk, then apply the tier's retention."""
         self.stats.snapshots += 1
+        self._grown = max(self._grown, _step_bytes(path))
         self._retainer.mark_good(step, path)
         if self.stats.snapshots % self.options.persist_every == 0:
             every = self.options.remote_every
