@@ -6,11 +6,14 @@ another user's), a hostile ``runs.json``. Every test failed before its fix."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import shutil
 import stat
 from pathlib import Path
+from typing import Any
 
+import _ckpt_tiers_attack_worker as worker
 import pytest
 import torch
 
@@ -164,3 +167,76 @@ def test_a_state_that_grows_is_checked_against_the_tmpfs_again(
     with pytest.raises(CheckpointError, match=r"4 \+ 2 snapshots of .* GiB need"):
         m.save(2, {"model": model, "optim": opt}).result()
     m.close()
+
+
+def _proc(ctx: Any, target: Any, *args: object) -> int:
+    proc = ctx.Process(target=target, args=args, daemon=True)
+    proc.start()
+    proc.join(60)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(10)
+        pytest.fail(f"{target.__name__}{args} hung")
+    return int(proc.exitcode)
+
+
+def _ops(ctx: Any, tmp_path: Path, gc: bool) -> int:
+    """How many filesystem operations the close (or the gc of a stale tier) makes."""
+    root, trace = tmp_path / "count", tmp_path / "trace"
+    _proc(ctx, worker.run, str(root), not gc, 0 if gc else 10**6, None if gc else str(trace))
+    if gc:
+        assert _proc(ctx, worker.gc, str(root), 10**6, str(trace)) == 0
+    return len(trace.read_text().splitlines())
+
+
+def _newest_whole(root: Path) -> bool:
+    reader = CheckpointManager(root / "disk", memory=worker.options(root))
+    got = reader.restore()
+    return bool(
+        got["s"] == worker.NEWEST and torch.equal(got["w"], worker.state(worker.NEWEST)["w"])
+    )
+
+
+@pytest.fixture(scope="module")
+def ctx() -> Any:
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(
+        ["torch", "ckpt.manager", "ckpt.cli", "_ckpt_tiers_attack_worker"]
+    )
+    return context
+
+
+def test_a_gc_killed_after_any_operation_leaves_a_tier_the_next_gc_frees(
+    tmp_path: Path, ctx: Any
+) -> None:
+    """Before: a gc killed between removing the tier's marker and removing the tier left a
+    directory holding only ``.lock``, that every later ``ckpt gc`` skipped as "not written
+    by ckpt": the stale tier was never freed. The newest step is never lost either way."""
+    n = _ops(ctx, tmp_path, gc=True)
+    assert n > 10
+    stale = tmp_path / "stale"
+    assert _proc(ctx, worker.run, str(stale), False, 0, None) == -9
+    for k in range(1, n + 1):
+        root = tmp_path / f"k{k}"
+        shutil.copytree(stale, root)  # the same stale tier each time, named for its copy
+        copied = root / "shm" / tier_dir(stale / "disk", stale / "shm").name
+        os.rename(copied, tier_dir(root / "disk", root / "shm"))
+        assert _proc(ctx, worker.gc, str(root), k, None) == -9, f"op {k} of {n}"
+        assert cli.main(["gc", str(root / "disk"), "--keep-last", "2", "--memory-root",
+                         str(root / "shm")]) == 0  # fmt: skip
+        assert not tier_dir(root / "disk", root / "shm").exists(), f"killed after op {k}"
+        assert _newest_whole(root), f"killed after op {k}"
+
+
+def test_a_close_killed_after_any_operation_loses_nothing(tmp_path: Path, ctx: Any) -> None:
+    """(Held.) A close killed after any of its operations (the last persist, then freeing the
+    tier): the newest step restores whole, and the next run saves and frees the tier."""
+    n = _ops(ctx, tmp_path, gc=False)
+    assert n > 10
+    for k in range(1, n + 1):
+        root = tmp_path / f"k{k}"
+        assert _proc(ctx, worker.run, str(root), True, k, None) == -9, f"op {k} of {n}"
+        assert _newest_whole(root), f"killed after op {k}"
+        with CheckpointManager(root / "disk", memory=worker.options(root)) as m:
+            m.save(worker.NEWEST + 1, worker.state(0)).result()
+        assert not tier_dir(root / "disk", root / "shm").exists(), f"killed after op {k}"
