@@ -61,6 +61,7 @@ __all__ = [
 ]
 
 _MEASURE, _WAIT = -2, -1  # the agreed codes that are not an interval (IntervalRule._agree)
+_AGREED = "rank agreement (another rank's smaller interval)"
 
 DEFAULT_MTBF_S = 24 * 3600.0
 """The mean time between failures assumed when none is given and none was seen."""
@@ -259,6 +260,7 @@ class IntervalRule:
         self._t_last: float | None = None
         self._uploaded = -1  # the newest step whose upload time was taken
         self._agreed = _MEASURE  # the interval agreed at the last event (_agree)
+        self._why = ""  # the bound that set it
         self.agreement = Agreement() if options.agree else None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -337,9 +339,11 @@ class IntervalRule:
         """The interval in steps all ranks use until the next save (``ckpt.agreement``: the
         smallest), or ``_MEASURE`` if a rank has no cost yet (save now to measure it), or
         ``_WAIT`` if a rank has a cost but no step time yet (wait one step)."""
-        steps = self._steps()
-        local = steps if steps is not None else _WAIT if self._m.cost else _MEASURE
-        return local if self.agreement is None else self.agreement.min(local)
+        planned = self._steps()
+        local = planned[0] if planned is not None else _WAIT if self._m.cost else _MEASURE
+        agreed = local if self.agreement is None else self.agreement.min(local)
+        self._why = planned[1] if planned is not None and agreed == local else _AGREED
+        return agreed
 
     def _observe(self, stats: SaveSource) -> float | None:
         """Take the blocking cost of a new save (returned, ``None`` without one: the loop paid
@@ -395,11 +399,13 @@ class IntervalRule:
             seconds, bound = floor, f"persist floor ({slowest} tier)"
         return seconds, bound, optimum, young(cost, mtbf), floor
 
-    def _steps(self) -> int | None:
+    def _steps(self) -> tuple[int, str] | None:
+        """The interval in steps now and the bound that set it (``None``: still measuring)."""
         plan = self._plan()
         if plan is None or not self._m.step:
             return None
-        return self._clamp(plan[0], _median(self._m.step))[0]
+        steps, clamp = self._clamp(plan[0], _median(self._m.step))
+        return steps, clamp or plan[1]
 
     def _clamp(self, seconds: float, step_s: float) -> tuple[int, str]:
         """``seconds`` in steps of ``step_s``, within ``min_steps``..``max_steps``."""
@@ -429,8 +435,8 @@ class IntervalRule:
                 bound, seconds = clamp or bound, steps * step_s
             else:
                 bound = "measuring: the step time (one more step)"
-        if self._agreed >= 1:  # what should_save uses until the next save
-            steps = self._agreed
+        if self._agreed >= 1:  # what should_save uses until the next save, and its bound
+            steps, bound = self._agreed, self._why
             seconds = None if step_s is None else steps * step_s
         nxt = None if steps is None or self._anchor is None else self._anchor + steps
         return IntervalReport(

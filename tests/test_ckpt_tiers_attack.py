@@ -11,6 +11,7 @@ import os
 import shutil
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import _ckpt_tiers_attack_worker as worker
@@ -19,7 +20,9 @@ import torch
 
 from ckpt import cli
 from ckpt.errors import CheckpointError
+from ckpt.interval import AutoInterval, IntervalRule, daly
 from ckpt.manager import CheckpointManager
+from ckpt.saving.pipeline import SaveStats
 from ckpt.tiers.memory_options import MemoryOptions, tier_dir
 
 
@@ -240,3 +243,19 @@ def test_a_close_killed_after_any_operation_loses_nothing(tmp_path: Path, ctx: A
         with CheckpointManager(root / "disk", memory=worker.options(root)) as m:
             m.save(worker.NEWEST + 1, worker.state(0)).result()
         assert not tier_dir(root / "disk", root / "shm").exists(), f"killed after op {k}"
+
+
+def test_the_reported_bound_is_the_one_that_set_the_held_interval(tmp_path: Path) -> None:
+    """Before: ``interval()`` reported the interval held since the last save (60 steps, set by
+    Young-Daly) with the bound of the current inputs (``max_steps (100)``, as the steps got
+    faster since): a report naming a bound that did not set its ``steps``."""
+    rule = IntervalRule(AutoInterval(mtbf_s=3600, max_steps=100), tmp_path)
+    stats = SimpleNamespace(last_save=None, remote=None)
+    assert rule.should_save(0, stats, now=0.0)  # the first step saves, to measure the cost
+    stats.last_save = SaveStats(0, blocked_s=0.5, write_s=0.1, durable_s=1.0)
+    assert not rule.should_save(1, stats, now=1.5)  # a 1 s step: 60 steps (Young-Daly)
+    for step in range(2, 6):
+        assert not rule.should_save(step, stats, now=1.5 + 0.1 * (step - 1))  # 0.1 s steps
+    report = rule.report()
+    assert report.steps == round(daly(0.5, 3600) / 1.0) == 60
+    assert report.bound == "Young-Daly (Daly's higher order)", report
