@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import socket
 import time
@@ -43,6 +42,8 @@ from feedpipe.io.reaper import pid_alive
 __all__ = ["RunHistory", "RunLog"]
 
 log = logging.getLogger("ckpt")
+
+_LIMIT = 2**53  # counters and seconds: exact in a float, far beyond any real run
 
 
 @dataclass(frozen=True)
@@ -182,8 +183,9 @@ def _check(doc: Any) -> None:
 
 
 def _counter(value: Any, key: str, kind: type | tuple[type, ...]) -> None:
-    """``ValueError`` unless ``value`` is a finite number >= 0 of ``kind`` (JSON's ``NaN`` and
-    ``Infinity`` would make the MTBF NaN or infinite: an interval of ``max_steps``)."""
+    """``ValueError`` unless ``value`` is a number of ``kind`` in ``[0, 2**53)``: JSON's ``NaN``
+    and ``Infinity`` would make the MTBF NaN or infinite (an interval of ``max_steps``), and a
+    larger int cannot be divided as a float (``OverflowError`` in ``should_save``)."""
     number = isinstance(value, (int, float)) and isinstance(value, kind)
-    if isinstance(value, bool) or not number or not 0 <= value < math.inf:
+    if isinstance(value, bool) or not number or not 0 <= value < _LIMIT:
         raise ValueError(f"{key!r} is {value!r:.40}")

@@ -128,6 +128,7 @@ _HOSTILE_LOGS = [
     {"open": {"pid": 1, "host": "x", "alive_s": "abc"}},  # a bare ValueError from begin()
     {"open": {"pid": 1, "host": "x", "alive_s": float("nan")}},
     {"open": {"pid": 1, "host": "x", "alive_s": -1e12}},  # math domain error in should_save
+    {"failures": 10**400},  # OverflowError in should_save (an int too large for a float)
 ]
 
 
