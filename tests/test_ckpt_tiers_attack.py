@@ -260,3 +260,27 @@ def test_the_reported_bound_is_the_one_that_set_the_held_interval(tmp_path: Path
     report = rule.report()
     assert report.steps == round(daly(0.5, 3600) / 1.0) == 60
     assert report.bound == "Young-Daly (Daly's higher order)", report
+
+
+def test_ckpt_ls_and_gc_of_a_lost_disk_show_the_memory_tier(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """'The local disk is lost: memory survives' (docs/tiers.md). Before: ``ckpt ls DIR`` and
+    ``ckpt gc DIR`` said only "no such directory", hiding the tier that holds the only copy."""
+    shm, disk = tmp_path / "shm", tmp_path / "run"
+    m = CheckpointManager(disk, memory=MemoryOptions(root=shm, persist_every=100))
+    for step in range(3):
+        m.save(step, {"x": torch.full((3,), float(step))}).result()
+    m.memory.lock.release()  # type: ignore[union-attr]  # the process dies, its tier stays
+    m.memory = None
+    m.close()
+    shutil.rmtree(disk)
+    for command in ("ls", "gc"):
+        assert cli.main([command, str(disk), "--memory-root", str(shm)]) == 2
+        out, err = capsys.readouterr()
+        assert "no such directory" in err and "holds the only copy" in err, err
+        rows = [line.split() for line in out.splitlines()]
+        assert f"memory tier {tier_dir(disk, shm)}:" in out, out
+        assert [rows[-1][0], *rows[-1][-2:]] == ["2", "committed,", "latest"], out
+    with CheckpointManager(disk, memory=MemoryOptions(root=shm)) as again:
+        assert torch.equal(again.restore()["x"], torch.full((3,), 2.0))
