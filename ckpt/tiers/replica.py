@@ -34,7 +34,7 @@ from ckpt.saving import commit
 from ckpt.tiers.memory_free import free_root
 from ckpt.tiers.memory_guard import check_tier, make_tier
 
-__all__ = ["PeerReplica"]
+__all__ = ["PeerReplica", "unpack"]
 
 log = logging.getLogger("ckpt")
 
@@ -55,17 +55,23 @@ def _pack(path: Path) -> tuple[int, torch.Tensor]:
     return int(body["step"]), torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
 
-def _unpack(blob: torch.Tensor, into: Path) -> None:
-    """Write the files framed in ``blob`` into the new directory ``into`` (fsynced)."""
-    raw, pos = blob.numpy().tobytes(), 0
+def unpack(blob: torch.Tensor, into: Path) -> None:
+    """Write the files framed in ``blob`` (``_pack``) into the new directory ``into``, each
+    fsynced. Every file is written whole: one ``write`` moves at most 2 GiB on Linux (and any
+    amount on a short write), so it loops; the blob is read in place, never copied."""
+    raw, pos = blob.numpy().data, 0
     while pos < len(raw):
         n = int.from_bytes(raw[pos : pos + 8], "little")
-        name = fmt.safe_relpath(raw[pos + 8 : pos + 8 + n].decode())
+        name = fmt.safe_relpath(bytes(raw[pos + 8 : pos + 8 + n]).decode())
         pos += 8 + n
         size = int.from_bytes(raw[pos : pos + 8], "little")
+        data = raw[pos + 8 : pos + 8 + size]
+        if len(data) != size:
+            raise CorruptCheckpointError(f"{into / name}: the replica's message is cut short")
         fd = commit.open_nofollow(into / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            os.write(fd, raw[pos + 8 : pos + 8 + size])
+            while data:
+                data = data[os.write(fd, data) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -79,7 +85,7 @@ def _publish(blob: torch.Tensor, root: Path, step: int) -> Path:
     tmp: Path | None = commit.make_tmp(root, step)
     assert tmp is not None
     try:
-        _unpack(blob, tmp)
+        unpack(blob, tmp)
         for rec in fmt.read_manifest(tmp)["files"]:
             fmt.verify_file(tmp, rec)
         final = commit.publish(tmp, root, step)
