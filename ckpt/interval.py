@@ -6,8 +6,9 @@ with an ``IntervalRule``. Its inputs are measured, its output is a number of ste
 - ``C``, the **blocking cost** of a save: the mean ``SaveStats.blocked_s`` of the recent saves
   (what the training loop paid, back-pressure included: the expected cost the rule needs);
 - the **persist time** of each tier that takes every save (the local disk: ``write_s +
-  commit_s``; the remote tier: the upload's seconds; the mean of the recent ones): the interval
-  is never shorter than the slowest, or saves back up behind it;
+  commit_s``, or with a memory tier its tmpfs's, and the disk's persist seconds over
+  ``persist_every``; the remote tier: the upload's seconds; the mean of the recent ones): the
+  interval is never shorter than the slowest, or saves back up behind it;
 - ``M``, the **mean time between failures**: ``mtbf=`` if given; else the failures the run log
   saw across restarts (``ckpt.runlog``), ``M = alive seconds / failures``; with none seen,
   ``DEFAULT_MTBF_S`` or the seconds the runs were alive without a failure, whichever is longer;
@@ -259,6 +260,7 @@ class IntervalRule:
         self._last: tuple[int, bool] | None = None  # the last step answered, and the answer
         self._t_last: float | None = None
         self._uploaded = -1  # the newest step whose upload time was taken
+        self._persists = 0  # the memory tier's persists whose time was taken
         self._agreed = _MEASURE  # the interval agreed at the last event (_agree)
         self._why = ""  # the bound that set it
         self.agreement = Agreement() if options.agree else None
@@ -355,11 +357,22 @@ class IntervalRule:
                 self._anchor = int(save.step)
                 blocked = float(save.blocked_s)
                 self._m.add(self._m.cost, blocked)
+            memory = getattr(stats, "memory", None)  # saves land there, persists go to disk
             if self._pending is not None and self._pending.durable_s > 0:
                 pending, self._pending = self._pending, None
-                self._m.add_persist("disk", float(pending.write_s + pending.commit_s))
+                tier = "disk" if memory is None else "memory"
+                self._m.add_persist(tier, float(pending.write_s + pending.commit_s))
+            self._observe_persists(memory)
             self._observe_uploads(stats.remote)
         return blocked
+
+    def _observe_persists(self, memory: Any) -> None:
+        """With a memory tier, the disk's time per save: each persist's seconds over the
+        ``persist_every`` saves it stands for."""
+        persist = None if memory is None else memory.persist
+        if persist is not None and persist.persisted > self._persists and persist.last_s > 0:
+            self._persists = persist.persisted
+            self._m.add_persist("disk", float(persist.last_s) / max(1, memory.persist_every))
 
     def _observe_uploads(self, remote: Any) -> None:
         """The remote tier's upload seconds of the steps uploaded since the last look."""

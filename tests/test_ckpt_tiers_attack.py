@@ -24,6 +24,7 @@ from ckpt.interval import AutoInterval, IntervalRule, daly
 from ckpt.manager import CheckpointManager
 from ckpt.saving.pipeline import SaveStats
 from ckpt.tiers import replica
+from ckpt.tiers.memory import MemoryStats
 from ckpt.tiers.memory_options import MemoryOptions, tier_dir
 
 
@@ -309,3 +310,36 @@ def test_a_replica_file_is_written_whole_whatever_one_write_takes(
     (tmp_path / "cut").mkdir()
     with pytest.raises(CorruptCheckpointError, match="cut short"):
         replica.unpack(blob[:-1], tmp_path / "cut")
+
+
+def test_with_a_memory_tier_the_disk_floor_is_the_persists_time(tmp_path: Path) -> None:
+    """docs/interval.md: with memory-tier saves "the persist floor then keeps the disk from
+    falling behind". Before: the floor read each save's write into the tmpfs as the disk's
+    time, and the persists to disk (``stats.memory.persist``) were never read: a 50 s persist
+    every 10 saves did not bound a 3 s interval."""
+    rule = IntervalRule(AutoInterval(mtbf_s=10.0), tmp_path)  # Daly: ~2.9 s for a 0.5 s save
+    memory = MemoryStats()
+    memory.persist_every = 10  # as MemoryTier sets it from MemoryOptions(persist_every=10)
+    stats = SimpleNamespace(last_save=None, remote=None, memory=memory)
+    assert rule.should_save(0, stats, now=0.0)
+    stats.last_save = SaveStats(0, blocked_s=0.5, write_s=0.01, durable_s=1.0)
+    memory.persist.persisted, memory.persist.last_s = 1, 50.0
+    rule.should_save(1, stats, now=1.5)  # a 1 s step
+    report = rule.report()
+    assert report.persist_s == {"memory": 0.01, "disk": 5.0}, report
+    assert report.bound == "persist floor (disk tier)" and report.steps == 5, report
+
+
+def test_a_manager_with_a_memory_tier_reports_both_tiers_persist_times(tmp_path: Path) -> None:
+    m = CheckpointManager(
+        tmp_path / "run",
+        save_interval_steps=AutoInterval(mtbf_s=3600, max_steps=2),
+        memory=MemoryOptions(root=tmp_path / "shm", persist_every=2),
+    )
+    for step in range(8):
+        if m.should_save(step):
+            m.save(step, {"x": torch.zeros(3)}).result()
+            m.wait()
+    report = m.interval()
+    assert report is not None and set(report.persist_s) == {"memory", "disk"}, report
+    m.close()

@@ -48,8 +48,10 @@ log = logging.getLogger("ckpt")
 
 @dataclass
 class MemoryStats:
-    """The memory tier's counters: snapshots taken, evicted from memory, and the persists."""
+    """The memory tier's counters: snapshots taken, evicted from memory, and the persists
+    (one every ``persist_every`` snapshots)."""
 
+    persist_every: int = 1
     snapshots: int = 0
     evicted: list[int] = field(default_factory=list)
     persist: PersistStats = field(default_factory=PersistStats)
@@ -105,7 +107,7 @@ class MemoryTier:
         self.disk = disk
         self.options = options
         self.directory = tier_dir(disk, options.root)
-        self.stats = MemoryStats()
+        self.stats = MemoryStats(options.persist_every)
         self.lock = commit.WriterLock(self.directory)
         self.on_persisted = on_persisted
         self.persister = Persister(self.directory, disk, self._persisted)
