@@ -145,7 +145,7 @@ def _ls_leftovers(root: Path) -> None:
 
 def _ls_memory(root: Path, memory_root: str, metrics: bool) -> int:
     """The rows of ``root``'s memory tier (``ckpt ls DIR``); the number of bad ones."""
-    from ckpt.tiers.memory_guard import check_tier
+    from ckpt.tier_guard import check_tier
     from ckpt.tiers.memory_options import tier_dir
 
     where = tier_dir(root, memory_root)

@@ -343,3 +343,17 @@ def test_a_manager_with_a_memory_tier_reports_both_tiers_persist_times(tmp_path:
     report = m.interval()
     assert report is not None and set(report.persist_s) == {"memory", "disk"}, report
     m.close()
+
+
+def test_a_root_others_may_write_without_the_sticky_bit_is_refused(tmp_path: Path) -> None:
+    """There anyone may rename the tier away and put theirs in its place after any check."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    os.chmod(shm, 0o777)
+    m = CheckpointManager(tmp_path / "run", memory=_opts(shm))
+    with pytest.raises(CheckpointError, match="without the sticky bit"):
+        m.save(1, {"x": torch.ones(3)}).result()
+    m.close()
+    os.chmod(shm, 0o1777)  # /dev/shm's mode: fine
+    with CheckpointManager(tmp_path / "run", memory=_opts(shm)) as m:
+        m.save(1, {"x": torch.ones(3)}).result()

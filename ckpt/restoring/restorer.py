@@ -28,7 +28,7 @@ from ckpt.errors import (
 )
 from ckpt.restoring.reader import MapLocation, RestoreStats, read_checkpoint
 from ckpt.saving import commit
-from ckpt.tiers.memory_guard import check_tier
+from ckpt.tier_guard import check_tier
 
 
 class RemoteSource(Protocol):
@@ -110,7 +110,7 @@ class Restorer:
 
     def memory_steps(self) -> set[int]:
         """Steps in the memory tier (none without one); a tier that is not this user's own
-        raises (``ckpt.tiers.memory_guard``: never read what another user planted)."""
+        raises (``ckpt.tier_guard``: never read what another user planted)."""
         if self.memory is None or not check_tier(self.memory):
             return set()
         return set(commit.steps(self.memory))

@@ -32,8 +32,8 @@ from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.policy import KeepLast
 from ckpt.retention.retainer import Retainer
 from ckpt.saving import commit
+from ckpt.tier_guard import check_tier, make_tier
 from ckpt.tiers.memory_free import free_root
-from ckpt.tiers.memory_guard import check_tier, make_tier
 from ckpt.tiers.memory_options import MemoryOptions, memory_options, tier_dir
 from ckpt.tiers.memory_persist import Persister, PersistStats
 
@@ -148,7 +148,7 @@ class MemoryTier:
 
     def steps(self) -> list[int]:
         """The snapshots in the tier, ascending (``[]`` if it does not exist); a tier that is
-        not this user's own raises (``ckpt.tiers.memory_guard``)."""
+        not this user's own raises (``ckpt.tier_guard``)."""
         return commit.steps(self.directory) if check_tier(self.directory) else []
 
     # ---- saving -------------------------------------------------------------------------

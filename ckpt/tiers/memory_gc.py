@@ -7,7 +7,7 @@ the newest state of a crashed run, so its newest snapshot that verifies is first
 what ckpt wrote (``ckpt.tiers.memory.MemoryTier.free``). A tier held by a live run is never
 touched, nor a directory without ckpt's marker holding an entry ckpt did not write (one with
 only ckpt's entries is what a killed gc or close left), nor a symlink or a directory of
-another user (``ckpt.tiers.memory_guard``).
+another user (``ckpt.tier_guard``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 from ckpt import _owner
 from ckpt.errors import CheckpointError, LockedError
 from ckpt.saving import commit
+from ckpt.tier_guard import check_tier
 from ckpt.tiers.memory import MemoryTier
-from ckpt.tiers.memory_guard import check_tier
 from ckpt.tiers.memory_options import MemoryOptions, tier_dir
 
 __all__ = ["clear_stale"]

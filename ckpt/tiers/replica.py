@@ -31,8 +31,8 @@ from ckpt import _layout, _owner
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.saving import commit
+from ckpt.tier_guard import check_tier, make_tier
 from ckpt.tiers.memory_free import free_root
-from ckpt.tiers.memory_guard import check_tier, make_tier
 
 __all__ = ["PeerReplica", "unpack"]
 

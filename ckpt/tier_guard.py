@@ -6,7 +6,9 @@ a directory of theirs holding a valid, CRC-checked step that ``restore()`` would
 symlink to any directory, whose steps a save would write into and ``close()`` or ``ckpt gc``
 would delete. So the tier is created private (mode ``0o700``), and before it is read, written or
 freed it must be a real directory (no symlink), owned by this process's user and writable by
-no one else; otherwise ``CheckpointError`` names it, its owner and mode, and nothing is touched.
+no one else, in a root that others cannot write or that has the sticky bit (as ``/dev/shm``: no
+one may rename another user's entry there); otherwise ``CheckpointError`` names it, its owner
+and mode, and nothing is touched.
 """
 
 from __future__ import annotations
@@ -32,9 +34,15 @@ def check_tier(directory: Path) -> bool:
     """Whether the tier ``directory`` exists (``False``: nothing there); ``CheckpointError``
     if something is there that is not a private directory of this user (module docstring)."""
     try:
-        st = os.lstat(directory)
+        st, up = os.lstat(directory), os.stat(directory.parent)
     except FileNotFoundError:
         return False
+    if up.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not up.st_mode & stat.S_ISVTX:
+        raise _refuse(
+            directory,
+            f"its root {directory.parent} is writable by other users without the sticky bit "
+            f"(mode {stat.S_IMODE(up.st_mode):o}): anyone may replace the tier there",
+        )
     if stat.S_ISLNK(st.st_mode):
         raise _refuse(directory, f"is a symlink (to {os.readlink(directory)!r})")
     if not stat.S_ISDIR(st.st_mode):
