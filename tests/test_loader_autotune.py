@@ -281,13 +281,45 @@ def test_rule_gil_bound_threads_go_to_processes() -> None:
     r = _reading(0.4, 1.0, 3.8, grew_from=50.0)
     d = tp.decide(r, tp.Settings(4, "thread", 2), LIMITS)
     assert d is not None and d.settings.kind == "thread"
-    # one per-sample Python worker whose CPU is its busy time, no room to grow
-    one = tp.Limits(budget_cores=1.0, max_workers=8, kind=True, per_sample=True)
-    d = tp.decide(_reading(0.4, 0.9, 0.95), tp.Settings(1, "thread", 2), one)
-    assert d is not None and d.settings.kind == "process"
+    # one per-sample Python worker whose CPU is its busy time (more than a core: the host is
+    # short of cores), no room for a second thread, and a budget of 2 cores: two processes
+    two = tp.Limits(budget_cores=2.0, max_workers=8, kind=True, per_sample=True)
+    d = tp.decide(_reading(0.4, 1.1, 1.1), tp.Settings(1, "thread", 2), two)
+    assert d is not None and d.settings == tp.Settings(2, "process", 2)
+    # room for a second thread at the measured CPU: it is tried first (GIL-bound or not)
+    d = tp.decide(_reading(0.4, 0.9, 0.95), tp.Settings(1, "thread", 2), two)
+    assert d is not None and d.settings == tp.Settings(2, "thread", 2)
     # I/O-bound threads (little CPU) are never sent to processes
     d = tp.decide(_reading(0.4, 0.1, 3.8, grew_from=100.0), tp.Settings(4, "thread", 2), LIMITS)
     assert d is not None and d.settings.kind == "thread"
+
+
+def test_rule_gil_bound_threads_stay_where_the_budget_holds_one_process() -> None:
+    """GIL-bound threads already run about one core of Python: with a budget of one core (the
+    default on 2 cores) one process would run no more, so they stay threads, and no thread is
+    added (it would only queue for the GIL); the decision says why."""
+    one = tp.Limits(budget_cores=1.0, max_workers=8, kind=True, per_sample=True)
+    for cores in (1.0, 1.5, 1.75):  # no room for a second thread at 0.9 cores, one process
+        budget = tp.Limits(budget_cores=cores, max_workers=8, kind=True, per_sample=True)
+        d = tp.decide(_reading(0.4, 0.9, 0.95), tp.Settings(1, "thread", 2), budget)
+        assert d is not None and d.settings == tp.Settings(1, "thread", 2), cores
+        assert d.reason.startswith(f"GIL-bound threads, and the budget of {cores:.2f} cores")
+    # 3 threads queueing for the GIL (busy 2.8 cores on CPU 1.0), their growth bought nothing
+    r = _reading(0.4, 1.0, 2.8, grew_from=100.0)
+    d = tp.decide(r, tp.Settings(3, "thread", 2), one)
+    assert d is not None and d.settings == tp.Settings(3, "thread", 2)
+    assert "holds one process worker" in d.reason
+    # with a larger budget the same readings move them: as many processes as the budget holds
+    # at a core each, never fewer than the threads' one core could match
+    d = tp.decide(r, tp.Settings(3, "thread", 2), tp.Limits(6.4, 64, kind=True))
+    assert d is not None and d.settings == tp.Settings(3, "process", 2)
+    d = tp.decide(r, tp.Settings(3, "thread", 2), tp.Limits(2.5, 64, kind=True))
+    assert d is not None and d.settings == tp.Settings(2, "process", 2)
+    # a thread that is not GIL-bound (its CPU under its busy time: it waits on I/O) may grow
+    d = tp.decide(_reading(0.4, 0.3, 0.95), tp.Settings(1, "thread", 2), one)
+    assert d is not None and d.settings.workers > 1 and d.settings.kind == "thread"
+    assert tp.processes_in_budget(one) == 1
+    assert tp.processes_in_budget(tp.Limits(6.4, 4)) == 4
 
 
 def test_rule_a_growth_that_bought_nothing_is_undone_and_becomes_the_ceiling() -> None:
