@@ -24,7 +24,7 @@ from _dist import run_ranks
 
 import feedpipe
 from feedpipe.loader import tuner_policy as tp
-from feedpipe.loader.tuner import DEFAULT_CPU_BUDGET, Tuner
+from feedpipe.loader.tuner import DEFAULT_CPU_BUDGET, Tuner, available_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -320,6 +320,34 @@ def test_rule_gil_bound_threads_stay_where_the_budget_holds_one_process() -> Non
     assert d is not None and d.settings.workers > 1 and d.settings.kind == "thread"
     assert tp.processes_in_budget(one) == 1
     assert tp.processes_in_budget(tp.Limits(6.4, 4)) == 4
+
+
+class _Python(_Slow):
+    """``i``, after ``delay`` seconds of a pure-Python loop: it holds the GIL throughout."""
+
+    def __getitem__(self, i: int) -> int:
+        end, acc = time.perf_counter() + self.delay, 0
+        while time.perf_counter() < end:
+            acc = (acc * 31 + i) & 0xFFFF
+        return i
+
+
+def test_a_gil_bound_dataset_stays_on_threads_within_a_one_core_budget() -> None:
+    """A per-sample pure-Python read on a budget of one core: the auto loader never moves to
+    processes (one would run no more Python than the threads); the batches are those of
+    fixed settings."""
+    gen = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+    auto = _fast(
+        _loader(_Python(64, 0.002), "auto", worker_type="auto", cpu_budget=1 / available_cores(),
+                shuffle=True, generator=gen())
+    )  # fmt: skip
+    ref = _loader(_Slow(64, 0), 0, shuffle=True, generator=gen())
+    tuner = auto.tuner
+    assert tuner is not None and tuner.limits.budget_cores == pytest.approx(1.0)
+    for _ in range(2):
+        assert _batches(auto) == _batches(ref)
+        assert auto.worker_type == "thread" and tuner.settings.kind == "thread"
+    assert not any("worker_type" in line for line in tuner.log), tuner.log
 
 
 def test_rule_a_growth_that_bought_nothing_is_undone_and_becomes_the_ceiling() -> None:
