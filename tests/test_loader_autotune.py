@@ -319,7 +319,11 @@ def test_rule_gil_bound_threads_stay_where_the_budget_holds_one_process() -> Non
     d = tp.decide(_reading(0.4, 0.3, 0.95), tp.Settings(1, "thread", 2), one)
     assert d is not None and d.settings.workers > 1 and d.settings.kind == "thread"
     assert tp.processes_in_budget(one) == 1
-    assert tp.processes_in_budget(tp.Limits(6.4, 4)) == 4
+    # a thread ceiling of 1 (a second thread bought nothing) does not bound the processes
+    capped = tp.Limits(6.4, 1, kind=True, per_sample=True)
+    d = tp.decide(_reading(0.4, 0.9, 0.95), tp.Settings(1, "thread", 2), capped)
+    assert d is not None and d.settings == tp.Settings(2, "process", 2)
+    assert tp.processes_in_budget(tp.Limits(6.4, 1)) == 6
 
 
 class _Python(_Slow):

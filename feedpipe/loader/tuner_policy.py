@@ -227,8 +227,10 @@ def _no_gain(r: Reading, s: Settings, why: str) -> Decision | None:
 
 def processes_in_budget(limits: Limits) -> int:
     """How many process workers the budget holds, projecting one core each (a process worker
-    runs its Python on a core of its own; GIL-bound threads share one core between them)."""
-    return max(1, min(math.floor(limits.budget_cores), limits.max_workers))
+    runs its Python on a core of its own; GIL-bound threads share one core between them). Not
+    bounded by ``limits.max_workers``: on threads that is the threads' bound (their ceiling
+    included), and the budget is never more cores than the host has."""
+    return max(1, math.floor(limits.budget_cores))
 
 
 def _to_processes(r: Reading, s: Settings, limits: Limits, why: str) -> Decision | None:
