@@ -324,6 +324,10 @@ def test_rule_gil_bound_threads_stay_where_the_budget_holds_one_process() -> Non
     d = tp.decide(_reading(0.4, 0.9, 0.95), tp.Settings(1, "thread", 2), capped)
     assert d is not None and d.settings == tp.Settings(2, "process", 2)
     assert tp.processes_in_budget(tp.Limits(6.4, 1)) == 6
+    # the default budget (0.4 of the cores, at least one) holds one process up to 4 cores
+    for cores, most in ((2, 1), (4, 1), (5, 2), (16, 6)):
+        default = max(1.0, DEFAULT_CPU_BUDGET * cores)
+        assert tp.processes_in_budget(tp.Limits(default, 4 * cores)) == most, cores
 
 
 class _Python(_Slow):
