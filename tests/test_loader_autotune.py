@@ -344,7 +344,10 @@ def test_a_gil_bound_dataset_stays_on_threads_within_a_one_core_budget() -> None
     """A per-sample pure-Python read on a budget of one core: the auto loader never moves to
     processes (one would run no more Python than the threads); the batches are those of
     fixed settings."""
-    gen = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+
+    def gen() -> torch.Generator:
+        return torch.Generator().manual_seed(5)
+
     auto = _fast(
         _loader(_Python(64, 0.002), "auto", worker_type="auto", cpu_budget=1 / available_cores(),
                 shuffle=True, generator=gen())
