@@ -17,6 +17,9 @@ each the median of ``--repeats`` runs interleaved across the points (a shared ho
 changes hit every point alike).
 
     python benchmarks/autotune.py [--quick] [--workloads memmap,gil,remote] [--epochs 4]
+    python benchmarks/autotune.py --no-write   # do not rewrite docs/benchmarks.md
+
+The summary table and the full listing go to the ``autotune`` section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import torch.utils.data as tud
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._report import machine
+from benchmarks._report import machine, write_section
 from benchmarks._shaping_proxy import start_proxy
 from feedpipe import DataLoader, MemmapDataset, MemmapWriter
 from feedpipe.loader.tuner import available_cores
@@ -118,8 +121,8 @@ def _grid(quick: bool) -> list[tuple[int, str, int]]:
     return list(itertools.product(workers, ["thread", "process"], prefetch))
 
 
-def _workload(name: str, ds: Any, batch: int, args: argparse.Namespace) -> list[str]:
-    """Sweep the grid and auto on ``ds``; the report's lines."""
+def _workload(name: str, ds: Any, batch: int, args: argparse.Namespace) -> tuple[list[str], str]:
+    """Sweep the grid and auto on ``ds``; the report's lines and the summary table's row."""
 
     def loader(w: Any, kind: str, p: Any) -> DataLoader:
         gen = torch.Generator().manual_seed(0)
@@ -160,7 +163,18 @@ def _workload(name: str, ds: Any, batch: int, args: argparse.Namespace) -> list[
         f"{a['last'] / best_in[1]['last']:.2f} last epoch",
         *(f"    tuning (last run): {line}" for line in runs["auto"][-1]["log"]),
     ]
-    return lines
+    row = (
+        f"| {name} | {_point(best[0])} ({best[1]['last']:.0f}, {best[1]['cores']:.2f} cores) | "
+        f"{_point(best_in[0])} | {settings} ({a['last']:.0f}, {a['cores']:.2f} cores) | "
+        f"{a['last'] / best[1]['last']:.2f} | {a['last'] / best_in[1]['last']:.2f} | "
+        f"{a['all'] / best[1]['all']:.2f} |"
+    )
+    return lines, row
+
+
+def _point(key: Any) -> str:
+    w, kind, p = key
+    return f"{w} {kind} x{p}"
 
 
 def _memmap(root: Path, n: int) -> MemmapDataset:
@@ -218,29 +232,64 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=1.0)
     parser.add_argument("--rtt-ms", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per point")
+    parser.add_argument("--no-write", action="store_true", help="leave docs/benchmarks.md")
     args = parser.parse_args()
     args.epochs = args.epochs or (3 if args.quick else 4)
     warnings.filterwarnings("ignore", message="This DataLoader will create")  # 4 processes
     n = 8192 if args.quick else 32768
-    print(f"# autotune vs grid sweep\n{machine()}\n{' '.join(sys.argv)}")
+    load = os.getloadavg()[0]
+    cmd = "python benchmarks/" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    print(f"# autotune vs grid sweep\n{machine()}; load average {load:.1f}\n{cmd}")
+    listing: list[str] = []
+    table: list[str] = []
+
+    def show(result: tuple[list[str], str]) -> None:
+        print("\n".join(result[0]), flush=True)
+        listing.extend(result[0])
+        table.append(result[1])
+
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         rows = _memmap(root, n)
         chosen = args.workloads.split(",")
         if "memmap" in chosen:
-            print("\n".join(_workload("memmap", rows, 64, args)), flush=True)
+            show(_workload("memmap", rows, 64, args))
         if "gil" in chosen:
-            gil = Rows(rows, 2000, n // 8)
-            print("\n".join(_workload("gil", gil, 16, args)), flush=True)
+            show(_workload("gil", Rows(rows, 2000, n // 8), 16, args))
         if "remote" in chosen:
             procs, endpoint = _remote(root, args.rtt_ms)
             try:
                 ds = Remote(endpoint, 128 if args.quick else 256)
-                print("\n".join(_workload("remote", ds, 8, args)), flush=True)
+                show(_workload("remote", ds, 8, args))
             finally:
                 for p in procs:
                     p.terminate()
                     p.wait(10)
+    if not args.no_write:
+        write_section("autotune", _section(cmd, load, table, listing))
+
+
+def _section(cmd: str, load: float, table: list[str], listing: list[str]) -> str:
+    """The ``autotune`` section of docs/benchmarks.md."""
+    return "\n".join([
+        "## Auto-tuning against a grid sweep (`num_workers=\"auto\"`)",
+        "",
+        f"{machine()}; load average {load:.1f} at the start. Command: `{cmd}`. Each workload "
+        "is read by every grid point (workers x kind x prefetch) and by the auto loader "
+        "(default CPU budget: 0.4 of the cores, at least one core), median of the interleaved "
+        "runs; samples/s of the last epoch (auto has tuned by then). Ratio: auto's samples/s / "
+        "the point's (target >= 0.90 within the budget).",
+        "",
+        "| workload | best grid point (samples/s, cores) | best within the budget | auto "
+        "(settings of each run; samples/s, cores) | auto / best | auto / best within budget "
+        "| auto / best, whole run |",
+        "|---|---|---|---|---|---|---|",
+        *table,
+        "",
+        "```",
+        *listing,
+        "```",
+    ])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("stall_overhead", ("--batches", "20000", "--reps", "3")),
     Benchmark("staging", ("--shards", "16", "--shard-mb", "4", "--repeat", "1")),
     Benchmark("cache_policy", ()),
+    Benchmark("autotune", ("--quick", "--repeats", "2"), ("--repeats", "2")),
     Benchmark("ckpt_auto_interval", ("--budget", "4", "--rounds", "2")),
     Benchmark(
         "ckpt_save",

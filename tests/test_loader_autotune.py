@@ -24,7 +24,7 @@ from _dist import run_ranks
 
 import feedpipe
 from feedpipe.loader import tuner_policy as tp
-from feedpipe.loader.tuner import DEFAULT_CPU_BUDGET, Tuner
+from feedpipe.loader.tuner import DEFAULT_CPU_BUDGET, Tuner, available_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -281,13 +281,84 @@ def test_rule_gil_bound_threads_go_to_processes() -> None:
     r = _reading(0.4, 1.0, 3.8, grew_from=50.0)
     d = tp.decide(r, tp.Settings(4, "thread", 2), LIMITS)
     assert d is not None and d.settings.kind == "thread"
-    # one per-sample Python worker whose CPU is its busy time, no room to grow
-    one = tp.Limits(budget_cores=1.0, max_workers=8, kind=True, per_sample=True)
-    d = tp.decide(_reading(0.4, 0.9, 0.95), tp.Settings(1, "thread", 2), one)
-    assert d is not None and d.settings.kind == "process"
+    # one per-sample Python worker whose CPU is its busy time (more than a core: the host is
+    # short of cores), no room for a second thread, and a budget of 2 cores: two processes
+    two = tp.Limits(budget_cores=2.0, max_workers=8, kind=True, per_sample=True)
+    d = tp.decide(_reading(0.4, 1.1, 1.1), tp.Settings(1, "thread", 2), two)
+    assert d is not None and d.settings == tp.Settings(2, "process", 2)
+    # room for a second thread at the measured CPU: it is tried first (GIL-bound or not)
+    d = tp.decide(_reading(0.4, 0.9, 0.95), tp.Settings(1, "thread", 2), two)
+    assert d is not None and d.settings == tp.Settings(2, "thread", 2)
     # I/O-bound threads (little CPU) are never sent to processes
     d = tp.decide(_reading(0.4, 0.1, 3.8, grew_from=100.0), tp.Settings(4, "thread", 2), LIMITS)
     assert d is not None and d.settings.kind == "thread"
+
+
+def test_rule_gil_bound_threads_stay_where_the_budget_holds_one_process() -> None:
+    """GIL-bound threads already run about one core of Python: with a budget of one core (the
+    default on 2 cores) one process would run no more, so they stay threads, and no thread is
+    added (it would only queue for the GIL); the decision says why."""
+    one = tp.Limits(budget_cores=1.0, max_workers=8, kind=True, per_sample=True)
+    for cores in (1.0, 1.5, 1.75):  # no room for a second thread at 0.9 cores, one process
+        budget = tp.Limits(budget_cores=cores, max_workers=8, kind=True, per_sample=True)
+        d = tp.decide(_reading(0.4, 0.9, 0.95), tp.Settings(1, "thread", 2), budget)
+        assert d is not None and d.settings == tp.Settings(1, "thread", 2), cores
+        assert d.reason.startswith(f"GIL-bound threads, and the budget of {cores:.2f} cores")
+    # 3 threads queueing for the GIL (busy 2.8 cores on CPU 1.0), their growth bought nothing
+    r = _reading(0.4, 1.0, 2.8, grew_from=100.0)
+    d = tp.decide(r, tp.Settings(3, "thread", 2), one)
+    assert d is not None and d.settings == tp.Settings(3, "thread", 2)
+    assert "holds one process worker" in d.reason
+    # with a larger budget the same readings move them: as many processes as the budget holds
+    # at a core each, never fewer than the threads' one core could match
+    d = tp.decide(r, tp.Settings(3, "thread", 2), tp.Limits(6.4, 64, kind=True))
+    assert d is not None and d.settings == tp.Settings(3, "process", 2)
+    d = tp.decide(r, tp.Settings(3, "thread", 2), tp.Limits(2.5, 64, kind=True))
+    assert d is not None and d.settings == tp.Settings(2, "process", 2)
+    # a thread that is not GIL-bound (its CPU under its busy time: it waits on I/O) may grow
+    d = tp.decide(_reading(0.4, 0.3, 0.95), tp.Settings(1, "thread", 2), one)
+    assert d is not None and d.settings.workers > 1 and d.settings.kind == "thread"
+    assert tp.processes_in_budget(one) == 1
+    # a thread ceiling of 1 (a second thread bought nothing) does not bound the processes
+    capped = tp.Limits(6.4, 1, kind=True, per_sample=True)
+    d = tp.decide(_reading(0.4, 0.9, 0.95), tp.Settings(1, "thread", 2), capped)
+    assert d is not None and d.settings == tp.Settings(2, "process", 2)
+    assert tp.processes_in_budget(tp.Limits(6.4, 1)) == 6
+    # the default budget (0.4 of the cores, at least one) holds one process up to 4 cores
+    for cores, most in ((2, 1), (4, 1), (5, 2), (16, 6)):
+        default = max(1.0, DEFAULT_CPU_BUDGET * cores)
+        assert tp.processes_in_budget(tp.Limits(default, 4 * cores)) == most, cores
+
+
+class _Python(_Slow):
+    """``i``, after ``delay`` seconds of a pure-Python loop: it holds the GIL throughout."""
+
+    def __getitem__(self, i: int) -> int:
+        end, acc = time.perf_counter() + self.delay, 0
+        while time.perf_counter() < end:
+            acc = (acc * 31 + i) & 0xFFFF
+        return i
+
+
+def test_a_gil_bound_dataset_stays_on_threads_within_a_one_core_budget() -> None:
+    """A per-sample pure-Python read on a budget of one core: the auto loader never moves to
+    processes (one would run no more Python than the threads); the batches are those of
+    fixed settings."""
+
+    def gen() -> torch.Generator:
+        return torch.Generator().manual_seed(5)
+
+    auto = _fast(
+        _loader(_Python(64, 0.002), "auto", worker_type="auto", cpu_budget=1 / available_cores(),
+                shuffle=True, generator=gen())
+    )  # fmt: skip
+    ref = _loader(_Slow(64, 0), 0, shuffle=True, generator=gen())
+    tuner = auto.tuner
+    assert tuner is not None and tuner.limits.budget_cores == pytest.approx(1.0)
+    for _ in range(2):
+        assert _batches(auto) == _batches(ref)
+        assert auto.worker_type == "thread" and tuner.settings.kind == "thread"
+    assert not any("worker_type" in line for line in tuner.log), tuner.log
 
 
 def test_rule_a_growth_that_bought_nothing_is_undone_and_becomes_the_ceiling() -> None:

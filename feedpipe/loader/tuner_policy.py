@@ -10,7 +10,9 @@ The rule, for one window of batches (:class:`Reading`):
    half its time or more, else twofold), or stop there when
    the budget is spent ("budget exhausted"). With thread workers whose CPU stays near one core
    while their busy time is several (they queue for the GIL) and whose last growth did not raise
-   throughput, switch to processes instead (applied at the next epoch boundary).
+   throughput, switch to processes instead (applied at the next epoch boundary), where the
+   budget holds :data:`MIN_PROCESSES` of them at a core each; where it holds one, the threads
+   stay (one process runs no more Python than threads sharing one core, and adds a copy).
 2. *Loop-bound* (the loop waited under :data:`SHRINK_WAIT`): keep the workers, or give one back
    when the others would still be less than :data:`SHRINK_BUSY` busy without it.
 3. *Prefetch*: input-bound while the workers are mostly idle means the window is too short for
@@ -28,6 +30,7 @@ __all__ = [
     "FAST_WAIT",
     "GROW_WAIT",
     "MAX_PREFETCH",
+    "MIN_PROCESSES",
     "NO_GAIN",
     "NO_GAIN_BATCHES",
     "OVER_BUDGET",
@@ -38,6 +41,7 @@ __all__ = [
     "Reading",
     "Settings",
     "decide",
+    "processes_in_budget",
 ]
 
 #: the loop waited at least this share of its time: the input is what it waits for
@@ -61,6 +65,9 @@ OVER_BUDGET = 1.25
 #: that CPU time stays under :data:`GIL_CORES` cores
 GIL_QUEUE = 1.6
 GIL_CORES = 1.2
+#: GIL-bound threads move to processes only where the budget holds this many (one core each):
+#: the threads already run about one core of Python, which one process would only match
+MIN_PROCESSES = 2
 
 
 @dataclass(frozen=True)
@@ -218,17 +225,37 @@ def _no_gain(r: Reading, s: Settings, why: str) -> Decision | None:
     )
 
 
+def processes_in_budget(limits: Limits) -> int:
+    """How many process workers the budget holds, projecting one core each (a process worker
+    runs its Python on a core of its own; GIL-bound threads share one core between them). Not
+    bounded by ``limits.max_workers``: on threads that is the threads' bound (their ceiling
+    included), and the budget is never more cores than the host has."""
+    return max(1, math.floor(limits.budget_cores))
+
+
+def _to_processes(r: Reading, s: Settings, limits: Limits, why: str) -> Decision | None:
+    """GIL-bound threads to :data:`MIN_PROCESSES` or more process workers, where the budget
+    holds them (else None: one process is no faster than threads sharing one core)."""
+    most = processes_in_budget(limits)
+    if most < MIN_PROCESSES:
+        return None
+    gain = f", last growth gave x{r.rate / r.grew_from:.2f}" if r.grew_from else ""
+    return Decision(
+        replace(s, kind="process", workers=max(MIN_PROCESSES, min(s.workers, most))),
+        f"GIL-bound threads (busy {r.busy_s / r.wall_s:.2f} cores on CPU "
+        f"{r.cores():.2f}{gain}): {why}",
+    )
+
+
 def _input_bound(r: Reading, s: Settings, limits: Limits, why: str) -> Decision | None:
     """Step 1 and 3 of the rule: the loop waits for input."""
     target = _more(r, s, limits) if limits.workers else s.workers
-    if limits.kind and _gil_bound(r, s, limits, blocked=target <= s.workers):
-        most = max(1, min(s.workers, math.floor(limits.budget_cores)))
-        gain = f", last growth gave x{r.rate / r.grew_from:.2f}" if r.grew_from else ""
-        return Decision(
-            replace(s, kind="process", workers=most),
-            f"GIL-bound threads (busy {r.busy_s / r.wall_s:.2f} cores on CPU "
-            f"{r.cores():.2f}{gain}): {why}",
-        )
+    gil = limits.kind and _gil_bound(r, s, limits, blocked=target <= s.workers)
+    if gil:
+        move = _to_processes(r, s, limits, why)
+        if move is not None:
+            return move
+        target = min(target, s.workers)  # threads that queue for the GIL: more buy nothing
     undo = _no_gain(r, s, why)
     if undo is not None:
         return undo
@@ -238,6 +265,13 @@ def _input_bound(r: Reading, s: Settings, limits: Limits, why: str) -> Decision 
         return None
     if target > s.workers:
         return Decision(replace(s, workers=target), f"input-bound: {why}")
+    if gil:
+        return Decision(
+            s,
+            f"GIL-bound threads, and the budget of {limits.budget_cores:.2f} cores holds one "
+            f"process worker (no faster than threads on one core), workers stay {s.workers}: "
+            f"{why}",
+        )
     if s.workers >= limits.max_workers:
         return Decision(s, f"at the most workers ({limits.max_workers}), they stay: {why}")
     return Decision(s, f"budget exhausted, workers stay {s.workers}: {why}")
