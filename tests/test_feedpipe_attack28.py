@@ -4,6 +4,7 @@ hints and verdicts, headspace): each test here failed before the fix it names.""
 from __future__ import annotations
 
 import sys
+import sysconfig
 import types
 from pathlib import Path
 from typing import Any
@@ -74,11 +75,9 @@ def test_pool_is_off_where_counts_cannot_tell(
 def test_pool_is_off_on_a_free_threaded_build(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = _batch_pool.sysconfig.get_config_var
+    real = sysconfig.get_config_var
     monkeypatch.setattr(
-        _batch_pool.sysconfig,
-        "get_config_var",
-        lambda name: 1 if name == "Py_GIL_DISABLED" else real(name),
+        sysconfig, "get_config_var", lambda name: 1 if name == "Py_GIL_DISABLED" else real(name)
     )
     intact, reused = _held_view_survives(tmp_path)
     assert intact and not reused
