@@ -81,3 +81,106 @@ def test_pool_is_off_on_a_free_threaded_build(
     )
     intact, reused = _held_view_survives(tmp_path)
     assert intact and not reused
+
+
+# ---------------------------------------------------------------- the meter's verdict
+
+
+def _meter_with_waits(n: int) -> Any:
+    from feedpipe.stall.meter import StallMeter
+
+    m = StallMeter()
+    for _ in range(n):
+        m.wait_begin()
+        m.wait_end(1, 10)
+    return m
+
+
+@pytest.mark.parametrize("key", ["step_s", "stall_s"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -5.0])
+def test_a_restored_state_with_no_time_gets_no_verdict(key: str, value: float) -> None:
+    """A NaN step time made the typical share 1.0 (min/max pass a NaN as their first
+    argument) beside a raw share of 0.0, and the hint said 100% input-bound."""
+    from feedpipe.stall.hints import hint
+    from feedpipe.stall.meter import StallMeter
+
+    state = _meter_with_waits(20).state_dict()
+    state[key] = value
+    m = StallMeter()
+    m.load_state_dict(state)
+    s = m.stats()
+    assert s.typical_stall_fraction == 0.0  # was 1.0: a NaN through min/max
+    assert hint(s).startswith("no verdict: the counters hold a time that is not a finite")
+
+
+def test_a_stage_timed_as_nan_gets_no_verdict() -> None:
+    """``add_stage("fetch", nan)`` (a bad clock) was named the slowest stage, "nan ms"."""
+    from feedpipe.stall.hints import hint
+
+    m = _meter_with_waits(20)
+    m.add_stage("fetch", float("nan"))
+    said = hint(m.stats())
+    assert "no verdict" in said and "stage 'fetch'" in said and "nan ms" not in said
+
+
+def test_typical_share_with_a_bad_outlier_sum_is_the_raw_share() -> None:
+    from feedpipe.stall.robust import typical_fraction
+
+    assert typical_fraction(1.0, 4.0, float("nan")) == 0.25
+    assert typical_fraction(1.0, 4.0, -1.0) == 0.25
+    assert typical_fraction(float("nan"), 4.0, 0.5) == 0.0
+    assert typical_fraction(1.0, float("inf"), 0.5) == 0.0
+
+
+# ---------------------------------------------------------------- headspace
+
+
+class _Items(torch.utils.data.Dataset[dict[str, Any]]):
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": torch.full((4,), float(i)), "y": i}
+
+
+def test_a_step_that_pops_from_its_batch_is_measured() -> None:
+    """The cached run gave every step the same dict: a step that pops its labels (or replaces
+    an entry, ``batch["x"] = batch["x"].cuda()``) failed with KeyError on the second cycle, or
+    measured a step with the copy already done."""
+    import feedpipe
+
+    labels: list[Any] = []
+
+    def step(batch: dict[str, Any]) -> None:
+        labels.append(batch.pop("y"))
+        batch["x"] = batch["x"] + 1  # replaced in the step's own dict only
+
+    loader = feedpipe.DataLoader(_Items(), batch_size=4)
+    r = feedpipe.headspace(step, loader, steps=12, warmup=0, cache=3)
+    assert r.steps == 12
+    cached = labels[:12]
+    assert [int(t[0]) for t in cached] == [0, 4, 8] * 4  # the three cached batches, cycled
+
+
+def test_a_step_that_changes_its_batch_in_place_is_refused() -> None:
+    """``batch["x"].mul_(2)`` in the step: the cached run fed it ever larger values (x 2**cycles)
+    and timed that; now a HeadspaceError says so."""
+    import feedpipe
+    from feedpipe.stall.headspace import HeadspaceError
+
+    def step(batch: dict[str, Any]) -> None:
+        batch["x"].mul_(2)
+
+    loader = feedpipe.DataLoader(_Items(), batch_size=4)
+    with pytest.raises(HeadspaceError, match=r"step_fn .*step changed cached batch 1 in place"):
+        feedpipe.headspace(step, loader, steps=12, warmup=0, cache=3)
+    again = [b["x"] for b in loader]  # the loader's own batches were never touched
+    assert torch.equal(again[0], torch.arange(4.0).repeat_interleave(4).reshape(4, 4))
+
+
+def test_a_step_that_leaves_nan_batches_alone_is_not_refused() -> None:
+    import feedpipe
+
+    loader = feedpipe.DataLoader([torch.full((2,), float("nan"))] * 6, batch_size=2)
+    r = feedpipe.headspace(lambda b: b.sum(), loader, steps=4, warmup=0, cache=2)
+    assert r.cached_batches == 2
