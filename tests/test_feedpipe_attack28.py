@@ -184,3 +184,27 @@ def test_a_step_that_leaves_nan_batches_alone_is_not_refused() -> None:
     loader = feedpipe.DataLoader([torch.full((2,), float("nan"))] * 6, batch_size=2)
     r = feedpipe.headspace(lambda b: b.sum(), loader, steps=4, warmup=0, cache=2)
     assert r.cached_batches == 2
+
+
+@pytest.mark.parametrize("bad", [{"steps": 2.5}, {"steps": True}, {"warmup": float("nan")}])
+def test_counts_that_are_not_integers_are_refused_by_name(bad: dict[str, Any]) -> None:
+    """``steps=2.5`` was a bare TypeError from ``range``; ``steps=True`` ran one step and said
+    "True per run"."""
+    import feedpipe
+    from feedpipe.stall.headspace import HeadspaceError
+
+    loader = feedpipe.DataLoader(list(range(8)), batch_size=2)
+    (name,) = bad
+    with pytest.raises(HeadspaceError, match=rf"need integers .*{name}={bad[name]!r}"):
+        feedpipe.headspace(lambda b: None, loader, **bad)
+
+
+def test_a_one_shot_loader_is_named_as_such() -> None:
+    """A generator gave its batches to the cache's pass; the live run's pass then said "the
+    loader gave no batch", which it had."""
+    import feedpipe
+    from feedpipe.stall.headspace import HeadspaceError
+
+    gen = (torch.ones(2) for _ in range(5))
+    with pytest.raises(HeadspaceError, match=r"gave no batch on pass 2 .* one-shot iterable"):
+        feedpipe.headspace(lambda b: None, gen, steps=3, warmup=0)

@@ -29,6 +29,7 @@ step itself is the user's: a step that updates a model trains it on the measured
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
@@ -127,10 +128,11 @@ def headspace(
       device: where the cached batches are kept (``"cuda"``: the step's device), default where
         the loader delivers them.
     """
-    if steps < 1 or warmup < 0 or cache < 1:
+    counts = {"steps": steps, "warmup": warmup, "cache": cache}
+    if any(not _whole(v) for v in counts.values()) or steps < 1 or warmup < 0 or cache < 1:
         raise HeadspaceError(
-            f"need steps >= 1, warmup >= 0 and cache >= 1; "
-            f"got steps={steps}, warmup={warmup}, cache={cache}"
+            "need integers steps >= 1, warmup >= 0 and cache >= 1; got "
+            + ", ".join(f"{k}={v!r}" for k, v in counts.items())
         )
     meter = getattr(loader, "meter", None)
     with _loader_kept(loader, meter):
@@ -284,15 +286,34 @@ def _bits(t: Any) -> Any:
     return flat.view(torch.uint8) if flat.dtype != torch.bool else flat
 
 
+def _whole(value: Any) -> bool:
+    """An integer (``operator.index`` takes it), never a bool or a float."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
 def _epochs(loader: Iterable[Any]) -> Generator[Any, None, None]:
-    """Batches of fresh passes over ``loader``, one epoch after another."""
+    """Batches of fresh passes over ``loader``, one epoch after another (the cache's pass came
+    first: a loader that gives nothing on a later pass is one-shot, and the error says so)."""
+    passes = 1
     while True:
+        passes += 1
         empty = True
         for batch in loader:
             empty = False
             yield batch
         if empty:
-            raise HeadspaceError(f"the loader ({type(loader).__name__}) gave no batch")
+            raise HeadspaceError(
+                f"the loader ({type(loader).__name__}) gave no batch on pass {passes} (the "
+                "first pass gave the cached batches): headspace iterates it again for the live "
+                "run, which a one-shot iterable (a generator, an iterator, an IterableDataset "
+                "over one) cannot give; pass a loader that can be iterated again"
+            )
 
 
 @contextmanager
