@@ -208,3 +208,49 @@ def test_a_one_shot_loader_is_named_as_such() -> None:
     gen = (torch.ones(2) for _ in range(5))
     with pytest.raises(HeadspaceError, match=r"gave no batch on pass 2 .* one-shot iterable"):
         feedpipe.headspace(lambda b: None, gen, steps=3, warmup=0)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("import sys\nsys.exit(0)\n", "running the script exited (sys.exit(0)"),
+        ("def make():\n    raise SystemExit('no data')\n", "make() exited (sys.exit('no data')"),
+    ],
+)
+def test_cli_script_that_exits_is_an_error_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], body: str, message: str
+) -> None:
+    """``sys.exit(0)`` at a script's top level made ``feedpipe bench --headspace`` exit 0 having
+    measured nothing; a SystemExit in FN printed only its message."""
+    from feedpipe.cli import main
+
+    script = tmp_path / f"atk28_exit_{abs(hash(body))}.py"
+    script.write_text(body)
+    assert main(["bench", "--headspace", f"{script}:make"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"feedpipe bench: error: HeadspaceError: {script}: ")
+    assert message in err and err.count("\n") == 1
+
+
+def test_cli_script_parsing_its_arguments_at_import_gets_its_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A module-level ``parse_args()`` saw ``bench --headspace ...`` and exited 2 with the
+    script's own usage line; it now sees ``[SCRIPT]`` (its defaults), and argv is put back."""
+    from feedpipe.cli import main
+
+    script = tmp_path / "atk28_argv_script.py"
+    script.write_text(
+        "import argparse, sys, torch\n"
+        "p = argparse.ArgumentParser(); p.add_argument('--scale', type=float, default=2.0)\n"
+        "args = p.parse_args()\n"
+        "SEEN = list(sys.argv)\n"
+        "def make():\n"
+        "    return (lambda b: b * args.scale), [torch.ones(2)] * 4\n"
+    )
+    argv = list(sys.argv)
+    assert main(["bench", "--headspace", f"{script}:make", "--batches", "3", "--warmup", "0"]) == 0
+    assert "input costs" in capsys.readouterr().out
+    seen = sys.modules["atk28_argv_script"].SEEN
+    assert seen == [str(script)]
+    assert sys.argv == argv
