@@ -254,3 +254,58 @@ def test_cli_script_parsing_its_arguments_at_import_gets_its_defaults(
     seen = sys.modules["atk28_argv_script"].SEEN
     assert seen == [str(script)]
     assert sys.argv == argv
+
+
+# ---------------------------------------------------------------- held: the mixed one gather
+
+
+class _NoSpace:
+    """A member read through its own ``read_batch`` (no ``record_space``): the merge path."""
+
+    takes_index_arrays = True
+
+    def __init__(self, ds: Any) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.ds[i]
+
+    def read_batch(self, idx: Any, out: Any = None) -> Any:
+        return self.ds.read_batch(idx)
+
+
+def test_one_gather_equals_the_merge_and_per_sample_reads(tmp_path: Path) -> None:
+    """Members of 50 (many shards), 7 and 1 records, one member twice, weights that repeat and
+    subsample, three epochs and a resume with the old weights: the one-gather batch is the
+    merged one and the per-sample one, row for row."""
+    from feedpipe import MixedDataset
+
+    def member(name: str, n: int, shard_bytes: int) -> MemmapDataset:
+        x = np.arange(n * 8, dtype=np.int32).reshape(n, 8) + 1000 * len(name) * n
+        with MemmapWriter(tmp_path / name, shape=(8,), dtype="int32", shard_bytes=shard_bytes) as w:
+            w.append_batch(x)
+        return MemmapDataset(tmp_path / name)
+
+    a, b, c = member("a", 50, 200), member("bb", 7, 1 << 20), member("ccc", 1, 1 << 20)
+    for members, weights in (
+        ({"a": a, "b": b, "c": c}, {"a": 1.0, "b": 2.0, "c": 0.5}),
+        ({"a": a, "a2": a, "c": c}, {"a": 1.0, "a2": 1.0, "c": 3.0}),
+    ):
+        fast = MixedDataset(members, weights, seed=3, epoch_samples=61)
+        slow = MixedDataset(
+            {k: _NoSpace(v) for k, v in members.items()}, weights, seed=3, epoch_samples=61
+        )
+        for epoch in (0, 1, 7):
+            fast.set_epoch(epoch)
+            slow.set_epoch(epoch)
+            idx = np.random.default_rng(epoch).permutation(61)
+            got = fast.read_batch(idx)
+            assert torch.equal(got, slow.read_batch(idx))
+            assert torch.equal(got, torch.stack([fast[int(i)] for i in idx]))
+        state = fast.state_dict()
+        resumed = MixedDataset(members, {k: 1.0 for k in members}, seed=3, epoch_samples=61)
+        resumed.load_state_dict(state, weights=weights)
+        assert torch.equal(resumed.read_batch(idx), got)
