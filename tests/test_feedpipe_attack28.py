@@ -309,3 +309,28 @@ def test_one_gather_equals_the_merge_and_per_sample_reads(tmp_path: Path) -> Non
         resumed = MixedDataset(members, {k: 1.0 for k in members}, seed=3, epoch_samples=61)
         resumed.load_state_dict(state, weights=weights)
         assert torch.equal(resumed.read_batch(idx), got)
+
+
+@pytest.mark.parametrize("device", ["bogus", "cuda"])
+def test_a_device_that_cannot_be_had_is_refused_before_any_pass(device: str) -> None:
+    """``device="cuda"`` on a machine without CUDA (or a misspelt device) was torch's bare
+    AssertionError or RuntimeError, after a pass over the loader had begun."""
+    import feedpipe
+    from feedpipe.stall.headspace import HeadspaceError
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is here: the device can be had")
+    passes: list[int] = []
+
+    class Counted(torch.utils.data.Dataset[torch.Tensor]):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            passes.append(i)
+            return torch.ones(2)
+
+    loader = feedpipe.DataLoader(Counted(), batch_size=2)
+    with pytest.raises(HeadspaceError, match=rf"device='{device}' cannot hold the cached"):
+        feedpipe.headspace(lambda b: None, loader, steps=2, device=device)
+    assert passes == []

@@ -134,6 +134,7 @@ def headspace(
             "need integers steps >= 1, warmup >= 0 and cache >= 1; got "
             + ", ".join(f"{k}={v!r}" for k, v in counts.items())
         )
+    _check_device(device)
     meter = getattr(loader, "meter", None)
     with _loader_kept(loader, meter):
         batches = _first_batches(loader, cache, device)
@@ -151,6 +152,21 @@ def headspace(
     share = max(0.0, 1.0 - cached / live) if live > 0 else 0.0
     slowest = stats.slowest_stage if stats is not None else None
     return HeadspaceResult(cached / steps, live / steps, share, slowest, stats, steps, n_cached)
+
+
+def _check_device(device: Any) -> None:
+    """Refuse, before any pass, a ``device`` that is none or cannot be had here."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        where = torch.device(device)
+        torch.empty(0, device=where)  # CUDA missing or a bad ordinal: raises here
+    except (RuntimeError, AssertionError, TypeError, ValueError) as exc:
+        raise HeadspaceError(
+            f"device={device!r} cannot hold the cached batches here: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _ms(seconds: float) -> str:
