@@ -64,6 +64,10 @@ class BatchPool:
         self._tls = threading.local()
         self._unused = False
 
+    def held(self) -> int:
+        """Bytes of batch arrays this thread's pool keeps (in use or free)."""
+        return sum(a.nbytes for a in getattr(self._tls, "arrays", ()))
+
     def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
         """An uninitialised array of ``shape`` and ``dtype`` that nothing else refers to."""
         nbytes = dtype.itemsize * math.prod(shape)

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from feedpipe._permutation import FeistelPermutation, derive_key
+from feedpipe.datasets._batch_pool import BatchPool
 from feedpipe.datasets._mixed_layout import EpochLayout
 from feedpipe.datasets._mixed_take import one_take
 
@@ -141,6 +142,7 @@ class MixedDataset:
         # a resumed epoch keeps the counts it was started with (see load_state_dict)
         self._held: tuple[int, list[int]] | None = None
         self._layout: EpochLayout | None = self._make_layout(self.counts)
+        self._pool = BatchPool()  # the one-gather batches' memory: goes with the dataset
 
     # ------------------------------------------------------------------ the epoch's layout
     def _check_weights(self, weights: Mapping[str, float] | None) -> list[float]:
@@ -239,7 +241,7 @@ class MixedDataset:
         layout = self._current()
         virtual = layout.virtual(idx)
         members = [self.datasets[name] for name in self.names]
-        fast = one_take(members, layout.vbase, virtual, out)
+        fast = one_take(members, layout.vbase, virtual, out, self._pool)
         if fast is not None:  # fixed records of memmap members: one gather, no merge
             return fast
         from feedpipe.datasets._mixed_merge import fill_out, merge_parts
