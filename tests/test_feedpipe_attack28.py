@@ -356,3 +356,29 @@ def test_a_mix_batch_memory_goes_with_the_mix(tmp_path: Path) -> None:
     del batch, mix
     gc.collect()
     assert held() == before
+
+
+@pytest.mark.parametrize(
+    "indices",
+    [[1.7, 2.2], np.array([True, False]), torch.tensor([1.0, 2.0]), [[1, 2], [3, 4]], ["1"]],
+)
+def test_mix_indices_that_are_not_integers_are_refused(tmp_path: Path, indices: Any) -> None:
+    """``MixedDataset.read_batch([1.7, 2.2])`` read samples 1 and 2 (truncated), a bool mask
+    read samples 1 and 0, strings were parsed: a MemmapDataset refuses all of them."""
+    from feedpipe import MixedDataset
+
+    _write(tmp_path / "a", 10, width=2)
+    mix = MixedDataset({"a": MemmapDataset(tmp_path / "a")})
+    with pytest.raises(TypeError, match="indices must be a 1-D sequence of integers"):
+        mix.read_batch(indices)
+    assert torch.equal(mix.read_batch(np.array([1, 2], np.uint64)), mix.read_batch([1, 2]))
+
+
+@pytest.mark.parametrize("index", [1.5, True, np.float64(2.0)])
+def test_mix_item_index_that_is_not_an_int_is_refused(tmp_path: Path, index: Any) -> None:
+    from feedpipe import MixedDataset
+
+    _write(tmp_path / "a", 10, width=2)
+    mix = MixedDataset({"a": MemmapDataset(tmp_path / "a")})
+    with pytest.raises(TypeError, match="index must be an int"):
+        mix[index]
