@@ -145,10 +145,16 @@ def _ls_leftovers(root: Path) -> None:
 
 def _ls_memory(root: Path, memory_root: str, metrics: bool) -> int:
     """The rows of ``root``'s memory tier (``ckpt ls DIR``); the number of bad ones."""
+    from ckpt.tier_guard import check_tier
     from ckpt.tiers.memory_options import tier_dir
 
     where = tier_dir(root, memory_root)
-    if root.is_dir() and where.is_dir() and _owner.owned(where):
+    try:
+        safe = check_tier(where)
+    except CheckpointError as exc:  # a symlink or another user's: not listed through
+        print(f"skipped {exc}")
+        return 1
+    if safe and _owner.owned(where):
         print(f"memory tier {where}:")
         latest = commit.read_latest(where)
         return sum(
@@ -157,6 +163,18 @@ def _ls_memory(root: Path, memory_root: str, metrics: bool) -> int:
             for s in commit.steps(where)
         )  # fmt: skip
     return 0
+
+
+def _ls_lost(root: Path, memory_root: str) -> None:
+    """A missing ``DIR`` whose memory tier survives: list the tier, and how to keep it."""
+    from ckpt.tiers.memory_options import tier_dir
+
+    if os.path.lexists(tier_dir(root, memory_root)):
+        print(_HEADER)
+        _ls_memory(root, memory_root, False)
+        print("ckpt: the memory tier above holds the only copy of DIR: restore it with "
+              "CheckpointManager(DIR, memory=...), or create DIR and run 'ckpt gc DIR' to "
+              "persist its newest step there", file=sys.stderr)  # fmt: skip
 
 
 def _ls(root: Path, metrics: bool = False, memory_root: str = "/dev/shm") -> int:
@@ -479,6 +497,8 @@ def _run_local(args: argparse.Namespace, text: str, policy: Policy | object | No
         return 2
     if not root.is_dir():
         print(f"ckpt: {_scrub(text, text)}: no such directory", file=sys.stderr)
+        if args.command != "verify":  # the local disk lost: its memory tier may hold the state
+            _ls_lost(root, args.memory_root)
         return 2
     if args.command == "ls":
         return _ls(root, args.metrics, args.memory_root)

@@ -6,8 +6,9 @@ with an ``IntervalRule``. Its inputs are measured, its output is a number of ste
 - ``C``, the **blocking cost** of a save: the mean ``SaveStats.blocked_s`` of the recent saves
   (what the training loop paid, back-pressure included: the expected cost the rule needs);
 - the **persist time** of each tier that takes every save (the local disk: ``write_s +
-  commit_s``; the remote tier: the upload's seconds; the mean of the recent ones): the interval
-  is never shorter than the slowest, or saves back up behind it;
+  commit_s``, or with a memory tier its tmpfs's, and the disk's persist seconds over
+  ``persist_every``; the remote tier: the upload's seconds; the mean of the recent ones): the
+  interval is never shorter than the slowest, or saves back up behind it;
 - ``M``, the **mean time between failures**: ``mtbf=`` if given; else the failures the run log
   saw across restarts (``ckpt.runlog``), ``M = alive seconds / failures``; with none seen,
   ``DEFAULT_MTBF_S`` or the seconds the runs were alive without a failure, whichever is longer;
@@ -61,6 +62,7 @@ __all__ = [
 ]
 
 _MEASURE, _WAIT = -2, -1  # the agreed codes that are not an interval (IntervalRule._agree)
+_AGREED = "rank agreement (another rank's smaller interval)"
 
 DEFAULT_MTBF_S = 24 * 3600.0
 """The mean time between failures assumed when none is given and none was seen."""
@@ -258,7 +260,9 @@ class IntervalRule:
         self._last: tuple[int, bool] | None = None  # the last step answered, and the answer
         self._t_last: float | None = None
         self._uploaded = -1  # the newest step whose upload time was taken
+        self._persists = 0  # the memory tier's persists whose time was taken
         self._agreed = _MEASURE  # the interval agreed at the last event (_agree)
+        self._why = ""  # the bound that set it
         self.agreement = Agreement() if options.agree else None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -337,9 +341,11 @@ class IntervalRule:
         """The interval in steps all ranks use until the next save (``ckpt.agreement``: the
         smallest), or ``_MEASURE`` if a rank has no cost yet (save now to measure it), or
         ``_WAIT`` if a rank has a cost but no step time yet (wait one step)."""
-        steps = self._steps()
-        local = steps if steps is not None else _WAIT if self._m.cost else _MEASURE
-        return local if self.agreement is None else self.agreement.min(local)
+        planned = self._steps()
+        local = planned[0] if planned is not None else _WAIT if self._m.cost else _MEASURE
+        agreed = local if self.agreement is None else self.agreement.min(local)
+        self._why = planned[1] if planned is not None and agreed == local else _AGREED
+        return agreed
 
     def _observe(self, stats: SaveSource) -> float | None:
         """Take the blocking cost of a new save (returned, ``None`` without one: the loop paid
@@ -351,11 +357,22 @@ class IntervalRule:
                 self._anchor = int(save.step)
                 blocked = float(save.blocked_s)
                 self._m.add(self._m.cost, blocked)
+            memory = getattr(stats, "memory", None)  # saves land there, persists go to disk
             if self._pending is not None and self._pending.durable_s > 0:
                 pending, self._pending = self._pending, None
-                self._m.add_persist("disk", float(pending.write_s + pending.commit_s))
+                tier = "disk" if memory is None else "memory"
+                self._m.add_persist(tier, float(pending.write_s + pending.commit_s))
+            self._observe_persists(memory)
             self._observe_uploads(stats.remote)
         return blocked
+
+    def _observe_persists(self, memory: Any) -> None:
+        """With a memory tier, the disk's time per save: each persist's seconds over the
+        ``persist_every`` saves it stands for."""
+        persist = None if memory is None else memory.persist
+        if persist is not None and persist.persisted > self._persists and persist.last_s > 0:
+            self._persists = persist.persisted
+            self._m.add_persist("disk", float(persist.last_s) / max(1, memory.persist_every))
 
     def _observe_uploads(self, remote: Any) -> None:
         """The remote tier's upload seconds of the steps uploaded since the last look."""
@@ -395,11 +412,13 @@ class IntervalRule:
             seconds, bound = floor, f"persist floor ({slowest} tier)"
         return seconds, bound, optimum, young(cost, mtbf), floor
 
-    def _steps(self) -> int | None:
+    def _steps(self) -> tuple[int, str] | None:
+        """The interval in steps now and the bound that set it (``None``: still measuring)."""
         plan = self._plan()
         if plan is None or not self._m.step:
             return None
-        return self._clamp(plan[0], _median(self._m.step))[0]
+        steps, clamp = self._clamp(plan[0], _median(self._m.step))
+        return steps, clamp or plan[1]
 
     def _clamp(self, seconds: float, step_s: float) -> tuple[int, str]:
         """``seconds`` in steps of ``step_s``, within ``min_steps``..``max_steps``."""
@@ -429,8 +448,8 @@ class IntervalRule:
                 bound, seconds = clamp or bound, steps * step_s
             else:
                 bound = "measuring: the step time (one more step)"
-        if self._agreed >= 1:  # what should_save uses until the next save
-            steps = self._agreed
+        if self._agreed >= 1:  # what should_save uses until the next save, and its bound
+            steps, bound = self._agreed, self._why
             seconds = None if step_s is None else steps * step_s
         nxt = None if steps is None or self._anchor is None else self._anchor + steps
         return IntervalReport(

@@ -43,6 +43,8 @@ __all__ = ["RunHistory", "RunLog"]
 
 log = logging.getLogger("ckpt")
 
+_LIMIT = 2**53  # counters and seconds: exact in a float, far beyond any real run
+
 
 @dataclass(frozen=True)
 class RunHistory:
@@ -149,7 +151,11 @@ class RunLog:
         self._doc = None
 
     def _write(self, doc: dict[str, Any], durable: bool) -> None:
-        atomic_write(self.path, json.dumps(doc, sort_keys=True).encode() + b"\n", durable=durable)
+        atomic_write(
+            self.path,
+            json.dumps(doc, sort_keys=True, allow_nan=False).encode() + b"\n",
+            durable=durable,
+        )
 
 
 def _dead(run: Any) -> bool:
@@ -168,8 +174,18 @@ def _check(doc: Any) -> None:
     if not isinstance(doc, dict) or doc.get("tool") != _owner.TOOL:
         raise ValueError("not a ckpt run log")
     for key, kind in (("runs", int), ("failures", int), ("alive_s", (int, float))):
-        value = doc.get(key)
-        if isinstance(value, bool) or not isinstance(value, kind) or value < 0:
-            raise ValueError(f"{key!r} is {value!r}")
-    if doc.get("open") is not None and not isinstance(doc["open"], dict):
-        raise ValueError(f"'open' is {doc['open']!r:.40}")
+        _counter(doc.get(key), key, kind)
+    run = doc.get("open")
+    if run is not None:
+        if not isinstance(run, dict):
+            raise ValueError(f"'open' is {run!r:.40}")
+        _counter(run.get("alive_s", 0.0), "open.alive_s", (int, float))
+
+
+def _counter(value: Any, key: str, kind: type | tuple[type, ...]) -> None:
+    """``ValueError`` unless ``value`` is a number of ``kind`` in ``[0, 2**53)``: JSON's ``NaN``
+    and ``Infinity`` would make the MTBF NaN or infinite (an interval of ``max_steps``), and a
+    larger int cannot be divided as a float (``OverflowError`` in ``should_save``)."""
+    number = isinstance(value, (int, float)) and isinstance(value, kind)
+    if isinstance(value, bool) or not number or not 0 <= value < _LIMIT:
+        raise ValueError(f"{key!r} is {value!r:.40}")

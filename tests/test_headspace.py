@@ -193,12 +193,6 @@ def test_the_loader_is_left_where_it_stood(workers: int, generator: bool, kind: 
     assert [b.tolist() for b in loader] == expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="feedpipe.DataLoader: a state saved before persistent workers started, loaded after "
-    "a pass started them, gives another order (the workers' base seed is not drawn again); "
-    "the same without headspace: state_dict(), list(loader), load_state_dict(), list(loader)",
-)
 def test_persistent_workers_started_by_headspace_keep_the_first_epoch() -> None:
     expected = [b.tolist() for b in _loader(2, True, "process")]
     loader = _loader(2, True, "process")

@@ -370,7 +370,8 @@ class Numbers(Dataset):  # type: ignore[type-arg]
 
 
 def _workers_of(loader: Any) -> list[Any]:
-    inner = getattr(loader, "_inner", None) or loader
+    sources = getattr(loader, "_sources", None)  # feedpipe's: its inner torch loader
+    inner = sources.inner if sources is not None else loader
     return list(inner._iterator._workers)
 
 

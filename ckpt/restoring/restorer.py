@@ -28,6 +28,7 @@ from ckpt.errors import (
 )
 from ckpt.restoring.reader import MapLocation, RestoreStats, read_checkpoint
 from ckpt.saving import commit
+from ckpt.tier_guard import check_tier
 
 
 class RemoteSource(Protocol):
@@ -108,8 +109,11 @@ class Restorer:
         return set()
 
     def memory_steps(self) -> set[int]:
-        """Steps in the memory tier (none without one)."""
-        return set(commit.steps(self.memory)) if self.memory is not None else set()
+        """Steps in the memory tier (none without one); a tier that is not this user's own
+        raises (``ckpt.tier_guard``: never read what another user planted)."""
+        if self.memory is None or not check_tier(self.memory):
+            return set()
+        return set(commit.steps(self.memory))
 
     def manifest(self, step: int) -> dict[str, Any]:
         """The manifest of ``step``: the local one, else the memory tier's, else the remote's."""

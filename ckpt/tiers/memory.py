@@ -32,6 +32,7 @@ from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.policy import KeepLast
 from ckpt.retention.retainer import Retainer
 from ckpt.saving import commit
+from ckpt.tier_guard import check_tier, make_tier
 from ckpt.tiers.memory_free import free_root
 from ckpt.tiers.memory_options import MemoryOptions, memory_options, tier_dir
 from ckpt.tiers.memory_persist import Persister, PersistStats
@@ -47,8 +48,10 @@ log = logging.getLogger("ckpt")
 
 @dataclass
 class MemoryStats:
-    """The memory tier's counters: snapshots taken, evicted from memory, and the persists."""
+    """The memory tier's counters: snapshots taken, evicted from memory, and the persists
+    (one every ``persist_every`` snapshots)."""
 
+    persist_every: int = 1
     snapshots: int = 0
     evicted: list[int] = field(default_factory=list)
     persist: PersistStats = field(default_factory=PersistStats)
@@ -72,14 +75,17 @@ def check_capacity(directory: Path, root: Path, keep: int, nbytes: int, held: in
         )
 
 
-def _held_bytes(directory: Path) -> int:
+def _step_bytes(path: Path) -> int:
+    """The bytes of the files of the step directory ``path``."""
     total = 0
-    for step in commit.steps(directory):
-        path = _layout.step_dir(directory, step)
-        for entry in os.scandir(path):
-            if entry.is_file(follow_symlinks=False):
-                total += entry.stat(follow_symlinks=False).st_size
+    for entry in os.scandir(path):
+        if entry.is_file(follow_symlinks=False):
+            total += entry.stat(follow_symlinks=False).st_size
     return total
+
+
+def _held_bytes(directory: Path) -> int:
+    return sum(_step_bytes(_layout.step_dir(directory, s)) for s in commit.steps(directory))
 
 
 class _HasMemoryStats(Protocol):
@@ -101,7 +107,7 @@ class MemoryTier:
         self.disk = disk
         self.options = options
         self.directory = tier_dir(disk, options.root)
-        self.stats = MemoryStats()
+        self.stats = MemoryStats(options.persist_every)
         self.lock = commit.WriterLock(self.directory)
         self.on_persisted = on_persisted
         self.persister = Persister(self.directory, disk, self._persisted)
@@ -110,7 +116,8 @@ class MemoryTier:
             self.directory, [lambda s: not self.persister.holds(s)], self.stats.evicted
         )
         self._policy = KeepLast(options.keep)
-        self._admitted = False
+        self._admitted = 0  # the snapshot size admitted against the tmpfs (0: none yet)
+        self._grown = 0  # the largest snapshot committed (bytes on the tmpfs)
         self.upload_steps: set[int] = set()  # persisted steps the remote tier is to upload
         self.replica: PeerReplica | None = None
         if options.replica:
@@ -140,31 +147,35 @@ class MemoryTier:
         return self.directory, self.committed
 
     def steps(self) -> list[int]:
-        """The snapshots in the tier, ascending (``[]`` if it does not exist)."""
-        return commit.steps(self.directory)
+        """The snapshots in the tier, ascending (``[]`` if it does not exist); a tier that is
+        not this user's own raises (``ckpt.tier_guard``)."""
+        return commit.steps(self.directory) if check_tier(self.directory) else []
 
     # ---- saving -------------------------------------------------------------------------
     def prepare(self, nbytes: Callable[[], int], write: WriteOptions | float) -> None:
-        """Before a save: raise a persist failure; claim and lock the tier (once); on the first
-        save, refuse a snapshot the tmpfs cannot hold ``keep + 2`` times (``nbytes()``)."""
+        """Before a save: raise a persist failure; claim and lock the tier (once); refuse a
+        snapshot the tmpfs cannot hold ``keep + 2`` times: on the first save (``nbytes()``), and
+        again when a committed snapshot outgrew the size admitted (a state that grows: an
+        optimizer's state made at its first step, after a save)."""
         self.persister.raise_pending()
         if not self.lock.held:
             self.acquire(write if isinstance(write, float) else write.lock_timeout_s)
-        if not self._admitted:
+        size = self._grown if self._admitted else nbytes()
+        if size > self._admitted:
             check_capacity(
                 self.directory,
                 Path(self.options.root),
                 self.options.keep,
-                nbytes(),
+                size,
                 _held_bytes(self.directory),
             )
-            self._admitted = True
+            self._admitted = size
 
     def acquire(self, timeout_s: float = 0.0) -> None:
         """Claim the tier as ckpt's (recording its disk directory), take its writer lock
         (``LockedError`` if a live writer holds it), remove leftovers of interrupted saves and
         apply the tier's retention (a crash may have cut the last pass)."""
-        Path(self.options.root).mkdir(parents=True, exist_ok=True)
+        make_tier(self.directory)  # private, never a symlink or another user's
         _owner.claim_root(self.directory, {"memory_of": os.path.realpath(self.disk)})
         self.lock.acquire(timeout_s)
         removed = commit.remove_leftovers(self.directory)
@@ -178,6 +189,7 @@ class MemoryTier:
         """A snapshot was committed to the tier (the save pipeline's callback): queue every
         ``persist_every``-th for the disk, then apply the tier's retention."""
         self.stats.snapshots += 1
+        self._grown = max(self._grown, _step_bytes(path))
         self._retainer.mark_good(step, path)
         if self.stats.snapshots % self.options.persist_every == 0:
             every = self.options.remote_every

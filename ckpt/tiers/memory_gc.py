@@ -5,7 +5,9 @@ released by the kernel when its holder dies, whatever the pid in it says). A sta
 the newest state of a crashed run, so its newest snapshot that verifies is first persisted to
 ``DIR`` (a verified copy) unless ``DIR`` has a step as new; then the tier is freed, deleting only
 what ckpt wrote (``ckpt.tiers.memory.MemoryTier.free``). A tier held by a live run is never
-touched, nor a directory without ckpt's marker.
+touched, nor a directory without ckpt's marker holding an entry ckpt did not write (one with
+only ckpt's entries is what a killed gc or close left), nor a symlink or a directory of
+another user (``ckpt.tier_guard``).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import os
 from pathlib import Path
 
 from ckpt import _owner
-from ckpt.errors import LockedError
+from ckpt.errors import CheckpointError, LockedError
 from ckpt.saving import commit
+from ckpt.tier_guard import check_tier
 from ckpt.tiers.memory import MemoryTier
 from ckpt.tiers.memory_options import MemoryOptions, tier_dir
 
@@ -30,10 +33,13 @@ def clear_stale(disk: Path, root: str | os.PathLike[str], dry_run: bool) -> list
     """Clear the memory tier of ``disk`` under ``root`` if stale (module docstring); returns
     the lines ``ckpt gc`` prints. The caller holds ``disk``'s writer lock."""
     where = tier_dir(disk, root)
-    if not where.is_dir():
-        return []
-    if not _owner.owned(where):
-        return [f"skipped memory tier {where} (not written by ckpt)"]
+    try:
+        if not check_tier(where):
+            return []
+    except CheckpointError as exc:  # a symlink or another user's: never followed nor freed
+        return [f"skipped {exc}"]
+    if not _owner.owned(where) and _owner.foreign(where):  # no marker: a gc or close cut
+        return [f"skipped memory tier {where} (not written by ckpt)"]  # after removing it
     tier = MemoryTier(disk, MemoryOptions(root=root), _ignore)
     try:
         tier.lock.acquire(0.0)

@@ -31,9 +31,10 @@ from ckpt import _layout, _owner
 from ckpt import format as fmt
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.saving import commit
+from ckpt.tier_guard import check_tier, make_tier
 from ckpt.tiers.memory_free import free_root
 
-__all__ = ["PeerReplica"]
+__all__ = ["PeerReplica", "unpack"]
 
 log = logging.getLogger("ckpt")
 
@@ -54,17 +55,23 @@ def _pack(path: Path) -> tuple[int, torch.Tensor]:
     return int(body["step"]), torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
 
-def _unpack(blob: torch.Tensor, into: Path) -> None:
-    """Write the files framed in ``blob`` into the new directory ``into`` (fsynced)."""
-    raw, pos = blob.numpy().tobytes(), 0
+def unpack(blob: torch.Tensor, into: Path) -> None:
+    """Write the files framed in ``blob`` (``_pack``) into the new directory ``into``, each
+    fsynced. Every file is written whole: one ``write`` moves at most 2 GiB on Linux (and any
+    amount on a short write), so it loops; the blob is read in place, never copied."""
+    raw, pos = blob.numpy().data, 0
     while pos < len(raw):
         n = int.from_bytes(raw[pos : pos + 8], "little")
-        name = fmt.safe_relpath(raw[pos + 8 : pos + 8 + n].decode())
+        name = fmt.safe_relpath(bytes(raw[pos + 8 : pos + 8 + n]).decode())
         pos += 8 + n
         size = int.from_bytes(raw[pos : pos + 8], "little")
+        data = raw[pos + 8 : pos + 8 + size]
+        if len(data) != size:
+            raise CorruptCheckpointError(f"{into / name}: the replica's message is cut short")
         fd = commit.open_nofollow(into / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            os.write(fd, raw[pos + 8 : pos + 8 + size])
+            while data:
+                data = data[os.write(fd, data) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -73,11 +80,12 @@ def _unpack(blob: torch.Tensor, into: Path) -> None:
 
 def _publish(blob: torch.Tensor, root: Path, step: int) -> Path:
     """Commit the snapshot in ``blob`` as ``root/step-N``, every CRC checked first."""
+    make_tier(root)  # private, never a symlink or another user's
     _owner.claim_root(root)
     tmp: Path | None = commit.make_tmp(root, step)
     assert tmp is not None
     try:
-        _unpack(blob, tmp)
+        unpack(blob, tmp)
         for rec in fmt.read_manifest(tmp)["files"]:
             fmt.verify_file(tmp, rec)
         final = commit.publish(tmp, root, step)
@@ -147,6 +155,7 @@ class PeerReplica:
         if peer_step == _NONE:
             return
         if not self.lock.held:
+            make_tier(self.directory)
             _owner.claim_root(self.directory, {"replica_of_rank": self.right})
             self.lock.acquire(0.0)
             commit.remove_leftovers(self.directory)
@@ -161,7 +170,7 @@ class PeerReplica:
         ``None``."""
         if self.world == 1:
             return None
-        held = commit.steps(self.directory)
+        held = commit.steps(self.directory) if self._safe() else []
         step, blob = _NONE, torch.empty(0, dtype=torch.uint8)
         if held:
             step, blob = _pack(_layout.step_dir(self.directory, held[-1]))
@@ -178,6 +187,15 @@ class PeerReplica:
         log.warning("ckpt: rank %d: step %d restored into the memory tier from rank %d's replica",
                     self.rank, mine, self.left)  # fmt: skip
         return mine
+
+    def _safe(self) -> bool:
+        """Whether the replica directory exists and is this user's own (else, warned: nothing
+        of it is sent; the exchange is collective, so this rank takes part all the same)."""
+        try:
+            return check_tier(self.directory)
+        except CheckpointError as exc:
+            log.warning("ckpt: rank %d: replica not sent: %s", self.rank, exc)
+            return False
 
     def free(self) -> None:
         """Delete the replica held (at the clean end of the run; lock held)."""

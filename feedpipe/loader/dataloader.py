@@ -70,6 +70,7 @@ from feedpipe.loader.slots import Slots
 from feedpipe.loader.sources import WorkerSources, dataset_epoch
 from feedpipe.loader.state_check import STATE_VERSION, check_state
 from feedpipe.loader.threads import note_iter
+from feedpipe.loader.tuner import tuner_for
 from feedpipe.stall import StallMeter, StallStats
 
 __all__ = ["DataLoader", "auto_worker_type", "get_worker_info"]
@@ -91,6 +92,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         Inside thread workers torch's ``get_worker_info()`` and ``feedpipe.get_worker_info()``
         return the thread's info; there is no per-thread global RNG (``feedpipe.loader.threads``
         warns, docs/migration).
+      cpu_budget: ``num_workers``/``prefetch_factor``/``worker_type="auto"`` are measured
+        (docs/autotune.md, ``loader.tuning``) within this share of the cores (default 0.4).
       meter: a ``feedpipe.StallMeter`` to count into (one is created per loader if None);
         ``loader.meter`` and ``loader.stats`` expose it; ``StallMeter(enabled=False)`` turns
         the counters off (the loader then reads no clock at all).
@@ -126,7 +129,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         shuffle: bool | None = None,
         sampler: Any = None,
         batch_sampler: Any = None,
-        num_workers: int = 0,
+        num_workers: int | str = 0,
         collate_fn: Callable[[Any], Any] | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,
@@ -135,7 +138,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         multiprocessing_context: Any = None,
         generator: torch.Generator | None = None,
         *,
-        prefetch_factor: int | None = None,
+        prefetch_factor: int | str | None = None,
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
@@ -145,9 +148,12 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         prefetch: int = 2,
         direct: bool | None = None,
         on_error: str = "raise",
+        cpu_budget: float | None = None,
     ) -> None:
-        if worker_type == "auto":
-            worker_type = auto_worker_type(dataset, collate_fn, worker_init_fn)
+        # "auto" settings (feedpipe.loader.tuner): torch's checks see the starting values
+        args = (num_workers, prefetch_factor, worker_type, cpu_budget)
+        tuned = tuner_for(dataset, *args, collate_fn, worker_init_fn)
+        self.tuner, num_workers, prefetch_factor, worker_type = tuned
         # before torch's checks: threads are not processes
         self._options = LoaderOptions(worker_type, on_error, device, prefetch, direct)
         super().__init__(
@@ -258,6 +264,11 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             super().check_worker_number_rationality()
 
     @property
+    def tuning(self) -> dict[str, Any] | None:
+        """The ``"auto"`` settings now, the CPU budget and the decision log (``Tuner.view``)."""
+        return None if self.tuner is None else self.tuner.view()
+
+    @property
     def stats(self) -> StallStats:
         """A snapshot of the stall counters (``loader.meter.stats()``): totals and rates.
 
@@ -296,6 +307,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         # for the meter: starting a later pass's workers is input time (no clock when off)
         started = _perf() if self.meter.enabled else None
         note_iter()  # seed draws follow: thread workers' RNG checks must not blame them
+        if self.tuner is not None:  # this pass's settings (a change replans below)
+            self.tuner.apply(self)
         if settings_of(self) != self._settings:  # torch's settings assigned since the last plan
             self._replan(self._options)
         plan = self._plan
@@ -373,6 +386,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             epoch_batches=self._epoch_batches,
             current_order=order(self),
         )
+        if state.get("rng_at") == "iter" and self._sources.reuses_workers(self):
+            self._replan(self._options)  # saved before the workers started: start them anew
         # Stateful parts load now (a user's set_epoch() after this sees the loaded epoch); the
         # RNG state and the skip apply at the next iter(), where torch draws from the RNG.
         sampler = stateful_sampler(self)
@@ -390,11 +405,6 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     @property
     def _direct(self) -> DirectReader | None:
         return self._plan.direct
-
-    @property
-    def _inner(self) -> tud.DataLoader | None:  # type: ignore[type-arg]
-        """Process workers' inner torch loader (None before their first pass)."""
-        return self._sources.inner
 
     def _pending_state(self) -> dict[str, Any] | None:
         """The state a pass stands at before its sampler drew: a loaded one not applied yet,

@@ -130,8 +130,7 @@ class WorkerSources:
             self._thread_seeded = True
         # persistent_workers: worker_init_fn runs once (again only if it raised) and each worker
         # keeps its dataset copy, as persistent worker processes do
-        last = self._kept
-        kept = last[0] if last is not None and persistent and not last[1] else None
+        kept = self._kept_datasets(loader.num_workers) if persistent else None
         if self._rng_watch is None:  # one per loader: its warnings come once per loader
             self._rng_watch = RNGWatch()
         direct = plan.direct is not None
@@ -157,10 +156,20 @@ class WorkerSources:
             skip=plan.skip,
             # in order, batch n is the feed's n-th: workers read it straight into its slot
             out_for=feed.out_for if feed is not None and loader.in_order and not direct else None,
+            tuner=_pool_tuner(loader, plan, feed),
         )
         if persistent:
             self._kept = (pool.datasets, pool.init_failed)
+            _take_settings(pool, _pool_tuner(loader, plan, feed))
         return pool
+
+    def _kept_datasets(self, workers: int) -> list[Any] | None:
+        """Persistent thread workers' datasets from the last pass (None: none, or a
+        ``worker_init_fn`` raised); a pool the tuner grew passes its first ``workers``."""
+        last = self._kept
+        if last is None or last[1] or len(last[0]) < workers:
+            return None
+        return last[0][:workers]
 
     def _processes(self, loader: Any, seeds: SeedSource) -> Any:
         if self.inner is None:
@@ -244,6 +253,22 @@ def pin(loader: Any, plan: LoaderPlan) -> bool:
         )
         return False
     return True
+
+
+def _pool_tuner(loader: Any, plan: LoaderPlan, feed: Prefetcher | None) -> Any:
+    """The tuner that resizes a thread pool online (``num_workers="auto"``): not with a device
+    feed (its ring is sized for the pass's workers) nor an iterable dataset (it shards itself
+    by the worker count)."""
+    if feed is not None or plan.direct is not None or plan.iterable:
+        return None
+    return getattr(loader, "tuner", None)
+
+
+def _take_settings(pool: ThreadWorkers, tuner: Any) -> None:
+    """A persistent loader's pool starts at ``num_workers``; the tuner's count (a tuned pool of
+    an earlier pass) applies at once, without a new plan or a new base seed."""
+    if tuner is not None:
+        pool.resize(tuner.settings.workers, tuner.settings.prefetch)
 
 
 def _feed_window(plan: LoaderPlan) -> int:

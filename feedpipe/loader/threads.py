@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from feedpipe.errors import WorkerError
@@ -119,9 +119,9 @@ class ThreadWorkers:
         skip: bool = False,
         rng_watch: RNGWatch | None = None,
         datasets: list[Any] | None = None,
+        tuner: Any = None,  # num_workers="auto" (map-style): asked between deliveries (resize)
     ) -> None:
-        self._timeout = timeout
-        self._in_order = in_order
+        self._timeout, self._in_order, self._tuner = timeout, in_order, tuner
         self._results: queue.Queue[tuple[int, int, Any]] = queue.Queue()
         self._shutdown = False
         # the loader's first pass: the first batches' indices are drawn before any worker runs
@@ -233,7 +233,33 @@ class ThreadWorkers:
 
     def _deliver(self, wid: int, data: ShippedTuple | Failed) -> ShippedTuple | Failed:
         self._put_task()
+        if self._tuner is not None:
+            settings = self._tuner.online(self._deal.workers, self._crew.native_ids())
+            if settings is not None:
+                self.resize(settings.workers, settings.prefetch)
         return data
+
+    def resize(self, workers: int, prefetch: int) -> None:
+        """Deal to ``workers`` threads from now on, ``prefetch`` batches each in flight.
+
+        New threads start at once (``worker_init_fn`` runs in each); a thread given back reads
+        the batches already dealt to it, then exits. Which samples make up each batch and the
+        delivery order do not change: batch numbers come from the same index stream. Map-style
+        datasets only (an iterable one shards itself by the worker count)."""
+        crew, deal = self._crew, self._deal
+        if self._first is not None or self._shutdown:  # the watched first round: not now
+            return
+        opts = replace(crew.opts, num_workers=workers, inited=None, first=None, rng_watch=None)
+        for wid in range(workers):
+            if wid >= len(self.datasets):
+                self.datasets.append(self.datasets[0])
+            if wid >= len(crew.threads) or wid in crew.retired:
+                crew.start(wid, self.datasets[wid], opts)
+        for wid in range(workers, deal.workers):
+            crew.retire(wid)
+        deal.resize(workers, prefetch * workers)
+        for _ in range(max(0, deal.max_tasks - deal.outstanding)):
+            self._put_task()
 
     def _put_task(self) -> None:
         if self._shutdown:
@@ -281,6 +307,12 @@ class _Deal:
         self.cycle = itertools.cycle(range(workers))
         self.sent = self.received = self.outstanding = 0
 
+    def resize(self, workers: int, max_tasks: int) -> None:
+        """Deal round-robin to workers ``0..workers-1`` from now on (``ThreadWorkers.resize``)."""
+        self.workers, self.max_tasks = workers, max(1, max_tasks)
+        self.active.extend([True] * (workers - len(self.active)))
+        self.cycle = itertools.cycle(range(workers))
+
     def next_task(self) -> tuple[int, tuple[int, Any]] | None:
         """``(worker, (batch number, index batch))`` to send next, or None (enough in flight,
         the sampler ran out, or no worker is active)."""
@@ -323,18 +355,40 @@ class _Crew:
 
     def __init__(self, datasets: list[Any], opts: _WorkerOptions) -> None:
         _torch_compat.install_worker_info_shim()  # get_worker_info() in the threads
-        self.inboxes: list[queue.Queue[Any]] = [queue.Queue() for _ in datasets]
+        self.opts = opts
+        self.inboxes: list[queue.Queue[Any]] = []
         self.threads: list[threading.Thread] = []
-        for wid, (dataset, inbox) in enumerate(zip(datasets, self.inboxes, strict=True)):
-            t = threading.Thread(
-                target=_worker_loop,
-                args=(wid, dataset, inbox, opts),
-                name=f"feedpipe-worker-{wid}",
-                daemon=True,
-            )
-            _track(t, inbox)
-            t.start()
+        self.retired: set[int] = set()  # workers given back (ThreadWorkers.resize)
+        for wid, dataset in enumerate(datasets):
+            self.start(wid, dataset, opts)
+
+    def start(self, wid: int, dataset: Any, opts: _WorkerOptions) -> None:
+        """Start worker ``wid``'s thread (a new one in place of a retired one)."""
+        inbox: queue.Queue[Any] = queue.Queue()
+        t = threading.Thread(
+            target=_worker_loop,
+            args=(wid, dataset, inbox, opts),
+            name=f"feedpipe-worker-{wid}",
+            daemon=True,
+        )
+        _track(t, inbox)
+        t.start()
+        if wid < len(self.threads):
+            self.threads[wid], self.inboxes[wid] = t, inbox
+        else:
             self.threads.append(t)
+            self.inboxes.append(inbox)
+        self.retired.discard(wid)
+
+    def native_ids(self) -> set[int]:
+        """The OS thread ids of the running workers (their CPU is the pool's)."""
+        return {t.native_id for t in self.threads if t.native_id is not None and t.is_alive()}
+
+    def retire(self, wid: int) -> None:
+        """Worker ``wid`` exits once it has read the tasks queued before (no new ones come)."""
+        if wid not in self.retired:
+            self.retired.add(wid)
+            self.inboxes[wid].put(None)
 
     def send(self, wid: int, task: tuple[int, Any]) -> None:
         """Queue ``(batch number, index batch)`` for worker ``wid``."""
@@ -353,7 +407,11 @@ class _Crew:
 
     def dead(self, active: list[bool]) -> list[int]:
         """The active workers whose thread is gone."""
-        return [w for w, t in enumerate(self.threads) if active[w] and not t.is_alive()]
+        return [
+            w
+            for w, t in enumerate(self.threads)
+            if active[w] and w not in self.retired and not t.is_alive()
+        ]
 
 
 # Worker threads still running, with their inboxes: told to stop and joined at exit (a pool may

@@ -152,6 +152,7 @@ class StallMeter:
         self.workers = 0
         self.worker_type: str | None = None
         self.settings: tuple[bool | None, int | None] = (None, None)  # set_settings
+        self.notes: list[str] = []  # lines a loader adds to the report (its tuning decisions)
         # the batch log: its object never changes (loaders bind it, and its frombytes, per pass)
         self._waits: array.array[float] = self._counters.log
         self._put = self._waits.frombytes
@@ -444,8 +445,13 @@ class StallMeter:
         return format_summary(self.stats())
 
     def report(self) -> str:
-        """Several lines: totals, per-stage table, regions and a plain-language hint."""
-        return format_report(self.stats())
+        """Several lines: totals, per-stage table, regions, a plain-language hint, and the
+        lines loaders added with :meth:`note`."""
+        return "\n".join([format_report(self.stats()), *(f"  {n}" for n in self.notes)])
+
+    def note(self, line: str) -> None:
+        """Add ``line`` to :meth:`report` (once; e.g. a tuning decision, with its figures)."""
+        self.notes.append(line)
 
     def gather(self, group: Any = None) -> DistributedSummary:
         """Collective: gather every rank's stats over ``group`` (default: the world)."""
