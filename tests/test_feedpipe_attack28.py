@@ -424,3 +424,28 @@ def test_process_worker_cpu_is_this_loaders_workers_only() -> None:
     subprocess.run([sys.executable, "-c", burn], check=True, timeout=30)
     reading = tuner._read(meter)  # no worker of this loader ran meanwhile
     assert reading.cpu_s is None or reading.cpu_s < 0.1
+
+
+def test_a_tuning_window_across_a_meter_reset_and_restore_is_void() -> None:
+    """``feedpipe.headspace`` resets the loader's meter for its live run and loads the saved
+    counters back after: an auto loader's next decision then took its figures across both and
+    logged "the loop waited 137% of step time", "workers 126% busy"."""
+    from feedpipe.loader.tuner import Tuner
+    from feedpipe.loader.tuner_policy import Settings
+    from feedpipe.stall.meter import StallMeter
+
+    meter = _meter_with_waits(10)
+    saved = meter.state_dict()
+    tuner = Tuner(workers=True, prefetch=False, kind=False, start=Settings(1, "thread", 2))
+    tuner.begin(meter)  # a window starts at 10 batches
+    meter.reset()  # headspace's live run
+    for _ in range(30):
+        meter.wait_begin()
+        meter.wait_end(1, 10)
+    meter.load_state_dict(saved)  # and its restore: 10 batches again
+    for _ in range(20):
+        meter.wait_begin()
+        meter.wait_end(1, 10)
+    reading = tuner._read(meter)
+    assert reading.batches == 0  # void, never 20 batches' figures against another baseline
+    assert isinstance(meter, StallMeter) and meter.resets == 2

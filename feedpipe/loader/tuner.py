@@ -135,11 +135,12 @@ def _threads_delta(
 class _Mark:
     """The counters at the start of a window."""
 
-    __slots__ = ("at", "batches", "busy", "cpu", "stall", "step", "threads")
+    __slots__ = ("at", "batches", "busy", "cpu", "resets", "stall", "step", "threads")
 
     def __init__(self, meter: Any, kind: str) -> None:
         self.at = time.perf_counter()
         self.stall, self.step, self.batches = meter.stall_s, meter.step_s, meter.batches
+        self.resets = getattr(meter, "resets", 0)  # reset or loaded since: the window is void
         stage_s = meter.stage_s
         self.busy = sum(v for k, v in stage_s.items() if k in WORKER_STAGES)
         self.cpu = _cpu(kind)
@@ -287,7 +288,8 @@ class Tuner:
         assert mark is not None
         new = _Mark(meter, self.settings.kind)
         self._mark = new
-        if new.batches < mark.batches or new.stall < mark.stall:  # the meter was reset
+        reset = new.resets != mark.resets  # e.g. headspace's live run, and its restore
+        if reset or new.batches < mark.batches or new.stall < mark.stall:  # the meter was reset
             return Reading(0.0, 0.0, 0.0, None, 0)
         cpu, queued = new.cpu - mark.cpu, 0.0
         if tids is not None and new.threads is not None and mark.threads is not None:
