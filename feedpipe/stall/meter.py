@@ -215,10 +215,8 @@ class StallMeter:
             self.after_batch(now)
 
     def wait_pending(self, begin: float) -> None:
-        """A wait began at ``begin`` and has not delivered a batch (e.g. the epoch ended).
-
-        The step before it counts; what ``wait_begin`` does, for callers that read the clock.
-        """
+        """A wait began at ``begin`` and has not delivered a batch (e.g. the epoch ended): the
+        step before it counts; what ``wait_begin`` does, for callers that read the clock."""
         clock = self._clock
         clock.wait_start = begin
         if clock.first_begin is None and not self._waits:
