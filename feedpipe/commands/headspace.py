@@ -5,8 +5,9 @@ function defined in it that takes no arguments and returns ``(step_fn, loader)``
 step (called with one batch) and the loader it trains from (a ``feedpipe.DataLoader`` for the
 stall counters). The command runs the user's code: it imports ``SCRIPT`` as a module named after
 the file (its folder first on ``sys.path``, so its own imports work; the module is registered under
-that name, so its classes pickle; ``if __name__ == "__main__":`` blocks do not run), calls
-``FN()``, then
+that name, so its classes pickle; ``if __name__ == "__main__":`` blocks do not run; ``sys.argv`` is
+``[SCRIPT]`` meanwhile, so a module-level ``parse_args()`` gets its defaults; a ``sys.exit`` is
+an error naming the file), calls ``FN()``, then
 :func:`feedpipe.stall.headspace.headspace` with ``--batches`` steps after ``--warmup`` warm-up
 steps in each run, and prints the one-line answer and its table.
 """
@@ -16,7 +17,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -94,17 +96,37 @@ def load_step(spec: str) -> tuple[Callable[[Any], Any], Any]:
     path = Path(script)
     if not path.is_file():
         raise HeadspaceError(f"{script}: no such file (the SCRIPT of --headspace {spec})")
-    module = _import(path)
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise HeadspaceError(f"{script}: no function {name!r} in it (--headspace {spec})")
-    if not callable(fn):
-        raise HeadspaceError(f"{script}: {name} is a {type(fn).__name__}, not a function")
-    try:
-        made = fn()
-    except Exception as exc:
-        raise HeadspaceError(f"{script}: {name}() raised {type(exc).__name__}: {exc}") from exc
+    with _script_argv(path):
+        module = _import(path)
+        fn = getattr(module, name, None)
+        if fn is None:
+            raise HeadspaceError(f"{script}: no function {name!r} in it (--headspace {spec})")
+        if not callable(fn):
+            raise HeadspaceError(f"{script}: {name} is a {type(fn).__name__}, not a function")
+        try:
+            made = fn()
+        except SystemExit as exc:
+            raise HeadspaceError(f"{script}: {name}() exited ({_exit(exc)})") from exc
+        except Exception as exc:
+            raise HeadspaceError(f"{script}: {name}() raised {type(exc).__name__}: {exc}") from exc
     return _checked(made, script, name)
+
+
+@contextmanager
+def _script_argv(path: Path) -> Iterator[None]:
+    """``sys.argv`` is ``[SCRIPT]`` while the script is imported and ``FN`` runs, as for
+    ``python SCRIPT`` with no arguments: a module-level ``parse_args()`` gets its defaults,
+    not the ``feedpipe bench`` arguments."""
+    saved = sys.argv
+    sys.argv = [str(path)]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def _exit(exc: SystemExit) -> str:
+    return f"sys.exit({exc.code!r}); the command measures nothing after it"
 
 
 def _import(path: Path) -> ModuleType:
@@ -121,6 +143,9 @@ def _import(path: Path) -> ModuleType:
     sys.modules[mod_name] = module  # pickling its classes (process workers) finds them
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:  # sys.exit() or an argparse error at module level
+        del sys.modules[mod_name]
+        raise HeadspaceError(f"{path}: running the script exited ({_exit(exc)})") from exc
     except Exception as exc:
         del sys.modules[mod_name]
         why = f"{type(exc).__name__}: {exc}"

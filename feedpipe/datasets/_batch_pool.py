@@ -7,12 +7,19 @@ costs as much as the gather (8 MiB batches: 0.3-0.5 ms each on a 2-core VM). The
 few batch arrays per thread and hands one out again only when nothing else refers to it: no
 tensor, view or array of it is alive (its reference count is the pool's own). A batch returned
 is never changed afterwards: each batch is still memory of its own while anyone holds it.
+
+What "the pool's own" count is depends on the interpreter (Python 3.14 borrows references it
+used to count on the stack): it is measured, on first use, by the very function that later
+checks the pool (:func:`_counts`), on an array only a list holds, and must then rise by one for
+one more reference; where it does not (or on a free-threaded build, where counts are split
+across threads) the pool is off and every batch is ``np.empty``.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import sysconfig
 import threading
 from typing import Any
 
@@ -20,7 +27,24 @@ import numpy as np
 
 __all__ = ["BatchPool"]
 
-_UNUSED = 3  # references to a pooled array nothing else holds: its slot, a local, the argument
+
+def _counts(pool: list[np.ndarray]) -> list[int]:
+    """The reference count of each array of ``pool``, as seen from here (measured and compared
+    by this one function, so the interpreter's own references are the same in both)."""
+    return [sys.getrefcount(base) for base in pool]
+
+
+def _unused_count() -> int | None:
+    """What :func:`_counts` says of an array only its list holds; None where a reference more
+    does not show as one more (then no count can tell that a batch is released)."""
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return None
+    probe = [np.empty(1, np.uint8)]
+    alone = _counts(probe)[0]
+    view = probe[0][:]
+    held = _counts(probe)[0]
+    del view
+    return alone if held == alone + 1 and _counts(probe)[0] == alone else None
 
 
 class BatchPool:
@@ -30,6 +54,7 @@ class BatchPool:
     def __init__(self, keep: int = 6, min_bytes: int = 1 << 20, max_bytes: int = 256 << 20) -> None:
         self.keep, self.min_bytes, self.max_bytes = keep, min_bytes, max_bytes
         self._tls = threading.local()
+        self._unused: int | bool | None = False  # False: not measured yet
 
     def __getstate__(self) -> dict[str, Any]:
         return {"keep": self.keep, "min_bytes": self.min_bytes, "max_bytes": self.max_bytes}
@@ -37,18 +62,29 @@ class BatchPool:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._tls = threading.local()
+        self._unused = False
+
+    def held(self) -> int:
+        """Bytes of batch arrays this thread's pool keeps (in use or free)."""
+        return sum(a.nbytes for a in getattr(self._tls, "arrays", ()))
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
         """An uninitialised array of ``shape`` and ``dtype`` that nothing else refers to."""
         nbytes = dtype.itemsize * math.prod(shape)
         if nbytes < self.min_bytes or nbytes > self.max_bytes:
             return np.empty(shape, dtype)
+        if self._unused is False:
+            self._unused = _unused_count()
+        unused = self._unused
+        if unused is None:
+            return np.empty(shape, dtype)
         pool: list[np.ndarray] | None = getattr(self._tls, "arrays", None)
         if pool is None:
             pool = self._tls.arrays = []
-        for base in pool:
-            if base.nbytes == nbytes and sys.getrefcount(base) == _UNUSED:
-                break
+        counts = _counts(pool)
+        free = [i for i, a in enumerate(pool) if a.nbytes == nbytes and counts[i] == unused]
+        if free:
+            base = pool[free[0]]
         else:
             base = np.empty(nbytes, np.uint8)
             pool.insert(0, base)

@@ -68,7 +68,6 @@ class _Spans:
                 space.leave()
 
 
-_POOL = BatchPool()  # new batches' memory, reused once released
 _SPANS: dict[tuple[ShardSpace, ...], _Spans] = {}  # per process: the members' maps -> table
 
 
@@ -106,17 +105,18 @@ def _fits(out: Any, n: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> tor
 
 
 def one_take(
-    members: Sequence[Any], vbase: np.ndarray, virtual: np.ndarray, out: Any
+    members: Sequence[Any], vbase: np.ndarray, virtual: np.ndarray, out: Any, pool: BatchPool
 ) -> torch.Tensor | None:
     """The batch of records ``virtual`` (member ``k``'s sample ``i`` is ``vbase[k] + i``) in one
-    gather, into a new tensor or ``out``; None where that cannot be had."""
+    gather, into a new tensor (memory from ``pool``, the dataset's own: it goes with the
+    dataset) or ``out``; None where that cannot be had."""
     n = len(virtual)
     spans = _spans(members, vbase) if n else None
     if spans is None:
         return None
     first = members[0]
     if out is None:
-        arr = _POOL.empty((n, *first.shape), first.dtype)
+        arr = pool.empty((n, *first.shape), first.dtype)
         dest = torch.from_numpy(arr)
     else:
         fit = _fits(out, n, first.shape, first.dtype)

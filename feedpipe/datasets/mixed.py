@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from feedpipe._permutation import FeistelPermutation, derive_key
+from feedpipe.datasets._batch_pool import BatchPool
 from feedpipe.datasets._mixed_layout import EpochLayout
 from feedpipe.datasets._mixed_take import one_take
 
@@ -141,6 +142,7 @@ class MixedDataset:
         # a resumed epoch keeps the counts it was started with (see load_state_dict)
         self._held: tuple[int, list[int]] | None = None
         self._layout: EpochLayout | None = self._make_layout(self.counts)
+        self._pool = BatchPool()  # the one-gather batches' memory: goes with the dataset
 
     # ------------------------------------------------------------------ the epoch's layout
     def _check_weights(self, weights: Mapping[str, float] | None) -> list[float]:
@@ -207,8 +209,16 @@ class MixedDataset:
         return self._current().locate(self._checked(indices))
 
     def _checked(self, indices: Any) -> np.ndarray:
-        """``indices`` as a 1-D int64 array, each in range (else an ``IndexError``)."""
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        """``indices`` as a 1-D int64 array, each in range (else an ``IndexError``); anything but
+        integers (floats, a bool mask, strings, 2-D) is a ``TypeError``, never truncated."""
+        raw = np.asarray(indices)  # a CPU tensor too, with its own dtype
+        if raw.size and (raw.dtype.kind not in "iu" or raw.ndim > 1):
+            raise TypeError(
+                f"indices must be a 1-D sequence of integers, got {raw.dtype} {raw.shape}"
+            )
+        if raw.dtype == np.uint64 and raw.size and int(raw.max()) > _MAX_SAMPLES:
+            raise IndexError(f"index {int(raw.max())} is out of range for MixedDataset")
+        idx = raw.astype(np.int64).reshape(-1)
         n = self.epoch_samples
         if idx.size and idx.view(np.uint64).max() >= n:  # negatives look huge
             bad = idx[(idx < 0) | (idx >= n)][0]
@@ -216,7 +226,13 @@ class MixedDataset:
         return idx
 
     def __getitem__(self, index: int) -> Any:
-        member, sample = self.locate([int(index)])
+        if isinstance(index, (bool, np.bool_)):
+            raise TypeError("index must be an int, got bool")
+        try:
+            at = operator.index(index)
+        except TypeError:
+            raise TypeError(f"index must be an int, got {type(index).__name__}") from None
+        member, sample = self.locate([at])
         return self.datasets[self.names[int(member[0])]][int(sample[0])]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
@@ -239,7 +255,7 @@ class MixedDataset:
         layout = self._current()
         virtual = layout.virtual(idx)
         members = [self.datasets[name] for name in self.names]
-        fast = one_take(members, layout.vbase, virtual, out)
+        fast = one_take(members, layout.vbase, virtual, out, self._pool)
         if fast is not None:  # fixed records of memmap members: one gather, no merge
             return fast
         from feedpipe.datasets._mixed_merge import fill_out, merge_parts

@@ -22,6 +22,7 @@ for another's tuning.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import resource
 import threading
@@ -134,11 +135,12 @@ def _threads_delta(
 class _Mark:
     """The counters at the start of a window."""
 
-    __slots__ = ("at", "batches", "busy", "cpu", "stall", "step", "threads")
+    __slots__ = ("at", "batches", "busy", "cpu", "resets", "stall", "step", "threads")
 
     def __init__(self, meter: Any, kind: str) -> None:
         self.at = time.perf_counter()
         self.stall, self.step, self.batches = meter.stall_s, meter.step_s, meter.batches
+        self.resets = getattr(meter, "resets", 0)  # reset or loaded since: the window is void
         stage_s = meter.stage_s
         self.busy = sum(v for k, v in stage_s.items() if k in WORKER_STAGES)
         self.cpu = _cpu(kind)
@@ -286,7 +288,8 @@ class Tuner:
         assert mark is not None
         new = _Mark(meter, self.settings.kind)
         self._mark = new
-        if new.batches < mark.batches or new.stall < mark.stall:  # the meter was reset
+        reset = new.resets != mark.resets  # e.g. headspace's live run, and its restore
+        if reset or new.batches < mark.batches or new.stall < mark.stall:  # the meter was reset
             return Reading(0.0, 0.0, 0.0, None, 0)
         cpu, queued = new.cpu - mark.cpu, 0.0
         if tids is not None and new.threads is not None and mark.threads is not None:
@@ -337,12 +340,23 @@ class Tuner:
             meter.note(f"tuning: {line}")
 
 
+def _integer(value: Any) -> bool:
+    """An integer of any integral type (``int``, ``np.int64``: torch takes them), not a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
 def _check_args(num_workers: Any, prefetch_factor: Any) -> None:
     """Clear errors for settings that are neither a count nor ``"auto"``."""
-    if num_workers != AUTO and (isinstance(num_workers, bool) or not isinstance(num_workers, int)):
+    if not _integer(num_workers) and num_workers != AUTO:
         raise ValueError(f"num_workers must be a non-negative int or 'auto', got {num_workers!r}")
-    ok = prefetch_factor is None or prefetch_factor == AUTO
-    if not ok and (isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int)):
+    ok = prefetch_factor is None or _integer(prefetch_factor) or prefetch_factor == AUTO
+    if not ok:
         raise ValueError(
             f"prefetch_factor must be a positive int, None or 'auto', got {prefetch_factor!r}"
         )

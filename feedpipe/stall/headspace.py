@@ -4,7 +4,9 @@
 
 1. **cached**: the first ``cache`` batches of one pass over the loader are copied (onto
    ``device`` when given, else where the loader delivered them) and the step cycles over them.
-   No read, no collation, no copy to the device: the step time with instant input;
+   No read, no collation, no copy to the device: the step time with instant input. Each step
+   gets containers of its own around the cached tensors; a step that changes a cached tensor in
+   place is a :class:`HeadspaceError` after the run (it was fed changed batches);
 2. **live**: a fresh pass over the loader, as training would run it, with the loader's stall
    counters (``loader.meter``) reset after the warm-up so that they describe the measured steps.
 
@@ -27,6 +29,7 @@ step itself is the user's: a step that updates a model trains it on the measured
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
@@ -125,17 +128,21 @@ def headspace(
       device: where the cached batches are kept (``"cuda"``: the step's device), default where
         the loader delivers them.
     """
-    if steps < 1 or warmup < 0 or cache < 1:
+    counts = {"steps": steps, "warmup": warmup, "cache": cache}
+    if any(not _whole(v) for v in counts.values()) or steps < 1 or warmup < 0 or cache < 1:
         raise HeadspaceError(
-            f"need steps >= 1, warmup >= 0 and cache >= 1; "
-            f"got steps={steps}, warmup={warmup}, cache={cache}"
+            "need integers steps >= 1, warmup >= 0 and cache >= 1; got "
+            + ", ".join(f"{k}={v!r}" for k, v in counts.items())
         )
+    _check_device(device)
     meter = getattr(loader, "meter", None)
     with _loader_kept(loader, meter):
         batches = _first_batches(loader, cache, device)
         n_cached = len(batches)
+        pristine = [_copy(b, "cpu") for b in batches]  # to tell a step that changes its batch
         cached = _run(step_fn, _cycle_list(batches), steps=steps, warmup=warmup, phase="cached")
-        del batches
+        _check_unchanged(step_fn, batches, pristine)
+        del batches, pristine
         epochs = _epochs(loader)
         try:
             live = _run(step_fn, epochs, steps=steps, warmup=warmup, phase="live", meter=meter)
@@ -145,6 +152,21 @@ def headspace(
     share = max(0.0, 1.0 - cached / live) if live > 0 else 0.0
     slowest = stats.slowest_stage if stats is not None else None
     return HeadspaceResult(cached / steps, live / steps, share, slowest, stats, steps, n_cached)
+
+
+def _check_device(device: Any) -> None:
+    """Refuse, before any pass, a ``device`` that is none or cannot be had here."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        where = torch.device(device)
+        torch.empty(0, device=where)  # CUDA missing or a bad ordinal: raises here
+    except (RuntimeError, AssertionError, TypeError, ValueError) as exc:
+        raise HeadspaceError(
+            f"device={device!r} cannot hold the cached batches here: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _ms(seconds: float) -> str:
@@ -227,19 +249,87 @@ def _copy(batch: Any, device: Any) -> Any:
 
 
 def _cycle_list(batches: list[Any]) -> Iterator[Any]:
+    """The cached batches over and over, each step given containers of its own (a step that
+    pops a key or replaces an entry, ``batch["x"] = batch["x"].cuda()``, changes only its own)."""
     while True:
-        yield from batches
+        for batch in batches:
+            yield _containers(batch)
+
+
+def _containers(batch: Any) -> Any:
+    """``batch`` with new dicts, lists and tuples around the same tensors (no copy of data)."""
+    if isinstance(batch, Mapping):
+        return {k: _containers(v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_containers(v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_containers(v) for v in batch)
+    return batch
+
+
+def _check_unchanged(
+    step_fn: Callable[[Any], Any], batches: list[Any], pristine: list[Any]
+) -> None:
+    """Raise if the cached run's step changed a cached batch's tensors in place: the run then
+    fed it changed batches (values growing each cycle), so its time is not the step's."""
+    import torch
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, torch.Tensor):
+            a = a.detach().to("cpu")
+            return a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+        if isinstance(a, Mapping):
+            return all(same(v, b[k]) for k, v in a.items())
+        if isinstance(a, (list, tuple)):
+            return all(same(x, y) for x, y in zip(a, b, strict=True))
+        return True
+
+    for k, (batch, kept) in enumerate(zip(batches, pristine, strict=True)):
+        if not same(batch, kept):
+            raise HeadspaceError(
+                f"step_fn {_step_name(step_fn)} changed cached batch {k + 1} in place (a "
+                "tensor's values): the cached run fed it changed batches, so its time is not "
+                "the step's; let the step leave its batch's tensors as they were (clone what it "
+                "changes in place) and measure again"
+            )
+
+
+def _bits(t: Any) -> Any:
+    """The tensor's bytes (NaN equals NaN), as one flat uint8 tensor."""
+    import torch
+
+    flat = t.contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.bool else flat
+
+
+def _whole(value: Any) -> bool:
+    """An integer (``operator.index`` takes it), never a bool or a float."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _epochs(loader: Iterable[Any]) -> Generator[Any, None, None]:
-    """Batches of fresh passes over ``loader``, one epoch after another."""
+    """Batches of fresh passes over ``loader``, one epoch after another (the cache's pass came
+    first: a loader that gives nothing on a later pass is one-shot, and the error says so)."""
+    passes = 1
     while True:
+        passes += 1
         empty = True
         for batch in loader:
             empty = False
             yield batch
         if empty:
-            raise HeadspaceError(f"the loader ({type(loader).__name__}) gave no batch")
+            raise HeadspaceError(
+                f"the loader ({type(loader).__name__}) gave no batch on pass {passes} (the "
+                "first pass gave the cached batches): headspace iterates it again for the live "
+                "run, which a one-shot iterable (a generator, an iterator, an IterableDataset "
+                "over one) cannot give; pass a loader that can be iterated again"
+            )
 
 
 @contextmanager

@@ -1,7 +1,10 @@
 """The plain-language hint of a stall report: a verdict, and only advice the counters support.
 
-Rules (each case has a test in ``tests/test_stall_hints.py``):
+Rules (each case has a test in ``tests/test_stall_hints.py``, the no-time one in
+``tests/test_feedpipe_attack28.py``):
 
+- Figures that are no time (NaN, infinite or negative seconds: a restored state, a stage timed
+  by a bad clock) get no verdict, and say which.
 - The verdict uses the *typical* stall share (:mod:`feedpipe.stall.robust`): a few outlier
   waits (worker start-up, one GC pause) do not decide it.
 - No setting already in force is suggested: ``persistent_workers=True`` only when it is off
@@ -13,6 +16,8 @@ Rules (each case has a test in ``tests/test_stall_hints.py``):
 """
 
 from __future__ import annotations
+
+import math
 
 from feedpipe.stall.figures import StallFigures
 
@@ -112,6 +117,12 @@ def hint(s: StallFigures) -> str:
     step and every stage delivers faster than the step (then no stage is blamed); compute-bound.
     A GIL-bound fetch (:func:`gil_bound`) gets the process-worker note.
     """
+    bad = _bad_times(s)
+    if bad:
+        return (
+            f"no verdict: the counters hold {bad} (a restored state or a stage timed by a bad "
+            "clock); reset the meter and measure again"
+        )
     if s.batches == 0 or s.wall_s <= 0:
         return "no batches measured yet"
     if s.batches < MIN_BATCHES:
@@ -125,6 +136,16 @@ def hint(s: StallFigures) -> str:
     if gil and "worker_type=" not in verdict:
         verdict += "; note: " + _gil_note(s)
     return verdict
+
+
+def _bad_times(s: StallFigures) -> str:
+    """What in the figures is no time (NaN, infinite or negative seconds); "" when all are."""
+    times = {"wall": s.wall_s, "stall": s.stall_s, "step": s.step_s}
+    times.update({f"stage {n!r}": st.seconds for n, st in s.stages.items()})
+    bad = [k for k, v in times.items() if not (math.isfinite(v) and v >= 0)]
+    if not bad:
+        return ""
+    return f"a time that is not a finite, non-negative number of seconds ({', '.join(bad)})"
 
 
 def _outliers(s: StallFigures) -> str:

@@ -153,6 +153,9 @@ class StallMeter:
         self.worker_type: str | None = None
         self.settings: tuple[bool | None, int | None] = (None, None)  # set_settings
         self.notes: list[str] = []  # lines a loader adds to the report (its tuning decisions)
+        self.resets = (
+            0  # times the counters were zeroed or loaded: a window of deltas across one is void
+        )
         # the batch log: its object never changes (loaders bind it, and its frombytes, per pass)
         self._waits: array.array[float] = self._counters.log
         self._put = self._waits.frombytes
@@ -212,10 +215,8 @@ class StallMeter:
             self.after_batch(now)
 
     def wait_pending(self, begin: float) -> None:
-        """A wait began at ``begin`` and has not delivered a batch (e.g. the epoch ended).
-
-        The step before it counts; what ``wait_begin`` does, for callers that read the clock.
-        """
+        """A wait began at ``begin`` and has not delivered a batch (e.g. the epoch ended): the
+        step before it counts; what ``wait_begin`` does, for callers that read the clock."""
         clock = self._clock
         clock.wait_start = begin
         if clock.first_begin is None and not self._waits:
@@ -427,6 +428,7 @@ class StallMeter:
     def reset(self) -> None:
         """Zero every counter (sinks, workers and trace settings are kept)."""
         self._counters.reset()
+        self.resets += 1
         self._sinks.restart(_perf())
 
     def quantile(self, q: float) -> float:

@@ -16,6 +16,8 @@ those few. The raw ``stall_fraction`` stays in the snapshot and the summary.
 
 from __future__ import annotations
 
+import math
+
 __all__ = ["MIN_TRIM_BATCHES", "TRIM_SHARE", "outliers", "typical_fraction"]
 
 #: Runs shorter than this leave no wait out.
@@ -32,7 +34,13 @@ def outliers(batches: int) -> int:
 
 
 def typical_fraction(stall_s: float, wall_s: float, top_s: float) -> float:
-    """The stall share with ``top_s`` seconds of outlier waits left out of stall and wall."""
+    """The stall share with ``top_s`` seconds of outlier waits left out of stall and wall; 0 where
+    the raw share is (no positive, finite wall time), the raw share where ``top_s`` is not a
+    finite, non-negative time (a restored state with a bad wait): never a NaN turned into 100%."""
+    if not (math.isfinite(stall_s) and math.isfinite(wall_s)) or wall_s <= 0:
+        return 0.0
+    if not math.isfinite(top_s) or top_s < 0:
+        top_s = 0.0
     wall = wall_s - top_s
     if wall <= 0:
         return 0.0
