@@ -49,8 +49,9 @@ def test_lm_train_resumes_bit_identically(tmp_path: Path) -> None:
     out = _run([script, "--workdir", str(tmp_path / "b"), "--steps", "30"])
     resumed = int(re.search(r"resumed from step (\d+)", out).group(1))  # type: ignore[union-attr]
     # saves every 5 steps, in the background: the crash right after step 17 may catch the save of
-    # step 15 before its commit, and then step 10 is the newest complete checkpoint
-    assert resumed in (10, 15), out
+    # step 15 (and, with the disk busy, of step 10 too: seen beside another make test) before its
+    # commit; whichever is the newest complete checkpoint, the run resumes from it bit-identically
+    assert resumed in (5, 10, 15), out
     after = _losses(out)
     assert sorted(after) == list(range(resumed + 1, 31))
     # same batches, same model, same optimizer and RNG state: bit-identical losses
