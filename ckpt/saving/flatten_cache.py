@@ -84,6 +84,7 @@ class FlattenCache:
         self._nodes: list[tuple[int, dict[str, Any] | None]] = []  # per pending: leaf, view
         self.hits = 0
         self.misses = 0
+        self.generation = 0  # changes with every new assignment: equal leaf metadata within one
         self._lock = threading.Lock()  # saves from several threads: one reads or updates
 
     def clear(self) -> None:
@@ -101,6 +102,7 @@ class FlattenCache:
                 self.hits += 1
                 return tree
             self.clear()
+            self.generation += 1
             base = len(leaves)
             assign_entries(pending, leaves)
             if keys is not None:

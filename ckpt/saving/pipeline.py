@@ -167,8 +167,11 @@ class SavePipeline:
         overlap = overlap if overlap is not None and overlap.enabled else None
         stats = SaveStats(step)
         leaves: list[Leaf] = []
+        generation = self.flattener.generation
         tree = self.flattener.flatten(state, leaves)
-        plan = self.stager.plan(leaves)  # the last save's plan when the leaves match it
+        # a cache hit (no new assignment since): the leaves' signature is the generation's
+        token = generation if generation == self.flattener.generation else None
+        plan = self.stager.plan(leaves, token)  # the last save's plan when the leaves match it
         buf, stats.backpressure_s = self.pool.acquire(plan.nbytes)
         events: dict[Any, SnapshotEvent] = {}
         try:
