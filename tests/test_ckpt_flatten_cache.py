@@ -21,6 +21,8 @@ from ckpt.format.manifest import read_manifest
 from ckpt.manager import CheckpointManager
 from ckpt.saving.flatten import Leaf, flatten
 from ckpt.saving.flatten_cache import FlattenCache
+from ckpt.saving.plan import SavePlan, Stager
+from ckpt.saving.pool import Buffer
 
 
 def _bytes(leaf: Leaf) -> bytes:
@@ -208,3 +210,63 @@ def test_the_many_tensor_cpu_benchmark_row_runs(tmp_path: Path) -> None:
     assert cells[0] == "tiny" and cells[1] == "40"
     assert cells[5].endswith("x**") and cells[-1] == "2"
     assert list(tmp_path.iterdir()) == []
+
+
+def _mixed() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "f32": torch.randn(3, 1, 4, generator=g),
+        "bf16": torch.randn(7, generator=g).to(torch.bfloat16),
+        "f64": torch.randn(2, 3, generator=g, dtype=torch.float64).t(),  # not contiguous
+        "i8": torch.randint(-100, 100, (5,), generator=g, dtype=torch.int8),
+        "bool": torch.rand(9, generator=g) > 0.5,
+        "c128": torch.randn(3, generator=g, dtype=torch.complex128),
+        "scalar": torch.tensor(3.0),
+        "f8": torch.randn(6, generator=g).to(torch.float8_e4m3fn),
+        "arr": np.arange(7, dtype=np.float32),
+    }
+
+
+@pytest.mark.parametrize("extra", [0, 3])
+def test_host_leaves_are_staged_byte_for_byte_into_a_new_buffer(extra: int) -> None:
+    """The host views of a new buffer (one ``as_strided`` per leaf of a whole-buffer view per
+    dtype) put every leaf's bytes at its entry, also in a buffer whose size is no multiple of
+    the widest dtype."""
+    leaves: list[Leaf] = []
+    flatten(_mixed(), leaves)
+    plan = Stager().plan(leaves)
+    for fill in (0xAB, 0x00):  # a second buffer: views made afresh for it
+        buf = Buffer(plan.nbytes + extra, pin=False)
+        buf.array[:] = fill
+        plan.stage(leaves, buf)
+        for leaf, e in zip(leaves, plan.entries, strict=True):
+            got = buf.array[e["offset"] : e["offset"] + e["nbytes"]].tobytes()
+            assert got == _bytes(leaf), leaf.path
+        ends = sorted((e["offset"], e["offset"] + e["nbytes"]) for e in plan.entries)
+        for (_, a), (b, _) in zip(ends, ends[1:], strict=False):
+            assert not buf.array[a:b].any()  # padding zeroed
+
+
+def test_a_cache_hit_reuses_the_plan_without_checking_its_signature(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save whose flattening hit the cache of the save before (same generation) reuses the
+    plan without the per-leaf signature check; a miss (a shape changed) checks it and plans
+    anew, and the files restore to the state saved."""
+    checks: list[int] = []
+    matches = SavePlan.matches
+    monkeypatch.setattr(
+        SavePlan, "matches", lambda self, leaves: checks.append(1) or matches(self, leaves)
+    )
+    state = _mixed()
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        for step in range(3):
+            m.save(step, state).result(30)
+        stager = m._saves.stager
+        assert (stager.planned, len(checks)) == (1, 1)  # the 2nd save checked, the 3rd not
+        state["f32"] = torch.randn(3, 2)
+        m.save(3, state).result(30)
+        assert (stager.planned, len(checks)) == (2, 2)
+        got = m.restore(3)
+    assert torch.equal(got["f32"], state["f32"]) and torch.equal(got["bf16"], state["bf16"])
+    assert torch.equal(got["f64"], state["f64"]) and torch.equal(got["bool"], state["bool"])
