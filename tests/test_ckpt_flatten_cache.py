@@ -7,6 +7,7 @@ tree and every leaf (its record and bytes) with a fresh ``flatten`` of the same 
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import runpy
 import weakref
@@ -243,7 +244,7 @@ def test_host_leaves_are_staged_byte_for_byte_into_a_new_buffer(extra: int) -> N
             got = buf.array[e["offset"] : e["offset"] + e["nbytes"]].tobytes()
             assert got == _bytes(leaf), leaf.path
         ends = sorted((e["offset"], e["offset"] + e["nbytes"]) for e in plan.entries)
-        for (_, a), (b, _) in zip(ends, ends[1:], strict=False):
+        for (_, a), (b, _) in itertools.pairwise(ends):
             assert not buf.array[a:b].any()  # padding zeroed
 
 
