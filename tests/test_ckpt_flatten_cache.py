@@ -56,7 +56,8 @@ class Tied(torch.nn.Module):
         self.bn = torch.nn.BatchNorm1d(4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.bn(self.emb(x).flatten(0, 1)))
+        out: torch.Tensor = self.out(self.bn(self.emb(x).flatten(0, 1)))
+        return out
 
 
 def _state() -> dict[str, Any]:
@@ -256,9 +257,12 @@ def test_a_cache_hit_reuses_the_plan_without_checking_its_signature(
     anew, and the files restore to the state saved."""
     checks: list[int] = []
     matches = SavePlan.matches
-    monkeypatch.setattr(
-        SavePlan, "matches", lambda self, leaves: checks.append(1) or matches(self, leaves)
-    )
+
+    def counted(self: SavePlan, leaves: Any) -> bool:
+        checks.append(1)
+        return matches(self, leaves)
+
+    monkeypatch.setattr(SavePlan, "matches", counted)
     state = _mixed()
     with CheckpointManager(tmp_path, keep_last=None) as m:
         for step in range(3):
