@@ -10,6 +10,7 @@ import gc
 import itertools
 import json
 import runpy
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from ckpt.errors import CheckpointError
 from ckpt.format.manifest import read_manifest
 from ckpt.manager import CheckpointManager
 from ckpt.saving.flatten import Leaf, flatten
@@ -275,3 +277,51 @@ def test_a_cache_hit_reuses_the_plan_without_checking_its_signature(
         got = m.restore(3)
     assert torch.equal(got["f32"], state["f32"]) and torch.equal(got["bf16"], state["bf16"])
     assert torch.equal(got["f64"], state["f64"]) and torch.equal(got["bool"], state["bool"])
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: torch.randn(3).to_sparse(), "dense strided"),
+        (lambda: torch.empty(3, device="meta"), "meta tensor"),
+        (lambda: torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8), "dense strided"),
+        (lambda: torch.zeros(2, dtype=torch.uint8).view(torch.bits8), "bits8 is not supported"),
+    ],
+)
+def test_an_unsupported_tensor_raises_naming_its_path_cold_and_on_a_warm_cache(
+    make: Any, match: str
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantize_per_tensor is deprecated
+        bad = make()
+    with pytest.raises(CheckpointError, match=match) as cold:
+        flatten({"ok": torch.ones(2), "bad": bad}, [])
+    assert "state['bad']" in str(cold.value)
+    cache = FlattenCache()
+    state = {"ok": torch.ones(2), "bad": torch.ones(3)}
+    _same(state, cache)
+    state["bad"] = bad
+    with pytest.raises(CheckpointError, match=match):
+        cache.flatten(state, [])
+    assert cache.hits == 0
+
+
+def test_ties_through_grad_and_negative_views_match_the_uncached_flatten() -> None:
+    """A tensor that requires grad and its view share one entry (detached, not copied); a view
+    with the negative bit (``z.conj().imag``) is resolved into its own entry."""
+    w = torch.randn(8, requires_grad=True)
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    state = {"w": w, "head": w[:4], "re": z.real, "negim": z.conj().imag}
+    leaves: list[Leaf] = []
+    tree = flatten(state, leaves)
+    items = dict(tree["items"])
+    assert items["w"]["i"] == items["head"]["i"] and "view" in items["head"]
+    negim = leaves[-1].value
+    assert isinstance(negim, torch.Tensor) and not negim.is_neg() and "view" not in items["negim"]
+    assert torch.equal(negim, -z.imag)
+    cache = FlattenCache()
+    _same(state, cache)
+    with torch.no_grad():
+        w.add_(1.0)
+    _same(state, cache)
+    assert (cache.hits, cache.misses) == (1, 1)

@@ -78,23 +78,23 @@ def _device_name(device: torch.device) -> str:
 
 
 def _tensor_leaf(t: torch.Tensor, path: str) -> Leaf:
-    if t.layout != torch.strided or t.is_quantized:
+    if t.layout != torch.strided:
         raise CheckpointError(f"{path}: only dense strided tensors are supported, got {t.layout}")
     device = t.device
     if device.type == "meta":
         raise CheckpointError(f"{path}: cannot save a meta tensor (it has no data)")
+    name = _dtype_name(t.dtype)
+    if name not in TORCH_DTYPES:
+        if t.is_quantized:  # its dtypes (qint8, ...) are none of TORCH_DTYPES
+            raise CheckpointError(f"{path}: only dense strided tensors are supported ({t.dtype})")
+        raise CheckpointError(f"{path}: dtype {t.dtype} is not supported")
     if t.requires_grad:
         t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    name = _dtype_name(t.dtype)
-    if name not in TORCH_DTYPES:
-        raise CheckpointError(f"{path}: dtype {t.dtype} is not supported")
-    nbytes = t.numel() * t.element_size()
-    shape, stride = list(t.shape), t.stride()
-    return Leaf(t, "tensor", name, shape, nbytes, path, _device_name(device), stride)
+    return Leaf(t, "tensor", name, list(t.shape), t.nbytes, path, _device_name(device), t.stride())
 
 
 def _array_leaf(a: np.ndarray, path: str) -> Leaf:
@@ -258,8 +258,9 @@ dict lookup per node instead of a walk down ``_RULES``."""
 
 def _storage_key(t: torch.Tensor, leaf: Leaf, k: int) -> tuple[Any, int]:
     """Which storage tensor ``t`` (validated: its ``leaf`` made) views, or ``("own", k)`` where
-    sharing cannot apply (no bytes, a conjugate/negative bit, no plain storage)."""
-    if not leaf.nbytes or t.is_conj() or t.is_neg():
+    sharing cannot apply (no bytes, a conjugate/negative bit, no plain storage). The leaf's
+    value is ``t`` itself unless ``t`` was detached or had a bit resolved."""
+    if not leaf.nbytes or (leaf.value is not t and (t.is_conj() or t.is_neg())):
         return ("own", k)
     try:
         return leaf.device, t.untyped_storage().data_ptr()

@@ -123,8 +123,8 @@ class FlattenCache:
             value = pending[k][1]
             if pending[k][0].get("view") is not None and isinstance(leaf.value, torch.Tensor):
                 start, how = int(leaf.value.storage_offset()), _SHARED  # the entry's first byte
-            elif isinstance(value, torch.Tensor):
-                how = _OWN if value.requires_grad or value.is_conj() or value.is_neg() else how
+            elif leaf.value is not value:  # detached or a bit resolved (``_own``)
+                how = _OWN
             rest = (leaf.kind, leaf.dtype, leaf.shape, leaf.nbytes, leaf.device, leaf.stride)
             self._slots.append((k, how, start, *rest))
 
