@@ -325,3 +325,21 @@ def test_ties_through_grad_and_negative_views_match_the_uncached_flatten() -> No
         w.add_(1.0)
     _same(state, cache)
     assert (cache.hits, cache.misses) == (1, 1)
+
+
+def test_a_plain_state_hits_and_a_tie_made_or_broken_in_it_is_seen() -> None:
+    """A state of untied, untracked leaves (reused in C loops) is the uncached flatten on a hit,
+    also after a tie into it is made (views, the general path) and broken again."""
+    state, cache = _mixed(), FlattenCache()
+    _same(state, cache)
+    state["f32"].add_(1.0)
+    state["arr"] += 1
+    _same(state, cache)
+    state["tie"] = state["f32"][1]
+    _same(state, cache)
+    _same(state, cache)
+    del state["tie"]
+    _same(state, cache)
+    state["bf16"].mul_(2)
+    _same(state, cache)
+    assert (cache.hits, cache.misses) == (3, 3)
