@@ -343,3 +343,34 @@ def test_a_plain_state_hits_and_a_tie_made_or_broken_in_it_is_seen() -> None:
     state["bf16"].mul_(2)
     _same(state, cache)
     assert (cache.hits, cache.misses) == (3, 3)
+
+
+class _Probe:
+    """A state object that records whether the cyclic collector runs while it is saved."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        self.seen.append(gc.isenabled())
+        return {"w": torch.ones(3)}
+
+
+def test_a_save_pauses_the_cyclic_collector_and_restores_it(tmp_path: Path) -> None:
+    """The blocking part of a save runs with ``gc`` off and puts it back as it was: on after a
+    save (also one that failed), still off where the caller had turned it off."""
+    probe = _Probe()
+    assert gc.isenabled()
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        m.save(0, {"p": probe}).result(30)
+        assert probe.seen == [False] and gc.isenabled()
+        with pytest.raises(CheckpointError):
+            m.save(1, {"p": probe, "bad": torch.empty(2, device="meta")})
+        assert probe.seen == [False, False] and gc.isenabled()
+        gc.disable()
+        try:
+            m.save(2, {"p": probe}).result(30)
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+        assert m.restore(2)["p"]["w"].sum() == 3
