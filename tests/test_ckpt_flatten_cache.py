@@ -7,8 +7,10 @@ tree and every leaf (its record and bytes) with a fresh ``flatten`` of the same 
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import runpy
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -17,10 +19,13 @@ import numpy as np
 import pytest
 import torch
 
+from ckpt.errors import CheckpointError
 from ckpt.format.manifest import read_manifest
 from ckpt.manager import CheckpointManager
 from ckpt.saving.flatten import Leaf, flatten
 from ckpt.saving.flatten_cache import FlattenCache
+from ckpt.saving.plan import SavePlan, Stager
+from ckpt.saving.pool import Buffer
 
 
 def _bytes(leaf: Leaf) -> bytes:
@@ -53,7 +58,8 @@ class Tied(torch.nn.Module):
         self.bn = torch.nn.BatchNorm1d(4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.bn(self.emb(x).flatten(0, 1)))
+        out: torch.Tensor = self.out(self.bn(self.emb(x).flatten(0, 1)))
+        return out
 
 
 def _state() -> dict[str, Any]:
@@ -208,3 +214,163 @@ def test_the_many_tensor_cpu_benchmark_row_runs(tmp_path: Path) -> None:
     assert cells[0] == "tiny" and cells[1] == "40"
     assert cells[5].endswith("x**") and cells[-1] == "2"
     assert list(tmp_path.iterdir()) == []
+
+
+def _mixed() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "f32": torch.randn(3, 1, 4, generator=g),
+        "bf16": torch.randn(7, generator=g).to(torch.bfloat16),
+        "f64": torch.randn(2, 3, generator=g, dtype=torch.float64).t(),  # not contiguous
+        "i8": torch.randint(-100, 100, (5,), generator=g, dtype=torch.int8),
+        "bool": torch.rand(9, generator=g) > 0.5,
+        "c128": torch.randn(3, generator=g, dtype=torch.complex128),
+        "scalar": torch.tensor(3.0),
+        "f8": torch.randn(6, generator=g).to(torch.float8_e4m3fn),
+        "arr": np.arange(7, dtype=np.float32),
+    }
+
+
+@pytest.mark.parametrize("extra", [0, 3])
+def test_host_leaves_are_staged_byte_for_byte_into_a_new_buffer(extra: int) -> None:
+    """The host views of a new buffer (one ``as_strided`` per leaf of a whole-buffer view per
+    dtype) put every leaf's bytes at its entry, also in a buffer whose size is no multiple of
+    the widest dtype."""
+    leaves: list[Leaf] = []
+    flatten(_mixed(), leaves)
+    plan = Stager().plan(leaves)
+    for fill in (0xAB, 0x00):  # a second buffer: views made afresh for it
+        buf = Buffer(plan.nbytes + extra, pin=False)
+        buf.array[:] = fill
+        plan.stage(leaves, buf)
+        for leaf, e in zip(leaves, plan.entries, strict=True):
+            got = buf.array[e["offset"] : e["offset"] + e["nbytes"]].tobytes()
+            assert got == _bytes(leaf), leaf.path
+        ends = sorted((e["offset"], e["offset"] + e["nbytes"]) for e in plan.entries)
+        for (_, a), (b, _) in itertools.pairwise(ends):
+            assert not buf.array[a:b].any()  # padding zeroed
+
+
+def test_a_cache_hit_reuses_the_plan_without_checking_its_signature(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save whose flattening hit the cache of the save before (same generation) reuses the
+    plan without the per-leaf signature check; a miss (a shape changed) checks it and plans
+    anew, and the files restore to the state saved."""
+    checks: list[int] = []
+    matches = SavePlan.matches
+
+    def counted(self: SavePlan, leaves: Any) -> bool:
+        checks.append(1)
+        return matches(self, leaves)
+
+    monkeypatch.setattr(SavePlan, "matches", counted)
+    state = _mixed()
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        for step in range(3):
+            m.save(step, state).result(30)
+        stager = m._saves.stager
+        assert (stager.planned, len(checks)) == (1, 1)  # the 2nd save checked, the 3rd not
+        state["f32"] = torch.randn(3, 2)
+        m.save(3, state).result(30)
+        assert (stager.planned, len(checks)) == (2, 2)
+        got = m.restore(3)
+    assert torch.equal(got["f32"], state["f32"]) and torch.equal(got["bf16"], state["bf16"])
+    assert torch.equal(got["f64"], state["f64"]) and torch.equal(got["bool"], state["bool"])
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: torch.randn(3).to_sparse(), "dense strided"),
+        (lambda: torch.empty(3, device="meta"), "meta tensor"),
+        (lambda: torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8), "dense strided"),
+        (lambda: torch.zeros(2, dtype=torch.uint8).view(torch.bits8), "bits8 is not supported"),
+    ],
+)
+def test_an_unsupported_tensor_raises_naming_its_path_cold_and_on_a_warm_cache(
+    make: Any, match: str
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantize_per_tensor is deprecated
+        bad = make()
+    with pytest.raises(CheckpointError, match=match) as cold:
+        flatten({"ok": torch.ones(2), "bad": bad}, [])
+    assert "state['bad']" in str(cold.value)
+    cache = FlattenCache()
+    state = {"ok": torch.ones(2), "bad": torch.ones(3)}
+    _same(state, cache)
+    state["bad"] = bad
+    with pytest.raises(CheckpointError, match=match):
+        cache.flatten(state, [])
+    assert cache.hits == 0
+
+
+def test_ties_through_grad_and_negative_views_match_the_uncached_flatten() -> None:
+    """A tensor that requires grad and its view share one entry (detached, not copied); a view
+    with the negative bit (``z.conj().imag``) is resolved into its own entry."""
+    w = torch.randn(8, requires_grad=True)
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    state = {"w": w, "head": w[:4], "re": z.real, "negim": z.conj().imag}
+    leaves: list[Leaf] = []
+    tree = flatten(state, leaves)
+    items = dict(tree["items"])
+    assert items["w"]["i"] == items["head"]["i"] and "view" in items["head"]
+    negim = leaves[-1].value
+    assert isinstance(negim, torch.Tensor) and not negim.is_neg() and "view" not in items["negim"]
+    assert torch.equal(negim, -z.imag)
+    cache = FlattenCache()
+    _same(state, cache)
+    with torch.no_grad():
+        w.add_(1.0)
+    _same(state, cache)
+    assert (cache.hits, cache.misses) == (1, 1)
+
+
+def test_a_plain_state_hits_and_a_tie_made_or_broken_in_it_is_seen() -> None:
+    """A state of untied, untracked leaves (reused in C loops) is the uncached flatten on a hit,
+    also after a tie into it is made (views, the general path) and broken again."""
+    state, cache = _mixed(), FlattenCache()
+    _same(state, cache)
+    state["f32"].add_(1.0)
+    state["arr"] += 1
+    _same(state, cache)
+    state["tie"] = state["f32"][1]
+    _same(state, cache)
+    _same(state, cache)
+    del state["tie"]
+    _same(state, cache)
+    state["bf16"].mul_(2)
+    _same(state, cache)
+    assert (cache.hits, cache.misses) == (3, 3)
+
+
+class _Probe:
+    """A state object that records whether the cyclic collector runs while it is saved."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        self.seen.append(gc.isenabled())
+        return {"w": torch.ones(3)}
+
+
+def test_a_save_pauses_the_cyclic_collector_and_restores_it(tmp_path: Path) -> None:
+    """The blocking part of a save runs with ``gc`` off and puts it back as it was: on after a
+    save (also one that failed), still off where the caller had turned it off."""
+    probe = _Probe()
+    assert gc.isenabled()
+    with CheckpointManager(tmp_path, keep_last=None) as m:
+        m.save(0, {"p": probe}).result(30)
+        assert probe.seen == [False] and gc.isenabled()
+        with pytest.raises(CheckpointError):
+            m.save(1, {"p": probe, "bad": torch.empty(2, device="meta")})
+        assert probe.seen == [False, False] and gc.isenabled()
+        gc.disable()
+        try:
+            m.save(2, {"p": probe}).result(30)
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+        assert m.restore(2)["p"]["w"].sum() == 3

@@ -78,23 +78,23 @@ def _device_name(device: torch.device) -> str:
 
 
 def _tensor_leaf(t: torch.Tensor, path: str) -> Leaf:
-    if t.layout != torch.strided or t.is_quantized:
+    if t.layout != torch.strided:
         raise CheckpointError(f"{path}: only dense strided tensors are supported, got {t.layout}")
     device = t.device
     if device.type == "meta":
         raise CheckpointError(f"{path}: cannot save a meta tensor (it has no data)")
+    name = _dtype_name(t.dtype)
+    if name not in TORCH_DTYPES:
+        if t.is_quantized:  # its dtypes (qint8, ...) are none of TORCH_DTYPES
+            raise CheckpointError(f"{path}: only dense strided tensors are supported ({t.dtype})")
+        raise CheckpointError(f"{path}: dtype {t.dtype} is not supported")
     if t.requires_grad:
         t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    name = _dtype_name(t.dtype)
-    if name not in TORCH_DTYPES:
-        raise CheckpointError(f"{path}: dtype {t.dtype} is not supported")
-    nbytes = t.numel() * t.element_size()
-    shape, stride = list(t.shape), t.stride()
-    return Leaf(t, "tensor", name, shape, nbytes, path, _device_name(device), stride)
+    return Leaf(t, "tensor", name, list(t.shape), t.nbytes, path, _device_name(device), t.stride())
 
 
 def _array_leaf(a: np.ndarray, path: str) -> Leaf:
@@ -256,43 +256,57 @@ _BY_TYPE: dict[type, _Rule] = {}
 dict lookup per node instead of a walk down ``_RULES``."""
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
-    """Which storage ``t`` views (``None`` where sharing cannot apply)."""
-    if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg() or not t.numel():
-        return None
-    device = t.device
-    if device.type == "meta" or _dtype_name(t.dtype) not in TORCH_DTYPES:
-        return None
+def _storage_key(t: torch.Tensor, leaf: Leaf, k: int) -> tuple[Any, int]:
+    """Which storage tensor ``t`` (validated: its ``leaf`` made) views, or ``("own", k)`` where
+    sharing cannot apply (no bytes, a conjugate/negative bit, no plain storage). The leaf's
+    value is ``t`` itself unless ``t`` was detached or had a bit resolved."""
+    if not leaf.nbytes or (leaf.value is not t and (t.is_conj() or t.is_neg())):
+        return ("own", k)
     try:
-        return _device_name(device), t.untyped_storage().data_ptr()
+        return leaf.device, t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
-        return None
+        return ("own", k)
+
+
+def _own_leaves(tensors: list[_Pending]) -> tuple[list[Leaf], list[tuple[Any, int]]]:
+    """Per array node, in tree order: its own leaf (an unsupported value raises here, the
+    first in tree order) and the key of the storage it views (one read of each attribute)."""
+    made: list[Leaf] = []
+    keys: list[tuple[Any, int]] = []
+    for k, (_, value, path) in enumerate(tensors):
+        if isinstance(value, torch.Tensor):
+            leaf = _tensor_leaf(value, path)
+            keys.append(_storage_key(value, leaf, k))
+        else:
+            leaf = _array_leaf(value, path)
+            keys.append(("own", k))
+        made.append(leaf)
+    return made, keys
 
 
 def _tensor_entries(tensors: list[_Pending], leaves: list[Leaf]) -> None:
     """Give every array node its entry, in tree order: a storage shared by tensors is one uint8
     entry (at its first tensor) that each of them views."""
-    shared = _shared_groups(tensors)
+    made, keys = _own_leaves(tensors)
+    shared = _shared_groups(tensors, keys)
     done: set[int] = set()
-    for k, (node, value, path) in enumerate(tensors):
+    for k, (node, _, _) in enumerate(tensors):
         if k in done:
             continue
         if k in shared:
             _shared_entry([tensors[j] for j in shared[k]], leaves)
             done.update(shared[k])
             continue
-        make = _tensor_leaf if isinstance(value, torch.Tensor) else _array_leaf
-        leaves.append(make(value, path))
+        leaves.append(made[k])
         node["i"] = len(leaves) - 1
 
 
-def _shared_groups(tensors: list[_Pending]) -> dict[int, list[int]]:
+def _shared_groups(tensors: list[_Pending], keys: list[tuple[Any, int]]) -> dict[int, list[int]]:
     """The tensors stored as views of one shared entry: first member -> members, for each
     storage viewed by several tensors whose span is no larger than their bytes together."""
     groups: dict[Any, list[int]] = {}
-    for k, (_, t, _) in enumerate(tensors):
-        key = _storage_key(t) if isinstance(t, torch.Tensor) else None
-        groups.setdefault(key if key is not None else ("own", k), []).append(k)
+    for k, key in enumerate(keys):
+        groups.setdefault(key, []).append(k)
     shared: dict[int, list[int]] = {}
     for members in groups.values():
         if len(members) < 2:

@@ -11,10 +11,12 @@ calls ``on_committed``. A background error is kept and raised by the next ``rais
 from __future__ import annotations
 
 import collections
+import contextlib
+import gc
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +33,14 @@ from ckpt.saving.plan import SavePlan, Stager
 from ckpt.saving.pool import Buffer, PinnedPool
 from feedpipe.io.trace import span
 
-__all__ = ["SaveCounters", "SaveHandle", "SavePipeline", "SaveStats", "WriteOptions"]
+__all__ = [
+    "SaveCounters",
+    "SaveHandle",
+    "SavePipeline",
+    "SaveStats",
+    "WriteOptions",
+    "gc_paused",
+]
 
 log = logging.getLogger("ckpt")
 
@@ -112,6 +121,23 @@ class _Job:
     sources: list[Any] | None = None  # overlap: what the copies read, alive until they are done
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (when it was on): a save of thousands
+    of leaves allocates tens of thousands of containers, and the collections they trigger
+    (now and then a full one, tens of milliseconds in a process holding torch) would land in
+    the time the training loop is blocked. Nothing a save allocates is cyclic garbage; the
+    next collection after the block finds what is left."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 class SavePipeline:
     """Staging and background persisting of the saves of one directory (module docstring).
 
@@ -163,12 +189,26 @@ class SavePipeline:
     ) -> SaveHandle:
         """Stage ``state`` into a pool buffer (blocking; with ``overlap``, only until the device
         copies are queued: ``ckpt.saving.overlap``) and queue its write as ``step-N``."""
+        with gc_paused():
+            return self._submit(step, state, metadata, metrics, overlap)
+
+    def _submit(
+        self,
+        step: int,
+        state: Any,
+        metadata: dict[str, Any] | None,
+        metrics: dict[str, Any] | None,
+        overlap: Overlap | None,
+    ) -> SaveHandle:
         t0 = time.perf_counter()
         overlap = overlap if overlap is not None and overlap.enabled else None
         stats = SaveStats(step)
         leaves: list[Leaf] = []
+        generation = self.flattener.generation
         tree = self.flattener.flatten(state, leaves)
-        plan = self.stager.plan(leaves)  # the last save's plan when the leaves match it
+        # a cache hit (no new assignment since): the leaves' signature is the generation's
+        token = generation if generation == self.flattener.generation else None
+        plan = self.stager.plan(leaves, token)  # the last save's plan when the leaves match it
         buf, stats.backpressure_s = self.pool.acquire(plan.nbytes)
         events: dict[Any, SnapshotEvent] = {}
         try:
