@@ -34,6 +34,7 @@ __all__ = [
     "Pending",
     "assign_entries",
     "flatten",
+    "own_value",
     "rng_state",
     "set_rng_state",
     "storage_bytes",
@@ -88,12 +89,7 @@ def _tensor_leaf(t: torch.Tensor, path: str) -> Leaf:
         if t.is_quantized:  # its dtypes (qint8, ...) are none of TORCH_DTYPES
             raise CheckpointError(f"{path}: only dense strided tensors are supported ({t.dtype})")
         raise CheckpointError(f"{path}: dtype {t.dtype} is not supported")
-    if t.requires_grad:
-        t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
+    t = own_value(t)
     return Leaf(t, "tensor", name, list(t.shape), t.nbytes, path, _device_name(device), t.stride())
 
 
@@ -438,3 +434,14 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         # node) sets those it has: set_rng_state_all raised IndexError past the last one
         saved = list(state["cuda"])[: torch.cuda.device_count()]
         torch.cuda.set_rng_state_all([torch.as_tensor(s).cpu().clone() for s in saved])
+
+
+def own_value(t: torch.Tensor) -> torch.Tensor:
+    """The value a tensor of its own entry is stored as: detached, conj and neg bits resolved."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t

@@ -30,7 +30,15 @@ from typing import Any
 
 import torch
 
-from ckpt.saving.flatten import Leaf, Node, Pending, assign_entries, storage_bytes, walk
+from ckpt.saving.flatten import (
+    Leaf,
+    Node,
+    Pending,
+    assign_entries,
+    own_value,
+    storage_bytes,
+    walk,
+)
 
 __all__ = ["FlattenCache"]
 
@@ -68,17 +76,6 @@ def _keys(pending: list[Pending]) -> list[tuple[Any, ...]] | None:
         ]  # fmt: skip
     except (RuntimeError, NotImplementedError, AttributeError):  # no plain storage
         return None
-
-
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """The value ``flatten`` stores for a tensor of its own entry (``_tensor_leaf``)."""
-    if t.requires_grad:
-        t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t
 
 
 class FlattenCache:
@@ -131,7 +128,7 @@ class FlattenCache:
             value = pending[k][1]
             if pending[k][0].get("view") is not None and isinstance(leaf.value, torch.Tensor):
                 start, how = int(leaf.value.storage_offset()), _SHARED  # the entry's first byte
-            elif leaf.value is not value:  # detached or a bit resolved (``_own``)
+            elif leaf.value is not value:  # detached or a bit resolved (``flatten.own_value``)
                 how = _OWN
             rest = (leaf.kind, leaf.dtype, leaf.shape, leaf.nbytes, leaf.device, leaf.stride)
             self._slots.append((k, how, start, *rest))
@@ -152,7 +149,7 @@ class FlattenCache:
         for k, how, start, kind, dtype, shape, nbytes, device, stride in self._slots:
             _, value, path = pending[k]
             if how == _OWN:
-                value = _own(value)
+                value = own_value(value)
             elif how == _SHARED:
                 value = storage_bytes(value, start, nbytes)
             append(Leaf(value, kind, dtype, shape, nbytes, path, device, stride))

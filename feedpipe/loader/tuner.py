@@ -22,7 +22,6 @@ for another's tuning.
 from __future__ import annotations
 
 import math
-import operator
 import os
 import resource
 import threading
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch.utils.data as tud
 
+from feedpipe.io.values import integer
 from feedpipe.loader.plan import auto_worker_type
 from feedpipe.loader.tuner_policy import (
     NO_GAIN_BATCHES,
@@ -340,22 +340,11 @@ class Tuner:
             meter.note(f"tuning: {line}")
 
 
-def _integer(value: Any) -> bool:
-    """An integer of any integral type (``int``, ``np.int64``: torch takes them), not a bool."""
-    if isinstance(value, bool):
-        return False
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
-
-
 def _check_args(num_workers: Any, prefetch_factor: Any) -> None:
     """Clear errors for settings that are neither a count nor ``"auto"``."""
-    if not _integer(num_workers) and num_workers != AUTO:
+    if not integer(num_workers) and num_workers != AUTO:
         raise ValueError(f"num_workers must be a non-negative int or 'auto', got {num_workers!r}")
-    ok = prefetch_factor is None or _integer(prefetch_factor) or prefetch_factor == AUTO
+    ok = prefetch_factor is None or integer(prefetch_factor) or prefetch_factor == AUTO
     if not ok:
         raise ValueError(
             f"prefetch_factor must be a positive int, None or 'auto', got {prefetch_factor!r}"

@@ -29,13 +29,13 @@ step itself is the user's: a step that updates a model trains it on the measured
 from __future__ import annotations
 
 import dataclasses
-import operator
 import time
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from feedpipe.io.values import integer
 from feedpipe.stall.stats import StallStats
 
 __all__ = ["STAGE_NAMES", "HeadspaceError", "HeadspaceResult", "headspace"]
@@ -129,7 +129,7 @@ def headspace(
         the loader delivers them.
     """
     counts = {"steps": steps, "warmup": warmup, "cache": cache}
-    if any(not _whole(v) for v in counts.values()) or steps < 1 or warmup < 0 or cache < 1:
+    if any(not integer(v) for v in counts.values()) or steps < 1 or warmup < 0 or cache < 1:
         raise HeadspaceError(
             "need integers steps >= 1, warmup >= 0 and cache >= 1; got "
             + ", ".join(f"{k}={v!r}" for k, v in counts.items())
@@ -300,17 +300,6 @@ def _bits(t: Any) -> Any:
 
     flat = t.contiguous().reshape(-1)
     return flat.view(torch.uint8) if flat.dtype != torch.bool else flat
-
-
-def _whole(value: Any) -> bool:
-    """An integer (``operator.index`` takes it), never a bool or a float."""
-    if isinstance(value, bool):
-        return False
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
 
 
 def _epochs(loader: Iterable[Any]) -> Generator[Any, None, None]:
