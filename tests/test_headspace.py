@@ -378,3 +378,152 @@ def test_cuda_step_is_synchronised_and_batches_cached_on_the_device() -> None:
     torch.cuda.synchronize()
     synced = (time.perf_counter() - start) / 5
     assert r.cached_step_s == pytest.approx(synced, rel=0.5)
+
+
+# ---------------------------------------------------------------- headspace
+
+
+class _Items(torch.utils.data.Dataset[dict[str, Any]]):
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": torch.full((4,), float(i)), "y": i}
+
+
+def test_a_step_that_pops_from_its_batch_is_measured() -> None:
+    """The cached run gave every step the same dict: a step that pops its labels (or replaces
+    an entry, ``batch["x"] = batch["x"].cuda()``) failed with KeyError on the second cycle, or
+    measured a step with the copy already done."""
+    import feedpipe
+
+    labels: list[Any] = []
+
+    def step(batch: dict[str, Any]) -> None:
+        labels.append(batch.pop("y"))
+        batch["x"] = batch["x"] + 1  # replaced in the step's own dict only
+
+    loader = feedpipe.DataLoader(_Items(), batch_size=4)
+    r = feedpipe.headspace(step, loader, steps=12, warmup=0, cache=3)
+    assert r.steps == 12
+    cached = labels[:12]
+    assert [int(t[0]) for t in cached] == [0, 4, 8] * 4  # the three cached batches, cycled
+
+
+def test_a_step_that_changes_its_batch_in_place_is_refused() -> None:
+    """``batch["x"].mul_(2)`` in the step: the cached run fed it ever larger values (x 2**cycles)
+    and timed that; now a HeadspaceError says so."""
+    import feedpipe
+    from feedpipe.stall.headspace import HeadspaceError
+
+    def step(batch: dict[str, Any]) -> None:
+        batch["x"].mul_(2)
+
+    loader = feedpipe.DataLoader(_Items(), batch_size=4)
+    with pytest.raises(HeadspaceError, match=r"step_fn .*step changed cached batch 1 in place"):
+        feedpipe.headspace(step, loader, steps=12, warmup=0, cache=3)
+    again = [b["x"] for b in loader]  # the loader's own batches were never touched
+    assert torch.equal(again[0], torch.arange(4.0).repeat_interleave(4).reshape(4, 4))
+
+
+def test_a_step_that_leaves_nan_batches_alone_is_not_refused() -> None:
+    import feedpipe
+
+    loader = feedpipe.DataLoader([torch.full((2,), float("nan"))] * 6, batch_size=2)
+    r = feedpipe.headspace(lambda b: b.sum(), loader, steps=4, warmup=0, cache=2)
+    assert r.cached_batches == 2
+
+
+@pytest.mark.parametrize("bad", [{"steps": 2.5}, {"steps": True}, {"warmup": float("nan")}])
+def test_counts_that_are_not_integers_are_refused_by_name(bad: dict[str, Any]) -> None:
+    """``steps=2.5`` was a bare TypeError from ``range``; ``steps=True`` ran one step and said
+    "True per run"."""
+    import feedpipe
+    from feedpipe.stall.headspace import HeadspaceError
+
+    loader = feedpipe.DataLoader(list(range(8)), batch_size=2)
+    (name,) = bad
+    with pytest.raises(HeadspaceError, match=rf"need integers .*{name}={bad[name]!r}"):
+        feedpipe.headspace(lambda b: None, loader, **bad)
+
+
+def test_a_one_shot_loader_is_named_as_such() -> None:
+    """A generator gave its batches to the cache's pass; the live run's pass then said "the
+    loader gave no batch", which it had."""
+    import feedpipe
+    from feedpipe.stall.headspace import HeadspaceError
+
+    gen = (torch.ones(2) for _ in range(5))
+    with pytest.raises(HeadspaceError, match=r"gave no batch on pass 2 .* one-shot iterable"):
+        feedpipe.headspace(lambda b: None, gen, steps=3, warmup=0)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("import sys\nsys.exit(0)\n", "running the script exited (sys.exit(0)"),
+        ("def make():\n    raise SystemExit('no data')\n", "make() exited (sys.exit('no data')"),
+    ],
+)
+def test_cli_script_that_exits_is_an_error_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], body: str, message: str
+) -> None:
+    """``sys.exit(0)`` at a script's top level made ``feedpipe bench --headspace`` exit 0 having
+    measured nothing; a SystemExit in FN printed only its message."""
+    from feedpipe.cli import main
+
+    script = tmp_path / f"atk28_exit_{abs(hash(body))}.py"
+    script.write_text(body)
+    assert main(["bench", "--headspace", f"{script}:make"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"feedpipe bench: error: HeadspaceError: {script}: ")
+    assert message in err and err.count("\n") == 1
+
+
+def test_cli_script_parsing_its_arguments_at_import_gets_its_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A module-level ``parse_args()`` saw ``bench --headspace ...`` and exited 2 with the
+    script's own usage line; it now sees ``[SCRIPT]`` (its defaults), and argv is put back."""
+    from feedpipe.cli import main
+
+    script = tmp_path / "atk28_argv_script.py"
+    script.write_text(
+        "import argparse, sys, torch\n"
+        "p = argparse.ArgumentParser(); p.add_argument('--scale', type=float, default=2.0)\n"
+        "args = p.parse_args()\n"
+        "SEEN = list(sys.argv)\n"
+        "def make():\n"
+        "    return (lambda b: b * args.scale), [torch.ones(2)] * 4\n"
+    )
+    argv = list(sys.argv)
+    assert main(["bench", "--headspace", f"{script}:make", "--batches", "3", "--warmup", "0"]) == 0
+    assert "input costs" in capsys.readouterr().out
+    seen = sys.modules["atk28_argv_script"].SEEN
+    assert seen == [str(script)]
+    assert sys.argv == argv
+
+
+@pytest.mark.parametrize("device", ["bogus", "cuda"])
+def test_a_device_that_cannot_be_had_is_refused_before_any_pass(device: str) -> None:
+    """``device="cuda"`` on a machine without CUDA (or a misspelt device) was torch's bare
+    AssertionError or RuntimeError, after a pass over the loader had begun."""
+    import feedpipe
+    from feedpipe.stall.headspace import HeadspaceError
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is here: the device can be had")
+    passes: list[int] = []
+
+    class Counted(torch.utils.data.Dataset[torch.Tensor]):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            passes.append(i)
+            return torch.ones(2)
+
+    loader = feedpipe.DataLoader(Counted(), batch_size=2)
+    with pytest.raises(HeadspaceError, match=rf"device='{device}' cannot hold the cached"):
+        feedpipe.headspace(lambda b: None, loader, steps=2, device=device)
+    assert passes == []

@@ -277,3 +277,113 @@ def test_resume_with_old_weights_in_the_epoch_already_selected(
     assert ds.counts == mix_counts([old[n] for n in SIZES], TOTAL)
     _check_fixed(ds.read_batch(np.arange(TOTAL)), fixed_members, want)
     assert [ds.locate([i])[0][0] for i in (0, TOTAL - 1)] == [0, 2]
+
+
+def _write_wide(path: Path, n: int, width: int = 4096) -> np.ndarray:
+    x = np.arange(n * width, dtype=np.int32).reshape(n, width) * 3 - 5
+    with MemmapWriter(path, shape=(width,), dtype="int32") as w:
+        w.append_batch(x)
+    return x
+
+
+# ---------------------------------------------------------------- held: the mixed one gather
+
+
+class _NoSpace:
+    """A member read through its own ``read_batch`` (no ``record_space``): the merge path."""
+
+    takes_index_arrays = True
+
+    def __init__(self, ds: Any) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.ds[i]
+
+    def read_batch(self, idx: Any, out: Any = None) -> Any:
+        return self.ds.read_batch(idx)
+
+
+def test_one_gather_equals_the_merge_and_per_sample_reads(tmp_path: Path) -> None:
+    """Members of 50 (many shards), 7 and 1 records, one member twice, weights that repeat and
+    subsample, three epochs and a resume with the old weights: the one-gather batch is the
+    merged one and the per-sample one, row for row."""
+    from feedpipe import MixedDataset
+
+    def member(name: str, n: int, shard_bytes: int) -> MemmapDataset:
+        x = np.arange(n * 8, dtype=np.int32).reshape(n, 8) + 1000 * len(name) * n
+        with MemmapWriter(tmp_path / name, shape=(8,), dtype="int32", shard_bytes=shard_bytes) as w:
+            w.append_batch(x)
+        return MemmapDataset(tmp_path / name)
+
+    a, b, c = member("a", 50, 200), member("bb", 7, 1 << 20), member("ccc", 1, 1 << 20)
+    for members, weights in (
+        ({"a": a, "b": b, "c": c}, {"a": 1.0, "b": 2.0, "c": 0.5}),
+        ({"a": a, "a2": a, "c": c}, {"a": 1.0, "a2": 1.0, "c": 3.0}),
+    ):
+        fast = MixedDataset(members, weights, seed=3, epoch_samples=61)
+        slow = MixedDataset(
+            {k: _NoSpace(v) for k, v in members.items()}, weights, seed=3, epoch_samples=61
+        )
+        for epoch in (0, 1, 7):
+            fast.set_epoch(epoch)
+            slow.set_epoch(epoch)
+            idx = np.random.default_rng(epoch).permutation(61)
+            got = fast.read_batch(idx)
+            assert torch.equal(got, slow.read_batch(idx))
+            assert torch.equal(got, torch.stack([fast[int(i)] for i in idx]))
+        state = fast.state_dict()
+        resumed = MixedDataset(members, {k: 1.0 for k in members}, seed=3, epoch_samples=61)
+        resumed.load_state_dict(state, weights=weights)
+        assert torch.equal(resumed.read_batch(idx), got)
+
+
+def test_a_mix_batch_memory_goes_with_the_mix(tmp_path: Path) -> None:
+    """The one-gather batches came from a module-level pool: up to 256 MiB per thread that ever
+    read a mix stayed allocated after every mix and batch was gone."""
+    import gc
+
+    from feedpipe import MixedDataset
+    from feedpipe.datasets._batch_pool import BatchPool
+
+    def held() -> int:
+        return sum(p.held() for p in gc.get_objects() if type(p) is BatchPool)
+
+    for name in ("a", "b"):
+        _write_wide(tmp_path / name, 64)
+    before = held()
+    mix = MixedDataset({n: MemmapDataset(tmp_path / n) for n in ("a", "b")})
+    batch = mix.read_batch(np.arange(128))  # 2 MiB: from the pool
+    assert held() >= before + batch.numel() * 4
+    del batch, mix
+    gc.collect()
+    assert held() == before
+
+
+@pytest.mark.parametrize(
+    "indices",
+    [[1.7, 2.2], np.array([True, False]), torch.tensor([1.0, 2.0]), [[1, 2], [3, 4]], ["1"]],
+)
+def test_mix_indices_that_are_not_integers_are_refused(tmp_path: Path, indices: Any) -> None:
+    """``MixedDataset.read_batch([1.7, 2.2])`` read samples 1 and 2 (truncated), a bool mask
+    read samples 1 and 0, strings were parsed: a MemmapDataset refuses all of them."""
+    from feedpipe import MixedDataset
+
+    _write_wide(tmp_path / "a", 10, width=2)
+    mix = MixedDataset({"a": MemmapDataset(tmp_path / "a")})
+    with pytest.raises(TypeError, match="indices must be a 1-D sequence of integers"):
+        mix.read_batch(indices)
+    assert torch.equal(mix.read_batch(np.array([1, 2], np.uint64)), mix.read_batch([1, 2]))
+
+
+@pytest.mark.parametrize("index", [1.5, True, np.float64(2.0)])
+def test_mix_item_index_that_is_not_an_int_is_refused(tmp_path: Path, index: Any) -> None:
+    from feedpipe import MixedDataset
+
+    _write_wide(tmp_path / "a", 10, width=2)
+    mix = MixedDataset({"a": MemmapDataset(tmp_path / "a")})
+    with pytest.raises(TypeError, match="index must be an int"):
+        mix[index]

@@ -102,3 +102,52 @@ def test_typical_share_is_in_the_snapshot_and_survives_json(clock: FakeClock) ->
     assert s.stall_fraction > 0.6 and s.typical_stall_fraction is not None
     assert s.typical_stall_fraction < 0.05 and hint(s).startswith("compute-bound")
     assert type(s).from_dict(s.to_dict()) == s
+
+
+# ---------------------------------------------------------------- the meter's verdict
+
+
+def _meter_with_waits(n: int) -> Any:
+    from feedpipe.stall.meter import StallMeter
+
+    m = StallMeter()
+    for _ in range(n):
+        m.wait_begin()
+        m.wait_end(1, 10)
+    return m
+
+
+@pytest.mark.parametrize("key", ["step_s", "stall_s"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -5.0])
+def test_a_restored_state_with_no_time_gets_no_verdict(key: str, value: float) -> None:
+    """A NaN step time made the typical share 1.0 (min/max pass a NaN as their first
+    argument) beside a raw share of 0.0, and the hint said 100% input-bound."""
+    from feedpipe.stall.hints import hint
+    from feedpipe.stall.meter import StallMeter
+
+    state = _meter_with_waits(20).state_dict()
+    state[key] = value
+    m = StallMeter()
+    m.load_state_dict(state)
+    s = m.stats()
+    assert s.typical_stall_fraction == 0.0  # was 1.0: a NaN through min/max
+    assert hint(s).startswith("no verdict: the counters hold a time that is not a finite")
+
+
+def test_a_stage_timed_as_nan_gets_no_verdict() -> None:
+    """``add_stage("fetch", nan)`` (a bad clock) was named the slowest stage, "nan ms"."""
+    from feedpipe.stall.hints import hint
+
+    m = _meter_with_waits(20)
+    m.add_stage("fetch", float("nan"))
+    said = hint(m.stats())
+    assert "no verdict" in said and "stage 'fetch'" in said and "nan ms" not in said
+
+
+def test_typical_share_with_a_bad_outlier_sum_is_the_raw_share() -> None:
+    from feedpipe.stall.robust import typical_fraction
+
+    assert typical_fraction(1.0, 4.0, float("nan")) == 0.25
+    assert typical_fraction(1.0, 4.0, -1.0) == 0.25
+    assert typical_fraction(float("nan"), 4.0, 0.5) == 0.0
+    assert typical_fraction(1.0, float("inf"), 0.5) == 0.0

@@ -1,7 +1,7 @@
 """The plain-language hint of a stall report: a verdict, and only advice the counters support.
 
 Rules (each case has a test in ``tests/test_stall_hints.py``, the no-time one in
-``tests/test_feedpipe_attack28.py``):
+``tests/test_stall_robust.py``):
 
 - Figures that are no time (NaN, infinite or negative seconds: a restored state, a stage timed
   by a bad clock) get no verdict, and say which.

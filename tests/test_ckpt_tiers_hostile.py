@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import _ckpt_tiers_attack_worker as worker
+import _ckpt_tiers_hostile_worker as worker
 import pytest
 import torch
 
@@ -207,7 +207,7 @@ def _newest_whole(root: Path) -> bool:
 def ctx() -> Any:
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(
-        ["torch", "ckpt.manager", "ckpt.cli", "_ckpt_tiers_attack_worker"]
+        ["torch", "ckpt.manager", "ckpt.cli", "_ckpt_tiers_hostile_worker"]
     )
     return context
 

@@ -1,4 +1,4 @@
-"""Processes for the crash tests of tests/test_ckpt_tiers_attack.py: a run that saves five
+"""Processes for the crash tests of tests/test_ckpt_tiers_hostile.py: a run that saves five
 steps into the memory tier (every 2nd persisted, so the newest is in memory only), then either
 closes its manager or dies; and a ``ckpt gc``. ``kill_after`` > 0 SIGKILLs the process after
 that many filesystem operations of the close or the gc (``ckpt._faults``); ``trace`` names a
