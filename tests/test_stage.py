@@ -233,6 +233,7 @@ def test_access_denied_fails_at_once_without_leaking(
     assert not (tmp_path / "dst" / "index.json").exists()
 
 
+@pytest.mark.serial  # a 1 s deadline: beside another make test the index read alone took 5 s
 def test_retry_gives_up_at_deadline(
     tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]], s3_server: str
 ) -> None:
