@@ -24,12 +24,11 @@ def expected(step: int) -> dict[str, Any]:
     }
 
 
-def run(directory: str, phase: Any) -> None:
-    """The process body; ``phase`` is a shared char array holding the current phase name."""
+def trace_phases(phase: Any) -> Any:
+    """Record each fault-injection point ckpt passes into ``phase`` (a shared char array);
+    returns the function that records a phase name of the caller's own."""
     from ckpt import _faults
-    from ckpt.manager import CheckpointManager, WriteOptions
 
-    os.environ["CKPT_TEST_PAUSE"] = PAUSES
     original = _faults.pause
 
     def mark(name: str) -> None:
@@ -40,6 +39,15 @@ def run(directory: str, phase: Any) -> None:
         original(point)
 
     _faults.pause = traced
+    return mark
+
+
+def run(directory: str, phase: Any) -> None:
+    """The process body; ``phase`` is a shared char array holding the current phase name."""
+    from ckpt.manager import CheckpointManager, WriteOptions
+
+    os.environ["CKPT_TEST_PAUSE"] = PAUSES
+    mark = trace_phases(phase)
     manager = CheckpointManager(
         directory, keep_last=KEEP_LAST, write=WriteOptions(chunk_bytes=256 << 10)
     )

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import _ckpt_crash_worker
 import numpy as np
 import torch
 
@@ -37,22 +38,12 @@ def options(root: Path) -> Any:
 def run(root: str, phase: Any, acked: Any, kill_after: int) -> None:
     """The process body: ``phase`` is a shared char array, ``acked`` a shared int (-1: none);
     ``kill_after`` > 0 SIGKILLs the process after that many filesystem operations."""
-    from ckpt import _faults
     from ckpt.manager import CheckpointManager, WriteOptions
 
     os.environ["CKPT_TEST_PAUSE"] = PAUSES
     if kill_after:
         os.environ["CKPT_TEST_KILL_AFTER"] = str(kill_after)
-    original = _faults.pause
-
-    def mark(name: str) -> None:
-        phase.value = name.encode()[:15]
-
-    def traced(point: str) -> None:
-        mark(point)
-        original(point)
-
-    _faults.pause = traced
+    mark = _ckpt_crash_worker.trace_phases(phase)
     manager = CheckpointManager(
         Path(root) / "disk",
         keep_last=KEEP,

@@ -234,7 +234,7 @@ class ThreadWorkers:
     def _deliver(self, wid: int, data: ShippedTuple | Failed) -> ShippedTuple | Failed:
         self._put_task()
         if self._tuner is not None:
-            settings = self._tuner.online(self._deal.workers, self._crew.native_ids())
+            settings = self._tuner.online(self._deal.workers, self._crew.native_ids)
             if settings is not None:
                 self.resize(settings.workers, settings.prefetch)
         return data

@@ -26,7 +26,7 @@ import os
 import resource
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
 
@@ -259,11 +259,14 @@ class Tuner:
             self.settings, self._pending, self._ceiling = self._pending, None, None
         return self.settings
 
-    def online(self, workers: int, tids: Collection[int] | None = None) -> Settings | None:
+    def online(
+        self, workers: int, tids: Callable[[], Collection[int]] | None = None
+    ) -> Settings | None:
         """From the thread pool between deliveries: new settings for it now, or None.
 
-        ``workers``: the pool's own count; ``tids``: its threads' native ids, whose CPU is the
-        workers' (other threads of the process, e.g. a process group's, are not)."""
+        ``workers``: the pool's own count; ``tids``: gives its threads' native ids, whose CPU is
+        the workers' (other threads of the process, e.g. a process group's, are not); asked only
+        when a window closes, not at every delivery."""
         mark, meter = self._mark, self._meter
         if (
             mark is None
@@ -275,7 +278,7 @@ class Tuner:
         need = 4 if self._grew_from is None else NO_GAIN_BATCHES
         if meter.batches - mark.batches < need:
             return None
-        reading = self._read(meter, tids)
+        reading = self._read(meter, None if tids is None else tids())
         self._read_online = True
         before = self.settings
         self._decide(reading, online=True)
