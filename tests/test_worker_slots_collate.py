@@ -83,12 +83,6 @@ class Rows(tud.Dataset):  # type: ignore[type-arg]
         return {"x": self.data[i], "i": i}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed: share_memory_() (what a torch.multiprocessing queue does) moves a slot "
-    "view's storage to a new segment and drops the slot's lease, while a .numpy() array taken "
-    "before still points into the slot, which a worker then reuses",
-)
 def test_numpy_of_a_batch_shared_through_a_queue_is_never_overwritten() -> None:
     loader = DataLoader(Rows(), batch_size=8, num_workers=2)
     kept = []

@@ -16,9 +16,9 @@ arrives), at most ``MAX_GROWTHS`` times per worker:
    ``default_collate`` would treat differently: the worker falls back to torch's path for that
    batch, so nothing ever waits for a slot.
 2. **Main** (:meth:`Slots.resolve`): the batch is rebuilt as views of the slot, and the slot
-   stays taken for as long as any of those views (or a tensor sharing their memory) lives: a
-   lease object is kept alive by the views' storage, and releases the slot when the last one is
-   freed. With a CUDA device feed the buffer is page-locked once (``cudaHostRegister``), so the
+   stays taken for as long as any of those views (or a tensor or array sharing their memory)
+   lives, and for as long as their storage lives when ``share_memory_()`` or a queue moved it to
+   new memory (:mod:`feedpipe.loader.slot_lease`). With a CUDA device feed the buffer is page-locked once (``cudaHostRegister``), so the
    copy to the device is one DMA from the slot; the feed drops its views when that copy is done.
 3. **Ownership of a slot byte**: the worker alone sets a slot's flag (free -> taken) before it
    writes; the main process alone clears it, after the last view is gone. A ref dropped without
@@ -55,6 +55,7 @@ import torch.utils.data as tud
 from feedpipe.device import hostreg
 from feedpipe.io.env import env_flag
 from feedpipe.io.reaper import pid_alive
+from feedpipe.loader.slot_lease import Lease, leased_tensors
 from feedpipe.loader.slot_layout import ALIGN, SlotLayout, UnsupportedLayoutError, align, rebuild
 
 __all__ = [
@@ -291,27 +292,6 @@ def _slots_for(k: int, need: int, first: int) -> _WorkerSlots | None:
 
 
 # --------------------------------------------------------------------------------- main side
-class _Lease:
-    """Holds a slot while any view of it lives (the views' storage keeps this object alive).
-
-    It also keeps the buffer's registration: a buffer is unregistered only after its last view
-    is gone, so no copy from it can be in flight then."""
-
-    __slots__ = ("buf", "slot")
-
-    def __init__(self, buf: _Buffer, slot: int) -> None:
-        self.buf, self.slot = buf, slot
-
-    def __del__(self) -> None:
-        self.buf.flags[self.slot] = 0
-
-
-class _Leased(np.ndarray):
-    """A slot's bytes as numpy, carrying the lease (views of it keep it alive)."""
-
-    lease: _Lease | None = None
-
-
 class _Buffer:
     """A worker's buffer as the main process holds it (page-locked once when asked)."""
 
@@ -363,16 +343,8 @@ class Slots:
                     del self.buffers[old]
                 buf = self.buffers[ref.token] = _Buffer(ref.buffer, ref.k, self.pin)
             _REGISTRY[ref.token] = buf
-        lo = ref.layout[0][0]
-        hi = max(off + int(np.prod(shape)) * dtype.itemsize for off, dtype, shape in ref.layout)
-        region = buf.array[lo:hi].view(_Leased)
-        region.lease = _Lease(buf, ref.slot)
+        tensors = leased_tensors(buf.array, ref.layout, Lease(buf, buf.flags, ref.slot))
         ref.received = False  # the lease frees the slot now
-        tensors = []
-        for off, dtype, shape in ref.layout:
-            nbytes = int(np.prod(shape)) * dtype.itemsize
-            raw = torch.from_numpy(region[off - lo : off - lo + nbytes])
-            tensors.append(raw.view(dtype).view(shape))
         self.resolved += 1
         return rebuild(ref.spec, tensors), buf.registered
 
