@@ -18,8 +18,9 @@ arrives), at most ``MAX_GROWTHS`` times per worker:
 2. **Main** (:meth:`Slots.resolve`): the batch is rebuilt as views of the slot, and the slot
    stays taken for as long as any of those views (or a tensor or array sharing their memory)
    lives, and for as long as their storage lives when ``share_memory_()`` or a queue moved it to
-   new memory (:mod:`feedpipe.loader.slot_lease`). With a CUDA device feed the buffer is page-locked once (``cudaHostRegister``), so the
-   copy to the device is one DMA from the slot; the feed drops its views when that copy is done.
+   new memory (:mod:`feedpipe.loader.slot_lease`). With a CUDA device feed the buffer is
+   page-locked once (``cudaHostRegister``), so the copy to the device is one DMA from the slot;
+   the feed drops its views when that copy is done.
 3. **Ownership of a slot byte**: the worker alone sets a slot's flag (free -> taken) before it
    writes; the main process alone clears it, after the last view is gone. A ref dropped without
    being resolved (a pass ended early, torch drained it) clears its flag when it is collected.
@@ -55,8 +56,8 @@ import torch.utils.data as tud
 from feedpipe.device import hostreg
 from feedpipe.io.env import env_flag
 from feedpipe.io.reaper import pid_alive
-from feedpipe.loader.slot_lease import Lease, leased_tensors
 from feedpipe.loader.slot_layout import ALIGN, SlotLayout, UnsupportedLayoutError, align, rebuild
+from feedpipe.loader.slot_lease import Lease, leased_tensors
 
 __all__ = [
     "ENV",
