@@ -6,15 +6,27 @@ With ``--device cuda`` both loaders deliver device batches: torch with ``pin_mem
 ``.to(device, non_blocking=True)``, feedpipe with ``device="cuda"`` (slots page-locked once,
 one DMA per batch). On the CPU both deliver unpinned host batches.
 
+``--lease`` measures instead what the slots' lease costs per batch
+(:mod:`feedpipe.loader.slot_lease`): handing a batch of ``L`` leaves out as tensors whose storages
+hold the slot for their whole life (what ``Slots.resolve`` does), against the same views without
+the storage's hold (the slots before it: a ``share_memory_()`` then let the slot be reused under
+an earlier ``.numpy()``), interleaved in short rounds in the same run, each the least disturbed
+of its rounds (on a shared machine a preempted round says nothing of the code); and what a
+``share_memory_()`` of a batch costs: a slot batch (moved: one copy, on that path only), a heap
+tensor (torch moves it the same way) and a batch of torch's own loader (already shared: nothing).
+
     python benchmarks/worker_slots.py [--device cuda] [--records 8192,262144] [--workers 4]
+    python benchmarks/worker_slots.py --lease [--records 8192,262144]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +35,7 @@ import torch
 import torch.utils.data as tud
 
 import feedpipe
+from feedpipe.loader.slot_lease import Lease, leased_tensors
 
 
 class MemmapRows(tud.Dataset):  # type: ignore[type-arg]
@@ -99,6 +112,110 @@ def run(record: int, workers: int, device: str, data_mb: int, epochs: int) -> di
     }
 
 
+class _Region(np.ndarray):  # type: ignore[type-arg]
+    lease: Any = None
+
+
+def _views_without_storage_lease(array: np.ndarray, layout: list[Any], lease: Lease) -> list[Any]:
+    """The baseline: ``leased_tensors`` less the hold of each storage on the lease."""
+    lo = layout[0][0]
+    region = array[lo:].view(_Region)
+    region.lease = lease
+    out = []
+    for off, dtype, shape in layout:
+        nbytes = math.prod(shape) * dtype.itemsize
+        out.append(torch.from_numpy(region[off - lo : off - lo + nbytes]).view(dtype).view(shape))
+    return out
+
+
+def _views_before(array: np.ndarray, layout: list[Any], lease: Lease) -> list[Any]:
+    """The views as ``Slots.resolve`` made them before the storage lease (its code as it was)."""
+    lo = layout[0][0]
+    hi = max(off + int(np.prod(shape)) * dtype.itemsize for off, dtype, shape in layout)
+    region = array[lo:hi].view(_Region)
+    region.lease = lease
+    out = []
+    for off, dtype, shape in layout:
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        raw = torch.from_numpy(region[off - lo : off - lo + nbytes])
+        out.append(raw.view(dtype).view(shape))
+    return out
+
+
+def _ns_per_call(fn: Any, n: int) -> float:
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter_ns() - t0) / n
+
+
+def lease_cost(record: int, leaves: int, rounds: int = 300, n: int = 50) -> dict[str, float]:
+    """ns per batch of ``leaves`` leaves (rows of ``record`` bytes, batches as in :func:`run`),
+    with and without the storage lease: the two interleaved, the least of ``rounds`` each."""
+    rows = max(1, min(64, (8 * 2**20) // record))
+    leaf = rows * record
+    array = np.zeros(4096 + leaves * leaf, np.uint8)
+    flags = np.zeros(1, np.uint8)
+    layout = [(4096 + j * leaf, torch.uint8, (rows, record)) for j in range(leaves)]
+    variants = {
+        "lease": lambda: leased_tensors(array, layout, Lease(None, flags, 0)),
+        "views": lambda: _views_without_storage_lease(array, layout, Lease(None, flags, 0)),
+        "before": lambda: _views_before(array, layout, Lease(None, flags, 0)),
+    }
+    got: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            got[name].append(_ns_per_call(fn, n))
+    out = {k: float(np.min(v)) for k, v in got.items()}
+    return {**out, "ratio": out["lease"] / out["views"], "extra_ns": out["lease"] - out["views"]}
+
+
+def share_cost(record: int, rounds: int = 15) -> dict[str, float]:
+    """us per ``share_memory_()`` of a batch as in :func:`run` (one leaf): a slot batch, a heap
+    tensor of the same bytes, and an already shared one (a batch of torch's own loader); the
+    median of ``rounds`` (what a shared batch costs on average: one copy, a new segment)."""
+    rows = max(1, min(64, (8 * 2**20) // record))
+    array = np.random.default_rng(0).integers(0, 255, 4096 + rows * record, dtype=np.uint8)
+    flags = np.zeros(1, np.uint8)
+    layout = [(4096, torch.uint8, (rows, record))]
+    shared = torch.zeros(rows, record, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
+    makers: dict[str, Callable[[], torch.Tensor]] = {
+        "slot": lambda: leased_tensors(array, layout, Lease(None, flags, 0))[0],
+        "heap": lambda: torch.zeros(rows, record, dtype=torch.uint8),
+        "torch_batch": lambda: shared,
+    }
+    got: dict[str, list[float]] = {k: [] for k in makers}
+    for _ in range(rounds):
+        for name, make in makers.items():
+            t = make()
+            t0 = time.perf_counter_ns()
+            t.share_memory_()  # type: ignore[no-untyped-call]
+            got[name].append((time.perf_counter_ns() - t0) / 1e3)
+            del t
+    return {k: float(np.median(v)) for k, v in got.items()}
+
+
+def main_lease(records: list[int]) -> None:
+    print(f"lease cost per batch, torch={torch.__version__}, cpus={os.cpu_count()}")
+    for record in records:
+        for leaves in (1, 4):
+            c = lease_cost(record, leaves)
+            print(
+                f"record {record:>7} B, {leaves} leaves: with the storage lease "
+                f"{c['lease'] / 1e3:.2f} us, without {c['views'] / 1e3:.2f} us, ratio "
+                f"{c['ratio']:.2f}x (+{c['extra_ns']:.0f} ns per batch); the views before this "
+                f"lease {c['before'] / 1e3:.2f} us (ratio {c['lease'] / c['before']:.2f}x)",
+                flush=True,
+            )
+        s = share_cost(record)
+        print(
+            f"record {record:>7} B: share_memory_() of a slot batch {s['slot']:.0f} us, "
+            f"of a heap tensor {s['heap']:.0f} us (ratio {s['slot'] / s['heap']:.2f}x), "
+            f"of torch's own batch {s['torch_batch']:.1f} us",
+            flush=True,
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -106,7 +223,11 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
     ap.add_argument("--data-mb", type=int, default=256)
     ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--lease", action="store_true", help="the per-batch cost of the slot lease")
     a = ap.parse_args()
+    if a.lease:
+        main_lease([int(r) for r in a.records.split(",")])
+        return
     print(
         f"device={a.device} workers={a.workers} torch={torch.__version__}"
         + (f" gpu={torch.cuda.get_device_name()}" if a.device == "cuda" else "")

@@ -32,6 +32,7 @@ the batch and every alias of it that torch still tracks are gone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,12 +72,11 @@ def leased_tensors(
     bytes), each on a storage of its own that keeps ``lease`` for as long as it lives, whatever
     memory it is moved to (see the module's docstring)."""
     lo = layout[0][0]
-    hi = max(off + int(np.prod(shape)) * dtype.itemsize for off, dtype, shape in layout)
-    region = array[lo:hi].view(_Region)
+    region = array[lo:].view(_Region)  # each leaf's slice below bounds what it reads
     region.lease = lease
     tensors = []
     for off, dtype, shape in layout:
-        nbytes = int(np.prod(shape)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         raw = torch.from_numpy(region[off - lo : off - lo + nbytes])
         setattr(raw.untyped_storage(), ATTR, lease)
         tensors.append(raw.view(dtype).view(shape))

@@ -44,6 +44,7 @@ tests/test_worker_slots.py checks the equality bit for bit.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Mapping
@@ -155,7 +156,7 @@ class SlotRef:
     @property
     def nbytes(self) -> int:
         """The batch's bytes (what the stall counters count)."""
-        return sum(int(np.prod(shape)) * dtype.itemsize for _, dtype, shape in self.layout)
+        return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in self.layout)
 
     def __init__(
         self, token: str, k: int, slot: int, spec: Any, layout: list[Any], *, buffer: Any
