@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as tmp
 import torch.utils.data as tud
 from _helpers import fresh_worker_slots as _fresh_worker_slots  # noqa: F401
+from _procs import cmdline, descendants, wait_gone
 
 from feedpipe import DataLoader
 from feedpipe.loader import slots as slots_mod
@@ -267,6 +268,9 @@ def test_share_memory_with_the_file_system_strategy() -> None:
             proc.join(timeout=10)
     assert same and info["batches_in_slots"] > 0, info
     assert proc.exitcode == 0
+    # torch's shm managers (the child's, its workers') end a moment after their last client
+    managers = [p for p in descendants() if "torch_shm_manager" in cmdline(p)]
+    assert wait_gone(managers, 60) == [], [cmdline(p) for p in managers]
 
 
 @pytest.mark.gpu
