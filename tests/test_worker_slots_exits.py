@@ -1,8 +1,9 @@
 """A batch from the worker slots is never overwritten while anything that reads its memory lives,
 on every path a batch leaves the loader by (feedpipe.loader.slot_lease): ``.numpy()``, views of
-views, ``torch.from_numpy`` round trips, ``share_memory_()`` (which moves a storage that is not
-yet shared to new memory), a ``torch.multiprocessing`` queue to another process, pickling and
-``pin_memory()``; and the slot is free again once the last of them is gone (nothing leaks).
+views, ``torch.from_numpy`` round trips, ``numpy.from_dlpack``, ``share_memory_()`` (which moves
+a storage that is not yet shared to new memory), a ``torch.multiprocessing`` queue to another
+process, pickling and ``pin_memory()``; and the slot is free again once the last of them is gone
+(nothing leaks).
 
 Each path is checked twice: on one slot in this process (the slot's flag read directly), and
 through a loader with real process workers that reuse their slots."""
@@ -61,6 +62,12 @@ def _round_trip(b: Batch) -> Any:
     return a
 
 
+def _dlpack(b: Batch) -> Any:
+    a = np.from_dlpack(b["x"][1:])  # holds the storage through torch's DLPack capsule only
+    b["x"].share_memory_()  # type: ignore[no-untyped-call]
+    return a
+
+
 def _share_other_leaf(b: Batch) -> Any:
     a = b["x"].numpy()
     # another leaf of the same slot moves
@@ -88,6 +95,7 @@ EXITS: dict[str, Callable[[Batch], Any]] = {
     "storage share_memory_": _share_storage,
     "view of a view, shared": _share_view_of_view,
     "from_numpy round trip, shared": _round_trip,
+    "numpy.from_dlpack, shared": _dlpack,
     "another leaf shared": _share_other_leaf,
     "pickle": _pickled,
 }
