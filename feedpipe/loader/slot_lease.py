@@ -6,7 +6,7 @@ The main process hands a batch out as tensors over a slot of a worker's shared b
 buffer's (which lives as long as the worker). Two things keep the slot's :class:`Lease`:
 
 1. **The storage's memory** (``torch.from_numpy`` keeps the numpy region, which keeps the lease):
-   the slot is free once the last tensor, view or ``.numpy()`` array over it is gone, as before.
+   the slot is free once the last tensor, view or ``.numpy()`` array over it is gone.
 2. **The storage itself**, through an attribute on its Python object (torch keeps that object, and
    so its attributes, for as long as the storage lives, even with no Python reference to it).
 
@@ -22,7 +22,8 @@ The slot storages are deliberately *not* in shared memory as torch sees them: if
 ``share_memory_()`` would do nothing and a queue would send the slot itself to another process,
 which may still read it after this process has dropped it; no lease can follow a mapping into
 another process. A batch that is shared therefore costs what torch's own ``share_memory_()``
-costs for any tensor not yet shared (one copy, on that path only); every other path is free.
+costs for any tensor not yet shared (one copy, on that path only); every other path pays only
+for setting the attribute (``benchmarks/worker_slots.py --lease`` measures it).
 
 Not covered, as for any torch tensor: a tensor the user makes with ``torch.from_numpy`` over a
 batch's array and then shares itself; its earlier ``.numpy()`` arrays hold only that tensor, so
