@@ -9,7 +9,17 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["POLL_S", "WaitCancelledError", "flock_wait", "open_lock", "try_exclusive"]
+from feedpipe.io.dirfd import Dir
+
+__all__ = [
+    "POLL_S",
+    "WaitCancelledError",
+    "flock_wait",
+    "lock_at",
+    "open_lock",
+    "try_exclusive",
+    "try_exclusive_at",
+]
 
 POLL_S = 0.01  # the first pause between two tries; it grows to 0.2 s
 
@@ -19,8 +29,14 @@ class WaitCancelledError(Exception):
 
 
 def open_lock(lock_path: str) -> int:
-    """Open (creating) a lock file; returns its fd."""
-    return os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    """Open (creating) a lock file, never through a symlink; returns its fd."""
+    return os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+
+
+def lock_at(where: Dir, name: str) -> int:
+    """Open (creating) the lock file ``name`` in the open directory ``where`` (never through a
+    symlink, :mod:`feedpipe.io.dirfd`); returns its fd."""
+    return where.open(name, os.O_RDWR | os.O_CREAT)
 
 
 def flock_wait(
@@ -63,6 +79,19 @@ def try_exclusive(lock_path: str) -> int | None:
         fd = open_lock(lock_path)
     except OSError:
         return None
+    return _exclusive_or_close(fd)
+
+
+def try_exclusive_at(where: Dir, name: str) -> int | None:
+    """:func:`try_exclusive` of the lock file ``name`` in the open directory ``where``."""
+    try:
+        fd = lock_at(where, name)
+    except OSError:
+        return None
+    return _exclusive_or_close(fd)
+
+
+def _exclusive_or_close(fd: int) -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
