@@ -313,6 +313,21 @@ def test_a_directory_swapped_for_a_symlink_is_never_written_through(
     assert list(outside.iterdir()) == []
 
 
+def test_a_link_in_the_cache_is_replaced_never_served(tmp_path: Path) -> None:
+    """A link planted where a cached copy goes (the right size, other bytes) is not taken for
+    the copy: the file is downloaded and renamed over the link; the link's target is left."""
+    contents = make_dataset(tmp_path / "src", shards=1, nbytes=5000)
+    planted = tmp_path / "planted.data"
+    planted.write_bytes(b"p" * len(contents["shard-00000.data"]))
+    with ShardCache(_in_memory(tmp_path / "src"), tmp_path / "cache") as cache:
+        Path(cache.path("shard-00000.data")).symlink_to(planted)
+        with cache.leased("shard-00000.data") as path:
+            assert not Path(path).is_symlink()
+            assert Path(path).read_bytes() == contents["shard-00000.data"]
+        assert cache.stats.downloads == 1
+    assert planted.read_bytes() == b"p" * len(contents["shard-00000.data"])
+
+
 @pytest.mark.parametrize("what", ["index-dir", "lock-link"])
 def test_odd_entries_in_the_destination_are_clear_errors(tmp_path: Path, what: str) -> None:
     """A directory named index.json raised a bare IsADirectoryError (a CLI traceback)."""

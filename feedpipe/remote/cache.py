@@ -30,6 +30,11 @@ one per file:
   never wait for room: they give up (the file is fetched again on use);
 * a lease's end (:meth:`~ShardCache.release`) counts as a use for the least-recently-used
   order, so a file a reader kept open for a long time is not the first to go.
+* nothing is written or removed through a symlink: every create, rename, unlink and lock file in
+  a version folder goes through its directories opened once, each level with ``O_NOFOLLOW``
+  (:mod:`feedpipe.io.dirfd`), so a folder swapped for a link meanwhile is refused by name
+  (:class:`~feedpipe.DatasetError`) or written in the folder that was opened, never through the
+  link; a cached copy that is a link is never served, but replaced.
 
 A local path or ``file://`` URL is not cached: files are read in place and never evicted.
 Each dataset version gets its own subdirectory (keyed by URL and index checksum), so a rewritten
