@@ -131,7 +131,7 @@ def stage(
     first = _remote.RetryPolicy(deadline_s=deadline_s, retry_unreachable=False)
     raw_index, entries = _remote.read_remote_index(fs, root, url, storage_options, first)
     _claim(dst, entries, adopt=False)  # before the lock file: a refused folder is left as is
-    with _open_tree(dst) as tree, _exclusive(tree):
+    with _open_tree(dst) as tree, _exclusive(tree), _unsafe_as_dataset_error():
         return _stage_locked(
             fs,
             root,
@@ -186,9 +186,8 @@ def _stage_locked(
         transfers.run(sorted(todo, key=lambda e: -e.nbytes), workers)
     finally:
         bar.close()
-    with _unsafe_as_dataset_error():
-        tree.fsync()  # every rename durable before the index that vouches for the files
-        tree.root.write_atomic(INDEX_NAME, raw_index)
+    tree.fsync()  # every rename durable before the index that vouches for the files
+    tree.root.write_atomic(INDEX_NAME, raw_index)
     return StageResult(len(todo), len(entries) - len(todo), total, time.perf_counter() - t0)
 
 
@@ -225,27 +224,26 @@ class _Transfers:
             raise
 
     def one(self, e: FileEntry) -> None:
-        with _unsafe_as_dataset_error():
-            where, name = self.tree.parent(e.relpath)
-            tmp = where.temp(name, e.nbytes)
+        where, name = self.tree.parent(e.relpath)
+        tmp = where.temp(name, e.nbytes)
+        with self._lock:
+            self._temps.add(tmp)
+        try:
+            _remote.fetch_verified(
+                self.fs,
+                _remote.join(self.root, e.relpath),
+                _remote.join(self.url, e.relpath),
+                (where, name),
+                e,
+                storage_options=self.options,
+                progress=self.bar,
+                policy=self.policy,
+                tmp=tmp,
+                cancel=self.cancel,
+            )
+        finally:
             with self._lock:
-                self._temps.add(tmp)
-            try:
-                _remote.fetch_verified(
-                    self.fs,
-                    _remote.join(self.root, e.relpath),
-                    _remote.join(self.url, e.relpath),
-                    (where, name),
-                    e,
-                    storage_options=self.options,
-                    progress=self.bar,
-                    policy=self.policy,
-                    tmp=tmp,
-                    cancel=self.cancel,
-                )
-            finally:
-                with self._lock:
-                    self._temps.discard(tmp)
+                self._temps.discard(tmp)
 
 
 def _claim(dst: str, entries: list[FileEntry], *, adopt: bool = True) -> None:
@@ -399,8 +397,8 @@ def _open_tree(dst: str) -> Iterator[Tree]:
 
 @contextlib.contextmanager
 def _unsafe_as_dataset_error() -> Iterator[None]:
-    """A linked, missing or replaced directory on the way (:mod:`feedpipe.io.dirfd`) is a
-    :class:`DatasetError` naming the path."""
+    """A linked, missing or replaced directory on the way (:mod:`feedpipe.io.dirfd`), in this
+    thread or a transfer's, is a :class:`DatasetError` naming the path."""
     try:
         yield
     except UnsafePathError as exc:
@@ -427,9 +425,8 @@ def _open_dirs(tree: Tree, entries: list[FileEntry]) -> None:
     """Open (making them) the directories on every file's path, each level without following a
     link: a symlinked directory would take the write outside the destination, so it is refused
     by name before any transfer, and the ones opened are the ones written into."""
-    with _unsafe_as_dataset_error():
-        for e in entries:
-            tree.parent(e.relpath, create=True)
+    for e in entries:
+        tree.parent(e.relpath, create=True)
 
 
 def _clean_stale_temps(root: Dir) -> None:
