@@ -157,20 +157,34 @@ def test_a_link_to_the_root_is_the_folder_it_names(tmp_path: Path) -> None:
     assert (real / "f").read_bytes() == b"1"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root is not refused by directory permissions")
-def test_a_directory_without_write_permission_is_an_error_naming_the_path(
-    tmp_path: Path,
-) -> None:
+def _read_only(path: Path) -> Callable[[], object]:
+    """Make the directory ``path`` refuse new entries; returns the undo. Root ignores modes, so
+    as root the directory is made immutable (``chattr +i``), or the test is skipped."""
+    if os.geteuid() != 0:
+        path.chmod(0o500)
+        return lambda: path.chmod(0o700)
+    import subprocess
+
+    made = subprocess.run(["chattr", "+i", str(path)], check=False, capture_output=True)
+    if made.returncode != 0:
+        pytest.skip("running as root without chattr +i: directory permissions do not apply")
+    return lambda: subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def test_a_directory_refusing_writes_is_an_error_naming_the_path(tmp_path: Path) -> None:
     root = tmp_path / "root"
     (root / "ro").mkdir(parents=True)
-    (root / "ro").chmod(0o500)
+    undo = _read_only(root / "ro")
     try:
         with Tree.open(root) as tree:
             with pytest.raises(PermissionError) as info:
                 tree.dir("ro").temp("x.data", 1)
             assert str(root / "ro") in str(info.value)
+            with pytest.raises(PermissionError, match=str(root / "ro" / "new")):
+                tree.dir("ro/new", create=True)
     finally:
-        (root / "ro").chmod(0o700)
+        undo()
+    assert list((root / "ro").iterdir()) == []
 
 
 def test_close_closes_every_directory_it_opened(tmp_path: Path) -> None:
