@@ -232,16 +232,6 @@ class TempFile:
         fd = where.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         return cls(where, name, final, fd)
 
-    @classmethod
-    def adopt(cls, where: Dir, name: str, final: str) -> TempFile:
-        """The existing temp ``name`` (one made by :meth:`create` and closed, e.g. a
-        reservation), opened again: a regular file, never through a link."""
-        fd = where.open(name, os.O_RDWR)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise UnsafePathError(errno.EINVAL, "is not a regular file", where.entry(name))
-        return cls(where, name, final, fd)
-
     @property
     def path(self) -> str:
         """The temp's path, for messages."""

@@ -279,12 +279,12 @@ class CacheSpace:
 
     def signal_pressure(self) -> None:
         """Tell readers in every process that a download waits for room."""
-        path = os.path.join(self.cache_dir, PRESSURE)
+        path = os.path.join(self.cache_dir, PRESSURE)  # never through a link planted there
         try:
-            os.utime(path)
+            os.utime(path, follow_symlinks=False)
         except FileNotFoundError:
             with contextlib.suppress(OSError):
-                open(path, "ab").close()
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC))
 
     def pressure_ns(self) -> int | None:
         """The ``.pressure`` file's mtime (ns), or None while no download ever waited."""

@@ -17,7 +17,6 @@ __all__ = [
     "flock_wait",
     "lock_at",
     "open_lock",
-    "try_exclusive",
     "try_exclusive_at",
 ]
 
@@ -73,25 +72,13 @@ def flock_wait(
         pause = min(pause * 1.5, 0.2)
 
 
-def try_exclusive(lock_path: str) -> int | None:
-    """Open ``lock_path`` and take an exclusive lock without waiting; return the fd or None."""
-    try:
-        fd = open_lock(lock_path)
-    except OSError:
-        return None
-    return _exclusive_or_close(fd)
-
-
 def try_exclusive_at(where: Dir, name: str) -> int | None:
-    """:func:`try_exclusive` of the lock file ``name`` in the open directory ``where``."""
+    """Open the lock file ``name`` in the open directory ``where`` (:func:`lock_at`) and take an
+    exclusive lock without waiting; return the fd or None."""
     try:
         fd = lock_at(where, name)
     except OSError:
         return None
-    return _exclusive_or_close(fd)
-
-
-def _exclusive_or_close(fd: int) -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
