@@ -328,6 +328,48 @@ def test_a_link_in_the_cache_is_replaced_never_served(tmp_path: Path) -> None:
     assert planted.read_bytes() == b"p" * len(contents["shard-00000.data"])
 
 
+def test_files_and_directories_are_fsynced_before_the_index_vouches_for_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Module docstring, rule 3: each file is fsynced before its rename, and every directory a
+    file was renamed into before ``index.json`` is (a power loss never leaves an index over
+    files that are not on disk). Recorded on a real stage by hooks on os.fsync/os.replace."""
+    src = _src_with_sub(tmp_path)
+    events: list[tuple[str, Any]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        events.append(("fsync", (st.st_dev, st.st_ino)))
+        real_fsync(fd)
+
+    def replace(a: str, b: str, *, src_dir_fd: int | None = None, **kw: Any) -> None:
+        st = os.stat(a, dir_fd=src_dir_fd, follow_symlinks=False)
+        events.append(("replace", (b, (st.st_dev, st.st_ino))))
+        real_replace(a, b, src_dir_fd=src_dir_fd, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    dst = tmp_path / "dst"
+    stage(src, dst, progress=False, workers=2)
+    monkeypatch.undo()
+
+    def ident(p: Path) -> tuple[int, int]:
+        st = p.stat()
+        return st.st_dev, st.st_ino
+
+    renames = [(i, v) for i, (kind, v) in enumerate(events) if kind == "replace"]
+    synced = [(i, v) for i, (kind, v) in enumerate(events) if kind == "fsync"]
+    (at_index,) = [i for i, (name, _) in renames if name == "index.json"]
+    files = [(i, node) for i, (name, node) in renames if name.startswith("shard-")]
+    assert len(files) == 4
+    for i, node in files:  # the file itself, before its rename
+        assert any(j < i and v == node for j, v in synced), events
+    last_file = max(i for i, _ in files)
+    for folder in (dst, dst / "sub"):  # each directory, after the last rename, before the index
+        assert any(last_file < j < at_index and v == ident(folder) for j, v in synced), folder
+
+
 @pytest.mark.parametrize("what", ["index-dir", "lock-link"])
 def test_odd_entries_in_the_destination_are_clear_errors(tmp_path: Path, what: str) -> None:
     """A directory named index.json raised a bare IsADirectoryError (a CLI traceback)."""
