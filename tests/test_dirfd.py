@@ -203,3 +203,12 @@ def test_fd_path_names_the_open_file(tmp_path: Path) -> None:
         assert os.path.samefile(dirfd.fd_path(fd), tmp_path / "f")
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("rel", ["..", "a/../..", "a//b", "./a", "a/"])
+def test_a_path_leading_out_of_the_tree_is_refused(tmp_path: Path, rel: str) -> None:
+    tree = Tree.open(tmp_path / "root", create=True)
+    with tree, pytest.raises(ValueError, match="not a path below"):
+        tree.dir(rel, create=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
+    assert list((tmp_path / "root").iterdir()) == []

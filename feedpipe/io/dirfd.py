@@ -292,14 +292,18 @@ class Tree:
 
     def dir(self, rel: str, *, create: bool = False) -> Dir:
         """The directory ``rel`` (``"a/b"``; ``""`` is the root), each level opened once without
-        following a link; ``create`` makes the missing levels."""
+        following a link; ``create`` makes the missing levels. A level that is empty, ``.`` or
+        ``..`` is a ``ValueError``: nothing below the root leads out of it."""
         with self._lock:
             got = self._dirs.get(rel)
             if got is not None:
                 return got
+            parts = rel.split("/")
+            if any(part in ("", ".", "..") for part in parts):
+                raise ValueError(f"{self.root.entry(rel)}: not a path below {self.path}")
             parent = ""
             where = self.root
-            for part in rel.split("/"):
+            for part in parts:
                 here = f"{parent}/{part}" if parent else part
                 known = self._dirs.get(here)
                 if known is None:
