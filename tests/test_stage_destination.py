@@ -1,16 +1,17 @@
 """What ``feedpipe stage`` does to its destination: it never writes through symlinks (present or
-swapped in during the stage), never deletes a dataset file whose name looks like a temp, never
-rewrites a file a reader may have mapped, and odd entries are clear errors."""
+swapped in during the stage; nor does the shard cache: the write-path matrix), never deletes a
+dataset file whose name looks like a temp, never rewrites a file a reader may have mapped, and
+odd entries are clear errors."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _helpers import relocate_dataset as _relocate
@@ -19,7 +20,10 @@ from test_stage import make_dataset, upload
 
 from feedpipe import MemmapDataset
 from feedpipe.errors import DatasetError
+from feedpipe.io.dirfd import Dir
+from feedpipe.remote import cache_space
 from feedpipe.remote import transfer as _remote
+from feedpipe.remote.cache import ShardCache
 from feedpipe.remote.stage import stage
 
 
@@ -167,38 +171,203 @@ def test_a_user_truncating_in_place_is_caught_by_a_pread_reader(tmp_path: Path) 
     assert rc == 3 and "shard-00001.data" in out, (rc, out)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: stage checks for linked directories once, before the transfers; a directory "
-    "swapped for a symlink during the stage is written through (the fix: create temps and "
-    "rename under a directory fd opened with O_NOFOLLOW, e.g. /proc/self/fd/N/name)",
-)
-def test_a_directory_swapped_for_a_symlink_during_the_stage_is_not_written_through(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+# ---------------------------------------------------------------- the write-path matrix
+# Every path that writes into a stage destination or a shard cache, attacked the same way: a
+# directory on the way is swapped for a symlink to ``outside`` at the worst moment (a hook on the
+# write itself, real filesystem). The invariant: nothing lands outside, and an error is a
+# DatasetError naming the path. (feedpipe.io.dirfd's own attacks: tests/test_dirfd.py.)
+
+
+def _aside(path: Path, outside: Path, *, remove: bool = False) -> Path:
+    """The attacker: remove (or move aside) the directory ``path`` and link it to ``outside``."""
+    aside = path.with_name(path.name + ".aside")
+    if remove:
+        shutil.rmtree(path)
+    else:
+        os.rename(path, aside)
+    path.symlink_to(outside, target_is_directory=True)
+    return aside
+
+
+def _hook(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, attack: Any) -> None:
+    """Run ``attack()`` once, just before the first call of ``owner.name``."""
+    real = getattr(owner, name)
+    done: list[bool] = []
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        if not done:
+            done.append(True)
+            attack()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, hooked)
+
+
+def _src_with_sub(tmp_path: Path) -> Path:
     make_dataset(tmp_path / "src", shards=2, nbytes=5000)
-    doc = json.loads((tmp_path / "src" / "index.json").read_text())
-    info = doc["shards"][1]["files"]["data"]
-    (tmp_path / "src" / "sub").mkdir()
-    os.replace(tmp_path / "src" / info["path"], tmp_path / "src" / "sub" / info["path"])
-    info["path"] = "sub/" + info["path"]
-    (tmp_path / "src" / "index.json").write_text(json.dumps(doc))
+    _relocate(tmp_path / "src", {"shard-00001.data": "sub/shard-00001.data"})
+    return tmp_path / "src"
+
+
+def _in_memory(src: Path) -> str:
+    """The dataset at ``src`` on fsspec's in-memory filesystem (a remote for the cache)."""
+    import uuid
+
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    url = f"memory://stagefd-{uuid.uuid4().hex}/ds"
+    for p in sorted(src.rglob("*")):
+        if p.is_file():
+            fs.pipe_file(f"{url}/{p.relative_to(src).as_posix()}", p.read_bytes())
+    return url
+
+
+def _stage_shard_dir(tmp_path: Path, outside: Path, mp: pytest.MonkeyPatch) -> None:
+    dst = tmp_path / "dst"  # sub/ is removed while its file downloads: no new entry lands
+    _hook(mp, _remote, "fetch_verified", lambda: _aside(dst / "sub", outside, remove=True))
+    with pytest.raises(DatasetError, match=r"dst/sub.*removed or replaced"):
+        stage(_src_with_sub(tmp_path), dst, progress=False, workers=1)
+
+
+def _stage_destination(tmp_path: Path, outside: Path, mp: pytest.MonkeyPatch) -> None:
+    dst = tmp_path / "dst"  # the destination itself moved aside: the stage finishes there
+    moved: list[Path] = []
+    _hook(mp, _remote, "fetch_verified", lambda: moved.append(_aside(dst, outside)))
+    stage(_src_with_sub(tmp_path), dst, progress=False, workers=1)
+    assert len(MemmapDataset(moved[0], verify=True)) > 0
+
+
+def _stage_index(tmp_path: Path, outside: Path, mp: pytest.MonkeyPatch) -> None:
+    dst = tmp_path / "dst"  # swapped right before index.json is written
+    moved: list[Path] = []
+    _hook(mp, Dir, "write_atomic", lambda: moved.append(_aside(dst, outside)))
+    stage(_src_with_sub(tmp_path), dst, progress=False, workers=1)
+    assert (moved[0] / "index.json").exists()
+
+
+def _cache_fill(tmp_path: Path, outside: Path, mp: pytest.MonkeyPatch) -> None:
+    with ShardCache(_in_memory(_src_with_sub(tmp_path)), tmp_path / "cache") as cache:
+        version = Path(cache.dir)
+        cache.acquire("shard-00000.data")
+        cache.release("shard-00000.data")
+        _hook(mp, _remote, "fetch_verified", lambda: _aside(version / "sub", outside, remove=True))
+        with pytest.raises(DatasetError, match=r"sub.*removed or replaced"):
+            cache.acquire("sub/shard-00001.data")
+
+
+def _cache_index(tmp_path: Path, outside: Path, mp: pytest.MonkeyPatch) -> None:
+    moved: list[Path] = []
+
+    def attack() -> None:  # the one version folder there, swapped before its index is written
+        (version,) = (p for p in (tmp_path / "cache").iterdir() if p.is_dir())
+        moved.append(_aside(version, outside))
+
+    _hook(mp, Dir, "write_atomic", attack)
+    ShardCache(_in_memory(_src_with_sub(tmp_path)), tmp_path / "cache").close()
+    assert (moved[0] / "index.json").exists()
+
+
+def _cache_locks(tmp_path: Path, outside: Path, mp: pytest.MonkeyPatch) -> None:
+    with ShardCache(_in_memory(_src_with_sub(tmp_path)), tmp_path / "cache") as cache:
+        aside = _aside(Path(cache.dir) / ".locks", outside)  # before any file's lock is made
+        with cache.leased("sub/shard-00001.data") as path:
+            assert Path(path).stat().st_size == 5000
+    assert (aside / "sub" / "shard-00001.data.lock").exists()
+
+
+def _cache_evict(tmp_path: Path, outside: Path, mp: pytest.MonkeyPatch) -> None:
+    (outside / "shard-00001.data").write_bytes(b"users")  # what the eviction would unlink
+    with ShardCache(
+        _in_memory(_src_with_sub(tmp_path)), tmp_path / "c", 9000, room_timeout_s=0.0
+    ) as cache:
+        with cache.leased("sub/shard-00001.data"):
+            pass
+        # the scan finds the only file to evict; then, before the unlink, its folder is swapped
+        _hook(mp, cache_space, "version_tree", lambda: _aside(Path(cache.dir) / "sub", outside))
+        with pytest.raises(DatasetError, match="cannot make room"):
+            cache.acquire("shard-00000.data")
+        assert cache.stats.evictions == 0
+    assert (outside / "shard-00001.data").read_bytes() == b"users"
+    (outside / "shard-00001.data").unlink()
+
+
+_WRITE_PATHS = {
+    "stage: a shard's directory": _stage_shard_dir,
+    "stage: the destination": _stage_destination,
+    "stage: the index write": _stage_index,
+    "cache: a shard's directory (fill)": _cache_fill,
+    "cache: the version folder (index write)": _cache_index,
+    "cache: the lock folder": _cache_locks,
+    "cache: eviction": _cache_evict,
+}
+
+
+@pytest.mark.parametrize("path", list(_WRITE_PATHS))
+def test_a_directory_swapped_for_a_symlink_is_never_written_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
-    dst = tmp_path / "dst"
-    real = _remote.fetch_verified
-
-    def _swap_then_fetch(*args: object, **kwargs: object) -> None:
-        sub = dst / "sub"
-        if not sub.is_symlink():  # the attacker, at the worst moment
-            shutil.rmtree(sub, ignore_errors=True)
-            sub.symlink_to(outside, target_is_directory=True)
-        real(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(_remote, "fetch_verified", _swap_then_fetch)
-    with pytest.raises(DatasetError):
-        stage(tmp_path / "src", dst, progress=False, workers=1)
+    _WRITE_PATHS[path](tmp_path, outside, monkeypatch)
     assert list(outside.iterdir()) == []
+
+
+def test_a_link_in_the_cache_is_replaced_never_served(tmp_path: Path) -> None:
+    """A link planted where a cached copy goes (the right size, other bytes) is not taken for
+    the copy: the file is downloaded and renamed over the link; the link's target is left."""
+    contents = make_dataset(tmp_path / "src", shards=1, nbytes=5000)
+    planted = tmp_path / "planted.data"
+    planted.write_bytes(b"p" * len(contents["shard-00000.data"]))
+    with ShardCache(_in_memory(tmp_path / "src"), tmp_path / "cache") as cache:
+        Path(cache.path("shard-00000.data")).symlink_to(planted)
+        with cache.leased("shard-00000.data") as path:
+            assert not Path(path).is_symlink()
+            assert Path(path).read_bytes() == contents["shard-00000.data"]
+        assert cache.stats.downloads == 1
+    assert planted.read_bytes() == b"p" * len(contents["shard-00000.data"])
+
+
+def test_files_and_directories_are_fsynced_before_the_index_vouches_for_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Module docstring, rule 3: each file is fsynced before its rename, and every directory a
+    file was renamed into before ``index.json`` is (a power loss never leaves an index over
+    files that are not on disk). Recorded on a real stage by hooks on os.fsync/os.replace."""
+    src = _src_with_sub(tmp_path)
+    events: list[tuple[str, Any]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        events.append(("fsync", (st.st_dev, st.st_ino)))
+        real_fsync(fd)
+
+    def replace(a: str, b: str, *, src_dir_fd: int | None = None, **kw: Any) -> None:
+        st = os.stat(a, dir_fd=src_dir_fd, follow_symlinks=False)
+        events.append(("replace", (b, (st.st_dev, st.st_ino))))
+        real_replace(a, b, src_dir_fd=src_dir_fd, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    dst = tmp_path / "dst"
+    stage(src, dst, progress=False, workers=2)
+    monkeypatch.undo()
+
+    def ident(p: Path) -> tuple[int, int]:
+        st = p.stat()
+        return st.st_dev, st.st_ino
+
+    renames = [(i, v) for i, (kind, v) in enumerate(events) if kind == "replace"]
+    synced = [(i, v) for i, (kind, v) in enumerate(events) if kind == "fsync"]
+    (at_index,) = [i for i, (name, _) in renames if name == "index.json"]
+    files = [(i, node) for i, (name, node) in renames if name.startswith("shard-")]
+    assert len(files) == 4
+    for i, node in files:  # the file itself, before its rename
+        assert any(j < i and v == node for j, v in synced), events
+    last_file = max(i for i, _ in files)
+    for folder in (dst, dst / "sub"):  # each directory, after the last rename, before the index
+        assert any(last_file < j < at_index and v == ident(folder) for j, v in synced), folder
 
 
 @pytest.mark.parametrize("what", ["index-dir", "lock-link"])

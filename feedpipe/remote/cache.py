@@ -30,6 +30,11 @@ one per file:
   never wait for room: they give up (the file is fetched again on use);
 * a lease's end (:meth:`~ShardCache.release`) counts as a use for the least-recently-used
   order, so a file a reader kept open for a long time is not the first to go.
+* nothing is written or removed through a symlink: every create, rename, unlink and lock file in
+  a version folder goes through its directories opened once, each level with ``O_NOFOLLOW``
+  (:mod:`feedpipe.io.dirfd`), so a folder swapped for a link meanwhile is refused by name
+  (:class:`~feedpipe.DatasetError`) or written in the folder that was opened, never through the
+  link; a cached copy that is a link is never served, but replaced.
 
 A local path or ``file://`` URL is not cached: files are read in place and never evicted.
 Each dataset version gets its own subdirectory (keyed by URL and index checksum), so a rewritten
@@ -42,6 +47,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
@@ -49,11 +55,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from feedpipe.errors import DatasetError
+from feedpipe.io.dirfd import Dir, UnsafePathError
 from feedpipe.remote import transfer as _remote
 from feedpipe.remote.cache_index import CacheIndex
-from feedpipe.remote.cache_space import LOCKS, CacheSpace, claim_cache_dir, open_version
+from feedpipe.remote.cache_space import (
+    LOCKS,
+    CacheSpace,
+    claim_cache_dir,
+    open_version,
+    unsafe_error,
+    version_tree,
+)
 from feedpipe.remote.leases import Leases
-from feedpipe.remote.locks import WaitCancelledError, flock_wait, open_lock
+from feedpipe.remote.locks import WaitCancelledError, flock_wait, lock_at
 from feedpipe.remote.plan import AccessPlan
 from feedpipe.remote.prefetch_pool import Prefetcher
 from feedpipe.remote.transfer import FileEntry
@@ -170,7 +184,9 @@ class ShardCache:
         self._space = CacheSpace(
             self.cache_dir, self.limit_bytes, self.timeout_s, self.room_timeout_s, self._count
         )
-        self.dir = open_version(self.cache_dir, self.url, self.index_bytes, self.timeout_s)
+        # the version folder held open: every write into it goes through this tree
+        self._tree = open_version(self.cache_dir, self.url, self.index_bytes, self.timeout_s)
+        self.dir = self._tree.path
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
@@ -190,7 +206,8 @@ class ShardCache:
             if not self.is_local:  # s3fs and other async filesystems are not fork-safe
                 self._fs, self._root = _remote.resolve(
                     self.url, self._options, self._policy.deadline_s
-                )
+                )  # and a parent's thread may have held the tree's lock at the fork
+                self._tree = version_tree(self.cache_dir, os.path.basename(self.dir))
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -225,7 +242,8 @@ class ShardCache:
         self._check_process()
         fd = self._leases.pop(relpath)
         with contextlib.suppress(OSError):  # still leased here: cannot have been evicted
-            os.utime(self.path(relpath))
+            where, name = self._tree.parent(relpath)
+            where.touch(name)
         os.close(fd)  # closing the only fd of this open file drops its shared lock
 
     def release_all(self) -> None:
@@ -330,7 +348,22 @@ class ShardCache:
 
     # ---------------------------------------------------------------- internals
     def _lock_path(self, relpath: str) -> str:
+        """Where ``relpath``'s lock file is (another process locks the same file)."""
         return os.path.join(self.dir, LOCKS, relpath + ".lock")
+
+    def _open_lock(self, relpath: str) -> int:
+        """The fd of ``relpath``'s lock file, opened (made) through the version folder's tree."""
+        try:
+            return lock_at(*self._tree.parent(f"{LOCKS}/{relpath}.lock", create=True))
+        except UnsafePathError as exc:
+            raise unsafe_error(exc) from None
+
+    def _dest(self, relpath: str) -> tuple[Dir, str]:
+        """The open directory of ``relpath`` (made if missing) and its name there."""
+        try:
+            return self._tree.parent(relpath, create=True)
+        except UnsafePathError as exc:
+            raise unsafe_error(exc) from None
 
     def _prefetch_one(self, relpath: str, cancel: threading.Event) -> None:
         try:
@@ -357,14 +390,13 @@ class ShardCache:
         """
         entry = self._index.entry(relpath)
         final = self.path(relpath)
-        lock_path = self._lock_path(relpath)
-        os.makedirs(os.path.dirname(lock_path), exist_ok=True)
         what = self._index.name(relpath)
-        fd = open_lock(lock_path)
+        fd = self._open_lock(relpath)
         try:
+            dest = self._dest(relpath)
             flock_wait(fd, fcntl.LOCK_SH, self.timeout_s, what, cancel=cancel)
             downloaded = False
-            while not self._present(entry, final):
+            while not _present(entry, dest):
                 # not there: take the exclusive lock (never upgrade while holding shared: two
                 # upgraders would wait for each other) and download unless someone beat us to it
                 fcntl.flock(fd, fcntl.LOCK_UN)
@@ -373,10 +405,10 @@ class ShardCache:
                         f"{what}: its cached copy {final} is missing or changed while this "
                         "process has it leased (was the cache directory cleaned under a reader?)"
                     )
-                downloaded |= self._download_locked(fd, entry, final, on_wait, wait_room, cancel)
+                downloaded |= self._download_locked(fd, entry, dest, on_wait, wait_room, cancel)
                 # then re-check: evicted meanwhile?
                 flock_wait(fd, fcntl.LOCK_SH, self.timeout_s, what, cancel=cancel)
-            os.utime(final)  # least-recently-used order = mtime order
+            dest[0].touch(dest[1])  # least-recently-used order = mtime order
         except BaseException:
             os.close(fd)
             raise
@@ -387,18 +419,11 @@ class ShardCache:
         os.close(fd)
         return None
 
-    @staticmethod
-    def _present(entry: FileEntry, final: str) -> bool:
-        try:
-            return os.stat(final).st_size == entry.nbytes
-        except FileNotFoundError:
-            return False
-
     def _download_locked(  # noqa: PLR0917 - _ensure's own arguments, passed on
         self,
         fd: int,
         entry: FileEntry,
-        final: str,
+        dest: tuple[Dir, str],
         on_wait: Callable[[], None] | None,
         wait_room: bool,
         cancel: threading.Event | None,
@@ -414,16 +439,15 @@ class ShardCache:
             self.timeout_s,
             what,
             cancel=cancel,
-            moot=lambda: self._present(entry, final),
+            moot=lambda: _present(entry, dest),
         )
-        if not locked or self._present(entry, final):  # a wrong-sized copy is replaced
+        if not locked or _present(entry, dest):  # a wrong-sized copy (or a link) is replaced
             return False
         if cancel is not None and cancel.is_set():
             raise WaitCancelledError(what)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = self._space.reserve(
             entry,
-            final,
+            dest,
             self.dir,
             what,
             self.plan,
@@ -432,21 +456,30 @@ class ShardCache:
             cancel=cancel,
         )
         url = _remote.join(self.url, entry.relpath)
-        _remote.fetch_verified(
-            self._fs,
-            _remote.join(self._root, entry.relpath),
-            url,
-            final,
-            entry,
-            storage_options=self._options,
-            policy=self._policy,
-            tmp=tmp,
-        )
+        try:
+            _remote.fetch_verified(
+                self._fs,
+                _remote.join(self._root, entry.relpath),
+                url,
+                dest,
+                entry,
+                storage_options=self._options,
+                policy=self._policy,
+                tmp=tmp,
+            )
+        except UnsafePathError as exc:  # its folder was swapped or removed meanwhile
+            raise unsafe_error(exc) from None
         with self._lock:
             self.stats.downloads += 1
             self.stats.bytes_downloaded += entry.nbytes
         log.debug("cached %s (%d bytes)", _remote.redact(url, self._options), entry.nbytes)
         return True
+
+
+def _present(entry: FileEntry, dest: tuple[Dir, str]) -> bool:
+    """Whether the cached copy is there: a regular file (never a link) of the indexed size."""
+    st = dest[0].stat(dest[1])
+    return st is not None and stat.S_ISREG(st.st_mode) and st.st_size == entry.nbytes
 
 
 def _deprecated(old: str, new: str) -> None:

@@ -23,9 +23,10 @@ from pathlib import Path
 
 from feedpipe.errors import DatasetError
 from feedpipe.io.crc import crc32c, to_hex
+from feedpipe.io.dirfd import Dir, TempFile, Tree, UnsafePathError
 from feedpipe.io.ownership import ForeignEntriesError, claim
 from feedpipe.remote import transfer as _remote
-from feedpipe.remote.locks import flock_wait, open_lock, try_exclusive
+from feedpipe.remote.locks import flock_wait, lock_at, open_lock, try_exclusive_at
 from feedpipe.remote.plan import AccessPlan
 from feedpipe.remote.transfer import INDEX_NAME, FileEntry
 
@@ -38,6 +39,8 @@ __all__ = [
     "is_cache_entry",
     "is_version_dir",
     "open_version",
+    "unsafe_error",
+    "version_tree",
 ]
 
 log = logging.getLogger("feedpipe.cache")
@@ -95,27 +98,54 @@ def claim_cache_dir(cache_dir: str) -> None:
         raise DatasetError(str(exc)) from None
 
 
-def open_version(cache_dir: str, url: str, raw_index: bytes, timeout_s: float) -> str:
-    """The version folder of ``url`` at this index (made, with its ``index.json``, if new)."""
+def open_version(cache_dir: str, url: str, raw_index: bytes, timeout_s: float) -> Tree:
+    """The version folder of ``url`` at this index (made, with its ``index.json``, if new),
+    held open: every write into it goes through the tree (:mod:`feedpipe.io.dirfd`)."""
     key = hashlib.sha1(f"{url}\0{to_hex(crc32c(raw_index))}".encode()).hexdigest()[:16]
-    version = os.path.join(cache_dir, key)
-    os.makedirs(os.path.join(version, LOCKS), exist_ok=True)
-    index_path = os.path.join(version, INDEX_NAME)
-    if os.path.exists(index_path):
-        return version
-    # under the index's own lock, as a download holds its file's: another cache's scan
-    # (a thread or process opening the same version) takes an unlocked temp for a dead one
-    fd = open_lock(os.path.join(version, LOCKS, INDEX_NAME + ".lock"))
+    tree = version_tree(cache_dir, key, create=True)
     try:
-        flock_wait(fd, fcntl.LOCK_EX, timeout_s, index_path)
-        if not os.path.exists(index_path):
-            tmp = _remote.temp_name(index_path, len(raw_index))
-            with open(tmp, "wb") as f:
-                f.write(raw_index)
-            os.replace(tmp, index_path)
-    finally:
-        os.close(fd)
-    return version
+        _write_index(tree, raw_index, timeout_s)
+    except BaseException:
+        tree.close()
+        raise
+    return tree
+
+
+def version_tree(cache_dir: str, key: str, *, create: bool = False) -> Tree:
+    """The version folder ``key`` of ``cache_dir`` opened as a tree, itself never through a
+    link; :class:`DatasetError` names a link or a file on the way."""
+    try:
+        with Dir.at(cache_dir, create=create) as root:
+            return Tree(root.child(key, create=create))
+    except UnsafePathError as exc:
+        raise unsafe_error(exc) from None
+
+
+def unsafe_error(exc: UnsafePathError) -> DatasetError:
+    """The :class:`DatasetError` of a link, a file or a replaced directory on a cache path."""
+    return DatasetError(
+        f"cache {exc.filename}: {exc.strerror} (the cache never writes through links in its "
+        "directory)"
+    )
+
+
+def _write_index(tree: Tree, raw_index: bytes, timeout_s: float) -> None:
+    """The version's ``index.json``, written once, durably."""
+    try:
+        locks = tree.dir(LOCKS, create=True)
+        if tree.root.stat(INDEX_NAME) is not None:
+            return
+        # under the index's own lock, as a download holds its file's: another cache's scan
+        # (a thread or process opening the same version) takes an unlocked temp for a dead one
+        fd = lock_at(locks, INDEX_NAME + ".lock")
+        try:
+            flock_wait(fd, fcntl.LOCK_EX, timeout_s, tree.root.entry(INDEX_NAME))
+            if tree.root.stat(INDEX_NAME) is None:
+                tree.root.write_atomic(INDEX_NAME, raw_index)
+        finally:
+            os.close(fd)
+    except UnsafePathError as exc:
+        raise unsafe_error(exc) from None
 
 
 def _listdir(path: str) -> list[str]:
@@ -183,7 +213,7 @@ class CacheSpace:
     def reserve(
         self,
         entry: FileEntry,
-        final: str,
+        dest: tuple[Dir, str],
         version: str,
         name: str,
         plan: AccessPlan,
@@ -191,9 +221,10 @@ class CacheSpace:
         on_wait: Callable[[], None] | None = None,
         wait_room: bool = True,
         cancel: threading.Event | None = None,
-    ) -> str:
+    ) -> TempFile:
         """Make room for ``entry`` of the ``version`` folder (shown as ``name``) under the
-        cache-wide lock; create its reserving temp file beside ``final`` and return its path."""
+        cache-wide lock; create its reserving temp file beside ``dest`` (an open directory and
+        the final name there) and return it, open."""
         if self.limit_bytes is not None and entry.nbytes > self.limit_bytes:
             raise DatasetError(
                 f"{name}: file of {entry.nbytes} bytes does not fit the cache limit of "
@@ -206,7 +237,7 @@ class CacheSpace:
             # a prefetch evicts only files needed later than itself (Belady); a read waiting
             # for its file evicts whatever the order puts first
             incoming = None if wait_room else entry.relpath
-            tmp, short = self._try_reserve(entry, final, version, plan, incoming, cancel)
+            tmp, short = self._try_reserve(entry, dest, version, plan, incoming, cancel)
             if tmp is not None:
                 return tmp
             waited = time.monotonic() - start
@@ -225,12 +256,12 @@ class CacheSpace:
     def _try_reserve(  # noqa: PLR0917 - reserve's arguments, passed on
         self,
         entry: FileEntry,
-        final: str,
+        dest: tuple[Dir, str],
         version: str,
         plan: AccessPlan,
         incoming: str | None,
         cancel: threading.Event | None,
-    ) -> tuple[str | None, int]:
+    ) -> tuple[TempFile | None, int]:
         """One round: (the temp, 0) when ``entry`` fits, else (None, bytes still short)."""
         fd = open_lock(os.path.join(self.cache_dir, CACHE_LOCK))
         try:
@@ -238,20 +269,22 @@ class CacheSpace:
             short = self.scan(entry.nbytes, version, plan, incoming)
             if short > 0:
                 return None, short
-            tmp = _remote.temp_name(final, entry.nbytes)
-            open(tmp, "wb").close()
-            return tmp, 0
+            where, final = dest
+            try:
+                return where.temp(final, entry.nbytes), 0
+            except UnsafePathError as exc:
+                raise unsafe_error(exc) from None
         finally:
             os.close(fd)
 
     def signal_pressure(self) -> None:
         """Tell readers in every process that a download waits for room."""
-        path = os.path.join(self.cache_dir, PRESSURE)
+        path = os.path.join(self.cache_dir, PRESSURE)  # never through a link planted there
         try:
-            os.utime(path)
+            os.utime(path, follow_symlinks=False)
         except FileNotFoundError:
             with contextlib.suppress(OSError):
-                open(path, "ab").close()
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC))
 
     def pressure_ns(self) -> int | None:
         """The ``.pressure`` file's mtime (ns), or None while no download ever waited."""
@@ -309,18 +342,31 @@ class CacheSpace:
 
     def _evict(self, path: str, lock_path: str, size: int) -> bool:
         """Unlink ``path`` unless leased or being (re)downloaded; True when it went."""
-        fd = try_exclusive(lock_path)
-        if fd is None:
+        if not self._unlink_unlocked(path, lock_path):
             return False
+        self._count("evictions")
+        log.debug("evicted %s (%d bytes)", path, size)
+        return True
+
+    def _unlink_unlocked(self, path: str, lock_path: str) -> bool | None:
+        """Unlink ``path`` (below a version folder) while holding ``lock_path`` exclusively,
+        both reached through the version folder's tree, never through a link: None when the
+        lock is held elsewhere (or a link or a file is on the way), else whether it went."""
+        key, _, rel = os.path.relpath(path, self.cache_dir).partition(os.sep)
+        lock_rel = os.path.relpath(lock_path, os.path.join(self.cache_dir, key))
         try:
-            os.unlink(path)
-            self._count("evictions")
-            log.debug("evicted %s (%d bytes)", path, size)
-            return True
-        except FileNotFoundError:
-            return False
-        finally:
-            os.close(fd)
+            with version_tree(self.cache_dir, key) as tree:
+                fd = try_exclusive_at(*tree.parent(lock_rel.replace(os.sep, "/")))
+                if fd is None:
+                    return None
+                try:
+                    where, name = tree.parent(rel.replace(os.sep, "/"))
+                    return where.unlink(name)
+                finally:
+                    os.close(fd)
+        except (DatasetError, UnsafePathError, FileNotFoundError) as exc:
+            log.warning("cache: not removing %s: %s", path, exc)
+            return None
 
     def _stale_or_reserved(
         self, top: str, dirpath: str, target: tuple[str, int, int], path: str
@@ -328,20 +374,15 @@ class CacheSpace:
         """Bytes reserved by a live download's temp file; a dead downloader's temp is removed."""
         final_name, declared, _pid = target
         rel = os.path.relpath(os.path.join(dirpath, final_name), top)
-        fd = try_exclusive(os.path.join(top, LOCKS, rel + ".lock"))
-        if fd is None:  # its downloader is alive and holds the lock
+        gone = self._unlink_unlocked(path, os.path.join(top, LOCKS, rel + ".lock"))
+        if gone is None:  # its downloader is alive and holds the lock
             try:
                 return max(declared, os.path.getsize(path))
             except FileNotFoundError:
                 return 0
-        try:
-            os.unlink(path)
+        if gone:
             self._count("stale_temps_removed")
             log.info("removed %s left by an interrupted download", path)
-        except FileNotFoundError:
-            pass
-        finally:
-            os.close(fd)
         return 0
 
 

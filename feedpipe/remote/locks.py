@@ -9,7 +9,16 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["POLL_S", "WaitCancelledError", "flock_wait", "open_lock", "try_exclusive"]
+from feedpipe.io.dirfd import Dir
+
+__all__ = [
+    "POLL_S",
+    "WaitCancelledError",
+    "flock_wait",
+    "lock_at",
+    "open_lock",
+    "try_exclusive_at",
+]
 
 POLL_S = 0.01  # the first pause between two tries; it grows to 0.2 s
 
@@ -19,8 +28,14 @@ class WaitCancelledError(Exception):
 
 
 def open_lock(lock_path: str) -> int:
-    """Open (creating) a lock file; returns its fd."""
-    return os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    """Open (creating) a lock file, never through a symlink; returns its fd."""
+    return os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+
+
+def lock_at(where: Dir, name: str) -> int:
+    """Open (creating) the lock file ``name`` in the open directory ``where`` (never through a
+    symlink, :mod:`feedpipe.io.dirfd`); returns its fd."""
+    return where.open(name, os.O_RDWR | os.O_CREAT)
 
 
 def flock_wait(
@@ -57,10 +72,11 @@ def flock_wait(
         pause = min(pause * 1.5, 0.2)
 
 
-def try_exclusive(lock_path: str) -> int | None:
-    """Open ``lock_path`` and take an exclusive lock without waiting; return the fd or None."""
+def try_exclusive_at(where: Dir, name: str) -> int | None:
+    """Open the lock file ``name`` in the open directory ``where`` (:func:`lock_at`) and take an
+    exclusive lock without waiting; return the fd or None."""
     try:
-        fd = open_lock(lock_path)
+        fd = lock_at(where, name)
     except OSError:
         return None
     try:

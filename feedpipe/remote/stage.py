@@ -16,8 +16,11 @@ The rules, in order:
    against the index (size and CRC32C) and renamed into place. No file is ever truncated or
    rewritten in place: a reader that has the old file mapped keeps reading the old bytes.
 3. A symlink in the destination is never written through: a linked file or directory there is
-   refused by rule 0, and a linked directory on a file's path is refused again before the
-   transfers.
+   refused by rule 0; every write after that (temps, renames, the index, the lock, removals) names
+   an entry under a directory fd opened once, each level with ``O_NOFOLLOW``
+   (:mod:`feedpipe.io.dirfd`), so a directory swapped for a symlink during the stage is refused
+   or the write lands in the directory that was opened, never through the link. Files are fsynced
+   before their rename and their directories before ``index.json`` is written.
 4. Ctrl-C (or any exception) cancels the transfers in flight at their next chunk; the temps are
    removed. ``deadline_s`` bounds the retries of every remote call and the index read as a
    whole, and caps the clients' socket timeouts (see :func:`feedpipe.remote.transfer.resolve`); a
@@ -43,7 +46,7 @@ from typing import Any
 from feedpipe.errors import DatasetError
 from feedpipe.io.cliargs import add_storage_arguments, positive_int, storage_options
 from feedpipe.io.destination import DestinationError, claim_folder, folder_entries, is_writer_file
-from feedpipe.io.fsutil import atomic_write, fsync_dir
+from feedpipe.io.dirfd import Dir, TempFile, Tree, UnsafePathError
 from feedpipe.io.ownership import owns
 from feedpipe.io.reaper import join_threads, pid_alive
 from feedpipe.io.remote import is_s3_url, local_file_path
@@ -128,13 +131,12 @@ def stage(
     first = _remote.RetryPolicy(deadline_s=deadline_s, retry_unreachable=False)
     raw_index, entries = _remote.read_remote_index(fs, root, url, storage_options, first)
     _claim(dst, entries, adopt=False)  # before the lock file: a refused folder is left as is
-    os.makedirs(dst, exist_ok=True)
-    with _exclusive(dst):
+    with _open_tree(dst) as tree, _exclusive(tree), _unsafe_as_dataset_error():
         return _stage_locked(
             fs,
             root,
             url,
-            dst,
+            tree,
             raw_index=raw_index,
             entries=entries,
             storage_options=storage_options,
@@ -150,7 +152,7 @@ def _stage_locked(
     fs: Any,
     root: str,
     url: str,
-    dst: str,
+    tree: Tree,
     *,
     raw_index: bytes,
     entries: list[FileEntry],
@@ -161,36 +163,36 @@ def _stage_locked(
     policy: _remote.RetryPolicy,
     t0: float,
 ) -> StageResult:
-    """The body of :func:`stage`, run while this process alone stages into ``dst``."""
-    _claim(dst, entries)
-    _refuse_linked_dirs(dst, entries)
-    _clean_stale_temps(dst)
+    """The body of :func:`stage`, run while this process alone stages into ``tree``."""
+    _claim(tree.path, entries)
+    _open_dirs(tree, entries)
+    _clean_stale_temps(tree.root)
 
-    index_path = os.path.join(dst, INDEX_NAME)
-    same_index = _read_or_none(index_path) == raw_index
+    same_index = tree.root.read(INDEX_NAME) == raw_index
     # sizes alone are trusted only for this very version: another version's shards (or an
     # interrupted stage's leftovers) can have the same sizes and other bytes
     check_crc = verify_existing or not same_index
     todo: list[FileEntry] = []
     for e in entries:
-        if not _remote.is_complete(os.path.join(dst, e.relpath), e, check_crc=check_crc):
+        if not _remote.is_complete(*tree.parent(e.relpath), e, check_crc=check_crc):
             todo.append(e)
     if todo or not same_index:
-        _invalidate(index_path)  # before any shard is touched: never v1's index over v2's shards
+        _invalidate(tree.root)  # before any shard is touched: never v1's index over v2's shards
     total = sum(e.nbytes for e in todo)
     bar = _Bar(total, progress, desc=f"stage {_remote.redact(url, storage_options)}")
     try:
         # largest first keeps the pool busy at the end of the run
-        transfers = _Transfers(fs, root, url, dst, storage_options, policy, bar)
+        transfers = _Transfers(fs, root, url, tree, storage_options, policy, bar)
         transfers.run(sorted(todo, key=lambda e: -e.nbytes), workers)
     finally:
         bar.close()
-    atomic_write(index_path, raw_index)
+    tree.fsync()  # every rename durable before the index that vouches for the files
+    tree.root.write_atomic(INDEX_NAME, raw_index)
     return StageResult(len(todo), len(entries) - len(todo), total, time.perf_counter() - t0)
 
 
 class _Transfers:
-    """The verified downloads of one stage into ``dst``, on ``workers`` threads: on a failure
+    """The verified downloads of one stage into ``tree``, on ``workers`` threads: on a failure
     (or an interrupt) the others are cancelled and the temps still in flight removed."""
 
     def __init__(  # noqa: PLR0917 - stage's own values, passed on
@@ -198,15 +200,15 @@ class _Transfers:
         fs: Any,
         root: str,
         url: str,
-        dst: str,
+        tree: Tree,
         storage_options: Mapping[str, Any] | None,
         policy: _remote.RetryPolicy,
         bar: _Bar,
     ) -> None:
-        self.fs, self.root, self.url, self.dst = fs, root, url, dst
+        self.fs, self.root, self.url, self.tree = fs, root, url, tree
         self.options, self.policy, self.bar = storage_options, policy, bar
         self.cancel = threading.Event()
-        self._temps: set[str] = set()
+        self._temps: set[TempFile] = set()
         self._lock = threading.Lock()
 
     def run(self, todo: list[FileEntry], workers: int) -> None:
@@ -218,12 +220,12 @@ class _Transfers:
                 left = list(self._temps)
             for tmp in left:  # transfers still in flight write to an unlinked file, then stop
                 with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                    tmp.where.unlink(tmp.name)
             raise
 
     def one(self, e: FileEntry) -> None:
-        final = os.path.join(self.dst, e.relpath)
-        tmp = _remote.temp_name(final, e.nbytes)
+        where, name = self.tree.parent(e.relpath)
+        tmp = where.temp(name, e.nbytes)
         with self._lock:
             self._temps.add(tmp)
         try:
@@ -231,7 +233,7 @@ class _Transfers:
                 self.fs,
                 _remote.join(self.root, e.relpath),
                 _remote.join(self.url, e.relpath),
-                final,
+                (where, name),
                 e,
                 storage_options=self.options,
                 progress=self.bar,
@@ -310,22 +312,23 @@ def _pooled(
 
 
 @contextlib.contextmanager
-def _exclusive(dst: str) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``dst``'s stage lock: two stages into one directory (two
-    versions, or every rank of a node) run one after the other, never interleaved. The lock
+def _exclusive(tree: Tree) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the stage lock in ``tree``: two stages into one directory
+    (two versions, or every rank of a node) run one after the other, never interleaved. The lock
     file's name has the temp prefix, so no dataset file can have it."""
     import fcntl
 
-    path = _lock_path(dst)
+    name = os.path.basename(_lock_path(tree.path))
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = tree.root.open(name, os.O_RDWR | os.O_CREAT)
     except OSError as exc:  # ELOOP: a symlink there, never followed
-        raise DatasetError(f"{path}: cannot open the stage lock: {exc.strerror}") from None
+        where = tree.root.entry(name)
+        raise DatasetError(f"{where}: cannot open the stage lock: {exc.strerror}") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            _log.info("%s: waiting for another feedpipe stage into this directory", dst)
+            _log.info("%s: waiting for another feedpipe stage into this directory", tree.path)
             fcntl.flock(fd, fcntl.LOCK_EX)  # Ctrl-C interrupts the wait
         yield
     finally:
@@ -380,60 +383,61 @@ def _run_all(
         raise (real or errors)[0]
 
 
-def _read_or_none(path: str) -> bytes | None:
+@contextlib.contextmanager
+def _open_tree(dst: str) -> Iterator[Tree]:
+    """``dst`` (made if missing) held open for every write of the stage (a link to a folder is
+    that folder); closed at the end."""
+    with _unsafe_as_dataset_error():
+        tree = Tree.open(dst, create=True)
     try:
-        if os.path.islink(path):
-            return None
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
-        return None
+        yield tree
+    finally:
+        tree.close()
 
 
-def _invalidate(index_path: str) -> None:
+@contextlib.contextmanager
+def _unsafe_as_dataset_error() -> Iterator[None]:
+    """A linked, missing or replaced directory on the way (:mod:`feedpipe.io.dirfd`), in this
+    thread or a transfer's, is a :class:`DatasetError` naming the path."""
+    try:
+        yield
+    except UnsafePathError as exc:
+        raise DatasetError(
+            f"{exc.filename}: {exc.strerror}; feedpipe stage never writes through links in the "
+            "destination (remove it, or stage into another directory)"
+        ) from None
+
+
+def _invalidate(root: Dir) -> None:
     """Remove the destination's index (a link: the link only) and make that durable."""
     try:
-        os.unlink(index_path)
-    except FileNotFoundError:
-        return
+        gone = root.unlink(INDEX_NAME)
     except IsADirectoryError:
         raise DatasetError(
-            f"{index_path}: is a directory, not a dataset index (remove it, or stage into "
-            "another directory)"
+            f"{root.entry(INDEX_NAME)}: is a directory, not a dataset index (remove it, or stage "
+            "into another directory)"
         ) from None
-    fsync_dir(os.path.dirname(index_path))
+    if gone:
+        root.fsync()
 
 
-def _refuse_linked_dirs(dst: str, entries: list[FileEntry]) -> None:
-    """A symlinked directory on a file's path would take the write outside ``dst``: refuse."""
-    seen: set[str] = set()
+def _open_dirs(tree: Tree, entries: list[FileEntry]) -> None:
+    """Open (making them) the directories on every file's path, each level without following a
+    link: a symlinked directory would take the write outside the destination, so it is refused
+    by name before any transfer, and the ones opened are the ones written into."""
     for e in entries:
-        parts = e.relpath.split("/")[:-1]
-        for i in range(1, len(parts) + 1):
-            rel = "/".join(parts[:i])
-            if rel in seen:
-                continue
-            seen.add(rel)
-            path = os.path.join(dst, rel)
-            if os.path.islink(path):
-                raise DatasetError(
-                    f"{path}: is a symlink; feedpipe stage never writes through links in the "
-                    "destination (remove it, or stage into another directory)"
-                )
+        tree.parent(e.relpath, create=True)
 
 
-def _clean_stale_temps(root: str) -> None:
-    """Remove temp files (:func:`feedpipe.remote.transfer.temp_name`) of processes now gone."""
-    for dirpath, _dirs, files in os.walk(root):
+def _clean_stale_temps(root: Dir) -> None:
+    """Remove temp files (:func:`feedpipe.remote.transfer.temp_name`) of processes now gone,
+    walking the destination by directory fds (never into a link)."""
+    for _path, _dirs, files, dir_fd in os.fwalk(".", dir_fd=root.fd):
         for name in files:
             target = _remote.temp_target(name)
-            if target is None:
-                continue
-            if not pid_alive(target[2]):
-                try:
-                    os.unlink(os.path.join(dirpath, name))
-                except FileNotFoundError:
-                    pass
+            if target is not None and not pid_alive(target[2]):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=dir_fd)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

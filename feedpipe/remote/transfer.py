@@ -4,7 +4,8 @@ Resolving, retrying, classifying and redacting live in :mod:`feedpipe.io.remote`
 ckpt) and are re-exported here. This module adds what knows about datasets: :func:`call` raising
 :class:`~feedpipe.errors.RemoteError` (a ``DatasetError``), the index listing
 (:func:`read_remote_index`, :func:`parse_index`) and :func:`fetch_verified`, which copies a file
-through a temp name and checks its size and CRC32C against the index.
+through a temp name and checks its size and CRC32C against the index, every write under an open
+directory fd (:mod:`feedpipe.io.dirfd`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 from feedpipe.errors import DatasetError, RemoteError, require
 from feedpipe.format import INDEX_NAME
 from feedpipe.io.crc import crc32c_file, to_hex
+from feedpipe.io.dirfd import Dir, TempFile, fd_path
 from feedpipe.io.remote import (
     DEFAULT_POLICY,
     TEMP_PREFIX,
@@ -173,45 +175,52 @@ def parse_index(raw: bytes, index_url: str) -> list[FileEntry]:
     return _entries_from_index(doc, index_url)
 
 
-def is_complete(path: str, entry: FileEntry, *, check_crc: bool = True) -> bool:
-    """True if ``path`` is a regular file (not a link) with the indexed size (and CRC32C)."""
+def is_complete(where: Dir, name: str, entry: FileEntry, *, check_crc: bool = True) -> bool:
+    """True if ``name`` in ``where`` is a regular file (not a link) with the indexed size (and
+    CRC32C)."""
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    if not stat.S_ISREG(st.st_mode) or st.st_size != entry.nbytes:
-        return False
-    if not check_crc:
-        return True
-    crc, _ = crc32c_file(path)
-    return to_hex(crc) == entry.crc32c
+        fd = where.open(name, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False  # missing, a link, a fifo without a writer...
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != entry.nbytes:
+            return False
+        if not check_crc:
+            return True
+        crc, _ = crc32c_file(fd_path(fd))
+        return to_hex(crc) == entry.crc32c
+    finally:
+        os.close(fd)
 
 
 def fetch_verified(
     fs: Any,
     rpath: str,
     url: str,
-    final: str,
+    dest: tuple[Dir, str],
     entry: FileEntry,
     *,
     storage_options: Mapping[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
     policy: RetryPolicy | None = None,
-    tmp: str | None = None,
+    tmp: TempFile | None = None,
     cancel: threading.Event | None = None,
 ) -> None:
-    """Copy ``rpath`` to ``final`` via a temp file, verify size and CRC32C, rename into place.
+    """Copy ``rpath`` to ``dest`` (an open directory and a name there) via a temp file, verify size
+    and CRC32C, fsync it and rename it into place (:mod:`feedpipe.io.dirfd`: nothing is written
+    through a symlink, even one swapped in for a directory meanwhile).
 
-    ``tmp`` is the temp path to use (default: :func:`temp_name`); it is removed on failure.
-    ``final`` is never written in place (a reader may have it mapped): the rename replaces it
-    (or a symlink there, whose target is left alone). ``cancel``, once set, aborts the transfer
-    at its next chunk with :class:`CancelledError`.
+    ``tmp`` is the temp to use (default: a new one beside ``name``); it is removed on failure
+    and closed in any case. ``name`` is never written in place (a reader may have it mapped):
+    the rename replaces it (or a symlink there, whose target is left alone). ``cancel``, once
+    set, aborts the transfer at its next chunk with :class:`CancelledError`.
 
     Transient errors are retried (a partial download is discarded and its progress rolled back);
     a checksum mismatch is retried once, then raises :class:`DatasetError` naming the URL.
     """
-    os.makedirs(os.path.dirname(final) or ".", exist_ok=True)
-    tmp = tmp or temp_name(final, entry.nbytes)
+    where, name = dest
+    tmp = tmp or where.temp(name, entry.nbytes)
     download = _Download(fs, rpath, url, tmp, progress=progress, cancel=cancel)
     try:
         for attempt in (1, 2):
@@ -224,11 +233,11 @@ def fetch_verified(
                 on_retry=download.rollback,
                 cancel=cancel,
             )
-            crc, size = crc32c_file(tmp)
+            crc, size = crc32c_file(tmp.fd_path)
             if cancel is not None and cancel.is_set():
                 raise CancelledError(url)
             if size == entry.nbytes and to_hex(crc) == entry.crc32c:
-                os.replace(tmp, final)
+                tmp.commit()
                 return
             download.rollback()
             if attempt == 2:
@@ -238,7 +247,7 @@ def fetch_verified(
                     f"crc32c {entry.crc32c})"
                 )
     finally:
-        _unlink(tmp)
+        tmp.discard()
 
 
 class _Download:
@@ -250,7 +259,7 @@ class _Download:
         fs: Any,
         rpath: str,
         url: str,
-        tmp: str,
+        tmp: TempFile,
         *,
         progress: Callable[[int], None] | None,
         cancel: threading.Event | None,
@@ -270,7 +279,7 @@ class _Download:
         if self.progress is not None and self.done:
             self.progress(-self.done)
         self.done = 0
-        _unlink(self.tmp)
+        self.tmp.reset()
 
     def get(self) -> None:
         from fsspec.callbacks import Callback
@@ -284,15 +293,9 @@ class _Download:
             def call(self, *args: Any, **kwargs: Any) -> None:
                 return None
 
-        self.fs.get_file(self.rpath, self.tmp, callback=_Progress())
+        # the open temp's own path: the library looks no directory entry up (feedpipe.io.dirfd)
+        self.fs.get_file(self.rpath, self.tmp.fd_path, callback=_Progress())
         if self.done == 0 and self.progress is not None:  # filesystems that report no progress
-            size = os.path.getsize(self.tmp)
+            size = os.fstat(self.tmp.fd).st_size
             self.done = size
             self.progress(size)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
