@@ -272,7 +272,8 @@ class Timing:
     def _record_times(self, shipped: Any, t0: float, t1: float) -> tuple[Any, int]:
         """The source timed its stages: one record (meter.record_batch, inlined)."""
         batch, samples, nbytes, fetch_s, collate_s = shipped
-        self._put(self._pack(t0, t1, samples, nbytes, fetch_s, collate_s))
+        put, pack = self._put, self._pack  # values, not method lookups (which fail to specialise)
+        put(pack(t0, t1, samples, nbytes, fetch_s, collate_s))
         if len(self._log) >= self._meter.fold_at:
             self._meter.after_batch(t1)
         if self._flags[self._flag]:  # the next wait is a profiler range
@@ -283,7 +284,8 @@ class Timing:
         """The source shipped the clock between read and collate (or -1.0: no collate): it goes
         into the record raw, marked :data:`MID`; the fold makes the stage times of it."""
         batch, samples, nbytes, mid, _ = shipped
-        self._put(self._pack(t0, t1, samples, nbytes, mid, MID))
+        put, pack = self._put, self._pack  # values, not method lookups (which fail to specialise)
+        put(pack(t0, t1, samples, nbytes, mid, MID))
         if len(self._log) >= self._meter.fold_at:
             self._meter.after_batch(t1)
         if self._flags[self._flag]:  # the next wait is a profiler range
