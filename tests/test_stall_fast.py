@@ -178,3 +178,93 @@ def test_stall_modules_stay_small() -> None:
     for path in sorted(STALL.glob("*.py")):
         lines = len(path.read_text().splitlines())
         assert lines < 800, f"{path.name}: {lines} lines"
+
+
+# ------------------------------------------------------------------ issue 28 section 5
+def test_a_mid_clock_record_folds_to_the_stage_times_python_would_compute() -> None:
+    """A record with the raw clock between read and collate (``MID``) folds to the same stage
+    seconds, calls and bytes, to the bit, as one with the times subtracted in Python; mixed in
+    one fold with records of stage times and with ``read_batch`` records (no collate)."""
+    from feedpipe.stall.records import MID
+
+    rng = random.Random(11)
+    raw, done = StallMeter(trace=False), StallMeter(trace=False)
+    t = 20_000.0  # a perf_counter-sized clock: the subtraction rounds as in the loader
+    for i in range(StallMeter._FOLD // 6 + 900):  # crosses a fold
+        wait, cut = rng.random() * 1e-3, rng.random()
+        mid, end, nb = t + wait * cut, t + wait, rng.randrange(0, 2**33)
+        kind = i % 3
+        if kind == 0:  # shared clock, read then collate
+            raw.record_batch(t, end, 2, nb, mid, MID)
+            done.record_batch(t, end, 2, nb, mid - t, end - mid)
+        elif kind == 1:  # shared clock, read_batch: no collate stage
+            raw.record_batch(t, end, 2, nb, -1.0, MID)
+            done.record_batch(t, end, 2, nb, end - t, -1.0)
+        else:  # a source that timed its own stages
+            raw.record_batch(t, end, 2, nb, wait / 3, wait / 5)
+            done.record_batch(t, end, 2, nb, wait / 3, wait / 5)
+        t = end + 1e-4
+    a, b = raw.stats(), done.stats()
+    assert a.stages.keys() == b.stages.keys() == {"fetch", "collate"}
+    for name in ("fetch", "collate"):
+        assert a.stages[name].seconds == b.stages[name].seconds, name
+        assert a.stages[name].calls == b.stages[name].calls, name
+        assert a.stages[name].bytes == b.stages[name].bytes, name
+    assert (a.batches, a.bytes, a.stall_s, a.step_s) == (b.batches, b.bytes, b.stall_s, b.step_s)
+    assert a.stages["collate"].calls == len(range(0, a.batches, 3)) + len(range(2, a.batches, 3))
+
+
+def test_the_per_batch_profiler_flag_is_the_meters_flag_at_every_moment() -> None:
+    """The loader asks ``flags[key]`` per batch instead of calling the meter's check: for each
+    trace mode it equals the check, before, during and after a real torch profiler."""
+    import torch.profiler
+
+    from feedpipe.stall.profiler import flag_of
+
+    meters = [StallMeter(), StallMeter(trace=True), StallMeter(trace=False)]
+    calls: list[int] = []
+
+    def counted() -> bool:
+        calls.append(1)
+        return True
+
+    flags = [flag_of(m.profiler_check) for m in meters]
+    asked, key = flag_of(counted)
+
+    def agree() -> list[bool]:
+        seen = [bool(f[k]) for f, k in flags]
+        assert seen == [bool(m.profiler_check()) for m in meters]
+        return seen
+
+    assert agree() == [False, True, False]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert agree() == [True, True, False]
+    assert agree() == [False, True, False]
+    assert asked[key] is True and len(calls) == 1  # any other check is called, each time
+
+
+def test_a_profiler_started_mid_pass_makes_the_wait_after_next_a_range() -> None:
+    """The documented promise of ``Timing``: the flag is read at the end of each record, so a
+    profiler started during a step sees the wait after next as a "feedpipe.wait" range, and
+    the traced wait is counted like any other (same batch, stage times from the mid clock)."""
+    import torch.profiler
+
+    from feedpipe.loader.pipeline import Timing
+
+    meter = StallMeter()  # trace="auto"
+    timing = Timing(meter, shared=True)
+    t0 = timing.begin()
+    timing.record(("a", 1, 8, t0 + 1e-4, -1.0), t0, t0 + 3e-4)  # no profiler: untraced
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = timing.begin()  # armed before the profiler started: untraced
+        assert not timing.traced
+        timing.record(("b", 1, 8, t0 + 1e-4, -1.0), t0, t0 + 3e-4)
+        t0 = timing.begin()  # the wait after next: a range
+        assert timing.traced and meter.range_open
+        assert timing.record(("c", 2, 8, -1.0, -1.0), t0, timing.now()) == ("c", 2)
+        assert not timing.traced and not meter.range_open
+    names = [e.name for e in prof.events()]
+    assert names.count("feedpipe.wait") == 1
+    st = meter.stats()
+    assert (st.batches, st.samples, st.bytes) == (3, 4, 24)
+    assert st.stages["fetch"].calls == 3 and st.stages["collate"].calls == 2

@@ -32,6 +32,8 @@ from feedpipe.loader.loader_pass import Pass
 from feedpipe.loader.slots import SlotRef, Slots
 from feedpipe.loader.threads import InlineSource, ThreadWorkers
 from feedpipe.stall import StallMeter
+from feedpipe.stall.profiler import flag_of
+from feedpipe.stall.records import MID
 
 __all__ = [
     "Explain",
@@ -187,33 +189,45 @@ class FailurePolicy:
 class Timing:
     """Step 3: the wait for a batch and its stage times, into the stall meter.
 
-    Counters on: two clock reads around the blocking part of ``next()`` and one record per
-    batch (while a profiler records: ``wait_begin``/``wait_end``, so the wait is a profiler
+    Counters on: two clock reads around the blocking part of ``next()`` and one packed record
+    per batch (while a profiler records: ``wait_begin``/``wait_end``, so the wait is a profiler
     range). Counters off: no clock at all.
 
     The per-batch cost is one Python call: :attr:`begin` and :attr:`now` are ``perf_counter``
-    itself (``float``, which returns 0.0, when off), and whether the next wait is a profiler
-    range is asked once per batch at the end of :meth:`record` (and when the pass starts), which
-    then points :attr:`begin` at the traced begin. A profiler started during a step therefore
-    sees ranges from the wait after next.
+    itself (``float``, which returns 0.0, when off), and :attr:`record` is the recorder this
+    pass needs, chosen once: off (unpack only), stage times, or a shared clock (the source's
+    reading between read and collate goes into the record raw, with
+    :data:`~feedpipe.stall.records.MID`, and the meter's fold turns it into the stage times:
+    no arithmetic per batch). Whether the next wait is a profiler range is asked once per batch
+    at the end of the record (and when the pass starts); a traced wait points :attr:`begin` and
+    :attr:`record` at their traced variants for that one wait. A profiler started during a step
+    therefore sees ranges from the wait after next.
     """
 
     #: a wait starts: its clock (0.0 when off); ``perf_counter`` unless the wait is traced
     begin: Callable[[], float]
     #: the clock now (0.0 when off): ``perf_counter`` or ``float``
     now: Callable[[], float]
+    #: ``record(shipped, t0, t1) -> (batch, samples)``: a delivered batch's wait and stages
+    record: Callable[[Any, float, float], tuple[Any, int]]
 
     def __init__(self, meter: StallMeter, shared: bool) -> None:
         self._meter = meter
         self.timed = meter.enabled
         self.traced = False  # this wait is a profiler range (decided at begin)
-        self._profiler = meter.profiler_check  # whether waits are profiler ranges: per batch
+        self._profiler = meter.profiler_check  # whether waits are profiler ranges
+        # the same, per batch: self._flags[self._flag], a dict lookup (no call)
+        self._flags, self._flag = flag_of(self._profiler)
         # an in-process source that ships a mid-clock instead of stage times (fetch_mid)
         self._shared = shared
         # the meter's batch log, bound once per pass: record_batch's body, inlined in record()
         self._put, self._pack, self._log = meter.batch_log()
         self.now = _perf if self.timed else float
         self.begin = float
+        self._untraced = (
+            self._record_mid if shared else self._record_times
+        ) if self.timed else self._record_off  # fmt: skip
+        self.record = self._untraced
         if self.timed:
             self._arm()
 
@@ -224,9 +238,14 @@ class Timing:
     def _begin_traced(self) -> float:
         """A wait that is a profiler range: the meter's ``wait_begin`` opens it."""
         self.traced = True
+        self.record = self._record_traced
         self.begin = _perf  # record() arms the next one
         self._meter.wait_begin()
         return _perf()
+
+    def _untrace(self) -> None:
+        self.traced = False
+        self.record = self._untraced
 
     def unfinished(self, t0: float) -> None:
         """The wait begun at ``t0`` delivered no batch: the step before it still counts."""
@@ -234,38 +253,59 @@ class Timing:
             return
         if not self.traced:
             self._meter.wait_pending(t0)
-        self.traced = False
+        self._untrace()
         self._arm()
 
     def no_batch(self) -> None:
         """The wait ended with no batch to return (every sample skipped): close its range."""
         if self.traced:
             self._meter.close_range()
-            self.traced = False
+            self._untrace()
         if self.timed:
             self._arm()
 
-    def record(self, shipped: Any, t0: float, t1: float) -> tuple[Any, int]:
-        """Record a delivered batch's wait and stage times; ``(batch, samples)``."""
+    @staticmethod
+    def _record_off(shipped: Any, t0: float, t1: float) -> tuple[Any, int]:
+        """Counters off: the batch and its samples, nothing recorded."""
+        return shipped[0], shipped[1]
+
+    def _record_times(self, shipped: Any, t0: float, t1: float) -> tuple[Any, int]:
+        """The source timed its stages: one record (meter.record_batch, inlined)."""
         batch, samples, nbytes, fetch_s, collate_s = shipped
-        if not self.timed:
-            return batch, samples
+        put, pack = self._put, self._pack  # values, not method lookups (which fail to specialise)
+        put(pack(t0, t1, samples, nbytes, fetch_s, collate_s))
+        if len(self._log) >= self._meter.fold_at:
+            self._meter.after_batch(t1)
+        if self._flags[self._flag]:  # the next wait is a profiler range
+            self.begin = self._begin_traced
+        return batch, samples
+
+    def _record_mid(self, shipped: Any, t0: float, t1: float) -> tuple[Any, int]:
+        """The source shipped the clock between read and collate (or -1.0: no collate): it goes
+        into the record raw, marked :data:`MID`; the fold makes the stage times of it."""
+        batch, samples, nbytes, mid, _ = shipped
+        put, pack = self._put, self._pack  # values, not method lookups (which fail to specialise)
+        put(pack(t0, t1, samples, nbytes, mid, MID))
+        if len(self._log) >= self._meter.fold_at:
+            self._meter.after_batch(t1)
+        if self._flags[self._flag]:  # the next wait is a profiler range
+            self.begin = self._begin_traced
+        return batch, samples
+
+    def _record_traced(self, shipped: Any, t0: float, t1: float) -> tuple[Any, int]:
+        """A traced wait: its stages, then ``wait_end`` closes the range."""
+        batch, samples, nbytes, fetch_s, collate_s = shipped
+        self._untrace()
         if self._shared:  # fetch_s is the clock between read and collate (or -1.0: no collate)
             if fetch_s >= 0.0:
                 fetch_s, collate_s = fetch_s - t0, t1 - fetch_s
             else:
                 fetch_s = t1 - t0
-        if self.traced:
-            self.traced = False
-            meter = self._meter
-            meter.add_stage("fetch", fetch_s, nbytes)
-            if collate_s >= 0.0:
-                meter.add_stage("collate", collate_s, nbytes)
-            meter.wait_end(samples=samples, nbytes=nbytes)
-        else:  # meter.record_batch(t0, t1, ...), inlined (StallMeter.batch_log)
-            self._put(self._pack(t0, t1, samples, nbytes, fetch_s, collate_s))
-            if len(self._log) >= self._meter.fold_at:
-                self._meter.after_batch(t1)
+        meter = self._meter
+        meter.add_stage("fetch", fetch_s, nbytes)
+        if collate_s >= 0.0:
+            meter.add_stage("collate", collate_s, nbytes)
+        meter.wait_end(samples=samples, nbytes=nbytes)
         if self._profiler():  # the next wait is a profiler range
             self.begin = self._begin_traced
         return batch, samples

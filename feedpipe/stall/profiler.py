@@ -9,14 +9,14 @@ of a user region: NVTX (:mod:`feedpipe.io.trace`) and torch's ``record_function`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal
 
 from feedpipe.io import trace as _trace
 from feedpipe.stall import _torch_compat
 
-__all__ = ["WaitRanges", "always_on", "never_on", "record_function", "torch_flag"]
+__all__ = ["WaitRanges", "always_on", "flag_of", "never_on", "record_function", "torch_flag"]
 
 
 def never_on() -> bool:
@@ -37,6 +37,35 @@ def torch_flag(trace: bool | Literal["auto"]) -> Callable[[], bool]:
     if trace != "auto":
         return never_on
     return _torch_compat.profiler_enabled
+
+
+class _Asked(Mapping[str, bool]):
+    """A flag that only a function knows: each lookup calls it."""
+
+    def __init__(self, check: Callable[[], bool]) -> None:
+        self._check = check
+
+    def __getitem__(self, key: str) -> bool:
+        return bool(self._check())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("on",))
+
+    def __len__(self) -> int:
+        return 1
+
+
+def flag_of(check: Callable[[], bool]) -> tuple[Mapping[str, Any], str]:
+    """``(mapping, key)`` with ``mapping[key] == check()`` at every moment, for a loop that asks
+    once per batch: a dict lookup instead of a call for the meter's own flags (``trace=True``,
+    ``False``, or torch's profiler flag in "auto" mode); any other function is called."""
+    if check is always_on:
+        return {"on": True}, "on"
+    if check is never_on:
+        return {"on": False}, "on"
+    if check is _torch_compat.profiler_enabled:
+        return _torch_compat.profiler_flag
+    return _Asked(check), "on"
 
 
 def record_function(name: str) -> Any:
