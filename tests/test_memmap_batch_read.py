@@ -162,10 +162,11 @@ def test_big_batches_reuse_memory_only_once_released(tmp_path: Path) -> None:
     assert torch.equal(small, torch.from_numpy(x[[1, 2]]))
 
 
-@pytest.mark.parametrize("rows", [3, 64])  # 48 KiB: fresh memory; 1 MiB: from the pool
+@pytest.mark.parametrize("rows", [20, 64])  # 320 KiB: fresh memory; 1 MiB: from the pool
 def test_batches_start_on_a_cache_line_pooled_ones_on_a_page(tmp_path: Path, rows: int) -> None:
     """malloc aligns to 16 bytes: a batch 16 bytes past a 32-byte boundary gathered 8 KiB
-    records 35% slower (a pooled array so placed slowed every batch of a process, at random)."""
+    records 35% slower (a pooled array so placed slowed every batch of a process, at random).
+    Batches under 256 KiB are plain ``np.empty`` (aligning costs more than it saves there)."""
     x = _write(tmp_path / "d", 64, width=4096)
     ds = MemmapDataset(tmp_path / "d")
     align = 4096 if rows == 64 else 64
@@ -176,3 +177,45 @@ def test_batches_start_on_a_cache_line_pooled_ones_on_a_page(tmp_path: Path, row
         assert batch.data_ptr() % align == 0
         assert torch.equal(batch, torch.from_numpy(x[picks]))
         held = [*held[-1:], batch]
+
+
+def test_a_forked_child_maps_its_own_shards(tmp_path: Path) -> None:
+    """The one-range map is told from a forked child's copy without a system call per batch
+    (a fork count kept by an at-fork hook, not ``os.getpid()``): the child maps and watches its
+    own, and a rewrite in place is still refused there."""
+    import multiprocessing as mp
+
+    x = _write(tmp_path / "d", 40)
+    ds = MemmapDataset(tmp_path / "d")
+    assert torch.equal(ds.read_batch(np.arange(40)), torch.from_numpy(x))  # mapped here
+    parent_space = ds._shard_space()
+    ctx = mp.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(  # forked: the child starts with this process's map, not a pickle
+        target=_child_reads, args=(ds, str(tmp_path / "d" / "shard-00000.data"), there)
+    )
+    child.start()
+    try:
+        assert here.poll(60), "the child did not answer"
+        own, same, refused = here.recv()
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    assert own and same and refused
+    assert ds._shard_space() is parent_space and parent_space.here()  # the parent's own map
+
+
+def _child_reads(ds: MemmapDataset, shard: str, conn: Any) -> None:
+    picks = np.array([39, 0, 17], np.int64)
+    got = ds.read_batch(picks).clone()
+    space = ds._shard_space()
+    own = space.here() and space.pid == os.getpid()  # not the parent's map the fork copied
+    same = torch.equal(got, torch.stack([ds[int(i)] for i in picks]))
+    _rewrite(Path(shard))
+    try:
+        ds.read_batch(picks)
+        refused = False
+    except DatasetError:
+        refused = True
+    conn.send((own, same, refused))

@@ -387,3 +387,47 @@ def test_mix_item_index_that_is_not_an_int_is_refused(tmp_path: Path, index: Any
     mix = MixedDataset({"a": MemmapDataset(tmp_path / "a")})
     with pytest.raises(TypeError, match="index must be an int"):
         mix[index]
+
+
+@pytest.mark.parametrize("tabulated", [True, False])
+def test_shards_tabulated_or_searched_give_the_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tabulated: bool
+) -> None:
+    """Each record's shard comes from a table of every record's shard (members of up to
+    SHARD_TABLE_MAX records) or a searchsorted: members of many shards (some left out of a
+    batch), the same samples either way."""
+    import feedpipe.datasets._mixed_take as take_module
+
+    if not tabulated:
+        monkeypatch.setattr(take_module, "SHARD_TABLE_MAX", 0)
+    members = _fixed_members(tmp_path, shard_bytes=48)  # 3 records a shard
+    ds = MixedDataset(members, weights=WEIGHTS, seed=2, epoch_samples=TOTAL)
+    want = _reference(SIZES, WEIGHTS, 2, 0, TOTAL)
+    for batch in np.array_split(np.random.default_rng(3).permutation(TOTAL), 11):
+        _check_fixed(ds.read_batch(batch), members, [want[i] for i in batch])
+
+
+@pytest.mark.parametrize("name", ["web", "books"])
+def test_every_members_guard_sees_a_rewrite_with_one_drain_per_batch(
+    tmp_path: Path, name: str
+) -> None:
+    """The process's inotify watcher is drained once per batch, by the first member's check;
+    the later members' checks see their events all the same (first and last member here). A
+    batch that reads no record of the rewritten file is still served."""
+    members = _fixed_members(tmp_path, shard_bytes=1 << 20)  # one shard each
+    ds = MixedDataset(members, weights=WEIGHTS, seed=0, epoch_samples=TOTAL)
+    everything = np.arange(TOTAL)
+    ds.read_batch(everything)  # every shard mapped and watched
+    shard = tmp_path / name / "shard-00000.data"
+    st = shard.stat()
+    with open(shard, "r+b") as f:  # other bytes, same size
+        f.write(b"\x55" * 64)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    member, _sample = ds.locate(everything)
+    other = everything[member != list(SIZES).index(name)]
+    want = _reference(SIZES, WEIGHTS, 0, 0, TOTAL)
+    _check_fixed(ds.read_batch(other), members, [want[i] for i in other])
+    with pytest.raises(
+        DatasetError, match=rf"{name}.shard-00000\.data: shard 0 file was rewritten"
+    ):
+        ds.read_batch(everything)

@@ -33,22 +33,24 @@ import numpy as np
 
 __all__ = ["BatchPool", "aligned_empty"]
 
-LINE = 64  # a fresh batch starts at a multiple of this many bytes
+LINE = 64  # a fresh batch of ALIGN_MIN bytes or more starts at a multiple of this many bytes
 PAGE = 4096  # a pooled one at a multiple of this
+ALIGN_MIN = 256 << 10  # smaller fresh batches are plain np.empty (aligning costs ~2 us)
+_U8 = np.dtype(np.uint8)
 
 
-def _aligned(base: np.ndarray, nbytes: int, align: int) -> np.ndarray:
-    """``nbytes`` of ``base`` (allocated ``align`` bytes over) from its first ``align``-aligned
-    byte on; the view refers to ``base`` itself (numpy's views name the owner as their base)."""
-    skip = -base.__array_interface__["data"][0] % align
-    return base[skip : skip + nbytes]
+def _skip(base: np.ndarray, align: int) -> int:
+    """Bytes from ``base``'s start to its first ``align``-aligned byte."""
+    return int(-base.__array_interface__["data"][0] % align)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any], align: int = LINE) -> np.ndarray:
-    """``np.empty(shape, dtype)`` starting at a multiple of ``align`` bytes."""
+    """``np.empty(shape, dtype)`` starting at a multiple of ``align`` bytes (its base is the
+    array allocated: numpy's views name the owner of their memory as their base)."""
     nbytes = dtype.itemsize * math.prod(shape)
-    base = np.empty(nbytes + align, np.uint8)
-    return _aligned(base, nbytes, align).view(dtype).reshape(shape)
+    base = np.empty(nbytes + align, _U8)
+    skip = _skip(base, align)
+    return base[skip : skip + nbytes].view(dtype).reshape(shape)
 
 
 def _counts(pool: list[np.ndarray]) -> list[int]:
@@ -95,23 +97,31 @@ class BatchPool:
         """An uninitialised array of ``shape`` and ``dtype`` that nothing else refers to."""
         nbytes = dtype.itemsize * math.prod(shape)
         if nbytes < self.min_bytes or nbytes > self.max_bytes:
+            if nbytes < ALIGN_MIN:
+                return np.empty(shape, dtype)
             return aligned_empty(shape, dtype)
         if self._unused is False:
             self._unused = _unused_count()
         unused = self._unused
         if unused is None:
             return aligned_empty(shape, dtype)
-        pool: list[np.ndarray] | None = getattr(self._tls, "arrays", None)
+        tls = self._tls
+        pool: list[np.ndarray] | None = getattr(tls, "arrays", None)
         if pool is None:
-            pool = self._tls.arrays = []
-        counts = _counts(pool)
+            pool = tls.arrays = []
+            tls.skips = []
         size = nbytes + PAGE  # each array is a page over: its batch starts on a page
-        free = [i for i, a in enumerate(pool) if a.nbytes == size and counts[i] == unused]
-        if free:
-            base = pool[free[0]]
+        counts = _counts(pool)
+        for i, base in enumerate(pool):
+            if counts[i] == unused and base.nbytes == size:
+                skip = tls.skips[i]
+                break
         else:
-            base = np.empty(size, np.uint8)
+            base = np.empty(size, _U8)
+            skip = _skip(base, PAGE)
             pool.insert(0, base)
+            tls.skips.insert(0, skip)
             while len(pool) > self.keep or sum(a.nbytes - PAGE for a in pool) > self.max_bytes:
                 pool.pop()  # the oldest: freed once its batch is
-        return _aligned(base, nbytes, PAGE).view(dtype).reshape(shape)
+                tls.skips.pop()
+        return base[skip : skip + nbytes].view(dtype).reshape(shape)

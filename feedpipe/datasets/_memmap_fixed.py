@@ -34,6 +34,7 @@ from feedpipe.io.fsutil import readinto_exactly
 __all__ = ["FixedRecords"]
 
 _IOV_MAX = 1024
+_U8 = np.dtype(np.uint8)
 
 
 class FixedRecords:
@@ -65,17 +66,18 @@ class FixedRecords:
     def gather(self, idx: np.ndarray, out: Any) -> torch.Tensor:
         """Records ``idx`` as one tensor (views of ``out`` when given)."""
         n, rb = len(idx), self.record_bytes
-        if isinstance(out, torch.Tensor) and out.is_cuda:
-            return self.dma(idx, out)
         if out is None:
             arr = self._pool.empty((n, *self.shape), self.dtype)
             dest = torch.from_numpy(arr)
+        elif isinstance(out, torch.Tensor) and out.is_cuda:
+            return self.dma(idx, out)
         else:
             dest = check_out(out, n, self.shape, self.dtype, "data")
             arr = dest.numpy()
         if n == 0 or rb == 0:
             return dest
-        flat = arr.reshape(n, -1).view(np.uint8)
+        # (n, record_bytes) bytes: one view for rows of one dimension, else a reshape first
+        flat = arr.view(_U8) if arr.ndim == 2 else arr.reshape(n, -1).view(_U8)
         space = self.files.space()
         if space is not None:  # every shard in one range: one gather, however many it touches
             space.take(idx, flat)

@@ -27,12 +27,20 @@ import torch
 from feedpipe.datasets._batch_pool import BatchPool
 from feedpipe.datasets._gather import ShardSpace, window
 
-__all__ = ["one_take"]
+__all__ = ["SHARD_TABLE_MAX", "one_take"]
+
+
+SHARD_TABLE_MAX = 1 << 21  # members' records up to this many: each one's shard tabulated
 
 
 class _Spans:
     """The members' maps (``spaces``, member ``k``'s records numbered from ``vbase[k]``) as one
-    table of shards, and one window over all of them."""
+    table of shards, and one window over all of them.
+
+    Per batch: each record's shard (one lookup in a table of every record's shard, made once,
+    when the members hold at most ``SHARD_TABLE_MAX`` records; else one ``searchsorted``), its
+    row (one add), the shards touched (one ``flatnonzero``), each member's checked by its guard
+    (the process's inotify watcher drained once for all of them), then one ``take``."""
 
     def __init__(self, spaces: list[ShardSpace], vbase: np.ndarray) -> None:
         self.spaces = spaces
@@ -46,23 +54,40 @@ class _Spans:
         self.shift = np.concatenate(
             [s.row_shift() - v - self.first for s, v in zip(spaces, vbase.tolist(), strict=True)]
         )
+        total = int(vbase[-1]) + int(spaces[-1].starts[-1])
+        self.shard_of: np.ndarray | None = None
+        if total <= SHARD_TABLE_MAX:  # shards cover [0, total) in order: empty ones get none
+            sizes = np.diff(np.append(self.starts, total))
+            self.shard_of = np.repeat(np.arange(len(sizes), dtype=np.intp), sizes)
+
+    def shards(self, virtual: np.ndarray) -> np.ndarray:
+        """The shard (of the table) of each of records ``virtual``."""
+        if self.shard_of is not None:
+            return self.shard_of.take(virtual)
+        shard = np.searchsorted(self.starts, virtual, side="right")
+        shard -= 1
+        return shard
 
     def take(self, virtual: np.ndarray, flat: np.ndarray) -> None:
         """Records ``virtual`` into ``flat`` (``(n, record_bytes)`` uint8), in one gather."""
-        shard = np.searchsorted(self.starts, virtual, side="right")
-        shard -= 1
-        rows = virtual + self.shift[shard]
+        shard = self.shards(virtual)
+        rows = virtual + self.shift.take(shard)
         touched = np.zeros(int(self.offsets[-1]), bool)
         touched[shard] = True
+        hit = np.flatnonzero(touched)
+        cuts = np.searchsorted(hit, self.offsets).tolist()
         entered: list[ShardSpace] = []
+        drained = False  # the watcher is drained once for every member's guard
         try:
             for k, space in enumerate(self.spaces):
-                sids = np.flatnonzero(touched[self.offsets[k] : self.offsets[k + 1]])
-                if sids.size:
-                    space.ensure(sids)
-                    space.enter(sids)
+                a, b = cuts[k], cuts[k + 1]
+                if a < b:
+                    sids = hit[a:b] - self.offsets[k]
+                    if not space.complete:
+                        space.ensure(sids)
+                    drained = space.enter(sids, drained)
                     entered.append(space)
-            np.take(self.view, rows, axis=0, out=flat, mode="clip")
+            self.view.take(rows, axis=0, out=flat, mode="clip")
         finally:
             for space in entered:
                 space.leave()

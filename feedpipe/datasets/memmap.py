@@ -151,6 +151,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             verify=verify,
         )
         self.path, self.storage_options = source.path, source.storage_options
+        self._remote = source.remote
         self.cache_dir, self.cache_limit_bytes = source.cache_dir, cache_limit_bytes
         self._shown = source.shown
         self.index = index = source.index
@@ -216,6 +217,8 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
 
     def _plan_started(self, idx: np.ndarray) -> None:
         """This thread starts reading ``idx``: a planned read leaves the plan's future."""
+        if not self._remote:
+            return
         cache = self._source.made_cache
         if cache is not None and cache.plan:
             from feedpipe.remote.plan import batch_key
@@ -223,10 +226,10 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             cache.plan.start(batch_key(idx))
 
     def _normalize(self, indices: Any) -> np.ndarray:
-        n, shown = self._len, self._shown
-        return indices_array(
-            indices, n, lambda i: f"index {i} is out of range for {shown} (length {n})"
-        )
+        return indices_array(indices, self._len, self._out_of_range)
+
+    def _out_of_range(self, i: int) -> str:
+        return f"index {i} is out of range for {self._shown} (length {self._len})"
 
     def __getitem__(self, index: int) -> Any:
         if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
