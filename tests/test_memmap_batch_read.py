@@ -219,3 +219,21 @@ def _child_reads(ds: MemmapDataset, shard: str, conn: Any) -> None:
     except DatasetError:
         refused = True
     conn.send((own, same, refused))
+
+
+@pytest.mark.parametrize(
+    "bad", [np.array([0, 30], np.int64), np.array([-31, 2], np.int64), np.array([99], np.int64)]
+)
+def test_int64_arrays_out_of_range_are_refused_naming_the_dataset(
+    tmp_path: Path, bad: np.ndarray
+) -> None:
+    """An int64 array (what the loader passes) of a one-file dataset is read by one take that
+    checks each index as it copies: one out of range is still the dataset's IndexError, and a
+    2-D array is refused, never read as rows of rows."""
+    x = _write(tmp_path / "d", 30)
+    ds = MemmapDataset(tmp_path / "d")
+    with pytest.raises(IndexError, match=r"out of range for .*\(length 30\)"):
+        ds.read_batch(bad)
+    with pytest.raises(TypeError, match="1-D"):
+        ds.read_batch(np.array([[0, 1], [2, 3]], np.int64))
+    assert torch.equal(ds.read_batch(np.array([-30, 29], np.int64)), torch.from_numpy(x[[0, 29]]))

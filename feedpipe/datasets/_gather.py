@@ -151,6 +151,8 @@ class ShardSpace:
         self._base = -(-self._raw // unit) * unit
         rows = self._span // self._rb
         self._view = np.asarray(_Window(self._base, rows, self._rb))
+        #: exactly the records of a one-shard space (``take`` bounds-checks against it)
+        self._records = self._view[: int(starts[-1])] if self._same else None
         #: row of this space's first byte counted from address 0 (see :meth:`rows`)
         self.first_row = self._base // self._rb
         self.end_row = self.first_row + rows
@@ -260,6 +262,30 @@ class ShardSpace:
             self._view.take(rows, axis=0, out=out, mode="clip")
         finally:
             self.leave()
+
+    @property
+    def one_file(self) -> bool:
+        """Every record is in one shard, row ``i`` of the space being record ``i``
+        (:meth:`take_new` serves it)."""
+        return self._records is not None
+
+    def take_new(self, idx: np.ndarray) -> np.ndarray:
+        """Records ``idx`` (``int64``; a negative one counts from the end) of a :attr:`one_file`
+        space as a new ``(len(idx), record_bytes)`` uint8 array: the guard's check, then one
+        ``take`` that allocates the batch and checks each index as it copies (an ``IndexError``
+        for one out of range), as a hand-written ``np.take`` over a memmap does: no separate
+        pass over the indices, no copy through a temporary (``take`` makes one only when
+        given ``out``)."""
+        records = self._records
+        assert records is not None, "take_new needs a one-file space"
+        if not self._complete:
+            self.ensure(_ZERO)
+        self.enter(_ZERO)
+        try:
+            got: np.ndarray = records.take(idx, axis=0)
+        finally:
+            self.leave()
+        return got
 
     def _admit(self, sids: list[int]) -> list[tuple[int, int, Stamp | None]]:
         """Open shards ``sids`` and check them (``guard.admit``, no lock held): ``(sid, fd,

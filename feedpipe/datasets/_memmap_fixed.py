@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from feedpipe.datasets._batch_pool import BatchPool
+from feedpipe.datasets._batch_pool import ALIGN_MIN, BatchPool
 from feedpipe.datasets._gather import ROW_COPY_MIN, inverse, scratch
 from feedpipe.datasets._memmap_columns import check_out
 from feedpipe.datasets._memmap_open import OpenShard, ShardFiles
@@ -86,6 +86,20 @@ class FixedRecords:
         else:
             self._per_shard(idx, flat)
         return dest
+
+    def fresh(self, idx: np.ndarray) -> torch.Tensor | None:
+        """Records ``idx`` (an ``int64`` array, unchecked: out of range is an ``IndexError``)
+        as new memory, where the dataset is one local file and the batch is under
+        ``ALIGN_MIN`` bytes (:meth:`ShardSpace.take_new`: the shortest per-batch path); else
+        None."""
+        n, rb = len(idx), self.record_bytes
+        if not n or not rb or n * rb >= ALIGN_MIN or self.read == "pread":
+            return None
+        space = self.files.space()
+        if space is None or not space.one_file:
+            return None
+        flat = space.take_new(idx)
+        return torch.from_numpy(flat.view(self.dtype).reshape(n, *self.shape))
 
     def one(self, i: int, sid: int, local: int) -> torch.Tensor:
         """Record ``i`` (record ``local`` of shard ``sid``) as a tensor of its own."""

@@ -14,6 +14,10 @@ one vectorised gather with the GIL released. Fixed-size records are read one of 
   touches, and open descriptors do not grow with the number of shards. A remote dataset (shards
   leased from the cache one by one) and one with more shards than the map budget gather shard
   by shard, in file order, then scatter.
+  A small batch (under 256 KiB) of a one-file local dataset, asked for by an ``int64``
+  index array (what the loader passes) with no ``out``, is one ``take`` that allocates the
+  batch and checks each index as it copies, as a hand-written ``np.take`` over a memmap
+  does (no ``out``: no temporary); the guard's check runs first, as for every batch.
 - ``"pread"``: ``os.preadv`` straight into the destination rows, in file order, adjacent records
   coalesced into one call, every byte count checked (a truncated shard raises).
 - ``"auto"`` (default): ``"mmap"``, because it measured faster at every record size and thread
@@ -73,6 +77,7 @@ from feedpipe.datasets.writer import MemmapWriter
 __all__ = ["MemmapDataset", "MemmapWriter", "verify_files"]
 
 _READS = ("auto", "mmap", "pread")
+_INT64 = np.dtype(np.int64)
 
 
 def _check_options(
@@ -289,15 +294,28 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         ``transform``, samples are transformed and collated (``out`` is not used); then
         ``batch_transform`` (see the class docstring).
         """
+        plain = self._plain and self.transform is None and self.batch_transform is None
+        if plain and out is None and (fresh := self._fresh(indices)) is not None:
+            return fresh
         idx = self._normalize(indices)
         self._plan_started(idx)
-        if self._plain and self.transform is None and self.batch_transform is None:
+        if plain:
             return self._fixed.gather(idx, out.get("data") if isinstance(out, dict) else out)
         if self.transform is not None:
             batch = self._transformed(idx)
         else:
             batch = self._read(idx, out, self.ragged)
         return batch if self.batch_transform is None else self.batch_transform(batch)
+
+    def _fresh(self, indices: Any) -> torch.Tensor | None:
+        """A small batch of a one-file dataset by one bounds-checked take, for an ``int64``
+        index array (what the loader passes): :meth:`FixedRecords.fresh`; else None."""
+        if type(indices) is not np.ndarray or indices.dtype is not _INT64 or indices.ndim != 1:
+            return None
+        try:
+            return self._fixed.fresh(indices)
+        except IndexError:
+            return None  # out of range: _normalize raises it again, naming the dataset
 
     def _read(self, idx: np.ndarray, out: Any, mode: str) -> Any:
         """The batch before any transform; ragged columns as ``mode`` (pad, nested, list)."""
