@@ -14,11 +14,11 @@ checks the pool (:func:`_counts`), on an array only a list holds, and must then 
 one more reference; where it does not (or on a free-threaded build, where counts are split
 across threads) the pool is off and every batch is a fresh array.
 
-Every batch starts on a cache-line boundary, a pooled one on a page: ``malloc`` aligns to 16
-bytes only, and a large copy into a row that starts 16 bytes past a 32-byte boundary measured
-35% slower than into an aligned one (8 KiB records on this 2-core AMD VM; a pooled array that
-happened to be so placed made a whole dataset's batches slower, at random per process and
-thread).
+A pooled batch starts on a page, a fresh one of ``ALIGN_MIN`` bytes or more on a cache line:
+``malloc`` aligns to 16 bytes only, and copying large records into rows that start 16 bytes
+past a 32-byte boundary is much slower than into aligned ones (a pooled array so placed made
+every batch of a process slower, at random per process and thread; see
+``tests/test_memmap_batch_read.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ __all__ = ["BatchPool", "aligned_empty"]
 
 LINE = 64  # a fresh batch of ALIGN_MIN bytes or more starts at a multiple of this many bytes
 PAGE = 4096  # a pooled one at a multiple of this
-ALIGN_MIN = 256 << 10  # smaller fresh batches are plain np.empty (aligning costs ~2 us)
+ALIGN_MIN = 256 << 10  # smaller fresh batches are plain np.empty (aligning costs more there)
 _U8 = np.dtype(np.uint8)
 
 
