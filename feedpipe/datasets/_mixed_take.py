@@ -5,12 +5,15 @@ one-range map (``record_space()``: local fixed records, no side fields, no trans
 have the same record shape and dtype, a batch is read with one ``np.take`` straight into the
 output, whatever the number of members and shards. Each member's records are numbered after
 the previous members' (a *virtual* index: ``member_start + sample``); the members' shards side
-by side are one table (:class:`_Spans`), so one ``searchsorted`` finds every record's shard and
-one add its row. Every map is aligned to its record size, so the rows of all of them are rows
-of one window over the address space (:func:`~._gather.window`), read in one ``np.take``: each
-record is copied once, into its row of the batch. Each member's shards touched are mapped and
-checked by its own guard first (:meth:`ShardSpace.ensure`, :meth:`ShardSpace.enter`), as its
-own ``read_batch`` does.
+by side are one table (:class:`_Spans`), so one lookup (a table of every record's shard, for
+members of up to ``SHARD_TABLE_MAX`` records; else one ``searchsorted``) finds every record's
+shard and one add its row. Every map is aligned to its record size, so the rows of all of them
+are rows of one window over the address space (:func:`~._gather.window`), read in one
+``np.take``: each record is copied once, into its row of the batch. Each member's shards
+touched are mapped and checked by its own guard first (:meth:`ShardSpace.ensure`,
+:meth:`ShardSpace.enter`), as its own ``read_batch`` does; the process's inotify watcher is
+drained once per batch for all of them (the first guard's check; the others see the events
+it read).
 
 Anything else (other layouts or members, a CUDA or an ill-fitting ``out``) returns ``None``:
 the caller reads member by member and merges (:mod:`._mixed_merge`).
