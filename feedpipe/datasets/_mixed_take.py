@@ -9,7 +9,8 @@ by side are one table (:class:`_Spans`), so one lookup (a table of every record'
 members of up to ``SHARD_TABLE_MAX`` records; else one ``searchsorted``) finds every record's
 shard and one add its row. Every map is aligned to its record size, so the rows of all of them
 are rows of one window over the address space (:func:`~._gather.window`), read in one
-``np.take``: each record is copied once, into its row of the batch. Each member's shards
+``np.take`` (records of ``ROW_COPY_MIN`` bytes or more: one copy each, in address order):
+each record is copied once, into its row of the batch. Each member's shards
 touched are mapped and checked by its own guard first (:meth:`ShardSpace.ensure`,
 :meth:`ShardSpace.enter`), as its own ``read_batch`` does; the process's inotify watcher is
 drained once per batch for all of them (the first guard's check; the others see the events
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from feedpipe.datasets._batch_pool import BatchPool
-from feedpipe.datasets._gather import ShardSpace, window
+from feedpipe.datasets._gather import ROW_COPY_MIN, ShardSpace, window
 
 __all__ = ["SHARD_TABLE_MAX", "one_take"]
 
@@ -57,6 +58,7 @@ class _Spans:
         self.shift = np.concatenate(
             [s.row_shift() - v - self.first for s, v in zip(spaces, vbase.tolist(), strict=True)]
         )
+        self.big = spaces[0].record_bytes >= ROW_COPY_MIN  # copied row by row, in address order
         total = int(vbase[-1]) + int(spaces[-1].starts[-1])
         self.shard_of: np.ndarray | None = None
         if total <= SHARD_TABLE_MAX:  # shards cover [0, total) in order: empty ones get none
@@ -90,10 +92,22 @@ class _Spans:
                         space.ensure(sids)
                     drained = space.enter(sids, drained)
                     entered.append(space)
-            self.view.take(rows, axis=0, out=flat, mode="clip")
+            if self.big:
+                _copy_rows(self.view, rows, flat)
+            else:
+                self.view.take(rows, axis=0, out=flat, mode="clip")
         finally:
             for space in entered:
                 space.leave()
+
+
+def _copy_rows(view: np.ndarray, rows: np.ndarray, flat: np.ndarray) -> None:
+    """Rows ``rows`` of ``view`` into ``flat``, one copy each, in address order (records of
+    ``ROW_COPY_MIN`` bytes or more: a ``take`` in batch order, hopping between the members'
+    files, ran much slower in a loader's worker thread; ``benchmarks/mixed.py``)."""
+    order = np.argsort(rows, kind="stable")
+    for p, q in zip(order.tolist(), rows[order].tolist(), strict=True):
+        flat[p] = view[q]
 
 
 _SPANS: dict[tuple[ShardSpace, ...], _Spans] = {}  # per process: the members' maps -> table
