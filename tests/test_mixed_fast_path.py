@@ -387,3 +387,71 @@ def test_mix_item_index_that_is_not_an_int_is_refused(tmp_path: Path, index: Any
     mix = MixedDataset({"a": MemmapDataset(tmp_path / "a")})
     with pytest.raises(TypeError, match="index must be an int"):
         mix[index]
+
+
+@pytest.mark.parametrize("tabulated", [True, False])
+def test_shards_tabulated_or_searched_give_the_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tabulated: bool
+) -> None:
+    """Each record's shard comes from a table of every record's shard (members of up to
+    SHARD_TABLE_MAX records) or a searchsorted: members of many shards (some left out of a
+    batch), the same samples either way."""
+    import feedpipe.datasets._mixed_take as take_module
+
+    if not tabulated:
+        monkeypatch.setattr(take_module, "SHARD_TABLE_MAX", 0)
+    members = _fixed_members(tmp_path, shard_bytes=48)  # 3 records a shard
+    ds = MixedDataset(members, weights=WEIGHTS, seed=2, epoch_samples=TOTAL)
+    want = _reference(SIZES, WEIGHTS, 2, 0, TOTAL)
+    for batch in np.array_split(np.random.default_rng(3).permutation(TOTAL), 11):
+        _check_fixed(ds.read_batch(batch), members, [want[i] for i in batch])
+
+
+@pytest.mark.parametrize("name", ["web", "books"])
+def test_every_members_guard_sees_a_rewrite_with_one_drain_per_batch(
+    tmp_path: Path, name: str
+) -> None:
+    """The process's inotify watcher is drained once per batch, by the first member's check;
+    the later members' checks see their events all the same (first and last member here). A
+    batch that reads no record of the rewritten file is still served."""
+    members = _fixed_members(tmp_path, shard_bytes=1 << 20)  # one shard each
+    ds = MixedDataset(members, weights=WEIGHTS, seed=0, epoch_samples=TOTAL)
+    everything = np.arange(TOTAL)
+    ds.read_batch(everything)  # every shard mapped and watched
+    shard = tmp_path / name / "shard-00000.data"
+    st = shard.stat()
+    with open(shard, "r+b") as f:  # other bytes, same size
+        f.write(b"\x55" * 64)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    member, _sample = ds.locate(everything)
+    other = everything[member != list(SIZES).index(name)]
+    want = _reference(SIZES, WEIGHTS, 0, 0, TOTAL)
+    _check_fixed(ds.read_batch(other), members, [want[i] for i in other])
+    with pytest.raises(
+        DatasetError, match=rf"{name}.shard-00000\.data: shard 0 file was rewritten"
+    ):
+        ds.read_batch(everything)
+
+
+def test_big_records_are_copied_row_by_row_into_their_places(tmp_path: Path) -> None:
+    """Records of 64 KiB or more (ROW_COPY_MIN) are copied one by one in address order, each
+    into its own row of the batch: the batch is the per-sample reads, in the batch's order."""
+    from feedpipe.datasets._gather import ROW_COPY_MIN
+
+    width = ROW_COPY_MIN // 4
+    members = {
+        name: _fixed_wide(tmp_path / name, 1000 * (k + 1), n, width)
+        for k, (name, n) in enumerate({"a": 5, "b": 2, "c": 3}.items())
+    }
+    ds = MixedDataset(members, weights={"a": 0.5, "b": 0.3, "c": 0.2}, seed=4, epoch_samples=12)
+    order = np.random.default_rng(0).permutation(12)
+    got = ds.read_batch(order)
+    assert torch.equal(got, torch.stack([ds[int(i)] for i in order]))
+    assert len({int(r[0]) for r in got}) > 3  # several members, several records
+
+
+def _fixed_wide(path: Path, base: int, n: int, width: int) -> MemmapDataset:
+    x = (base + np.arange(n, dtype=np.int32))[:, None] * np.ones((1, width), np.int32)
+    with MemmapWriter(path, shape=(width,), dtype="int32") as w:
+        w.append_batch(x)
+    return MemmapDataset(path)

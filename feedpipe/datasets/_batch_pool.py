@@ -12,7 +12,13 @@ What "the pool's own" count is depends on the interpreter (Python 3.14 borrows r
 used to count on the stack): it is measured, on first use, by the very function that later
 checks the pool (:func:`_counts`), on an array only a list holds, and must then rise by one for
 one more reference; where it does not (or on a free-threaded build, where counts are split
-across threads) the pool is off and every batch is ``np.empty``.
+across threads) the pool is off and every batch is a fresh array.
+
+A pooled batch starts on a page, a fresh one of ``ALIGN_MIN`` bytes or more on a cache line:
+``malloc`` aligns to 16 bytes only, and copying large records into rows that start 16 bytes
+past a 32-byte boundary is much slower than into aligned ones (a pooled array so placed made
+every batch of a process slower, at random per process and thread; see
+``tests/test_memmap_batch_read.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +31,26 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BatchPool"]
+__all__ = ["BatchPool", "aligned_empty"]
+
+LINE = 64  # a fresh batch of ALIGN_MIN bytes or more starts at a multiple of this many bytes
+PAGE = 4096  # a pooled one at a multiple of this
+ALIGN_MIN = 256 << 10  # smaller fresh batches are plain np.empty (aligning costs more there)
+_U8 = np.dtype(np.uint8)
+
+
+def _skip(base: np.ndarray, align: int) -> int:
+    """Bytes from ``base``'s start to its first ``align``-aligned byte."""
+    return int(-base.__array_interface__["data"][0] % align)
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any], align: int = LINE) -> np.ndarray:
+    """``np.empty(shape, dtype)`` starting at a multiple of ``align`` bytes (its base is the
+    array allocated: numpy's views name the owner of their memory as their base)."""
+    nbytes = dtype.itemsize * math.prod(shape)
+    base = np.empty(nbytes + align, _U8)
+    skip = _skip(base, align)
+    return base[skip : skip + nbytes].view(dtype).reshape(shape)
 
 
 def _counts(pool: list[np.ndarray]) -> list[int]:
@@ -66,28 +91,37 @@ class BatchPool:
 
     def held(self) -> int:
         """Bytes of batch arrays this thread's pool keeps (in use or free)."""
-        return sum(a.nbytes for a in getattr(self._tls, "arrays", ()))
+        return sum(a.nbytes - PAGE for a in getattr(self._tls, "arrays", ()))
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
         """An uninitialised array of ``shape`` and ``dtype`` that nothing else refers to."""
         nbytes = dtype.itemsize * math.prod(shape)
         if nbytes < self.min_bytes or nbytes > self.max_bytes:
-            return np.empty(shape, dtype)
+            if nbytes < ALIGN_MIN:
+                return np.empty(shape, dtype)
+            return aligned_empty(shape, dtype)
         if self._unused is False:
             self._unused = _unused_count()
         unused = self._unused
         if unused is None:
-            return np.empty(shape, dtype)
-        pool: list[np.ndarray] | None = getattr(self._tls, "arrays", None)
+            return aligned_empty(shape, dtype)
+        tls = self._tls
+        pool: list[np.ndarray] | None = getattr(tls, "arrays", None)
         if pool is None:
-            pool = self._tls.arrays = []
+            pool = tls.arrays = []
+            tls.skips = []
+        size = nbytes + PAGE  # each array is a page over: its batch starts on a page
         counts = _counts(pool)
-        free = [i for i, a in enumerate(pool) if a.nbytes == nbytes and counts[i] == unused]
-        if free:
-            base = pool[free[0]]
+        for i, base in enumerate(pool):
+            if counts[i] == unused and base.nbytes == size:
+                skip = tls.skips[i]
+                break
         else:
-            base = np.empty(nbytes, np.uint8)
+            base = np.empty(size, _U8)
+            skip = _skip(base, PAGE)
             pool.insert(0, base)
-            while len(pool) > self.keep or sum(a.nbytes for a in pool) > self.max_bytes:
+            tls.skips.insert(0, skip)
+            while len(pool) > self.keep or sum(a.nbytes - PAGE for a in pool) > self.max_bytes:
                 pool.pop()  # the oldest: freed once its batch is
-        return base.view(dtype).reshape(shape)
+                tls.skips.pop()
+        return base[skip : skip + nbytes].view(dtype).reshape(shape)

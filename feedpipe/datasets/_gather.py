@@ -57,6 +57,23 @@ _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANON, _MAP_NORESERVE = 0x01, 0x02, 0
 _MAX_SPAN = 1 << 44  # address space one dataset may reserve (user space is 128 TiB)
 _HUGE = 2 << 20  # a PMD huge page on x86-64 and arm64 (4 KiB pages)
 _ZERO = np.zeros(1, np.intp)  # the shard of every record of a one-shard space
+_INT64, _UINT64 = np.dtype(np.int64), np.dtype(np.uint64)
+_MAX = np.maximum.reduce
+_FORKS = [0]  # forks since the first space was made, counted in each child (see _generation)
+_HOOKED = [False]
+
+
+def _forked() -> None:
+    _FORKS[0] += 1
+
+
+def _generation() -> int:
+    """This process's fork count, hooked on first use: a space made in a parent is told from
+    its child's copy without a system call per batch (``os.getpid()`` is one)."""
+    if not _HOOKED[0]:
+        _HOOKED[0] = True
+        os.register_at_fork(after_in_child=_forked)
+    return _FORKS[0]
 
 
 def _unit(record_bytes: int, biggest: int) -> int:
@@ -95,6 +112,7 @@ class ShardSpace:
         self, guard: ShardGuard, starts: np.ndarray, record_bytes: int, watch: bool = True
     ) -> None:
         self.pid = os.getpid()
+        self._generation = _generation()
         self.guard = guard
         self._paths, self._sizes = guard.table.paths, guard.table.sizes
         self._rb = int(record_bytes)
@@ -109,6 +127,7 @@ class ShardSpace:
         self._one = len(self._paths) == 1
         # row of global index g is g + delta[sid(g)]
         self._delta = (self._offset // self._rb - starts[:-1]).astype(np.int64)
+        self._same = self._one and not self._delta[0]  # one shard at 0: row g is record g
         self._mapped = np.zeros(len(self._paths), bool)
         self._complete = False  # every shard mapped (none is ever unmapped but by close)
         self._lock = threading.Lock()
@@ -132,6 +151,8 @@ class ShardSpace:
         self._base = -(-self._raw // unit) * unit
         rows = self._span // self._rb
         self._view = np.asarray(_Window(self._base, rows, self._rb))
+        #: exactly the records of a one-shard space (``take`` bounds-checks against it)
+        self._records = self._view[: int(starts[-1])] if self._same else None
         #: row of this space's first byte counted from address 0 (see :meth:`rows`)
         self.first_row = self._base // self._rb
         self.end_row = self.first_row + rows
@@ -155,6 +176,10 @@ class ShardSpace:
             return None
 
     # ------------------------------------------------------------------ reads
+    def here(self) -> bool:
+        """Whether these maps are this process's own (not a forked child's copy of them)."""
+        return self._generation == _FORKS[0]
+
     @property
     def record_bytes(self) -> int:
         """Bytes per row of this space."""
@@ -173,10 +198,16 @@ class ShardSpace:
         """Cumulative record counts of the shards (one more than the shards)."""
         return self._starts
 
-    def ensure(self, sids: np.ndarray) -> None:
+    @property
+    def complete(self) -> bool:
+        """Every shard is mapped (none is unmapped but by :meth:`close`)."""
+        return self._complete
+
+    def ensure(self, sids: np.ndarray | list[int]) -> None:
         """Map (opening and checking each) shards ``sids`` not mapped yet."""
         if self._complete:
             return
+        sids = np.asarray(sids, np.intp)
         if not self._mapped[sids].all():  # checked outside the lock: threads verify in parallel
             self._map(self._admit(sids[~self._mapped[sids]].tolist()))
         self._complete = bool(self._mapped.all())
@@ -187,7 +218,7 @@ class ShardSpace:
             if not self._complete:
                 self._map(self._admit([0]))
                 self._complete = True
-            return _ZERO, idx + self._delta[0]
+            return _ZERO, idx if self._same else idx + self._delta[0]
         sid = np.searchsorted(self._starts, idx, side="right") - 1
         rows = idx + self._delta[sid]
         if not self._complete and not self._mapped[sid].all():  # outside the lock: threads
@@ -195,14 +226,17 @@ class ShardSpace:
             self._complete = bool(self._mapped.all())
         return sid, rows
 
-    def enter(self, sid: np.ndarray) -> None:
+    def enter(self, sid: np.ndarray | list[int], drained: bool = False) -> bool:
         """A read of shards ``sid`` begins: raise if a file changed (the guard's one check per
-        batch) or the maps are closed; until :meth:`leave`, :meth:`close` waits."""
+        batch) or the maps are closed; until :meth:`leave`, :meth:`close` waits. ``drained``
+        and the result: as :meth:`ShardGuard.check`'s (one watcher drain per batch of several
+        spaces)."""
         with self._lock:
             if self._closed:
                 raise ValueError("the dataset's shard maps are closed")
-            self.guard.check(sid)
+            drained = self.guard.check(sid, drained)
             self._active += 1
+        return drained
 
     def leave(self) -> None:
         """The read :meth:`enter` began is over."""
@@ -212,13 +246,46 @@ class ShardSpace:
                 self._idle.notify_all()
 
     def take(self, idx: np.ndarray, out: np.ndarray) -> None:
-        """Gather global records ``idx`` into ``out`` (``(len(idx), record_bytes)`` uint8)."""
-        sid, rows = self._local(idx)
-        self.enter(sid)
+        """Gather global records ``idx`` into ``out`` (``(len(idx), record_bytes)`` uint8): the
+        guard's one check, then one ``take`` (``enter`` inlined: the per-batch path of small
+        batches is as short as a hand-written ``np.take``)."""
+        if self._same and self._complete:
+            sid, rows = _ZERO, idx
+        else:
+            sid, rows = self._local(idx)
+        with self._lock:
+            if self._closed:
+                raise ValueError("the dataset's shard maps are closed")
+            self.guard.check(sid)
+            self._active += 1
         try:
-            np.take(self._view, rows, axis=0, out=out, mode="clip")
+            self._view.take(rows, axis=0, out=out, mode="clip")
         finally:
             self.leave()
+
+    @property
+    def one_file(self) -> bool:
+        """Every record is in one shard, row ``i`` of the space being record ``i``
+        (:meth:`take_new` serves it)."""
+        return self._records is not None
+
+    def take_new(self, idx: np.ndarray) -> np.ndarray:
+        """Records ``idx`` (``int64``; a negative one counts from the end) of a :attr:`one_file`
+        space as a new ``(len(idx), record_bytes)`` uint8 array: the guard's check, then one
+        ``take`` that allocates the batch and checks each index as it copies (an ``IndexError``
+        for one out of range), as a hand-written ``np.take`` over a memmap does: no separate
+        pass over the indices, no copy through a temporary (``take`` makes one only when
+        given ``out``)."""
+        records = self._records
+        assert records is not None, "take_new needs a one-file space"
+        if not self._complete:
+            self.ensure(_ZERO)
+        self.enter(_ZERO)
+        try:
+            got: np.ndarray = records.take(idx, axis=0)
+        finally:
+            self.leave()
+        return got
 
     def _admit(self, sids: list[int]) -> list[tuple[int, int, Stamp | None]]:
         """Open shards ``sids`` and check them (``guard.admit``, no lock held): ``(sid, fd,
@@ -331,12 +398,28 @@ def inverse(order: np.ndarray) -> np.ndarray:
     return inv
 
 
+def _in_range(indices: Any, length: int) -> bool:
+    """Whether ``indices`` is a non-empty 1-D ``int64`` array of indices in ``[0, length)``:
+    one reduction (negatives look huge as ``uint64``)."""
+    return (
+        type(indices) is np.ndarray
+        and indices.dtype is _INT64
+        and indices.ndim == 1
+        and indices.size > 0
+        and bool(_MAX(indices.view(_UINT64)) < length)
+    )
+
+
 def indices_array(indices: Any, length: int, out_of_range: Callable[[int], str]) -> np.ndarray:
     """A batch's indices (a sequence, numpy array or tensor of integers) as a 1-D int64 array in
     ``[0, length)``, negatives wrapped; an index outside ``[-length, length)`` is an
     ``IndexError`` with ``out_of_range(index)`` as its message. Booleans are refused (a mask is
     not a batch of indices), and a ``uint64`` index too large for ``int64`` is out of range
-    (never wrapped into a negative one). The result may be the caller's array: never write it."""
+    (never wrapped into a negative one). The result may be the caller's array: never write it.
+    An ``int64`` array in range (what the loader passes) is checked by one reduction."""
+    if _in_range(indices, length):
+        same: np.ndarray = indices
+        return same
     if hasattr(indices, "tolist") and not isinstance(indices, np.ndarray):  # a tensor
         indices = indices.tolist()
     idx = np.asarray(indices)

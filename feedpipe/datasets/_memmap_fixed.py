@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from feedpipe.datasets._batch_pool import BatchPool
+from feedpipe.datasets._batch_pool import ALIGN_MIN, BatchPool
 from feedpipe.datasets._gather import ROW_COPY_MIN, inverse, scratch
 from feedpipe.datasets._memmap_columns import check_out
 from feedpipe.datasets._memmap_open import OpenShard, ShardFiles
@@ -34,6 +34,7 @@ from feedpipe.io.fsutil import readinto_exactly
 __all__ = ["FixedRecords"]
 
 _IOV_MAX = 1024
+_U8 = np.dtype(np.uint8)
 
 
 class FixedRecords:
@@ -65,17 +66,18 @@ class FixedRecords:
     def gather(self, idx: np.ndarray, out: Any) -> torch.Tensor:
         """Records ``idx`` as one tensor (views of ``out`` when given)."""
         n, rb = len(idx), self.record_bytes
-        if isinstance(out, torch.Tensor) and out.is_cuda:
-            return self.dma(idx, out)
         if out is None:
             arr = self._pool.empty((n, *self.shape), self.dtype)
             dest = torch.from_numpy(arr)
+        elif isinstance(out, torch.Tensor) and out.is_cuda:
+            return self.dma(idx, out)
         else:
             dest = check_out(out, n, self.shape, self.dtype, "data")
             arr = dest.numpy()
         if n == 0 or rb == 0:
             return dest
-        flat = arr.reshape(n, -1).view(np.uint8)
+        # (n, record_bytes) bytes: one view for rows of one dimension, else a reshape first
+        flat = arr.view(_U8) if arr.ndim == 2 else arr.reshape(n, -1).view(_U8)
         space = self.files.space()
         if space is not None:  # every shard in one range: one gather, however many it touches
             space.take(idx, flat)
@@ -84,6 +86,20 @@ class FixedRecords:
         else:
             self._per_shard(idx, flat)
         return dest
+
+    def fresh(self, idx: np.ndarray) -> torch.Tensor | None:
+        """Records ``idx`` (an ``int64`` array, unchecked: out of range is an ``IndexError``)
+        as new memory, where the dataset is one local file and the batch is under
+        ``ALIGN_MIN`` bytes (:meth:`ShardSpace.take_new`: the shortest per-batch path); else
+        None."""
+        n, rb = len(idx), self.record_bytes
+        if not n or not rb or n * rb >= ALIGN_MIN or self.read == "pread":
+            return None
+        space = self.files.space()
+        if space is None or not space.one_file:
+            return None
+        flat = space.take_new(idx)
+        return torch.from_numpy(flat.view(self.dtype).reshape(n, *self.shape))
 
     def one(self, i: int, sid: int, local: int) -> torch.Tensor:
         """Record ``i`` (record ``local`` of shard ``sid``) as a tensor of its own."""

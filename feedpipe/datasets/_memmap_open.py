@@ -314,13 +314,13 @@ class ShardFiles:
         ``None`` where batches are read shard by shard (remote, ``read="pread"``, not fixed
         records, more shards than the map budget)."""
         space = self._space
-        if isinstance(space, ShardSpace) and space.pid == os.getpid():
+        if isinstance(space, ShardSpace) and space.here():  # no system call per batch
             return space
         if space is False or not self.one_range:
             return None
         with self._lock:
             space = self._space
-            if isinstance(space, ShardSpace) and space.pid != os.getpid():
+            if isinstance(space, ShardSpace) and not space.here():
                 space.forget()  # a forked child: the parent's maps, no other thread here
                 space = None
             if space is None:

@@ -5,12 +5,16 @@ one-range map (``record_space()``: local fixed records, no side fields, no trans
 have the same record shape and dtype, a batch is read with one ``np.take`` straight into the
 output, whatever the number of members and shards. Each member's records are numbered after
 the previous members' (a *virtual* index: ``member_start + sample``); the members' shards side
-by side are one table (:class:`_Spans`), so one ``searchsorted`` finds every record's shard and
-one add its row. Every map is aligned to its record size, so the rows of all of them are rows
-of one window over the address space (:func:`~._gather.window`), read in one ``np.take``: each
-record is copied once, into its row of the batch. Each member's shards touched are mapped and
-checked by its own guard first (:meth:`ShardSpace.ensure`, :meth:`ShardSpace.enter`), as its
-own ``read_batch`` does.
+by side are one table (:class:`_Spans`), so one lookup (a table of every record's shard, for
+members of up to ``SHARD_TABLE_MAX`` records; else one ``searchsorted``) finds every record's
+shard and one add its row. Every map is aligned to its record size, so the rows of all of them
+are rows of one window over the address space (:func:`~._gather.window`), read in one
+``np.take`` (records of ``ROW_COPY_MIN`` bytes or more: one copy each, in address order):
+each record is copied once, into its row of the batch. Each member's shards
+touched are mapped and checked by its own guard first (:meth:`ShardSpace.ensure`,
+:meth:`ShardSpace.enter`), as its own ``read_batch`` does; the process's inotify watcher is
+drained once per batch for all of them (the first guard's check; the others see the events
+it read).
 
 Anything else (other layouts or members, a CUDA or an ill-fitting ``out``) returns ``None``:
 the caller reads member by member and merges (:mod:`._mixed_merge`).
@@ -25,14 +29,22 @@ import numpy as np
 import torch
 
 from feedpipe.datasets._batch_pool import BatchPool
-from feedpipe.datasets._gather import ShardSpace, window
+from feedpipe.datasets._gather import ROW_COPY_MIN, ShardSpace, window
 
-__all__ = ["one_take"]
+__all__ = ["SHARD_TABLE_MAX", "one_take"]
+
+
+SHARD_TABLE_MAX = 1 << 21  # members' records up to this many: each one's shard tabulated
 
 
 class _Spans:
     """The members' maps (``spaces``, member ``k``'s records numbered from ``vbase[k]``) as one
-    table of shards, and one window over all of them."""
+    table of shards, and one window over all of them.
+
+    Per batch: each record's shard (one lookup in a table of every record's shard, made once,
+    when the members hold at most ``SHARD_TABLE_MAX`` records; else one ``searchsorted``), its
+    row (one add), the shards touched (one ``flatnonzero``), each member's checked by its guard
+    (the process's inotify watcher drained once for all of them), then one ``take``."""
 
     def __init__(self, spaces: list[ShardSpace], vbase: np.ndarray) -> None:
         self.spaces = spaces
@@ -46,26 +58,56 @@ class _Spans:
         self.shift = np.concatenate(
             [s.row_shift() - v - self.first for s, v in zip(spaces, vbase.tolist(), strict=True)]
         )
+        self.big = spaces[0].record_bytes >= ROW_COPY_MIN  # copied row by row, in address order
+        total = int(vbase[-1]) + int(spaces[-1].starts[-1])
+        self.shard_of: np.ndarray | None = None
+        if total <= SHARD_TABLE_MAX:  # shards cover [0, total) in order: empty ones get none
+            sizes = np.diff(np.append(self.starts, total))
+            self.shard_of = np.repeat(np.arange(len(sizes), dtype=np.intp), sizes)
+
+    def shards(self, virtual: np.ndarray) -> np.ndarray:
+        """The shard (of the table) of each of records ``virtual``."""
+        if self.shard_of is not None:
+            return self.shard_of.take(virtual)
+        shard = np.searchsorted(self.starts, virtual, side="right")
+        shard -= 1
+        return shard
 
     def take(self, virtual: np.ndarray, flat: np.ndarray) -> None:
         """Records ``virtual`` into ``flat`` (``(n, record_bytes)`` uint8), in one gather."""
-        shard = np.searchsorted(self.starts, virtual, side="right")
-        shard -= 1
-        rows = virtual + self.shift[shard]
+        shard = self.shards(virtual)
+        rows = virtual + self.shift.take(shard)
         touched = np.zeros(int(self.offsets[-1]), bool)
         touched[shard] = True
+        hit = np.flatnonzero(touched)
+        cuts = np.searchsorted(hit, self.offsets).tolist()
         entered: list[ShardSpace] = []
+        drained = False  # the watcher is drained once for every member's guard
         try:
             for k, space in enumerate(self.spaces):
-                sids = np.flatnonzero(touched[self.offsets[k] : self.offsets[k + 1]])
-                if sids.size:
-                    space.ensure(sids)
-                    space.enter(sids)
+                a, b = cuts[k], cuts[k + 1]
+                if a < b:
+                    sids = hit[a:b] - self.offsets[k]
+                    if not space.complete:
+                        space.ensure(sids)
+                    drained = space.enter(sids, drained)
                     entered.append(space)
-            np.take(self.view, rows, axis=0, out=flat, mode="clip")
+            if self.big:
+                _copy_rows(self.view, rows, flat)
+            else:
+                self.view.take(rows, axis=0, out=flat, mode="clip")
         finally:
             for space in entered:
                 space.leave()
+
+
+def _copy_rows(view: np.ndarray, rows: np.ndarray, flat: np.ndarray) -> None:
+    """Rows ``rows`` of ``view`` into ``flat``, one copy each, in address order (records of
+    ``ROW_COPY_MIN`` bytes or more: a ``take`` in batch order, hopping between the members'
+    files, ran much slower in a loader's worker thread; ``benchmarks/mixed.py``)."""
+    order = np.argsort(rows, kind="stable")
+    for p, q in zip(order.tolist(), rows[order].tolist(), strict=True):
+        flat[p] = view[q]
 
 
 _SPANS: dict[tuple[ShardSpace, ...], _Spans] = {}  # per process: the members' maps -> table

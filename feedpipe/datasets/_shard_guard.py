@@ -235,10 +235,15 @@ class ShardGuard:
             self._wds[sid] = wd
 
     # ------------------------------------------------------------------ before each read
-    def check(self, sid: np.ndarray | Sequence[int]) -> None:
-        """Raise if a file of this read changed since it was opened (see the module docstring)."""
-        if self._wds:
+    def check(self, sid: np.ndarray | Sequence[int], drained: bool = False) -> bool:
+        """Raise if a file of this read changed since it was opened (see the module docstring).
+        ``drained``: this process's watcher was drained since the read began (by another
+        guard's check of the same read), so its events are in every guard already. Returns
+        whether the watcher is drained now."""
+        if self._wds and not drained:
             watcher().drain()
+            drained = True
+        if self._wds:
             while self._dirty:
                 self._restat(self._dirty.pop(), modified=True)
         if self._any_unwatched:
@@ -249,6 +254,7 @@ class ShardGuard:
             for s in np.unique(np.asarray(sid, np.intp)).tolist():
                 if s in self._bad:
                     raise DatasetError(self._bad[s])
+        return drained
 
     def _restat(self, s: int, modified: bool) -> None:
         """Re-check shard ``s``; ``modified``: inotify saw the open file written."""

@@ -14,6 +14,10 @@ one vectorised gather with the GIL released. Fixed-size records are read one of 
   touches, and open descriptors do not grow with the number of shards. A remote dataset (shards
   leased from the cache one by one) and one with more shards than the map budget gather shard
   by shard, in file order, then scatter.
+  A small batch (under 256 KiB) of a one-file local dataset, asked for by an ``int64``
+  index array (what the loader passes) with no ``out``, is one ``take`` that allocates the
+  batch and checks each index as it copies, as a hand-written ``np.take`` over a memmap
+  does (no ``out``: no temporary); the guard's check runs first, as for every batch.
 - ``"pread"``: ``os.preadv`` straight into the destination rows, in file order, adjacent records
   coalesced into one call, every byte count checked (a truncated shard raises).
 - ``"auto"`` (default): ``"mmap"``, because it measured faster at every record size and thread
@@ -73,6 +77,7 @@ from feedpipe.datasets.writer import MemmapWriter
 __all__ = ["MemmapDataset", "MemmapWriter", "verify_files"]
 
 _READS = ("auto", "mmap", "pread")
+_INT64 = np.dtype(np.int64)
 
 
 def _check_options(
@@ -151,6 +156,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             verify=verify,
         )
         self.path, self.storage_options = source.path, source.storage_options
+        self._remote = source.remote
         self.cache_dir, self.cache_limit_bytes = source.cache_dir, cache_limit_bytes
         self._shown = source.shown
         self.index = index = source.index
@@ -216,6 +222,8 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
 
     def _plan_started(self, idx: np.ndarray) -> None:
         """This thread starts reading ``idx``: a planned read leaves the plan's future."""
+        if not self._remote:
+            return
         cache = self._source.made_cache
         if cache is not None and cache.plan:
             from feedpipe.remote.plan import batch_key
@@ -223,10 +231,10 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             cache.plan.start(batch_key(idx))
 
     def _normalize(self, indices: Any) -> np.ndarray:
-        n, shown = self._len, self._shown
-        return indices_array(
-            indices, n, lambda i: f"index {i} is out of range for {shown} (length {n})"
-        )
+        return indices_array(indices, self._len, self._out_of_range)
+
+    def _out_of_range(self, i: int) -> str:
+        return f"index {i} is out of range for {self._shown} (length {self._len})"
 
     def __getitem__(self, index: int) -> Any:
         if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
@@ -286,15 +294,28 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         ``transform``, samples are transformed and collated (``out`` is not used); then
         ``batch_transform`` (see the class docstring).
         """
+        plain = self._plain and self.transform is None and self.batch_transform is None
+        if plain and out is None and (fresh := self._fresh(indices)) is not None:
+            return fresh
         idx = self._normalize(indices)
         self._plan_started(idx)
-        if self._plain and self.transform is None and self.batch_transform is None:
+        if plain:
             return self._fixed.gather(idx, out.get("data") if isinstance(out, dict) else out)
         if self.transform is not None:
             batch = self._transformed(idx)
         else:
             batch = self._read(idx, out, self.ragged)
         return batch if self.batch_transform is None else self.batch_transform(batch)
+
+    def _fresh(self, indices: Any) -> torch.Tensor | None:
+        """A small batch of a one-file dataset by one bounds-checked take, for an ``int64``
+        index array (what the loader passes): :meth:`FixedRecords.fresh`; else None."""
+        if type(indices) is not np.ndarray or indices.dtype is not _INT64 or indices.ndim != 1:
+            return None
+        try:
+            return self._fixed.fresh(indices)
+        except IndexError:
+            return None  # out of range: _normalize raises it again, naming the dataset
 
     def _read(self, idx: np.ndarray, out: Any, mode: str) -> Any:
         """The batch before any transform; ragged columns as ``mode`` (pad, nested, list)."""

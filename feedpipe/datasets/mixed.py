@@ -68,6 +68,8 @@ def mix_counts(weights: Sequence[float], total: int) -> list[int]:
 
 
 _MAX_SAMPLES = (1 << 63) - 1  # len() and the int64 positions hold no more
+_INT64, _UINT64 = np.dtype(np.int64), np.dtype(np.uint64)
+_MAX = np.maximum.reduce
 
 
 def _name_key(name: str) -> int:
@@ -211,6 +213,14 @@ class MixedDataset:
     def _checked(self, indices: Any) -> np.ndarray:
         """``indices`` as a 1-D int64 array, each in range (else an ``IndexError``); anything but
         integers (floats, a bool mask, strings, 2-D) is a ``TypeError``, never truncated."""
+        if (
+            type(indices) is np.ndarray
+            and indices.dtype is _INT64
+            and indices.ndim == 1
+            and indices.size
+            and _MAX(indices.view(_UINT64)) < self.epoch_samples
+        ):
+            return indices  # what the loader passes: one reduction (negatives look huge)
         raw = np.asarray(indices)  # a CPU tensor too, with its own dtype
         if raw.size and (raw.dtype.kind not in "iu" or raw.ndim > 1):
             raise TypeError(
