@@ -542,16 +542,17 @@ def _rank_tunes_alone(rank: int, world: int) -> tuple[list[list[int]], list[list
     import torch.distributed as dist
 
     def sampler() -> tud.DistributedSampler:  # type: ignore[type-arg]
-        return tud.DistributedSampler(_Slow(64, 0), num_replicas=world, rank=rank, seed=3)
+        return tud.DistributedSampler(_Slow(128, 0), num_replicas=world, rank=rank, seed=3)
 
-    ds = _Slow(64, 0.004 if rank == 0 else 0.0)
+    # 16 batches a rank: windows enough for a change voted by two of them (Tuner online)
+    ds = _Slow(128, 0.004 if rank == 0 else 0.0)
     auto = _fast(_loader(ds, "auto", worker_type="thread", sampler=sampler()))
     got = []
     for batch in auto:
         total = torch.tensor([1.0])
         dist.all_reduce(total)  # a step every rank takes: no tuning decision waits on it
         got.append(batch.tolist())
-    ref = _batches(_loader(_Slow(64, 0), 0, sampler=sampler()))
+    ref = _batches(_loader(_Slow(128, 0), 0, sampler=sampler()))
     assert auto.tuner is not None
     return got, ref, list(auto.tuner.log)
 
@@ -690,3 +691,38 @@ def _meter_with_waits(n: int) -> Any:
         m.wait_begin()
         m.wait_end(1, 10)
     return m
+
+
+def test_rule_input_bound_with_idle_workers_and_a_fixed_prefetch_stays() -> None:
+    """Waiting while the workers are mostly idle (a host short of cores wakes them late): more
+    workers would not shorten the wait; the prefetch is deepened where it is auto, else stay."""
+    fixed = tp.Limits(budget_cores=4.0, max_workers=16, prefetch=False)
+    d = tp.decide(_reading(0.3, 0.1, 0.4), THREADS, fixed)  # workers 20% busy
+    assert d is not None and d.settings == THREADS and "workers idle" in d.reason
+    d = tp.decide(_reading(0.3, 0.1, 1.6), THREADS, fixed)  # 80% busy: they are the limit
+    assert d is not None and d.settings.workers > THREADS.workers
+
+
+def test_rule_a_change_needs_a_majority_of_the_windows() -> None:
+    grow = tp.Decision(tp.Settings(4, "thread", 2), "input-bound")
+    more = tp.Decision(tp.Settings(8, "thread", 2), "input-bound")
+    stay = tp.Decision(THREADS, "budget exhausted, workers stay 2")
+    assert tp.majority([grow], THREADS) is None  # one window never moves the workers
+    assert tp.majority([None, grow, None], THREADS) is None  # one noisy window of three
+    assert tp.majority([grow, stay], THREADS) is stay  # the latest note, no change
+    assert tp.majority([grow, None, more], THREADS) is grow  # the lower of two growths
+    shrink = tp.Decision(tp.Settings(1, "thread", 2), "over budget")
+    assert tp.majority([shrink, grow, shrink], THREADS) is shrink
+
+
+def test_one_noisy_window_does_not_move_the_workers() -> None:
+    """Online, a window that alone says input-bound (a burst of the host's load) changes nothing;
+    a second one that agrees grows the pool, from the median batches/s of the two."""
+    tuner = Tuner(workers=True, prefetch=False, kind=False, start=tp.Settings(1, "thread", 2))
+    waiting = _reading(0.5, 0.1, 0.95)
+    tuner._decide(_reading(0.0, 0.1, 0.3), online=True)  # loop-bound
+    tuner._decide(waiting, online=True)
+    tuner._decide(_reading(0.0, 0.1, 0.3), online=True)
+    assert tuner.settings.workers == 1 and tuner.log == []
+    tuner._decide(waiting, online=True)  # two of the last three windows wait
+    assert tuner.settings.workers > 1 and tuner.log[-1].startswith("workers 1 -> ")

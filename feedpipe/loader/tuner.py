@@ -22,6 +22,7 @@ for another's tuning.
 from __future__ import annotations
 
 import math
+import statistics
 import os
 import threading
 import time
@@ -36,11 +37,13 @@ from feedpipe.loader.plan import auto_worker_type
 from feedpipe.loader.tuner_cpu import ProcessCPU, cpu_between
 from feedpipe.loader.tuner_policy import (
     NO_GAIN_BATCHES,
+    VOTES,
     Decision,
     Limits,
     Reading,
     Settings,
     decide,
+    majority,
 )
 from feedpipe.stall.stages import WORKER_STAGES
 
@@ -181,6 +184,8 @@ class Tuner:
         self._last_reason = ""
         self._mark: _Mark | None = None
         self._grew_from: tuple[float, int] | None = None  # (batches/s, workers) before growth
+        self._grew_left = 0
+        self._recent: list[tuple[Settings, Reading]] = []  # the last windows (online), oldest first
         self._ceiling: int | None = None  # a worker count growth did not help past
         self._meter: Any = None
         self._procs = ProcessCPU()  # this loader's worker processes (process workers)
@@ -331,13 +336,23 @@ class Tuner:
             grew_from=None if self._grew_from is None else self._grew_from[0],
             grew_at=None if self._grew_from is None else self._grew_from[1],
         )
-        self._grew_from = None
+        self._grew_left -= 1  # the windows after a growth that may still undo it
+        if self._grew_left <= 0:
+            self._grew_from = None
         return reading
 
     def _decide(self, reading: Reading, *, online: bool) -> None:
-        """Apply :func:`decide` to ``reading``; log what changed (and a stop, once)."""
+        """Apply :func:`decide` to ``reading`` (online: to the last :data:`VOTES` windows under
+        the current settings, by :func:`majority`); log what changed (and a stop, once)."""
         before = self.settings
-        decision = decide(reading, before, self.limits)
+        if online:
+            if reading.batches >= 2:  # a void window (the meter was reset) has no vote
+                kept = [r for r in self._recent if r[0] == before]
+                self._recent = [*kept, (before, reading)][-VOTES:]
+            limits = self.limits
+            decision = majority([decide(r, before, limits) for _, r in self._recent], before)
+        else:
+            decision = decide(reading, before, self.limits)
         if decision is None:
             return
         now = decision.settings
@@ -345,7 +360,10 @@ class Tuner:
         if pending:  # processes start at the next epoch boundary
             self._pending, now = now, before
         elif now.workers > before.workers:
-            self._grew_from = (reading.rate, before.workers)
+            rates = [r.rate for s, r in self._recent if s == before] if online else []
+            # the batches/s before it: the median of the windows that voted (online)
+            self._grew_from = (statistics.median(rates or [reading.rate]), before.workers)
+            self._grew_left = VOTES if online else 1
         if decision.ceiling is not None:
             self._ceiling = decision.ceiling
         self.log_decision(decision, before, pending=pending)
