@@ -22,8 +22,8 @@ for another's tuning.
 from __future__ import annotations
 
 import math
-import statistics
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -345,14 +345,7 @@ class Tuner:
         """Apply :func:`decide` to ``reading`` (online: to the last :data:`VOTES` windows under
         the current settings, by :func:`majority`); log what changed (and a stop, once)."""
         before = self.settings
-        if online:
-            if reading.batches >= 2:  # a void window (the meter was reset) has no vote
-                kept = [r for r in self._recent if r[0] == before]
-                self._recent = [*kept, (before, reading)][-VOTES:]
-            limits = self.limits
-            decision = majority([decide(r, before, limits) for _, r in self._recent], before)
-        else:
-            decision = decide(reading, before, self.limits)
+        decision = self._vote(reading) if online else decide(reading, before, self.limits)
         if decision is None:
             return
         now = decision.settings
@@ -360,14 +353,24 @@ class Tuner:
         if pending:  # processes start at the next epoch boundary
             self._pending, now = now, before
         elif now.workers > before.workers:
-            rates = [r.rate for s, r in self._recent if s == before] if online else []
             # the batches/s before it: the median of the windows that voted (online)
-            self._grew_from = (statistics.median(rates or [reading.rate]), before.workers)
+            rates = [r.rate for _, r in self._recent] if online else [reading.rate]
+            self._grew_from = (statistics.median(rates), before.workers)
             self._grew_left = VOTES if online else 1
         if decision.ceiling is not None:
             self._ceiling = decision.ceiling
         self.log_decision(decision, before, pending=pending)
         self.settings = now
+
+    def _vote(self, reading: Reading) -> Decision | None:
+        """The rule over the last :data:`VOTES` windows under the current settings, this one
+        the latest: the change a majority calls for (:func:`majority`)."""
+        now = self.settings
+        if reading.batches >= 2:  # a void window (the meter was reset) has no vote
+            kept = [r for r in self._recent if r[0] == now]
+            self._recent = [*kept, (now, reading)][-VOTES:]
+        limits = self.limits
+        return majority([decide(r, now, limits) for s, r in self._recent if s == now], now)
 
     def log_decision(self, decision: Decision, before: Settings, *, pending: bool = False) -> None:
         """One log line per change; a decision that keeps the settings only once in a row."""
