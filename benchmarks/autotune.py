@@ -15,8 +15,9 @@ share of the best grid point (target >= 90%) and of the best point within auto's
 over the epochs after the first ("tuned": auto has tuned by then; the first epoch is every
 point's warm-up) and over the whole run (its tuning included), each the median of
 ``--repeats`` runs interleaved across the points (a shared host's load changes hit every point
-alike). The last epoch alone is printed too; on a loaded host (2 cores at load 10) one epoch of
-well under a second swings by 2x, so the tuned figure, over all but the first epoch, is the
+alike), the order rotated by one point each repeat (no point always runs right after
+another). The last epoch alone is printed too; on a loaded host (2 cores at load 10) one epoch
+of well under a second swings by 2x, so the tuned figure, over all but the first epoch, is the
 one the target is judged on. Beside the medians, the best of the repeats (each point's tuned
 samples/s in its least disturbed run: a shared host's load only ever slows a run down) and
 auto's share of the best grid point by that figure.
@@ -148,9 +149,12 @@ def _workload(name: str, ds: Any, batch: int, args: argparse.Namespace) -> tuple
     makers: dict[Any, Callable[[], DataLoader]] = {g: fixed(*g) for g in _grid(args.quick)}
     makers["auto"] = auto
     runs: dict[Any, list[dict[str, Any]]] = {k: [] for k in makers}
-    for _ in range(args.repeats):  # interleaved: a change of the host's load hits every point
-        for key, make in makers.items():
-            runs[key].append(_run(make, args.epochs, args.step_ms / 1e3))
+    keys = list(makers)
+    for rep in range(args.repeats):  # interleaved: a change of the host's load hits every point
+        # rotated: each point runs in each position (a point right after a process point may
+        # pay for its workers still ending; auto used to run last, after one, in every repeat)
+        for key in keys[rep % len(keys) :] + keys[: rep % len(keys)]:
+            runs[key].append(_run(makers[key], args.epochs, args.step_ms / 1e3))
     med = {k: {f: statistics.median(r[f] for r in rs) for f in ("last", "tuned", "all", "cores")}
            for k, rs in runs.items()}  # fmt: skip
     for (w, kind, p), r in ((k, v) for k, v in med.items() if k != "auto"):
