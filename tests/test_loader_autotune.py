@@ -693,16 +693,6 @@ def _meter_with_waits(n: int) -> Any:
     return m
 
 
-def test_rule_input_bound_with_idle_workers_and_a_fixed_prefetch_stays() -> None:
-    """Waiting while the workers are mostly idle (a host short of cores wakes them late): more
-    workers would not shorten the wait; the prefetch is deepened where it is auto, else stay."""
-    fixed = tp.Limits(budget_cores=4.0, max_workers=16, prefetch=False)
-    d = tp.decide(_reading(0.3, 0.1, 0.4), THREADS, fixed)  # workers 20% busy
-    assert d is not None and d.settings == THREADS and "workers idle" in d.reason
-    d = tp.decide(_reading(0.3, 0.1, 1.6), THREADS, fixed)  # 80% busy: they are the limit
-    assert d is not None and d.settings.workers > THREADS.workers
-
-
 def test_rule_a_change_needs_a_majority_of_the_windows() -> None:
     grow = tp.Decision(tp.Settings(4, "thread", 2), "input-bound")
     more = tp.Decision(tp.Settings(8, "thread", 2), "input-bound")

@@ -136,3 +136,20 @@ def test_an_auto_loaders_process_workers_cpu_excludes_another_child(monkeypatch:
     cpu = readings[0].cpu_s
     work = n * delay
     assert cpu is not None and 0.5 * work <= cpu <= 1.5 * work + 0.15, cpu
+
+
+def test_without_proc_the_tuner_takes_the_busy_time_for_the_cpu(tmp_path: Path) -> None:
+    """No ``/proc``: the reading's CPU is unknown (never ``RUSAGE_CHILDREN``), and the rule
+    counts the workers' busy time in its place."""
+    from feedpipe.loader.tuner import Tuner
+    from feedpipe.loader.tuner_policy import Reading, Settings
+
+    tuner = Tuner(workers=True, prefetch=False, kind=False, start=Settings(1, "process", 2))
+    tuner._procs = ProcessCPU(str(tmp_path / "none"))
+    assert tuner.watch([os.getpid()]) is None  # nothing for the loop to call
+    meter = feedpipe.StallMeter()
+    tuner.begin(meter)
+    subprocess.run([sys.executable, "-c", BURN.format(s=0.1)], check=True, timeout=30)
+    assert tuner._read(meter).cpu_s is None
+    r = Reading(wait_s=0.5, step_s=0.5, busy_s=0.8, cpu_s=None, batches=10)
+    assert r.cores() == pytest.approx(0.8)

@@ -8,8 +8,9 @@ time of all the worker's threads, and of the children it reaped, in clock ticks 
 OS reuses for another process is never read as the old worker's.
 
 A non-persistent worker exits at the end of its pass, before the loop sees the pass end: the
-last reading of each worker is kept (:meth:`ProcessCPU.sample`, taken about once per tuning
-window while the pass runs), so its CPU up to that reading still counts once it is gone.
+last reading of each worker is kept (:meth:`ProcessCPU.sample`, which the tuner takes after a
+delivery at most every ``Tuner.sample_s``), so its CPU up to that reading still counts once it
+is gone.
 
 Where ``/proc`` is missing (macOS, Windows), nothing is read (:attr:`ProcessCPU.available` is
 False): the tuner then takes the workers' busy time as their CPU (an upper bound: busy time

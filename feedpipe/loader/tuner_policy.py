@@ -16,8 +16,7 @@ The rule, for one window of batches (:class:`Reading`):
 2. *Loop-bound* (the loop waited under :data:`SHRINK_WAIT`): keep the workers, or give one back
    when the others would still be less than :data:`SHRINK_BUSY` busy without it.
 3. *Prefetch*: input-bound while the workers are mostly idle means the window is too short for
-   the latency: deepen it (up to :data:`MAX_PREFETCH`); past that, or with a fixed depth, the
-   workers stay (under :data:`SHRINK_BUSY` busy, more of them would not shorten the wait).
+   the latency: deepen it (up to :data:`MAX_PREFETCH`).
 
 Online, :class:`~feedpipe.loader.tuner.Tuner` changes the settings only when the rule calls
 for the same change in a majority of the last :data:`VOTES` windows (:func:`majority`).
@@ -301,10 +300,6 @@ def _input_bound(r: Reading, s: Settings, limits: Limits, why: str) -> Decision 
         return Decision(replace(s, prefetch=min(MAX_PREFETCH, 2 * s.prefetch)), f"idle: {why}")
     if not limits.workers:
         return None
-    if target > s.workers and r.busy(s.workers) < SHRINK_BUSY:
-        # the workers are mostly idle: what the loop waits for is not their capacity (a host
-        # short of cores waking them late, a latency the prefetch depth covers)
-        return Decision(s, f"workers idle, they stay {s.workers}: {why}")
     if target > s.workers:
         return Decision(replace(s, workers=target), f"input-bound: {why}")
     if gil:
