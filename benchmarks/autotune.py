@@ -23,6 +23,7 @@ samples/s in its least disturbed run: a shared host's load only ever slows a run
 auto's share of the best grid point by that figure.
 
     python benchmarks/autotune.py [--quick] [--workloads memmap,gil,remote] [--epochs 4]
+    python benchmarks/autotune.py --quick --samples 32768   # the small grid, full-size epochs
     python benchmarks/autotune.py --no-write   # do not rewrite docs/benchmarks.md
 
 The summary table and the full listing go to the ``autotune`` section of docs/benchmarks.md.
@@ -249,11 +250,14 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=1.0)
     parser.add_argument("--rtt-ms", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per point")
+    parser.add_argument(
+        "--samples", type=int, default=None, help="memmap rows (default 8192 --quick, else 32768)"
+    )
     parser.add_argument("--no-write", action="store_true", help="leave docs/benchmarks.md")
     args = parser.parse_args()
     args.epochs = args.epochs or (3 if args.quick else 4)
     warnings.filterwarnings("ignore", message="This DataLoader will create")  # 4 processes
-    n = 8192 if args.quick else 32768
+    n = args.samples or (8192 if args.quick else 32768)
     load = os.getloadavg()[0]
     cmd = "python benchmarks/" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
     print(f"# autotune vs grid sweep\n{machine()}; load average {load:.1f}\n{cmd}")
