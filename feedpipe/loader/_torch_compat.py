@@ -76,6 +76,7 @@ __all__ = [
     "thread_worker_info",
     "unwrap_worker_dataset",
     "waiting_on",
+    "worker_pids",
     "workers_running",
 ]
 
@@ -206,6 +207,13 @@ def dead_workers(
             still = wid >= len(status) or bool(status[wid])
             (active if still else let_go).append((wid, w.pid, w.exitcode))
     return active if active_only else active + let_go
+
+
+def worker_pids(source: Any) -> list[int]:
+    """The pids of a torch multi-process iterator's worker processes (``_workers``; none for a
+    thread pool or an inline source)."""
+    pids = (getattr(w, "pid", None) for w in getattr(source, "_workers", None) or [])
+    return [pid for pid in pids if isinstance(pid, int)]
 
 
 def has_workers(source: Any) -> bool:

@@ -62,6 +62,9 @@ class LoaderIter:
         meter.pass_begin(started)
         # torch's iterator warns when an IterableDataset yields more than its len(); ours too
         self._len_called = len_called
+        tuner = getattr(loader, "tuner", None)  # num_workers="auto": its workers' CPU
+        pids = _torch_compat.worker_pids(pass_.source) if tuner is not None else []
+        self._tick = tuner.watch(pids) if tuner is not None and pids else None
 
     def _make_policy(self, loader: Any) -> FailurePolicy:
         """Step 2 of the pipeline: what a failed or partly skipped batch becomes."""
@@ -112,6 +115,8 @@ class LoaderIter:
                 return shipped
         batch, samples = timing.record(shipped, t0, t1)
         self._pass.count(samples)
+        if self._tick is not None:
+            self._tick()
         if self._len_called is not None:
             self._check_len()
         if self._feed is not None:

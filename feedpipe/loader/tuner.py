@@ -5,8 +5,8 @@ The tuner takes readings from the loader's own stall meter (the loop's wait and 
 worker stages' seconds, batches delivered) and from the CPU clocks (``time.process_time`` less
 the loop thread's ``time.thread_time`` for thread workers, or on Linux each worker thread's
 CPU and run-queue wait from ``/proc/self/task/*/schedstat``, so that a host short of cores does
-not pass for a light load; ``getrusage(RUSAGE_CHILDREN)`` for
-worker processes, which count once they are joined), over windows of about
+not pass for a light load; for worker processes, each of this loader's own workers' CPU,
+:mod:`feedpipe.loader.tuner_cpu`), over windows of about
 :attr:`Tuner.window_s`, and hands each window to the pure rule of
 :mod:`feedpipe.loader.tuner_policy`. Thread workers change online (the pool asks
 :meth:`Tuner.online` between deliveries); process workers and a change of worker kind apply at
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import os
-import resource
+import statistics
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -34,13 +34,16 @@ import torch.utils.data as tud
 
 from feedpipe.io.values import integer
 from feedpipe.loader.plan import auto_worker_type
+from feedpipe.loader.tuner_cpu import ProcessCPU, cpu_between
 from feedpipe.loader.tuner_policy import (
     NO_GAIN_BATCHES,
+    VOTES,
     Decision,
     Limits,
     Reading,
     Settings,
     decide,
+    majority,
 )
 from feedpipe.stall.stages import WORKER_STAGES
 
@@ -83,11 +86,6 @@ def check_budget(cpu_budget: Any) -> float:
     return float(cpu_budget)
 
 
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 _TASKS = "/proc/self/task"
 
 
@@ -111,12 +109,10 @@ def _thread_demand() -> dict[int, tuple[float, float]] | None:
     return out
 
 
-def _cpu(kind: str) -> float:
-    """The workers' CPU so far: the process's less the caller's thread (thread workers, ended
-    ones included), or joined children's (process workers)."""
-    if kind == "thread":
-        return time.process_time() - time.thread_time()
-    return _children_cpu()
+def _cpu() -> float:
+    """The thread workers' CPU so far: the process's less the caller's thread (ended threads
+    included)."""
+    return time.process_time() - time.thread_time()
 
 
 def _threads_delta(
@@ -135,16 +131,18 @@ def _threads_delta(
 class _Mark:
     """The counters at the start of a window."""
 
-    __slots__ = ("at", "batches", "busy", "cpu", "resets", "stall", "step", "threads")
+    __slots__ = ("at", "batches", "busy", "cpu", "procs", "resets", "stall", "step", "threads")
 
-    def __init__(self, meter: Any, kind: str) -> None:
+    def __init__(self, meter: Any, kind: str, procs: ProcessCPU) -> None:
         self.at = time.perf_counter()
         self.stall, self.step, self.batches = meter.stall_s, meter.step_s, meter.batches
         self.resets = getattr(meter, "resets", 0)  # reset or loaded since: the window is void
         stage_s = meter.stage_s
         self.busy = sum(v for k, v in stage_s.items() if k in WORKER_STAGES)
-        self.cpu = _cpu(kind)
-        self.threads = _thread_demand() if kind == "thread" else None
+        thread = kind == "thread"
+        self.cpu = _cpu() if thread else 0.0
+        self.threads = _thread_demand() if thread else None
+        self.procs = None if thread else procs.snapshot()  # this loader's worker processes
 
 
 class Tuner:
@@ -152,6 +150,9 @@ class Tuner:
 
     #: the shortest window a decision is taken over (seconds of wall time)
     window_s = 0.25
+    #: the worker processes' CPU is read at most this often (a reading is a file read per
+    #: worker, some microseconds): what a worker runs after its last reading is not counted
+    sample_s = 0.025
 
     def __init__(
         self,
@@ -183,8 +184,12 @@ class Tuner:
         self._last_reason = ""
         self._mark: _Mark | None = None
         self._grew_from: tuple[float, int] | None = None  # (batches/s, workers) before growth
+        self._grew_left = 0
+        self._recent: list[tuple[Settings, Reading]] = []  # the last windows (online), oldest first
         self._ceiling: int | None = None  # a worker count growth did not help past
         self._meter: Any = None
+        self._procs = ProcessCPU()  # this loader's worker processes (process workers)
+        self._sampled = 0.0  # when they were last read
         self._read_online = False  # whether this pass took a reading online (thread pool)
         self.persistent = False  # the loader's persistent_workers (apply)
 
@@ -219,13 +224,32 @@ class Tuner:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(vars(self))
         state["_mark"] = state["_meter"] = None  # a copy measures its own passes
+        state["_procs"] = ProcessCPU()
         return state
+
+    def watch(self, pids: Collection[int]) -> Callable[[], None] | None:
+        """A pass's worker processes (``pids``; none for threads or no workers): their CPU is
+        this loader's workers'. Returns what the loop calls after each delivery (None: nothing
+        to call), which reads them at most every :attr:`sample_s`: a worker that exits at the
+        end of its pass keeps its CPU up to its last reading."""
+        if not pids or not self._procs.available:
+            return None
+        self._procs.watch(pids)
+        self._sampled = time.perf_counter()
+        return self.tick
+
+    def tick(self) -> None:
+        """After a delivery: read the worker processes' CPU if :attr:`sample_s` has passed."""
+        now = time.perf_counter()
+        if now - self._sampled >= self.sample_s:
+            self._sampled = now
+            self._procs.sample()
 
     # ---------------------------------------------------------------------------- deciding
     def begin(self, meter: Any) -> None:
         """A pass starts (``iter()``): its first window starts now."""
         self._meter = meter
-        self._mark = _Mark(meter, self.settings.kind) if meter.enabled else None
+        self._mark = _Mark(meter, self.settings.kind, self._procs) if meter.enabled else None
         self._read_online = False
 
     def apply(self, loader: Any) -> None:
@@ -289,34 +313,39 @@ class Tuner:
         """The window since the last mark, and a new mark."""
         mark = self._mark
         assert mark is not None
-        new = _Mark(meter, self.settings.kind)
+        new = _Mark(meter, self.settings.kind, self._procs)
         self._mark = new
         reset = new.resets != mark.resets  # e.g. headspace's live run, and its restore
         if reset or new.batches < mark.batches or new.stall < mark.stall:  # the meter was reset
             return Reading(0.0, 0.0, 0.0, None, 0)
-        cpu, queued = new.cpu - mark.cpu, 0.0
-        if tids is not None and new.threads is not None and mark.threads is not None:
+        cpu: float | None = new.cpu - mark.cpu
+        queued = 0.0
+        if self.settings.kind != "thread":  # each worker process's own (None: unknown)
+            cpu = cpu_between(new.procs, mark.procs)
+        elif tids is not None and new.threads is not None and mark.threads is not None:
             cpu, queued = _threads_delta(new.threads, mark.threads, tids)  # the pool's own
         busy = new.busy - mark.busy
         reading = Reading(
             wait_s=new.stall - mark.stall,
             step_s=new.step - mark.step,
             busy_s=busy,
-            # joined worker processes count in RUSAGE_CHILDREN; live (persistent) ones do not
-            cpu_s=cpu if cpu > 0.05 * busy or self.settings.kind == "thread" else None,
+            cpu_s=cpu,
             starved_s=queued / max(1, self.settings.workers),
             span_s=new.at - mark.at if self.settings.kind == "thread" else None,
             batches=new.batches - mark.batches,
             grew_from=None if self._grew_from is None else self._grew_from[0],
             grew_at=None if self._grew_from is None else self._grew_from[1],
         )
-        self._grew_from = None
+        self._grew_left -= 1  # the windows after a growth that may still undo it
+        if self._grew_left <= 0:
+            self._grew_from = None
         return reading
 
     def _decide(self, reading: Reading, *, online: bool) -> None:
-        """Apply :func:`decide` to ``reading``; log what changed (and a stop, once)."""
+        """Apply :func:`decide` to ``reading`` (online: to the last :data:`VOTES` windows under
+        the current settings, by :func:`majority`); log what changed (and a stop, once)."""
         before = self.settings
-        decision = decide(reading, before, self.limits)
+        decision = self._vote(reading) if online else decide(reading, before, self.limits)
         if decision is None:
             return
         now = decision.settings
@@ -324,11 +353,24 @@ class Tuner:
         if pending:  # processes start at the next epoch boundary
             self._pending, now = now, before
         elif now.workers > before.workers:
-            self._grew_from = (reading.rate, before.workers)
+            # the batches/s before it: the median of the windows that voted (online)
+            rates = [r.rate for _, r in self._recent] if online else [reading.rate]
+            self._grew_from = (statistics.median(rates), before.workers)
+            self._grew_left = VOTES if online else 1
         if decision.ceiling is not None:
             self._ceiling = decision.ceiling
         self.log_decision(decision, before, pending=pending)
         self.settings = now
+
+    def _vote(self, reading: Reading) -> Decision | None:
+        """The rule over the last :data:`VOTES` windows under the current settings, this one
+        the latest: the change a majority calls for (:func:`majority`)."""
+        now = self.settings
+        if reading.batches >= 2:  # a void window (the meter was reset) has no vote
+            kept = [r for r in self._recent if r[0] == now]
+            self._recent = [*kept, (now, reading)][-VOTES:]
+        limits = self.limits
+        return majority([decide(r, now, limits) for s, r in self._recent if s == now], now)
 
     def log_decision(self, decision: Decision, before: Settings, *, pending: bool = False) -> None:
         """One log line per change; a decision that keeps the settings only once in a row."""

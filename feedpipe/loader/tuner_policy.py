@@ -18,6 +18,9 @@ The rule, for one window of batches (:class:`Reading`):
 3. *Prefetch*: input-bound while the workers are mostly idle means the window is too short for
    the latency: deepen it (up to :data:`MAX_PREFETCH`).
 
+Online, :class:`~feedpipe.loader.tuner.Tuner` changes the settings only when the rule calls
+for the same change in a majority of the last :data:`VOTES` windows (:func:`majority`).
+
 Readings over :data:`OVER_BUDGET` of the budget shrink the workers, whatever the wait.
 """
 
@@ -36,11 +39,14 @@ __all__ = [
     "OVER_BUDGET",
     "SHRINK_BUSY",
     "SHRINK_WAIT",
+    "VOTES",
     "Decision",
     "Limits",
     "Reading",
     "Settings",
     "decide",
+    "direction",
+    "majority",
     "processes_in_budget",
 ]
 
@@ -59,6 +65,10 @@ MAX_PREFETCH = 8
 NO_GAIN = 0.9
 #: the fewest batches in the window after a growth that may undo it
 NO_GAIN_BATCHES = 16
+#: online, a change needs the rule to call for it (the same way) in a majority of the last
+#: this many windows under the current settings: one noisy window (a GC pause, a burst of the
+#: host's load) never moves the workers, and a change is not taken back by the next window
+VOTES = 3
 #: readings above this multiple of the CPU budget shrink the workers
 OVER_BUDGET = 1.25
 #: thread workers are GIL-bound when their busy time is this multiple of their CPU time while
@@ -223,6 +233,33 @@ def _no_gain(r: Reading, s: Settings, why: str) -> Decision | None:
         f"of {r.grew_at}): {why}",
         ceiling=r.grew_at,
     )
+
+
+def direction(d: Decision | None, s: Settings) -> str:
+    """What ``d`` does to ``s``: ``"stay"``, ``"kind"``, ``"grow"``, ``"shrink"`` or
+    ``"prefetch"``."""
+    if d is None or d.settings == s:
+        return "stay"
+    if d.settings.kind != s.kind:
+        return "kind"
+    if d.settings.workers != s.workers:
+        return "grow" if d.settings.workers > s.workers else "shrink"
+    return "prefetch"
+
+
+def majority(decisions: list[Decision | None], s: Settings) -> Decision | None:
+    """The change a majority of the windows' decisions (oldest first, at most :data:`VOTES`)
+    call for, the median of theirs by worker count (the lower one of two); else the latest
+    window's decision if it keeps the settings (a note such as "budget exhausted"), or None."""
+    ways = [direction(d, s) for d in decisions]
+    need = len(decisions) // 2 + 1 if len(decisions) > 1 else 2
+    for way in ("kind", "shrink", "grow", "prefetch"):  # the safe way first on a tie
+        picked = [d for d, w in zip(decisions, ways, strict=True) if w == way and d is not None]
+        if len(picked) >= need:
+            picked.sort(key=lambda d: d.settings.workers)
+            return picked[(len(picked) - 1) // 2]
+    last = decisions[-1] if decisions else None
+    return last if ways and ways[-1] == "stay" else None
 
 
 def processes_in_budget(limits: Limits) -> int:
