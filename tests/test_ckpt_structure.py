@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -250,3 +251,30 @@ def test_manager_saves_on_the_fast_path_restore_and_equal_a_fresh_managers(
     assert {k: wj[k] for k in keep} == {k: cj[k] for k in keep}
     assert got["plain"]["a"].shape == (2, 4) and got["lr"] == 0.25
     assert torch.equal(got["plain"]["a"], state["plain"]["a"])
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: torch.randn(3).to_sparse(), "dense strided"),
+        (lambda: torch.randn(3, 3).to_sparse_csr(), "dense strided"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
+        (
+            lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged),
+            "nested",
+        ),
+    ],
+    ids=["sparse", "csr", "nested", "jagged"],
+)
+def test_a_tensor_of_another_layout_on_a_fast_cache_raises(make: Any, match: str) -> None:
+    """The columns hold no layout: every other layout (and a nested tensor) cannot be read
+    there, so the walk sees it and raises."""
+    state = {"ok": torch.ones(2), "bad": torch.ones(3)}
+    cache = FlattenCache()
+    _warm(state, cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors are a prototype
+        state["bad"] = make()
+    with pytest.raises(CheckpointError, match=match):
+        cache.flatten(state, [])
+    assert cache.fast_hits == 1

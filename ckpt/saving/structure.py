@@ -11,9 +11,10 @@ that is many times the copy itself. ``Structure.of`` reads the same facts with C
   (arrays, enums, bytes, sizes, dtypes, subclassed containers, objects with ``state_dict``
   other than modules and optimizers) makes the scan give up (``None``): ``flatten`` then runs
   as before.
-- the tensors' *columns*: per tensor its dtype, shape, device, ``requires_grad``, layout,
-  nestedness, strides, storage offset, data pointer, negative bit and parameter flag (one
-  ``map`` each), and the conjugate bit of the complex ones.
+- the tensors' *columns*: per tensor its shape, dtype, strides, data pointer, storage offset,
+  device, ``requires_grad``, negative bit and parameter flag (one ``map`` each), and the
+  conjugate bit of the complex ones (a layout other than strided, or a nested tensor, cannot
+  be read: ``_COLUMNS``).
 
 Two states whose tokens and columns are equal flatten to the same tree (scalars included)
 and the same entries: the tokens fix every node of the tree and every path, the columns every
@@ -42,12 +43,18 @@ _OWNERS = (torch.nn.Module, torch.optim.Optimizer)
 _COMPLEX = frozenset((torch.complex32, torch.complex64, torch.complex128))
 _T = torch.Tensor
 _COLUMNS: tuple[Callable[[torch.Tensor], Any], ...] = (
-    attrgetter("dtype", "shape", "device", "requires_grad", "layout", "is_nested"),
+    attrgetter("shape"),
+    attrgetter("dtype"),
     _T.stride,
-    _T.storage_offset,
     _T.data_ptr,
+    _T.storage_offset,
+    attrgetter("device"),
+    attrgetter("requires_grad"),
     _T.is_neg,
 )
+"""One column each (a tuple of them costs more to build and compare). The layout and
+nestedness need none: ``stride`` or ``data_ptr`` raise for every layout but strided and for a
+strided nested tensor, and a jagged one is another type (the scan gives up)."""
 
 
 class _GiveUpError(Exception):
