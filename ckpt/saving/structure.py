@@ -55,6 +55,7 @@ _COLUMNS: tuple[Callable[[torch.Tensor], Any], ...] = (
 """One column each (a tuple of them costs more to build and compare). The layout and
 nestedness need none: ``stride`` or ``data_ptr`` raise for every layout but strided and for a
 strided nested tensor, and a jagged one is another type (the scan gives up)."""
+_DTYPE = 1  # the column of the dtypes
 
 
 class _GiveUpError(Exception):
@@ -115,6 +116,7 @@ class Structure:
         self.tensors: list[torch.Tensor] = tensors
         self.count = len(tensors)
         self.columns: list[list[Any]] | None = None  # None: a tensor without plain storage
+        self.complex: list[int] = []  # the tensors of a complex dtype
 
     @classmethod
     def of(cls, state: Any) -> Structure | None:
@@ -122,34 +124,34 @@ class Structure:
         scanned = scan(state)
         return None if scanned is None else cls(*scanned)
 
-    def _conj(self) -> list[bool]:
-        """The conjugate bits of the complex tensors (only they can have one)."""
-        return [t.is_conj() for t in self.tensors if t.dtype in _COMPLEX]
-
     def read_columns(self) -> list[list[Any]] | None:
         """Every column of the tensors (``None`` where one cannot be read)."""
         if self.columns is None:
             try:
                 ts = self.tensors
                 self.columns = [list(map(get, ts)) for get in _COLUMNS]
-                self.columns += [param_flags(ts), self._conj()]
+                dtypes = self.columns[_DTYPE]
+                self.complex = [k for k, dtype in enumerate(dtypes) if dtype in _COMPLEX]
+                self.columns += [param_flags(ts), [ts[k].is_conj() for k in self.complex]]
             except (RuntimeError, NotImplementedError, AttributeError):
-                return None
+                self.columns = None
         return self.columns
 
     def matches(self, other: Structure) -> bool:
         """Whether ``self`` (the last save's, columns read) and ``other`` flatten alike: the
-        tokens first, then the columns one by one, stopping at the first difference."""
-        if self.columns is None or self.tokens != other.tokens:
-            return False
-        if self.count != other.count:
+        tokens first, then the columns one by one, stopping at the first difference; the
+        conjugate bits last, of the tensors whose dtype is complex (only they can have one;
+        the dtypes are equal by then)."""
+        columns = self.columns
+        if columns is None or self.count != other.count or self.tokens != other.tokens:
             return False
         ts = other.tensors
         try:
-            for get, column in zip(_COLUMNS, self.columns, strict=False):
+            for get, column in zip(_COLUMNS, columns, strict=False):
                 if list(map(get, ts)) != column:
                     return False
-            return param_flags(ts) == self.columns[-2] and other._conj() == self.columns[-1]
+            conj = [ts[k].is_conj() for k in self.complex]
+            return param_flags(ts) == columns[-2] and conj == columns[-1]
         except (RuntimeError, NotImplementedError, AttributeError):
             return False
 
