@@ -1,7 +1,8 @@
 """The save pipeline of a ``CheckpointManager``: stage now, write and commit in the background.
 
 ``SavePipeline.submit`` flattens a state (``ckpt.saving.flatten_cache``: the last save's
-entries reused while its keys match), asks its ``SavePlan`` (``ckpt.saving.plan``) for the
+entries reused while its keys match; from the second hit on, the walk skipped while its
+structure matches, ``ckpt.saving.structure``), asks its ``SavePlan`` (``ckpt.saving.plan``) for the
 layout, copies the leaves into a buffer of the staging pool (the only blocking work) and queues
 the job; one background thread (``ckpt-persist``) writes each job's data file with per-chunk
 CRC32C on the writer threads, writes the manifest, commits ``step-N``, updates ``latest`` and
