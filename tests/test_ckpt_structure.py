@@ -278,3 +278,27 @@ def test_a_tensor_of_another_layout_on_a_fast_cache_raises(make: Any, match: str
     with pytest.raises(CheckpointError, match=match):
         cache.flatten(state, [])
     assert cache.fast_hits == 1
+
+
+def test_views_of_one_storage_in_other_dtypes_share_one_entry() -> None:
+    """The storage of a tensor is found by its data pointer less its offset in bytes: views
+    at odd byte offsets and in other dtypes are one entry; a copy is its own."""
+    a = torch.arange(16.0)
+    state = {"a": a, "bytes": a.view(torch.uint8)[3:9], "tail": a[10:], "copy": a.clone()}
+    leaves: list[Leaf] = []
+    items = dict(flatten(state, leaves)["items"])
+    assert items["a"]["i"] == items["bytes"]["i"] == items["tail"]["i"] != items["copy"]["i"]
+    assert items["bytes"]["view"]["offset"] == 3 and items["tail"]["view"]["offset"] == 40
+    assert len(leaves) == 2
+
+
+def test_a_meta_tensor_of_an_unsupported_dtype_names_the_device_first() -> None:
+    """The checks of a leaf in their order (layout, device, dtype), also once its device and
+    dtype are known good from other leaves."""
+    ok = {"a": torch.ones(2), "b": torch.ones(2, dtype=torch.float16)}
+    flatten(ok, [])
+    bad = torch.empty(2, dtype=torch.uint8, device="meta").view(torch.bits8)
+    with pytest.raises(CheckpointError, match=r"state\['m'\]: cannot save a meta tensor"):
+        flatten({**ok, "m": bad}, [])
+    with pytest.raises(CheckpointError, match=r"state\['u'\]: dtype torch.bits8 is not"):
+        flatten({**ok, "u": torch.zeros(2, dtype=torch.uint8).view(torch.bits8)}, [])
