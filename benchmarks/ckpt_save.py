@@ -498,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensors", type=int, nargs="*", default=None, help="many-tensor states")
     p.add_argument("--plan-overhead", type=int, default=None, help="CPU: staging's Python part")
     p.add_argument("--cpu-tensors", type=int, default=None, help="CPU: many small tensors")
+    p.add_argument("--cpu-small-only", action="store_true", help="--cpu-tensors: no transformer")
     args = p.parse_args(argv)
     if args.plan_overhead:
         print(plan_overhead(args.plan_overhead))
@@ -508,7 +509,12 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
         try:
             text = _ckpt_many_cpu.report(
-                args.cpu_tensors, args.saves, root, machine(), (make_model, _step)
+                args.cpu_tensors,
+                args.saves,
+                root,
+                machine(),
+                (make_model, _step),
+                small_only=args.cpu_small_only,
             )
         finally:
             shutil.rmtree(root, ignore_errors=True)

@@ -7,10 +7,12 @@ breaks this module only.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
+from typing import Any
 
 import torch
 
-__all__ = ["foreach_copy", "is_parameter"]
+__all__ = ["foreach_copy", "is_parameter", "param_flags"]
 
 
 def foreach_copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
@@ -28,3 +30,11 @@ def is_parameter(t: torch.Tensor) -> bool:
     if type(t) is torch.Tensor:
         return bool(getattr(t, "_is_param", False))
     return isinstance(t, torch.nn.Parameter)
+
+
+def param_flags(ts: Sequence[torch.Tensor]) -> list[Any]:
+    """Per tensor, the private ``_is_param`` flag that ``is_parameter`` reads (``False`` where
+    unset), in one C loop: with the tensor's type it decides ``is_parameter`` (a
+    ``Parameter`` is its own type), so a change of either is seen without a Python call per
+    tensor (``ckpt.saving.structure``)."""
+    return list(map(getattr, ts, repeat("_is_param"), repeat(False)))

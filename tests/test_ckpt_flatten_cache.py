@@ -213,6 +213,7 @@ def test_the_many_tensor_cpu_benchmark_row_runs(tmp_path: Path) -> None:
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[0] == "tiny" and cells[1] == "40"
     assert cells[5].endswith("x**") and cells[-1] == "2"
+    assert cells[7].endswith("x**") and cells[10].endswith("x**") and cells[11].endswith("x")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -20,11 +20,18 @@ dtypes, shapes, devices, paths); every value comes from this save's walk. Keys a
 only after ``flatten``'s own assignment succeeded (an unsupported leaf raises there, every
 save); a tensor whose address cannot be read (no plain storage) disables the cache for that
 save.
+
+Fast path (``capture``): from the second hit on, the walk itself is skipped while the state
+has the structure of the last hit (``ckpt.saving.structure``: its containers, keys, scalars
+and per tensor the facts of its key, read in C loops): the tree is the last hit's (the same
+object, never modified: equal tokens mean an equal tree, scalars included) and the leaves'
+values are this state's tensors in tree order. ``fast_hits`` counts those saves.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from operator import attrgetter, itemgetter
 from typing import Any
 
@@ -39,8 +46,9 @@ from ckpt.saving.flatten import (
     storage_bytes,
     walk,
 )
+from ckpt.saving.structure import Structure
 
-__all__ = ["FlattenCache"]
+__all__ = ["Flat", "FlattenCache"]
 
 
 _Slot = tuple[int, int, int, str, str, list[int], int, str, tuple[int, ...]]
@@ -51,6 +59,7 @@ from byte ``start`` (2, a shared entry); the rest of the ``Leaf`` as last time."
 _AS_IS, _OWN, _SHARED = 0, 1, 2
 
 
+_VALUES = attrgetter("value")
 _ATTRS = attrgetter("dtype", "shape", "device", "requires_grad", "layout")
 _NODE, _VALUE = itemgetter(0), itemgetter(1)
 
@@ -78,6 +87,30 @@ def _keys(pending: list[Pending]) -> list[tuple[Any, ...]] | None:
         return None
 
 
+class Flat:
+    """One flattening (``FlattenCache.capture``): the JSON ``tree``, the leaves' ``values`` in
+    leaf order, whether the last save's entries were ``reused`` (then ``generation`` is the
+    cache's, unchanged), and ``leaves()``, the ``Leaf`` records, made when first asked for."""
+
+    def __init__(
+        self,
+        tree: Node,
+        values: list[Any],
+        reused: bool,
+        generation: int,
+        make: Callable[[], list[Leaf]],
+    ) -> None:
+        self.tree, self.values, self.reused, self.generation = tree, values, reused, generation
+        self._make: Callable[[], list[Leaf]] | None = make
+        self._leaves: list[Leaf] = []
+
+    def leaves(self) -> list[Leaf]:
+        """The leaves (values and manifest records), in leaf order."""
+        if self._make is not None:
+            self._leaves, self._make = self._make(), None
+        return self._leaves
+
+
 class FlattenCache:
     """``flatten`` with its entries and sharing remembered from the last save (module
     docstring). ``hits``/``misses`` count the saves that reused them or not."""
@@ -87,7 +120,12 @@ class FlattenCache:
         self._slots: list[_Slot] = []
         self._nodes: list[tuple[int, dict[str, Any] | None]] = []  # per pending: leaf, view
         self._columns: list[list[Any]] | None = None  # the leaves' fields but value (_reuse)
+        self._paths: list[str] = []  # per leaf (the general path's slots have none)
+        self._fast: Structure | None = None  # the last hit's structure (the fast path)
+        self._tree: Node | None = None  # the last hit's tree, shared by the fast hits
+        self._path = ""
         self.hits = 0
+        self.fast_hits = 0
         self.misses = 0
         self.generation = 0  # changes with every new assignment: equal leaf metadata within one
         self._lock = threading.Lock()  # saves from several threads: one reads or updates
@@ -95,10 +133,69 @@ class FlattenCache:
     def clear(self) -> None:
         """Forget the last save's entries (the next ``flatten`` assigns them afresh)."""
         self._keys, self._slots, self._nodes, self._columns = None, [], [], None
+        self._paths, self._fast, self._tree = [], None, None
 
     def flatten(self, state: Any, leaves: list[Leaf], path: str = "state") -> Node:
         """The JSON tree of ``state``, its array leaves appended to ``leaves``: what
         ``ckpt.saving.flatten.flatten`` returns, byte for byte."""
+        if leaves:  # indices from len(leaves): the general path
+            return self._flatten(state, leaves, path)
+        flat = self.capture(state, path)
+        leaves.extend(flat.leaves())
+        return flat.tree
+
+    def capture(self, state: Any, path: str = "state") -> Flat:
+        """``flatten`` of ``state`` as a ``Flat``: on a fast hit (module docstring) its leaves
+        are made only when asked for."""
+        structure = Structure.of(state) if self._keys is not None and path == self._path else None
+        with self._lock:
+            fast, tree = self._fast, self._tree
+            if fast is not None and tree is not None and structure and fast.matches(structure):
+                values = self._values(structure.tensors)
+                self.hits += 1
+                self.fast_hits += 1
+                return Flat(tree, values, True, self.generation, self._maker(values))
+        leaves: list[Leaf] = []
+        generation = self.generation
+        tree = self._flatten(state, leaves, path)
+        reused = generation == self.generation
+        with self._lock:
+            remember = reused and structure is not None and structure.read_columns() is not None
+            self._fast, self._tree, self._path = (
+                (structure, tree, path) if remember else (None, None, path)
+            )
+            if structure is not None:
+                structure.forget()
+        return Flat(tree, list(map(_VALUES, leaves)), reused, generation, lambda: leaves)
+
+    def _values(self, tensors: list[Any]) -> list[Any]:
+        """The leaves' values of a fast hit, from the state's tensors in tree order."""
+        if self._columns is not None:
+            return tensors
+        values = []
+        for k, how, start, _, _, _, nbytes, _, _ in self._slots:
+            value = tensors[k]
+            if how == _OWN:
+                value = own_value(value)
+            elif how == _SHARED:
+                value = storage_bytes(value, start, nbytes)
+            values.append(value)
+        return values
+
+    def _maker(self, values: list[Any]) -> Callable[[], list[Leaf]]:
+        """Makes the leaves of a fast hit (the records as last time, ``values`` new)."""
+        columns, slots, paths = self._columns, self._slots, self._paths
+        if columns is not None:
+            return lambda: list(map(Leaf, values, *columns))
+        return lambda: [
+            Leaf(v, kind, dtype, shape, nbytes, p, device, stride)
+            for v, (_, _, _, kind, dtype, shape, nbytes, device, stride), p in zip(
+                values, slots, paths, strict=True
+            )
+        ]
+
+    def _flatten(self, state: Any, leaves: list[Leaf], path: str) -> Node:
+        """The walk and the key check (module docstring): the general path."""
         tree, pending = walk(state, path)
         keys = _keys(pending)
         with self._lock:
@@ -132,6 +229,7 @@ class FlattenCache:
                 how = _OWN
             rest = (leaf.kind, leaf.dtype, leaf.shape, leaf.nbytes, leaf.device, leaf.stride)
             self._slots.append((k, how, start, *rest))
+            self._paths.append(leaf.path)
         if all(slot[:2] == (k, _AS_IS) for k, slot in enumerate(self._slots)) and len(
             self._slots
         ) == len(pending):  # a leaf per node, each as is: the common state, made in C loops

@@ -1,7 +1,8 @@
 """The save pipeline of a ``CheckpointManager``: stage now, write and commit in the background.
 
 ``SavePipeline.submit`` flattens a state (``ckpt.saving.flatten_cache``: the last save's
-entries reused while its keys match), asks its ``SavePlan`` (``ckpt.saving.plan``) for the
+entries reused while its keys match; from the second hit on, the walk skipped while its
+structure matches, ``ckpt.saving.structure``), asks its ``SavePlan`` (``ckpt.saving.plan``) for the
 layout, copies the leaves into a buffer of the staging pool (the only blocking work) and queues
 the job; one background thread (``ckpt-persist``) writes each job's data file with per-chunk
 CRC32C on the writer threads, writes the manifest, commits ``step-N``, updates ``latest`` and
@@ -203,20 +204,18 @@ class SavePipeline:
         t0 = time.perf_counter()
         overlap = overlap if overlap is not None and overlap.enabled else None
         stats = SaveStats(step)
-        leaves: list[Leaf] = []
-        generation = self.flattener.generation
-        tree = self.flattener.flatten(state, leaves)
+        flat = self.flattener.capture(state)
         # a cache hit (no new assignment since): the leaves' signature is the generation's
-        token = generation if generation == self.flattener.generation else None
-        plan = self.stager.plan(leaves, token)  # the last save's plan when the leaves match it
+        token = flat.generation if flat.reused else None
+        plan = self.stager.current(token) or self.stager.plan(flat.leaves(), token)
         buf, stats.backpressure_s = self.pool.acquire(plan.nbytes)
         events: dict[Any, SnapshotEvent] = {}
         try:
             s0 = time.perf_counter()
             _faults.pause("stage")
-            sources = overlap.prepare(leaves) if overlap is not None else None
+            sources = overlap.prepare(flat.leaves()) if overlap is not None else None
             with span("ckpt/stage"):
-                raw = plan.stage(leaves, buf, sync=overlap is None)
+                raw = plan.stage_values(flat.values, buf, sync=overlap is None)
             events = {device: CudaEvent(event, device) for device, event in raw.items()}
             stats.stage_s = time.perf_counter() - s0
         except BaseException:
@@ -228,7 +227,7 @@ class SavePipeline:
             step=step,
             created=time.time(),
             nbytes=plan.nbytes,
-            tree=tree,
+            tree=flat.tree,
             entries=list(plan.entries),  # entries are never modified
             files=[],
             metadata=metadata,

@@ -235,7 +235,7 @@ class _Run:
         self.members.append((index, offset))
         self.end = offset + nbytes
 
-    def build(self, leaves: Sequence[Leaf]) -> None:
+    def build(self, values: Sequence[Any]) -> None:
         """Make the storage (empty between saves) and one view of it per member."""
         span = self.end - self.start
         try:
@@ -246,7 +246,7 @@ class _Run:
         self.bounce = base
         grouped: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
         for index, offset in self.members:
-            src = leaves[index].value
+            src = values[index]
             assert isinstance(src, torch.Tensor)
             stride = src.stride() if src.is_contiguous() else _contiguous_strides(src.shape)
             view = torch.empty(0, dtype=BIT_EXACT.get(src.dtype, src.dtype), device=self.device)
@@ -308,15 +308,15 @@ class SavePlan:
         )
         self._lock = threading.Lock()
 
-    def _build(self, leaves: Sequence[Leaf]) -> None:
+    def _build(self, values: Sequence[Any]) -> None:
         """Plan the copies: runs, direct copies, host copies. Done by the first ``stage``, after
         the save asked for its buffer, so that it overlaps a buffer made in the background."""
         self.device_steps, self.arrays, host = [], [], []
         run: _Run | None = None
-        order = sorted(range(len(leaves)), key=lambda i: self.entries[i]["offset"])
+        order = sorted(range(len(values)), key=lambda i: self.entries[i]["offset"])
         self.gaps = _gaps([self.entries[i] for i in order])
         for i in order:
-            off, n, src = self.entries[i]["offset"], self.entries[i]["nbytes"], leaves[i].value
+            off, n, src = self.entries[i]["offset"], self.entries[i]["nbytes"], values[i]
             if n == 0:
                 continue
             if not isinstance(src, torch.Tensor):
@@ -324,7 +324,7 @@ class SavePlan:
                 continue
             gathered = src.is_cuda or self.gather_host
             if run is not None and not (gathered and run.takes(src.device, off, n)):
-                run.build(leaves)  # a run holds only consecutive leaves: anything else ends it
+                run.build(values)  # a run holds only consecutive leaves: anything else ends it
                 run = None
             if not gathered:
                 host.append(i)
@@ -336,7 +336,7 @@ class SavePlan:
                     self.device_steps.append((src.device, run))
                 run.add(i, off, n)
         if run is not None:
-            run.build(leaves)
+            run.build(values)
         self.host = host
         self._pick_host = _picker(host) if host else None
         self.built = True
@@ -345,7 +345,7 @@ class SavePlan:
         """Whether this plan stages ``leaves`` (their signature is this plan's)."""
         return signature(leaves) == self.key
 
-    def _views(self, buf: Buffer, leaves: Sequence[Leaf]) -> list[torch.Tensor]:
+    def _views(self, buf: Buffer, values: Sequence[Any]) -> list[torch.Tensor]:
         """The host leaves' destinations in ``buf`` (made on its first use, dropped with it).
         Also zeroes the padding when another plan staged into ``buf`` since this one last did
         (``Buffer.zeroed_for``; two saves at once hold two plans): no save of this plan writes
@@ -357,7 +357,7 @@ class SavePlan:
             buf.zeroed_for = weakref.ref(self)
         views = self._host_views.get(buf)
         if views is None:
-            places = [(self.entries[i], leaves[i].value) for i in self.host]
+            places = [(self.entries[i], values[i]) for i in self.host]
             views = _typed_views(buf.tensor, places)
             self._host_views[buf] = views
         return views
@@ -370,13 +370,19 @@ class SavePlan:
         and the device copies are queued, with a ``torch.cuda.Event`` per device recorded after
         them (device -> event; the bytes are in ``buf`` once each has completed); on an error
         it still waits for every copy."""
+        return self.stage_values(list(map(_VALUE, leaves)), buf, sync)
+
+    def stage_values(
+        self, values: Sequence[Any], buf: Buffer, sync: bool = True
+    ) -> dict[torch.device, Any]:
+        """``stage`` of the leaves' values alone (in leaf order; what a flatten cache hit
+        gives without making the ``Leaf`` records)."""
         with self._lock:  # the runs' storages are the plan's: one save at a time
             if not self.built:
-                self._build(leaves)
-            return self._stage(leaves, buf, sync)
+                self._build(values)
+            return self._stage(values, buf, sync)
 
-    def _stage(self, leaves: Sequence[Leaf], buf: Buffer, sync: bool) -> dict[torch.device, Any]:
-        values = list(map(_VALUE, leaves))
+    def _stage(self, values: Sequence[Any], buf: Buffer, sync: bool) -> dict[torch.device, Any]:
         streams: dict[torch.device, Any] = {}
         done = False
         try:
@@ -392,7 +398,7 @@ class SavePlan:
                         else:
                             _to_host(buf, self.entries[step]["offset"], _flat(values[step]))
                 buf.wait_all()  # host writes below: the whole buffer must be faulted in
-                views = self._views(buf, leaves)
+                views = self._views(buf, values)
                 if self._pick_host is not None:  # host copies overlap the device's
                     # host tensors: the CPU kernel copies each pair as is (exact for every dtype)
                     foreach_copy(views, self._pick_host(values))
@@ -417,6 +423,15 @@ class Stager:
         self._token: Any = None  # the token of the leaves the plan was last checked against
         self.planned = 0
         self.reused = 0
+
+    def current(self, token: Any) -> SavePlan | None:
+        """The last plan if ``token`` (not ``None``) is the one it was last checked against
+        (``plan``), without the leaves; else ``None``."""
+        plan = self._plan
+        if plan is None or token is None or token != self._token:
+            return None
+        self.reused += 1
+        return plan
 
     def plan(self, leaves: Sequence[Leaf], token: Any = None) -> SavePlan:
         """The plan for ``leaves``: the last one if their signature matches, else a new one.
