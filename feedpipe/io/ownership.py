@@ -16,6 +16,12 @@ Even inside a marked directory a tool deletes only entries it recognises: the ma
 my directory", not "everything here is mine". A marker is a regular file; a symlink, a directory
 or unreadable JSON under the marker's name is refused, never followed.
 
+The claim never writes through a symlink: the root is opened once (``O_NOFOLLOW``, or the
+caller's open directory) and the marker is created and renamed relative to that fd
+(:mod:`feedpipe.io.dirfd`); a root that no longer is that directory when the marker is about to
+be written, or once it is, is refused by name (tests/test_stage_destination.py, the write-path
+matrix).
+
 Standard library only (this module is part of ``feedpipe.io``, which ckpt imports).
 """
 
