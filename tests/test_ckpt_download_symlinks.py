@@ -21,7 +21,8 @@ from ckpt.errors import CheckpointError
 from ckpt.manager import CheckpointManager
 from ckpt.remote import RemoteOptions
 from ckpt.tiers.store import RemoteStore
-from feedpipe.io.ownership import claim, owns
+from feedpipe.io.dirfd import TempFile
+from feedpipe.io.ownership import claim, marker_name, owns
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -141,7 +142,28 @@ def _store_planted(tmp_path: Path, outside: Path, mp: pytest.MonkeyPatch) -> Non
     assert victim.read_bytes() == b"precious"
 
 
+def _root_claim(tmp_path: Path, outside: Path, mp: pytest.MonkeyPatch) -> None:
+    """A new checkpoint root is swapped for a link as ckpt's marker is written: refused by name,
+    the marker went to the directory claimed, not through the link."""
+    root = tmp_path / "run"
+    real = TempFile.commit
+    done: list[bool] = []
+
+    def commit(self: TempFile, *, durable: bool = True) -> None:
+        if not done and self.final == marker_name("ckpt"):
+            done.append(True)
+            _aside(root, outside, tmp_path / "aside")
+        real(self, durable=durable)
+
+    mp.setattr(TempFile, "commit", commit)
+    match = r"run: was replaced while ckpt claimed it"
+    with pytest.raises(NotADirectoryError, match=match), CheckpointManager(root) as m:
+        m.save(1, _state(1)).result(30)
+    assert done and owns(tmp_path / "aside", "ckpt")
+
+
 _DOWNLOADS = {
+    "ckpt: the root's claim (first save)": _root_claim,
     "restore: the download directory": _restore_dir,
     "download: a subdirectory removed": _store_sub_removed,
     "download: a subdirectory moved aside": _store_sub_moved,
