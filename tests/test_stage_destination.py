@@ -5,12 +5,14 @@ odd entries are clear errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,8 +22,11 @@ from test_stage import make_dataset, upload
 
 from feedpipe import MemmapDataset
 from feedpipe.errors import DatasetError
-from feedpipe.io.dirfd import Dir
+from feedpipe.io import ownership
+from feedpipe.io.dirfd import Dir, TempFile
+from feedpipe.io.ownership import claim, owns
 from feedpipe.remote import cache_space
+from feedpipe.remote import stage as stage_mod
 from feedpipe.remote import transfer as _remote
 from feedpipe.remote.cache import ShardCache
 from feedpipe.remote.stage import stage
@@ -292,7 +297,57 @@ def _cache_evict(tmp_path: Path, outside: Path, mp: pytest.MonkeyPatch) -> None:
     (outside / "shard-00001.data").unlink()
 
 
+def _stage_claim(tmp_path: Path, outside: Path, mp: pytest.MonkeyPatch) -> None:
+    dst = tmp_path / "dst"  # swapped after the stage opened it, before it claims (marks) it
+    real = stage_mod._claim
+
+    def hooked(*args: Any, **kwargs: Any) -> None:
+        if kwargs.get("at") is not None:
+            _aside(dst, outside)
+        real(*args, **kwargs)
+
+    mp.setattr(stage_mod, "_claim", hooked)
+    with pytest.raises(DatasetError, match=r"outside: was replaced while stage claimed it"):
+        stage(_src_with_sub(tmp_path), dst, progress=False, workers=1)
+
+
+def _cache_claim(tmp_path: Path, outside: Path, mp: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"  # swapped right before its ownership marker is written
+    _hook(mp, TempFile, "commit", lambda: _aside(cache, outside))
+    with pytest.raises(DatasetError, match=r"cache: was replaced while cache claimed it"):
+        ShardCache(_in_memory(_src_with_sub(tmp_path)), cache)
+
+
+def _claim_marker(tmp_path: Path, outside: Path, mp: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "root"  # feedpipe.io.ownership.claim itself, at its marker write
+    root.mkdir()
+    moved: list[Path] = []
+    _hook(mp, TempFile, "commit", lambda: moved.append(_aside(root, outside)))
+    with pytest.raises(NotADirectoryError, match=r"root: was replaced while stage claimed it"):
+        claim(root, "stage", lambda p: False)
+    assert owns(moved[0], "stage")  # through the fd: into the directory that was opened
+
+
+def _claim_checked(tmp_path: Path, outside: Path, mp: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "root"  # claim itself, swapped once checked, before the marker is made
+    root.mkdir()
+    moved: list[Path] = []
+
+    def dumps(*args: Any, **kwargs: Any) -> str:  # the marker's body, made right before its write
+        moved.append(_aside(root, outside))
+        return json.dumps(*args, **kwargs)
+
+    mp.setattr(ownership, "json", SimpleNamespace(dumps=dumps, loads=json.loads))
+    with pytest.raises(NotADirectoryError, match=r"root: was replaced while stage claimed it"):
+        claim(root, "stage", lambda p: False)
+    assert list(moved[0].iterdir()) == []  # refused before the write: nothing anywhere
+
+
 _WRITE_PATHS = {
+    "ownership: after the checks, before the marker write": _claim_checked,
+    "ownership: the marker write": _claim_marker,
+    "stage: the destination, before its claim": _stage_claim,
+    "cache: the cache folder's claim": _cache_claim,
     "stage: a shard's directory": _stage_shard_dir,
     "stage: the destination": _stage_destination,
     "stage: the index write": _stage_index,

@@ -9,6 +9,9 @@ restore path ask it to list, read, write and delete.
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
+import os
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -21,8 +24,11 @@ from ckpt.tiers import s3put
 from ckpt.tiers.listing import RemoteListing, list_remote
 from ckpt.tiers.options import RemoteOptions
 from feedpipe.io import RetryPolicy, call, is_s3_url, redact, resolve
+from feedpipe.io.dirfd import Dir, Tree, UnsafePathError, fd_path
 
 __all__ = ["RemoteStore", "client_options", "transfer"]
+
+_REPLACED = "was replaced while the download wrote into it"
 
 
 def transfer(
@@ -144,6 +150,11 @@ class RemoteStore:
         raw = self.manifest(step)
         if raw is None:
             raise CheckpointError(f"{self.where(step)}: no manifest (not a checkpoint)")
+        return self.validated(step, raw)
+
+    def validated(self, step: int, raw: bytes) -> dict[str, Any]:
+        """The manifest body in ``raw`` (``step``'s), validated in a private scratch directory;
+        ``CorruptCheckpointError`` names the remote object."""
         with tempfile.TemporaryDirectory(prefix="ckpt-manifest-") as tmp:
             Path(tmp, fmt.MANIFEST).write_bytes(raw)
             try:
@@ -152,22 +163,80 @@ class RemoteStore:
                 raise CorruptCheckpointError(str(exc).replace(tmp, self.where(step))) from None
 
     def download(self, step: int, into: Path) -> None:
-        """Fetch ``step`` into the empty directory ``into``: its manifest (validated), then every
-        file it names (never written through a symlink)."""
+        """Fetch ``step`` into the empty directory ``into``: its manifest (validated first), then
+        every file it names, each created new (``O_EXCL``) and fsynced: ``into`` is the temp that
+        the caller publishes, and what a crash leaves in it is only ckpt's own names.
+
+        Every write goes through ``into`` opened once (``O_NOFOLLOW``) and the directories below
+        it, each opened once through its parent (:mod:`feedpipe.io.dirfd`): one swapped for a
+        symlink meanwhile is never written through. A symlink or a file on the way, an entry
+        there already, a directory removed meanwhile, or ``into`` no longer naming the directory
+        written when the download ends, is a ``CheckpointError`` naming the path."""
         raw = self.manifest(step)
         if raw is None:
             raise CheckpointError(f"{self.where(step)}: no manifest (not a checkpoint)")
-        (into / fmt.MANIFEST).write_bytes(raw)
-        body = fmt.read_manifest(into)
-        for rec in body["files"]:
-            fmt.safe_relpath(rec["name"])
-            dest = into / rec["name"]
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            rpath = self.path(step, rec["name"])
+        body = self.validated(step, raw)
+        try:
+            with _open_into(into) as tree:
+                _create(tree.root, fmt.MANIFEST, functools.partial(_write_all, raw))
+                for rec in body["files"]:
+                    name = fmt.safe_relpath(rec["name"])
+                    where, leaf = tree.parent(name, create=True)
+                    _create(where, leaf, functools.partial(self._get, step, name))
+                tree.fsync()  # every entry durable before the caller publishes the directory
+                _still(tree, into, [rec["name"] for rec in body["files"]])
+        except (UnsafePathError, FileExistsError) as exc:
+            raise CheckpointError(
+                f"{exc.filename}: {exc.strerror}; ckpt never writes a download through a "
+                "symlink, nor over an entry it did not create"
+            ) from None
 
-            def fetch(r: str = rpath, d: Path = dest) -> None:
-                if d.is_symlink():  # never write through a symlink
-                    raise CheckpointError(f"{d}: download target is a symlink")
-                self.fs.get_file(r, str(d))
+    def _get(self, step: int, name: str, fd: int) -> None:
+        """Download ``step``'s file ``name`` into the open file ``fd`` (fsspec writes to the fd's
+        own path, :func:`~feedpipe.io.dirfd.fd_path`; a retry starts the file over)."""
+        rpath = self.path(step, name)
+        self.call(lambda: self.fs.get_file(rpath, fd_path(fd)), step, name, "download")
 
-            self.call(fetch, step, rec["name"], "download")
+
+def _create(where: Dir, name: str, fill: Callable[[int], object]) -> None:
+    """Create ``name`` in ``where`` (new: ``O_EXCL``, never through a link), ``fill`` it through
+    its fd, and fsync it."""
+    fd = where.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        fill(fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(data: bytes, fd: int) -> None:
+    with os.fdopen(os.dup(fd), "wb") as f:
+        f.write(data)
+
+
+def _open_into(into: Path) -> Tree:
+    """The tree rooted at the directory ``into``, opened without following a link there."""
+    with Dir.at(into.parent) as parent:
+        return Tree(parent.child(into.name))
+
+
+def _still(tree: Tree, into: Path, names: list[str]) -> None:
+    """Refuse, naming the directory, when ``into`` or a directory on the way to one of the files
+    ``names`` no longer is the directory the download wrote into (replaced meanwhile)."""
+    try:
+        now = os.lstat(into)
+    except FileNotFoundError:
+        now = None
+    if now is None or _ident(now) != _ident(os.fstat(tree.root.fd)):
+        raise UnsafePathError(errno.ESTALE, _REPLACED, str(into))
+    levels = {name.rsplit("/", i)[0] for name in names for i in range(1, name.count("/") + 1)}
+    for rel in sorted(levels):
+        head, _, leaf = rel.rpartition("/")
+        here = tree.dir(rel)
+        st = tree.dir(head).stat(leaf)
+        if st is None or _ident(st) != _ident(os.fstat(here.fd)):
+            raise UnsafePathError(errno.ESTALE, _REPLACED, here.path)
+
+
+def _ident(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino

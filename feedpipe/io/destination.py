@@ -25,6 +25,7 @@ import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from feedpipe.io.dirfd import Dir
 from feedpipe.io.ownership import ForeignEntriesError, claim, foreign_entries
 
 __all__ = ["DestinationError", "claim_folder", "folder_entries", "is_writer_file"]
@@ -95,12 +96,14 @@ def claim_folder(
     index_name: str,
     *,
     adopt: bool = True,
+    at: Dir | None = None,
 ) -> bool:
     """Claim ``path`` for ``tool`` by the one ownership rule, and refuse it if it holds entries
     that are not ``is_ours`` even when it carries ``tool``'s marker (a marker says "my
     directory", not "everything in it is mine"). Returns whether ``path`` holds a dataset
     (``index_name``). :class:`DestinationError` names the path and the foreign entries; nothing
-    is written then. ``adopt=False`` only checks: no marker is written."""
+    is written then. ``adopt=False`` only checks: no marker is written. ``at``: the caller's open
+    :class:`~feedpipe.io.dirfd.Dir` of ``path``, where the marker goes (see ``claim``)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -112,11 +115,11 @@ def claim_folder(
         )
     try:
         if adopt:
-            claim(path, tool, is_ours)
+            claim(path, tool, is_ours, at=at)
         foreign = foreign_entries(path, tool, is_ours) if st is not None else []
     except ForeignEntriesError as exc:
         foreign = exc.entries
-    except ValueError as exc:  # a malformed marker
+    except (ValueError, NotADirectoryError) as exc:  # a malformed marker, a root replaced
         raise DestinationError(str(exc)) from None
     if foreign:
         shown = [

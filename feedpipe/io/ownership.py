@@ -16,11 +16,18 @@ Even inside a marked directory a tool deletes only entries it recognises: the ma
 my directory", not "everything here is mine". A marker is a regular file; a symlink, a directory
 or unreadable JSON under the marker's name is refused, never followed.
 
+The claim never writes through a symlink: the root is opened once (``O_NOFOLLOW``, or the
+caller's open directory) and the marker is created and renamed relative to that fd
+(:mod:`feedpipe.io.dirfd`); a root that no longer is that directory when the marker is about to
+be written, or once it is, is refused by name (tests/test_stage_destination.py, the write-path
+matrix).
+
 Standard library only (this module is part of ``feedpipe.io``, which ckpt imports).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -30,7 +37,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from feedpipe.io.fsutil import atomic_write
+from feedpipe.io.dirfd import Dir, TempFile
 
 __all__ = [
     "ForeignEntriesError",
@@ -44,6 +51,8 @@ __all__ = [
 
 _MARKER = re.compile(r"\.[A-Za-z0-9-]+-owner\.json")
 _SHOWN = 10  # foreign entries named in an error; the rest are counted
+_ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NOT_REGULAR = "the ownership marker is not a regular file; refusing it"
 
 
 class ForeignEntriesError(FileExistsError):
@@ -86,14 +95,19 @@ def owner_record(root: str | os.PathLike[str], tool: str) -> dict[str, Any] | No
     except FileNotFoundError:
         return None
     if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{path}: the ownership marker is not a regular file; refusing it")
+        raise ValueError(f"{path}: {_NOT_REGULAR}")
+    return _checked(str(path), tool, path.read_bytes)
+
+
+def _checked(shown: str, tool: str, read: Callable[[], bytes]) -> dict[str, Any]:
+    """The marker record ``read()`` returns, once it is a JSON object for ``tool``."""
     try:
-        record = json.loads(path.read_bytes())
+        record = json.loads(read())
     except (OSError, ValueError, RecursionError) as exc:
         why = "nested too deeply" if isinstance(exc, RecursionError) else exc
-        raise ValueError(f"{path}: the ownership marker is unreadable: {why}") from None
+        raise ValueError(f"{shown}: the ownership marker is unreadable: {why}") from None
     if not isinstance(record, dict) or record.get("tool") != tool:
-        raise ValueError(f"{path}: the ownership marker is not {tool}'s")
+        raise ValueError(f"{shown}: the ownership marker is not {tool}'s")
     return record
 
 
@@ -120,6 +134,8 @@ def claim(
     tool: str,
     is_ours: Callable[[Path], bool],
     record: Mapping[str, Any] | None = None,
+    *,
+    at: Dir | None = None,
 ) -> bool:
     """Make ``root`` ``tool``'s directory, by the rule in the module docstring.
 
@@ -127,20 +143,101 @@ def claim(
     there already. ``record`` adds fields to a new marker. Raises :class:`ForeignEntriesError`
     (nothing written) when ``root`` holds entries ``is_ours`` does not accept, and
     ``NotADirectoryError`` when ``root`` is not a directory (a symlink to one is accepted only if
-    the caller resolved it first)."""
+    the caller resolved it first).
+
+    The root is opened once (``O_NOFOLLOW``; ``at``: the caller's open :class:`Dir` of it) and
+    the marker is created relative to that fd (:mod:`feedpipe.io.dirfd`): a root swapped for a
+    symlink meanwhile is never written through, and a root that no longer is the directory
+    opened, before or after the write, is a ``NotADirectoryError`` naming it."""
     base = Path(root)
-    try:
-        st = os.lstat(base)
-    except FileNotFoundError:
-        base.mkdir(parents=True, exist_ok=True)
-        st = os.lstat(base)
-    if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(f"{base}: not a directory; refusing to use it for {tool}")
-    if owner_record(base, tool) is not None:
+    if at is not None:
+        return _claim_in(at, base, tool, is_ours, record)
+    with _open_root(base, tool) as where:
+        return _claim_in(where, base, tool, is_ours, record)
+
+
+def _claim_in(
+    where: Dir,
+    base: Path,
+    tool: str,
+    is_ours: Callable[[Path], bool],
+    record: Mapping[str, Any] | None,
+) -> bool:
+    """:func:`claim` of the open directory ``where``, which ``base`` names."""
+    if _record_in(where, tool) is not None:
         return False
-    foreign = foreign_entries(base, tool, is_ours)
+    mark = marker_name(tool)
+    foreign = sorted(n for n in os.listdir(where.fd) if n != mark and not is_ours(base / n))
     if foreign:
         raise ForeignEntriesError(base, tool, foreign)
     body = {"tool": tool, "version": 1, "created": time.time(), **dict(record or {})}
-    atomic_write(base / marker_name(tool), json.dumps(body, sort_keys=True).encode() + b"\n")
+    data = json.dumps(body, sort_keys=True).encode() + b"\n"
+    _still(where, base, tool)  # is_ours looked by path: that path must still be this directory
+    _write_marker(where, mark, data)
+    _still(where, base, tool)
     return True
+
+
+def _write_marker(where: Dir, name: str, data: bytes) -> None:
+    """``name`` replaced by ``data`` in ``where`` through a temp there, durably (the file fsynced
+    before its rename, the directory after it)."""
+    tmp = TempFile.create(where, name, len(data))
+    try:
+        with os.fdopen(os.dup(tmp.fd), "wb") as f:
+            f.write(data)
+        tmp.commit()
+    finally:
+        tmp.discard()
+    where.fsync()
+
+
+def _open_root(base: Path, tool: str) -> Dir:
+    """``base`` opened as a directory, never through a symlink (made first when missing)."""
+    try:
+        fd = _open_dir(base, tool)
+    except FileNotFoundError:
+        base.mkdir(parents=True, exist_ok=True)
+        fd = _open_dir(base, tool)
+    return Dir(fd, str(base))
+
+
+def _open_dir(base: Path, tool: str) -> int:
+    try:
+        return os.open(base, _ROOT_FLAGS)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+            raise
+        what = "a symlink (never followed), " if os.path.islink(base) else ""
+        raise NotADirectoryError(
+            f"{base}: {what}not a directory; refusing to use it for {tool}"
+        ) from None
+
+
+def _still(where: Dir, base: Path, tool: str) -> None:
+    """Refuse, naming ``base``, when it no longer is the directory ``where`` holds open."""
+    try:
+        now = os.lstat(base)
+    except OSError:
+        now = None
+    held = os.fstat(where.fd)
+    if now is None or not stat.S_ISDIR(now.st_mode) or _ident(now) != _ident(held):
+        raise NotADirectoryError(
+            f"{base}: was replaced while {tool} claimed it (a symlink or another directory now "
+            "stands there); nothing was written through it"
+        )
+
+
+def _ident(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _record_in(where: Dir, tool: str) -> dict[str, Any] | None:
+    """:func:`owner_record` of the open directory ``where`` (never through a symlink)."""
+    name = marker_name(tool)
+    st = where.stat(name)
+    if st is None:
+        return None
+    raw = where.read(name) if stat.S_ISREG(st.st_mode) else None
+    if raw is None:  # not a regular file (or no longer one)
+        raise ValueError(f"{where.entry(name)}: {_NOT_REGULAR}")
+    return _checked(where.entry(name), tool, lambda: raw)

@@ -164,7 +164,7 @@ def _stage_locked(
     t0: float,
 ) -> StageResult:
     """The body of :func:`stage`, run while this process alone stages into ``tree``."""
-    _claim(tree.path, entries)
+    _claim(tree.path, entries, at=tree.root)
     _open_dirs(tree, entries)
     _clean_stale_temps(tree.root)
 
@@ -246,7 +246,9 @@ class _Transfers:
                 self._temps.discard(tmp)
 
 
-def _claim(dst: str, entries: list[FileEntry], *, adopt: bool = True) -> None:
+def _claim(
+    dst: str, entries: list[FileEntry], *, adopt: bool = True, at: Dir | None = None
+) -> None:
     """Make ``dst`` stage's by the one ownership rule (:mod:`feedpipe.io.destination`):
     it may hold only a dataset's own files (the source's, or those of the feedpipe index
     there), stage's temps and lock, and stage's marker; anything else (a user's own
@@ -255,7 +257,9 @@ def _claim(dst: str, entries: list[FileEntry], *, adopt: bool = True) -> None:
     any other dataset there (one ``convert`` wrote) is refused. ``adopt=False`` checks only.
     In a folder stage has marked, shard files of an older version whose index an interrupted
     restage removed are stage's too (named as feedpipe writes them).
-    A ``dst`` that is a symlink to a folder stages into that folder, as before."""
+    A ``dst`` that is a symlink to a folder stages into that folder, as before; ``at`` (the
+    open destination) is where the marker goes: a ``dst`` swapped since it was opened is
+    refused, never marked through the link."""
     real = os.path.realpath(dst)
     lock = os.path.basename(_lock_path(dst))
     try:
@@ -280,7 +284,7 @@ def _claim(dst: str, entries: list[FileEntry], *, adopt: bool = True) -> None:
             return also(path.name)
 
     try:
-        claim_folder(real, "stage", ours, INDEX_NAME, adopt=adopt)
+        claim_folder(real, "stage", ours, INDEX_NAME, adopt=adopt, at=at)
     except DestinationError as exc:
         raise DatasetError(str(exc)) from None
 
