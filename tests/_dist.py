@@ -21,6 +21,9 @@ from typing import Any
 
 __all__ = ["free_port", "run_ranks"]
 
+# after a rank died without reporting, how long the others may still take to report
+DEAD_PEER_GRACE_S = 30.0
+
 
 def free_port() -> int:
     """A TCP port that was free on 127.0.0.1 a moment ago."""
@@ -99,9 +102,12 @@ def run_ranks(
                     for i, p in enumerate(procs)
                     if p.exitcode not in (None, 0) and i not in values
                 ]
+                if dead and len(values) + len(failures) + len(dead) >= world_size:
+                    break  # every rank reported or died: nothing more will come
                 if dead and not failures:
-                    # a rank died without reporting (killed, segfault): give others a moment
-                    deadline = min(deadline, time.monotonic() + 5.0)
+                    # a rank died without reporting (killed, segfault): the others get a while
+                    # to report (5 s was too short beside a loaded make test), not the timeout
+                    deadline = min(deadline, time.monotonic() + DEAD_PEER_GRACE_S)
                 continue
             if ok:
                 values[rank] = value

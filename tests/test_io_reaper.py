@@ -27,16 +27,23 @@ FAST = Bound(grace=0.3, term=0.3, kill=5.0)
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _hang(deaf: bool, stop: Any = None) -> None:
+def _hang(deaf: bool, stop: Any, ready: Any) -> None:
     if deaf:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.set()
     while stop is None or not stop.is_set():
         time.sleep(0.01)
 
 
 def _start(deaf: bool, stop: Any = None) -> Any:
-    p = mp.get_context("fork").Process(target=_hang, args=(deaf, stop), name=f"deaf={deaf}")
+    """A hung worker, returned once it runs its loop (deaf: once SIGTERM is ignored). Not
+    waiting let a loaded machine SIGTERM it (after the 0.3 s grace) before it got that far:
+    it died of SIGTERM where the test expects SIGKILL."""
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    p = ctx.Process(target=_hang, args=(deaf, stop, ready), name=f"deaf={deaf}")
     p.start()
+    assert ready.wait(60), f"worker {p.name} did not start in 60 s"
     return p
 
 

@@ -45,6 +45,8 @@ def _verdict(stall: set[int], stall_s: float, n: int = 200) -> tuple[str, float]
     return hint(s), s.stall_fraction
 
 
+@pytest.mark.serial  # 200 real 1 ms sleeps: on a loaded machine each overshoots to ~3 ms, and
+# the one 150 ms stall no longer makes the mean input-bound (raw 0.18: 1 failure in 10)
 def test_one_150ms_stall_in_200_fast_batches_keeps_the_verdict() -> None:
     clean, _ = _verdict(set(), 0.0)
     paused, raw = _verdict({100}, 0.150)
