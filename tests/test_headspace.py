@@ -319,9 +319,21 @@ def test_load_step_returns_the_pair_and_refuses_a_spec_without_fn(tmp_path: Path
         load_step(str(script))
 
 
-def test_load_step_imports_the_script_as_a_module_named_after_it(tmp_path: Path) -> None:
+def _forget_modules(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
+    """The scripts' modules and folders leave sys.modules and sys.path after the test (a second
+    run in one process would otherwise find the name taken and get the fallback name)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, None)  # restored (removed) at teardown
+        del sys.modules[name]
+
+
+def test_load_step_imports_the_script_as_a_module_named_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Its folder is on sys.path (a sibling import works), its classes pickle by the module's
     name, and its ``if __name__ == "__main__":`` block does not run."""
+    _forget_modules(monkeypatch, "hs_named_script", "hs_sibling_helper")
     (tmp_path / "hs_sibling_helper.py").write_text("SCALE = 3\n")
     script = tmp_path / "hs_named_script.py"
     script.write_text(
@@ -481,10 +493,11 @@ def test_cli_script_that_exits_is_an_error_naming_it(
 
 
 def test_cli_script_parsing_its_arguments_at_import_gets_its_defaults(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A module-level ``parse_args()`` saw ``bench --headspace ...`` and exited 2 with the
     script's own usage line; it now sees ``[SCRIPT]`` (its defaults), and argv is put back."""
+    _forget_modules(monkeypatch, "atk28_argv_script")
     from feedpipe.cli import main
 
     script = tmp_path / "atk28_argv_script.py"
