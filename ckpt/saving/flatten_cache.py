@@ -87,6 +87,16 @@ def _keys(pending: list[Pending]) -> list[tuple[Any, ...]] | None:
         return None
 
 
+def _unchanged(structure: Structure | None, state: Any) -> bool:
+    """Whether ``structure`` (read before the walk) still is ``state``'s after it: a state
+    changed while it was walked (another thread) must not pair the walk's tree with the
+    facts read before it."""
+    if structure is None or structure.columns is None:
+        return False
+    after = Structure.of(state)
+    return after is not None and structure.matches(after)
+
+
 class Flat:
     """One flattening (``FlattenCache.capture``): the JSON ``tree``, the leaves' ``values`` in
     leaf order, whether the last save's entries were ``reused`` (then ``generation`` is the
@@ -157,10 +167,13 @@ class FlattenCache:
                 return Flat(tree, values, True, self.generation, self._maker(values))
         leaves: list[Leaf] = []
         generation = self.generation
+        if structure is not None:  # the facts before the walk (``_unchanged``)
+            structure.read_columns()
         tree = self._flatten(state, leaves, path)
         reused = generation == self.generation
-        with self._lock:
-            remember = reused and structure is not None and structure.read_columns() is not None
+        unchanged = reused and _unchanged(structure, state)
+        with self._lock:  # another thread's save since: its entries, not this tree's
+            remember = unchanged and generation == self.generation
             self._fast, self._tree, self._path = (
                 (structure, tree, path) if remember else (None, None, path)
             )
