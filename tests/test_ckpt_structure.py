@@ -383,15 +383,34 @@ class _Toggle(torch.nn.Module):
         del state
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: a miss calls state_dict() twice (the scan's, the walk's); the structure "
-    "remembered is the scan's, the tree the walk's: a state_dict() that alternates "
-    "values pairs them wrongly",
-)
 def test_a_fast_hit_saves_what_this_saves_state_dict_call_returned() -> None:
+    """A miss calls ``state_dict()`` twice (the scan's, the walk's): a structure is
+    remembered only with a tree it describes, so a ``state_dict()`` that alternates never
+    pairs one call's scalars with the other's structure."""
     module = _Toggle()
     cache = FlattenCache()
     for _ in range(4):
         tree = json.dumps(cache.flatten({"m": module}, []))
         assert f'"phase", {{"t": "v", "v": {module.returned[-1]}}}' in tree
+
+
+def test_every_scalar_and_container_kind_reaches_the_fast_path() -> None:
+    """The check that a walk's tree is the scanned structure's accepts every value the scan
+    handles (non-finite floats, int keys, tuples, nested lists, ``None``, bools, parameters
+    flagged by type or by ``_is_param``, ``requires_grad``): such states still hit the fast
+    path."""
+    flagged = torch.ones(2)
+    flagged._is_param = True
+    state = {
+        "f": [float("nan"), float("inf"), float("-inf"), -0.0, 1.5],
+        "d": {1: torch.ones(1), 2: (None, True, False, "s", [[]], ())},
+        "od": OrderedDict(a=[torch.zeros(2), torch.ones(3)]),
+        "p": torch.nn.Parameter(torch.ones(2)),
+        "flagged": flagged,
+        "rg": torch.ones(2, requires_grad=True),
+        "opt": torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1),
+    }
+    cache = FlattenCache()
+    _warm(state, cache)
+    _same(state, cache)
+    assert cache.fast_hits == 2

@@ -87,14 +87,25 @@ def _keys(pending: list[Pending]) -> list[tuple[Any, ...]] | None:
         return None
 
 
-def _unchanged(structure: Structure | None, state: Any) -> bool:
-    """Whether ``structure`` (read before the walk) still is ``state``'s after it: a state
-    changed while it was walked (another thread) must not pair the walk's tree with the
-    facts read before it."""
-    if structure is None or structure.columns is None:
+_KEY_PLACES = (3, 2, 7, 9, 8, 4, 5, 11)
+"""Where each of a ``Structure``'s columns is in a tensor's key (``_keys``), in its order."""
+_CONJ = 10
+
+
+def _agree(structure: Structure | None, keys: list[tuple[Any, ...]] | None) -> bool:
+    """Whether ``structure``'s columns (read before the walk) are the facts of the walk's
+    ``keys``: a tensor changed between them (another thread) must not pair its entries with
+    the facts read before."""
+    columns = None if structure is None else structure.columns
+    if structure is None or columns is None or keys is None or len(keys) != structure.count:
         return False
-    after = Structure.of(state)
-    return after is not None and structure.matches(after)
+    try:
+        for place, column in zip(_KEY_PLACES, columns, strict=False):
+            if list(map(itemgetter(place), keys)) != column:
+                return False
+        return [keys[k][_CONJ] for k in structure.complex] == columns[-1]
+    except IndexError:  # an array's key: not the scanned state
+        return False
 
 
 class Flat:
@@ -171,9 +182,9 @@ class FlattenCache:
             structure.read_columns()
         tree = self._flatten(state, leaves, path)
         reused = generation == self.generation
-        unchanged = reused and _unchanged(structure, state)
+        described = reused and structure is not None and structure.describes(tree)
         with self._lock:  # another thread's save since: its entries, not this tree's
-            remember = unchanged and generation == self.generation
+            remember = described and generation == self.generation and _agree(structure, self._keys)
             self._fast, self._tree, self._path = (
                 (structure, tree, path) if remember else (None, None, path)
             )
