@@ -25,7 +25,13 @@ Fast path (``capture``): from the second hit on, the walk itself is skipped whil
 has the structure of the last hit (``ckpt.saving.structure``: its containers, keys, scalars
 and per tensor the facts of its key, read in C loops): the tree is the last hit's (the same
 object, never modified: equal tokens mean an equal tree, scalars included) and the leaves'
-values are this state's tensors in tree order. ``fast_hits`` counts those saves.
+values are this state's tensors in tree order. ``fast_hits`` counts those saves. A structure
+is remembered only with the tree of its own walk: its columns are read before the walk and
+must equal the walk's keys, its tokens must describe the walk's tree
+(``Structure.describes``), and no other save may have assigned entries since the walk. So a
+state changed by another thread during a save, or an object whose ``state_dict()`` returns
+something else on each call (a miss calls it twice: the scan's, the walk's), never pairs one
+state's structure with another's tree or entries.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ and the same entries: the tokens fix every node of the tree and every path, the 
 key ``FlattenCache`` compares (a tensor's storage address is its data pointer less its offset,
 so ties made or broken, a tensor replaced or resized in place, change a column). A
 ``Structure`` holds no reference to the state: only types, keys, scalars and numbers.
+``describes`` checks that a walk's tree is the one these tokens stand for (``FlattenCache``
+remembers a structure only with such a tree).
 """
 
 from __future__ import annotations
