@@ -414,3 +414,25 @@ def test_every_scalar_and_container_kind_reaches_the_fast_path() -> None:
     _warm(state, cache)
     _same(state, cache)
     assert cache.fast_hits == 2
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"a": torch.ones(2), "n": 2, "f": [0.5, None]},  # a scalar
+        {"a": torch.ones(2), "n": 1, "f": [-0.5, None]},  # a float's sign
+        {"b": torch.ones(2), "n": 1, "f": [0.5, None]},  # a key
+        {"a": torch.ones(2), "n": 1, "f": (0.5, None)},  # a container's type
+        {"a": torch.ones(2), "n": 1, "f": [0.5, False]},  # None to False
+        {"a": torch.nn.Parameter(torch.ones(2)), "n": 1, "f": [0.5, None]},  # param flag
+        {"a": torch.ones(2, requires_grad=True), "n": 1, "f": [0.5, None]},  # requires_grad
+        {"a": torch.ones(2), "n": 1, "f": [0.5, None, 1]},  # a length
+    ],
+    ids=["scalar", "float sign", "key", "container", "None", "param", "rg", "length"],
+)
+def test_a_structure_does_not_describe_another_states_tree(other: dict[str, Any]) -> None:
+    state = {"a": torch.ones(2), "n": 1, "f": [0.5, None]}
+    structure = Structure.of(state)
+    assert structure is not None and structure.read_columns() is not None
+    assert structure.describes(flatten(state, []))
+    assert not structure.describes(flatten(other, []))
