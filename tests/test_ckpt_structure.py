@@ -302,3 +302,137 @@ def test_a_meta_tensor_of_an_unsupported_dtype_names_the_device_first() -> None:
         flatten({**ok, "m": bad}, [])
     with pytest.raises(CheckpointError, match=r"state\['u'\]: dtype torch.bits8 is not"):
         flatten({**ok, "u": torch.zeros(2, dtype=torch.uint8).view(torch.bits8)}, [])
+
+
+class _HookedLock:
+    """The cache's lock, running ``hook`` just before its ``at``-th acquisition: another
+    thread's work at a fixed point of a save, without a race or a sleep."""
+
+    def __init__(self, lock: Any, at: int, hook: Callable[[], object]) -> None:
+        self.lock, self.at, self.hook, self.count = lock, at, hook, 0
+
+    def __enter__(self) -> None:
+        self.count += 1
+        if self.count == self.at:
+            self.hook()
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+def test_another_save_between_a_walk_and_its_remembering_is_not_paired_with_it() -> None:
+    """A save of another state (another thread) after this save's walk, before the cache
+    remembers its structure: the entries are the other state's, so this structure must not
+    be remembered with them (else the next fast hit writes the other state's records)."""
+    cache = FlattenCache()
+    x = {"a": torch.ones(4)}
+    y = {"b": torch.zeros(2, dtype=torch.float64), "c": torch.ones(3)}
+    cache.flatten(x, [])  # a miss: the keys are x's
+    lock = cache._lock
+    cache._lock = _HookedLock(lock, 3, lambda: cache.flatten(y, []))  # type: ignore[assignment]
+    _same(x, cache)  # a slow hit on x; y's save before x's structure is remembered
+    _same(x, cache)
+    _same(x, cache)
+    _same(y, cache)
+
+
+def test_a_scalar_changed_while_the_state_is_walked_is_not_paired_with_the_old_tree() -> None:
+    """The training thread moves ``step`` on between the scan and the walk of a save: the
+    walk's tree (step 3) must not be remembered under the scanned structure (step 2)."""
+    state: dict[str, Any] = {"t": torch.ones(4), "step": 1}
+    cache = FlattenCache()
+    _warm(state, cache)
+    state["step"] = 2
+    hook = _HookedLock(cache._lock, 1, lambda: state.__setitem__("step", 3))
+    cache._lock = hook  # type: ignore[assignment]
+    items = dict(cache.flatten(state, [])["items"])
+    assert hook.count == 3 and items["step"]["v"] == 3  # the walk's
+    state["step"] = 2
+    _same(state, cache)
+    _same(state, cache)
+
+
+def test_a_tensor_resized_while_the_state_is_walked_is_not_paired_with_the_old_tree() -> None:
+    """A tensor resized in place after the walk, before the save remembers the structure:
+    the next save (of the resized tensor) must not reuse the walk's entries."""
+    state = {"t": torch.arange(4.0), "u": torch.ones(2)}
+    cache = FlattenCache()
+    cache.flatten(state, [])
+    hook = _HookedLock(cache._lock, 2, lambda: state["t"].resize_(2, 2))
+    cache._lock = hook  # type: ignore[assignment]
+    cache.flatten(state, [])  # the walk saw [4]; the tensor is [2, 2] after it
+    assert hook.count == 3
+    _same(state, cache)
+    _same(state, cache)
+
+
+class _Toggle(torch.nn.Module):
+    """Extra state that differs from one ``state_dict()`` call to the next."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(2))
+        self.returned: list[int] = []
+
+    def get_extra_state(self) -> Any:
+        self.returned.append(len(self.returned) % 2)
+        return {"phase": self.returned[-1]}
+
+    def set_extra_state(self, state: Any) -> None:
+        del state
+
+
+def test_a_fast_hit_saves_what_this_saves_state_dict_call_returned() -> None:
+    """A miss calls ``state_dict()`` twice (the scan's, the walk's): a structure is
+    remembered only with a tree it describes, so a ``state_dict()`` that alternates never
+    pairs one call's scalars with the other's structure."""
+    module = _Toggle()
+    cache = FlattenCache()
+    for _ in range(4):
+        tree = json.dumps(cache.flatten({"m": module}, []))
+        assert f'"phase", {{"t": "v", "v": {module.returned[-1]}}}' in tree
+
+
+def test_every_scalar_and_container_kind_reaches_the_fast_path() -> None:
+    """The check that a walk's tree is the scanned structure's accepts every value the scan
+    handles (non-finite floats, int keys, tuples, nested lists, ``None``, bools, parameters
+    flagged by type or by ``_is_param``, ``requires_grad``): such states still hit the fast
+    path."""
+    flagged = torch.ones(2)
+    flagged._is_param = True
+    state = {
+        "f": [float("nan"), float("inf"), float("-inf"), -0.0, 1.5],
+        "d": {1: torch.ones(1), 2: (None, True, False, "s", [[]], ())},
+        "od": OrderedDict(a=[torch.zeros(2), torch.ones(3)]),
+        "p": torch.nn.Parameter(torch.ones(2)),
+        "flagged": flagged,
+        "rg": torch.ones(2, requires_grad=True),
+        "opt": torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1),
+    }
+    cache = FlattenCache()
+    _warm(state, cache)
+    _same(state, cache)
+    assert cache.fast_hits == 2
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"a": torch.ones(2), "n": 2, "f": [0.5, None]},  # a scalar
+        {"a": torch.ones(2), "n": 1, "f": [-0.5, None]},  # a float's sign
+        {"b": torch.ones(2), "n": 1, "f": [0.5, None]},  # a key
+        {"a": torch.ones(2), "n": 1, "f": (0.5, None)},  # a container's type
+        {"a": torch.ones(2), "n": 1, "f": [0.5, False]},  # None to False
+        {"a": torch.nn.Parameter(torch.ones(2)), "n": 1, "f": [0.5, None]},  # param flag
+        {"a": torch.ones(2, requires_grad=True), "n": 1, "f": [0.5, None]},  # requires_grad
+        {"a": torch.ones(2), "n": 1, "f": [0.5, None, 1]},  # a length
+    ],
+    ids=["scalar", "float sign", "key", "container", "None", "param", "rg", "length"],
+)
+def test_a_structure_does_not_describe_another_states_tree(other: dict[str, Any]) -> None:
+    state = {"a": torch.ones(2), "n": 1, "f": [0.5, None]}
+    structure = Structure.of(state)
+    assert structure is not None and structure.read_columns() is not None
+    assert structure.describes(flatten(state, []))
+    assert not structure.describes(flatten(other, []))

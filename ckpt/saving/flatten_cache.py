@@ -25,7 +25,13 @@ Fast path (``capture``): from the second hit on, the walk itself is skipped whil
 has the structure of the last hit (``ckpt.saving.structure``: its containers, keys, scalars
 and per tensor the facts of its key, read in C loops): the tree is the last hit's (the same
 object, never modified: equal tokens mean an equal tree, scalars included) and the leaves'
-values are this state's tensors in tree order. ``fast_hits`` counts those saves.
+values are this state's tensors in tree order. ``fast_hits`` counts those saves. A structure
+is remembered only with the tree of its own walk: its columns are read before the walk and
+must equal the walk's keys, its tokens must describe the walk's tree
+(``Structure.describes``), and no other save may have assigned entries since the walk. So a
+state changed by another thread during a save, or an object whose ``state_dict()`` returns
+something else on each call (a miss calls it twice: the scan's, the walk's), never pairs one
+state's structure with another's tree or entries.
 """
 
 from __future__ import annotations
@@ -85,6 +91,27 @@ def _keys(pending: list[Pending]) -> list[tuple[Any, ...]] | None:
         ]  # fmt: skip
     except (RuntimeError, NotImplementedError, AttributeError):  # no plain storage
         return None
+
+
+_KEY_PLACES = (3, 2, 7, 9, 8, 4, 5, 11)
+"""Where each of a ``Structure``'s columns is in a tensor's key (``_keys``), in its order."""
+_CONJ = 10
+
+
+def _agree(structure: Structure | None, keys: list[tuple[Any, ...]] | None) -> bool:
+    """Whether ``structure``'s columns (read before the walk) are the facts of the walk's
+    ``keys``: a tensor changed between them (another thread) must not pair its entries with
+    the facts read before."""
+    columns = None if structure is None else structure.columns
+    if structure is None or columns is None or keys is None or len(keys) != structure.count:
+        return False
+    try:
+        for place, column in zip(_KEY_PLACES, columns, strict=False):
+            if list(map(itemgetter(place), keys)) != column:
+                return False
+        return [keys[k][_CONJ] for k in structure.complex] == columns[-1]
+    except IndexError:  # an array's key: not the scanned state
+        return False
 
 
 class Flat:
@@ -157,10 +184,13 @@ class FlattenCache:
                 return Flat(tree, values, True, self.generation, self._maker(values))
         leaves: list[Leaf] = []
         generation = self.generation
+        if structure is not None:  # the facts before the walk (``_unchanged``)
+            structure.read_columns()
         tree = self._flatten(state, leaves, path)
         reused = generation == self.generation
-        with self._lock:
-            remember = reused and structure is not None and structure.read_columns() is not None
+        described = reused and structure is not None and structure.describes(tree)
+        with self._lock:  # another thread's save since: its entries, not this tree's
+            remember = described and generation == self.generation and _agree(structure, self._keys)
             self._fast, self._tree, self._path = (
                 (structure, tree, path) if remember else (None, None, path)
             )

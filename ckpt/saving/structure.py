@@ -21,6 +21,8 @@ and the same entries: the tokens fix every node of the tree and every path, the 
 key ``FlattenCache`` compares (a tensor's storage address is its data pointer less its offset,
 so ties made or broken, a tensor replaced or resized in place, change a column). A
 ``Structure`` holds no reference to the state: only types, keys, scalars and numbers.
+``describes`` checks that a walk's tree is the one these tokens stand for (``FlattenCache``
+remembers a structure only with such a tree).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 
 from ckpt._torch_compat import param_flags
 from ckpt.format.limits import MAX_DEPTH
+from ckpt.types import type_name
 
 __all__ = ["Structure", "scan"]
 
@@ -56,6 +59,7 @@ _COLUMNS: tuple[Callable[[torch.Tensor], Any], ...] = (
 nestedness need none: ``stride`` or ``data_ptr`` raise for every layout but strided and for a
 strided nested tensor, and a jagged one is another type (the scan gives up)."""
 _DTYPE = 1  # the column of the dtypes
+_RG = 6  # the column of the requires_grad flags
 
 
 class _GiveUpError(Exception):
@@ -155,6 +159,72 @@ class Structure:
         except (RuntimeError, NotImplementedError, AttributeError):
             return False
 
+    def describes(self, tree: dict[str, Any]) -> bool:
+        """Whether ``tree`` (a walk's, of this state) is the tree these tokens and columns
+        stand for: every container, key and scalar, and each tensor's parameter and
+        ``requires_grad`` flags. ``False`` where the state changed between the scan and the
+        walk, or an object's ``state_dict()`` returned another value for each."""
+        columns = self.columns
+        if columns is None:
+            return False
+        check = _TreeCheck(self.tokens, columns)
+        try:
+            return check.items([tree]) and check.done()
+        except (KeyError, TypeError, ValueError, IndexError, StopIteration):
+            return False
+
     def forget(self) -> None:
         """Drop the references to the state's tensors (kept: tokens and columns)."""
         self.tensors = []
+
+
+class _TreeCheck:
+    """One pass of ``Structure.describes``: the tokens read in ``scan``'s order."""
+
+    def __init__(self, tokens: list[Any], columns: list[list[Any]]) -> None:
+        self.tokens = iter(tokens)
+        self.rg, self.params = columns[_RG], columns[-2]
+        self.tensor = 0  # the next tensor's index
+
+    def done(self) -> bool:
+        """Whether every token was read and every tensor met."""
+        return next(self.tokens, self) is self and self.tensor == len(self.rg)
+
+    def items(self, nodes: list[Any]) -> bool:
+        """The values of a list, a tuple, an owner's ``state_dict()`` or the root: their
+        count and types, then each (``scan``'s ``_items``)."""
+        if next(self.tokens) != len(nodes):
+            return False
+        types = next(self.tokens)
+        return len(types) == len(nodes) and all(map(self.value, types, nodes))
+
+    def value(self, kind: type, node: dict[str, Any]) -> bool:
+        if kind in _TENSORS:
+            k, self.tensor = self.tensor, self.tensor + 1
+            param = kind is torch.nn.Parameter or bool(self.params[k])
+            return (node["t"], "param" in node, "rg" in node) == ("tensor", param, self.rg[k])
+        if kind in _SCALARS:
+            v = node["v"]
+            return node["t"] == "v" and type(v) is kind and v == next(self.tokens)
+        if kind is float:
+            v = node["v"] if node["t"] == "v" else float(node["v"]) if node["t"] == "float" else 0j
+            return type(v) is float and v.hex() == next(self.tokens)
+        return self.container(kind, node)
+
+    def container(self, kind: type, node: dict[str, Any]) -> bool:
+        if kind is dict or kind is OrderedDict:
+            next(self.tokens)  # the keys' types: the walk keeps str and int keys as they are
+            items = node["items"]
+            keys = next(self.tokens)
+            same = node["t"] == ("odict" if kind is OrderedDict else "dict")
+            return same and [k for k, _ in items] == list(keys) and self._values(items)
+        if kind is list or kind is tuple:
+            return node["t"] == kind.__name__ and self.items(node["items"])
+        if node["t"] != "state" or node["cls"] != type_name(kind):
+            return False
+        return self.items([node["v"]])
+
+    def _values(self, items: list[Any]) -> bool:
+        nodes = [child for _, child in items]
+        types = next(self.tokens)
+        return len(types) == len(nodes) and all(map(self.value, types, nodes))
