@@ -384,3 +384,36 @@ def test_odd_entries_in_the_destination_are_clear_errors(tmp_path: Path, what: s
     with pytest.raises(DatasetError, match=r"index\.json|lock"):
         stage(tmp_path / "src", dst, progress=False)
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_fifo_in_place_of_the_index_is_no_hang(tmp_path: Path) -> None:
+    """Restaging into a folder stage made, whose index.json someone replaced with a FIFO: the
+    stage ends (staged anew, or refused naming the entry), never waits for a writer."""
+    import threading
+
+    make_dataset(tmp_path / "src", shards=2, nbytes=5000)
+    dst = tmp_path / "dst"
+    stage(tmp_path / "src", dst, progress=False)
+    (dst / "index.json").unlink()
+    os.mkfifo(dst / "index.json")
+    got: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            got["value"] = stage(tmp_path / "src", dst, progress=False)
+        except DatasetError as exc:
+            got["error"] = exc
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(20)
+    hung = t.is_alive()
+    if hung:  # unblock the open waiting for a writer, so the test ends either way
+        os.close(os.open(dst / "index.json", os.O_WRONLY | os.O_NONBLOCK))
+        t.join(20)
+    assert not hung, "stage blocked on a FIFO planted at index.json"
+    if "error" in got:
+        assert "index.json" in str(got["error"])
+    else:
+        assert (dst / "index.json").is_file()
+        assert len(MemmapDataset(dst)) > 0
