@@ -417,3 +417,34 @@ def test_a_fifo_in_place_of_the_index_is_no_hang(tmp_path: Path) -> None:
     else:
         assert (dst / "index.json").is_file()
         assert len(MemmapDataset(dst)) > 0
+
+
+def test_a_fifo_swapped_in_before_pressure_is_created_is_no_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache signals pressure by touching ``.pressure``, or creating it when it is missing.
+    A FIFO planted between the two (hooked: the touch finds no file, then the FIFO appears)
+    must not hold the download waiting for room on an open with no reader."""
+    import threading
+
+    space = cache_space.CacheSpace(str(tmp_path), None, 1.0, 1.0, lambda _name: None)
+    target = tmp_path / cache_space.PRESSURE
+    real_utime = os.utime
+
+    def utime_then_swap(path: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            real_utime(path, *args, **kwargs)
+        except FileNotFoundError:
+            if os.fspath(path) == str(target) and not target.exists():
+                os.mkfifo(target)  # the attacker, between the touch and the create
+            raise
+
+    monkeypatch.setattr(os, "utime", utime_then_swap)
+    t = threading.Thread(target=space.signal_pressure, daemon=True)
+    t.start()
+    t.join(20)
+    hung = t.is_alive()
+    if hung:  # a reader: the open for writing returns, so the test ends either way
+        os.close(os.open(target, os.O_RDONLY | os.O_NONBLOCK))
+        t.join(20)
+    assert not hung, "signal_pressure blocked opening a FIFO planted at .pressure"
