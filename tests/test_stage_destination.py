@@ -448,3 +448,46 @@ def test_a_fifo_swapped_in_before_pressure_is_created_is_no_hang(
         os.close(os.open(target, os.O_RDONLY | os.O_NONBLOCK))
         t.join(20)
     assert not hung, "signal_pressure blocked opening a FIFO planted at .pressure"
+
+
+def test_a_marker_swapped_for_a_fifo_after_its_check_is_no_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restaging reads stage's ownership marker after checking it is a regular file. A FIFO
+    swapped in between (hooked: right after the check) is refused, never waited on."""
+    import threading
+
+    from feedpipe.io import ownership
+
+    make_dataset(tmp_path / "src", shards=2, nbytes=5000)
+    dst = tmp_path / "dst"
+    stage(tmp_path / "src", dst, progress=False)
+    marker = dst / ownership.marker_name("stage")
+    assert marker.is_file()
+    real_lstat = os.lstat
+
+    def lstat_then_swap(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        st = real_lstat(path, *args, **kwargs)
+        if os.fspath(path) == str(marker) and marker.is_file() and not marker.is_symlink():
+            marker.unlink()
+            os.mkfifo(marker)  # the attacker, between the check and the read
+        return st
+
+    monkeypatch.setattr(os, "lstat", lstat_then_swap)
+    got: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            got["value"] = ownership.owner_record(dst, "stage")
+        except ValueError as exc:
+            got["error"] = exc
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(20)
+    hung = t.is_alive()
+    if hung:  # a writer: the open for reading returns, so the test ends either way
+        os.close(os.open(marker, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(20)
+    assert not hung, "reading the ownership marker blocked on a FIFO swapped in"
+    assert "error" in got and "marker" in str(got["error"])

@@ -88,13 +88,27 @@ def owner_record(root: str | os.PathLike[str], tool: str) -> dict[str, Any] | No
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"{path}: the ownership marker is not a regular file; refusing it")
     try:
-        record = json.loads(path.read_bytes())
+        record = json.loads(_regular_bytes(path))
     except (OSError, ValueError, RecursionError) as exc:
         why = "nested too deeply" if isinstance(exc, RecursionError) else exc
         raise ValueError(f"{path}: the ownership marker is unreadable: {why}") from None
     if not isinstance(record, dict) or record.get("tool") != tool:
         raise ValueError(f"{path}: the ownership marker is not {tool}'s")
     return record
+
+
+def _regular_bytes(path: Path) -> bytes:
+    """The bytes of ``path`` if it still is a regular file (it may have been swapped since it
+    was checked): never through a link, never waiting on a FIFO; else an ``OSError``."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: no longer a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
 
 
 def owns(root: str | os.PathLike[str], tool: str) -> bool:
