@@ -237,3 +237,31 @@ def test_int64_arrays_out_of_range_are_refused_naming_the_dataset(
     with pytest.raises(TypeError, match="1-D"):
         ds.read_batch(np.array([[0, 1], [2, 3]], np.int64))
     assert torch.equal(ds.read_batch(np.array([-30, 29], np.int64)), torch.from_numpy(x[[0, 29]]))
+
+
+def test_a_fifo_in_place_of_the_index_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    """A shard planted as a FIFO is refused without waiting (its open is non-blocking); so is
+    an ``index.json`` planted as one: opening the dataset names it, never waits for a writer."""
+    import threading
+
+    _write(tmp_path / "d", 10)
+    index = tmp_path / "d" / "index.json"
+    index.unlink()
+    os.mkfifo(index)
+    got: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            got["value"] = MemmapDataset(tmp_path / "d")
+        except DatasetError as exc:
+            got["error"] = exc
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(20)
+    hung = t.is_alive()
+    if hung:  # a writer: the open returns, so the test ends either way
+        os.close(os.open(index, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(20)
+    assert not hung, "opening the dataset blocked on a FIFO at index.json"
+    assert "index.json" in str(got.get("error"))
