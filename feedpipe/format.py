@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -488,8 +489,7 @@ def read_index(path_or_url: str | os.PathLike[str], fs: Any = None) -> Index:
         if fs is None:
             if os.path.isfile(root):  # allow pointing at the index itself
                 name = root
-            with open(name, "rb") as f:
-                raw = f.read()
+            raw = _read_local(name)
         else:
             raw = fs.cat_file(name)
     except FileNotFoundError:
@@ -499,6 +499,22 @@ def read_index(path_or_url: str | os.PathLike[str], fs: Any = None) -> Index:
     except IsADirectoryError:
         raise DatasetError(f"{root}: not a feedpipe dataset ({INDEX_NAME} is a folder)") from None
     return parse_index(raw, name)
+
+
+def _read_local(name: str) -> bytes:
+    """The bytes of the local file ``name``: non-blocking, so a FIFO planted there is refused
+    (a :class:`DatasetError` naming it), never waited on."""
+    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(name)
+        if not stat.S_ISREG(mode):
+            raise DatasetError(f"{name}: not a regular file; refusing to read it as an index")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
 
 
 def parse_index(raw: bytes | str, source: str) -> Index:

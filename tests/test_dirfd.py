@@ -212,3 +212,34 @@ def test_a_path_leading_out_of_the_tree_is_refused(tmp_path: Path, rel: str) -> 
         tree.dir(rel, create=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
     assert list((tmp_path / "root").iterdir()) == []
+
+
+def _unblocked(fifo: Path, fn: Callable[[], object], wait_s: float = 20.0) -> dict[str, object]:
+    """Run ``fn`` on a thread; if it is still blocked after ``wait_s`` (an open of the FIFO
+    waiting for a writer), unblock it by opening the FIFO for writing. ``"hung"`` says so."""
+    import threading
+
+    got: dict[str, object] = {}
+
+    def body() -> None:
+        try:
+            got["value"] = fn()
+        except Exception as exc:
+            got["error"] = exc
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(wait_s)
+    got["hung"] = t.is_alive()
+    if t.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a writer: the open returns
+        t.join(wait_s)
+    return got
+
+
+def test_a_fifo_planted_where_a_file_is_read_is_none_never_a_hang(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "index.json")
+    with Dir.at(tmp_path) as d:
+        got = _unblocked(tmp_path / "index.json", lambda: d.read("index.json"))
+    assert not got["hung"], "Dir.read blocked on a FIFO planted in the tree"
+    assert got.get("value") is None and "error" not in got

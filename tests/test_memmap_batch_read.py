@@ -237,3 +237,81 @@ def test_int64_arrays_out_of_range_are_refused_naming_the_dataset(
     with pytest.raises(TypeError, match="1-D"):
         ds.read_batch(np.array([[0, 1], [2, 3]], np.int64))
     assert torch.equal(ds.read_batch(np.array([-30, 29], np.int64)), torch.from_numpy(x[[0, 29]]))
+
+
+def test_a_fifo_in_place_of_the_index_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    """A shard planted as a FIFO is refused without waiting (its open is non-blocking); so is
+    an ``index.json`` planted as one: opening the dataset names it, never waits for a writer."""
+    import threading
+
+    _write(tmp_path / "d", 10)
+    index = tmp_path / "d" / "index.json"
+    index.unlink()
+    os.mkfifo(index)
+    got: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            got["value"] = MemmapDataset(tmp_path / "d")
+        except DatasetError as exc:
+            got["error"] = exc
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(20)
+    hung = t.is_alive()
+    if hung:  # a writer: the open returns, so the test ends either way
+        os.close(os.open(index, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(20)
+    assert not hung, "opening the dataset blocked on a FIFO at index.json"
+    assert "index.json" in str(got.get("error"))
+
+
+_TRUNCATE_AFTER_CHECK = """
+import os, sys
+import numpy as np
+from feedpipe import MemmapDataset
+from feedpipe.datasets import _shard_guard
+from feedpipe.errors import DatasetError
+
+ds = MemmapDataset(sys.argv[1])
+ds.read_batch(np.arange(4, dtype=np.int64))  # mapped, checked, watched
+check = _shard_guard.ShardGuard.check
+
+def check_then_truncate(self, *args, **kwargs):
+    got = check(self, *args, **kwargs)
+    os.truncate(sys.argv[2], 0)  # another process truncates it, right after the check
+    return got
+
+_shard_guard.ShardGuard.check = check_then_truncate
+try:
+    ds.read_batch(np.array([len(ds) - 1], dtype=np.int64))
+    print("served")
+except DatasetError as exc:
+    print("refused", exc)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: a shard truncated between the guard's check and the gather faults the "
+    "mapped read (SIGBUS kills the process); only read='pread' turns it into an error",
+)
+def test_a_shard_truncated_between_the_check_and_the_gather_is_an_error(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from _procs import child_env
+
+    _write(tmp_path / "d", 4096, width=8)  # 128 KiB: the last record is pages past the first
+    shard = tmp_path / "d" / "shard-00000.data"
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRUNCATE_AFTER_CHECK, str(tmp_path / "d"), str(shard)],
+        env=child_env(),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"the reader died (code {proc.returncode}): {proc.stderr[-400:]}"
+    assert proc.stdout.startswith("refused")

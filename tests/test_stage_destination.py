@@ -439,3 +439,110 @@ def test_odd_entries_in_the_destination_are_clear_errors(tmp_path: Path, what: s
     with pytest.raises(DatasetError, match=r"index\.json|lock"):
         stage(tmp_path / "src", dst, progress=False)
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_fifo_in_place_of_the_index_is_no_hang(tmp_path: Path) -> None:
+    """Restaging into a folder stage made, whose index.json someone replaced with a FIFO: the
+    stage ends (staged anew, or refused naming the entry), never waits for a writer."""
+    import threading
+
+    make_dataset(tmp_path / "src", shards=2, nbytes=5000)
+    dst = tmp_path / "dst"
+    stage(tmp_path / "src", dst, progress=False)
+    (dst / "index.json").unlink()
+    os.mkfifo(dst / "index.json")
+    got: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            got["value"] = stage(tmp_path / "src", dst, progress=False)
+        except DatasetError as exc:
+            got["error"] = exc
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(20)
+    hung = t.is_alive()
+    if hung:  # unblock the open waiting for a writer, so the test ends either way
+        os.close(os.open(dst / "index.json", os.O_WRONLY | os.O_NONBLOCK))
+        t.join(20)
+    assert not hung, "stage blocked on a FIFO planted at index.json"
+    if "error" in got:
+        assert "index.json" in str(got["error"])
+    else:
+        assert (dst / "index.json").is_file()
+        assert len(MemmapDataset(dst)) > 0
+
+
+def test_a_fifo_swapped_in_before_pressure_is_created_is_no_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache signals pressure by touching ``.pressure``, or creating it when it is missing.
+    A FIFO planted between the two (hooked: the touch finds no file, then the FIFO appears)
+    must not hold the download waiting for room on an open with no reader."""
+    import threading
+
+    space = cache_space.CacheSpace(str(tmp_path), None, 1.0, 1.0, lambda _name: None)
+    target = tmp_path / cache_space.PRESSURE
+    real_utime = os.utime
+
+    def utime_then_swap(path: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            real_utime(path, *args, **kwargs)
+        except FileNotFoundError:
+            if os.fspath(path) == str(target) and not target.exists():
+                os.mkfifo(target)  # the attacker, between the touch and the create
+            raise
+
+    monkeypatch.setattr(os, "utime", utime_then_swap)
+    t = threading.Thread(target=space.signal_pressure, daemon=True)
+    t.start()
+    t.join(20)
+    hung = t.is_alive()
+    if hung:  # a reader: the open for writing returns, so the test ends either way
+        os.close(os.open(target, os.O_RDONLY | os.O_NONBLOCK))
+        t.join(20)
+    assert not hung, "signal_pressure blocked opening a FIFO planted at .pressure"
+
+
+def test_a_marker_swapped_for_a_fifo_after_its_check_is_no_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restaging reads stage's ownership marker after checking it is a regular file. A FIFO
+    swapped in between (hooked: right after the check) is refused, never waited on."""
+    import threading
+
+    from feedpipe.io import ownership
+
+    make_dataset(tmp_path / "src", shards=2, nbytes=5000)
+    dst = tmp_path / "dst"
+    stage(tmp_path / "src", dst, progress=False)
+    marker = dst / ownership.marker_name("stage")
+    assert marker.is_file()
+    real_lstat = os.lstat
+
+    def lstat_then_swap(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        st = real_lstat(path, *args, **kwargs)
+        if os.fspath(path) == str(marker) and marker.is_file() and not marker.is_symlink():
+            marker.unlink()
+            os.mkfifo(marker)  # the attacker, between the check and the read
+        return st
+
+    monkeypatch.setattr(os, "lstat", lstat_then_swap)
+    got: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            got["value"] = ownership.owner_record(dst, "stage")
+        except ValueError as exc:
+            got["error"] = exc
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(20)
+    hung = t.is_alive()
+    if hung:  # a writer: the open for reading returns, so the test ends either way
+        os.close(os.open(marker, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(20)
+    assert not hung, "reading the ownership marker blocked on a FIFO swapped in"
+    assert "error" in got and "marker" in str(got["error"])

@@ -62,6 +62,25 @@ def test_a_reused_pid_counts_from_zero_and_an_exited_worker_keeps_its_last_readi
     assert cpu_between(new, kept) == pytest.approx(50 / _hz())  # never 50 - 300
 
 
+def test_a_pid_reused_mid_pass_by_another_process_is_not_counted(tmp_path: Path) -> None:
+    """A worker exits and, before the next pass, the OS gives its pid to an unrelated process
+    (another start time): that process's CPU is not the loader's, and the gone worker keeps
+    its last reading."""
+    (tmp_path / "self").mkdir()
+    clock = ProcessCPU(str(tmp_path))
+    _stat(tmp_path, 7, "w", (100, 0, 0, 0), start=1)
+    clock.watch([7])
+    old = clock.snapshot()
+    _stat(tmp_path, 7, "w", (300, 0, 0, 0), start=1)
+    clock.sample()
+    # the worker exits; pid 7 now names a long-running stranger (no new pass: no watch)
+    _stat(tmp_path, 7, "stranger", (90_000, 0, 0, 0), start=50)
+    now = clock.snapshot()
+    assert now is not None and old is not None
+    assert list(now) == [(7, 1)]
+    assert cpu_between(now, old) == pytest.approx(200 / _hz())
+
+
 def test_without_proc_nothing_is_read(tmp_path: Path) -> None:
     """macOS, Windows: no ``/proc``: the CPU is unknown (None), never another process's."""
     clock = ProcessCPU(str(tmp_path / "none"))

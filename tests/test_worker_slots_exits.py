@@ -11,6 +11,7 @@ through a loader with real process workers that reuse their slots."""
 from __future__ import annotations
 
 import gc
+import os
 import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -296,3 +297,65 @@ def test_pin_memory_of_a_slot_batch_is_never_overwritten(pin_memory: bool) -> No
         del batch, a, p
     for a, a0, p, p0 in kept:
         assert np.array_equal(a, a0) and torch.equal(p, p0)
+
+
+def test_a_forked_child_dropping_its_copy_of_a_batch_leaves_the_slot_taken(
+    one_slot: Callable[..., Batch],
+) -> None:
+    """A child forked while a batch is held (a helper that forks and exits by unwinding, a pool
+    made mid-epoch) has a copy of the batch and of its lease; the slot flags are shared memory.
+    The child dropping its copy must not free the slot the parent's batch still reads."""
+    batch = one_slot()
+    ws = slots_mod.worker_slots()
+    assert ws.flags[0] == 1
+    pid = os.fork()
+    if pid == 0:  # the child: drop its copy of the batch, then leave without cleanup
+        code = 0
+        try:
+            del batch
+            gc.collect()
+        except BaseException:
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert ws.flags[0] == 1, "the child's copy of the lease freed the parent's slot"
+    assert slots_mod.collate_into([{"x": torch.zeros(3), "i": torch.tensor(0)}] * 4, 1, 4) is None
+    assert torch.equal(batch["x"][0], torch.full((3,), 1.0))
+    del batch
+    gc.collect()
+    assert ws.flags[0] == 0  # the parent's own drop frees it
+
+
+def test_a_forked_child_dropping_a_received_unresolved_ref_leaves_the_slot_taken() -> None:
+    """A ref received but not resolved yet (the iterator holds those that came out of order)
+    frees its slot when dropped, in the process that received it: not in a child forked
+    meanwhile, whose copy going away would let the worker overwrite the batch before the
+    parent resolves it."""
+    slots = slots_mod.Slots(pin=False)
+    samples = [torch.full((3,), 1.0)] * 2
+    first = slots_mod.collate_into(samples, k=2, rows=2)
+    assert first is not None
+    first.received = True
+    held, _ = slots.resolve(first)  # the buffer is known to this process from here on
+    sent = slots_mod.collate_into([torch.full((3,), 2.0)] * 2, k=2, rows=2)
+    assert sent is not None
+    ref = pickle.loads(pickle.dumps(sent))  # as the queue delivers it: received
+    ws = slots_mod.worker_slots()
+    assert ws.flags[sent.slot] == 1
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            del ref
+            gc.collect()
+        except BaseException:
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert ws.flags[sent.slot] == 1, "the child's copy of the ref freed the parent's slot"
+    del ref
+    gc.collect()
+    assert ws.flags[sent.slot] == 0  # dropped unresolved here: freed
+    del held

@@ -132,7 +132,8 @@ def claim_folder(
 def _regular_bytes(path: Path) -> bytes | None:
     """The bytes of a regular file (never through a symlink), or None."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # non-blocking: a FIFO planted there must not hang the open (it is no regular file)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
     try:

@@ -110,8 +110,9 @@ class Dir:
 
     def read(self, name: str) -> bytes | None:
         """The bytes of the regular file ``name`` here, or None (missing, a link, not a file)."""
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        try:  # non-blocking: a FIFO planted there must not hang the open (it is no file)
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            fd = os.open(name, flags, dir_fd=self.fd)
         except OSError:
             return None
         try:

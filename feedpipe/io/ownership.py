@@ -96,7 +96,7 @@ def owner_record(root: str | os.PathLike[str], tool: str) -> dict[str, Any] | No
         return None
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"{path}: {_NOT_REGULAR}")
-    return _checked(str(path), tool, path.read_bytes)
+    return _checked(str(path), tool, lambda: _regular_bytes(path))
 
 
 def _checked(shown: str, tool: str, read: Callable[[], bytes]) -> dict[str, Any]:
@@ -109,6 +109,20 @@ def _checked(shown: str, tool: str, read: Callable[[], bytes]) -> dict[str, Any]
     if not isinstance(record, dict) or record.get("tool") != tool:
         raise ValueError(f"{shown}: the ownership marker is not {tool}'s")
     return record
+
+
+def _regular_bytes(path: Path) -> bytes:
+    """The bytes of ``path`` if it still is a regular file (it may have been swapped since it
+    was checked): never through a link, never waiting on a FIFO; else an ``OSError``."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: no longer a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
 
 
 def owns(root: str | os.PathLike[str], tool: str) -> bool:

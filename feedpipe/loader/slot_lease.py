@@ -34,6 +34,7 @@ the batch and every alias of it that torch still tracks are gone.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,15 +50,19 @@ class Lease:
     """Holds slot ``slot`` (its byte in ``flags`` set) until collected, then frees it.
 
     ``owner`` is kept alive with the lease: the worker's buffer as the main process holds it (its
-    mapping and its registration with CUDA outlive every view of it)."""
+    mapping and its registration with CUDA outlive every view of it). Only the process that made
+    the lease frees the slot: a child forked meanwhile has a copy of the batch and of the shared
+    flags, and its copy going away must not free the slot the parent's batch still reads."""
 
-    __slots__ = ("flags", "owner", "slot")
+    __slots__ = ("flags", "owner", "pid", "slot")
 
     def __init__(self, owner: object, flags: np.ndarray, slot: int) -> None:
         self.owner, self.flags, self.slot = owner, flags, slot
+        self.pid = os.getpid()
 
     def __del__(self) -> None:
-        self.flags[self.slot] = 0
+        if os.getpid() == self.pid:
+            self.flags[self.slot] = 0
 
 
 class _Region(np.ndarray):  # type: ignore[type-arg]

@@ -151,7 +151,7 @@ class SlotRef:
     buffer once. Dropped in the main process without being resolved, it frees its slot.
     """
 
-    __slots__ = ("__weakref__", "buffer", "k", "layout", "received", "slot", "spec", "token")
+    __slots__ = ("__weakref__", "buffer", "k", "layout", "pid", "received", "slot", "spec", "token")
 
     @property
     def nbytes(self) -> int:
@@ -171,9 +171,10 @@ class SlotRef:
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         self.token, self.k, self.slot, self.spec, self.layout, self.buffer = state
         self.received = True  # only the receiving (main) process may free the slot
+        self.pid = os.getpid()  # and not a child forked since (it has a copy of this ref)
 
     def __del__(self) -> None:
-        if getattr(self, "received", False):
+        if getattr(self, "received", False) and getattr(self, "pid", None) in (None, os.getpid()):
             _unclaimed(self)
 
 

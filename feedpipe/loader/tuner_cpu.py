@@ -5,7 +5,8 @@ workers, a validation loader's, any ``subprocess.run``), and only once reaped; s
 reads each of *its own* live workers instead: on Linux ``/proc/<pid>/stat`` (user + system
 time of all the worker's threads, and of the children it reaped, in clock ticks of
 ``os.sysconf("SC_CLK_TCK")``). A worker is known by its pid and its start time, so a pid the
-OS reuses for another process is never read as the old worker's.
+OS reuses for another process is never read as the old worker's, nor, within a pass (the
+start time of each watched pid is the one first read), as a worker at all.
 
 A non-persistent worker exits at the end of its pass, before the loop sees the pass end: the
 last reading of each worker is kept (:meth:`ProcessCPU.sample`, which the tuner takes after a
@@ -64,6 +65,7 @@ class ProcessCPU:
         self.available = os.path.isdir(f"{root}/self")
         self._pids: tuple[int, ...] = ()
         self._seen: dict[WorkerKey, float] = {}
+        self._start: dict[int, int] = {}  # each watched pid's start time, at its first reading
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -74,6 +76,7 @@ class ProcessCPU:
         """The worker processes of a new pass (those of earlier passes are forgotten once a
         reading no longer needs them: :meth:`snapshot` reads only the watched)."""
         self._pids = tuple(pids)
+        self._start = {}
         self.sample()
 
     def sample(self) -> None:
@@ -83,12 +86,12 @@ class ProcessCPU:
         seen = {}
         for pid in self._pids:
             got = read_stat(pid, self._root)
-            if got is not None:
+            # a pid the OS gave another process since (another start time) is not this worker
+            if got is not None and self._start.setdefault(pid, got[0][1]) == got[0][1]:
                 seen[got[0]] = got[1]
         # keep the last reading of the watched workers that are gone; drop older passes' (and
         # a gone worker whose pid a new one of this pass took)
-        read = {pid for pid, _ in seen}
-        keep = {k: v for k, v in self._seen.items() if k[0] in self._pids and k[0] not in read}
+        keep = {k: v for k, v in self._seen.items() if self._start.get(k[0]) == k[1]}
         self._seen = {**keep, **seen}
 
     def snapshot(self) -> dict[WorkerKey, float] | None:

@@ -283,8 +283,10 @@ class CacheSpace:
         try:
             os.utime(path, follow_symlinks=False)
         except FileNotFoundError:
+            # non-blocking: a FIFO planted there meanwhile is refused (ENXIO), never waited on
+            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
             with contextlib.suppress(OSError):
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC))
+                os.close(os.open(path, flags))
 
     def pressure_ns(self) -> int | None:
         """The ``.pressure`` file's mtime (ns), or None while no download ever waited."""
