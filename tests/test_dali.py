@@ -367,6 +367,56 @@ def test_hung_worker_gone_after_close_and_exit(images: list[bytes], tmp_path: Pa
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"feedpipe-dali-{pid}-")]
 
 
+_IDLE_EXIT_SCRIPT = """
+import os, sys, threading
+sys.path[:0] = [{tests!r}]
+from test_dali_datasets import BytesDataset
+from feedpipe.dali import ImageLoader
+
+signalled = os.path.join({tmp!r}, "signalled")
+real_kill = os.kill
+
+def kill(pid, sig):  # every signal this process sends as it exits, and the sending thread
+    with open(signalled, "a") as f:
+        f.write(f"{{pid}} {{sig}} {{threading.current_thread().name}}\\n")
+    real_kill(pid, sig)
+
+def main():
+    records = [open(os.path.join({tmp!r}, f"{{i}}.jpg"), "rb").read() for i in range(8)]
+    loader = ImageLoader(BytesDataset(records), 4, device="cpu", crop=32, resize=40,
+                         num_threads=1, py_num_workers=1, train=False, shuffle=False, timeout=60)
+    for _ in loader:  # a whole epoch: the worker waits for the next task
+        pass
+    os.kill = kill
+    print("LOADED", flush=True)
+    return loader  # still alive at exit: the reaper's exit hook ends its worker
+
+if __name__ == "__main__":
+    kept = main()
+"""
+
+
+def test_an_idle_worker_at_exit_is_closed_by_dali_not_signalled(
+    images: list[bytes], tmp_path: Path
+) -> None:
+    """Found: at interpreter exit the reaper signalled DALI's idle source worker while DALI's
+    pool still counted it as waiting; DALI's own pool close (the pipeline's finalizer, after)
+    then waited for it to wake, for ever (examples/image_classification_dali.py hung at exit,
+    under load). The pool is now closed first: the idle worker is told to exit by DALI."""
+    for i, rec in enumerate(images[:8]):
+        (tmp_path / f"{i}.jpg").write_bytes(rec)
+    script = tmp_path / "idle.py"
+    script.write_text(_IDLE_EXIT_SCRIPT.format(tests=str(Path(__file__).parent), tmp=str(tmp_path)))
+    proc = run_python(script, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LOADED" in proc.stdout
+    sent = (tmp_path / "signalled").read_text() if (tmp_path / "signalled").exists() else ""
+    # DALI's own close may still terminate a worker that did not exit within its 1 s join (from
+    # its observer thread, once it has told the waiting workers): never the reaper before it
+    early = [line for line in sent.splitlines() if "_observer_thread" not in line]
+    assert early == [], f"signalled before DALI closed its pool (pid signal thread): {sent!r}"
+
+
 @pytest.mark.gpu
 def test_gpu_matches_cpu(images: list[bytes]) -> None:
     ds = BytesDataset(images)

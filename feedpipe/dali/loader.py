@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from feedpipe.dali.options import ImageLoaderOptions, split_flat
-from feedpipe.dali.pipeline import Transform
+from feedpipe.dali.pipeline import PoolCloser, Transform
 from feedpipe.dali.records import BadRecords
 from feedpipe.dali.source import META_COLS
 from feedpipe.dali.stream import PipelineStream
@@ -104,6 +104,7 @@ class ImageLoader:
         self.device = torch.device("cpu") if device_id is None else torch.device("cuda", device_id)
         self.meter = meter if meter is not None else StallMeter()
         self._records = BadRecords(dataset, self.options.on_error)
+        closer = PoolCloser()  # DALI's pool closed before any worker is signalled
         self._stream = PipelineStream(
             dataset,
             batch_size,
@@ -112,7 +113,8 @@ class ImageLoader:
             self.options,
             device_id=device_id,
             seed=seed + 7919 * int(getattr(sampler, "rank", 0) or 0),
-            workers=Workers("DALI source worker", self),
+            workers=Workers("DALI source worker", self, ask=closer),
+            pool_closer=closer,
         )
         self._iter_state: dict[str, Any] | None = None  # sampler state at the current __iter__
         self._delivered = 0

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import multiprocessing
+import shutil
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from feedpipe.errors import require
 
-__all__ = ["Transform", "worker_processes"]
+__all__ = ["PoolCloser", "Transform", "worker_processes"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -169,6 +172,37 @@ def build_probe(num_threads: int = 1) -> Any:
         pipe.set_outputs(fn.decoders.image(encoded, device="cpu", output_type=types.RGB))
     pipe.build()
     return pipe
+
+
+class PoolCloser:
+    """The polite request that ends a pipeline's source workers (the ``ask`` of its
+    :class:`~feedpipe.io.reaper.Workers`): DALI's own pool close, on a daemon thread.
+
+    Signalling a worker first is not safe: DALI's pool close (run later by the pipeline's
+    finalizer, at the latest at interpreter exit) notifies the workers it counts as waiting and
+    waits for each to wake; a worker killed while waiting never wakes, and the process hangs at
+    exit. So the request removes the plan directory (a worker waiting for a plan returns), then
+    closes the pool (it tells the waiting workers to exit), and the reaper's signals reach only
+    a worker that did neither (one stuck in the dataset). The pipeline is held weakly.
+    """
+
+    def __init__(self) -> None:
+        self._pipe: weakref.ref[Any] | None = None
+        self._plans: str | None = None
+
+    def watch(self, pipe: Any, plan_dir: str) -> None:
+        """Close ``pipe``'s pool, after removing ``plan_dir``, when asked (the previous
+        pipeline's pool is its finalizer's)."""
+        self._pipe, self._plans = weakref.ref(pipe), plan_dir
+
+    def __call__(self) -> None:
+        if self._plans is not None:
+            shutil.rmtree(self._plans, ignore_errors=True)
+        pipe = None if self._pipe is None else self._pipe()
+        pool = getattr(pipe, "_py_pool", None)  # the DALI-internal pool, as below
+        close = getattr(pool, "close", None)
+        if callable(close):  # returns at once: the reaper waits for the workers, then signals
+            threading.Thread(target=close, name="feedpipe-dali-pool-close", daemon=True).start()
 
 
 def worker_processes(pipe: Any) -> list[multiprocessing.process.BaseProcess]:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from feedpipe.dali.options import ImageLoaderOptions
-from feedpipe.dali.pipeline import Transform, build_fed, build_main, worker_processes
+from feedpipe.dali.pipeline import PoolCloser, Transform, build_fed, build_main, worker_processes
 from feedpipe.dali.records import describe
 from feedpipe.dali.source import BatchSource, write_segment
 from feedpipe.errors import WorkerError
@@ -54,6 +54,7 @@ class PipelineStream:
         device_id: int | None,
         seed: int,
         workers: Workers,
+        pool_closer: PoolCloser | None = None,
     ) -> None:
         self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
         self.transform, self.options = transform, options
@@ -63,6 +64,7 @@ class PipelineStream:
         # DALI's source worker processes: ended at close(), at a new pipeline, at the loader's
         # garbage collection and at interpreter exit, within feedpipe.io.reaper.DEFAULT_BOUND
         self.workers = workers
+        self.pool_closer = pool_closer  # told of each new pipeline (its ask closes DALI's pool)
         self.plan_dir: str | None = None
         self.pipe: Any = None
         self.fed: Any = None  # decodes repaired batches
@@ -161,6 +163,8 @@ class PipelineStream:
             prefetch_queue_depth=PIPE_DEPTH,
             hw_decoder_load=opts.hw_decoder_load,
         )
+        if self.pool_closer is not None:
+            self.pool_closer.watch(self.pipe, self.plan_dir)
         self.workers.add(worker_processes(self.pipe))
         return 0
 
