@@ -315,3 +315,89 @@ def test_a_shard_truncated_between_the_check_and_the_gather_is_an_error(tmp_path
     )
     assert proc.returncode == 0, f"the reader died (code {proc.returncode}): {proc.stderr[-400:]}"
     assert proc.stdout.startswith("refused")
+
+
+# ---------------------------------------------------------------- a batch between the maps
+def _numpy_traced_peak(fn: Any) -> int:
+    """Peak bytes numpy allocated (traced by ``tracemalloc``) while ``fn()`` ran."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        fn()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_gather_into_memory_within_the_windows_bounds_copies_each_record_once() -> None:
+    """numpy's ``take(out=)`` checks only bounds for overlap: a destination between two members'
+    maps (as a worker thread's malloc arena lies) went through a temporary, a second copy of the
+    batch. ``gather`` copies once: into a new array there, straight into ``flat`` elsewhere."""
+    from feedpipe.datasets._mixed_take import gather
+
+    rb, n = 4096, 8
+    region = np.frombuffer(mmap.mmap(-1, 64 * rb), np.uint8).reshape(64, rb)  # writable
+    region[:] = (np.arange(64, dtype=np.uint8) * 3)[:, None]
+    view = region[:]  # the "window": rows 20..27 stand for the gap between two members' maps
+    inside = region[20 : 20 + n]
+    rows = np.array([63, 0, 5, 40, 41, 19, 28, 2], np.int64)  # never a row of the gap
+    want = region[rows].copy()
+    batch = n * rb
+
+    # the premise: numpy's own take into memory within the bounds allocates a whole batch more
+    assert _numpy_traced_peak(lambda: view.take(rows, axis=0, out=inside, mode="clip")) >= batch
+    inside[:] = 7
+    got: list[np.ndarray] = []
+    peak = _numpy_traced_peak(lambda: got.append(gather(view, rows, inside)))
+    assert got[0] is not inside and np.array_equal(got[0], want)
+    assert (inside == 7).all(), "the memory within the bounds is not written"
+    assert peak < batch + rb, f"one batch allocated at most, not a temporary too: {peak}"
+
+    apart = np.empty((n, rb), np.uint8)
+    peak = _numpy_traced_peak(lambda: got.append(gather(view, rows, apart)))
+    assert got[-1] is apart and np.array_equal(apart, want)
+    assert peak < rb, f"straight into the destination, no allocation: {peak} bytes"
+
+
+def test_a_mixed_batch_into_an_out_between_the_members_maps_is_right(tmp_path: Path) -> None:
+    """A caller's ``out`` lying between two members' maps (within the one gather's bounds) is
+    filled with the right records; so is a new batch."""
+    from feedpipe import MixedDataset
+
+    xa = _write(tmp_path / "a", 300, width=8)
+    xb = np.arange(1600, dtype=np.int32).reshape(200, 8) + 1_000_000
+    with MemmapWriter(tmp_path / "b", shape=(8,), dtype="int32") as w:
+        w.append_batch(xb)
+    a = MemmapDataset(tmp_path / "a")
+    space_a = a.record_space()
+    assert space_a is not None
+    rb, tried = 32, []  # a page mapped after a's space and before b's lies between them,
+    for _ in range(32):  # once the kernel's holes above are filled: a few tries at most
+        placeholder = mmap.mmap(-1, mmap.PAGESIZE)
+        b = MemmapDataset(tmp_path / "b")
+        space_b = b.record_space()
+        assert space_b is not None
+        lo = min(space_a.first_row, space_b.first_row) * rb
+        hi = max(space_a.end_row, space_b.end_row) * rb
+        where = np.frombuffer(placeholder, np.uint8).__array_interface__["data"][0]
+        if lo < where < hi:
+            break
+        tried.append((placeholder, b))
+    else:
+        pytest.skip("the kernel never placed a page between two maps made one after another")
+    ds = MixedDataset({"a": a, "b": b}, weights={"a": 0.5, "b": 0.5}, epoch_samples=400)
+    idx = np.array([0, 399, 17, 250, 3, 101], np.int64)
+    member, sample = ds.locate(idx)
+    rows = [
+        (xa if m == 0 else xb)[s] for m, s in zip(member.tolist(), sample.tolist(), strict=True)
+    ]
+    want = torch.from_numpy(np.stack(rows))
+    out = torch.frombuffer(placeholder, dtype=torch.int32)[: len(idx) * 8].view(len(idx), 8)
+    out.fill_(-3)
+    got = ds.read_batch(idx, out=out)
+    assert torch.equal(out, want) and torch.equal(got, want)
+    assert torch.equal(ds.read_batch(idx), want)
+    del out, got

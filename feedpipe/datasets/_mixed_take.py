@@ -9,8 +9,8 @@ by side are one table (:class:`_Spans`), so one lookup (a table of every record'
 members of up to ``SHARD_TABLE_MAX`` records; else one ``searchsorted``) finds every record's
 shard and one add its row. Every map is aligned to its record size, so the rows of all of them
 are rows of one window over the address space (:func:`~._gather.window`), read in one
-``np.take`` (records of ``ROW_COPY_MIN`` bytes or more: one copy each, in address order):
-each record is copied once, into its row of the batch. Each member's shards
+``np.take``: each record is copied once, into its row of the batch (or, where the batch's
+memory lies between two members' maps, into a new array: :func:`gather`). Each member's shards
 touched are mapped and checked by its own guard first (:meth:`ShardSpace.ensure`,
 :meth:`ShardSpace.enter`), as its own ``read_batch`` does; the process's inotify watcher is
 drained once per batch for all of them (the first guard's check; the others see the events
@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from feedpipe.datasets._batch_pool import BatchPool
-from feedpipe.datasets._gather import ROW_COPY_MIN, ShardSpace, window
+from feedpipe.datasets._gather import ShardSpace, window
 
-__all__ = ["SHARD_TABLE_MAX", "one_take"]
+__all__ = ["SHARD_TABLE_MAX", "gather", "one_take"]
 
 
 SHARD_TABLE_MAX = 1 << 21  # members' records up to this many: each one's shard tabulated
@@ -58,7 +58,6 @@ class _Spans:
         self.shift = np.concatenate(
             [s.row_shift() - v - self.first for s, v in zip(spaces, vbase.tolist(), strict=True)]
         )
-        self.big = spaces[0].record_bytes >= ROW_COPY_MIN  # copied row by row, in address order
         total = int(vbase[-1]) + int(spaces[-1].starts[-1])
         self.shard_of: np.ndarray | None = None
         if total <= SHARD_TABLE_MAX:  # shards cover [0, total) in order: empty ones get none
@@ -73,10 +72,12 @@ class _Spans:
         shard -= 1
         return shard
 
-    def take(self, virtual: np.ndarray, flat: np.ndarray) -> None:
-        """Records ``virtual`` into ``flat`` (``(n, record_bytes)`` uint8), in one gather."""
+    def take(self, virtual: np.ndarray, flat: np.ndarray) -> np.ndarray:
+        """Records ``virtual`` as ``(n, record_bytes)`` uint8, in one gather: ``flat``, or a new
+        array where ``flat`` lies between two members' maps (:func:`gather`)."""
         shard = self.shards(virtual)
-        rows = virtual + self.shift.take(shard)
+        rows = self.shift.take(shard)
+        rows += virtual
         touched = np.zeros(int(self.offsets[-1]), bool)
         touched[shard] = True
         hit = np.flatnonzero(touched)
@@ -92,22 +93,25 @@ class _Spans:
                         space.ensure(sids)
                     drained = space.enter(sids, drained)
                     entered.append(space)
-            if self.big:
-                _copy_rows(self.view, rows, flat)
-            else:
-                self.view.take(rows, axis=0, out=flat, mode="clip")
+            return gather(self.view, rows, flat)
         finally:
             for space in entered:
                 space.leave()
 
 
-def _copy_rows(view: np.ndarray, rows: np.ndarray, flat: np.ndarray) -> None:
-    """Rows ``rows`` of ``view`` into ``flat``, one copy each, in address order (records of
-    ``ROW_COPY_MIN`` bytes or more: a ``take`` in batch order, hopping between the members'
-    files, ran much slower in a loader's worker thread; ``benchmarks/mixed.py``)."""
-    order = np.argsort(rows, kind="stable")
-    for p, q in zip(order.tolist(), rows[order].tolist(), strict=True):
-        flat[p] = view[q]
+def gather(view: np.ndarray, rows: np.ndarray, flat: np.ndarray) -> np.ndarray:
+    """Rows ``rows`` of ``view`` (a :func:`~._gather.window`), copied once: into ``flat`` (and
+    returned) where ``flat`` lies outside ``view``'s bounds, else into a new array (returned).
+
+    ``np.take(..., out=)`` checks only the bounds of its operands for overlap, and the window's
+    bounds span the gaps between the members' maps, where ``malloc`` places memory too (a
+    thread's arena, a large block): a batch there would be copied twice, through a temporary
+    that numpy allocates and faults in (what made a mix slow in loader worker threads)."""
+    if not np.may_share_memory(view, flat):  # the same bounds check, without a copy
+        view.take(rows, axis=0, out=flat, mode="clip")
+        return flat
+    got: np.ndarray = view.take(rows, axis=0, mode="clip")
+    return got
 
 
 _SPANS: dict[tuple[ShardSpace, ...], _Spans] = {}  # per process: the members' maps -> table
@@ -166,5 +170,11 @@ def one_take(
             return None  # the merge fills (or refuses) it, as ever
         dest, arr = fit, fit.numpy()
     if arr.size:
-        spans.take(virtual, arr.reshape(n, -1).view(np.uint8))
+        flat = arr.reshape(n, -1).view(np.uint8)
+        got = spans.take(virtual, flat)
+        if got is not flat:  # the batch's memory lay between the members' maps
+            if out is not None:
+                np.copyto(flat, got)  # the caller's memory: as numpy's own take would
+            else:
+                dest = torch.from_numpy(got.view(first.dtype).reshape(n, *first.shape))
     return dest
