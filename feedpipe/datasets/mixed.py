@@ -38,6 +38,7 @@ import numpy as np
 
 from feedpipe._permutation import FeistelPermutation, derive_key
 from feedpipe.datasets._batch_pool import BatchPool
+from feedpipe.datasets._mixed_columns import typed_take
 from feedpipe.datasets._mixed_layout import EpochLayout
 from feedpipe.datasets._mixed_take import one_take
 
@@ -268,6 +269,9 @@ class MixedDataset:
         fast = one_take(members, layout.vbase, virtual, out, self._pool)
         if fast is not None:  # fixed records of memmap members: one gather, no merge
             return fast
+        typed = typed_take(members, layout, virtual, out, self._pool)
+        if typed is not None:  # typed/ragged memmap members: read into one batch, no merge
+            return typed
         from feedpipe.datasets._mixed_merge import fill_out, merge_parts
 
         member, sample = layout.split(virtual)
