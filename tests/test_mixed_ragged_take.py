@@ -266,3 +266,26 @@ def test_fixed_records_with_fields_and_transforms(tmp_path: Path) -> None:
     members["code"] = MemmapDataset(tmp_path / "code", transform=lambda s: s)
     other = MixedDataset(members, weights=WEIGHTS, seed=4, epoch_samples=TOTAL)
     assert other.read_batch(np.arange(TOTAL))["t"] == got["t"]
+
+
+def test_an_out_goes_through_the_merge_and_is_filled(tmp_path: Path) -> None:
+    members = _members(tmp_path)
+    ds = MixedDataset(members, weights=WEIGHTS, seed=3, epoch_samples=TOTAL)
+    want = ds.read_batch(np.arange(TOTAL))
+    out = {"label": torch.zeros(TOTAL + 4, dtype=torch.int64)}
+    got = ds.read_batch(np.arange(TOTAL), out=out)
+    assert got["label"].data_ptr() == out["label"].data_ptr()
+    assert _equal(got, want)
+
+
+def test_a_bad_json_record_is_an_error_naming_its_member_file(tmp_path: Path) -> None:
+    members = _members(tmp_path)
+    shard = tmp_path / "books" / "shard-00000.meta"
+    raw = bytearray(shard.read_bytes())
+    raw[0:1] = b"["  # the first record's JSON no longer parses
+    with open(shard, "r+b") as f:
+        f.write(bytes(raw))
+    members["books"] = MemmapDataset(tmp_path / "books", verify=False, pad_value=-1)
+    ds = MixedDataset(members, weights=WEIGHTS, seed=3, epoch_samples=TOTAL)
+    with pytest.raises(DatasetError, match=r"books.shard-00000\.meta: record 0 \(shard 0\)"):
+        ds.read_batch(np.arange(TOTAL))

@@ -121,11 +121,15 @@ def _plan(members: Sequence[Any]) -> _Plan | None:
 
 
 def _cached(key: tuple[ColumnReader, ...], members: Sequence[Any]) -> _Plan | None:
-    if key not in _PLANS:
-        if len(_PLANS) > 64:
-            _PLANS.clear()
-        _PLANS[key] = _shared(members)
-    return _PLANS[key]
+    try:
+        return _PLANS[key]
+    except KeyError:
+        pass
+    plan = _shared(members)  # a race makes it twice: the same plan
+    if len(_PLANS) > 64:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
 
 
 def typed_take(
