@@ -37,13 +37,26 @@ __all__ = ["typed_take"]
 @dataclass
 class _Rows:
     """Member ``k``'s rows of the batch: their positions ``pos``, shards ``sid`` and records in
-    them ``local``; the shards in the order to read them."""
+    them ``local``; ``groups``: ``(shard, positions, records)`` per shard, in reading order."""
 
     k: int
     pos: np.ndarray
     sid: np.ndarray
     local: np.ndarray
-    order: list[int]
+    groups: list[tuple[int, np.ndarray, np.ndarray]]
+
+
+def _member_rows(k: int, pos: np.ndarray, sample: np.ndarray, files: Any) -> _Rows:
+    """Member ``k``'s rows at ``pos`` (its samples ``sample``), located once."""
+    sid, local = files.locate(sample)
+    order = files.order(np.unique(sid).tolist())
+    if len(order) == 1:
+        return _Rows(k, pos, sid, local, [(order[0], pos, local)])
+    groups = []
+    for s in order:
+        pick = np.flatnonzero(sid == s)
+        groups.append((s, pos[pick], local[pick]))
+    return _Rows(k, pos, sid, local, groups)
 
 
 class _RecordSpace:
@@ -147,9 +160,7 @@ def typed_take(
     rows = []
     for k in np.unique(member).tolist():  # one locate per member per batch
         pos = np.flatnonzero(member == k)
-        files = plan.readers[k].files
-        sid, local = files.locate(sample[pos])
-        rows.append(_Rows(k, pos, sid, local, files.order(np.unique(sid).tolist())))
+        rows.append(_member_rows(k, pos, sample[pos], plan.readers[k].files))
     batch: dict[str, Any] = {}
     if plan.kind == "ragged":
         batch.update(_variable(plan, plan.variable["data"], rows, member, n))
@@ -178,18 +189,16 @@ def _variable(
     lengths = np.empty(n, np.int64)
     for r in rows:
         reader = plan.readers[r.k]
-        for s in r.order:
-            pick = np.flatnonzero(r.sid == s)
+        for s, p, at in r.groups:
             off = reader.offsets(s, col)
-            at = r.local[pick]
-            starts[r.pos[pick]] = off[at]
-            lengths[r.pos[pick]] = off[at + 1] - off[at]
+            begin = off[at]
+            starts[p] = begin
+            lengths[p] = off[at + 1] - begin
     dest = np.cumsum(lengths) - lengths  # the output offsets of the whole batch, in its order
     values = np.empty(int(lengths.sum()), np.uint8)
     for r in rows:
         files = plan.readers[r.k].files
-        for s in r.order:
-            p = r.pos[r.sid == s]
+        for s, p, _ in r.groups:
             with files.mapped(col.data_role, s) as buf:  # checked like every read (_shard_guard)
                 gather(buf, starts[p], lengths[p], values, dest[p])
 
