@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -289,3 +290,38 @@ def test_a_bad_json_record_is_an_error_naming_its_member_file(tmp_path: Path) ->
     ds = MixedDataset(members, weights=WEIGHTS, seed=3, epoch_samples=TOTAL)
     with pytest.raises(DatasetError, match=r"books.shard-00000\.meta: record 0 \(shard 0\)"):
         ds.read_batch(np.arange(TOTAL))
+
+
+def test_threads_and_a_changed_mode_read_the_reference(tmp_path: Path) -> None:
+    """Two threads read the same batches as one; switching the members to ``ragged="nested"``
+    between batches gives nested batches (the plan follows the members' mode)."""
+    members = _members(tmp_path)
+    ds = MixedDataset(members, weights=WEIGHTS, seed=8, epoch_samples=TOTAL)
+    batches = np.array_split(np.random.default_rng(1).permutation(TOTAL), 9)
+    want = [ds.read_batch(b) for b in batches]
+    got: dict[int, list[Any]] = {0: [], 1: []}
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            got[t] = [ds.read_batch(b) for b in batches]
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive()
+    assert not errors
+    for k in (0, 1):
+        assert all(_equal(a, b) for a, b in zip(got[k], want, strict=True))
+    for m in members.values():
+        m.ragged = "nested"
+    nested = ds.read_batch(batches[0])
+    assert nested["tokens"].is_nested
+    rows = nested["tokens"].unbind()
+    lengths = want[0]["tokens_lengths"].tolist()
+    for j, row in enumerate(rows):
+        assert torch.equal(row, want[0]["tokens"][j, : lengths[j]])

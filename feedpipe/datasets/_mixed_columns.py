@@ -119,21 +119,21 @@ def _shared(members: Sequence[Any]) -> _Plan | None:
     return _Plan(members, readers)
 
 
-_PLANS: dict[tuple[ColumnReader, ...], _Plan | None] = {}  # per process: the members -> plan
+_PLANS: dict[tuple[object, ...], _Plan | None] = {}  # per process: the members -> plan
 
 
 def _plan(members: Sequence[Any]) -> _Plan | None:
-    key: list[ColumnReader] = []  # by identity; the dict holds them: no id is reused
+    key: list[object] = []  # readers by identity (held: no id is reused), and ragged= modes
     for ds in members:
         get = getattr(ds, "column_reader", None)
         reader = get() if callable(get) else None
         if not isinstance(reader, ColumnReader):
             return None
-        key.append(reader)
+        key += (reader, ds.ragged)
     return _cached(tuple(key), members)
 
 
-def _cached(key: tuple[ColumnReader, ...], members: Sequence[Any]) -> _Plan | None:
+def _cached(key: tuple[object, ...], members: Sequence[Any]) -> _Plan | None:
     try:
         return _PLANS[key]
     except KeyError:
