@@ -384,6 +384,12 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             return None
         return self._files.space()
 
+    def column_reader(self) -> ColumnReader | None:
+        """The reader of this dataset's columns when a batch is read without a transform (else
+        None): a :class:`feedpipe.MixedDataset` of typed members reads straight into one batch."""
+        plain = self.transform is None and self.batch_transform is None
+        return self._columns if plain else None
+
     # ------------------------------------------------------------------ device feed
     def dma_blocker(self) -> str | None:
         """Why :meth:`read_batch` cannot fill a CUDA ``out`` by DMA (None: it can)."""

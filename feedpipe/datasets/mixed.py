@@ -18,9 +18,12 @@ The order is the sampler's: the dataset is map-style, so ``shuffle=True`` or
 sampler's arithmetic on ``(seed, epoch, consumed)``. The dataset adds only which epoch it is and
 a digest of the epoch's layout to that state (:meth:`MixedDataset.state_dict`): a few hundred
 bytes whatever the number of members. ``read_batch`` reads a batch of fixed-record memmap
-members in one gather over all of their maps (:mod:`._mixed_take`); other members' batches are
-read with one ``read_batch`` per member, with all of that member's indices, and merged into the
-batch (:mod:`._mixed_merge`). The positions' samples: :mod:`._mixed_layout`.
+members in one gather over all of their maps (:mod:`._mixed_take`), and a batch of typed or
+ragged memmap members (same columns, no transform) straight into one batch: each member's rows
+are located once and copied into their final places, no member batch, no merge
+(:mod:`._mixed_columns`). Other members' batches are read with one ``read_batch`` per member,
+with all of that member's indices, and merged into the batch (:mod:`._mixed_merge`). The
+positions' samples: :mod:`._mixed_layout`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import numpy as np
 
 from feedpipe._permutation import FeistelPermutation, derive_key
 from feedpipe.datasets._batch_pool import BatchPool
+from feedpipe.datasets._mixed_columns import typed_take
 from feedpipe.datasets._mixed_layout import EpochLayout
 from feedpipe.datasets._mixed_take import one_take
 
@@ -259,8 +263,9 @@ class MixedDataset:
         return out
 
     def read_batch(self, indices: Sequence[int] | np.ndarray, out: Any = None) -> Any:
-        """``default_collate([self[i] for i in indices])``: one gather (fixed memmap members) or
-        one ``read_batch`` per member, merged."""
+        """``default_collate([self[i] for i in indices])``: one gather (fixed memmap members),
+        one read into the batch (typed/ragged memmap members) or one ``read_batch`` per member,
+        merged."""
         idx = self._checked(indices)
         layout = self._current()
         virtual = layout.virtual(idx)
@@ -268,6 +273,9 @@ class MixedDataset:
         fast = one_take(members, layout.vbase, virtual, out, self._pool)
         if fast is not None:  # fixed records of memmap members: one gather, no merge
             return fast
+        typed = typed_take(members, layout, virtual, out, self._pool)
+        if typed is not None:  # typed/ragged memmap members: read into one batch, no merge
+            return typed
         from feedpipe.datasets._mixed_merge import fill_out, merge_parts
 
         member, sample = layout.split(virtual)

@@ -1,0 +1,240 @@
+"""One read, into the batch, for a :class:`~feedpipe.datasets.mixed.MixedDataset` of typed or
+ragged :class:`~feedpipe.MemmapDataset` members.
+
+Where every member has the same columns (layout, side fields, ``ragged=`` mode) and reads
+without a transform (:meth:`MemmapDataset.column_reader`), a batch is read as one dataset of
+the members' records would read it, with no per-member batch and no merge: the batch's
+``(member, sample)`` are split once, and each present member locates its rows once
+(:class:`_Rows`). A variable-length column (ragged arrays, ``str``, ``json``) gets every row's
+byte length first, in the batch's order, so the output offsets of the whole batch are known;
+then each member copies its rows' byte ranges, shard by shard from its guarded maps, straight
+into their places in one buffer, which is assembled as a single dataset's is (a ragged column
+padded with each row's own member's ``pad_value``). A fixed side field is one ``take`` from the
+members' in-memory columns side by side; fixed records one gather over the members' maps
+(:func:`~._mixed_take.one_take`). Anything else (another layout, a transform, remote members,
+an ``out``, no rows) returns ``None``: the caller reads member by member and merges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from feedpipe.datasets._batch_pool import BatchPool
+from feedpipe.datasets._memmap_columns import ColumnReader
+from feedpipe.datasets._mixed_layout import EpochLayout
+from feedpipe.datasets._mixed_take import one_take
+from feedpipe.datasets.columns import Column, assemble, gather
+from feedpipe.errors import DatasetError
+
+__all__ = ["typed_take"]
+
+
+@dataclass
+class _Rows:
+    """Member ``k``'s rows of the batch: their positions ``pos``, shards ``sid`` and records in
+    them ``local``; ``groups``: ``(shard, positions, records)`` per shard, in reading order."""
+
+    k: int
+    pos: np.ndarray
+    sid: np.ndarray
+    local: np.ndarray
+    groups: list[tuple[int, np.ndarray, np.ndarray]]
+
+
+def _member_rows(k: int, pos: np.ndarray, sample: np.ndarray, files: Any) -> _Rows:
+    """Member ``k``'s rows at ``pos`` (its samples ``sample``), located once."""
+    sid, local = files.locate(sample)
+    order = files.order(np.unique(sid).tolist())
+    if len(order) == 1:
+        return _Rows(k, pos, sid, local, [(order[0], pos, local)])
+    groups = []
+    for s in order:
+        pick = np.flatnonzero(sid == s)
+        groups.append((s, pos[pick], local[pick]))
+    return _Rows(k, pos, sid, local, groups)
+
+
+class _RecordSpace:
+    """A member's fixed-record map, as :func:`~._mixed_take.one_take` takes a member."""
+
+    def __init__(self, ds: Any, reader: ColumnReader) -> None:
+        self.shape, self.dtype, self.reader = ds.shape, ds.dtype, reader
+
+    def record_space(self) -> Any:
+        return self.reader.files.space()
+
+
+class _Plan:
+    """What the members share (checked once per set of members): the layout, the columns in
+    the batch's key order, the mode, and each member's reader and pad value."""
+
+    def __init__(self, members: Sequence[Any], readers: list[ColumnReader]) -> None:
+        first = members[0]
+        self.readers = readers
+        self.kind: str = first.kind
+        self.mode: str = first.ragged
+        self.fields: list[str] = list(first.fields)
+        self.variable: dict[str, Column] = dict(readers[0].variable)
+        self.pads = [ds.pad_value for ds in members]
+        self.spaces = [_RecordSpace(ds, r) for ds, r in zip(members, readers, strict=True)]
+        self._whole: dict[str, np.ndarray] = {}  # fixed side fields, every member's side by side
+
+    def whole(self, name: str) -> np.ndarray:
+        """Fixed side field ``name`` of every member, concatenated in member order."""
+        col = self._whole.get(name)
+        if col is None:
+            col = self._whole[name] = np.concatenate([r.column(name) for r in self.readers])
+        return col
+
+
+def _shared(members: Sequence[Any]) -> _Plan | None:
+    """The plan when every member reads its typed columns without a transform, locally, with
+    the same layout, fields and ``ragged=`` mode; else None."""
+    readers = []
+    for ds in members:
+        get = getattr(ds, "column_reader", None)
+        reader = get() if callable(get) else None
+        if not isinstance(reader, ColumnReader) or reader.files.source.remote:
+            return None
+        readers.append(reader)
+    first, ref = members[0], readers[0]
+    if first.kind not in ("none", "ragged", "fixed") or (first.kind == "fixed" and not ref.fields):
+        return None
+    for ds, reader in zip(members, readers, strict=True):
+        same = (ds.kind, ds.ragged, ds.shape, ds.dtype) == (
+            first.kind,
+            first.ragged,
+            first.shape,
+            first.dtype,
+        )
+        if not same or reader.fields != ref.fields or reader.variable != ref.variable:
+            return None
+        if list(reader.fields) != list(ref.fields):  # the batch's key order
+            return None
+    return _Plan(members, readers)
+
+
+_PLANS: dict[tuple[object, ...], _Plan | None] = {}  # per process: the members -> plan
+
+
+def _plan(members: Sequence[Any]) -> _Plan | None:
+    key: list[object] = []  # readers by identity (held: no id is reused), and ragged= modes
+    for ds in members:
+        get = getattr(ds, "column_reader", None)
+        reader = get() if callable(get) else None
+        if not isinstance(reader, ColumnReader):
+            return None
+        key += (reader, ds.ragged)
+    return _cached(tuple(key), members)
+
+
+def _cached(key: tuple[object, ...], members: Sequence[Any]) -> _Plan | None:
+    try:
+        return _PLANS[key]
+    except KeyError:
+        pass
+    plan = _shared(members)  # a race makes it twice: the same plan
+    if len(_PLANS) > 64:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def typed_take(
+    members: Sequence[Any], layout: EpochLayout, virtual: np.ndarray, out: Any, pool: BatchPool
+) -> Any:
+    """The batch of records ``virtual`` (see :meth:`EpochLayout.virtual`) of typed or ragged
+    members, read straight into one batch; None where that cannot be had."""
+    n = len(virtual)
+    if out is not None or n == 0:
+        return None
+    plan = _plan(members)
+    if plan is None:
+        return None
+    member, sample = layout.split(virtual)
+    rows = []
+    for k in np.unique(member).tolist():  # one locate per member per batch
+        pos = np.flatnonzero(member == k)
+        rows.append(_member_rows(k, pos, sample[pos], plan.readers[k].files))
+    batch: dict[str, Any] = {}
+    if plan.kind == "ragged":
+        batch.update(_variable(plan, plan.variable["data"], rows, member, n))
+    elif plan.kind == "fixed":
+        data = one_take(plan.spaces, layout.vbase, virtual, None, pool)
+        if data is None:
+            return None
+        batch["data"] = data
+    for name in plan.fields:
+        col = plan.variable.get(name)
+        if col is not None:
+            batch.update(_variable(plan, col, rows, member, n))
+        else:
+            batch[name] = torch.from_numpy(plan.whole(name).take(virtual, axis=0))
+    if not plan.fields and plan.mode == "nested":
+        return batch["data"]
+    return batch
+
+
+def _variable(
+    plan: _Plan, col: Column, rows: list[_Rows], member: np.ndarray, n: int
+) -> dict[str, Any]:
+    """Variable-length column ``col`` of the batch: every row's byte range, then each member's
+    rows copied into their places in one buffer, assembled as one dataset's batch."""
+    starts = np.empty(n, np.int64)
+    lengths = np.empty(n, np.int64)
+    for r in rows:
+        reader = plan.readers[r.k]
+        for s, p, at in r.groups:
+            off = reader.offsets(s, col)
+            begin = off[at]
+            starts[p] = begin
+            lengths[p] = off[at + 1] - begin
+    dest = np.cumsum(lengths) - lengths  # the output offsets of the whole batch, in its order
+    values = np.empty(int(lengths.sum()), np.uint8)
+    for r in rows:
+        files = plan.readers[r.k].files
+        for s, p, _ in r.groups:
+            with files.mapped(col.data_role, s) as buf:  # checked like every read (_shard_guard)
+                gather(buf, starts[p], lengths[p], values, dest[p])
+
+    def where(j: int) -> str:
+        r = next(r for r in rows if r.k == int(member[j]))
+        i = int(np.searchsorted(r.pos, j))
+        s = int(r.sid[i])
+        path = plan.readers[r.k].files.source.local_path(s, col.data_role)
+        return f"{path}: record {int(r.local[i])} (shard {s})"
+
+    pads = {plan.pads[r.k] for r in rows}
+    if col.kind == "ragged" and plan.mode == "pad" and len(pads) > 1:
+        return _padded(col, values, lengths, np.asarray(plan.pads, dtype=col.dtype)[member])
+    got = assemble(col, values, lengths, plan.mode, pad_value=pads.pop(), where=where)
+    if not isinstance(got, dict):
+        raise DatasetError(f"column {col.name!r}: unexpected list batch")  # mode is pad/nested
+    return got
+
+
+def _padded(
+    col: Column, values: np.ndarray, lengths: np.ndarray, pad: np.ndarray
+) -> dict[str, Any]:
+    """A padded ragged column whose rows pad with their own member's value (``pad[j]``)."""
+    dt, shape = np.dtype(col.dtype), col.shape
+    rows = lengths // col.row_bytes if col.row_bytes else np.zeros_like(lengths)
+    n = len(rows)
+    width = int(rows.max())
+    padded = np.empty((n, width, *shape), dtype=dt)
+    padded[...] = pad.reshape(n, *([1] * (1 + len(shape))))
+    total = int(rows.sum())
+    if total:
+        elems = values.view(dt).reshape(-1, *shape)
+        within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)
+        target = np.repeat(np.arange(n, dtype=np.int64) * width, rows) + within
+        padded.reshape(n * width, *shape)[target] = elems
+    lens = torch.from_numpy(rows.astype(np.int64))
+    data = torch.from_numpy(padded) if padded.size else torch.empty(padded.shape, dtype=lens.dtype)
+    got: dict[str, Any] = {col.name: data, f"{col.name}_lengths": lens}
+    return got
