@@ -199,8 +199,7 @@ class PoolCloser:
         if self._plans is not None:
             shutil.rmtree(self._plans, ignore_errors=True)
         pipe = None if self._pipe is None else self._pipe()
-        pool = getattr(pipe, "_py_pool", None)  # the DALI-internal pool, as below
-        close = getattr(pool, "close", None)
+        close = getattr(_pool(pipe), "close", None)
         if callable(close):  # returns at once: the reaper waits for the workers, then signals
             threading.Thread(target=close, name="feedpipe-dali-pool-close", daemon=True).start()
 
@@ -212,9 +211,13 @@ def worker_processes(pipe: Any) -> list[multiprocessing.process.BaseProcess]:
     ``pids()`` lists them; DALI 1.x-2.4); they are matched, by pid, to this process's
     ``multiprocessing`` children, so that only processes this process started are ever signalled.
     """
-    pool = getattr(pipe, "_py_pool", None)  # DALI-internal: the one reach into DALI's privates
-    pids_of = getattr(pool, "pids", None)
+    pids_of = getattr(_pool(pipe), "pids", None)
     if not callable(pids_of):
         return []
     pids = set(pids_of())
     return [p for p in multiprocessing.active_children() if p.pid in pids]
+
+
+def _pool(pipe: Any) -> Any:
+    """``pipe``'s worker pool (``None`` without one)."""
+    return getattr(pipe, "_py_pool", None)  # DALI-internal: the one reach into DALI's privates
