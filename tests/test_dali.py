@@ -409,20 +409,21 @@ _KILLED_SCRIPT = _EXIT_SCRIPT.replace(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: the source workers' parent watch (reaper.die_with_parent on unpickling) was "
-    "withdrawn: with it, examples/image_classification_dali.py hung mid-epoch once in a "
-    "fresh-clone run under load; a SIGKILLed owner's hung DALI source worker runs on",
-)
-def test_hung_worker_gone_when_the_owner_is_sigkilled(images: list[bytes], tmp_path: Path) -> None:
+@pytest.mark.parametrize("start", ["spawn", "fork"])
+def test_hung_worker_gone_when_the_owner_is_sigkilled(
+    images: list[bytes], tmp_path: Path, start: str
+) -> None:
     """Found: the loader's process killed outright (OOM) left its source worker, hung in the
-    dataset, running as an orphan for good."""
+    dataset, running as an orphan for good. A ``spawn`` worker sets its watch on unpickling the
+    source, a ``fork`` worker (which unpickles nothing) on its first batch."""
     for i, rec in enumerate(images[:8]):
         (tmp_path / f"{i}.jpg").write_bytes(rec)
     script, out = tmp_path / "killed.py", tmp_path / "out"
     tests = str(Path(__file__).parent)
-    script.write_text(_KILLED_SCRIPT.format(tests=tests, tmp=str(tmp_path)))
+    body = _KILLED_SCRIPT.replace(
+        "py_num_workers=1,", f"py_num_workers=1, py_start_method={start!r},"
+    )
+    script.write_text(body.format(tests=tests, tmp=str(tmp_path)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tests).parent), tests])}
     with open(out, "w") as f:  # a file, not a pipe: an orphan would hold a pipe open
         subprocess.run(
@@ -440,3 +441,26 @@ def test_hung_worker_gone_when_the_owner_is_sigkilled(images: list[bytes], tmp_p
         for name in os.listdir("/dev/shm"):  # the plan a killed process could not remove
             if name.startswith(f"feedpipe-dali-{pid}-"):
                 shutil.rmtree(f"/dev/shm/{name}", ignore_errors=True)
+
+
+def test_source_watch_only_in_a_worker_the_owner_started() -> None:
+    """The owner watch is set only in a process the loader's process started: never in the
+    owner itself (a copy of the source) nor in a process whose parent is not the owner (a source
+    unpickled elsewhere), where the owner's exit must not end it."""
+    import copy
+    import pickle
+    import threading
+
+    from feedpipe.dali.source import BatchSource, watch_owner
+
+    def watches() -> int:
+        return sum(t.name == "feedpipe-parent-watch" for t in threading.enumerate())
+
+    before = watches()
+    src = BatchSource([b"x"], "/nonexistent", 1, False, 1)
+    copy.deepcopy(src)
+    pickle.loads(pickle.dumps(src))
+    watch_owner(os.getpid())
+    watch_owner(None)
+    watch_owner(1 if os.getppid() != 1 else 2)  # an owner that is not this process's parent
+    assert watches() == before
