@@ -464,3 +464,22 @@ def test_source_watch_only_in_a_worker_the_owner_started() -> None:
     watch_owner(None)
     watch_owner(1 if os.getppid() != 1 else 2)  # an owner that is not this process's parent
     assert watches() == before
+
+
+def test_watch_that_cannot_open_a_pidfd_leaves_the_worker_running(tmp_path: Path) -> None:
+    """Found: the withdrawn watch took any pidfd_open failure (EMFILE, a seccomp sandbox's
+    ENOSYS/EPERM) for a dead owner and ended a live source worker at its start; only a
+    parent that is gone (ESRCH) may end it."""
+    script = tmp_path / "nofd.py"
+    script.write_text(
+        "import errno, os\n"
+        "def refuse(pid):\n"
+        "    raise OSError(errno.EMFILE, 'Too many open files')\n"
+        "os.pidfd_open = refuse\n"
+        "from feedpipe.io.reaper import die_with_parent\n"
+        "die_with_parent()\n"
+        "print('STILL_RUNNING', flush=True)\n"
+    )
+    proc = run_python(script, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "STILL_RUNNING" in proc.stdout
