@@ -363,7 +363,7 @@ def test_hung_worker_gone_after_close_and_exit(images: list[bytes], tmp_path: Pa
     pid, *workers = (int(p) for p in lines["WORKERS"].split())
     assert workers, "the hung DALI worker was not seen"
     assert lines["AFTER"] == ""  # close() ended the stuck worker
-    assert wait_gone(workers, 2.0) == []  # and nothing outlives the interpreter
+    assert wait_gone(workers, 30.0) == []  # nothing outlives the interpreter (30 s: load 10)
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"feedpipe-dali-{pid}-")]
 
 
@@ -434,7 +434,7 @@ def test_hung_worker_gone_when_the_owner_is_sigkilled(
     pid, *workers = (int(p) for p in lines["WORKERS"].split())
     try:
         assert workers, "the hung DALI worker was not seen"
-        assert wait_gone(workers, 5.0) == []
+        assert wait_gone(workers, 30.0) == []  # returns once gone; 30 s: a hang guard at load 10
     finally:
         for left in alive(workers):
             os.kill(left, signal.SIGKILL)
