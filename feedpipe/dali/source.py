@@ -22,6 +22,7 @@ A bad record (reason != 0) is replaced by the next valid record in dataset order
 from __future__ import annotations
 
 import io
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,9 @@ from typing import Any
 import numpy as np
 
 from feedpipe.io.fsutil import atomic_write
+from feedpipe.io.reaper import die_with_parent
 
-__all__ = ["META_COLS", "BatchSource", "read_valid", "write_segment"]
+__all__ = ["META_COLS", "BatchSource", "read_valid", "watch_owner", "write_segment"]
 
 OK, EMPTY, BAD_HEADER, TRUNCATED, READ_ERROR, KNOWN_BAD, DECODE_ERROR = range(7)
 REASONS = {
@@ -147,9 +149,21 @@ class BatchSource:
         self.drop_last = drop_last
         self.gap = gap
         self._segments: list[_Segment] = []
+        self._owner = self._watched = os.getpid()  # the loader's process; where the watch is set
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_segments": []}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A ``spawn`` worker: watch the owner from the start, before any task comes."""
+        self.__dict__.update(state)
+        self._watch()
+
+    def _watch(self) -> None:
+        """Set the owner watch once in each process (``fork`` workers unpickle nothing)."""
+        if self._watched != os.getpid():
+            self._watched = os.getpid()
+            watch_owner(self._owner)
 
     def _refresh(self) -> bool:
         """Load segments published since the last look; False once the loader has closed."""
@@ -178,6 +192,7 @@ class BatchSource:
         Dense arrays (not lists of per-sample arrays) keep DALI's per-sample work in the main
         process, which feeds every batch into the pipeline, to the images alone.
         """
+        self._watch()
         g = int(info.iteration)
         alive = self._refresh()  # always: a segment published since may override iteration g
         seg, wait = self._find(g)
@@ -201,6 +216,22 @@ class BatchSource:
             images.append(buf)
         meta[:, 5] = seg.id
         return images, labels, meta
+
+
+def watch_owner(owner: int | None) -> None:
+    """In a source worker (a process the loader's process ``owner`` started, by ``spawn`` or
+    ``fork``): exit, with the worker's own children, as soon as the loader's
+    process is gone, however it died (SIGKILL, the OOM killer), even while stuck in the dataset.
+
+    The watch is a pidfd of the owner (:func:`~feedpipe.io.reaper.die_with_parent`): it fires
+    when the whole *process* has exited, never when one of its threads ends (unlike
+    ``PR_SET_PDEATHSIG``, which fires when the forking *thread* exits: DALI starts its workers
+    from whichever thread first builds or runs the pipeline). A source unpickled anywhere else
+    (the owner itself, a copy, a process the owner did not start) sets no watch.
+    """
+    if owner is None or owner == os.getpid() or os.getppid() != owner:
+        return
+    die_with_parent()
 
 
 def read_one(dataset: Any, index: int) -> tuple[np.ndarray | None, int, int]:

@@ -419,14 +419,23 @@ def die_with_parent(owner: int | None = None) -> None:
     for pid in {parent, owner or parent}:
         try:
             fds.append(os.pidfd_open(pid))
-        except OSError:  # already gone
+        except ProcessLookupError:  # already gone
             _die()
+        except OSError:  # no pidfds here (a seccomp sandbox, EMFILE): never kill a live worker
+            return
     if os.getppid() != parent:  # the parent died before the watch began
         _die()
+    poller = select.poll()  # poll, not select: no FD_SETSIZE limit on the pidfds' numbers
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    watched = {parent, owner or parent}
 
     def watch() -> None:
-        select.select(fds, [], [])  # one is readable once its process has exited
-        _die()
+        poller.poll()  # a pidfd is readable once its whole process (not a thread) has exited
+        if os.getppid() != parent or not all(pid_alive(p) for p in watched):
+            _die()
+        # else: a pidfd closed (or its number reused) under the watch: a live owner keeps its
+        # worker; the watch ends rather than kill on a false alarm
 
     threading.Thread(target=watch, name="feedpipe-parent-watch", daemon=True).start()
 
