@@ -329,3 +329,29 @@ def test_threads_and_a_changed_mode_read_the_reference(tmp_path: Path) -> None:
     lengths = want[0]["tokens_lengths"].tolist()
     for j, row in enumerate(rows):
         assert torch.equal(row, want[0]["tokens"][j, : lengths[j]])
+
+
+def _write_rows(path: Path, n: int, rows: Any) -> None:
+    """Ragged ``(rows(i), 2)`` int16 records of ``i`` and an int64 label."""
+    with MemmapWriter(
+        path, fields={"label": "int64"}, shard_bytes=64, shape=(None, 2), dtype="int16"
+    ) as w:
+        for i in range(n):
+            w.append(np.full((rows(i), 2), i, np.int16), label=i)
+
+
+def test_empty_rows_of_members_that_pad_differently_keep_the_dtype(tmp_path: Path) -> None:
+    """A batch whose rows are all empty, from members with different pad values: the padded
+    column keeps the records' dtype (int16), as the merge and each member's own read give."""
+    _write_rows(tmp_path / "z", 6, lambda i: 0)
+    _write_rows(tmp_path / "a", 10, lambda i: i % 3)
+    members = {
+        "z": MemmapDataset(tmp_path / "z", pad_value=3),
+        "a": MemmapDataset(tmp_path / "a", pad_value=5),
+    }
+    fast = MixedDataset(members)
+    slow = MixedDataset({k: _Hidden(v) for k, v in members.items()})
+    for idx in ([0, 1, 6, 9], [0, 7, 8], [6, 9], [0, 1]):  # all empty, some not, one member
+        got, want = fast.read_batch(idx), slow.read_batch(idx)
+        assert got["data"].dtype == torch.int16
+        assert _equal(got, want)

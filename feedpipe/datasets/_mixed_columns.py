@@ -235,6 +235,8 @@ def _padded(
         target = np.repeat(np.arange(n, dtype=np.int64) * width, rows) + within
         padded.reshape(n * width, *shape)[target] = elems
     lens = torch.from_numpy(rows.astype(np.int64))
-    data = torch.from_numpy(padded) if padded.size else torch.empty(padded.shape, dtype=lens.dtype)
+    data = torch.from_numpy(padded)
+    if not padded.size:  # plain strides, the column's dtype (as assemble gives)
+        data = torch.empty(padded.shape, dtype=data.dtype)
     got: dict[str, Any] = {col.name: data, f"{col.name}_lengths": lens}
     return got
