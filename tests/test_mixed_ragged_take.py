@@ -355,3 +355,28 @@ def test_empty_rows_of_members_that_pad_differently_keep_the_dtype(tmp_path: Pat
         got, want = fast.read_batch(idx), slow.read_batch(idx)
         assert got["data"].dtype == torch.int16
         assert _equal(got, want)
+
+
+def test_a_reassigned_pad_value_pads_the_member_and_the_mix(tmp_path: Path) -> None:
+    """``ds.pad_value = v`` pads every later batch with ``v``: the member's own read, the mix's
+    one read (its plan was made before) and the merge path alike; a value that does not fit the
+    column is refused, naming it."""
+    _write_rows(tmp_path / "a", 10, lambda i: i % 3)
+    _write_rows(tmp_path / "b", 10, lambda i: i % 4)
+    members = {
+        "a": MemmapDataset(tmp_path / "a", pad_value=1),
+        "b": MemmapDataset(tmp_path / "b", pad_value=2),
+    }
+    fast = MixedDataset(members)
+    slow = MixedDataset({k: _Hidden(v) for k, v in members.items()})
+    assert int(fast.read_batch([0, 2])["data"][0, 0, 0]) == 1  # the plan is made with 1
+    members["a"].pad_value = 9
+    slow.datasets["a"].pad_value = 9
+    assert members["a"].read_batch(np.array([0, 2]))["data"][0].tolist() == [[9, 9], [9, 9]]
+    for idx in ([0, 2], [0, 2, 11, 13]):  # one member's pad; each row its own member's
+        got = fast.read_batch(idx)
+        assert (got["data"][0] == 9).all()  # row 0 is empty: all pad
+        assert _equal(got, slow.read_batch(idx))
+    with pytest.raises(ValueError, match=r"pad_value 1000000\.0 does not fit column 'data'"):
+        members["a"].pad_value = 1e6
+    assert members["a"].pad_value == 9
