@@ -380,3 +380,27 @@ def test_a_reassigned_pad_value_pads_the_member_and_the_mix(tmp_path: Path) -> N
     with pytest.raises(ValueError, match=r"pad_value 1000000\.0 does not fit column 'data'"):
         members["a"].pad_value = 1e6
     assert members["a"].pad_value == 9
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the merge (_mixed_merge._Merge.is_fields) takes a per-sample list of JSON "
+    "dicts whose lists have as many items as the part has samples for collated tuple fields: "
+    "[{'n': [0, 1, 100, 101]}, {'n': [1, 2, 101, 102]}] for 4 samples (silently), or an error",
+)
+@pytest.mark.parametrize("extra", [{}, {"s": "ab"}])
+def test_json_dicts_through_the_merge_equal_the_per_sample_reads(
+    tmp_path: Path, extra: dict[str, Any]
+) -> None:
+    """Members read member by member and merged (the path of any non-plain member): a JSON
+    column of dicts whose lists have 2 items, 2 samples of each member in the batch (the one
+    read, :func:`typed_take`, gives the right batch)."""
+    for name, base in (("a", 0), ("b", 100)):
+        with MemmapWriter(tmp_path / name, fields={"meta": "json"}, records=False) as w:
+            for i in range(4):
+                w.append(meta={"n": [base + i, base + i + 1], **extra})
+    members = {n: MemmapDataset(tmp_path / n) for n in ("a", "b")}
+    slow = MixedDataset({k: _Hidden(v) for k, v in members.items()})
+    idx = [0, 1, 4, 5]
+    got = slow.read_batch(idx)
+    assert got["meta"] == [slow[i]["meta"] for i in idx]
