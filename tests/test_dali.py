@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -533,3 +534,63 @@ def test_watch_that_cannot_open_a_pidfd_leaves_the_worker_running(tmp_path: Path
     proc = run_python(script, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "STILL_RUNNING" in proc.stdout
+
+
+_EXIT_CASES = {
+    "two loaders": "kept = [make(), make()]\nfor ld in kept:\n    for _ in ld: pass",
+    "closed twice, another alive": (
+        "a, b = make(), make()\nfor ld in (a, b):\n    for _ in ld: pass\n"
+        "a.close()\na.close()\nkept = b"
+    ),
+}
+
+_EXIT_CASE_SCRIPT = """
+import os, sys, threading
+sys.path[:0] = [{tests!r}]
+from test_dali_datasets import BytesDataset
+from feedpipe.dali import ImageLoader
+
+signalled = os.path.join({tmp!r}, "signalled")
+real_kill = os.kill
+
+def kill(pid, sig):
+    with open(signalled, "a") as f:
+        f.write(f"{{pid}} {{sig}} {{threading.current_thread().name}}\\n")
+    real_kill(pid, sig)
+
+records = [open(os.path.join({tmp!r}, f"{{i}}.jpg"), "rb").read() for i in range(8)]
+
+def make():
+    return ImageLoader(BytesDataset(records), 4, device="cpu", crop=32, resize=40,
+                       num_threads=1, py_num_workers=1, train=False, shuffle=False, timeout=60)
+
+def main():
+{body}
+    os.kill = kill
+    print("LOADED", flush=True)
+    return kept  # still alive at exit: the reaper's exit hook ends the workers
+
+if __name__ == "__main__":
+    kept = main()
+"""
+
+
+@pytest.mark.parametrize("case", sorted(_EXIT_CASES))
+def test_idle_workers_exit_cleanly_in_other_shapes(
+    images: list[bytes], tmp_path: Path, case: str
+) -> None:
+    """Two loaders alive at exit, a loader closed twice beside a live one: the process exits (no
+    hang) and no idle worker is signalled before DALI's pool close told it to exit."""
+    for i, rec in enumerate(images[:8]):
+        (tmp_path / f"{i}.jpg").write_bytes(rec)
+    script = tmp_path / "case.py"
+    body = textwrap.indent(_EXIT_CASES[case], "    ")
+    script.write_text(
+        _EXIT_CASE_SCRIPT.format(tests=str(Path(__file__).parent), tmp=str(tmp_path), body=body)
+    )
+    proc = run_python(script, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LOADED" in proc.stdout
+    sent = (tmp_path / "signalled").read_text() if (tmp_path / "signalled").exists() else ""
+    early = [line for line in sent.splitlines() if "_observer_thread" not in line]
+    assert early == [], f"signalled before DALI closed its pool (pid signal thread): {sent!r}"

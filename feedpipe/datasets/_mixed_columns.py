@@ -80,9 +80,12 @@ class _Plan:
         self.mode: str = first.ragged
         self.fields: list[str] = list(first.fields)
         self.variable: dict[str, Column] = dict(readers[0].variable)
-        self.pads = [ds.pad_value for ds in members]
         self.spaces = [_RecordSpace(ds, r) for ds, r in zip(members, readers, strict=True)]
         self._whole: dict[str, np.ndarray] = {}  # fixed side fields, every member's side by side
+
+    def pads(self) -> list[Any]:
+        """Each member's pad value now (as its own read pads: an assignment is followed)."""
+        return [r.pad_value for r in self.readers]
 
     def whole(self, name: str) -> np.ndarray:
         """Fixed side field ``name`` of every member, concatenated in member order."""
@@ -209,9 +212,10 @@ def _variable(
         path = plan.readers[r.k].files.source.local_path(s, col.data_role)
         return f"{path}: record {int(r.local[i])} (shard {s})"
 
-    pads = {plan.pads[r.k] for r in rows}
+    every = plan.pads()
+    pads = {every[r.k] for r in rows}
     if col.kind == "ragged" and plan.mode == "pad" and len(pads) > 1:
-        return _padded(col, values, lengths, np.asarray(plan.pads, dtype=col.dtype)[member])
+        return _padded(col, values, lengths, np.asarray(every, dtype=col.dtype)[member])
     got = assemble(col, values, lengths, plan.mode, pad_value=pads.pop(), where=where)
     if not isinstance(got, dict):
         raise DatasetError(f"column {col.name!r}: unexpected list batch")  # mode is pad/nested
@@ -235,6 +239,8 @@ def _padded(
         target = np.repeat(np.arange(n, dtype=np.int64) * width, rows) + within
         padded.reshape(n * width, *shape)[target] = elems
     lens = torch.from_numpy(rows.astype(np.int64))
-    data = torch.from_numpy(padded) if padded.size else torch.empty(padded.shape, dtype=lens.dtype)
+    data = torch.from_numpy(padded)
+    if not padded.size:  # plain strides, the column's dtype (as assemble gives)
+        data = torch.empty(padded.shape, dtype=data.dtype)
     got: dict[str, Any] = {col.name: data, f"{col.name}_lengths": lens}
     return got

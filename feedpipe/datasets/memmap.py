@@ -146,7 +146,7 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
     ) -> None:
         fns = {"transform": transform, "batch_transform": batch_transform}
         _check_options(read, verify, ragged, fns)
-        self.read, self.ragged, self.pad_value = read, ragged, pad_value
+        self.read, self.ragged = read, ragged
         self.transform, self.batch_transform = transform, batch_transform
         source = self._source = ShardSource(
             path,
@@ -169,13 +169,11 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         starts = np.concatenate([[0], counts]).astype(np.int64)
         self._len = int(starts[-1])
         self._var_cols = variable_columns(layout, self.fields)
-        for col in self._var_cols.values():
-            if col.kind == "ragged" and np.array(pad_value).astype(col.dtype) != pad_value:
-                raise ValueError(f"pad_value {pad_value!r} does not fit column {col.name!r}")
         self._files = ShardFiles(
             source, kind=self.kind, read=read, starts=starts, record_bytes=self._record_bytes
         )
         self._columns = ColumnReader(self._files, self.fields, self._var_cols, pad_value)
+        self.pad_value = pad_value  # checked against the ragged columns
         self._plain = self.kind == "fixed" and not self.fields  # a batch is one gather
         self._fixed = FixedRecords(
             self._files,
@@ -184,6 +182,19 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
             record_bytes=self._record_bytes,
             read=read,
         )
+
+    @property
+    def pad_value(self) -> Any:
+        """What ragged columns are padded with (``pad_value=``); an assignment pads every later
+        batch (this dataset's and a mix's) with the new value, checked against the columns."""
+        return self._columns.pad_value
+
+    @pad_value.setter
+    def pad_value(self, value: Any) -> None:
+        for col in self._var_cols.values():
+            if col.kind == "ragged" and np.array(value).astype(col.dtype) != value:
+                raise ValueError(f"pad_value {value!r} does not fit column {col.name!r}")
+        self._columns.pad_value = value
 
     # ------------------------------------------------------------------ indexing
     def __len__(self) -> int:
