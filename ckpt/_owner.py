@@ -39,6 +39,7 @@ from typing import Any
 
 from ckpt import _layout
 from feedpipe.io import temp_target
+from feedpipe.io.dirfd import read_regular
 from feedpipe.io.ownership import claim, foreign_entries, marker_name, owns
 
 __all__ = [
@@ -73,25 +74,12 @@ def is_ckpt_manifest(raw: bytes, torn: bool = False) -> bool:
 
 
 def _read(name: str | Path, dir_fd: int | None = None, limit: int | None = None) -> bytes | None:
-    """The bytes of a regular file (never through a symlink), ``None`` if it is not one or if it
-    is longer than ``limit``."""
+    """The bytes of a regular file (never through a symlink), ``None`` if it is not one, if it
+    is longer than ``limit`` or if reading it fails."""
     try:
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        fd = os.open(name, flags, dir_fd=dir_fd)
+        return read_regular(name, dir_fd=dir_fd, limit=limit)
     except OSError:
         return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or (limit is not None and st.st_size > limit):
-            return None
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def _dir_ok(fd: int, torn: bool) -> bool:

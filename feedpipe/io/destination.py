@@ -25,7 +25,7 @@ import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from feedpipe.io.dirfd import Dir
+from feedpipe.io.dirfd import Dir, read_regular
 from feedpipe.io.ownership import ForeignEntriesError, claim, foreign_entries
 
 __all__ = ["DestinationError", "claim_folder", "folder_entries", "is_writer_file"]
@@ -59,7 +59,7 @@ def folder_entries(
     base = Path(root)
     names = set(listed)
     index_ok = False
-    raw = _regular_bytes(base / index_name)
+    raw = read_regular(base / index_name)
     if raw is not None:
         files = index_files(raw, str(base))
         if files is not None:
@@ -127,19 +127,3 @@ def claim_folder(
         ]
         raise DestinationError(str(ForeignEntriesError(Path(path), tool, shown)))
     return os.path.lexists(os.path.join(path, index_name))
-
-
-def _regular_bytes(path: Path) -> bytes | None:
-    """The bytes of a regular file (never through a symlink), or None."""
-    try:
-        # non-blocking: a FIFO planted there must not hang the open (it is no regular file)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read()
-    finally:
-        os.close(fd)

@@ -32,7 +32,7 @@ from types import TracebackType
 
 from feedpipe.io.remote import temp_name
 
-__all__ = ["Dir", "TempFile", "Tree", "UnsafePathError", "fd_path"]
+__all__ = ["Dir", "TempFile", "Tree", "UnsafePathError", "fd_path", "read_regular"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NOT_A_DIR = (errno.ELOOP, errno.ENOTDIR, errno.EMLINK)  # EMLINK: O_NOFOLLOW on some BSDs
@@ -43,6 +43,28 @@ _CANNOT_SYNC_DIRS = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
 class UnsafePathError(OSError):
     """A path below a tree's root is a symlink, is not a directory, or was removed or replaced
     while in use; the message names it. Nothing was written through it."""
+
+
+def read_regular(
+    path: str | os.PathLike[str], *, dir_fd: int | None = None, limit: int | None = None
+) -> bytes | None:
+    """The bytes of ``path`` (relative to ``dir_fd`` if given) if it is a regular file of at most
+    ``limit`` bytes; ``None`` if it cannot be opened, is a symlink (never followed), is no
+    regular file or is longer. Opened non-blocking: a FIFO planted there never hangs the open.
+    An error while reading is raised."""
+    try:
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(path, flags, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (limit is not None and st.st_size > limit):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
 
 
 def fd_path(fd: int) -> str:
@@ -110,18 +132,7 @@ class Dir:
 
     def read(self, name: str) -> bytes | None:
         """The bytes of the regular file ``name`` here, or None (missing, a link, not a file)."""
-        try:  # non-blocking: a FIFO planted there must not hang the open (it is no file)
-            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-            fd = os.open(name, flags, dir_fd=self.fd)
-        except OSError:
-            return None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                return f.read()
-        finally:
-            os.close(fd)
+        return read_regular(name, dir_fd=self.fd)
 
     def stat(self, name: str) -> os.stat_result | None:
         """``lstat`` of ``name`` here, or None when it does not exist."""

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from feedpipe.io.dirfd import Dir, TempFile
+from feedpipe.io.dirfd import Dir, TempFile, read_regular
 
 __all__ = [
     "ForeignEntriesError",
@@ -96,7 +96,7 @@ def owner_record(root: str | os.PathLike[str], tool: str) -> dict[str, Any] | No
         return None
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"{path}: {_NOT_REGULAR}")
-    return _checked(str(path), tool, lambda: _regular_bytes(path))
+    return _checked(str(path), tool, lambda: _regular_now(path))
 
 
 def _checked(shown: str, tool: str, read: Callable[[], bytes]) -> dict[str, Any]:
@@ -111,18 +111,13 @@ def _checked(shown: str, tool: str, read: Callable[[], bytes]) -> dict[str, Any]
     return record
 
 
-def _regular_bytes(path: Path) -> bytes:
-    """The bytes of ``path`` if it still is a regular file (it may have been swapped since it
-    was checked): never through a link, never waiting on a FIFO; else an ``OSError``."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    fd = os.open(path, flags)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path}: no longer a regular file")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read()
-    finally:
-        os.close(fd)
+def _regular_now(path: Path) -> bytes:
+    """The marker's bytes if it still is a regular file (it may have been swapped since it was
+    checked), else an ``OSError``."""
+    raw = read_regular(path)
+    if raw is None:
+        raise OSError(f"{path}: no longer a regular file")
+    return raw
 
 
 def owns(root: str | os.PathLike[str], tool: str) -> bool:
