@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import itertools
-import json
 import runpy
 import warnings
 import weakref
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _flatten_snapshot import leaf_bytes, same, snap
 
 from ckpt.errors import CheckpointError
 from ckpt.format.manifest import read_manifest
@@ -26,27 +26,6 @@ from ckpt.saving.flatten import Leaf, flatten
 from ckpt.saving.flatten_cache import FlattenCache
 from ckpt.saving.plan import SavePlan, Stager
 from ckpt.saving.pool import Buffer
-
-
-def _bytes(leaf: Leaf) -> bytes:
-    v = leaf.value
-    if isinstance(v, np.ndarray):
-        return np.ascontiguousarray(v).tobytes()
-    return v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _snap(state: Any, cache: FlattenCache | None = None) -> tuple[str, list[Any]]:
-    leaves: list[Leaf] = []
-    tree = cache.flatten(state, leaves) if cache is not None else flatten(state, leaves)
-    records = [
-        (x.kind, x.dtype, x.shape, x.nbytes, x.path, x.device, tuple(x.stride), _bytes(x))
-        for x in leaves
-    ]
-    return json.dumps(tree, sort_keys=True), records
-
-
-def _same(state: Any, cache: FlattenCache) -> None:
-    assert _snap(state, cache) == _snap(state)
 
 
 class Tied(torch.nn.Module):
@@ -79,22 +58,22 @@ def _state() -> dict[str, Any]:
 
 def test_a_warm_cache_is_hit_and_gives_the_uncached_snapshot() -> None:
     state, cache = _state(), FlattenCache()
-    _same(state, cache)
+    same(state, cache)
     assert (cache.hits, cache.misses) == (0, 1)
     for value in (0.25, 0.125):  # scalars change between saves: the tree carries the new ones
         state["lr"] = value
         state["model"].emb.weight.data.add_(1.0)  # in place: same keys
-        _same(state, cache)
+        same(state, cache)
     assert (cache.hits, cache.misses) == (2, 1)
 
 
 def test_a_changed_structure_misses() -> None:
     state, cache = _state(), FlattenCache()
-    _same(state, cache)
+    same(state, cache)
     state["extra"] = torch.ones(3)
-    _same(state, cache)
+    same(state, cache)
     del state["arr"]
-    _same(state, cache)
+    same(state, cache)
     assert cache.misses == 3
 
 
@@ -111,40 +90,40 @@ def test_a_changed_structure_misses() -> None:
 )
 def test_a_changed_shape_dtype_or_strides_misses(change: Any) -> None:
     state, cache = _state(), FlattenCache()
-    _same(state, cache)
+    same(state, cache)
     change(state)
-    _same(state, cache)
+    same(state, cache)
     assert (cache.hits, cache.misses) == (0, 2)
 
 
 def test_a_tensor_replaced_by_another_object_with_the_same_key() -> None:
     state, cache = _state(), FlattenCache()
     model = state["model"]
-    _same(state, cache)
+    same(state, cache)
     # the tie is broken by a new Parameter of the same shape, dtype and device: a stale cache
     # would still store "out.weight" as a view of the embedding's entry
     model.out.weight = torch.nn.Parameter(model.emb.weight.detach() * 2)
-    tree, _ = _snap(state, cache)
-    assert tree == _snap(state)[0] and '"view"' not in tree
+    tree, _ = snap(state, cache)
+    assert tree == snap(state)[0] and '"view"' not in tree
     assert cache.misses == 2
     model.out.weight = model.emb.weight  # tied again
-    tree, _ = _snap(state, cache)
-    assert tree == _snap(state)[0] and '"view"' in tree
+    tree, _ = snap(state, cache)
+    assert tree == snap(state)[0] and '"view"' in tree
     state["half"] = state["half"].clone()  # same key but for the address: a copy, not a view
-    _same(state, cache)
+    same(state, cache)
     assert cache.misses == 4
 
 
 def test_a_dict_with_the_same_keys_in_another_order() -> None:
     cache = FlattenCache()
     a, b = torch.arange(4.0), torch.arange(4.0) + 10
-    _same({"a": a, "b": b}, cache)
+    same({"a": a, "b": b}, cache)
     swapped = {"b": b, "a": a}
-    assert _snap(swapped, cache) == _snap(swapped)
-    assert _snap(swapped)[1][0][-1] == b.numpy().tobytes()  # b's bytes first now
+    assert snap(swapped, cache) == snap(swapped)
+    assert snap(swapped)[1][0][-1] == b.numpy().tobytes()  # b's bytes first now
     views = {"x": a[:2], "y": a[2:]}  # two views of one storage: one shared entry
-    _same(views, cache)
-    _same({"y": views["y"], "x": views["x"]}, cache)
+    same(views, cache)
+    same({"y": views["y"], "x": views["x"]}, cache)
     assert cache.hits == 0
 
 
@@ -152,9 +131,9 @@ def test_conjugate_and_negative_views_are_resolved_on_a_hit() -> None:
     cache = FlattenCache()
     z = torch.tensor([1 + 2j, 3 - 4j])
     state = {"conj": z.conj(), "plain": z}
-    _same(state, cache)
+    same(state, cache)
     z.mul_(2)
-    _same(state, cache)
+    same(state, cache)
     assert cache.hits == 1
 
 
@@ -162,7 +141,7 @@ def test_the_cache_holds_no_reference_to_the_state() -> None:
     cache = FlattenCache()
     t = torch.ones(1000)
     ref = weakref.ref(t)
-    _same({"t": t, "u": t[:10]}, cache)
+    same({"t": t, "u": t[:10]}, cache)
     del t
     gc.collect()
     assert ref() is None
@@ -196,11 +175,11 @@ def test_manager_saves_with_a_warm_cache_equal_a_fresh_managers(tmp_path: Path) 
 @pytest.mark.gpu
 def test_a_tensor_moved_to_another_device_misses() -> None:
     state, cache = _state(), FlattenCache()
-    _same(state, cache)
+    same(state, cache)
     state["half"] = state["half"].cuda()
-    _same(state, cache)
+    same(state, cache)
     state["model"].cuda()
-    _same(state, cache)
+    same(state, cache)
     assert cache.misses == 3
 
 
@@ -246,7 +225,7 @@ def test_host_leaves_are_staged_byte_for_byte_into_a_new_buffer(extra: int) -> N
         plan.stage(leaves, buf)
         for leaf, e in zip(leaves, plan.entries, strict=True):
             got = buf.array[e["offset"] : e["offset"] + e["nbytes"]].tobytes()
-            assert got == _bytes(leaf), leaf.path
+            assert got == leaf_bytes(leaf), leaf.path
         ends = sorted((e["offset"], e["offset"] + e["nbytes"]) for e in plan.entries)
         for (_, a), (b, _) in itertools.pairwise(ends):
             assert not buf.array[a:b].any()  # padding zeroed
@@ -300,7 +279,7 @@ def test_an_unsupported_tensor_raises_naming_its_path_cold_and_on_a_warm_cache(
     assert "state['bad']" in str(cold.value)
     cache = FlattenCache()
     state = {"ok": torch.ones(2), "bad": torch.ones(3)}
-    _same(state, cache)
+    same(state, cache)
     state["bad"] = bad
     with pytest.raises(CheckpointError, match=match):
         cache.flatten(state, [])
@@ -321,10 +300,10 @@ def test_ties_through_grad_and_negative_views_match_the_uncached_flatten() -> No
     assert isinstance(negim, torch.Tensor) and not negim.is_neg() and "view" not in items["negim"]
     assert torch.equal(negim, -z.imag)
     cache = FlattenCache()
-    _same(state, cache)
+    same(state, cache)
     with torch.no_grad():
         w.add_(1.0)
-    _same(state, cache)
+    same(state, cache)
     assert (cache.hits, cache.misses) == (1, 1)
 
 
@@ -332,17 +311,17 @@ def test_a_plain_state_hits_and_a_tie_made_or_broken_in_it_is_seen() -> None:
     """A state of untied, untracked leaves (reused in C loops) is the uncached flatten on a hit,
     also after a tie into it is made (views, the general path) and broken again."""
     state, cache = _mixed(), FlattenCache()
-    _same(state, cache)
+    same(state, cache)
     state["f32"].add_(1.0)
     state["arr"] += 1
-    _same(state, cache)
+    same(state, cache)
     state["tie"] = state["f32"][1]
-    _same(state, cache)
-    _same(state, cache)
+    same(state, cache)
+    same(state, cache)
     del state["tie"]
-    _same(state, cache)
+    same(state, cache)
     state["bf16"].mul_(2)
-    _same(state, cache)
+    same(state, cache)
     assert (cache.hits, cache.misses) == (3, 3)
 
 

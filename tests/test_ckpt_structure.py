@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _flatten_snapshot import same
 
 from ckpt.errors import CheckpointError
 from ckpt.format.manifest import read_manifest
@@ -27,32 +28,10 @@ from ckpt.saving.flatten_cache import FlattenCache
 from ckpt.saving.structure import Structure, scan
 
 
-def _bytes(leaf: Leaf) -> bytes:
-    v = leaf.value
-    if isinstance(v, np.ndarray):
-        return np.ascontiguousarray(v).tobytes()
-    flat = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return flat.clone().numpy().tobytes()  # a copy: numpy on its storage pins its size
-
-
-def _snap(state: Any, cache: FlattenCache | None = None) -> tuple[str, list[Any]]:
-    leaves: list[Leaf] = []
-    tree = cache.flatten(state, leaves) if cache is not None else flatten(state, leaves)
-    records = [
-        (x.kind, x.dtype, x.shape, x.nbytes, x.path, x.device, tuple(x.stride), _bytes(x))
-        for x in leaves
-    ]
-    return json.dumps(tree, sort_keys=True), records
-
-
-def _same(state: Any, cache: FlattenCache) -> None:
-    assert _snap(state, cache) == _snap(state)
-
-
 def _warm(state: Any, cache: FlattenCache) -> None:
     """Miss, slow hit (the structure remembered), fast hit: each the uncached flatten."""
     for _ in range(3):
-        _same(state, cache)
+        same(state, cache)
     assert cache.fast_hits == 1, "the third flatten of an unchanged state is a fast hit"
 
 
@@ -152,11 +131,11 @@ def test_a_change_after_a_fast_hit_leaves_the_fast_path(name: str) -> None:
     state, cache = _state(), FlattenCache()
     _warm(state, cache)
     CHANGES[name](state)
-    _same(state, cache)
+    same(state, cache)
     assert cache.fast_hits == (2 if name in STILL_FAST else 1)
     before = cache.fast_hits
-    _same(state, cache)  # the changed state: remembered again (a miss needs two flattens)
-    _same(state, cache)
+    same(state, cache)  # the changed state: remembered again (a miss needs two flattens)
+    same(state, cache)
     assert cache.fast_hits > before
 
 
@@ -168,7 +147,7 @@ def test_the_fast_path_gives_the_values_of_this_save() -> None:
     for k in range(3):
         state["plain"]["a"].mul_(3.0)
         state["model"].lin.weight.data.add_(k)
-        _same(state, cache)
+        same(state, cache)
     assert cache.fast_hits == 4
 
 
@@ -178,7 +157,7 @@ def test_a_value_the_scan_does_not_handle_keeps_the_general_path() -> None:
     state = {"arr": np.arange(4), "t": torch.ones(2)}
     cache = FlattenCache()
     for _ in range(4):
-        _same(state, cache)
+        same(state, cache)
     assert scan(state) is None
     assert (cache.fast_hits, cache.hits) == (0, 3)
 
@@ -331,10 +310,10 @@ def test_another_save_between_a_walk_and_its_remembering_is_not_paired_with_it()
     cache.flatten(x, [])  # a miss: the keys are x's
     lock = cache._lock
     cache._lock = _HookedLock(lock, 3, lambda: cache.flatten(y, []))  # type: ignore[assignment]
-    _same(x, cache)  # a slow hit on x; y's save before x's structure is remembered
-    _same(x, cache)
-    _same(x, cache)
-    _same(y, cache)
+    same(x, cache)  # a slow hit on x; y's save before x's structure is remembered
+    same(x, cache)
+    same(x, cache)
+    same(y, cache)
 
 
 def test_a_scalar_changed_while_the_state_is_walked_is_not_paired_with_the_old_tree() -> None:
@@ -349,8 +328,8 @@ def test_a_scalar_changed_while_the_state_is_walked_is_not_paired_with_the_old_t
     items = dict(cache.flatten(state, [])["items"])
     assert hook.count == 3 and items["step"]["v"] == 3  # the walk's
     state["step"] = 2
-    _same(state, cache)
-    _same(state, cache)
+    same(state, cache)
+    same(state, cache)
 
 
 def test_a_tensor_resized_while_the_state_is_walked_is_not_paired_with_the_old_tree() -> None:
@@ -363,8 +342,8 @@ def test_a_tensor_resized_while_the_state_is_walked_is_not_paired_with_the_old_t
     cache._lock = hook  # type: ignore[assignment]
     cache.flatten(state, [])  # the walk saw [4]; the tensor is [2, 2] after it
     assert hook.count == 3
-    _same(state, cache)
-    _same(state, cache)
+    same(state, cache)
+    same(state, cache)
 
 
 class _Toggle(torch.nn.Module):
@@ -412,7 +391,7 @@ def test_every_scalar_and_container_kind_reaches_the_fast_path() -> None:
     }
     cache = FlattenCache()
     _warm(state, cache)
-    _same(state, cache)
+    same(state, cache)
     assert cache.fast_hits == 2
 
 
