@@ -7,7 +7,6 @@ every member's shard checks, and falls back where it cannot serve."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from pathlib import Path
@@ -16,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _mix_reference import mix_loader, reference, start_epoch
 
 import feedpipe.datasets._mixed_layout as layout_module
-from feedpipe import DataLoader, DistributedSampler, MemmapDataset, MemmapWriter, MixedDataset
-from feedpipe._permutation import FeistelPermutation, derive_key
+from feedpipe import MemmapDataset, MemmapWriter, MixedDataset
 from feedpipe.datasets.mixed import mix_counts
 from feedpipe.errors import DatasetError
 
@@ -46,29 +45,6 @@ def _ragged(path: Path, base: int, n: int) -> MemmapDataset:
                 tokens=base + np.arange(i % 5, dtype=np.int32), text=f"{base}:{i}", label=base + i
             )
     return MemmapDataset(path, pad_value=-1)
-
-
-def _name_key(name: str) -> int:
-    raw = name.encode("utf-8", "surrogatepass")
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
-
-
-def _reference(
-    sizes: dict[str, int], weights: dict[str, float], seed: int, epoch: int, total: int
-) -> list[tuple[str, int]]:
-    """(member, sample) of every position of the epoch, one by one, as the docs state them."""
-    names = list(sizes)
-    counts = mix_counts([weights[n] for n in names], total)
-    out: list[tuple[str, int]] = []
-    for name, count in zip(names, counts, strict=True):
-        n = sizes[name]
-        perm = FeistelPermutation(n, derive_key(seed, epoch, _name_key(name)))
-        for j in range(count):
-            if j < count - count % n:  # a whole pass: every sample in order
-                out.append((name, j % n))
-            else:  # the partial pass: a permuted subset
-                out.append((name, int(perm(np.array([j % n], np.int64))[0])))
-    return out
 
 
 def _fixed_members(tmp: Path, **kwargs: Any) -> dict[str, MemmapDataset]:
@@ -101,7 +77,7 @@ def test_fixed_batches_equal_the_per_sample_reference_over_epochs(
     ds = MixedDataset(fixed_members, weights=WEIGHTS, seed=5, epoch_samples=TOTAL)
     for epoch in range(3):
         ds.set_epoch(epoch)
-        want = _reference(SIZES, WEIGHTS, 5, epoch, TOTAL)
+        want = reference(SIZES, WEIGHTS, 5, epoch, TOTAL)
         order = np.random.default_rng(epoch).permutation(TOTAL)
         for batch in np.array_split(order, 7):
             _check_fixed(ds.read_batch(batch), fixed_members, [want[i] for i in batch])
@@ -112,7 +88,7 @@ def test_fast_path_reads_no_member_batch(
 ) -> None:
     """Fixed memmap members: one gather over their maps, never a member's read_batch."""
     ds = MixedDataset(fixed_members, weights=WEIGHTS, seed=1, epoch_samples=TOTAL)
-    want = _reference(SIZES, WEIGHTS, 1, 0, TOTAL)
+    want = reference(SIZES, WEIGHTS, 1, 0, TOTAL)
     for member in fixed_members.values():
         monkeypatch.setattr(member, "read_batch", _refuse, raising=False)
     idx = np.arange(TOTAL)[::-1].copy()
@@ -127,7 +103,7 @@ def test_out_is_filled_and_an_ill_fitting_out_still_merges(
     fixed_members: dict[str, MemmapDataset],
 ) -> None:
     ds = MixedDataset(fixed_members, weights=WEIGHTS, seed=2, epoch_samples=TOTAL)
-    want = _reference(SIZES, WEIGHTS, 2, 0, TOTAL)
+    want = reference(SIZES, WEIGHTS, 2, 0, TOTAL)
     idx = np.array([3, 80, 60, 0, 89, 61])
     out = torch.full((10, 4), -99, dtype=torch.int32)
     got = ds.read_batch(idx, out=out)
@@ -151,7 +127,7 @@ def test_members_that_cannot_share_a_gather_fall_back(tmp_path: Path) -> None:
     pread = _fixed_members(tmp_path / "p")
     pread["code"] = _fixed(tmp_path / "pc", 2000, SIZES["code"], read="pread")
     ds = MixedDataset(pread, weights=WEIGHTS, seed=4, epoch_samples=TOTAL)
-    want = _reference(SIZES, WEIGHTS, 4, 0, TOTAL)
+    want = reference(SIZES, WEIGHTS, 4, 0, TOTAL)
     idx = np.random.default_rng(0).permutation(TOTAL)[:40]
     _check_fixed(ds.read_batch(idx), pread, [want[i] for i in idx])
     other = dict(pread)
@@ -171,7 +147,7 @@ def test_ragged_typed_members_equal_the_per_sample_reference(tmp_path: Path) -> 
     ds = MixedDataset(members, weights=WEIGHTS, seed=9, epoch_samples=TOTAL)
     for epoch in (0, 2):
         ds.set_epoch(epoch)
-        want = _reference(SIZES, WEIGHTS, 9, epoch, TOTAL)
+        want = reference(SIZES, WEIGHTS, 9, epoch, TOTAL)
         for batch in np.array_split(np.random.default_rng(epoch).permutation(TOTAL), 4):
             got = ds.read_batch(batch)
             samples = [members[name][s] for name, s in (want[i] for i in batch)]
@@ -184,31 +160,19 @@ def test_ragged_typed_members_equal_the_per_sample_reference(tmp_path: Path) -> 
                 assert (got["tokens"][j, n:] == -1).all()
 
 
-def _loader(ds: MixedDataset, workers: int = 0) -> DataLoader:
-    sampler = DistributedSampler(ds, 1, 0, seed=11, pad=False, batch_size=8)
-    return DataLoader(ds, batch_size=8, sampler=sampler, num_workers=workers, worker_type="thread")
-
-
-def _start(loader: DataLoader, ds: MixedDataset, epoch: int) -> None:
-    sampler = loader.sampler
-    assert isinstance(sampler, DistributedSampler)
-    sampler.set_epoch(epoch)
-    ds.set_epoch(epoch)
-
-
 def test_resume_mid_epoch_gives_the_reference_batches(tmp_path: Path) -> None:
     """Through the loader, epoch 1: 4 batches, save both states; a fresh loader (thread
     workers) and dataset resume. The rest equals the uninterrupted run, and every batch holds
     the reference's samples of the sampler's positions, in order."""
     members = _fixed_members(tmp_path)
     ds = MixedDataset(members, weights=WEIGHTS, seed=6, epoch_samples=TOTAL)
-    loader = _loader(ds)
-    _start(loader, ds, 1)
+    loader = mix_loader(ds)
+    start_epoch(loader, ds, 1)
     positions = list(loader.sampler)
     full = list(loader)
-    want = _reference(SIZES, WEIGHTS, 6, 1, TOTAL)
+    want = reference(SIZES, WEIGHTS, 6, 1, TOTAL)
     _check_fixed(torch.cat(full), members, [want[p] for p in positions])
-    _start(loader, ds, 1)
+    start_epoch(loader, ds, 1)
     it = iter(loader)
     first = [next(it) for _ in range(4)]
     state = {"loader": loader.state_dict(), "mix": ds.state_dict()}
@@ -216,10 +180,10 @@ def test_resume_mid_epoch_gives_the_reference_batches(tmp_path: Path) -> None:
     again = MixedDataset(
         _fixed_members(tmp_path / "b"), weights=WEIGHTS, seed=6, epoch_samples=TOTAL
     )
-    resumed = _loader(again, workers=2)
+    resumed = mix_loader(again, workers=2)
     resumed.load_state_dict(state["loader"])
     again.load_state_dict(state["mix"])
-    _start(resumed, again, state["mix"]["epoch"])
+    start_epoch(resumed, again, state["mix"]["epoch"])
     rest = list(resumed)
     assert len(first) + len(rest) == len(full)
     for a, b in zip(first + rest, full, strict=True):
@@ -273,7 +237,7 @@ def test_resume_with_old_weights_in_the_epoch_already_selected(
     ds = MixedDataset(fixed_members, weights=WEIGHTS, seed=3, epoch_samples=TOTAL)
     ds.read_batch([0, 1])  # the new weights' layout is in use
     ds.load_state_dict(state, weights=old)
-    want = _reference(SIZES, old, 3, 0, TOTAL)
+    want = reference(SIZES, old, 3, 0, TOTAL)
     assert ds.counts == mix_counts([old[n] for n in SIZES], TOTAL)
     _check_fixed(ds.read_batch(np.arange(TOTAL)), fixed_members, want)
     assert [ds.locate([i])[0][0] for i in (0, TOTAL - 1)] == [0, 2]
@@ -402,7 +366,7 @@ def test_shards_tabulated_or_searched_give_the_reference(
         monkeypatch.setattr(take_module, "SHARD_TABLE_MAX", 0)
     members = _fixed_members(tmp_path, shard_bytes=48)  # 3 records a shard
     ds = MixedDataset(members, weights=WEIGHTS, seed=2, epoch_samples=TOTAL)
-    want = _reference(SIZES, WEIGHTS, 2, 0, TOTAL)
+    want = reference(SIZES, WEIGHTS, 2, 0, TOTAL)
     for batch in np.array_split(np.random.default_rng(3).permutation(TOTAL), 11):
         _check_fixed(ds.read_batch(batch), members, [want[i] for i in batch])
 
@@ -425,7 +389,7 @@ def test_every_members_guard_sees_a_rewrite_with_one_drain_per_batch(
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     member, _sample = ds.locate(everything)
     other = everything[member != list(SIZES).index(name)]
-    want = _reference(SIZES, WEIGHTS, 0, 0, TOTAL)
+    want = reference(SIZES, WEIGHTS, 0, 0, TOTAL)
     _check_fixed(ds.read_batch(other), members, [want[i] for i in other])
     with pytest.raises(
         DatasetError, match=rf"{name}.shard-00000\.data: shard 0 file was rewritten"

@@ -6,7 +6,6 @@ mid-epoch; a member's file rewritten in place is refused; other members fall bac
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from pathlib import Path
@@ -15,11 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _mix_reference import mix_loader, reference, start_epoch
 
 import feedpipe.datasets._mixed_merge as merge_module
-from feedpipe import DataLoader, DistributedSampler, MemmapDataset, MemmapWriter, MixedDataset
-from feedpipe._permutation import FeistelPermutation, derive_key
-from feedpipe.datasets.mixed import mix_counts
+from feedpipe import MemmapDataset, MemmapWriter, MixedDataset
 from feedpipe.errors import DatasetError
 
 WEIGHTS = {"web": 0.6, "code": 0.25, "books": 0.15}
@@ -63,22 +61,9 @@ def _members(tmp: Path, pads: dict[str, int] | None = None, **kwargs: Any) -> di
     return out
 
 
-def _name_key(name: str) -> int:
-    raw = name.encode("utf-8", "surrogatepass")
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
-
-
 def _reference(seed: int, epoch: int) -> list[tuple[str, int]]:
-    """(member, sample) of every position of the epoch, one by one, as the docs state them."""
-    counts = mix_counts([WEIGHTS[n] for n in SIZES], TOTAL)
-    out: list[tuple[str, int]] = []
-    for name, count in zip(SIZES, counts, strict=True):
-        n = SIZES[name]
-        perm = FeistelPermutation(n, derive_key(seed, epoch, _name_key(name)))
-        for j in range(count):
-            sample = j % n if j < count - count % n else int(perm(np.array([j % n]))[0])
-            out.append((name, sample))
-    return out
+    """(member, sample) of every position of this file's mix in ``epoch``."""
+    return reference(SIZES, WEIGHTS, seed, epoch, TOTAL)
 
 
 def _check(got: Any, samples: list[Any], pads: list[int], mode: str) -> None:
@@ -187,25 +172,13 @@ def test_fields_only_members_read_in_one_pass(
         assert torch.equal(got["tokens"][j, : len(s["tokens"])], s["tokens"])
 
 
-def _loader(ds: MixedDataset, workers: int = 0) -> DataLoader:
-    sampler = DistributedSampler(ds, 1, 0, seed=11, pad=False, batch_size=8)
-    return DataLoader(ds, batch_size=8, sampler=sampler, num_workers=workers, worker_type="thread")
-
-
-def _start(loader: DataLoader, ds: MixedDataset, epoch: int) -> None:
-    sampler = loader.sampler
-    assert isinstance(sampler, DistributedSampler)
-    sampler.set_epoch(epoch)
-    ds.set_epoch(epoch)
-
-
 def test_resume_mid_epoch_gives_the_reference_batches(tmp_path: Path) -> None:
     """Epoch 2 through the loader: 3 batches, both states saved; a fresh mix (thread workers)
     resumes, and the rest equals the uninterrupted run, which equals the reference."""
     members = _members(tmp_path)
     ds = MixedDataset(members, weights=WEIGHTS, seed=6, epoch_samples=TOTAL)
-    loader = _loader(ds)
-    _start(loader, ds, 2)
+    loader = mix_loader(ds)
+    start_epoch(loader, ds, 2)
     positions = list(loader.sampler)
     full = list(loader)
     want = _reference(6, 2)
@@ -215,16 +188,16 @@ def test_resume_mid_epoch_gives_the_reference_batches(tmp_path: Path) -> None:
         _check(batch, [members[n][s] for n, s in picks], [-1] * len(picks), "pad")
         at += len(batch["label"])
     assert at == TOTAL
-    _start(loader, ds, 2)
+    start_epoch(loader, ds, 2)
     it = iter(loader)
     first = [next(it) for _ in range(3)]
     state = {"loader": loader.state_dict(), "mix": ds.state_dict()}
     del it
     again = MixedDataset(_members(tmp_path), weights=WEIGHTS, seed=6, epoch_samples=TOTAL)
-    resumed = _loader(again, workers=2)
+    resumed = mix_loader(again, workers=2)
     resumed.load_state_dict(state["loader"])
     again.load_state_dict(state["mix"])
-    _start(resumed, again, state["mix"]["epoch"])
+    start_epoch(resumed, again, state["mix"]["epoch"])
     rest = list(resumed)
     assert len(first) + len(rest) == len(full)
     for a, b in zip(first + rest, full, strict=True):
