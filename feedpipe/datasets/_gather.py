@@ -41,6 +41,7 @@ import numpy as np
 from feedpipe.datasets._filemap import libc
 from feedpipe.datasets._shard_guard import ShardGuard, Stamp
 from feedpipe.errors import DatasetError
+from feedpipe.io.forks import ForkStamp
 
 __all__ = [
     "ROW_COPY_MIN",
@@ -59,21 +60,6 @@ _HUGE = 2 << 20  # a PMD huge page on x86-64 and arm64 (4 KiB pages)
 _ZERO = np.zeros(1, np.intp)  # the shard of every record of a one-shard space
 _INT64, _UINT64 = np.dtype(np.int64), np.dtype(np.uint64)
 _MAX = np.maximum.reduce
-_FORKS = [0]  # forks since the first space was made, counted in each child (see _generation)
-_HOOKED = [False]
-
-
-def _forked() -> None:
-    _FORKS[0] += 1
-
-
-def _generation() -> int:
-    """This process's fork count, hooked on first use: a space made in a parent is told from
-    its child's copy without a system call per batch (``os.getpid()`` is one)."""
-    if not _HOOKED[0]:
-        _HOOKED[0] = True
-        os.register_at_fork(after_in_child=_forked)
-    return _FORKS[0]
 
 
 def _unit(record_bytes: int, biggest: int) -> int:
@@ -112,7 +98,7 @@ class ShardSpace:
         self, guard: ShardGuard, starts: np.ndarray, record_bytes: int, watch: bool = True
     ) -> None:
         self.pid = os.getpid()
-        self._generation = _generation()
+        self._born = ForkStamp()  # here(): these maps are this process's, not a fork's copy
         self.guard = guard
         self._paths, self._sizes = guard.table.paths, guard.table.sizes
         self._rb = int(record_bytes)
@@ -178,7 +164,7 @@ class ShardSpace:
     # ------------------------------------------------------------------ reads
     def here(self) -> bool:
         """Whether these maps are this process's own (not a forked child's copy of them)."""
-        return self._generation == _FORKS[0]
+        return self._born.here()
 
     @property
     def record_bytes(self) -> int:

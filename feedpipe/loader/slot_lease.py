@@ -34,12 +34,13 @@ the batch and every alias of it that torch still tracks are gone.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+from feedpipe.io.forks import ForkStamp
 
 __all__ = ["ATTR", "Lease", "leased_tensors"]
 
@@ -54,14 +55,14 @@ class Lease:
     the lease frees the slot: a child forked meanwhile has a copy of the batch and of the shared
     flags, and its copy going away must not free the slot the parent's batch still reads."""
 
-    __slots__ = ("flags", "owner", "pid", "slot")
+    __slots__ = ("born", "flags", "owner", "slot")
 
     def __init__(self, owner: object, flags: np.ndarray, slot: int) -> None:
         self.owner, self.flags, self.slot = owner, flags, slot
-        self.pid = os.getpid()
+        self.born = ForkStamp()
 
     def __del__(self) -> None:
-        if os.getpid() == self.pid:
+        if self.born.here():
             self.flags[self.slot] = 0
 
 

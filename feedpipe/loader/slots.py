@@ -56,6 +56,7 @@ import torch.utils.data as tud
 
 from feedpipe.device import hostreg
 from feedpipe.io.env import env_flag
+from feedpipe.io.forks import ForkStamp
 from feedpipe.io.reaper import pid_alive
 from feedpipe.loader.slot_layout import ALIGN, SlotLayout, UnsupportedLayoutError, align, rebuild
 from feedpipe.loader.slot_lease import Lease, leased_tensors
@@ -151,7 +152,17 @@ class SlotRef:
     buffer once. Dropped in the main process without being resolved, it frees its slot.
     """
 
-    __slots__ = ("__weakref__", "buffer", "k", "layout", "pid", "received", "slot", "spec", "token")
+    __slots__ = (
+        "__weakref__",
+        "born",
+        "buffer",
+        "k",
+        "layout",
+        "received",
+        "slot",
+        "spec",
+        "token",
+    )
 
     @property
     def nbytes(self) -> int:
@@ -171,10 +182,11 @@ class SlotRef:
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         self.token, self.k, self.slot, self.spec, self.layout, self.buffer = state
         self.received = True  # only the receiving (main) process may free the slot
-        self.pid = os.getpid()  # and not a child forked since (it has a copy of this ref)
+        self.born = ForkStamp()  # and not a child forked since (it has a copy of this ref)
 
     def __del__(self) -> None:
-        if getattr(self, "received", False) and getattr(self, "pid", None) in (None, os.getpid()):
+        born = getattr(self, "born", None)
+        if getattr(self, "received", False) and (born is None or born.here()):
             _unclaimed(self)
 
 

@@ -1,0 +1,35 @@
+"""Whether an object is in the process that made it, or in a child forked since (which holds a
+copy of it), told without a system call: ``os.getpid()`` is one, too dear per batch."""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["ForkStamp"]
+
+_FORKS = [0]  # forks counted in this process since the first stamp (in each child: +1)
+_HOOKED = [False]
+
+
+def _forked() -> None:
+    _FORKS[0] += 1
+
+
+class ForkStamp:
+    """Made in a process; :meth:`here` is True there and False in any child forked after it
+    (a process started by spawn makes its own stamps: pickling one is refused)."""
+
+    __slots__ = ("_gen",)
+
+    def __init__(self) -> None:
+        if not _HOOKED[0]:
+            _HOOKED[0] = True
+            os.register_at_fork(after_in_child=_forked)
+        self._gen = _FORKS[0]
+
+    def here(self) -> bool:
+        """Whether this is the process the stamp was made in."""
+        return self._gen == _FORKS[0]
+
+    def __reduce__(self) -> str | tuple[object, ...]:
+        raise TypeError("a ForkStamp belongs to its process; make a new one in the other")
