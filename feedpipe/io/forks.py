@@ -19,17 +19,20 @@ class ForkStamp:
     """Made in a process; :meth:`here` is True there and False in any child forked after it
     (a process started by spawn makes its own stamps: pickling one is refused)."""
 
-    __slots__ = ("_gen",)
+    __slots__ = ("_gen", "_forks")
 
     def __init__(self) -> None:
         if not _HOOKED[0]:
             _HOOKED[0] = True
             os.register_at_fork(after_in_child=_forked)
+        # the counter is held, not looked up: a ``__del__`` asking at interpreter exit finds
+        # module globals already set to None
+        self._forks = _FORKS
         self._gen = _FORKS[0]
 
     def here(self) -> bool:
         """Whether this is the process the stamp was made in."""
-        return self._gen == _FORKS[0]
+        return self._gen == self._forks[0]
 
     def __reduce__(self) -> str | tuple[object, ...]:
         raise TypeError("a ForkStamp belongs to its process; make a new one in the other")
