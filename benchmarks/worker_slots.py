@@ -101,12 +101,17 @@ def run(record: int, workers: int, device: str, data_mb: int, epochs: int) -> di
         finally:
             del os.environ["FEEDPIPE_WORKER_SLOTS"]
         info = ours.worker_slots or {}
-        del torch_loader, ours
+        threads_loader = feedpipe.DataLoader(  # the same dataset on thread workers (issue 28 item 4)
+            ds, worker_type="thread", **({"device": "cuda"} if device == "cuda" else {}), **kw
+        )
+        threads = _consume(threads_loader, device, epochs)
+        del torch_loader, ours, threads_loader
     return {
         "torch_GBps": theirs / 1e9,
         "feedpipe_GBps": mine / 1e9,
         "ratio": mine / theirs,
         "off_ratio": off / theirs,
+        "thread_ratio": threads / theirs,
         "in_slots": info.get("batches_in_slots", 0),
         "fallback": info.get("batches_fallback", 0),
     }
@@ -237,7 +242,7 @@ def main() -> None:
         print(
             f"record {record:>7} B: torch {r['torch_GBps']:.2f} GB/s, feedpipe "
             f"{r['feedpipe_GBps']:.2f} GB/s, ratio {r['ratio']:.2f}x "
-            f"(slots off: {r['off_ratio']:.2f}x) "
+            f"(slots off: {r['off_ratio']:.2f}x; thread workers: {r['thread_ratio']:.2f}x) "
             f"(batches in slots {r['in_slots']}, fallback {r['fallback']})",
             flush=True,
         )
