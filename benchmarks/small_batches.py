@@ -92,8 +92,10 @@ def _rows(ds: Any, args: argparse.Namespace, dev: torch.device) -> list[tuple[st
         (f"torch pinned per-sample, {w} workers", _torch(ds, bs, w, dev), to_dev)
     ]
     for kind, workers in (("thread", w), ("process", w), ("thread", 0)):
-        name = f"feedpipe device={dev.type}, {workers} {kind} workers" if workers else (
-            f"feedpipe device={dev.type}, no workers"
+        name = (
+            f"feedpipe device={dev.type}, {workers} {kind} workers"
+            if workers
+            else (f"feedpipe device={dev.type}, no workers")
         )
         rows.append((name, _feed(ds, bs, workers, kind, dev), lambda b: b))
     return rows
@@ -107,7 +109,7 @@ def bench(ds: Any, rec: int, args: argparse.Namespace, dev: torch.device) -> Non
         for i, (_, loader, move) in enumerate(rows):
             best[i] = max(best[i], _epochs(loader, move, args.seconds, sync)[0])
     print(f"\n{rec} B records, batches of {args.batch}, {len(ds)} records:")
-    for (name, _, _), sps in zip(rows, best):
+    for (name, _, _), sps in zip(rows, best, strict=True):
         gbps = sps * rec / 1e9
         print(f"  {name:<44} {sps:>12,.0f} samples/s {gbps:7.2f} GB/s  {sps / best[0]:5.2f}x torch")
 
@@ -119,10 +121,12 @@ def profile(ds: Any, args: argparse.Namespace, dev: torch.device) -> None:
         _epochs(loader, lambda b: b, 0.3, sync)  # warm
         prof = cProfile.Profile()
         prof.enable()
-        sps, batches = _epochs(loader, lambda b: b, args.seconds, sync)
+        sps, _ = _epochs(loader, lambda b: b, args.seconds, sync)
         prof.disable()
-        print(f"\nprofile, {workers} thread workers: {sps:,.0f} samples/s, "
-              f"{1e6 * args.batch / sps:.1f} us per batch (consuming thread):")
+        print(
+            f"\nprofile, {workers} thread workers: {sps:,.0f} samples/s, "
+            f"{1e6 * args.batch / sps:.1f} us per batch (consuming thread):"
+        )
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
         print("\n".join(s.getvalue().splitlines()[4:]))

@@ -101,9 +101,9 @@ def run(record: int, workers: int, device: str, data_mb: int, epochs: int) -> di
         finally:
             del os.environ["FEEDPIPE_WORKER_SLOTS"]
         info = ours.worker_slots or {}
-        threads_loader = feedpipe.DataLoader(  # the same dataset on thread workers (issue 28 item 4)
-            ds, worker_type="thread", **({"device": "cuda"} if device == "cuda" else {}), **kw
-        )
+        on = {"device": "cuda"} if device == "cuda" else {}
+        # the same dataset on thread workers (issue 28 item 4)
+        threads_loader = feedpipe.DataLoader(ds, worker_type="thread", **on, **kw)
         threads = _consume(threads_loader, device, epochs)
         del torch_loader, ours, threads_loader
     return {

@@ -68,8 +68,9 @@ def main() -> None:
         path = os.path.join(d, "rows.bin")
         np.random.default_rng(0).integers(0, 255, rows * a.records, dtype=np.uint8).tofile(path)
         ds = Rows(path, rows, a.records)
-        kw: dict[str, Any] = dict(batch_size=a.batch, shuffle=True, num_workers=a.workers,
-                                  persistent_workers=True)
+        kw: dict[str, Any] = dict(
+            batch_size=a.batch, shuffle=True, num_workers=a.workers, persistent_workers=True
+        )
         cuda = {"device": a.device} if a.device == "cuda" else {}
         loaders = {
             "torch": tud.DataLoader(ds, pin_memory=a.device == "cuda", **kw),
@@ -81,9 +82,12 @@ def main() -> None:
             for k, loader in loaders.items():
                 best[k] = max(best[k], consume(loader, a.device, a.seconds))
     t = best["torch"]
-    print(f"[{a.label}] {a.records} B x{a.batch}, {a.workers} workers: torch {t:.2f} GB/s; "
-          f"thread {best['thread']:.2f} ({best['thread'] / t:.2f}x); "
-          f"process {best['process']:.2f} ({best['process'] / t:.2f}x)", flush=True)
+    print(
+        f"[{a.label}] {a.records} B x{a.batch}, {a.workers} workers: torch {t:.2f} GB/s; "
+        f"thread {best['thread']:.2f} ({best['thread'] / t:.2f}x); "
+        f"process {best['process']:.2f} ({best['process'] / t:.2f}x)",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

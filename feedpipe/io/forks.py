@@ -19,7 +19,7 @@ class ForkStamp:
     """Made in a process; :meth:`here` is True there and False in any child forked after it
     (a process started by spawn makes its own stamps: pickling one is refused)."""
 
-    __slots__ = ("_gen", "_forks")
+    __slots__ = ("_forks", "_gen")
 
     def __init__(self) -> None:
         if not _HOOKED[0]:
