@@ -18,8 +18,8 @@ tensor (torch moves it the same way) and a batch of torch's own loader (already 
     python benchmarks/worker_slots.py [--device cuda] [--records 8192,262144] [--workers 4]
     python benchmarks/worker_slots.py --lease [--records 8192,262144]
 
-Every loader starts from the allocator state of a process that has run a while (``warm_malloc``;
-``--malloc cold`` for a fresh one, where the figures depend on which loader forks first).
+``--malloc warm`` starts every loader from the allocator state of a process that has run a
+while (``warm_malloc``); the default is a fresh process's, as in earlier rounds.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def warm_malloc() -> None:
     each 256 KiB sample through a new ``mmap`` (a page fault per 4 KiB) while one forked after
     another loader ran does not: the ratios would depend on the loaders' order. One 31 MiB block
     allocated and freed here puts every loader in the state of a process that has run a while
-    (``--malloc cold``: the old behaviour)."""
+    (``--malloc warm``; the default ``cold`` keeps a fresh process's, as in earlier rounds)."""
     np.ones(31 << 20, dtype=np.uint8)
 
 
@@ -245,7 +245,7 @@ def main() -> None:
     ap.add_argument("--data-mb", type=int, default=256)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--lease", action="store_true", help="the per-batch cost of the slot lease")
-    ap.add_argument("--malloc", default="warm", choices=["warm", "cold"], help="see warm_malloc")
+    ap.add_argument("--malloc", default="cold", choices=["warm", "cold"], help="see warm_malloc")
     a = ap.parse_args()
     if a.malloc == "warm":
         warm_malloc()
