@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
 import torch
 import torch.utils.data as tud
 from torch.utils.data import default_collate
@@ -86,3 +87,16 @@ def test_shim_hides_the_thread_info_from_torchs_collate_only() -> None:
     assert out["batch"].tolist() == [[0.0] * 8, [1.0] * 8]
     assert not out["batch"].is_shared()
     assert tud.get_worker_info() is None  # the main thread: torch's own answer
+
+
+@pytest.mark.gpu
+def test_thread_workers_to_cuda_over_per_sample_tensors_give_every_batch() -> None:
+    """The benchmark's path (device="cuda", per-sample tensors, default_collate in the threads
+    and the pinned ring after them): every batch arrives, on the device, in order."""
+    ds = _Rows()
+    loader = _thread_loader(ds, device="cuda", persistent_workers=True)
+    for _ in range(2):  # persistent threads: the second pass too
+        batches = list(loader)
+        assert [b.device.type for b in batches] == ["cuda"] * 4
+        assert [b[:, 0].tolist() for b in batches] == [list(range(i, i + 4)) for i in (0, 4, 8, 12)]
+        assert all(bool((b == b[:, :1]).all()) for b in batches)
