@@ -17,6 +17,9 @@ tensor (torch moves it the same way) and a batch of torch's own loader (already 
 
     python benchmarks/worker_slots.py [--device cuda] [--records 8192,262144] [--workers 4]
     python benchmarks/worker_slots.py --lease [--records 8192,262144]
+
+``--malloc warm`` starts every loader from the allocator state of a process that has run a
+while (``warm_malloc``); the default is a fresh process's, as in earlier rounds.
 """
 
 from __future__ import annotations
@@ -72,6 +75,19 @@ def _consume(loader: Any, device: str, epochs: int) -> float:
     return total / (time.perf_counter() - t0)
 
 
+def warm_malloc() -> None:
+    """Put this process's allocator where a training process's is before its loaders fork.
+
+    glibc raises its mmap threshold (and its heap trim threshold, to twice that) the first time
+    a block above the threshold is freed, up to 32 MiB, and a worker process inherits both at
+    fork. A fresh benchmark process has freed none, so a loader whose workers fork first reads
+    each 256 KiB sample through a new ``mmap`` (a page fault per 4 KiB) while one forked after
+    another loader ran does not: the ratios would depend on the loaders' order. One 31 MiB block
+    allocated and freed here puts every loader in the state of a process that has run a while
+    (``--malloc warm``; the default ``cold`` keeps a fresh process's, as in earlier rounds)."""
+    np.ones(31 << 20, dtype=np.uint8)
+
+
 def run(record: int, workers: int, device: str, data_mb: int, epochs: int) -> dict[str, float]:
     rows = max(256, data_mb * 2**20 // record)
     batch = max(1, min(64, (8 * 2**20) // record))
@@ -101,9 +117,9 @@ def run(record: int, workers: int, device: str, data_mb: int, epochs: int) -> di
         finally:
             del os.environ["FEEDPIPE_WORKER_SLOTS"]
         info = ours.worker_slots or {}
-        on = {"device": "cuda"} if device == "cuda" else {}
         # the same dataset on thread workers (issue 28 item 4)
-        threads_loader = feedpipe.DataLoader(ds, worker_type="thread", **on, **kw)
+        on_device: dict[str, Any] = {"device": "cuda"} if device == "cuda" else {}
+        threads_loader = feedpipe.DataLoader(ds, worker_type="thread", **on_device, **kw)
         threads = _consume(threads_loader, device, epochs)
         del torch_loader, ours, threads_loader
     return {
@@ -229,12 +245,15 @@ def main() -> None:
     ap.add_argument("--data-mb", type=int, default=256)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--lease", action="store_true", help="the per-batch cost of the slot lease")
+    ap.add_argument("--malloc", default="cold", choices=["warm", "cold"], help="see warm_malloc")
     a = ap.parse_args()
+    if a.malloc == "warm":
+        warm_malloc()
     if a.lease:
         main_lease([int(r) for r in a.records.split(",")])
         return
     print(
-        f"device={a.device} workers={a.workers} torch={torch.__version__}"
+        f"device={a.device} workers={a.workers} malloc={a.malloc} torch={torch.__version__}"
         + (f" gpu={torch.cuda.get_device_name()}" if a.device == "cuda" else "")
     )
     for record in (int(r) for r in a.records.split(",")):

@@ -3,6 +3,9 @@
 script runs against an older checkout (``PYTHONPATH=<old tree>``) to find a regression.
 
     python benchmarks/diagnostics/thread_regress.py --records 262144 --workers 8
+
+Every loader starts from the allocator state of a process that has run a while (``warm_malloc``;
+``--malloc cold`` for a fresh one, where the figures depend on which loader forks first).
 """
 
 from __future__ import annotations
@@ -36,6 +39,19 @@ class Rows(tud.Dataset):  # type: ignore[type-arg]
         return torch.from_numpy(np.array(self.mm[i]))
 
 
+def warm_malloc() -> None:
+    """Put this process's allocator where a training process's is before its loaders fork.
+
+    glibc raises its mmap threshold (and its heap trim threshold, to twice that) the first time
+    a block above the threshold is freed, up to 32 MiB, and a worker process inherits both at
+    fork. A fresh benchmark process has freed none, so a loader whose workers fork first reads
+    each 256 KiB sample through a new ``mmap`` (a page fault per 4 KiB) while one forked after
+    another loader ran does not: the ratios would depend on the loaders' order. One 31 MiB block
+    allocated and freed here puts every loader in the state of a process that has run a while
+    (``--malloc cold``: the old behaviour)."""
+    np.ones(31 << 20, dtype=np.uint8)
+
+
 def consume(loader: Any, dev: str, seconds: float) -> float:
     """GB/s over whole epochs for about ``seconds`` (after one batch)."""
     total, t0 = 0, None
@@ -62,7 +78,10 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--device", default="cuda")
     p.add_argument("--label", default=os.environ.get("PYTHONPATH", "").split(":")[0])
+    p.add_argument("--malloc", default="warm", choices=["warm", "cold"], help="see warm_malloc")
     a = p.parse_args()
+    if a.malloc == "warm":
+        warm_malloc()
     rows = a.mb * 2**20 // a.records
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
         path = os.path.join(d, "rows.bin")
@@ -83,7 +102,8 @@ def main() -> None:
                 best[k] = max(best[k], consume(loader, a.device, a.seconds))
     t = best["torch"]
     print(
-        f"[{a.label}] {a.records} B x{a.batch}, {a.workers} workers: torch {t:.2f} GB/s; "
+        f"[{a.label}] {a.records} B x{a.batch}, {a.workers} workers, malloc {a.malloc}: "
+        f"torch {t:.2f} GB/s; "
         f"thread {best['thread']:.2f} ({best['thread'] / t:.2f}x); "
         f"process {best['process']:.2f} ({best['process'] / t:.2f}x)",
         flush=True,

@@ -8,6 +8,8 @@ degrades to doing nothing (or to torch's own behaviour) when the internal it nee
    own. :func:`install_worker_info_shim` swaps the *code* of torch's ``get_worker_info`` (the
    function object stays, so ``from torch.utils.data import get_worker_info`` done before still
    sees the change) for one that returns the calling thread's info first, then the global.
+   torch's own ``default_collate`` is the one caller shown no thread's info
+   (:func:`_shim_worker_info`): it would stack every batch into a new shared-memory block.
    Outside feedpipe's threads it returns exactly what torch's does, also in a process forked
    from a worker thread (the child forgets the thread's info).
 2. Showing the user's dataset (not feedpipe's timing proxy) in ``get_worker_info().dataset`` of
@@ -41,6 +43,7 @@ degrades to doing nothing (or to torch's own behaviour) when the internal it nee
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import threading
@@ -49,6 +52,7 @@ from typing import Any
 import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import dataloader as _dataloader
+from torch.utils.data._utils import collate as _collate
 from torch.utils.data._utils import worker as _worker
 from torch.utils.data._utils.pin_memory import pin_memory
 
@@ -100,6 +104,27 @@ def get_worker_info():
     return _worker_info if info is None else info
 """
 
+# torch's default_collate asks get_worker_info() only to decide whether to stack a batch into a
+# new shared-memory block, for shipping to the main process: a thread never ships it.
+_COLLATE_MODULE = _collate.__name__
+
+
+def _shim_worker_info() -> Any:
+    """What the shim's ``get_worker_info()`` returns before the process global: the calling
+    thread's ``WorkerInfo``, except to torch's own collate (``collate_tensor_fn``), which is told
+    "no worker", as torch's function tells it in a thread. Were it told, each batch would be
+    stacked into a new shared-memory block (``shm_open``, ``mmap``, a page fault per 4 KiB,
+    ``munmap``) for no reader in another process: half the thread workers' throughput at
+    256 KiB samples (issue 28). Every other caller, a user's ``collate_fn`` included, sees it."""
+    info = getattr(_LOCAL, "info", None)
+    if info is None:
+        return None
+    frame = inspect.currentframe()  # this function; then get_worker_info(); then its caller
+    caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+    name = caller.f_globals.get("__name__") if caller is not None else None
+    del frame, caller  # no frame kept alive (a frame holds its locals)
+    return None if name == _COLLATE_MODULE else info
+
 
 def install_worker_info_shim() -> bool:
     """Make ``torch.utils.data.get_worker_info()`` see feedpipe's worker threads (idempotent).
@@ -117,7 +142,7 @@ def install_worker_info_shim() -> bool:
     namespace: dict[str, Any] = {}
     # compiled here, run with torch's module globals: the new code reads `_worker_info` there
     exec(compile(_SHIM_SOURCE, __file__, "exec"), namespace)
-    module["_feedpipe_thread_worker_info"] = thread_worker_info
+    module["_feedpipe_thread_worker_info"] = _shim_worker_info
     fn.__code__ = namespace["get_worker_info"].__code__  # type: ignore[union-attr]
     # a process forked from a worker thread (a torch loader run inside the dataset) is no
     # feedpipe worker: its main thread must not inherit the thread's info
