@@ -199,9 +199,31 @@ class PoolCloser:
         if self._plans is not None:
             shutil.rmtree(self._plans, ignore_errors=True)
         pipe = None if self._pipe is None else self._pipe()
-        close = getattr(_pool(pipe), "close", None)
+        pool = _pool(pipe)
+        close = getattr(pool, "close", None)
         if callable(close):  # returns at once: the reaper waits for the workers, then signals
-            threading.Thread(target=close, name="feedpipe-dali-pool-close", daemon=True).start()
+            # the pipeline's finalizer closes the pool too: a second close running beside this
+            # one raises inside DALI ("Exception ignored in: <finalize object>"), so the pool's
+            # close becomes once-only, and a later call returns at once
+            once = _Once(close)
+            pool.close = once
+            threading.Thread(target=once, name="feedpipe-dali-pool-close", daemon=True).start()
+
+
+class _Once:
+    """``fn`` run by the first call only; later calls return at once (never wait for it)."""
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._called = False
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._called:
+                return
+            self._called = True
+        self._fn()
 
 
 def worker_processes(pipe: Any) -> list[multiprocessing.process.BaseProcess]:

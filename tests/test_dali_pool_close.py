@@ -1,0 +1,44 @@
+"""The DALI pool's close asked by the reaper (feedpipe.dali.pipeline.PoolCloser) and again by the
+pipeline's finalizer runs once: a second close beside the first raised inside DALI ("Exception
+ignored in: <finalize object>", seen in CI). No DALI needed: the pool is a stand-in whose close
+blocks until released, as DALI's does while its workers wind down."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from feedpipe.dali.pipeline import PoolCloser
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.calls = 0
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def close(self) -> None:
+        self.calls += 1
+        self.entered.set()
+        assert self.release.wait(10)
+
+
+class _Pipe:
+    def __init__(self) -> None:
+        self._py_pool: Any = _Pool()
+
+
+def test_the_finalizers_close_during_the_reapers_returns_at_once_and_runs_nothing(
+    tmp_path: Any,
+) -> None:
+    pipe = _Pipe()
+    pool = pipe._py_pool
+    closer = PoolCloser()
+    closer.watch(pipe, str(tmp_path / "plans"))
+    closer()
+    assert pool.entered.wait(10)  # the reaper's close is running (blocked in the pool)
+    pipe._py_pool.close()  # what DALI's finalizer calls: must neither block nor close again
+    assert pool.calls == 1
+    pool.release.set()
+    pipe._py_pool.close()
+    assert pool.calls == 1
