@@ -149,16 +149,17 @@ def _cached(key: tuple[object, ...], members: Sequence[Any]) -> _Plan | None:
 
 
 def typed_take(
-    members: Sequence[Any], layout: EpochLayout, virtual: np.ndarray, out: Any, pool: BatchPool
+    members: Sequence[Any], layout: EpochLayout, idx: np.ndarray, out: Any, pool: BatchPool
 ) -> Any:
-    """The batch of records ``virtual`` (see :meth:`EpochLayout.virtual`) of typed or ragged
-    members, read straight into one batch; None where that cannot be had."""
-    n = len(virtual)
+    """The batch of positions ``idx`` of ``layout``'s epoch of typed or ragged members, read
+    straight into one batch; None where that cannot be had."""
+    n = len(idx)
     if out is not None or n == 0:
         return None
     plan = _plan(members)
     if plan is None:
         return None
+    virtual = layout.virtual(idx)
     member, sample = layout.split(virtual)
     rows = []
     for k in np.unique(member).tolist():  # one locate per member per batch
@@ -168,7 +169,7 @@ def typed_take(
     if plan.kind == "ragged":
         batch.update(_variable(plan, plan.variable["data"], rows, member, n))
     elif plan.kind == "fixed":
-        data = one_take(plan.spaces, layout.vbase, virtual, None, pool)
+        data = one_take(plan.spaces, layout, idx, None, pool)
         if data is None:
             return None
         batch["data"] = data

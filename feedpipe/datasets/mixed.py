@@ -268,17 +268,16 @@ class MixedDataset:
         merged."""
         idx = self._checked(indices)
         layout = self._current()
-        virtual = layout.virtual(idx)
         members = [self.datasets[name] for name in self.names]
-        fast = one_take(members, layout.vbase, virtual, out, self._pool)
+        fast = one_take(members, layout, idx, out, self._pool)
         if fast is not None:  # fixed records of memmap members: one gather, no merge
             return fast
-        typed = typed_take(members, layout, virtual, out, self._pool)
+        typed = typed_take(members, layout, idx, out, self._pool)
         if typed is not None:  # typed/ragged memmap members: read into one batch, no merge
             return typed
         from feedpipe.datasets._mixed_merge import fill_out, merge_parts
 
-        member, sample = layout.split(virtual)
+        member, sample = layout.split(layout.virtual(idx))
         present = np.unique(member).tolist() if member.size else [0]
         parts: list[tuple[np.ndarray, Any]] = []
         for k in present:
