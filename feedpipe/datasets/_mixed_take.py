@@ -32,11 +32,13 @@ import torch
 from feedpipe.datasets._batch_pool import BatchPool
 from feedpipe.datasets._gather import ShardSpace, window
 from feedpipe.datasets._mixed_layout import EpochLayout
+from feedpipe.errors import DatasetError
 
-__all__ = ["SHARD_TABLE_MAX", "gather", "one_take"]
+__all__ = ["ENTER_ALL_MAX", "SHARD_TABLE_MAX", "gather", "one_take"]
 
 
 SHARD_TABLE_MAX = 1 << 21  # members' records up to this many: each one's shard tabulated
+ENTER_ALL_MAX = 8  # members of one shard each, up to this many: each guard checks every batch
 _ONE = np.zeros(1, np.intp)  # the shards of a one-shard member
 
 
@@ -67,6 +69,7 @@ class _Spans:
             sizes = np.diff(np.append(self.starts, total))
             self.shard_of = np.repeat(np.arange(len(sizes), dtype=np.intp), sizes)
         self.one_each = len(self.starts) == len(spaces)  # every member's records in one shard
+        self.few = self.one_each and len(spaces) <= ENTER_ALL_MAX  # see read
 
     def shards(self, virtual: np.ndarray) -> np.ndarray:
         """The shard (of the table) of each of records ``virtual``."""
@@ -76,15 +79,41 @@ class _Spans:
         shard -= 1
         return shard
 
-    def locate(self, layout: EpochLayout, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(rows of the window, shards of the table)`` of positions ``idx`` of ``layout``'s
-        epoch: two lookups in tables of every position (made once per epoch and table, where the
-        layout tabulates its positions: :meth:`EpochLayout.derived`), else from the virtual
-        indices."""
+    def read(self, layout: EpochLayout, idx: np.ndarray, flat: np.ndarray) -> np.ndarray:
+        """Positions ``idx`` of ``layout``'s epoch as ``(n, record_bytes)`` uint8 (:meth:`take`).
+
+        Members of one shard each (at most ``ENTER_ALL_MAX``), all mapped: every member's guard
+        checks its shard (one lookup less than finding the members touched first); where one
+        refuses (a file changed, maps closed), the batch is read as :meth:`take` reads it: it
+        fails only if it touches that member, as a single dataset's read does."""
         made = layout.derived(self, self.tables)
         if made is None:  # too many positions to tabulate: per batch
-            return self.rows(layout.virtual(idx))
-        return made[0].take(idx), made[1].take(idx)
+            return self.take(*self.rows(layout.virtual(idx)), flat)
+        rows = made[0].take(idx)
+        if self.few and all(space.complete for space in self.spaces):
+            entered = self.enter_all()
+            if entered is not None:
+                try:
+                    return gather(self.view, rows, flat)
+                finally:
+                    for space in entered:
+                        space.leave()
+        return self.take(rows, made[1].take(idx), flat)
+
+    def enter_all(self) -> list[ShardSpace] | None:
+        """Every member's shard checked by its guard (:meth:`ShardSpace.enter`), the watcher
+        drained once; None (none entered) where one refuses."""
+        entered: list[ShardSpace] = []
+        drained = False
+        try:
+            for space in self.spaces:
+                drained = space.enter(_ONE, drained)
+                entered.append(space)
+        except (DatasetError, ValueError):
+            for space in entered:
+                space.leave()
+            return None
+        return entered
 
     def rows(self, virtual: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(rows of the window, shards of the table)`` of records ``virtual``."""
@@ -203,7 +232,7 @@ def one_take(
         dest, arr = fit, fit.numpy()
     if arr.size:
         flat = arr.reshape(n, -1).view(np.uint8)
-        got = spans.take(*spans.locate(layout, idx), flat)
+        got = spans.read(layout, idx, flat)
         if got is not flat:  # the batch's memory lay between the members' maps
             if out is not None:
                 np.copyto(flat, got)  # the caller's memory: as numpy's own take would
