@@ -49,7 +49,7 @@ class _Rows:
 def _member_rows(k: int, pos: np.ndarray, sample: np.ndarray, files: Any) -> _Rows:
     """Member ``k``'s rows at ``pos`` (its samples ``sample``), located once."""
     sid, local = files.locate(sample)
-    order = files.order(np.unique(sid).tolist())
+    order = files.order([0] if len(files.starts) == 2 else np.unique(sid).tolist())
     if len(order) == 1:
         return _Rows(k, pos, sid, local, [(order[0], pos, local)])
     groups = []
@@ -159,13 +159,13 @@ def typed_take(
     plan = _plan(members)
     if plan is None:
         return None
-    virtual = layout.virtual(idx)
-    member, sample = layout.split(virtual)
+    member, sample = layout.split_at(idx)
     rows = []
-    for k in np.unique(member).tolist():  # one locate per member per batch
+    for k in np.bincount(member).nonzero()[0].tolist():  # one locate per member per batch
         pos = np.flatnonzero(member == k)
         rows.append(_member_rows(k, pos, sample[pos], plan.readers[k].files))
     batch: dict[str, Any] = {}
+    virtual: np.ndarray | None = None  # made for the first fixed side field
     if plan.kind == "ragged":
         batch.update(_variable(plan, plan.variable["data"], rows, member, n))
     elif plan.kind == "fixed":
@@ -178,6 +178,7 @@ def typed_take(
         if col is not None:
             batch.update(_variable(plan, col, rows, member, n))
         else:
+            virtual = layout.virtual(idx) if virtual is None else virtual
             batch[name] = torch.from_numpy(plan.whole(name).take(virtual, axis=0))
     if not plan.fields and plan.mode == "nested":
         return batch["data"]

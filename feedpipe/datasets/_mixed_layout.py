@@ -22,6 +22,7 @@ from feedpipe._permutation import FeistelPermutation
 __all__ = ["POSITIONS_MAX", "TABLE_MAX", "EpochLayout"]
 
 T = TypeVar("T")
+_SPLIT = "split"  # the key of split_at's tables (see derived)
 TABLE_MAX = 1 << 22  # a partial pass up to this many samples is tabulated once per epoch
 POSITIONS_MAX = 1 << 20  # an epoch up to this many positions is tabulated whole (8 MiB)
 
@@ -86,6 +87,19 @@ class EpochLayout:
             self._derived.clear()
         got = self._derived[key] = make(table)  # a race makes it twice: the same
         return got
+
+    def split_at(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(member, sample)`` of positions ``idx`` (int64, in range): two lookups in tables
+        of the epoch (the members in the smallest type that holds them), where it is
+        tabulated; else :meth:`split` of :meth:`virtual`."""
+        made = self.derived(_SPLIT, self._split_table)
+        if made is None:
+            return self.split(self.virtual(idx))
+        return made[0].take(idx), made[1].take(idx)
+
+    def _split_table(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        member, sample = self.split(table)
+        return member.astype(np.min_scalar_type(len(self.counts) - 1)), sample
 
     def split(self, virtual: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(member, sample)`` of virtual indices (those :meth:`virtual` gives)."""
