@@ -8,6 +8,7 @@ are still fields; members that disagree are refused, naming both."""
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,8 @@ def test_json_columns_merged_from_members_known_by_their_samples(
     merges = _spy(monkeypatch)
     _check(ds)
     assert len(merges) == len(BATCHES)
+    _check(pickle.loads(pickle.dumps(ds)))  # a copy (a process worker's) learns them again
+    assert len(merges) == 2 * len(BATCHES)
 
 
 class _Pairs:

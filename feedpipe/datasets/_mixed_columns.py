@@ -7,16 +7,19 @@ the members' records would read it, with no per-member batch and no merge: the b
 ``(member, sample)`` are split once, and each present member locates its rows once
 (:class:`_Rows`). A variable-length column (ragged arrays, ``str``, ``json``) gets every row's
 byte length first, in the batch's order, so the output offsets of the whole batch are known;
-then each member copies its rows' byte ranges, shard by shard from its guarded maps, straight
-into their places in one buffer, which is assembled as a single dataset's is (a ragged column
-padded with each row's own member's ``pad_value``). A fixed side field is one ``take`` from the
-members' in-memory columns side by side; fixed records one gather over the members' maps
-(:func:`~._mixed_take.one_take`). Anything else (another layout, a transform, remote members,
+then every member's shard maps of the batch are held (each checked by its guard) and the rows'
+byte ranges are copied straight into their places in one buffer, in one gather over a window
+spanning those maps (as one map's rows), which is assembled as a single dataset's is (a ragged
+column padded with each row's own member's ``pad_value``). A fixed side field is one ``take``
+from the members' in-memory columns side by side; fixed records one gather over the members'
+maps (:func:`~._mixed_take.one_take`). Anything else (another layout, a transform, remote members,
 an ``out``, no rows) returns ``None``: the caller reads member by member and merges.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from feedpipe.datasets._batch_pool import BatchPool
+from feedpipe.datasets._gather import window
 from feedpipe.datasets._memmap_columns import ColumnReader
 from feedpipe.datasets._mixed_layout import EpochLayout
 from feedpipe.datasets._mixed_take import one_take
@@ -32,6 +36,8 @@ from feedpipe.datasets.columns import Column, assemble, gather
 from feedpipe.errors import DatasetError
 
 __all__ = ["typed_take"]
+
+_PAGE = mmap.PAGESIZE  # a map starts on a page: the window's rows are its bytes
 
 
 @dataclass
@@ -192,20 +198,19 @@ def _variable(
     rows copied into their places in one buffer, assembled as one dataset's batch."""
     starts = np.empty(n, np.int64)
     lengths = np.empty(n, np.int64)
-    for r in rows:
-        reader = plan.readers[r.k]
-        for s, p, at in r.groups:
-            off = reader.offsets(s, col)
-            begin = off[at]
-            starts[p] = begin
-            lengths[p] = off[at + 1] - begin
-    dest = np.cumsum(lengths) - lengths  # the output offsets of the whole batch, in its order
-    values = np.empty(int(lengths.sum()), np.uint8)
-    for r in rows:
-        files = plan.readers[r.k].files
-        for s, p, _ in r.groups:
-            with files.mapped(col.data_role, s) as buf:  # checked like every read (_shard_guard)
-                gather(buf, starts[p], lengths[p], values, dest[p])
+    with contextlib.ExitStack() as held:
+        maps = []  # every group's map, checked like every read (_shard_guard), held open
+        for r in rows:
+            reader = plan.readers[r.k]
+            for s, p, at in r.groups:
+                off = reader.offsets(s, col)
+                begin = off[at]
+                starts[p] = begin
+                lengths[p] = off[at + 1] - begin
+                maps.append((held.enter_context(reader.files.mapped(col.data_role, s)), p))
+        dest = np.cumsum(lengths) - lengths  # the output offsets of the whole batch, in order
+        values = np.empty(int(lengths.sum()), np.uint8)
+        _copy(maps, starts, lengths, values, dest)
 
     def where(j: int) -> str:
         r = next(r for r in rows if r.k == int(member[j]))
@@ -221,6 +226,36 @@ def _variable(
     got = assemble(col, values, lengths, plan.mode, pad_value=pads.pop(), where=where)
     if not isinstance(got, dict):
         raise DatasetError(f"column {col.name!r}: unexpected list batch")  # mode is pad/nested
+    return got
+
+
+def _copy(
+    maps: list[tuple[np.ndarray, Any]],
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    values: np.ndarray,
+    dest: np.ndarray,
+) -> None:
+    """Every row's bytes (``starts`` in its group's map, ``(map, positions)`` per group) into
+    ``values`` at ``dest``: one :func:`~.columns.gather` over one window spanning every map
+    (the rows of several maps at once, as one map's), or one per group where a map is not a
+    whole mapped range of its own (then only the rows asked for are read either way)."""
+    spans = [(_address(buf), buf.nbytes, p) for buf, p in maps if buf.nbytes]
+    if len(spans) < 2 or any(a % _PAGE for a, _, _ in spans):
+        for buf, p in maps:
+            gather(buf, starts[p], lengths[p], values, dest[p])
+        return
+    lo = min(a for a, _, _ in spans)
+    hi = max(a + size for a, size, _ in spans)
+    view = window(lo, -(-hi // _PAGE) * _PAGE, 1).reshape(-1)
+    at = starts.copy()
+    for a, _, p in spans:
+        at[p] += a - lo
+    gather(view, at, lengths, values, dest)
+
+
+def _address(buf: np.ndarray) -> int:
+    got: int = buf.__array_interface__["data"][0]
     return got
 
 

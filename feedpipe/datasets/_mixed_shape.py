@@ -50,10 +50,7 @@ class MemberShapes:
         self._seen: dict[tuple[int, int], tuple[Any, Shape]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {}  # the transforms seen need not pickle: read again where unpickled
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._seen = {}
+        return {"_seen": {}}  # the transforms seen need not pickle: read again where unpickled
 
     def of(self, k: int, ds: Any, sample: int) -> Shape:
         """Member ``k`` (``ds``)'s batch shape; ``sample``: one of its samples to read if its

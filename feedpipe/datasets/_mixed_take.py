@@ -46,10 +46,12 @@ class _Spans:
     """The members' maps (``spaces``, member ``k``'s records numbered from ``vbase[k]``) as one
     table of shards, and one window over all of them.
 
-    Per batch: each record's shard (one lookup in a table of every record's shard, made once,
-    when the members hold at most ``SHARD_TABLE_MAX`` records; else one ``searchsorted``), its
-    row (one add), the shards touched (one ``flatnonzero``), each member's checked by its guard
-    (the process's inotify watcher drained once for all of them), then one ``take``."""
+    Per batch (:meth:`read`): each position's row of the window and shard of the table, two
+    lookups in tables of the epoch's positions (made once per epoch: :meth:`tables`; an epoch
+    too long to tabulate finds each record's shard by a table of every record's shard, made
+    once when the members hold at most ``SHARD_TABLE_MAX`` records, else a ``searchsorted``);
+    each member's shards touched checked by its guard (the process's inotify watcher drained
+    once for all of them), then one ``take``."""
 
     def __init__(self, spaces: list[ShardSpace], vbase: np.ndarray) -> None:
         self.spaces = spaces
