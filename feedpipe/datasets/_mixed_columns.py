@@ -35,9 +35,10 @@ from feedpipe.datasets._mixed_take import one_take
 from feedpipe.datasets.columns import Column, assemble, gather
 from feedpipe.errors import DatasetError
 
-__all__ = ["typed_take"]
+__all__ = ["HELD_MAX", "typed_take"]
 
 _PAGE = mmap.PAGESIZE  # a map starts on a page: the window's rows are its bytes
+HELD_MAX = 64  # a batch's maps held at once (one gather over them) up to this many
 
 
 @dataclass
@@ -198,19 +199,23 @@ def _variable(
     rows copied into their places in one buffer, assembled as one dataset's batch."""
     starts = np.empty(n, np.int64)
     lengths = np.empty(n, np.int64)
-    with contextlib.ExitStack() as held:
-        maps = []  # every group's map, checked like every read (_shard_guard), held open
-        for r in rows:
-            reader = plan.readers[r.k]
-            for s, p, at in r.groups:
-                off = reader.offsets(s, col)
-                begin = off[at]
-                starts[p] = begin
-                lengths[p] = off[at + 1] - begin
-                maps.append((held.enter_context(reader.files.mapped(col.data_role, s)), p))
-        dest = np.cumsum(lengths) - lengths  # the output offsets of the whole batch, in order
-        values = np.empty(int(lengths.sum()), np.uint8)
-        _copy(maps, starts, lengths, values, dest)
+    for r in rows:
+        reader = plan.readers[r.k]
+        for s, p, at in r.groups:
+            off = reader.offsets(s, col)
+            begin = off[at]
+            starts[p] = begin
+            lengths[p] = off[at + 1] - begin
+    dest = np.cumsum(lengths) - lengths  # the output offsets of the whole batch, in its order
+    values = np.empty(int(lengths.sum()), np.uint8)
+    groups = [(plan.readers[r.k].files, s, p) for r in rows for s, p, _ in r.groups]
+    held = groups if len(groups) <= HELD_MAX else []  # at once: one gather (see _copy)
+    with contextlib.ExitStack() as stack:
+        maps = [(stack.enter_context(f.mapped(col.data_role, s)), p) for f, s, p in held]
+        _copy(maps, starts, lengths, values, dest)  # checked like every read (_shard_guard)
+    for files, s, p in groups if not held else ():  # one map at a time, one gather each
+        with files.mapped(col.data_role, s) as buf:
+            gather(buf, starts[p], lengths[p], values, dest[p])
 
     def where(j: int) -> str:
         r = next(r for r in rows if r.k == int(member[j]))
