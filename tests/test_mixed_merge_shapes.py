@@ -193,3 +193,16 @@ def test_sample_shapes_follow_default_collate() -> None:
         "d": None,
     }
     assert sample_shape(t) is None and sample_shape("abc") is None and sample_shape([]) == ()
+
+
+class _Numbers(_Texts):
+    """A tensor where ``_Texts`` has a per-sample list of strings."""
+
+    def read_batch(self, idx: Any) -> Any:
+        return torch.arange(len(idx))
+
+
+def test_a_list_and_a_tensor_are_refused_naming_both() -> None:
+    ds = MixedDataset({"texts": _Texts(0), "numbers": _Numbers(100)})
+    with pytest.raises(DatasetError, match=r"'texts' and 'numbers'.*a list and a Tensor"):
+        ds.read_batch([0, 1, 4, 5])

@@ -186,6 +186,9 @@ class _Merge:
     def is_fields(self, values: list[Any], where: str, path: tuple[Any, ...]) -> bool:
         """A list of collated fields (default_collate of tuple samples), not a per-sample list:
         as each part's shape says (they must agree, and have as many fields)."""
+        for v in values:
+            if not isinstance(v, (list, tuple)):
+                raise self.mismatch(where, f"a {type(values[0]).__name__} and a {type(v).__name__}")
         said = [self.shape(j, path) for j in range(len(values))]
         fields = [isinstance(s, tuple) for s in said]
         if not any(fields):
