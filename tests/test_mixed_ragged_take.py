@@ -355,12 +355,6 @@ def test_a_reassigned_pad_value_pads_the_member_and_the_mix(tmp_path: Path) -> N
     assert members["a"].pad_value == 9
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: the merge (_mixed_merge._Merge.is_fields) takes a per-sample list of JSON "
-    "dicts whose lists have as many items as the part has samples for collated tuple fields: "
-    "[{'n': [0, 1, 100, 101]}, {'n': [1, 2, 101, 102]}] for 4 samples (silently), or an error",
-)
 @pytest.mark.parametrize("extra", [{}, {"s": "ab"}])
 def test_json_dicts_through_the_merge_equal_the_per_sample_reads(
     tmp_path: Path, extra: dict[str, Any]

@@ -7,16 +7,19 @@ the members' records would read it, with no per-member batch and no merge: the b
 ``(member, sample)`` are split once, and each present member locates its rows once
 (:class:`_Rows`). A variable-length column (ragged arrays, ``str``, ``json``) gets every row's
 byte length first, in the batch's order, so the output offsets of the whole batch are known;
-then each member copies its rows' byte ranges, shard by shard from its guarded maps, straight
-into their places in one buffer, which is assembled as a single dataset's is (a ragged column
-padded with each row's own member's ``pad_value``). A fixed side field is one ``take`` from the
-members' in-memory columns side by side; fixed records one gather over the members' maps
-(:func:`~._mixed_take.one_take`). Anything else (another layout, a transform, remote members,
+then every member's shard maps of the batch are held (each checked by its guard) and the rows'
+byte ranges are copied straight into their places in one buffer, in one gather over a window
+spanning those maps (as one map's rows), which is assembled as a single dataset's is (a ragged
+column padded with each row's own member's ``pad_value``). A fixed side field is one ``take``
+from the members' in-memory columns side by side; fixed records one gather over the members'
+maps (:func:`~._mixed_take.one_take`). Anything else (another layout, a transform, remote members,
 an ``out``, no rows) returns ``None``: the caller reads member by member and merges.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,13 +28,17 @@ import numpy as np
 import torch
 
 from feedpipe.datasets._batch_pool import BatchPool
+from feedpipe.datasets._gather import window
 from feedpipe.datasets._memmap_columns import ColumnReader
 from feedpipe.datasets._mixed_layout import EpochLayout
 from feedpipe.datasets._mixed_take import one_take
 from feedpipe.datasets.columns import Column, assemble, gather
 from feedpipe.errors import DatasetError
 
-__all__ = ["typed_take"]
+__all__ = ["HELD_MAX", "typed_take"]
+
+_PAGE = mmap.PAGESIZE  # a map starts on a page: the window's rows are its bytes
+HELD_MAX = 64  # a batch's maps held at once (one gather over them) up to this many
 
 
 @dataclass
@@ -49,7 +56,7 @@ class _Rows:
 def _member_rows(k: int, pos: np.ndarray, sample: np.ndarray, files: Any) -> _Rows:
     """Member ``k``'s rows at ``pos`` (its samples ``sample``), located once."""
     sid, local = files.locate(sample)
-    order = files.order(np.unique(sid).tolist())
+    order = files.order([0] if len(files.starts) == 2 else np.unique(sid).tolist())
     if len(order) == 1:
         return _Rows(k, pos, sid, local, [(order[0], pos, local)])
     groups = []
@@ -149,26 +156,27 @@ def _cached(key: tuple[object, ...], members: Sequence[Any]) -> _Plan | None:
 
 
 def typed_take(
-    members: Sequence[Any], layout: EpochLayout, virtual: np.ndarray, out: Any, pool: BatchPool
+    members: Sequence[Any], layout: EpochLayout, idx: np.ndarray, out: Any, pool: BatchPool
 ) -> Any:
-    """The batch of records ``virtual`` (see :meth:`EpochLayout.virtual`) of typed or ragged
-    members, read straight into one batch; None where that cannot be had."""
-    n = len(virtual)
+    """The batch of positions ``idx`` of ``layout``'s epoch of typed or ragged members, read
+    straight into one batch; None where that cannot be had."""
+    n = len(idx)
     if out is not None or n == 0:
         return None
     plan = _plan(members)
     if plan is None:
         return None
-    member, sample = layout.split(virtual)
+    member, sample = layout.split_at(idx)
     rows = []
-    for k in np.unique(member).tolist():  # one locate per member per batch
+    for k in np.bincount(member).nonzero()[0].tolist():  # one locate per member per batch
         pos = np.flatnonzero(member == k)
         rows.append(_member_rows(k, pos, sample[pos], plan.readers[k].files))
     batch: dict[str, Any] = {}
+    virtual: np.ndarray | None = None  # made for the first fixed side field
     if plan.kind == "ragged":
         batch.update(_variable(plan, plan.variable["data"], rows, member, n))
     elif plan.kind == "fixed":
-        data = one_take(plan.spaces, layout.vbase, virtual, None, pool)
+        data = one_take(plan.spaces, layout, idx, None, pool)
         if data is None:
             return None
         batch["data"] = data
@@ -177,6 +185,7 @@ def typed_take(
         if col is not None:
             batch.update(_variable(plan, col, rows, member, n))
         else:
+            virtual = layout.virtual(idx) if virtual is None else virtual
             batch[name] = torch.from_numpy(plan.whole(name).take(virtual, axis=0))
     if not plan.fields and plan.mode == "nested":
         return batch["data"]
@@ -199,11 +208,14 @@ def _variable(
             lengths[p] = off[at + 1] - begin
     dest = np.cumsum(lengths) - lengths  # the output offsets of the whole batch, in its order
     values = np.empty(int(lengths.sum()), np.uint8)
-    for r in rows:
-        files = plan.readers[r.k].files
-        for s, p, _ in r.groups:
-            with files.mapped(col.data_role, s) as buf:  # checked like every read (_shard_guard)
-                gather(buf, starts[p], lengths[p], values, dest[p])
+    groups = [(plan.readers[r.k].files, s, p) for r in rows for s, p, _ in r.groups]
+    held = groups if len(groups) <= HELD_MAX else []  # at once: one gather (see _copy)
+    with contextlib.ExitStack() as stack:
+        maps = [(stack.enter_context(f.mapped(col.data_role, s)), p) for f, s, p in held]
+        _copy(maps, starts, lengths, values, dest)  # checked like every read (_shard_guard)
+    for files, s, p in groups if not held else ():  # one map at a time, one gather each
+        with files.mapped(col.data_role, s) as buf:
+            gather(buf, starts[p], lengths[p], values, dest[p])
 
     def where(j: int) -> str:
         r = next(r for r in rows if r.k == int(member[j]))
@@ -219,6 +231,36 @@ def _variable(
     got = assemble(col, values, lengths, plan.mode, pad_value=pads.pop(), where=where)
     if not isinstance(got, dict):
         raise DatasetError(f"column {col.name!r}: unexpected list batch")  # mode is pad/nested
+    return got
+
+
+def _copy(
+    maps: list[tuple[np.ndarray, Any]],
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    values: np.ndarray,
+    dest: np.ndarray,
+) -> None:
+    """Every row's bytes (``starts`` in its group's map, ``(map, positions)`` per group) into
+    ``values`` at ``dest``: one :func:`~.columns.gather` over one window spanning every map
+    (the rows of several maps at once, as one map's), or one per group where a map is not a
+    whole mapped range of its own (then only the rows asked for are read either way)."""
+    spans = [(_address(buf), buf.nbytes, p) for buf, p in maps if buf.nbytes]
+    if len(spans) < 2 or any(a % _PAGE for a, _, _ in spans):
+        for buf, p in maps:
+            gather(buf, starts[p], lengths[p], values, dest[p])
+        return
+    lo = min(a for a, _, _ in spans)
+    hi = max(a + size for a, size, _ in spans)
+    view = window(lo, -(-hi // _PAGE) * _PAGE, 1).reshape(-1)
+    at = starts.copy()
+    for a, _, p in spans:
+        at[p] += a - lo
+    gather(view, at, lengths, values, dest)
+
+
+def _address(buf: np.ndarray) -> int:
+    got: int = buf.__array_interface__["data"][0]
     return got
 
 

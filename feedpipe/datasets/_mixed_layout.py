@@ -12,12 +12,17 @@ batch is then one lookup.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import numpy as np
 
 from feedpipe._permutation import FeistelPermutation
 
 __all__ = ["POSITIONS_MAX", "TABLE_MAX", "EpochLayout"]
 
+T = TypeVar("T")
+_SPLIT = "split"  # the key of split_at's tables (see derived)
 TABLE_MAX = 1 << 22  # a partial pass up to this many samples is tabulated once per epoch
 POSITIONS_MAX = 1 << 20  # an epoch up to this many positions is tabulated whole (8 MiB)
 
@@ -42,22 +47,59 @@ class EpochLayout:
         self.vends = np.cumsum(sizes)
         self.vbase = self.vends - sizes
         self._virtual: np.ndarray | None = None  # per position, made on first use
+        self._derived: dict[object, Any] = {}  # tables made from it (see derived)
 
     def virtual(self, idx: np.ndarray) -> np.ndarray:
         """The virtual index of the sample at each of positions ``idx`` (int64, in range): one
         lookup in a table of the epoch (made once, when it has at most ``POSITIONS_MAX``
         positions), else from :meth:`locate`."""
+        table = self.table()
+        if table is None:
+            member, sample = self.locate(idx)
+            computed: np.ndarray = self.vbase[member] + sample
+            return computed
+        looked: np.ndarray = table.take(idx)
+        return looked
+
+    def table(self) -> np.ndarray | None:
+        """The virtual index of every position of the epoch (made once, on first use), or None
+        for an epoch of more than ``POSITIONS_MAX`` positions. Never write it."""
         table = self._virtual
         if table is None:
             total = int(self.ends[-1])
             if total > POSITIONS_MAX:
-                member, sample = self.locate(idx)
-                computed: np.ndarray = self.vbase[member] + sample
-                return computed
+                return None
             member, sample = self.locate(np.arange(total, dtype=np.int64))
             table = self._virtual = self.vbase[member] + sample
-        looked: np.ndarray = table[idx]
-        return looked
+        return table
+
+    def derived(self, key: object, make: Callable[[np.ndarray], T]) -> T | None:
+        """``make(self.table())``, made once per ``key`` (held: no id is reused) for this
+        epoch; None where the positions are not tabulated (see :meth:`table`)."""
+        try:
+            return self._derived[key]  # type: ignore[no-any-return]
+        except KeyError:
+            pass
+        table = self.table()
+        if table is None:
+            return None
+        if len(self._derived) > 8:
+            self._derived.clear()
+        got = self._derived[key] = make(table)  # a race makes it twice: the same
+        return got
+
+    def split_at(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(member, sample)`` of positions ``idx`` (int64, in range): two lookups in tables
+        of the epoch (the members in the smallest type that holds them), where it is
+        tabulated; else :meth:`split` of :meth:`virtual`."""
+        made = self.derived(_SPLIT, self._split_table)
+        if made is None:
+            return self.split(self.virtual(idx))
+        return made[0].take(idx), made[1].take(idx)
+
+    def _split_table(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        member, sample = self.split(table)
+        return member.astype(np.min_scalar_type(len(self.counts) - 1)), sample
 
     def split(self, virtual: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(member, sample)`` of virtual indices (those :meth:`virtual` gives)."""

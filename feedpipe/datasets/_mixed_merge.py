@@ -13,21 +13,29 @@ nested tensors are interleaved row by row into one jagged tensor. The merged bat
 single dataset holding the same samples would give.
 
 The merge walks the batches' structure once (:class:`_Merge`): each node is merged by the rule
-for its type (tensor, nested tensor, mapping, tuple of collated fields, per-sample list).
+for its type (tensor, nested tensor, mapping, list of collated fields, per-sample list). Whether
+a list is a list of collated fields or a per-sample list is what the members' shapes say
+(:mod:`._mixed_shape`), never guessed from its values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from feedpipe.datasets._mixed_shape import Shape
 from feedpipe.datasets._ragged_batch import lengths_key, nest, widen
 from feedpipe.errors import DatasetError
 
 __all__ = ["fill_out", "merge_parts"]
+
+
+def _NO_FIELDS(j: int) -> Shape:  # noqa: N802 (a constant function)
+    """A batch with no list of collated fields: every list is per-sample."""
+    return None
 
 
 def merge_parts(
@@ -35,20 +43,27 @@ def merge_parts(
     n: int,
     names: list[str],
     out: Any = None,
+    *,
     pads: list[Any] | None = None,
+    shapes: Callable[[int], Shape] = _NO_FIELDS,
 ) -> Any:
     """The batch of ``n`` rows made of ``parts`` (positions, member batch); into ``out``.
-    ``pads`` (one per part, default 0) pads a part's ragged columns on to the widest part's."""
+    ``pads`` (one per part, default 0) pads a part's ragged columns on to the widest part's;
+    ``shapes(j)``: part ``j``'s batch shape (:mod:`._mixed_shape`: which lists are lists of
+    collated fields), asked for only where a batch has a list."""
     values = _widened([p for _, p in parts], pads or [0] * len(parts))
-    return _Merge([pos for pos, _ in parts], n, names).merge(values, out, "batch")
+    merge = _Merge([pos for pos, _ in parts], n, names, shapes)
+    return merge.merge(values, out, "batch", ())
 
 
-def fill_out(batch: Any, out: Any) -> Any:
-    """Copy ``batch`` into the first rows of ``out`` and return views of ``out``."""
+def fill_out(batch: Any, out: Any, shape: Callable[[int], Shape] = _NO_FIELDS) -> Any:
+    """Copy ``batch`` (of shape ``shape(0)``) into the first rows of ``out`` and return views
+    of ``out``."""
     n = _rows(batch)
     if n is None:
         return batch
-    return _Merge([np.arange(n, dtype=np.int64)], n, ["member"]).merge([batch], out, "batch")
+    merge = _Merge([np.arange(n, dtype=np.int64)], n, ["member"], shape)
+    return merge.merge([batch], out, "batch", ())
 
 
 # ---------------------------------------------------------------------- widening padded columns
@@ -105,10 +120,18 @@ def _rows(batch: Any) -> int | None:
 # ---------------------------------------------------------------------- the merge
 class _Merge:
     """Merges the parts' batches: part ``j``'s rows go to ``positions[j]`` of a batch of ``n``
-    rows; ``names`` are the members (for errors)."""
+    rows; ``names`` are the members (for errors); ``shapes(j)``: part ``j``'s batch shape."""
 
-    def __init__(self, positions: list[np.ndarray], n: int, names: list[str]) -> None:
+    def __init__(
+        self,
+        positions: list[np.ndarray],
+        n: int,
+        names: list[str],
+        shapes: Callable[[int], Shape],
+    ) -> None:
         self.positions, self.n, self.names = positions, n, names
+        self._shapes = shapes
+        self._roots: dict[int, Shape] = {}
 
     def mismatch(self, where: str, what: str) -> DatasetError:
         names = self.names
@@ -117,22 +140,23 @@ class _Merge:
             f"{where}: {what}"
         )
 
-    def merge(self, values: list[Any], out: Any, where: str) -> Any:
-        """One node of the batches (the same node of every part), into ``out`` when given."""
+    def merge(self, values: list[Any], out: Any, where: str, path: tuple[Any, ...]) -> Any:
+        """One node of the batches (the same node of every part, at ``path``), into ``out``
+        when given."""
         first = values[0]
         if isinstance(first, torch.Tensor):
             if any(isinstance(v, torch.Tensor) and v.is_nested for v in values):
                 return self.nested(values, where)
             return self.tensors(values, out, where)
         if isinstance(first, Mapping):
-            return self.mapping(values, out, where)
+            return self.mapping(values, out, where, path)
         if isinstance(first, (list, tuple)):
-            if self.is_fields(values):
-                return self.fields(values, out, where)
+            if self.is_fields(values, where, path):
+                return self.fields(values, out, where, path)
             return self.samples(values, where)
         raise self.mismatch(where, f"cannot merge a {type(first).__name__}")
 
-    def mapping(self, values: list[Any], out: Any, where: str) -> Any:
+    def mapping(self, values: list[Any], out: Any, where: str, path: tuple[Any, ...]) -> Any:
         first = values[0]
         for v in values[1:]:
             if not isinstance(v, Mapping) or set(v) != set(first):  # any order, as torch
@@ -140,24 +164,56 @@ class _Merge:
                 raise self.mismatch(where, f"keys {list(first)} and {keys}")
         dests: Mapping[Any, Any] = out if isinstance(out, Mapping) else {}
         merged = {
-            k: self.merge([v[k] for v in values], dests.get(k), f"{where}[{k!r}]") for k in first
+            k: self.merge([v[k] for v in values], dests.get(k), f"{where}[{k!r}]", (*path, k))
+            for k in first
         }
         return merged if type(first) is dict else type(first)(merged)
 
-    def is_fields(self, values: list[Any]) -> bool:
-        """A list of collated fields (default_collate of tuple samples), not a per-sample list."""
-        width = len(values[0])
-        for v, pos in zip(values, self.positions, strict=True):
-            if not isinstance(v, (list, tuple)) or len(v) != width:
-                return False
-            if not all(_collated(item, len(pos)) for item in v):
-                return False
+    def shape(self, j: int, path: tuple[Any, ...]) -> Shape:
+        """Part ``j``'s shape at ``path`` (None: no list of fields there)."""
+        if j not in self._roots:
+            self._roots[j] = self._shapes(j)
+        node = self._roots[j]
+        for step in path:
+            if isinstance(node, dict):
+                node = node.get(step)
+            elif isinstance(node, tuple) and isinstance(step, int) and step < len(node):
+                node = node[step]
+            else:
+                return None
+        return node
+
+    def is_fields(self, values: list[Any], where: str, path: tuple[Any, ...]) -> bool:
+        """A list of collated fields (default_collate of tuple samples), not a per-sample list:
+        as each part's shape says (they must agree, and have as many fields)."""
+        for v in values:
+            if not isinstance(v, (list, tuple)):
+                raise self.mismatch(where, f"a {type(values[0]).__name__} and a {type(v).__name__}")
+        said = [self.shape(j, path) for j in range(len(values))]
+        fields = [isinstance(s, tuple) for s in said]
+        if not any(fields):
+            return False
+        if not all(fields):
+            a, b = self.names[fields.index(True)], self.names[fields.index(False)]
+            raise self.mismatch(
+                where, f"a list of fields in {a!r}'s batches, a per-sample list in {b!r}'s"
+            )
+        for j, (v, s) in enumerate(zip(values, said, strict=True)):
+            if len(v) != len(s) or len(v) != len(values[0]):
+                raise self.mismatch(
+                    where,
+                    f"{len(v)} fields in {self.names[j]!r}'s batch, {len(s)} in its samples, "
+                    f"{len(values[0])} in {self.names[0]!r}'s batch",
+                )
         return True
 
-    def fields(self, values: list[Any], out: Any, where: str) -> Any:
+    def fields(self, values: list[Any], out: Any, where: str, path: tuple[Any, ...]) -> Any:
         first, width = values[0], len(values[0])
         sub: Any = out if isinstance(out, (list, tuple)) and len(out) == width else [None] * width
-        items = [self.merge([v[i] for v in values], sub[i], f"{where}[{i}]") for i in range(width)]
+        items = [
+            self.merge([v[i] for v in values], sub[i], f"{where}[{i}]", (*path, i))
+            for i in range(width)
+        ]
         if isinstance(first, tuple) and hasattr(first, "_fields"):
             return type(first)(*items)
         return type(first)(items)
@@ -223,13 +279,6 @@ class _Merge:
             for p, row in zip(pos.tolist(), parts, strict=True):
                 rows[p] = row
         return nest(rows)
-
-
-def _collated(item: Any, rows: int) -> bool:
-    """Whether ``item`` can be one collated field of a batch of ``rows`` samples."""
-    if isinstance(item, torch.Tensor):
-        return item.ndim > 0 and item.shape[0] == rows
-    return isinstance(item, (Mapping, list, tuple))
 
 
 def _dest(first: torch.Tensor, n: int, out: Any, where: str) -> torch.Tensor:

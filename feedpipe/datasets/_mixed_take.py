@@ -22,6 +22,7 @@ the caller reads member by member and merges (:mod:`._mixed_merge`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,21 +31,27 @@ import torch
 
 from feedpipe.datasets._batch_pool import BatchPool
 from feedpipe.datasets._gather import ShardSpace, window
+from feedpipe.datasets._mixed_layout import EpochLayout
+from feedpipe.errors import DatasetError
 
-__all__ = ["SHARD_TABLE_MAX", "gather", "one_take"]
+__all__ = ["ENTER_ALL_MAX", "SHARD_TABLE_MAX", "gather", "one_take"]
 
 
 SHARD_TABLE_MAX = 1 << 21  # members' records up to this many: each one's shard tabulated
+ENTER_ALL_MAX = 8  # members of one shard each, up to this many: each guard checks every batch
+_ONE = np.zeros(1, np.intp)  # the shards of a one-shard member
 
 
 class _Spans:
     """The members' maps (``spaces``, member ``k``'s records numbered from ``vbase[k]``) as one
     table of shards, and one window over all of them.
 
-    Per batch: each record's shard (one lookup in a table of every record's shard, made once,
-    when the members hold at most ``SHARD_TABLE_MAX`` records; else one ``searchsorted``), its
-    row (one add), the shards touched (one ``flatnonzero``), each member's checked by its guard
-    (the process's inotify watcher drained once for all of them), then one ``take``."""
+    Per batch (:meth:`read`): each position's row of the window and shard of the table, two
+    lookups in tables of the epoch's positions (made once per epoch: :meth:`tables`; an epoch
+    too long to tabulate finds each record's shard by a table of every record's shard, made
+    once when the members hold at most ``SHARD_TABLE_MAX`` records, else a ``searchsorted``);
+    each member's shards touched checked by its guard (the process's inotify watcher drained
+    once for all of them), then one ``take``."""
 
     def __init__(self, spaces: list[ShardSpace], vbase: np.ndarray) -> None:
         self.spaces = spaces
@@ -63,6 +70,8 @@ class _Spans:
         if total <= SHARD_TABLE_MAX:  # shards cover [0, total) in order: empty ones get none
             sizes = np.diff(np.append(self.starts, total))
             self.shard_of = np.repeat(np.arange(len(sizes), dtype=np.intp), sizes)
+        self.one_each = len(self.starts) == len(spaces)  # every member's records in one shard
+        self.few = self.one_each and len(spaces) <= ENTER_ALL_MAX  # see read
 
     def shards(self, virtual: np.ndarray) -> np.ndarray:
         """The shard (of the table) of each of records ``virtual``."""
@@ -72,31 +81,85 @@ class _Spans:
         shard -= 1
         return shard
 
-    def take(self, virtual: np.ndarray, flat: np.ndarray) -> np.ndarray:
-        """Records ``virtual`` as ``(n, record_bytes)`` uint8, in one gather: ``flat``, or a new
-        array where ``flat`` lies between two members' maps (:func:`gather`)."""
+    def read(self, layout: EpochLayout, idx: np.ndarray, flat: np.ndarray) -> np.ndarray:
+        """Positions ``idx`` of ``layout``'s epoch as ``(n, record_bytes)`` uint8 (:meth:`take`).
+
+        Members of one shard each (at most ``ENTER_ALL_MAX``), all mapped: every member's guard
+        checks its shard (one lookup less than finding the members touched first); where one
+        refuses (a file changed, maps closed), the batch is read as :meth:`take` reads it: it
+        fails only if it touches that member, as a single dataset's read does."""
+        made = layout.derived(self, self.tables)
+        if made is None:  # too many positions to tabulate: per batch
+            return self.take(*self.rows(layout.virtual(idx)), flat)
+        rows = made[0].take(idx)
+        if self.few and all(space.complete for space in self.spaces):
+            entered = self.enter_all()
+            if entered is not None:
+                try:
+                    return gather(self.view, rows, flat)
+                finally:
+                    for space in entered:
+                        space.leave()
+        return self.take(rows, made[1].take(idx), flat)
+
+    def enter_all(self) -> list[ShardSpace] | None:
+        """Every member's shard checked by its guard (:meth:`ShardSpace.enter`), the watcher
+        drained once; None (none entered) where one refuses."""
+        entered: list[ShardSpace] = []
+        drained = False
+        try:
+            for space in self.spaces:
+                drained = space.enter(_ONE, drained)
+                entered.append(space)
+        except (DatasetError, ValueError):
+            for space in entered:
+                space.leave()
+            return None
+        return entered
+
+    def rows(self, virtual: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows of the window, shards of the table)`` of records ``virtual``."""
         shard = self.shards(virtual)
         rows = self.shift.take(shard)
         rows += virtual
-        touched = np.zeros(int(self.offsets[-1]), bool)
-        touched[shard] = True
-        hit = np.flatnonzero(touched)
-        cuts = np.searchsorted(hit, self.offsets).tolist()
+        return rows, shard
+
+    def tables(self, virtual: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`rows` of records ``virtual`` in the smallest integer types that hold them
+        (a batch's lookups then touch half the memory or less)."""
+        rows, shard = self.rows(virtual)
+        small = np.int32 if len(self.view) <= np.iinfo(np.int32).max else np.int64
+        return rows.astype(small), shard.astype(np.min_scalar_type(len(self.starts) - 1))
+
+    def take(self, rows: np.ndarray, shard: np.ndarray, flat: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` (of shards ``shard``) as ``(n, record_bytes)`` uint8, in one gather:
+        ``flat``, or a new array where ``flat`` lies between two members' maps (:func:`gather`).
+        Every member's shards touched are mapped and checked by its guard first."""
+        hit = np.bincount(shard, minlength=len(self.starts)).nonzero()[0]
         entered: list[ShardSpace] = []
         drained = False  # the watcher is drained once for every member's guard
         try:
-            for k, space in enumerate(self.spaces):
-                a, b = cuts[k], cuts[k + 1]
-                if a < b:
-                    sids = hit[a:b] - self.offsets[k]
-                    if not space.complete:
-                        space.ensure(sids)
-                    drained = space.enter(sids, drained)
-                    entered.append(space)
+            for k, sids in self.touched(hit):
+                space = self.spaces[k]
+                if not space.complete:
+                    space.ensure(sids)
+                drained = space.enter(sids, drained)
+                entered.append(space)
             return gather(self.view, rows, flat)
         finally:
             for space in entered:
                 space.leave()
+
+    def touched(self, hit: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """``(member, its shards)`` of the table's shards ``hit`` (sorted), per member touched."""
+        if self.one_each:  # shard k of the table is member k's only one
+            return [(k, _ONE) for k in hit.tolist()]
+        cuts = np.searchsorted(hit, self.offsets).tolist()
+        return [
+            (k, hit[a:b] - self.offsets[k])
+            for k, (a, b) in enumerate(itertools.pairwise(cuts))
+            if a < b
+        ]
 
 
 def gather(view: np.ndarray, rows: np.ndarray, flat: np.ndarray) -> np.ndarray:
@@ -151,13 +214,13 @@ def _fits(out: Any, n: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> tor
 
 
 def one_take(
-    members: Sequence[Any], vbase: np.ndarray, virtual: np.ndarray, out: Any, pool: BatchPool
+    members: Sequence[Any], layout: EpochLayout, idx: np.ndarray, out: Any, pool: BatchPool
 ) -> torch.Tensor | None:
-    """The batch of records ``virtual`` (member ``k``'s sample ``i`` is ``vbase[k] + i``) in one
-    gather, into a new tensor (memory from ``pool``, the dataset's own: it goes with the
-    dataset) or ``out``; None where that cannot be had."""
-    n = len(virtual)
-    spans = _spans(members, vbase) if n else None
+    """The batch of positions ``idx`` of ``layout``'s epoch (member ``k``'s sample ``i`` is
+    record ``layout.vbase[k] + i``) in one gather, into a new tensor (memory from ``pool``, the
+    dataset's own: it goes with the dataset) or ``out``; None where that cannot be had."""
+    n = len(idx)
+    spans = _spans(members, layout.vbase) if n else None
     if spans is None:
         return None
     first = members[0]
@@ -171,7 +234,7 @@ def one_take(
         dest, arr = fit, fit.numpy()
     if arr.size:
         flat = arr.reshape(n, -1).view(np.uint8)
-        got = spans.take(virtual, flat)
+        got = spans.read(layout, idx, flat)
         if got is not flat:  # the batch's memory lay between the members' maps
             if out is not None:
                 np.copyto(flat, got)  # the caller's memory: as numpy's own take would

@@ -401,6 +401,15 @@ class MemmapDataset(torch.utils.data.Dataset[Any]):
         plain = self.transform is None and self.batch_transform is None
         return self._columns if plain else None
 
+    def per_sample_keys(self) -> frozenset[str] | None:
+        """Keys of this dataset's batches that are per-sample lists (``str``, ``json``, bytes
+        records), whatever their values; None with a ``batch_transform`` (it decides). A
+        :class:`feedpipe.MixedDataset` merges its batches by them (never guessing)."""
+        if self.batch_transform is not None:
+            return None
+        listed = {c.name for c in self._var_cols.values() if c.kind != "ragged"}
+        return frozenset(listed | ({"data"} if self.kind == "bytes" else set()))
+
     # ------------------------------------------------------------------ device feed
     def dma_blocker(self) -> str | None:
         """Why :meth:`read_batch` cannot fill a CUDA ``out`` by DMA (None: it can)."""

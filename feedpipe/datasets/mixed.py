@@ -43,6 +43,7 @@ from feedpipe._permutation import FeistelPermutation, derive_key
 from feedpipe.datasets._batch_pool import BatchPool
 from feedpipe.datasets._mixed_columns import typed_take
 from feedpipe.datasets._mixed_layout import EpochLayout
+from feedpipe.datasets._mixed_shape import MemberShapes
 from feedpipe.datasets._mixed_take import one_take
 
 __all__ = ["MixedDataset", "mix_counts"]
@@ -149,6 +150,7 @@ class MixedDataset:
         self._held: tuple[int, list[int]] | None = None
         self._layout: EpochLayout | None = self._make_layout(self.counts)
         self._pool = BatchPool()  # the one-gather batches' memory: goes with the dataset
+        self._shapes = MemberShapes()  # which lists of a member's batch are fields (the merge)
 
     # ------------------------------------------------------------------ the epoch's layout
     def _check_weights(self, weights: Mapping[str, float] | None) -> list[float]:
@@ -268,27 +270,32 @@ class MixedDataset:
         merged."""
         idx = self._checked(indices)
         layout = self._current()
-        virtual = layout.virtual(idx)
         members = [self.datasets[name] for name in self.names]
-        fast = one_take(members, layout.vbase, virtual, out, self._pool)
+        fast = one_take(members, layout, idx, out, self._pool)
         if fast is not None:  # fixed records of memmap members: one gather, no merge
             return fast
-        typed = typed_take(members, layout, virtual, out, self._pool)
+        typed = typed_take(members, layout, idx, out, self._pool)
         if typed is not None:  # typed/ragged memmap members: read into one batch, no merge
             return typed
         from feedpipe.datasets._mixed_merge import fill_out, merge_parts
 
-        member, sample = layout.split(virtual)
+        member, sample = layout.split(layout.virtual(idx))
         present = np.unique(member).tolist() if member.size else [0]
         parts: list[tuple[np.ndarray, Any]] = []
         for k in present:
             pos = np.flatnonzero(member == k)
             parts.append((pos, _member_batch(self.datasets[self.names[k]], sample[pos])))
         names = [self.names[k] for k in present]
+
+        def shapes(j: int) -> Any:  # which lists are fields: as the member says (_mixed_shape)
+            pos, k = parts[j][0], present[j]
+            ds = self.datasets[self.names[k]]
+            return self._shapes.of(k, ds, int(sample[pos[0]])) if len(pos) else None
+
         if len(parts) > 1:
             pads = [getattr(self.datasets[n], "pad_value", 0) for n in names]
-            return merge_parts(parts, len(member), names, out, pads)
-        return parts[0][1] if out is None else fill_out(parts[0][1], out)
+            return merge_parts(parts, len(member), names, out, pads=pads, shapes=shapes)
+        return parts[0][1] if out is None else fill_out(parts[0][1], out, shapes)
 
     # ------------------------------------------------------------------ state
     def _digest(self, counts: list[int]) -> str:
