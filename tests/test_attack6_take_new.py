@@ -58,6 +58,8 @@ INDICES: dict[str, Any] = {
     "past_end": np.array([1, N], np.int64),
     "before_start": np.array([-N - 1], np.int64),
     "float": np.array([1.0]),
+    "uint64": np.array([1, 2], np.uint64),
+    "bool": np.array([True, False]),
 }
 
 
@@ -109,6 +111,14 @@ def test_read_batch_small_path_for_odd_dtypes_owns_its_memory(
     assert torch.equal(got2, want)
     assert got2.data_ptr() != got.data_ptr() or not got2.any()
     assert torch.equal(ds[0], torch.as_tensor(x[0]))
+
+
+def test_read_batch_strided_and_reversed_int64_indices(tmp_path: Path) -> None:
+    x = (np.arange(N * 6, dtype=np.int64) % 97).astype(np.uint16).reshape(N, 6)
+    ds = _write(tmp_path / "d", x)
+    for idx in (np.arange(N, dtype=np.int64)[::-7], np.arange(-40, 40, dtype=np.int64)[5:70:9]):
+        assert not idx.flags.c_contiguous  # a strided view, negative indices in the second
+        assert torch.equal(ds.read_batch(idx), torch.from_numpy(x[idx]))
 
 
 def test_out_of_range_still_names_the_dataset(tmp_path: Path) -> None:
