@@ -283,3 +283,21 @@ def test_a_thread_started_by_the_dataset_sees_the_workers_info_as_in_torch() -> 
     assert want[0].tolist() == [0, 0, 0, 0]
     got = list(feedpipe.DataLoader(Helper(), batch_size=4, num_workers=1, worker_type="thread"))
     assert got[0].tolist() == [0, 0, 0, 0]
+
+
+class _Ragged(tud.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.zeros(2 + i % 2)
+
+
+def test_a_failing_stack_in_torchs_collate_reads_as_in_torchs_main_process() -> None:
+    """torch's collate failing inside a thread worker (samples of two sizes): the user gets the
+    error torch's main process gives, its type and text."""
+    with pytest.raises(RuntimeError) as want:
+        list(tud.DataLoader(_Ragged(), batch_size=4))
+    with pytest.raises(RuntimeError) as got:
+        list(_thread(_Ragged()))
+    assert str(want.value) in str(got.value)
