@@ -301,3 +301,15 @@ def test_a_failing_stack_in_torchs_collate_reads_as_in_torchs_main_process() -> 
     with pytest.raises(RuntimeError) as got:
         list(_thread(_Ragged()))
     assert str(want.value) in str(got.value)
+
+
+def test_process_workers_forked_beside_live_thread_workers_still_share() -> None:
+    """Persistent thread workers alive in this process while a process-worker loader forks:
+    its batches still go through shared memory (as torch's), the threads' stay plain."""
+    threads = _thread(_Nested(), persistent_workers=True)
+    first = next(iter(threads))
+    procs = feedpipe.DataLoader(_Nested(), batch_size=4, num_workers=2, worker_type="process",
+                                timeout=60)  # fmt: skip
+    got = list(procs)
+    assert all(_shared(b["t"]) and _shared(b["n"]) for b in got)
+    assert not _shared(first["t"]) and not any(_shared(b["t"]) for b in threads)
