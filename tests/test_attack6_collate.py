@@ -313,3 +313,13 @@ def test_process_workers_forked_beside_live_thread_workers_still_share() -> None
     got = list(procs)
     assert all(_shared(b["t"]) and _shared(b["n"]) for b in got)
     assert not _shared(first["t"]) and not any(_shared(b["t"]) for b in threads)
+
+
+def test_a_compiled_default_collate_in_thread_workers_gives_torchs_values() -> None:
+    """``torch.compile(default_collate)`` as the collate_fn of thread workers: dynamo traces
+    torch's collate, where the shim cannot read its caller, so it sees the thread's info (and
+    may stack into shared memory, as torch's process workers do); the values are torch's."""
+    compiled = torch.compile(default_collate, backend="eager")
+    want = _describe(list(tud.DataLoader(_Nested(), batch_size=4)))
+    got = _describe(list(_thread(_Nested(), collate_fn=compiled)))
+    assert [leaf[:3] for leaf in got] == [leaf[:3] for leaf in want]
