@@ -43,9 +43,9 @@ degrades to doing nothing (or to torch's own behaviour) when the internal it nee
 
 from __future__ import annotations
 
-import inspect
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -84,13 +84,18 @@ __all__ = [
     "workers_running",
 ]
 
-_LOCAL = threading.local()
+
+class _Local(threading.local):
+    info: Any = None  # a class default: a thread that never set it reads it without a miss
+
+
+_LOCAL = _Local()
 
 
 # ------------------------------------------------------------------------------ 1. worker info
 def thread_worker_info() -> Any:
     """The ``WorkerInfo`` of the current feedpipe worker thread, or None."""
-    return getattr(_LOCAL, "info", None)
+    return _LOCAL.info
 
 
 def set_thread_worker_info(info: Any) -> None:
@@ -115,14 +120,17 @@ def _shim_worker_info() -> Any:
     "no worker", as torch's function tells it in a thread. Were it told, each batch would be
     stacked into a new shared-memory block (``shm_open``, ``mmap``, a page fault per 4 KiB,
     ``munmap``) for no reader in another process: half the thread workers' throughput at
-    256 KiB samples (issue 28). Every other caller, a user's ``collate_fn`` included, sees it."""
-    info = getattr(_LOCAL, "info", None)
+    256 KiB samples (issue 28). Every other caller, a user's ``collate_fn`` included, sees it,
+    and so does code that ``torch.compile`` traces (its caller cannot be read there)."""
+    info = _LOCAL.info
     if info is None:
         return None
-    frame = inspect.currentframe()  # this function; then get_worker_info(); then its caller
-    caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
-    name = caller.f_globals.get("__name__") if caller is not None else None
-    del frame, caller  # no frame kept alive (a frame holds its locals)
+    if torch.compiler.is_compiling():  # dynamo cannot trace a frame walk (fullgraph=True would
+        return info  # raise): compiled code sees the info, as it did before the walk
+    try:  # the caller of get_worker_info(), in one C call: no frame object kept alive
+        name = sys._getframe(2).f_globals.get("__name__")
+    except ValueError:  # no Python frame calls it (a C caller at the bottom of a stack)
+        return info
     return None if name == _COLLATE_MODULE else info
 
 
