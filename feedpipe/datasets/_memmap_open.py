@@ -49,11 +49,22 @@ _PREAD_IDLE = 64  # descriptors kept open per role by read="pread" (the rest clo
 class OpenShard:
     """One open shard data file: its fd, its map (made on first use) and how to end its lease."""
 
-    __slots__ = ("fd", "locked", "nbytes", "release", "rows", "sid", "unlock", "users")
+    __slots__ = (
+        "address",
+        "fd",
+        "locked",
+        "nbytes",
+        "release",
+        "rows",
+        "sid",
+        "unlock",
+        "users",
+    )
 
     def __init__(self, sid: int, fd: int, nbytes: int, release: Callable[[], None]) -> None:
         self.sid, self.fd, self.nbytes, self.release = sid, fd, nbytes, release
         self.rows: np.ndarray | None = None
+        self.address = 0  #: where the map starts (once :meth:`OpenShards.rows` made it)
         self.users = 0
         self.locked: Any = None  # the map registered with CUDA (feedpipe.device.dma)
         self.unlock: Any = None  # its feedpipe.device.hostreg.Registration
@@ -104,17 +115,33 @@ class OpenShards:
     def use(self, sid: int) -> Iterator[OpenShard]:
         """Open shard ``sid`` (or reuse it), checked, and keep it open and pinned inside the
         block."""
+        shard, _drained = self.pin(sid)
+        try:
+            yield shard
+        finally:
+            self.unpin(shard)
+
+    def pin(self, sid: int, drained: bool = False) -> tuple[OpenShard, bool]:
+        """:meth:`use` without a block: shard ``sid`` open, checked by the guard and pinned
+        until :meth:`unpin` (unpinned again if the check fails). ``drained`` and the second
+        result: as :meth:`ShardGuard.check`'s (several members' shards of one batch drain the
+        process's watcher once)."""
         shard = self._get(sid)
         try:
             if self._guard is not None:
                 with self._lock:
-                    self._guard.check((sid,))
-            yield shard
-        finally:
-            with self._lock:
-                shard.users -= 1
-                closing = self._trim()
-            self._close_all(closing)
+                    drained = self._guard.check((sid,), drained)
+        except BaseException:
+            self.unpin(shard)
+            raise
+        return shard, drained
+
+    def unpin(self, shard: OpenShard) -> None:
+        """The read :meth:`pin` began is over (the shard may be closed now, LRU)."""
+        with self._lock:
+            shard.users -= 1
+            closing = self._trim()
+        self._close_all(closing)
 
     def _close_all(self, shards: list[OpenShard], owner: bool = True) -> None:
         for s in shards:
@@ -133,6 +160,7 @@ class OpenShards:
             with self._lock:
                 if shard.rows is None:
                     shard.rows = map_file(shard.fd, shard.nbytes)  # holds no descriptor
+                    shard.address = int(shard.rows.ctypes.data)
                 if record_bytes and shard.rows.ndim == 1:  # kept: dma registers this very array
                     shard.rows = shard.rows.reshape(-1, record_bytes)
                 rows = shard.rows

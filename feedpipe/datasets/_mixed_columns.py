@@ -18,7 +18,6 @@ an ``out``, no rows) returns ``None``: the caller reads member by member and mer
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import torch
 from feedpipe.datasets._batch_pool import BatchPool
 from feedpipe.datasets._gather import window
 from feedpipe.datasets._memmap_columns import ColumnReader
+from feedpipe.datasets._memmap_open import OpenShard, OpenShards
 from feedpipe.datasets._mixed_layout import EpochLayout
 from feedpipe.datasets._mixed_take import one_take
 from feedpipe.datasets.columns import Column, assemble, gather
@@ -209,11 +209,15 @@ def _variable(
     dest = np.cumsum(lengths) - lengths  # the output offsets of the whole batch, in its order
     values = np.empty(int(lengths.sum()), np.uint8)
     groups = [(plan.readers[r.k].files, s, p) for r in rows for s, p, _ in r.groups]
-    held = groups if len(groups) <= HELD_MAX else []  # at once: one gather (see _copy)
-    with contextlib.ExitStack() as stack:
-        maps = [(stack.enter_context(f.mapped(col.data_role, s)), p) for f, s, p in held]
-        _copy(maps, starts, lengths, values, dest)  # checked like every read (_shard_guard)
-    for files, s, p in groups if not held else ():  # one map at a time, one gather each
+    if len(groups) <= HELD_MAX:  # at once: one gather (see _copy)
+        pinned: list[tuple[OpenShards, OpenShard]] = []
+        try:
+            maps = _pin(groups, col.data_role, pinned)  # checked like every read (_shard_guard)
+            _copy(maps, starts, lengths, values, dest)
+        finally:
+            for files, shard in pinned:
+                files.unpin(shard)
+    for files, s, p in groups if len(groups) > HELD_MAX else ():  # one map at a time
         with files.mapped(col.data_role, s) as buf:
             gather(buf, starts[p], lengths[p], values, dest[p])
 
@@ -234,20 +238,41 @@ def _variable(
     return got
 
 
+def _pin(
+    groups: list[tuple[Any, int, np.ndarray]],
+    role: str,
+    pinned: list[tuple[OpenShards, OpenShard]],
+) -> list[tuple[np.ndarray, int, np.ndarray]]:
+    """Each group's ``(files, shard, positions)`` map of ``role``, open, checked by its
+    member's guard and pinned (appended to ``pinned``, which the caller unpins, whatever
+    happens): ``(map, its address, positions)`` each. The process's inotify watcher is drained
+    once for every member's guard (the first check that has watches drains it; the others see
+    the events it read), as one dataset's read drains it once per batch."""
+    maps = []
+    drained = False
+    for files, s, p in groups:
+        opened = files.files(role)
+        shard, drained = opened.pin(s, drained)
+        pinned.append((opened, shard))
+        maps.append((opened.rows(shard, 0), shard.address, p))
+    return maps
+
+
 def _copy(
-    maps: list[tuple[np.ndarray, Any]],
+    maps: list[tuple[np.ndarray, int, np.ndarray]],
     starts: np.ndarray,
     lengths: np.ndarray,
     values: np.ndarray,
     dest: np.ndarray,
 ) -> None:
-    """Every row's bytes (``starts`` in its group's map, ``(map, positions)`` per group) into
-    ``values`` at ``dest``: one :func:`~.columns.gather` over one window spanning every map
-    (the rows of several maps at once, as one map's), or one per group where a map is not a
-    whole mapped range of its own (then only the rows asked for are read either way)."""
-    spans = [(_address(buf), buf.nbytes, p) for buf, p in maps if buf.nbytes]
+    """Every row's bytes (``starts`` in its group's map, ``(map, address, positions)`` per
+    group) into ``values`` at ``dest``: one :func:`~.columns.gather` over one window spanning
+    every map (the rows of several maps at once, as one map's), or one per group where a map
+    is not a whole mapped range of its own (then only the rows asked for are read either
+    way)."""
+    spans = [(a, buf.nbytes, p) for buf, a, p in maps if buf.nbytes]
     if len(spans) < 2 or any(a % _PAGE for a, _, _ in spans):
-        for buf, p in maps:
+        for buf, _a, p in maps:
             gather(buf, starts[p], lengths[p], values, dest[p])
         return
     lo = min(a for a, _, _ in spans)
@@ -257,11 +282,6 @@ def _copy(
     for a, _, p in spans:
         at[p] += a - lo
     gather(view, at, lengths, values, dest)
-
-
-def _address(buf: np.ndarray) -> int:
-    got: int = buf.__array_interface__["data"][0]
-    return got
 
 
 def _padded(
