@@ -215,8 +215,8 @@ def _variable(
             maps = _pin(groups, col.data_role, pinned)  # checked like every read (_shard_guard)
             _copy(maps, starts, lengths, values, dest)
         finally:
-            for files, shard in pinned:
-                files.unpin(shard)
+            for opened, shard in pinned:
+                opened.unpin(shard)
     for files, s, p in groups if len(groups) > HELD_MAX else ():  # one map at a time
         with files.mapped(col.data_role, s) as buf:
             gather(buf, starts[p], lengths[p], values, dest[p])
