@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 RAGGED_MODES = ("pad", "nested")
-_BIG_RECORD = 512  # bytes: records this large are copied one slice each, not by index arrays
+_BIG_RECORD = 1024  # bytes: records this large are copied one slice each, not by index arrays
 
 
 @dataclass(frozen=True)
@@ -245,7 +245,8 @@ def gather(
     buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray, dest: np.ndarray
 ) -> None:
     """Copy ``buf[starts[j]:starts[j]+lengths[j]]`` to ``out[dest[j]:...]`` for every ``j``:
-    one indexed copy for small records, one slice copy per record for large ones."""
+    indexed copies for records of under ``_BIG_RECORD`` bytes on average, one slice copy per
+    record for larger ones. A range outside ``buf`` is an ``IndexError``."""
     n = len(starts)
     if n == 0:
         return
@@ -254,23 +255,67 @@ def gather(
         for s, ln, d in zip(starts.tolist(), lengths.tolist(), dest.tolist(), strict=True):
             out[d : d + ln] = buf[s : s + ln]
         return
-    unit = 1  # copy in the widest unit that every boundary is a multiple of
-    for u in (8, 4, 2):
-        if (
-            not (starts % u).any()
-            and not (lengths % u).any()
-            and not (dest % u).any()
-            and buf.nbytes % u == 0
-            and out.nbytes % u == 0
-        ):
-            unit = u
-            break
+    unit = _unit(buf, starts, lengths, out, dest)
     view = np.dtype(f"u{unit}")
     src, dst = buf.view(view), out.view(view)
     starts, lengths, dest = starts // unit, lengths // unit, dest // unit
+    if _back_to_back(src, starts, lengths, dest):
+        _take_runs(src, starts, lengths, dst[int(dest[0]) :])
+        return
     count = total // unit
     within = np.arange(count, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     dst[np.repeat(dest, lengths) + within] = src[np.repeat(starts, lengths) + within]
+
+
+def _unit(
+    buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray, dest: np.ndarray
+) -> int:
+    """The widest unit (8, 4, 2 or 1 bytes) every boundary and both buffers are a multiple of."""
+    for u in (8, 4, 2):
+        if (
+            buf.nbytes % u == 0
+            and out.nbytes % u == 0
+            and not (starts % u).any()
+            and not (lengths % u).any()
+            and not (dest % u).any()
+        ):
+            return u
+    return 1
+
+
+def _back_to_back(
+    src: np.ndarray, starts: np.ndarray, lengths: np.ndarray, dest: np.ndarray
+) -> bool:
+    """Whether the records go back to back from ``dest[0]`` and each range lies inside ``src``
+    (then :func:`_take_runs` copies them; anything else takes the general path, which raises
+    an ``IndexError`` for a range outside)."""
+    ends = starts + lengths
+    return (
+        int(starts.min()) >= 0
+        and int(lengths.min()) >= 0
+        and int(ends.max()) <= len(src)
+        and bool((dest[1:] - dest[:-1] == lengths[:-1]).all())
+    )
+
+
+_RUN_UNITS = 1 << 15  # units copied per take: the index temporaries stay small (cache, no mmap)
+
+
+def _take_runs(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray, dst: np.ndarray) -> None:
+    """Ranges ``src[starts[j]:starts[j]+lengths[j]]`` (inside ``src``) back to back into
+    ``dst``: a few records at a time (``_RUN_UNITS`` units), each run one ``take`` whose index
+    is each unit's record start, shifted to its place, plus its place in the run."""
+    ends = np.cumsum(lengths)
+    n, j = len(starts), 0
+    while j < n:
+        base = int(ends[j] - lengths[j])
+        k = max(int(np.searchsorted(ends, base + _RUN_UNITS, side="right")), j + 1)
+        run = lengths[j:k]
+        count = int(ends[k - 1]) - base
+        idx = np.repeat(starts[j:k] - (ends[j:k] - run - base), run)
+        idx += np.arange(count, dtype=idx.dtype)
+        src.take(idx, out=dst[base : base + count], mode="clip")  # in range: checked above
+        j = k
 
 
 def read_variable(
