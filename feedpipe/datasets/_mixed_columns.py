@@ -7,9 +7,10 @@ the members' records would read it, with no per-member batch and no merge: the b
 ``(member, sample)`` are split once, and each present member locates its rows once
 (:class:`_Rows`). A variable-length column (ragged arrays, ``str``, ``json``) gets every row's
 byte length first, in the batch's order, so the output offsets of the whole batch are known;
-then every member's shard maps of the batch are held (each checked by its guard) and the rows'
-byte ranges are copied straight into their places in one buffer, in one gather over a window
-spanning those maps (as one map's rows), which is assembled as a single dataset's is (a ragged
+then every member's shard maps of the batch are held (each checked by its guard; the process's
+inotify watcher drained once for all of them) and the rows' byte ranges are copied straight
+into their places in one buffer, in one gather over a window spanning those maps (as one map's
+rows), which is assembled as a single dataset's is (a ragged
 column padded with each row's own member's ``pad_value``). A fixed side field is one ``take``
 from the members' in-memory columns side by side; fixed records one gather over the members'
 maps (:func:`~._mixed_take.one_take`). Anything else (another layout, a transform, remote members,

@@ -10,7 +10,9 @@ members of up to ``SHARD_TABLE_MAX`` records; else one ``searchsorted``) finds e
 shard and one add its row. Every map is aligned to its record size, so the rows of all of them
 are rows of one window over the address space (:func:`~._gather.window`), read in one
 ``np.take``: each record is copied once, into its row of the batch (or, where the batch's
-memory lies between two members' maps, into a new array: :func:`gather`). Each member's shards
+memory lies between two members' maps, into a new array: :func:`gather`). A batch too small for
+the dataset's pool, of records up to ``NEW_RECORD_MAX`` bytes, is copied in the widest word a
+record allows into memory ``take`` allocates, as a single dataset's read does. Each member's shards
 touched are mapped and checked by its own guard first (:meth:`ShardSpace.ensure`,
 :meth:`ShardSpace.enter`), as its own ``read_batch`` does; the process's inotify watcher is
 drained once per batch for all of them (the first guard's check; the others see the events
