@@ -24,16 +24,25 @@ import torch
 __all__ = ["FirstRound", "RNGWatch", "note_iter", "rng_states"]
 
 
+# One reader at a time. torch's generator calls lock the generator's mutex and hold the GIL while
+# they wait for it; the call that holds the mutex may run a garbage collection, and so any
+# finalizer, which may let the GIL go: a second worker thread then waits for the mutex holding
+# the GIL, and neither moves again (a CI hang: two workers in get_rng_state, one inside a
+# LoaderIter finalizer). Waiting for this lock lets the GIL go.
+_READING = threading.RLock()  # reentrant: a finalizer run inside may read too
+
+
 def rng_states() -> tuple[Any, ...]:
     """The process-global RNG states a thread worker would share with the training loop."""
-    np_state: Any = np.random.get_state(legacy=True)
-    return (
-        random.getstate(),
-        np_state[1].tobytes(),
-        np_state[2],
-        torch.initial_seed(),
-        torch.get_rng_state(),
-    )
+    with _READING:
+        np_state: Any = np.random.get_state(legacy=True)
+        return (
+            random.getstate(),
+            np_state[1].tobytes(),
+            np_state[2],
+            torch.initial_seed(),
+            torch.get_rng_state(),
+        )
 
 
 def _changed(before: tuple[Any, ...], after: tuple[Any, ...], seeded: bool) -> list[str]:
