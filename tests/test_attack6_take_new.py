@@ -1,5 +1,5 @@
 """Attacks on ``ShardSpace.take_new`` taking rows through the widest unsigned word that divides a
-record (``_gather._widest``): for every record size, dtype and kind of index, its result is the
+record (``_gather.word_rows``): for every record size, dtype and kind of index, its result is the
 byte ``np.take`` it replaces (the same bytes, shape, dtype, the same ``IndexError``), it owns its
 memory (writing into it never reaches the dataset), and ``read_batch`` (the small-batch path that
 calls it) returns what per-sample reads return.
@@ -141,14 +141,15 @@ def test_empty_dataset(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("rb", [1, 2, 3, 4, 6, 8, 12, 24, 512, 520])
 @pytest.mark.parametrize("shift", [0, 1, 2, 4, 6])
-def test_widest_is_a_view_of_the_same_bytes_at_any_address(rb: int, shift: int) -> None:
-    """``_widest`` at an address of any alignment: a view of the same bytes in a word that
-    divides both the record and the address (never a wider one), or None for bytes."""
+def test_word_rows_is_a_view_of_the_same_bytes_at_any_address(rb: int, shift: int) -> None:
+    """``word_rows`` at an address of any alignment: a view of the same bytes in a word that
+    divides both the record and the address (never a wider one), or the rows for bytes."""
     buf = np.arange(8 * rb + 16, dtype=np.int64).astype(np.uint8)
     records = buf[shift : shift + 8 * rb].reshape(8, rb)
     base = records.__array_interface__["data"][0]
-    words = _gather._widest(records, base)
-    if words is None:
+    words = _gather.word_rows(records, base)
+    if words.dtype == np.uint8:
+        assert words is records
         assert all(rb % w or base % w for w in (2, 4, 8))
         return
     size = words.dtype.itemsize

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from feedpipe.datasets._batch_pool import BatchPool
-from feedpipe.datasets._gather import ShardSpace, window
+from feedpipe.datasets._gather import ShardSpace, window, word_rows
 from feedpipe.datasets._mixed_layout import EpochLayout
 from feedpipe.errors import DatasetError
 
@@ -80,7 +80,7 @@ class _Spans:
         self.few = self.one_each and len(spaces) <= ENTER_ALL_MAX  # see read
         #: the window in the widest word that divides a record and its address (a batch of new
         #: memory is copied in words: 8-byte ones are faster than bytes at 512 B records)
-        self.words = _widest(self.view, self.first * spaces[0].record_bytes)
+        self.words = word_rows(self.view, self.first * spaces[0].record_bytes)
 
     def copy(self, rows: np.ndarray, flat: np.ndarray | None) -> np.ndarray:
         """Rows ``rows`` of the window: into ``flat`` (:func:`gather`), or, with ``flat``
@@ -177,17 +177,6 @@ class _Spans:
             for k, (a, b) in enumerate(itertools.pairwise(cuts))
             if a < b
         ]
-
-
-def _widest(view: np.ndarray, address: int) -> np.ndarray:
-    """``view`` (uint8 rows starting at ``address``) as rows of the widest unsigned word that
-    divides a row and the address."""
-    rb = view.shape[1]
-    for word in (np.uint64, np.uint32, np.uint16):
-        size = np.dtype(word).itemsize
-        if rb % size == 0 and address % size == 0:
-            return view.view(word)
-    return view
 
 
 def gather(view: np.ndarray, rows: np.ndarray, flat: np.ndarray) -> np.ndarray:
