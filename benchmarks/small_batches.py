@@ -24,7 +24,6 @@ import pstats
 import shutil
 import sys
 import tempfile
-import time
 import warnings
 from typing import Any
 
@@ -33,29 +32,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_feed import make_dataset
+from gpu_feed import make_dataset, run_epochs
 
 import feedpipe
 from feedpipe.device.feed import GPUFeedWarning
 
 
-def _epochs(loader: Any, move: Any, seconds: float, sync: Any) -> tuple[float, int]:
-    """Samples/s over whole epochs for about ``seconds``, timed from after the first batch."""
-    n = batches = 0
-    start: float | None = None
-    while True:
-        for batch in loader:
-            b = move(batch)
-            if start is None:
-                sync()
-                start = time.perf_counter()
-                continue
-            n += b.shape[0]
-            batches += 1
-        sync()
-        if start is not None and time.perf_counter() - start >= seconds:
-            break
-    return n / (time.perf_counter() - start), batches
+def _epochs(loader: Any, move: Any, seconds: float, sync: Any, record: int) -> float:
+    """Samples/s over whole epochs for about ``seconds`` (gpu_feed's timing, in samples)."""
+    return run_epochs(loader, move, seconds, sync)[0] * 1e9 / record
 
 
 def _torch(ds: Any, bs: int, workers: int, dev: torch.device) -> Any:
@@ -107,7 +92,7 @@ def bench(ds: Any, rec: int, args: argparse.Namespace, dev: torch.device) -> Non
     best = [0.0] * len(rows)
     for _ in range(args.reps):
         for i, (_, loader, move) in enumerate(rows):
-            best[i] = max(best[i], _epochs(loader, move, args.seconds, sync)[0])
+            best[i] = max(best[i], _epochs(loader, move, args.seconds, sync, rec))
     print(f"\n{rec} B records, batches of {args.batch}, {len(ds)} records:")
     for (name, _, _), sps in zip(rows, best, strict=True):
         gbps = sps * rec / 1e9
@@ -118,10 +103,10 @@ def profile(ds: Any, args: argparse.Namespace, dev: torch.device) -> None:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for workers in (args.workers, 0):
         loader = _feed(ds, args.batch, workers, "thread", dev)
-        _epochs(loader, lambda b: b, 0.3, sync)  # warm
+        _epochs(loader, lambda b: b, 0.3, sync, ds.record_bytes)  # warm
         prof = cProfile.Profile()
         prof.enable()
-        sps, _ = _epochs(loader, lambda b: b, args.seconds, sync)
+        sps = _epochs(loader, lambda b: b, args.seconds, sync, ds.record_bytes)
         prof.disable()
         print(
             f"\nprofile, {workers} thread workers: {sps:,.0f} samples/s, "
