@@ -34,6 +34,7 @@ batch, then ``collate_fn``, as in torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 import weakref
@@ -440,13 +441,14 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         """Start the epoch of a pass: a fresh ``Epoch``, with a pending state (RNG, skip)
         applied (``Resume.begin``), and the index stream told what to skip and drop."""
         resume, stream = self._resume, self._plan.stream
-        chain = RngChain.of(self)
+        chain = functools.partial(RngChain.of, self)  # walked only where a pass needs it
         own_gen = self.generator is not None
         epoch = self._epoch = resume.begin(self._epoch, chain, stream is not None, own_gen)
         if stream is None:
-            epoch.rng = rng_now(chain)
-            if resume.lent is not None and chain.global_name:
-                epoch.rng[chain.global_name] = resume.lent
+            walked = chain()
+            epoch.rng = rng_now(walked)
+            if resume.lent is not None and walked.global_name:
+                epoch.rng[walked.global_name] = resume.lent
         epoch.active = True
         if stream is not None:
             stream.skip = resume.skip

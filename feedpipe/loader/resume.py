@@ -92,7 +92,9 @@ class Resume:
         self.drop: frozenset[int] = frozenset()  # known-bad samples the stream drops
         self.lent: str | None = None  # the global RNG state lent at iter(), if any
 
-    def begin(self, last: Epoch, chain: RngChain, at_sampler_ok: bool, own_gen: bool) -> Epoch:
+    def begin(
+        self, last: Epoch, chain: Callable[[], RngChain], at_sampler_ok: bool, own_gen: bool
+    ) -> Epoch:
         """Apply the pending state (if any) at ``iter()``: a fresh epoch, its counts, and the
         RNG replay armed. Returns the epoch; :attr:`skip`, :attr:`drop` and :attr:`lent` say
         what else the pass starts with.
@@ -105,7 +107,8 @@ class Resume:
         global RNG's saved state is only lent to the sampler's first draw (mid-epoch always; at
         an epoch boundary when the user's global RNG is not in that state already, else the
         epoch draws from it as the uninterrupted run did). ``own_gen``: the loader has its own
-        ``generator=``, which draws the base seed.
+        ``generator=``, which draws the base seed. ``chain`` makes the loader's ``RngChain``
+        (a walk of the sampler chain), called only with a pending state.
         """
         pending, self.pending = self.pending, None
         self.drop = self.ledger.begin_epoch(last.skipped, pending)
@@ -113,7 +116,7 @@ class Resume:
         self._restore_rng, self._lend, self._seed_gen = None, None, None
         self.lent, self.skip = None, 0
         if pending is not None:
-            self.lent = self._arm(pending, chain, at_sampler_ok)
+            self.lent = self._arm(pending, chain(), at_sampler_ok)
             if own_gen:
                 self._seed_gen = None
             self.skip = epoch.resume_from(pending)

@@ -68,6 +68,9 @@ _KNOWN_ITERS = {
         range,
     )
 }
+#: attribute types that are never an RNG: skipped without torch.Generator's isinstance (a
+#: Python-level metaclass check, ~1 us, made per attribute of every sampler at every pass)
+_PLAIN = frozenset({int, float, bool, str, bytes, type(None), list, tuple, dict, range})
 _RANDOM_ITERS = {
     cls.__iter__ for cls in (tud.RandomSampler, tud.SubsetRandomSampler, tud.WeightedRandomSampler)
 }
@@ -106,9 +109,11 @@ def _stateful(obj: Any) -> bool:
 
 
 def _known(obj: Any) -> bool:
+    if type(obj).__iter__ in _KNOWN_ITERS:
+        return True
     from feedpipe.sampler import DistributedSampler
 
-    return type(obj).__iter__ in _KNOWN_ITERS or isinstance(obj, DistributedSampler)
+    return isinstance(obj, DistributedSampler)
 
 
 @dataclass
@@ -140,6 +145,8 @@ class RngChain:
                 draws_global = True  # it may draw from the global RNG at its first next()
                 chain.custom.append(label)
             for attr, value in vars(obj).items() if hasattr(obj, "__dict__") else ():
+                if type(value) in _PLAIN:
+                    continue
                 if isinstance(value, torch.Generator) and id(value) not in seen:
                     seen.add(id(value))  # a generator under another name (``self.rng``)
                     chain.generators[f"{name}.{attr}"] = value
