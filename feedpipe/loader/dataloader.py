@@ -64,7 +64,7 @@ from feedpipe.loader.resume import (
     stateful_sampler,
     warn_uncaptured,
 )
-from feedpipe.loader.rng_state import RngChain, order
+from feedpipe.loader.rng_state import RngChain, RngStates, order
 from feedpipe.loader.skip import SkipLedger
 from feedpipe.loader.skip_iter import SkippingLoaderIter
 from feedpipe.loader.slots import Slots
@@ -357,7 +357,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             "in_epoch": active,
             "batches": epoch.batches if active else 0,
             "samples": epoch.samples if active else 0,
-            "rng": epoch.rng if active else rng_now(chain),
+            "rng": epoch.rng.text() if epoch.rng is not None and active else rng_now(chain),
             # where the RNG state applies: just before the sampler's first draw, or at iter()
             # (which may first draw the workers' base seed, as torch does)
             "rng_at": "sampler" if epoch.active or self._sources.reuses_workers(self) else "iter",
@@ -446,9 +446,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         epoch = self._epoch = resume.begin(self._epoch, chain, stream is not None, own_gen)
         if stream is None:
             walked = chain()
-            epoch.rng = rng_now(walked)
+            epoch.rng = RngStates.capture(walked)
             if resume.lent is not None and walked.global_name:
-                epoch.rng[walked.global_name] = resume.lent
+                epoch.rng.put(walked.global_name, resume.lent)
         epoch.active = True
         if stream is not None:
             stream.skip = resume.skip

@@ -18,7 +18,15 @@ from typing import Any
 import torch
 
 from feedpipe.loader.loader_pass import Epoch
-from feedpipe.loader.rng_state import RngChain, Watch, encode, global_state, private, replay
+from feedpipe.loader.rng_state import (
+    RngChain,
+    RngStates,
+    Watch,
+    encode,
+    global_state,
+    private,
+    replay,
+)
 from feedpipe.loader.skip import SkipLedger
 
 __all__ = ["Resume", "rng_now", "sampler_state", "set_rng", "stateful_sampler", "warn_uncaptured"]
@@ -160,9 +168,9 @@ class Resume:
             self._restore_rng = None
         lend, self._lend = self._lend, None
         lent = encode(lend) if isinstance(lend, torch.Generator) else lend
-        epoch.rng = rng_now(chain)
+        epoch.rng = RngStates.capture(chain)
         if lent is not None and chain.global_name:
-            epoch.rng[chain.global_name] = lent
+            epoch.rng.put(chain.global_name, lent)
         watch = Watch(chain.custom, self.uncaptured) if chain.custom else None
         if lent is None and watch is None:
             return None
