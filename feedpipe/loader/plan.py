@@ -28,6 +28,7 @@ known-bad samples) to ``feedpipe.loader.resume.Resume``.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,9 +77,13 @@ TORCH_SETTINGS = (
 )
 
 
+_settings = operator.attrgetter(*TORCH_SETTINGS)
+
+
 def settings_of(loader: Any) -> tuple[Any, ...]:
-    """The values of :data:`TORCH_SETTINGS` that ``loader`` holds now."""
-    return tuple(getattr(loader, name) for name in TORCH_SETTINGS)
+    """The values of :data:`TORCH_SETTINGS` that ``loader`` holds now (read at every pass)."""
+    values: tuple[Any, ...] = _settings(loader)
+    return values
 
 
 def auto_worker_type(dataset: Any, collate_fn: Any, worker_init_fn: Any) -> str:
