@@ -102,3 +102,17 @@ def test_protocols_are_checked_once_and_takes_index_arrays_each_pass() -> None:
     assert len(list(loader)) == 2 and set(ds.seen) == {list}
     plain = DataLoader(_ints(4), batch_size=2)
     assert not plain.plan.index_arrays and not plain.plan.plans_access
+
+
+def test_a_copy_or_pickle_mid_epoch_writes_the_same_state() -> None:
+    """The raw states travel with the loader's epoch (``__getstate__`` keeps it)."""
+    import copy
+    import pickle
+
+    loader = DataLoader(_ints(10), batch_size=2, shuffle=True, generator=torch.Generator())
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    for twin in (pickle.loads(pickle.dumps(loader)), copy.deepcopy(loader)):
+        assert twin.state_dict() == state
+    del it
