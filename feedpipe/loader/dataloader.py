@@ -34,6 +34,7 @@ batch, then ``collate_fn``, as in torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 import weakref
@@ -63,7 +64,7 @@ from feedpipe.loader.resume import (
     stateful_sampler,
     warn_uncaptured,
 )
-from feedpipe.loader.rng_state import RngChain, order
+from feedpipe.loader.rng_state import RngChain, RngStates, order
 from feedpipe.loader.skip import SkipLedger
 from feedpipe.loader.skip_iter import SkippingLoaderIter
 from feedpipe.loader.slots import Slots
@@ -356,7 +357,7 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
             "in_epoch": active,
             "batches": epoch.batches if active else 0,
             "samples": epoch.samples if active else 0,
-            "rng": epoch.rng if active else rng_now(chain),
+            "rng": epoch.rng.text() if epoch.rng is not None and active else rng_now(chain),
             # where the RNG state applies: just before the sampler's first draw, or at iter()
             # (which may first draw the workers' base seed, as torch does)
             "rng_at": "sampler" if epoch.active or self._sources.reuses_workers(self) else "iter",
@@ -440,13 +441,14 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         """Start the epoch of a pass: a fresh ``Epoch``, with a pending state (RNG, skip)
         applied (``Resume.begin``), and the index stream told what to skip and drop."""
         resume, stream = self._resume, self._plan.stream
-        chain = RngChain.of(self)
+        chain = functools.partial(RngChain.of, self)  # walked only where a pass needs it
         own_gen = self.generator is not None
         epoch = self._epoch = resume.begin(self._epoch, chain, stream is not None, own_gen)
         if stream is None:
-            epoch.rng = rng_now(chain)
-            if resume.lent is not None and chain.global_name:
-                epoch.rng[chain.global_name] = resume.lent
+            walked = chain()
+            epoch.rng = RngStates.capture(walked)
+            if resume.lent is not None and walked.global_name:
+                epoch.rng.put(walked.global_name, resume.lent)
         epoch.active = True
         if stream is not None:
             stream.skip = resume.skip

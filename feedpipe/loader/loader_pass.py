@@ -19,6 +19,7 @@ import numpy as np
 
 from feedpipe.device.feed import Prefetcher
 from feedpipe.loader.index_stream import IndexStream
+from feedpipe.loader.rng_state import RngStates
 from feedpipe.loader.slots import Slots
 
 __all__ = ["Epoch", "Pass"]
@@ -33,7 +34,7 @@ class Epoch:
         self.active = False
         self.batches = 0  # batches delivered this epoch (including before a resume)
         self.samples = 0  # samples delivered this epoch (including before a resume)
-        self.rng: dict[str, str] | None = None  # RNG states at the start of the epoch
+        self.rng: RngStates | None = None  # RNG states at the start of the epoch
         self.resumed = resumed  # the state this pass resumes from
         self.skipped: list[int] = []  # on_error="skip": indices dropped this epoch, delivered
 

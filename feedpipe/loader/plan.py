@@ -6,10 +6,12 @@ The loader is three objects (docs/architecture.md, "the path of a batch"):
    whether the direct DMA path turns process workers into one thread), the collation path
    (:class:`~feedpipe.loader.fetch.Mode`), the device path (the ``GPUFeed`` and its direct
    reader), the sampler chain as the workers see it (the ``IndexStream``, None for an
-   ``IterableDataset``) and the failure policy (``on_error``). A plan is never changed: when a
-   setting it was resolved from is assigned (``worker_type``, ``on_error``, ``device``, or one of
-   torch's :data:`TORCH_SETTINGS`), the loader resolves a fresh plan, at once for feedpipe's
-   (checked as the constructor checks them) or at the next ``iter()`` for torch's. Read at each
+   ``IterableDataset``), the dataset's protocols (``IndexArrayDataset``, ``AccessPlanDataset``:
+   checked once, as torch locks ``loader.dataset``) and the failure policy (``on_error``). A
+   plan is never changed: when a setting it was resolved from is assigned (``worker_type``,
+   ``on_error``, ``device``, or one of torch's :data:`TORCH_SETTINGS`), the loader resolves a
+   fresh plan, at once for feedpipe's (checked as the constructor checks them) or at the next
+   ``iter()`` for torch's. Read at each
    ``iter()``, not frozen here: torch's own attributes (``collate_fn``, ``pin_memory``,
    ``prefetch_factor``), the RNGs along the sampler chain (a sampler's ``.generator`` may be
    replaced: ``feedpipe.loader.rng_state.RngChain`` reads them at each use) and the shared-slot
@@ -26,6 +28,7 @@ known-bad samples) to ``feedpipe.loader.resume.Resume``.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,9 +77,13 @@ TORCH_SETTINGS = (
 )
 
 
+_settings = operator.attrgetter(*TORCH_SETTINGS)
+
+
 def settings_of(loader: Any) -> tuple[Any, ...]:
-    """The values of :data:`TORCH_SETTINGS` that ``loader`` holds now."""
-    return tuple(getattr(loader, name) for name in TORCH_SETTINGS)
+    """The values of :data:`TORCH_SETTINGS` that ``loader`` holds now (read at every pass)."""
+    values: tuple[Any, ...] = _settings(loader)
+    return values
 
 
 def auto_worker_type(dataset: Any, collate_fn: Any, worker_init_fn: Any) -> str:
@@ -105,6 +112,10 @@ class LoaderPlan:
     feed: GPUFeed | None  # the device path (None: host batches)
     direct: DirectReader | None  # the device path's direct DMA reader, when it applies
     stream: IndexStream | None  # the sampler chain as the workers see it
+    # the dataset's runtime-protocol checks (~12 us each), made once: torch locks
+    # ``loader.dataset`` after construction (and a copy or unpickle resolves a fresh plan)
+    index_arrays: bool = False  # an IndexArrayDataset (its ``takes_index_arrays`` read per pass)
+    plans_access: bool = False  # an AccessPlanDataset
 
     @property
     def threads(self) -> bool:
@@ -169,8 +180,8 @@ class LoaderPlan:
         own = loader.num_workers == 0 or self.threads  # our own sources read in this process
         reads = own and self.mode is Mode.READ_BATCH
         ds = loader.dataset
-        self.stream.arrays = reads and _takes_arrays(ds)
-        self.stream.planner = ds if reads and isinstance(ds, AccessPlanDataset) else None
+        self.stream.arrays = reads and self.index_arrays and ds.takes_index_arrays is True
+        self.stream.planner = ds if reads and self.plans_access else None
 
 
 @dataclass(frozen=True)
@@ -227,7 +238,9 @@ def resolve_plan(
         reader = _choose_direct(loader, worker_type, mode, feed, meter=meter, direct=path.direct)
     elif path.direct:
         raise ValueError("direct=True needs device='cuda' (or 'cuda:N')")
-    return LoaderPlan(worker_type, on_error, mode, iterable, feed, reader, stream)
+    ds = loader.dataset
+    arrays, planning = isinstance(ds, IndexArrayDataset), isinstance(ds, AccessPlanDataset)
+    return LoaderPlan(worker_type, on_error, mode, iterable, feed, reader, stream, arrays, planning)
 
 
 def _make_feed(
@@ -282,8 +295,3 @@ def _choose_direct(
         return None
     note = feed.note_copy if meter.enabled else None
     return direct_path.DirectReader(loader.dataset, feed.device, feed.copy_stream, note)
-
-
-def _takes_arrays(dataset: Any) -> bool:
-    """Whether ``dataset.read_batch`` takes numpy index arrays (feedpipe.protocols, step 2)."""
-    return isinstance(dataset, IndexArrayDataset) and dataset.takes_index_arrays is True

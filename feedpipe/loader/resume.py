@@ -18,7 +18,15 @@ from typing import Any
 import torch
 
 from feedpipe.loader.loader_pass import Epoch
-from feedpipe.loader.rng_state import RngChain, Watch, encode, global_state, private, replay
+from feedpipe.loader.rng_state import (
+    RngChain,
+    RngStates,
+    Watch,
+    encode,
+    global_state,
+    private,
+    replay,
+)
 from feedpipe.loader.skip import SkipLedger
 
 __all__ = ["Resume", "rng_now", "sampler_state", "set_rng", "stateful_sampler", "warn_uncaptured"]
@@ -92,7 +100,9 @@ class Resume:
         self.drop: frozenset[int] = frozenset()  # known-bad samples the stream drops
         self.lent: str | None = None  # the global RNG state lent at iter(), if any
 
-    def begin(self, last: Epoch, chain: RngChain, at_sampler_ok: bool, own_gen: bool) -> Epoch:
+    def begin(
+        self, last: Epoch, chain: Callable[[], RngChain], at_sampler_ok: bool, own_gen: bool
+    ) -> Epoch:
         """Apply the pending state (if any) at ``iter()``: a fresh epoch, its counts, and the
         RNG replay armed. Returns the epoch; :attr:`skip`, :attr:`drop` and :attr:`lent` say
         what else the pass starts with.
@@ -105,7 +115,8 @@ class Resume:
         global RNG's saved state is only lent to the sampler's first draw (mid-epoch always; at
         an epoch boundary when the user's global RNG is not in that state already, else the
         epoch draws from it as the uninterrupted run did). ``own_gen``: the loader has its own
-        ``generator=``, which draws the base seed.
+        ``generator=``, which draws the base seed. ``chain`` makes the loader's ``RngChain``
+        (a walk of the sampler chain), called only with a pending state.
         """
         pending, self.pending = self.pending, None
         self.drop = self.ledger.begin_epoch(last.skipped, pending)
@@ -113,7 +124,7 @@ class Resume:
         self._restore_rng, self._lend, self._seed_gen = None, None, None
         self.lent, self.skip = None, 0
         if pending is not None:
-            self.lent = self._arm(pending, chain, at_sampler_ok)
+            self.lent = self._arm(pending, chain(), at_sampler_ok)
             if own_gen:
                 self._seed_gen = None
             self.skip = epoch.resume_from(pending)
@@ -157,9 +168,9 @@ class Resume:
             self._restore_rng = None
         lend, self._lend = self._lend, None
         lent = encode(lend) if isinstance(lend, torch.Generator) else lend
-        epoch.rng = rng_now(chain)
+        epoch.rng = RngStates.capture(chain)
         if lent is not None and chain.global_name:
-            epoch.rng[chain.global_name] = lent
+            epoch.rng.put(chain.global_name, lent)
         watch = Watch(chain.custom, self.uncaptured) if chain.custom else None
         if lent is None and watch is None:
             return None

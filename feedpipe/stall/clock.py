@@ -9,9 +9,8 @@ time at the turn of an epoch (the ``next()`` that raised ``StopIteration``, a la
 
 from __future__ import annotations
 
-from typing import Any
-
-from feedpipe.stall.records import Block
+from bisect import bisect_left
+from collections.abc import Sequence
 
 __all__ = ["PassClock"]
 
@@ -66,21 +65,20 @@ class PassClock:
         if not self.passes and self.gap is None:
             self.gap = max(now, last[1]) if last is not None else now
 
-    def fold(self, block: Block) -> None:
-        """A folded block of waits: close a gap or a setup its waits began after."""
-        begins: Any = block.begins
+    def fold(self, begins: Sequence[float], last: tuple[float, float]) -> None:
+        """Waits not seen before, in record order (their ``begins``; ``last``: the latest's
+        ``(begin, end)``): close a gap or a setup they began after. The counters hand each
+        record here once, in order, before any pass boundary after it (``fold_clock``)."""
         if self.first_begin is None:
             self.first_begin = float(begins[0])
-        gap, setup, last_begin = self.gap, self.setup, block.last[0]
+        gap, setup, last_begin = self.gap, self.setup, last[0]
         if gap is not None and last_begin >= gap:  # a wait without pass_begin: close it
-            i = int(begins.searchsorted(gap))
-            self.outside_folded += float(begins[i]) - gap
+            self.outside_folded += float(begins[bisect_left(begins, gap)]) - gap
             self.gap = None
         if setup is not None and last_begin >= setup:  # iter() until the first wait
-            i = int(begins.searchsorted(setup))
-            self.stall_extra += float(begins[i]) - setup
+            self.stall_extra += float(begins[bisect_left(begins, setup)]) - setup
             self.setup = None
-        self.last = block.last
+        self.last = last
 
     def stall_s(self, folded: float) -> float:
         """The stall: ``folded`` waits, the turns of epochs and an open ``iter()``."""

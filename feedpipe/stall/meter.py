@@ -153,9 +153,8 @@ class StallMeter:
         self.worker_type: str | None = None
         self.settings: tuple[bool | None, int | None] = (None, None)  # set_settings
         self.notes: list[str] = []  # lines a loader adds to the report (its tuning decisions)
-        self.resets = (
-            0  # times the counters were zeroed or loaded: a window of deltas across one is void
-        )
+        # times the counters were zeroed or loaded: a window of deltas across one is void
+        self.resets = 0
         # the batch log: its object never changes (loaders bind it, and its frombytes, per pass)
         self._waits: array.array[float] = self._counters.log
         self._put = self._waits.frombytes
@@ -346,7 +345,8 @@ class StallMeter:
 
     @property
     def wait_max_s(self) -> float:
-        """The longest folded wait, in seconds."""
+        """The longest wait, in seconds."""
+        self._fold()
         return self._counters.totals.wait_max_s
 
     @property

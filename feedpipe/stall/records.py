@@ -57,11 +57,10 @@ def bucket_value(i: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    """Totals of a block of records, in order (``begins`` for the meter's pass bookkeeping)."""
+    """Totals of a block of records (the pass clock reads the records' begins itself:
+    ``Counters.fold_clock``)."""
 
     batches: int
-    begins: Any  # numpy float64 array: the begin of each wait, in record order
-    last: tuple[float, float]  # (begin, end) of the block's last wait
     stall_s: float
     wait_max_s: float
     hist: Any  # numpy int64 array of NBUCKETS counts
@@ -108,8 +107,6 @@ def fold(values: Any) -> Block:
             stages[name] = (float(t[ran].sum()), calls, int(nbytes[ran].sum()))
     return Block(
         batches=len(rec),
-        begins=begin.copy(),
-        last=(float(rec[-1, 0]), float(rec[-1, 1])),
         stall_s=float(w.sum()),
         wait_max_s=float(w.max()),
         hist=np.bincount(idx, minlength=NBUCKETS),
