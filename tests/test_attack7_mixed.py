@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _mix_reference import mix_loader, start_epoch
 
 from feedpipe import MemmapDataset, MemmapWriter, MixedDataset
 from feedpipe.datasets._mixed_take import ENTER_ALL_MAX, NEW_RECORD_MAX
@@ -269,3 +270,45 @@ def test_readers_racing_close(tmp_path: Path) -> None:
     assert torch.equal(mix.read_batch(idx), want)
     for ds in members.values():
         ds.close()
+
+
+@pytest.mark.parametrize(("before", "after"), [(3, 0), (0, 2), (2, 1)])
+def test_resume_mid_epoch_with_another_worker_count(
+    tmp_path: Path, before: int, after: int
+) -> None:
+    """Fixed members through the loader (thread workers), epoch 3: 4 batches, both states
+    saved; a fresh mix on another number of workers resumes, and the rest is the uninterrupted
+    run, whose batches are the per-sample reads."""
+
+    def make() -> MixedDataset:
+        members = {
+            "a": MemmapDataset(tmp_path / "a"),
+            "b": MemmapDataset(tmp_path / "b"),
+            "c": MemmapDataset(tmp_path / "c"),
+        }
+        return MixedDataset(members, weights={"a": 3, "b": 2, "c": 1}, epoch_samples=77, seed=9)
+
+    for name, n, shards in (("a", 40, 0), ("b", 9, 2), ("c", 3, 0)):
+        _member(tmp_path / name, ord(name), n, 5, shard_records=shards).close()
+    ds = make()
+    loader = mix_loader(ds, workers=before)
+    start_epoch(loader, ds, 3)
+    positions = np.asarray(list(loader.sampler), np.int64)
+    full = list(loader)
+    assert torch.equal(torch.cat(full), _expected(ds, positions))
+    start_epoch(loader, ds, 3)
+    it = iter(loader)
+    first = [next(it) for _ in range(4)]
+    state = {"loader": loader.state_dict(), "mix": ds.state_dict()}
+    del it
+    again = make()
+    resumed = mix_loader(again, workers=after)
+    resumed.load_state_dict(state["loader"])
+    again.load_state_dict(state["mix"])
+    start_epoch(resumed, again, state["mix"]["epoch"])
+    rest = list(resumed)
+    assert len(first) + len(rest) == len(full)
+    for a, b in zip(first + rest, full, strict=True):
+        assert torch.equal(a, b)
+    for d in (*ds.datasets.values(), *again.datasets.values()):
+        d.close()

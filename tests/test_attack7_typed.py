@@ -6,6 +6,7 @@ member's own read is."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -92,5 +93,47 @@ def test_a_column_rewritten_in_place_as_the_member_sees_it(tmp_path: Path, colum
     else:
         _check(mix, idx)
     _check(mix, idx[member == 0][:20])  # a batch of the other member only is read
+    many.close()
+    one.close()
+
+
+def test_typed_readers_racing_close(tmp_path: Path) -> None:
+    """Thread readers of typed members (more maps than HELD_MAX) while the main thread closes
+    them again and again: every batch is the first one's equal or a DatasetError, no reader
+    stuck, no other error."""
+    many = _write(tmp_path / "many", 1000, 150, shard_bytes=16)
+    one = _write(tmp_path / "one", 2000, 5, shard_bytes=1 << 20)
+    mix = MixedDataset({"many": many, "one": one}, epoch_samples=300, seed=5)
+    idx = np.random.default_rng(0).permutation(300)[:40].astype(np.int64)
+    _check(mix, idx)
+    want = mix.read_batch(idx)
+    bad: list[object] = []
+    started = threading.Barrier(3, timeout=60)
+
+    def read() -> None:
+        started.wait()
+        for _ in range(150):
+            try:
+                got = mix.read_batch(idx)
+            except DatasetError:
+                continue
+            except Exception as exc:
+                bad.append(exc)
+                return
+            same = got["text"] == want["text"] and torch.equal(got["tokens"], want["tokens"])
+            if not same or not torch.equal(got["label"], want["label"]):
+                bad.append(got)
+
+    threads = [threading.Thread(target=read) for _ in range(2)]
+    for t in threads:
+        t.start()
+    started.wait()
+    for _ in range(100):
+        many.close()
+        one.close()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert not bad
     many.close()
     one.close()
