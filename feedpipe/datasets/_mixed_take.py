@@ -230,6 +230,17 @@ def _fits(out: Any, n: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> tor
     return view if view.shape[0] == n and view.is_contiguous() else None
 
 
+def _read(
+    spans: _Spans, layout: EpochLayout, idx: np.ndarray, flat: np.ndarray | None
+) -> np.ndarray | None:
+    """:meth:`_Spans.read`, or None where a member's maps were closed meanwhile (by another
+    thread): the caller then reads member by member, each reopened, as its own read is."""
+    try:
+        return spans.read(layout, idx, flat)
+    except ValueError:  # ShardSpace.ensure / enter: "the dataset's shard maps are closed"
+        return None
+
+
 def one_take(
     members: Sequence[Any], layout: EpochLayout, idx: np.ndarray, out: Any, pool: BatchPool
 ) -> torch.Tensor | None:
@@ -243,7 +254,9 @@ def one_take(
     first = members[0]
     rb = spans.view.shape[1]
     if out is None and 0 < rb <= NEW_RECORD_MAX and n * rb < pool.min_bytes:  # as one dataset
-        got = spans.read(layout, idx, None)
+        got = _read(spans, layout, idx, None)
+        if got is None:
+            return None
         return torch.from_numpy(got.view(first.dtype).reshape(n, *first.shape))
     if out is None:
         arr = pool.empty((n, *first.shape), first.dtype)
@@ -255,7 +268,9 @@ def one_take(
         dest, arr = fit, fit.numpy()
     if arr.size:
         flat = arr.reshape(n, -1).view(np.uint8)
-        got = spans.read(layout, idx, flat)
+        got = _read(spans, layout, idx, flat)
+        if got is None:
+            return None
         if got is not flat:  # the batch's memory lay between the members' maps
             if out is not None:
                 np.copyto(flat, got)  # the caller's memory: as numpy's own take would

@@ -253,6 +253,8 @@ def gather(
     total = int(lengths.sum())
     if total >= _BIG_RECORD * n:
         for s, ln, d in zip(starts.tolist(), lengths.tolist(), dest.tolist(), strict=True):
+            if s < 0 or ln < 0 or s + ln > len(buf):  # a slice would clip or count from the end
+                raise IndexError(f"range [{s}, {s + ln}) is outside a buffer of {len(buf)}")
             out[d : d + ln] = buf[s : s + ln]
         return
     unit = _unit(buf, starts, lengths, out, dest)
@@ -264,7 +266,10 @@ def gather(
         return
     count = total // unit
     within = np.arange(count, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    dst[np.repeat(dest, lengths) + within] = src[np.repeat(starts, lengths) + within]
+    at = np.repeat(starts, lengths) + within
+    if count and int(at.min()) < 0:  # numpy would count it from the end
+        raise IndexError(f"a range starts {-int(at.min()) * unit} bytes before the buffer")
+    dst[np.repeat(dest, lengths) + within] = src[at]
 
 
 def _unit(

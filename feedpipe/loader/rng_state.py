@@ -27,6 +27,7 @@ torch's global RNG moves after its first batch, its order cannot be reproduced a
 from __future__ import annotations
 
 import base64
+import functools
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ import torch
 import torch.utils.data as tud
 
 from feedpipe.loader import _torch_compat
+from feedpipe.loader.thread_rng import one_reader
 
 __all__ = [
     "RngChain",
@@ -79,7 +81,7 @@ _RANDOM_ITERS = {
 
 def encode(gen: torch.Generator | None) -> str:
     """A generator's state (the global RNG's for ``None``) as base64 text."""
-    return _text(torch.get_rng_state() if gen is None else gen.get_state())
+    return _text(one_reader(torch.get_rng_state) if gen is None else gen.get_state())
 
 
 def _text(state: torch.Tensor) -> str:
@@ -100,8 +102,12 @@ class RngStates:
     @classmethod
     def capture(cls, chain: RngChain) -> RngStates:
         """The states of every RNG along ``chain`` now (the global RNG's for ``None``)."""
-        get = torch.get_rng_state
-        return cls({n: get() if g is None else g.get_state() for n, g in chain.generators.items()})
+        return cls(
+            {
+                n: one_reader(torch.get_rng_state) if g is None else g.get_state()
+                for n, g in chain.generators.items()
+            }
+        )
 
     def put(self, name: str, text: str) -> None:
         """Record ``name``'s state as the saved ``text`` instead (a state lent to the sampler)."""
@@ -236,7 +242,7 @@ class Watch:
     def snapshot(self, torch_too: bool) -> tuple[Any, ...]:
         np_state = np.random.get_state(legacy=False)
         return (
-            torch.get_rng_state() if torch_too else None,
+            one_reader(torch.get_rng_state) if torch_too else None,
             np_state["state"]["key"].copy(),
             np_state["state"]["pos"],
             np_state["has_gauss"],
@@ -261,8 +267,8 @@ def replay(it: Iterator[Any], lend: str | None, watch: Watch | None) -> Iterator
             break
         user = None
         if lend is not None:
-            user = torch.get_rng_state()
-            torch.set_rng_state(decode(lend))
+            user = one_reader(torch.get_rng_state)
+            one_reader(functools.partial(torch.set_rng_state, decode(lend)))
         before = watch.snapshot(torch_too=n > 0) if watch is not None else None
         try:
             item = next(it)
@@ -270,7 +276,7 @@ def replay(it: Iterator[Any], lend: str | None, watch: Watch | None) -> Iterator
             return
         finally:
             if user is not None:
-                torch.set_rng_state(user)
+                one_reader(functools.partial(torch.set_rng_state, user))
                 lend = None
             if watch is not None and before is not None:
                 watch.check(before)

@@ -10,39 +10,60 @@ a round during which any loader's ``iter()`` ran (:func:`note_iter`) is not judg
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 import threading
 import time
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-__all__ = ["FirstRound", "RNGWatch", "note_iter", "rng_states"]
+__all__ = ["FirstRound", "RNGWatch", "note_iter", "one_reader", "rng_states"]
 
 
-# One reader at a time. torch's generator calls lock the generator's mutex and hold the GIL while
-# they wait for it; the call that holds the mutex may run a garbage collection, and so any
-# finalizer, which may let the GIL go: a second worker thread then waits for the mutex holding
-# the GIL, and neither moves again (a CI hang: two workers in get_rng_state, one inside a
-# LoaderIter finalizer). Waiting for this lock lets the GIL go.
-_READING = threading.RLock()  # reentrant: a finalizer run inside may read too
+# One reader at a time, and no garbage collection while one reads. torch's generator calls lock
+# the generator's mutex and hold the GIL while they wait for it; the call that holds the mutex may
+# run a garbage collection, and so any finalizer, which may let the GIL go: a second thread then
+# waits for the mutex holding the GIL, and neither moves again (a CI hang: two workers in
+# get_rng_state, one inside a LoaderIter finalizer). Waiting for this lock lets the GIL go; with
+# the collector off inside, a reader never lets the GIL go while it holds the mutex, so a thread
+# that calls torch's generator without this lock (the training loop's code) cannot hang on it.
+_READING = threading.RLock()  # reentrant: a finalizer run inside (by refcount) may read too
+
+T = TypeVar("T")
+
+
+def one_reader(call: Callable[[], T]) -> T:
+    """``call()`` (a read or write of the process-global RNGs) with no other such call of
+    feedpipe's running and the garbage collector off meanwhile (see above)."""
+    with _READING:
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return call()
+        finally:
+            if collecting:
+                gc.enable()
 
 
 def rng_states() -> tuple[Any, ...]:
     """The process-global RNG states a thread worker would share with the training loop."""
-    with _READING:
-        np_state: Any = np.random.get_state(legacy=True)
-        return (
-            random.getstate(),
-            np_state[1].tobytes(),
-            np_state[2],
-            torch.initial_seed(),
-            torch.get_rng_state(),
-        )
+    return one_reader(_states)
+
+
+def _states() -> tuple[Any, ...]:
+    np_state: Any = np.random.get_state(legacy=True)
+    return (
+        random.getstate(),
+        np_state[1].tobytes(),
+        np_state[2],
+        torch.initial_seed(),
+        torch.get_rng_state(),
+    )
 
 
 def _changed(before: tuple[Any, ...], after: tuple[Any, ...], seeded: bool) -> list[str]:
