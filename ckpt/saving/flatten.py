@@ -25,6 +25,7 @@ from ckpt.errors import CheckpointError
 from ckpt.format.dtypes import TORCH_DTYPES, torch_dtype
 from ckpt.format.limits import ALIGN, MAX_DEPTH
 from ckpt.types import make_enum, make_namedtuple, type_name
+from feedpipe.io.rng_reader import one_reader
 
 __all__ = [
     "ALIGN",
@@ -418,6 +419,10 @@ def _tensor(node: Node, value: torch.Tensor) -> torch.Tensor:
 
 def rng_state() -> dict[str, Any]:
     """The Python, numpy, torch CPU and (when available) CUDA generator states."""
+    return one_reader(_rng_state)  # feedpipe's thread workers read it too (see one_reader)
+
+
+def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),

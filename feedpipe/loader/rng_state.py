@@ -37,8 +37,8 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
+from feedpipe.io.rng_reader import one_reader
 from feedpipe.loader import _torch_compat
-from feedpipe.loader.thread_rng import one_reader
 
 __all__ = [
     "RngChain",

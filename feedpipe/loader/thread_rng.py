@@ -10,44 +10,20 @@ a round during which any loader's ``iter()`` ran (:func:`note_iter`) is not judg
 
 from __future__ import annotations
 
-import gc
 import itertools
 import random
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["FirstRound", "RNGWatch", "note_iter", "one_reader", "rng_states"]
+from feedpipe.io.rng_reader import one_reader
 
-
-# One reader at a time, and no garbage collection while one reads. torch's generator calls lock
-# the generator's mutex and hold the GIL while they wait for it; the call that holds the mutex may
-# run a garbage collection, and so any finalizer, which may let the GIL go: a second thread then
-# waits for the mutex holding the GIL, and neither moves again (a CI hang: two workers in
-# get_rng_state, one inside a LoaderIter finalizer). Waiting for this lock lets the GIL go; with
-# the collector off inside, a reader never lets the GIL go while it holds the mutex, so a thread
-# that calls torch's generator without this lock (the training loop's code) cannot hang on it.
-_READING = threading.RLock()  # reentrant: a finalizer run inside (by refcount) may read too
-
-T = TypeVar("T")
-
-
-def one_reader(call: Callable[[], T]) -> T:
-    """``call()`` (a read or write of the process-global RNGs) with no other such call of
-    feedpipe's running and the garbage collector off meanwhile (see above)."""
-    with _READING:
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            return call()
-        finally:
-            if collecting:
-                gc.enable()
+__all__ = ["FirstRound", "RNGWatch", "note_iter", "rng_states"]
 
 
 def rng_states() -> tuple[Any, ...]:
