@@ -98,7 +98,10 @@ class FixedRecords:
         space = self.files.space()
         if space is None or not space.one_file:
             return None
-        flat = space.take_new(idx)
+        try:
+            flat = space.take_new(idx)
+        except ValueError:  # its maps closed by another thread since: the general path reopens
+            return None
         return torch.from_numpy(flat.view(self.dtype).reshape(n, *self.shape))
 
     def one(self, i: int, sid: int, local: int) -> torch.Tensor:

@@ -248,7 +248,10 @@ def one_take(
     record ``layout.vbase[k] + i``) in one gather, into a new tensor (memory from ``pool``, the
     dataset's own: it goes with the dataset) or ``out``; None where that cannot be had."""
     n = len(idx)
-    spans = _spans(members, layout.vbase) if n else None
+    try:
+        spans = _spans(members, layout.vbase) if n else None
+    except ValueError:  # a member's maps closed meanwhile (another thread), as in :func:`_read`
+        return None
     if spans is None:
         return None
     first = members[0]
