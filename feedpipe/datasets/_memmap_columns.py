@@ -45,7 +45,9 @@ class ColumnReader:
 
     # ------------------------------------------------------------------ side fields
     def column(self, name: str) -> np.ndarray:
-        """A side field for all records, concatenated over shards (small; kept in memory)."""
+        """A side field for all records, concatenated over shards (small; kept in memory;
+        its files are checked before every use: ``ShardFiles.check_whole``)."""
+        self.files.check_whole(f"field.{name}")
         col = self._columns.get(name)
         if col is None:
             spec = self.fields[name]
@@ -77,6 +79,7 @@ class ColumnReader:
     def offsets(self, sid: int, col: Column | None = None) -> np.ndarray:
         """Shard ``sid``'s checked offsets of ``col`` (None: the bytes layout's records)."""
         role = "offsets" if col is None else col.offsets_role
+        self.files.check_whole(role, [sid])  # kept in memory, checked before every use
         off = self._offsets.get((role, sid))
         if off is None:
             source = self.files.source

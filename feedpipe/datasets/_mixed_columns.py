@@ -97,9 +97,10 @@ class _Plan:
 
     def whole(self, name: str) -> np.ndarray:
         """Fixed side field ``name`` of every member, concatenated in member order."""
+        parts = [r.column(name) for r in self.readers]  # each checked before every use
         col = self._whole.get(name)
         if col is None:
-            col = self._whole[name] = np.concatenate([r.column(name) for r in self.readers])
+            col = self._whole[name] = np.concatenate(parts)
         return col
 
 
