@@ -9,6 +9,7 @@ kept in memory, and were never checked again: their rewrite went unseen."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import re
 from pathlib import Path
@@ -102,11 +103,17 @@ def _reader(tmp_path: Path, layout: str, via: str) -> tuple[Any, Any, Path, list
 
 
 @pytest.mark.parametrize("how", ["same-size", "truncated"])
-@pytest.mark.parametrize("via", ["read_batch", "getitem", "mixed"])
-@pytest.mark.parametrize(("layout", "suffix"), KINDS)
+@pytest.mark.parametrize("via", ["read_batch", "getitem", "mixed", "no-inotify"])
+@pytest.mark.parametrize("kind", KINDS, ids=["-".join(k) for k in KINDS])
 def test_every_file_rewritten_after_a_read_is_refused_naming_it(
-    tmp_path: Path, layout: str, suffix: str, via: str, how: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: tuple[str, str], via: str, how: str
 ) -> None:
+    layout, suffix = kind
+    if via == "no-inotify":  # out of watches (or none to be had): stat per read finds it
+        from feedpipe.datasets import _shard_guard
+
+        monkeypatch.setattr(_shard_guard.watcher(), "add", lambda *a: -1)
+        via = "read_batch"
     read, close, where, before = _reader(tmp_path, layout, via)
     try:
         path = where / f"shard-00000.{suffix}"
@@ -121,3 +128,34 @@ def test_every_file_rewritten_after_a_read_is_refused_naming_it(
         assert _same(read(), before[0])
     finally:
         close()
+
+
+def _read_in_child(ds: MemmapDataset, out: Any) -> None:
+    try:
+        ds.read_batch(np.arange(N, dtype=np.int64))
+        out.put("served")
+    except DatasetError as exc:
+        out.put(f"refused: {exc}")
+
+
+@pytest.mark.parametrize("suffix", ["label", "tokens.offsets"])
+def test_a_forked_worker_checks_the_files_its_parent_read_whole(
+    tmp_path: Path, suffix: str
+) -> None:
+    """A forked worker inherits its parent's side fields and offsets in memory; the file
+    rewritten since the dataset was opened is refused in the child too (it checks every
+    file it uses for itself: stamp, then CRC32C), naming the file."""
+    ds = _write(tmp_path / "d", "fixed")
+    ds.read_batch(np.arange(N, dtype=np.int64))  # read whole and kept, here
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    path = tmp_path / "d" / f"shard-00000.{suffix}"
+    _change(path, "same-size")
+    child = ctx.Process(target=_read_in_child, args=(ds, out))
+    child.start()
+    try:
+        got = out.get(timeout=60)
+    finally:
+        child.join(timeout=60)
+    assert got.startswith("refused: ") and f"shard-00000.{suffix}: shard 0 file" in got, got
+    ds.close()

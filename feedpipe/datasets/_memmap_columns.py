@@ -44,10 +44,16 @@ class ColumnReader:
         return {**self.__dict__, "_offsets": {}, "_columns": {}}
 
     # ------------------------------------------------------------------ side fields
-    def column(self, name: str) -> np.ndarray:
-        """A side field for all records, concatenated over shards (small; kept in memory;
-        its files are checked before every use: ``ShardFiles.check_whole``)."""
+    def check_column(self, name: str) -> None:
+        """Raise if a file of side field ``name`` changed since it was read (before every use
+        of :meth:`column`'s values: ``ShardFiles.check_whole``)."""
         self.files.check_whole(f"field.{name}")
+
+    def column(self, name: str, check: bool = True) -> np.ndarray:
+        """A side field for all records, concatenated over shards (small; kept in memory;
+        ``check``: :meth:`check_column` first; each file is checked when read in any case)."""
+        if check:
+            self.check_column(name)
         col = self._columns.get(name)
         if col is None:
             spec = self.fields[name]

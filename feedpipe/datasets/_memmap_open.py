@@ -39,6 +39,7 @@ from feedpipe.datasets._filemap import close_fd, map_file
 from feedpipe.datasets._gather import ShardSpace, map_budget
 from feedpipe.datasets._memmap_files import ShardSource
 from feedpipe.datasets._shard_guard import ShardGuard
+from feedpipe.errors import DatasetError
 
 __all__ = ["OpenShard", "OpenShards", "ShardFiles", "WatchedFiles"]
 
@@ -159,12 +160,29 @@ class OpenShards:
         if rows is None or (record_bytes and rows.ndim == 1):
             with self._lock:
                 if shard.rows is None:
-                    shard.rows = map_file(shard.fd, shard.nbytes)  # holds no descriptor
+                    shard.rows = self._map(shard)
                     shard.address = int(shard.rows.ctypes.data)
                 if record_bytes and shard.rows.ndim == 1:  # kept: dma registers this very array
                     shard.rows = shard.rows.reshape(-1, record_bytes)
                 rows = shard.rows
         return rows if record_bytes or rows.ndim == 1 else rows.reshape(-1)
+
+    def _map(self, shard: OpenShard) -> np.ndarray:
+        """Map ``shard`` (holds no descriptor); one :meth:`close` closed meanwhile (a reader
+        racing the dataset's close) is a :class:`DatasetError`, never an ``OSError``."""
+        fd = shard.fd
+        try:
+            if fd < 0:
+                raise OSError(9, "closed")
+            return map_file(fd, shard.nbytes)
+        except OSError as exc:
+            if shard.fd >= 0 and fd >= 0:
+                raise
+            path = self._guard.table.paths[shard.sid] if self._guard else f"shard {shard.sid}"
+            raise DatasetError(
+                f"{path}: shard {shard.sid} file was closed while being read (the dataset was "
+                "closed meanwhile); read again"
+            ) from exc
 
     def release_idle(self) -> None:
         """Close every shard not in use now and end its lease."""

@@ -64,7 +64,7 @@ __all__ = [
 
 Stamp = tuple[int, int, int]  # (device, inode, mtime_ns)
 
-_IN_MODIFY, _IN_Q_OVERFLOW = 0x00000002, 0x00004000
+_IN_MODIFY, _IN_Q_OVERFLOW, _IN_IGNORED = 0x00000002, 0x00004000, 0x00008000
 _IN_NONBLOCK, _IN_CLOEXEC = 0o4000, 0o2000000
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name)
 _CHUNK = 8 << 20
@@ -365,6 +365,8 @@ class _Watcher:
                 while pos + _EVENT.size <= len(buf):
                     wd, mask, _cookie, length = _EVENT.unpack_from(buf, pos)
                     pos += _EVENT.size + length
+                    if mask & _IN_IGNORED:  # the file is gone (deleted, unlinked and closed):
+                        continue  # nothing can write it any more; what was read stays valid
                     # lost events (queue overflow): every watched shard is re-checked
                     lost = mask & _IN_Q_OVERFLOW
                     every = list(self._owners.values()) if lost else [self._owners.get(wd, [])]
