@@ -159,3 +159,19 @@ def test_a_forked_worker_checks_the_files_its_parent_read_whole(
         child.join(timeout=60)
     assert got.startswith("refused: ") and f"shard-00000.{suffix}: shard 0 file" in got, got
     ds.close()
+
+
+def test_a_shard_closed_under_its_reader_is_a_dataset_error_naming_it(tmp_path: Path) -> None:
+    """A reader that pinned a shard while the dataset's ``close()`` closed it (atk7's racing
+    closes) gets a :class:`DatasetError` naming the file when it maps it, never an ``OSError``
+    (EBADF from mapping the closed descriptor)."""
+    ds = _write(tmp_path / "d", "bytes")
+    reader = ds.column_reader()
+    assert reader is not None
+    files = reader.files.files("data")
+    with files.use(0) as shard:
+        files.close()  # what the dataset's close() does to every open shard
+        with pytest.raises(DatasetError, match=r"shard-00000\.data: shard 0 file was closed"):
+            files.rows(shard, 0)
+    assert ds.read_batch(np.arange(N, dtype=np.int64))["label"].tolist() == list(range(N))
+    ds.close()
