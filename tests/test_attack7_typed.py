@@ -6,6 +6,7 @@ member's own read is."""
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -67,9 +68,9 @@ def test_more_maps_than_held_max_and_empty_rows(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("column", ["tokens", "tokens.offsets", "text", "label"])
 def test_a_column_rewritten_in_place_as_the_member_sees_it(tmp_path: Path, column: str) -> None:
-    """A column file of the one-shard member rewritten in place: where the member's own read
-    refuses it, every mixed batch touching the member is refused, and a batch of the other
-    member only is read; where the member serves it (what it holds), the mix serves the same."""
+    """A column file of the one-shard member rewritten in place: the member's own read refuses
+    it naming the file (whatever its kind: data, offsets, side field), every mixed batch
+    touching the member is refused, and a batch of the other member only is read."""
     many = _write(tmp_path / "many", 1000, 150, shard_bytes=16)
     one = _write(tmp_path / "one", 2000, 5, shard_bytes=1 << 20)
     mix = MixedDataset({"many": many, "one": one}, epoch_samples=300, seed=5)
@@ -79,19 +80,14 @@ def test_a_column_rewritten_in_place_as_the_member_sees_it(tmp_path: Path, colum
         head = f.read(4)
         f.seek(0)
         f.write(bytes(255 - b for b in head))
-    try:
+    name = f"shard-00000.{column}: shard 0 file"  # every file kind is checked (typedguard)
+    with pytest.raises(DatasetError, match=re.escape(name)):
         one.read_batch(np.arange(5, dtype=np.int64))
-        refused = False
-    except DatasetError:
-        refused = True
     member, _ = mix.locate(idx)
-    if refused:
-        with pytest.raises(DatasetError):
-            mix.read_batch(idx)
-        with pytest.raises(DatasetError):
-            mix.read_batch(idx[member == 1][:1])
-    else:
-        _check(mix, idx)
+    with pytest.raises(DatasetError, match=re.escape(name)):
+        mix.read_batch(idx)
+    with pytest.raises(DatasetError, match=re.escape(name)):
+        mix.read_batch(idx[member == 1][:1])
     _check(mix, idx[member == 0][:20])  # a batch of the other member only is read
     many.close()
     one.close()

@@ -44,8 +44,16 @@ class ColumnReader:
         return {**self.__dict__, "_offsets": {}, "_columns": {}}
 
     # ------------------------------------------------------------------ side fields
-    def column(self, name: str) -> np.ndarray:
-        """A side field for all records, concatenated over shards (small; kept in memory)."""
+    def check_column(self, name: str) -> None:
+        """Raise if a file of side field ``name`` changed since it was read (before every use
+        of :meth:`column`'s values: ``ShardFiles.check_whole``)."""
+        self.files.check_whole(f"field.{name}")
+
+    def column(self, name: str, check: bool = True) -> np.ndarray:
+        """A side field for all records, concatenated over shards (small; kept in memory;
+        ``check``: :meth:`check_column` first; each file is checked when read in any case)."""
+        if check:
+            self.check_column(name)
         col = self._columns.get(name)
         if col is None:
             spec = self.fields[name]
@@ -77,6 +85,7 @@ class ColumnReader:
     def offsets(self, sid: int, col: Column | None = None) -> np.ndarray:
         """Shard ``sid``'s checked offsets of ``col`` (None: the bytes layout's records)."""
         role = "offsets" if col is None else col.offsets_role
+        self.files.check_whole(role, [sid])  # kept in memory, checked before every use
         off = self._offsets.get((role, sid))
         if off is None:
             source = self.files.source

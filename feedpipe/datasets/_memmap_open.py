@@ -39,8 +39,9 @@ from feedpipe.datasets._filemap import close_fd, map_file
 from feedpipe.datasets._gather import ShardSpace, map_budget
 from feedpipe.datasets._memmap_files import ShardSource
 from feedpipe.datasets._shard_guard import ShardGuard
+from feedpipe.errors import DatasetError
 
-__all__ = ["OpenShard", "OpenShards", "ShardFiles"]
+__all__ = ["OpenShard", "OpenShards", "ShardFiles", "WatchedFiles"]
 
 Opener = Callable[[int], tuple[int, Callable[[], None]]]
 _PREAD_IDLE = 64  # descriptors kept open per role by read="pread" (the rest closed, LRU)
@@ -159,12 +160,29 @@ class OpenShards:
         if rows is None or (record_bytes and rows.ndim == 1):
             with self._lock:
                 if shard.rows is None:
-                    shard.rows = map_file(shard.fd, shard.nbytes)  # holds no descriptor
+                    shard.rows = self._map(shard)
                     shard.address = int(shard.rows.ctypes.data)
                 if record_bytes and shard.rows.ndim == 1:  # kept: dma registers this very array
                     shard.rows = shard.rows.reshape(-1, record_bytes)
                 rows = shard.rows
         return rows if record_bytes or rows.ndim == 1 else rows.reshape(-1)
+
+    def _map(self, shard: OpenShard) -> np.ndarray:
+        """Map ``shard`` (holds no descriptor); one :meth:`close` closed meanwhile (a reader
+        racing the dataset's close) is a :class:`DatasetError`, never an ``OSError``."""
+        fd = shard.fd
+        try:
+            if fd < 0:
+                raise OSError(9, "closed")
+            return map_file(fd, shard.nbytes)
+        except OSError as exc:
+            if shard.fd >= 0 and fd >= 0:
+                raise
+            path = self._guard.table.paths[shard.sid] if self._guard else f"shard {shard.sid}"
+            raise DatasetError(
+                f"{path}: shard {shard.sid} file was closed while being read (the dataset was "
+                "closed meanwhile); read again"
+            ) from exc
 
     def release_idle(self) -> None:
         """Close every shard not in use now and end its lease."""
@@ -244,6 +262,59 @@ class OpenShards:
         return out
 
 
+class WatchedFiles:
+    """One role's files read whole once and kept in memory (side fields, offsets): the same
+    rule as every mapped file (:mod:`~._shard_guard`). Each file is opened once per process,
+    checked at open (``guard.admit``/``guard.opened``: indexed size, stamp or CRC32C) and
+    watched from then on; :meth:`check`, before every use of what was read, raises a
+    :class:`~feedpipe.errors.DatasetError` naming the file if one changed since (a rewrite in
+    place, a truncation). The file is not kept open (the watch is on the file itself)."""
+
+    def __init__(self, opener: Opener, guard: ShardGuard, count: int) -> None:
+        self.pid = os.getpid()
+        self._opener, self._guard = opener, guard
+        self._lock = threading.Lock()
+        self._watched = np.zeros(count, bool)
+        self._every = np.arange(count, dtype=np.intp)
+        self._all = count == 0  # every file watched: check(None) does no per-shard work
+
+    def check(self, sids: list[int] | None = None) -> None:
+        """Raise if a file of ``sids`` (None: every shard) changed since it was read; a file
+        not watched yet in this process is opened, checked and watched first."""
+        if sids is None:
+            if not self._all:
+                for s in np.flatnonzero(~self._watched).tolist():
+                    self._watch(s)
+                self._all = True
+            sids_arr: np.ndarray | list[int] = self._every
+        else:
+            for s in sids:
+                if not self._watched[s]:
+                    self._watch(s)
+            sids_arr = sids
+        with self._lock:
+            self._guard.check(sids_arr)
+
+    def _watch(self, sid: int) -> None:
+        fd, release = self._opener(sid)
+        try:
+            admitted = self._guard.admit(sid, fd)  # outside the lock: may verify
+            with self._lock:
+                if not self._watched[sid]:
+                    self._guard.opened(sid, fd, admitted)
+                    self._watched[sid] = True
+        finally:
+            os.close(fd)
+            release()
+
+    def close(self) -> None:
+        """Stop watching (a forked child's copy only forgets)."""
+        with self._lock:
+            self._guard.forget()
+            self._watched[:] = False
+            self._all = len(self._watched) == 0
+
+
 class ShardFiles:
     """This process's open files of one dataset (see the module docstring); thread-safe."""
 
@@ -257,6 +328,7 @@ class ShardFiles:
         self._lock = threading.RLock()  # first reads may come from several threads at once
         self._pid = -1  # the process the open files below belong to
         self._roles: dict[str, OpenShards] = {}
+        self._whole: dict[str, WatchedFiles] = {}  # files read whole, by role
         self._space: ShardSpace | bool | None = None  # False: this dataset reads per shard
 
     # ------------------------------------------------------------------ where a record is
@@ -302,7 +374,7 @@ class ShardFiles:
                 return files
         with self._lock:
             if self._pid != os.getpid():  # a forked child: the parent's files are not its own
-                self._pid, self._roles = os.getpid(), {}
+                self._pid, self._roles, self._whole = os.getpid(), {}, {}
             files = self._roles.get(role)
             if files is None:
                 files = self._roles[role] = self._opener(role)
@@ -324,6 +396,28 @@ class ShardFiles:
             mapped=not pread,
             idle_count=_PREAD_IDLE if pread else max(64, map_budget() // 8),
         )
+
+    def check_whole(self, role: str, sids: list[int] | None = None) -> None:
+        """Raise a :class:`~feedpipe.errors.DatasetError` naming the file if a ``role`` file of
+        shards ``sids`` (None: every shard), read whole and kept (side fields, offsets),
+        changed since it was read (:class:`WatchedFiles`); call before every use. Remote
+        datasets' cache files are checked when read only (the cache verifies them)."""
+        if self.source.remote:
+            return
+        whole = self._whole.get(role) if self._pid == os.getpid() else None
+        if whole is None:
+            with self._lock:
+                if self._pid != os.getpid():  # a forked child: the parent's files are not its own
+                    self._pid, self._roles, self._whole = os.getpid(), {}, {}
+                whole = self._whole.get(role)
+                if whole is None:
+                    source = self.source
+                    whole = self._whole[role] = WatchedFiles(
+                        lambda sid: source.open(sid, role),
+                        ShardGuard(source.table(role)),
+                        len(source.index.shards),
+                    )
+        whole.check(sids)
 
     def rows(self, shard: OpenShard) -> np.ndarray:
         """A record shard's data mapped read-only: ``(records, record_bytes)`` uint8 (fixed)."""
@@ -376,10 +470,14 @@ class ShardFiles:
         roles, self._roles = self._roles, {}
         for files in roles.values():
             files.close()
+        whole, self._whole = self._whole, {}
+        for w in whole.values():
+            if w.pid == os.getpid():
+                w.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_lock=None, _pid=-1, _roles={}, _space=None)
+        state.update(_lock=None, _pid=-1, _roles={}, _space=None, _whole={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ an ``out``, no rows) returns ``None``: the caller reads member by member and mer
 from __future__ import annotations
 
 import mmap
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,11 +95,15 @@ class _Plan:
         """Each member's pad value now (as its own read pads: an assignment is followed)."""
         return [r.pad_value for r in self.readers]
 
-    def whole(self, name: str) -> np.ndarray:
-        """Fixed side field ``name`` of every member, concatenated in member order."""
+    def whole(self, name: str, members: Iterable[int]) -> np.ndarray:
+        """Fixed side field ``name`` of every member, concatenated in member order; the files
+        of ``members`` (those the batch reads) checked first, as before every use."""
+        for k in members:
+            self.readers[k].check_column(name)
         col = self._whole.get(name)
         if col is None:
-            col = self._whole[name] = np.concatenate([r.column(name) for r in self.readers])
+            parts = [r.column(name, check=False) for r in self.readers]  # checked when read
+            col = self._whole[name] = np.concatenate(parts)
         return col
 
 
@@ -187,7 +191,9 @@ def typed_take(
             batch.update(_variable(plan, col, rows, member, n))
         else:
             virtual = layout.virtual(idx) if virtual is None else virtual
-            batch[name] = torch.from_numpy(plan.whole(name).take(virtual, axis=0))
+            batch[name] = torch.from_numpy(
+                plan.whole(name, {r.k for r in rows}).take(virtual, axis=0)
+            )
     if not plan.fields and plan.mode == "nested":
         return batch["data"]
     return batch

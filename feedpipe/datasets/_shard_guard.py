@@ -1,10 +1,12 @@
 """One integrity rule for every shard file a dataset reads, whatever its layout.
 
-Every read of a shard file goes through one of two holders: :class:`~._gather.ShardSpace`
-(fixed records mapped side by side) or :class:`~._memmap_open.OpenShards` (every other file:
-bytes records, typed columns, ragged records, the token column of ``TokenWindows``, and fixed
-records read shard by shard). Both call the same :class:`ShardGuard`, so the rule is stated and
-kept here only:
+Every read of a shard file goes through one of three holders: :class:`~._gather.ShardSpace`
+(fixed records mapped side by side), :class:`~._memmap_open.OpenShards` (every other mapped
+file: bytes records, typed columns' data, ragged records, the token column of
+``TokenWindows``, and fixed records read shard by shard) or :class:`~._memmap_open.WatchedFiles`
+(files read whole and kept in memory: side fields, offsets; checked before every use of what
+was kept, so a rewrite after the read is refused as a mapped file's is). All call the same
+:class:`ShardGuard`, so the rule is stated and kept here only:
 
 1. **At open** (:meth:`ShardGuard.admit`, with the file's descriptor, before it is mapped or
    read, outside the holder's lock so that threads check shards in parallel; then
@@ -22,7 +24,8 @@ kept here only:
    ``inotify`` (``IN_MODIFY``, which a truncation or a write raises), one instance per process
    shared by every dataset; the watch is added through ``/proc/self/fd/N``, so it is on the very
    file mapped even if the path was swapped meanwhile. One non-blocking read of that instance
-   per batch tells whether any watched file changed; only those are re-checked: another size
+   per batch tells whether any watched file changed (a watch's removal, ``IN_IGNORED``: the
+   file is gone, nothing can change it); only those are re-checked: another size
    is an error, the same size is checked against the CRC32C (bytes rewritten in place are an
    error; a restore of the indexed bytes is accepted again). A mapped file modified after its
    path was swapped cannot be checked and is an error. Where inotify is unavailable (or out of
@@ -64,7 +67,7 @@ __all__ = [
 
 Stamp = tuple[int, int, int]  # (device, inode, mtime_ns)
 
-_IN_MODIFY, _IN_Q_OVERFLOW = 0x00000002, 0x00004000
+_IN_MODIFY, _IN_Q_OVERFLOW, _IN_IGNORED = 0x00000002, 0x00004000, 0x00008000
 _IN_NONBLOCK, _IN_CLOEXEC = 0o4000, 0o2000000
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name)
 _CHUNK = 8 << 20
@@ -365,6 +368,8 @@ class _Watcher:
                 while pos + _EVENT.size <= len(buf):
                     wd, mask, _cookie, length = _EVENT.unpack_from(buf, pos)
                     pos += _EVENT.size + length
+                    if mask & _IN_IGNORED:  # the file is gone (deleted, unlinked and closed):
+                        continue  # nothing can write it any more; what was read stays valid
                     # lost events (queue overflow): every watched shard is re-checked
                     lost = mask & _IN_Q_OVERFLOW
                     every = list(self._owners.values()) if lost else [self._owners.get(wd, [])]
