@@ -297,13 +297,6 @@ def test_one_bad_label_file_refuses_only_the_batches_reading_its_shard(tmp_path:
 
 
 # ---------------------------------------------------------------- rewrite racing the first read
-@pytest.mark.xfail(
-    strict=True,
-    reason="atk8: a side file rewritten in place (mtime restored) between its first check "
-    "(ShardFiles.check_whole: watch + first-use CRC32C) and its read whole "
-    "(ShardSource.read_whole: stamp only, the CRC flag already set) is kept and served once "
-    "with the new values; the bytes read whole are never checked against the index CRC32C",
-)
 @pytest.mark.parametrize("suffix", ["label", "tokens.offsets"])
 def test_a_side_file_rewritten_between_its_check_and_its_read_is_never_served(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str

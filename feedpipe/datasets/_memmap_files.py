@@ -218,8 +218,13 @@ class ShardSource:
         info = self.index.shards[sid].files[role]
         fd, release = self.open(sid, role, on_wait)
         try:
-            ShardGuard(self.table(role), watch=False).opened(sid, fd)
-            return _pread_exact(fd, info.bytes, 0, self.local_path(sid, role))
+            guard = ShardGuard(self.table(role), watch=False)
+            guard.opened(sid, fd)
+            data = _pread_exact(fd, info.bytes, 0, self.local_path(sid, role))
+            # the bytes kept are the bytes checked: a rewrite after the first use's check (which
+            # may have set the once-per-file CRC flag) and before this read is refused too
+            guard.verify_bytes(sid, data)
+            return data
         finally:
             os.close(fd)
             release()
