@@ -43,6 +43,7 @@ degrades to doing nothing (or to torch's own behaviour) when the internal it nee
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -344,10 +345,26 @@ def shutdown_iterator(loader: Any) -> None:
 
 
 def _ask_to_exit(source: Any) -> None:
-    """torch's own request to its workers: the done event, then ``None`` on every index queue."""
-    source._workers_done_event.set()
+    """torch's own request to its workers: the done event, then ``None`` on every index queue.
+    The event is set only if its lock can be had within a second: a worker killed while it held
+    it (its loop reads the event every turn) leaves it held for ever, and then the ``None`` and
+    the reaper's signals are the request."""
+    event = source._workers_done_event
+    if _lock_free(event):
+        event.set()
     for q in source._index_queues:
         q.put(None)
+
+
+def _lock_free(event: Any) -> bool:
+    """Whether ``event``'s lock (a multiprocessing Event's condition) is had within a second."""
+    cond = getattr(event, "_cond", None)
+    if cond is None:
+        return True
+    if not cond.acquire(True, 1.0):
+        return False
+    cond.release()
+    return True
 
 
 def end_workers(source: Any, bound: Bound = DEFAULT_BOUND) -> None:
@@ -359,6 +376,12 @@ def end_workers(source: Any, bound: Bound = DEFAULT_BOUND) -> None:
     workers = [w for w in getattr(source, "_workers", None) or [] if w.pid is not None]
     if workers and not source._shutdown:
         end_processes(workers, "DataLoader worker", ask=lambda: _ask_to_exit(source), bound=bound)
+        if not any(w.is_alive() for w in workers):
+            # a worker killed while it read the done event (its loop does, every turn) leaves the
+            # event's lock held by a dead process, and torch's shutdown would wait forever to set
+            # it (a fresh-clone run: test_no_error_arrives_asynchronously_after_a_worker_death).
+            # No worker is left to read it: torch's shutdown sets a fresh one.
+            source._workers_done_event = multiprocessing.Event()
     shutdown = getattr(source, "_shutdown_workers", None)
     if callable(shutdown):
         shutdown()
