@@ -7,8 +7,9 @@ with ``.to("cuda", non_blocking=True)``. feedpipe reads the same records with th
 process workers and no workers. Every row runs whole epochs for ``--seconds`` after a warm-up
 batch, repetitions interleaved, best kept; the ratio to torch is printed per row.
 
-``--profile`` adds, for one record size, a cProfile of the consuming thread over feedpipe's
-thread-worker loop (where the per-batch fixed cost goes) and the per-batch wall time.
+``--profile 512,8192`` adds, for those record sizes, a cProfile of the consuming thread over
+feedpipe's thread-worker, process-worker and no-worker loops (where the per-batch fixed cost
+goes) and the per-batch wall time.
 
     python benchmarks/small_batches.py                        # the H200 machine
     python benchmarks/small_batches.py --device cpu --gb 0.02 --seconds 0.5   # smoke check
@@ -101,19 +102,19 @@ def bench(ds: Any, rec: int, args: argparse.Namespace, dev: torch.device) -> Non
 
 def profile(ds: Any, args: argparse.Namespace, dev: torch.device) -> None:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    for workers in (args.workers, 0):
-        loader = _feed(ds, args.batch, workers, "thread", dev)
+    for kind, workers in (("thread", args.workers), ("process", args.workers), ("thread", 0)):
+        loader = _feed(ds, args.batch, workers, kind, dev)
         _epochs(loader, lambda b: b, 0.3, sync, ds.record_bytes)  # warm
         prof = cProfile.Profile()
         prof.enable()
         sps = _epochs(loader, lambda b: b, args.seconds, sync, ds.record_bytes)
         prof.disable()
         print(
-            f"\nprofile, {workers} thread workers: {sps:,.0f} samples/s, "
+            f"\nprofile, {ds.record_bytes} B, {workers} {kind} workers: {sps:,.0f} samples/s, "
             f"{1e6 * args.batch / sps:.1f} us per batch (consuming thread):"
         )
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile_lines)
         print("\n".join(s.getvalue().splitlines()[4:]))
 
 
@@ -126,7 +127,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--records", default="512,8192,262144")
-    p.add_argument("--profile", type=int, default=0, help="record size to profile (0: none)")
+    p.add_argument("--profile", default="", help="record sizes to profile (comma-separated)")
+    p.add_argument("--profile-lines", type=int, default=22)
     p.add_argument("--dir", default=None)
     args = p.parse_args()
     dev = torch.device(args.device)
@@ -135,7 +137,7 @@ def main() -> None:
         for rec in [int(r) for r in args.records.split(",") if r]:
             ds = feedpipe.MemmapDataset(make_dataset(root, rec, int(args.gb * 1e9)))
             bench(ds, rec, args, dev)
-            if rec == args.profile:
+            if str(rec) in args.profile.split(","):
                 profile(ds, args, dev)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 
 from feedpipe.device import dma as _memmap_dma
+from feedpipe.device.cudacalls import cuda_calls
+from feedpipe.device.event_pool import EventPool
 from feedpipe.io import trace
 from feedpipe.protocols import DMADataset
 
@@ -85,11 +87,15 @@ class DirectReader:
     """What the loader's workers read from on the direct path: ``read_batch`` puts the records
     on the device (copy stream ``stream``) and reports the copy time through ``note``."""
 
-    def __init__(self, dataset: Any, device: torch.device, stream: Any, note: Any) -> None:
+    def __init__(
+        self, dataset: Any, device: torch.device, stream: Any, note: Any, events: Any = None
+    ) -> None:
         self.dataset = dataset
         self.device = device
         self.stream = stream
         self.note = note  # note(start_event, end_event, nbytes) or None (counters off)
+        self.events = events or EventPool()  # the feed's: note() gives them back there
+        self.calls = cuda_calls()
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -103,16 +109,15 @@ class DirectReader:
     def read_batch(self, indices: Any, out: Any = None) -> Any:
         """The batch of ``indices`` with its records on the device (copies in flight on the
         copy stream; the feed orders the consumer after them)."""
-        ds, note = self.dataset, self.note
-        with trace.span("feedpipe/h2d"), torch.cuda.stream(self.stream):
+        ds, note, stream = self.dataset, self.note, self.stream
+        with trace.span("feedpipe/h2d"), torch.cuda.stream(stream):
             dest = ds.device_out(len(indices), self.device)
             if note is None:
                 return ds.read_batch(indices, out=dest)
-            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # unannotated in torch
-            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # unannotated in torch
-            start.record()
+            start, end = self.events.take(), self.events.take()
+            self.calls.record(start, stream)
             batch = ds.read_batch(indices, out=dest)
-            end.record()
+            self.calls.record(end, stream)
         data = dest["data"] if isinstance(dest, dict) else dest
         note(start, end, data.numel() * data.element_size())
         return batch

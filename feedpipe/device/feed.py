@@ -51,6 +51,9 @@ from typing import Any
 
 import torch
 
+from feedpipe.device.copy_times import CopyTimes
+from feedpipe.device.cudacalls import cuda_calls
+from feedpipe.device.event_pool import EventPool
 from feedpipe.device.ring import Event, Ring, RingClosedError, Slot, flatten, log, map_tensors
 from feedpipe.io import trace
 
@@ -120,6 +123,7 @@ class _InFlight:
     rebuild: Any
     event: Any | None
     nbytes: int
+    ticket: int = 0  # its copy's number in CopyTimes (0: no timed copy)
 
 
 class _Range:
@@ -140,24 +144,30 @@ class _Range:
 
 
 class _CudaCopier:
-    """Issues slot -> device copies on a dedicated stream and hands them to the consumer."""
+    """Issues slot -> device copies on a dedicated stream and hands them to the consumer.
+
+    Its CUDA event and stream calls keep the GIL (:mod:`feedpipe.device.cudacalls`) and its
+    timing events are reused (``events``): with thread workers busy, each call that lets the GIL
+    go cost the consuming thread a hand-off of up to milliseconds."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # unannotated in torch
+        self.calls = cuda_calls()
+        self.events = EventPool()
 
     def copy(self, views: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any, Any]:
-        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # unannotated in torch
-        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # unannotated in torch
-        with torch.cuda.stream(self.stream):  # device tensors are allocated on the copy stream
-            start.record(self.stream)
-            outs = [v.to(self.device, non_blocking=True) for v in views]
-            end.record(self.stream)
+        start, end = self.events.take(), self.events.take()
+        calls, stream, device = self.calls, self.stream, self.device
+        with torch.cuda.stream(stream):  # device tensors are allocated on the copy stream
+            calls.record(start, stream)
+            outs = [v.to(device, non_blocking=True) for v in views]
+            calls.record(end, stream)
         return outs, start, end
 
     def hand_over(self, outs: list[torch.Tensor], event: Any) -> None:
         consumer = torch.cuda.current_stream(self.device)
-        consumer.wait_event(event)
+        self.calls.wait(consumer, event)
         for t in outs:
             t.record_stream(consumer)
 
@@ -217,13 +227,22 @@ class GPUFeed:
         self.on_gpu = self.device.type == "cuda"
         self.prefetch = prefetch
         self.meter = meter
-        self._ring = Ring(
-            prefetch + 2 + fillers, pin=self.on_gpu, batch_size=batch_size, timeout=timeout
-        )
         self._copier: _CudaCopier | _HostCopier = (
             _CudaCopier(self.device) if self.on_gpu else _HostCopier()
         )
-        self._timings: deque[tuple[Any, Any, int]] = deque()  # (start, end, nbytes) to harvest
+        self._times: CopyTimes | None = None
+        query = None  # the ring's default: torch's Event.query
+        if isinstance(self._copier, _CudaCopier):
+            self._times = CopyTimes(self._copier.calls, self._copier.events)
+            query = self._copier.calls.query
+        self._tickets = 0  # batches submitted over the feed's life (CopyTimes.handed)
+        self._ring = Ring(
+            prefetch + 2 + fillers,
+            pin=self.on_gpu,
+            batch_size=batch_size,
+            timeout=timeout,
+            query=query,
+        )
         self._held: deque[tuple[Any, list[Any]]] = deque()  # (copy done event, pinned sources)
         self._seq = 0
         self.batches = 0
@@ -234,6 +253,12 @@ class GPUFeed:
     def copy_stream(self) -> Any:
         """The dedicated CUDA copy stream (``None`` on the CPU fallback)."""
         return self._copier.stream
+
+    @property
+    def events(self) -> EventPool | None:
+        """The pool of timing events that :meth:`note_copy` gives back to (``None`` on the CPU
+        fallback): a copy issued elsewhere takes its events from it."""
+        return self._copier.events if isinstance(self._copier, _CudaCopier) else None
 
     @property
     def info(self) -> dict[str, Any]:
@@ -276,7 +301,9 @@ class GPUFeed:
                 "workers; using a fresh ring",
                 lent,
             )
-            self._ring = Ring(old.n, pin=old.pin, batch_size=old.batch_size, timeout=old.timeout)
+            self._ring = Ring(
+                old.n, pin=old.pin, batch_size=old.batch_size, timeout=old.timeout, query=old.query
+            )
         gen = self._ring.reset()
         self._seq = 0
         self._trace = trace.recorder()
@@ -308,11 +335,10 @@ class GPUFeed:
         with _Range(self._trace, "feedpipe/h2d"):
             outs, start, end = self._copier.copy(views)
         nbytes = sum(v.numel() * v.element_size() for v in views)
-        self._note_copy(slot, seq, start, end, nbytes)
+        ticket = self._note_copy(slot, seq, start, end, nbytes)
         self._seq += 1
-        return _InFlight(
-            seq, self._on_device(leaves, dict(zip(host, outs, strict=True))), rebuild, end, nbytes
-        )
+        on_device = self._on_device(leaves, dict(zip(host, outs, strict=True)))
+        return _InFlight(seq, on_device, rebuild, end, nbytes, ticket)
 
     def _on_device(self, leaves: list[torch.Tensor], copies: dict[int, torch.Tensor]) -> list[Any]:
         """The batch's leaves on the device: host leaves replaced by their ``copies`` (by leaf
@@ -334,7 +360,7 @@ class GPUFeed:
         host = [i for i, t in enumerate(leaves) if t.device.type == "cpu"]
         outs, start, end = self._copier.copy([leaves[i] for i in host])
         nbytes = sum(leaves[i].numel() * leaves[i].element_size() for i in host)
-        self._timings.append((start, end, nbytes))
+        ticket = self._time_copy(start, end, nbytes)
         self._held.append((end, leaves))
         self._ring.skip()
         result: list[Any] = list(leaves)
@@ -344,14 +370,14 @@ class GPUFeed:
             if t.device.type != "cpu" and t.device != self.device:
                 result[i] = t.to(self.device)
         self._seq += 1
-        return _InFlight(seq, result, rebuild, end, nbytes)
+        return _InFlight(seq, result, rebuild, end, nbytes, ticket)
 
     def _release(self, block: bool) -> None:
         """Drop the sources of pinned batches whose copies have completed, oldest first."""
         held = self._held
         while held:
             event, _ = held[0]
-            if not block and not event.query():
+            if not block and not self._ring.query(event):
                 return
             event.synchronize()
             held.popleft()
@@ -361,26 +387,37 @@ class GPUFeed:
         self._ring.skip()
         self._seq += 1
 
-    def _note_copy(self, slot: Slot, seq: int, start: Any, end: Any, nbytes: int) -> None:
-        if self.on_gpu:
-            self._timings.append((start, end, nbytes))
+    def _time_copy(self, start: Any, end: Any, nbytes: int) -> int:
+        """Time a copy of the next batch; returns its ticket (see :class:`CopyTimes`)."""
+        assert self._times is not None
+        self._tickets += 1
+        self._times.add(start, end, nbytes, self._tickets)
+        return self._tickets
+
+    def _note_copy(self, slot: Slot, seq: int, start: Any, end: Any, nbytes: int) -> int:
+        ticket = 0
+        if self._times is not None:
+            ticket = self._time_copy(start, end, nbytes)
         elif self.meter is not None:
             assert isinstance(self._copier, _HostCopier)
             self.meter.add_stage("h2d", self._copier.seconds, nbytes)
         event: Event | None = end
         self._ring.submitted(slot, seq, event)
+        return ticket
 
     def note_copy(self, start: Any, end: Any, nbytes: int) -> None:
         """Report a copy issued elsewhere on :attr:`copy_stream` (the direct DMA path) as
         ``"h2d"`` once its CUDA events have completed; any thread may call it."""
-        if self.on_gpu:
-            self._timings.append((start, end, nbytes))
+        if self._times is not None:
+            self._times.add(start, end, nbytes)
 
     def hand_over(self, flight: _InFlight) -> Any:
         """Order the consumer's current stream after the copy and return the device batch."""
         if flight.event is not None:
             outs = [t for t in flight.leaves if isinstance(t, torch.Tensor) and t.is_cuda]
             self._copier.hand_over(outs, flight.event)
+        if self._times is not None:  # its copy's events may be read (and reused) from now on
+            self._times.handed = flight.ticket or self._times.handed
         self._harvest(block=False)
         if self._held:
             self._release(block=False)
@@ -389,14 +426,8 @@ class GPUFeed:
 
     def _harvest(self, block: bool) -> None:
         """Report completed copy times (CUDA events) to the meter, oldest first."""
-        while self._timings:
-            start, end, nbytes = self._timings[0]
-            if not block and not end.query():
-                return
-            end.synchronize()
-            self._timings.popleft()
-            if self.meter is not None:
-                self.meter.add_stage("h2d", start.elapsed_time(end) / 1000.0, nbytes)
+        if self._times is not None:
+            self._times.harvest(self.meter, block)
 
     # ------------------------------------------------------------------ iteration
     def iterate(self, batches: Iterable[Any]) -> Iterator[Any]:

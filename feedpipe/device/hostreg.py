@@ -34,6 +34,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from feedpipe.io.cuda import cudart_paths
+
 __all__ = [
     "HostRegisterError",
     "Registration",
@@ -75,13 +77,8 @@ def _cudart_libs() -> tuple[Any, ...]:
     global _LIBS
     if _LIBS:
         return _LIBS
-    try:
-        with open("/proc/self/maps") as f:
-            paths = sorted({line.split()[-1] for line in f if "/libcudart" in line})
-    except OSError:
-        paths = []
     libs = []
-    for path in paths:
+    for path in cudart_paths():
         try:
             lib = ctypes.CDLL(path)
             lib.cudaGetLastError  # noqa: B018  (probe the symbol)

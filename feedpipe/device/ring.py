@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -71,6 +72,32 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     return rebuild([fn(t) for t in leaves])
 
 
+_MAX_VIEWS = 16  # views kept per slot
+
+
+def _typed(buffer: torch.Tensor, dtype: torch.dtype, shape: Any) -> torch.Tensor:
+    """The first bytes of ``buffer`` as a ``dtype`` tensor of ``shape``."""
+    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return buffer[:n].view(dtype).view(shape)
+
+
+def _out_views(buffers: list[torch.Tensor], layout: _Layout, rows: int) -> list[Any] | None:
+    """Views of ``buffers`` shaped for a ``rows``-long batch of ``layout``, or None where one
+    does not fit."""
+    shapes = [(rows, *s[1:]) for s in layout.shapes]
+    sizes = [
+        torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
+        for s, d in zip(shapes, layout.dtypes, strict=True)
+    ]
+    if any(n > _nbytes(b) for n, b in zip(sizes, buffers, strict=True)):
+        return None
+    return [_typed(b, d, s) for b, d, s in zip(buffers, layout.dtypes, shapes, strict=True)]
+
+
+def _query(event: Any) -> bool:
+    return bool(event.query())
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -92,14 +119,37 @@ class _Layout:
 
 
 class Slot:
-    __slots__ = ("buffers", "event", "index", "lent", "seq")
+    __slots__ = ("_buffers", "event", "index", "lent", "seq", "views")
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.buffers: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor] = []
+        # typed views of the buffers, made once per shape: making one is a torch call, and each
+        # torch call lets the GIL go (a hand-off, with worker threads busy); dropped on realloc
+        self.views: dict[Any, Any] = {}
         self.seq = -1  # last batch submitted out of this slot
         self.event: Event | None = None  # completes when the copy out of the slot is done
         self.lent = False  # views handed to a filler whose batch is not submitted yet
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """One flat byte buffer per leaf."""
+        return self._buffers
+
+    @buffers.setter
+    def buffers(self, buffers: list[torch.Tensor]) -> None:
+        self._buffers, self.views = buffers, {}
+
+    def view(self, key: Any, make: Callable[[], Any]) -> Any:
+        """The view cached under ``key``, made by ``make()`` the first time (at most
+        ``_MAX_VIEWS`` kept: ragged batches reshape every time)."""
+        views = self.views
+        v = views.get(key)
+        if v is None:
+            if len(views) >= _MAX_VIEWS:
+                views.clear()
+            v = views[key] = make()
+        return v
 
 
 class RingClosedError(RuntimeError):
@@ -109,13 +159,22 @@ class RingClosedError(RuntimeError):
 class Ring:
     """``n`` reusable host slots (page-locked when ``pin``), indexed by ``seq % n``."""
 
-    def __init__(self, n: int, *, pin: bool, batch_size: int | None, timeout: float) -> None:
+    def __init__(
+        self,
+        n: int,
+        *,
+        pin: bool,
+        batch_size: int | None,
+        timeout: float,
+        query: Callable[[Any], bool] | None = None,
+    ) -> None:
         if n < 2:
             raise ValueError(f"a ring needs at least 2 slots, got {n}")
         self.n = n
         self.pin = pin
         self.batch_size = batch_size
         self.timeout = timeout
+        self.query = query or _query  # whether a slot's copy event has completed
         self.slots = [Slot(i) for i in range(n)]
         self.layout: _Layout | None = None
         self.next_seq = 0  # the next batch to be submitted
@@ -197,12 +256,12 @@ class Ring:
 
     def wait_copied(self, slot: Slot) -> None:
         """Poll until the copy out of ``slot`` has completed (interruptible; times out)."""
-        event = slot.event
-        if event is None or event.query():
+        event, query = slot.event, self.query
+        if event is None or query(event):
             return
         deadline = time.monotonic() + self.timeout
         pause = 50e-6
-        while not event.query():
+        while not query(event):
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"feedpipe GPU feed: the copy of batch {slot.seq} out of ring slot "
@@ -235,23 +294,15 @@ class Ring:
         layout = self.layout
         if layout is None or layout.rows is None or layout.rebuild is None:
             return None
-        shapes = [(rows, *s[1:]) for s in layout.shapes]
         slot = self._wait_turn(seq, gen)
-        sizes = [
-            torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
-            for s, d in zip(shapes, layout.dtypes, strict=True)
-        ]
-        if any(n > _nbytes(b) for n, b in zip(sizes, slot.buffers, strict=True)):
+        views = slot.view(("out", rows), lambda: _out_views(slot.buffers, layout, rows))
+        if views is None:
             return None
         self.wait_copied(slot)
         with self._lock:  # atomic with retire(): either lent and counted, or turned away
             if self._closed or gen != self.gen:
                 raise RingClosedError(f"ring closed while batch {seq} waited for a slot")
             slot.lent = True
-        views = [
-            b[:n].view(d).view(s)
-            for b, n, d, s in zip(slot.buffers, sizes, layout.dtypes, shapes, strict=True)
-        ]
         return layout.rebuild(views)
 
     def fill(self, seq: int, leaves: list[torch.Tensor]) -> tuple[Slot, list[torch.Tensor], int]:
@@ -268,11 +319,11 @@ class Ring:
             self._grow(slot, leaves)
         views: list[torch.Tensor] = []
         copied = 0
-        for t, b in zip(leaves, slot.buffers, strict=True):
+        for i, (t, b) in enumerate(zip(leaves, slot.buffers, strict=True)):
             if t.device.type == "cpu" and t.numel() and t.data_ptr() == b.data_ptr():
                 views.append(t)  # gathered straight into the slot
                 continue
-            v = b[: _nbytes(t)].view(t.dtype).view(t.shape)
+            v = slot.view((i, t.dtype, t.shape), partial(_typed, b, t.dtype, t.shape))
             v.copy_(t)
             copied += _nbytes(t)
             views.append(v)

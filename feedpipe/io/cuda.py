@@ -1,15 +1,26 @@
-"""The CUDA driver library, for the few driver calls torch does not expose (host memory
-registration): one way to load it for feedpipe and ckpt."""
+"""The CUDA libraries, for the few calls torch does not expose (host memory registration) or
+exposes only with the GIL released: one way to find and load them for feedpipe and ckpt."""
 
 from __future__ import annotations
 
 import ctypes
 from functools import cache
 
-__all__ = ["libcuda"]
+__all__ = ["cudart_paths", "libcuda"]
 
 
 @cache
 def libcuda() -> ctypes.CDLL:
     """``libcuda.so.1``, loaded once; ``OSError`` where there is no driver (tried again then)."""
     return ctypes.CDLL("libcuda.so.1")
+
+
+def cudart_paths() -> list[str]:
+    """The paths of every ``libcudart`` this process has mapped (torch's own instance is one of
+    them once torch has initialised CUDA), sorted; empty where none is mapped or ``/proc`` is
+    unreadable."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split()[-1] for line in f if "/libcudart" in line})
+    except OSError:
+        return []

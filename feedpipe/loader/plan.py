@@ -294,4 +294,6 @@ def _choose_direct(
     if reason is not None:
         return None
     note = feed.note_copy if meter.enabled else None
-    return direct_path.DirectReader(loader.dataset, feed.device, feed.copy_stream, note)
+    return direct_path.DirectReader(
+        loader.dataset, feed.device, feed.copy_stream, note, feed.events
+    )

@@ -20,6 +20,13 @@ lower than the gaps between CUDA events around each step by the host's own time 
 ``next()`` and the step's first launch (a few microseconds per step; see
 ``docs/concepts/stall-counters.md``).
 
+Nothing the loader does between B and its return lets the GIL go: the pairs already recorded
+are read before B, and A and B are recorded with the GIL held
+(:mod:`feedpipe.device.cudacalls`). Otherwise, with worker threads running, the training thread
+could wait to win the GIL back after B, before it launches its next step: device idle that B
+has already closed, so not counted (docs/benchmarks.md, "Stall counters: device idle for
+input, checked against CUDA-event gaps").
+
 Events are reused from a small pool and read without blocking (``query``): a pair counts once
 its B has completed, oldest first. Only for CUDA devices; torch is imported by the caller.
 """
@@ -39,7 +46,10 @@ class DeviceClock:
     def __init__(self, device: Any) -> None:
         import torch
 
+        from feedpipe.device.cudacalls import cuda_calls
+
         self._torch = torch
+        self._calls = cuda_calls()
         self.device = torch.device(device)
         self._pending: deque[tuple[Any, Any]] = deque()
         self._free: list[Any] = []
@@ -57,16 +67,19 @@ class DeviceClock:
     def begin(self, stream: Any = None) -> Any:
         """``next()`` starts: record A on ``stream`` (default: the current stream); returns it."""
         ev = self._event()
-        ev.record(stream if stream is not None else self._torch.cuda.current_stream(self.device))
+        stream = stream if stream is not None else self._torch.cuda.current_stream(self.device)
+        self._calls.record(ev, stream)
         return ev
 
     def end(self, begin: Any, stream: Any = None) -> None:
-        """Hand-off: record B after the consumer stream waits for the copy; pair it with A."""
-        ev = self._event()
-        ev.record(stream if stream is not None else self._torch.cuda.current_stream(self.device))
-        self._pending.append((begin, ev))
-        if len(self._pending) > 2:
+        """Hand-off: record B after the consumer stream waits for the copy; pair it with A.
+        B is the last CUDA call: the completed pairs are read first (module docstring)."""
+        if len(self._pending) >= 2:
             self.poll()
+        ev = self._event()
+        stream = stream if stream is not None else self._torch.cuda.current_stream(self.device)
+        self._calls.record(ev, stream)
+        self._pending.append((begin, ev))
 
     def cancel(self, begin: Any) -> None:
         """``next()`` delivered no batch (the epoch ended): give A back to the pool."""
@@ -75,16 +88,16 @@ class DeviceClock:
     def poll(self, wait: bool = False) -> None:
         """Add the completed pairs (all of them, synchronizing, when ``wait``), oldest first."""
         with self._lock:
-            pending, free = self._pending, self._free
+            pending, free, calls = self._pending, self._free, self._calls
             total, n = 0.0, 0
             while pending:
                 a, b = pending[0]
-                if not wait and not b.query():
+                if not wait and not calls.query(b):
                     break
                 if wait:
                     b.synchronize()
                 pending.popleft()
-                total += max(0.0, a.elapsed_time(b)) / 1000.0
+                total += max(0.0, calls.elapsed_ms(a, b)) / 1000.0
                 n += 1
                 free += (a, b)
             self.idle_s += total
