@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _mix_reference import expected_batch
 
 from feedpipe import MemmapDataset, MemmapWriter, MixedDataset
 from feedpipe.datasets._gather import MapsClosedError, ShardSpace
@@ -35,12 +36,7 @@ def _dataset(path: Path, base: int, n: int, record: int, shard_records: int = 0)
 def _expected(ds: MemmapDataset | MixedDataset, idx: np.ndarray) -> torch.Tensor:
     """The batch as the per-sample reads make it."""
     if isinstance(ds, MixedDataset):
-        member, sample = ds.locate(idx)
-        rows = [
-            torch.as_tensor(np.asarray(ds.datasets[ds.names[k]][s]))
-            for k, s in zip(member.tolist(), sample.tolist(), strict=True)
-        ]
-        return torch.stack(rows)
+        return expected_batch(ds, idx)
     return torch.stack([torch.as_tensor(np.asarray(ds[int(i)])) for i in idx])
 
 
@@ -70,6 +66,30 @@ def _once(
 
 def _boom() -> None:
     raise ValueError("a value error of the read itself")
+
+
+def _raised_once(
+    read: Callable[[], torch.Tensor], want: torch.Tensor, calls: list[int], *ds: MemmapDataset
+) -> None:
+    """``read()`` raises :func:`_boom`'s ValueError itself: not read again another way (the
+    injected call made once), no maps of ``ds`` left entered; the next ``read()`` is ``want``.
+    Closes ``ds``."""
+    with pytest.raises(ValueError, match="a value error of the read itself") as got:
+        read()
+    assert type(got.value) is ValueError
+    assert len(calls) == 1  # not made again by a fallback read
+    assert [_space(d).reading for d in ds] == [0] * len(ds)  # none left entered
+    assert torch.equal(read(), want)  # the next batch reads as ever
+    for d in ds:
+        d.close()
+
+
+def _mix(
+    tmp_path: Path, shard_records: int = 0
+) -> tuple[MemmapDataset, MemmapDataset, MixedDataset]:
+    a = _dataset(tmp_path / "a", 0, 30, 8, shard_records)
+    b = _dataset(tmp_path / "b", 90, 12, 8, shard_records)
+    return a, b, MixedDataset({"a": a, "b": b}, epoch_samples=48, seed=3)
 
 
 def test_maps_closed_is_a_value_error() -> None:
@@ -115,13 +135,7 @@ def test_fresh_take_raises_other_value_errors(
     idx = np.array([1, 2, 30], np.int64)
     want = _expected(ds, idx)
     calls = _once(monkeypatch, _space(ds).guard, "check", _boom)
-    with pytest.raises(ValueError, match="a value error of the read itself") as got:
-        ds.read_batch(idx)
-    assert type(got.value) is ValueError
-    assert len(calls) == 1  # not checked again by a fallback read
-    assert _space(ds).reading == 0
-    assert torch.equal(ds.read_batch(idx), want)  # the next batch reads as ever
-    ds.close()
+    _raised_once(lambda: ds.read_batch(idx), want, calls, ds)
 
 
 @pytest.mark.parametrize("shard_records", [0, 4], ids=["one-shard-members", "many-shard-members"])
@@ -131,9 +145,7 @@ def test_mix_one_gather_falls_back_on_closed_maps(
     """The mix's one gather (members of one shard each: every guard entered at once; of many:
     the shards touched): a member closed between the mix taking its maps and entering them,
     the batch is read member by member, reopened: the per-sample reads' bytes."""
-    a = _dataset(tmp_path / "a", 0, 30, 8, shard_records)
-    b = _dataset(tmp_path / "b", 90, 12, 8, shard_records)
-    mix = MixedDataset({"a": a, "b": b}, epoch_samples=48, seed=3)
+    a, b, mix = _mix(tmp_path, shard_records)
     idx = np.random.default_rng(1).integers(0, 48, 24).astype(np.int64)
     want = _expected(mix, idx)
     assert torch.equal(mix.read_batch(idx), want)  # the table of the members' maps is made
@@ -154,21 +166,12 @@ def test_mix_one_gather_raises_other_value_errors(
     was read again member by member before, the error lost), and leaves no member's maps
     entered (``close`` would wait for it: members of one shard each are entered all at once,
     and the first stayed entered when the second's check raised)."""
-    a = _dataset(tmp_path / "a", 0, 30, 8, shard_records)
-    b = _dataset(tmp_path / "b", 90, 12, 8, shard_records)
-    mix = MixedDataset({"a": a, "b": b}, epoch_samples=48, seed=3)
+    a, b, mix = _mix(tmp_path, shard_records)
     idx = np.arange(48, dtype=np.int64)  # every member touched
     want = _expected(mix, idx)
     assert torch.equal(mix.read_batch(idx), want)
     calls = _once(monkeypatch, _space(b).guard, "check", _boom)
-    with pytest.raises(ValueError, match="a value error of the read itself") as got:
-        mix.read_batch(idx)
-    assert type(got.value) is ValueError
-    assert len(calls) == 1
-    assert _space(a).reading == 0 and _space(b).reading == 0  # none left entered
-    assert torch.equal(mix.read_batch(idx), want)
-    a.close()
-    b.close()
+    _raised_once(lambda: mix.read_batch(idx), want, calls, a, b)
 
 
 def test_mix_members_maps_table_raises_other_value_errors(
@@ -176,17 +179,8 @@ def test_mix_members_maps_table_raises_other_value_errors(
 ) -> None:
     """A ValueError while the mix takes its members' maps (``record_space``) reaches the
     caller (it was read member by member before, the error lost); a batch after it reads."""
-    a = _dataset(tmp_path / "a", 0, 30, 8)
-    b = _dataset(tmp_path / "b", 90, 12, 8)
-    mix = MixedDataset({"a": a, "b": b}, epoch_samples=48, seed=3)
+    a, b, mix = _mix(tmp_path)
     idx = np.arange(0, 48, 3, dtype=np.int64)
     want = _expected(mix, idx)
     calls = _once(monkeypatch, b, "record_space", _boom)
-    with pytest.raises(ValueError, match="a value error of the read itself") as got:
-        mix.read_batch(idx)
-    assert type(got.value) is ValueError
-    assert len(calls) == 1
-    assert _space(a).reading == 0 and _space(b).reading == 0  # none left entered
-    assert torch.equal(mix.read_batch(idx), want)
-    a.close()
-    b.close()
+    _raised_once(lambda: mix.read_batch(idx), want, calls, a, b)
