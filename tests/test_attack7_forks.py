@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _dali_fakes import BlockingPool, FakePipeline
+from _mix_reference import expected_batch
 
 from feedpipe import MemmapDataset, MemmapWriter, MixedDataset
 from feedpipe.dali.pipeline import PoolCloser
@@ -104,31 +106,12 @@ ready.wait(30)
     assert done.stdout.count("asked") >= 1
 
 
-class _Pool:
-    def __init__(self) -> None:
-        self.calls = 0
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def close(self) -> None:
-        self.calls += 1
-        self.entered.set()
-        assert self.release.wait(30)
-
-
-class _Pipe:
-    """A pipeline's stand-in: DALI keeps its pool as ``_py_pool``."""
-
-    def __init__(self, pool: _Pool) -> None:
-        self._py_pool = pool
-
-
 def test_pool_closer_asked_twice_and_the_finalizer_closes_once(tmp_path: Path) -> None:
     """The reaper asks twice (two watches of one pipeline), DALI's finalizer calls
     ``pool.close()`` (looked up when it runs, as DALI's ``lambda pool: pool.close()``) in
     between: one close in all, and the plan directory gone."""
-    pool = _Pool()
-    pipe = _Pipe(pool)
+    pool = BlockingPool()
+    pipe = FakePipeline(pool)
     plans = tmp_path / "plans"
     plans.mkdir()
     closer = PoolCloser()
@@ -165,13 +148,7 @@ def test_a_mix_read_in_a_child_process(tmp_path: Path, method: str) -> None:
     mix = MixedDataset(members, weights={"a": 1, "b": 2}, epoch_samples=30, seed=4)
     mix.set_epoch(2)
     idx = np.random.default_rng(1).permutation(30).astype(np.int64)
-    member, sample = mix.locate(idx)
-    want = np.stack(
-        [
-            np.asarray(mix.datasets[mix.names[k]][s])
-            for k, s in zip(member.tolist(), sample.tolist(), strict=True)
-        ]
-    )
+    want = expected_batch(mix, idx).numpy()
     assert np.array_equal(mix.read_batch(idx).numpy(), want)
     ctx: Any = multiprocessing.get_context(method)
     inner, outer = ctx.Pipe()

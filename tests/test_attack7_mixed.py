@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _mix_reference import mix_loader, start_epoch
+from _mix_reference import expected_batch, mix_loader, resume_epoch, start_epoch
 
 from feedpipe import MemmapDataset, MemmapWriter, MixedDataset
 from feedpipe.datasets._mixed_take import ENTER_ALL_MAX, NEW_RECORD_MAX
@@ -34,22 +34,13 @@ def _member(path: Path, base: int, n: int, record: int, shard_records: int = 0) 
     return MemmapDataset(path)
 
 
-def _expected(mix: MixedDataset, idx: np.ndarray) -> torch.Tensor:
-    member, sample = mix.locate(idx)
-    rows = [
-        torch.as_tensor(np.asarray(mix.datasets[mix.names[k]][s]))
-        for k, s in zip(member.tolist(), sample.tolist(), strict=True)
-    ]
-    return torch.stack(rows)
-
-
 def _assert_batches(mix: MixedDataset, seed: int = 0) -> None:
     """Small (new memory), large (the pool's) and ``out=`` batches equal the per-sample reads."""
     rng = np.random.default_rng(seed)
     n = len(mix)
     for size in (1, 5, n):
         idx = rng.integers(0, n, size).astype(np.int64)
-        want = _expected(mix, idx)
+        want = expected_batch(mix, idx)
         got = mix.read_batch(idx)
         assert torch.equal(got, want), size
         out = torch.full((size + 2, *want.shape[1:]), 7, dtype=want.dtype)
@@ -168,7 +159,7 @@ def test_changed_shard_as_a_single_dataset_sees_it(
     }
     mix = MixedDataset(members, epoch_samples=6 * count)
     idx = np.arange(len(mix), dtype=np.int64)
-    want = _expected(mix, idx)
+    want = expected_batch(mix, idx)
     assert torch.equal(mix.read_batch(idx), want)
     victim_ds = members[f"m{count - 1}"]
     victim = sorted((tmp_path / f"m{count - 1}").glob("shard-*.data"))[-1]
@@ -239,7 +230,7 @@ def test_readers_racing_close(tmp_path: Path) -> None:
     }
     mix = MixedDataset(members, epoch_samples=64)
     idx = np.random.default_rng(2).integers(0, 64, 48).astype(np.int64)
-    want = _expected(mix, idx)
+    want = expected_batch(mix, idx)
     bad: list[object] = []
     started = threading.Barrier(3, timeout=60)
 
@@ -295,20 +286,10 @@ def test_resume_mid_epoch_with_another_worker_count(
     start_epoch(loader, ds, 3)
     positions = np.asarray(list(loader.sampler), np.int64)
     full = list(loader)
-    assert torch.equal(torch.cat(full), _expected(ds, positions))
-    start_epoch(loader, ds, 3)
-    it = iter(loader)
-    first = [next(it) for _ in range(4)]
-    state = {"loader": loader.state_dict(), "mix": ds.state_dict()}
-    del it
-    again = make()
-    resumed = mix_loader(again, workers=after)
-    resumed.load_state_dict(state["loader"])
-    again.load_state_dict(state["mix"])
-    start_epoch(resumed, again, state["mix"]["epoch"])
-    rest = list(resumed)
-    assert len(first) + len(rest) == len(full)
-    for a, b in zip(first + rest, full, strict=True):
+    assert torch.equal(torch.cat(full), expected_batch(ds, positions))
+    got, again = resume_epoch(loader, ds, 3, stop=4, make=make, workers=after)
+    assert len(got) == len(full)
+    for a, b in zip(got, full, strict=True):
         assert torch.equal(a, b)
     for d in (*ds.datasets.values(), *again.datasets.values()):
         d.close()

@@ -5,33 +5,17 @@ blocks until released, as DALI's does while its workers wind down."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
+from _dali_fakes import FakePipeline
+
 from feedpipe.dali.pipeline import PoolCloser
-
-
-class _Pool:
-    def __init__(self) -> None:
-        self.calls = 0
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def close(self) -> None:
-        self.calls += 1
-        self.entered.set()
-        assert self.release.wait(10)
-
-
-class _Pipe:
-    def __init__(self) -> None:
-        self._py_pool: Any = _Pool()
 
 
 def test_the_finalizers_close_during_the_reapers_returns_at_once_and_runs_nothing(
     tmp_path: Any,
 ) -> None:
-    pipe = _Pipe()
+    pipe = FakePipeline()
     pool = pipe._py_pool
     closer = PoolCloser()
     closer.watch(pipe, str(tmp_path / "plans"))

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _mix_reference import mix_loader, reference, start_epoch
+from _mix_reference import SamplesOnly, mix_loader, reference, resume_epoch, start_epoch
 
 import feedpipe.datasets._mixed_layout as layout_module
 from feedpipe import MemmapDataset, MemmapWriter, MixedDataset
@@ -172,21 +172,14 @@ def test_resume_mid_epoch_gives_the_reference_batches(tmp_path: Path) -> None:
     full = list(loader)
     want = reference(SIZES, WEIGHTS, 6, 1, TOTAL)
     _check_fixed(torch.cat(full), members, [want[p] for p in positions])
-    start_epoch(loader, ds, 1)
-    it = iter(loader)
-    first = [next(it) for _ in range(4)]
-    state = {"loader": loader.state_dict(), "mix": ds.state_dict()}
-    del it
-    again = MixedDataset(
-        _fixed_members(tmp_path / "b"), weights=WEIGHTS, seed=6, epoch_samples=TOTAL
-    )
-    resumed = mix_loader(again, workers=2)
-    resumed.load_state_dict(state["loader"])
-    again.load_state_dict(state["mix"])
-    start_epoch(resumed, again, state["mix"]["epoch"])
-    rest = list(resumed)
-    assert len(first) + len(rest) == len(full)
-    for a, b in zip(first + rest, full, strict=True):
+
+    def make() -> MixedDataset:
+        members = _fixed_members(tmp_path / "b")
+        return MixedDataset(members, weights=WEIGHTS, seed=6, epoch_samples=TOTAL)
+
+    got, _again = resume_epoch(loader, ds, 1, stop=4, make=make, workers=2)
+    assert len(got) == len(full)
+    for a, b in zip(got, full, strict=True):
         assert torch.equal(a, b)
 
 
@@ -253,22 +246,10 @@ def _write_wide(path: Path, n: int, width: int = 4096) -> np.ndarray:
 # ---------------------------------------------------------------- held: the mixed one gather
 
 
-class _NoSpace:
+class _NoSpace(SamplesOnly):
     """A member read through its own ``read_batch`` (no ``record_space``): the merge path."""
 
     takes_index_arrays = True
-
-    def __init__(self, ds: Any) -> None:
-        self.ds = ds
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.ds[i]
-
-    def read_batch(self, idx: Any, out: Any = None) -> Any:
-        return self.ds.read_batch(idx)
 
 
 def test_one_gather_equals_the_merge_and_per_sample_reads(tmp_path: Path) -> None:

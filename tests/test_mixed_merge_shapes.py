@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _mix_reference import SamplesOnly
 
 import feedpipe.datasets._mixed_merge as merge_module
 from feedpipe import MemmapDataset, MemmapWriter, MixedDataset
@@ -53,22 +54,6 @@ def _members(tmp: Path, value: Callable[[int, int], Any], orders: tuple[int, int
         _write(tmp / name, base, value, order)
         out[name] = MemmapDataset(tmp / name)
     return out
-
-
-class _Samples:
-    """A member known by its samples and ``read_batch`` only (no declaration, no columns)."""
-
-    def __init__(self, ds: Any) -> None:
-        self.ds = ds
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.ds[i]
-
-    def read_batch(self, idx: Any, out: Any = None) -> Any:
-        return self.ds.read_batch(idx)
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -119,7 +104,7 @@ def test_json_columns_merged_from_members_known_by_their_samples(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: str
 ) -> None:
     members = _members(tmp_path, JSON[shape], (0, 0))
-    ds = MixedDataset({k: _Samples(v) for k, v in members.items()})
+    ds = MixedDataset({k: SamplesOnly(v) for k, v in members.items()})
     merges = _spy(monkeypatch)
     _check(ds)
     assert len(merges) == len(BATCHES)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _mix_reference import expected_batch
 
 from feedpipe import MemmapDataset, MemmapWriter, MixedDataset
 from feedpipe.datasets._mixed_take import NEW_RECORD_MAX
@@ -21,14 +22,6 @@ def _member(path: Path, base: int, n: int, shape: tuple[int, ...], dtype: str) -
     with MemmapWriter(path, shape=shape, dtype=dtype) as w:
         w.append_batch(x)
     return MemmapDataset(path)
-
-
-def _expected(mix: MixedDataset, idx: np.ndarray) -> torch.Tensor:
-    member, sample = mix.locate(idx)
-    rows = [
-        mix.datasets[mix.names[k]][s] for k, s in zip(member.tolist(), sample.tolist(), strict=True)
-    ]
-    return torch.stack([torch.as_tensor(np.asarray(r)) for r in rows])
 
 
 @pytest.mark.parametrize(
@@ -50,7 +43,7 @@ def test_small_batches_are_the_members_records_in_memory_of_their_own(
     }
     mix = MixedDataset(members, weights={"a": 0.5, "b": 0.3, "c": 0.2}, epoch_samples=60)
     idx = np.random.default_rng(0).permutation(60).astype(np.int64)[:37]
-    want = _expected(mix, idx)
+    want = expected_batch(mix, idx)
     got: dict[str, torch.Tensor] = {}
 
     def read(key: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _mix_reference import mix_loader, reference, start_epoch
+from _mix_reference import SamplesOnly, mix_loader, reference, resume_epoch, start_epoch
 
 import feedpipe.datasets._mixed_merge as merge_module
 from feedpipe import MemmapDataset, MemmapWriter, MixedDataset
@@ -116,20 +116,12 @@ def test_typed_ragged_batches_equal_the_per_sample_reference(
             _check(got, samples, [pads[n] for n in names], mode)
 
 
-class _Hidden:
+class _Hidden(SamplesOnly):
     """A member seen through ``read_batch`` only: the mix reads and merges it (the old path)."""
 
     def __init__(self, ds: Any) -> None:
-        self.ds, self.pad_value = ds, ds.pad_value
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.ds[i]
-
-    def read_batch(self, idx: Any, out: Any = None) -> Any:
-        return self.ds.read_batch(idx)
+        super().__init__(ds)
+        self.pad_value = ds.pad_value
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -188,19 +180,13 @@ def test_resume_mid_epoch_gives_the_reference_batches(tmp_path: Path) -> None:
         _check(batch, [members[n][s] for n, s in picks], [-1] * len(picks), "pad")
         at += len(batch["label"])
     assert at == TOTAL
-    start_epoch(loader, ds, 2)
-    it = iter(loader)
-    first = [next(it) for _ in range(3)]
-    state = {"loader": loader.state_dict(), "mix": ds.state_dict()}
-    del it
-    again = MixedDataset(_members(tmp_path), weights=WEIGHTS, seed=6, epoch_samples=TOTAL)
-    resumed = mix_loader(again, workers=2)
-    resumed.load_state_dict(state["loader"])
-    again.load_state_dict(state["mix"])
-    start_epoch(resumed, again, state["mix"]["epoch"])
-    rest = list(resumed)
-    assert len(first) + len(rest) == len(full)
-    for a, b in zip(first + rest, full, strict=True):
+
+    def make() -> MixedDataset:
+        return MixedDataset(_members(tmp_path), weights=WEIGHTS, seed=6, epoch_samples=TOTAL)
+
+    got, _again = resume_epoch(loader, ds, 2, stop=3, make=make, workers=2)
+    assert len(got) == len(full)
+    for a, b in zip(got, full, strict=True):
         assert _equal(a, b)
 
 

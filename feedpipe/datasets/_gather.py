@@ -45,6 +45,7 @@ from feedpipe.io.forks import ForkStamp
 
 __all__ = [
     "ROW_COPY_MIN",
+    "MapsClosedError",
     "ShardSpace",
     "indices_array",
     "inverse",
@@ -94,6 +95,12 @@ def word_rows(rows: np.ndarray, address: int) -> np.ndarray:
         if rb % size == 0 and address % size == 0:
             return rows.view(word)
     return rows
+
+
+class MapsClosedError(ValueError):
+    """A read of a :class:`ShardSpace` whose maps :meth:`ShardSpace.close` has unmapped (by
+    another thread, meanwhile): the caller falls back to the path that reopens the dataset.
+    A ``ValueError`` still, for callers that caught the bare one this was before."""
 
 
 class ShardSpace:
@@ -234,10 +241,16 @@ class ShardSpace:
         spaces)."""
         with self._lock:
             if self._closed:
-                raise ValueError("the dataset's shard maps are closed")
+                raise MapsClosedError("the dataset's shard maps are closed")
             drained = self.guard.check(sid, drained)
             self._active += 1
         return drained
+
+    @property
+    def reading(self) -> int:
+        """Reads of these maps in progress (begun by :meth:`enter`, not yet ended by
+        :meth:`leave`): :meth:`close` waits for none."""
+        return self._active
 
     def leave(self) -> None:
         """The read :meth:`enter` began is over."""
@@ -256,7 +269,7 @@ class ShardSpace:
             sid, rows = self._local(idx)
         with self._lock:
             if self._closed:
-                raise ValueError("the dataset's shard maps are closed")
+                raise MapsClosedError("the dataset's shard maps are closed")
             self.guard.check(sid)
             self._active += 1
         try:
@@ -313,7 +326,7 @@ class ShardSpace:
         try:
             with self._lock:
                 if self._closed:
-                    raise ValueError("the dataset's shard maps are closed")
+                    raise MapsClosedError("the dataset's shard maps are closed")
                 for s, fd, stamp in admitted:
                     if self._mapped[s]:
                         continue

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from feedpipe.datasets._batch_pool import ALIGN_MIN, BatchPool
-from feedpipe.datasets._gather import ROW_COPY_MIN, inverse, scratch
+from feedpipe.datasets._gather import ROW_COPY_MIN, MapsClosedError, inverse, scratch
 from feedpipe.datasets._memmap_columns import check_out
 from feedpipe.datasets._memmap_open import OpenShard, ShardFiles
 from feedpipe.errors import DatasetError
@@ -100,7 +100,7 @@ class FixedRecords:
             return None
         try:
             flat = space.take_new(idx)
-        except ValueError:  # its maps closed by another thread since: the general path reopens
+        except MapsClosedError:  # its maps closed by another thread: the general path reopens
             return None
         return torch.from_numpy(flat.view(self.dtype).reshape(n, *self.shape))
 

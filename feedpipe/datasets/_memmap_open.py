@@ -40,6 +40,7 @@ from feedpipe.datasets._gather import ShardSpace, map_budget
 from feedpipe.datasets._memmap_files import ShardSource
 from feedpipe.datasets._shard_guard import ShardGuard
 from feedpipe.errors import DatasetError
+from feedpipe.io.forks import ForkStamp
 
 __all__ = ["OpenShard", "OpenShards", "ShardFiles", "WatchedFiles"]
 
@@ -326,7 +327,9 @@ class ShardFiles:
         #: False: fixed records are read shard by shard even where one range could be mapped
         self.one_range = True
         self._lock = threading.RLock()  # first reads may come from several threads at once
-        self._pid = -1  # the process the open files below belong to
+        #: made by the process the open files below belong to (None: none opened yet); a
+        #: :class:`ForkStamp` tells a forked child without a system call per batch
+        self._born: ForkStamp | None = None
         self._roles: dict[str, OpenShards] = {}
         self._whole: dict[str, WatchedFiles] = {}  # files read whole, by role
         self._space: ShardSpace | bool | None = None  # False: this dataset reads per shard
@@ -368,17 +371,24 @@ class ShardFiles:
     # ------------------------------------------------------------------ open files
     def files(self, role: str = "data") -> OpenShards:
         """This process's open files of ``role`` (``data``, or a variable-length field's)."""
-        if self._pid == os.getpid():
+        born = self._born
+        if born is not None and born.here():
             files = self._roles.get(role)
             if files is not None:
                 return files
         with self._lock:
-            if self._pid != os.getpid():  # a forked child: the parent's files are not its own
-                self._pid, self._roles, self._whole = os.getpid(), {}, {}
+            self._own()
             files = self._roles.get(role)
             if files is None:
                 files = self._roles[role] = self._opener(role)
         return files
+
+    def _own(self) -> None:
+        """Under the lock: the open files are this process's from here. In a child forked since
+        they were opened (or in a copy that opened none), none: the parent's are not its own."""
+        born = self._born
+        if born is None or not born.here():
+            self._born, self._roles, self._whole = ForkStamp(), {}, {}
 
     def _opener(self, role: str) -> OpenShards:
         source = self.source
@@ -404,11 +414,11 @@ class ShardFiles:
         datasets' cache files are checked when read only (the cache verifies them)."""
         if self.source.remote:
             return
-        whole = self._whole.get(role) if self._pid == os.getpid() else None
+        born = self._born
+        whole = self._whole.get(role) if born is not None and born.here() else None
         if whole is None:
             with self._lock:
-                if self._pid != os.getpid():  # a forked child: the parent's files are not its own
-                    self._pid, self._roles, self._whole = os.getpid(), {}, {}
+                self._own()
                 whole = self._whole.get(role)
                 if whole is None:
                     source = self.source
@@ -454,7 +464,8 @@ class ShardFiles:
 
     def release_idle(self) -> None:
         """End the idle shards' leases (a download waits for room in the cache)."""
-        if self._pid == os.getpid():
+        born = self._born
+        if born is not None and born.here():
             for files in list(self._roles.values()):
                 files.release_idle()
 
@@ -477,7 +488,7 @@ class ShardFiles:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_lock=None, _pid=-1, _roles={}, _space=None, _whole={})
+        state.update(_lock=None, _born=None, _roles={}, _space=None, _whole={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from feedpipe.datasets._batch_pool import BatchPool
-from feedpipe.datasets._gather import ShardSpace, window, word_rows
+from feedpipe.datasets._gather import MapsClosedError, ShardSpace, window, word_rows
 from feedpipe.datasets._mixed_layout import EpochLayout
 from feedpipe.errors import DatasetError
 
@@ -121,17 +121,20 @@ class _Spans:
 
     def enter_all(self) -> list[ShardSpace] | None:
         """Every member's shard checked by its guard (:meth:`ShardSpace.enter`), the watcher
-        drained once; None (none entered) where one refuses."""
+        drained once; None (none entered) where one refuses (a file changed: DatasetError; its
+        maps closed: MapsClosedError). Any other error is raised, none left entered."""
         entered: list[ShardSpace] = []
         drained = False
         try:
             for space in self.spaces:
                 drained = space.enter(_ONE, drained)
                 entered.append(space)
-        except (DatasetError, ValueError):
+        except BaseException as exc:  # every one entered is left, whatever was raised
             for space in entered:
                 space.leave()
-            return None
+            if isinstance(exc, (DatasetError, MapsClosedError)):
+                return None
+            raise
         return entered
 
     def rows(self, virtual: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -237,7 +240,7 @@ def _read(
     thread): the caller then reads member by member, each reopened, as its own read is."""
     try:
         return spans.read(layout, idx, flat)
-    except ValueError:  # ShardSpace.ensure / enter: "the dataset's shard maps are closed"
+    except MapsClosedError:  # ShardSpace.ensure / enter: another thread closed the maps
         return None
 
 
@@ -250,7 +253,7 @@ def one_take(
     n = len(idx)
     try:
         spans = _spans(members, layout.vbase) if n else None
-    except ValueError:  # a member's maps closed meanwhile (another thread), as in :func:`_read`
+    except MapsClosedError:  # a member's maps closed meanwhile (another thread): see _read
         return None
     if spans is None:
         return None
