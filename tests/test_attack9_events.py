@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-import linecache
+import inspect
 import mmap
 import pickle
 import sys
@@ -165,6 +165,58 @@ def test_copy_times_with_copies_noted_from_worker_threads() -> None:
     assert len(taken) == 2 * per * threads and _distinct(taken)
 
 
+def _code_with(cls: type, text: str) -> Any:
+    """The method of ``cls`` whose source holds ``text`` (its code object) and that line."""
+    for fn in vars(cls).values():
+        if callable(fn) and hasattr(fn, "__code__"):
+            try:
+                return fn.__code__, _line_of(fn, text)
+            except AssertionError:
+                continue
+    raise AssertionError(f"{text!r} not found in {cls.__name__}")
+
+
+def test_copy_times_harvested_by_two_threads_at_once() -> None:
+    """``finish()`` of an abandoned iterator runs in the thread that drops it (``LoaderIter.
+    __del__`` -> ``Prefetcher.close``), possibly while the training thread's ``hand_over``
+    harvests: step by step, the second harvest runs between the first one's read of the oldest
+    pair and its ``popleft``. Unguarded, the first then popped from an empty deque (or another
+    pair, pooling one pair's events twice: one event then times two copies). Guarded, the
+    second waits (the join below times out; no timing is asserted)."""
+    gpu = FakeGpu()
+    pool = EventPool()
+    times = CopyTimes(CudaCalls(None), pool)
+    meter = StallMeter()
+    e = _events(gpu, 6)
+    for i in range(3):
+        times.add(e[2 * i], e[2 * i + 1], 10**i, ticket=i + 1)
+    times.handed = 3
+    code, line = _code_with(CopyTimes, "pending.popleft()")
+    hit: list[threading.Thread] = []
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        if frame.f_code is not code:
+            return None
+        if event == "line" and frame.f_lineno == line and not hit:
+            t = threading.Thread(target=times.harvest, args=(meter, True), daemon=True)
+            hit.append(t)
+            t.start()
+            t.join(1.0)
+        return trace
+
+    sys.settrace(trace)
+    try:
+        times.harvest(meter, block=False)
+    finally:
+        sys.settrace(None)
+    assert hit, "harvest no longer pops this way: update the test"
+    hit[0].join(30)
+    assert not hit[0].is_alive()
+    assert meter.stage_bytes["h2d"] == 111 and meter.stats().stages["h2d"].calls == 3
+    taken = [pool.take() for _ in range(len(pool))]
+    assert len(taken) == 6 and _distinct(taken)
+
+
 # ----------------------------------------------------------------------------- DeviceClock
 def _clock(gpu: FakeGpu) -> DeviceClock:
     clock = DeviceClock("cuda")
@@ -238,9 +290,10 @@ def test_clock_pending_pairs_change_only_under_its_lock() -> None:
 
 
 def _line_of(fn: Any, text: str) -> int:
-    code = fn.__code__
-    for n in range(code.co_firstlineno, code.co_firstlineno + 40):
-        if text in linecache.getline(code.co_filename, n):
+    """The number of the line of ``fn`` (its own lines only) that holds ``text``."""
+    lines, first = inspect.getsourcelines(fn)
+    for n, source in enumerate(lines, first):
+        if text in source:
             return n
     raise AssertionError(f"{text!r} not found in {fn.__qualname__}")
 
