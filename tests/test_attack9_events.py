@@ -12,8 +12,8 @@ ordering attacks with real events.
 from __future__ import annotations
 
 import copy
-import itertools
 import inspect
+import itertools
 import mmap
 import pickle
 import sys
