@@ -350,3 +350,23 @@ def test_a_feed_on_cuda_1_makes_no_context_on_cuda_0() -> None:
         pytest.skip("torch's own calls make a context on device 0 here: nothing to compare")
     ctx0, ctx1 = _contexts("1")
     assert ctx1 == 1 and ctx0 == 0, "the GIL-held calls made a CUDA context on device 0"
+
+
+def test_two_live_iterators_of_one_device_loader_interleaved() -> None:
+    """A second ``iter(loader)`` while the first is still iterated (torch allows it without
+    workers): both share the feed's ring, tickets and events; each gets its batches right."""
+    ds = torch.utils.data.TensorDataset(torch.arange(400 * 8, dtype=torch.float32).view(400, 8))
+    loader = _loader(ds, meter=StallMeter())
+    _slow_copies(loader._feed)
+    want = [b for (b,) in torch.utils.data.DataLoader(ds, batch_size=32)]
+    it1 = iter(loader)
+    a = [next(it1)[0].cpu()]
+    it2 = iter(loader)
+    b = []
+    for _ in range(len(want) - 1):
+        b.append(next(it2)[0].cpu())
+        a.append(next(it1)[0].cpu())
+    b.append(next(it2)[0].cpu())
+    for got in (a, b):
+        assert len(got) == len(want)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

@@ -21,7 +21,7 @@ import torch
 import feedpipe
 from feedpipe.device import ring as ring_mod
 from feedpipe.device.feed import GPUFeed, GPUFeedWarning
-from feedpipe.device.ring import Ring
+from feedpipe.device.ring import Ring, flatten
 
 
 def _feed(**kw: Any) -> GPUFeed:
@@ -272,3 +272,25 @@ def test_cpu_fallback_loader_matches_torch_with_a_break_between_epochs(workers: 
     got = list(loader)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+
+
+def test_out_views_are_reused_and_remade_only_when_changed() -> None:
+    """The filler's views of a slot are the same objects batch after batch (the cache works and
+    the shape check does not defeat it); a view reshaped in place is made anew."""
+    ring = _ring(2)
+    leaves, rebuild = flatten([torch.zeros(4, 3), torch.zeros(4, dtype=torch.int64)])
+    ring.allocate(leaves, rebuild)
+    first = ring.out_for(0, 4, 0)
+    assert first is not None
+    _fill_and_submit(ring, 0, first)
+    _fill_and_submit(ring, 1, leaves)
+    again = ring.out_for(2, 4, 0)
+    assert again is not None
+    assert again[0] is first[0] and again[1] is first[1]
+    again[0].unsqueeze_(0)  # the filler of batch 2 reshapes its view in place
+    _fill_and_submit(ring, 2, [again[0].squeeze(0), again[1]])
+    _fill_and_submit(ring, 3, leaves)
+    fresh = ring.out_for(4, 4, 0)
+    assert fresh is not None
+    assert fresh[0].shape == (4, 3) and fresh[0] is not first[0]  # made anew, right shape
+    assert fresh[0].data_ptr() == ring.slots[0].buffers[0].data_ptr()
