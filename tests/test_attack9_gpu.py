@@ -155,12 +155,10 @@ def test_two_feeds_interleaved_share_only_the_calls() -> None:
 def _pinned_epoch(feed: GPUFeed, n: int) -> list[int]:
     """Batches that are page-locked already (a process worker's shared slot): the moment the
     feed lets one go, its "worker" overwrites it with -1, as a reused slot would be."""
-    keep: list[torch.Tensor] = []
+    keep = [_host(i, pin=True) for i in range(n)]  # allocated first: no allocation between
 
     def source() -> Iterator[PinnedBatch]:
-        for i in range(n):
-            buf = _host(i, pin=True)
-            keep.append(buf)
+        for buf in keep:
             view = buf[:]
             weakref.finalize(view, buf.fill_, -1.0)
             yield PinnedBatch(view)
