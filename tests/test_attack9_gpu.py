@@ -280,6 +280,7 @@ def test_forked_child_with_an_inherited_cuda_calls_fails_cleanly() -> None:
         p.kill()
         pytest.fail("the forked child hung in a CUDA call")
     assert p.exitcode == 0, f"the forked child died: exit code {p.exitcode}"
+    assert recv.poll(10), "the forked child sent nothing"
     kind, value = recv.recv()
     if kind == "error":
         assert "cudaEventQuery failed: CUDA error" in value, value
