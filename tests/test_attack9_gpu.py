@@ -11,6 +11,7 @@ batches (the check has teeth). Run (one H100/H200, well under a minute):
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import multiprocessing
 import os
@@ -20,7 +21,9 @@ import sys
 import threading
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -369,3 +372,53 @@ def test_two_live_iterators_of_one_device_loader_interleaved() -> None:
     for got in (a, b):
         assert len(got) == len(want)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def _prefetcher_epoch(feed: GPUFeed, n: int, failed: int) -> list[int]:
+    """The loader's path: thread workers gather batch ``seq`` into its pinned slot
+    (``out_for``, cached views), batch ``failed`` fails in its worker (skipped, no ticket)."""
+    pending: deque[tuple[int, Any]] = deque()
+    seqs = iter(range(n))
+    pool = ThreadPoolExecutor(2)
+
+    def read(seq: int) -> Any:
+        out = pre.out_for(seq, ROWS)
+        if out is None:
+            return _host(seq)
+        out.copy_(_host(seq))
+        return out
+
+    def pull() -> tuple[Any, Any, bool]:
+        for seq in itertools.islice(seqs, 4 - len(pending)):
+            pending.append((seq, pool.submit(read, seq)))
+        if not pending:
+            raise StopIteration
+        seq, fut = pending.popleft()
+        return fut.result(timeout=60), seq, seq != failed
+
+    pre = feed.prefetcher(pull)
+    sums, seen = [], []
+    try:
+        for batch, seq in pre:
+            seen.append(seq)
+            if batch is None:
+                assert seq == failed
+                continue
+            _sleep(CONSUMER_SLEEP)
+            sums.append((seq, (batch.double().flatten() * _weights(batch.device)).sum()))
+            del batch
+        torch.cuda.synchronize()
+    finally:
+        pool.shutdown()
+    assert seen == list(range(n))
+    return [s for s, v in sums if not math.isclose(float(v), _want(s), rel_tol=1e-9)]
+
+
+def test_prefetcher_with_fillers_and_a_failed_batch() -> None:
+    meter = StallMeter()
+    feed = _feed(prefetch=2, fillers=4, batch_size=ROWS, meter=meter)
+    _slow_copies(feed)
+    for _ in range(2):
+        assert _prefetcher_epoch(feed, 16, failed=5) == []
+    assert feed.events is not None and len(feed.events) <= 2 * (feed.prefetch + 2 + 4 + 2)
+    assert meter.stats().stages["h2d"].calls == 2 * 15
