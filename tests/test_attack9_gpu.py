@@ -422,3 +422,43 @@ def test_prefetcher_with_fillers_and_a_failed_batch() -> None:
         assert _prefetcher_epoch(feed, 16, failed=5) == []
     assert feed.events is not None and len(feed.events) <= 2 * (feed.prefetch + 2 + 4 + 2)
     assert meter.stats().stages["h2d"].calls == 2 * 15
+
+
+def test_elapsed_time_of_a_running_pair_names_the_call_and_leaves_no_error() -> None:
+    """Reading a pair before its end completed (cudaErrorNotReady from cudaEventElapsedTime) is
+    an error, as with torch's ``elapsed_time``; it names the call and leaves no CUDA error for
+    torch's next check, in the main thread and in a worker thread."""
+    calls = cuda_calls()
+    lib = calls.lib
+    assert lib is not None
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    new_event = torch.cuda.Event
+    a = new_event(enable_timing=True)  # type: ignore[no-untyped-call]
+    b = new_event(enable_timing=True)  # type: ignore[no-untyped-call]
+    calls.record(a, side)
+    calls.record(b, side)
+    side.synchronize()
+    errors: list[str] = []
+
+    def read() -> None:
+        with torch.cuda.stream(side):
+            calls.record(a, side)
+            _sleep(50_000_000)  # tens of ms: b cannot have completed when it is read
+            calls.record(b, side)
+        try:
+            calls.elapsed_ms(a, b)
+        except RuntimeError as e:
+            errors.append(str(e))
+        errors.append(f"last error {int(lib.cudaPeekAtLastError())}")
+
+    read()
+    t = threading.Thread(target=read)
+    t.start()
+    t.join(60)
+    assert not t.is_alive()
+    side.synchronize()
+    assert len(errors) == 4, errors
+    for e in errors[0::2]:
+        assert "cudaEventElapsedTime failed: CUDA error 600" in e, e
+    assert errors[1::2] == ["last error 0", "last error 0"]
+    assert calls.elapsed_ms(a, b) > 0
