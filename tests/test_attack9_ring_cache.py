@@ -9,6 +9,8 @@ the cap, in-place gathers by thread workers, and a filler that changes its view'
 from __future__ import annotations
 
 import itertools
+import linecache
+import sys
 import threading
 import warnings
 from collections import deque
@@ -294,3 +296,49 @@ def test_out_views_are_reused_and_remade_only_when_changed() -> None:
     assert fresh is not None
     assert fresh[0].shape == (4, 3) and fresh[0] is not first[0]  # made anew, right shape
     assert fresh[0].data_ptr() == ring.slots[0].buffers[0].data_ptr()
+
+
+def test_a_stale_filler_paused_at_the_view_cache_is_turned_away() -> None:
+    """A filler of an abandoned epoch has passed its turn but not yet taken its views (not lent,
+    so the ring is reused); it resumes only after the next epoch has filled and re-cached the
+    same slot. It must get ``None`` (and write nothing), and the new epoch's batches stay right."""
+    feed = _feed(prefetch=0, fillers=1, batch_size=4)  # 3 slots
+    out_for = feed.start()
+    feed.hand_over(feed.submit(torch.zeros(4, 3)))  # lays the ring out; seq 0 in slot 0
+    at_cache, go = threading.Event(), threading.Event()
+    code = Ring.out_for.__code__
+    got: list[Any] = ["unset"]
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not code:
+            return None
+        if event == "line" and "slot.view(key" in _source(frame):
+            at_cache.set()
+            go.wait(30)
+        return trace
+
+    def stale() -> None:
+        sys.settrace(trace)
+        try:
+            got[0] = out_for(3, 4)  # slot 0 again
+        finally:
+            sys.settrace(None)
+
+    t = threading.Thread(target=stale, daemon=True)
+    t.start()
+    assert at_cache.wait(30)
+    ring = feed._ring
+    batches = [torch.full((4, 3), float(i)) for i in range(6)]
+    it = feed.iterate(batches)
+    first = [next(it), next(it)]  # the new epoch reused the ring and filled slot 0
+    assert feed._ring is ring
+    go.set()
+    t.join(30)
+    assert not t.is_alive() and got[0] is None
+    rest = list(it)
+    for i, b in enumerate(first + rest):
+        assert torch.equal(b, batches[i])
+
+
+def _source(frame: Any) -> str:
+    return linecache.getline(frame.f_code.co_filename, frame.f_lineno)
