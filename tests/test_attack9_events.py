@@ -64,6 +64,7 @@ class FakeEvent:
 
     def __init__(self, gpu: FakeGpu) -> None:
         self.gpu, self.done, self.t = gpu, False, 0
+        self.hook: Any = None  # run once inside the next query (a finalizer, a thread switch)
 
     def record(self, stream: Any = None) -> None:
         self.t, self.done = next(self.gpu._tick), self.gpu.auto
@@ -71,6 +72,9 @@ class FakeEvent:
 
     def query(self) -> bool:
         self.gpu.log.append(("query", self))
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
         return self.done
 
     def synchronize(self) -> None:
@@ -180,9 +184,10 @@ def test_copy_times_harvested_by_two_threads_at_once() -> None:
     """``finish()`` of an abandoned iterator runs in the thread that drops it (``LoaderIter.
     __del__`` -> ``Prefetcher.close``), possibly while the training thread's ``hand_over``
     harvests: step by step, the second harvest runs between the first one's read of the oldest
-    pair and its ``popleft``. Unguarded, the first then popped from an empty deque (or another
-    pair, pooling one pair's events twice: one event then times two copies). Guarded, the
-    second waits (the join below times out; no timing is asserted)."""
+    pair and its ``popleft``. The first then popped from an empty deque (or another pair,
+    pooling one pair's events twice: one event then times two copies). Now the
+    second takes the pairs the first has not taken (each harvest takes a pair off the queue
+    before reading it)."""
     gpu = FakeGpu()
     pool = EventPool()
     times = CopyTimes(CudaCalls(None), pool)
@@ -212,6 +217,37 @@ def test_copy_times_harvested_by_two_threads_at_once() -> None:
     assert hit, "harvest no longer pops this way: update the test"
     hit[0].join(30)
     assert not hit[0].is_alive()
+    assert meter.stage_bytes["h2d"] == 111 and meter.stats().stages["h2d"].calls == 3
+    taken = [pool.take() for _ in range(len(pool))]
+    assert len(taken) == 6 and _distinct(taken)
+
+
+def test_copy_times_harvest_reentered_from_inside_a_query() -> None:
+    """The same thread re-enters: a garbage collection inside the harvest's query (any
+    allocation may run one) finalizes an abandoned iterator, whose ``finish()`` harvests with
+    ``block``. No deadlock (a lock here would wait for itself), each pair read once."""
+    gpu = FakeGpu()
+    pool = EventPool()
+    times = CopyTimes(CudaCalls(None), pool)
+    meter = StallMeter()
+    e = _events(gpu, 6)
+    for i in range(3):
+        times.add(e[2 * i], e[2 * i + 1], 10**i, ticket=i + 1)
+    times.handed = 3
+    e[1].hook = lambda: times.harvest(meter, block=True)
+    errors: list[BaseException] = []
+
+    def harvest() -> None:
+        try:
+            times.harvest(meter, block=False)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=harvest, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the re-entered harvest deadlocked"
+    assert errors == []
     assert meter.stage_bytes["h2d"] == 111 and meter.stats().stages["h2d"].calls == 3
     taken = [pool.take() for _ in range(len(pool))]
     assert len(taken) == 6 and _distinct(taken)

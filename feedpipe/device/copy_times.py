@@ -10,7 +10,6 @@ too soon.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from typing import Any
 
@@ -23,13 +22,13 @@ __all__ = ["CopyTimes"]
 class CopyTimes:
     """Pending ``(start, end, nbytes, ticket)`` copy timings; ``handed`` is the last ticket
     handed to the consumer (a pair with ticket 0 waits for no hand-over). Any thread may
-    :meth:`add` or harvest (an abandoned iterator's ``finish()`` may run in the thread that
-    drops it): one harvest at a time, so each pair is read and pooled once."""
+    :meth:`add` or harvest, also re-entrantly (an abandoned iterator's ``finish()`` runs in the
+    thread that drops it, or in a garbage collection inside a harvest): a harvest takes a pair
+    off the queue before it reads it, so each pair is read and pooled once, with no lock."""
 
     def __init__(self, calls: CudaCalls, pool: EventPool) -> None:
         self._calls, self._pool = calls, pool
         self._pending: deque[tuple[Any, Any, int, int]] = deque()
-        self._lock = threading.Lock()
         self.handed = 0
 
     def add(self, start: Any, end: Any, nbytes: int, ticket: int = 0) -> None:
@@ -38,24 +37,19 @@ class CopyTimes:
 
     def harvest(self, meter: Any | None, block: bool) -> None:
         """Report completed copies to ``meter`` (``"h2d"``), oldest first; with ``block``, every
-        pending one (the epoch is over: its batches will not be handed over). Without ``block``
-        it returns at once while another thread harvests (the GIL is not let go to wait)."""
-        if not self._lock.acquire(blocking=block):
-            return
-        try:
-            self._harvest(meter, block)
-        finally:
-            self._lock.release()
-
-    def _harvest(self, meter: Any | None, block: bool) -> None:
+        pending one (the epoch is over: its batches will not be handed over)."""
         pending, calls = self._pending, self._calls
-        while pending:
-            start, end, nbytes, ticket = pending[0]
+        while True:
+            try:
+                pair = pending.popleft()  # taken first: no other harvest can read it too
+            except IndexError:
+                return
+            start, end, nbytes, ticket = pair
             if not block and (ticket > self.handed or not calls.query(end)):
+                pending.appendleft(pair)  # not yet: back at the head
                 return
             if block:
                 end.synchronize()
-            pending.popleft()
             if meter is not None:
                 meter.add_stage("h2d", calls.elapsed_ms(start, end) / 1000.0, nbytes)
             self._pool.give(start, end)
