@@ -22,7 +22,9 @@ __all__ = ["CopyTimes"]
 class CopyTimes:
     """Pending ``(start, end, nbytes, ticket)`` copy timings; ``handed`` is the last ticket
     handed to the consumer (a pair with ticket 0 waits for no hand-over). Any thread may
-    :meth:`add`; one thread harvests."""
+    :meth:`add` or harvest, also re-entrantly (an abandoned iterator's ``finish()`` runs in the
+    thread that drops it, or in a garbage collection inside a harvest): a harvest takes a pair
+    off the queue before it reads it, so each pair is read and pooled once, with no lock."""
 
     def __init__(self, calls: CudaCalls, pool: EventPool) -> None:
         self._calls, self._pool = calls, pool
@@ -37,13 +39,17 @@ class CopyTimes:
         """Report completed copies to ``meter`` (``"h2d"``), oldest first; with ``block``, every
         pending one (the epoch is over: its batches will not be handed over)."""
         pending, calls = self._pending, self._calls
-        while pending:
-            start, end, nbytes, ticket = pending[0]
+        while True:
+            try:
+                pair = pending.popleft()  # taken first: no other harvest can read it too
+            except IndexError:
+                return
+            start, end, nbytes, ticket = pair
             if not block and (ticket > self.handed or not calls.query(end)):
+                pending.appendleft(pair)  # not yet: back at the head
                 return
             if block:
                 end.synchronize()
-            pending.popleft()
             if meter is not None:
                 meter.add_stage("h2d", calls.elapsed_ms(start, end) / 1000.0, nbytes)
             self._pool.give(start, end)

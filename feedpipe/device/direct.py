@@ -94,7 +94,8 @@ class DirectReader:
         self.device = device
         self.stream = stream
         self.note = note  # note(start_event, end_event, nbytes) or None (counters off)
-        self.events = events or EventPool()  # the feed's: note() gives them back there
+        # the feed's: note() gives them back there (an empty pool is falsy: test for None)
+        self.events = events if events is not None else EventPool()
         self.calls = cuda_calls()
 
     def __len__(self) -> int:

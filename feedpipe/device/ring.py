@@ -72,7 +72,7 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     return rebuild([fn(t) for t in leaves])
 
 
-_MAX_VIEWS = 16  # views kept per slot
+_MAX_VIEWS = 16  # shapes whose views a slot keeps
 
 
 def _typed(buffer: torch.Tensor, dtype: torch.dtype, shape: Any) -> torch.Tensor:
@@ -81,9 +81,14 @@ def _typed(buffer: torch.Tensor, dtype: torch.dtype, shape: Any) -> torch.Tensor
     return buffer[:n].view(dtype).view(shape)
 
 
-def _out_views(buffers: list[torch.Tensor], layout: _Layout, rows: int) -> list[Any] | None:
-    """Views of ``buffers`` shaped for a ``rows``-long batch of ``layout``, or None where one
-    does not fit."""
+_Marks = list[tuple[Any, Any, int]]  # (shape, strides, data pointer) of each view as made
+
+
+def _out_views(
+    buffers: list[torch.Tensor], layout: _Layout, rows: int
+) -> tuple[list[Any], _Marks] | None:
+    """Views of ``buffers`` shaped for a ``rows``-long batch of ``layout`` and their marks, or
+    None where one does not fit."""
     shapes = [(rows, *s[1:]) for s in layout.shapes]
     sizes = [
         torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
@@ -91,7 +96,17 @@ def _out_views(buffers: list[torch.Tensor], layout: _Layout, rows: int) -> list[
     ]
     if any(n > _nbytes(b) for n, b in zip(sizes, buffers, strict=True)):
         return None
-    return [_typed(b, d, s) for b, d, s in zip(buffers, layout.dtypes, shapes, strict=True)]
+    views = [_typed(b, d, s) for b, d, s in zip(buffers, layout.dtypes, shapes, strict=True)]
+    return views, [(v.shape, v.stride(), v.data_ptr()) for v in views]
+
+
+def _intact(views: list[Any], marks: _Marks) -> bool:
+    """Whether no filler changed a view's shape, strides or memory in place (``unsqueeze_``,
+    ``resize_``, an ``out=`` that resized it); these reads keep the GIL, unlike a new view."""
+    return all(
+        v.shape == s and v.stride() == st and v.data_ptr() == p
+        for v, (s, st, p) in zip(views, marks, strict=True)
+    )
 
 
 def _query(event: Any) -> bool:
@@ -142,11 +157,12 @@ class Slot:
 
     def view(self, key: Any, make: Callable[[], Any]) -> Any:
         """The view cached under ``key``, made by ``make()`` the first time (at most
-        ``_MAX_VIEWS`` kept: ragged batches reshape every time)."""
+        ``_MAX_VIEWS`` shapes' worth kept, one view per leaf each: ragged batches reshape every
+        time)."""
         views = self.views
         v = views.get(key)
         if v is None:
-            if len(views) >= _MAX_VIEWS:
+            if len(views) >= _MAX_VIEWS * (len(self._buffers) + 1):
                 views.clear()
             v = views[key] = make()
         return v
@@ -295,9 +311,14 @@ class Ring:
         if layout is None or layout.rows is None or layout.rebuild is None:
             return None
         slot = self._wait_turn(seq, gen)
-        views = slot.view(("out", rows), lambda: _out_views(slot.buffers, layout, rows))
-        if views is None:
+        key = ("out", rows)
+        made = slot.view(key, lambda: _out_views(slot.buffers, layout, rows))
+        if made is not None and not _intact(*made):  # the slot's last filler reshaped one
+            slot.views.pop(key, None)
+            made = slot.view(key, lambda: _out_views(slot.buffers, layout, rows))
+        if made is None:
             return None
+        views = made[0]
         self.wait_copied(slot)
         with self._lock:  # atomic with retire(): either lent and counted, or turned away
             if self._closed or gen != self.gen:

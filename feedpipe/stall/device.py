@@ -78,8 +78,9 @@ class DeviceClock:
             self.poll()
         ev = self._event()
         stream = stream if stream is not None else self._torch.cuda.current_stream(self.device)
-        self._calls.record(ev, stream)
-        self._pending.append((begin, ev))
+        with self._lock:  # poll()/reset() from another thread walk the pairs: wait before B
+            self._calls.record(ev, stream)
+            self._pending.append((begin, ev))
 
     def cancel(self, begin: Any) -> None:
         """``next()`` delivered no batch (the epoch ended): give A back to the pool."""
