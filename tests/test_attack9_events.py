@@ -447,14 +447,6 @@ def test_torch_calls_fallback_has_torchs_effect() -> None:
 
 
 # ------------------------------------------------------------------ finding torch's libcudart
-@pytest.mark.xfail(
-    strict=True,
-    reason="feedpipe.io.cuda.cudart_paths takes the last space-separated word of each "
-    "/proc/self/maps line, so a libcudart under a directory with a space (a venv in "
-    "'~/My Projects') is never found: CudaCalls silently falls back to torch's calls (GIL "
-    "released) and host registration finds no libcudart. Fix (io/cuda.py, not atk9's file): "
-    "line.split(maxsplit=5)[5].rstrip('\\n') for lines with 6 fields.",
-)
 def test_cudart_found_under_a_directory_with_a_space(tmp_path: Path) -> None:
     lib = tmp_path / "my venv" / "lib" / "libcudart.so.13"
     lib.parent.mkdir(parents=True)

@@ -21,6 +21,7 @@ def cudart_paths() -> list[str]:
     unreadable."""
     try:
         with open("/proc/self/maps") as f:
-            return sorted({line.split()[-1] for line in f if "/libcudart" in line})
+            # the path is the sixth field, and may hold spaces
+            return sorted({line.split(maxsplit=5)[5].strip() for line in f if "/libcudart" in line})
     except OSError:
         return []
