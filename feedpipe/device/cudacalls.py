@@ -16,8 +16,10 @@ call (same effect, GIL released):
 - where no ``libcudart`` is mapped in the process (a torch with CUDA linked statically), or
   ``FEEDPIPE_CUDA_KEEP_GIL=0`` is set;
 - for an event torch has not created yet (torch creates one at its first record);
-- for a device's default (null) stream on a device other than the calling thread's current one
-  (the runtime reads a null stream as the current device's).
+- for an event or stream of a device other than the calling thread's current one: the runtime
+  reads a null stream as the current device's, and a call from a thread whose current device
+  has no context yet would create one there (a rank that never called ``set_device`` would
+  then hold memory on GPU 0); torch's call sets the device around the call.
 
 A failed call raises ``RuntimeError`` naming the call and the CUDA error, after clearing the
 thread's last CUDA error (as torch does) so that torch's next check does not report it again.
@@ -75,14 +77,14 @@ class CudaCalls:
         self._name = lib.cudaGetErrorString
         self._name.restype, self._name.argtypes = ctypes.c_char_p, [c_int]
 
-    def _null_elsewhere(self, stream: Any) -> bool:
-        """A default (null) stream of a device other than this thread's current one."""
-        return not stream.cuda_stream and stream.device_index != self._current_device()
+    def _elsewhere(self, index: int) -> bool:
+        """Whether device ``index`` is not this thread's current device."""
+        return bool(index != self._current_device())
 
     def record(self, event: Any, stream: Any) -> None:
         """``event.record(stream)``."""
         handle = event.cuda_event
-        if self.lib is None or not handle or self._null_elsewhere(stream):
+        if self.lib is None or not handle or self._elsewhere(stream.device_index):
             event.record(stream)
             return
         self._check(self._record(handle, stream.cuda_stream), "cudaEventRecord")
@@ -90,7 +92,7 @@ class CudaCalls:
     def wait(self, stream: Any, event: Any) -> None:
         """``stream.wait_event(event)``: work queued on ``stream`` later runs after ``event``."""
         handle = event.cuda_event
-        if self.lib is None or not handle or self._null_elsewhere(stream):
+        if self.lib is None or not handle or self._elsewhere(stream.device_index):
             stream.wait_event(event)
             return
         self._check(self._wait(stream.cuda_stream, handle, 0), "cudaStreamWaitEvent")
@@ -98,7 +100,7 @@ class CudaCalls:
     def query(self, event: Any) -> bool:
         """``event.query()``: whether the work before its last record has completed."""
         handle = event.cuda_event
-        if self.lib is None or not handle:
+        if self.lib is None or not handle or self._elsewhere(event.device.index):
             return bool(event.query())
         code = self._query(handle)
         if code == _SUCCESS:
@@ -111,7 +113,12 @@ class CudaCalls:
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
         """``start.elapsed_time(end)``: milliseconds between two completed records."""
-        if self.lib is None or not start.cuda_event or not end.cuda_event:
+        if (
+            self.lib is None
+            or not start.cuda_event
+            or not end.cuda_event
+            or self._elsewhere(start.device.index)
+        ):
             return float(start.elapsed_time(end))
         ms = ctypes.c_float()
         self._check(
