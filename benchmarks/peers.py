@@ -17,16 +17,15 @@ The peers, each written as its own docs show:
   and ``default_collate`` stacks the samples. torchdata's ``StatefulDataLoader``: the same.
 - ``torchdata.nodes`` as its migration guide for map-style datasets builds a DataLoader:
   ``SamplerWrapper(RandomSampler)`` -> ``Batcher`` -> ``ParallelMapper(map_and_collate, W)`` ->
-  (``PinMemory``) -> ``Prefetcher(2 W)`` -> ``Loader``. The guide maps whole batches of indices
-  (its ``MapAndCollate``), not one sample per task; here each task fetches its batch as torch's
-  fetcher does. ``method="process"`` is the guide's setting, ``"thread"`` its alternative; a
-  third row gives the thread workers feedpipe's one-gather ``read_batch`` as the map.
-- SPDL: ``spdl.dataloader.get_pytorch_dataloader`` (its drop-in for a map-style dataset: W
-  worker processes fed by a sampler in the main process), and ``spdl.pipeline``:
-  ``PipelineBuilder().add_source(shuffled index batches).pipe(read, concurrency=W)`` on the
-  pipeline's thread pool (``output_order="completion"``, its advice for I/O stages), then
-  ``pipe(transfer_tensor_h2d)`` on CUDA, ``add_sink(2 W)``, one pipeline built per epoch as its
-  "DataLoader-style interface" does; the read is torch's fetch, or ``read_batch``.
+  (``PinMemory``) -> ``Prefetcher(2 W)`` -> ``Loader``: a batched map (each task fetches one
+  batch as torch's fetcher does), ``method="process"`` (the guide's) and ``"thread"``; a third
+  row gives the threads feedpipe's one-gather ``read_batch`` as the map.
+- SPDL: ``spdl.dataloader.get_pytorch_dataloader`` (its drop-in for map-style datasets: W
+  worker processes fed by a sampler in the main process), and ``spdl.pipeline`` built once
+  over a continuous source of shuffled index batches -> ``pipe(read, concurrency=W,
+  output_order="completion")`` -> ``add_sink(2 W)``, run MT (its thread pool, this process;
+  the read is torch's fetch or ``read_batch``) and MTP (``run_pipeline_in_subprocess``, the
+  pattern its docs recommend for GPU training); see :class:`SpdlLoader`.
 - feedpipe ``DataLoader`` with W thread workers, W process workers and no workers.
 
 With ``--device cuda`` batches end on the GPU: torch and the peers pin where they offer it
@@ -69,17 +68,7 @@ from gpu_feed import make_dataset
 import feedpipe
 from feedpipe.device.feed import GPUFeedWarning
 
-__all__ = [
-    "ROWS",
-    "EpochIndices",
-    "ReadBatch",
-    "Row",
-    "Setting",
-    "SpdlLoader",
-    "Timing",
-    "TorchFetch",
-    "main",
-]
+__all__ = ["ROWS", "Row", "Setting", "SpdlLoader", "Timing", "main"]
 
 _TIMEOUT_S = 300.0  # an SPDL pipeline that delivers nothing for this long fails its row
 Built = tuple[Iterable[Any], Callable[[Any], Any]]
@@ -283,44 +272,20 @@ class Row:
     build: Callable[[Any, Setting], Built]
 
 
+_N, _S, _F = "torchdata.nodes", "SPDL", "feedpipe"
 ROWS: tuple[Row, ...] = (
     Row("torch", "torch DataLoader", "torch DataLoader, W processes", _torch),
     Row("stateful", "torchdata StatefulDataLoader", "StatefulDataLoader, W processes", _stateful),
-    Row(
-        "nodes-process",
-        "torchdata.nodes",
-        "torchdata.nodes, W processes",
-        _nodes("process", TorchFetch),
-    ),
-    Row(
-        "nodes-thread",
-        "torchdata.nodes",
-        "torchdata.nodes, W threads",
-        _nodes("thread", TorchFetch),
-    ),
-    Row(
-        "nodes-thread-rb",
-        "torchdata.nodes",
-        "torchdata.nodes, W threads, read_batch",
-        _nodes("thread", ReadBatch),
-    ),
-    Row("spdl-process", "SPDL", "SPDL get_pytorch_dataloader, W processes", _spdl_torch),
-    Row("spdl-mt", "SPDL", "SPDL pipeline MT, W threads", _spdl_pipe(TorchFetch, False)),
-    Row(
-        "spdl-mt-rb",
-        "SPDL",
-        "SPDL pipeline MT, W threads, read_batch",
-        _spdl_pipe(ReadBatch, False),
-    ),
-    Row(
-        "spdl-mtp",
-        "SPDL",
-        "SPDL pipeline MTP, W threads in a subprocess",
-        _spdl_pipe(TorchFetch, True),
-    ),
-    Row("feedpipe-thread", "feedpipe", "feedpipe, W thread workers", _feedpipe("thread", None)),
-    Row("feedpipe-process", "feedpipe", "feedpipe, W process workers", _feedpipe("process", None)),
-    Row("feedpipe-none", "feedpipe", "feedpipe, no workers", _feedpipe("thread", 0)),
+    Row("nodes-process", _N, f"{_N}, W processes", _nodes("process", TorchFetch)),
+    Row("nodes-thread", _N, f"{_N}, W threads", _nodes("thread", TorchFetch)),
+    Row("nodes-thread-rb", _N, f"{_N}, W threads, read_batch", _nodes("thread", ReadBatch)),
+    Row("spdl-process", _S, "SPDL get_pytorch_dataloader, W processes", _spdl_torch),
+    Row("spdl-mt", _S, "SPDL pipeline MT, W threads", _spdl_pipe(TorchFetch, False)),
+    Row("spdl-mt-rb", _S, "SPDL pipeline MT, W threads, read_batch", _spdl_pipe(ReadBatch, False)),
+    Row("spdl-mtp", _S, "SPDL pipeline MTP, W threads", _spdl_pipe(TorchFetch, True)),
+    Row("feedpipe-thread", _F, "feedpipe, W thread workers", _feedpipe("thread", None)),
+    Row("feedpipe-process", _F, "feedpipe, W process workers", _feedpipe("process", None)),
+    Row("feedpipe-none", _F, "feedpipe, no workers", _feedpipe("thread", 0)),
 )
 
 
@@ -531,7 +496,9 @@ def report(results: dict[int, dict[str, Any]], rows: Sequence[Row], args: argpar
         f"{args.batch} records with W = {w} workers; batches end {where}. Best of {args.reps} "
         f"interleaved repetitions of whole epochs for {args.seconds:g} s each; every epoch "
         "delivered every record. Each peer is written as its docs show (the script's docstring "
-        "says how); `read_batch` rows give a peer feedpipe's one-gather read as its map.",
+        "says how); `read_batch` rows give a peer feedpipe's one-gather read as its map. An "
+        "epoch's first batch includes what a system starts per epoch (torchdata.nodes and "
+        "`get_pytorch_dataloader` start their workers anew; `n/a`: one epoch per run).",
         "",
         f"Machine: {machine()}  ",
         f"Command: `{cmd}`",
@@ -573,23 +540,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def _settings(argv: list[str] | None) -> argparse.Namespace:
     args = _parser().parse_args(argv)
-    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11
     if args.smoke:  # 4 batches of every record size, a few MB in all
         args.batch, args.seconds, args.reps, args.check = min(args.batch, 8), 0.0, 1, True
         args.gb, args.min_batches = 0.0, 4
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: use --device cpu")
-        return 2
-    keys = {k for k in args.only.split(",") if k} | {"torch"}
-    rows = [r for r in ROWS if not args.only or r.key in keys]
-    s = Setting(args.batch, args.workers, dev)
+    return args
+
+
+def run(rows: Sequence[Row], s: Setting, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    """Every record size in turn: write its records, measure every row, print its table."""
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix="peers_", dir=args.dir or shm)
     results: dict[int, dict[str, Any]] = {}
-    print(f"# {machine()}")
     try:
         for rec in [int(r) for r in args.records.split(",") if r]:
             nbytes = max(int(args.gb * 1e9), args.min_batches * args.batch * rec)
@@ -597,14 +560,30 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(size_table(rec, results[rec], rows, args.workers)) + "\n", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    return results
+
+
+def _any_failed(results: dict[int, dict[str, Any]]) -> bool:
+    cells = [v for res in results.values() for v in res.values()]
+    return any(isinstance(v, str) and v.startswith("failed") for v in cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _settings(argv)
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: use --device cpu")
+        return 2
+    keys = {k for k in args.only.split(",") if k} | {"torch"}  # the baseline always runs
+    rows = [r for r in ROWS if r.key in keys] if args.only else list(ROWS)
+    print(f"# {machine()}")
+    results = run(rows, Setting(args.batch, args.workers, dev), args)
     cmd = "python benchmarks/peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = report(results, rows, args, cmd.strip())
     print("\n".join(summary(results, rows, args.workers)))
     if args.write:
-        write_section("peers", text)
-    failed = [v for res in results.values() for v in res.values() if isinstance(v, str)
-              and v.startswith("failed")]  # fmt: skip
-    return 1 if failed else 0
+        write_section("peers", report(results, rows, args, cmd.strip()))
+    return 1 if _any_failed(results) else 0
 
 
 if __name__ == "__main__":

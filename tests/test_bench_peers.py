@@ -27,7 +27,7 @@ LABELS = [
     "SPDL get_pytorch_dataloader, 1 processes",
     "SPDL pipeline MT, 1 threads",
     "SPDL pipeline MT, 1 threads, read_batch",
-    "SPDL pipeline MTP, 1 threads in a subprocess",
+    "SPDL pipeline MTP, 1 threads",
     "feedpipe, 1 thread workers",
     "feedpipe, 1 process workers",
     "feedpipe, no workers",
