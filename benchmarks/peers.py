@@ -34,7 +34,7 @@ copies on its own stream), then ``.to(dev, non_blocking=True)``; feedpipe ``devi
 package that is not installed prints "not installed"; a row that raises prints "failed: ..."
 and the run goes on (exit status 1).
 
-    python benchmarks/peers.py --device cuda --write             # the H200 machine
+    python benchmarks/peers.py --device cuda --gb 0.1 --seconds 1.5 --write   # the H200 machine
     python benchmarks/peers.py --workers 2 --gb 0.05 --seconds 1  # this CPU box
     python benchmarks/peers.py --smoke                            # every system, tiny data
 """
@@ -490,7 +490,7 @@ def report(results: dict[int, dict[str, Any]], rows: Sequence[Row], args: argpar
     """The markdown section: how it was measured, the machine, the command, the tables."""
     w, where = args.workers, "on the GPU" if args.device.startswith("cuda") else "in host memory"
     md = [
-        "### Peers side by side: torchdata and SPDL (`benchmarks/peers.py`)",
+        f"### Peers side by side, batches {where}: torchdata and SPDL (`benchmarks/peers.py`)",
         "",
         f"Every system reads the same `MemmapDataset` from the page cache in shuffled batches of "
         f"{args.batch} records with W = {w} workers; batches end {where}. Best of {args.reps} "
@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python benchmarks/peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print("\n".join(summary(results, rows, args.workers)))
     if args.write:
-        write_section("peers", report(results, rows, args, cmd.strip()))
+        write_section(f"peers_{dev.type}", report(results, rows, args, cmd.strip()))
     return 1 if _any_failed(results) else 0
 
 
