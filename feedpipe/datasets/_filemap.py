@@ -5,7 +5,6 @@ descriptor they own (:func:`close_fd`)."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from typing import Any
 
@@ -21,7 +20,10 @@ def libc() -> Any:
     """The C library, with ``mmap``/``munmap`` typed (loaded on first use)."""
     global _libc
     if _libc is None:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        # the process's own symbols (libc among them): ctypes.util.find_library would run
+        # ``ldconfig -p`` and read its pipe to EOF, which never comes while a child forked
+        # meanwhile by another thread (a worker) holds the pipe open
+        lib = ctypes.CDLL(None, use_errno=True)
         lib.mmap.restype = ctypes.c_void_p
         lib.mmap.argtypes = [
             ctypes.c_void_p,

@@ -40,7 +40,7 @@ from feedpipe.datasets._gather import ShardSpace, map_budget
 from feedpipe.datasets._memmap_files import ShardSource
 from feedpipe.datasets._shard_guard import ShardGuard
 from feedpipe.errors import DatasetError
-from feedpipe.io.forks import ForkStamp
+from feedpipe.io.forks import ForkLock, ForkStamp
 
 __all__ = ["OpenShard", "OpenShards", "ShardFiles", "WatchedFiles"]
 
@@ -326,7 +326,9 @@ class ShardFiles:
         self.kind, self.read, self.starts, self.record_bytes = kind, read, starts, record_bytes
         #: False: fixed records are read shard by shard even where one range could be mapped
         self.one_range = True
-        self._lock = threading.RLock()  # first reads may come from several threads at once
+        # first reads may come from several threads at once; a child forked while another
+        # thread held it finds it free
+        self._mutex = ForkLock()
         #: made by the process the open files below belong to (None: none opened yet); a
         #: :class:`ForkStamp` tells a forked child without a system call per batch
         self._born: ForkStamp | None = None
@@ -376,7 +378,7 @@ class ShardFiles:
             files = self._roles.get(role)
             if files is not None:
                 return files
-        with self._lock:
+        with self._mutex.lock:
             self._own()
             files = self._roles.get(role)
             if files is None:
@@ -417,7 +419,7 @@ class ShardFiles:
         born = self._born
         whole = self._whole.get(role) if born is not None and born.here() else None
         if whole is None:
-            with self._lock:
+            with self._mutex.lock:
                 self._own()
                 whole = self._whole.get(role)
                 if whole is None:
@@ -450,7 +452,7 @@ class ShardFiles:
             return space
         if space is False or not self.one_range:
             return None
-        with self._lock:
+        with self._mutex.lock:
             space = self._space
             if isinstance(space, ShardSpace) and not space.here():
                 space.forget()  # a forked child: the parent's maps, no other thread here
@@ -488,9 +490,9 @@ class ShardFiles:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_lock=None, _born=None, _roles={}, _space=None, _whole={})
+        state.update(_mutex=None, _born=None, _roles={}, _space=None, _whole={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.RLock()
+        self._mutex = ForkLock()

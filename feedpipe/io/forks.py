@@ -1,18 +1,43 @@
 """Whether an object is in the process that made it, or in a child forked since (which holds a
-copy of it), told without a system call: ``os.getpid()`` is one, too dear per batch."""
+copy of it), told without a system call: ``os.getpid()`` is one, too dear per batch; and locks
+that a forked child finds free."""
 
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 
-__all__ = ["ForkStamp"]
+__all__ = ["ForkLock", "ForkStamp"]
 
 _FORKS = [0]  # forks counted in this process since the first stamp (in each child: +1)
 _HOOKED = [False]
+_LOCKS: weakref.WeakSet[ForkLock] = weakref.WeakSet()
 
 
 def _forked() -> None:
     _FORKS[0] += 1
+    for held in list(_LOCKS):  # the child has one thread: nobody else can hold them here
+        held.lock = threading.RLock()
+
+
+def _hook() -> None:
+    if not _HOOKED[0]:
+        _HOOKED[0] = True
+        os.register_at_fork(after_in_child=_forked)
+
+
+class ForkLock:
+    """A reentrant lock, ``.lock``, that a forked child finds free: the child's copy of a lock
+    that another thread held at the fork would never be released (that thread does not exist
+    in the child), so its first use would wait for ever. Use it as ``with x.lock:``."""
+
+    __slots__ = ("__weakref__", "lock")
+
+    def __init__(self) -> None:
+        _hook()
+        self.lock = threading.RLock()
+        _LOCKS.add(self)
 
 
 class ForkStamp:
@@ -22,9 +47,7 @@ class ForkStamp:
     __slots__ = ("_forks", "_gen")
 
     def __init__(self) -> None:
-        if not _HOOKED[0]:
-            _HOOKED[0] = True
-            os.register_at_fork(after_in_child=_forked)
+        _hook()
         # the counter is held, not looked up: a ``__del__`` asking at interpreter exit finds
         # module globals already set to None
         self._forks = _FORKS
