@@ -35,7 +35,7 @@ def _run_all() -> Any:
 
 def test_every_diagnostic_has_one_readme_line_and_none_is_a_benchmark() -> None:
     scripts = sorted(p.name for p in DIAG.glob("*.py"))
-    assert scripts == ["feed_probe.py", "probe_batchcopy.py", "thread_regress.py"]
+    assert scripts == ["feed_probe.py", "gil_handoff.py", "probe_batchcopy.py", "thread_regress.py"]
     lines = [x for x in (DIAG / "README.md").read_text().splitlines() if x.startswith("- ")]
     named = sorted(re.match(r"- `([\w.]+)`", x).group(1) for x in lines)  # type: ignore[union-attr]
     assert named == scripts  # one line each, no line for a missing script

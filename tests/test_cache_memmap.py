@@ -51,15 +51,23 @@ def test_remote_memmap_dataset_needs_cache_dir(
 
 def _cache_bytes(cache_dir: Path) -> int:
     """Bytes the cache counts against its limit: shard files and download temps. A file seen
-    both as its temp and, renamed meanwhile, under its final name counts once."""
+    both as its temp and, renamed meanwhile, under its final name counts once. The walk is not
+    atomic: a shard evicted while the walk went on, before a download that took its room
+    began, could be counted beside that download (they never coexisted; seen once in a fresh
+    clone's suite), so a file counts only if it still exists once the walk is done."""
     sizes: dict[str, int] = {}
-    for p in cache_dir.rglob("*"):
+    found: list[tuple[Path, int]] = []
+    for p in list(cache_dir.rglob("*")):
         skip = ".locks" in p.parts or p.name in ("index.json", ".cache.lock", ".pressure")
         try:
             if skip or not p.is_file():
                 continue
             size = p.stat().st_size
         except FileNotFoundError:  # renamed or evicted while walking
+            continue
+        found.append((p, size))
+    for p, size in found:
+        if not p.exists():  # evicted (or renamed to its final name) during the walk
             continue
         target = _remote.temp_target(p.name)
         name = p.name if target is None else target[0]
