@@ -33,7 +33,7 @@ import torch
 
 import feedpipe
 from feedpipe.device import feed as feed_mod
-from feedpipe.device.cudacalls import cuda_calls
+from feedpipe.device.cudacalls import CudaCalls, cuda_calls, load_cudart
 from feedpipe.device.feed import GPUFeed, GPUFeedWarning, PinnedBatch
 from feedpipe.stall import StallMeter
 
@@ -267,7 +267,7 @@ def _child_query(calls: Any, event: Any, out: Any) -> None:
 def test_forked_child_with_an_inherited_cuda_calls_fails_cleanly() -> None:
     """A forked child cannot use the parent's CUDA context: a call through the inherited
     ``CudaCalls`` must fail with an error naming it (as torch's would), not crash or hang."""
-    calls = cuda_calls()
+    calls = CudaCalls(load_cudart())  # the GIL-held calls (opt-in: FEEDPIPE_CUDA_KEEP_GIL=1)
     ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     calls.record(ev, torch.cuda.current_stream())
     calls.record(ev, torch.cuda.current_stream())
@@ -428,7 +428,7 @@ def test_elapsed_time_of_a_running_pair_names_the_call_and_leaves_no_error() -> 
     """Reading a pair before its end completed (cudaErrorNotReady from cudaEventElapsedTime) is
     an error, as with torch's ``elapsed_time``; it names the call and leaves no CUDA error for
     torch's next check, in the main thread and in a worker thread."""
-    calls = cuda_calls()
+    calls = CudaCalls(load_cudart())  # the GIL-held calls (opt-in: FEEDPIPE_CUDA_KEEP_GIL=1)
     lib = calls.lib
     assert lib is not None
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]

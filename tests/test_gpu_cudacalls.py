@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 
-from feedpipe.device.cudacalls import CudaCalls, cuda_calls
+from feedpipe.device.cudacalls import CudaCalls, load_cudart
 from feedpipe.device.feed import GPUFeed, GPUFeedWarning
 from feedpipe.stall import StallMeter
 
@@ -44,11 +44,14 @@ def test_keep_gil_switch_is_strict() -> None:
     assert "ERR FEEDPIPE_CUDA_KEEP_GIL='maybe'" in out.stdout, out.stderr
 
 
-def test_keep_gil_off_uses_torch_calls() -> None:
+@pytest.mark.parametrize("value", ["0", None])
+def test_keep_gil_off_or_unset_uses_torch_calls(value: str | None) -> None:
     code = (
         "from feedpipe.device.cudacalls import cuda_calls\nprint('LIB', cuda_calls().lib is None)\n"
     )
-    env = {**os.environ, "FEEDPIPE_CUDA_KEEP_GIL": "0"}
+    env = {k: v for k, v in os.environ.items() if k != "FEEDPIPE_CUDA_KEEP_GIL"}
+    if value is not None:
+        env["FEEDPIPE_CUDA_KEEP_GIL"] = value
     out = subprocess.run(
         [sys.executable, "-c", code],
         check=False,
@@ -60,13 +63,38 @@ def test_keep_gil_off_uses_torch_calls() -> None:
     assert "LIB True" in out.stdout, out.stderr
 
 
+@pytest.mark.gpu
+def test_keep_gil_on_finds_torchs_libcudart() -> None:
+    code = (
+        "import torch\ntorch.cuda.init()\n"
+        "from feedpipe.device.cudacalls import cuda_calls\n"
+        "print('LIB', cuda_calls().lib is not None)\n"
+    )
+    env = {**os.environ, "FEEDPIPE_CUDA_KEEP_GIL": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "LIB True" in out.stdout, out.stderr
+
+
+def _held() -> CudaCalls:
+    """The GIL-held calls (opt-in in the library: FEEDPIPE_CUDA_KEEP_GIL=1), made directly."""
+    torch.cuda.init()
+    return CudaCalls(load_cudart())
+
+
 def _sleep_ms(ms: float) -> None:
     torch.cuda._sleep(int(ms * 1e-3 * 1.5e9))  # about ms at 1.5 GHz; only "long enough" matters
 
 
 @pytest.mark.gpu
 def test_calls_match_torch_on_torch_objects() -> None:
-    calls = cuda_calls()
+    calls = _held()
     assert calls.lib is not None, "torch's libcudart was not found in this process"
     dev = torch.device("cuda")
     side = torch.cuda.Stream(dev)
@@ -93,7 +121,7 @@ def test_calls_match_torch_on_torch_objects() -> None:
 
 @pytest.mark.gpu
 def test_failed_call_names_it_and_clears_the_error() -> None:
-    calls = cuda_calls()
+    calls = _held()
     assert calls.lib is not None
     a = torch.cuda.Event(enable_timing=True)  # never recorded: no timing yet
     b = torch.cuda.Event(enable_timing=True)
@@ -113,7 +141,7 @@ def test_failed_call_names_it_and_clears_the_error() -> None:
 @pytest.mark.gpu
 def test_calls_keep_the_gil() -> None:
     """A busy thread counts while the main thread records: with the GIL held it cannot run."""
-    calls = cuda_calls()
+    calls = _held()
     assert calls.lib is not None
     ev, s = torch.cuda.Event(enable_timing=True), torch.cuda.current_stream()
     calls.record(ev, s)
@@ -160,7 +188,7 @@ def test_feed_reuses_its_timing_events_and_batches_stay_right() -> None:
 
 @pytest.mark.gpu
 def test_libcudart_is_torchs() -> None:
-    calls = cuda_calls()
+    calls = _held()
     assert calls.lib is not None
     version = ctypes.c_int()
     assert calls.lib.cudaRuntimeGetVersion(ctypes.byref(version)) == 0

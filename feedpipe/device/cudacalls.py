@@ -2,19 +2,22 @@
 
 torch's bindings let the GIL go around every CUDA call (``Event.record``, ``Event.query``,
 ``Stream.wait_event``). The call itself is short, but a thread that lets the GIL go while worker
-threads are busy must then win it back, which takes far longer (docs/benchmarks.md, "GIL
-hand-offs on the consuming thread"; ``benchmarks/diagnostics/gil_handoff.py``), and the feed
+threads are busy must then win it back, which takes far longer (docs/benchmarks.md, "Small
+batches to the GPU"; ``benchmarks/diagnostics/gil_handoff.py``), and the feed
 made about ten such calls per batch. The same hand-off after the meter's last event, before the
 training step's first launch, is device idle that no event can see.
 
 :class:`CudaCalls` makes these calls through torch's own ``libcudart``, loaded with
 ``ctypes.PyDLL``, which keeps the GIL for the length of the call. The handles are torch's
 (``Event.cuda_event``, ``Stream.cuda_stream``): torch's events, streams and caching allocator
-are used as before; only who holds the GIL during the call changes. It falls back to torch's own
-call (same effect, GIL released):
+are used as before; only who holds the GIL during the call changes.
 
-- where no ``libcudart`` is mapped in the process (a torch with CUDA linked statically), or
-  ``FEEDPIPE_CUDA_KEEP_GIL=0`` is set;
+**Opt-in for now**: ``FEEDPIPE_CUDA_KEEP_GIL=1`` turns it on; unset (or ``0``), every call goes
+through torch. It has not yet been measured or tested on a GPU (no GPU machine could be had the
+stop it was written; docs/benchmarks.md, "Small batches to the GPU"), so it stays
+off until it has. Even when on, it falls back to torch's own call (same effect, GIL released):
+
+- where no ``libcudart`` is mapped in the process (a torch with CUDA linked statically);
 - for an event torch has not created yet (torch creates one at its first record);
 - for an event or stream of a device other than the calling thread's current one: the runtime
   reads a null stream as the current device's, and a call from a thread whose current device
@@ -34,14 +37,17 @@ from typing import Any
 from feedpipe.io.cuda import cudart_paths
 from feedpipe.io.env import env_flag
 
-__all__ = ["CudaCalls", "cuda_calls"]
+__all__ = ["CudaCalls", "cuda_calls", "load_cudart"]
 
 _SUCCESS, _NOT_READY = 0, 600  # cudaSuccess, cudaErrorNotReady
 
 
-def _load(major: str | None) -> Any | None:
+def load_cudart() -> Any | None:
     """torch's ``libcudart`` as a ``PyDLL`` (the one of torch's CUDA major version first), or
-    None where none is mapped or its symbols are missing."""
+    None where none is mapped or its symbols are missing (call it after CUDA is initialised)."""
+    import torch
+
+    major = (torch.version.cuda or "").split(".")[0] or None
     paths = cudart_paths()
     if major:
         paths.sort(key=lambda p: f"libcudart.so.{major}" not in p)
@@ -145,17 +151,15 @@ _LOCK = threading.Lock()
 
 
 def cuda_calls() -> CudaCalls:
-    """The process's :class:`CudaCalls`, made once (call it after CUDA is initialised: torch's
+    """The process's :class:`CudaCalls`, made once: GIL-held calls with
+    ``FEEDPIPE_CUDA_KEEP_GIL=1``, torch's otherwise (call it after CUDA is initialised: torch's
     ``libcudart`` is looked up among the libraries then mapped)."""
     if _CALLS:
         return _CALLS[0]
     with _LOCK:
         if not _CALLS:
-            import torch
-
             keep = env_flag(
-                "FEEDPIPE_CUDA_KEEP_GIL", True, strict=True, meaning=("torch's calls", "kept")
+                "FEEDPIPE_CUDA_KEEP_GIL", False, strict=True, meaning=("torch's calls", "kept")
             )
-            major = (torch.version.cuda or "").split(".")[0] or None
-            _CALLS.append(CudaCalls(_load(major) if keep else None))
+            _CALLS.append(CudaCalls(load_cudart() if keep else None))
     return _CALLS[0]
