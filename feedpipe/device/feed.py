@@ -146,9 +146,9 @@ class _Range:
 class _CudaCopier:
     """Issues slot -> device copies on a dedicated stream and hands them to the consumer.
 
-    Its CUDA event and stream calls keep the GIL (:mod:`feedpipe.device.cudacalls`) and its
-    timing events are reused (``events``): with thread workers busy, each call that lets the GIL
-    go cost the consuming thread a hand-off of up to milliseconds."""
+    Its timing events are reused (``events``) and its CUDA event and stream calls go through
+    :mod:`feedpipe.device.cudacalls` (GIL held with ``FEEDPIPE_CUDA_KEEP_GIL=1``): with thread
+    workers busy, each call that lets the GIL go costs the consuming thread a hand-off."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -20,12 +20,13 @@ lower than the gaps between CUDA events around each step by the host's own time 
 ``next()`` and the step's first launch (a few microseconds per step; see
 ``docs/concepts/stall-counters.md``).
 
-Nothing the loader does between B and its return lets the GIL go: the pairs already recorded
-are read before B, and A and B are recorded with the GIL held
-(:mod:`feedpipe.device.cudacalls`). Otherwise, with worker threads running, the training thread
-could wait to win the GIL back after B, before it launches its next step: device idle that B
-has already closed, so not counted (docs/benchmarks.md, "Stall counters: device idle for
-input, checked against CUDA-event gaps").
+B is the last CUDA call the loader makes before ``next()`` returns: the pairs already recorded
+are read before it. With ``FEEDPIPE_CUDA_KEEP_GIL=1`` A and B are also recorded with the GIL
+held (:mod:`feedpipe.device.cudacalls`), so nothing between B and the return lets the GIL go.
+Otherwise, with worker threads running, the training thread may wait to win the GIL back after
+B, before it launches its next step: device idle that B has already closed, so not counted
+(docs/benchmarks.md, "Stall counters: device idle for input, checked against CUDA-event
+gaps").
 
 Events are reused from a small pool and read without blocking (``query``): a pair counts once
 its B has completed, oldest first. Only for CUDA devices; torch is imported by the caller.
