@@ -35,7 +35,8 @@ def in_child(target: Callable[[], object], timeout: float = 60.0) -> tuple[str, 
         got: tuple[str, object] = here.recv()
         return got
     except EOFError:
-        return "error", f"the child died (exit code {p.join(10) or p.exitcode})"
+        p.join(10)
+        return "error", f"the child died (exit code {p.exitcode})"
     finally:
         if p.is_alive():
             p.kill()
@@ -47,17 +48,41 @@ def fork_while_held(
     enter: Callable[[], Any], target: Callable[[], object], timeout: float = 60.0
 ) -> tuple[str, object]:
     """:func:`in_child` while another thread is inside ``with enter():``."""
-    got, release = threading.Event(), threading.Event()
 
-    def hold() -> None:
+    def hold(pause: Callable[[], None]) -> None:
         with enter():
-            got.set()
-            release.wait(120)
+            pause()
 
-    t = threading.Thread(target=hold)
+    return fork_during(hold, target, timeout)
+
+
+def fork_during(
+    hold: Callable[[Callable[[], None]], object],
+    target: Callable[[], object],
+    timeout: float = 60.0,
+) -> tuple[str, object]:
+    """:func:`in_child` while another thread runs ``hold(pause)`` and is inside ``pause()``
+    (called where the fork should find it: inside a lock, a read, a download)."""
+    got, release = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+
+    def pause() -> None:
+        got.set()
+        release.wait(120)
+
+    def run() -> None:
+        try:
+            hold(pause)
+        except BaseException as exc:  # told to the test, not lost in the thread
+            failed.append(exc)
+            got.set()
+
+    t = threading.Thread(target=run, daemon=True)
     t.start()
-    assert got.wait(30), "the holding thread never got the lock"
     try:
+        assert got.wait(30), "the other thread never got where the fork should find it"
+        if failed:
+            raise failed[0]
         return in_child(target, timeout)
     finally:
         release.set()

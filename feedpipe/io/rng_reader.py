@@ -14,13 +14,24 @@ training loop's code) cannot hang on it.
 from __future__ import annotations
 
 import gc
-import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from feedpipe.io.forks import ForkLock
+
 __all__ = ["one_reader"]
 
-_READING = threading.RLock()  # reentrant: a finalizer run inside (by refcount) may read too
+# reentrant: a finalizer run inside (by refcount) may read too; a ForkLock: a child forked while
+# another thread read finds it free; made on first use (no import-time side effect: ForkLock
+# hooks the fork), the first one appended is the one every thread uses
+_READING: list[ForkLock] = []
+
+
+def _reading() -> ForkLock:
+    if not _READING:
+        _READING.append(ForkLock())
+    return _READING[0]
+
 
 T = TypeVar("T")
 
@@ -28,7 +39,7 @@ T = TypeVar("T")
 def one_reader(call: Callable[[], T]) -> T:
     """``call()`` (a read or write of the process-global RNGs) with no other such call made
     through here running and the garbage collector off meanwhile (see the module)."""
-    with _READING:
+    with _reading().lock:
         collecting = gc.isenabled()
         gc.disable()
         try:
