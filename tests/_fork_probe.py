@@ -19,9 +19,14 @@ def _run(target: Callable[[], object], conn: Any) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def in_child(target: Callable[[], object], timeout: float = 60.0) -> tuple[str, object]:
+def in_child(
+    target: Callable[[], object],
+    timeout: float = 60.0,
+    started: Callable[[], object] | None = None,
+) -> tuple[str, object]:
     """``target()`` in a forked child: ``("ok", value)``, ``("error", text)`` or ``(HANG, None)``
-    when no answer came within ``timeout`` (the child is killed)."""
+    when no answer came within ``timeout`` (the child is killed); ``started()`` runs in this
+    process once the child is forked."""
     ctx = mp.get_context("fork")
     here, there = ctx.Pipe(duplex=False)
     with warnings.catch_warnings():  # "multi-threaded, use of fork() may lead to deadlocks"
@@ -29,6 +34,8 @@ def in_child(target: Callable[[], object], timeout: float = 60.0) -> tuple[str, 
         p = ctx.Process(target=_run, args=(target, there))
         p.start()
     there.close()
+    if started is not None:
+        started()
     try:
         if not here.poll(timeout):
             return HANG, None
@@ -60,9 +67,12 @@ def fork_during(
     hold: Callable[[Callable[[], None]], object],
     target: Callable[[], object],
     timeout: float = 60.0,
+    go_on_at_fork: bool = False,
 ) -> tuple[str, object]:
     """:func:`in_child` while another thread runs ``hold(pause)`` and is inside ``pause()``
-    (called where the fork should find it: inside a lock, a read, a download)."""
+    (called where the fork should find it: inside a lock, a read, a download); with
+    ``go_on_at_fork`` that thread goes on once the child is forked (the child may wait for it
+    across processes, as for a download the parent finishes), else once the child answered."""
     got, release = threading.Event(), threading.Event()
     failed: list[BaseException] = []
 
@@ -83,7 +93,7 @@ def fork_during(
         assert got.wait(30), "the other thread never got where the fork should find it"
         if failed:
             raise failed[0]
-        return in_child(target, timeout)
+        return in_child(target, timeout, release.set if go_on_at_fork else None)
     finally:
         release.set()
         t.join(30)

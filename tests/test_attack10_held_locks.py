@@ -170,3 +170,44 @@ def test_remote_read_in_a_child_forked_while_the_cache_is_being_made(
     assert got == ("ok", want), got
     remote.close()
     local.close()
+
+
+def test_remote_read_in_a_child_forked_during_a_parent_threads_download(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parent thread in the middle of downloading a shard (after the request, before the file
+    is in place) at the fork; it then goes on. The child reads that shard and another."""
+    import os
+
+    from test_stage import make_dataset, upload
+
+    from feedpipe.remote import transfer
+
+    bucket, opts = s3_bucket
+    make_dataset(tmp_path / "src", shards=3, nbytes=4_000)
+    url = upload(tmp_path / "src", bucket, opts)
+    local = MemmapDataset(tmp_path / "src")
+    remote = MemmapDataset(url, cache_dir=tmp_path / "cache", storage_options=opts)
+    idx = np.array([0, 5, 11])
+    want = _listed(local.read_batch(idx))
+    parent, real = os.getpid(), transfer.fetch_verified
+    pauses: list[Any] = []
+
+    def fetch(*args: Any, **kwargs: Any) -> Any:
+        got = real(*args, **kwargs)  # the bytes are in the temporary file, not yet in place
+        if os.getpid() == parent and pauses:
+            pauses.pop()()
+        return got
+
+    monkeypatch.setattr(transfer, "fetch_verified", fetch)
+
+    def hold(pause: Any) -> None:
+        pauses.append(pause)
+        remote.read_batch(np.array([0]))
+
+    got = fork_during(hold, lambda: _listed(remote.read_batch(idx)), 60, go_on_at_fork=True)
+    assert got != (HANG, None), "the child's remote read hung on the parent's download"
+    assert got == ("ok", want)
+    assert _listed(remote.read_batch(idx)) == want
+    remote.close()
+    local.close()
