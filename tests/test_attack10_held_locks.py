@@ -211,3 +211,18 @@ def test_remote_read_in_a_child_forked_during_a_parent_threads_download(
     assert _listed(remote.read_batch(idx)) == want
     remote.close()
     local.close()
+
+
+def test_trace_recorder_decided_in_a_child_forked_while_another_thread_decided(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The NVTX recorder is decided once, under a lock, on first use: a child forked while
+    another thread held that lock (deciding) decides on its own."""
+    from feedpipe.io import trace
+    from feedpipe.io.forks import first_lock
+
+    monkeypatch.setenv(trace.ENV, "0")
+    trace.reset()  # undecided: the next recorder() decides under the lock
+    got = fork_while_held(lambda: first_lock(trace._LOCK).lock, trace.recorder, 20)
+    trace.reset()
+    assert got == ("ok", None), f"the child's first recorder(): {got}"

@@ -17,20 +17,13 @@ import gc
 from collections.abc import Callable
 from typing import TypeVar
 
-from feedpipe.io.forks import ForkLock
+from feedpipe.io.forks import ForkLock, first_lock
 
 __all__ = ["one_reader"]
 
 # reentrant: a finalizer run inside (by refcount) may read too; a ForkLock: a child forked while
-# another thread read finds it free; made on first use (no import-time side effect: ForkLock
-# hooks the fork), the first one appended is the one every thread uses
+# another thread read finds it free (made on first use: first_lock)
 _READING: list[ForkLock] = []
-
-
-def _reading() -> ForkLock:
-    if not _READING:
-        _READING.append(ForkLock())
-    return _READING[0]
 
 
 T = TypeVar("T")
@@ -39,7 +32,7 @@ T = TypeVar("T")
 def one_reader(call: Callable[[], T]) -> T:
     """``call()`` (a read or write of the process-global RNGs) with no other such call made
     through here running and the garbage collector off meanwhile (see the module)."""
-    with _reading().lock:
+    with first_lock(_READING).lock:
         collecting = gc.isenabled()
         gc.disable()
         try:
