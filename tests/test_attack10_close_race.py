@@ -68,3 +68,25 @@ def test_one_record_reads_when_the_maps_close_before_its_take(
     assert calls, "the record did not go through the one-range map's take"
     assert torch.equal(torch.as_tensor(np.asarray(got)), want)
     ds.close()
+
+
+def test_a_read_racing_close_leaves_no_lease_after_the_next_close(
+    tmp_path: Path, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    """A remote dataset's read took its open files (``files()``), then another thread's
+    ``close()`` ran, then the read opened its shard: that shard's cache lease must end with
+    the dataset's next ``close()`` (else the cache can never evict it)."""
+    from test_stage import make_dataset, upload
+
+    bucket, opts = s3_bucket
+    make_dataset(tmp_path / "src", shards=3, nbytes=4_000)
+    url = upload(tmp_path / "src", bucket, opts)
+    remote = MemmapDataset(url, cache_dir=tmp_path / "cache", storage_options=opts)
+    remote.read_batch(np.array([0]))
+    taken = remote._files.files()  # the read, before the close lands
+    remote.close()  # another thread's close
+    with taken.use(2):  # the read goes on: shard 2 opened and leased
+        cache = remote._files.source._cache  # the cache that read made (the closed one's heir)
+        assert cache is not None and cache.leased_files()
+    remote.close()
+    assert cache.leased_files() == [], "a lease outlived close()"
