@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +22,7 @@ from feedpipe.datasets._shard_guard import ShardGuard, ShardTable, SharedFlags, 
 from feedpipe.errors import DatasetError
 from feedpipe.format import INDEX_NAME, Index, parse_index, read_index
 from feedpipe.io.crc import crc32c_file, to_hex
+from feedpipe.io.forks import ForkLock
 from feedpipe.io.fsutil import read_exactly
 from feedpipe.io.remote import local_file_path
 from feedpipe.remote import transfer as _remote
@@ -80,8 +80,9 @@ class ShardSource:
         self.verified: dict[str, SharedFlags] = {}  # verify="first-use": files checked (shared)
         self._cache: Any = None  # feedpipe.cache.ShardCache of a remote dataset
         self._tables: dict[str, ShardTable] = {}  # per role, made on first use
-        # re-entrant: a remote table (under it) makes the cache (under it too)
-        self._lock = threading.RLock()
+        # re-entrant: a remote table (under it) makes the cache (under it too); a ForkLock: a
+        # child forked while another thread made the cache finds it free
+        self._mutex = ForkLock()
         if self.remote:
             # through the retrying path; the cache is then built from these same bytes
             policy = _remote.DEFAULT_POLICY
@@ -169,7 +170,7 @@ class ShardSource:
         cache = self._cache
         if cache is not None and not cache.closed:
             return cache
-        with self._lock:  # thread workers' first reads: one cache, not one per thread
+        with self._mutex.lock:  # thread workers' first reads: one cache, not one per thread
             if self._cache is None or self._cache.closed:  # closed by close(): a fresh one
                 self._cache = self._make_cache()
             return self._cache
@@ -244,12 +245,12 @@ class ShardSource:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_tables"] = {}
-        state["_lock"] = None
+        state["_mutex"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.RLock()
+        self._mutex = ForkLock()
 
 
 def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:

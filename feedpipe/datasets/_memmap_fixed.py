@@ -78,9 +78,8 @@ class FixedRecords:
             return dest
         # (n, record_bytes) bytes: one view for rows of one dimension, else a reshape first
         flat = arr.view(_U8) if arr.ndim == 2 else arr.reshape(n, -1).view(_U8)
-        space = self.files.space()
-        if space is not None:  # every shard in one range: one gather, however many it touches
-            space.take(idx, flat)
+        if self._space_take(idx, flat):  # every shard in one range: one gather, however many
+            pass
         elif self.read == "pread":
             self._pread(idx, flat)
         else:
@@ -110,12 +109,27 @@ class FixedRecords:
         buf = np.empty(rb, np.uint8)
         if self.read == "pread":  # never maps: a file changed under us is an error, not SIGBUS
             self._pread(np.array([i]), buf.reshape(1, rb))
-        elif (space := self.files.space()) is not None:
-            space.take(np.array([i], np.int64), buf.reshape(1, rb))
+        elif self._space_take(np.array([i], np.int64), buf.reshape(1, rb)):
+            pass
         else:
             with self.files.files().use(sid) as shard:  # checked (_shard_guard)
                 buf[:] = self.files.rows(shard)[local]
         return torch.from_numpy(buf.view(self.dtype).reshape(self.shape))
+
+    def _space_take(self, idx: np.ndarray, flat: np.ndarray) -> bool:
+        """Records ``idx`` gathered into ``flat`` through the one-range map; False where there
+        is none. Its maps closed by another thread meanwhile: the reopened maps serve (once)."""
+        for last in (False, True):
+            space = self.files.space()
+            if space is None:
+                return False
+            try:
+                space.take(idx, flat)
+                return True
+            except MapsClosedError:
+                if last:
+                    raise
+        return False  # pragma: no cover - the loop returns or raises
 
     def _per_shard(self, idx: np.ndarray, flat: np.ndarray) -> None:
         """Shard by shard from the open files' maps, in file order, then one scatter."""

@@ -196,8 +196,11 @@ class OpenShards:
     def close(self) -> None:
         """Close everything (in this process; after a fork the parent's leases are left alone)."""
         mine = self.pid == os.getpid()
-        with self._lock:
-            shards, self._open = list(self._open.values()), OrderedDict()
+        if mine:
+            with self._lock:
+                shards, self._open = list(self._open.values()), OrderedDict()
+        else:  # a forked child's copy, which no thread here reads: the lock may have been
+            shards, self._open = list(self._open.values()), OrderedDict()  # held at the fork
         self._close_all(shards, owner=mine)
 
     def _get(self, sid: int) -> OpenShard:

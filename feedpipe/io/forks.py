@@ -8,7 +8,7 @@ import os
 import threading
 import weakref
 
-__all__ = ["ForkLock", "ForkStamp"]
+__all__ = ["ForkLock", "ForkStamp", "first_lock"]
 
 _FORKS = [0]  # forks counted in this process since the first stamp (in each child: +1)
 _HOOKED = [False]
@@ -38,6 +38,14 @@ class ForkLock:
         _hook()
         self.lock = threading.RLock()
         _LOCKS.add(self)
+
+
+def first_lock(slot: list[ForkLock]) -> ForkLock:
+    """``slot``'s :class:`ForkLock`, made on first use: a module's lock without a fork hook at
+    import. Threads calling at once all get the first one appended (``append`` is atomic)."""
+    if not slot:
+        slot.append(ForkLock())
+    return slot[0]
 
 
 class ForkStamp:

@@ -14,13 +14,17 @@ training loop's code) cannot hang on it.
 from __future__ import annotations
 
 import gc
-import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from feedpipe.io.forks import ForkLock, first_lock
+
 __all__ = ["one_reader"]
 
-_READING = threading.RLock()  # reentrant: a finalizer run inside (by refcount) may read too
+# reentrant: a finalizer run inside (by refcount) may read too; a ForkLock: a child forked while
+# another thread read finds it free (made on first use: first_lock)
+_READING: list[ForkLock] = []
+
 
 T = TypeVar("T")
 
@@ -28,7 +32,7 @@ T = TypeVar("T")
 def one_reader(call: Callable[[], T]) -> T:
     """``call()`` (a read or write of the process-global RNGs) with no other such call made
     through here running and the garbage collector off meanwhile (see the module)."""
-    with _READING:
+    with first_lock(_READING).lock:
         collecting = gc.isenabled()
         gc.disable()
         try:

@@ -29,12 +29,12 @@ Standard library only: ``nvtx`` is imported lazily (``pip install nvtx``).
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Protocol
 
 from feedpipe.io.env import env_flag
+from feedpipe.io.forks import ForkLock, first_lock
 
 __all__ = ["ENV", "NAMES", "Recorder", "active", "recorder", "reset", "set_recorder", "span"]
 
@@ -94,7 +94,8 @@ class NvtxRecorder:
 
 _UNSET: Any = object()
 _recorder: Any = _UNSET
-_lock = threading.Lock()
+# a ForkLock (made on first use): a child forked while another thread decided finds it free
+_LOCK: list[ForkLock] = []
 
 
 def _decide() -> Recorder | None:
@@ -121,7 +122,7 @@ def recorder() -> Recorder | None:
     """The active recorder, or ``None`` while ranges are off (decided once, on first use)."""
     rec = _recorder
     if rec is _UNSET:
-        with _lock:
+        with first_lock(_LOCK).lock:
             if _recorder is _UNSET:
                 _set(_decide())
             rec = _recorder
@@ -145,7 +146,7 @@ def set_recorder(rec: Recorder | None) -> Recorder | None:
     Objects that read :func:`recorder` when they start (a loader's iterator, a GPU feed, a
     meter) keep the recorder they saw: set it before starting them.
     """
-    with _lock:
+    with first_lock(_LOCK).lock:
         previous = _recorder
         _set(rec)
     return None if previous is _UNSET else previous  # type: ignore[no-any-return]
@@ -153,7 +154,7 @@ def set_recorder(rec: Recorder | None) -> Recorder | None:
 
 def reset() -> None:
     """Forget :func:`set_recorder` and decide again from the environment on next use."""
-    with _lock:
+    with first_lock(_LOCK).lock:
         _set(_UNSET)
 
 

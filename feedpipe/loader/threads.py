@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import copy
 import itertools
+import os
 import queue
 import threading
 import time
@@ -456,11 +457,20 @@ def _track(thread: threading.Thread, inbox: queue.Queue[Any]) -> None:
     with _RUNNING_LOCK:
         if not _HOOKED:
             atexit.register(_join_at_exit)
+            os.register_at_fork(after_in_child=_forget_running)
             _HOOKED = True
         _RUNNING[thread] = inbox
 
 
 _HOOKED = False
+
+
+def _forget_running() -> None:
+    """In a forked child: none of the parent's worker threads is here, and one of them may have
+    held the lock at the fork (the child's exit hook would wait for it for ever)."""
+    global _RUNNING_LOCK
+    _RUNNING_LOCK = threading.Lock()
+    _RUNNING.clear()
 
 
 # ------------------------------------------------------------------------- the worker thread
