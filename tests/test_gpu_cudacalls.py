@@ -23,6 +23,25 @@ from feedpipe.device.feed import GPUFeed, GPUFeedWarning
 from feedpipe.stall import StallMeter
 
 
+def _child(code: str, keep_gil: str | None) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter with FEEDPIPE_CUDA_KEEP_GIL set to ``keep_gil``
+    (``None``: unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "FEEDPIPE_CUDA_KEEP_GIL"}
+    if keep_gil is not None:
+        env["FEEDPIPE_CUDA_KEEP_GIL"] = keep_gil
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+_LIB = "from feedpipe.device.cudacalls import cuda_calls\nprint('LIB', cuda_calls().lib)\n"
+
+
 def test_keep_gil_switch_is_strict() -> None:
     code = (
         "import torch\n"
@@ -32,54 +51,20 @@ def test_keep_gil_switch_is_strict() -> None:
         "except ValueError as e:\n"
         "    print('ERR', e)\n"
     )
-    env = {**os.environ, "FEEDPIPE_CUDA_KEEP_GIL": "maybe"}
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _child(code, "maybe")
     assert "ERR FEEDPIPE_CUDA_KEEP_GIL='maybe'" in out.stdout, out.stderr
 
 
 @pytest.mark.parametrize("value", ["0", None])
 def test_keep_gil_off_or_unset_uses_torch_calls(value: str | None) -> None:
-    code = (
-        "from feedpipe.device.cudacalls import cuda_calls\nprint('LIB', cuda_calls().lib is None)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "FEEDPIPE_CUDA_KEEP_GIL"}
-    if value is not None:
-        env["FEEDPIPE_CUDA_KEEP_GIL"] = value
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert "LIB True" in out.stdout, out.stderr
+    out = _child(_LIB, value)
+    assert "LIB None" in out.stdout, out.stderr
 
 
 @pytest.mark.gpu
 def test_keep_gil_on_finds_torchs_libcudart() -> None:
-    code = (
-        "import torch\ntorch.cuda.init()\n"
-        "from feedpipe.device.cudacalls import cuda_calls\n"
-        "print('LIB', cuda_calls().lib is not None)\n"
-    )
-    env = {**os.environ, "FEEDPIPE_CUDA_KEEP_GIL": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert "LIB True" in out.stdout, out.stderr
+    out = _child("import torch\ntorch.cuda.init()\n" + _LIB, "1")
+    assert "LIB <PyDLL" in out.stdout, out.stderr
 
 
 def _held() -> CudaCalls:
