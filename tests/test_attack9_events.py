@@ -258,6 +258,7 @@ def _clock(gpu: FakeGpu) -> DeviceClock:
     clock = DeviceClock("cuda")
     clock._calls = CudaCalls(None)
     clock._torch = SimpleNamespace(cuda=SimpleNamespace(Event=gpu.event))  # type: ignore[assignment]  # stand-in events
+    clock.events._new = gpu.event  # the pool makes stand-in events
     return clock
 
 
@@ -291,8 +292,8 @@ def test_clock_events_are_recycled_once_through_cancel_and_reset() -> None:
     meter.device_clock = clock
     meter.reset()  # the pairs not read go back to the pool; none counts
     assert clock.batches == 0 and not clock._pending
-    assert _distinct(clock._free) and len(clock._free) == gpu.made
-    for e in clock._free:
+    assert _distinct(clock.events._free) and len(clock.events._free) == gpu.made
+    for e in clock.events._free:
         e.done = True
     assert meter.stats().device_idle_s == 0.0  # nothing from before the reset
 
@@ -347,7 +348,7 @@ def test_meter_reset_in_another_thread_while_the_loop_ends_a_batch() -> None:
     meter.device_clock = clock
     _batch(clock)  # one pending pair: end() below will not poll
     a = clock.begin(STREAM)
-    line = _line_of(DeviceClock.reset, "+= pair")
+    line = _line_of(DeviceClock.reset, "give(*pair)")
     hit: list[threading.Thread] = []
 
     def trace(frame: FrameType, event: str, arg: Any) -> Any:
@@ -398,7 +399,7 @@ def test_meter_stats_from_another_thread_while_the_loop_runs() -> None:
     assert not t.is_alive()
     clock.poll(wait=True)
     assert clock.batches == 2000
-    assert _distinct(clock._free) and len(clock._free) == gpu.made <= 8
+    assert _distinct(clock.events._free) and len(clock.events._free) == gpu.made <= 8
 
 
 # ------------------------------------------------------------------------ the env switch

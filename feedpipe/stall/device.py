@@ -48,26 +48,20 @@ class DeviceClock:
         import torch
 
         from feedpipe.device.cudacalls import cuda_calls
+        from feedpipe.device.event_pool import EventPool
 
         self._torch = torch
         self._calls = cuda_calls()
         self.device = torch.device(device)
         self._pending: deque[tuple[Any, Any]] = deque()
-        self._free: list[Any] = []
+        self.events = EventPool()  # A and B events, reused
         self._lock = threading.Lock()
         self.idle_s = 0.0
         self.batches = 0
 
-    def _event(self) -> Any:
-        free = self._free
-        if free:
-            return free.pop()
-        # torch's stubs leave cuda.Event's constructor untyped
-        return self._torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-
     def begin(self, stream: Any = None) -> Any:
         """``next()`` starts: record A on ``stream`` (default: the current stream); returns it."""
-        ev = self._event()
+        ev = self.events.take()
         stream = stream if stream is not None else self._torch.cuda.current_stream(self.device)
         self._calls.record(ev, stream)
         return ev
@@ -77,7 +71,7 @@ class DeviceClock:
         B is the last CUDA call: the completed pairs are read first (module docstring)."""
         if len(self._pending) >= 2:
             self.poll()
-        ev = self._event()
+        ev = self.events.take()
         stream = stream if stream is not None else self._torch.cuda.current_stream(self.device)
         with self._lock:  # poll()/reset() from another thread walk the pairs: wait before B
             self._calls.record(ev, stream)
@@ -85,12 +79,12 @@ class DeviceClock:
 
     def cancel(self, begin: Any) -> None:
         """``next()`` delivered no batch (the epoch ended): give A back to the pool."""
-        self._free.append(begin)
+        self.events.give(begin)
 
     def poll(self, wait: bool = False) -> None:
         """Add the completed pairs (all of them, synchronizing, when ``wait``), oldest first."""
         with self._lock:
-            pending, free, calls = self._pending, self._free, self._calls
+            pending, calls = self._pending, self._calls
             total, n = 0.0, 0
             while pending:
                 a, b = pending[0]
@@ -101,7 +95,7 @@ class DeviceClock:
                 pending.popleft()
                 total += max(0.0, calls.elapsed_ms(a, b)) / 1000.0
                 n += 1
-                free += (a, b)
+                self.events.give(a, b)
             self.idle_s += total
             self.batches += n
 
@@ -109,7 +103,7 @@ class DeviceClock:
         """Forget the totals and the pairs not yet read (their events go back to the pool)."""
         with self._lock:
             for pair in self._pending:
-                self._free += pair
+                self.events.give(*pair)
             self._pending.clear()
             self.idle_s = 0.0
             self.batches = 0
