@@ -1,24 +1,17 @@
 """Attack: a feedpipe DataLoader iterated in a child forked while another thread of the parent
-held its stall meter's lock (a batch being recorded, ``stats()`` read by a reporting thread)."""
+held its stall meter's lock (a batch being recorded, ``stats()`` read by a reporting thread).
+The lock is a :class:`feedpipe.io.forks.ForkLock`'s: the child finds it free."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
-import pytest
 from _fork_probe import fork_while_held
 
 import feedpipe
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the stall meter's counters lock (feedpipe/stall/counters.py Counters.lock, shared "
-    "by the meter and its StageTotals) is a plain threading.Lock: a child forked while another "
-    "thread held it waits for ever at its first recorded batch; a ForkLock there needs every "
-    "holder of the lock object to look it up anew (StallMeter is at its size limit)",
-)
 def test_loader_iterated_in_a_child_forked_while_its_meter_lock_was_held(tmp_path: Path) -> None:
     with feedpipe.MemmapWriter(tmp_path / "ds", shape=(4,), dtype="int32") as w:
         w.append_batch(np.arange(64 * 4, dtype=np.int32).reshape(64, 4))

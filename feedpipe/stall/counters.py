@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+from feedpipe.io.forks import ForkLock
 from feedpipe.stall.clock import PassClock
 from feedpipe.stall.device import DeviceIdle
 from feedpipe.stall.records import FIELDS, fold
@@ -37,13 +38,20 @@ class Counters:
     """Every counter of one meter (see the module docstring); any thread may read them."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # a child forked while another thread held it finds it free (a plain lock's copy
+        # would never be released there): every user looks ``.lock`` up anew
+        self._fork = ForkLock()
         #: the batch log: its object never changes (loaders bind it, and its frombytes, per pass)
         self.log: array.array[float] = array.array("d")
         self.clock = PassClock()
-        self.stages = StageTotals(self.lock)
+        self.stages = StageTotals(self._fork)
         self.device = DeviceIdle()
         self.reset()
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock every fold and snapshot takes (a child forked meanwhile has its own)."""
+        return self._fork.lock
 
     def reset(self) -> None:
         """Zero every counter (passes in progress and the device watched are kept)."""

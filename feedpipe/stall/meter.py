@@ -140,7 +140,6 @@ class StallMeter:
 
     def __init__(self, enabled: bool = True, trace: bool | Literal["auto"] = "auto") -> None:
         self._counters = Counters()
-        self._lock = self._counters.lock
         self._clock = self._counters.clock  # the same object for the meter's life
         self._sinks = SinkSet()
         self._ranges = WaitRanges(trace)

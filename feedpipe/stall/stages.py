@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 import operator
-import threading
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+from feedpipe.io.forks import ForkLock
 from feedpipe.stall.figures import StageStats
 
 __all__ = ["WORKER_STAGES", "StageTotals"]
@@ -29,8 +29,10 @@ class StageTotals:
 
     FOLD = 4096  # pending add records folded at a time
 
-    def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock  # the meter's: a snapshot reads these and its other totals at once
+    def __init__(self, lock: ForkLock) -> None:
+        # the meter's (``lock.lock``, looked up each time: a forked child's is a new one): a
+        # snapshot reads these and its other totals at once
+        self._fork = lock
         self.reset()
 
     def reset(self) -> None:
@@ -45,7 +47,7 @@ class StageTotals:
         try:
             log = self._logs[name]
         except KeyError:
-            with self._lock:
+            with self._fork.lock:
                 log = self._logs.setdefault(name, [])
         log.append((seconds, nbytes))
         if len(log) >= self.FOLD:
@@ -60,7 +62,7 @@ class StageTotals:
 
     def fold(self) -> None:
         """Fold pending ``add`` records into the totals (any thread)."""
-        with self._lock:
+        with self._fork.lock:
             for name, log in list(self._logs.items()):
                 n = len(log)
                 if not n:
