@@ -21,6 +21,7 @@ ratio of each repetition). Target (issue 28): >= 1.0 at 512 B, 8 KiB and 256 KiB
     python benchmarks/memmap_vs_take.py                  # 128 MiB per record size
     python benchmarks/memmap_vs_take.py --mb 32 --reps 3 # quicker
     python benchmarks/memmap_vs_take.py --batch 64 1024  # other batch sizes
+    python benchmarks/memmap_vs_take.py --write          # the docs/benchmarks.md section
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._report import machine, write_section
 from feedpipe import DataLoader, MemmapDataset, MemmapWriter
 
 SIZES = {512: 256, 8192: 256, 262144: 32}  # record bytes -> batch size (benchmarks/datasets.py)
@@ -103,17 +105,25 @@ def _time(run: Run, epochs: int) -> tuple[float, float, int]:
     return time.perf_counter() - wall, time.thread_time() - cpu, done
 
 
+_DEFAULTS = {"mb": 128, "reps": 7, "epochs": 2}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mb", type=int, default=128, help="MiB of records per record size")
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument(
+        "--mb", type=int, default=_DEFAULTS["mb"], help="MiB of records per record size"
+    )
+    parser.add_argument("--reps", type=int, default=_DEFAULTS["reps"])
+    parser.add_argument("--epochs", type=int, default=_DEFAULTS["epochs"])
     parser.add_argument(
         "--batch", type=int, nargs="*", default=[], help="batch sizes (default: 256, 256, 32)"
     )
+    parser.add_argument("--write", action="store_true", help="write the docs section")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"load average {os.getloadavg()[0]:.1f} at the start; {os.cpu_count()} cores")
+    load = os.getloadavg()[0]  # the machine may be shared: say how busy it was
+    print(f"load average {load:.1f} at the start; {os.cpu_count()} cores")
+    rows: list[str] = []
     tmp = Path(tempfile.mkdtemp(prefix="feedpipe-bench-take-"))
     try:
         for rb, batch in _sizes(args.batch):
@@ -128,17 +138,43 @@ def main() -> None:
                     w, c, done = _time(run, args.epochs)
                     wall[name].append(done / w)
                     cpu[name].append(done / c)
-            _print(rb, batch, n, wall, cpu)
+            rows += _print(rb, batch, n, wall, cpu)
             del ds, mm
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if args.write:
+        _write_doc(args, load, rows)
+
+
+def _write_doc(args: argparse.Namespace, load: float, rows: list[str]) -> None:
+    cmd = "python benchmarks/memmap_vs_take.py --write"
+    for flag in ("mb", "reps", "epochs"):
+        if getattr(args, flag) != _DEFAULTS[flag]:
+            cmd += f" --{flag} {getattr(args, flag)}"
+    if args.batch:
+        cmd += " --batch " + " ".join(map(str, args.batch))
+    write_section(
+        "memmap_vs_take",
+        "## No workers: `MemmapDataset` against a hand-batched `np.take`\n\n"
+        f"{machine()}; load average {load:.1f} at the start. Command: `{cmd}`. One file of "
+        "int32 records, shuffled epochs, page cache warm, every variant holding its batch "
+        "until the next one is made; `read_batch` is the dataset's batched read, `loader` "
+        "`feedpipe.DataLoader(num_workers=0)` over it. Medians of interleaved repetitions, "
+        "samples/s by the wall clock and per second of the thread's CPU time; ratio against "
+        "`torch.from_numpy(np.take(mm, idx, axis=0))` (in brackets: the ratio of each "
+        "repetition). Target (issue 28): >= 1.0 at 512 B, 8 KiB and 256 KiB.\n\n"
+        "| record | batch | variant | wall, samples/s | ratio | CPU, samples/s | ratio |\n"
+        "|---|---|---|---|---|---|---|\n" + "\n".join(rows),
+    )
 
 
 def _print(
     rb: int, batch: int, n: int, wall: dict[str, list[float]], cpu: dict[str, list[float]]
-) -> None:
+) -> list[str]:
+    """Print one record size's figures; return its table rows."""
     base_w, base_c = wall["np.take"], cpu["np.take"]
     print(f"{rb:>6} B records, batch {batch}, {n} records:")
+    rows = []
     for name, w in wall.items():
         c = cpu[name]
         pw = [a / b for a, b in zip(w, base_w, strict=True)]
@@ -149,6 +185,14 @@ def _print(
             f" cpu {statistics.median(c):>12,.0f} samples/s ratio "
             f"{statistics.median(c) / statistics.median(base_c):.2f} ({min(pc):.2f}-{max(pc):.2f})"
         )
+        rows.append(
+            f"| {rb:,} B | {batch} | {name} | {statistics.median(w):,.0f} | "
+            f"{statistics.median(w) / statistics.median(base_w):.2f} ({min(pw):.2f}-{max(pw):.2f})"
+            f" | {statistics.median(c):,.0f} | "
+            f"{statistics.median(c) / statistics.median(base_c):.2f} ({min(pc):.2f}-{max(pc):.2f})"
+            " |"
+        )
+    return rows
 
 
 if __name__ == "__main__":
