@@ -53,6 +53,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("datasets", ("--shards",), ("--shards", "--full")),  # the shard-count axis
     Benchmark("token_windows", ("--docs", "4000"), ("--docs", "20000", "--seconds", "5")),
     Benchmark("mixed", (), ("--full",)),
+    Benchmark("memmap_vs_take", ("--mb", "32", "--reps", "3", "--write"), ("--write",)),
+    Benchmark("host_device", ("--write",), ("--write", "--reps", "9", "--seconds", "1")),
     Benchmark("convert_fn", (), ("--full",)),
     Benchmark("tar_read", (), ("--full",)),
     Benchmark("stall_overhead", ("--batches", "20000", "--reps", "3")),

@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         num_workers=args.workers,
         worker_type="thread",
         generator=torch.Generator().manual_seed(args.seed),
-        # on a GPU, batches arrive on the device through feedpipe's pinned ring (GPU feed)
-        device=device if device != "cpu" else None,
+        # on a GPU, batches arrive on the device through feedpipe's pinned ring (GPU feed);
+        # "cpu" gives host batches, as without device=
+        device=device,
     )
     # Everything that defines "where training is": saved together, restored together.
     state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0}

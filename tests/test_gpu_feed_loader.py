@@ -1,7 +1,8 @@
 """``feedpipe.DataLoader(device=..., prefetch=...)``: the GPU feed inside the loader.
 
-CPU tests run the loader's device path with the fallback (same ring, same ordering code); the
-``gpu`` test checks every batch of a thread-worker loader under a slow consumer on a real device.
+CPU tests run the loader's device path with the ring in host memory (``FEEDPIPE_HOST_RING=1``:
+same ring, same ordering code); the ``gpu`` test checks every batch of a thread-worker loader
+under a slow consumer on a real device.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from feedpipe.device.feed import GPUFeedWarning
 from feedpipe.stall import StallMeter
 
 N, DIM = 200, 16
+
+
+@pytest.fixture(autouse=True)
+def _host_ring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU device runs the feed's ring in host memory (a loader's default there: no ring)."""
+    monkeypatch.setenv("FEEDPIPE_HOST_RING", "1")
 
 
 @pytest.fixture(scope="module")

@@ -229,7 +229,8 @@ def test_assigned_worker_type_takes_effect_at_the_next_pass(num_workers: int) ->
     assert loader.worker_type == "process"
 
 
-def test_assigned_device_takes_effect_at_the_next_pass() -> None:
+def test_assigned_device_takes_effect_at_the_next_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FEEDPIPE_HOST_RING", "1")  # the feed's ring, in host memory
     loader = feedpipe.DataLoader(_Range(4), batch_size=2)
     assert loader.feed_info is None
     with pytest.warns(GPUFeedWarning):

@@ -201,9 +201,10 @@ def test_too_many_bad_samples_raise(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(("workers", "kind"), WORKERS)
-def test_through_the_device_feed(workers: int, kind: str) -> None:
-    """device= takes the feed's path (on a CPU-only machine, its host fallback): all-bad
+def test_through_the_device_feed(workers: int, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """device= takes the feed's path (on a CPU-only machine, its ring in host memory): all-bad
     batches pass through it as skipped slots, and only delivered batches count."""
+    monkeypatch.setenv("FEEDPIPE_HOST_RING", "1")
     with warnings.catch_warnings():  # "no CUDA: host batches" (warned once per process)
         warnings.simplefilter("ignore")
         loader = feedpipe.DataLoader(

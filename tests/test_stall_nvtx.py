@@ -117,7 +117,8 @@ def test_loader_in_process_and_meter_region(rec: Recorded) -> None:
     assert rec.balanced() and loader.meter.batches == 4
 
 
-def test_device_feed_ranges_pin_and_h2d(rec: Recorded) -> None:
+def test_device_feed_ranges_pin_and_h2d(rec: Recorded, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FEEDPIPE_HOST_RING", "1")  # the feed's ring, in host memory
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GPUFeedWarning)
         loader = feedpipe.DataLoader(_Data(), batch_size=4, device="cpu")

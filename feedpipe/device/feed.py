@@ -36,8 +36,12 @@ workers may gather at once), each the size of the first batch (scaled to ``batch
 it is batch-major and shorter). The slot count never grows; a batch bigger than its slot
 reallocates that slot once, with a logged warning per new maximum. ``info`` reports the budget.
 
-Without CUDA (or with ``device="cpu"``) the same code runs with unpinned slots and a host copy out
-of the slot (so consumers never see a reused buffer), after exactly one :class:`GPUFeedWarning`.
+A feed made for the CPU (``device="cpu"``, or no usable CUDA device) runs the same code with
+unpinned slots and a host copy out of the slot (so consumers never see a reused buffer), after
+exactly one :class:`GPUFeedWarning`. A ``DataLoader`` makes none there (:func:`stays_on_host`):
+its batches are what they are without ``device``, at the same speed; ``FEEDPIPE_HOST_RING=1``
+(:func:`host_ring`) makes it run the ring in host memory, to test the device path's host side
+on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -56,14 +60,17 @@ from feedpipe.device.cudacalls import cuda_calls
 from feedpipe.device.event_pool import EventPool
 from feedpipe.device.ring import Event, Ring, RingClosedError, Slot, flatten, log, map_tensors
 from feedpipe.io import trace
+from feedpipe.io.env import env_flag
 
 __all__ = [
     "GPUFeed",
     "GPUFeedWarning",
     "PinnedBatch",
     "Prefetcher",
+    "host_ring",
     "map_tensors",
     "resolve_device",
+    "stays_on_host",
 ]
 
 
@@ -76,7 +83,7 @@ def resolve_device(device: str | int | torch.device) -> torch.device:
 
     A CUDA index that does not exist on a machine with CUDA is an error, not a fallback.
     """
-    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    dev = _as_device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             warnings.warn(
@@ -101,6 +108,42 @@ def resolve_device(device: str | int | torch.device) -> torch.device:
         )
         return dev
     raise ValueError(f"feedpipe: device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
+
+
+def _as_device(device: str | int | torch.device) -> torch.device:
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
+def stays_on_host(device: str | int | torch.device) -> bool:
+    """Whether a loader's batches for ``device`` stay in host memory: ``"cpu"`` (as asked, no
+    warning), or a CUDA device where CUDA is not available (one :class:`GPUFeedWarning`)."""
+    dev = _as_device(device)
+    if dev.type == "cpu":
+        return True
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        warnings.warn(
+            f"feedpipe: device={str(device)!r} requested but CUDA is not available; "
+            "batches stay in host memory",
+            GPUFeedWarning,
+            stacklevel=4,
+        )
+        return True
+    return False
+
+
+def host_ring() -> bool:
+    """``FEEDPIPE_HOST_RING=1``: a loader whose batches stay in host memory still runs the
+    feed's ring there (unpinned slots, a host copy out of each), so that tests on a machine
+    without a GPU cover the device path's host side; off by default (the ring only costs
+    there: two more copies of every batch)."""
+    return bool(
+        env_flag(
+            "FEEDPIPE_HOST_RING",
+            False,
+            strict=True,
+            meaning=("host batches, no ring", "the ring in host memory"),
+        )
+    )
 
 
 class PinnedBatch:

@@ -100,8 +100,9 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         the counters off (the loader then reads no clock at all).
       device: ``"cuda"``/``"cuda:N"``: batches arrive already on that device, through a fixed
         ring of pinned slots (thread workers read straight into them) and a side CUDA stream
-        (``feedpipe.gpu``); ``loader.feed_info`` reports the ring. ``"cpu"`` or no CUDA falls
-        back to host batches with one warning. Without it, ``pin_memory`` keeps torch's meaning.
+        (``feedpipe.gpu``); ``loader.feed_info`` reports the ring. ``"cpu"``, or ``"cuda"``
+        without CUDA (one warning): the batches of a loader without ``device``, by its path.
+        Without it, ``pin_memory`` keeps torch's meaning.
       prefetch: with ``device``, batches copied to the device ahead of the one returned
         (default 2); they count as delivered (``state_dict``) only when returned.
       direct: with ``device`` on CUDA, read a ``MemmapDataset`` of fixed-size records by DMA

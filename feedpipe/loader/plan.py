@@ -38,7 +38,7 @@ from torch.utils.data import default_collate, default_convert
 
 from feedpipe.device import direct as direct_path
 from feedpipe.device.direct import DirectReader
-from feedpipe.device.feed import GPUFeed
+from feedpipe.device.feed import GPUFeed, host_ring, stays_on_host
 from feedpipe.loader import _torch_compat
 from feedpipe.loader.fetch import Mode, choose_mode
 from feedpipe.loader.index_stream import IndexStream
@@ -236,7 +236,7 @@ def resolve_plan(
     reader = None
     if feed is not None:
         reader = _choose_direct(loader, worker_type, mode, feed, meter=meter, direct=path.direct)
-    elif path.direct:
+    elif path.direct and path.device is None:  # a CPU device ignores it (as on a laptop)
         raise ValueError("direct=True needs device='cuda' (or 'cuda:N')")
     ds = loader.dataset
     arrays, planning = isinstance(ds, IndexArrayDataset), isinstance(ds, AccessPlanDataset)
@@ -250,8 +250,9 @@ def _make_feed(
     device: str | torch.device | None,
     prefetch: int,
 ) -> GPUFeed | None:
-    """The device path: a ``GPUFeed`` for ``device`` (None without one)."""
-    if device is None:
+    """The device path: a ``GPUFeed`` for ``device`` (None without one, or where batches stay
+    in host memory: they are then the batches of a loader without ``device``)."""
+    if device is None or (stays_on_host(device) and not host_ring()):
         return None
     workers = loader.num_workers
     threads = worker_type == "thread" and workers > 0
