@@ -46,6 +46,8 @@ on a machine without a GPU.
 
 from __future__ import annotations
 
+import inspect
+import os
 import time
 import warnings
 from collections import deque
@@ -90,7 +92,7 @@ def resolve_device(device: str | int | torch.device) -> torch.device:
                 f"feedpipe: device={str(device)!r} requested but CUDA is not available; "
                 "batches stay in host memory",
                 GPUFeedWarning,
-                stacklevel=3,
+                stacklevel=_caller_level(),
             )
             return torch.device("cpu")
         index = torch.cuda.current_device() if dev.index is None else dev.index
@@ -104,29 +106,53 @@ def resolve_device(device: str | int | torch.device) -> torch.device:
         warnings.warn(
             "feedpipe: device='cpu' given; the GPU feed is off and batches stay in host memory",
             GPUFeedWarning,
-            stacklevel=3,
+            stacklevel=_caller_level(),
         )
         return dev
     raise ValueError(f"feedpipe: device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
 
 
 def _as_device(device: str | int | torch.device) -> torch.device:
-    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    try:
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError) as exc:  # torch's "Invalid device string": name the argument
+        raise ValueError(
+            f"feedpipe: device must be 'cuda', 'cuda:N' or 'cpu' (N >= 0), got {device!r}: {exc}"
+        ) from exc
 
 
-def stays_on_host(device: str | int | torch.device) -> bool:
+# frames a loader's warning skips: feedpipe's and torch.utils.data's (its ``__setattr__`` runs
+# an assigned ``loader.device``)
+_INNER = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep
+    for path in (os.path.dirname(os.path.abspath(__file__)), torch.utils.data.__file__)
+)
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside feedpipe and torch (the user's line that built the
+    loader or assigned its device), for a warning issued by this module's caller."""
+    frame, level = inspect.currentframe(), 0
+    while frame is not None and frame.f_code.co_filename.startswith(_INNER):
+        frame, level = frame.f_back, level + 1
+    return max(level, 1)  # this frame counted in place of the user's
+
+
+def stays_on_host(device: str | int | torch.device, *, warn: bool = True) -> bool:
     """Whether a loader's batches for ``device`` stay in host memory: ``"cpu"`` (as asked, no
-    warning), or a CUDA device where CUDA is not available (one :class:`GPUFeedWarning`)."""
+    warning), or a CUDA device where CUDA is not available (one :class:`GPUFeedWarning`, unless
+    ``warn`` is False: a feed made for it gives its own)."""
     dev = _as_device(device)
     if dev.type == "cpu":
         return True
     if dev.type == "cuda" and not torch.cuda.is_available():
-        warnings.warn(
-            f"feedpipe: device={str(device)!r} requested but CUDA is not available; "
-            "batches stay in host memory",
-            GPUFeedWarning,
-            stacklevel=4,
-        )
+        if warn:
+            warnings.warn(
+                f"feedpipe: device={str(device)!r} requested but CUDA is not available; "
+                "batches stay in host memory",
+                GPUFeedWarning,
+                stacklevel=_caller_level(),
+            )
         return True
     return False
 

@@ -252,8 +252,13 @@ def _make_feed(
 ) -> GPUFeed | None:
     """The device path: a ``GPUFeed`` for ``device`` (None without one, or where batches stay
     in host memory: they are then the batches of a loader without ``device``)."""
-    if device is None or (stays_on_host(device) and not host_ring()):
+    if device is None:
         return None
+    if stays_on_host(device, warn=False):
+        if not host_ring():
+            stays_on_host(device)  # its one warning where CUDA was asked for
+            return None
+        # FEEDPIPE_HOST_RING=1: the ring in host memory; the feed gives the one warning
     workers = loader.num_workers
     threads = worker_type == "thread" and workers > 0
     feed = GPUFeed(
