@@ -78,10 +78,11 @@ def _made(monkeypatch: pytest.MonkeyPatch, ds: Any, workers: int, kind: str, kw:
 
 
 @pytest.mark.parametrize(("before", "after"), SWITCHES)
-@pytest.mark.parametrize(("workers", "kind"), WORKERS)
+@pytest.mark.parametrize("pool", WORKERS, ids=str)
 def test_resume_across_the_ring_switch_is_exactly_the_rest(
-    monkeypatch: pytest.MonkeyPatch, dataset: Any, workers: int, kind: str, before: Any, after: Any
+    monkeypatch: pytest.MonkeyPatch, dataset: Any, pool: tuple[int, str], before: Any, after: Any
 ) -> None:
+    workers, kind = pool
     whole = _labels(_loader(dataset, workers, kind))
     first = _made(monkeypatch, dataset, workers, kind, before)
     assert (first.feed_info is not None) == bool(before.get("ring"))

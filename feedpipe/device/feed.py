@@ -130,8 +130,8 @@ _INNER = tuple(
 
 
 def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside feedpipe and torch (the user's line that built the
-    loader or assigned its device), for a warning issued by this module's caller."""
+    """The ``stacklevel`` of the first frame outside feedpipe and torch (the user's line that
+    built the loader or assigned its device), for a warning issued by this module's caller."""
     frame, level = inspect.currentframe(), 0
     while frame is not None and frame.f_code.co_filename.startswith(_INNER):
         frame, level = frame.f_back, level + 1

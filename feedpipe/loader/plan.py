@@ -254,11 +254,10 @@ def _make_feed(
     in host memory: they are then the batches of a loader without ``device``)."""
     if device is None:
         return None
-    if stays_on_host(device, warn=False):
-        if not host_ring():
-            stays_on_host(device)  # its one warning where CUDA was asked for
-            return None
-        # FEEDPIPE_HOST_RING=1: the ring in host memory; the feed gives the one warning
+    # FEEDPIPE_HOST_RING=1 runs the ring in host memory: the feed then gives the one warning
+    if stays_on_host(device, warn=False) and not host_ring():
+        stays_on_host(device)  # its one warning where CUDA was asked for
+        return None
     workers = loader.num_workers
     threads = worker_type == "thread" and workers > 0
     feed = GPUFeed(

@@ -38,6 +38,8 @@ import threading
 from collections import deque
 from typing import Any
 
+from feedpipe.io.forks import ForkStamp
+
 __all__ = ["DeviceClock", "DeviceIdle"]
 
 
@@ -55,9 +57,17 @@ class DeviceClock:
         self.device = torch.device(device)
         self._pending: deque[tuple[Any, Any]] = deque()
         self.events = EventPool()  # A and B events, reused
-        self._lock = threading.Lock()
+        self._stamp, self._plain = ForkStamp(), threading.Lock()
         self.idle_s = 0.0
         self.batches = 0
+
+    @property
+    def _lock(self) -> threading.Lock:
+        """The pairs' lock; a child forked while another thread held it (``poll`` from a
+        ``stats()`` snapshot) gets a free one instead of waiting for ever at its first use."""
+        if not self._stamp.here():
+            self._stamp, self._plain = ForkStamp(), threading.Lock()
+        return self._plain
 
     def begin(self, stream: Any = None) -> Any:
         """``next()`` starts: record A on ``stream`` (default: the current stream); returns it."""
