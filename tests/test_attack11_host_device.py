@@ -286,3 +286,27 @@ def test_host_ring_junk_is_read_only_where_it_means_something(
     assert len(_labels(_loader(dataset, 0, "thread"))) == N // 8
     with pytest.raises(ValueError, match=r"FEEDPIPE_HOST_RING='maybe'"):
         _loader(dataset, 0, "thread", device="cpu")
+
+
+HOSTS: list[Any] = ["cpu"] + ([] if torch.cuda.is_available() else ["cuda"])
+
+
+@pytest.mark.parametrize("device", HOSTS)
+@pytest.mark.parametrize("prefetch", [-1, "3", 2.5, True])
+def test_a_bad_prefetch_fails_on_the_host_as_on_the_gpu(
+    dataset: Any, device: str, prefetch: Any
+) -> None:
+    """``device = "cuda" if torch.cuda.is_available() else "cpu"``: a bad ``prefetch`` must
+    fail in the CPU run (CI, a laptop), not first on the cluster, where the feed checks it.
+    Since the host path makes no feed, ``prefetch=-1`` passed silently there."""
+    with pytest.raises(ValueError, match=r"prefetch must be an int >= 0"):
+        _loader(dataset, 0, "thread", device=device, prefetch=prefetch)
+
+
+def test_a_numpy_prefetch_and_auto_workers_on_the_host(dataset: Any) -> None:
+    loader = feedpipe.DataLoader(
+        dataset, batch_size=8, num_workers="auto", device="cpu", prefetch=np.int64(3)
+    )
+    plain = feedpipe.DataLoader(dataset, batch_size=8, num_workers="auto")
+    assert (loader.num_workers, loader.worker_type) == (plain.num_workers, plain.worker_type)
+    assert _labels(loader) == _labels(plain) and loader.feed_info is None

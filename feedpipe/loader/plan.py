@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -254,6 +255,9 @@ def _make_feed(
     in host memory: they are then the batches of a loader without ``device``)."""
     if device is None:
         return None
+    # checked where batches stay on the host too: a bad value fails on the laptop, as on the GPU
+    if isinstance(prefetch, bool) or not isinstance(prefetch, Integral) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0 (batches ahead), got {prefetch!r}")
     # FEEDPIPE_HOST_RING=1 runs the ring in host memory: the feed then gives the one warning
     if stays_on_host(device, warn=False) and not host_ring():
         stays_on_host(device)  # its one warning where CUDA was asked for
