@@ -46,8 +46,6 @@ on a machine without a GPU.
 
 from __future__ import annotations
 
-import inspect
-import os
 import time
 import warnings
 from collections import deque
@@ -57,6 +55,7 @@ from typing import Any
 
 import torch
 
+from feedpipe.device.callsite import user_stacklevel
 from feedpipe.device.copy_times import CopyTimes
 from feedpipe.device.cudacalls import cuda_calls
 from feedpipe.device.event_pool import EventPool
@@ -92,7 +91,7 @@ def resolve_device(device: str | int | torch.device) -> torch.device:
                 f"feedpipe: device={str(device)!r} requested but CUDA is not available; "
                 "batches stay in host memory",
                 GPUFeedWarning,
-                stacklevel=_caller_level(),
+                stacklevel=user_stacklevel(),
             )
             return torch.device("cpu")
         index = torch.cuda.current_device() if dev.index is None else dev.index
@@ -106,7 +105,7 @@ def resolve_device(device: str | int | torch.device) -> torch.device:
         warnings.warn(
             "feedpipe: device='cpu' given; the GPU feed is off and batches stay in host memory",
             GPUFeedWarning,
-            stacklevel=_caller_level(),
+            stacklevel=user_stacklevel(),
         )
         return dev
     raise ValueError(f"feedpipe: device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
@@ -119,23 +118,6 @@ def _as_device(device: str | int | torch.device) -> torch.device:
         raise ValueError(
             f"feedpipe: device must be 'cuda', 'cuda:N' or 'cpu' (N >= 0), got {device!r}: {exc}"
         ) from exc
-
-
-# frames a loader's warning skips: feedpipe's and torch.utils.data's (its ``__setattr__`` runs
-# an assigned ``loader.device``)
-_INNER = tuple(
-    os.path.dirname(os.path.abspath(path)) + os.sep
-    for path in (os.path.dirname(os.path.abspath(__file__)), torch.utils.data.__file__)
-)
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside feedpipe and torch (the user's line that
-    built the loader or assigned its device), for a warning issued by this module's caller."""
-    frame, level = inspect.currentframe(), 0
-    while frame is not None and frame.f_code.co_filename.startswith(_INNER):
-        frame, level = frame.f_back, level + 1
-    return max(level, 1)  # this frame counted in place of the user's
 
 
 def stays_on_host(device: str | int | torch.device, *, warn: bool = True) -> bool:
@@ -151,7 +133,7 @@ def stays_on_host(device: str | int | torch.device, *, warn: bool = True) -> boo
                 f"feedpipe: device={str(device)!r} requested but CUDA is not available; "
                 "batches stay in host memory",
                 GPUFeedWarning,
-                stacklevel=_caller_level(),
+                stacklevel=user_stacklevel(),
             )
         return True
     return False
