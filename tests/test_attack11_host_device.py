@@ -19,6 +19,7 @@ from feedpipe.testing import assert_batches_equal
 
 N = 48
 WORKERS = [(0, "thread"), (2, "thread"), (2, "process")]
+HOSTS: list[Any] = ["cpu"] + ([] if torch.cuda.is_available() else ["cuda"])
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: no fallback")
 
 
@@ -100,7 +101,7 @@ def test_device_assigned_between_passes_changes_no_batch(
     dataset: Any, workers: int, kind: str
 ) -> None:
     ref, loader = _loader(dataset, workers, kind), _loader(dataset, workers, kind)
-    for device in ("cpu", "cuda", None, torch.device("cpu")):
+    for device in ("cpu", *HOSTS, None, torch.device("cpu")):  # "cuda" only where none is
         loader.device = device
         assert _labels(loader) == _labels(ref), device
         assert loader.feed_info is None
@@ -286,9 +287,6 @@ def test_host_ring_junk_is_read_only_where_it_means_something(
     assert len(_labels(_loader(dataset, 0, "thread"))) == N // 8
     with pytest.raises(ValueError, match=r"FEEDPIPE_HOST_RING='maybe'"):
         _loader(dataset, 0, "thread", device="cpu")
-
-
-HOSTS: list[Any] = ["cpu"] + ([] if torch.cuda.is_available() else ["cuda"])
 
 
 @pytest.mark.parametrize("device", HOSTS)
