@@ -308,3 +308,53 @@ def test_a_numpy_prefetch_and_auto_workers_on_the_host(dataset: Any) -> None:
     plain = feedpipe.DataLoader(dataset, batch_size=8, num_workers="auto")
     assert (loader.num_workers, loader.worker_type) == (plain.num_workers, plain.worker_type)
     assert _labels(loader) == _labels(plain) and loader.feed_info is None
+
+
+class _Flaky(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Every seventh sample (from 3) fails: ``on_error="skip"`` drops it."""
+
+    def __len__(self) -> int:
+        return 42
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i % 7 == 3:
+            raise OSError(f"sample {i} is unreadable")
+        return torch.tensor([i])
+
+
+@pytest.mark.parametrize("pool", WORKERS, ids=str)
+@pytest.mark.parametrize(("before", "after"), SWITCHES[:2])
+def test_resume_with_skips_across_the_ring_switch(
+    monkeypatch: pytest.MonkeyPatch, pool: tuple[int, str], before: Any, after: Any
+) -> None:
+    workers, kind = pool
+
+    def made(kw: dict[str, Any]) -> Any:
+        kw = dict(kw)
+        if kw.pop("ring", False):
+            monkeypatch.setenv("FEEDPIPE_HOST_RING", "1")
+        try:
+            return feedpipe.DataLoader(
+                _Flaky(),
+                batch_size=6,
+                shuffle=True,
+                generator=torch.Generator().manual_seed(1),
+                num_workers=workers,
+                worker_type=kind,
+                on_error="skip",
+                **kw,
+            )
+        finally:
+            monkeypatch.delenv("FEEDPIPE_HOST_RING", raising=False)
+
+    whole = [b.flatten().tolist() for b in made({})]
+    first = made(before)
+    it = iter(first)
+    head = [next(it).flatten().tolist() for _ in range(3)]
+    state = first.state_dict()
+    del it
+    resumed = made(after)
+    resumed.load_state_dict(state)
+    got = head + [b.flatten().tolist() for b in resumed]
+    assert got == whole
+    assert sum(map(len, got)) == 42 - 6  # the six unreadable samples, and only they, skipped
