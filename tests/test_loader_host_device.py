@@ -78,8 +78,13 @@ def test_host_device_is_the_loader_without_one(
         assert_batches_equal(g, w, f"batch {i}")
         assert g["data"].device.type == "cpu"
     assert not {"pin", "h2d"} & set(loader.stats.stages), loader.stats.stages
-    plain = _loader(dataset, workers, kind)
-    assert loader.worker_slots == plain.worker_slots  # process workers' shared slots as well
+    # process workers' shared slots as well (their settings: the counts are per pass)
+    plain, slots = _loader(dataset, workers, kind).worker_slots, loader.worker_slots
+    assert (plain is None) == (slots is None), (plain, slots)
+    if slots is not None and plain is not None:
+        assert slots["slots_per_worker"] == plain["slots_per_worker"] > 0
+        assert slots["pinned"] is plain["pinned"] is False
+        assert slots["batches_in_slots"] > 0, slots  # the batches did go through them
 
 
 @pytest.mark.parametrize(("workers", "kind"), WORKERS)
