@@ -226,11 +226,11 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
         plan = resolve_plan(self, options.worker_type, options.on_error, self.meter, options.path())
         if plan.stream is not None:
             plan.stream.on_start = weakref.WeakMethod(self._at_sampler_start)
+        # the old plan's persistent workers serve a pass in progress to its end: stopped when
+        # the next pass starts (or the loader goes)
         old: WorkerSources | None = vars(self).get("_sources")
-        if old is not None:
-            old.close()  # persistent workers of the old plan
         self._options, self._plan = options, plan
-        self._sources = WorkerSources(plan)
+        self._sources = WorkerSources(plan, retired=old)
         self._settings = settings_of(self)
 
     # ------------------------------------------------------------------- copy and pickle

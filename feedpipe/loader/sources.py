@@ -49,8 +49,11 @@ def dataset_epoch(dataset: Any) -> Any:
 class WorkerSources:
     """The worker handles of one loader that outlive a pass (module docstring)."""
 
-    def __init__(self, plan: LoaderPlan) -> None:
+    def __init__(self, plan: LoaderPlan, retired: WorkerSources | None = None) -> None:
         self._plan = plan
+        # the sources of the plan this one replaced: a pass begun on them may still be running
+        # (a setting assigned mid-epoch applies from the next iter()); stopped at our first pass
+        self._retired = retired
         self.slots: Slots | None = None  # process workers' shared slots, once made
         # process workers: the torch loader that runs them (persistent ones live in it)
         self.inner: tud.DataLoader | None = None  # type: ignore[type-arg]
@@ -63,6 +66,7 @@ class WorkerSources:
 
     def open(self, loader: Any, feed: Prefetcher | None, seeds: SeedSource) -> Any:
         """This pass's source, started (``seeds``: the generator of the base seed, if drawn)."""
+        self._close_retired()
         if loader.num_workers == 0:
             return self._inline(loader, seeds)
         if self._plan.threads:
@@ -70,10 +74,15 @@ class WorkerSources:
         return self._processes(loader, seeds)
 
     def close(self) -> None:
-        """Stop the persistent worker processes now (the loader's settings changed: the next
-        pass starts from a fresh plan and fresh workers)."""
+        """Stop the persistent worker processes now (and those of the sources this replaced)."""
+        self._close_retired()
         if self._end_workers is not None:
             self._end_workers()
+
+    def _close_retired(self) -> None:
+        retired, self._retired = self._retired, None
+        if retired is not None:
+            retired.close()
 
     def reuses_workers(self, loader: Any) -> bool:
         """Whether the next ``iter()`` reuses persistent workers (and so draws no base seed)."""
