@@ -108,6 +108,34 @@ def test_direct_is_ignored_on_the_host_and_refused_without_a_device(dataset: Any
         _loader(dataset, 0, "thread", direct=True)
 
 
+class _Batched(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Batched reads (``read_batch``), no DMA read."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((2,), i)
+
+    def read_batch(self, indices: Any) -> torch.Tensor:
+        return torch.stack([self[int(i)] for i in indices])
+
+
+def test_direct_on_the_host_refuses_what_a_gpu_would(dataset: Any, tmp_path: Path) -> None:
+    """Every reason that does not depend on the device fails on the laptop too."""
+    cannot = "direct=True, but the direct DMA path cannot be used"
+    with pytest.raises(ValueError, match=rf"{cannot}: _Batched has no DMA read"):
+        _loader(_Batched(), 0, "thread", device="cpu", direct=True)
+    with pytest.raises(ValueError, match=rf"{cannot}: batches are not read by the dataset's"):
+        _loader(list(range(32)), 0, "thread", device="cpu", direct=True)
+    with pytest.raises(ValueError, match=rf"{cannot}: batches are not read by the dataset's"):
+        _loader(dataset, 0, "thread", device="cpu", direct=True, collate_fn=lambda b: b)
+    pread = feedpipe.MemmapDataset(dataset.path, read="pread")
+    with pytest.raises(ValueError, match=cannot):
+        _loader(pread, 0, "thread", device="cpu", direct=True)
+    pread.close()
+
+
 def test_host_ring_runs_the_ring_in_host_memory(
     dataset: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

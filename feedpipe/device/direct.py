@@ -61,9 +61,7 @@ def blocker(dataset: Any, device: torch.device, *, auto: bool) -> str | None:
     adds the checks that only the automatic choice makes (memory, record size)."""
     if device.type != "cuda":
         return "the feed is not on a CUDA device"
-    if not isinstance(dataset, DMADataset):
-        return f"{type(dataset).__name__} has no DMA read (dma_blocker/device_out)"
-    reason: str | None = dataset.dma_blocker()
+    reason = dataset_blocker(dataset)
     if reason is not None:
         return reason
     if not _memmap_dma.read_only_supported(device.index or 0):
@@ -81,6 +79,15 @@ def blocker(dataset: Any, device: torch.device, *, auto: bool) -> str | None:
             f"({avail / 2**30:.1f} GiB); its pages would be locked while read"
         )
     return None
+
+
+def dataset_blocker(dataset: Any) -> str | None:
+    """Why ``dataset`` cannot be read by DMA on any device (None: it can): what
+    ``direct=True`` is checked against where there is no GPU, as where there is one."""
+    if not isinstance(dataset, DMADataset):
+        return f"{type(dataset).__name__} has no DMA read (dma_blocker/device_out)"
+    reason: str | None = dataset.dma_blocker()
+    return reason
 
 
 class DirectReader:

@@ -237,8 +237,10 @@ def resolve_plan(
     reader = None
     if feed is not None:
         reader = _choose_direct(loader, worker_type, mode, feed, meter=meter, direct=path.direct)
-    elif path.direct and path.device is None:  # a CPU device ignores it (as on a laptop)
-        raise ValueError("direct=True needs device='cuda' (or 'cuda:N')")
+    elif path.direct:  # a host device reads as without one, but refuses what a GPU would
+        if path.device is None:
+            raise ValueError("direct=True needs device='cuda' (or 'cuda:N')")
+        _check_direct_on_host(loader, worker_type, mode)
     ds = loader.dataset
     arrays, planning = isinstance(ds, IndexArrayDataset), isinstance(ds, AccessPlanDataset)
     return LoaderPlan(worker_type, on_error, mode, iterable, feed, reader, stream, arrays, planning)
@@ -276,6 +278,25 @@ def _make_feed(
     return feed
 
 
+def _loader_blocker(loader: Any, worker_type: str, mode: Mode) -> str | None:
+    """Why the loader's settings keep it off the direct path, whatever the device."""
+    if mode is not Mode.READ_BATCH:
+        return "batches are not read by the dataset's read_batch with default collation"
+    if worker_type == "process" and loader.num_workers and loader.worker_init_fn:
+        return "process workers with a worker_init_fn (the direct path uses threads)"
+    return None
+
+
+def _check_direct_on_host(loader: Any, worker_type: str, mode: Mode) -> None:
+    """``direct=True`` where batches stay on the host: refused for every reason that does not
+    depend on the device, so a script fails on a laptop as it would on the GPU."""
+    reason = _loader_blocker(loader, worker_type, mode) or direct_path.dataset_blocker(
+        loader.dataset
+    )
+    if reason is not None:
+        raise ValueError(f"direct=True, but the direct DMA path cannot be used: {reason}")
+
+
 def _choose_direct(
     loader: Any,
     worker_type: str,
@@ -289,12 +310,10 @@ def _choose_direct(
     reason: str | None
     if direct is False:
         reason = "direct=False"
-    elif mode is not Mode.READ_BATCH:
-        reason = "batches are not read by the dataset's read_batch with default collation"
-    elif worker_type == "process" and loader.num_workers and loader.worker_init_fn:
-        reason = "process workers with a worker_init_fn (the direct path uses threads)"
     else:
-        reason = direct_path.blocker(loader.dataset, feed.device, auto=direct is None)
+        reason = _loader_blocker(loader, worker_type, mode) or direct_path.blocker(
+            loader.dataset, feed.device, auto=direct is None
+        )
     if not feed.on_gpu:
         return None  # the CPU fallback warned already
     if direct and reason is not None:
