@@ -1,4 +1,4 @@
-"""Attack on the host device (``device="cpu"``, or CUDA asked for where there is none): resume
+"""Hostile and careless use of the host device (``device="cpu"``, or CUDA asked for where there is none): resume
 across the ring/no-ring switch, the ``device`` setter, torch's arguments beside it, the one
 warning (where it points, warnings as errors) and bad device values."""
 
