@@ -1,6 +1,6 @@
-"""Hostile and careless use of the host device (``device="cpu"``, or CUDA asked for where there is none): resume
-across the ring/no-ring switch, the ``device`` setter, torch's arguments beside it, the one
-warning (where it points, warnings as errors) and bad device values."""
+"""Hostile and careless use of the host device (``device="cpu"``, or CUDA asked for where
+there is none): resume across the ring/no-ring switch, the ``device`` setter, torch's arguments
+beside it, the one warning (where it points, warnings as errors) and bad device values."""
 
 from __future__ import annotations
 
