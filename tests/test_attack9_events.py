@@ -318,7 +318,7 @@ def test_clock_pending_pairs_change_only_under_its_lock() -> None:
     gpu = FakeGpu()
     clock = _clock(gpu)
     pending = _Guarded()
-    pending.lock = clock._lock
+    pending.lock = clock._fork.lock
     clock._pending = pending
     for _ in range(5):
         _batch(clock)

@@ -127,6 +127,6 @@ def test_a_child_forked_while_a_thread_polls_the_device_clock(loader: Any) -> No
     without touching CUDA (no pairs are pending), so this runs on a CPU machine."""
     clock = loader.meter.watch_device("cuda")
     assert clock is not None
-    got = fork_while_held(lambda: clock._lock, lambda: _reset_then_pass(loader), 30)
+    got = fork_while_held(lambda: clock._fork.lock, lambda: _reset_then_pass(loader), 30)
     assert got == ("ok", (N, N // 8)), f"the child's stats(): {got}"
     assert loader.stats.device_idle_s == 0.0  # the parent's clock is usable after the fork

@@ -30,7 +30,7 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -196,11 +196,10 @@ class OpenShards:
     def close(self) -> None:
         """Close everything (in this process; after a fork the parent's leases are left alone)."""
         mine = self.pid == os.getpid()
-        if mine:
-            with self._lock:
-                shards, self._open = list(self._open.values()), OrderedDict()
-        else:  # a forked child's copy, which no thread here reads: the lock may have been
-            shards, self._open = list(self._open.values()), OrderedDict()  # held at the fork
+        # a forked child's copy, which no thread here reads, skips the lock: it may have been
+        # held at the fork
+        with self._lock if mine else nullcontext():
+            shards, self._open = list(self._open.values()), OrderedDict()
         self._close_all(shards, owner=mine)
 
     def _get(self, sid: int) -> OpenShard:

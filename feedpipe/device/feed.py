@@ -72,6 +72,7 @@ __all__ = [
     "map_tensors",
     "resolve_device",
     "stays_on_host",
+    "warn_no_cuda",
 ]
 
 
@@ -87,12 +88,7 @@ def resolve_device(device: str | int | torch.device) -> torch.device:
     dev = _as_device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            warnings.warn(
-                f"feedpipe: device={str(device)!r} requested but CUDA is not available; "
-                "batches stay in host memory",
-                GPUFeedWarning,
-                stacklevel=user_stacklevel(),
-            )
+            warn_no_cuda(device)
             return torch.device("cpu")
         index = torch.cuda.current_device() if dev.index is None else dev.index
         if not 0 <= index < torch.cuda.device_count():
@@ -120,23 +116,24 @@ def _as_device(device: str | int | torch.device) -> torch.device:
         ) from exc
 
 
-def stays_on_host(device: str | int | torch.device, *, warn: bool = True) -> bool:
-    """Whether a loader's batches for ``device`` stay in host memory: ``"cpu"`` (as asked, no
-    warning), or a CUDA device where CUDA is not available (one :class:`GPUFeedWarning`, unless
-    ``warn`` is False: a feed made for it gives its own)."""
+def stays_on_host(device: str | int | torch.device) -> bool:
+    """Whether a loader's batches for ``device`` stay in host memory: ``"cpu"``, or a CUDA
+    device where CUDA is not available (:func:`warn_no_cuda` says so)."""
     dev = _as_device(device)
-    if dev.type == "cpu":
-        return True
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        if warn:
-            warnings.warn(
-                f"feedpipe: device={str(device)!r} requested but CUDA is not available; "
-                "batches stay in host memory",
-                GPUFeedWarning,
-                stacklevel=user_stacklevel(),
-            )
-        return True
-    return False
+    return dev.type == "cpu" or (dev.type == "cuda" and not torch.cuda.is_available())
+
+
+def warn_no_cuda(device: str | int | torch.device) -> None:
+    """The one :class:`GPUFeedWarning` for a CUDA ``device`` asked for where there is none
+    (nothing for any other device), pointing at the user's line."""
+    if _as_device(device).type != "cuda" or torch.cuda.is_available():
+        return
+    warnings.warn(
+        f"feedpipe: device={str(device)!r} requested but CUDA is not available; "
+        "batches stay in host memory",
+        GPUFeedWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def host_ring() -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from typing import Any
 
 __all__ = ["ForkLock", "ForkStamp", "first_lock"]
 
@@ -18,7 +19,7 @@ _LOCKS: weakref.WeakSet[ForkLock] = weakref.WeakSet()
 def _forked() -> None:
     _FORKS[0] += 1
     for held in list(_LOCKS):  # the child has one thread: nobody else can hold them here
-        held.lock = threading.RLock()
+        held.lock = held.new()
 
 
 def _hook() -> None:
@@ -28,15 +29,17 @@ def _hook() -> None:
 
 
 class ForkLock:
-    """A reentrant lock, ``.lock``, that a forked child finds free: the child's copy of a lock
-    that another thread held at the fork would never be released (that thread does not exist
-    in the child), so its first use would wait for ever. Use it as ``with x.lock:``."""
+    """A lock, ``.lock`` (reentrant unless ``reentrant=False``), that a forked child finds free:
+    the child's copy of a lock that another thread held at the fork would never be released
+    (that thread does not exist in the child), so its first use would wait for ever. Use it as
+    ``with x.lock:``, looking ``.lock`` up each time (a child's is a new one)."""
 
-    __slots__ = ("__weakref__", "lock")
+    __slots__ = ("__weakref__", "lock", "new")
 
-    def __init__(self) -> None:
+    def __init__(self, reentrant: bool = True) -> None:
         _hook()
-        self.lock = threading.RLock()
+        self.new: type[Any] = threading.RLock if reentrant else threading.Lock
+        self.lock: Any = self.new()
         _LOCKS.add(self)
 
 

@@ -39,7 +39,7 @@ from torch.utils.data import default_collate, default_convert
 
 from feedpipe.device import direct as direct_path
 from feedpipe.device.direct import DirectReader
-from feedpipe.device.feed import GPUFeed, host_ring, stays_on_host
+from feedpipe.device.feed import GPUFeed, host_ring, stays_on_host, warn_no_cuda
 from feedpipe.loader import _torch_compat
 from feedpipe.loader.fetch import Mode, choose_mode
 from feedpipe.loader.index_stream import IndexStream
@@ -261,8 +261,8 @@ def _make_feed(
     if isinstance(prefetch, bool) or not isinstance(prefetch, Integral) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0 (batches ahead), got {prefetch!r}")
     # FEEDPIPE_HOST_RING=1 runs the ring in host memory: the feed then gives the one warning
-    if stays_on_host(device, warn=False) and not host_ring():
-        stays_on_host(device)  # its one warning where CUDA was asked for
+    if stays_on_host(device) and not host_ring():
+        warn_no_cuda(device)
         return None
     workers = loader.num_workers
     threads = worker_type == "thread" and workers > 0

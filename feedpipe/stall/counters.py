@@ -49,7 +49,7 @@ class Counters:
         self.reset()
 
     @property
-    def lock(self) -> threading.RLock:
+    def lock(self) -> Any:
         """The lock every fold and snapshot takes (a child forked meanwhile has its own)."""
         return self._fork.lock
 

@@ -34,11 +34,10 @@ its B has completed, oldest first. Only for CUDA devices; torch is imported by t
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from typing import Any
 
-from feedpipe.io.forks import ForkStamp
+from feedpipe.io.forks import ForkLock
 
 __all__ = ["DeviceClock", "DeviceIdle"]
 
@@ -57,17 +56,11 @@ class DeviceClock:
         self.device = torch.device(device)
         self._pending: deque[tuple[Any, Any]] = deque()
         self.events = EventPool()  # A and B events, reused
-        self._stamp, self._plain = ForkStamp(), threading.Lock()
+        # a plain lock (tests read .locked()) that a forked child finds free: a child forked
+        # while another thread polled (a stats() snapshot) would wait for it for ever
+        self._fork = ForkLock(reentrant=False)
         self.idle_s = 0.0
         self.batches = 0
-
-    @property
-    def _lock(self) -> threading.Lock:
-        """The pairs' lock; a child forked while another thread held it (``poll`` from a
-        ``stats()`` snapshot) gets a free one instead of waiting for ever at its first use."""
-        if not self._stamp.here():
-            self._stamp, self._plain = ForkStamp(), threading.Lock()
-        return self._plain
 
     def begin(self, stream: Any = None) -> Any:
         """``next()`` starts: record A on ``stream`` (default: the current stream); returns it."""
@@ -83,7 +76,7 @@ class DeviceClock:
             self.poll()
         ev = self.events.take()
         stream = stream if stream is not None else self._torch.cuda.current_stream(self.device)
-        with self._lock:  # poll()/reset() from another thread walk the pairs: wait before B
+        with self._fork.lock:  # poll()/reset() from another thread walk the pairs: wait before B
             self._calls.record(ev, stream)
             self._pending.append((begin, ev))
 
@@ -93,7 +86,7 @@ class DeviceClock:
 
     def poll(self, wait: bool = False) -> None:
         """Add the completed pairs (all of them, synchronizing, when ``wait``), oldest first."""
-        with self._lock:
+        with self._fork.lock:
             pending, calls = self._pending, self._calls
             total, n = 0.0, 0
             while pending:
@@ -111,7 +104,7 @@ class DeviceClock:
 
     def reset(self) -> None:
         """Forget the totals and the pairs not yet read (their events go back to the pool)."""
-        with self._lock:
+        with self._fork.lock:
             for pair in self._pending:
                 self.events.give(*pair)
             self._pending.clear()
