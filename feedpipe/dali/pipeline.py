@@ -189,6 +189,7 @@ class PoolCloser:
     def __init__(self) -> None:
         self._pipe: weakref.ref[Any] | None = None
         self._plans: str | None = None
+        self._threads: list[threading.Thread] = []
 
     def watch(self, pipe: Any, plan_dir: str) -> None:
         """Close ``pipe``'s pool, after removing ``plan_dir``, when asked (the previous
@@ -207,7 +208,14 @@ class PoolCloser:
             # close becomes once-only, and a later call returns at once
             once = _Once(close)
             pool.close = once
-            threading.Thread(target=once, name="feedpipe-dali-pool-close", daemon=True).start()
+            t = threading.Thread(target=once, name="feedpipe-dali-pool-close", daemon=True)
+            t.start()
+            self._threads = [*(t for t in self._threads if t.is_alive()), t]
+
+    def threads(self) -> list[threading.Thread]:
+        """The pool-close threads started and not yet ended (to join)."""
+        self._threads = [t for t in self._threads if t.is_alive()]
+        return list(self._threads)
 
 
 class _Once:

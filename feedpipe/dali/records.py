@@ -3,6 +3,7 @@ a dataset and one of its records are named in errors (:func:`describe`, :func:`l
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import numpy as np
@@ -91,8 +92,9 @@ class BadRecords:
         self._probe.feed_input("encoded", [buf])
         try:
             self._probe.run()
-        except Exception:
-            self._probe = build_probe()  # a failed pipeline is not reused
+        except Exception as exc:
+            traceback.clear_frames(exc.__traceback__)  # its frames would hold the pipeline
+            self._probe = build_probe()  # a failed pipeline is not reused (dropped here)
             return False
         return True
 

@@ -16,6 +16,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from feedpipe.dali.pipeline import PoolCloser, Transform, build_fed, build_main,
 from feedpipe.dali.records import describe
 from feedpipe.dali.source import BatchSource, write_segment
 from feedpipe.errors import WorkerError
-from feedpipe.io.reaper import Workers
+from feedpipe.io.reaper import Workers, join_threads
 
 __all__ = ["PIPE_DEPTH", "Caller", "PipelineStream"]
 
@@ -92,17 +93,18 @@ class PipelineStream:
         if self.plan_dir is not None:
             shutil.rmtree(self.plan_dir, ignore_errors=True)
             self.plan_dir = None
+        self.workers.end()  # while the pipeline lives: its pool is closed by the ask, once
+        # the last reference: DALI's pipeline shuts down here, on this thread (a shutdown left
+        # to a daemon thread can still run at interpreter exit and abort the process)
         self.pipe, self.tainted, self.spec = None, False, None
         self.pos = self.segs = self.last_end = 0
-        self.workers.end()
 
     def close(self) -> None:
-        """End this generation and stop the caller thread."""
+        """End this generation and stop the caller thread; returns when no thread of this
+        stream runs DALI code any more (or, for one stuck, after ``workers.bound``, warned)."""
         self.new_generation()  # the plan directory first: workers waiting on it return
         self.fed = None
-        if self.caller is not None:
-            self.caller.stop()
-            self.caller = None
+        self._end_threads()
 
     def publish(self, indices: np.ndarray, start: int, skip: list[int]) -> int:
         """Write the next segment (``indices`` from DALI iteration ``start`` on); its id."""
@@ -196,15 +198,24 @@ class PipelineStream:
         try:
             return self.caller.call(pipe.run, self.timeout)
         except TimeoutError:
-            # its thread is stuck in DALI until the workers are ended below; a daemon, it
-            # cannot block exit, and stop() lets it end once the stuck call returns
-            self.caller.stop()
-            self.caller = None
-            self.new_generation()
-            raise WorkerError(
+            pass
+        del pipe  # the error's traceback (this frame) must not keep the pipeline alive
+        # the caller is stuck in DALI until the workers are ended here; then it is joined (a
+        # daemon: one still stuck after the bound is warned about and cannot block exit)
+        self.new_generation()
+        self._end_threads()
+        raise WorkerError(
                 f"DALI pipeline produced no {what} within {self.timeout} s "
-                f"(dataset {describe(self.dataset)})"
-            ) from None
+            f"(dataset {describe(self.dataset)})"
+        )
+
+    def _end_threads(self) -> None:
+        """Stop the caller; join it and the pool-close threads (within ``workers.bound``)."""
+        threads = [] if self.pool_closer is None else self.pool_closer.threads()
+        if self.caller is not None:
+            threads.append(self.caller.stop())
+            self.caller = None
+        join_threads(threads, "DALI", self.workers.bound.total)
 
     def next(self, what: str) -> Any:
         """The next DALI output (advances the stream position, also when DALI raises)."""
@@ -252,14 +263,23 @@ class Caller:
     def __init__(self) -> None:
         self._tasks: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name="feedpipe-dali", daemon=True).start()
+        self._thread = threading.Thread(target=self._loop, name="feedpipe-dali", daemon=True)
+        self._thread.start()
 
     def _loop(self) -> None:
         while (fn := self._tasks.get()) is not None:
             try:
-                self._results.put((True, fn()))
+                result: tuple[bool, Any] = (True, fn())
             except BaseException as exc:
-                self._results.put((False, exc))
+                # the frames of a failed pipe.run() hold the pipeline (in DALI's reference
+                # cycles, freed by a garbage collection on any thread): drop their locals
+                traceback.clear_frames(exc.__traceback__)
+                result = (False, exc)
+            # hold nothing between calls: a bound ``pipe.run`` kept here would make this
+            # thread the one that drops the pipeline's last reference (and runs its shutdown)
+            del fn
+            self._results.put(result)
+            del result
 
     def call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """``fn()`` on the thread; ``TimeoutError`` after ``timeout`` seconds."""
@@ -272,9 +292,10 @@ class Caller:
             return value
         raise value
 
-    def stop(self) -> None:
-        """The thread ends after the call it runs now."""
+    def stop(self) -> threading.Thread:
+        """The thread ends after the call it runs now; returns it (to join)."""
         self._tasks.put(None)
+        return self._thread
 
 
 def _shm_dir() -> str | None:
