@@ -285,8 +285,12 @@ def test_forked_child_with_an_inherited_cuda_calls_fails_cleanly() -> None:
     assert p.exitcode == 0, f"the forked child died: exit code {p.exitcode}"
     assert recv.poll(10), "the forked child sent nothing"
     kind, value = recv.recv()
-    if kind == "error":
-        assert "cudaEventQuery failed: CUDA error" in value, value
+    if kind == "error":  # the driver's error, or torch's refusal to use CUDA after a fork
+        # (the cuda:1 check asks torch for the current device first: found by review)
+        assert (
+            "cudaEventQuery failed: CUDA error" in value
+            or "Cannot re-initialize CUDA in forked subprocess" in value
+        ), value
     assert calls.query(ev) is True  # the parent is unaffected
 
 

@@ -205,7 +205,7 @@ class PipelineStream:
         self.new_generation()
         self._end_threads()
         raise WorkerError(
-                f"DALI pipeline produced no {what} within {self.timeout} s "
+            f"DALI pipeline produced no {what} within {self.timeout} s "
             f"(dataset {describe(self.dataset)})"
         )
 

@@ -11,7 +11,11 @@ __all__ = ["EventPool"]
 class EventPool:
     """Timing-enabled CUDA events handed out and given back; any thread may take or give
     (a list's ``pop`` and ``extend`` are atomic). An event is given back only once nothing will
-    wait on, query or read its last record again."""
+    wait on, query or read its last record again.
+
+    Every event of one pool is recorded on one stream (the feed's copy stream): an old
+    reference to a recycled event then sees a later record on the same stream, so a wait or
+    query through it finishes late, never early. A pool must not be shared across streams."""
 
     def __init__(self) -> None:
         import torch
