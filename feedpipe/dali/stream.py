@@ -93,17 +93,20 @@ class PipelineStream:
         if self.plan_dir is not None:
             shutil.rmtree(self.plan_dir, ignore_errors=True)
             self.plan_dir = None
+        # detached first: a thread in run() meanwhile sees it closed (and rebuilds nothing)
+        pipe, self.pipe = self.pipe, None
         self.workers.end()  # while the pipeline lives: its pool is closed by the ask, once
         # the last reference: DALI's pipeline shuts down here, on this thread (a shutdown left
         # to a daemon thread can still run at interpreter exit and abort the process)
-        self.pipe, self.tainted, self.spec = None, False, None
+        del pipe
+        self.tainted, self.spec = False, None
         self.pos = self.segs = self.last_end = 0
 
     def close(self) -> None:
         """End this generation and stop the caller thread; returns when no thread of this
         stream runs DALI code any more (or, for one stuck, after ``workers.bound``, warned)."""
-        self.new_generation()  # the plan directory first: workers waiting on it return
         self.fed = None
+        self.new_generation()  # the plan directory first: workers waiting on it return
         self._end_threads()
 
     def publish(self, indices: np.ndarray, start: int, skip: list[int]) -> int:
@@ -192,21 +195,42 @@ class PipelineStream:
             self.spec = (self.publish(indices, start, skip), start, indices, skip)
 
     def run(self, pipe: Any, what: str) -> Any:
-        """``pipe.run()`` with a timeout; a hung or dead worker raises WorkerError."""
+        """``pipe.run()`` with a timeout; a hung or dead worker raises WorkerError, and so does
+        a pipeline closed meanwhile (``close()`` on another thread: nothing is rebuilt)."""
         if self.caller is None:
             self.caller = Caller()
         try:
-            return self.caller.call(pipe.run, self.timeout)
+            out = self.caller.call(pipe.run, self.timeout)
         except TimeoutError:
             pass
+        except BaseException as exc:
+            # the frames it passed (Caller.call's holds the error and pipe.run: a cycle) must
+            # not keep the pipeline: not for a garbage collection on another thread after
+            # close(), not in an error the user keeps (a DatasetError's __cause__)
+            traceback.clear_frames(exc.__traceback__)
+            closed = pipe is None or (pipe is not self.pipe and pipe is not self.fed)
+            del pipe
+            if closed and isinstance(exc, Exception):
+                raise self._closed(what) from exc
+            raise
+        else:
+            if pipe is self.pipe or pipe is self.fed:
+                return out
+            del pipe, out  # outputs of a closed pipeline: not returned, not kept
+            raise self._closed(what)
         del pipe  # the error's traceback (this frame) must not keep the pipeline alive
         # the caller is stuck in DALI until the workers are ended here; then it is joined (a
         # daemon: one still stuck after the bound is warned about and cannot block exit)
         self.new_generation()
         self._end_threads()
         raise WorkerError(
-                f"DALI pipeline produced no {what} within {self.timeout} s "
+            f"DALI pipeline produced no {what} within {self.timeout} s "
             f"(dataset {describe(self.dataset)})"
+        )
+
+    def _closed(self, what: str) -> WorkerError:
+        return WorkerError(
+            f"ImageLoader closed during the epoch: no {what} (dataset {describe(self.dataset)})"
         )
 
     def _end_threads(self) -> None:
@@ -219,6 +243,8 @@ class PipelineStream:
 
     def next(self, what: str) -> Any:
         """The next DALI output (advances the stream position, also when DALI raises)."""
+        if self.pipe is None:  # closed (a new epoch builds anew; this one cannot go on)
+            raise self._closed(what)
         try:
             return self.run(self.pipe, what)
         except StopIteration:
