@@ -149,6 +149,7 @@ class _HangUntilOff(HangingDataset):
         return BytesDataset.__getitem__(self, i)
 
 
+@pytest.mark.slow  # ~8 s: the 3 s timeout and two pipelines
 def test_a_timeout_then_a_new_epoch_rebuilds_and_closes_cleanly(pipes: Pipes) -> None:
     """Held: a timeout's ``WorkerError`` (kept by the user) ends that pipeline and its threads
     before it returns; the next epoch builds a new one that close() ends on this thread."""
@@ -233,6 +234,61 @@ def test_close_from_another_thread_while_one_iterates(pipes: Pipes, tmp_path: Pa
     assert pipes.threads() <= {HERE, "user-train"}, pipes.on
 
 
+class _HoldAt9(BytesDataset):
+    """Record 9 creates ``marker``, then waits (at most 60 s) for the file ``release``."""
+
+    marker = release = ""
+
+    def __getitem__(self, i: int) -> Any:
+        if i == 9 and not os.path.exists(self.release):
+            import time
+
+            open(self.marker, "a").close()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.release) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return super().__getitem__(i)
+
+
+def test_ctrl_c_mid_epoch_then_a_new_epoch_on_the_same_loader(pipes: Pipes, tmp_path: Path) -> None:
+    """Broke: Ctrl-C caught mid-epoch (a notebook cell interrupted, run again): the caller
+    thread finished the interrupted ``pipe.run()`` and its result waited in the queue, so the
+    next epoch got it for its first batch ("DALI returned batch 0 out of order"). The stale
+    result is now dropped; the next epoch is right and close() ends everything here."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("Ctrl-C reaches the main thread only")
+    ds = _HoldAt9([_jpeg(i) for i in range(16)])
+    ds.marker, ds.release = str(tmp_path / "reached"), str(tmp_path / "release")
+    loader = _loader(ds, batch_size=2, train=False, shuffle=False)
+
+    def ctrl_c() -> None:
+        while not os.path.exists(ds.marker):
+            gone.wait(0.01)
+        main = threading.main_thread().ident
+        assert main is not None
+        signal.pthread_kill(main, signal.SIGINT)  # a real Ctrl-C, to the main thread
+
+    gone = threading.Event()
+    presser = threading.Thread(target=ctrl_c, name="ctrl-c")
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    got: list[list[int]] = []
+    try:
+        presser.start()
+        with pytest.raises(KeyboardInterrupt):
+            for _, y in loader:  # record 9 (batch 4) is held until the Ctrl-C came
+                got.append(y.tolist())
+    finally:
+        Path(ds.release).touch()
+        gone.set()
+        presser.join(60)
+        signal.signal(signal.SIGINT, old)
+    assert got == [[2 * b, 2 * b + 1] for b in range(len(got))] and len(got) <= 4
+    assert [y.tolist() for _, y in loader] == [[2 * b, 2 * b + 1] for b in range(8)]
+    loader.close()
+    assert pipes.alive() == 0 and _dali_threads() == []
+    assert pipes.threads() <= {HERE}, pipes.on
+
+
 # ------------------------------------------------------------------ exit paths, in a child
 _CHILD = """
 import gc, os, signal, sys, threading, time
@@ -279,31 +335,31 @@ next(it)  # DALI is producing the next batches
 print("WORKERS", *descendants(), flush=True)
 """
 
+_BAD = """
+bad = list(records)
+bad[2] = open(os.path.join({tmp!r}, "bad.jpg"), "rb").read()  # DALI itself fails on it
+"""
+
 # name: (body, expected exit status)
 _EXITS: dict[str, tuple[str, int]] = {
-    # the loader and its suspended iterator alive at exit, never closed
-    "no_close_mid_epoch": (_MID_EPOCH + "kept = (loader, it)", 0),
     # for ... break, then exit (the generator left suspended, the loader a live global)
     "break_no_close": ("loader = make()\nfor x, y in loader:\n    break\nkept = loader", 0),
     # an exception escapes the training loop mid-epoch: exit status 1, not an abort (-6)
     "uncaught_mid_epoch": (_MID_EPOCH + "raise RuntimeError('boom in the training loop')", 1),
-    # Ctrl-C mid-epoch: Python ends itself by SIGINT (the status a shell sees as 130)
-    "sigint_mid_epoch": (
-        _MID_EPOCH + "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(60)",
-        -signal.SIGINT,
-    ),
+    # a corrupt record, on_error="raise": the DatasetError escapes (exit status 1, no abort)
+    "dataset_error_uncaught": (_BAD + "kept = make(bad)\nlist(kept)", 1),
     # a DALI-failed batch repaired, close(), then a user's daemon thread collecting garbage
     # while the interpreter exits (the CI abort's shape: a pipeline shut down on a daemon)
     "daemon_gc_after_failed_batch": (
-        textwrap.dedent("""
-        bad = list(records)
-        bad[2] = open(os.path.join({tmp!r}, "bad.jpg"), "rb").read()
+        _BAD
+        + textwrap.dedent("""
         loader = make(bad, on_error="skip")
         print("N", sum(len(y) for _, y in loader), flush=True)
         close(loader)
         def churn():
             while True:
                 gc.collect()
+                time.sleep(0.005)
         threading.Thread(target=churn, name="user-daemon", daemon=True).start()
         kept = None
         """),
@@ -311,6 +367,15 @@ _EXITS: dict[str, tuple[str, int]] = {
     ),
 }
 _SLOW_EXITS: dict[str, tuple[str, int]] = {
+    # the loader and its suspended iterator alive at exit, never closed
+    "no_close_mid_epoch": (_MID_EPOCH + "kept = (loader, it)", 0),
+    # Ctrl-C mid-epoch: Python ends itself by SIGINT (the status a shell sees as 130)
+    "sigint_mid_epoch": (
+        _MID_EPOCH + "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(60)",
+        -signal.SIGINT,
+    ),
+    # a corrupt record skipped (the repaired batch path), never closed
+    "skip_no_close": (_BAD + "kept = make(bad, on_error='skip')\nprint('N', len(list(kept)))", 0),
     "sys_exit_mid_epoch": (_MID_EPOCH + "sys.exit(0)", 0),
     "del_mid_epoch": (_MID_EPOCH + "del it, loader\nkept = None", 0),
     "sigterm_handler_mid_epoch": (

@@ -16,6 +16,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -287,33 +288,42 @@ class Caller:
     """
 
     def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
-        self._results: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[tuple[int, Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[tuple[int, bool, Any]] = queue.SimpleQueue()
+        self._seq = 0  # the number of the last call (its result is the one awaited)
         self._thread = threading.Thread(target=self._loop, name="feedpipe-dali", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        while (fn := self._tasks.get()) is not None:
+        while (task := self._tasks.get()) is not None:
+            seq, fn = task
             try:
-                result: tuple[bool, Any] = (True, fn())
+                result: tuple[int, bool, Any] = (seq, True, fn())
             except BaseException as exc:
                 # the frames of a failed pipe.run() hold the pipeline (in DALI's reference
                 # cycles, freed by a garbage collection on any thread): drop their locals
                 traceback.clear_frames(exc.__traceback__)
-                result = (False, exc)
+                result = (seq, False, exc)
             # hold nothing between calls: a bound ``pipe.run`` kept here would make this
             # thread the one that drops the pipeline's last reference (and runs its shutdown)
-            del fn
+            del fn, task
             self._results.put(result)
             del result
 
     def call(self, fn: Callable[[], Any], timeout: float) -> Any:
-        """``fn()`` on the thread; ``TimeoutError`` after ``timeout`` seconds."""
-        self._tasks.put(fn)
-        try:
-            ok, value = self._results.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError from None
+        """``fn()`` on the thread; ``TimeoutError`` after ``timeout`` seconds. The result of
+        an earlier call whose wait was interrupted (Ctrl-C) is dropped, never returned."""
+        self._seq += 1
+        self._tasks.put((self._seq, fn))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                seq, ok, value = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError from None
+            if seq == self._seq:
+                break
+            del value  # an interrupted call's (the DALI pipeline produced it, in order)
         if ok:
             return value
         raise value
