@@ -35,7 +35,7 @@ Image = pytest.importorskip("PIL.Image")
 
 from _procs import key_lines, run_python, wait_gone  # noqa: E402
 from test_dali import _corrupt, _jpeg, _loader  # noqa: E402
-from test_dali_datasets import BytesDataset, HangingDataset  # noqa: E402
+from test_dali_datasets import BytesDataset, ExplodingDataset, HangingDataset  # noqa: E402
 
 from feedpipe.dali import records, stream  # noqa: E402
 from feedpipe.errors import DatasetError, WorkerError  # noqa: E402
@@ -120,11 +120,14 @@ def test_gc_on_a_user_thread_after_a_failed_batch_shuts_nothing_down(pipes: Pipe
     assert _dali_threads() == []
 
 
-def test_a_kept_dataset_error_does_not_keep_the_pipeline(pipes: Pipes) -> None:
-    """Broke: ``errors.append(e)`` of a ``DatasetError`` kept the pipeline past close() (its
-    ``__cause__``'s traceback held ``pipe.run``): it shut down later, wherever the list died."""
+@pytest.mark.parametrize("bad", ["undecodable", "unreadable"])
+def test_a_kept_dataset_error_does_not_keep_the_pipeline(pipes: Pipes, bad: str) -> None:
+    """Broke (undecodable): ``errors.append(e)`` of a ``DatasetError`` kept the pipeline past
+    close() (its ``__cause__``'s traceback held ``pipe.run``): it shut down later, wherever the
+    list died. Unreadable: the read fails in DALI's worker (``ExplodingDataset``)."""
     errors: list[Exception] = []
-    loader = _loader(_corrupt_ds(), batch_size=4, train=False, shuffle=False, on_error="raise")
+    ds = _corrupt_ds() if bad == "undecodable" else ExplodingDataset([_jpeg(i) for i in range(8)])
+    loader = _loader(ds, batch_size=4, train=False, shuffle=False, on_error="raise")
     with pytest.raises(DatasetError, match="record 2"):
         try:
             list(loader)
