@@ -188,6 +188,10 @@ def test_next_on_an_iterator_of_a_closed_loader_raises_and_builds_nothing(pipes:
     assert _dali_threads() == [] and pipes.alive() == 0
     assert loader.skipped == 0
     assert pipes.threads() <= {HERE}, pipes.on
+    # a new epoch on the closed loader builds a new pipeline (ImageLoader.close's docstring)
+    assert [y.tolist() for _, y in loader] == [list(range(b, b + 4)) for b in (0, 4, 8, 12)]
+    loader.close()
+    assert _dali_threads() == [] and pipes.alive() == 0
 
 
 class _MarkAndWait(BytesDataset):

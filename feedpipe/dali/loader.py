@@ -218,7 +218,9 @@ class ImageLoader:
 
         Returns within :data:`feedpipe.io.reaper.DEFAULT_BOUND` (6 s): a worker that does not
         exit when asked (stuck in the dataset) is terminated, then killed, and reaped; one that
-        outlives SIGKILL is reported by name and pid (a ``StuckWorkerWarning``).
+        outlives SIGKILL is reported by name and pid (a ``StuckWorkerWarning``). An epoch in
+        progress (on any thread) then raises :class:`~feedpipe.errors.WorkerError` at its next
+        batch; a new ``iter(loader)`` builds a new pipeline.
         """
         self._stream.close()
         self._records.close()
