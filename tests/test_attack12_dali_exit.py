@@ -241,6 +241,57 @@ def test_close_from_another_thread_while_one_iterates(pipes: Pipes, tmp_path: Pa
     assert pipes.threads() <= {HERE, "user-train"}, pipes.on
 
 
+class _HeldInRepair(BytesDataset):
+    """Record 2 (undecodable) read in ``owner`` (the repair's read, in the loader's process)
+    creates ``marker``, then waits (at most 60 s) for the file ``release``."""
+
+    owner = 0
+    marker = release = ""
+
+    def __getitem__(self, i: int) -> Any:
+        if i == 2 and os.getpid() == self.owner:
+            import time
+
+            open(self.marker, "a").close()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.release) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return super().__getitem__(i)
+
+
+def test_close_from_another_thread_during_a_repair(pipes: Pipes, tmp_path: Path) -> None:
+    """Broke: close() while the iterating thread repaired a batch DALI failed on: the repair
+    went on after close(), building a probe, a fed pipeline and a caller thread, and delivered
+    the batch; they stayed. Now the iterating thread raises the closed ``WorkerError`` and
+    leaves nothing: no pipeline alive, no thread of the loader."""
+    ds = _HeldInRepair(list(_corrupt_ds(8).records))
+    ds.owner = os.getpid()
+    ds.marker, ds.release = str(tmp_path / "reached"), str(tmp_path / "release")
+    loader = _loader(ds, batch_size=4, train=False, shuffle=False, on_error="skip")
+    outcome: list[str] = []
+
+    def iterate() -> None:
+        try:
+            for _, y in loader:
+                outcome.append(f"batch {y.tolist()}")
+        except WorkerError as e:
+            outcome.append(f"WorkerError {e}")
+
+    user = threading.Thread(target=iterate, name="user-train")
+    user.start()
+    try:
+        while not os.path.exists(ds.marker) and user.is_alive():
+            user.join(0.01)
+        loader.close()
+    finally:
+        Path(ds.release).touch()
+        user.join(60)
+    assert not user.is_alive()
+    assert outcome and "closed" in outcome[-1], outcome
+    assert not any(o.startswith("batch") for o in outcome), outcome  # batch 0 was being repaired
+    assert _dali_threads() == [] and pipes.alive() == 0, (_dali_threads(), pipes.alive())
+
+
 class _HoldAt9(BytesDataset):
     """Record 9 creates ``marker``, then waits (at most 60 s) for the file ``release``."""
 

@@ -301,6 +301,9 @@ class ImageLoader:
         """DALI failed on ``batch``: find undecodable records on the CPU, decode without them."""
         start = time.perf_counter()
         bufs, labels, rows = self._records.replace(batch, exc, self._stream.seg_id)
+        if self._stream.pipe is None:  # closed meanwhile (close() on another thread)
+            self._records.close()  # the probe this repair built: ended here, not left behind
+            raise self._stream.closed_error("repaired batch")
         images = self._stream.decode_alone(bufs)
         self.meter.add_stage("repair", time.perf_counter() - start)
         label_t = torch.tensor(labels, dtype=torch.int64)

@@ -212,13 +212,13 @@ class PipelineStream:
             closed = pipe is None or (pipe is not self.pipe and pipe is not self.fed)
             del pipe
             if closed and isinstance(exc, Exception):
-                raise self._closed(what) from exc
+                raise self.closed_error(what) from exc
             raise
         else:
             if pipe is self.pipe or pipe is self.fed:
                 return out
             del pipe, out  # outputs of a closed pipeline: not returned, not kept
-            raise self._closed(what)
+            raise self.closed_error(what)
         del pipe  # the error's traceback (this frame) must not keep the pipeline alive
         # the caller is stuck in DALI until the workers are ended here; then it is joined (a
         # daemon: one still stuck after the bound is warned about and cannot block exit)
@@ -229,7 +229,8 @@ class PipelineStream:
             f"(dataset {describe(self.dataset)})"
         )
 
-    def _closed(self, what: str) -> WorkerError:
+    def closed_error(self, what: str) -> WorkerError:
+        """The error for ``what`` asked of a stream closed meanwhile (``close()``)."""
         return WorkerError(
             f"ImageLoader closed during the epoch: no {what} (dataset {describe(self.dataset)})"
         )
@@ -245,7 +246,7 @@ class PipelineStream:
     def next(self, what: str) -> Any:
         """The next DALI output (advances the stream position, also when DALI raises)."""
         if self.pipe is None:  # closed (a new epoch builds anew; this one cannot go on)
-            raise self._closed(what)
+            raise self.closed_error(what)
         try:
             return self.run(self.pipe, what)
         except StopIteration:
@@ -265,6 +266,8 @@ class PipelineStream:
 
     def decode_alone(self, bufs: list[np.ndarray]) -> Any:
         """Decode and transform ``bufs`` (one batch of encoded records) in the fed pipeline."""
+        if self.pipe is None:  # closed (on another thread) during the repair: build nothing
+            raise self.closed_error("repaired batch")
         if self.fed is None:
             opts = self.options
             self.fed = build_fed(
