@@ -486,6 +486,21 @@ _SLOW_EXITS: dict[str, tuple[str, int]] = {
         """),
         0,
     ),
+    # a user's daemon thread iterating, blocked in next() (DALI waits for a held record),
+    # while the main thread returns without close(): the interpreter exits under it
+    "daemon_thread_blocked_in_next_at_exit": (
+        textwrap.dedent("""
+        loader = make(ds=Held)
+        def iterate():
+            for x, y in loader:
+                pass
+        threading.Thread(target=iterate, name="user-prefetch", daemon=True).start()
+        while not os.path.exists(MARKER):
+            time.sleep(0.01)
+        kept = loader
+        """),
+        0,
+    ),
     "two_loaders_one_closed": (
         # b (not closed) shuts down at exit: a.close(), not close(a) (no late-shutdown check)
         "a, b = make(), make()\nnext(iter(a))\nkept = (b, iter(b))\nnext(kept[1])\na.close()",
