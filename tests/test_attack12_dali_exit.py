@@ -501,6 +501,26 @@ _SLOW_EXITS: dict[str, tuple[str, int]] = {
         """),
         0,
     ),
+    # Ctrl-C again while close() waits for a stuck worker (close() interrupted, uncaught)
+    "ctrl_c_during_close": (
+        textwrap.dedent("""
+        import feedpipe.io.reaper as reaper
+        real_end = reaper.end_processes
+        def end(*a, **kw):  # the signal comes as close() starts ending the workers
+            reaper.end_processes = real_end
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            return real_end(*a, **kw)
+        loader = make(ds=Held)
+        it = iter(loader)
+        next(it)
+        while not os.path.exists(MARKER):
+            time.sleep(0.01)
+        print("WORKERS", *descendants(), flush=True)
+        reaper.end_processes = end
+        close(loader)
+        """),
+        -signal.SIGINT,
+    ),
     "two_loaders_one_closed": (
         # b (not closed) shuts down at exit: a.close(), not close(a) (no late-shutdown check)
         "a, b = make(), make()\nnext(iter(a))\nkept = (b, iter(b))\nnext(kept[1])\na.close()",
