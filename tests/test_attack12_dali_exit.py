@@ -194,26 +194,13 @@ def test_next_on_an_iterator_of_a_closed_loader_raises_and_builds_nothing(pipes:
     assert _dali_threads() == [] and pipes.alive() == 0
 
 
-class _MarkAndWait(BytesDataset):
-    """Record 9 creates ``marker`` and takes a second (the closing thread's cue)."""
-
-    marker = ""
-
-    def __getitem__(self, i: int) -> Any:
-        if i == 9:
-            import time
-
-            open(self.marker, "a").close()
-            time.sleep(1.0)
-        return super().__getitem__(i)
-
-
 def test_close_from_another_thread_while_one_iterates(pipes: Pipes, tmp_path: Path) -> None:
     """Broke: the iterating thread went on after another thread's close(), every batch decoded
     by a new pipeline (and caller thread) built after close(). Now its next batch raises a
-    ``WorkerError`` saying the loader was closed (or the epoch ends, if it was all delivered)."""
-    ds = _MarkAndWait([_jpeg(i) for i in range(24)])
-    ds.marker = str(tmp_path / "reached")
+    ``WorkerError`` saying the loader was closed. (Record 9 is held until close() returned:
+    the epoch cannot end first; close() ends the holding worker, 2 s of the reaper's grace.)"""
+    ds = _HoldAt9([_jpeg(i) for i in range(24)])
+    ds.marker, ds.release = str(tmp_path / "reached"), str(tmp_path / "release")
     loader = _loader(ds, batch_size=2, train=False, shuffle=False)
     closed = threading.Event()
     outcome: list[str] = []
@@ -231,9 +218,12 @@ def test_close_from_another_thread_while_one_iterates(pipes: Pipes, tmp_path: Pa
     while not os.path.exists(ds.marker) and user.is_alive():
         user.join(0.01)
     built = len(pipes.refs)
-    loader.close()
-    closed.set()
-    user.join(60)
+    try:
+        loader.close()
+    finally:
+        closed.set()
+        Path(ds.release).touch()
+        user.join(60)
     assert not user.is_alive()
     assert len(pipes.refs) == built, f"a pipeline was built after close(): {outcome}"
     assert outcome and "closed" in outcome[-1], outcome
@@ -418,8 +408,6 @@ bad[2] = open(os.path.join({tmp!r}, "bad.jpg"), "rb").read()  # DALI itself fail
 
 # name: (body, expected exit status)
 _EXITS: dict[str, tuple[str, int]] = {
-    # for ... break, then exit (the generator left suspended, the loader a live global)
-    "break_no_close": ("loader = make()\nfor x, y in loader:\n    break\nkept = loader", 0),
     # an exception escapes the training loop mid-epoch: exit status 1, not an abort (-6)
     "uncaught_mid_epoch": (_MID_EPOCH + "raise RuntimeError('boom in the training loop')", 1),
     # a corrupt record, on_error="raise": the DatasetError escapes (exit status 1, no abort)
@@ -443,6 +431,8 @@ _EXITS: dict[str, tuple[str, int]] = {
     ),
 }
 _SLOW_EXITS: dict[str, tuple[str, int]] = {
+    # for ... break, then exit (the generator left suspended, the loader a live global)
+    "break_no_close": ("loader = make()\nfor x, y in loader:\n    break\nkept = loader", 0),
     # the loader and its suspended iterator alive at exit, never closed
     "no_close_mid_epoch": (_MID_EPOCH + "kept = (loader, it)", 0),
     # Ctrl-C mid-epoch: Python ends itself by SIGINT (the status a shell sees as 130)
