@@ -3,7 +3,7 @@
 pipeline, no pipeline is left for another thread to shut down, and the process exits cleanly
 (its expected exit status, no "terminate called" abort, no leftover worker or plan directory).
 
-Found here (fixed in feedpipe/dali/stream.py):
+Found here (fixed in feedpipe/dali/stream.py and loader.py):
 - a batch DALI failed on left the pipeline in a reference cycle (the error, its traceback and
   the frame of ``Caller.call`` that re-raised it, which held the error and ``pipe.run``): after
   ``close()`` a garbage collection on any thread (a user's thread, a daemon at exit) shut it
@@ -11,7 +11,9 @@ Found here (fixed in feedpipe/dali/stream.py):
 - ``close()`` from another thread (or ``next()`` on an iterator of a closed loader) went on
   decoding every batch through the repair path: it built a new pipeline and a new caller thread
   after ``close()`` had returned (the ``None`` pipeline's ``AttributeError`` taken for a bad
-  record).
+  record); so did a repair in progress when another thread closed the loader;
+- Ctrl-C caught mid-epoch left the interrupted ``pipe.run()``'s result queued: the next epoch
+  got it for its first batch ("DALI returned batch 0 out of order").
 
 Real DALI pipelines on the CPU backend; the exit paths run in child interpreters.
 """
