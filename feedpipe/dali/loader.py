@@ -218,7 +218,9 @@ class ImageLoader:
 
         Returns within :data:`feedpipe.io.reaper.DEFAULT_BOUND` (6 s): a worker that does not
         exit when asked (stuck in the dataset) is terminated, then killed, and reaped; one that
-        outlives SIGKILL is reported by name and pid (a ``StuckWorkerWarning``).
+        outlives SIGKILL is reported by name and pid (a ``StuckWorkerWarning``). An epoch in
+        progress (on any thread) then raises :class:`~feedpipe.errors.WorkerError` at its next
+        batch; a new ``iter(loader)`` builds a new pipeline.
         """
         self._stream.close()
         self._records.close()
@@ -299,6 +301,9 @@ class ImageLoader:
         """DALI failed on ``batch``: find undecodable records on the CPU, decode without them."""
         start = time.perf_counter()
         bufs, labels, rows = self._records.replace(batch, exc, self._stream.seg_id)
+        if self._stream.pipe is None:  # closed meanwhile (close() on another thread)
+            self._records.close()  # the probe this repair built: ended here, not left behind
+            raise self._stream.closed_error("repaired batch")
         images = self._stream.decode_alone(bufs)
         self.meter.add_stage("repair", time.perf_counter() - start)
         label_t = torch.tensor(labels, dtype=torch.int64)

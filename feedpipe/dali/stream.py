@@ -16,6 +16,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -93,17 +94,20 @@ class PipelineStream:
         if self.plan_dir is not None:
             shutil.rmtree(self.plan_dir, ignore_errors=True)
             self.plan_dir = None
+        # detached first: a thread in run() meanwhile sees it closed (and rebuilds nothing)
+        pipe, self.pipe = self.pipe, None
         self.workers.end()  # while the pipeline lives: its pool is closed by the ask, once
         # the last reference: DALI's pipeline shuts down here, on this thread (a shutdown left
         # to a daemon thread can still run at interpreter exit and abort the process)
-        self.pipe, self.tainted, self.spec = None, False, None
+        del pipe
+        self.tainted, self.spec = False, None
         self.pos = self.segs = self.last_end = 0
 
     def close(self) -> None:
         """End this generation and stop the caller thread; returns when no thread of this
         stream runs DALI code any more (or, for one stuck, after ``workers.bound``, warned)."""
-        self.new_generation()  # the plan directory first: workers waiting on it return
         self.fed = None
+        self.new_generation()  # the plan directory first: workers waiting on it return
         self._end_threads()
 
     def publish(self, indices: np.ndarray, start: int, skip: list[int]) -> int:
@@ -192,13 +196,29 @@ class PipelineStream:
             self.spec = (self.publish(indices, start, skip), start, indices, skip)
 
     def run(self, pipe: Any, what: str) -> Any:
-        """``pipe.run()`` with a timeout; a hung or dead worker raises WorkerError."""
+        """``pipe.run()`` with a timeout; a hung or dead worker raises WorkerError, and so does
+        a pipeline closed meanwhile (``close()`` on another thread: nothing is rebuilt)."""
         if self.caller is None:
             self.caller = Caller()
         try:
-            return self.caller.call(pipe.run, self.timeout)
+            out = self.caller.call(pipe.run, self.timeout)
         except TimeoutError:
             pass
+        except BaseException as exc:
+            # the frames it passed (Caller.call's holds the error and pipe.run: a cycle) must
+            # not keep the pipeline: not for a garbage collection on another thread after
+            # close(), not in an error the user keeps (a DatasetError's __cause__)
+            traceback.clear_frames(exc.__traceback__)
+            closed = pipe is None or (pipe is not self.pipe and pipe is not self.fed)
+            del pipe
+            if closed and isinstance(exc, Exception):
+                raise self.closed_error(what) from exc
+            raise
+        else:
+            if pipe is self.pipe or pipe is self.fed:
+                return out
+            del pipe, out  # outputs of a closed pipeline: not returned, not kept
+            raise self.closed_error(what)
         del pipe  # the error's traceback (this frame) must not keep the pipeline alive
         # the caller is stuck in DALI until the workers are ended here; then it is joined (a
         # daemon: one still stuck after the bound is warned about and cannot block exit)
@@ -207,6 +227,12 @@ class PipelineStream:
         raise WorkerError(
             f"DALI pipeline produced no {what} within {self.timeout} s "
             f"(dataset {describe(self.dataset)})"
+        )
+
+    def closed_error(self, what: str) -> WorkerError:
+        """The error for ``what`` asked of a stream closed meanwhile (``close()``)."""
+        return WorkerError(
+            f"ImageLoader closed during the epoch: no {what} (dataset {describe(self.dataset)})"
         )
 
     def _end_threads(self) -> None:
@@ -219,6 +245,8 @@ class PipelineStream:
 
     def next(self, what: str) -> Any:
         """The next DALI output (advances the stream position, also when DALI raises)."""
+        if self.pipe is None:  # closed (a new epoch builds anew; this one cannot go on)
+            raise self.closed_error(what)
         try:
             return self.run(self.pipe, what)
         except StopIteration:
@@ -238,6 +266,8 @@ class PipelineStream:
 
     def decode_alone(self, bufs: list[np.ndarray]) -> Any:
         """Decode and transform ``bufs`` (one batch of encoded records) in the fed pipeline."""
+        if self.pipe is None:  # closed (on another thread) during the repair: build nothing
+            raise self.closed_error("repaired batch")
         if self.fed is None:
             opts = self.options
             self.fed = build_fed(
@@ -261,33 +291,42 @@ class Caller:
     """
 
     def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
-        self._results: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[tuple[int, Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[tuple[int, bool, Any]] = queue.SimpleQueue()
+        self._seq = 0  # the number of the last call (its result is the one awaited)
         self._thread = threading.Thread(target=self._loop, name="feedpipe-dali", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        while (fn := self._tasks.get()) is not None:
+        while (task := self._tasks.get()) is not None:
+            seq, fn = task
             try:
-                result: tuple[bool, Any] = (True, fn())
+                result: tuple[int, bool, Any] = (seq, True, fn())
             except BaseException as exc:
                 # the frames of a failed pipe.run() hold the pipeline (in DALI's reference
                 # cycles, freed by a garbage collection on any thread): drop their locals
                 traceback.clear_frames(exc.__traceback__)
-                result = (False, exc)
+                result = (seq, False, exc)
             # hold nothing between calls: a bound ``pipe.run`` kept here would make this
             # thread the one that drops the pipeline's last reference (and runs its shutdown)
-            del fn
+            del fn, task
             self._results.put(result)
             del result
 
     def call(self, fn: Callable[[], Any], timeout: float) -> Any:
-        """``fn()`` on the thread; ``TimeoutError`` after ``timeout`` seconds."""
-        self._tasks.put(fn)
-        try:
-            ok, value = self._results.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError from None
+        """``fn()`` on the thread; ``TimeoutError`` after ``timeout`` seconds. The result of
+        an earlier call whose wait was interrupted (Ctrl-C) is dropped, never returned."""
+        self._seq += 1
+        self._tasks.put((self._seq, fn))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                seq, ok, value = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError from None
+            if seq == self._seq:
+                break
+            del value  # an interrupted call's (the DALI pipeline produced it, in order)
         if ok:
             return value
         raise value
