@@ -238,9 +238,9 @@ class PipelineStream:
     def _end_threads(self) -> None:
         """Stop the caller; join it and the pool-close threads (within ``workers.bound``)."""
         threads = [] if self.pool_closer is None else self.pool_closer.threads()
-        if self.caller is not None:
-            threads.append(self.caller.stop())
-            self.caller = None
+        caller, self.caller = self.caller, None  # one swap: two close() calls stop it once
+        if caller is not None:
+            threads.append(caller.stop())
         join_threads(threads, "DALI", self.workers.bound.total)
 
     def next(self, what: str) -> Any:
