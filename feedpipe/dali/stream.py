@@ -86,10 +86,10 @@ class PipelineStream:
     def new_generation(self) -> None:
         """Drop the pipeline and its plans, and end its workers; the next epoch builds anew.
 
-        Asking: the removed plan directory ends a worker's wait for a plan, and dropping the
-        last reference to the pipeline closes DALI's pool; a worker still busy after that (a
-        read that hangs, or a pipeline the stuck DALI thread still holds) is terminated, then
-        killed (:class:`~feedpipe.io.reaper.Workers`).
+        Asking: the removed plan directory ends a worker's wait for a plan, and the reaper's
+        ask closes DALI's pool while the pipeline still lives; a worker still busy after that
+        (a read that hangs) is terminated, then killed (:class:`~feedpipe.io.reaper.Workers`).
+        Then the pipeline's last reference is dropped here: DALI shuts it down on this thread.
         """
         if self.plan_dir is not None:
             shutil.rmtree(self.plan_dir, ignore_errors=True)
