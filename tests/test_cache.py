@@ -318,6 +318,38 @@ def test_caches_opened_at_once_never_delete_each_others_index_temp(
         assert not errors, errors
 
 
+def test_a_version_folder_whose_locks_appear_during_the_look_is_the_caches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Broke (CI, one run in many of the test above): another cache made the version folder's
+    ``.locks`` between this scan's look for it and its look inside; the folder, no longer
+    empty, was called foreign and the cache refused its own directory. The race is made here
+    on purpose: ``.locks`` appears right after the first look finds none."""
+    from feedpipe.remote import cache_space
+
+    version = tmp_path / "9937353f3d1be497"
+    version.mkdir()
+    real = cache_space._mode
+    looked: list[Path] = []
+
+    def mode(path: Path) -> int | None:
+        got = real(path)
+        if path.name == cache_space.LOCKS and not looked:
+            looked.append(path)
+            os.mkdir(path)  # the other cache, just after this look
+            (version / "index.json.tmp").write_bytes(b"{}")  # and what it writes next
+        return got
+
+    monkeypatch.setattr(cache_space, "_mode", mode)
+    assert cache_space.is_version_dir(version)
+    assert looked == [version / cache_space.LOCKS]
+    # a non-empty folder without .locks is still not the cache's
+    other = tmp_path / "0123456789abcdef"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert not cache_space.is_version_dir(other)
+
+
 def test_close_reports_a_prefetch_stuck_in_a_read(
     tmp_path: Path, remote: tuple[str, dict[str, Any], dict[str, bytes]], s3_server: str
 ) -> None:

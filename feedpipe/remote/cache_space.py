@@ -69,13 +69,19 @@ def is_version_dir(path: Path) -> bool:
     if VERSION.fullmatch(path.name) is None or mode is None or not stat.S_ISDIR(mode):
         return False
     locks = _mode(path / LOCKS)
-    if locks is not None:
-        return stat.S_ISDIR(locks)
-    try:
-        with os.scandir(path) as it:
-            return next(it, None) is None
-    except FileNotFoundError:
-        return True  # gone meanwhile
+    if locks is None:
+        try:
+            with os.scandir(path) as it:
+                if next(it, None) is None:
+                    return True
+        except FileNotFoundError:
+            return True  # gone meanwhile
+        # not empty: a cache opening this version makes .locks first, maybe since the look
+        # above (another thread or process at once), so look again before calling it foreign
+        locks = _mode(path / LOCKS)
+        if locks is None:
+            return False
+    return stat.S_ISDIR(locks)
 
 
 def is_cache_entry(path: Path) -> bool:
